@@ -1,0 +1,150 @@
+// CheckpointStore: the steps of one checkpoint directory on one storage tier, with the commit
+// protocol that makes a step visible only once every rank's image is durable.
+//
+// Layout under the storage root (docs/format.md, "Checkpoint directory"):
+//   step-<20-digit step>/rank-<rank, 5+ digits>.img   one image per rank
+//   step-<20-digit step>/COMMIT                       the commit record, written last
+// A step exists for readers if and only if its COMMIT record exists and is valid. There is no
+// separate "latest" file that could disagree: the newest step is the newest valid COMMIT.
+//
+// Thread safety: a CheckpointStore may be used from several threads; several processes (ranks)
+// may write different images of the same step concurrently.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "safepoint/extras.h"
+#include "safepoint/image.h"
+#include "safepoint/status.h"
+#include "safepoint/storage.h"
+
+namespace safepoint {
+
+inline constexpr uint32_t kCommitFormatVersion = 1;
+
+struct CommitRecord {
+  uint64_t step = 0;
+  uint32_t world_size = 0;
+  int64_t commit_time_ns = 0;
+  std::string job;
+  struct Image {
+    uint64_t size = 0;
+    uint32_t header_crc = 0;  // identifies the exact image that was committed
+  };
+  std::vector<Image> images;  // by rank
+
+  uint64_t total_bytes() const;
+};
+
+std::string EncodeCommitRecord(const CommitRecord& record);
+Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> data, std::string_view source);
+
+// Object names.
+std::string StepPrefix(uint64_t step);                  // "step-00000000000000000042/"
+std::string ImageObjectName(uint64_t step, uint32_t rank);
+std::string CommitObjectName(uint64_t step);
+// Parses "step-<digits>/..." and returns the step; nullopt for other names.
+std::optional<uint64_t> StepFromObjectName(std::string_view name);
+
+struct WriteStats {
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+// An image read from storage into memory owned by `buffer`, checksums verified.
+struct LoadedImage {
+  std::shared_ptr<std::byte> buffer;  // aligned, owns the bytes
+  size_t size = 0;
+  std::string source;  // what it was read from, for messages
+  std::span<const std::byte> bytes() const { return {buffer.get(), size}; }
+};
+
+class CheckpointStore {
+ public:
+  explicit CheckpointStore(std::shared_ptr<Storage> storage);
+
+  Storage& storage() { return *storage_; }
+
+  // Writes one rank's image durably under its final name (temporary object, sync, publish).
+  // The image is streamed from the builder through a few reusable chunk buffers: checksums are
+  // computed on the way and tensor bytes are copied once. Any failure loses this copy only.
+  Result<WriteStats> WriteImage(const ImageBuilder& image);
+
+  // Writes an image that is already complete in memory (a snapshot): one sequential stream of
+  // large aligned writes straight from `image`.
+  Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step,
+                                     uint32_t rank);
+
+  // If every rank of `world_size` has a published, valid-header image for `step`, writes the
+  // COMMIT record (idempotent: any rank may try; equal records replace each other atomically).
+  // Returns true when the step is committed (now or before).
+  Result<bool> TryCommit(uint64_t step, uint32_t world_size, std::string_view job);
+
+  // Valid commit records, ascending by step. A corrupt COMMIT record is skipped (that step does
+  // not exist) and reported through `problems` when given.
+  Result<std::vector<CommitRecord>> ListCommitted(std::vector<std::string>* problems = nullptr);
+  Result<CommitRecord> ReadCommit(uint64_t step);
+
+  // Reads rank's image of a committed step with parallel reads and verifies every checksum and
+  // that it is the image the commit record names.
+  Result<LoadedImage> ReadImage(const CommitRecord& commit, uint32_t rank);
+
+  // Reads only the header, index and extras of rank's image of a committed step (no tensor
+  // data), each validated by its own CRC. For inspection and for resharding.
+  struct Metadata {
+    ImageMeta meta;
+    ImageLayout layout;
+    std::vector<TensorEntry> tensors;
+    Value extras;
+    std::string source;
+  };
+  Result<Metadata> ReadMetadata(const CommitRecord& commit, uint32_t rank);
+
+  // Deletes a step: COMMIT first (so it stops existing at once), then its images.
+  Status DeleteStep(uint64_t step);
+
+  // Removes what failed or interrupted writes left: temporary objects and uncommitted step
+  // directories older than the newest committed step. Returns the number of objects removed.
+  Result<size_t> CleanUp();
+
+ private:
+  std::shared_ptr<Storage> storage_;
+};
+
+// Opens the checkpoint directory at `path` (a plain path or a URI).
+Result<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(std::string_view path);
+
+// --- Synchronous save and load of one rank's shard (what safepoint.save / load call) ---------
+
+struct SaveResult {
+  uint64_t bytes = 0;
+  double write_seconds = 0;
+  bool committed = false;  // this call committed the step (or found it committed)
+};
+
+// Builds rank's image of `meta.step` from the tensors and encoded extras, writes it with the
+// commit protocol, commits the step if every rank's image is now there, and cleans up what
+// failed writes left behind. Durable when it returns.
+Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
+                             std::vector<TensorSource> tensors, std::string extras);
+
+struct LoadedShard {
+  CommitRecord commit;
+  LoadedImage image;
+  ImageReader reader;
+  Value extras;
+  // Newer copies that were skipped because they were corrupt or missing, one line each.
+  std::vector<std::string> skipped;
+};
+
+// Loads rank's shard. With `step` the exact step (NotFound / Corruption when it cannot be read);
+// without, the newest committed step that reads back intact, falling back to older steps and
+// reporting the skipped ones. NotFound when nothing is committed.
+Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step, uint32_t rank);
+
+}  // namespace safepoint

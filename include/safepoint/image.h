@@ -1,0 +1,185 @@
+// The image: the byte layout of one rank's shard of one step (docs/format.md is normative).
+//
+// The same bytes live in shared memory, on disk and in object stores. An image is built by an
+// ImageBuilder from tensors that stay where they are (no copy until Fill) plus the encoded
+// non-tensor state ("extras"), and read by ImageReader, which never trusts a byte: every offset
+// and count is bounds-checked and every checksum verified before data is handed out.
+//
+// Thread safety: an ImageBuilder is immutable after Create(); Fill() and ChunkCrc() may be called
+// from many threads for disjoint ranges. ImageReader is immutable after Parse().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "safepoint/status.h"
+
+namespace safepoint {
+
+enum class DType : uint8_t {
+  kFloat32 = 1,
+  kFloat16 = 2,
+  kBFloat16 = 3,
+  kFloat64 = 4,
+  kInt8 = 5,
+  kInt16 = 6,
+  kInt32 = 7,
+  kInt64 = 8,
+  kUInt8 = 9,
+  kBool = 10,
+  kFloat8E4M3FN = 11,
+  kFloat8E5M2 = 12,
+};
+
+// Size of one element in bytes; 0 for an unknown code.
+size_t DTypeSize(DType dtype);
+// "float32", "bfloat16", "float8_e4m3fn", ... (torch's names without "torch.").
+std::string_view DTypeName(DType dtype);
+Result<DType> DTypeFromName(std::string_view name);
+bool IsValidDType(uint8_t code);
+
+inline constexpr uint32_t kImageFormatVersion = 1;
+inline constexpr size_t kImageHeaderSize = 4096;
+inline constexpr size_t kImageAlignment = 4096;     // every section starts on this boundary
+inline constexpr uint64_t kDefaultChunkSize = 4 << 20;  // bytes covered by one CRC-32C
+inline constexpr size_t kMaxJobLength = 64;
+inline constexpr size_t kMaxRank = 1 << 24;
+inline constexpr size_t kMaxNdim = 32;
+inline constexpr size_t kMaxNameLength = 1 << 20;
+
+// Identity of an image.
+struct ImageMeta {
+  std::string job;  // [A-Za-z0-9._-]{0,64}
+  uint64_t step = 0;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  int64_t create_time_ns = 0;  // wall clock; set by the builder when 0
+};
+
+// Describes one tensor of the shard. For a shard of a larger tensor, global_shape and
+// global_offset give the box this shard covers; both empty means the tensor is whole.
+struct TensorSpec {
+  std::string name;  // UTF-8, unique within the image, 1..kMaxNameLength bytes
+  DType dtype = DType::kFloat32;
+  std::vector<uint64_t> shape;
+  std::vector<uint64_t> global_shape;
+  std::vector<uint64_t> global_offset;
+};
+
+// A tensor to write: contiguous, row-major, little-endian bytes that stay valid until the image
+// has been filled.
+struct TensorSource {
+  TensorSpec spec;
+  const void* data = nullptr;
+  uint64_t nbytes = 0;  // must equal the product of shape times DTypeSize
+};
+
+// A tensor of a parsed image.
+struct TensorEntry {
+  TensorSpec spec;
+  uint64_t offset = 0;  // from the start of the image
+  uint64_t nbytes = 0;
+};
+
+// Section offsets and sizes of an image (from its header).
+struct ImageLayout {
+  uint64_t image_size = 0;
+  uint64_t chunk_size = kDefaultChunkSize;
+  uint64_t index_offset = 0, index_size = 0;  // size without padding
+  uint64_t data_offset = 0, data_size = 0;
+  uint64_t extras_offset = 0, extras_size = 0;
+  uint64_t checksums_offset = 0, checksums_size = 0;
+  uint64_t tensor_count = 0;
+  uint32_t index_crc = 0, extras_crc = 0, header_crc = 0;
+  // Chunks cover [0, checksums_offset).
+  uint64_t chunk_count() const { return (checksums_offset + chunk_size - 1) / chunk_size; }
+};
+
+class ImageBuilder {
+ public:
+  // Plans the layout. Validates names (unique, non-empty UTF-8), shapes, dtypes, nbytes, shard
+  // boxes and the job name; InvalidArgument naming the tensor otherwise.
+  static Result<std::unique_ptr<ImageBuilder>> Create(ImageMeta meta,
+                                                      std::vector<TensorSource> tensors,
+                                                      std::string extras,
+                                                      uint64_t chunk_size = kDefaultChunkSize);
+
+  const ImageMeta& meta() const { return meta_; }
+  const ImageLayout& layout() const { return layout_; }
+  uint64_t size() const { return layout_.image_size; }
+  uint64_t chunk_count() const { return layout_.chunk_count(); }
+  const std::vector<TensorSource>& tensors() const { return tensors_; }
+  uint64_t tensor_offset(size_t i) const { return offsets_[i]; }
+
+  // Writes image bytes [offset, offset + dst.size()) into dst, for any range that ends at or
+  // before layout().checksums_offset: header, index, tensor data, extras, zero padding.
+  void Fill(uint64_t offset, std::span<std::byte> dst) const;
+
+  // The checksum section (layout().checksums_offset to size()) from the per-chunk CRCs, which
+  // the caller computed over the filled bytes of each chunk.
+  std::vector<std::byte> ChecksumSection(std::span<const uint32_t> chunk_crcs) const;
+
+  // Fills a whole image into `dst` (dst.size() == size()) with `threads` threads, checksums
+  // included. Used for snapshots into memory.
+  void FillAll(std::span<std::byte> dst, size_t threads) const;
+
+ private:
+  ImageBuilder() = default;
+  ImageMeta meta_;
+  ImageLayout layout_;
+  std::vector<TensorSource> tensors_;
+  std::vector<uint64_t> offsets_;
+  std::string extras_;
+  std::vector<std::byte> header_;  // kImageHeaderSize bytes
+  std::vector<std::byte> index_;   // index section, unpadded
+};
+
+// Parses and validates the fixed header. `source` names the file or slot for messages.
+Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::byte> header,
+                                                           std::string_view source);
+
+// Parses and validates the checksum section against the layout; returns one CRC per chunk.
+Result<std::vector<uint32_t>> ParseChecksumSection(std::span<const std::byte> section,
+                                                   const ImageLayout& layout,
+                                                   std::string_view source);
+
+// Verifies the CRC of chunk `index` whose bytes are `chunk` (the last chunk may be short).
+Status VerifyChunk(std::span<const std::byte> chunk, uint64_t index, uint32_t expected,
+                   std::string_view source);
+
+class ImageReader {
+ public:
+  enum class Verify { kAll, kStructure };
+  // Parses a complete image held in memory (the bytes must outlive the reader). kAll verifies
+  // every chunk CRC (using `threads`); kStructure only the header, index, extras and checksum
+  // section (for callers that verified the chunks while reading them).
+  static Result<ImageReader> Parse(std::span<const std::byte> image, std::string_view source,
+                                   Verify verify = Verify::kAll, size_t threads = 1);
+
+  const ImageMeta& meta() const { return meta_; }
+  const ImageLayout& layout() const { return layout_; }
+  const std::vector<TensorEntry>& tensors() const { return tensors_; }
+  std::span<const std::byte> tensor_data(size_t i) const {
+    return image_.subspan(tensors_[i].offset, tensors_[i].nbytes);
+  }
+  std::span<const std::byte> extras() const {
+    return image_.subspan(layout_.extras_offset, layout_.extras_size);
+  }
+
+ private:
+  std::span<const std::byte> image_;
+  ImageMeta meta_;
+  ImageLayout layout_;
+  std::vector<TensorEntry> tensors_;
+};
+
+// Parses and validates the index section (bounds, overlaps, sizes, names).
+Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index,
+                                            const ImageLayout& layout, std::string_view source);
+
+}  // namespace safepoint

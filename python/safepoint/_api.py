@@ -1,0 +1,62 @@
+"""The synchronous API: durable when it returns."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+from safepoint import _core
+from safepoint._tree import flatten, unflatten
+from safepoint.errors import InvalidArgumentError
+
+
+def _path(path: "str | os.PathLike[str]") -> str:
+    p = os.fspath(path)
+    if not isinstance(p, str) or not p:
+        raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
+    return p
+
+
+def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0,
+         world_size: int = 1, job: str = "") -> dict:
+    """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
+
+    ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
+    arrays, or None / bool / int / float / str / bytes. The image is durable when this returns;
+    the step becomes visible (committed) once every rank of ``world_size`` has saved it.
+    Returns ``{"bytes", "write_seconds", "committed"}``.
+    """
+    p = _path(path)
+    if type(step) is not int or step < 0:
+        raise InvalidArgumentError(f"{p}: step must be a non-negative int, got {step!r}")
+    if type(world_size) is not int or world_size < 1:
+        raise InvalidArgumentError(f"{p}: world_size must be a positive int, got {world_size!r}")
+    if type(rank) is not int or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"{p}: rank {rank!r} is not in [0, {world_size})")
+    flat = flatten(state)
+    return _core.save(p, step, rank, world_size, job, flat.skeleton, flat.tensors)
+
+
+def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
+         rank: int = 0) -> tuple[int, Any]:
+    """Loads ``rank``'s shard; returns ``(step, state)``.
+
+    With ``step=None`` the newest committed step that reads back intact (older steps are tried
+    when a newer one is corrupt, with a warning). Tensors come back as torch tensors (numpy arrays
+    as numpy arrays) with their saved dtype and shape; the structure is the one saved.
+    """
+    p = _path(path)
+    if step is not None and (type(step) is not int or step < 0):
+        raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
+    out = _core.load(p, step, rank)
+    for skipped in out["skipped"]:
+        warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
+                      stacklevel=2)
+    state = unflatten(out["skeleton"], out["buffer"], out["tensors"])
+    return out["step"], state
+
+
+def steps(path: "str | os.PathLike[str]") -> list[int]:
+    """The committed steps of the checkpoint directory, ascending."""
+    return list(_core.steps(_path(path)))

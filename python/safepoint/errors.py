@@ -1,0 +1,50 @@
+"""Exceptions raised by safepoint. Every one names the path (or peer) and the cause."""
+
+
+class Error(Exception):
+    """Base class of every safepoint error."""
+
+
+class NotFoundError(Error, FileNotFoundError):
+    """The checkpoint, step or object does not exist."""
+
+
+class CorruptionError(Error):
+    """Stored bytes failed validation (checksum, bounds, truncation, bad magic)."""
+
+
+class StorageError(Error, OSError):
+    """The storage failed: I/O error, failed fsync, short write."""
+
+
+class InvalidArgumentError(Error, ValueError):
+    """The caller passed something that cannot work (a type that cannot be saved, a bad rank)."""
+
+
+class UnavailableError(Error):
+    """A service (the node agent, a peer) cannot be reached."""
+
+
+class ResourceExhaustedError(StorageError):
+    """Out of space: a full disk (ENOSPC), a quota, too little shared memory."""
+
+
+class CancelledError(Error):
+    """The operation was cancelled."""
+
+
+class AlreadyExistsError(Error):
+    """The object already exists."""
+
+
+__all__ = [
+    "Error",
+    "NotFoundError",
+    "CorruptionError",
+    "StorageError",
+    "InvalidArgumentError",
+    "UnavailableError",
+    "ResourceExhaustedError",
+    "CancelledError",
+    "AlreadyExistsError",
+]

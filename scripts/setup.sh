@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything safepoint's build, tests and demo need; idempotent and quiet when done.
+#  - Debian packages (apt-get) only when missing.
+#  - A local virtual environment .venv with pinned Python packages. torch is pinned to the CPU
+#    build 2.13.0: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PKGS=(g++ cmake ninja-build pkg-config libisal-dev libgtest-dev libgmock-dev libzstd-dev liburing-dev
+          nlohmann-json3-dev
+          python3-venv python3-dev)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+STAMP=.venv/.safepoint-deps-v1
+if [ ! -f "$STAMP" ]; then
+  echo "setup: installing Python packages into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" \
+      "cmake>=3.24" ninja pytest safetensors
+  touch "$STAMP"
+fi

@@ -1,0 +1,561 @@
+// The commit protocol (docs/format.md, "Commit protocol"), exactly as implemented here and in
+// the POSIX storage driver (src/storage/posix/):
+//
+// Rank r writing its image of step s (WriteImage / WriteImageBytes):
+//   1. Create "step-S/rank-R.img.tmp.<random>" with O_CREAT|O_EXCL (plus an O_DIRECT descriptor
+//      where the filesystem allows it). If "step-S/" had to be created, fsync the root directory.
+//   2. Stream the image: chunks are filled from the tensors, CRC'd, and written with pwrite by
+//      several threads (aligned chunks through O_DIRECT).
+//   3. fsync the temporary file. On failure the copy is lost: unlink it and report. A failed
+//      fsync is never retried (the kernel may have dropped the dirty pages); the caller rewrites
+//      the image from its source.
+//   4. rename it to "step-S/rank-R.img" (atomic replace).
+//   5. fsync the directory "step-S/".
+// Committing step s (TryCommit; any rank may try, after its own step 5):
+//   6. List "step-S/". If rank-0 .. rank-(W-1) all exist, read each one's 4 KiB header and check
+//      magic, header CRC, step, rank, world size and that the object size equals image_size.
+//   7. Write "step-S/COMMIT" with steps 1, 3, 4, 5. Concurrent committers write equal records.
+// Reading: list "step-*/COMMIT", decode each (CRC, size, version); only those steps exist. Open
+//   a rank's image, compare its size and header CRC with the record, verify every chunk CRC.
+// Deleting: unlink COMMIT first (the step stops existing), then the images.
+// Clean-up: temporaries and uncommitted images only in step directories older than the newest
+//   committed step, whose writers have all finished.
+#include "safepoint/checkpoint.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "base/aligned_buffer.h"
+#include "base/bytes.h"
+#include "base/crc32c.h"
+#include "base/parallel.h"
+
+namespace safepoint {
+
+using internal::AlignedBuffer;
+using internal::AppendLE;
+using internal::Crc32c;
+using internal::LoadLE;
+
+namespace {
+
+constexpr char kCommitMagic[8] = {'S', 'P', 'C', 'O', 'M', 'M', 'I', 'T'};
+constexpr size_t kCommitFixed = 100;
+constexpr uint64_t kIoPiece = 8 << 20;  // request size for images already in memory
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A small pool of chunk-sized staging buffers, reused across saves so that their pages are
+// faulted in once per process rather than once per save.
+class StagingPool {
+ public:
+  AlignedBuffer Take(size_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->size() == size) {
+        AlignedBuffer b = std::move(*it);
+        free_.erase(it);
+        return b;
+      }
+    }
+    return AlignedBuffer(size);
+  }
+  void Give(AlignedBuffer b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() < 16) free_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<AlignedBuffer> free_;
+};
+
+StagingPool& Staging() {
+  static StagingPool* pool = new StagingPool();
+  return *pool;
+}
+
+// Keeps the first error of a parallel loop.
+class FirstError {
+ public:
+  void Set(Status s) {
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = std::move(s);
+    failed_.store(true, std::memory_order_relaxed);
+  }
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  Status status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  Status status_;
+  std::atomic<bool> failed_{false};
+};
+
+Status WriteSmallObject(Storage& storage, const std::string& name, const std::string& data) {
+  SP_ASSIGN_OR_RETURN(auto w, storage.Create(name, data.size()));
+  SP_RETURN_IF_ERROR(w->WriteAt(0, {reinterpret_cast<const std::byte*>(data.data()), data.size()}));
+  return w->Publish();
+}
+
+Result<std::string> ReadSmallObject(Storage& storage, const std::string& name, uint64_t max) {
+  SP_ASSIGN_OR_RETURN(auto r, storage.Open(name));
+  if (r->size() > max) {
+    return Corruption(storage.Describe(name) + ": unexpectedly large (" +
+                      std::to_string(r->size()) + " bytes)");
+  }
+  std::string data(r->size(), '\0');
+  SP_RETURN_IF_ERROR(r->ReadAt(0, {reinterpret_cast<std::byte*>(data.data()), data.size()}));
+  return data;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Names and the commit record
+
+std::string StepPrefix(uint64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step-%020llu/", static_cast<unsigned long long>(step));
+  return buf;
+}
+
+std::string ImageObjectName(uint64_t step, uint32_t rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "rank-%05u.img", rank);
+  return StepPrefix(step) + buf;
+}
+
+std::string CommitObjectName(uint64_t step) { return StepPrefix(step) + "COMMIT"; }
+
+std::optional<uint64_t> StepFromObjectName(std::string_view name) {
+  constexpr std::string_view kPrefix = "step-";
+  if (name.size() < kPrefix.size() + 21 || name.substr(0, kPrefix.size()) != kPrefix) {
+    return std::nullopt;
+  }
+  uint64_t step = 0;
+  for (size_t i = 0; i < 20; ++i) {
+    const char c = name[kPrefix.size() + i];
+    if (c < '0' || c > '9') return std::nullopt;
+    if (internal::MulOverflow(step, 10, &step) ||
+        internal::AddOverflow(step, static_cast<uint64_t>(c - '0'), &step)) {
+      return std::nullopt;
+    }
+  }
+  if (name[kPrefix.size() + 20] != '/') return std::nullopt;
+  return step;
+}
+
+uint64_t CommitRecord::total_bytes() const {
+  uint64_t n = 0;
+  for (const auto& i : images) n += i.size;
+  return n;
+}
+
+std::string EncodeCommitRecord(const CommitRecord& r) {
+  std::string out(kCommitMagic, 8);
+  AppendLE<uint32_t>(out, kCommitFormatVersion);
+  AppendLE<uint32_t>(out, r.world_size);
+  AppendLE<uint64_t>(out, r.step);
+  AppendLE<int64_t>(out, r.commit_time_ns);
+  AppendLE<uint32_t>(out, static_cast<uint32_t>(r.job.size()));
+  std::string job = r.job;
+  job.resize(kMaxJobLength, '\0');
+  out += job;
+  for (const auto& i : r.images) {
+    AppendLE<uint64_t>(out, i.size);
+    AppendLE<uint32_t>(out, i.header_crc);
+  }
+  AppendLE<uint32_t>(out, Crc32c(0, out.data(), out.size()));
+  return out;
+}
+
+Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::string_view source) {
+  auto bad = [&](const std::string& what) {
+    return Corruption(std::string(source) + ": corrupt COMMIT record: " + what);
+  };
+  if (d.size() < kCommitFixed + 4) return bad("truncated");
+  if (std::memcmp(d.data(), kCommitMagic, 8) != 0) return bad("bad magic");
+  const uint32_t version = LoadLE<uint32_t>(&d[8]);
+  if (version != kCommitFormatVersion) {
+    return bad("unsupported format version " + std::to_string(version));
+  }
+  CommitRecord r;
+  r.world_size = LoadLE<uint32_t>(&d[12]);
+  if (r.world_size == 0 || r.world_size > kMaxRank) return bad("invalid world size");
+  if (d.size() != kCommitFixed + 12ull * r.world_size + 4) {
+    return bad("size " + std::to_string(d.size()) + " does not match world size " +
+               std::to_string(r.world_size));
+  }
+  if (Crc32c(0, d.data(), d.size() - 4) != LoadLE<uint32_t>(&d[d.size() - 4])) {
+    return bad("checksum mismatch");
+  }
+  r.step = LoadLE<uint64_t>(&d[16]);
+  r.commit_time_ns = LoadLE<int64_t>(&d[24]);
+  const uint32_t job_len = LoadLE<uint32_t>(&d[32]);
+  if (job_len > kMaxJobLength) return bad("job name too long");
+  r.job.assign(reinterpret_cast<const char*>(&d[36]), job_len);
+  r.images.resize(r.world_size);
+  for (uint32_t i = 0; i < r.world_size; ++i) {
+    const std::byte* p = &d[kCommitFixed + 12ull * i];
+    r.images[i].size = LoadLE<uint64_t>(p);
+    r.images[i].header_crc = LoadLE<uint32_t>(p + 8);
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CheckpointStore
+
+CheckpointStore::CheckpointStore(std::shared_ptr<Storage> storage) : storage_(std::move(storage)) {}
+
+Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ImageLayout& l = image.layout();
+  const std::string name = ImageObjectName(image.meta().step, image.meta().rank);
+  SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, l.image_size));
+
+  const uint64_t chunks = image.chunk_count();
+  std::vector<uint32_t> crcs(chunks);
+  FirstError error;
+  internal::ParallelFor(chunks, internal::DefaultIoThreads(), [&](size_t i) {
+    if (error.failed()) return;
+    AlignedBuffer buf = Staging().Take(l.chunk_size);
+    if (!buf.ok()) {
+      error.Set(ResourceExhausted("out of memory for a " + std::to_string(l.chunk_size) +
+                                  "-byte staging buffer"));
+      return;
+    }
+    const uint64_t off = i * l.chunk_size;
+    const uint64_t len = std::min(l.chunk_size, l.checksums_offset - off);
+    auto chunk = buf.span().subspan(0, len);
+    image.Fill(off, chunk);
+    crcs[i] = Crc32c(0, chunk.data(), chunk.size());
+    error.Set(w->WriteAt(off, chunk));
+    Staging().Give(std::move(buf));
+  });
+  SP_RETURN_IF_ERROR(error.status());
+
+  const std::vector<std::byte> section = image.ChecksumSection(crcs);
+  AlignedBuffer tail(section.size());
+  if (!tail.ok()) return ResourceExhausted("out of memory for the checksum section");
+  std::memcpy(tail.data(), section.data(), section.size());
+  SP_RETURN_IF_ERROR(w->WriteAt(l.checksums_offset, tail.span()));
+  SP_RETURN_IF_ERROR(w->Publish());
+  return WriteStats{l.image_size, SecondsSince(t0)};
+}
+
+Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image,
+                                                    uint64_t step, uint32_t rank) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string name = ImageObjectName(step, rank);
+  SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, image.size()));
+  const uint64_t pieces = (image.size() + kIoPiece - 1) / kIoPiece;
+  FirstError error;
+  internal::ParallelFor(pieces, internal::DefaultIoThreads(), [&](size_t i) {
+    if (error.failed()) return;
+    const uint64_t off = i * kIoPiece;
+    error.Set(w->WriteAt(off, image.subspan(off, std::min<uint64_t>(kIoPiece, image.size() - off))));
+  });
+  SP_RETURN_IF_ERROR(error.status());
+  SP_RETURN_IF_ERROR(w->Publish());
+  return WriteStats{image.size(), SecondsSince(t0)};
+}
+
+Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job) {
+  if (world_size == 0 || world_size > kMaxRank) {
+    return InvalidArgument("world size " + std::to_string(world_size) + " is invalid");
+  }
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
+  std::map<std::string, uint64_t> sizes;
+  for (auto& o : objects) sizes[o.name] = o.size;
+
+  CommitRecord record;
+  record.step = step;
+  record.world_size = world_size;
+  record.job = std::string(job);
+  record.images.resize(world_size);
+  for (uint32_t r = 0; r < world_size; ++r) {
+    if (!sizes.contains(ImageObjectName(step, r))) return false;
+  }
+  for (uint32_t r = 0; r < world_size; ++r) {
+    const std::string name = ImageObjectName(step, r);
+    const std::string source = storage_->Describe(name);
+    SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
+    AlignedBuffer header(kImageHeaderSize);
+    if (!header.ok()) return ResourceExhausted("out of memory");
+    SP_RETURN_IF_ERROR(obj->ReadAt(0, header.span()));
+    SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header.span(), source));
+    const auto& [meta, layout] = parsed;
+    if (meta.step != step || meta.rank != r || meta.world_size != world_size) {
+      return Corruption(source + ": image is of step " + std::to_string(meta.step) + ", rank " +
+                        std::to_string(meta.rank) + " of " + std::to_string(meta.world_size) +
+                        ", expected step " + std::to_string(step) + ", rank " + std::to_string(r) +
+                        " of " + std::to_string(world_size));
+    }
+    if (layout.image_size != obj->size()) {
+      return Corruption(source + ": object has " + std::to_string(obj->size()) +
+                        " bytes, its header says " + std::to_string(layout.image_size));
+    }
+    record.images[r] = {layout.image_size, layout.header_crc};
+  }
+  record.commit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
+  SP_RETURN_IF_ERROR(WriteSmallObject(*storage_, CommitObjectName(step), EncodeCommitRecord(record)));
+  return true;
+}
+
+Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
+  const std::string name = CommitObjectName(step);
+  auto data = ReadSmallObject(*storage_, name, kCommitFixed + 12ull * kMaxRank + 4);
+  if (!data.ok()) {
+    if (data.status().code() == StatusCode::kNotFound) {
+      return NotFound(storage_->uri() + ": step " + std::to_string(step) + " is not committed");
+    }
+    return data.status();
+  }
+  SP_ASSIGN_OR_RETURN(auto record,
+                      DecodeCommitRecord({reinterpret_cast<const std::byte*>(data->data()),
+                                          data->size()},
+                                         storage_->Describe(name)));
+  if (record.step != step) {
+    return Corruption(storage_->Describe(name) + ": COMMIT record names step " +
+                      std::to_string(record.step));
+  }
+  return record;
+}
+
+Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(std::vector<std::string>* problems) {
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  std::vector<CommitRecord> out;
+  for (const auto& o : objects) {
+    auto step = StepFromObjectName(o.name);
+    if (!step || o.name != CommitObjectName(*step)) continue;
+    auto record = ReadCommit(*step);
+    if (record.ok()) {
+      out.push_back(std::move(record).value());
+    } else if (record.status().code() == StatusCode::kCorruption ||
+               record.status().code() == StatusCode::kNotFound) {
+      // NotFound: deleted between List and Open (concurrent pruning).
+      if (problems && record.status().code() == StatusCode::kCorruption) {
+        problems->push_back(record.status().message());
+      }
+    } else {
+      return record.status();
+    }
+  }
+  return out;
+}
+
+Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint32_t rank) {
+  if (rank >= commit.world_size) {
+    return InvalidArgument(storage_->uri() + ": step " + std::to_string(commit.step) +
+                           " was saved by " + std::to_string(commit.world_size) +
+                           " ranks; rank " + std::to_string(rank) + " does not exist");
+  }
+  const std::string name = ImageObjectName(commit.step, rank);
+  const std::string source = storage_->Describe(name);
+  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
+  const auto& expected = commit.images[rank];
+  if (obj->size() != expected.size) {
+    return Corruption(source + ": object has " + std::to_string(obj->size()) +
+                      " bytes, the COMMIT record says " + std::to_string(expected.size));
+  }
+  if (expected.size < kImageHeaderSize || expected.size % kImageAlignment != 0) {
+    return Corruption(source + ": invalid image size " + std::to_string(expected.size));
+  }
+  auto* raw = static_cast<std::byte*>(mmap(nullptr, expected.size, PROT_READ | PROT_WRITE,
+                                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (raw == MAP_FAILED) {
+    return ResourceExhausted(source + ": cannot allocate " + std::to_string(expected.size) +
+                             " bytes to read the image");
+  }
+  if (expected.size >= (2u << 20)) madvise(raw, expected.size, MADV_HUGEPAGE);
+  const size_t size = expected.size;
+  std::shared_ptr<std::byte> buffer(raw, [size](std::byte* p) { munmap(p, size); });
+
+  // Header first: it gives the layout and the chunk size, and must be the committed one.
+  SP_RETURN_IF_ERROR(obj->ReadAt(0, {raw, kImageHeaderSize}));
+  SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader({raw, kImageHeaderSize}, source));
+  const auto& [meta, layout] = parsed;
+  if (layout.header_crc != expected.header_crc) {
+    return Corruption(source + ": image header does not match the COMMIT record (replaced?)");
+  }
+  if (meta.step != commit.step || meta.rank != rank || meta.world_size != commit.world_size ||
+      layout.image_size != size) {
+    return Corruption(source + ": image header names another step, rank or size");
+  }
+  auto tail = std::span<std::byte>(raw + layout.checksums_offset, size - layout.checksums_offset);
+  SP_RETURN_IF_ERROR(obj->ReadAt(layout.checksums_offset, tail));
+  SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(tail, layout, source));
+
+  FirstError error;
+  internal::ParallelFor(crcs.size(), internal::DefaultIoThreads(), [&](size_t i) {
+    if (error.failed()) return;
+    const uint64_t off = i * layout.chunk_size;
+    const uint64_t len = std::min(layout.chunk_size, layout.checksums_offset - off);
+    std::span<std::byte> chunk(raw + off, len);
+    Status s = obj->ReadAt(off, chunk);
+    if (s.ok()) s = VerifyChunk(chunk, i, crcs[i], source);
+    error.Set(std::move(s));
+  });
+  SP_RETURN_IF_ERROR(error.status());
+  return LoadedImage{std::move(buffer), size, source};
+}
+
+Result<CheckpointStore::Metadata> CheckpointStore::ReadMetadata(const CommitRecord& commit,
+                                                                uint32_t rank) {
+  if (rank >= commit.world_size) {
+    return InvalidArgument(storage_->uri() + ": step " + std::to_string(commit.step) +
+                           " has no rank " + std::to_string(rank));
+  }
+  const std::string name = ImageObjectName(commit.step, rank);
+  Metadata md;
+  md.source = storage_->Describe(name);
+  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
+  if (obj->size() != commit.images[rank].size) {
+    return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
+                      " bytes, the COMMIT record says " + std::to_string(commit.images[rank].size));
+  }
+  std::vector<std::byte> header(kImageHeaderSize);
+  SP_RETURN_IF_ERROR(obj->ReadAt(0, header));
+  SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header, md.source));
+  md.meta = std::move(parsed.first);
+  md.layout = parsed.second;
+  if (md.layout.header_crc != commit.images[rank].header_crc ||
+      md.layout.image_size != obj->size()) {
+    return Corruption(md.source + ": image header does not match the COMMIT record");
+  }
+  std::vector<std::byte> index(md.layout.index_size);
+  SP_RETURN_IF_ERROR(obj->ReadAt(md.layout.index_offset, index));
+  SP_ASSIGN_OR_RETURN(md.tensors, ParseIndex(index, md.layout, md.source));
+  std::vector<std::byte> extras(md.layout.extras_size);
+  SP_RETURN_IF_ERROR(obj->ReadAt(md.layout.extras_offset, extras));
+  if (Crc32c(0, extras.data(), extras.size()) != md.layout.extras_crc) {
+    return Corruption(md.source + ": corrupt image: extras checksum mismatch");
+  }
+  SP_ASSIGN_OR_RETURN(md.extras, DecodeExtras(extras, md.tensors.size(), md.source));
+  return md;
+}
+
+Status CheckpointStore::DeleteStep(uint64_t step) {
+  SP_RETURN_IF_ERROR(storage_->Delete(CommitObjectName(step)));
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
+  for (const auto& o : objects) SP_RETURN_IF_ERROR(storage_->Delete(o.name));
+  return Status::OK();
+}
+
+Result<size_t> CheckpointStore::CleanUp() {
+  SP_ASSIGN_OR_RETURN(auto committed, ListCommitted());
+  if (committed.empty()) return size_t{0};
+  const uint64_t newest = committed.back().step;
+  std::vector<uint64_t> committed_steps;
+  for (const auto& c : committed) committed_steps.push_back(c.step);
+
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  size_t removed = 0;
+  for (const auto& o : objects) {
+    auto step = StepFromObjectName(o.name);
+    if (!step || *step >= newest) continue;
+    if (!std::binary_search(committed_steps.begin(), committed_steps.end(), *step)) {
+      SP_RETURN_IF_ERROR(storage_->Delete(o.name));
+      ++removed;
+    }
+  }
+  SP_ASSIGN_OR_RETURN(size_t n, storage_->RemoveLeftovers("step-", [newest](std::string_view name) {
+    auto step = StepFromObjectName(name);
+    return step && *step < newest;
+  }));
+  removed += n;
+  return removed;
+}
+
+Result<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(std::string_view path) {
+  SP_ASSIGN_OR_RETURN(auto storage, OpenStorage(path));
+  return std::make_unique<CheckpointStore>(std::shared_ptr<Storage>(std::move(storage)));
+}
+
+}  // namespace safepoint
+
+namespace safepoint {
+
+Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
+                             std::vector<TensorSource> tensors, std::string extras) {
+  const uint64_t step = meta.step;
+  const uint32_t world_size = meta.world_size;
+  const std::string job = meta.job;
+  SP_ASSIGN_OR_RETURN(auto builder, ImageBuilder::Create(std::move(meta), std::move(tensors),
+                                                         std::move(extras)));
+  // Saving a step that is already committed replaces it: un-commit it first, so that no reader
+  // ever sees the old COMMIT record beside a new image. It is committed again once every rank
+  // has re-saved it.
+  auto existing = store.ReadCommit(step);
+  if (existing.ok() || existing.status().code() == StatusCode::kCorruption) {
+    SP_RETURN_IF_ERROR(store.storage().Delete(CommitObjectName(step)));
+  } else if (existing.status().code() != StatusCode::kNotFound) {
+    return existing.status();
+  }
+  SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder));
+  SaveResult result{stats.bytes, stats.seconds, false};
+  SP_ASSIGN_OR_RETURN(result.committed, store.TryCommit(step, world_size, job));
+  if (result.committed) {
+    // Leftovers of older failed writes; a failure here loses nothing and is not the save's.
+    store.CleanUp().status().IgnoreError();
+  }
+  return result;
+}
+
+namespace {
+Result<LoadedShard> LoadCommitted(CheckpointStore& store, const CommitRecord& commit,
+                                  uint32_t rank) {
+  SP_ASSIGN_OR_RETURN(LoadedImage image, store.ReadImage(commit, rank));
+  SP_ASSIGN_OR_RETURN(ImageReader reader, ImageReader::Parse(image.bytes(), image.source,
+                                                             ImageReader::Verify::kStructure));
+  SP_ASSIGN_OR_RETURN(Value extras,
+                      DecodeExtras(reader.extras(), reader.tensors().size(), image.source));
+  return LoadedShard{commit, std::move(image), std::move(reader), std::move(extras), {}};
+}
+}  // namespace
+
+Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step,
+                              uint32_t rank) {
+  if (step) {
+    SP_ASSIGN_OR_RETURN(CommitRecord commit, store.ReadCommit(*step));
+    return LoadCommitted(store, commit, rank);
+  }
+  std::vector<std::string> skipped;
+  SP_ASSIGN_OR_RETURN(auto committed, store.ListCommitted(&skipped));
+  for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
+    auto shard = LoadCommitted(store, *it, rank);
+    if (shard.ok()) {
+      shard->skipped = std::move(skipped);
+      return shard;
+    }
+    const StatusCode code = shard.status().code();
+    if (code != StatusCode::kCorruption && code != StatusCode::kNotFound) return shard.status();
+    skipped.push_back("step " + std::to_string(it->step) + ": " + shard.status().message());
+  }
+  std::string m = store.storage().uri() + ": no committed checkpoint";
+  if (!skipped.empty()) {
+    m += " that can be read (";
+    for (size_t i = 0; i < skipped.size(); ++i) m += (i ? "; " : "") + skipped[i];
+    m += ")";
+    return Corruption(m);
+  }
+  return NotFound(m);
+}
+
+}  // namespace safepoint

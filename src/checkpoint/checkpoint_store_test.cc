@@ -1,0 +1,326 @@
+#include "safepoint/checkpoint.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "safepoint/faulty_storage.h"
+
+namespace safepoint {
+namespace {
+
+// A shard whose bytes are a pure function of (step, rank).
+struct Shard {
+  std::vector<float> big, small;
+  std::vector<TensorSource> sources;
+  std::string extras;
+
+  Shard(uint64_t step, uint32_t rank, size_t big_elems = 3 << 20) : big(big_elems), small(17) {
+    for (size_t i = 0; i < big.size(); ++i) big[i] = float(step * 1000 + rank + i);
+    for (size_t i = 0; i < small.size(); ++i) small[i] = float(step - i);
+    sources.push_back({{"big", DType::kFloat32, {big.size()}, {}, {}}, big.data(), big.size() * 4});
+    sources.push_back({{"small", DType::kFloat32, {small.size()}, {}, {}}, small.data(), 68});
+    Dict d;
+    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
+    d.items.emplace_back(Value(std::string("big")), Value(TensorRef{0, 0}));
+    extras = *EncodeExtras(Value(std::move(d)));
+  }
+};
+
+ImageMeta Meta(uint64_t step, uint32_t rank, uint32_t world) {
+  ImageMeta m;
+  m.job = "test";
+  m.step = step;
+  m.rank = rank;
+  m.world_size = world;
+  return m;
+}
+
+Status Save(CheckpointStore& store, uint64_t step, uint32_t rank = 0, uint32_t world = 1) {
+  Shard s(step, rank);
+  return SaveShard(store, Meta(step, rank, world), s.sources, s.extras).status();
+}
+
+// Loads and checks that the content is exactly what Shard(step, rank) wrote.
+void ExpectLoads(CheckpointStore& store, std::optional<uint64_t> step, uint64_t expect_step,
+                 uint32_t rank = 0) {
+  auto shard = LoadShard(store, step, rank);
+  ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+  EXPECT_EQ(shard->commit.step, expect_step);
+  Shard want(expect_step, rank);
+  ASSERT_EQ(shard->reader.tensors().size(), 2u);
+  auto big = shard->reader.tensor_data(0);
+  ASSERT_EQ(big.size(), want.big.size() * 4);
+  EXPECT_EQ(std::memcmp(big.data(), want.big.data(), big.size()), 0);
+  auto enc = EncodeExtras(shard->extras);
+  EXPECT_EQ(*enc, want.extras);
+}
+
+std::vector<uint64_t> Steps(CheckpointStore& store) {
+  std::vector<uint64_t> out;
+  auto committed = store.ListCommitted();
+  EXPECT_TRUE(committed.ok()) << committed.status().ToString();
+  if (!committed.ok()) return out;
+  for (auto& c : *committed) out.push_back(c.step);
+  return out;
+}
+
+TEST(CheckpointStoreTest, SaveLoadAndSteps) {
+  CheckpointStore store(NewMemoryStorage());
+  EXPECT_EQ(LoadShard(store, std::nullopt, 0).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(Save(store, 5).ok());
+  ASSERT_TRUE(Save(store, 10).ok());
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{5, 10}));
+  ExpectLoads(store, std::nullopt, 10);
+  ExpectLoads(store, 5, 5);
+  EXPECT_EQ(LoadShard(store, 7, 0).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(LoadShard(store, 10, 3).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CheckpointStoreTest, StepIsInvisibleUntilEveryRankWrote) {
+  CheckpointStore store(NewMemoryStorage());
+  for (uint32_t r : {3u, 0u, 2u}) {
+    ASSERT_TRUE(Save(store, 1, r, 4).ok());
+    EXPECT_TRUE(Steps(store).empty());
+  }
+  ASSERT_TRUE(Save(store, 1, 1, 4).ok());
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+  for (uint32_t r = 0; r < 4; ++r) ExpectLoads(store, std::nullopt, 1, r);
+  auto commit = store.ReadCommit(1);
+  ASSERT_TRUE(commit.ok());
+  EXPECT_EQ(commit->world_size, 4u);
+  EXPECT_EQ(commit->job, "test");
+}
+
+TEST(CheckpointStoreTest, CommitRecordRoundTripAndCorruption) {
+  CommitRecord r;
+  r.step = 42;
+  r.world_size = 3;
+  r.job = "j";
+  r.commit_time_ns = 123;
+  r.images = {{4096, 1}, {8192, 2}, {12288, 3}};
+  std::string enc = EncodeCommitRecord(r);
+  auto span = [](const std::string& s) {
+    return std::span<const std::byte>(reinterpret_cast<const std::byte*>(s.data()), s.size());
+  };
+  auto dec = DecodeCommitRecord(span(enc), "c");
+  ASSERT_TRUE(dec.ok());
+  EXPECT_EQ(dec->images[2].size, 12288u);
+  EXPECT_EQ(dec->total_bytes(), 4096u + 8192 + 12288);
+  for (size_t i = 0; i < enc.size(); ++i) {
+    std::string bad = enc;
+    bad[i] ^= 0x04;
+    EXPECT_EQ(DecodeCommitRecord(span(bad), "c").status().code(), StatusCode::kCorruption) << i;
+  }
+  for (size_t n = 0; n < enc.size(); n += 7) {
+    EXPECT_FALSE(DecodeCommitRecord(span(enc.substr(0, n)), "c").ok());
+  }
+}
+
+TEST(CheckpointStoreTest, StepNamesParse) {
+  EXPECT_EQ(StepPrefix(42), "step-00000000000000000042/");
+  EXPECT_EQ(ImageObjectName(42, 3), "step-00000000000000000042/rank-00003.img");
+  EXPECT_EQ(StepFromObjectName("step-00000000000000000042/COMMIT"), 42u);
+  EXPECT_EQ(StepFromObjectName("step-18446744073709551615/x"), 18446744073709551615ull);
+  EXPECT_FALSE(StepFromObjectName("step-99999999999999999999/x"));  // overflows u64
+  EXPECT_FALSE(StepFromObjectName("step-0000000000000000004x/x"));
+  EXPECT_FALSE(StepFromObjectName("other"));
+}
+
+// Every storage operation failing with EIO, ENOSPC or a short write during a save: the save
+// fails with a clear error (or, for clean-up, succeeds), every committed step still loads, no
+// partial step becomes visible, and the save succeeds once the fault clears.
+struct FaultCase {
+  FaultOp op;
+  FaultKind kind;
+  uint64_t nth;
+};
+
+class FaultMatrixTest : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
+  auto base = std::shared_ptr<Storage>(NewMemoryStorage());
+  auto faulty = std::make_shared<FaultyStorage>(base);
+  CheckpointStore store(faulty);
+  ASSERT_TRUE(Save(store, 1).ok());
+  ASSERT_TRUE(Save(store, 2).ok());
+  ASSERT_TRUE(store.DeleteStep(1).ok());  // leave garbage for clean-up to delete later
+  ASSERT_TRUE(Save(store, 3, 0, 2).ok());  // an uncommitted step for clean-up (step 3 < 4)
+
+  const FaultCase c = GetParam();
+  faulty->Arm({c.op, c.nth, c.kind, false});
+  Status s = Save(store, 4);
+  const uint64_t fired = faulty->fired();
+  faulty->Clear();
+
+  if (fired == 0) {
+    // This save never reaches the nth operation of this kind.
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  } else if (!s.ok()) {
+    const StatusCode want =
+        c.kind == FaultKind::kENOSPC ? StatusCode::kResourceExhausted : StatusCode::kIOError;
+    EXPECT_EQ(s.code(), want) << s.ToString();
+    EXPECT_NE(s.message().find("step-"), std::string::npos) << s.ToString();  // names the object
+    EXPECT_EQ(Steps(store).back(), 2u);
+  } else {
+    // The fault hit clean-up work after the commit (it loses nothing and does not fail the
+    // save): the save's promise still holds, step 4 is committed and reads back exactly.
+    EXPECT_TRUE(c.op == FaultOp::kDelete || c.op == FaultOp::kList || c.op == FaultOp::kOpen ||
+                c.op == FaultOp::kRead)
+        << FaultOpName(c.op);
+    ExpectLoads(store, std::nullopt, 4);
+  }
+  ExpectLoads(store, 2, 2);
+  for (uint64_t step : Steps(store)) ExpectLoads(store, step, step);
+  // Once the fault clears, the same save works.
+  ASSERT_TRUE(Save(store, 4).ok());
+  ExpectLoads(store, std::nullopt, 4);
+}
+
+std::vector<FaultCase> AllFaults() {
+  std::vector<FaultCase> out;
+  for (int op = 0; op < static_cast<int>(FaultOp::kCount_); ++op) {
+    for (uint64_t nth : {1, 2, 3}) {
+      out.push_back({FaultOp(op), FaultKind::kEIO, nth});
+      out.push_back({FaultOp(op), FaultKind::kENOSPC, nth});
+      if (FaultOp(op) == FaultOp::kWrite) out.push_back({FaultOp(op), FaultKind::kShortWrite, nth});
+    }
+  }
+  return out;
+}
+
+std::string FaultCaseName(const ::testing::TestParamInfo<FaultCase>& info) {
+  static const char* const kKinds[] = {"EIO", "ENOSPC", "ShortWrite"};
+  const FaultCase& c = info.param;
+  return std::string(FaultOpName(c.op)) + "_" + kKinds[static_cast<int>(c.kind)] + "_" +
+         std::to_string(c.nth);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllOps, FaultMatrixTest, ::testing::ValuesIn(AllFaults()), FaultCaseName);
+
+TEST(CheckpointStoreTest, PowerLossMidSaveLeavesNoPartialStep) {
+  auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  CheckpointStore store(faulty);
+  ASSERT_TRUE(Save(store, 1).ok());
+  // Rank 0 of a 2-rank step is durable; rank 1's write loses power after its first chunk.
+  ASSERT_TRUE(Save(store, 2, 0, 2).ok());
+  Shard s(2, 1);
+  auto b = ImageBuilder::Create(Meta(2, 1, 2), s.sources, s.extras);
+  ASSERT_TRUE(b.ok());
+  auto w = faulty->Create(ImageObjectName(2, 1), (*b)->size());
+  ASSERT_TRUE(w.ok());
+  std::vector<std::byte> chunk(kDefaultChunkSize);
+  (*b)->Fill(0, chunk);
+  ASSERT_TRUE((*w)->WriteAt(0, chunk).ok());
+  faulty->DropUnsynced();
+  EXPECT_FALSE((*w)->Publish().ok());
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+  ExpectLoads(store, std::nullopt, 1);
+}
+
+TEST(CheckpointStoreTest, CorruptNewestFallsBackToOlder) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_TRUE(Save(store, 1).ok());
+  ASSERT_TRUE(Save(store, 2).ok());
+  // Replace step 2's image with a copy that has one flipped byte in the tensor data.
+  auto obj = mem->Open(ImageObjectName(2, 0));
+  ASSERT_TRUE(obj.ok());
+  std::vector<std::byte> bytes((*obj)->size());
+  ASSERT_TRUE((*obj)->ReadAt(0, bytes).ok());
+  bytes[3 << 20] ^= std::byte{0x40};
+  auto w = mem->Create(ImageObjectName(2, 0), bytes.size());
+  ASSERT_TRUE((*w)->WriteAt(0, bytes).ok());
+  ASSERT_TRUE((*w)->Publish().ok());
+
+  auto exact = LoadShard(store, 2, 0);
+  EXPECT_EQ(exact.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(exact.status().message().find("rank-00000.img"), std::string::npos);
+  EXPECT_NE(exact.status().message().find("chunk 0"), std::string::npos)
+      << exact.status().message();
+  auto newest = LoadShard(store, std::nullopt, 0);
+  ASSERT_TRUE(newest.ok());
+  EXPECT_EQ(newest->commit.step, 1u);
+  ASSERT_EQ(newest->skipped.size(), 1u);
+  EXPECT_NE(newest->skipped[0].find("step 2"), std::string::npos);
+}
+
+TEST(CheckpointStoreTest, ImageReplacedAfterCommitIsDetected) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_TRUE(Save(store, 1).ok());
+  // A valid image of another step under step 1's name: checksums pass, the commit does not.
+  Shard s(9, 0);
+  auto b = ImageBuilder::Create(Meta(9, 0, 1), s.sources, s.extras);
+  std::vector<std::byte> bytes((*b)->size());
+  (*b)->FillAll(bytes, 2);
+  auto w = mem->Create(ImageObjectName(1, 0), bytes.size());
+  ASSERT_TRUE((*w)->WriteAt(0, bytes).ok());
+  ASSERT_TRUE((*w)->Publish().ok());
+  EXPECT_EQ(LoadShard(store, 1, 0).status().code(), StatusCode::kCorruption);
+}
+
+TEST(CheckpointStoreTest, CorruptCommitRecordHidesOnlyThatStep) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_TRUE(Save(store, 1).ok());
+  ASSERT_TRUE(Save(store, 2).ok());
+  auto w = mem->Create(CommitObjectName(2), 3);
+  ASSERT_TRUE((*w)->WriteAt(0, std::as_bytes(std::span("xyz", 3))).ok());
+  ASSERT_TRUE((*w)->Publish().ok());
+  std::vector<std::string> problems;
+  auto c = store.ListCommitted(&problems);
+  ASSERT_TRUE(c.ok());
+  ASSERT_EQ(c->size(), 1u);
+  EXPECT_EQ((*c)[0].step, 1u);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_NE(problems[0].find("COMMIT"), std::string::npos);
+  ExpectLoads(store, std::nullopt, 1);
+}
+
+TEST(CheckpointStoreTest, CleanUpRemovesOnlyAbandonedOlderSteps) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_TRUE(Save(store, 1, 0, 2).ok());  // never completed: abandoned once 3 commits
+  ASSERT_TRUE(Save(store, 2).ok());
+  ASSERT_TRUE(Save(store, 4, 1, 2).ok());  // newer than the newest commit: maybe in progress
+  ASSERT_TRUE(Save(store, 3).ok());        // commits 3 and cleans up
+  auto objects = mem->List("");
+  ASSERT_TRUE(objects.ok());
+  std::vector<std::string> names;
+  for (auto& o : *objects) names.push_back(o.name);
+  EXPECT_EQ(names, (std::vector<std::string>{CommitObjectName(2), ImageObjectName(2, 0),
+                                             CommitObjectName(3), ImageObjectName(3, 0),
+                                             ImageObjectName(4, 1)}));
+  ExpectLoads(store, 2, 2);
+}
+
+TEST(CheckpointStoreTest, PosixLeftoversOfAKilledWriterAreIgnoredAndRemoved) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("sp-ckpt-test-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  auto store = OpenCheckpointStore(dir.string());
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  ASSERT_TRUE(Save(**store, 1).ok());
+  // What a writer killed mid-save leaves: a temporary image in step 2's directory.
+  fs::create_directories(dir / "step-00000000000000000002");
+  const fs::path tmp = dir / "step-00000000000000000002" / "rank-00000.img.tmp.0123456789abcdef";
+  std::ofstream(tmp) << "partial";
+  // And one of a step newer than any commit, whose writer may still be running elsewhere.
+  fs::create_directories(dir / "step-00000000000000000005");
+  const fs::path newer = dir / "step-00000000000000000005" / "rank-00001.img.tmp.0123456789abcdef";
+  std::ofstream(newer) << "in progress";
+  EXPECT_EQ(Steps(**store), (std::vector<uint64_t>{1}));
+  ExpectLoads(**store, std::nullopt, 1);
+  ASSERT_TRUE(Save(**store, 3).ok());  // commits 3 and removes step 2's leftovers
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_TRUE(fs::exists(newer));
+  ExpectLoads(**store, std::nullopt, 3);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace safepoint

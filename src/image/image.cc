@@ -1,0 +1,525 @@
+// Image layout, builder and reader (docs/format.md, "Image").
+#include "safepoint/image.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <unordered_set>
+
+#include "base/bytes.h"
+#include "base/crc32c.h"
+#include "base/parallel.h"
+
+namespace safepoint {
+
+using internal::AddOverflow;
+using internal::AlignUp;
+using internal::Crc32c;
+using internal::LoadLE;
+using internal::MulOverflow;
+using internal::StoreLE;
+
+namespace {
+
+constexpr char kMagic[8] = {'S', 'P', 'I', 'M', 'A', 'G', 'E', '\0'};
+constexpr size_t kHeaderCrcOffset = kImageHeaderSize - 4;
+constexpr size_t kJobOffset = 145;
+constexpr size_t kReservedOffset = kJobOffset + kMaxJobLength;  // 209
+constexpr size_t kEntryFixedSize = 32;
+constexpr uint64_t kMaxImageSize = uint64_t{1} << 50;  // 1 PiB: keeps offset arithmetic exact
+constexpr uint64_t kLargeTensor = 64 << 10;
+
+struct DTypeInfo {
+  DType dtype;
+  std::string_view name;
+  size_t size;
+};
+constexpr DTypeInfo kDTypes[] = {
+    {DType::kFloat32, "float32", 4},     {DType::kFloat16, "float16", 2},
+    {DType::kBFloat16, "bfloat16", 2},   {DType::kFloat64, "float64", 8},
+    {DType::kInt8, "int8", 1},           {DType::kInt16, "int16", 2},
+    {DType::kInt32, "int32", 4},         {DType::kInt64, "int64", 8},
+    {DType::kUInt8, "uint8", 1},         {DType::kBool, "bool", 1},
+    {DType::kFloat8E4M3FN, "float8_e4m3fn", 1}, {DType::kFloat8E5M2, "float8_e5m2", 1},
+};
+
+bool ValidJob(std::string_view job) {
+  if (job.size() > kMaxJobLength) return false;
+  for (char c : job) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+uint64_t TensorAlignment(uint64_t nbytes) { return nbytes >= kLargeTensor ? 4096 : 64; }
+
+Status Bad(std::string_view source, const std::string& what) {
+  std::string m(source);
+  m += ": corrupt image: ";
+  m += what;
+  return Corruption(std::move(m));
+}
+
+// Computes the canonical layout from the section sizes; false on overflow or absurd sizes.
+bool CanonicalLayout(ImageLayout* l) {
+  l->index_offset = kImageHeaderSize;
+  uint64_t end;
+  if (AddOverflow(l->index_offset, l->index_size, &end) || end > kMaxImageSize) return false;
+  l->data_offset = AlignUp(end, kImageAlignment);
+  if (AddOverflow(l->data_offset, l->data_size, &end) || end > kMaxImageSize) return false;
+  l->extras_offset = AlignUp(end, kImageAlignment);
+  if (AddOverflow(l->extras_offset, l->extras_size, &end) || end > kMaxImageSize) return false;
+  l->checksums_offset = AlignUp(end, kImageAlignment);
+  l->checksums_size = 4 * l->chunk_count() + 4;
+  l->image_size = AlignUp(l->checksums_offset + l->checksums_size, kImageAlignment);
+  return l->image_size <= kMaxImageSize;
+}
+
+bool ValidChunkSize(uint64_t c) {
+  return c >= 4096 && c <= (uint64_t{1} << 30) && (c & (c - 1)) == 0;
+}
+
+}  // namespace
+
+size_t DTypeSize(DType dtype) {
+  for (const auto& d : kDTypes) {
+    if (d.dtype == dtype) return d.size;
+  }
+  return 0;
+}
+
+std::string_view DTypeName(DType dtype) {
+  for (const auto& d : kDTypes) {
+    if (d.dtype == dtype) return d.name;
+  }
+  return "unknown";
+}
+
+Result<DType> DTypeFromName(std::string_view name) {
+  for (const auto& d : kDTypes) {
+    if (d.name == name) return d.dtype;
+  }
+  return InvalidArgument("unsupported dtype '" + std::string(name) + "'");
+}
+
+bool IsValidDType(uint8_t code) { return code >= 1 && code <= 12; }
+
+// ---------------------------------------------------------------------------------------------
+// Builder
+
+Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
+                                                           std::vector<TensorSource> tensors,
+                                                           std::string extras,
+                                                           uint64_t chunk_size) {
+  if (!ValidJob(meta.job)) {
+    return InvalidArgument("job name '" + meta.job +
+                           "' is invalid: use 0..64 characters of [A-Za-z0-9._-]");
+  }
+  if (meta.world_size == 0 || meta.world_size > kMaxRank || meta.rank >= meta.world_size) {
+    return InvalidArgument("rank " + std::to_string(meta.rank) + " / world size " +
+                           std::to_string(meta.world_size) + " is invalid");
+  }
+  if (!ValidChunkSize(chunk_size)) {
+    return InvalidArgument("chunk size " + std::to_string(chunk_size) +
+                           " must be a power of two between 4 KiB and 1 GiB");
+  }
+  if (meta.create_time_ns == 0) {
+    meta.create_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
+  }
+
+  std::unique_ptr<ImageBuilder> b(new ImageBuilder());
+  b->meta_ = std::move(meta);
+  b->extras_ = std::move(extras);
+  ImageLayout& l = b->layout_;
+  l.chunk_size = chunk_size;
+  l.tensor_count = tensors.size();
+
+  // Index entries; validation of every tensor.
+  std::unordered_set<std::string_view> names;
+  names.reserve(tensors.size());
+  std::string index;
+  uint64_t data_cursor = 0;  // relative to data_offset, fixed up below
+  std::vector<uint64_t> rel_offsets;
+  rel_offsets.reserve(tensors.size());
+  for (const TensorSource& t : tensors) {
+    const TensorSpec& s = t.spec;
+    auto fail = [&](const std::string& why) {
+      return InvalidArgument("tensor '" + s.name + "': " + why);
+    };
+    if (s.name.empty() || s.name.size() > kMaxNameLength) {
+      return fail("name must be 1.." + std::to_string(kMaxNameLength) + " bytes");
+    }
+    if (!internal::IsValidUtf8(s.name)) return fail("name is not valid UTF-8");
+    if (!names.insert(s.name).second) return fail("duplicate tensor name");
+    const size_t esize = DTypeSize(s.dtype);
+    if (esize == 0) return fail("unknown dtype");
+    if (s.shape.size() > kMaxNdim) return fail("more than 32 dimensions");
+    uint64_t n = esize;
+    for (uint64_t d : s.shape) {
+      if (MulOverflow(n, d, &n) || n > kMaxImageSize) return fail("shape is too large");
+    }
+    if (n != t.nbytes) {
+      return fail("nbytes " + std::to_string(t.nbytes) + " does not match shape and dtype (" +
+                  std::to_string(n) + ")");
+    }
+    if (n > 0 && t.data == nullptr) return fail("no data");
+    const bool shard = !s.global_shape.empty() || !s.global_offset.empty();
+    if (shard) {
+      if (s.global_shape.size() != s.shape.size() || s.global_offset.size() != s.shape.size()) {
+        return fail("global shape and offset must have as many dimensions as the shape");
+      }
+      for (size_t i = 0; i < s.shape.size(); ++i) {
+        uint64_t end;
+        if (AddOverflow(s.global_offset[i], s.shape[i], &end) || end > s.global_shape[i]) {
+          return fail("shard box exceeds the global shape in dimension " + std::to_string(i));
+        }
+      }
+    }
+    const uint64_t ndim = s.shape.size();
+    const uint64_t raw = kEntryFixedSize + 8 * ndim * (shard ? 3 : 1) + s.name.size();
+    const uint64_t entry_size = AlignUp(raw, 8);
+    data_cursor = AlignUp(data_cursor, TensorAlignment(n));
+    rel_offsets.push_back(data_cursor);
+
+    const size_t start = index.size();
+    index.resize(start + entry_size, '\0');
+    auto* p = reinterpret_cast<std::byte*>(index.data() + start);
+    StoreLE<uint32_t>(p + 0, static_cast<uint32_t>(entry_size));
+    StoreLE<uint8_t>(p + 4, static_cast<uint8_t>(s.dtype));
+    StoreLE<uint8_t>(p + 5, static_cast<uint8_t>(ndim));
+    StoreLE<uint8_t>(p + 6, shard ? 1 : 0);
+    StoreLE<uint32_t>(p + 8, static_cast<uint32_t>(s.name.size()));
+    // Offset (p + 16) is written once data_offset is known.
+    StoreLE<uint64_t>(p + 24, n);
+    std::byte* q = p + kEntryFixedSize;
+    for (uint64_t d : s.shape) StoreLE<uint64_t>(q, d), q += 8;
+    if (shard) {
+      for (uint64_t d : s.global_shape) StoreLE<uint64_t>(q, d), q += 8;
+      for (uint64_t d : s.global_offset) StoreLE<uint64_t>(q, d), q += 8;
+    }
+    std::memcpy(q, s.name.data(), s.name.size());
+    data_cursor += n;
+  }
+  l.index_size = index.size();
+  l.data_size = data_cursor;
+  l.extras_size = b->extras_.size();
+  if (!CanonicalLayout(&l)) return InvalidArgument("image would exceed 1 PiB");
+
+  b->offsets_.resize(tensors.size());
+  {
+    size_t pos = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      auto* p = reinterpret_cast<std::byte*>(index.data() + pos);
+      b->offsets_[i] = l.data_offset + rel_offsets[i];
+      StoreLE<uint64_t>(p + 16, b->offsets_[i]);
+      pos += LoadLE<uint32_t>(p);
+    }
+  }
+  l.index_crc = Crc32c(0, index.data(), index.size());
+  l.extras_crc = Crc32c(0, b->extras_.data(), b->extras_.size());
+  b->index_.assign(reinterpret_cast<const std::byte*>(index.data()),
+                   reinterpret_cast<const std::byte*>(index.data()) + index.size());
+  b->tensors_ = std::move(tensors);
+
+  // Header.
+  std::vector<std::byte>& h = b->header_;
+  h.assign(kImageHeaderSize, std::byte{0});
+  std::memcpy(h.data(), kMagic, 8);
+  StoreLE<uint32_t>(&h[8], kImageFormatVersion);
+  StoreLE<uint32_t>(&h[12], kImageHeaderSize);
+  StoreLE<uint64_t>(&h[16], b->meta_.step);
+  StoreLE<uint32_t>(&h[24], b->meta_.rank);
+  StoreLE<uint32_t>(&h[28], b->meta_.world_size);
+  StoreLE<int64_t>(&h[32], b->meta_.create_time_ns);
+  StoreLE<uint64_t>(&h[40], l.image_size);
+  StoreLE<uint64_t>(&h[48], l.chunk_size);
+  StoreLE<uint64_t>(&h[56], l.tensor_count);
+  StoreLE<uint64_t>(&h[64], l.index_offset);
+  StoreLE<uint64_t>(&h[72], l.index_size);
+  StoreLE<uint64_t>(&h[80], l.data_offset);
+  StoreLE<uint64_t>(&h[88], l.data_size);
+  StoreLE<uint64_t>(&h[96], l.extras_offset);
+  StoreLE<uint64_t>(&h[104], l.extras_size);
+  StoreLE<uint64_t>(&h[112], l.checksums_offset);
+  StoreLE<uint64_t>(&h[120], l.checksums_size);
+  StoreLE<uint32_t>(&h[128], l.index_crc);
+  StoreLE<uint32_t>(&h[132], l.extras_crc);
+  StoreLE<uint8_t>(&h[144], static_cast<uint8_t>(b->meta_.job.size()));
+  std::memcpy(&h[kJobOffset], b->meta_.job.data(), b->meta_.job.size());
+  l.header_crc = Crc32c(0, h.data(), kHeaderCrcOffset);
+  StoreLE<uint32_t>(&h[kHeaderCrcOffset], l.header_crc);
+  return b;
+}
+
+void ImageBuilder::Fill(uint64_t offset, std::span<std::byte> dst) const {
+  // The image below checksums_offset is a sequence of segments (header, index, tensors, extras)
+  // separated by zero padding. Copy the overlapping part of each segment, zero the gaps.
+  const uint64_t end = offset + dst.size();
+  uint64_t cursor = offset;  // everything before cursor is filled
+  auto emit = [&](uint64_t seg_off, const void* src, uint64_t len) {
+    const uint64_t seg_end = seg_off + len;
+    if (seg_end <= cursor || seg_off >= end || len == 0) return;
+    const uint64_t from = std::max(seg_off, cursor);
+    const uint64_t to = std::min(seg_end, end);
+    if (from > cursor) std::memset(dst.data() + (cursor - offset), 0, from - cursor);
+    std::memcpy(dst.data() + (from - offset), static_cast<const std::byte*>(src) + (from - seg_off),
+                to - from);
+    cursor = to;
+  };
+  emit(0, header_.data(), header_.size());
+  emit(layout_.index_offset, index_.data(), index_.size());
+  if (cursor < end && !tensors_.empty()) {
+    // First tensor that ends after the cursor (offsets increase with the index).
+    size_t i = std::upper_bound(offsets_.begin(), offsets_.end(), cursor) - offsets_.begin();
+    if (i > 0) --i;
+    for (; i < tensors_.size() && offsets_[i] < end; ++i) {
+      emit(offsets_[i], tensors_[i].data, tensors_[i].nbytes);
+    }
+  }
+  emit(layout_.extras_offset, extras_.data(), extras_.size());
+  if (cursor < end) std::memset(dst.data() + (cursor - offset), 0, end - cursor);
+}
+
+std::vector<std::byte> ImageBuilder::ChecksumSection(std::span<const uint32_t> crcs) const {
+  std::vector<std::byte> out(layout_.image_size - layout_.checksums_offset, std::byte{0});
+  for (size_t i = 0; i < crcs.size(); ++i) StoreLE<uint32_t>(&out[4 * i], crcs[i]);
+  StoreLE<uint32_t>(&out[4 * crcs.size()], Crc32c(0, out.data(), 4 * crcs.size()));
+  return out;
+}
+
+void ImageBuilder::FillAll(std::span<std::byte> dst, size_t threads) const {
+  const uint64_t n = chunk_count();
+  std::vector<uint32_t> crcs(n);
+  internal::ParallelFor(n, threads, [&](size_t i) {
+    const uint64_t off = i * layout_.chunk_size;
+    const uint64_t len = std::min(layout_.chunk_size, layout_.checksums_offset - off);
+    auto chunk = dst.subspan(off, len);
+    Fill(off, chunk);
+    crcs[i] = Crc32c(0, chunk.data(), chunk.size());
+  });
+  auto section = ChecksumSection(crcs);
+  std::memcpy(dst.data() + layout_.checksums_offset, section.data(), section.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::byte> h,
+                                                           std::string_view source) {
+  if (h.size() < kImageHeaderSize) {
+    return Bad(source, "truncated: " + std::to_string(h.size()) +
+                           " bytes, smaller than the 4096-byte header");
+  }
+  if (std::memcmp(h.data(), kMagic, 8) != 0) return Bad(source, "bad magic (not an image)");
+  const uint32_t version = LoadLE<uint32_t>(&h[8]);
+  if (version != kImageFormatVersion) {
+    return Bad(source, "unsupported format version " + std::to_string(version) +
+                           " (this build reads version " + std::to_string(kImageFormatVersion) +
+                           ")");
+  }
+  const uint32_t stored_crc = LoadLE<uint32_t>(&h[kHeaderCrcOffset]);
+  const uint32_t crc = Crc32c(0, h.data(), kHeaderCrcOffset);
+  if (crc != stored_crc) return Bad(source, "header checksum mismatch");
+  if (LoadLE<uint32_t>(&h[12]) != kImageHeaderSize) return Bad(source, "bad header size");
+  if (LoadLE<uint32_t>(&h[136]) != 0 || LoadLE<uint32_t>(&h[140]) != 0) {
+    return Bad(source, "unknown header flags");
+  }
+  for (size_t i = kReservedOffset; i < kHeaderCrcOffset; ++i) {
+    if (h[i] != std::byte{0}) return Bad(source, "non-zero reserved header bytes");
+  }
+  ImageMeta m;
+  ImageLayout l;
+  m.step = LoadLE<uint64_t>(&h[16]);
+  m.rank = LoadLE<uint32_t>(&h[24]);
+  m.world_size = LoadLE<uint32_t>(&h[28]);
+  m.create_time_ns = LoadLE<int64_t>(&h[32]);
+  if (m.world_size == 0 || m.world_size > kMaxRank || m.rank >= m.world_size) {
+    return Bad(source, "invalid rank " + std::to_string(m.rank) + " of world size " +
+                           std::to_string(m.world_size));
+  }
+  const uint8_t job_len = LoadLE<uint8_t>(&h[144]);
+  if (job_len > kMaxJobLength) return Bad(source, "job name too long");
+  m.job.assign(reinterpret_cast<const char*>(&h[kJobOffset]), job_len);
+  if (!ValidJob(m.job)) return Bad(source, "invalid job name");
+  for (size_t i = kJobOffset + job_len; i < kReservedOffset; ++i) {
+    if (h[i] != std::byte{0}) return Bad(source, "non-zero job padding");
+  }
+  l.image_size = LoadLE<uint64_t>(&h[40]);
+  l.chunk_size = LoadLE<uint64_t>(&h[48]);
+  l.tensor_count = LoadLE<uint64_t>(&h[56]);
+  l.index_offset = LoadLE<uint64_t>(&h[64]);
+  l.index_size = LoadLE<uint64_t>(&h[72]);
+  l.data_offset = LoadLE<uint64_t>(&h[80]);
+  l.data_size = LoadLE<uint64_t>(&h[88]);
+  l.extras_offset = LoadLE<uint64_t>(&h[96]);
+  l.extras_size = LoadLE<uint64_t>(&h[104]);
+  l.checksums_offset = LoadLE<uint64_t>(&h[112]);
+  l.checksums_size = LoadLE<uint64_t>(&h[120]);
+  l.index_crc = LoadLE<uint32_t>(&h[128]);
+  l.extras_crc = LoadLE<uint32_t>(&h[132]);
+  l.header_crc = crc;
+  if (!ValidChunkSize(l.chunk_size)) {
+    return Bad(source, "invalid chunk size " + std::to_string(l.chunk_size));
+  }
+  ImageLayout canon = l;
+  if (!CanonicalLayout(&canon)) return Bad(source, "section sizes out of range");
+  if (canon.index_offset != l.index_offset || canon.data_offset != l.data_offset ||
+      canon.extras_offset != l.extras_offset || canon.checksums_offset != l.checksums_offset ||
+      canon.checksums_size != l.checksums_size || canon.image_size != l.image_size) {
+    return Bad(source, "section offsets are inconsistent (overlapping or out of bounds)");
+  }
+  if (l.tensor_count > l.index_size / kEntryFixedSize) {
+    return Bad(source, "tensor count " + std::to_string(l.tensor_count) +
+                           " does not fit the index");
+  }
+  return std::make_pair(std::move(m), l);
+}
+
+Result<std::vector<uint32_t>> ParseChecksumSection(std::span<const std::byte> section,
+                                                   const ImageLayout& l,
+                                                   std::string_view source) {
+  if (section.size() < l.checksums_size) return Bad(source, "truncated checksum section");
+  const uint64_t n = l.chunk_count();
+  const uint32_t stored = LoadLE<uint32_t>(&section[4 * n]);
+  if (Crc32c(0, section.data(), 4 * n) != stored) {
+    return Bad(source, "checksum section checksum mismatch");
+  }
+  // Padding after the array up to the end of the image carries no checksum: it must be zero.
+  const uint64_t padded = std::min<uint64_t>(section.size(), l.image_size - l.checksums_offset);
+  for (uint64_t i = l.checksums_size; i < padded; ++i) {
+    if (section[i] != std::byte{0}) return Bad(source, "non-zero padding after the checksums");
+  }
+  std::vector<uint32_t> crcs(n);
+  for (uint64_t i = 0; i < n; ++i) crcs[i] = LoadLE<uint32_t>(&section[4 * i]);
+  return crcs;
+}
+
+Status VerifyChunk(std::span<const std::byte> chunk, uint64_t index, uint32_t expected,
+                   std::string_view source) {
+  const uint32_t got = Crc32c(0, chunk.data(), chunk.size());
+  if (got == expected) return Status::OK();
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "checksum mismatch in chunk %llu (expected %08x, got %08x)",
+                static_cast<unsigned long long>(index), expected, got);
+  return Bad(source, buf);
+}
+
+Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index,
+                                            const ImageLayout& l, std::string_view source) {
+  if (index.size() != l.index_size) return Bad(source, "index size mismatch");
+  if (Crc32c(0, index.data(), index.size()) != l.index_crc) {
+    return Bad(source, "index checksum mismatch");
+  }
+  std::vector<TensorEntry> out;
+  out.reserve(l.tensor_count);
+  std::unordered_set<std::string_view> names;
+  names.reserve(l.tensor_count);
+  uint64_t pos = 0;
+  uint64_t prev_end = l.data_offset;
+  const uint64_t data_end = l.data_offset + l.data_size;
+  for (uint64_t t = 0; t < l.tensor_count; ++t) {
+    auto bad = [&](const std::string& what) {
+      return Bad(source, "index entry " + std::to_string(t) + ": " + what);
+    };
+    if (index.size() - pos < kEntryFixedSize) return bad("truncated");
+    const std::byte* p = &index[pos];
+    const uint32_t entry_size = LoadLE<uint32_t>(p);
+    const uint8_t dtype = LoadLE<uint8_t>(p + 4);
+    const uint8_t ndim = LoadLE<uint8_t>(p + 5);
+    const uint8_t flags = LoadLE<uint8_t>(p + 6);
+    const uint32_t name_len = LoadLE<uint32_t>(p + 8);
+    if (LoadLE<uint8_t>(p + 7) != 0 || LoadLE<uint32_t>(p + 12) != 0) {
+      return bad("non-zero reserved bytes");
+    }
+    if (!IsValidDType(dtype)) return bad("unknown dtype code " + std::to_string(dtype));
+    if (ndim > kMaxNdim) return bad("too many dimensions");
+    if (flags & ~1u) return bad("unknown flags");
+    if (name_len == 0 || name_len > kMaxNameLength) return bad("invalid name length");
+    const bool shard = flags & 1;
+    const uint64_t raw = kEntryFixedSize + 8ull * ndim * (shard ? 3 : 1) + name_len;
+    if (entry_size != AlignUp(raw, 8) || entry_size > index.size() - pos) {
+      return bad("entry size " + std::to_string(entry_size) + " is inconsistent");
+    }
+    for (uint64_t i = raw; i < entry_size; ++i) {
+      if (p[i] != std::byte{0}) return bad("non-zero padding");
+    }
+    TensorEntry e;
+    e.spec.dtype = static_cast<DType>(dtype);
+    e.offset = LoadLE<uint64_t>(p + 16);
+    e.nbytes = LoadLE<uint64_t>(p + 24);
+    const std::byte* q = p + kEntryFixedSize;
+    uint64_t n = DTypeSize(e.spec.dtype);
+    e.spec.shape.resize(ndim);
+    for (int i = 0; i < ndim; ++i, q += 8) {
+      e.spec.shape[i] = LoadLE<uint64_t>(q);
+      if (MulOverflow(n, e.spec.shape[i], &n) || n > kMaxImageSize) return bad("shape too large");
+    }
+    if (n != e.nbytes) return bad("byte size does not match shape and dtype");
+    if (shard) {
+      e.spec.global_shape.resize(ndim);
+      e.spec.global_offset.resize(ndim);
+      for (int i = 0; i < ndim; ++i, q += 8) e.spec.global_shape[i] = LoadLE<uint64_t>(q);
+      for (int i = 0; i < ndim; ++i, q += 8) e.spec.global_offset[i] = LoadLE<uint64_t>(q);
+      for (int i = 0; i < ndim; ++i) {
+        uint64_t end;
+        if (AddOverflow(e.spec.global_offset[i], e.spec.shape[i], &end) ||
+            end > e.spec.global_shape[i]) {
+          return bad("shard box exceeds its global shape");
+        }
+      }
+    }
+    std::string_view name(reinterpret_cast<const char*>(q), name_len);
+    if (!internal::IsValidUtf8(name)) return bad("name is not valid UTF-8");
+    if (!names.insert(name).second) return bad("duplicate name '" + std::string(name) + "'");
+    e.spec.name.assign(name);
+    // Placement: aligned, increasing, inside the data section.
+    if (e.offset % TensorAlignment(e.nbytes) != 0) return bad("misaligned data offset");
+    uint64_t end;
+    if (e.offset < prev_end || AddOverflow(e.offset, e.nbytes, &end) || end > data_end) {
+      return bad("data offset " + std::to_string(e.offset) +
+                 " is out of bounds or overlaps the previous tensor");
+    }
+    prev_end = end;
+    out.push_back(std::move(e));
+    pos += entry_size;
+  }
+  if (pos != index.size()) return Bad(source, "trailing bytes after the index entries");
+  if (prev_end != data_end) return Bad(source, "data size does not match the last tensor");
+  return out;
+}
+
+Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::string_view source,
+                                       Verify verify, size_t threads) {
+  SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(image, source));
+  ImageReader r;
+  r.meta_ = std::move(hdr.first);
+  r.layout_ = hdr.second;
+  const ImageLayout& l = r.layout_;
+  if (image.size() != l.image_size) {
+    return Bad(source, "size is " + std::to_string(image.size()) + " bytes, header says " +
+                           std::to_string(l.image_size) + " (truncated or extended)");
+  }
+  SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(image.subspan(l.checksums_offset), l, source));
+  if (verify == Verify::kAll) {
+    std::vector<Status> errors(crcs.size());
+    internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
+      const uint64_t off = i * l.chunk_size;
+      const uint64_t len = std::min(l.chunk_size, l.checksums_offset - off);
+      errors[i] = VerifyChunk(image.subspan(off, len), i, crcs[i], source);
+    });
+    for (auto& s : errors) SP_RETURN_IF_ERROR(s);
+  }
+  SP_ASSIGN_OR_RETURN(r.tensors_, ParseIndex(image.subspan(l.index_offset, l.index_size), l, source));
+  if (Crc32c(0, image.data() + l.extras_offset, l.extras_size) != l.extras_crc) {
+    return Bad(source, "extras checksum mismatch");
+  }
+  r.image_ = image;
+  return r;
+}
+
+}  // namespace safepoint

@@ -1,0 +1,259 @@
+#include "safepoint/image.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "base/bytes.h"
+#include "base/crc32c.h"
+
+namespace safepoint {
+namespace {
+
+using internal::Crc32c;
+
+std::vector<std::byte> Build(const ImageBuilder& b, size_t threads = 2) {
+  std::vector<std::byte> out(b.size());
+  b.FillAll(out, threads);
+  return out;
+}
+
+struct Owned {
+  std::vector<std::vector<std::byte>> data;
+  std::vector<TensorSource> sources;
+  void Add(std::string name, DType dtype, std::vector<uint64_t> shape, uint8_t seed,
+           std::vector<uint64_t> gshape = {}, std::vector<uint64_t> goff = {}) {
+    uint64_t n = DTypeSize(dtype);
+    for (auto d : shape) n *= d;
+    std::vector<std::byte> bytes(n);
+    for (uint64_t i = 0; i < n; ++i) bytes[i] = std::byte(static_cast<uint8_t>(seed + i * 31));
+    data.push_back(std::move(bytes));
+    TensorSource s;
+    s.spec = {std::move(name), dtype, std::move(shape), std::move(gshape), std::move(goff)};
+    s.data = data.back().empty() ? nullptr : data.back().data();
+    s.nbytes = n;
+    sources.push_back(std::move(s));
+  }
+};
+
+ImageMeta Meta(uint64_t step = 7, uint32_t rank = 1, uint32_t world = 4) {
+  ImageMeta m;
+  m.job = "job-1";
+  m.step = step;
+  m.rank = rank;
+  m.world_size = world;
+  return m;
+}
+
+TEST(Crc32cTest, KnownVectorAndChaining) {
+  const char* s = "123456789";
+  EXPECT_EQ(Crc32c(0, s, 9), 0xE3069283u);
+  EXPECT_EQ(Crc32c(Crc32c(0, s, 4), s + 4, 5), 0xE3069283u);
+  EXPECT_EQ(Crc32c(0, s, 0), 0u);
+}
+
+TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
+  Owned o;
+  const DType all[] = {DType::kFloat32, DType::kFloat16,      DType::kBFloat16,
+                       DType::kFloat64, DType::kInt8,         DType::kInt16,
+                       DType::kInt32,   DType::kInt64,        DType::kUInt8,
+                       DType::kBool,    DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+  uint8_t seed = 1;
+  for (DType d : all) o.Add(std::string("t.") + std::string(DTypeName(d)), d, {3, 5}, seed++);
+  o.Add("scalar", DType::kFloat64, {}, 9);
+  o.Add("empty", DType::kFloat32, {0, 7}, 0);
+  o.Add("big", DType::kFloat32, {300, 1000}, 3);  // > 64 KiB: page aligned
+  o.Add(std::string(5000, 'x') + "\xc3\xa9", DType::kInt8, {2}, 4);
+  o.Add("shard", DType::kBFloat16, {2, 3}, 5, {8, 3}, {4, 0});
+  auto b = ImageBuilder::Create(Meta(), o.sources, "extras-bytes", 64 << 10);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  auto img = Build(**b);
+  EXPECT_EQ(img.size() % 4096, 0u);
+  auto r = ImageReader::Parse(img, "mem");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->meta().step, 7u);
+  EXPECT_EQ(r->meta().rank, 1u);
+  EXPECT_EQ(r->meta().world_size, 4u);
+  EXPECT_EQ(r->meta().job, "job-1");
+  ASSERT_EQ(r->tensors().size(), o.sources.size());
+  for (size_t i = 0; i < o.sources.size(); ++i) {
+    const auto& e = r->tensors()[i];
+    const auto& s = o.sources[i];
+    EXPECT_EQ(e.spec.name, s.spec.name);
+    EXPECT_EQ(e.spec.dtype, s.spec.dtype);
+    EXPECT_EQ(e.spec.shape, s.spec.shape);
+    EXPECT_EQ(e.spec.global_shape, s.spec.global_shape);
+    EXPECT_EQ(e.spec.global_offset, s.spec.global_offset);
+    ASSERT_EQ(e.nbytes, s.nbytes);
+    EXPECT_EQ(e.offset % 64, 0u);
+    if (e.nbytes >= (64 << 10)) EXPECT_EQ(e.offset % 4096, 0u);
+    EXPECT_EQ(std::memcmp(r->tensor_data(i).data(), s.data, s.nbytes), 0) << s.spec.name;
+  }
+  EXPECT_EQ(internal::AsStringView(r->extras()), "extras-bytes");
+}
+
+TEST(ImageTest, FillOfAnyRangeMatchesFillAll) {
+  Owned o;
+  for (int i = 0; i < 50; ++i) o.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 37)}, i);
+  auto b = ImageBuilder::Create(Meta(), o.sources, "x", 4096);
+  ASSERT_TRUE(b.ok());
+  auto full = Build(**b);
+  std::mt19937_64 rng(1);
+  const uint64_t limit = (*b)->layout().checksums_offset;
+  for (int i = 0; i < 200; ++i) {
+    uint64_t a = rng() % limit, len = rng() % (limit - a) + 1;
+    std::vector<std::byte> part(len, std::byte{0x5A});
+    (*b)->Fill(a, part);
+    ASSERT_EQ(std::memcmp(part.data(), full.data() + a, len), 0) << a << "+" << len;
+  }
+}
+
+TEST(ImageTest, BuilderRejectsBadInput) {
+  auto make = [](auto mutate) {
+    Owned o;
+    o.Add("a", DType::kFloat32, {2}, 1);
+    o.Add("b", DType::kFloat32, {2}, 1);
+    ImageMeta m = Meta();
+    mutate(o, m);
+    return ImageBuilder::Create(m, o.sources, "").status();
+  };
+  EXPECT_EQ(make([](Owned& o, ImageMeta&) { o.sources[1].spec.name = "a"; }).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned& o, ImageMeta&) { o.sources[0].spec.name = ""; }).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned& o, ImageMeta&) { o.sources[0].spec.name = "\xff"; }).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned& o, ImageMeta&) { o.sources[0].nbytes = 4; }).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned& o, ImageMeta&) {
+              o.sources[0].spec.global_shape = {2};
+              o.sources[0].spec.global_offset = {1};
+            }).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.rank = 4; }).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.job = "a/b"; }).code(),
+            StatusCode::kInvalidArgument);
+  auto s = make([](Owned& o, ImageMeta&) { o.sources[1].spec.name = "a"; });
+  EXPECT_NE(s.message().find("'a'"), std::string::npos) << s.message();
+}
+
+class CorruptImageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    o.Add("weight", DType::kFloat32, {64, 64}, 1);
+    o.Add("bias", DType::kFloat32, {64}, 2);
+    o.Add("step", DType::kInt64, {}, 3);
+    auto b = ImageBuilder::Create(Meta(), o.sources, "extras", 4096);
+    ASSERT_TRUE(b.ok());
+    builder = std::move(b).value();
+    image = Build(*builder);
+  }
+  Status Parse(const std::vector<std::byte>& img) {
+    return ImageReader::Parse(img, "/ckpt/x.img").status();
+  }
+  // Rewrites the header CRC so that a header change reaches the deeper checks.
+  void FixHeaderCrc(std::vector<std::byte>& img) {
+    internal::StoreLE<uint32_t>(&img[4092], Crc32c(0, img.data(), 4092));
+  }
+  Owned o;
+  std::unique_ptr<ImageBuilder> builder;
+  std::vector<std::byte> image;
+};
+
+TEST_F(CorruptImageTest, EveryBitFlipIsDetected) {
+  // Flip one bit in every 97th byte of the image (covers header, index, data, extras, padding,
+  // checksums): never accepted, always a Corruption naming the file.
+  for (size_t i = 0; i < image.size(); i += 97) {
+    auto img = image;
+    img[i] ^= std::byte{0x10};
+    Status s = Parse(img);
+    ASSERT_EQ(s.code(), StatusCode::kCorruption) << "byte " << i;
+    ASSERT_NE(s.message().find("/ckpt/x.img"), std::string::npos);
+  }
+}
+
+TEST_F(CorruptImageTest, TruncationsAreDetected) {
+  for (size_t n : {size_t{0}, size_t{100}, size_t{4095}, size_t{4096}, image.size() - 4096,
+                   image.size() - 1}) {
+    std::vector<std::byte> img(image.begin(), image.begin() + n);
+    EXPECT_EQ(Parse(img).code(), StatusCode::kCorruption) << n;
+  }
+  auto longer = image;
+  longer.resize(image.size() + 4096);
+  EXPECT_EQ(Parse(longer).code(), StatusCode::kCorruption);
+}
+
+TEST_F(CorruptImageTest, NamedFailures) {
+  auto img = image;
+  img[0] = std::byte{'X'};
+  EXPECT_NE(Parse(img).message().find("bad magic"), std::string::npos);
+  img = image;
+  internal::StoreLE<uint32_t>(&img[8], 99);
+  FixHeaderCrc(img);
+  EXPECT_NE(Parse(img).message().find("unsupported format version 99"), std::string::npos);
+  img = image;
+  internal::StoreLE<uint64_t>(&img[56], uint64_t{1} << 40);  // absurd tensor count
+  FixHeaderCrc(img);
+  EXPECT_EQ(Parse(img).code(), StatusCode::kCorruption);
+  img = image;
+  internal::StoreLE<uint64_t>(&img[80], 0);  // data offset overlapping the header
+  FixHeaderCrc(img);
+  EXPECT_NE(Parse(img).message().find("inconsistent"), std::string::npos);
+  img = image;
+  internal::StoreLE<uint64_t>(&img[72], ~uint64_t{0} - 100);  // overflowing size
+  FixHeaderCrc(img);
+  EXPECT_EQ(Parse(img).code(), StatusCode::kCorruption);
+  img = image;
+  img[builder->layout().data_offset + 5] ^= std::byte{1};
+  Status s = Parse(img);
+  EXPECT_NE(s.message().find("chunk"), std::string::npos) << s.message();
+}
+
+TEST_F(CorruptImageTest, IndexWithValidCrcButBadContentIsRejected) {
+  // Forge index entries with a correct index CRC and header CRC: the structural checks must
+  // still reject out-of-bounds and overlapping tensors.
+  const auto& l = builder->layout();
+  auto forge = [&](auto mutate) {
+    auto img = image;
+    std::byte* idx = &img[l.index_offset];
+    mutate(idx);
+    internal::StoreLE<uint32_t>(&img[128], Crc32c(0, idx, l.index_size));
+    FixHeaderCrc(img);
+    return ImageReader::Parse(img, "forged", ImageReader::Verify::kStructure).status();
+  };
+  EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint64_t>(p + 16, 1ull << 45); }).code(),
+            StatusCode::kCorruption);
+  EXPECT_EQ(forge([&](std::byte* p) {
+              // Second entry pointing into the first tensor.
+              const uint32_t first = internal::LoadLE<uint32_t>(p);
+              internal::StoreLE<uint64_t>(p + first + 16, l.data_offset + 64);
+            }).code(),
+            StatusCode::kCorruption);
+  EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint8_t>(p + 4, 200); }).code(),
+            StatusCode::kCorruption);
+  EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint32_t>(p, 1u << 30); }).code(),
+            StatusCode::kCorruption);
+  EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint64_t>(p + 32, 1ull << 62); }).code(),
+            StatusCode::kCorruption);
+}
+
+TEST_F(CorruptImageTest, RandomGarbageNeverCrashes) {
+  std::mt19937_64 rng(42);
+  for (int i = 0; i < 2000; ++i) {
+    auto img = image;
+    const int flips = 1 + rng() % 8;
+    for (int f = 0; f < flips; ++f) img[rng() % img.size()] = std::byte(rng());
+    if (rng() % 4 == 0) img.resize(rng() % img.size());
+    Status s = Parse(img);
+    if (s.ok()) {
+      ASSERT_EQ(img, image);  // only an unchanged image may pass
+    } else {
+      ASSERT_EQ(s.code(), StatusCode::kCorruption);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace safepoint

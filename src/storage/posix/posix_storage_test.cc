@@ -1,0 +1,474 @@
+// POSIX-specific tests of PosixStorage, beyond the conformance suite: the files on disk (no
+// temporary left after a failed or aborted write), RemoveLeftovers against live writers, symlinks
+// inside the root, names that try to escape it, O_DIRECT on tmpfs and its fallback where the
+// filesystem refuses it, and ENOSPC on a real, tiny filesystem (tests that need to mount one
+// skip themselves where mounting is not permitted).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "safepoint/storage.h"
+
+namespace safepoint {
+namespace {
+
+namespace fs = std::filesystem;
+
+#define ASSERT_OK(expr)                                    \
+  do {                                                     \
+    const ::safepoint::Status assert_ok_ = (expr);         \
+    ASSERT_TRUE(assert_ok_.ok()) << assert_ok_.ToString(); \
+  } while (0)
+
+std::vector<std::byte> Bytes(size_t n, int seed) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    v[i] = static_cast<std::byte>((i * 131 + seed * 17 + (i >> 12)) & 0xff);
+  }
+  return v;
+}
+
+// A 4096-aligned buffer.
+struct AlignedBytes {
+  explicit AlignedBytes(size_t n)
+      : size(n), data(static_cast<std::byte*>(std::aligned_alloc(kDirectIOAlignment, n))) {}
+  ~AlignedBytes() { std::free(data); }
+  std::span<std::byte> span() { return {data, size}; }
+  size_t size;
+  std::byte* data;
+};
+
+// A fresh directory under `parent`, removed recursively at the end.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& parent = "/tmp") {
+    std::string tmpl = parent + "/safepoint-posix-test-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
+  }
+  ~TempDir() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A filesystem of type `type` mounted on a fresh directory, unmounted at the end. ok() is false
+// (with the reason) where mounting is not permitted, e.g. in an unprivileged container.
+class ScopedMount {
+ public:
+  ScopedMount(const char* type, const char* options) {
+    if (dir_.path().empty()) {
+      reason_ = "mkdtemp failed";
+      return;
+    }
+    if (::mount(type, dir_.path().c_str(), type, 0, options) != 0) {
+      reason_ = std::string("mount -t ") + type + (options ? std::string(" -o ") + options : "") +
+                " failed: " + std::strerror(errno) + " (needs root / CAP_SYS_ADMIN)";
+      return;
+    }
+    mounted_ = true;
+  }
+  ~ScopedMount() {
+    if (mounted_) ::umount2(dir_.path().c_str(), MNT_DETACH);
+  }
+  bool ok() const { return mounted_; }
+  const std::string& reason() const { return reason_; }
+  const std::string& path() const { return dir_.path(); }
+
+ private:
+  TempDir dir_;
+  bool mounted_ = false;
+  std::string reason_;
+};
+
+// Every file below `dir` whose name contains ".tmp.", relative to `dir`.
+std::vector<std::string> TemporaryFiles(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.find(".tmp.") != std::string::npos) {
+      out.push_back(fs::relative(entry.path(), dir).string());
+    }
+  }
+  return out;
+}
+
+void WriteFile(const std::string& path, std::string_view content) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream(path, std::ios::binary) << content;
+}
+
+std::unique_ptr<Storage> MustOpen(const std::string& root, bool direct = true) {
+  PosixStorageOptions options;
+  options.use_direct_io = direct;
+  auto s = NewPosixStorage(root, options);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(s).value() : nullptr;
+}
+
+TEST(PosixStorageTest, TemporaryFileExistsOnlyWhileWriting) {
+  TempDir dir;
+  auto storage = MustOpen(dir.path());
+  ASSERT_NE(storage, nullptr);
+
+  // Published: the temporary is renamed into place.
+  {
+    auto w = storage->Create("a/b/obj", 0);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_OK((*w)->WriteAt(0, Bytes(100, 1)));
+    auto temps = TemporaryFiles(dir.path());
+    ASSERT_EQ(temps.size(), 1u);
+    EXPECT_TRUE(temps[0].starts_with("a/b/obj.tmp.")) << temps[0];
+    EXPECT_EQ(temps[0].size(), std::string("a/b/obj.tmp.").size() + 16) << temps[0];
+    ASSERT_OK((*w)->Publish());
+    EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+    EXPECT_EQ(fs::file_size(dir.path() + "/a/b/obj"), 100u);
+  }
+  // Aborted.
+  {
+    auto w = storage->Create("a/b/aborted", 1 << 20);
+    ASSERT_TRUE(w.ok());
+    ASSERT_OK((*w)->WriteAt(0, Bytes(100, 2)));
+    EXPECT_EQ(TemporaryFiles(dir.path()).size(), 1u);
+    (*w)->Abort();
+    EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+  }
+  // Destroyed unpublished.
+  {
+    auto w = storage->Create("c/destroyed", 0);
+    ASSERT_TRUE(w.ok());
+    EXPECT_EQ(TemporaryFiles(dir.path()).size(), 1u);
+  }
+  EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+  // A failed write poisons the object: Publish refuses, and the temporary goes away.
+  {
+    auto w = storage->Create("c/failed", 0);
+    ASSERT_TRUE(w.ok());
+    ASSERT_OK((*w)->WriteAt(0, Bytes(100, 3)));
+    Status bad = (*w)->WriteAt(UINT64_MAX - 10, Bytes(100, 3));
+    EXPECT_FALSE(bad.ok());
+    Status p = (*w)->Publish();
+    EXPECT_FALSE(p.ok());
+    EXPECT_NE(p.message().find(dir.path() + "/c/failed"), std::string::npos) << p.ToString();
+    EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+    EXPECT_FALSE(fs::exists(dir.path() + "/c/failed"));
+  }
+}
+
+TEST(PosixStorageTest, PublishedFilesHaveTheWrittenSizeAndMode) {
+  TempDir dir;
+  auto storage = MustOpen(dir.path());
+  ASSERT_NE(storage, nullptr);
+  auto w = storage->Create("obj", 1 << 20);  // preallocated far beyond what is written
+  ASSERT_TRUE(w.ok());
+  ASSERT_OK((*w)->WriteAt(0, Bytes(10, 4)));
+  ASSERT_OK((*w)->Publish());
+  struct stat st;
+  ASSERT_EQ(::stat((dir.path() + "/obj").c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 10);
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  EXPECT_EQ(st.st_mode & 0777, 0644 & ~mask);
+}
+
+TEST(PosixStorageTest, RemoveLeftoversSparesLiveWriters) {
+  TempDir dir;
+  auto storage = MustOpen(dir.path());
+  ASSERT_NE(storage, nullptr);
+  // Stale temporaries, as a crashed process leaves them.
+  WriteFile(dir.path() + "/step-1/x.tmp.0123456789abcdef", "stale");
+  WriteFile(dir.path() + "/y.tmp.fedcba9876543210", "stale");
+  // Not temporaries by the naming rule: never removed.
+  WriteFile(dir.path() + "/step-1/notes.tmp.txt", "keep");
+  WriteFile(dir.path() + "/step-1/z.tmp.0123456789ABCDEF", "keep");
+  // A live writer of this process.
+  auto live = storage->Create("step-1/live", 0);
+  ASSERT_TRUE(live.ok());
+  ASSERT_OK((*live)->WriteAt(0, Bytes(100, 5)));
+  ASSERT_EQ(TemporaryFiles(dir.path()).size(), 5u);
+
+  // Nothing of this is listed.
+  auto list = storage->List("");
+  ASSERT_TRUE(list.ok());
+  EXPECT_TRUE(list->empty());
+
+  auto removed = storage->RemoveLeftovers("step-1/");
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 1u);
+  EXPECT_FALSE(fs::exists(dir.path() + "/step-1/x.tmp.0123456789abcdef"));
+  EXPECT_TRUE(fs::exists(dir.path() + "/y.tmp.fedcba9876543210"));  // outside the prefix
+
+  removed = storage->RemoveLeftovers("");
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(*removed, 1u);
+  EXPECT_FALSE(fs::exists(dir.path() + "/y.tmp.fedcba9876543210"));
+  EXPECT_TRUE(fs::exists(dir.path() + "/step-1/notes.tmp.txt"));
+  EXPECT_TRUE(fs::exists(dir.path() + "/step-1/z.tmp.0123456789ABCDEF"));
+
+  // A second view of the same directory (another Storage object in this process) must not
+  // remove the live writer's temporary either.
+  auto other = MustOpen(dir.path() + "/./");
+  ASSERT_NE(other, nullptr);
+  removed = other->RemoveLeftovers("");
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(*removed, 0u);
+
+  ASSERT_OK((*live)->Publish());
+  auto r = storage->Open("step-1/live");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)->size(), 100u);
+}
+
+TEST(PosixStorageTest, SymlinksInsideTheRootAreNotFollowed) {
+  TempDir dir;
+  const std::string root = dir.path() + "/root";
+  const std::string outside = dir.path() + "/outside";
+  WriteFile(outside + "/secret", "secret");
+  WriteFile(outside + "/x.tmp.0123456789abcdef", "not ours");
+  auto storage = MustOpen(root);
+  ASSERT_NE(storage, nullptr);
+  auto w = storage->Create("real/obj", 0);
+  ASSERT_TRUE(w.ok());
+  ASSERT_OK((*w)->WriteAt(0, Bytes(10, 6)));
+  ASSERT_OK((*w)->Publish());
+  fs::create_directory_symlink(outside, root + "/link");
+  fs::create_symlink(outside + "/secret", root + "/flink");
+  fs::create_directory_symlink(outside, root + "/real/nested-link");
+
+  auto list = storage->List("");
+  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].name, "real/obj");
+  auto below_link = storage->List("link/");
+  ASSERT_TRUE(below_link.ok()) << below_link.status().ToString();
+  EXPECT_TRUE(below_link->empty());
+
+  for (std::string_view name : {"link/secret", "flink", "real/nested-link/secret"}) {
+    auto r = storage->Open(name);
+    ASSERT_FALSE(r.ok()) << name;
+    EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << r.status().ToString();
+  }
+  auto through = storage->Create("link/new", 0);
+  ASSERT_FALSE(through.ok());
+  EXPECT_NE(through.status().message().find(root + "/link"), std::string::npos)
+      << through.status().ToString();
+  EXPECT_FALSE(fs::exists(outside + "/new"));
+  EXPECT_TRUE(TemporaryFiles(outside).size() == 1);  // only the hand-made one
+
+  ASSERT_OK(storage->Delete("link/secret"));
+  EXPECT_TRUE(fs::exists(outside + "/secret"));
+  auto removed = storage->RemoveLeftovers("");
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(*removed, 0u);
+  EXPECT_TRUE(fs::exists(outside + "/x.tmp.0123456789abcdef"));
+}
+
+TEST(PosixStorageTest, NamesCannotEscapeTheRoot) {
+  TempDir dir;
+  const std::string root = dir.path() + "/root";
+  auto storage = MustOpen(root);
+  ASSERT_NE(storage, nullptr);
+  for (std::string_view name : {"../escape", "a/../../escape", "/tmp/escape", "./../escape"}) {
+    auto w = storage->Create(name, 0);
+    ASSERT_FALSE(w.ok()) << name;
+    EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+    EXPECT_EQ(storage->Delete(name).code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(fs::exists(dir.path() + "/escape"));
+  EXPECT_EQ(storage->List("../").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(storage->RemoveLeftovers("../").status().code(), StatusCode::kInvalidArgument);
+  // The root is stored absolute and normalised; Describe names the full path.
+  auto same = MustOpen(dir.path() + "/root/../root/");
+  ASSERT_NE(same, nullptr);
+  EXPECT_EQ(same->Describe("a/b"), root + "/a/b");
+  EXPECT_EQ(same->uri(), "file://" + root);
+}
+
+TEST(PosixStorageTest, DeleteRemovesEmptyParentsButNeverTheRoot) {
+  TempDir dir;
+  const std::string root = dir.path() + "/root";
+  auto storage = MustOpen(root);
+  ASSERT_NE(storage, nullptr);
+  for (std::string_view name : {"s/a/b/one", "s/a/two"}) {
+    auto w = storage->Create(name, 0);
+    ASSERT_TRUE(w.ok());
+    ASSERT_OK((*w)->Publish());
+  }
+  ASSERT_OK(storage->Delete("s/a/b/one"));
+  EXPECT_FALSE(fs::exists(root + "/s/a/b"));
+  EXPECT_TRUE(fs::exists(root + "/s/a"));  // still holds "two"
+  ASSERT_OK(storage->Delete("s/a/two"));
+  EXPECT_FALSE(fs::exists(root + "/s"));
+  EXPECT_TRUE(fs::is_directory(root));
+  // A directory that holds a writer's temporary is not removed under it.
+  auto w = storage->Create("t/pending", 0);
+  ASSERT_TRUE(w.ok());
+  {
+    auto other = storage->Create("t/other", 0);
+    ASSERT_TRUE(other.ok());
+    ASSERT_OK((*other)->Publish());
+  }
+  ASSERT_OK(storage->Delete("t/other"));
+  EXPECT_TRUE(fs::is_directory(root + "/t"));
+  ASSERT_OK((*w)->Publish());
+  EXPECT_TRUE(storage->Open("t/pending").ok());
+  // Deleting a directory is not deleting an object.
+  EXPECT_FALSE(storage->Delete("t").ok());
+}
+
+TEST(PosixStorageTest, RootHandling) {
+  TempDir dir;
+  PosixStorageOptions no_create;
+  no_create.create = false;
+  auto missing = NewPosixStorage(dir.path() + "/missing", no_create);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+  EXPECT_NE(missing.status().message().find(dir.path() + "/missing"), std::string::npos);
+
+  auto nested = NewPosixStorage(dir.path() + "/x/y/z");
+  ASSERT_TRUE(nested.ok()) << nested.status().ToString();
+  EXPECT_TRUE(fs::is_directory(dir.path() + "/x/y/z"));
+
+  WriteFile(dir.path() + "/file", "x");
+  auto not_dir = NewPosixStorage(dir.path() + "/file");
+  ASSERT_FALSE(not_dir.ok());
+  EXPECT_NE(not_dir.status().message().find(dir.path() + "/file"), std::string::npos);
+  EXPECT_EQ(NewPosixStorage("").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PosixStorageTest, ErrorsNameThePathAndTheCall) {
+  TempDir dir;
+  auto storage = MustOpen(dir.path());
+  ASSERT_NE(storage, nullptr);
+  auto r = storage->Open("no/such");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find(dir.path() + "/no/such"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("open"), std::string::npos) << r.status().ToString();
+
+  // A file where a directory is needed.
+  WriteFile(dir.path() + "/plain", "x");
+  auto w = storage->Create("plain/child", 0);
+  ASSERT_FALSE(w.ok());
+  EXPECT_NE(w.status().message().find(dir.path() + "/plain"), std::string::npos)
+      << w.status().ToString();
+}
+
+void RoundTripAligned(Storage& storage) {
+  constexpr size_t kSize = 1 << 20;
+  AlignedBytes src(kSize);
+  const std::vector<std::byte> pattern = Bytes(kSize, 7);
+  std::memcpy(src.data, pattern.data(), kSize);
+  auto w = storage.Create("direct/obj", kSize);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK((*w)->WriteAt(0, src.span().first(kSize / 2)));
+  ASSERT_OK((*w)->WriteAt(kSize / 2, src.span().subspan(kSize / 2)));
+  ASSERT_OK((*w)->Publish());
+  auto r = storage.Open("direct/obj");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  AlignedBytes dst(kSize);
+  ASSERT_OK((*r)->ReadAt(0, dst.span()));
+  EXPECT_EQ(std::memcmp(dst.data, pattern.data(), kSize), 0);
+  std::vector<std::byte> odd(1000);
+  ASSERT_OK((*r)->ReadAt(4097, odd));
+  EXPECT_EQ(std::memcmp(odd.data(), pattern.data() + 4097, odd.size()), 0);
+}
+
+TEST(PosixStorageTest, DirectIoOnDevShm) {
+  if (!fs::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm";
+  TempDir dir("/dev/shm");
+  ASSERT_FALSE(dir.path().empty());
+  auto storage = MustOpen(dir.path());
+  ASSERT_NE(storage, nullptr);
+  // tmpfs refuses O_DIRECT before Linux 6.6 and accepts it since: either way the data is right
+  // and capabilities() says which path was taken.
+  RoundTripAligned(*storage);
+  const int probe = ::open((dir.path() + "/probe").c_str(), O_CREAT | O_WRONLY | O_DIRECT, 0644);
+  const bool accepts = probe >= 0;
+  if (probe >= 0) ::close(probe);
+  EXPECT_EQ(storage->capabilities().direct_io, accepts);
+}
+
+TEST(PosixStorageTest, DirectIoFallsBackWhereRefused) {
+  // ramfs has no O_DIRECT support at all: open(O_DIRECT) fails with EINVAL.
+  ScopedMount mount("ramfs", nullptr);
+  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  auto storage = MustOpen(mount.path());
+  ASSERT_NE(storage, nullptr);
+  EXPECT_TRUE(storage->capabilities().direct_io);  // not known to be refused yet
+  RoundTripAligned(*storage);
+  EXPECT_FALSE(storage->capabilities().direct_io);
+  EXPECT_TRUE(TemporaryFiles(mount.path()).empty());
+}
+
+TEST(PosixStorageTest, DirectIoIsUsedWhereAccepted) {
+  TempDir dir;
+  const int probe = ::open((dir.path() + "/probe").c_str(), O_CREAT | O_WRONLY | O_DIRECT, 0644);
+  if (probe < 0) GTEST_SKIP() << "/tmp does not accept O_DIRECT: " << std::strerror(errno);
+  ::close(probe);
+  auto storage = MustOpen(dir.path());
+  ASSERT_NE(storage, nullptr);
+  RoundTripAligned(*storage);
+  EXPECT_TRUE(storage->capabilities().direct_io);
+  auto buffered = MustOpen(dir.path(), /*direct=*/false);
+  ASSERT_NE(buffered, nullptr);
+  EXPECT_FALSE(buffered->capabilities().direct_io);
+}
+
+TEST(PosixStorageTest, NoSpaceOnATinyFilesystem) {
+  ScopedMount mount("tmpfs", "size=1m");
+  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  auto storage = MustOpen(mount.path());
+  ASSERT_NE(storage, nullptr);
+
+  // Without a size hint the failure comes from a write.
+  {
+    auto w = storage->Create("big", 0);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    Status s = (*w)->WriteAt(0, Bytes(2 << 20, 8));
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+    EXPECT_NE(s.message().find(mount.path() + "/big.tmp."), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("pwrite"), std::string::npos) << s.ToString();
+    Status p = (*w)->Publish();
+    EXPECT_EQ(p.code(), StatusCode::kResourceExhausted) << p.ToString();
+  }
+  EXPECT_TRUE(TemporaryFiles(mount.path()).empty());
+  EXPECT_FALSE(storage->Open("big").ok());
+
+  // With a size hint Create fails up front (fallocate).
+  {
+    auto w = storage->Create("hinted", 4 << 20);
+    ASSERT_FALSE(w.ok());
+    EXPECT_EQ(w.status().code(), StatusCode::kResourceExhausted) << w.status().ToString();
+    EXPECT_NE(w.status().message().find("fallocate"), std::string::npos)
+        << w.status().ToString();
+  }
+  EXPECT_TRUE(TemporaryFiles(mount.path()).empty());
+
+  // The space is back: a small object still fits.
+  auto w = storage->Create("small", 1000);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK((*w)->WriteAt(0, Bytes(1000, 9)));
+  ASSERT_OK((*w)->Publish());
+  EXPECT_TRUE(storage->Open("small").ok());
+}
+
+}  // namespace
+}  // namespace safepoint

@@ -1,0 +1,205 @@
+"""safepoint.save / load / steps: every dtype and value type round-trips exactly."""
+
+import collections
+import math
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import safepoint
+
+ALL_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+]
+
+
+def random_tensor(dtype, shape, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 10).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (nan == nan), dtypes and shapes included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
+
+
+def assert_same(a, b, path="state"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert same_bits(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        assert [type(k) for k in a] == [type(k) for k in b], path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), path
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: str(d)[6:])
+def test_every_dtype_and_shape(ckpt, dtype):
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        "matrix": random_tensor(dtype, (33, 17), gen),
+        "scalar": random_tensor(dtype, (), gen),
+        "empty": random_tensor(dtype, (0, 4), gen),
+        "big": random_tensor(dtype, (300, 257), gen),
+        "noncontig": random_tensor(dtype, (8, 6), gen).t(),
+        "sliced": random_tensor(dtype, (10, 10), gen)[::3, 1:7],
+    }
+    safepoint.save(ckpt, 1, state)
+    step, loaded = safepoint.load(ckpt)
+    assert step == 1
+    for k, v in state.items():
+        assert same_bits(v.contiguous(), loaded[k]), k
+        assert loaded[k].dtype == dtype and loaded[k].shape == v.shape
+
+
+def test_value_types_and_structure(ckpt):
+    state = {
+        "none": None, "true": True, "false": False, "zero": 0, "neg": -7,
+        "i64max": 2**63 - 1, "i64min": -2**63, "big": 2**64, "huge": -(3**200), "pow": 2**63,
+        "float": 0.1, "nan": float("nan"), "inf": float("inf"), "ninf": -math.inf, "negzero": -0.0,
+        "str": "héllo ✓ 😀", "empty_str": "", "bytes": b"\x00\xff\x01", "empty_bytes": b"",
+        "list": [1, [2, [3, []]], ()], "tuple": (1, (2,), [], {}), "empty_dict": {},
+        "int_keys": {3: "a", -1: "b", 2**70: "c", 0: {1: 2}},
+        "mixed_keys": {"1": "str one", 1: "int one"},
+        "nested": {"a": {"b": {"c": [torch.ones(2), {"d": torch.zeros(1)}]}}},
+    }
+    safepoint.save(ckpt, 3, state)
+    _, loaded = safepoint.load(ckpt, 3)
+    assert_same(state, loaded)
+
+
+def test_numpy_arrays_and_scalars(ckpt):
+    state = {
+        "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "i64": np.array([-1, 2**40], dtype=np.int64),
+        "bool": np.array([True, False]),
+        "fortran": np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)),
+        "zero_d": np.array(5, dtype=np.int16),
+        "scalar": np.float32(2.5),
+        "uint8_scalar": np.uint8(7),
+    }
+    safepoint.save(ckpt, 1, state)
+    _, loaded = safepoint.load(ckpt)
+    for k in ("f32", "i64", "bool", "zero_d"):
+        assert_same(state[k], loaded[k], k)
+    assert np.array_equal(loaded["fortran"], state["fortran"])
+    assert_same(state["scalar"], loaded["scalar"])
+    assert_same(state["uint8_scalar"], loaded["uint8_scalar"])
+
+
+def test_ordered_dict_and_module_state_dict(ckpt):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "od": collections.OrderedDict(b=1, a=2)}
+    safepoint.save(ckpt, 9, state)
+    _, loaded = safepoint.load(ckpt)
+    # OrderedDict comes back as dict (documented), with the same keys in the same order.
+    assert list(loaded["od"].items()) == [("b", 1), ("a", 2)]
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    fresh.load_state_dict(loaded["model"])
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert same_bits(a.detach(), b.detach())
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    opt2.load_state_dict(loaded["optim"])
+    assert loaded["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert sorted(loaded["optim"]["state"]) == sorted(state["optim"]["state"])
+
+
+def test_shared_tensor_is_stored_once_and_stays_shared(ckpt, cli):
+    w = torch.randn(64, 64)
+    safepoint.save(ckpt, 1, {"embed": w, "lm_head": w, "other": w.clone()})
+    _, loaded = safepoint.load(ckpt)
+    assert loaded["embed"] is loaded["lm_head"]
+    assert loaded["other"] is not loaded["embed"]
+    out = cli("inspect", ckpt, "--json", check=0)
+    import json
+    assert len(json.loads(out.stdout)["tensors"]) == 2
+
+
+def test_long_and_unicode_names(ckpt):
+    key = "层" * 3000 + "/weight"
+    safepoint.save(ckpt, 1, {key: torch.arange(3), "a.b": {"c": 1}, "a": {"b.c": torch.ones(1)}})
+    _, loaded = safepoint.load(ckpt)
+    assert torch.equal(loaded[key], torch.arange(3))
+    assert loaded["a.b"] == {"c": 1}
+
+
+def test_name_collisions_are_disambiguated(ckpt):
+    state = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}
+    safepoint.save(ckpt, 1, state)
+    _, loaded = safepoint.load(ckpt)
+    assert_same(state, loaded)
+
+
+def test_loaded_tensors_are_writable_and_independent(ckpt):
+    t = torch.arange(10.0)
+    safepoint.save(ckpt, 1, {"t": t})
+    _, a = safepoint.load(ckpt)
+    _, b = safepoint.load(ckpt)
+    a["t"].add_(1)
+    assert torch.equal(b["t"], t)
+
+
+def test_steps_are_listed_ascending(ckpt):
+    assert safepoint.steps(ckpt) == []  # a directory that does not exist yet has no steps
+    for s in (10, 2, 7):
+        safepoint.save(ckpt, s, {"s": s})
+    assert safepoint.steps(ckpt) == [2, 7, 10]
+    assert safepoint.load(ckpt)[1] == {"s": 10}
+    assert safepoint.load(ckpt, 2)[1] == {"s": 2}
+
+
+def test_resave_same_step_replaces_atomically(ckpt):
+    safepoint.save(ckpt, 5, {"v": torch.zeros(3)})
+    safepoint.save(ckpt, 5, {"v": torch.ones(3)})
+    assert safepoint.steps(ckpt) == [5]
+    assert torch.equal(safepoint.load(ckpt)[1]["v"], torch.ones(3))
+
+
+def test_gil_is_released_during_io(ckpt):
+    state = {"w": torch.randn(64 << 20 // 4)}  # 64 MiB
+    ticks = []
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(1)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        before = len(ticks)
+        safepoint.save(ckpt, 1, state)
+        during_save = len(ticks) - before
+        before = len(ticks)
+        safepoint.load(ckpt)
+        during_load = len(ticks) - before
+    finally:
+        stop.set()
+        t.join()
+    assert during_save > 0 and during_load > 0
