@@ -16,7 +16,9 @@
 #include <string>
 
 #include "safepoint/build_config.h"
+#include "safepoint/agent.h"
 #include "safepoint/checkpoint.h"
+#include "safepoint/client.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
 
@@ -164,13 +166,7 @@ nb::tuple DimsToTuple(const std::vector<uint64_t>& dims) {
 // --- save / load -----------------------------------------------------------------------------
 
 // tensors: list of (name, dtype, shape, data_ptr, nbytes, global_shape|None, global_offset|None)
-nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
-              const std::string& job, nb::handle skeleton, nb::list tensors) {
-  ImageMeta meta;
-  meta.job = job;
-  meta.step = step;
-  meta.rank = rank;
-  meta.world_size = world_size;
+std::vector<TensorSource> ToSources(nb::list tensors) {
   std::vector<TensorSource> sources;
   sources.reserve(tensors.size());
   for (nb::handle t : tensors) {
@@ -185,6 +181,17 @@ nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t wo
     if (!tup[6].is_none()) s.spec.global_offset = ToDims(tup[6]);
     sources.push_back(std::move(s));
   }
+  return sources;
+}
+
+nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
+              const std::string& job, nb::handle skeleton, nb::list tensors) {
+  ImageMeta meta;
+  meta.job = job;
+  meta.step = step;
+  meta.rank = rank;
+  meta.world_size = world_size;
+  std::vector<TensorSource> sources = ToSources(tensors);
   std::string extras = Unwrap(EncodeExtras(ToValue(skeleton, 0)));
   SaveResult result;
   {
@@ -210,6 +217,36 @@ nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t wo
   return out;
 }
 
+// What load() returns to Python: the skeleton, the image as one uint8 array and the index; the
+// tensors become views into the array (zero copy, zero parse).
+nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras) {
+  auto* keep = new std::shared_ptr<std::byte>(image.buffer);
+  nb::capsule owner(keep, [](void* p) noexcept {
+    delete static_cast<std::shared_ptr<std::byte>*>(p);
+  });
+  size_t shape[1] = {image.size};
+  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> buffer(
+      reinterpret_cast<uint8_t*>(image.buffer.get()), 1, shape, owner);
+
+  nb::list entries;
+  for (const TensorEntry& e : reader.tensors()) {
+    const bool shard_box = !e.spec.global_shape.empty();
+    entries.append(nb::make_tuple(
+        e.spec.name, std::string(DTypeName(e.spec.dtype)), DimsToTuple(e.spec.shape), e.offset,
+        e.nbytes, shard_box ? nb::object(DimsToTuple(e.spec.global_shape)) : nb::none(),
+        shard_box ? nb::object(DimsToTuple(e.spec.global_offset)) : nb::none()));
+  }
+  nb::dict out;
+  out["step"] = reader.meta().step;
+  out["world_size"] = reader.meta().world_size;
+  out["job"] = reader.meta().job;
+  out["skeleton"] = FromValue(extras);
+  out["buffer"] = buffer.cast();
+  out["tensors"] = entries;
+  out["source"] = image.source;
+  return out;
+}
+
 nb::dict Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank) {
   Result<LoadedShard> shard = Status(StatusCode::kCancelled, "not loaded");
   {
@@ -218,35 +255,10 @@ nb::dict Load(const std::string& path, std::optional<uint64_t> step, uint32_t ra
     shard = store.ok() ? LoadShard(**store, step, rank) : Result<LoadedShard>(store.status());
   }
   LoadedShard s = Unwrap(std::move(shard));
-
-  // The whole image as one uint8 array; tensors are views into it (zero copy, zero parse).
-  auto* keep = new std::shared_ptr<std::byte>(s.image.buffer);
-  nb::capsule owner(keep, [](void* p) noexcept {
-    delete static_cast<std::shared_ptr<std::byte>*>(p);
-  });
-  size_t shape[1] = {s.image.size};
-  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> buffer(
-      reinterpret_cast<uint8_t*>(s.image.buffer.get()), 1, shape, owner);
-
-  nb::list entries;
-  for (const TensorEntry& e : s.reader.tensors()) {
-    const bool shard_box = !e.spec.global_shape.empty();
-    entries.append(nb::make_tuple(
-        e.spec.name, std::string(DTypeName(e.spec.dtype)), DimsToTuple(e.spec.shape), e.offset,
-        e.nbytes, shard_box ? nb::object(DimsToTuple(e.spec.global_shape)) : nb::none(),
-        shard_box ? nb::object(DimsToTuple(e.spec.global_offset)) : nb::none()));
-  }
-  nb::dict out;
-  out["step"] = s.commit.step;
-  out["world_size"] = s.commit.world_size;
-  out["job"] = s.commit.job;
-  out["skeleton"] = FromValue(s.extras);
-  out["buffer"] = buffer.cast();
-  out["tensors"] = entries;
+  nb::dict out = LoadedToPython(s.image, s.reader, s.extras);
   nb::list skipped;
   for (const auto& m : s.skipped) skipped.append(m);
   out["skipped"] = skipped;
-  out["source"] = s.image.source;
   return out;
 }
 
@@ -262,6 +274,119 @@ std::vector<uint64_t> Steps(const std::string& path) {
   for (const auto& c : Unwrap(std::move(committed))) out.push_back(c.step);
   return out;
 }
+
+// --- flash checkpoints: the client of the node agent --------------------------------------------
+
+class PyClient {
+ public:
+  PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
+           uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
+           const std::string& agent_binary) {
+    ClientOptions o;
+    o.storage = storage;
+    o.job = job;
+    o.shm_dir = shm_dir;
+    o.rank = rank;
+    o.world_size = world_size;
+    o.keep = keep;
+    o.wait_when_busy = wait_when_busy;
+    o.agent_binary = agent_binary;
+    Result<std::unique_ptr<SnapshotClient>> c = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      c = SnapshotClient::Connect(std::move(o));
+    }
+    client_ = Unwrap(std::move(c));
+  }
+
+  nb::dict Save(uint64_t step, nb::handle skeleton, nb::list tensors, bool persist) {
+    std::vector<TensorSource> sources = ToSources(tensors);
+    std::string extras = Unwrap(EncodeExtras(ToValue(skeleton, 0)));
+    Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      r = Get().Save(step, std::move(sources), std::move(extras), persist);
+    }
+    SnapshotResult s = Unwrap(std::move(r));
+    nb::dict out;
+    out["saved"] = s.saved;
+    out["persist_requested"] = s.persist_requested;
+    out["slot"] = s.slot;
+    out["image_bytes"] = s.image_bytes;
+    out["copy_seconds"] = s.copy_seconds;
+    out["wait_seconds"] = s.wait_seconds;
+    out["create_seconds"] = s.create_seconds;
+    out["agent_error"] = s.agent_error;
+    return out;
+  }
+
+  void Wait(double timeout_s) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = Get().Wait(timeout_s);
+    }
+    Check(s);
+  }
+
+  std::string AgentStatus() {
+    Result<std::string> r = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      r = Get().AgentStatus();
+    }
+    return Unwrap(std::move(r));
+  }
+
+  nb::object LoadNewest(std::optional<uint64_t> min_step) {
+    Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      r = Get().LoadNewest(min_step);
+    }
+    if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
+    MemorySnapshot s = Unwrap(std::move(r));
+    return LoadedToPython(s.image, s.reader, s.extras);
+  }
+
+  nb::list Slots() {
+    nb::list out;
+    Check(Get().arena().Refresh());
+    for (const SlotInfo& s : Get().arena().Slots()) {
+      nb::dict d;
+      d["slot"] = s.index;
+      d["state"] = std::string(SlotStateName(s.state));
+      d["leased"] = s.leased;
+      d["step"] = s.step;
+      d["image_bytes"] = s.image_size;
+      d["capacity"] = s.capacity;
+      out.append(d);
+    }
+    return out;
+  }
+
+  std::optional<uint64_t> LastPersistStep() { return Get().last_persist_step(); }
+
+  void Close(double timeout_s) {
+    if (!client_) return;
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = client_->Close(timeout_s);
+    }
+    client_.reset();
+    Check(s);
+  }
+
+  void Abandon() { client_.reset(); }  // drop the connection without a clean close
+
+ private:
+  SnapshotClient& Get() {
+    if (!client_) Check(InvalidArgument("the checkpointer is closed"));
+    return *client_;
+  }
+  std::unique_ptr<SnapshotClient> client_;
+};
 
 }  // namespace
 }  // namespace safepoint
@@ -284,6 +409,19 @@ NB_MODULE(_core, m) {
         "tensors"_a);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a);
   m.def("steps", &Steps, "path"_a);
+  nb::class_<PyClient>(m, "Client")
+      .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
+                    uint32_t, bool, const std::string&>(),
+           "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
+           "wait_when_busy"_a, "agent_binary"_a)
+      .def("save", &PyClient::Save, "step"_a, "skeleton"_a, "tensors"_a, "persist"_a)
+      .def("wait", &PyClient::Wait, "timeout"_a)
+      .def("agent_status", &PyClient::AgentStatus)
+      .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none())
+      .def("slots", &PyClient::Slots)
+      .def("last_persist_step", &PyClient::LastPersistStep)
+      .def("close", &PyClient::Close, "timeout"_a)
+      .def("abandon", &PyClient::Abandon);
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("FORMAT_VERSION") = kImageFormatVersion;
 }

@@ -10,6 +10,7 @@ Synchronous API (durable when it returns)::
 
 from safepoint import _core
 from safepoint._api import load, save, steps
+from safepoint._checkpointer import Checkpointer
 from safepoint.errors import (
     AlreadyExistsError,
     CancelledError,
@@ -26,6 +27,7 @@ __version__ = _core.__version__
 FORMAT_VERSION = _core.FORMAT_VERSION
 
 __all__ = [
+    "Checkpointer",
     "save",
     "load",
     "steps",

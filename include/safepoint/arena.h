@@ -1,0 +1,132 @@
+// Arenas: snapshot slots in host shared memory (docs/architecture.md, "Snapshots").
+//
+// Each job has a directory "<shm_dir>/safepoint-<uid>-<job>" (0700, owned by the user, never a
+// symlink). Each rank has `slots` slot files "rank-<R>.slot-<i>" (0600, created exclusively under
+// a temporary name and renamed into place). A slot file is a 4 KiB control block followed by the
+// slot's capacity: exactly the bytes of one image (docs/format.md), so persisting is one stream of
+// aligned writes straight from shared memory.
+//
+// The control block's state word is the only synchronisation between the training process (the
+// writer of its rank's slots) and the agent (which leases COMPLETE slots while it persists them):
+//   FREE -> WRITING (writer, CAS) -> COMPLETE (writer, release store) -> WRITING (writer, CAS,
+//   only if not leased) ...; COMPLETE <-> COMPLETE+leased (agent, CAS with the generation).
+// A slot being written is never read; a leased slot is never overwritten; a writer killed mid-copy
+// leaves a WRITING slot that is never read and is reused by the next writer of that rank.
+//
+// Thread safety: one writer process per rank (checked through the writer pid); any number of
+// readers. Slot files are created pre-faulted with their space reserved, so writing never faults
+// in fresh pages on the save path and a full /dev/shm is an error, never a SIGBUS.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "safepoint/status.h"
+
+namespace safepoint {
+
+inline constexpr uint32_t kDefaultSlots = 2;
+
+enum class SlotState : uint8_t { kFree = 0, kWriting = 1, kComplete = 2 };
+std::string_view SlotStateName(SlotState s);
+
+// A snapshot of a slot's control block.
+struct SlotInfo {
+  uint32_t index = 0;
+  SlotState state = SlotState::kFree;
+  bool leased = false;
+  uint64_t generation = 0;
+  uint64_t step = 0;
+  uint64_t image_size = 0;
+  uint64_t capacity = 0;
+  int64_t complete_time_ns = 0;
+  uint32_t writer_pid = 0;
+};
+
+// The job directory for `job` under `shm_dir`, created (0700) when `create`. Fails when it exists
+// but is a symlink, not a directory, owned by another user or accessible to others.
+Result<std::string> JobDirectory(const std::string& shm_dir, const std::string& job, bool create);
+// Job directories of this user under `shm_dir`: (job, path) pairs.
+Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
+    const std::string& shm_dir);
+// Validates a job name: [A-Za-z0-9._-]{1,64}.
+Status ValidateJobName(const std::string& job);
+
+class SlotFile;  // a mapped slot file (src/shm/arena.cc)
+
+// One rank's slots.
+class Arena {
+ public:
+  ~Arena();
+  // Opens rank's arena in `job_dir`, mapping the slot files that exist. Creates none.
+  static Result<std::unique_ptr<Arena>> Open(const std::string& job_dir, uint32_t rank,
+                                             uint32_t slots = kDefaultSlots);
+
+  uint32_t rank() const { return rank_; }
+  uint32_t slot_count() const { return static_cast<uint32_t>(slots_.size()); }
+  const std::string& job_dir() const { return job_dir_; }
+
+  // Control blocks of the slots (a slot file that does not exist reads as FREE, capacity 0).
+  std::vector<SlotInfo> Slots() const;
+  // Re-maps slot files that another process created or replaced since.
+  Status Refresh();
+  // The bytes of a slot's image area (capacity bytes), valid until the slot is replaced.
+  std::span<std::byte> SlotData(uint32_t slot);
+  // Bytes of shared memory the mapped slot files take.
+  uint64_t mapped_bytes() const;
+
+  // --- writer side (the training process of this rank) ----------------------------------------
+  enum class Acquire { kAcquired, kBusy };
+  struct WriteTicket {
+    uint32_t slot = 0;
+    uint64_t generation = 0;
+    std::span<std::byte> data;  // image_size bytes of the slot
+    bool relaid_out = false;    // the slot file was (re)created for this size
+    double create_seconds = 0;  // time spent creating and pre-faulting it
+  };
+  // Takes a slot that may be overwritten (never the newest COMPLETE one, never a leased one) and
+  // marks it WRITING. Grows the slot file when it is smaller than image_size (checking the free
+  // space first: ResourceExhausted with the bytes needed and free). kBusy when no slot may be
+  // overwritten right now (the agent still reads it).
+  Result<std::pair<Acquire, WriteTicket>> BeginWrite(uint64_t image_size);
+  // Marks the slot COMPLETE with the step; its bytes must be a whole, checksummed image.
+  // `leased`: hand it over leased, for the agent to persist (it releases the lease when done).
+  void FinishWrite(const WriteTicket& ticket, uint64_t step, uint64_t image_size,
+                   bool leased = false);
+  // Marks a slot FREE again after a failed write.
+  void AbortWrite(const WriteTicket& ticket);
+
+  // --- agent side -----------------------------------------------------------------------------
+  // Leases a COMPLETE slot of `generation` so that it is not overwritten while it is read.
+  // false when the slot changed since (it is no longer that snapshot).
+  bool Lease(uint32_t slot, uint64_t generation);
+  void Release(uint32_t slot, uint64_t generation);
+  // Clears every lease (a new agent adopting the arena: the previous one is gone).
+  void ClearLeases();
+
+  // --- readers --------------------------------------------------------------------------------
+  // The COMPLETE slot with the highest step, if any.
+  std::optional<SlotInfo> NewestComplete() const;
+
+  // Removes the rank's slot files.
+  Status Remove();
+
+  // Preallocates and pre-faults the slot files for images up to `image_size` now, off the save
+  // path (a no-op for slots that are large enough).
+  Status Reserve(uint64_t image_size);
+
+ private:
+  Arena() = default;
+  Status EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds);
+  std::string SlotPath(uint32_t slot) const;
+  std::string job_dir_;
+  uint32_t rank_ = 0;
+  std::vector<std::unique_ptr<SlotFile>> slots_;
+};
+
+}  // namespace safepoint

@@ -1,0 +1,98 @@
+// SnapshotClient: what a training process links to take flash checkpoints.
+//
+// Save() builds the image of this rank's state straight into a free slot of the rank's arena in
+// shared memory (a parallel copy; checksums computed on the way while the bytes are in cache),
+// marks it COMPLETE and tells the node agent, which persists it in the background. Training
+// blocks only for the copy. LoadNewest() reads the newest valid snapshot back from memory (hot
+// reload), verifying every checksum.
+//
+// The agent is started on demand (detached, so that it outlives the training process) when none
+// serves the job. If the agent dies, the next call reconnects, starting a new agent, which
+// adopts the snapshots it finds.
+//
+// Thread safety: one thread at a time.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "safepoint/arena.h"
+#include "safepoint/checkpoint.h"
+#include "safepoint/image.h"
+#include "safepoint/status.h"
+
+namespace safepoint {
+
+struct ClientOptions {
+  std::string storage;  // the checkpoint directory (path or URI)
+  std::string job;
+  std::string shm_dir = "/dev/shm";
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  uint32_t keep = 3;
+  bool wait_when_busy = true;  // on_busy: wait for a slot, or skip the memory snapshot
+  std::string agent_binary;    // safepointd; empty: do not start one (fail if none serves)
+  double agent_start_timeout_s = 30;
+  uint32_t copy_threads = 0;   // 0: all cores
+};
+
+struct SnapshotResult {
+  bool saved = false;          // false: skipped because no slot was free (on_busy="skip")
+  bool persist_requested = false;
+  uint32_t slot = 0;
+  uint64_t image_bytes = 0;
+  double copy_seconds = 0;     // filling the slot (the blocking part of a save)
+  double wait_seconds = 0;     // waiting for a free slot (on_busy="wait")
+  double create_seconds = 0;   // creating and pre-faulting a slot (first save, or a new layout)
+  std::string agent_error;     // the agent could not be told (the snapshot is safe in memory)
+};
+
+struct MemorySnapshot {
+  LoadedImage image;  // a private, verified copy of the slot's image
+  ImageReader reader;
+  Value extras;
+  uint64_t step = 0;
+};
+
+class SnapshotClient {
+ public:
+  ~SnapshotClient();
+  static Result<std::unique_ptr<SnapshotClient>> Connect(ClientOptions options);
+
+  // Snapshots one rank's shard of `step`. `persist`: ask the agent to persist it.
+  Result<SnapshotResult> Save(uint64_t step, std::vector<TensorSource> tensors, std::string extras,
+                              bool persist);
+  // Waits until the newest step whose persist was asked is committed (or its persist failed);
+  // `timeout_s` < 0 waits forever. OK right away when no persist was asked.
+  Status Wait(double timeout_s);
+  // The agent's status (JSON text).
+  Result<std::string> AgentStatus();
+  // Reads the newest COMPLETE snapshot of this rank that is at least `min_step`, verified.
+  // NotFound when there is none; Corruption when the newest one fails its checksums.
+  Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step);
+  // Clean close: the agent persists the newest snapshot if needed and removes the arena.
+  Status Close(double timeout_s);
+
+  Arena& arena() { return *arena_; }
+  const ClientOptions& options() const { return opt_; }
+  std::optional<uint64_t> last_persist_step() const { return last_persist_step_; }
+
+ private:
+  SnapshotClient() = default;
+  Status EnsureAgent();
+  Status ConnectOnce();
+  Status StartAgent();
+  Status Hello();
+  void Disconnect();
+  Result<std::string> Request(int type, const std::string& payload, int reply_type, double timeout_s);
+
+  ClientOptions opt_;
+  std::string job_dir_;
+  std::unique_ptr<Arena> arena_;
+  int fd_ = -1;
+  std::optional<uint64_t> last_persist_step_;
+};
+
+}  // namespace safepoint

@@ -1,0 +1,210 @@
+"""Flash checkpoints: ``Checkpointer`` snapshots into host shared memory; the node agent persists.
+
+``save()`` blocks only while the state is copied into a shared-memory slot. The node agent (a
+separate, detached process) persists snapshots to the checkpoint directory in the background,
+commits them, prunes old steps, and, when the training process dies, persists its newest
+snapshot (emergency flush) and keeps it for hot reload: ``load()`` in a restarted process reads
+it from memory instead of from storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from typing import Any, Optional
+
+from safepoint import _core
+from safepoint._api import load as storage_load
+from safepoint._api import steps as storage_steps
+from safepoint._tree import flatten, unflatten
+from safepoint.errors import CorruptionError, InvalidArgumentError
+
+_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def _distributed() -> tuple[Optional[int], Optional[int]]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:  # pragma: no cover - torch without distributed
+        pass
+    return None, None
+
+
+def _default_job(storage: str) -> str:
+    env = os.environ.get("SAFEPOINT_JOB")
+    if env:
+        return env
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(storage.rstrip("/")) or "ckpt")[:40]
+    digest = hashlib.sha1(storage.encode()).hexdigest()[:12]
+    return f"{base}-{digest}"
+
+
+def _agent_binary() -> str:
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "safepointd")
+    if os.access(here, os.X_OK):
+        return here
+    found = shutil.which("safepointd")
+    return found or ""
+
+
+class Checkpointer:
+    """Flash checkpoints of one rank's state.
+
+    ``path`` is the checkpoint directory (the same one ``safepoint.load`` and ``safepoint ls``
+    read). ``job`` names the job's snapshots and agent on this node (default: derived from the
+    path, or ``$SAFEPOINT_JOB``). ``rank``/``world_size`` default to torch.distributed's, then to
+    ``$RANK``/``$WORLD_SIZE``, then 0/1. Every ``persist_every``-th step is persisted; the newest
+    ``keep`` committed steps are kept. ``on_busy`` says what ``save`` does when no slot is free
+    because the agent still persists it: ``"wait"`` or ``"skip"`` (counted in ``status()``).
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", *, job: Optional[str] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
+                 shm_dir: Optional[str] = None) -> None:
+        p = os.fspath(path)
+        if not isinstance(p, str) or not p:
+            raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
+        # The agent runs in another directory: give it an absolute path.
+        self.path = p if _SCHEME.match(p) else os.path.abspath(p)
+        drank, dworld = _distributed()
+        if rank is None:
+            rank = drank if drank is not None else int(os.environ.get("RANK", 0))
+        if world_size is None:
+            world_size = dworld if dworld is not None else int(os.environ.get("WORLD_SIZE", 1))
+        if type(persist_every) is not int or persist_every < 1:
+            raise InvalidArgumentError(f"{self.path}: persist_every must be a positive int")
+        if type(keep) is not int or keep < 1:
+            raise InvalidArgumentError(f"{self.path}: keep must be a positive int")
+        if on_busy not in ("wait", "skip"):
+            raise InvalidArgumentError(f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if not 0 <= rank < world_size:
+            raise InvalidArgumentError(f"{self.path}: rank {rank} is not in [0, {world_size})")
+        self.job = job or _default_job(self.path)
+        self.rank, self.world_size = rank, world_size
+        self.persist_every, self.keep, self.on_busy = persist_every, keep, on_busy
+        self.shm_dir = shm_dir or os.environ.get("SAFEPOINT_SHM_DIR", "/dev/shm")
+        self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
+                                    on_busy == "wait", _agent_binary())
+        self._stats: dict[str, Any] = {
+            "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
+            "agent_errors": 0,
+        }
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, *, persist: Optional[bool] = None) -> bool:
+        """Snapshots ``state`` for ``step`` into shared memory and returns.
+
+        Returns False when the snapshot was skipped (``on_busy="skip"`` and no free slot).
+        ``persist`` overrides ``persist_every`` for this step.
+        """
+        if type(step) is not int or step < 0:
+            raise InvalidArgumentError(f"{self.path}: step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        flat = flatten(state)
+        do_persist = persist if persist is not None else step % self.persist_every == 0
+        res = self._client.save(step, flat.skeleton, flat.tensors, bool(do_persist))
+        res["blocking_seconds"] = time.perf_counter() - t0
+        res["step"] = step
+        self._stats["saves"] += 1
+        self._stats["last_save"] = res
+        if not res["saved"]:
+            self._stats["skipped_saves"] += 1
+        if res["agent_error"]:
+            self._stats["agent_errors"] += 1
+            warnings.warn(f"safepoint: step {step} is snapshotted in memory but the agent could "
+                          f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=2)
+        return bool(res["saved"])
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks until every step persisted so far is committed; raises if persisting failed."""
+        self._client.wait(-1.0 if timeout is None else float(timeout))
+
+    # -- loading ------------------------------------------------------------------------------
+    def load(self, step: Optional[int] = None) -> Optional[tuple[int, Any]]:
+        """The newest (or the given) step from the fastest valid copy: this node's memory when
+        it is at least as new as the newest committed step, else storage (falling back to older
+        steps). None when there is nothing to load."""
+        t0 = time.perf_counter()
+        committed = storage_steps(self.path)
+        newest_storage = committed[-1] if committed else None
+        want = step if step is not None else newest_storage
+        snap = None
+        try:
+            snap = self._client.load_newest(want)
+        except CorruptionError as e:
+            warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
+                          RuntimeWarning, stacklevel=2)
+        if snap is not None and (step is None or snap["step"] == step):
+            out = (snap["step"], unflatten(snap["skeleton"], snap["buffer"], snap["tensors"]))
+            source = "memory"
+        elif committed and (step is None or step in committed):
+            out = storage_load(self.path, step, rank=self.rank)
+            source = "storage"
+        elif step is not None:
+            out = storage_load(self.path, step, rank=self.rank)  # raises NotFoundError
+            source = "storage"
+        else:
+            return None
+        self._stats["last_load"] = {"step": out[0], "source": source,
+                                    "seconds": time.perf_counter() - t0}
+        return out
+
+    @property
+    def last_load_source(self) -> Optional[str]:
+        last = self._stats["last_load"]
+        return last["source"] if last else None
+
+    # -- status -------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Snapshots in memory, pending persists, newest committed step, sizes and timings."""
+        agent = json.loads(self._client.agent_status())
+        mine = next((r for r in agent.get("ranks", []) if r["rank"] == self.rank), {})
+        return {
+            "job": self.job,
+            "path": self.path,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "snapshots": self._client.slots(),
+            "pending_persists": mine.get("pending_persists", 0),
+            "newest_committed": agent.get("newest_committed"),
+            "last_persisted_step": mine.get("last_persisted_step"),
+            "last_persist_seconds": mine.get("last_persist_seconds"),
+            "last_persist_bytes": mine.get("last_persist_bytes"),
+            "persists_ok": mine.get("persists_ok", 0),
+            "persists_failed": mine.get("persists_failed", 0),
+            "last_persist_error": mine.get("last_error") or None,
+            "saves": self._stats["saves"],
+            "skipped_saves": self._stats["skipped_saves"],
+            "last_save": self._stats["last_save"],
+            "last_load": self._stats["last_load"],
+            "agent": {"pid": agent.get("agent_pid"), "job_dir": agent.get("job_dir"),
+                      "queued": agent.get("queued")},
+        }
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Persists the newest snapshot if it is not yet, then removes this rank's snapshots from
+        memory (the job is done). Idempotent."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            client.close(-1.0 if timeout is None else float(timeout))
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # no clean close: the agent treats it like a death and flushes
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.abandon()

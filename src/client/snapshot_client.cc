@@ -1,0 +1,325 @@
+// SnapshotClient (include/safepoint/client.h).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "base/crc32c.h"
+#include "base/parallel.h"
+#include "safepoint/agent.h"
+#include "safepoint/client.h"
+
+namespace safepoint {
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+SnapshotClient::~SnapshotClient() { Disconnect(); }
+
+Result<std::unique_ptr<SnapshotClient>> SnapshotClient::Connect(ClientOptions options) {
+  SP_RETURN_IF_ERROR(ValidateJobName(options.job));
+  if (options.world_size == 0 || options.rank >= options.world_size) {
+    return InvalidArgument("rank " + std::to_string(options.rank) + " is not in [0, " +
+                           std::to_string(options.world_size) + ")");
+  }
+  auto c = std::unique_ptr<SnapshotClient>(new SnapshotClient());
+  c->opt_ = std::move(options);
+  SP_ASSIGN_OR_RETURN(c->job_dir_, JobDirectory(c->opt_.shm_dir, c->opt_.job, /*create=*/true));
+  SP_ASSIGN_OR_RETURN(c->arena_, Arena::Open(c->job_dir_, c->opt_.rank));
+  SP_RETURN_IF_ERROR(c->EnsureAgent());
+  return c;
+}
+
+void SnapshotClient::Disconnect() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Status SnapshotClient::ConnectOnce() {
+  Disconnect();
+  const std::string path = AgentSocketPath(job_dir_);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return InvalidArgument(path + ": socket path too long; use a shorter shm_dir");
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("socket", path, errno);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Unavailable(path + ": no safepoint agent is listening (" + std::strerror(err) + ")");
+  }
+  fd_ = fd;
+  return Hello();
+}
+
+Status SnapshotClient::Hello() {
+  json hello = {{"rank", opt_.rank},       {"world_size", opt_.world_size},
+                {"storage", opt_.storage}, {"keep", opt_.keep},
+                {"pid", ::getpid()}};
+  FrameDecoder decoder;
+  SP_RETURN_IF_ERROR(SendMessage(fd_, MessageType::kHello, hello.dump()));
+  SP_ASSIGN_OR_RETURN(Message reply, ReceiveMessage(fd_, decoder, 30));
+  if (reply.type == MessageType::kError) {
+    Disconnect();
+    std::string err = reply.payload;
+    try {
+      err = json::parse(reply.payload).at("error").get<std::string>();
+    } catch (const std::exception&) {
+    }
+    return InvalidArgument("the safepoint agent refused this process: " + err);
+  }
+  if (reply.type != MessageType::kHelloReply) {
+    Disconnect();
+    return Unavailable("the safepoint agent answered hello with an unexpected message");
+  }
+  return Status::OK();
+}
+
+Status SnapshotClient::StartAgent() {
+  if (opt_.agent_binary.empty()) {
+    return Unavailable(job_dir_ + ": no safepoint agent serves job " + opt_.job +
+                       " and none may be started here; run `safepoint agent --job " + opt_.job +
+                       "`");
+  }
+  if (::access(opt_.agent_binary.c_str(), X_OK) != 0) {
+    return ErrnoStatus("exec", opt_.agent_binary, errno);
+  }
+  const std::string log = AgentLogPath(job_dir_);
+  std::vector<std::string> args = {opt_.agent_binary, "--job", opt_.job, "--shm-dir", opt_.shm_dir};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  // Double fork with setsid: the agent is in its own session (signals for the training job's
+  // process group do not reach it) and is reparented to init, so nobody has to reap it.
+  const pid_t child = ::fork();
+  if (child < 0) return ErrnoStatus("fork", opt_.agent_binary, errno);
+  if (child == 0) {
+    ::setsid();
+    const pid_t grandchild = ::fork();
+    if (grandchild != 0) ::_exit(grandchild < 0 ? 1 : 0);
+    const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    const int in = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (out >= 0) {
+      ::dup2(out, 1);
+      ::dup2(out, 2);
+    }
+    if (in >= 0) ::dup2(in, 0);
+    ::syscall(SYS_close_range, 3, ~0U, 0);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {
+  }
+  return Status::OK();
+}
+
+Status SnapshotClient::EnsureAgent() {
+  Status s = ConnectOnce();
+  if (s.ok() || s.code() != StatusCode::kUnavailable) return s;
+  SP_RETURN_IF_ERROR(StartAgent());
+  const auto t0 = Clock::now();
+  for (;;) {
+    s = ConnectOnce();
+    if (s.ok() || s.code() != StatusCode::kUnavailable) return s;
+    if (Since(t0) > opt_.agent_start_timeout_s) {
+      return Unavailable(job_dir_ + ": the safepoint agent did not start within " +
+                         std::to_string(static_cast<int>(opt_.agent_start_timeout_s)) +
+                         " s; see " + AgentLogPath(job_dir_) + " (" + s.message() + ")");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+Result<std::string> SnapshotClient::Request(int type, const std::string& payload, int reply_type,
+                                            double timeout_s) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (fd_ < 0) SP_RETURN_IF_ERROR(EnsureAgent());
+    Status s = SendMessage(fd_, static_cast<MessageType>(type), payload);
+    if (s.ok()) {
+      FrameDecoder decoder;
+      auto reply = ReceiveMessage(fd_, decoder, timeout_s);
+      if (reply.ok()) {
+        if (reply->type == MessageType::kError) {
+          std::string err = reply->payload;
+          try {
+            err = json::parse(reply->payload).at("error").get<std::string>();
+          } catch (const std::exception&) {
+          }
+          return InvalidArgument("the safepoint agent refused the request: " + err);
+        }
+        if (static_cast<int>(reply->type) != reply_type) {
+          return Unavailable("the safepoint agent sent an unexpected reply");
+        }
+        return std::move(reply->payload);
+      }
+      s = reply.status();
+      if (s.code() == StatusCode::kCancelled) {
+        Disconnect();  // a late reply must not be taken for the next request's
+        return s;
+      }
+    }
+    if (s.code() != StatusCode::kUnavailable) return s;
+    Disconnect();  // the agent died: reconnect (starting a new one) and try once more
+  }
+  return Unavailable(job_dir_ + ": the safepoint agent is not reachable");
+}
+
+Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSource> tensors,
+                                            std::string extras, bool persist) {
+  ImageMeta meta;
+  meta.job = opt_.job;
+  meta.step = step;
+  meta.rank = opt_.rank;
+  meta.world_size = opt_.world_size;
+  SP_ASSIGN_OR_RETURN(auto builder,
+                      ImageBuilder::Create(std::move(meta), std::move(tensors), std::move(extras)));
+  SnapshotResult result;
+  result.image_bytes = builder->size();
+  result.persist_requested = persist;
+
+  const auto t_wait = Clock::now();
+  Arena::WriteTicket ticket;
+  for (int spins = 0;; ++spins) {
+    SP_ASSIGN_OR_RETURN(auto acquired, arena_->BeginWrite(builder->size()));
+    if (acquired.first == Arena::Acquire::kAcquired) {
+      ticket = acquired.second;
+      break;
+    }
+    if (!opt_.wait_when_busy) {
+      result.wait_seconds = Since(t_wait);
+      return result;  // skipped: every slot that could be overwritten is still being persisted
+    }
+    // The agent holds the slot while it persists it. If it died, a new one clears its leases.
+    if (spins % 500 == 499 && !AgentAlive(job_dir_)) {
+      Disconnect();
+      SP_RETURN_IF_ERROR(EnsureAgent());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(spins < 100 ? 1 : 2));
+  }
+  result.wait_seconds = Since(t_wait);
+  result.create_seconds = ticket.create_seconds;
+  result.slot = ticket.slot;
+
+  const auto t_copy = Clock::now();
+  const size_t threads = opt_.copy_threads ? opt_.copy_threads : internal::DefaultCpuThreads();
+  builder->FillAll(ticket.data, threads);
+  arena_->FinishWrite(ticket, step, builder->size(), /*leased=*/persist);
+  result.copy_seconds = Since(t_copy);
+  result.saved = true;
+  if (persist) last_persist_step_ = step;
+
+  // Tell the agent; the snapshot is safe in memory whatever happens here.
+  const json note = {{"slot", ticket.slot}, {"generation", ticket.generation}, {"step", step},
+                     {"persist", persist}, {"leased", persist}};
+  Status s = fd_ >= 0 ? SendMessage(fd_, MessageType::kSnapshot, note.dump())
+                      : Unavailable("not connected");
+  if (!s.ok()) {
+    Disconnect();
+    s = EnsureAgent();  // a new agent adopts the arena and persists what is not yet committed
+    if (s.ok()) s = SendMessage(fd_, MessageType::kSnapshot, note.dump());
+    if (!s.ok()) result.agent_error = s.ToString();
+  }
+  return result;
+}
+
+Status SnapshotClient::Wait(double timeout_s) {
+  if (!last_persist_step_) return Status::OK();
+  SP_ASSIGN_OR_RETURN(std::string reply,
+                      Request(static_cast<int>(MessageType::kWait),
+                              json{{"step", *last_persist_step_}}.dump(),
+                              static_cast<int>(MessageType::kWaitReply), timeout_s));
+  json j = json::parse(reply, nullptr, false);
+  if (j.is_discarded()) return Unavailable("the safepoint agent sent a malformed reply");
+  if (j.value("ok", false)) return Status::OK();
+  const int code = j.value("code", static_cast<int>(StatusCode::kIOError));
+  return Status(static_cast<StatusCode>(code), "persisting step " +
+                                                   std::to_string(*last_persist_step_) + " of " +
+                                                   opt_.storage + " failed: " +
+                                                   j.value("error", std::string("unknown error")));
+}
+
+Result<std::string> SnapshotClient::AgentStatus() {
+  return Request(static_cast<int>(MessageType::kStatus), "{}",
+                 static_cast<int>(MessageType::kStatusReply), 30);
+}
+
+Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_step) {
+  SP_RETURN_IF_ERROR(arena_->Refresh());
+  const std::optional<SlotInfo> newest = arena_->NewestComplete();
+  if (!newest || (min_step && newest->step < *min_step)) {
+    return NotFound(job_dir_ + ": no snapshot of rank " + std::to_string(opt_.rank) +
+                    " in memory" + (min_step ? " at step " + std::to_string(*min_step) + " or newer" : ""));
+  }
+  const std::string source = job_dir_ + "/rank-" + std::to_string(opt_.rank) + ".slot-" +
+                             std::to_string(newest->index) + " (step " +
+                             std::to_string(newest->step) + ")";
+  const size_t size = newest->image_size;
+  auto* raw = static_cast<std::byte*>(
+      ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (raw == MAP_FAILED) return ResourceExhausted(source + ": cannot allocate " + std::to_string(size) + " bytes");
+  if (size >= (2u << 20)) ::madvise(raw, size, MADV_HUGEPAGE);
+  std::shared_ptr<std::byte> buffer(raw, [size](std::byte* p) { ::munmap(p, size); });
+  auto src = arena_->SlotData(newest->index).subspan(0, size);
+  constexpr uint64_t kPiece = 8 << 20;
+  internal::ParallelFor((size + kPiece - 1) / kPiece, internal::DefaultCpuThreads(), [&](size_t i) {
+    const uint64_t off = i * kPiece;
+    std::memcpy(raw + off, src.data() + off, std::min<uint64_t>(kPiece, size - off));
+  });
+  // The copy is what we verify and hand out; the slot must not have changed meanwhile.
+  for (const SlotInfo& s : arena_->Slots()) {
+    if (s.index == newest->index && (s.generation != newest->generation || s.state != SlotState::kComplete)) {
+      return Corruption(source + ": the snapshot changed while it was read");
+    }
+  }
+  std::span<const std::byte> bytes(raw, size);
+  SP_ASSIGN_OR_RETURN(ImageReader reader, ImageReader::Parse(bytes, source, ImageReader::Verify::kAll,
+                                                             internal::DefaultCpuThreads()));
+  if (reader.meta().step != newest->step || reader.meta().rank != opt_.rank ||
+      reader.meta().world_size != opt_.world_size) {
+    return Corruption(source + ": the image in the slot is of step " +
+                      std::to_string(reader.meta().step) + ", rank " +
+                      std::to_string(reader.meta().rank) + " of " +
+                      std::to_string(reader.meta().world_size));
+  }
+  SP_ASSIGN_OR_RETURN(Value extras, DecodeExtras(reader.extras(), reader.tensors().size(), source));
+  MemorySnapshot out{LoadedImage{std::move(buffer), size, source}, std::move(reader), std::move(extras),
+                     newest->step};
+  return out;
+}
+
+Status SnapshotClient::Close(double timeout_s) {
+  auto reply = Request(static_cast<int>(MessageType::kClose), "{}",
+                       static_cast<int>(MessageType::kCloseReply), timeout_s);
+  Disconnect();
+  if (!reply.ok()) return reply.status();
+  json j = json::parse(*reply, nullptr, false);
+  if (j.is_discarded() || !j.value("ok", false)) {
+    return IOError(job_dir_ + ": closing failed: " + (j.is_discarded() ? *reply : j.value("error", std::string())));
+  }
+  return Status::OK();
+}
+
+}  // namespace safepoint

@@ -1,0 +1,521 @@
+// Arenas of snapshot slots in shared memory (include/safepoint/arena.h).
+#include "safepoint/arena.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "base/parallel.h"
+
+namespace safepoint {
+
+namespace {
+
+constexpr char kSlotMagic[8] = {'S', 'P', 'S', 'L', 'O', 'T', '1', '\0'};
+constexpr uint32_t kSlotVersion = 1;
+constexpr uint64_t kSlotHeaderSize = 4096;
+constexpr uint64_t kCapacityQuantum = 2 << 20;
+constexpr uint64_t kLeasedBit = 0x10;
+constexpr uint64_t kStateMask = 0x0F;
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "slot control words must be lock-free to be shared between processes");
+
+// The control block at the start of every slot file. Only atomics are shared between processes.
+struct SlotHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t header_size;
+  uint64_t capacity;
+  uint32_t rank;
+  uint32_t slot;
+  std::atomic<uint64_t> word;  // generation << 8 | leased bit | state
+  std::atomic<uint64_t> step;
+  std::atomic<uint64_t> image_size;
+  std::atomic<int64_t> complete_time_ns;
+  std::atomic<uint32_t> writer_pid;
+};
+static_assert(sizeof(SlotHeader) <= kSlotHeaderSize);
+
+uint64_t Word(uint64_t gen, SlotState s, bool leased = false) {
+  return (gen << 8) | (leased ? kLeasedBit : 0) | static_cast<uint64_t>(s);
+}
+uint64_t GenOf(uint64_t w) { return w >> 8; }
+SlotState StateOf(uint64_t w) { return static_cast<SlotState>(w & kStateMask); }
+bool LeasedOf(uint64_t w) { return w & kLeasedBit; }
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool ProcessAlive(uint32_t pid) {
+  if (pid == 0) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+}
+
+std::string RandomSuffix() {
+  uint64_t v = 0;
+  if (::getrandom(&v, sizeof(v), 0) != sizeof(v)) v = static_cast<uint64_t>(NowNs()) ^ ::getpid();
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string HumanBytes(uint64_t n) {
+  char buf[32];
+  if (n >= (uint64_t{1} << 30)) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", n / double(uint64_t{1} << 30));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", n / double(1 << 20));
+  }
+  return buf;
+}
+
+}  // namespace
+
+std::string_view SlotStateName(SlotState s) {
+  switch (s) {
+    case SlotState::kFree: return "FREE";
+    case SlotState::kWriting: return "WRITING";
+    case SlotState::kComplete: return "COMPLETE";
+  }
+  return "UNKNOWN";
+}
+
+// A mapped slot file.
+class SlotFile {
+ public:
+  ~SlotFile() {
+    if (map_ != nullptr) ::munmap(map_, map_size_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  static Result<std::unique_ptr<SlotFile>> Open(const std::string& path, uint32_t rank,
+                                                uint32_t slot) {
+    auto f = std::unique_ptr<SlotFile>(new SlotFile());
+    f->path_ = path;
+    f->fd_ = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (f->fd_ < 0) return ErrnoStatus("open", path, errno);
+    struct stat st;
+    if (::fstat(f->fd_, &st) != 0) return ErrnoStatus("stat", path, errno);
+    if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+      return InvalidArgument(path + ": not a private regular file of this user; refusing to use it");
+    }
+    if (static_cast<uint64_t>(st.st_size) < kSlotHeaderSize) {
+      return Corruption(path + ": slot file is truncated");
+    }
+    f->ino_ = st.st_ino;
+    f->map_size_ = st.st_size;
+    void* p = ::mmap(nullptr, f->map_size_, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd_, 0);
+    if (p == MAP_FAILED) return ErrnoStatus("mmap", path, errno);
+    f->map_ = static_cast<std::byte*>(p);
+    const SlotHeader* h = f->header();
+    if (std::memcmp(h->magic, kSlotMagic, 8) != 0 || h->version != kSlotVersion ||
+        h->header_size != kSlotHeaderSize || h->rank != rank || h->slot != slot ||
+        h->capacity > f->map_size_ - kSlotHeaderSize) {
+      return Corruption(path + ": not a valid slot file of rank " + std::to_string(rank) +
+                        " slot " + std::to_string(slot));
+    }
+    return f;
+  }
+
+  // Creates the slot file: space reserved (fallocate), every page written once (pre-faulted),
+  // published by rename. `word` is the initial control word.
+  static Result<std::unique_ptr<SlotFile>> Create(const std::string& path, uint32_t rank,
+                                                  uint32_t slot, uint64_t capacity,
+                                                  uint64_t word) {
+    const uint64_t size = kSlotHeaderSize + capacity;
+    const std::string dir = path.substr(0, path.rfind('/'));
+    struct statvfs vfs;
+    if (::statvfs(dir.c_str(), &vfs) == 0) {
+      const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      if (free_bytes < size) {
+        return ResourceExhausted(
+            dir + ": a snapshot slot for rank " + std::to_string(rank) + " needs " +
+            std::to_string(size) + " bytes (" + HumanBytes(size) + ") of shared memory, but only " +
+            std::to_string(free_bytes) + " bytes (" + HumanBytes(free_bytes) +
+            ") are free. Each rank keeps " + "2 slots of its state's size: enlarge /dev/shm (e.g. "
+            "`docker run --shm-size=...`, or `mount -o remount,size=... /dev/shm`) or point "
+            "shm_dir / SAFEPOINT_SHM_DIR at a larger tmpfs or a local disk directory");
+      }
+    }
+    const std::string tmp = path + ".tmp." + RandomSuffix();
+    auto f = std::unique_ptr<SlotFile>(new SlotFile());
+    f->path_ = path;
+    f->fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (f->fd_ < 0) return ErrnoStatus("create", tmp, errno);
+    auto fail = [&](Status s) {
+      ::unlink(tmp.c_str());
+      return s;
+    };
+    if (::fallocate(f->fd_, 0, 0, static_cast<off_t>(size)) != 0) {
+      if (errno != EOPNOTSUPP) {
+        Status s = ErrnoStatus("fallocate", tmp, errno);
+        if (s.code() == StatusCode::kResourceExhausted) {
+          s = ResourceExhausted(dir + ": no room for a " + HumanBytes(size) +
+                                " snapshot slot of rank " + std::to_string(rank) +
+                                " in shared memory; enlarge /dev/shm or set shm_dir");
+        }
+        return fail(s);
+      }
+      if (::ftruncate(f->fd_, static_cast<off_t>(size)) != 0) {
+        return fail(ErrnoStatus("ftruncate", tmp, errno));
+      }
+    }
+    struct stat st;
+    if (::fstat(f->fd_, &st) != 0) return fail(ErrnoStatus("stat", tmp, errno));
+    f->ino_ = st.st_ino;
+    f->map_size_ = size;
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd_, 0);
+    if (p == MAP_FAILED) return fail(ErrnoStatus("mmap", tmp, errno));
+    f->map_ = static_cast<std::byte*>(p);
+    // Pre-fault: write every page once now, so that saves copy into warm pages.
+    const uint64_t piece = 64 << 20;
+    internal::ParallelFor((size + piece - 1) / piece, internal::DefaultCpuThreads(), [&](size_t i) {
+      const uint64_t off = i * piece;
+      std::memset(f->map_ + off, 0, std::min(piece, size - off));
+    });
+    SlotHeader* h = f->header();
+    std::memcpy(h->magic, kSlotMagic, 8);
+    h->version = kSlotVersion;
+    h->header_size = kSlotHeaderSize;
+    h->capacity = capacity;
+    h->rank = rank;
+    h->slot = slot;
+    h->word.store(word, std::memory_order_relaxed);
+    h->writer_pid.store(static_cast<uint32_t>(::getpid()), std::memory_order_relaxed);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp, errno));
+    return f;
+  }
+
+  SlotHeader* header() const { return reinterpret_cast<SlotHeader*>(map_); }
+  std::span<std::byte> data() const {
+    return {map_ + kSlotHeaderSize, header()->capacity};
+  }
+  uint64_t capacity() const { return header()->capacity; }
+  uint64_t ino() const { return ino_; }
+  uint64_t map_size() const { return map_size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  SlotFile() = default;
+  std::string path_;
+  int fd_ = -1;
+  std::byte* map_ = nullptr;
+  uint64_t map_size_ = 0;
+  uint64_t ino_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+Status ValidateJobName(const std::string& job) {
+  if (job.empty() || job.size() > 64) {
+    return InvalidArgument("job name '" + job + "' must have 1..64 characters");
+  }
+  for (char c : job) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return InvalidArgument("job name '" + job + "' may only use [A-Za-z0-9._-]");
+    }
+  }
+  if (job == "." || job == "..") return InvalidArgument("job name '" + job + "' is reserved");
+  return Status::OK();
+}
+
+namespace {
+std::string JobDirPrefix() { return "safepoint-" + std::to_string(::geteuid()) + "-"; }
+
+Status CheckPrivateDirectory(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ELOOP || errno == ENOTDIR) {
+      return InvalidArgument(path + ": exists but is not a directory (or is a symlink); refusing "
+                             "to use it for snapshots");
+    }
+    return ErrnoStatus("open", path, errno);
+  }
+  struct stat st;
+  const int rc = ::fstat(fd, &st);
+  ::close(fd);
+  if (rc != 0) return ErrnoStatus("stat", path, errno);
+  if (st.st_uid != ::geteuid()) {
+    return InvalidArgument(path + ": owned by uid " + std::to_string(st.st_uid) +
+                           ", not by this user; refusing to use it for snapshots");
+  }
+  if ((st.st_mode & 077) != 0) {
+    return InvalidArgument(path + ": accessible to other users (mode " +
+                           std::to_string(st.st_mode & 0777) + "); refusing to use it");
+  }
+  return Status::OK();
+}
+}  // namespace
+
+Result<std::string> JobDirectory(const std::string& shm_dir, const std::string& job, bool create) {
+  SP_RETURN_IF_ERROR(ValidateJobName(job));
+  const std::string path = shm_dir + "/" + JobDirPrefix() + job;
+  if (create && ::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
+    Status s = ErrnoStatus("mkdir", path, errno);
+    if (s.code() == StatusCode::kNotFound) {
+      return NotFound(shm_dir + ": the shared-memory directory does not exist");
+    }
+    return s;
+  }
+  SP_RETURN_IF_ERROR(CheckPrivateDirectory(path));
+  return path;
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
+    const std::string& shm_dir) {
+  std::vector<std::pair<std::string, std::string>> out;
+  DIR* d = ::opendir(shm_dir.c_str());
+  if (d == nullptr) {
+    if (errno == ENOENT) return out;
+    return ErrnoStatus("opendir", shm_dir, errno);
+  }
+  const std::string prefix = JobDirPrefix();
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    std::string job = name.substr(prefix.size());
+    if (!ValidateJobName(job).ok()) continue;
+    const std::string path = shm_dir + "/" + name;
+    if (!CheckPrivateDirectory(path).ok()) continue;
+    out.emplace_back(job, path);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Arena::~Arena() = default;
+
+std::string Arena::SlotPath(uint32_t slot) const {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "/rank-%05u.slot-%u", rank_, slot);
+  return job_dir_ + buf;
+}
+
+Result<std::unique_ptr<Arena>> Arena::Open(const std::string& job_dir, uint32_t rank,
+                                           uint32_t slots) {
+  if (slots < 2 || slots > 16) return InvalidArgument("an arena needs 2..16 slots");
+  auto a = std::unique_ptr<Arena>(new Arena());
+  a->job_dir_ = job_dir;
+  a->rank_ = rank;
+  a->slots_.resize(slots);
+  SP_RETURN_IF_ERROR(a->Refresh());
+  return a;
+}
+
+Status Arena::Refresh() {
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const std::string path = SlotPath(i);
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) {
+      if (errno != ENOENT) return ErrnoStatus("stat", path, errno);
+      slots_[i].reset();
+      continue;
+    }
+    if (slots_[i] && slots_[i]->ino() == st.st_ino) continue;
+    SP_ASSIGN_OR_RETURN(slots_[i], SlotFile::Open(path, rank_, i));
+  }
+  return Status::OK();
+}
+
+std::vector<SlotInfo> Arena::Slots() const {
+  std::vector<SlotInfo> out(slots_.size());
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    out[i].index = i;
+    if (!slots_[i]) continue;
+    const SlotHeader* h = slots_[i]->header();
+    for (;;) {  // a consistent read of the fields against the state word
+      const uint64_t w1 = h->word.load(std::memory_order_acquire);
+      out[i].step = h->step.load(std::memory_order_relaxed);
+      out[i].image_size = h->image_size.load(std::memory_order_relaxed);
+      out[i].complete_time_ns = h->complete_time_ns.load(std::memory_order_relaxed);
+      out[i].writer_pid = h->writer_pid.load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      const uint64_t w2 = h->word.load(std::memory_order_relaxed);
+      if ((w1 & ~kLeasedBit) != (w2 & ~kLeasedBit)) continue;
+      out[i].state = StateOf(w2);
+      out[i].leased = LeasedOf(w2);
+      out[i].generation = GenOf(w2);
+      break;
+    }
+    out[i].capacity = slots_[i]->capacity();
+    if (out[i].state == SlotState::kComplete && out[i].image_size > out[i].capacity) {
+      out[i].state = SlotState::kWriting;  // impossible unless damaged: never read it
+    }
+  }
+  return out;
+}
+
+std::span<std::byte> Arena::SlotData(uint32_t slot) {
+  if (slot >= slots_.size() || !slots_[slot]) return {};
+  return slots_[slot]->data();
+}
+
+uint64_t Arena::mapped_bytes() const {
+  uint64_t n = 0;
+  for (const auto& s : slots_) n += s ? s->map_size() : 0;
+  return n;
+}
+
+std::optional<SlotInfo> Arena::NewestComplete() const {
+  std::optional<SlotInfo> best;
+  for (const SlotInfo& s : Slots()) {
+    if (s.state != SlotState::kComplete) continue;
+    if (!best || s.step > best->step || (s.step == best->step && s.generation > best->generation)) {
+      best = s;
+    }
+  }
+  return best;
+}
+
+Status Arena::EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds) {
+  *seconds = 0;
+  if (slots_[slot] && slots_[slot]->capacity() >= image_size) return Status::OK();
+  const auto t0 = std::chrono::steady_clock::now();
+  // Headroom so that small changes of the non-tensor state do not re-lay the slot out.
+  uint64_t capacity = image_size + image_size / 64 + (64 << 10);
+  capacity = (capacity + kCapacityQuantum - 1) / kCapacityQuantum * kCapacityQuantum;
+  uint64_t word = Word(0, SlotState::kWriting);
+  if (slots_[slot]) word = slots_[slot]->header()->word.load(std::memory_order_acquire);
+  SP_ASSIGN_OR_RETURN(slots_[slot], SlotFile::Create(SlotPath(slot), rank_, slot, capacity, word));
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return Status::OK();
+}
+
+Status Arena::Reserve(uint64_t image_size) {
+  SP_RETURN_IF_ERROR(Refresh());
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i] && slots_[i]->capacity() >= image_size) continue;
+    // Only slots this writer may overwrite now: FREE or torn ones.
+    auto ticket = BeginWrite(image_size);
+    if (!ticket.ok()) return ticket.status();
+    if (ticket->first == Acquire::kBusy) break;
+    AbortWrite(ticket->second);
+  }
+  return Status::OK();
+}
+
+Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t image_size) {
+  SP_RETURN_IF_ERROR(Refresh());
+  const uint32_t self = static_cast<uint32_t>(::getpid());
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const std::vector<SlotInfo> info = Slots();
+    std::optional<uint32_t> newest;
+    for (const SlotInfo& s : info) {
+      if (s.state != SlotState::kComplete) continue;
+      if (!newest || s.step > info[*newest].step ||
+          (s.step == info[*newest].step && s.generation > info[*newest].generation)) {
+        newest = s.index;
+      }
+    }
+    // Preference: a slot that does not exist yet or is FREE, then a torn one (WRITING by a dead
+    // writer, or by this process after a failed save), then the oldest COMPLETE one.
+    std::vector<const SlotInfo*> order;
+    for (const SlotInfo& s : info) {
+      if (newest && s.index == *newest) continue;
+      if (s.leased) continue;
+      if (s.state == SlotState::kWriting && s.writer_pid != self && ProcessAlive(s.writer_pid) &&
+          slots_[s.index]) {
+        return InvalidArgument(job_dir_ + ": process " + std::to_string(s.writer_pid) +
+                               " is writing rank " + std::to_string(rank_) +
+                               "'s snapshots; two processes cannot save the same rank");
+      }
+      order.push_back(&s);
+    }
+    std::stable_sort(order.begin(), order.end(), [](const SlotInfo* a, const SlotInfo* b) {
+      auto rank_of = [](const SlotInfo* s) {
+        return s->state == SlotState::kFree ? 0 : s->state == SlotState::kWriting ? 1 : 2;
+      };
+      if (rank_of(a) != rank_of(b)) return rank_of(a) < rank_of(b);
+      return a->step < b->step;
+    });
+    if (order.empty()) return std::make_pair(Acquire::kBusy, WriteTicket{});
+    const SlotInfo& s = *order.front();
+    WriteTicket t;
+    t.slot = s.index;
+    t.generation = s.generation + 1;
+    if (slots_[s.index]) {
+      uint64_t expected = Word(s.generation, s.state, false);
+      if (!slots_[s.index]->header()->word.compare_exchange_strong(
+              expected, Word(t.generation, SlotState::kWriting), std::memory_order_acq_rel)) {
+        continue;  // the agent leased it or it changed: choose again
+      }
+      slots_[s.index]->header()->writer_pid.store(self, std::memory_order_relaxed);
+    }
+    Status cap = EnsureCapacity(s.index, image_size, &t.create_seconds);
+    if (!cap.ok()) {
+      if (slots_[s.index]) AbortWrite(t);
+      return cap;
+    }
+    t.relaid_out = t.create_seconds > 0;
+    SlotHeader* h = slots_[s.index]->header();
+    h->word.store(Word(t.generation, SlotState::kWriting), std::memory_order_release);
+    h->writer_pid.store(self, std::memory_order_relaxed);
+    t.data = slots_[s.index]->data().subspan(0, image_size);
+    return std::make_pair(Acquire::kAcquired, t);
+  }
+  return std::make_pair(Acquire::kBusy, WriteTicket{});
+}
+
+void Arena::FinishWrite(const WriteTicket& t, uint64_t step, uint64_t image_size, bool leased) {
+  SlotHeader* h = slots_[t.slot]->header();
+  h->step.store(step, std::memory_order_relaxed);
+  h->image_size.store(image_size, std::memory_order_relaxed);
+  h->complete_time_ns.store(NowNs(), std::memory_order_relaxed);
+  h->word.store(Word(t.generation, SlotState::kComplete, leased), std::memory_order_release);
+}
+
+void Arena::AbortWrite(const WriteTicket& t) {
+  if (!slots_[t.slot]) return;
+  slots_[t.slot]->header()->word.store(Word(t.generation, SlotState::kFree),
+                                       std::memory_order_release);
+}
+
+bool Arena::Lease(uint32_t slot, uint64_t generation) {
+  if (slot >= slots_.size() || !slots_[slot]) return false;
+  uint64_t expected = Word(generation, SlotState::kComplete, false);
+  return slots_[slot]->header()->word.compare_exchange_strong(
+      expected, Word(generation, SlotState::kComplete, true), std::memory_order_acq_rel);
+}
+
+void Arena::Release(uint32_t slot, uint64_t generation) {
+  if (slot >= slots_.size() || !slots_[slot]) return;
+  uint64_t expected = Word(generation, SlotState::kComplete, true);
+  slots_[slot]->header()->word.compare_exchange_strong(
+      expected, Word(generation, SlotState::kComplete, false), std::memory_order_acq_rel);
+}
+
+void Arena::ClearLeases() {
+  for (auto& s : slots_) {
+    if (!s) continue;
+    s->header()->word.fetch_and(~kLeasedBit, std::memory_order_acq_rel);
+  }
+}
+
+Status Arena::Remove() {
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    slots_[i].reset();
+    if (::unlink(SlotPath(i).c_str()) != 0 && errno != ENOENT) {
+      return ErrnoStatus("unlink", SlotPath(i), errno);
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace safepoint
