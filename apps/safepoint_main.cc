@@ -3,11 +3,19 @@
 //   safepoint ls PATH [--json]
 //   safepoint inspect PATH [--step N] [--rank R] [--json]
 //   safepoint verify PATH [--step N | --all] [--json]
+//   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush]
+//   safepoint status [--shm-dir DIR] [--json]
+//   safepoint gc [--shm-dir DIR] [--dry-run]
 //   safepoint --version
 //
 // Readable tables on stdout by default, --json for scripts; errors on stderr. Exit status: 0 on
 // success, 1 on an error or when verification finds damage, 2 on a usage error.
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -15,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "safepoint/agent.h"
+#include "safepoint/arena.h"
 #include "safepoint/build_config.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/extras.h"
@@ -37,6 +47,10 @@ const char kUsage[] =
     "  inspect PATH [--step N] [--rank R] [--json]\n"
     "                                           tensors (dtype, shape, bytes) and non-tensor state\n"
     "  verify PATH [--step N | --all] [--json]  read every byte and check every checksum\n"
+    "  agent --job JOB [--shm-dir DIR] [--no-emergency-flush]\n"
+    "                                           run the node agent in the foreground (sidecar)\n"
+    "  status [--shm-dir DIR] [--json]          this node's agents, snapshots and pending work\n"
+    "  gc [--shm-dir DIR] [--dry-run]           remove snapshots of jobs whose agent is gone\n"
     "  --version                                version and optional features of this build\n"
     "\n"
     "PATH is a checkpoint directory (a path or file:// URI). Without --step, the newest step.\n";
@@ -44,6 +58,10 @@ const char kUsage[] =
 struct Args {
   std::string command;
   std::string path;
+  std::string job;
+  std::string shm_dir = "/dev/shm";
+  bool dry_run = false;
+  bool emergency_flush = true;
   std::optional<uint64_t> step;
   uint32_t rank = 0;
   bool all = false;
@@ -278,6 +296,133 @@ int CmdVerify(const Args& a) {
   return kExitOk;
 }
 
+// Asks a live agent for its status (JSON), or nullopt.
+std::optional<json> QueryAgent(const std::string& job_dir) {
+  const std::string path = AgentSocketPath(job_dir);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) return std::nullopt;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  std::optional<json> out;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      SendMessage(fd, MessageType::kStatus, "{}").ok()) {
+    FrameDecoder decoder;
+    auto reply = ReceiveMessage(fd, decoder, 10);
+    if (reply.ok() && reply->type == MessageType::kStatusReply) {
+      out = json::parse(reply->payload, nullptr, false);
+      if (out->is_discarded()) out.reset();
+    }
+  }
+  ::close(fd);
+  return out;
+}
+
+json ArenaJson(const std::string& job_dir) {
+  json ranks = json::array();
+  auto list = ListArenaRanks(job_dir);
+  if (!list.ok()) return ranks;
+  for (uint32_t r : *list) {
+    auto arena = Arena::Open(job_dir, r);
+    if (!arena.ok()) continue;
+    json slots = json::array();
+    for (const SlotInfo& s : (*arena)->Slots()) {
+      slots.push_back({{"slot", s.index}, {"state", SlotStateName(s.state)}, {"leased", s.leased},
+                       {"step", s.step}, {"image_bytes", s.image_size}, {"capacity", s.capacity}});
+    }
+    ranks.push_back({{"rank", r}, {"slots", slots}, {"bytes", (*arena)->mapped_bytes()}});
+  }
+  return ranks;
+}
+
+int CmdAgent(const Args& a) {
+  AgentOptions o;
+  o.job = a.job;
+  o.shm_dir = a.shm_dir;
+  o.emergency_flush = a.emergency_flush;
+  o.exit_when_idle = false;  // a sidecar runs until it is told to stop
+  return RunAgent(o);
+}
+
+int CmdStatus(const Args& a) {
+  auto jobs = ListJobDirectories(a.shm_dir);
+  if (!jobs.ok()) return Fail(jobs.status());
+  json out = json::array();
+  for (const auto& [job, dir] : *jobs) {
+    uint32_t pid = 0;
+    const bool alive = AgentAlive(dir, &pid);
+    json j = {{"job", job}, {"job_dir", dir}, {"agent_alive", alive}, {"agent_pid", alive ? json(pid) : json(nullptr)},
+              {"arenas", ArenaJson(dir)}};
+    if (alive) {
+      if (auto st = QueryAgent(dir)) {
+        j["storage"] = (*st)["storage"];
+        j["world_size"] = (*st)["world_size"];
+        j["newest_committed"] = (*st)["newest_committed"];
+        j["queued"] = (*st)["queued"];
+        j["in_flight"] = (*st)["in_flight"];
+        j["ranks"] = (*st)["ranks"];
+      }
+    }
+    out.push_back(j);
+  }
+  if (a.json) {
+    std::cout << out.dump(2) << "\n";
+    return kExitOk;
+  }
+  if (out.empty()) {
+    std::cout << "no safepoint jobs in " << a.shm_dir << "\n";
+    return kExitOk;
+  }
+  for (const json& j : out) {
+    std::cout << "job " << j["job"].get<std::string>() << "  (" << j["job_dir"].get<std::string>() << ")\n";
+    if (j["agent_alive"].get<bool>()) {
+      std::cout << "  agent pid " << j["agent_pid"] << ", storage "
+                << (j.contains("storage") ? j["storage"].dump() : "?") << ", newest committed step "
+                << (j.contains("newest_committed") ? j["newest_committed"].dump() : "?")
+                << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?") << "\n";
+    } else {
+      std::cout << "  no live agent (snapshots kept for hot reload; `safepoint gc` removes them)\n";
+    }
+    std::vector<std::vector<std::string>> rows = {{"  RANK", "SLOT", "STATE", "STEP", "BYTES"}};
+    for (const json& r : j["arenas"]) {
+      for (const json& s : r["slots"]) {
+        std::string state = s["state"].get<std::string>();
+        if (s["leased"].get<bool>()) state += " (persisting)";
+        rows.push_back({"  " + std::to_string(r["rank"].get<uint32_t>()), s["slot"].dump(), state,
+                        s["state"] == "COMPLETE" ? s["step"].dump() : "-",
+                        HumanBytes(s["capacity"].get<uint64_t>())});
+      }
+    }
+    if (rows.size() > 1) PrintTable(rows);
+  }
+  return kExitOk;
+}
+
+int CmdGc(const Args& a) {
+  auto jobs = ListJobDirectories(a.shm_dir);
+  if (!jobs.ok()) return Fail(jobs.status());
+  int failures = 0;
+  for (const auto& [job, dir] : *jobs) {
+    if (AgentAlive(dir)) {
+      std::cout << "keep    " << dir << " (agent alive)\n";
+      continue;
+    }
+    if (a.dry_run) {
+      std::cout << "would remove " << dir << "\n";
+      continue;
+    }
+    auto freed = RemoveJobDirectory(dir);
+    if (freed.ok()) {
+      std::cout << "removed " << dir << " (" << HumanBytes(*freed) << ")\n";
+    } else {
+      std::cerr << "safepoint: error: " << freed.status().ToString() << "\n";
+      ++failures;
+    }
+  }
+  return failures ? kExitError : kExitOk;
+}
+
 int Main(int argc, char** argv) {
   std::vector<std::string> argv_s(argv + 1, argv + argc);
   if (argv_s.empty()) return Usage("");
@@ -288,9 +433,11 @@ int Main(int argc, char** argv) {
     std::cout << kUsage;
     return kExitOk;
   }
-  if (a.command != "ls" && a.command != "inspect" && a.command != "verify") {
+  if (a.command != "ls" && a.command != "inspect" && a.command != "verify" &&
+      a.command != "agent" && a.command != "status" && a.command != "gc") {
     return Usage("unknown command '" + a.command + "'");
   }
+  const bool node_command = a.command == "agent" || a.command == "status" || a.command == "gc";
   for (size_t i = 1; i < argv_s.size(); ++i) {
     const std::string& s = argv_s[i];
     auto value = [&](const char* flag) -> std::optional<std::string> {
@@ -298,8 +445,20 @@ int Main(int argc, char** argv) {
       (void)flag;
       return argv_s[++i];
     };
-    if (s == "--json") {
+    if (s == "--json" && a.command != "agent" && a.command != "gc") {
       a.json = true;
+    } else if (s == "--shm-dir" && node_command) {
+      auto v = value("--shm-dir");
+      if (!v || v->empty()) return Usage("--shm-dir needs a directory");
+      a.shm_dir = *v;
+    } else if (s == "--job" && a.command == "agent") {
+      auto v = value("--job");
+      if (!v) return Usage("--job needs a job name");
+      a.job = *v;
+    } else if (s == "--no-emergency-flush" && a.command == "agent") {
+      a.emergency_flush = false;
+    } else if (s == "--dry-run" && a.command == "gc") {
+      a.dry_run = true;
     } else if (s == "--all" && a.command == "verify") {
       a.all = true;
     } else if (s == "--step" && a.command != "ls") {
@@ -314,12 +473,18 @@ int Main(int argc, char** argv) {
       a.rank = static_cast<uint32_t>(n);
     } else if (!s.empty() && s[0] == '-') {
       return Usage("unknown option '" + s + "' for " + a.command);
-    } else if (a.path.empty()) {
+    } else if (a.path.empty() && !node_command) {
       a.path = s;
     } else {
       return Usage("unexpected argument '" + s + "'");
     }
   }
+  if (a.command == "agent") {
+    if (a.job.empty()) return Usage("agent needs --job JOB");
+    return CmdAgent(a);
+  }
+  if (a.command == "status") return CmdStatus(a);
+  if (a.command == "gc") return CmdGc(a);
   if (a.path.empty()) return Usage(a.command + " needs a checkpoint PATH");
   if (a.all && a.step) return Usage("use either --step or --all");
   if (a.command == "ls") return CmdLs(a);

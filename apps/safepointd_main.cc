@@ -1,10 +1,11 @@
 // safepointd: the node agent of one job (include/safepoint/agent.h).
 //
-//   safepointd --job JOB [--shm-dir DIR] [--no-emergency-flush] [--sidecar]
+//   safepointd --job JOB [--shm-dir DIR] [--no-emergency-flush] [--sidecar] [--idle-exit S]
 //
 // Training processes start it on demand; `safepoint agent` runs the same code in the
 // foreground as a sidecar.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -22,10 +23,12 @@ int main(int argc, char** argv) {
       o.emergency_flush = false;
     } else if (a == "--sidecar") {
       o.exit_when_idle = false;
+    } else if (a == "--idle-exit" && i + 1 < argc) {
+      o.idle_exit_seconds = std::atof(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: safepointd --job JOB [--shm-dir DIR] [--no-emergency-flush] "
-                   "[--sidecar]\n");
+                   "[--sidecar] [--idle-exit SECONDS]\n");
       return 2;
     }
   }

@@ -39,6 +39,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied, as in GPT-2
         nn.init.normal_(self.pos, std=0.02)
+        nn.init.normal_(self.embed.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -66,13 +67,13 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, seed: in
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def make(seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     model = TinyGPT(**kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     return model, opt
 
 

@@ -78,6 +78,10 @@ struct AgentOptions {
   // Exit once every rank that connected has closed cleanly (on-demand agents). A sidecar started
   // with `safepoint agent` keeps running until SIGTERM.
   bool exit_when_idle = true;
+  // An on-demand agent with no client and no pending work also exits after this many seconds,
+  // keeping the snapshots in shared memory (a restarted process starts a new agent, which adopts
+  // them). 0: never.
+  double idle_exit_seconds = 60;
 };
 
 // Runs the agent in this process until it is told to stop (SIGTERM, SIGINT, a shutdown message,

@@ -54,6 +54,11 @@ Result<std::string> JobDirectory(const std::string& shm_dir, const std::string& 
 // Job directories of this user under `shm_dir`: (job, path) pairs.
 Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
     const std::string& shm_dir);
+// Ranks that have slot files in a job directory, ascending.
+Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir);
+// Removes a job directory and everything safepoint put in it (slot files, the agent's socket,
+// lock, log and job.json); returns the bytes freed. Refuses files it does not know.
+Result<uint64_t> RemoveJobDirectory(const std::string& job_dir);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
 

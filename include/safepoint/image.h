@@ -152,6 +152,12 @@ Result<std::vector<uint32_t>> ParseChecksumSection(std::span<const std::byte> se
 Status VerifyChunk(std::span<const std::byte> chunk, uint64_t index, uint32_t expected,
                    std::string_view source);
 
+// Copies a complete image from `src` into `dst` (same size) with `threads` threads and verifies
+// every chunk CRC of the copy as it is made (each piece is checksummed while it is still in the
+// core's cache). The header is parsed from the copy. Used for hot reload from shared memory.
+Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> dst,
+                         std::string_view source, size_t threads);
+
 class ImageReader {
  public:
   enum class Verify { kAll, kStructure };

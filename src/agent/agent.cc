@@ -137,6 +137,7 @@ class Agent {
   void Reply(Client& c, MessageType type, const json& j);
   void ReplyError(Client& c, const std::string& msg);
   bool Idle();
+  bool AllClosed();
   void Shutdown();
 
   AgentOptions opt_;
@@ -151,6 +152,7 @@ class Agent {
   double last_commit_poll_ = 0;
   bool stopping_ = false;
   bool saw_client_ = false;
+  double last_busy_ = Now();
 
   std::mutex mu_;  // guards queue_, results_, in_flight_, worker_stop_
   std::condition_variable cv_;
@@ -624,8 +626,10 @@ void Agent::HandleMessage(Client& c, const Message& m) {
   }
 }
 
-// Persists every COMPLETE snapshot of the rank that is newer than what it already persisted and
-// is not queued (oldest first, so that a step every rank has is committed).
+// Persists the COMPLETE snapshots of the rank that are not persisted or queued yet. After a death
+// every such snapshot is flushed, oldest first, so that the newest step that every rank still
+// holds can be committed even when ranks died at different steps; a clean close or a shutdown
+// flushes only the newest one.
 void Agent::EmergencyFlush(uint32_t rank, const std::string& reason) {
   if (!config_ || !store_) return;
   RankState& rs = ranks_[rank];
@@ -640,6 +644,13 @@ void Agent::EmergencyFlush(uint32_t rank, const std::string& reason) {
     todo.push_back(s);
   }
   std::sort(todo.begin(), todo.end(), [](auto& a, auto& b) { return a.step < b.step; });
+  if (reason == "close" || reason == "shutdown") {
+    std::optional<SlotInfo> newest = rs.arena->NewestComplete();
+    if (!newest) return;
+    const bool newest_todo = !todo.empty() && todo.back().index == newest->index;
+    todo.clear();
+    if (newest_todo) todo.push_back(*newest);
+  }
   for (const SlotInfo& s : todo) {
     if (reason != "close") ++rs.emergency_flushes;
     Enqueue({rank, s.index, s.generation, s.step, false, reason});
@@ -707,21 +718,36 @@ json Agent::StatusJson() {
           {"ranks", ranks}};
 }
 
-bool Agent::Idle() {
-  if (!opt_.exit_when_idle || !saw_client_ || !clients_.empty()) return false;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!queue_.empty() || in_flight_) return false;
+bool Agent::AllClosed() {
+  if (!saw_client_) return false;
   for (auto& [rank, rs] : ranks_) {
     if (!rs.closed) return false;
   }
   return true;
 }
 
+bool Agent::Idle() {
+  if (!opt_.exit_when_idle || !clients_.empty()) {
+    last_busy_ = Now();
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!queue_.empty() || in_flight_) {
+      last_busy_ = Now();
+      return false;
+    }
+  }
+  if (AllClosed()) return true;
+  return opt_.idle_exit_seconds > 0 && Now() - last_busy_ > opt_.idle_exit_seconds;
+}
+
 void Agent::Loop() {
   while (true) {
     if (stopping_) return;
     if (Idle()) {
-      Log("every rank closed cleanly; exiting");
+      Log(AllClosed() ? "every rank closed cleanly; exiting"
+                      : "idle with no client; exiting (snapshots stay in shared memory)");
       return;
     }
     std::vector<pollfd> fds = {{listen_fd_, POLLIN, 0}, {signal_fd_, POLLIN, 0},
@@ -802,8 +828,7 @@ int Agent::Run() {
   Adopt();
   Loop();
   Shutdown();
-  const bool all_closed = Idle() || (saw_client_ && std::all_of(ranks_.begin(), ranks_.end(),
-                                                                [](auto& r) { return r.second.closed; }));
+  const bool all_closed = AllClosed();
   for (auto& c : clients_) {
     ::close(c->fd);
     if (c->pidfd >= 0) ::close(c->pidfd);

@@ -283,11 +283,7 @@ Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_st
   if (size >= (2u << 20)) ::madvise(raw, size, MADV_HUGEPAGE);
   std::shared_ptr<std::byte> buffer(raw, [size](std::byte* p) { ::munmap(p, size); });
   auto src = arena_->SlotData(newest->index).subspan(0, size);
-  constexpr uint64_t kPiece = 8 << 20;
-  internal::ParallelFor((size + kPiece - 1) / kPiece, internal::DefaultCpuThreads(), [&](size_t i) {
-    const uint64_t off = i * kPiece;
-    std::memcpy(raw + off, src.data() + off, std::min<uint64_t>(kPiece, size - off));
-  });
+  SP_RETURN_IF_ERROR(CopyVerifiedImage(src, {raw, size}, source, internal::DefaultCpuThreads()));
   // The copy is what we verify and hand out; the slot must not have changed meanwhile.
   for (const SlotInfo& s : arena_->Slots()) {
     if (s.index == newest->index && (s.generation != newest->generation || s.state != SlotState::kComplete)) {
@@ -295,8 +291,8 @@ Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_st
     }
   }
   std::span<const std::byte> bytes(raw, size);
-  SP_ASSIGN_OR_RETURN(ImageReader reader, ImageReader::Parse(bytes, source, ImageReader::Verify::kAll,
-                                                             internal::DefaultCpuThreads()));
+  SP_ASSIGN_OR_RETURN(ImageReader reader,
+                      ImageReader::Parse(bytes, source, ImageReader::Verify::kStructure));
   if (reader.meta().step != newest->step || reader.meta().rank != opt_.rank ||
       reader.meta().world_size != opt_.world_size) {
     return Corruption(source + ": the image in the slot is of step " +

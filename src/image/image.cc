@@ -499,6 +499,46 @@ Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index,
   return out;
 }
 
+Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> dst,
+                         std::string_view source, size_t threads) {
+  if (dst.size() != src.size()) return InvalidArgument("CopyVerifiedImage: size mismatch");
+  if (src.size() < kImageHeaderSize) return Bad(source, "truncated");
+  std::memcpy(dst.data(), src.data(), kImageHeaderSize);
+  SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(dst.subspan(0, kImageHeaderSize), source));
+  const ImageLayout& l = hdr.second;
+  if (l.image_size != src.size()) return Bad(source, "size does not match the header");
+  const uint64_t tail = l.checksums_offset;
+  std::memcpy(dst.data() + tail, src.data() + tail, src.size() - tail);
+  SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(dst.subspan(tail), l, source));
+  std::vector<uint32_t> got(crcs.size());
+  internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
+    const uint64_t off = i * l.chunk_size;
+    const uint64_t len = std::min(l.chunk_size, tail - off);
+    constexpr uint64_t kPiece = 256 << 10;
+    uint32_t crc = 0;
+    for (uint64_t p = 0; p < len; p += kPiece) {
+      const uint64_t n = std::min(kPiece, len - p);
+      if (off + p >= kImageHeaderSize) {
+        std::memcpy(dst.data() + off + p, src.data() + off + p, n);
+      } else if (off + p + n > kImageHeaderSize) {
+        std::memcpy(dst.data() + kImageHeaderSize, src.data() + kImageHeaderSize,
+                    off + p + n - kImageHeaderSize);
+      }
+      crc = Crc32c(crc, dst.data() + off + p, n);
+    }
+    got[i] = crc;
+  });
+  for (size_t i = 0; i < crcs.size(); ++i) {
+    if (got[i] != crcs[i]) {
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), "checksum mismatch in chunk %zu (expected %08x, got %08x)", i,
+                    crcs[i], got[i]);
+      return Bad(source, buf);
+    }
+  }
+  return Status::OK();
+}
+
 Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::string_view source,
                                        Verify verify, size_t threads) {
   SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(image, source));

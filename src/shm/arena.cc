@@ -298,6 +298,53 @@ Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
   return out;
 }
 
+Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
+  DIR* d = ::opendir(job_dir.c_str());
+  if (d == nullptr) return ErrnoStatus("opendir", job_dir, errno);
+  std::vector<uint32_t> ranks;
+  while (dirent* e = ::readdir(d)) {
+    unsigned rank, slot;
+    int consumed = 0;
+    if (std::sscanf(e->d_name, "rank-%5u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
+        e->d_name[consumed] == '\0') {
+      ranks.push_back(rank);
+    }
+  }
+  ::closedir(d);
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  return ranks;
+}
+
+Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
+  SP_RETURN_IF_ERROR(CheckPrivateDirectory(job_dir));
+  DIR* d = ::opendir(job_dir.c_str());
+  if (d == nullptr) return ErrnoStatus("opendir", job_dir, errno);
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n == "." || n == "..") continue;
+    const bool ours = n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 ||
+                      n.rfind("job.json", 0) == 0;
+    if (!ours) {
+      ::closedir(d);
+      return InvalidArgument(job_dir + ": contains '" + n + "', which safepoint did not create; "
+                             "not removing the directory");
+    }
+    names.push_back(n);
+  }
+  ::closedir(d);
+  uint64_t freed = 0;
+  for (const auto& n : names) {
+    const std::string path = job_dir + "/" + n;
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0) freed += static_cast<uint64_t>(st.st_blocks) * 512;
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("unlink", path, errno);
+  }
+  if (::rmdir(job_dir.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("rmdir", job_dir, errno);
+  return freed;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 Arena::~Arena() = default;
