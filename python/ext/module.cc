@@ -1,9 +1,8 @@
 // safepoint._core: the nanobind binding of the C++ core.
 //
-// Thin by design: Python flattens a state tree into a skeleton (non-tensor values with TensorRef
-// placeholders) plus a list of contiguous tensors; this module converts the skeleton to the C++
-// Value tree, and calls the core with the GIL released. Every C++ Status becomes a Python
-// exception here, in ThrowStatus(), and nowhere else.
+// The state tree is walked in C++ (state.cc: no Python code per tensor), the core runs with the
+// GIL released, and every C++ Status becomes a Python exception here, in ThrowStatus(), and
+// nowhere else.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -21,12 +20,13 @@
 #include "safepoint/client.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
+#include "state.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace safepoint {
-namespace {
+namespace python {
 
 [[noreturn]] void ThrowStatus(const Status& s) {
   static const char* kNames[] = {"Error", "NotFoundError", "CorruptionError", "StorageError",
@@ -39,6 +39,12 @@ namespace {
   throw nb::python_error();
 }
 
+}  // namespace python
+
+namespace {
+
+using python::ThrowStatus;
+
 template <typename T>
 T Unwrap(Result<T> r) {
   if (!r.ok()) ThrowStatus(r.status());
@@ -49,150 +55,18 @@ void Check(const Status& s) {
   if (!s.ok()) ThrowStatus(s);
 }
 
-// --- Python <-> Value ------------------------------------------------------------------------
-
-Value ToValue(nb::handle obj, size_t depth);
-
-ValueList ToItems(nb::handle seq, size_t depth) {
-  ValueList items;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-  items.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    items.push_back(ToValue(PySequence_Fast_GET_ITEM(seq.ptr(), i), depth + 1));
-  }
-  return items;
-}
-
-Value ToValue(nb::handle obj, size_t depth) {
-  if (depth > kMaxExtrasDepth) {
-    Check(InvalidArgument("state is nested more than " + std::to_string(kMaxExtrasDepth) +
-                          " levels deep"));
-  }
-  PyObject* o = obj.ptr();
-  if (o == Py_None) return Value();
-  if (PyBool_Check(o)) return Value(o == Py_True);
-  if (PyLong_Check(o)) {
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (!overflow) return Value(static_cast<int64_t>(v));
-    nb::int_ x = nb::borrow<nb::int_>(obj);
-    nb::object mag = (nb::cast<bool>(x.attr("__lt__")(0))) ? x.attr("__invert__")() : nb::object(x);
-    const size_t bits = nb::cast<size_t>(mag.attr("bit_length")());
-    const size_t n = (bits + 8) / 8;
-    nb::bytes b = nb::borrow<nb::bytes>(x.attr("to_bytes")(n, "little", "signed"_a = true));
-    return Value(BigInt{std::string(b.c_str(), b.size())});
-  }
-  if (PyFloat_Check(o)) return Value(PyFloat_AsDouble(o));
-  if (PyUnicode_Check(o)) {
-    Py_ssize_t n = 0;
-    const char* s = PyUnicode_AsUTF8AndSize(o, &n);
-    if (s == nullptr) throw nb::python_error();
-    return Value(std::string(s, n));
-  }
-  if (PyBytes_Check(o)) {
-    return Value(Bytes{std::string(PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o))});
-  }
-  if (PyTuple_Check(o)) return Value(Tuple{ToItems(obj, depth)});
-  if (PyList_Check(o)) return Value(List{ToItems(obj, depth)});
-  if (PyDict_Check(o)) {
-    Dict d;
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(o, &pos, &k, &v)) {
-      if (!(PyUnicode_Check(k) || (PyLong_Check(k) && !PyBool_Check(k)))) {
-        Check(InvalidArgument("dict key " + nb::cast<std::string>(nb::repr(k)) +
-                              " is not a str or an int"));
-      }
-      d.items.emplace_back(ToValue(k, depth + 1), ToValue(v, depth + 1));
-    }
-    return Value(std::move(d));
-  }
-  if (nb::isinstance<TensorRef>(obj)) return Value(nb::cast<TensorRef>(obj));
-  Check(InvalidArgument("cannot store a value of type " +
-                        nb::cast<std::string>(nb::str(obj.type().attr("__qualname__")))));
-  return Value();
-}
-
-nb::object FromValue(const Value& v) {
-  struct V {
-    nb::object operator()(const std::monostate&) { return nb::none(); }
-    nb::object operator()(bool b) { return nb::bool_(b); }
-    nb::object operator()(int64_t i) { return nb::int_(i); }
-    nb::object operator()(const BigInt& b) {
-      nb::bytes raw(b.bytes.data(), b.bytes.size());
-      return nb::module_::import_("builtins")
-          .attr("int")
-          .attr("from_bytes")(raw, "little", "signed"_a = true);
-    }
-    nb::object operator()(double d) { return nb::float_(d); }
-    nb::object operator()(const std::string& s) { return nb::str(s.data(), s.size()); }
-    nb::object operator()(const Bytes& b) { return nb::bytes(b.data.data(), b.data.size()); }
-    nb::object operator()(const List& l) {
-      nb::list out;
-      for (const Value& x : l.items) out.append(FromValue(x));
-      return out;
-    }
-    nb::object operator()(const Tuple& t) {
-      nb::list out;
-      for (const Value& x : t.items) out.append(FromValue(x));
-      return nb::tuple(out);
-    }
-    nb::object operator()(const Dict& d) {
-      nb::dict out;
-      for (const auto& [k, x] : d.items) out[FromValue(k)] = FromValue(x);
-      return out;
-    }
-    nb::object operator()(const TensorRef& t) { return nb::cast(t); }
-  };
-  return std::visit(V{}, v.v);
-}
-
-std::vector<uint64_t> ToDims(nb::handle seq) {
-  std::vector<uint64_t> out;
-  for (nb::handle d : seq) {
-    const long long x = nb::cast<long long>(d);
-    if (x < 0) Check(InvalidArgument("negative dimension"));
-    out.push_back(static_cast<uint64_t>(x));
-  }
-  return out;
-}
-
-nb::tuple DimsToTuple(const std::vector<uint64_t>& dims) {
-  nb::list l;
-  for (uint64_t d : dims) l.append(d);
-  return nb::tuple(l);
-}
-
 // --- save / load -----------------------------------------------------------------------------
 
-// tensors: list of (name, dtype, shape, data_ptr, nbytes, global_shape|None, global_offset|None)
-std::vector<TensorSource> ToSources(nb::list tensors) {
-  std::vector<TensorSource> sources;
-  sources.reserve(tensors.size());
-  for (nb::handle t : tensors) {
-    nb::tuple tup = nb::borrow<nb::tuple>(t);
-    TensorSource s;
-    s.spec.name = nb::cast<std::string>(tup[0]);
-    s.spec.dtype = Unwrap(DTypeFromName(nb::cast<std::string>(tup[1])));
-    s.spec.shape = ToDims(tup[2]);
-    s.data = reinterpret_cast<const void*>(nb::cast<uintptr_t>(tup[3]));
-    s.nbytes = nb::cast<uint64_t>(tup[4]);
-    if (!tup[5].is_none()) s.spec.global_shape = ToDims(tup[5]);
-    if (!tup[6].is_none()) s.spec.global_offset = ToDims(tup[6]);
-    sources.push_back(std::move(s));
-  }
-  return sources;
-}
-
 nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
-              const std::string& job, nb::handle skeleton, nb::list tensors) {
+              const std::string& job, nb::handle state) {
   ImageMeta meta;
   meta.job = job;
   meta.step = step;
   meta.rank = rank;
   meta.world_size = world_size;
-  std::vector<TensorSource> sources = ToSources(tensors);
-  std::string extras = Unwrap(EncodeExtras(ToValue(skeleton, 0)));
+  python::FlatState flat = python::FlattenState(state);
+  std::string extras = Unwrap(EncodeExtras(flat.skeleton));
+  std::vector<TensorSource> sources = std::move(flat.tensors);
   SaveResult result;
   {
     nb::gil_scoped_release release;
@@ -217,32 +91,22 @@ nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t wo
   return out;
 }
 
-// What load() returns to Python: the skeleton, the image as one uint8 array and the index; the
-// tensors become views into the array (zero copy, zero parse).
+// What load() returns to Python: the step and the state, whose tensors are views into the loaded
+// image (zero copy, zero parse), kept alive through a numpy array that owns the image.
 nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras) {
   auto* keep = new std::shared_ptr<std::byte>(image.buffer);
   nb::capsule owner(keep, [](void* p) noexcept {
     delete static_cast<std::shared_ptr<std::byte>*>(p);
   });
   size_t shape[1] = {image.size};
-  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> buffer(
+  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> array(
       reinterpret_cast<uint8_t*>(image.buffer.get()), 1, shape, owner);
-
-  nb::list entries;
-  for (const TensorEntry& e : reader.tensors()) {
-    const bool shard_box = !e.spec.global_shape.empty();
-    entries.append(nb::make_tuple(
-        e.spec.name, std::string(DTypeName(e.spec.dtype)), DimsToTuple(e.spec.shape), e.offset,
-        e.nbytes, shard_box ? nb::object(DimsToTuple(e.spec.global_shape)) : nb::none(),
-        shard_box ? nb::object(DimsToTuple(e.spec.global_offset)) : nb::none()));
-  }
+  nb::object buffer = array.cast();
   nb::dict out;
   out["step"] = reader.meta().step;
   out["world_size"] = reader.meta().world_size;
   out["job"] = reader.meta().job;
-  out["skeleton"] = FromValue(extras);
-  out["buffer"] = buffer.cast();
-  out["tensors"] = entries;
+  out["state"] = python::RebuildState(extras, buffer, reader);
   out["source"] = image.source;
   return out;
 }
@@ -299,9 +163,10 @@ class PyClient {
     client_ = Unwrap(std::move(c));
   }
 
-  nb::dict Save(uint64_t step, nb::handle skeleton, nb::list tensors, bool persist) {
-    std::vector<TensorSource> sources = ToSources(tensors);
-    std::string extras = Unwrap(EncodeExtras(ToValue(skeleton, 0)));
+  nb::dict Save(uint64_t step, nb::handle state, bool persist) {
+    python::FlatState flat = python::FlattenState(state);
+    std::string extras = Unwrap(EncodeExtras(flat.skeleton));
+    std::vector<TensorSource> sources = std::move(flat.tensors);
     Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
@@ -394,19 +259,7 @@ class PyClient {
 NB_MODULE(_core, m) {
   using namespace safepoint;
   m.doc() = "safepoint's C++ core (internal; use the safepoint package)";
-  nb::class_<TensorRef>(m, "TensorRef")
-      .def(nb::init<>())
-      .def(
-          "__init__",
-          [](TensorRef* t, uint64_t index, uint8_t kind) { new (t) TensorRef{index, kind}; },
-          "index"_a, "kind"_a = 0)
-      .def_rw("index", &TensorRef::index)
-      .def_rw("kind", &TensorRef::kind)
-      .def("__repr__", [](const TensorRef& t) {
-        return "TensorRef(" + std::to_string(t.index) + ", " + std::to_string(t.kind) + ")";
-      });
-  m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "skeleton"_a,
-        "tensors"_a);
+  m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a);
   m.def("steps", &Steps, "path"_a);
   nb::class_<PyClient>(m, "Client")
@@ -414,7 +267,7 @@ NB_MODULE(_core, m) {
                     uint32_t, bool, const std::string&>(),
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
            "wait_when_busy"_a, "agent_binary"_a)
-      .def("save", &PyClient::Save, "step"_a, "skeleton"_a, "tensors"_a, "persist"_a)
+      .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a)
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)
       .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none())

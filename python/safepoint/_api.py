@@ -7,7 +7,6 @@ import warnings
 from typing import Any, Optional
 
 from safepoint import _core
-from safepoint._tree import flatten, unflatten
 from safepoint.errors import InvalidArgumentError
 
 
@@ -34,8 +33,7 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
         raise InvalidArgumentError(f"{p}: world_size must be a positive int, got {world_size!r}")
     if type(rank) is not int or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"{p}: rank {rank!r} is not in [0, {world_size})")
-    flat = flatten(state)
-    return _core.save(p, step, rank, world_size, job, flat.skeleton, flat.tensors)
+    return _core.save(p, step, rank, world_size, job, state)
 
 
 def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
@@ -53,8 +51,7 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
     for skipped in out["skipped"]:
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
                       stacklevel=2)
-    state = unflatten(out["skeleton"], out["buffer"], out["tensors"])
-    return out["step"], state
+    return out["step"], out["state"]
 
 
 def steps(path: "str | os.PathLike[str]") -> list[int]:

@@ -21,7 +21,6 @@ from typing import Any, Optional
 from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
-from safepoint._tree import flatten, unflatten
 from safepoint.errors import CorruptionError, InvalidArgumentError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -109,9 +108,8 @@ class Checkpointer:
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"{self.path}: step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
-        flat = flatten(state)
         do_persist = persist if persist is not None else step % self.persist_every == 0
-        res = self._client.save(step, flat.skeleton, flat.tensors, bool(do_persist))
+        res = self._client.save(step, state, bool(do_persist))
         res["blocking_seconds"] = time.perf_counter() - t0
         res["step"] = step
         self._stats["saves"] += 1
@@ -144,7 +142,7 @@ class Checkpointer:
             warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                           RuntimeWarning, stacklevel=2)
         if snap is not None and (step is None or snap["step"] == step):
-            out = (snap["step"], unflatten(snap["skeleton"], snap["buffer"], snap["tensors"]))
+            out = (snap["step"], snap["state"])
             source = "memory"
         elif committed and (step is None or step in committed):
             out = storage_load(self.path, step, rank=self.rank)

@@ -1,0 +1,423 @@
+#include "state.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace safepoint::python {
+
+[[noreturn]] void ThrowStatus(const Status& s);  // module.cc
+
+namespace {
+
+// Torch and numpy objects looked up once per process.
+struct Types {
+  nb::object torch, tensor_type, strided, as_strided, from_numpy;
+  nb::object np, ndarray_type, generic_type, ascontiguousarray, asarray, np_ndarray;
+  nb::object mapping_type;
+  std::unordered_map<PyObject*, DType> torch_dtypes;  // torch.dtype singletons
+  std::unordered_map<int, nb::object> torch_by_dtype;
+  nb::str s_layout, s_dtype, s_is_cpu, s_cpu, s_is_contiguous, s_contiguous, s_data_ptr, s_nbytes,
+      s_shape, s_name, s_isnative, s_flags, s_c_contiguous, s_array_interface, s_view;
+
+  Types() {
+    torch = nb::module_::import_("torch");
+    tensor_type = torch.attr("Tensor");
+    strided = torch.attr("strided");
+    as_strided = torch.attr("as_strided");
+    from_numpy = torch.attr("from_numpy");
+    np = nb::module_::import_("numpy");
+    ndarray_type = np.attr("ndarray");
+    generic_type = np.attr("generic");
+    ascontiguousarray = np.attr("ascontiguousarray");
+    asarray = np.attr("asarray");
+    np_ndarray = np.attr("ndarray");
+    mapping_type = nb::module_::import_("collections.abc").attr("Mapping");
+    const std::pair<const char*, DType> names[] = {
+        {"float32", DType::kFloat32}, {"float16", DType::kFloat16},
+        {"bfloat16", DType::kBFloat16}, {"float64", DType::kFloat64},
+        {"int8", DType::kInt8},         {"int16", DType::kInt16},
+        {"int32", DType::kInt32},       {"int64", DType::kInt64},
+        {"uint8", DType::kUInt8},       {"bool", DType::kBool},
+        {"float8_e4m3fn", DType::kFloat8E4M3FN}, {"float8_e5m2", DType::kFloat8E5M2}};
+    for (const auto& [name, d] : names) {
+      if (!nb::hasattr(torch, name)) continue;
+      nb::object dt = torch.attr(name);
+      torch_dtypes[dt.ptr()] = d;
+      torch_by_dtype[static_cast<int>(d)] = dt;
+      dt.inc_ref();  // dtype singletons live for the process; keep the key valid
+    }
+    s_layout = nb::str("layout");
+    s_dtype = nb::str("dtype");
+    s_is_cpu = nb::str("is_cpu");
+    s_cpu = nb::str("cpu");
+    s_is_contiguous = nb::str("is_contiguous");
+    s_contiguous = nb::str("contiguous");
+    s_data_ptr = nb::str("data_ptr");
+    s_nbytes = nb::str("nbytes");
+    s_shape = nb::str("shape");
+    s_name = nb::str("name");
+    s_isnative = nb::str("isnative");
+    s_flags = nb::str("flags");
+    s_c_contiguous = nb::str("c_contiguous");
+    s_array_interface = nb::str("__array_interface__");
+    s_view = nb::str("view");
+  }
+};
+
+Types& T() {
+  static Types* t = new Types();  // never destroyed: Python objects outlive interpreter teardown
+  return *t;
+}
+
+bool NumpyDTypeOk(const std::string& name, DType* out) {
+  static const std::unordered_map<std::string, DType> kNames = {
+      {"float32", DType::kFloat32}, {"float16", DType::kFloat16}, {"float64", DType::kFloat64},
+      {"int8", DType::kInt8},       {"int16", DType::kInt16},     {"int32", DType::kInt32},
+      {"int64", DType::kInt64},     {"uint8", DType::kUInt8},     {"bool", DType::kBool}};
+  auto it = kNames.find(name);
+  if (it == kNames.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+std::vector<uint64_t> Dims(nb::handle shape) {
+  std::vector<uint64_t> out;
+  const Py_ssize_t n = PyTuple_Check(shape.ptr()) ? PyTuple_GET_SIZE(shape.ptr()) : -1;
+  if (n >= 0) {
+    out.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      out.push_back(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(shape.ptr(), i)));
+    }
+  } else {
+    for (nb::handle d : shape) out.push_back(nb::cast<uint64_t>(d));
+  }
+  return out;
+}
+
+class Flattener {
+ public:
+  FlatState Run(nb::handle state) {
+    FlatState out;
+    keepalive_ = &out.keepalive;
+    tensors_ = &out.tensors;
+    out.skeleton = Walk(state, 0);
+    return out;
+  }
+
+ private:
+  [[noreturn]] void Fail(const std::string& what) {
+    ThrowStatus(InvalidArgument((path_.empty() ? std::string("<root>") : path_) + ": " + what));
+  }
+
+  struct PathScope {
+    std::string& path;
+    size_t len;
+    PathScope(std::string& p, std::string_view key) : path(p), len(p.size()) {
+      if (!path.empty()) path += '.';
+      path += key;
+    }
+    ~PathScope() { path.resize(len); }
+  };
+
+  std::string UniqueName() {
+    std::string name = path_.empty() ? std::string("<root>") : path_;
+    if (names_.insert(name).second) return name;
+    for (int k = 1;; ++k) {
+      std::string n = name + "#" + std::to_string(k);
+      if (names_.insert(n).second) return n;
+    }
+  }
+
+  size_t Add(DType dtype, std::vector<uint64_t> shape, uintptr_t ptr, uint64_t nbytes) {
+    TensorSource s;
+    s.spec.name = UniqueName();
+    s.spec.dtype = dtype;
+    s.spec.shape = std::move(shape);
+    s.data = reinterpret_cast<const void*>(ptr);
+    s.nbytes = nbytes;
+    tensors_->push_back(std::move(s));
+    return tensors_->size() - 1;
+  }
+
+  // One tensor, through the raw C API: this runs 10,000+ times per save, so every call counts
+  // (attribute loads and vectorcalls with interned names; no bound-method objects).
+  Value Tensor(nb::handle obj) {
+    Types& t = T();
+    auto seen = seen_.find(obj.ptr());
+    if (seen != seen_.end()) return Value(seen->second);
+    nb::object layout = nb::steal(PyObject_GetAttr(obj.ptr(), t.s_layout.ptr()));
+    if (!layout.is_valid()) throw nb::python_error();
+    if (!layout.is(t.strided)) {
+      Fail("cannot save a " + nb::cast<std::string>(nb::str(layout)) + " tensor; use a dense tensor");
+    }
+    nb::object dt = nb::steal(PyObject_GetAttr(obj.ptr(), t.s_dtype.ptr()));
+    if (!dt.is_valid()) throw nb::python_error();
+    auto d = t.torch_dtypes.find(dt.ptr());
+    if (d == t.torch_dtypes.end()) {
+      Fail("tensor dtype " + nb::cast<std::string>(nb::str(dt)) +
+           " is not supported (supported: bfloat16, bool, float16, float32, float64, "
+           "float8_e4m3fn, float8_e5m2, int16, int32, int64, int8, uint8)");
+    }
+    nb::object src = nb::borrow(obj);
+    nb::object is_cpu = nb::steal(PyObject_GetAttr(src.ptr(), t.s_is_cpu.ptr()));
+    if (!is_cpu.is_valid()) throw nb::python_error();
+    if (!is_cpu.is(nb::handle(Py_True))) src = Call(src, t.s_cpu);
+    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
+    nb::object ptr_obj = Call(src, t.s_data_ptr);
+    const uintptr_t ptr = PyLong_AsUnsignedLongLong(ptr_obj.ptr());
+    nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
+    if (!shape_obj.is_valid()) throw nb::python_error();
+    std::vector<uint64_t> shape = Dims(shape_obj);
+    uint64_t nbytes = DTypeSize(d->second);
+    for (uint64_t x : shape) nbytes *= x;
+    if (PyErr_Occurred()) throw nb::python_error();
+    const size_t idx = Add(d->second, std::move(shape), ptr, nbytes);
+    if (!src.is(obj)) keepalive_->append(src);
+    TensorRef ref{idx, 0};
+    seen_.emplace(obj.ptr(), ref);  // the caller's state keeps obj alive while we run
+    return Value(ref);
+  }
+
+  static nb::object Call(nb::handle self, const nb::str& method) {
+    PyObject* args[1] = {self.ptr()};
+    PyObject* r = PyObject_VectorcallMethod(method.ptr(), args,
+                                            1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (r == nullptr) throw nb::python_error();
+    return nb::steal(r);
+  }
+
+  Value Numpy(nb::handle obj, uint8_t kind) {
+    Types& t = T();
+    nb::object arr = kind == 2 ? t.asarray(obj) : nb::borrow(obj);
+    nb::object dt = arr.attr(t.s_dtype);
+    const std::string name = nb::cast<std::string>(dt.attr(t.s_name));
+    DType d;
+    if (!NumpyDTypeOk(name, &d) || !PyObject_IsTrue(dt.attr(t.s_isnative).ptr())) {
+      Fail("numpy dtype " + nb::cast<std::string>(nb::str(dt)) +
+           " is not supported (supported: bool, float16, float32, float64, int16, int32, int64, "
+           "int8, uint8)");
+    }
+    if (!PyObject_IsTrue(arr.attr(t.s_flags).attr(t.s_c_contiguous).ptr())) {
+      arr = t.ascontiguousarray(arr);
+    }
+    nb::object iface = arr.attr(t.s_array_interface);
+    nb::object data = iface["data"];
+    const uintptr_t ptr = PyLong_AsUnsignedLongLong(nb::object(data[0]).ptr());
+    const uint64_t nbytes = PyLong_AsUnsignedLongLong(arr.attr(t.s_nbytes).ptr());
+    if (PyErr_Occurred()) throw nb::python_error();
+    const size_t idx = Add(d, Dims(arr.attr(t.s_shape)), ptr, nbytes);
+    keepalive_->append(arr);
+    return Value(TensorRef{idx, kind});
+  }
+
+  ValueList Items(nb::handle seq, size_t depth) {
+    ValueList items;
+    PyObject* fast = seq.ptr();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    items.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PathScope scope(path_, std::to_string(i));
+      items.push_back(Walk(PySequence_Fast_GET_ITEM(fast, i), depth + 1));
+    }
+    return items;
+  }
+
+  Value Key(nb::handle k) {
+    PyObject* o = k.ptr();
+    if (PyUnicode_CheckExact(o)) {
+      Py_ssize_t n = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(o, &n);
+      if (s == nullptr) throw nb::python_error();
+      return Value(std::string(s, n));
+    }
+    if (PyLong_CheckExact(o)) return Walk(k, 0);
+    Fail("dict key " + nb::cast<std::string>(nb::repr(k)) + " of type " +
+         nb::cast<std::string>(nb::str(k.type().attr("__name__"))) +
+         " is not supported (keys must be str or int)");
+  }
+
+  std::string KeyPath(const Value& key) {
+    if (auto* s = std::get_if<std::string>(&key.v)) return *s;
+    if (auto* i = std::get_if<int64_t>(&key.v)) return std::to_string(*i);
+    return "<int>";
+  }
+
+  Value Dict(nb::handle obj, size_t depth) {
+    safepoint::Dict d;
+    if (PyDict_Check(obj.ptr())) {
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      d.items.reserve(PyDict_Size(obj.ptr()));
+      while (PyDict_Next(obj.ptr(), &pos, &k, &v)) {
+        Value key = Key(k);
+        PathScope scope(path_, KeyPath(key));
+        d.items.emplace_back(std::move(key), Walk(v, depth + 1));
+      }
+    } else {
+      for (nb::handle item : obj.attr("items")()) {
+        nb::tuple kv = nb::borrow<nb::tuple>(item);
+        Value key = Key(kv[0]);
+        PathScope scope(path_, KeyPath(key));
+        d.items.emplace_back(std::move(key), Walk(kv[1], depth + 1));
+      }
+    }
+    return Value(std::move(d));
+  }
+
+  Value Walk(nb::handle obj, size_t depth) {
+    if (depth > kMaxExtrasDepth) Fail("nested more than 256 levels deep");
+    PyObject* o = obj.ptr();
+    if (o == Py_None) return Value();
+    if (PyBool_Check(o)) return Value(o == Py_True);
+    if (PyLong_CheckExact(o)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (!overflow) return Value(static_cast<int64_t>(v));
+      nb::int_ x = nb::borrow<nb::int_>(obj);
+      const bool neg = PyObject_RichCompareBool(o, nb::int_(0).ptr(), Py_LT) == 1;
+      nb::object mag = neg ? x.attr("__invert__")() : nb::object(x);
+      const size_t bits = nb::cast<size_t>(mag.attr("bit_length")());
+      nb::bytes b = nb::borrow<nb::bytes>(
+          x.attr("to_bytes")((bits + 8) / 8, "little", nb::arg("signed") = true));
+      return Value(BigInt{std::string(b.c_str(), b.size())});
+    }
+    if (PyFloat_CheckExact(o)) return Value(PyFloat_AS_DOUBLE(o));
+    if (PyUnicode_CheckExact(o)) {
+      Py_ssize_t n = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(o, &n);
+      if (s == nullptr) throw nb::python_error();
+      return Value(std::string(s, n));
+    }
+    if (PyBytes_CheckExact(o)) {
+      return Value(Bytes{std::string(PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o))});
+    }
+    Types& t = T();
+    if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr()))) {
+      return Tensor(obj);
+    }
+    if (PyDict_Check(o)) return Dict(obj, depth);
+    if (PyList_Check(o)) return Value(List{Items(obj, depth)});
+    if (PyTuple_Check(o)) return Value(Tuple{Items(obj, depth)});
+    if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.ndarray_type.ptr()))) {
+      return Numpy(obj, 1);
+    }
+    if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.generic_type.ptr()))) {
+      return Numpy(obj, 2);
+    }
+    if (PyObject_IsInstance(o, t.mapping_type.ptr()) == 1) return Dict(obj, depth);
+    nb::handle type = obj.type();
+    Fail("cannot save a value of type " + nb::cast<std::string>(nb::str(type.attr("__module__"))) +
+         "." + nb::cast<std::string>(nb::str(type.attr("__qualname__"))) +
+         "; supported: tensors, numpy arrays, None, bool, int, float, str, bytes, and dicts, "
+         "lists and tuples of these");
+  }
+
+  std::string path_;
+  std::unordered_set<std::string> names_;
+  std::unordered_map<PyObject*, TensorRef> seen_;
+  nb::list* keepalive_ = nullptr;
+  std::vector<TensorSource>* tensors_ = nullptr;
+};
+
+class Rebuilder {
+ public:
+  Rebuilder(nb::handle buffer, const ImageReader& reader) : buffer_(buffer), reader_(reader) {
+    made_.resize(reader.tensors().size() * 3);
+  }
+
+  nb::object Build(const Value& v) {
+    struct V {
+      Rebuilder& r;
+      nb::object operator()(const std::monostate&) { return nb::none(); }
+      nb::object operator()(bool b) { return nb::bool_(b); }
+      nb::object operator()(int64_t i) { return nb::int_(i); }
+      nb::object operator()(const BigInt& b) {
+        nb::bytes raw(b.bytes.data(), b.bytes.size());
+        return nb::module_::import_("builtins")
+            .attr("int")
+            .attr("from_bytes")(raw, "little", nb::arg("signed") = true);
+      }
+      nb::object operator()(double d) { return nb::float_(d); }
+      nb::object operator()(const std::string& s) { return nb::str(s.data(), s.size()); }
+      nb::object operator()(const Bytes& b) { return nb::bytes(b.data.data(), b.data.size()); }
+      nb::object operator()(const List& l) {
+        nb::list out;
+        for (const Value& x : l.items) out.append(r.Build(x));
+        return out;
+      }
+      nb::object operator()(const Tuple& t) {
+        PyObject* tup = PyTuple_New(static_cast<Py_ssize_t>(t.items.size()));
+        if (tup == nullptr) throw nb::python_error();
+        nb::object out = nb::steal(tup);
+        for (size_t i = 0; i < t.items.size(); ++i) {
+          PyTuple_SET_ITEM(tup, i, r.Build(t.items[i]).release().ptr());
+        }
+        return out;
+      }
+      nb::object operator()(const Dict& d) {
+        nb::dict out;
+        for (const auto& [k, x] : d.items) out[r.Build(k)] = r.Build(x);
+        return out;
+      }
+      nb::object operator()(const TensorRef& t) { return r.Tensor(t); }
+    };
+    return std::visit(V{*this}, v.v);
+  }
+
+ private:
+  nb::object Tensor(const TensorRef& ref) {
+    nb::object& slot = made_[ref.index * 3 + ref.kind];
+    if (slot.is_valid()) return slot;
+    Types& t = T();
+    const TensorEntry& e = reader_.tensors()[ref.index];
+    const size_t ndim = e.spec.shape.size();
+    nb::object shape = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(ndim)));
+    for (size_t i = 0; i < ndim; ++i) {
+      PyTuple_SET_ITEM(shape.ptr(), i, PyLong_FromUnsignedLongLong(e.spec.shape[i]));
+    }
+    if (ref.kind == 0) {
+      const int key = static_cast<int>(e.spec.dtype);
+      auto typed = typed_.find(key);
+      if (typed == typed_.end()) {
+        if (!torch_base_.is_valid()) torch_base_ = t.from_numpy(buffer_);
+        typed = typed_.emplace(key, torch_base_.attr(t.s_view)(t.torch_by_dtype.at(key))).first;
+      }
+      nb::object stride = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(ndim)));
+      uint64_t s = 1;
+      for (size_t i = ndim; i-- > 0;) {
+        PyTuple_SET_ITEM(stride.ptr(), i, PyLong_FromUnsignedLongLong(s));
+        s *= std::max<uint64_t>(e.spec.shape[i], 1);
+      }
+      nb::object offset = nb::steal(PyLong_FromUnsignedLongLong(e.offset / DTypeSize(e.spec.dtype)));
+      PyObject* args[4] = {typed->second.ptr(), shape.ptr(), stride.ptr(), offset.ptr()};
+      PyObject* r = PyObject_Vectorcall(t.as_strided.ptr(), args, 4, nullptr);
+      if (r == nullptr) throw nb::python_error();
+      slot = nb::steal(r);
+    } else {
+      nb::object arr = t.np_ndarray(shape, std::string(DTypeName(e.spec.dtype)),
+                                    nb::arg("buffer") = buffer_, nb::arg("offset") = e.offset);
+      slot = ref.kind == 1 ? arr : arr[nb::tuple()];
+    }
+    return slot;
+  }
+
+  nb::handle buffer_;
+  const ImageReader& reader_;
+  nb::object torch_base_;
+  std::unordered_map<int, nb::object> typed_;
+  std::vector<nb::object> made_;
+};
+
+}  // namespace
+
+FlatState FlattenState(nb::handle state) { return Flattener().Run(state); }
+
+nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader) {
+  return Rebuilder(buffer, reader).Build(skeleton);
+}
+
+}  // namespace safepoint::python

@@ -1,0 +1,35 @@
+// State trees <-> images, at C++ speed.
+//
+// FlattenState walks a Python state (dicts, lists, tuples; torch tensors, numpy arrays and
+// scalars; None/bool/int/float/str/bytes) once, producing the skeleton (the tree with every
+// tensor replaced by a TensorRef) as a C++ Value and the list of tensors to write, with no Python
+// code per tensor: states with 10,000+ tensors are normal, and this runs on the save path.
+// RebuildState is the reverse on load: tensors become views into the loaded image (one
+// as_strided per tensor on a typed view of the whole buffer).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <vector>
+
+#include "safepoint/checkpoint.h"
+#include "safepoint/extras.h"
+#include "safepoint/image.h"
+
+namespace safepoint::python {
+
+namespace nb = nanobind;
+
+struct FlatState {
+  Value skeleton;
+  std::vector<TensorSource> tensors;
+  nb::list keepalive;  // tensors made contiguous / copied to the CPU; hold until written
+};
+
+// Raises InvalidArgumentError (a Python exception) naming the key of an unsupported value.
+FlatState FlattenState(nb::handle state);
+
+// `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes.
+nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader);
+
+}  // namespace safepoint::python
