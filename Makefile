@@ -30,6 +30,7 @@ demo: build
 
 bench: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/run.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/flash.py
 
 clean:
 	rm -rf build

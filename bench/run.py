@@ -177,13 +177,15 @@ IO_REQUEST = 8 * MiB
 
 def parallel_direct(path: str, nbytes: int, write: bool) -> float:
     """The device's limit at depth: IO_THREADS threads issuing IO_REQUEST-byte O_DIRECT
-    pwrite/pread (GIL released) over one file, then fsync for writes. Same request size and
-    thread count as safepoint, with no checksums, no copies and no commit protocol."""
+    pwrite/pread (GIL released) over one preallocated file, then fsync for writes. Same thread
+    count and preallocation as safepoint, with no checksums, no copies and no commit protocol."""
     import itertools
     import mmap
     import threading
 
-    flags = os.O_DIRECT | (os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY)
+    if write and os.path.exists(path):
+        os.unlink(path)
+    flags = os.O_DIRECT | (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY)
     fd = os.open(path, flags, 0o644)
     bufs = [mmap.mmap(-1, IO_REQUEST) for _ in range(IO_THREADS)]
     for b in bufs:
@@ -201,6 +203,9 @@ def parallel_direct(path: str, nbytes: int, write: bool) -> float:
     if not write:
         drop_caches([path])
     t0 = time.perf_counter()
+    if write:
+        # Preallocate, as safepoint does: ext4 serialises O_DIRECT writes that extend a file.
+        os.posix_fallocate(fd, 0, nbytes)
     threads = [threading.Thread(target=work, args=(b,)) for b in bufs]
     for t in threads:
         t.start()
