@@ -60,7 +60,7 @@ class FrameDecoder {
 };
 
 // Blocking helpers for a connected socket. `timeout_s` < 0 waits forever.
-Status SendMessage(int fd, MessageType type, std::string_view payload);
+Status SendMessage(int fd, MessageType type, std::string_view payload, double timeout_s = -1);
 Result<Message> ReceiveMessage(int fd, FrameDecoder& decoder, double timeout_s);
 
 // Paths inside a job directory.

@@ -109,6 +109,7 @@ struct Client {
   bool hello = false;
   uint32_t rank = 0;
   bool closing = false;
+  bool broken = false;          // a reply could not be sent: drop the connection
   std::vector<uint64_t> waits;  // steps whose commit this client waits for
 };
 
@@ -318,6 +319,10 @@ TaskResult Agent::Persist(const Task& t) {
     ~Releaser() { a.Release(t.slot, t.generation); }
   } releaser{**arena, t};
   const auto slots = (*arena)->Slots();
+  if (t.slot >= slots.size()) {
+    r.status = InvalidArgument("slot " + std::to_string(t.slot) + " does not exist");
+    return r;
+  }
   const SlotInfo& s = slots[t.slot];
   if (s.state != SlotState::kComplete || s.generation != t.generation || s.step != t.step) {
     r.superseded = true;
@@ -468,8 +473,13 @@ void Agent::AnswerWaits() {
 }
 
 void Agent::Reply(Client& c, MessageType type, const json& j) {
-  Status s = SendMessage(c.fd, type, j.dump());
-  if (!s.ok()) Log("reply to pid " + std::to_string(c.pid) + " failed: " + s.ToString());
+  // A client that does not read its replies must not wedge the agent: give up after a second
+  // and drop it (the loop removes broken clients).
+  Status s = SendMessage(c.fd, type, j.dump(), /*timeout_s=*/1.0);
+  if (!s.ok()) {
+    Log("reply to pid " + std::to_string(c.pid) + " failed: " + s.ToString() + "; dropping it");
+    c.broken = true;
+  }
 }
 
 void Agent::ReplyError(Client& c, const std::string& msg) {
@@ -513,7 +523,7 @@ void Agent::HandleClientData(int idx) {
     c.decoder.Feed({reinterpret_cast<const std::byte*>(buf), static_cast<size_t>(n)});
     if (c.decoder.buffered() > 2 * kMaxMessageBytes) break;
   }
-  for (;;) {
+  while (!c.broken) {
     auto m = c.decoder.Next();
     if (!m.ok()) {
       Log("pid " + std::to_string(c.pid) + ": " + m.status().message() + "; closing its connection");
@@ -569,7 +579,6 @@ void Agent::HandleMessage(Client& c, const Message& m) {
         auto committed = store_->ListCommitted();
         if (committed.ok() && !committed->empty()) newest_committed_ = committed->back().step;
       }
-      config_->keep = want.keep;
       Status s = EnsureRank(rank);
       if (!s.ok()) return ReplyError(c, s.ToString());
       RankState& rs = ranks_[rank];
@@ -588,7 +597,7 @@ void Agent::HandleMessage(Client& c, const Message& m) {
                    {{"ok", true}, {"agent_pid", ::getpid()}, {"job_dir", job_dir_}});
     }
     case MessageType::kSnapshot: {
-      if (!c.hello) return ReplyError(c, "hello first");
+      if (!c.hello) throw std::runtime_error("snapshot before hello");
       Task t;
       t.rank = c.rank;
       t.slot = j.at("slot").get<uint32_t>();
@@ -596,20 +605,23 @@ void Agent::HandleMessage(Client& c, const Message& m) {
       t.step = j.at("step").get<uint64_t>();
       t.leased = j.at("leased").get<bool>();
       t.reason = "requested";
-      if (t.slot >= kDefaultSlots + 14) return ReplyError(c, "invalid slot");
+      RankState& rs = ranks_[c.rank];
+      if (!rs.arena || t.slot >= rs.arena->slot_count()) {
+        throw std::runtime_error("slot " + std::to_string(t.slot) + " does not exist");
+      }
       if (j.at("persist").get<bool>()) Enqueue(t);
       return;
     }
     case MessageType::kStatus:
       return Reply(c, MessageType::kStatusReply, StatusJson());
     case MessageType::kWait: {
-      if (!c.hello) return ReplyError(c, "hello first");
+      if (!c.hello) throw std::runtime_error("wait before hello");
       c.waits.push_back(j.at("step").get<uint64_t>());
       AnswerWaits();
       return;
     }
     case MessageType::kClose: {
-      if (!c.hello) return ReplyError(c, "hello first");
+      if (!c.hello) throw std::runtime_error("close before hello");
       c.closing = true;
       RankState& rs = ranks_[c.rank];
       rs.close_client = c.fd;
@@ -786,10 +798,17 @@ void Agent::Loop() {
         HandleClientData(i);
         if (clients_.size() != before) continue;
       }
-      if (pid.revents & POLLIN) DropClient(i, true);  // the process exited
+      if (pid.revents & POLLIN) {
+        DropClient(i, true);  // the process exited
+        continue;
+      }
+      if (clients_[i]->broken) DropClient(i, false);
     }
     if (fds[0].revents & POLLIN) Accept();
     AnswerWaits();
+    for (int i = static_cast<int>(clients_.size()) - 1; i >= 0; --i) {
+      if (clients_[i]->broken) DropClient(i, false);
+    }
   }
 }
 

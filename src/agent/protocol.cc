@@ -66,17 +66,26 @@ Result<std::optional<Message>> FrameDecoder::Next() {
   return std::optional<Message>(std::move(m));
 }
 
-Status SendMessage(int fd, MessageType type, std::string_view payload) {
+Status SendMessage(int fd, MessageType type, std::string_view payload, double timeout_s) {
   if (payload.size() + 4 > kMaxMessageBytes) return InvalidArgument("message too large");
   const std::string frame = EncodeFrame(type, payload);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(timeout_s, 0.0));
   size_t off = 0;
   while (off < frame.size()) {
     const ssize_t n = ::send(fd, frame.data() + off, frame.size() - off, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN) {
+        int wait_ms = 1000;
+        if (timeout_s >= 0) {
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+              deadline - std::chrono::steady_clock::now());
+          if (left.count() <= 0) return Unavailable("the peer does not read its messages");
+          wait_ms = static_cast<int>(std::min<int64_t>(left.count(), 1000));
+        }
         pollfd pfd{fd, POLLOUT, 0};
-        ::poll(&pfd, 1, 1000);
+        ::poll(&pfd, 1, wait_ms);
         continue;
       }
       return Unavailable(std::string("the safepoint agent connection failed: ") +

@@ -447,15 +447,21 @@ Status Arena::EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds
 
 Status Arena::Reserve(uint64_t image_size) {
   SP_RETURN_IF_ERROR(Refresh());
+  // Take every slot this writer may overwrite now (FREE, torn, or an older COMPLETE one) at
+  // once, growing each as it is taken, then give them all back.
+  std::vector<WriteTicket> taken;
+  Status status;
   for (uint32_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i] && slots_[i]->capacity() >= image_size) continue;
-    // Only slots this writer may overwrite now: FREE or torn ones.
     auto ticket = BeginWrite(image_size);
-    if (!ticket.ok()) return ticket.status();
+    if (!ticket.ok()) {
+      status = ticket.status();
+      break;
+    }
     if (ticket->first == Acquire::kBusy) break;
-    AbortWrite(ticket->second);
+    taken.push_back(ticket->second);
   }
-  return Status::OK();
+  for (const WriteTicket& t : taken) AbortWrite(t);
+  return status;
 }
 
 Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t image_size) {

@@ -1,0 +1,686 @@
+// Tests of the real agent binary (safepointd) as a child process: its protocol robustness, its
+// single-instance lock, and persisting / flushing / closing with a SnapshotClient.
+#include "safepoint/agent.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "base/bytes.h"
+#include "safepoint/arena.h"
+#include "safepoint/checkpoint.h"
+#include "safepoint/client.h"
+
+#ifndef SAFEPOINTD_PATH
+#error "SAFEPOINTD_PATH must name the built safepointd binary"
+#endif
+
+namespace safepoint {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr double kDeadlineSeconds = 30;  // generous: only a failing test waits this long
+
+// A shard whose bytes are a pure function of the step.
+struct Shard {
+  std::vector<float> big, small;
+  std::vector<TensorSource> sources;
+  std::string extras;
+
+  explicit Shard(uint64_t step) : big(256 << 10), small(33) {
+    for (size_t i = 0; i < big.size(); ++i) big[i] = float(step * 1000 + i);
+    for (size_t i = 0; i < small.size(); ++i) small[i] = float(step) - float(i);
+    sources.push_back({{"big", DType::kFloat32, {big.size()}, {}, {}}, big.data(), big.size() * 4});
+    sources.push_back(
+        {{"small", DType::kFloat32, {small.size()}, {}, {}}, small.data(), small.size() * 4});
+    Dict d;
+    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
+    d.items.emplace_back(Value(std::string("big")), Value(TensorRef{0, 0}));
+    extras = *EncodeExtras(Value(std::move(d)));
+  }
+};
+
+// The reader holds exactly Shard(step)'s bytes.
+void ExpectShard(const ImageReader& reader, const Value& extras, uint64_t step) {
+  const Shard want(step);
+  EXPECT_EQ(reader.meta().step, step);
+  ASSERT_EQ(reader.tensors().size(), 2u);
+  EXPECT_EQ(reader.tensors()[0].spec.name, "big");
+  auto big = reader.tensor_data(0);
+  ASSERT_EQ(big.size(), want.big.size() * 4);
+  EXPECT_EQ(std::memcmp(big.data(), want.big.data(), big.size()), 0);
+  auto small = reader.tensor_data(1);
+  ASSERT_EQ(small.size(), want.small.size() * 4);
+  EXPECT_EQ(std::memcmp(small.data(), want.small.data(), small.size()), 0);
+  auto enc = EncodeExtras(extras);
+  ASSERT_TRUE(enc.ok());
+  EXPECT_EQ(*enc, want.extras);
+}
+
+std::string Header(uint32_t length, uint16_t version, uint16_t type) {
+  std::string out;
+  internal::AppendLE<uint32_t>(out, length);
+  internal::AppendLE<uint16_t>(out, version);
+  internal::AppendLE<uint16_t>(out, type);
+  return out;
+}
+
+bool SendAll(int fd, const std::string& bytes) {
+  size_t off = 0;
+  while (off < bytes.size()) {
+    const ssize_t n = ::send(fd, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    off += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// What came back on a connection until the agent closed it (or the deadline passed).
+struct Outcome {
+  bool closed = false;
+  std::vector<Message> messages;
+  std::string error;  // a malformed reply, if any
+};
+
+Outcome ReadUntilClosed(int fd, double timeout_s) {
+  Outcome out;
+  FrameDecoder decoder;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  for (;;) {
+    const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (left <= 0) return out;
+    auto m = ReceiveMessage(fd, decoder, left);
+    if (m.ok()) {
+      out.messages.push_back(std::move(*m));
+      continue;
+    }
+    if (m.status().code() == StatusCode::kUnavailable) {
+      out.closed = true;  // EOF or ECONNRESET
+    } else if (m.status().code() != StatusCode::kCancelled) {
+      out.error = m.status().ToString();
+    }
+    return out;
+  }
+}
+
+class AgentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = "/tmp/spag-XXXXXX";  // short: the socket path must fit sun_path
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr) << std::strerror(errno);
+    tmp_ = tmpl;
+    shm_ = tmp_ + "/shm";
+    storage_ = tmp_ + "/ckpt";
+    ASSERT_EQ(::mkdir(shm_.c_str(), 0700), 0);
+    job_dir_ = shm_ + "/safepoint-" + std::to_string(::geteuid()) + "-" + job_;
+  }
+
+  void TearDown() override {
+    for (auto& [pid, reaped] : children_) {
+      if (reaped) continue;
+      ::kill(pid, SIGKILL);
+      int status;
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+    // An agent that a SnapshotClient started on demand is not our child.
+    uint32_t pid = 0;
+    if (AgentAlive(job_dir_, &pid) && pid > 1) {
+      ::kill(static_cast<pid_t>(pid), SIGKILL);
+      const auto deadline = Clock::now() + std::chrono::seconds(10);
+      while (AgentAlive(job_dir_) && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+    if (HasFailure()) {
+      for (const auto& log : logs_) {
+        std::ifstream f(log);
+        std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+        std::cerr << "---- " << log << " ----\n" << text;
+      }
+      std::ifstream f(AgentLogPath(job_dir_));
+      if (f) {
+        std::cerr << "---- " << AgentLogPath(job_dir_) << " ----\n" << f.rdbuf();
+      }
+    }
+    std::error_code ec;
+    fs::remove_all(tmp_, ec);
+  }
+
+  // Starts safepointd for the job as a child process (not waiting for it).
+  pid_t Spawn() {
+    const std::string log = tmp_ + "/agent-" + std::to_string(logs_.size()) + ".log";
+    logs_.push_back(log);
+    std::vector<std::string> args = {SAFEPOINTD_PATH, "--job", job_, "--shm-dir", shm_};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+      if (out >= 0) {
+        ::dup2(out, 1);
+        ::dup2(out, 2);
+      }
+      ::syscall(SYS_close_range, 3, ~0U, 0);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    EXPECT_GT(pid, 0) << std::strerror(errno);
+    if (pid > 0) children_[pid] = false;
+    return pid;
+  }
+
+  // Starts the agent and waits until its socket accepts connections.
+  pid_t StartAgent() {
+    const pid_t pid = Spawn();
+    if (pid <= 0) return -1;
+    const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
+    while (Clock::now() < deadline) {
+      int status;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        children_[pid] = true;
+        ADD_FAILURE() << "the agent exited at start with status " << status;
+        return -1;
+      }
+      const int fd = TryConnect();
+      if (fd >= 0) {
+        ::close(fd);
+        return pid;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ADD_FAILURE() << "the agent did not listen within the deadline";
+    return -1;
+  }
+
+  // The exit status of a child (waitpid's), or nullopt if it is still running at the deadline.
+  std::optional<int> WaitExit(pid_t pid, double timeout_s = kDeadlineSeconds) {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+    for (;;) {
+      int status;
+      const pid_t r = ::waitpid(pid, &status, WNOHANG);
+      if (r == pid) {
+        children_[pid] = true;
+        return status;
+      }
+      if (Clock::now() >= deadline) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+
+  bool Running(pid_t pid) {
+    int status;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      children_[pid] = true;
+      return false;
+    }
+    return true;
+  }
+
+  int TryConnect() {
+    const std::string path = AgentSocketPath(job_dir_);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.size() >= sizeof(addr.sun_path)) return -1;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      ::close(fd);
+      return -1;
+    }
+    return fd;
+  }
+
+  int Connect() {
+    const int fd = TryConnect();
+    EXPECT_GE(fd, 0) << "cannot connect to " << AgentSocketPath(job_dir_);
+    return fd;
+  }
+
+  // Asks for the agent's status on `fd` and parses it.
+  std::optional<json> QueryStatus(int fd, double timeout_s = kDeadlineSeconds) {
+    if (!SendMessage(fd, MessageType::kStatus, "{}").ok()) {
+      ADD_FAILURE() << "sending kStatus failed";
+      return std::nullopt;
+    }
+    FrameDecoder decoder;
+    auto reply = ReceiveMessage(fd, decoder, timeout_s);
+    if (!reply.ok()) {
+      ADD_FAILURE() << "no status reply: " << reply.status().ToString();
+      return std::nullopt;
+    }
+    if (reply->type != MessageType::kStatusReply) {
+      ADD_FAILURE() << "status answered with type " << int(reply->type) << ": " << reply->payload;
+      return std::nullopt;
+    }
+    json j = json::parse(reply->payload, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      ADD_FAILURE() << "status reply is not a JSON object: " << reply->payload;
+      return std::nullopt;
+    }
+    return j;
+  }
+
+  // A well-formed client on a fresh connection gets a status.
+  void ExpectServes(pid_t agent) {
+    EXPECT_TRUE(Running(agent)) << "the agent exited";
+    const int fd = Connect();
+    if (fd < 0) return;
+    auto j = QueryStatus(fd);
+    ::close(fd);
+    ASSERT_TRUE(j);
+    EXPECT_EQ((*j)["job"], job_);
+    EXPECT_EQ((*j)["agent_pid"], agent);
+  }
+
+  std::string HelloPayload() const {
+    return json{{"rank", 0}, {"world_size", 1}, {"storage", storage_}, {"keep", 3},
+                {"pid", ::getpid()}}
+        .dump();
+  }
+
+  ClientOptions Options() const {
+    ClientOptions o;
+    o.storage = storage_;
+    o.job = job_;
+    o.shm_dir = shm_;
+    o.keep = 10;
+    o.agent_binary = SAFEPOINTD_PATH;
+    o.agent_start_timeout_s = kDeadlineSeconds;
+    o.copy_threads = 2;
+    return o;
+  }
+
+  std::unique_ptr<SnapshotClient> NewClient() {
+    auto c = SnapshotClient::Connect(Options());
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(c).value() : nullptr;
+  }
+
+  void SaveStep(SnapshotClient& c, uint64_t step, bool persist) {
+    Shard s(step);
+    auto r = c.Save(step, s.sources, s.extras, persist);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_TRUE(r->saved);
+    EXPECT_EQ(r->persist_requested, persist);
+    EXPECT_TRUE(r->agent_error.empty()) << r->agent_error;
+  }
+
+  std::vector<uint64_t> Committed() {
+    std::vector<uint64_t> out;
+    auto store = OpenCheckpointStore(storage_);
+    if (!store.ok()) return out;
+    auto list = (*store)->ListCommitted();
+    EXPECT_TRUE(list.ok()) << list.status().ToString();
+    if (!list.ok()) return out;
+    for (const auto& c : *list) out.push_back(c.step);
+    return out;
+  }
+
+  // Loads `step` from storage and checks it is bit-exact.
+  void ExpectOnStorage(std::optional<uint64_t> step, uint64_t want_step) {
+    auto store = OpenCheckpointStore(storage_);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    auto shard = LoadShard(**store, step, 0);
+    ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+    EXPECT_EQ(shard->commit.step, want_step);
+    EXPECT_TRUE(shard->skipped.empty());
+    ExpectShard(shard->reader, shard->extras, want_step);
+  }
+
+  std::vector<std::string> SlotFiles() {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(job_dir_, ec)) {
+      const std::string name = e.path().filename();
+      if (name.rfind("rank-", 0) == 0) out.push_back(name);
+    }
+    return out;
+  }
+
+  const std::string job_ = "agent-test";
+  std::string tmp_, shm_, storage_, job_dir_;
+  std::map<pid_t, bool> children_;  // pid -> reaped
+  std::vector<std::string> logs_;
+};
+
+TEST_F(AgentTest, ServesStatus) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  ExpectServes(agent);
+  uint32_t pid = 0;
+  EXPECT_TRUE(AgentAlive(job_dir_, &pid));
+  EXPECT_EQ(pid, static_cast<uint32_t>(agent));
+  struct stat st;
+  ASSERT_EQ(::stat(AgentSocketPath(job_dir_).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
+// Each malformed input closes that connection only (possibly after a kError reply); the agent
+// keeps serving well-formed clients, including one that stays connected throughout.
+TEST_F(AgentTest, MalformedInputClosesOnlyThatConnection) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  const int steady = Connect();
+  ASSERT_GE(steady, 0);
+  ASSERT_TRUE(QueryStatus(steady));
+
+  std::mt19937_64 rng(99);
+  std::string random_garbage(512, '\0');
+  for (auto& c : random_garbage) c = char(rng());
+  random_garbage.replace(0, 4, "\xff\xff\xff\x7f");
+
+  const std::string hello = EncodeFrame(MessageType::kHello, HelloPayload());
+  struct Case {
+    std::string name;
+    std::string bytes;
+  };
+  const std::vector<Case> cases = {
+      {"text garbage", "GET / HTTP/1.1\r\nHost: safepoint\r\n\r\n"},
+      {"random garbage", random_garbage},
+      {"bad version", Header(6, kProtocolVersion + 1, uint16_t(MessageType::kStatus)) + "{}"},
+      {"version 0", Header(6, 0, uint16_t(MessageType::kStatus)) + "{}"},
+      {"oversized length", Header(kMaxMessageBytes + 1, kProtocolVersion, 4)},
+      {"huge length", Header(0xFFFFFFFFu, kProtocolVersion, 4)},
+      {"length below header", Header(2, kProtocolVersion, 4)},
+      {"unknown type", Header(6, kProtocolVersion, 77) + "{}"},
+      {"invalid JSON", EncodeFrame(MessageType::kHello, R"({"rank": 0, "storage": )")},
+      {"JSON that is not an object", EncodeFrame(MessageType::kStatus, "[1, 2, 3]")},
+      {"hello missing fields", EncodeFrame(MessageType::kHello, R"({"rank": 0})")},
+      {"hello with wrong types",
+       EncodeFrame(MessageType::kHello,
+                   R"({"rank": 0, "world_size": 1, "keep": 1, "storage": 5})")},
+      {"snapshot missing fields after hello",
+       hello + EncodeFrame(MessageType::kSnapshot, R"({"slot": 0})")},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int fd = Connect();
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendAll(fd, c.bytes));
+    const Outcome out = ReadUntilClosed(fd, 2);
+    ::close(fd);
+    EXPECT_TRUE(out.closed) << "the agent kept the connection open";
+    EXPECT_TRUE(out.error.empty()) << out.error;
+    for (const Message& m : out.messages) {
+      if (m.type == MessageType::kHelloReply) continue;  // the well-formed hello before
+      EXPECT_EQ(m.type, MessageType::kError) << m.payload;
+      json j = json::parse(m.payload, nullptr, false);
+      EXPECT_TRUE(j.is_object() && j.contains("error")) << m.payload;
+    }
+    ExpectServes(agent);
+    auto steady_status = QueryStatus(steady);
+    ASSERT_TRUE(steady_status);
+    EXPECT_EQ((*steady_status)["job"], job_);
+  }
+  // Nothing was persisted or committed because of any of it.
+  EXPECT_TRUE(Committed().empty());
+  ::close(steady);
+  EXPECT_TRUE(Running(agent));
+}
+
+// A request that needs a hello, sent before it, is a protocol violation: refused with kError and
+// that connection is closed, like any other malformed input.
+TEST_F(AgentTest, SnapshotBeforeHelloClosesTheConnection) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  const int fd = Connect();
+  ASSERT_GE(fd, 0);
+  const std::string snapshot =
+      json{{"slot", 0}, {"generation", 1}, {"step", 1}, {"persist", true}, {"leased", false}}
+          .dump();
+  ASSERT_TRUE(SendAll(fd, EncodeFrame(MessageType::kSnapshot, snapshot)));
+  const Outcome out = ReadUntilClosed(fd, 2);
+  ::close(fd);
+  ASSERT_FALSE(out.messages.empty()) << "no kError reply";
+  EXPECT_EQ(out.messages[0].type, MessageType::kError) << out.messages[0].payload;
+  EXPECT_TRUE(out.closed) << "the agent kept the connection open after refusing it";
+  ExpectServes(agent);
+  EXPECT_TRUE(Committed().empty());
+}
+
+// The agent validates the slot a client names: an out-of-range slot (claimed already leased)
+// must not make it read past its slot table. (A release build usually survives the
+// out-of-bounds read by luck; with -D_GLIBCXX_ASSERTIONS or ASan the agent aborts.)
+TEST_F(AgentTest, SnapshotOfASlotThatDoesNotExistIsHarmless) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  const int fd = Connect();
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendMessage(fd, MessageType::kHello, HelloPayload()).ok());
+  FrameDecoder d;
+  auto reply = ReceiveMessage(fd, d, kDeadlineSeconds);
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  ASSERT_EQ(reply->type, MessageType::kHelloReply) << reply->payload;
+  for (uint32_t slot : {2u, 9u, 15u}) {
+    // The agent may refuse these by closing the connection: later sends may fail.
+    SendMessage(fd, MessageType::kSnapshot,
+                json{{"slot", slot}, {"generation", 1}, {"step", slot}, {"persist", true},
+                     {"leased", true}}
+                    .dump())
+        .IgnoreError();
+  }
+  // Wait until the agent worked through them; it must still be alive and serve.
+  const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
+  for (;;) {
+    ASSERT_TRUE(Running(agent)) << "the agent crashed";
+    const int probe = TryConnect();
+    ASSERT_GE(probe, 0) << "the agent stopped listening";
+    auto j = QueryStatus(probe);
+    ::close(probe);
+    ASSERT_TRUE(j);
+    if ((*j)["queued"] == 0 && (*j)["in_flight"].is_null()) {
+      for (auto& r : (*j)["ranks"]) EXPECT_EQ(r["persists_ok"], 0) << r.dump();
+      break;
+    }
+    ASSERT_LT(Clock::now(), deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(Committed().empty());
+  ::close(fd);
+  ExpectServes(agent);
+}
+
+// A client that sends requests but never reads the replies must not wedge the agent for everyone
+// else: its replies back up, and the agent has to keep serving other clients meanwhile.
+TEST_F(AgentTest, ClientThatNeverReadsDoesNotWedgeTheAgent) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  const int stuck = Connect();
+  ASSERT_GE(stuck, 0);
+  ASSERT_TRUE(QueryStatus(stuck));  // accepted and served before it floods
+  std::string requests;
+  for (int i = 0; i < 5000; ++i) requests += EncodeFrame(MessageType::kStatus, "{}");
+  // Non-blocking: once both socket buffers are full, this side stops sending too.
+  ASSERT_EQ(::fcntl(stuck, F_SETFL, O_NONBLOCK), 0);
+  size_t off = 0;
+  const auto send_deadline = Clock::now() + std::chrono::seconds(2);
+  while (off < requests.size() && Clock::now() < send_deadline) {
+    const ssize_t n = ::send(stuck, requests.data() + off, requests.size() - off, MSG_NOSIGNAL);
+    if (n > 0) {
+      off += static_cast<size_t>(n);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // Wait until the unread replies pile up on this side: the agent is answering the flood.
+  const auto pile_deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
+  for (int queued = 0; queued < (16 << 10) && Clock::now() < pile_deadline;) {
+    ASSERT_EQ(::ioctl(stuck, FIONREAD, &queued), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  // Another client is still served (in well under the deadline a wedged agent would need).
+  const int fd = Connect();
+  ASSERT_GE(fd, 0);
+  auto j = QueryStatus(fd, 5);
+  ::close(fd);
+  EXPECT_TRUE(j) << "the agent stopped serving while one client did not read its replies";
+  ::close(stuck);
+  EXPECT_TRUE(Running(agent));
+}
+
+TEST_F(AgentTest, SecondAgentForTheSameJobExitsWith3) {
+  const pid_t first = StartAgent();
+  ASSERT_GT(first, 0);
+  const pid_t second = Spawn();
+  ASSERT_GT(second, 0);
+  auto status = WaitExit(second);
+  ASSERT_TRUE(status) << "the second agent did not exit";
+  ASSERT_TRUE(WIFEXITED(*status)) << "status " << *status;
+  EXPECT_EQ(WEXITSTATUS(*status), 3);
+  // The first one is undisturbed: same socket, same lock.
+  ExpectServes(first);
+  uint32_t pid = 0;
+  EXPECT_TRUE(AgentAlive(job_dir_, &pid));
+  EXPECT_EQ(pid, static_cast<uint32_t>(first));
+}
+
+// A client starts the agent on demand, saves with persist=true, and the steps are committed.
+TEST_F(AgentTest, ClientPersistsStepsThatLoadBitExact) {
+  auto client = NewClient();
+  ASSERT_TRUE(client);
+  uint32_t agent_pid = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &agent_pid)) << "the client did not start an agent";
+  for (uint64_t step = 1; step <= 4; ++step) SaveStep(*client, step, /*persist=*/true);
+  Status w = client->Wait(kDeadlineSeconds);
+  ASSERT_TRUE(w.ok()) << w.ToString();
+  EXPECT_EQ(client->last_persist_step(), std::optional<uint64_t>(4));
+
+  // Every persisted step is committed (keep = 10) and loads bit-exact.
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2, 3, 4}));
+  for (uint64_t step = 1; step <= 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    ExpectOnStorage(step, step);
+  }
+  ExpectOnStorage(std::nullopt, 4);
+
+  // Hot reload from memory: the newest snapshot.
+  auto mem = client->LoadNewest(std::nullopt);
+  ASSERT_TRUE(mem.ok()) << mem.status().ToString();
+  EXPECT_EQ(mem->step, 4u);
+  ExpectShard(mem->reader, mem->extras, 4);
+  EXPECT_TRUE(client->LoadNewest(4).ok());
+  EXPECT_EQ(client->LoadNewest(5).status().code(), StatusCode::kNotFound);
+
+  auto status = client->AgentStatus();
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  json j = json::parse(*status, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << *status;
+  EXPECT_EQ(j["agent_pid"], agent_pid);
+  EXPECT_EQ(j["newest_committed"], 4);
+  ASSERT_EQ(j["ranks"].size(), 1u);
+  EXPECT_EQ(j["ranks"][0]["persists_ok"], 4);
+  EXPECT_EQ(j["ranks"][0]["persists_failed"], 0);
+  for (auto& s : j["ranks"][0]["slots"]) EXPECT_FALSE(s["leased"].get<bool>()) << s.dump();
+
+  // A further Wait with nothing new asked returns at once.
+  EXPECT_TRUE(client->Wait(kDeadlineSeconds).ok());
+}
+
+// SIGTERM: the agent flushes the newest snapshot that was never persisted and exits 0.
+TEST_F(AgentTest, SigtermFlushesTheNewestSnapshot) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  auto client = NewClient();
+  ASSERT_TRUE(client);
+  SaveStep(*client, 5, /*persist=*/false);
+  SaveStep(*client, 6, /*persist=*/false);
+  // Nothing asked a persist: nothing is on storage yet (and Wait has nothing to wait for).
+  EXPECT_TRUE(client->Wait(kDeadlineSeconds).ok());
+  EXPECT_TRUE(Committed().empty());
+
+  ASSERT_EQ(::kill(agent, SIGTERM), 0);
+  auto status = WaitExit(agent);
+  ASSERT_TRUE(status) << "the agent did not exit after SIGTERM";
+  ASSERT_TRUE(WIFEXITED(*status)) << "status " << *status;
+  EXPECT_EQ(WEXITSTATUS(*status), 0);
+
+  const auto committed = Committed();
+  ASSERT_FALSE(committed.empty());
+  EXPECT_EQ(committed.back(), 6u);
+  ExpectOnStorage(std::nullopt, 6);
+  // The snapshots stay in memory for a restarted job.
+  auto mem = client->LoadNewest(std::nullopt);
+  ASSERT_TRUE(mem.ok()) << mem.status().ToString();
+  EXPECT_EQ(mem->step, 6u);
+  EXPECT_FALSE(SlotFiles().empty());
+}
+
+// A rank that dies without closing: its newest snapshot is flushed (emergency flush).
+TEST_F(AgentTest, DeadClientIsFlushed) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  const ClientOptions options = Options();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto c = SnapshotClient::Connect(options);
+    if (!c.ok()) ::_exit(2);
+    Shard s(7);
+    auto r = (*c)->Save(7, s.sources, s.extras, /*persist=*/false);
+    ::_exit(r.ok() && r->saved ? 0 : 3);  // dies without Close
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the child failed to save, status " << st;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
+  while (Committed().empty() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{7}));
+  ExpectOnStorage(7, 7);
+  ExpectServes(agent);
+}
+
+// Clean close: the newest snapshot is persisted, the rank's slot files are removed and the
+// on-demand agent exits.
+TEST_F(AgentTest, CleanCloseRemovesSlotsAndTheAgentExits) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  auto client = NewClient();
+  ASSERT_TRUE(client);
+  SaveStep(*client, 1, /*persist=*/true);
+  SaveStep(*client, 2, /*persist=*/false);
+  EXPECT_EQ(SlotFiles().size(), 2u);
+  Status closed = client->Close(kDeadlineSeconds);
+  ASSERT_TRUE(closed.ok()) << closed.ToString();
+  EXPECT_TRUE(SlotFiles().empty()) << "slot files left: " << SlotFiles().size();
+
+  auto status = WaitExit(agent);
+  ASSERT_TRUE(status) << "the agent did not exit after the only rank closed";
+  ASSERT_TRUE(WIFEXITED(*status)) << "status " << *status;
+  EXPECT_EQ(WEXITSTATUS(*status), 0);
+  EXPECT_TRUE(SlotFiles().empty());
+  EXPECT_FALSE(AgentAlive(job_dir_));
+  EXPECT_FALSE(fs::exists(AgentSocketPath(job_dir_)));
+
+  const auto committed = Committed();
+  ASSERT_FALSE(committed.empty());
+  EXPECT_EQ(committed.back(), 2u);
+  ExpectOnStorage(std::nullopt, 2);
+  client.reset();
+}
+
+}  // namespace
+}  // namespace safepoint

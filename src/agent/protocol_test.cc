@@ -1,0 +1,371 @@
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "base/bytes.h"
+#include "safepoint/agent.h"
+
+namespace safepoint {
+namespace {
+
+using internal::AppendLE;
+
+std::span<const std::byte> Bytes(std::string_view s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+// A frame header with arbitrary fields.
+std::string Header(uint32_t length, uint16_t version, uint16_t type) {
+  std::string out;
+  AppendLE<uint32_t>(out, length);
+  AppendLE<uint16_t>(out, version);
+  AppendLE<uint16_t>(out, type);
+  return out;
+}
+
+// Everything the decoder yields until it needs more bytes; fails the test on an error.
+std::vector<Message> Drain(FrameDecoder& d) {
+  std::vector<Message> out;
+  for (;;) {
+    auto m = d.Next();
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok() || !*m) return out;
+    out.push_back(std::move(**m));
+  }
+}
+
+constexpr MessageType kAllTypes[] = {
+    MessageType::kHello, MessageType::kHelloReply, MessageType::kSnapshot,
+    MessageType::kStatus, MessageType::kStatusReply, MessageType::kWait,
+    MessageType::kWaitReply, MessageType::kClose, MessageType::kCloseReply,
+    MessageType::kError, MessageType::kShutdown};
+
+TEST(ProtocolTest, EncodeFrameLayout) {
+  const std::string frame = EncodeFrame(MessageType::kStatus, R"({"a":1})");
+  ASSERT_EQ(frame.size(), kFrameHeaderBytes + 7);
+  EXPECT_EQ(frame.substr(0, 8), Header(4 + 7, kProtocolVersion, 4));
+  EXPECT_EQ(frame.substr(8), R"({"a":1})");
+  EXPECT_EQ(EncodeFrame(MessageType::kClose, ""), Header(4, kProtocolVersion, 8));
+}
+
+TEST(ProtocolTest, FrameRoundTrip) {
+  for (MessageType type : kAllTypes) {
+    for (const std::string payload : {std::string(), std::string("{}"),
+                                      std::string(R"({"step":42,"name":"x\u00e9"})"),
+                                      std::string("\0binary\xff\0", 10)}) {
+      FrameDecoder d;
+      d.Feed(Bytes(EncodeFrame(type, payload)));
+      auto m = d.Next();
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      ASSERT_TRUE(*m);
+      EXPECT_EQ((*m)->type, type);
+      EXPECT_EQ((*m)->payload, payload);
+      auto none = d.Next();
+      ASSERT_TRUE(none.ok());
+      EXPECT_FALSE(*none);
+      EXPECT_EQ(d.buffered(), 0u);
+    }
+  }
+}
+
+TEST(ProtocolTest, LargestMessageRoundTrips) {
+  const std::string payload(kMaxMessageBytes - 4, 'p');
+  FrameDecoder d;
+  const std::string frame = EncodeFrame(MessageType::kStatusReply, payload);
+  d.Feed(Bytes(frame).subspan(0, frame.size() - 1));
+  auto partial = d.Next();
+  ASSERT_TRUE(partial.ok()) << partial.status().ToString();
+  EXPECT_FALSE(*partial);
+  d.Feed(Bytes(frame).subspan(frame.size() - 1));
+  auto m = d.Next();
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  ASSERT_TRUE(*m);
+  EXPECT_EQ((*m)->payload, payload);
+}
+
+TEST(ProtocolTest, ByteByByteFeeding) {
+  std::vector<Message> want;
+  std::string stream;
+  for (int i = 0; i < 40; ++i) {
+    Message m;
+    m.type = kAllTypes[i % std::size(kAllTypes)];
+    m.payload = std::string(i * 3, char('a' + i % 26));
+    stream += EncodeFrame(m.type, m.payload);
+    want.push_back(m);
+  }
+  FrameDecoder d;
+  std::vector<Message> got;
+  for (size_t i = 0; i < stream.size(); ++i) {
+    d.Feed(Bytes(stream).subspan(i, 1));
+    auto more = Drain(d);
+    ASSERT_LE(more.size(), 1u) << "one byte completes at most one frame";
+    got.insert(got.end(), more.begin(), more.end());
+  }
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].type, want[i].type) << i;
+    EXPECT_EQ(got[i].payload, want[i].payload) << i;
+  }
+  EXPECT_EQ(d.buffered(), 0u);
+}
+
+TEST(ProtocolTest, ManyFramesInOneFeed) {
+  std::string stream;
+  constexpr int kFrames = 5000;
+  for (int i = 0; i < kFrames; ++i) {
+    stream += EncodeFrame(MessageType::kSnapshot, "{\"step\":" + std::to_string(i) + "}");
+  }
+  // Plus the first half of one more frame.
+  const std::string last = EncodeFrame(MessageType::kWait, "{\"step\":99}");
+  stream += last.substr(0, 5);
+  FrameDecoder d;
+  d.Feed(Bytes(stream));
+  auto got = Drain(d);
+  ASSERT_EQ(got.size(), size_t{kFrames});
+  for (int i = 0; i < kFrames; ++i) {
+    EXPECT_EQ(got[i].type, MessageType::kSnapshot);
+    ASSERT_EQ(got[i].payload, "{\"step\":" + std::to_string(i) + "}");
+  }
+  EXPECT_EQ(d.buffered(), 5u);
+  d.Feed(Bytes(last).subspan(5));
+  got = Drain(d);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].type, MessageType::kWait);
+  EXPECT_EQ(got[0].payload, "{\"step\":99}");
+}
+
+// Large frames, interleaved with feeds of arbitrary sizes (exercises the buffer compaction).
+TEST(ProtocolTest, LargeFramesInRandomPieces) {
+  std::mt19937_64 rng(7);
+  std::vector<std::string> payloads;
+  std::string stream;
+  for (int i = 0; i < 12; ++i) {
+    std::string p(std::uniform_int_distribution<size_t>(0, 700 << 10)(rng), '\0');
+    for (auto& c : p) c = char(rng());
+    stream += EncodeFrame(MessageType::kStatusReply, p);
+    payloads.push_back(std::move(p));
+  }
+  FrameDecoder d;
+  std::vector<Message> got;
+  for (size_t off = 0; off < stream.size();) {
+    const size_t n = std::min(stream.size() - off,
+                              std::uniform_int_distribution<size_t>(1, 3 << 20)(rng));
+    d.Feed(Bytes(stream).subspan(off, n));
+    off += n;
+    auto more = Drain(d);
+    got.insert(got.end(), more.begin(), more.end());
+  }
+  ASSERT_EQ(got.size(), payloads.size());
+  for (size_t i = 0; i < payloads.size(); ++i) EXPECT_EQ(got[i].payload, payloads[i]) << i;
+  EXPECT_EQ(d.buffered(), 0u);
+}
+
+void ExpectRejected(const std::string& bytes, const std::string& what) {
+  SCOPED_TRACE(what);
+  FrameDecoder d;
+  d.Feed(Bytes(bytes));
+  auto m = d.Next();
+  ASSERT_FALSE(m.ok()) << "accepted";
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("protocol error"), std::string::npos)
+      << m.status().message();
+  // The stream cannot be resynchronised: the decoder keeps refusing it.
+  d.Feed(Bytes(EncodeFrame(MessageType::kStatus, "{}")));
+  EXPECT_FALSE(d.Next().ok());
+}
+
+TEST(ProtocolTest, RejectsWrongVersion) {
+  for (uint16_t v : {uint16_t{0}, uint16_t{kProtocolVersion + 1}, uint16_t{0xFFFF}}) {
+    ExpectRejected(Header(4 + 2, v, 4) + "{}", "version " + std::to_string(v));
+  }
+}
+
+TEST(ProtocolTest, RejectsUnknownType) {
+  for (uint16_t t : {uint16_t{0}, uint16_t{12}, uint16_t{0x100}, uint16_t{0xFFFF}}) {
+    ExpectRejected(Header(4 + 2, kProtocolVersion, t) + "{}", "type " + std::to_string(t));
+  }
+}
+
+TEST(ProtocolTest, RejectsLengthBelowHeader) {
+  for (uint32_t len : {0u, 1u, 3u}) {
+    // Only the length field has to arrive to reject it.
+    std::string b;
+    AppendLE<uint32_t>(b, len);
+    ExpectRejected(b, "length " + std::to_string(len));
+    ExpectRejected(b + std::string(16, '\0'), "length " + std::to_string(len) + " + bytes");
+  }
+}
+
+TEST(ProtocolTest, RejectsOversizedLengthBeforeItsPayload) {
+  for (uint32_t len : {kMaxMessageBytes + 1, 0x7FFFFFFFu, 0xFFFFFFFFu}) {
+    std::string b;
+    AppendLE<uint32_t>(b, len);
+    ExpectRejected(b, "length " + std::to_string(len));
+  }
+  // Exactly the maximum is a valid length (it only needs its bytes).
+  FrameDecoder d;
+  d.Feed(Bytes(Header(kMaxMessageBytes, kProtocolVersion, 4)));
+  auto m = d.Next();
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_FALSE(*m);
+}
+
+TEST(ProtocolTest, ErrorAfterValidFramesKeepsThem) {
+  std::string stream = EncodeFrame(MessageType::kHello, "{}") +
+                       EncodeFrame(MessageType::kStatus, "{}") + Header(6, 9, 4) + "{}";
+  FrameDecoder d;
+  d.Feed(Bytes(stream));
+  for (MessageType want : {MessageType::kHello, MessageType::kStatus}) {
+    auto m = d.Next();
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    ASSERT_TRUE(*m);
+    EXPECT_EQ((*m)->type, want);
+  }
+  EXPECT_FALSE(d.Next().ok());
+}
+
+// Random damage to a valid stream never crashes the decoder, and it only ever yields errors or
+// well-formed messages.
+TEST(ProtocolTest, FuzzedStreamsYieldErrorsOrValidMessages) {
+  const uint64_t seed = 20240611;
+  std::mt19937_64 rng(seed);
+  std::string base;
+  for (int i = 0; i < 16; ++i) {
+    base += EncodeFrame(kAllTypes[i % std::size(kAllTypes)],
+                        std::string(i * 5, char('A' + i)) + "{\"k\":" + std::to_string(i) + "}");
+  }
+  auto pick = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
+  size_t errors = 0, messages = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    SCOPED_TRACE("seed " + std::to_string(seed) + " iteration " + std::to_string(iter));
+    std::string s = base;
+    const int mutations = 1 + static_cast<int>(pick(6));
+    for (int k = 0; k < mutations; ++k) {
+      switch (pick(6)) {
+        case 0:  // flip a byte
+          if (!s.empty()) s[pick(s.size())] = char(rng());
+          break;
+        case 1:  // flip a bit
+          if (!s.empty()) s[pick(s.size())] ^= char(1 << pick(8));
+          break;
+        case 2:  // insert random bytes
+          s.insert(pick(s.size() + 1), std::string(1 + pick(12), char(rng())));
+          break;
+        case 3:  // delete a range
+          if (s.size() > 1) {
+            const size_t at = pick(s.size());
+            s.erase(at, 1 + pick(std::min<size_t>(16, s.size() - at)));
+          }
+          break;
+        case 4: {  // overwrite 4 bytes with an interesting u32
+          static const uint32_t kInteresting[] = {0,          3,          4,          5,
+                                                  kMaxMessageBytes, kMaxMessageBytes + 1,
+                                                  0xFFFFFFFF, 0x80000000};
+          if (s.size() >= 4) {
+            const uint32_t v = kInteresting[pick(std::size(kInteresting))];
+            std::memcpy(s.data() + pick(s.size() - 3), &v, 4);
+          }
+          break;
+        }
+        case 5:  // truncate
+          s.resize(pick(s.size() + 1));
+          break;
+      }
+    }
+    FrameDecoder d;
+    bool failed = false;
+    for (size_t off = 0; off < s.size() && !failed;) {
+      const size_t n = std::min(s.size() - off, 1 + pick(64));
+      d.Feed(Bytes(s).subspan(off, n));
+      off += n;
+      for (;;) {
+        auto m = d.Next();
+        if (!m.ok()) {
+          ++errors;
+          EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status().ToString();
+          failed = true;
+          break;
+        }
+        if (!*m) break;
+        ++messages;
+        const auto type = static_cast<uint16_t>((*m)->type);
+        EXPECT_GE(type, static_cast<uint16_t>(MessageType::kHello));
+        EXPECT_LE(type, static_cast<uint16_t>(MessageType::kShutdown));
+        EXPECT_LE((*m)->payload.size() + 4, kMaxMessageBytes);
+      }
+    }
+    EXPECT_LE(d.buffered(), s.size());
+  }
+  // Both outcomes actually happened.
+  EXPECT_GT(errors, 0u);
+  EXPECT_GT(messages, 0u);
+}
+
+// --- Blocking helpers over a socket pair ------------------------------------------------------
+
+class ProtocolSocketTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds_), 0); }
+  void TearDown() override {
+    for (int fd : fds_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  int fds_[2] = {-1, -1};
+};
+
+TEST_F(ProtocolSocketTest, SendAndReceive) {
+  ASSERT_TRUE(SendMessage(fds_[0], MessageType::kHello, R"({"rank":0})").ok());
+  ASSERT_TRUE(SendMessage(fds_[0], MessageType::kStatus, "").ok());
+  FrameDecoder d;
+  auto a = ReceiveMessage(fds_[1], d, 10);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->type, MessageType::kHello);
+  EXPECT_EQ(a->payload, R"({"rank":0})");
+  auto b = ReceiveMessage(fds_[1], d, 10);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->type, MessageType::kStatus);
+  EXPECT_EQ(b->payload, "");
+}
+
+TEST_F(ProtocolSocketTest, LargeMessageThroughASmallSocketBuffer) {
+  const std::string payload(kMaxMessageBytes - 4, 'z');
+  std::thread sender(
+      [&] { EXPECT_TRUE(SendMessage(fds_[0], MessageType::kStatusReply, payload).ok()); });
+  FrameDecoder d;
+  auto m = ReceiveMessage(fds_[1], d, 30);
+  sender.join();
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->payload, payload);
+}
+
+TEST_F(ProtocolSocketTest, TooLargeToSend) {
+  EXPECT_EQ(SendMessage(fds_[0], MessageType::kStatus, std::string(kMaxMessageBytes - 3, 'x'))
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(ProtocolSocketTest, TimeoutAndPeerClose) {
+  FrameDecoder d;
+  EXPECT_EQ(ReceiveMessage(fds_[1], d, 0.05).status().code(), StatusCode::kCancelled);
+  // Half a frame, then the peer goes away.
+  const std::string frame = EncodeFrame(MessageType::kStatus, "{}");
+  ASSERT_EQ(::write(fds_[0], frame.data(), 5), 5);
+  ::close(fds_[0]);
+  fds_[0] = -1;
+  EXPECT_EQ(ReceiveMessage(fds_[1], d, 10).status().code(), StatusCode::kUnavailable);
+}
+
+TEST_F(ProtocolSocketTest, MalformedFrameIsAnError) {
+  const std::string bad = Header(6, kProtocolVersion + 1, 4) + "{}";
+  ASSERT_EQ(::write(fds_[0], bad.data(), bad.size()), static_cast<ssize_t>(bad.size()));
+  FrameDecoder d;
+  EXPECT_EQ(ReceiveMessage(fds_[1], d, 10).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace safepoint

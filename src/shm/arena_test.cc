@@ -1,0 +1,966 @@
+#include "safepoint/arena.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "safepoint/extras.h"
+#include "safepoint/image.h"
+
+namespace safepoint {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A private temporary directory, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = fs::temp_directory_path().string() + "/sp-arena-XXXXXX";
+    char* p = ::mkdtemp(tmpl.data());
+    EXPECT_NE(p, nullptr) << std::strerror(errno);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string Prefix() { return "safepoint-" + std::to_string(::geteuid()) + "-"; }
+
+// A rank-0 shard of `step` whose bytes are a pure function of the step.
+struct Shard {
+  std::vector<float> data;
+  std::unique_ptr<ImageBuilder> builder;
+
+  explicit Shard(uint64_t step, size_t elems = 16 << 10) : data(elems) {
+    for (size_t i = 0; i < data.size(); ++i) data[i] = float(step * 7 + i);
+    ImageMeta meta;
+    meta.job = "arena";
+    meta.step = step;
+    meta.rank = 0;
+    std::vector<TensorSource> sources;
+    sources.push_back({{"w", DType::kFloat32, {data.size()}, {}, {}}, data.data(),
+                       data.size() * sizeof(float)});
+    Dict d;
+    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
+    auto extras = EncodeExtras(Value(std::move(d)));
+    EXPECT_TRUE(extras.ok());
+    auto b = ImageBuilder::Create(meta, std::move(sources), *extras);
+    EXPECT_TRUE(b.ok()) << b.status().ToString();
+    builder = std::move(b).value();
+  }
+  uint64_t size() const { return builder->size(); }
+};
+
+// Checks that `image` is a valid image of Shard(step, elems).
+void ExpectImage(std::span<const std::byte> image, uint64_t step, size_t elems = 16 << 10) {
+  auto reader = ImageReader::Parse(image, "slot");
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  EXPECT_EQ(reader->meta().step, step);
+  ASSERT_EQ(reader->tensors().size(), 1u);
+  Shard want(step, elems);
+  auto got = reader->tensor_data(0);
+  ASSERT_EQ(got.size(), want.data.size() * sizeof(float));
+  EXPECT_EQ(std::memcmp(got.data(), want.data.data(), got.size()), 0);
+}
+
+// Takes a slot, fills it with Shard(step) and marks it COMPLETE.
+Arena::WriteTicket Save(Arena& arena, uint64_t step, bool leased = false,
+                        size_t elems = 16 << 10) {
+  Shard s(step, elems);
+  auto t = arena.BeginWrite(s.size());
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  if (!t.ok()) return {};
+  EXPECT_EQ(t->first, Arena::Acquire::kAcquired);
+  if (t->first != Arena::Acquire::kAcquired) return {};
+  s.builder->FillAll(t->second.data, 1);
+  arena.FinishWrite(t->second, step, s.size(), leased);
+  return t->second;
+}
+
+std::vector<std::string> ListDir(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) out.push_back(e.path().filename());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string SlotPathOf(const std::string& job_dir, uint32_t rank, uint32_t slot) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "/rank-%05u.slot-%u", rank, slot);
+  return job_dir + buf;
+}
+
+// --- Job directories -------------------------------------------------------------------------
+
+TEST(ArenaJobDirectoryTest, CreatesPrivateDirectory) {
+  TempDir tmp;
+  auto dir = JobDirectory(tmp.path(), "job1", /*create=*/true);
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  EXPECT_EQ(*dir, tmp.path() + "/" + Prefix() + "job1");
+  struct stat st;
+  ASSERT_EQ(::lstat(dir->c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  // Idempotent, and found without create.
+  auto again = JobDirectory(tmp.path(), "job1", true);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(*again, *dir);
+  auto found = JobDirectory(tmp.path(), "job1", false);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  EXPECT_EQ(*found, *dir);
+  EXPECT_EQ(JobDirectory(tmp.path(), "nope", false).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(JobDirectory(tmp.path() + "/missing", "job1", true).status().code(),
+            StatusCode::kNotFound);
+}
+
+TEST(ArenaJobDirectoryTest, ValidatesJobNames) {
+  TempDir tmp;
+  const std::vector<std::string> bad_names = {"", "a/b", "..", ".", "sp ace", "x\n",
+                                              std::string(65, 'a')};
+  for (const std::string& bad : bad_names) {
+    SCOPED_TRACE(bad);
+    EXPECT_EQ(JobDirectory(tmp.path(), bad, true).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_TRUE(ValidateJobName(std::string(64, 'a')).ok());
+  EXPECT_TRUE(ValidateJobName("A-z_0.9").ok());
+  // Nothing was created by the refused names.
+  EXPECT_TRUE(ListDir(tmp.path()).empty());
+}
+
+TEST(ArenaJobDirectoryTest, RefusesSymlink) {
+  TempDir tmp;
+  const std::string target = tmp.path() + "/elsewhere";
+  ASSERT_EQ(::mkdir(target.c_str(), 0700), 0);
+  const std::string path = tmp.path() + "/" + Prefix() + "job";
+  ASSERT_EQ(::symlink(target.c_str(), path.c_str()), 0);
+  for (bool create : {true, false}) {
+    auto dir = JobDirectory(tmp.path(), "job", create);
+    EXPECT_EQ(dir.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(dir.status().message().find(path), std::string::npos) << dir.status().message();
+  }
+  // A dangling symlink is refused as well (and nothing is created at its target).
+  const std::string dangling = tmp.path() + "/" + Prefix() + "dangling";
+  ASSERT_EQ(::symlink((tmp.path() + "/ghost").c_str(), dangling.c_str()), 0);
+  EXPECT_FALSE(JobDirectory(tmp.path(), "dangling", true).ok());
+  EXPECT_FALSE(fs::exists(tmp.path() + "/ghost"));
+}
+
+TEST(ArenaJobDirectoryTest, RefusesDirectoryAccessibleToOthers) {
+  TempDir tmp;
+  const std::string path = tmp.path() + "/" + Prefix() + "job";
+  ASSERT_EQ(::mkdir(path.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(path.c_str(), 0755), 0);
+  auto dir = JobDirectory(tmp.path(), "job", true);
+  EXPECT_EQ(dir.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(dir.status().message().find(path), std::string::npos) << dir.status().message();
+  // Not "fixed" behind the user's back.
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0755u);
+}
+
+TEST(ArenaJobDirectoryTest, RefusesFile) {
+  TempDir tmp;
+  const std::string path = tmp.path() + "/" + Prefix() + "job";
+  { std::ofstream(path) << "not a directory"; }
+  EXPECT_EQ(JobDirectory(tmp.path(), "job", true).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(JobDirectory(tmp.path(), "job", false).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ArenaJobDirectoryTest, ListJobDirectories) {
+  TempDir tmp;
+  auto none = ListJobDirectories(tmp.path() + "/missing");
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(none->empty());
+
+  auto b = JobDirectory(tmp.path(), "beta", true);
+  auto a = JobDirectory(tmp.path(), "alpha", true);
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Things that must not be listed.
+  const std::string open = tmp.path() + "/" + Prefix() + "open";
+  ASSERT_EQ(::mkdir(open.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(open.c_str(), 0755), 0);
+  ASSERT_EQ(::symlink(a->c_str(), (tmp.path() + "/" + Prefix() + "link").c_str()), 0);
+  { std::ofstream(tmp.path() + "/" + Prefix() + "file") << "x"; }
+  ASSERT_EQ(::mkdir((tmp.path() + "/" + Prefix() + "bad name").c_str(), 0700), 0);
+  const std::string other_user = "/safepoint-" + std::to_string(::geteuid() + 1) + "-other";
+  ASSERT_EQ(::mkdir((tmp.path() + other_user).c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((tmp.path() + "/unrelated").c_str(), 0700), 0);
+
+  auto list = ListJobDirectories(tmp.path());
+  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  std::vector<std::pair<std::string, std::string>> want = {{"alpha", *a}, {"beta", *b}};
+  EXPECT_EQ(*list, want);
+}
+
+// --- Arenas ----------------------------------------------------------------------------------
+
+class ArenaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto dir = JobDirectory(tmp_.path(), "arena", true);
+    ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+    job_dir_ = *dir;
+  }
+  std::unique_ptr<Arena> Open(uint32_t slots = kDefaultSlots, uint32_t rank = 0) {
+    auto a = Arena::Open(job_dir_, rank, slots);
+    EXPECT_TRUE(a.ok()) << a.status().ToString();
+    return a.ok() ? std::move(a).value() : nullptr;
+  }
+
+  TempDir tmp_;
+  std::string job_dir_;
+};
+
+TEST_F(ArenaTest, OpenCreatesNothing) {
+  EXPECT_EQ(Arena::Open(job_dir_, 0, 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Arena::Open(job_dir_, 0, 17).status().code(), StatusCode::kInvalidArgument);
+  auto arena = Open(3);
+  ASSERT_TRUE(arena);
+  EXPECT_EQ(arena->slot_count(), 3u);
+  EXPECT_TRUE(ListDir(job_dir_).empty());
+  for (const SlotInfo& s : arena->Slots()) {
+    EXPECT_EQ(s.state, SlotState::kFree);
+    EXPECT_EQ(s.capacity, 0u);
+    EXPECT_FALSE(s.leased);
+  }
+  EXPECT_FALSE(arena->NewestComplete());
+  EXPECT_EQ(arena->mapped_bytes(), 0u);
+  EXPECT_TRUE(arena->SlotData(0).empty());
+  EXPECT_TRUE(arena->SlotData(7).empty());
+}
+
+TEST_F(ArenaTest, FirstSavesUseFreeSlotsThenTheOldest) {
+  auto arena = Open(3);
+  ASSERT_TRUE(arena);
+  std::vector<uint32_t> used;
+  for (uint64_t step = 1; step <= 7; ++step) {
+    Shard s(step);
+    auto t = arena->BeginWrite(s.size());
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+    EXPECT_EQ(t->second.data.size(), s.size());
+    EXPECT_EQ(t->second.relaid_out, step <= 3) << "step " << step;
+    s.builder->FillAll(t->second.data, 1);
+    arena->FinishWrite(t->second, step, s.size());
+    used.push_back(t->second.slot);
+    auto newest = arena->NewestComplete();
+    ASSERT_TRUE(newest);
+    EXPECT_EQ(newest->step, step);
+    EXPECT_EQ(newest->index, t->second.slot);
+    EXPECT_EQ(newest->image_size, s.size());
+    EXPECT_GT(newest->complete_time_ns, 0);
+    EXPECT_EQ(newest->writer_pid, static_cast<uint32_t>(::getpid()));
+  }
+  EXPECT_EQ(used, (std::vector<uint32_t>{0, 1, 2, 0, 1, 2, 0}));
+  for (const SlotInfo& s : arena->Slots()) {
+    EXPECT_EQ(s.state, SlotState::kComplete);
+    ExpectImage(arena->SlotData(s.index).subspan(0, s.image_size), s.step);
+  }
+}
+
+TEST_F(ArenaTest, NeverOverwritesTheNewestComplete) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  // Steps out of order too: "newest" is the highest step, not the latest write.
+  const uint64_t steps[] = {10, 20, 5, 30, 25, 26, 40};
+  for (uint64_t step : steps) {
+    const auto before = arena->NewestComplete();
+    Shard s(step);
+    auto t = arena->BeginWrite(s.size());
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+    if (before) {
+      EXPECT_NE(t->second.slot, before->index) << "step " << step;
+      // While the slot is written, the newest snapshot is still the previous one, intact.
+      auto during = arena->NewestComplete();
+      ASSERT_TRUE(during);
+      EXPECT_EQ(during->index, before->index);
+      EXPECT_EQ(during->step, before->step);
+      ExpectImage(arena->SlotData(during->index).subspan(0, during->image_size), during->step);
+    }
+    EXPECT_EQ(arena->Slots()[t->second.slot].state, SlotState::kWriting);
+    s.builder->FillAll(t->second.data, 1);
+    arena->FinishWrite(t->second, step, s.size());
+  }
+  auto newest = arena->NewestComplete();
+  ASSERT_TRUE(newest);
+  EXPECT_EQ(newest->step, 40u);
+}
+
+TEST_F(ArenaTest, AbortWriteFreesTheSlot) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  Save(*arena, 1);
+  Shard s(2);
+  auto t = arena->BeginWrite(s.size());
+  ASSERT_TRUE(t.ok());
+  ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+  arena->AbortWrite(t->second);
+  EXPECT_EQ(arena->Slots()[t->second.slot].state, SlotState::kFree);
+  EXPECT_EQ(arena->NewestComplete()->step, 1u);
+  auto t2 = arena->BeginWrite(s.size());
+  ASSERT_TRUE(t2.ok());
+  ASSERT_EQ(t2->first, Arena::Acquire::kAcquired);
+  EXPECT_EQ(t2->second.slot, t->second.slot);
+  EXPECT_GT(t2->second.generation, t->second.generation);
+}
+
+TEST_F(ArenaTest, GenerationIncreases) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  std::vector<uint64_t> last(2, 0);
+  for (uint64_t step = 1; step <= 8; ++step) {
+    const auto t = Save(*arena, step);
+    EXPECT_GT(t.generation, last[t.slot]) << "step " << step;
+    last[t.slot] = t.generation;
+    const SlotInfo info = arena->Slots()[t.slot];
+    EXPECT_EQ(info.generation, t.generation);
+    EXPECT_EQ(info.step, step);
+  }
+  // Another process's view (a fresh mapping) sees the same generations.
+  auto other = Open(2);
+  ASSERT_TRUE(other);
+  for (const SlotInfo& s : other->Slots()) EXPECT_EQ(s.generation, last[s.index]);
+}
+
+TEST_F(ArenaTest, LeasedSlotIsNeverOverwritten) {
+  auto arena = Open(2);
+  auto agent = Open(2);  // the agent's own mapping
+  ASSERT_TRUE(arena && agent);
+  const auto t1 = Save(*arena, 1);
+  const auto t2 = Save(*arena, 2);
+  ASSERT_EQ(t1.slot, 0u);
+  ASSERT_EQ(t2.slot, 1u);
+  ASSERT_TRUE(agent->Refresh().ok());
+  ASSERT_TRUE(agent->Lease(t1.slot, t1.generation));
+  EXPECT_TRUE(arena->Slots()[t1.slot].leased);
+  EXPECT_EQ(arena->Slots()[t1.slot].state, SlotState::kComplete);
+  // Slot 1 is the newest, slot 0 is leased: nothing may be overwritten.
+  Shard s(3);
+  for (int i = 0; i < 3; ++i) {
+    auto t = arena->BeginWrite(s.size());
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    EXPECT_EQ(t->first, Arena::Acquire::kBusy);
+  }
+  ExpectImage(arena->SlotData(0).subspan(0, arena->Slots()[0].image_size), 1);
+  agent->Release(t1.slot, t1.generation);
+  EXPECT_FALSE(arena->Slots()[t1.slot].leased);
+  auto t = arena->BeginWrite(s.size());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+  EXPECT_EQ(t->second.slot, t1.slot);
+}
+
+TEST_F(ArenaTest, LeasedOldSlotIsSkippedWhenAnotherIsAvailable) {
+  auto arena = Open(3);
+  ASSERT_TRUE(arena);
+  const auto t1 = Save(*arena, 1);
+  Save(*arena, 2);
+  Save(*arena, 3);
+  ASSERT_TRUE(arena->Lease(t1.slot, t1.generation));  // the oldest one is being persisted
+  const auto t4 = Save(*arena, 4);
+  EXPECT_NE(t4.slot, t1.slot);
+  EXPECT_EQ(t4.slot, 1u);  // the oldest that is not leased
+  ExpectImage(arena->SlotData(t1.slot).subspan(0, arena->Slots()[t1.slot].image_size), 1);
+}
+
+TEST_F(ArenaTest, FinishWriteLeasedHandsOverLeased) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  const auto t1 = Save(*arena, 1, /*leased=*/true);
+  SlotInfo info = arena->Slots()[t1.slot];
+  EXPECT_EQ(info.state, SlotState::kComplete);
+  EXPECT_TRUE(info.leased);
+  EXPECT_EQ(info.generation, t1.generation);
+  // A leased COMPLETE slot is still a snapshot for readers.
+  ASSERT_TRUE(arena->NewestComplete());
+  EXPECT_EQ(arena->NewestComplete()->index, t1.slot);
+  // Already leased: a second lease fails; the agent releases the one it was handed.
+  EXPECT_FALSE(arena->Lease(t1.slot, t1.generation));
+  const auto t2 = Save(*arena, 2);
+  EXPECT_NE(t2.slot, t1.slot);
+  Shard s(3);
+  auto busy = arena->BeginWrite(s.size());
+  ASSERT_TRUE(busy.ok());
+  EXPECT_EQ(busy->first, Arena::Acquire::kBusy);  // slot 0 leased, slot 1 newest
+  arena->Release(t1.slot, t1.generation);
+  EXPECT_FALSE(arena->Slots()[t1.slot].leased);
+  const auto t3 = Save(*arena, 3);
+  EXPECT_EQ(t3.slot, t1.slot);
+}
+
+TEST_F(ArenaTest, LeaseFailsForAStaleGeneration) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  EXPECT_FALSE(arena->Lease(0, 0));  // no slot file yet
+  EXPECT_FALSE(arena->Lease(5, 1));  // out of range
+  const auto t1 = Save(*arena, 1);
+  EXPECT_FALSE(arena->Lease(t1.slot, t1.generation - 1));
+  EXPECT_FALSE(arena->Lease(t1.slot, t1.generation + 1));
+  EXPECT_FALSE(arena->Slots()[t1.slot].leased);
+  // Releasing with a wrong generation does not touch a real lease.
+  ASSERT_TRUE(arena->Lease(t1.slot, t1.generation));
+  arena->Release(t1.slot, t1.generation + 1);
+  EXPECT_TRUE(arena->Slots()[t1.slot].leased);
+  arena->Release(t1.slot, t1.generation);
+  EXPECT_FALSE(arena->Slots()[t1.slot].leased);
+  // Once the slot is overwritten, the old generation can no longer be leased.
+  Save(*arena, 2);
+  const auto t3 = Save(*arena, 3);
+  ASSERT_EQ(t3.slot, t1.slot);
+  EXPECT_FALSE(arena->Lease(t1.slot, t1.generation));
+  EXPECT_TRUE(arena->Lease(t3.slot, t3.generation));
+  // A slot being written cannot be leased.
+  arena->Release(t3.slot, t3.generation);
+  Shard s(4);
+  auto t4 = arena->BeginWrite(s.size());
+  ASSERT_TRUE(t4.ok());
+  ASSERT_EQ(t4->first, Arena::Acquire::kAcquired);
+  EXPECT_FALSE(arena->Lease(t4->second.slot, t4->second.generation));
+  EXPECT_FALSE(arena->Lease(t4->second.slot, t4->second.generation - 1));
+}
+
+TEST_F(ArenaTest, ClearLeases) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  const auto t1 = Save(*arena, 1, true);
+  const auto t2 = Save(*arena, 2, true);
+  arena->ClearLeases();
+  for (const SlotInfo& s : arena->Slots()) {
+    EXPECT_FALSE(s.leased);
+    EXPECT_EQ(s.state, SlotState::kComplete);
+  }
+  EXPECT_EQ(arena->Slots()[t1.slot].generation, t1.generation);
+  EXPECT_EQ(arena->Slots()[t2.slot].generation, t2.generation);
+}
+
+// A writer killed mid-copy leaves a WRITING slot: never read, and reused before a good snapshot.
+TEST_F(ArenaTest, SlotOfADeadWriterIsReusedAndNeverRead) {
+  auto arena = Open(3);
+  ASSERT_TRUE(arena);
+  Save(*arena, 1);
+  Save(*arena, 2);
+  Save(*arena, 3);
+  const uint64_t size = Shard(4).size();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto a = Arena::Open(job_dir_, 0, 3);
+    if (!a.ok()) ::_exit(2);
+    auto t = (*a)->BeginWrite(size);
+    if (!t.ok() || t->first != Arena::Acquire::kAcquired) ::_exit(3);
+    // Half a copy of garbage, then death without FinishWrite.
+    std::memset(t->second.data.data(), 0xAB, t->second.data.size() / 2);
+    ::_exit(t->second.slot == 0 ? 0 : 4);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0) << "the child did not take slot 0";
+
+  SlotInfo torn = arena->Slots()[0];
+  EXPECT_EQ(torn.state, SlotState::kWriting);
+  EXPECT_EQ(torn.writer_pid, static_cast<uint32_t>(child));
+  auto newest = arena->NewestComplete();
+  ASSERT_TRUE(newest);
+  EXPECT_EQ(newest->step, 3u);
+  // A fresh reader (e.g. a new agent) never takes it for a snapshot either.
+  auto reader = Open(3);
+  ASSERT_TRUE(reader);
+  for (const SlotInfo& s : reader->Slots()) {
+    if (s.index == 0) EXPECT_NE(s.state, SlotState::kComplete);
+  }
+  EXPECT_FALSE(reader->Lease(0, torn.generation));
+
+  // The torn slot is taken before the oldest good snapshot (step 2 in slot 1).
+  Shard s(4);
+  auto t = arena->BeginWrite(s.size());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+  EXPECT_EQ(t->second.slot, 0u);
+  EXPECT_GT(t->second.generation, torn.generation);
+  s.builder->FillAll(t->second.data, 1);
+  arena->FinishWrite(t->second, 4, s.size());
+  EXPECT_EQ(arena->NewestComplete()->step, 4u);
+  ExpectImage(arena->SlotData(0).subspan(0, s.size()), 4);
+  ExpectImage(arena->SlotData(1).subspan(0, arena->Slots()[1].image_size), 2);
+}
+
+// Two live processes cannot write the same rank.
+TEST_F(ArenaTest, LiveSecondWriterIsRefused) {
+  auto arena = Open(3);
+  ASSERT_TRUE(arena);
+  Save(*arena, 1);
+  const uint64_t size = Shard(2).size();
+  int ready[2], done[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    ::close(done[1]);
+    auto a = Arena::Open(job_dir_, 0, 3);
+    char ok = 0;
+    if (a.ok()) {
+      auto t = (*a)->BeginWrite(size);
+      ok = t.ok() && t->first == Arena::Acquire::kAcquired ? 1 : 0;
+    }
+    if (::write(ready[1], &ok, 1) != 1) ::_exit(1);
+    char c;
+    while (::read(done[0], &c, 1) > 0) {
+    }
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  ::close(done[0]);
+  char ok = 0;
+  ASSERT_EQ(::read(ready[0], &ok, 1), 1);
+  EXPECT_EQ(ok, 1);
+  auto t = arena->BeginWrite(size);
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find(std::to_string(child)), std::string::npos)
+      << t.status().message();
+  ::close(done[1]);
+  ::close(ready[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  // Now the other writer is dead (and reaped): its slot is reused.
+  auto t2 = arena->BeginWrite(size);
+  ASSERT_TRUE(t2.ok()) << t2.status().ToString();
+  EXPECT_EQ(t2->first, Arena::Acquire::kAcquired);
+}
+
+// Growing a slot re-creates its file; what it held before is gone, the other slot is untouched.
+TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
+  auto arena = Open(2);
+  auto reader = Open(2);  // another process's mapping, refreshed only later
+  ASSERT_TRUE(arena && reader);
+  const auto t1 = Save(*arena, 1);
+  const auto t2 = Save(*arena, 2);
+  ASSERT_TRUE(reader->Refresh().ok());
+  const uint64_t old_capacity = arena->Slots()[t1.slot].capacity;
+  struct stat before;
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, t1.slot).c_str(), &before), 0);
+
+  const size_t big_elems = (old_capacity / sizeof(float)) + (1 << 20);
+  Shard big(3, big_elems);
+  ASSERT_GT(big.size(), old_capacity);
+  auto t = arena->BeginWrite(big.size());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+  EXPECT_EQ(t->second.slot, t1.slot);
+  EXPECT_TRUE(t->second.relaid_out);
+  EXPECT_GT(t->second.generation, t1.generation);
+  EXPECT_EQ(t->second.data.size(), big.size());
+  struct stat after;
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, t1.slot).c_str(), &after), 0);
+  EXPECT_NE(after.st_ino, before.st_ino);
+  EXPECT_EQ(after.st_mode & 0777, 0600u);
+  // Nothing stale: the new slot holds none of step 1's bytes.
+  const auto fresh = arena->SlotData(t1.slot);
+  EXPECT_GE(fresh.size(), big.size());
+  EXPECT_TRUE(
+      std::all_of(fresh.begin(), fresh.end(), [](std::byte b) { return b == std::byte{0}; }));
+  {
+    SlotInfo info = arena->Slots()[t1.slot];
+    EXPECT_EQ(info.state, SlotState::kWriting);
+    EXPECT_GE(info.capacity, big.size());
+    EXPECT_EQ(info.generation, t->second.generation);
+  }
+  // The reader's old mapping shows the replaced slot as being written, never as step 1.
+  auto seen = reader->NewestComplete();
+  ASSERT_TRUE(seen);
+  EXPECT_EQ(seen->step, 2u);
+  EXPECT_NE(reader->Slots()[t1.slot].state, SlotState::kComplete);
+
+  big.builder->FillAll(t->second.data, 1);
+  arena->FinishWrite(t->second, 3, big.size());
+  ExpectImage(arena->SlotData(t1.slot).subspan(0, big.size()), 3, big_elems);
+  ExpectImage(arena->SlotData(t2.slot).subspan(0, arena->Slots()[t2.slot].image_size), 2);
+
+  ASSERT_TRUE(reader->Refresh().ok());
+  seen = reader->NewestComplete();
+  ASSERT_TRUE(seen);
+  EXPECT_EQ(seen->step, 3u);
+  EXPECT_EQ(seen->index, t1.slot);
+  ExpectImage(reader->SlotData(seen->index).subspan(0, seen->image_size), 3, big_elems);
+
+  // A small image fits the small slot; a big one grows it once, and only once.
+  Shard small(4);
+  auto t4 = arena->BeginWrite(small.size());
+  ASSERT_TRUE(t4.ok());
+  EXPECT_EQ(t4->second.slot, t2.slot);
+  EXPECT_FALSE(t4->second.relaid_out);
+  arena->AbortWrite(t4->second);
+  Shard big5(5, big_elems);
+  auto t5 = arena->BeginWrite(big5.size());
+  ASSERT_TRUE(t5.ok());
+  EXPECT_EQ(t5->second.slot, t2.slot);
+  EXPECT_TRUE(t5->second.relaid_out);
+  big5.builder->FillAll(t5->second.data, 1);
+  arena->FinishWrite(t5->second, 5, big5.size());
+  Shard big6(6, big_elems);
+  auto t6 = arena->BeginWrite(big6.size());
+  ASSERT_TRUE(t6.ok());
+  EXPECT_EQ(t6->second.slot, t1.slot);
+  EXPECT_FALSE(t6->second.relaid_out);
+}
+
+// Reserve lays every slot out ahead of time, so that the saves that follow do not.
+TEST_F(ArenaTest, ReserveLaysOutEverySlot) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  Shard s(1);
+  ASSERT_TRUE(arena->Reserve(s.size()).ok());
+  for (const SlotInfo& info : arena->Slots()) {
+    EXPECT_GE(info.capacity, s.size()) << "slot " << info.index;
+    EXPECT_NE(info.state, SlotState::kComplete);
+    EXPECT_NE(info.state, SlotState::kWriting) << "slot " << info.index;
+  }
+  EXPECT_FALSE(arena->NewestComplete());
+  for (uint64_t step = 1; step <= 2; ++step) {
+    Shard shard(step);
+    auto t = arena->BeginWrite(shard.size());
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+    EXPECT_FALSE(t->second.relaid_out) << "step " << step << " slot " << t->second.slot;
+    shard.builder->FillAll(t->second.data, 1);
+    arena->FinishWrite(t->second, step, shard.size());
+  }
+}
+
+TEST_F(ArenaTest, ReserveKeepsSnapshotsAndIsANoOpWhenLargeEnough) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  const auto t1 = Save(*arena, 1);
+  const uint64_t cap = arena->Slots()[t1.slot].capacity;
+  // Grows what it may (not the newest snapshot), keeps step 1 readable.
+  ASSERT_TRUE(arena->Reserve(cap + 1).ok());
+  auto newest = arena->NewestComplete();
+  ASSERT_TRUE(newest);
+  EXPECT_EQ(newest->step, 1u);
+  ExpectImage(arena->SlotData(t1.slot).subspan(0, newest->image_size), 1);
+  EXPECT_GE(arena->Slots()[1 - t1.slot].capacity, cap + 1);
+  EXPECT_NE(arena->Slots()[1 - t1.slot].state, SlotState::kWriting);
+  // Large enough already: nothing is re-created.
+  struct stat a0, a1, b0, b1;
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 0).c_str(), &a0), 0);
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 1).c_str(), &a1), 0);
+  ASSERT_TRUE(arena->Reserve(Shard(2).size()).ok());
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 0).c_str(), &b0), 0);
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 1).c_str(), &b1), 0);
+  EXPECT_EQ(a0.st_ino, b0.st_ino);
+  EXPECT_EQ(a1.st_ino, b1.st_ino);
+  EXPECT_EQ(arena->NewestComplete()->step, 1u);
+}
+
+TEST_F(ArenaTest, SlotFilesArePrivateAndNoTemporariesRemain) {
+  auto arena = Open(2, /*rank=*/7);
+  ASSERT_TRUE(arena);
+  Save(*arena, 1);
+  Save(*arena, 2);
+  EXPECT_EQ(ListDir(job_dir_),
+            (std::vector<std::string>{"rank-00007.slot-0", "rank-00007.slot-1"}));
+  for (uint32_t i = 0; i < 2; ++i) {
+    struct stat st;
+    ASSERT_EQ(::lstat(SlotPathOf(job_dir_, 7, i).c_str(), &st), 0);
+    EXPECT_TRUE(S_ISREG(st.st_mode));
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    EXPECT_EQ(st.st_uid, ::geteuid());
+  }
+  EXPECT_GT(arena->mapped_bytes(), 0u);
+  // A rank's arena never sees another rank's slots.
+  auto other = Open(2, 0);
+  ASSERT_TRUE(other);
+  EXPECT_FALSE(other->NewestComplete());
+  ASSERT_TRUE(arena->Remove().ok());
+  EXPECT_TRUE(ListDir(job_dir_).empty());
+  EXPECT_FALSE(arena->NewestComplete());
+}
+
+TEST_F(ArenaTest, RefusesSlotFileAccessibleToOthers) {
+  {
+    auto arena = Open(2);
+    ASSERT_TRUE(arena);
+    Save(*arena, 1);
+  }
+  ASSERT_EQ(::chmod(SlotPathOf(job_dir_, 0, 0).c_str(), 0644), 0);
+  EXPECT_EQ(Arena::Open(job_dir_, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(ArenaTest, RefusesDamagedSlotFile) {
+  {
+    std::ofstream f(SlotPathOf(job_dir_, 0, 1));
+    f << std::string(8192, 'x');
+  }
+  ASSERT_EQ(::chmod(SlotPathOf(job_dir_, 0, 1).c_str(), 0600), 0);
+  EXPECT_EQ(Arena::Open(job_dir_, 0).status().code(), StatusCode::kCorruption);
+  {
+    std::ofstream f(SlotPathOf(job_dir_, 0, 1), std::ios::trunc);
+    f << "short";
+  }
+  EXPECT_EQ(Arena::Open(job_dir_, 0).status().code(), StatusCode::kCorruption);
+}
+
+// A symlink planted at a slot path is never followed: Open / Refresh fail and the target is
+// neither read nor written.
+TEST_F(ArenaTest, SymlinkAtSlotPathIsNotFollowed) {
+  const std::string target = tmp_.path() + "/target";
+  const std::string original(16384, 'T');
+  {
+    std::ofstream f(target);
+    f << original;
+  }
+  ASSERT_EQ(::chmod(target.c_str(), 0600), 0);
+  auto target_unchanged = [&] {
+    std::ifstream f(target);
+    std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    return s == original;
+  };
+
+  // Planted before the arena is opened.
+  ASSERT_EQ(::symlink(target.c_str(), SlotPathOf(job_dir_, 0, 0).c_str()), 0);
+  auto opened = Arena::Open(job_dir_, 0);
+  EXPECT_FALSE(opened.ok());
+  EXPECT_NE(opened.status().message().find("slot-0"), std::string::npos)
+      << opened.status().message();
+  EXPECT_TRUE(target_unchanged());
+  ASSERT_EQ(::unlink(SlotPathOf(job_dir_, 0, 0).c_str()), 0);
+
+  // Planted (replacing a real slot file) while the arena is open.
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  Save(*arena, 1);
+  Save(*arena, 2);
+  ASSERT_EQ(::unlink(SlotPathOf(job_dir_, 0, 0).c_str()), 0);
+  ASSERT_EQ(::symlink(target.c_str(), SlotPathOf(job_dir_, 0, 0).c_str()), 0);
+  EXPECT_FALSE(arena->Refresh().ok());
+  Shard s(3);
+  auto t = arena->BeginWrite(s.size());
+  EXPECT_FALSE(t.ok());
+  EXPECT_FALSE(arena->Reserve(s.size()).ok());
+  EXPECT_TRUE(target_unchanged());
+  struct stat st;
+  ASSERT_EQ(::lstat(SlotPathOf(job_dir_, 0, 0).c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
+
+  // A dangling symlink: nothing is created at its target.
+  const std::string ghost = tmp_.path() + "/ghost";
+  ASSERT_EQ(::unlink(SlotPathOf(job_dir_, 0, 0).c_str()), 0);
+  ASSERT_EQ(::symlink(ghost.c_str(), SlotPathOf(job_dir_, 0, 0).c_str()), 0);
+  EXPECT_FALSE(Arena::Open(job_dir_, 0).ok());
+  EXPECT_FALSE(arena->BeginWrite(s.size()).ok());
+  EXPECT_FALSE(fs::exists(ghost));
+}
+
+// Readers that follow the protocol (lease, or copy and re-check the generation) never see a torn
+// image, while a writer saves as fast as it can.
+TEST_F(ArenaTest, ConcurrentReaderNeverSeesATornImage) {
+  auto writer = Open(2);
+  ASSERT_TRUE(writer);
+  Save(*writer, 1);
+  constexpr uint64_t kSteps = 300;
+  std::atomic<bool> done{false};
+  std::atomic<int> failures{0};
+  std::atomic<uint64_t> parsed{0};
+
+  std::thread reader_thread([&] {
+    auto reader = Arena::Open(job_dir_, 0);
+    if (!reader.ok()) {
+      ++failures;
+      return;
+    }
+    std::vector<std::byte> copy;
+    for (uint64_t i = 0; !done.load() || i < 4; ++i) {
+      if (!(*reader)->Refresh().ok()) {
+        ++failures;
+        continue;
+      }
+      auto newest = (*reader)->NewestComplete();
+      if (!newest) {
+        ++failures;  // step 1 was saved before: there is always a COMPLETE slot
+        continue;
+      }
+      if (i % 2 == 0) {
+        // Lease, read in place, release.
+        if (!(*reader)->Lease(newest->index, newest->generation)) continue;
+        auto image = (*reader)->SlotData(newest->index).subspan(0, newest->image_size);
+        auto r = ImageReader::Parse(image, "leased slot");
+        if (!r.ok() || r->meta().step != newest->step) {
+          ADD_FAILURE() << "step " << newest->step << ": " << r.status().ToString();
+          ++failures;
+        } else {
+          ++parsed;
+        }
+        (*reader)->Release(newest->index, newest->generation);
+      } else {
+        // Copy, then check that the slot did not change meanwhile (what LoadNewest does).
+        auto image = (*reader)->SlotData(newest->index).subspan(0, newest->image_size);
+        copy.assign(image.begin(), image.end());
+        std::atomic_thread_fence(std::memory_order_acquire);
+        const SlotInfo now = (*reader)->Slots()[newest->index];
+        if (now.generation != newest->generation || now.state != SlotState::kComplete) continue;
+        auto r = ImageReader::Parse(copy, "copied slot");
+        if (!r.ok() || r->meta().step != newest->step) {
+          ADD_FAILURE() << "step " << newest->step << ": " << r.status().ToString();
+          ++failures;
+        } else {
+          ++parsed;
+        }
+      }
+    }
+  });
+
+  uint64_t last_step = 1;
+  for (uint64_t step = 2; step <= kSteps && last_step + 1 == step; ++step) {
+    // Every fifth image is larger: slots are re-laid out while the reader maps them.
+    Shard s(step, step % 5 == 0 ? (1 << 20) : (16 << 10));
+    for (;;) {
+      auto t = writer->BeginWrite(s.size());
+      if (!t.ok()) {
+        ADD_FAILURE() << t.status().ToString();
+        break;
+      }
+      if (t->first == Arena::Acquire::kBusy) {
+        std::this_thread::yield();
+        continue;
+      }
+      s.builder->FillAll(t->second.data, 1);
+      writer->FinishWrite(t->second, step, s.size());
+      last_step = step;
+      break;
+    }
+  }
+  done = true;
+  reader_thread.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(parsed.load(), 0u);
+  auto newest = writer->NewestComplete();
+  ASSERT_TRUE(newest);
+  EXPECT_EQ(newest->step, kSteps);
+  ExpectImage(writer->SlotData(newest->index).subspan(0, newest->image_size), kSteps,
+              kSteps % 5 == 0 ? (1 << 20) : (16 << 10));
+}
+
+// --- Too little shared memory: a clear error, never a SIGBUS ---------------------------------
+
+class ArenaTmpfsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::mount("tmpfs", tmp_.path().c_str(), "tmpfs", 0, "size=4m,mode=0700") != 0) {
+      GTEST_SKIP() << "cannot mount a tmpfs (" << std::strerror(errno) << "); needs root";
+    }
+    mounted_ = true;
+    auto dir = JobDirectory(tmp_.path(), "small", true);
+    ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+    job_dir_ = *dir;
+  }
+  void TearDown() override {
+    if (mounted_) ::umount2(tmp_.path().c_str(), MNT_DETACH);
+  }
+
+  TempDir tmp_;
+  bool mounted_ = false;
+  std::string job_dir_;
+};
+
+TEST_F(ArenaTmpfsTest, TooLittleSpaceIsResourceExhausted) {
+  auto a = Arena::Open(job_dir_, 0);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  Arena& arena = **a;
+
+  // An image larger than the whole tmpfs.
+  Shard huge(1, 1 << 20);  // 4 MiB of tensor data
+  auto t = arena.BeginWrite(huge.size());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kResourceExhausted);
+  const std::string& msg = t.status().message();
+  EXPECT_NE(msg.find(job_dir_), std::string::npos) << msg;
+  EXPECT_NE(msg.find("needs"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("free"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("bytes"), std::string::npos) << msg;
+  EXPECT_TRUE(ListDir(job_dir_).empty()) << "a failed slot creation left files behind";
+  for (const SlotInfo& s : arena.Slots()) EXPECT_EQ(s.state, SlotState::kFree);
+
+  // One slot of ~1 MiB fits; the second does not.
+  Shard one(2, 256 << 10);
+  auto t1 = arena.BeginWrite(one.size());
+  ASSERT_TRUE(t1.ok()) << t1.status().ToString();
+  ASSERT_EQ(t1->first, Arena::Acquire::kAcquired);
+  one.builder->FillAll(t1->second.data, 1);
+  arena.FinishWrite(t1->second, 2, one.size());
+
+  Shard two(3, 256 << 10);
+  auto t2 = arena.BeginWrite(two.size());
+  ASSERT_FALSE(t2.ok());
+  EXPECT_EQ(t2.status().code(), StatusCode::kResourceExhausted) << t2.status().ToString();
+  EXPECT_NE(t2.status().message().find("needs"), std::string::npos) << t2.status().message();
+  // The failure did not damage the snapshot that is there, nor leave a slot WRITING.
+  auto newest = arena.NewestComplete();
+  ASSERT_TRUE(newest);
+  EXPECT_EQ(newest->step, 2u);
+  ExpectImage(arena.SlotData(newest->index).subspan(0, newest->image_size), 2, 256 << 10);
+  for (const SlotInfo& s : arena.Slots()) EXPECT_NE(s.state, SlotState::kWriting);
+  EXPECT_EQ(ListDir(job_dir_), (std::vector<std::string>{"rank-00000.slot-0"}));
+  EXPECT_FALSE(arena.Reserve(two.size()).ok());
+}
+
+// Slot files are pre-faulted with their space reserved: filling the tmpfs afterwards does not turn
+// a later save into a SIGBUS.
+TEST_F(ArenaTmpfsTest, FullTmpfsAfterCreationDoesNotSigbus) {
+  auto a = Arena::Open(job_dir_, 0);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  Arena& arena = **a;
+  Shard first(1, 256 << 10);
+  {
+    auto t = arena.BeginWrite(first.size());
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    // Abort: the slot file exists (reserved) but holds nothing yet.
+    arena.AbortWrite(t->second);
+  }
+  // Fill the rest of the tmpfs.
+  {
+    const int fd = ::open((tmp_.path() + "/filler").c_str(), O_WRONLY | O_CREAT, 0600);
+    ASSERT_GE(fd, 0);
+    std::vector<char> buf(64 << 10, 'f');
+    while (::write(fd, buf.data(), buf.size()) > 0) {
+    }
+    ::close(fd);
+  }
+  auto t = arena.BeginWrite(first.size());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+  EXPECT_FALSE(t->second.relaid_out);
+  first.builder->FillAll(t->second.data, 1);  // would SIGBUS on unreserved tmpfs pages
+  arena.FinishWrite(t->second, 1, first.size());
+  ExpectImage(arena.SlotData(t->second.slot).subspan(0, first.size()), 1, 256 << 10);
+  // The second slot cannot be created: an error, not a crash.
+  Shard second(2, 256 << 10);
+  auto t2 = arena.BeginWrite(second.size());
+  EXPECT_EQ(t2.status().code(), StatusCode::kResourceExhausted) << t2.status().ToString();
+}
+
+}  // namespace
+}  // namespace safepoint
