@@ -9,8 +9,9 @@ Synchronous API (durable when it returns)::
 """
 
 from safepoint import _core
-from safepoint._api import load, save, steps
+from safepoint._api import load, restore, save, steps
 from safepoint._checkpointer import Checkpointer
+from safepoint._stateful import capture_rng, restore_rng
 from safepoint.errors import (
     AlreadyExistsError,
     CancelledError,
@@ -31,6 +32,9 @@ __all__ = [
     "save",
     "load",
     "steps",
+    "restore",
+    "capture_rng",
+    "restore_rng",
     "Error",
     "NotFoundError",
     "CorruptionError",

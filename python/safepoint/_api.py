@@ -7,6 +7,7 @@ import warnings
 from typing import Any, Optional
 
 from safepoint import _core
+from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
 from safepoint.errors import InvalidArgumentError
 
 
@@ -33,7 +34,7 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
         raise InvalidArgumentError(f"{p}: world_size must be a positive int, got {world_size!r}")
     if type(rank) is not int or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"{p}: rank {rank!r} is not in [0, {world_size})")
-    return _core.save(p, step, rank, world_size, job, state)
+    return _core.save(p, step, rank, world_size, job, to_saveable(state))
 
 
 def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
@@ -52,6 +53,18 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
                       stacklevel=2)
     return out["step"], out["state"]
+
+
+def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = None, *,
+            rank: int = 0) -> int:
+    """Loads ``rank``'s shard of the newest (or the given) step into ``state`` in place:
+    tensors are copied into the existing tensors, objects with ``load_state_dict`` get it,
+    other values are replaced. Returns the step."""
+    got_step, got = load(path, step, rank=rank)
+    restore_into(state, got)
+    if isinstance(got, dict) and RNG_KEY in got:
+        restore_rng(got[RNG_KEY])
+    return got_step
 
 
 def steps(path: "str | os.PathLike[str]") -> list[int]:

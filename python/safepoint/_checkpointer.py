@@ -21,6 +21,7 @@ from typing import Any, Optional
 from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
+from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
 from safepoint.errors import CorruptionError, InvalidArgumentError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -99,15 +100,20 @@ class Checkpointer:
         }
 
     # -- saving -------------------------------------------------------------------------------
-    def save(self, step: int, state: Any, *, persist: Optional[bool] = None) -> bool:
+    def save(self, step: int, state: Any, *, persist: Optional[bool] = None,
+             include_rng: bool = False) -> bool:
         """Snapshots ``state`` for ``step`` into shared memory and returns.
 
-        Returns False when the snapshot was skipped (``on_busy="skip"`` and no free slot).
-        ``persist`` overrides ``persist_every`` for this step.
+        Values of a top-level mapping that have ``state_dict()``/``load_state_dict()`` (modules,
+        optimizers, schedulers, ...) are saved as their state dicts. ``include_rng`` adds this
+        process's torch/CUDA/numpy/``random`` generator states. Returns False when the snapshot
+        was skipped (``on_busy="skip"`` and no free slot). ``persist`` overrides
+        ``persist_every`` for this step.
         """
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"{self.path}: step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
+        state = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else step % self.persist_every == 0
         res = self._client.save(step, state, bool(do_persist))
         res["blocking_seconds"] = time.perf_counter() - t0
@@ -155,6 +161,20 @@ class Checkpointer:
         self._stats["last_load"] = {"step": out[0], "source": source,
                                     "seconds": time.perf_counter() - t0}
         return out
+
+    def restore(self, state: Any, step: Optional[int] = None) -> Optional[int]:
+        """Loads the newest (or the given) step *into* ``state`` in place, like DCP's load:
+        tensors are copied into the existing tensors, Stateful values get ``load_state_dict``,
+        other values are replaced; generator states saved with ``include_rng`` are restored.
+        Returns the step, or None when there is nothing to load."""
+        loaded = self.load(step)
+        if loaded is None:
+            return None
+        got_step, got = loaded
+        restore_into(state, got)
+        if isinstance(got, dict) and RNG_KEY in got:
+            restore_rng(got[RNG_KEY])
+        return got_step
 
     @property
     def last_load_source(self) -> Optional[str]:

@@ -1,0 +1,112 @@
+"""Stateful objects, in-place restore and random-number-generator state.
+
+A state handed to ``save`` may hold, as values of its top-level mapping, objects with
+``state_dict()`` / ``load_state_dict()`` (``nn.Module``, optimizers, LR schedulers, ``GradScaler``,
+samplers, user objects: DCP's Stateful protocol); they are saved as their state dicts.
+``restore`` loads a checkpoint *into* such a state, like ``torch.distributed.checkpoint.load``:
+tensors are copied into the existing tensors, Stateful objects get ``load_state_dict``, other
+values are replaced.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, MutableMapping, MutableSequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from safepoint.errors import InvalidArgumentError
+
+RNG_KEY = "__safepoint_rng__"
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def to_saveable(state: Any, include_rng: bool = False) -> Any:
+    """Replaces the Stateful values of a top-level mapping by their state dicts."""
+    if is_stateful(state):
+        out: Any = state.state_dict()
+    elif isinstance(state, Mapping):
+        out = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+    else:
+        out = state
+    if include_rng:
+        if not isinstance(out, Mapping):
+            raise InvalidArgumentError("include_rng=True needs a state that is a mapping")
+        out = dict(out)
+        out[RNG_KEY] = capture_rng()
+    return out
+
+
+def capture_rng() -> dict:
+    """The states of this process's generators: torch (CPU and every CUDA device), numpy's
+    global generator and Python's ``random``, in a form safepoint saves without pickle."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    rng = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": np_state[0], "key": np_state[1].astype(np.int64), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "random": {"version": py_state[0], "state": list(py_state[1]), "gauss_next": py_state[2]},
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
+    return rng
+
+
+def restore_rng(rng: Mapping) -> None:
+    """Restores what ``capture_rng`` returned (a saved and loaded copy of it)."""
+    torch.set_rng_state(_cpu_uint8(rng["torch"]))
+    n = rng["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["key"], dtype=np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    r = rng["random"]
+    random.setstate((r["version"], tuple(r["state"]), r["gauss_next"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        states = [_cpu_uint8(s) for s in rng["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+def _cpu_uint8(t: Any) -> torch.Tensor:
+    t = torch.as_tensor(t)
+    return t.to(device="cpu", dtype=torch.uint8).contiguous().clone()
+
+
+def restore_into(state: Any, loaded: Any, path: str = "") -> Any:
+    """Loads ``loaded`` into ``state`` in place; returns the restored state (the same object
+    where it could be updated in place)."""
+    where = path or "<root>"
+    if is_stateful(state):
+        state.load_state_dict(loaded)
+        return state
+    if isinstance(state, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise InvalidArgumentError(f"{where}: the checkpoint holds a {type(loaded).__name__} "
+                                       "where the state has a tensor")
+        if state.shape != loaded.shape:
+            raise InvalidArgumentError(f"{where}: shape {tuple(loaded.shape)} in the checkpoint, "
+                                       f"{tuple(state.shape)} in the state")
+        with torch.no_grad():
+            state.copy_(loaded)
+        return state
+    if isinstance(state, MutableMapping) and isinstance(loaded, Mapping):
+        for k in list(state.keys()):
+            if k == RNG_KEY:
+                continue
+            if k not in loaded:
+                raise InvalidArgumentError(f"{where}: key {k!r} is not in the checkpoint")
+            state[k] = restore_into(state[k], loaded[k], f"{path}.{k}" if path else str(k))
+        return state
+    if isinstance(state, MutableSequence) and isinstance(loaded, (list, tuple)):
+        if len(state) != len(loaded):
+            raise InvalidArgumentError(f"{where}: {len(loaded)} items in the checkpoint, "
+                                       f"{len(state)} in the state")
+        for i in range(len(state)):
+            state[i] = restore_into(state[i], loaded[i], f"{path}.{i}" if path else str(i))
+        return state
+    return loaded
