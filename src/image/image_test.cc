@@ -89,7 +89,7 @@ TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
     ASSERT_EQ(e.nbytes, s.nbytes);
     EXPECT_EQ(e.offset % 64, 0u);
     if (e.nbytes >= (64 << 10)) EXPECT_EQ(e.offset % 4096, 0u);
-    EXPECT_EQ(std::memcmp(r->tensor_data(i).data(), s.data, s.nbytes), 0) << s.spec.name;
+    if (s.nbytes > 0) EXPECT_EQ(std::memcmp(r->tensor_data(i).data(), s.data, s.nbytes), 0) << s.spec.name;
   }
   EXPECT_EQ(internal::AsStringView(r->extras()), "extras-bytes");
 }
