@@ -72,6 +72,8 @@ class SnapshotClient {
   // Reads the newest COMPLETE snapshot of this rank that is at least `min_step`, verified.
   // NotFound when there is none; Corruption when the newest one fails its checksums.
   Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step);
+  // Reads the COMPLETE snapshot of exactly `step`, verified. NotFound when no slot holds it.
+  Result<MemorySnapshot> LoadStep(uint64_t step);
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
 
@@ -85,6 +87,7 @@ class SnapshotClient {
   Status ConnectOnce();
   Status StartAgent();
   Status Hello();
+  Result<MemorySnapshot> LoadSlot(const SlotInfo& slot);
   void Disconnect();
   Result<std::string> Request(int type, const std::string& payload, int reply_type, double timeout_s);
 

@@ -214,6 +214,17 @@ class PyClient {
     return LoadedToPython(s.image, s.reader, s.extras);
   }
 
+  nb::object LoadStep(uint64_t step) {
+    Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      r = Get().LoadStep(step);
+    }
+    if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
+    MemorySnapshot s = Unwrap(std::move(r));
+    return LoadedToPython(s.image, s.reader, s.extras);
+  }
+
   nb::list Slots() {
     nb::list out;
     Check(Get().arena().Refresh());
@@ -271,6 +282,7 @@ NB_MODULE(_core, m) {
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)
       .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none())
+      .def("load_step", &PyClient::LoadStep, "step"_a)
       .def("slots", &PyClient::Slots)
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("close", &PyClient::Close, "timeout"_a)

@@ -22,7 +22,7 @@ from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
-from safepoint.errors import CorruptionError, InvalidArgumentError
+from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -94,6 +94,12 @@ class Checkpointer:
         self.shm_dir = shm_dir or os.environ.get("SAFEPOINT_SHM_DIR", "/dev/shm")
         self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
                                     on_busy == "wait", _agent_binary())
+        # Restore agreement runs over its own gloo group (CPU), whatever the training backend.
+        self._group = None
+        if world_size > 1 and drank is not None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,
@@ -136,31 +142,86 @@ class Checkpointer:
     def load(self, step: Optional[int] = None) -> Optional[tuple[int, Any]]:
         """The newest (or the given) step from the fastest valid copy: this node's memory when
         it is at least as new as the newest committed step, else storage (falling back to older
-        steps). None when there is nothing to load."""
+        steps). None when there is nothing to load.
+
+        With torch.distributed initialized and several ranks, all ranks first agree on the
+        newest step that every rank can load (from its memory or from storage) and load that
+        one; if any rank then fails to read it, all fall back together to the next older one.
+        Ranks never resume from different steps."""
         t0 = time.perf_counter()
+        if self._group is not None:
+            out = self._load_agreed(step)
+        else:
+            out = self._load_local(step)
+        if out is None:
+            return None
+        result, source = out
+        self._stats["last_load"] = {"step": result[0], "source": source,
+                                    "seconds": time.perf_counter() - t0}
+        return result
+
+    def _memory_steps(self) -> list[int]:
+        return sorted(s["step"] for s in self._client.slots() if s["state"] == "COMPLETE")
+
+    def _load_local(self, step: Optional[int]):
         committed = storage_steps(self.path)
         newest_storage = committed[-1] if committed else None
         want = step if step is not None else newest_storage
         snap = None
         try:
-            snap = self._client.load_newest(want)
+            snap = self._client.load_newest(want) if step is None else self._client.load_step(step)
         except CorruptionError as e:
             warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
-                          RuntimeWarning, stacklevel=2)
-        if snap is not None and (step is None or snap["step"] == step):
-            out = (snap["step"], snap["state"])
-            source = "memory"
-        elif committed and (step is None or step in committed):
-            out = storage_load(self.path, step, rank=self.rank)
-            source = "storage"
-        elif step is not None:
-            out = storage_load(self.path, step, rank=self.rank)  # raises NotFoundError
-            source = "storage"
-        else:
-            return None
-        self._stats["last_load"] = {"step": out[0], "source": source,
-                                    "seconds": time.perf_counter() - t0}
-        return out
+                          RuntimeWarning, stacklevel=3)
+        if snap is not None:
+            return (snap["step"], snap["state"]), "memory"
+        if step is not None or committed:
+            return storage_load(self.path, step, rank=self.rank), "storage"
+        return None
+
+    def _load_one(self, step: int, memory: list[int], committed: list[int]):
+        """This rank's copy of `step`: memory first, then storage. None if neither reads back."""
+        if step in memory:
+            try:
+                snap = self._client.load_step(step)
+                if snap is not None:
+                    return (snap["step"], snap["state"]), "memory"
+            except CorruptionError as e:
+                warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
+                              RuntimeWarning, stacklevel=3)
+        if step in committed:
+            try:
+                return storage_load(self.path, step, rank=self.rank), "storage"
+            except Error as e:
+                warnings.warn(f"safepoint: step {step} cannot be read from storage: {e}",
+                              RuntimeWarning, stacklevel=3)
+        return None
+
+    def _load_agreed(self, step: Optional[int]):
+        import torch
+        import torch.distributed as dist
+
+        committed = storage_steps(self.path)
+        memory = self._memory_steps()
+        mine = sorted(set(committed) | set(memory))
+        if step is not None:
+            mine = [step] if step in mine else []
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._group)
+        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+        while common:
+            candidate = max(common)
+            got = self._load_one(candidate, memory, committed)
+            failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+            if int(failed.item()) == 0:
+                return got
+            warnings.warn(f"safepoint: a rank could not read step {candidate}; all ranks fall "
+                          "back to an older step", RuntimeWarning, stacklevel=3)
+            common.discard(candidate)
+        if step is not None:
+            raise NotFoundError(f"{self.path}: step {step} cannot be loaded by every rank")
+        return None
 
     def restore(self, state: Any, step: Optional[int] = None) -> Optional[int]:
         """Loads the newest (or the given) step *into* ``state`` in place, like DCP's load:

@@ -273,6 +273,20 @@ Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_st
     return NotFound(job_dir_ + ": no snapshot of rank " + std::to_string(opt_.rank) +
                     " in memory" + (min_step ? " at step " + std::to_string(*min_step) + " or newer" : ""));
   }
+  return LoadSlot(*newest);
+}
+
+Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step) {
+  SP_RETURN_IF_ERROR(arena_->Refresh());
+  for (const SlotInfo& s : arena_->Slots()) {
+    if (s.state == SlotState::kComplete && s.step == step) return LoadSlot(s);
+  }
+  return NotFound(job_dir_ + ": no snapshot of step " + std::to_string(step) + " of rank " +
+                  std::to_string(opt_.rank) + " in memory");
+}
+
+Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot) {
+  const SlotInfo* newest = &slot;
   const std::string source = job_dir_ + "/rank-" + std::to_string(opt_.rank) + ".slot-" +
                              std::to_string(newest->index) + " (step " +
                              std::to_string(newest->step) + ")";

@@ -1,0 +1,43 @@
+"""One rank of a 2-rank gloo job for the restore-agreement test (tests/python/test_agreement.py).
+
+    python agree_worker.py STORE_FILE CKPT SHM_DIR JOB RANK PHASE
+"""
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import safepoint
+
+store_file, ckpt_dir, shm_dir, job, rank, phase = sys.argv[1:7]
+rank = int(rank)
+dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+
+
+def state(step):
+    return {"w": torch.full((1000,), float(step * 10 + rank)), "step": step}
+
+
+ck = safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir)
+assert (ck.rank, ck.world_size) == (rank, 2)
+if phase == "save":
+    for step in (1, 2, 3):
+        ck.save(step, state(step), persist=True)
+    ck.wait()
+    if rank == 0:
+        ck.save(4, state(4), persist=False)  # only rank 0 reaches step 4 (in memory)
+    ck._client.abandon()  # die without a clean close: snapshots stay in memory
+    print(json.dumps({"rank": rank}), flush=True)
+else:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ck.load()
+    step, st = got
+    ok = bool(torch.equal(st["w"], state(step)["w"]))
+    print(json.dumps({"rank": rank, "step": step, "source": ck.last_load_source, "ok": ok,
+                      "warnings": [str(w.message) for w in caught]}), flush=True)
+    ck._client.abandon()
+dist.destroy_process_group()
