@@ -105,6 +105,12 @@ class Checkpointer:
             "agent_errors": 0,
         }
 
+    @property
+    def _live(self):
+        if self._client is None:
+            raise InvalidArgumentError(f"{self.path}: the checkpointer is closed")
+        return self._client
+
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, persist: Optional[bool] = None,
              include_rng: bool = False) -> bool:
@@ -121,7 +127,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else step % self.persist_every == 0
-        res = self._client.save(step, state, bool(do_persist))
+        res = self._live.save(step, state, bool(do_persist))
         res["blocking_seconds"] = time.perf_counter() - t0
         res["step"] = step
         self._stats["saves"] += 1
@@ -136,7 +142,7 @@ class Checkpointer:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every step persisted so far is committed; raises if persisting failed."""
-        self._client.wait(-1.0 if timeout is None else float(timeout))
+        self._live.wait(-1.0 if timeout is None else float(timeout))
 
     # -- loading ------------------------------------------------------------------------------
     def load(self, step: Optional[int] = None) -> Optional[tuple[int, Any]]:
@@ -161,7 +167,7 @@ class Checkpointer:
         return result
 
     def _memory_steps(self) -> list[int]:
-        return sorted(s["step"] for s in self._client.slots() if s["state"] == "COMPLETE")
+        return sorted(s["step"] for s in self._live.slots() if s["state"] == "COMPLETE")
 
     def _load_local(self, step: Optional[int]):
         committed = storage_steps(self.path)
@@ -169,7 +175,7 @@ class Checkpointer:
         want = step if step is not None else newest_storage
         snap = None
         try:
-            snap = self._client.load_newest(want) if step is None else self._client.load_step(step)
+            snap = self._live.load_newest(want) if step is None else self._live.load_step(step)
         except CorruptionError as e:
             warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                           RuntimeWarning, stacklevel=3)
@@ -183,7 +189,7 @@ class Checkpointer:
         """This rank's copy of `step`: memory first, then storage. None if neither reads back."""
         if step in memory:
             try:
-                snap = self._client.load_step(step)
+                snap = self._live.load_step(step)
                 if snap is not None:
                     return (snap["step"], snap["state"]), "memory"
             except CorruptionError as e:
@@ -245,14 +251,14 @@ class Checkpointer:
     # -- status -------------------------------------------------------------------------------
     def status(self) -> dict:
         """Snapshots in memory, pending persists, newest committed step, sizes and timings."""
-        agent = json.loads(self._client.agent_status())
+        agent = json.loads(self._live.agent_status())
         mine = next((r for r in agent.get("ranks", []) if r["rank"] == self.rank), {})
         return {
             "job": self.job,
             "path": self.path,
             "rank": self.rank,
             "world_size": self.world_size,
-            "snapshots": self._client.slots(),
+            "snapshots": self._live.slots(),
             "pending_persists": mine.get("pending_persists", 0),
             "newest_committed": agent.get("newest_committed"),
             "last_persisted_step": mine.get("last_persisted_step"),

@@ -98,6 +98,7 @@ struct RankState {
   uint64_t emergency_flushes = 0;
   std::string last_error;
   std::map<uint64_t, Status> outcomes;  // step -> result of persisting this rank's image
+  std::map<uint64_t, uint64_t> persisted_generation;  // step -> slot generation persisted
   std::set<uint64_t> pending;           // steps queued or in flight
 };
 
@@ -246,7 +247,11 @@ void Agent::Adopt() {
   ::closedir(d);
   auto committed = store_->ListCommitted();
   std::optional<uint64_t> newest;
-  if (committed.ok() && !committed->empty()) newest = committed->back().step;
+  if (committed.ok() && !committed->empty()) {
+    newest = committed->back().step;
+    newest_committed_ = newest;
+    for (const auto& c : *committed) committed_cache_.insert(c.step);
+  }
   for (uint32_t rank : found) {
     if (!EnsureRank(rank).ok()) continue;
     RankState& r = ranks_[rank];
@@ -388,16 +393,18 @@ void Agent::DrainResults() {
   for (TaskResult& r : results) {
     RankState& rs = ranks_[r.task.rank];
     rs.pending.erase(r.task.step);
+    auto prior = rs.outcomes.find(r.task.step);
+    const bool already_ok = prior != rs.outcomes.end() && prior->second.ok();
     if (r.superseded) {
       ++rs.persists_superseded;
-      rs.outcomes[r.task.step] = Cancelled("step " + std::to_string(r.task.step) +
+      if (!already_ok) rs.outcomes[r.task.step] = Cancelled("step " + std::to_string(r.task.step) +
                                            " was overwritten by a newer snapshot before it was persisted");
       Log("rank " + std::to_string(r.task.rank) + " step " + std::to_string(r.task.step) +
           ": superseded by a newer snapshot before it could be persisted");
     } else if (!r.status.ok()) {
       ++rs.persists_failed;
       rs.last_error = r.status.ToString();
-      rs.outcomes[r.task.step] = r.status;
+      if (!already_ok) rs.outcomes[r.task.step] = r.status;
       Log("rank " + std::to_string(r.task.rank) + " step " + std::to_string(r.task.step) +
           ": persisting failed (" + r.task.reason + "): " + r.status.ToString());
     } else {
@@ -406,6 +413,7 @@ void Agent::DrainResults() {
       rs.last_persist_seconds = r.seconds;
       rs.last_persist_bytes = r.bytes;
       rs.outcomes[r.task.step] = Status::OK();
+      rs.persisted_generation[r.task.step] = r.task.generation;
       if (r.committed) {
         committed_cache_.insert(r.task.step);
         newest_committed_ = std::max(newest_committed_.value_or(0), r.task.step);
@@ -417,6 +425,9 @@ void Agent::DrainResults() {
     }
     // Keep the outcome table small.
     while (rs.outcomes.size() > 64) rs.outcomes.erase(rs.outcomes.begin());
+    while (rs.persisted_generation.size() > 64) {
+      rs.persisted_generation.erase(rs.persisted_generation.begin());
+    }
   }
 }
 
@@ -609,7 +620,28 @@ void Agent::HandleMessage(Client& c, const Message& m) {
       if (!rs.arena || t.slot >= rs.arena->slot_count()) {
         throw std::runtime_error("slot " + std::to_string(t.slot) + " does not exist");
       }
-      if (j.at("persist").get<bool>()) Enqueue(t);
+      if (!j.at("persist").get<bool>()) return;
+      // Already queued or persisted (e.g. adopted by this agent after a restart).
+      if (rs.pending.contains(t.step)) return;
+      auto done = rs.persisted_generation.find(t.step);
+      if (done != rs.persisted_generation.end() && done->second == t.generation) {
+        if (t.leased) rs.arena->Release(t.slot, t.generation);
+        return;
+      }
+      if (t.leased) {
+        // Trust the client's lease only if it still holds: an agent that started after the
+        // client leased the slot cleared every lease when it adopted the arena.
+        t.leased = false;
+        if (rs.arena->Refresh().ok()) {
+          for (const SlotInfo& si : rs.arena->Slots()) {
+            if (si.index == t.slot && si.state == SlotState::kComplete && si.leased &&
+                si.generation == t.generation && si.step == t.step) {
+              t.leased = true;
+            }
+          }
+        }
+      }
+      Enqueue(t);
       return;
     }
     case MessageType::kStatus:
