@@ -1,3 +1,4 @@
+SHELL := /bin/bash
 # The two commands: `make demo` (the main job) and `make test` (every test). Both set up what they
 # need on their own (scripts/setup.sh) and are idempotent.
 VENV   := .venv
@@ -5,7 +6,7 @@ PY     := $(VENV)/bin/python
 BUILD  := build/py
 JOBS   ?= 2
 
-.PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize demo bench clean
+.PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench clean
 
 setup:
 	@scripts/setup.sh
@@ -40,6 +41,24 @@ test-tsan: setup
 	cd build/tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --output-on-failure -j$(JOBS)
 
 test-sanitize: test-asan test-tsan
+
+# libFuzzer targets (image reader, extras decoder, COMMIT record, agent protocol), each run for
+# FUZZ_SECONDS from the seed corpus in tests/fuzz/corpus; new inputs go to build/fuzz/corpus.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := image extras commit protocol
+fuzz: setup
+	@command -v clang++ >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null)
+	cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+	    -DSAFEPOINT_BUILD_TESTS=OFF -DSAFEPOINT_FUZZ=ON \
+	    -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined" >/dev/null
+	cmake --build build/fuzz -j$(JOBS) $(addprefix --target fuzz_,$(FUZZ_TARGETS))
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/fuzz/corpus/$$t; \
+	  echo "fuzz_$$t for $(FUZZ_SECONDS) s"; \
+	  build/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	      build/fuzz/corpus/$$t tests/fuzz/corpus/$$t 2>&1 | grep -E "stat::|ERROR|SUMMARY|crash" ; \
+	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
+	done
 
 demo: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) examples/demo.py

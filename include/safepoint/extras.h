@@ -40,15 +40,15 @@ struct TensorRef {
 
 struct List {
   ValueList items;
-  bool operator==(const List&) const = default;
+  bool operator==(const List& o) const;  // defined below, once Value is complete
 };
 struct Tuple {
   ValueList items;
-  bool operator==(const Tuple&) const = default;
+  bool operator==(const Tuple& o) const;  // defined below, once Value is complete
 };
 struct Dict {
   ValueDict items;
-  bool operator==(const Dict&) const = default;
+  bool operator==(const Dict& o) const;  // defined below, once Value is complete
 };
 struct Bytes {
   std::string data;
@@ -65,6 +65,10 @@ struct Value {
   Value(T x) : v(std::move(x)) {}  // NOLINT
   bool operator==(const Value& o) const;
 };
+
+inline bool List::operator==(const List& o) const { return items == o.items; }
+inline bool Tuple::operator==(const Tuple& o) const { return items == o.items; }
+inline bool Dict::operator==(const Dict& o) const { return items == o.items; }
 
 // Encodes `value` to bytes. Fails with InvalidArgument for a dict key that is not str or int,
 // nesting deeper than kMaxExtrasDepth, or a string that is not valid UTF-8.

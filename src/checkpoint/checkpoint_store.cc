@@ -390,7 +390,8 @@ Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint3
   // Header first: it gives the layout and the chunk size, and must be the committed one.
   SP_RETURN_IF_ERROR(obj->ReadAt(0, {raw, kImageHeaderSize}));
   SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader({raw, kImageHeaderSize}, source));
-  const auto& [meta, layout] = parsed;
+  const ImageMeta& meta = parsed.first;  // no structured binding: lambdas below use it
+  const ImageLayout& layout = parsed.second;
   if (layout.header_crc != expected.header_crc) {
     return Corruption(source + ": image header does not match the COMMIT record (replaced?)");
   }
