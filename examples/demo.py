@@ -89,7 +89,11 @@ def main() -> None:
     model, opt = tiny_gpt.make(seed=0, dim=256)
     reference = {s: tiny_gpt.train_step(model, opt, s) for s in range(1, STEPS + 1)}
     after = [e for e in second if e["event"] == "saved"]
-    identical = all(e["loss"] == reference[e["step"]] for e in first + second if e["event"] == "saved")
+    mismatched = [(e["step"], e["loss"], reference[e["step"]]) for e in first + second
+                  if e["event"] == "saved" and e["loss"] != reference[e["step"]]]
+    identical = not mismatched
+    for step, got, want in mismatched:
+        print(f"  step {step}: loss {got!r}, uninterrupted run {want!r}")
 
     # torch.save of the same state, for comparison (to a file in the same directory).
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": STEPS}
