@@ -9,6 +9,7 @@ snapshot every step, and prints one JSON line per event (resumed / saved / done)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -61,7 +62,16 @@ def main() -> None:
     ckpt.wait()
     st = ckpt.status()
     ckpt.close()
-    emit(event="done", newest_committed=st["newest_committed"])
+    emit(event="done", newest_committed=st["newest_committed"], weights=weights_digest(model))
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes: equal digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 if __name__ == "__main__":
