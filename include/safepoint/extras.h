@@ -55,9 +55,15 @@ struct Bytes {
   bool operator==(const Bytes&) const = default;
 };
 
+// An arbitrary Python object, pickled; only written and read when the user allows pickle.
+struct Pickled {
+  std::string data;
+  bool operator==(const Pickled&) const = default;
+};
+
 struct Value {
   using Variant = std::variant<std::monostate, bool, int64_t, BigInt, double, std::string, Bytes,
-                               List, Tuple, Dict, TensorRef>;
+                               List, Tuple, Dict, TensorRef, Pickled>;
   Variant v;
 
   Value() = default;

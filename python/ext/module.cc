@@ -58,13 +58,13 @@ void Check(const Status& s) {
 // --- save / load -----------------------------------------------------------------------------
 
 nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
-              const std::string& job, nb::handle state) {
+              const std::string& job, nb::handle state, nb::handle pickler) {
   ImageMeta meta;
   meta.job = job;
   meta.step = step;
   meta.rank = rank;
   meta.world_size = world_size;
-  python::FlatState flat = python::FlattenState(state);
+  python::FlatState flat = python::FlattenState(state, pickler);
   std::string extras = Unwrap(EncodeExtras(flat.skeleton));
   std::vector<TensorSource> sources = std::move(flat.tensors);
   SaveResult result;
@@ -93,7 +93,8 @@ nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t wo
 
 // What load() returns to Python: the step and the state, whose tensors are views into the loaded
 // image (zero copy, zero parse), kept alive through a numpy array that owns the image.
-nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras) {
+nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras,
+                        nb::handle unpickler) {
   auto* keep = new std::shared_ptr<std::byte>(image.buffer);
   nb::capsule owner(keep, [](void* p) noexcept {
     delete static_cast<std::shared_ptr<std::byte>*>(p);
@@ -106,12 +107,13 @@ nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, con
   out["step"] = reader.meta().step;
   out["world_size"] = reader.meta().world_size;
   out["job"] = reader.meta().job;
-  out["state"] = python::RebuildState(extras, buffer, reader);
+  out["state"] = python::RebuildState(extras, buffer, reader, unpickler);
   out["source"] = image.source;
   return out;
 }
 
-nb::dict Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank) {
+nb::dict Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank,
+              nb::handle unpickler) {
   Result<LoadedShard> shard = Status(StatusCode::kCancelled, "not loaded");
   {
     nb::gil_scoped_release release;
@@ -119,7 +121,7 @@ nb::dict Load(const std::string& path, std::optional<uint64_t> step, uint32_t ra
     shard = store.ok() ? LoadShard(**store, step, rank) : Result<LoadedShard>(store.status());
   }
   LoadedShard s = Unwrap(std::move(shard));
-  nb::dict out = LoadedToPython(s.image, s.reader, s.extras);
+  nb::dict out = LoadedToPython(s.image, s.reader, s.extras, unpickler);
   nb::list skipped;
   for (const auto& m : s.skipped) skipped.append(m);
   out["skipped"] = skipped;
@@ -163,8 +165,8 @@ class PyClient {
     client_ = Unwrap(std::move(c));
   }
 
-  nb::dict Save(uint64_t step, nb::handle state, bool persist) {
-    python::FlatState flat = python::FlattenState(state);
+  nb::dict Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler) {
+    python::FlatState flat = python::FlattenState(state, pickler);
     std::string extras = Unwrap(EncodeExtras(flat.skeleton));
     std::vector<TensorSource> sources = std::move(flat.tensors);
     Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
@@ -203,7 +205,7 @@ class PyClient {
     return Unwrap(std::move(r));
   }
 
-  nb::object LoadNewest(std::optional<uint64_t> min_step) {
+  nb::object LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler) {
     Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
@@ -211,10 +213,10 @@ class PyClient {
     }
     if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
     MemorySnapshot s = Unwrap(std::move(r));
-    return LoadedToPython(s.image, s.reader, s.extras);
+    return LoadedToPython(s.image, s.reader, s.extras, unpickler);
   }
 
-  nb::object LoadStep(uint64_t step) {
+  nb::object LoadStep(uint64_t step, nb::handle unpickler) {
     Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
@@ -222,7 +224,7 @@ class PyClient {
     }
     if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
     MemorySnapshot s = Unwrap(std::move(r));
-    return LoadedToPython(s.image, s.reader, s.extras);
+    return LoadedToPython(s.image, s.reader, s.extras, unpickler);
   }
 
   nb::list Slots() {
@@ -270,19 +272,22 @@ class PyClient {
 NB_MODULE(_core, m) {
   using namespace safepoint;
   m.doc() = "safepoint's C++ core (internal; use the safepoint package)";
-  m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a);
-  m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a);
+  m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a,
+        "pickler"_a.none() = nb::none());
+  m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
   nb::class_<PyClient>(m, "Client")
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
                     uint32_t, bool, const std::string&>(),
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
            "wait_when_busy"_a, "agent_binary"_a)
-      .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a)
+      .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
+           "pickler"_a.none() = nb::none())
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)
-      .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none())
-      .def("load_step", &PyClient::LoadStep, "step"_a)
+      .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none(),
+           "unpickler"_a.none() = nb::none())
+      .def("load_step", &PyClient::LoadStep, "step"_a, "unpickler"_a.none() = nb::none())
       .def("slots", &PyClient::Slots)
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("close", &PyClient::Close, "timeout"_a)

@@ -100,6 +100,7 @@ std::vector<uint64_t> Dims(nb::handle shape) {
 
 class Flattener {
  public:
+  explicit Flattener(nb::handle pickler) : pickler_(pickler) {}
   FlatState Run(nb::handle state) {
     FlatState out;
     keepalive_ = &out.keepalive;
@@ -309,13 +310,19 @@ class Flattener {
       return Numpy(obj, 2);
     }
     if (PyObject_IsInstance(o, t.mapping_type.ptr()) == 1) return Dict(obj, depth);
+    if (pickler_.is_valid() && !pickler_.is_none()) {
+      nb::object b = pickler_(obj);
+      if (!PyBytes_Check(b.ptr())) Fail("the pickler did not return bytes");
+      return Value(Pickled{std::string(PyBytes_AS_STRING(b.ptr()), PyBytes_GET_SIZE(b.ptr()))});
+    }
     nb::handle type = obj.type();
     Fail("cannot save a value of type " + nb::cast<std::string>(nb::str(type.attr("__module__"))) +
          "." + nb::cast<std::string>(nb::str(type.attr("__qualname__"))) +
          "; supported: tensors, numpy arrays, None, bool, int, float, str, bytes, and dicts, "
-         "lists and tuples of these");
+         "lists and tuples of these (or pass allow_pickle=True to pickle other objects)");
   }
 
+  nb::handle pickler_;
   std::string path_;
   std::unordered_set<std::string> names_;
   std::unordered_map<PyObject*, TensorRef> seen_;
@@ -325,7 +332,8 @@ class Flattener {
 
 class Rebuilder {
  public:
-  Rebuilder(nb::handle buffer, const ImageReader& reader) : buffer_(buffer), reader_(reader) {
+  Rebuilder(nb::handle buffer, const ImageReader& reader, nb::handle unpickler)
+      : buffer_(buffer), reader_(reader), unpickler_(unpickler) {
     made_.resize(reader.tensors().size() * 3);
   }
 
@@ -364,6 +372,14 @@ class Rebuilder {
         return out;
       }
       nb::object operator()(const TensorRef& t) { return r.Tensor(t); }
+      nb::object operator()(const Pickled& p) {
+        if (!r.unpickler_.is_valid() || r.unpickler_.is_none()) {
+          ThrowStatus(InvalidArgument(
+              "the checkpoint holds a pickled Python object; load it with allow_pickle=True "
+              "(only if you trust where it came from)"));
+        }
+        return r.unpickler_(nb::bytes(p.data.data(), p.data.size()));
+      }
     };
     return std::visit(V{*this}, v.v);
   }
@@ -407,6 +423,7 @@ class Rebuilder {
 
   nb::handle buffer_;
   const ImageReader& reader_;
+  nb::handle unpickler_;
   nb::object torch_base_;
   std::unordered_map<int, nb::object> typed_;
   std::vector<nb::object> made_;
@@ -414,10 +431,13 @@ class Rebuilder {
 
 }  // namespace
 
-FlatState FlattenState(nb::handle state) { return Flattener().Run(state); }
+FlatState FlattenState(nb::handle state, nb::handle pickler) {
+  return Flattener(pickler).Run(state);
+}
 
-nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader) {
-  return Rebuilder(buffer, reader).Build(skeleton);
+nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
+                        nb::handle unpickler) {
+  return Rebuilder(buffer, reader, unpickler).Build(skeleton);
 }
 
 }  // namespace safepoint::python

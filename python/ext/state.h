@@ -26,10 +26,13 @@ struct FlatState {
   nb::list keepalive;  // tensors made contiguous / copied to the CPU; hold until written
 };
 
-// Raises InvalidArgumentError (a Python exception) naming the key of an unsupported value.
-FlatState FlattenState(nb::handle state);
+// Raises InvalidArgumentError (a Python exception) naming the key of an unsupported value, unless
+// `pickler` is a callable (allow_pickle), which then turns such a value into bytes.
+FlatState FlattenState(nb::handle state, nb::handle pickler);
 
-// `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes.
-nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader);
+// `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes. Pickled
+// values are passed to `unpickler`; when it is None they are refused with an error.
+nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
+                        nb::handle unpickler);
 
 }  // namespace safepoint::python

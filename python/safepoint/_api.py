@@ -7,6 +7,7 @@ import warnings
 from typing import Any, Optional
 
 from safepoint import _core
+from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
 from safepoint.errors import InvalidArgumentError
 
@@ -19,7 +20,7 @@ def _path(path: "str | os.PathLike[str]") -> str:
 
 
 def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0,
-         world_size: int = 1, job: str = "") -> dict:
+         world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
 
     ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
@@ -34,11 +35,11 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
         raise InvalidArgumentError(f"{p}: world_size must be a positive int, got {world_size!r}")
     if type(rank) is not int or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"{p}: rank {rank!r} is not in [0, {world_size})")
-    return _core.save(p, step, rank, world_size, job, to_saveable(state))
+    return _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle))
 
 
 def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
-         rank: int = 0) -> tuple[int, Any]:
+         rank: int = 0, allow_pickle: AllowPickle = False) -> tuple[int, Any]:
     """Loads ``rank``'s shard; returns ``(step, state)``.
 
     With ``step=None`` the newest committed step that reads back intact (older steps are tried
@@ -48,7 +49,7 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
     p = _path(path)
     if step is not None and (type(step) is not int or step < 0):
         raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
-    out = _core.load(p, step, rank)
+    out = _core.load(p, step, rank, unpickler(allow_pickle))
     for skipped in out["skipped"]:
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
                       stacklevel=2)
@@ -56,11 +57,11 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
 
 
 def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = None, *,
-            rank: int = 0) -> int:
+            rank: int = 0, allow_pickle: AllowPickle = False) -> int:
     """Loads ``rank``'s shard of the newest (or the given) step into ``state`` in place:
     tensors are copied into the existing tensors, objects with ``load_state_dict`` get it,
     other values are replaced. Returns the step."""
-    got_step, got = load(path, step, rank=rank)
+    got_step, got = load(path, step, rank=rank, allow_pickle=allow_pickle)
     restore_into(state, got)
     if isinstance(got, dict) and RNG_KEY in got:
         restore_rng(got[RNG_KEY])

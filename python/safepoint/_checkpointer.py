@@ -21,6 +21,7 @@ from typing import Any, Optional
 from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
+from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
@@ -69,7 +70,7 @@ class Checkpointer:
     def __init__(self, path: "str | os.PathLike[str]", *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
-                 shm_dir: Optional[str] = None) -> None:
+                 shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -92,6 +93,8 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.persist_every, self.keep, self.on_busy = persist_every, keep, on_busy
         self.shm_dir = shm_dir or os.environ.get("SAFEPOINT_SHM_DIR", "/dev/shm")
+        self.allow_pickle = allow_pickle
+        self._pickler, self._unpickler = pickler(allow_pickle), unpickler(allow_pickle)
         self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
                                     on_busy == "wait", _agent_binary())
         # Restore agreement runs over its own gloo group (CPU), whatever the training backend.
@@ -127,7 +130,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else step % self.persist_every == 0
-        res = self._live.save(step, state, bool(do_persist))
+        res = self._live.save(step, state, bool(do_persist), self._pickler)
         res["blocking_seconds"] = time.perf_counter() - t0
         res["step"] = step
         self._stats["saves"] += 1
@@ -175,21 +178,23 @@ class Checkpointer:
         want = step if step is not None else newest_storage
         snap = None
         try:
-            snap = self._live.load_newest(want) if step is None else self._live.load_step(step)
+            snap = (self._live.load_newest(want, self._unpickler) if step is None
+                    else self._live.load_step(step, self._unpickler))
         except CorruptionError as e:
             warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                           RuntimeWarning, stacklevel=3)
         if snap is not None:
             return (snap["step"], snap["state"]), "memory"
         if step is not None or committed:
-            return storage_load(self.path, step, rank=self.rank), "storage"
+            return storage_load(self.path, step, rank=self.rank,
+                                allow_pickle=self.allow_pickle), "storage"
         return None
 
     def _load_one(self, step: int, memory: list[int], committed: list[int]):
         """This rank's copy of `step`: memory first, then storage. None if neither reads back."""
         if step in memory:
             try:
-                snap = self._live.load_step(step)
+                snap = self._live.load_step(step, self._unpickler)
                 if snap is not None:
                     return (snap["step"], snap["state"]), "memory"
             except CorruptionError as e:
@@ -197,7 +202,8 @@ class Checkpointer:
                               RuntimeWarning, stacklevel=3)
         if step in committed:
             try:
-                return storage_load(self.path, step, rank=self.rank), "storage"
+                return storage_load(self.path, step, rank=self.rank,
+                                allow_pickle=self.allow_pickle), "storage"
             except Error as e:
                 warnings.warn(f"safepoint: step {step} cannot be read from storage: {e}",
                               RuntimeWarning, stacklevel=3)

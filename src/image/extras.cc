@@ -28,6 +28,7 @@ enum Tag : uint8_t {
   kTuple = 0x09,
   kDict = 0x0A,
   kTensor = 0x0B,
+  kPickled = 0x0C,
 };
 
 constexpr uint32_t kMaxBigIntBytes = 1 << 20;
@@ -117,6 +118,12 @@ class Encoder {
     }
     return Status::OK();
   }
+  Status Put(const Pickled& p, size_t) {
+    out.push_back(kPickled);
+    AppendLE<uint64_t>(out, p.data.size());
+    out += p.data;
+    return Status::OK();
+  }
   Status Put(const TensorRef& t, size_t) {
     out.push_back(kTensor);
     AppendLE<uint64_t>(out, t.index);
@@ -200,6 +207,12 @@ class Decoder {
           d.items.emplace_back(std::move(k), std::move(v));
         }
         return Value(std::move(d));
+      }
+      case kPickled: {
+        SP_ASSIGN_OR_RETURN(auto p, Take(8));
+        const uint64_t n = LoadLE<uint64_t>(p);
+        SP_ASSIGN_OR_RETURN(auto q, Take(n));
+        return Value(Pickled{std::string(reinterpret_cast<const char*>(q), n)});
       }
       case kTensor: {
         SP_ASSIGN_OR_RETURN(auto p, Take(9));
@@ -306,6 +319,9 @@ void Repr(const Value& v, std::string& out, size_t max) {
       out += '}';
     }
     void operator()(const TensorRef& t) { out += "<tensor #" + std::to_string(t.index) + ">"; }
+    void operator()(const Pickled& p) {
+      out += "<pickled object of " + std::to_string(p.data.size()) + " bytes>";
+    }
   };
   std::visit(V{out, max}, v.v);
 }
