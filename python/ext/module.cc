@@ -143,6 +143,13 @@ std::vector<uint64_t> Steps(const std::string& path) {
 
 // --- flash checkpoints: the client of the node agent --------------------------------------------
 
+// Runs f with the GIL released (the core never calls back into Python).
+template <typename F>
+auto WithoutGil(F&& f) {
+  nb::gil_scoped_release release;
+  return f();
+}
+
 class PyClient {
  public:
   PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
@@ -206,25 +213,11 @@ class PyClient {
   }
 
   nb::object LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler) {
-    Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "");
-    {
-      nb::gil_scoped_release release;
-      r = Get().LoadNewest(min_step);
-    }
-    if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
-    MemorySnapshot s = Unwrap(std::move(r));
-    return LoadedToPython(s.image, s.reader, s.extras, unpickler);
+    return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step); }), unpickler);
   }
 
   nb::object LoadStep(uint64_t step, nb::handle unpickler) {
-    Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "");
-    {
-      nb::gil_scoped_release release;
-      r = Get().LoadStep(step);
-    }
-    if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
-    MemorySnapshot s = Unwrap(std::move(r));
-    return LoadedToPython(s.image, s.reader, s.extras, unpickler);
+    return ToPython(WithoutGil([&] { return Get().LoadStep(step); }), unpickler);
   }
 
   nb::list Slots() {
@@ -259,6 +252,13 @@ class PyClient {
   void Abandon() { client_.reset(); }  // drop the connection without a clean close
 
  private:
+  // A memory snapshot as load() returns it; None when there is none.
+  static nb::object ToPython(Result<MemorySnapshot> r, nb::handle unpickler) {
+    if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
+    MemorySnapshot s = Unwrap(std::move(r));
+    return LoadedToPython(s.image, s.reader, s.extras, unpickler);
+  }
+
   SnapshotClient& Get() {
     if (!client_) Check(InvalidArgument("the checkpointer is closed"));
     return *client_;

@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -16,6 +15,7 @@
 #include <cstring>
 
 #include "base/parallel.h"
+#include "base/random.h"
 
 namespace safepoint {
 
@@ -63,14 +63,6 @@ int64_t NowNs() {
 bool ProcessAlive(uint32_t pid) {
   if (pid == 0) return false;
   return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
-}
-
-std::string RandomSuffix() {
-  uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != sizeof(v)) v = static_cast<uint64_t>(NowNs()) ^ ::getpid();
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
 }
 
 std::string HumanBytes(uint64_t n) {
@@ -151,7 +143,7 @@ class SlotFile {
             "shm_dir / SAFEPOINT_SHM_DIR at a larger tmpfs or a local disk directory");
       }
     }
-    const std::string tmp = path + ".tmp." + RandomSuffix();
+    const std::string tmp = path + ".tmp." + internal::RandomHex16();
     auto f = std::unique_ptr<SlotFile>(new SlotFile());
     f->path_ = path;
     f->fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);

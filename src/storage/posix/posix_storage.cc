@@ -37,7 +37,6 @@
 // Thread safety: every method may be called from many threads; WriteAt/ReadAt are positional.
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -58,6 +57,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/random.h"
 #include "safepoint/storage.h"
 
 namespace safepoint {
@@ -134,25 +134,6 @@ bool IsTemporaryName(std::string_view file_name) {
   return hex.size() == kTmpSuffixHexDigits &&
          std::all_of(hex.begin(), hex.end(),
                      [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
-}
-
-std::string RandomHex16() {
-  uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-    // No entropy available (very old kernel or seccomp): mix time, pid and a counter. O_EXCL
-    // still guarantees that a collision is detected and retried.
-    static std::atomic<uint64_t> counter{0};
-    v = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-        (static_cast<uint64_t>(::getpid()) << 32) ^
-        (counter.fetch_add(1) * 0x9e3779b97f4a7c15ull);
-    v ^= v >> 31;
-    v *= 0xbf58476d1ce4e5b9ull;
-    v ^= v >> 29;
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(kTmpSuffixHexDigits, '0');
-  for (size_t i = 0; i < kTmpSuffixHexDigits; ++i) out[i] = kHex[(v >> (4 * i)) & 0xf];
-  return out;
 }
 
 int64_t MtimeNs(const struct stat& st) {
@@ -530,7 +511,7 @@ class PosixStorage final : public Storage {
     for (int attempt = 0;; ++attempt) {
       FileDescriptor dir_fd;
       SP_RETURN_IF_ERROR(OpenDirectory(dir_rel, /*create=*/true, &dir_fd));
-      std::string tmp_name = std::string(base) + std::string(kTmpInfix) + RandomHex16();
+      std::string tmp_name = std::string(base) + std::string(kTmpInfix) + internal::RandomHex16();
       int err = 0;
       FileDescriptor fd;
       struct stat st;
