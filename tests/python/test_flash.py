@@ -409,6 +409,18 @@ def test_killed_between_saves_resumes_from_memory_then_from_storage(env):
     assert verify_committed(env.path, SEED, numel)[-1] == 7
 
 
+def start_resumed(env, common, killed: Optional["Worker"]) -> "Worker":
+    """Starts a worker with --resume: the first one starts fresh, each later one must resume
+    where the killed one's last returned save left off."""
+    w = env.worker(*common, "--resume")
+    first = w.expect("LOADED", "FRESH")
+    if killed is None:
+        assert first == ["FRESH"]
+    else:
+        check_resumed(first, killed)
+    return w
+
+
 def test_killed_during_copy_resumes_from_memory(env):
     """A 256 MiB state saved in a loop; each process is killed while a slot is being written."""
     rng = random.Random(SEED)
@@ -418,12 +430,7 @@ def test_killed_during_copy_resumes_from_memory(env):
     killed: Optional[Worker] = None
     torn = 0
     for attempt in range(3):
-        w = env.worker(*common, "--resume")
-        first = w.expect("LOADED", "FRESH")
-        if killed is None:
-            assert first == ["FRESH"]
-        else:
-            check_resumed(first, killed)
+        w = start_resumed(env, common, killed)
         for _ in range(rng.randint(1, 2)):
             w.expect("SAVED")
         w.expect("BEGIN")
@@ -457,12 +464,7 @@ def test_killed_during_persist_resumes_from_memory(env):
     common = ("--seed", SEED, "--numel", numel, "--persist-every", 1)
     killed: Optional[Worker] = None
     for attempt in range(2):
-        w = env.worker(*common, "--resume")
-        first = w.expect("LOADED", "FRESH")
-        if killed is None:
-            assert first == ["FRESH"]
-        else:
-            check_resumed(first, killed)
+        w = start_resumed(env, common, killed)
         for _ in range(rng.randint(1, 3)):
             w.expect("SAVED")
         wait_until(lambda: persist_in_progress(env.path), deadline=60, interval=0.0005)
