@@ -33,6 +33,18 @@ inline void AppendLE(std::string& out, T v) {
 
 constexpr uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+// Job names: at most 64 characters of [A-Za-z0-9._-] (an image may have an empty job; the
+// snapshot and agent layers require one, see ValidateJobName).
+inline bool IsJobNameText(std::string_view job) {
+  if (job.size() > 64) return false;
+  for (char c : job) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
 // True when `s` is well-formed UTF-8 (no overlongs, surrogates or code points above U+10FFFF).
 bool IsValidUtf8(std::string_view s);
 

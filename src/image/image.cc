@@ -44,16 +44,6 @@ constexpr DTypeInfo kDTypes[] = {
     {DType::kFloat8E4M3FN, "float8_e4m3fn", 1}, {DType::kFloat8E5M2, "float8_e5m2", 1},
 };
 
-bool ValidJob(std::string_view job) {
-  if (job.size() > kMaxJobLength) return false;
-  for (char c : job) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return false;
-    }
-  }
-  return true;
-}
-
 uint64_t TensorAlignment(uint64_t nbytes) { return nbytes >= kLargeTensor ? 4096 : 64; }
 
 Status Bad(std::string_view source, const std::string& what) {
@@ -114,7 +104,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
                                                            std::vector<TensorSource> tensors,
                                                            std::string extras,
                                                            uint64_t chunk_size) {
-  if (!ValidJob(meta.job)) {
+  if (!internal::IsJobNameText(meta.job)) {
     return InvalidArgument("job name '" + meta.job +
                            "' is invalid: use 0..64 characters of [A-Za-z0-9._-]");
   }
@@ -351,7 +341,7 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
   const uint8_t job_len = LoadLE<uint8_t>(&h[144]);
   if (job_len > kMaxJobLength) return Bad(source, "job name too long");
   m.job.assign(reinterpret_cast<const char*>(&h[kJobOffset]), job_len);
-  if (!ValidJob(m.job)) return Bad(source, "invalid job name");
+  if (!internal::IsJobNameText(m.job)) return Bad(source, "invalid job name");
   for (size_t i = kJobOffset + job_len; i < kReservedOffset; ++i) {
     if (h[i] != std::byte{0}) return Bad(source, "non-zero job padding");
   }

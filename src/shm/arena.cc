@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "base/bytes.h"
 #include "base/parallel.h"
 #include "base/random.h"
 
@@ -216,10 +217,8 @@ Status ValidateJobName(const std::string& job) {
   if (job.empty() || job.size() > 64) {
     return InvalidArgument("job name '" + job + "' must have 1..64 characters");
   }
-  for (char c : job) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return InvalidArgument("job name '" + job + "' may only use [A-Za-z0-9._-]");
-    }
+  if (!internal::IsJobNameText(job)) {
+    return InvalidArgument("job name '" + job + "' may only use [A-Za-z0-9._-]");
   }
   if (job == "." || job == "..") return InvalidArgument("job name '" + job + "' is reserved");
   return Status::OK();
