@@ -25,11 +25,12 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-STAMP=.venv/.safepoint-deps-v1
+STAMP=.venv/.safepoint-deps-v2
 if [ ! -f "$STAMP" ]; then
   echo "setup: installing Python packages into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" \
-      "cmake>=3.24" ninja pytest safetensors
+      "cmake>=3.24" ninja pytest safetensors \
+      "pytorch-lightning==2.6.6" "transformers==5.24.0" "dlrover==0.6.1"
   touch "$STAMP"
 fi
