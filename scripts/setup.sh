@@ -31,6 +31,6 @@ if [ ! -f "$STAMP" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" \
       "cmake>=3.24" ninja pytest safetensors \
-      "pytorch-lightning==2.6.6" "transformers==5.24.0" "dlrover==0.6.1"
+      "pytorch-lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0" "dlrover==0.6.1"
   touch "$STAMP"
 fi
