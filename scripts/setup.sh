@@ -32,5 +32,9 @@ if [ ! -f "$STAMP" ]; then
   .venv/bin/python -m pip install -q "torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" \
       "cmake>=3.24" ninja pytest safetensors \
       "pytorch-lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0" "dlrover==0.6.1"
+  # DLRover pulls the deprecated `pynvml` shim, which makes every `import torch.cuda` warn; the
+  # module it wraps comes from nvidia-ml-py, so keep that one alone.
+  .venv/bin/python -m pip uninstall -q -y pynvml
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps "nvidia-ml-py==13.615.71"
   touch "$STAMP"
 fi

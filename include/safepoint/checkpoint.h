@@ -101,9 +101,22 @@ class CheckpointStore {
     ImageLayout layout;
     std::vector<TensorEntry> tensors;
     Value extras;
+    std::vector<uint32_t> chunk_crcs;  // one per chunk, from the (validated) checksum section
     std::string source;
   };
   Result<Metadata> ReadMetadata(const CommitRecord& commit, uint32_t rank);
+
+  // Copies byte ranges of rank's image of a committed step (offsets from the start of the image,
+  // e.g. a part of one tensor's data) into caller memory, reading only the checksum chunks that
+  // cover them, each verified against `md` (from ReadMetadata of the same commit and rank) before
+  // any of its bytes is handed out. Ranges may overlap and come in any order. For resharding and
+  // for tensors that another rank wrote: a rank reads what it needs, not whole images.
+  struct Range {
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    std::byte* dst = nullptr;
+  };
+  Status ReadRanges(const Metadata& md, std::span<const Range> ranges);
 
   // Deletes a step: COMMIT first (so it stops existing at once), then its images.
   Status DeleteStep(uint64_t step);

@@ -7,12 +7,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "safepoint/build_config.h"
 #include "safepoint/agent.h"
@@ -141,14 +143,133 @@ std::vector<uint64_t> Steps(const std::string& path) {
   return out;
 }
 
-// --- flash checkpoints: the client of the node agent --------------------------------------------
-
 // Runs f with the GIL released (the core never calls back into Python).
 template <typename F>
 auto WithoutGil(F&& f) {
   nb::gil_scoped_release release;
   return f();
 }
+
+// --- reading parts of images (resharding, tensors other ranks wrote, DCP) ----------------------
+
+// A tensor reference in a state tree read without its tensors (ShardReader.state()).
+struct TensorSlot {
+  size_t index;
+};
+
+// Writable destination memory of a read: a contiguous CPU torch tensor or any writable buffer.
+std::span<std::byte> Destination(nb::handle dest, const std::string& what) {
+  if (nb::hasattr(dest, "data_ptr")) {
+    if (!nb::cast<bool>(dest.attr("is_contiguous")()) || !nb::cast<bool>(dest.attr("is_cpu"))) {
+      Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor"));
+    }
+    auto ptr = nb::cast<uintptr_t>(dest.attr("data_ptr")());
+    auto n = nb::cast<size_t>(dest.attr("nbytes"));
+    return {reinterpret_cast<std::byte*>(ptr), n};
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(dest.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+    PyErr_Clear();
+    Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor or a "
+                                 "writable buffer"));
+  }
+  std::span<std::byte> out(static_cast<std::byte*>(view.buf), static_cast<size_t>(view.len));
+  PyBuffer_Release(&view);  // the caller keeps `dest` alive for the call
+  return out;
+}
+
+// One rank's image of one committed step, opened for partial reads: its index, its state tree
+// and byte ranges of its tensors, each covering checksum chunk verified. Nothing else is read.
+class ShardReader {
+ public:
+  ShardReader(const std::string& path, uint64_t step, uint32_t rank) {
+    Status s = WithoutGil([&]() -> Status {
+      SP_ASSIGN_OR_RETURN(store_, OpenCheckpointStore(path));
+      SP_ASSIGN_OR_RETURN(commit_, store_->ReadCommit(step));
+      SP_ASSIGN_OR_RETURN(md_, store_->ReadMetadata(commit_, rank));
+      return Status::OK();
+    });
+    Check(s);
+    for (size_t i = 0; i < md_.tensors.size(); ++i) by_name_.emplace(md_.tensors[i].spec.name, i);
+  }
+
+  uint64_t step() const { return commit_.step; }
+  uint32_t rank() const { return md_.meta.rank; }
+  uint32_t world_size() const { return commit_.world_size; }
+
+  nb::list Tensors() const {
+    nb::list out;
+    for (const TensorEntry& e : md_.tensors) {
+      nb::dict d;
+      d["name"] = e.spec.name;
+      d["dtype"] = std::string(DTypeName(e.spec.dtype));
+      d["shape"] = e.spec.shape;
+      d["global_shape"] = e.spec.global_shape.empty() ? nb::none() : nb::cast(e.spec.global_shape);
+      d["global_offset"] =
+          e.spec.global_offset.empty() ? nb::none() : nb::cast(e.spec.global_offset);
+      d["nbytes"] = e.nbytes;
+      d["elsewhere"] = nb::none();
+      out.append(d);
+    }
+    return out;
+  }
+
+  nb::object State(nb::handle unpickler) const {
+    return python::RebuildSkeleton(md_.extras, md_.tensors.size(), unpickler,
+                                   nb::type<TensorSlot>());
+  }
+
+  // requests: (tensor name, byte offset in its data, byte count, destination) tuples.
+  void Read(nb::list requests) {
+    std::vector<CheckpointStore::Range> ranges;
+    ranges.reserve(requests.size());
+    for (nb::handle item : requests) {
+      auto [name, offset, length, dest] =
+          nb::cast<std::tuple<std::string, uint64_t, uint64_t, nb::handle>>(item);
+      auto it = by_name_.find(name);
+      if (it == by_name_.end()) {
+        Check(NotFound(md_.source + ": no tensor named '" + name + "'"));
+      }
+      const TensorEntry& e = md_.tensors[it->second];
+      if (offset > e.nbytes || length > e.nbytes - offset) {
+        Check(InvalidArgument(md_.source + ": tensor '" + name + "' has " +
+                              std::to_string(e.nbytes) + " bytes; cannot read [" +
+                              std::to_string(offset) + ", +" + std::to_string(length) + ")"));
+      }
+      std::span<std::byte> dst = Destination(dest, md_.source + ": tensor '" + name + "'");
+      if (dst.size() < length) {
+        Check(InvalidArgument(md_.source + ": tensor '" + name + "': destination holds " +
+                              std::to_string(dst.size()) + " bytes, " + std::to_string(length) +
+                              " requested"));
+      }
+      ranges.push_back({e.offset + offset, length, dst.data()});
+    }
+    Check(WithoutGil([&] { return store_->ReadRanges(md_, ranges); }));
+  }
+
+ private:
+  std::unique_ptr<CheckpointStore> store_;
+  CommitRecord commit_;
+  CheckpointStore::Metadata md_;
+  std::unordered_map<std::string, size_t> by_name_;
+};
+
+nb::dict ReadMetadata(const std::string& path, uint64_t step, uint32_t rank,
+                      nb::handle unpickler) {
+  ShardReader r(path, step, rank);
+  nb::dict out;
+  out["step"] = r.step();
+  out["world_size"] = r.world_size();
+  out["tensors"] = r.Tensors();
+  out["extras"] = r.State(unpickler);
+  return out;
+}
+
+void ReadRanges(const std::string& path, uint64_t step, uint32_t rank, nb::list requests) {
+  ShardReader(path, step, rank).Read(requests);
+}
+
+// --- flash checkpoints: the client of the node agent --------------------------------------------
 
 class PyClient {
  public:
@@ -276,6 +397,23 @@ NB_MODULE(_core, m) {
         "pickler"_a.none() = nb::none());
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
+  nb::class_<TensorSlot>(m, "TensorSlot")
+      .def(nb::init<size_t>(), "index"_a)
+      .def_ro("index", &TensorSlot::index)
+      .def("__repr__", [](const TensorSlot& t) {
+        return "TensorSlot(" + std::to_string(t.index) + ")";
+      });
+  nb::class_<ShardReader>(m, "ShardReader")
+      .def(nb::init<const std::string&, uint64_t, uint32_t>(), "path"_a, "step"_a, "rank"_a)
+      .def_prop_ro("step", &ShardReader::step)
+      .def_prop_ro("rank", &ShardReader::rank)
+      .def_prop_ro("world_size", &ShardReader::world_size)
+      .def("tensors", &ShardReader::Tensors)
+      .def("state", &ShardReader::State, "unpickler"_a.none() = nb::none())
+      .def("read", &ShardReader::Read, "requests"_a);
+  m.def("read_metadata", &ReadMetadata, "path"_a, "step"_a, "rank"_a,
+        "unpickler"_a.none() = nb::none());
+  m.def("read_ranges", &ReadRanges, "path"_a, "step"_a, "rank"_a, "requests"_a);
   nb::class_<PyClient>(m, "Client")
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
                     uint32_t, bool, const std::string&>(),

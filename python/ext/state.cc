@@ -332,9 +332,12 @@ class Flattener {
 
 class Rebuilder {
  public:
-  Rebuilder(nb::handle buffer, const ImageReader& reader, nb::handle unpickler)
-      : buffer_(buffer), reader_(reader), unpickler_(unpickler) {
-    made_.resize(reader.tensors().size() * 3);
+  // With a reader, tensors become views into `buffer`; without, each tensor reference becomes
+  // slot_factory(index of its index entry) (metadata only, nothing is read).
+  Rebuilder(nb::handle buffer, const ImageReader* reader, size_t tensor_count,
+            nb::handle unpickler, nb::handle slot_factory)
+      : buffer_(buffer), reader_(reader), unpickler_(unpickler), slot_factory_(slot_factory) {
+    made_.resize(tensor_count * 3);
   }
 
   nb::object Build(const Value& v) {
@@ -388,8 +391,9 @@ class Rebuilder {
   nb::object Tensor(const TensorRef& ref) {
     nb::object& slot = made_[ref.index * 3 + ref.kind];
     if (slot.is_valid()) return slot;
+    if (reader_ == nullptr) return slot = slot_factory_(ref.index);
     Types& t = T();
-    const TensorEntry& e = reader_.tensors()[ref.index];
+    const TensorEntry& e = reader_->tensors()[ref.index];
     const size_t ndim = e.spec.shape.size();
     nb::object shape = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(ndim)));
     for (size_t i = 0; i < ndim; ++i) {
@@ -422,8 +426,9 @@ class Rebuilder {
   }
 
   nb::handle buffer_;
-  const ImageReader& reader_;
+  const ImageReader* reader_;
   nb::handle unpickler_;
+  nb::handle slot_factory_;
   nb::object torch_base_;
   std::unordered_map<int, nb::object> typed_;
   std::vector<nb::object> made_;
@@ -437,7 +442,13 @@ FlatState FlattenState(nb::handle state, nb::handle pickler) {
 
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
                         nb::handle unpickler) {
-  return Rebuilder(buffer, reader, unpickler).Build(skeleton);
+  return Rebuilder(buffer, &reader, reader.tensors().size(), unpickler, nb::none())
+      .Build(skeleton);
+}
+
+nb::object RebuildSkeleton(const Value& skeleton, size_t tensor_count, nb::handle unpickler,
+                           nb::handle slot_factory) {
+  return Rebuilder(nb::none(), nullptr, tensor_count, unpickler, slot_factory).Build(skeleton);
 }
 
 }  // namespace safepoint::python

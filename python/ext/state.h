@@ -35,4 +35,9 @@ FlatState FlattenState(nb::handle state, nb::handle pickler);
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
                         nb::handle unpickler);
 
+// The state tree of an image whose tensors were not read: each tensor reference becomes
+// slot_factory(index of its index entry).
+nb::object RebuildSkeleton(const Value& skeleton, size_t tensor_count, nb::handle unpickler,
+                           nb::handle slot_factory);
+
 }  // namespace safepoint::python

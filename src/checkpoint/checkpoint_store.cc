@@ -449,7 +449,62 @@ Result<CheckpointStore::Metadata> CheckpointStore::ReadMetadata(const CommitReco
     return Corruption(md.source + ": corrupt image: extras checksum mismatch");
   }
   SP_ASSIGN_OR_RETURN(md.extras, DecodeExtras(extras, md.tensors.size(), md.source));
+  std::vector<std::byte> checksums(md.layout.image_size - md.layout.checksums_offset);
+  SP_RETURN_IF_ERROR(obj->ReadAt(md.layout.checksums_offset, checksums));
+  SP_ASSIGN_OR_RETURN(md.chunk_crcs, ParseChecksumSection(checksums, md.layout, md.source));
   return md;
+}
+
+Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ranges) {
+  const ImageLayout& layout = md.layout;
+  const uint64_t covered = layout.checksums_offset;  // chunks cover [0, checksums_offset)
+  std::vector<uint64_t> chunks;
+  for (const Range& r : ranges) {
+    if (r.length == 0) continue;
+    if (r.offset > covered || r.length > covered - r.offset || r.dst == nullptr) {
+      return InvalidArgument(md.source + ": range [" + std::to_string(r.offset) + ", +" +
+                             std::to_string(r.length) + ") lies outside the image's data");
+    }
+    for (uint64_t c = r.offset / layout.chunk_size; c * layout.chunk_size < r.offset + r.length;
+         ++c) {
+      chunks.push_back(c);
+    }
+  }
+  std::sort(chunks.begin(), chunks.end());
+  chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+  if (chunks.empty()) return Status::OK();
+  if (chunks.back() >= md.chunk_crcs.size()) {
+    return Corruption(md.source + ": checksum section has too few chunks");
+  }
+  // Match the object to the metadata: a replaced image must not be read with the old checksums.
+  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(ImageObjectName(md.meta.step, md.meta.rank)));
+  if (obj->size() != layout.image_size) {
+    return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
+                      " bytes, its header says " + std::to_string(layout.image_size));
+  }
+  FirstError error;
+  internal::ParallelFor(chunks.size(), internal::DefaultIoThreads(), [&](size_t k) {
+    if (error.failed()) return;
+    const uint64_t c = chunks[k];
+    const uint64_t off = c * layout.chunk_size;
+    const uint64_t len = std::min(layout.chunk_size, covered - off);
+    internal::AlignedBuffer buf(len);
+    if (!buf.ok()) {
+      error.Set(ResourceExhausted(md.source + ": cannot allocate a read buffer"));
+      return;
+    }
+    Status s = obj->ReadAt(off, buf.span());
+    if (s.ok()) s = VerifyChunk(buf.span(), c, md.chunk_crcs[c], md.source);
+    if (!s.ok()) {
+      error.Set(std::move(s));
+      return;
+    }
+    for (const Range& r : ranges) {  // each range's part inside this chunk
+      const uint64_t lo = std::max(r.offset, off), hi = std::min(r.offset + r.length, off + len);
+      if (lo < hi) std::memcpy(r.dst + (lo - r.offset), buf.data() + (lo - off), hi - lo);
+    }
+  });
+  return error.status();
 }
 
 Status CheckpointStore::DeleteStep(uint64_t step) {
