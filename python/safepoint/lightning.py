@@ -1,0 +1,392 @@
+"""A Lightning ``CheckpointIO`` plugin that saves through safepoint.
+
+    from safepoint.lightning import SafepointCheckpointIO
+
+    trainer = Trainer(plugins=[SafepointCheckpointIO("/ckpt/run1")],
+                      callbacks=[ModelCheckpoint(dirpath="/ckpt/run1/lightning", save_last=True,
+                                                 every_n_train_steps=100)])
+    trainer.fit(model, data, ckpt_path="last")   # resumes from memory after a crash
+
+Where things go. Lightning names every checkpoint by a path (``epoch=0-step=100.ckpt``,
+``last.ckpt``) and manages those paths itself (top-k, ``last``, links, removal). The plugin keeps
+the data in one safepoint checkpoint directory (``path``, by default a ``safepoint`` directory
+beside the first checkpoint Lightning saves), one safepoint step per ``save_checkpoint`` call,
+and writes at Lightning's path a small JSON *pointer file* that names the directory and the step
+(and the ``global_step`` and ``epoch``). Lightning's own file handling (``exists``, ``ls``,
+modification times for ``ckpt_path="last"``, symlinks for ``save_last="link"``) keeps working on
+the pointers. Safepoint steps are save numbers, not global steps: Lightning saves the same
+global step twice (a top-k checkpoint, then ``last``) with different contents.
+
+Flash or synchronous (``mode``):
+
+- ``"flash"`` (default): ``save_checkpoint`` returns once the checkpoint is copied into host
+  shared memory; the node agent persists every save to the directory in the background. If the
+  process dies, the agent still persists what was snapshotted, and ``trainer.fit(ckpt_path=...)``
+  in the restarted process loads it from memory. This is the right semantics for the frequent
+  checkpoints a run is resumed from. A pointer can therefore name a step that is not on storage
+  yet; only a node failure before the agent finished loses it (loading it then raises
+  ``NotFoundError`` naming the step; pass an older checkpoint). ``teardown()`` (the end of
+  ``fit``) waits until everything is committed.
+- ``"sync"``: ``save_checkpoint`` returns when the checkpoint and its pointer are durable (the
+  safepoint commit protocol, then an fsynced pointer). No agent, no shared memory. Use it where
+  a checkpoint must be on storage when Lightning moves on, e.g. the final export, or on hosts
+  without ``/dev/shm`` room.
+
+Retention follows Lightning: when ``ModelCheckpoint`` removes a checkpoint (``save_top_k``), the
+pointer goes and its step is deleted from the directory once it is committed and no other pointer
+in the same directory names it. The agent itself prunes nothing.
+
+Non-tensor values. A standard Lightning checkpoint (loops, callbacks, optimizer and scheduler
+states, ``hyper_parameters`` of plain values) is stored with safepoint's safe encoding, no
+pickle. Hyper-parameters or callback states holding other objects (an ``argparse.Namespace``, a
+dataclass, an OmegaConf container) are refused with an error that names the key, unless the
+plugin is given ``allow_pickle=True`` or a list of trusted classes (``allow_pickle=
+["argparse.Namespace"]``); they are then pickled and loaded with safepoint's restricted
+unpickler. ``load_checkpoint(..., weights_only=True)`` never unpickles.
+
+Random generators: with ``include_rng=True`` (default) each checkpoint carries this process's
+torch/CUDA/numpy/``random`` states, and ``load_checkpoint`` restores them, so a run resumed at an
+epoch boundary continues bit for bit like the uninterrupted run.
+
+Processes: Lightning's single-device and DDP strategies save on global rank 0 only, so the plugin
+saves as rank 0 of a world of one. Other ranks load from storage (a step still only in rank 0's
+memory raises ``NotFoundError`` there). Strategies with their own checkpoint IO (FSDP, DeepSpeed)
+are not supported. Only local directories (no ``s3://`` URLs) can hold pointer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+import safepoint
+from safepoint._pickle import AllowPickle
+from safepoint._stateful import RNG_KEY, capture_rng, restore_rng
+from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
+
+POINTER_FORMAT = "safepoint-lightning-checkpoint"
+POINTER_VERSION = 1
+_POINTER_MAX_BYTES = 64 * 1024  # a pointer is a few hundred bytes; anything larger is not one
+
+
+def _checkpoint_io_bases() -> tuple:
+    """Lightning's CheckpointIO base classes: ``lightning`` and/or ``pytorch_lightning``'s."""
+    bases = []
+    try:  # the unified package (lightning.pytorch)
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _Unified
+
+        bases.append(_Unified)
+    except ImportError:
+        pass
+    try:  # the standalone package (pytorch_lightning uses lightning_fabric's)
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _Standalone
+
+        if _Standalone not in bases:
+            bases.append(_Standalone)
+    except ImportError:
+        pass
+    if not bases:
+        raise ImportError("safepoint.lightning needs `lightning` or `pytorch_lightning` "
+                          "(pip install pytorch-lightning)")
+    return tuple(bases)
+
+
+def read_pointer(path: "str | os.PathLike[str]") -> Optional[dict]:
+    """The pointer file at ``path`` (symlinks followed) as a dict, or None when ``path`` is not a
+    pointer file (missing, a directory, another kind of file)."""
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(_POINTER_MAX_BYTES + 1)
+        if len(raw) > _POINTER_MAX_BYTES or not raw.lstrip().startswith(b"{"):
+            return None
+        doc = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        return None
+    if doc.get("version") != POINTER_VERSION:
+        raise CorruptionError(f"{p}: safepoint pointer version {doc.get('version')!r} is not "
+                              f"supported (this safepoint reads version {POINTER_VERSION})")
+    if not isinstance(doc.get("root"), str) or type(doc.get("step")) is not int:
+        raise CorruptionError(f"{p}: a safepoint pointer without a valid root and step: {doc!r}")
+    return doc
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_pointer(path: str, doc: dict, durable: bool) -> None:
+    """Atomically replaces ``path`` with the pointer (temporary file + rename)."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp.", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if os.path.islink(path) or os.path.isdir(path):
+            # ModelCheckpoint replaces a `last` link by a file the same way.
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if durable:
+        _fsync_dir(d)
+
+
+def delete_step(root: str, step: int) -> None:
+    """Deletes a committed step of a local checkpoint directory the way safepoint's retention
+    does (docs/format.md): COMMIT first, fsync, so the step stops existing before its images go."""
+    d = os.path.join(root, f"step-{step:020d}")
+    try:
+        os.unlink(os.path.join(d, "COMMIT"))
+    except FileNotFoundError:
+        pass
+    if os.path.isdir(d):
+        _fsync_dir(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _map_location(obj: Any, device: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _map_location(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_location(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_location(v, device) for v in obj)
+    return obj
+
+
+_NO_PRUNE = 2**31 - 1  # the agent's `keep`: retention is Lightning's (pointer removal)
+
+
+class SafepointCheckpointIO(*_checkpoint_io_bases()):
+    """Lightning ``CheckpointIO`` that stores checkpoints with safepoint (see the module doc).
+
+    ``path``: the safepoint checkpoint directory (default: ``<dir of the first checkpoint>/
+    safepoint``). ``mode``: ``"flash"`` (return after the copy into shared memory; the agent
+    persists) or ``"sync"`` (durable on return). ``allow_pickle``: as for ``safepoint.save``.
+    ``include_rng``: save this process's generator states and restore them on load. ``job``,
+    ``shm_dir``, ``on_busy``: passed to ``safepoint.Checkpointer`` (flash mode).
+    """
+
+    def __init__(self, path: "str | os.PathLike[str] | None" = None, *, mode: str = "flash",
+                 allow_pickle: AllowPickle = False, include_rng: bool = True,
+                 job: Optional[str] = None, shm_dir: Optional[str] = None,
+                 on_busy: str = "wait") -> None:
+        super().__init__()
+        if mode not in ("flash", "sync"):
+            raise InvalidArgumentError(f"mode must be 'flash' or 'sync', got {mode!r}")
+        if on_busy not in ("wait", "skip"):
+            raise InvalidArgumentError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        self._root: Optional[str] = None
+        if path is not None:
+            self._root = self._local_dir(path, "the safepoint checkpoint directory")
+        self.mode = mode
+        self.allow_pickle = allow_pickle
+        self.include_rng = include_rng
+        self.job, self.shm_dir, self.on_busy = job, shm_dir, on_busy
+        self._ckpt: Optional[safepoint.Checkpointer] = None
+        self._next: Optional[int] = None        # the next safepoint step (save number)
+        self._doomed: set[int] = set()          # unreferenced steps, deleted once committed
+
+    # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _local_dir(path: Any, what: str) -> str:
+        p = os.fspath(path)
+        if not isinstance(p, str) or not p:
+            raise InvalidArgumentError(f"{what} must be a non-empty path, got {path!r}")
+        if "://" in p and not p.startswith("file://"):
+            raise InvalidArgumentError(f"{p}: SafepointCheckpointIO writes pointer files and "
+                                       "needs a local path, not a URL")
+        return os.path.abspath(p[len("file://"):] if p.startswith("file://") else p)
+
+    @property
+    def path(self) -> Optional[str]:
+        """The safepoint checkpoint directory (None until the first save or load decides it)."""
+        return self._root
+
+    @property
+    def checkpointer(self) -> Optional[safepoint.Checkpointer]:
+        """The flash ``Checkpointer`` while one is open (for ``status()``), else None."""
+        return self._ckpt
+
+    def _global_rank(self) -> int:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return 0
+
+    def _checkpointer(self) -> safepoint.Checkpointer:
+        if self._ckpt is None:
+            assert self._root is not None
+            self._ckpt = safepoint.Checkpointer(
+                self._root, job=self.job, rank=0, world_size=1, keep=_NO_PRUNE,
+                on_busy=self.on_busy, shm_dir=self.shm_dir, allow_pickle=self.allow_pickle)
+        return self._ckpt
+
+    def _take_step(self) -> int:
+        if self._next is None:
+            known = list(safepoint.steps(self._root)) if os.path.isdir(self._root) else []
+            if self.mode == "flash":
+                known += [s["step"] for s in self._checkpointer().status()["snapshots"]
+                          if s.get("state") == "COMPLETE"]
+            self._next = max(known, default=0) + 1
+        step, self._next = self._next, self._next + 1
+        return step
+
+    def _collect(self, wait: bool = False) -> None:
+        """Deletes unreferenced steps that are committed (never one the agent still writes)."""
+        if not self._doomed or self._root is None:
+            return
+        if wait and self._ckpt is not None:
+            self._ckpt.wait()
+        committed = set(safepoint.steps(self._root)) if os.path.isdir(self._root) else set()
+        for step in sorted(self._doomed & committed):
+            delete_step(self._root, step)
+            self._doomed.discard(step)
+        if wait:  # everything persisted is committed: what is not there never will be
+            self._doomed.clear()
+
+    # -- CheckpointIO ---------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("SafepointCheckpointIO.save_checkpoint takes no storage_options "
+                            f"(got {storage_options!r})")
+        if not isinstance(checkpoint, dict):
+            raise InvalidArgumentError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
+        target = self._local_dir(path, "the checkpoint path")
+        if self._root is None:
+            self._root = os.path.join(os.path.dirname(target), "safepoint")
+        if target == self._root or target.startswith(self._root + os.sep):
+            raise InvalidArgumentError(f"{target}: a Lightning checkpoint path cannot lie inside "
+                                       f"the safepoint directory {self._root}")
+        state = dict(checkpoint)
+        if self.include_rng:
+            state[RNG_KEY] = capture_rng()
+        step = self._take_step()
+        try:
+            if self.mode == "flash":
+                # Every save is persisted: a pointer must eventually name a step on storage.
+                self._checkpointer().save(step, state, persist=True)
+            else:
+                safepoint.save(self._root, step, state, allow_pickle=self.allow_pickle)
+        except InvalidArgumentError as e:
+            if "allow_pickle" in str(e):
+                raise InvalidArgumentError(
+                    f"{target}: {e}. Lightning checkpoints hold hyper-parameters and callback "
+                    "states; to store other objects pass SafepointCheckpointIO(allow_pickle=True) "
+                    "or a list of trusted classes") from None
+            raise
+        old = read_pointer(target) if not os.path.islink(target) else None
+        doc = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "root": self._root,
+               "step": step, "mode": self.mode,
+               "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+        _write_pointer(target, doc, durable=self.mode == "sync")
+        if old is not None:  # e.g. `last.ckpt` saved again: its previous step may be unnamed now
+            self._release(os.path.dirname(target), old["root"], old["step"])
+        self._collect()
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict:
+        target = os.path.abspath(os.fspath(path))
+        allow = False if weights_only else self.allow_pickle
+        doc = read_pointer(target)
+        if doc is not None:
+            root, step = doc["root"], doc["step"]
+        elif os.path.isdir(target) and safepoint.steps(target):
+            root, step = target, None  # a safepoint directory itself: its newest step
+        elif not os.path.exists(target):
+            raise FileNotFoundError(f"Checkpoint file not found: {target}")
+        else:
+            raise InvalidArgumentError(
+                f"{target}: not a safepoint checkpoint (neither a pointer file written by "
+                "SafepointCheckpointIO nor a safepoint checkpoint directory); load torch "
+                "checkpoints without the plugin")
+        if self._root is None:
+            self._root = root
+        try:
+            # The Checkpointer reads memory first; it unpickles as the plugin was configured,
+            # so a weights_only load that must not unpickle reads storage instead.
+            if (self.mode == "flash" and root == self._root and allow == self.allow_pickle
+                    and self._global_rank() == 0):
+                got = self._checkpointer().load(step)
+                if got is None:
+                    raise NotFoundError(f"{root}: nothing to load")
+                _, state = got
+            else:
+                _, state = safepoint.load(root, step, allow_pickle=allow)
+        except NotFoundError as e:
+            raise NotFoundError(f"{target}: names step {step} of {root}, which is neither in "
+                                f"this node's memory nor committed on storage ({e})") from None
+        if not isinstance(state, dict):
+            raise CorruptionError(f"{target}: step {step} of {root} is not a Lightning checkpoint")
+        rng = state.pop(RNG_KEY, None)
+        if rng is not None and self.include_rng:
+            restore_rng(rng)
+        if isinstance(map_location, (str, torch.device)):
+            state = _map_location(state, map_location)
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        target = os.path.abspath(os.fspath(path))
+        if os.path.islink(target):  # save_last="link": the link goes, never what it names
+            os.unlink(target)
+            return
+        doc = read_pointer(target)
+        if doc is None:  # not ours: behave like TorchCheckpointIO
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            elif os.path.exists(target):
+                os.unlink(target)
+            return
+        os.unlink(target)
+        self._release(os.path.dirname(target), doc["root"], doc["step"])
+        self._collect()
+
+    def _release(self, folder: str, root: str, step: int) -> None:
+        """Marks ``step`` for deletion unless a pointer in ``folder`` still names it."""
+        if root != self._root:
+            return  # another directory's step: its own writer manages it
+        for name in os.listdir(folder):
+            other = read_pointer(os.path.join(folder, name))
+            if other is not None and other["root"] == root and other["step"] == step:
+                return  # still named by another checkpoint
+        self._doomed.add(step)
+
+    def teardown(self) -> None:
+        """Waits until every save is committed, deletes removed steps, closes the Checkpointer
+        (its snapshots leave shared memory: the run is over). A later load reopens it."""
+        try:
+            self._collect(wait=True)
+        finally:
+            if self._ckpt is not None:
+                ckpt, self._ckpt = self._ckpt, None
+                ckpt.close()
+            self._next = None
