@@ -1,0 +1,250 @@
+"""safepoint.dcp: torch.distributed.checkpoint's save/load/async_save in safepoint's format, with
+real DCP (torch 2.x, CPU, gloo ranks as processes)."""
+
+import importlib.util
+import json
+import os
+import stat
+import struct
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import safepoint
+import safepoint.dcp as sdcp
+from safepoint import _core
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's "no process group" note
+
+WORKER = os.path.join(os.path.dirname(__file__), "workloads", "dcp_worker.py")
+_spec = importlib.util.spec_from_file_location("dcp_worker", WORKER)
+dcp_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dcp_worker)
+
+
+def failures(e: CheckpointException) -> list:
+    return [exc for exc, _ in e.failures.values()]
+
+
+def model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1), weight_decay=0.1 * seed)
+    for _ in range(2):
+        model(torch.randn(5, 8)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_model_and_optimizer_round_trip_bit_exact(ckpt, cli):
+    model, opt = model_and_optimizer(0)
+    msd, osd = get_state_dict(model, opt)
+    extra = {"epoch": 3, "note": "dcp", "z": torch.randn(3, dtype=torch.complex64),
+             "half": torch.randn(4, 2).to(torch.bfloat16)}
+    dcp.save({"model": msd, "optim": osd, "extra": extra},
+             checkpoint_id=f"{ckpt}/step-5", storage_writer=sdcp.Writer(ckpt))
+    assert safepoint.steps(ckpt) == [5]
+
+    model2, opt2 = model_and_optimizer(1)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    extra2 = {"epoch": 0, "note": "", "z": torch.zeros(3, dtype=torch.complex64),
+              "half": torch.zeros(4, 2, dtype=torch.bfloat16)}
+    target = {"model": msd2, "optim": osd2, "extra": extra2}
+    reader = sdcp.Reader(ckpt)
+    dcp.load(target, storage_reader=reader)
+    assert reader.checkpoint_id.endswith("/step-5")
+    set_state_dict(model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"])
+
+    for (k, a), (k2, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for i in s1["state"]:
+        for name, v in s1["state"][i].items():
+            assert torch.equal(v, s2["state"][i][name]), (i, name)
+    assert target["extra"]["epoch"] == 3 and target["extra"]["note"] == "dcp"
+    assert torch.equal(target["extra"]["z"], extra["z"])
+    assert torch.equal(target["extra"]["half"], extra["half"])
+
+    # A plain safepoint checkpoint: the CLI lists and verifies it.
+    assert "5" in cli("ls", ckpt, check=0).stdout
+    cli("verify", ckpt, "--all", check=0)
+    listing = json.loads(cli("inspect", ckpt, "--json", check=0).stdout)
+    assert "tensors.model.0.weight@0,0" in json.dumps(listing)
+
+
+def test_sharded_save_reshards_to_one_two_and_three_ranks(tmp_path, ckpt, cli):
+    def run(world, phase):
+        store = tmp_path / f"store-{phase}-{world}"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, WORKER, str(store), str(ckpt), str(world),
+                                   str(r), phase], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for r in range(world)]
+        outs = [p.communicate(timeout=240) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+    full = dcp_worker.global_state()
+    expect_ok = {k: True for k in full}
+
+    # World size 2: Shard(0) and Shard(1) DTensors, saved and loaded back.
+    saved = run(2, "save")
+    for rep in saved:
+        assert rep["steps_after_save"] == [1]
+        assert rep["ok"] == expect_ok and rep["meta"] == {"step": 1, "name": "run"}
+        assert rep["bytes_read"] == rep["needed"]  # the same shards: exactly its own bytes
+        # A save in which rank 1 fails leaves step 2 invisible and unloadable ...
+        assert rep["failed_save"] == "CheckpointException"
+        assert rep["steps_after_failure"] == [1] and rep["newest_loaded"] == 1
+        # ... and cannot be re-saved over rank 0's leftover image.
+        assert "unfinished save of step 2" in rep["resave"]
+    assert (ckpt / "step-00000000000000000002" / "rank-00000.img").exists()
+    assert not (ckpt / "step-00000000000000000002" / "COMMIT").exists()
+    with pytest.raises(CheckpointException, match="step 2 is not committed"):
+        dcp.load({"meta": {"step": 0}}, storage_reader=sdcp.Reader(ckpt, step=2))
+
+    # World size 3: DCP's planner reshards (13 rows, 11 and 257 columns: uneven splits).
+    stored = sum(e["nbytes"] for r in range(2) for e in _core.read_metadata(str(ckpt), 1, r)["tensors"])
+    for rep in run(3, "load"):
+        assert rep["ok"] == expect_ok and rep["loaded_step"] == 1
+        assert rep["needed"] <= rep["bytes_read"] < stored
+
+    # World size 1 (no process group): plain full tensors.
+    target = {"model": {k: torch.zeros_like(v) for k, v in full.items()},
+              "meta": {"step": 0, "name": ""}}
+    dcp.load(target, storage_reader=sdcp.Reader(ckpt, step=1))
+    for k, v in full.items():
+        assert torch.equal(target["model"][k], v), k
+    assert target["meta"] == {"step": 1, "name": "run"}
+
+    out = cli("verify", ckpt, "--all", check=0).stdout
+    assert "rank 0" in out and "rank 1" in out
+
+
+def test_async_save_with_shm_stager(ckpt):
+    model, opt = model_and_optimizer(2)
+    state = {"model": model.state_dict(), "step": 1}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with sdcp.ShmStager() as stager:
+        fut = dcp.async_save(state, storage_writer=sdcp.Writer(ckpt, step=1), async_stager=stager)
+        # async_save returned once the state was copied into shared memory: training may go on.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        fut.result()
+        files = stager.files
+        assert len(files) == 1 and files[0].startswith(stager.shm_dir)
+        assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
+        state["step"] = 2
+        dcp.async_save(state, storage_writer=sdcp.Writer(ckpt, step=2),
+                       async_stager=stager).result()
+        assert stager.allocations == 1  # the same shapes reuse the same buffer
+    assert not any(os.path.exists(f) for f in files)
+    assert safepoint.steps(ckpt) == [1, 2]
+
+    got = {"model": {k: torch.zeros_like(v) for k, v in before.items()}, "step": 0}
+    dcp.load(got, storage_reader=sdcp.Reader(ckpt, step=1))
+    assert got["step"] == 1
+    for k, v in before.items():
+        assert torch.equal(got["model"][k], v), k  # the values at staging time
+    dcp.load(got, storage_reader=sdcp.Reader(ckpt))
+    assert got["step"] == 2
+    for k, v in model.state_dict().items():
+        assert torch.equal(got["model"][k], v), k
+
+
+def test_a_stager_never_overwrites_a_staged_state_still_in_use(tmp_path):
+    t = {"w": torch.arange(6.0)}
+    with sdcp.ShmStager(shm_dir=str(tmp_path)) as stager:
+        first = stager.stage(t)
+        t["w"] += 10
+        second = stager.stage(t)  # `first` is still referenced: a second buffer
+        assert stager.allocations == 2
+        assert torch.equal(first["w"], torch.arange(6.0))
+        assert torch.equal(second["w"], torch.arange(6.0) + 10)
+        del first, second
+        stager.stage(t)
+        assert stager.allocations == 2
+        stager.stage({"w": torch.zeros(3)})  # another layout: a new buffer, the idle ones go
+        assert len(stager.files) <= 2
+    assert os.listdir(tmp_path) == []
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corruption_is_detected_and_only_needed_chunks_are_read(ckpt):
+    # Two 5 MiB tensors: each lies in checksum chunks of its own (chunks are 4 MiB).
+    g = torch.Generator().manual_seed(7)
+    state = {"a": torch.randn(5 << 18, generator=g), "b": torch.randn(5 << 18, generator=g)}
+    dcp.save(state, storage_writer=sdcp.Writer(ckpt, step=3))
+    img = ckpt / "step-00000000000000000003" / "rank-00000.img"
+    with open(img, "rb") as f:
+        header = f.read(4096)
+    data_offset, data_size = struct.unpack_from("<QQ", header, 80)
+    last = _core.read_metadata(str(ckpt), 3, 0)["tensors"][-1]["name"]
+    bad, good = ("b", "a") if last.startswith("tensors.b@") else ("a", "b")
+    _flip_byte(img, data_offset + data_size - 1)  # the last byte of the last tensor
+
+    # The other tensor's chunks are intact: it loads bit-exact without reading the damaged one.
+    ok = {good: torch.zeros_like(state[good])}
+    dcp.load(ok, storage_reader=sdcp.Reader(ckpt))
+    assert torch.equal(ok[good], state[good])
+
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({bad: torch.zeros_like(state[bad])}, storage_reader=sdcp.Reader(ckpt))
+    errs = failures(info.value)
+    assert any(isinstance(e, safepoint.CorruptionError) for e in errs), errs
+    assert str(img) in str(info.value)
+
+
+def test_clear_errors(ckpt, tmp_path):
+    state = {"w": torch.ones(2)}
+    with pytest.raises(CheckpointException, match="no step to save"):
+        dcp.save(state, storage_writer=sdcp.Writer(ckpt))
+    dcp.save(state, storage_writer=sdcp.Writer(ckpt, step=1))
+    with pytest.raises(CheckpointException, match="step 1 is already committed"):
+        dcp.save(state, storage_writer=sdcp.Writer(ckpt, step=1))
+    with pytest.raises(safepoint.InvalidArgumentError, match="non-negative int"):
+        sdcp.Writer(ckpt, step=-1)
+
+    plain = tmp_path / "plain"
+    safepoint.save(plain, 4, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointException, match="not written by safepoint.dcp.Writer"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=sdcp.Reader(plain))
+    with pytest.raises(CheckpointException, match="no committed step"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=sdcp.Reader(tmp_path / "empty"))
+    with pytest.raises(CheckpointException, match="w"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=sdcp.Reader(ckpt))  # wrong shape
+
+    assert sdcp.Writer.validate_checkpoint_id("/x/step-12")
+    assert not sdcp.Writer.validate_checkpoint_id("/x/y")
+
+
+def test_strided_reads_are_split_where_gaps_span_checksum_chunks():
+    mib = 1 << 20
+    # Rows of 8 MiB, 10 columns wanted: one 40-byte range per row, not the whole chunk.
+    pieces = list(sdcp._pieces((0, 5), (64, 10), (64, 2 * mib), 4))
+    assert len(pieces) == 64
+    assert all(sdcp._span(o, n, sdcp._strides((64, 2 * mib)), 4)[1] == 40 for o, n in pieces)
+    # Rows of 4000 bytes: every 4 MiB chunk holds wanted bytes, so ranges stay whole but are cut
+    # into buffers of at most 64 MiB.
+    pieces = list(sdcp._pieces((0, 0), (1 << 20, 10), (1 << 20, 1000), 4))
+    spans = [sdcp._span(o, n, sdcp._strides((1 << 20, 1000)), 4)[1] for o, n in pieces]
+    assert len(pieces) < 100 and max(spans) <= 64 * mib
+    assert sum(n[0] for _, n in pieces) == 1 << 20
+    # A contiguous box is one range.
+    assert list(sdcp._pieces((3, 0), (5, 1000), (1 << 20, 1000), 4)) == [((3, 0), (5, 1000))]
