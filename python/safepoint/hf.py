@@ -1,0 +1,241 @@
+"""A Hugging Face ``transformers.Trainer`` callback that checkpoints through safepoint.
+
+    from safepoint.hf import SafepointCallback
+
+    cb = SafepointCallback("/ckpt/run1", every_n_steps=50)
+    args = TrainingArguments(output_dir="out", save_strategy="no", ...)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    trainer.train(resume_from_checkpoint=cb.prepare_resume(trainer))   # None on a fresh start
+
+What is saved, where. Each save is one safepoint step, numbered by ``state.global_step``, in the
+directory ``path``: the model's ``state_dict``, the optimizer's and the LR scheduler's state
+dicts, this process's torch/CUDA/numpy/``random`` generator states, the ``TrainerState`` as its
+JSON text (global step, epoch, log history, best metric, stateful callbacks), and ``global_step``
+and ``epoch``. Everything is stored with safepoint's safe encoding; nothing is pickled.
+
+When. With ``every_n_steps=N`` the callback saves at the end of every N-th optimizer step
+(``on_step_end``); use it with ``save_strategy="no"`` so that the Trainer writes no
+``checkpoint-*`` directories of its own. Without it, the callback saves whenever the Trainer
+saves (``on_save``, after the Trainer's own checkpoint), which adds the memory copy and
+safepoint's checksums to the Trainer's schedule.
+
+Flash or synchronous (``mode``). ``"flash"`` (default): ``safepoint.Checkpointer``; a save
+blocks only while the state is copied into host shared memory, the node agent persists every
+``persist_every``-th step and keeps the newest ``keep`` committed steps, and a process that dies
+is resumed from memory. ``"sync"``: ``safepoint.save``; durable when the callback returns.
+
+Resuming. ``prepare_resume(trainer)`` loads the newest step (from this node's memory when it is
+there, else the newest intact step on storage) and returns a small directory holding that step's
+``trainer_state.json``; ``trainer.train(resume_from_checkpoint=...)`` with it runs the Trainer's
+own resume logic (global step, epoch, skipping the batches already seen, callback states), while
+the model, optimizer, scheduler and generator states are loaded from safepoint in place. To do
+that, ``prepare_resume`` routes the Trainer's checkpoint-reading hooks (``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_rng_state``) for that directory to safepoint; any
+other directory still goes to the Trainer's own code. The generator states are restored where the
+Trainer restores them (after skipping batches), so a resumed run continues bit for bit.
+
+Limits: single-process training (``world_size`` 1); DDP/FSDP/DeepSpeed runs are refused with an
+error. The mixed-precision ``GradScaler`` state is not saved (the callback cannot reach the
+Trainer's accelerator; its scale re-adapts). With ``every_n_steps``, the states of other
+stateful callbacks (e.g. ``EarlyStoppingCallback``) are those of the Trainer's last own save.
+Tested with transformers 5.24.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+from transformers import TrainerCallback
+
+import safepoint
+from safepoint._pickle import AllowPickle
+from safepoint._stateful import RNG_KEY, capture_rng, restore_rng, to_saveable
+from safepoint.errors import CorruptionError, InvalidArgumentError
+
+TRAINER_STATE_NAME = "trainer_state.json"
+_HOOKS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state")
+
+
+class SafepointCallback(TrainerCallback):
+    """Saves model, optimizer, scheduler, RNG and trainer state with safepoint (module doc).
+
+    ``path``: the safepoint checkpoint directory. ``every_n_steps``: save every N global steps
+    (``on_step_end``); None: save on the Trainer's ``on_save``. ``mode``: ``"flash"`` or
+    ``"sync"``. ``persist_every``, ``keep``, ``job``, ``shm_dir``, ``on_busy``,
+    ``allow_pickle``: as for ``safepoint.Checkpointer``.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", *, every_n_steps: Optional[int] = None,
+                 mode: str = "flash", persist_every: int = 1, keep: int = 3,
+                 job: Optional[str] = None, shm_dir: Optional[str] = None, on_busy: str = "wait",
+                 allow_pickle: AllowPickle = False) -> None:
+        p = os.fspath(path)
+        if not isinstance(p, str) or not p:
+            raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
+        if every_n_steps is not None and (type(every_n_steps) is not int or every_n_steps < 1):
+            raise InvalidArgumentError(f"{p}: every_n_steps must be a positive int or None, "
+                                       f"got {every_n_steps!r}")
+        if mode not in ("flash", "sync"):
+            raise InvalidArgumentError(f"{p}: mode must be 'flash' or 'sync', got {mode!r}")
+        for name, v in (("persist_every", persist_every), ("keep", keep)):
+            if type(v) is not int or v < 1:
+                raise InvalidArgumentError(f"{p}: {name} must be a positive int, got {v!r}")
+        self.path = p
+        self.every_n_steps, self.mode = every_n_steps, mode
+        self._ckpt_kw = dict(persist_every=persist_every, keep=keep, job=job, shm_dir=shm_dir,
+                             on_busy=on_busy, allow_pickle=allow_pickle)
+        self.allow_pickle = allow_pickle
+        self._ckpt: Optional[safepoint.Checkpointer] = None
+        self._last_saved: Optional[int] = None
+        self._resume_dir: Optional[str] = None
+        self._resume_state: Optional[dict] = None
+        self.resumed_step: Optional[int] = None
+        self.resumed_from: Optional[str] = None  # "memory" or "storage"
+
+    # -- plumbing -------------------------------------------------------------------------------
+    @property
+    def checkpointer(self) -> safepoint.Checkpointer:
+        """The flash ``Checkpointer`` (opened on first use), e.g. for ``status()`` or ``wait()``."""
+        if self.mode != "flash":
+            raise InvalidArgumentError(f"{self.path}: mode='sync' has no Checkpointer")
+        if self._ckpt is None:
+            self._ckpt = safepoint.Checkpointer(self.path, rank=0, world_size=1, **self._ckpt_kw)
+        return self._ckpt
+
+    @staticmethod
+    def _single_process(args) -> None:
+        if getattr(args, "world_size", 1) > 1:
+            raise InvalidArgumentError(
+                f"SafepointCallback supports single-process training; this run has world_size "
+                f"{args.world_size}")
+
+    def save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None) -> None:
+        """Saves the current training state as step ``state.global_step`` (once per step)."""
+        self._single_process(args)
+        step = int(state.global_step)
+        if step == self._last_saved or not args.should_save:
+            return
+        if model is None or optimizer is None:
+            raise InvalidArgumentError(f"{self.path}: the Trainer passed no model or optimizer to "
+                                       "the callback; nothing to save")
+        trainer_state = dataclasses.asdict(state)
+        callbacks = trainer_state.get("stateful_callbacks") or {}
+        if isinstance(callbacks.get("TrainerControl"), dict):  # the flags as they are now
+            callbacks["TrainerControl"] = control.state()
+        out: dict[str, Any] = {"model": model, "optimizer": optimizer,
+                               "trainer_state": json.dumps(trainer_state, sort_keys=True),
+                               "global_step": step, "epoch": float(state.epoch or 0.0)}
+        if lr_scheduler is not None:
+            out["scheduler"] = lr_scheduler
+        if self.mode == "flash":
+            self.checkpointer.save(step, out, include_rng=True)
+        else:
+            out = to_saveable(out)
+            out[RNG_KEY] = capture_rng()
+            safepoint.save(self.path, step, out, allow_pickle=self.allow_pickle)
+        self._last_saved = step
+
+    # -- TrainerCallback ------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._single_process(args)
+        if self._resume_dir is not None:  # the Trainer has read trainer_state.json by now
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
+                    **kwargs):
+        if self.every_n_steps is not None and state.global_step % self.every_n_steps == 0:
+            self.save(args, state, control, model, optimizer, lr_scheduler)
+
+    def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
+                **kwargs):
+        if self.every_n_steps is None:
+            self.save(args, state, control, model, optimizer, lr_scheduler)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Waits until the persisted steps are committed and closes the Checkpointer."""
+        self.close()
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            ckpt, self._ckpt = self._ckpt, None
+            try:
+                ckpt.wait()
+            finally:
+                ckpt.close()
+        self._last_saved = None
+
+    # -- resuming -------------------------------------------------------------------------------
+    def load(self, step: Optional[int] = None) -> Optional[tuple[int, dict]]:
+        """The newest (or the given) saved step as ``(step, state)``; None when there is none."""
+        if self.mode == "flash":
+            got = self.checkpointer.load(step)
+            source = self.checkpointer.last_load_source
+        elif step is None and not safepoint.steps(self.path):
+            got, source = None, None
+        else:
+            got, source = safepoint.load(self.path, step, allow_pickle=self.allow_pickle), "storage"
+        if got is None:
+            return None
+        got_step, got_state = got
+        for key in ("model", "optimizer", "trainer_state", RNG_KEY):
+            if not isinstance(got_state, dict) or key not in got_state:
+                raise CorruptionError(f"{self.path}: step {got_step} is not a SafepointCallback "
+                                      f"checkpoint (no {key!r})")
+        self.resumed_step, self.resumed_from = got_step, source
+        return got_step, got_state
+
+    def prepare_resume(self, trainer, step: Optional[int] = None) -> Optional[str]:
+        """Loads the newest (or the given) step and sets ``trainer`` up to resume from it.
+
+        Returns the directory to pass as ``trainer.train(resume_from_checkpoint=...)``, or None
+        when nothing was saved yet (then train from scratch)."""
+        missing = [h for h in _HOOKS if not callable(getattr(trainer, h, None))]
+        if missing:
+            raise InvalidArgumentError(f"this Trainer has no {missing}: prepare_resume needs the "
+                                       "checkpoint-reading hooks of transformers 4.x/5.x")
+        if self not in trainer.callback_handler.callbacks:
+            raise InvalidArgumentError("prepare_resume: this SafepointCallback is not one of the "
+                                       "trainer's callbacks (Trainer(callbacks=[cb]))")
+        got = self.load(step)
+        if got is None:
+            return None
+        got_step, state = got
+        d = tempfile.mkdtemp(prefix=f"safepoint-hf-resume-{got_step}-")
+        with open(os.path.join(d, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            f.write(state["trainer_state"])
+        self._resume_dir, self._resume_state = d, state
+        self._route_hooks(trainer, d)
+        return d
+
+    def _route_hooks(self, trainer, resume_dir: str) -> None:
+        originals = {h: getattr(type(trainer), h) for h in _HOOKS}
+        cb = self
+
+        def ours(checkpoint) -> bool:
+            return checkpoint is not None and os.path.abspath(checkpoint) == resume_dir
+
+        def load_model(resume_from_checkpoint, model=None):
+            if not ours(resume_from_checkpoint):
+                return originals["_load_from_checkpoint"](trainer, resume_from_checkpoint, model)
+            (model if model is not None else trainer.model).load_state_dict(cb._resume_state["model"])
+
+        def load_optimizer_and_scheduler(checkpoint):
+            if not ours(checkpoint):
+                return originals["_load_optimizer_and_scheduler"](trainer, checkpoint)
+            trainer.optimizer.load_state_dict(cb._resume_state["optimizer"])
+            if "scheduler" in cb._resume_state and trainer.lr_scheduler is not None:
+                trainer.lr_scheduler.load_state_dict(cb._resume_state["scheduler"])
+
+        def load_rng_state(checkpoint):
+            if not ours(checkpoint):
+                return originals["_load_rng_state"](trainer, checkpoint)
+            restore_rng(cb._resume_state[RNG_KEY])
+
+        trainer._load_from_checkpoint = load_model
+        trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
+        trainer._load_rng_state = load_rng_state
