@@ -265,6 +265,10 @@ class Writer(StorageWriter):
                     raise InvalidArgumentError(
                         f"{self.checkpoint_id}: item {fqn!r} has shape {tuple(t.shape)} but its "
                         f"chunk is {tuple(td.chunk.sizes)}")
+                if t.dtype != td.properties.dtype:
+                    raise InvalidArgumentError(
+                        f"{self.checkpoint_id}: item {fqn!r} is {t.dtype} but was planned as "
+                        f"{td.properties.dtype}")
                 key = _storage_key(fqn, td.chunk.offsets)
                 if key in tensors:
                     raise InvalidArgumentError(f"{self.checkpoint_id}: two chunks keyed {key!r}")
@@ -303,6 +307,9 @@ class Writer(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Every rank's write_data has returned, so every image is durable, and the rank that
         # finished last has committed the step (the synchronous save commits once all are there).
+        metadata.version = _DCP_VERSION
+        metadata.storage_meta = self.storage_meta()
+        metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         if self.step in _core.steps(self.path):
             return
         step_dir = _step_dir(self.path, self.step)

@@ -5,8 +5,8 @@
 
 PHASE ``save``: saves step 1 (DTensors sharded Shard(0) and Shard(1), a replicated tensor, an
 int tensor, non-tensor values), loads it back into fresh DTensors and checks every element, then
-runs a save of step 2 during which rank 1 fails (its planner raises), and checks that step 2 is
-not visible. PHASE ``load``: loads step 1 into this world size's shards and checks them.
+runs a save of step 2 during which rank 1 fails (its planner raises), checks that step 2 is
+not visible, and saves step 3 with dcp.async_save through safepoint.dcp.ShmStager. PHASE ``load``: loads step 1 into this world size's shards and checks them.
 Each rank prints one JSON line.
 """
 
@@ -64,7 +64,7 @@ def main() -> None:
     full = global_state()
     report: dict = {"rank": rank, "world": world}
 
-    def load_and_check(step) -> None:
+    def load_and_check(step) -> dict:
         target = {"model": sharded(mesh, full, fill=0), "meta": {"step": -1, "name": ""}}
         reader = sdcp.Reader(ckpt, step=step)
         dcp.load(target, storage_reader=reader)
@@ -74,14 +74,14 @@ def main() -> None:
         local = sum(v.to_local().numel() * v.element_size() if k in PLACEMENT
                     else v.numel() * v.element_size() for k, v in target["model"].items())
         extra = sum(reader.storage_data[MetadataIndex(f"meta.{k}")].nbytes for k in ("step", "name"))
-        report.update(ok=ok, meta=target["meta"], bytes_read=reader.bytes_read,
-                      needed=local + extra, loaded_step=reader._loaded_step)
+        return {"ok": ok, "meta": target["meta"], "bytes_read": reader.bytes_read,
+                "needed": local + extra, "step": reader._loaded_step}
 
     if phase == "save":
         state = {"model": sharded(mesh, full), "meta": {"step": 1, "name": "run"}}
         dcp.save(state, storage_writer=sdcp.Writer(ckpt, step=1))
         report["steps_after_save"] = safepoint.steps(ckpt)
-        load_and_check(None)
+        report["load"] = load_and_check(None)
 
         class FailingOnRank1(DefaultSavePlanner):
             """Rank 1 fails while its data is resolved: rank 0's image lands, rank 1's never."""
@@ -107,8 +107,15 @@ def main() -> None:
             report["resave"] = "no error"
         except BaseException as e:
             report["resave"] = str(e)
+        # async_save: the DTensors' local shards are staged into shared memory, then written.
+        with sdcp.ShmStager() as stager:
+            state["meta"]["step"] = 3
+            dcp.async_save(state, storage_writer=sdcp.Writer(ckpt, step=3),
+                           async_stager=stager).result()
+            report["stager_files"] = len(stager.files)
+        report["async"] = load_and_check(3)
     else:
-        load_and_check(1)
+        report["load"] = load_and_check(1)
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(report), flush=True)
