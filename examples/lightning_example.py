@@ -1,0 +1,124 @@
+"""Lightning with safepoint flash checkpoints: the SafepointCheckpointIO plugin.
+
+    python examples/lightning_example.py [--dir DIR] [--epochs 4] [--crash-epoch 2]
+
+A small LightningModule trains with an ordinary ModelCheckpoint (a checkpoint every epoch plus
+``last.ckpt``). The plugin saves each one as a flash checkpoint: ``save_checkpoint`` returns once
+the state is copied into shared memory and the node agent persists it to ``DIR/safepoint`` in the
+background; at Lightning's path (``DIR/checkpoints/last.ckpt``, ...) it writes a small pointer
+file to that step.
+
+To show a crash and a resume in one command, the first run, in a child process, kills itself with
+SIGKILL at the start of epoch ``--crash-epoch``; the second run calls
+``trainer.fit(..., ckpt_path="last")`` as a restarted job would and prints
+``resumed from step 16 (memory)``: the agent still holds the dead run's snapshot in shared memory
+(after a reboot it would come from storage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+try:  # the unified package, else the standalone one
+    import lightning.pytorch as pl
+except ImportError:
+    import pytorch_lightning as pl
+
+import safepoint
+from safepoint.lightning import SafepointCheckpointIO
+
+BATCHES = 8  # per epoch
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, hidden: int = 32, lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()  # plain values: stored without pickle
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.GELU(),
+                                       torch.nn.Dropout(0.1), torch.nn.Linear(hidden, 1))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 8, 0.5)}
+
+
+class Report(pl.Callback):
+    def __init__(self, crash_epoch: int):
+        self.crash_epoch = crash_epoch
+
+    def on_train_start(self, trainer, module):
+        if trainer.ckpt_path is None:
+            print("fresh start", flush=True)
+            return
+        ckpt = trainer.strategy.checkpoint_io.checkpointer  # the plugin's safepoint.Checkpointer
+        print(f"resumed from step {trainer.global_step} ({ckpt.last_load_source})", flush=True)
+
+    def on_train_epoch_start(self, trainer, module):
+        if trainer.current_epoch == self.crash_epoch:
+            print(f"epoch {trainer.current_epoch}: crashing (SIGKILL)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no teardown: a crash
+
+
+def train(workdir: str, epochs: int, crash_epoch: int, resume: bool) -> None:
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(BATCHES * 16, 8, generator=g),
+                                          torch.randn(BATCHES * 16, 1, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+    trainer = pl.Trainer(
+        max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=workdir,
+        # Flash checkpoints into DIR/safepoint; Lightning's paths hold pointers to them.
+        plugins=[SafepointCheckpointIO(os.path.join(workdir, "safepoint"))],
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=os.path.join(workdir, "checkpoints"),
+                                                save_last=True, save_top_k=2,
+                                                monitor="train_loss"),
+                   Report(crash_epoch)])
+    model = Regressor()
+    trainer.fit(model, loader, ckpt_path="last" if resume else None)  # "last": a pointer file
+    # fit's teardown waited until every checkpoint was committed.
+    print(f"done: global step {trainer.global_step}, checkpoints "
+          f"{sorted(os.listdir(os.path.join(workdir, 'checkpoints')))}, safepoint steps "
+          f"{safepoint.steps(os.path.join(workdir, 'safepoint'))}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", help="working directory (default: a temporary one)")
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--crash-epoch", type=int, default=2, help="0: no crash")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:  # the first run, which crashes
+        train(args.dir, args.epochs, args.crash_epoch, resume=False)
+        return
+    tmp = None if args.dir else tempfile.mkdtemp(prefix="safepoint-lightning-")
+    workdir = args.dir or tmp
+    try:
+        if args.crash_epoch:
+            child = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                                    "--dir", workdir, "--epochs", str(args.epochs),
+                                    "--crash-epoch", str(args.crash_epoch)])
+            print(f"first run ended by signal {-child.returncode}; restarting", flush=True)
+        train(workdir, args.epochs, crash_epoch=-1, resume=bool(args.crash_epoch))
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
