@@ -46,6 +46,7 @@ import os
 import re
 import secrets
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -100,6 +101,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 _CRC_CHUNK = 4 << 20      # the image's checksum chunk: reading a byte costs its whole chunk
 _SPAN_LIMIT = 64 << 20    # largest temporary buffer for one strided read
 _BATCH_BYTES = 256 << 20  # temporary bytes gathered before one read_ranges call
+_REUSE_WAIT_S = 0.05      # how long stage() waits for a just-finished save to let go of a buffer
 
 _STEP_DIR = re.compile(r"^step-(\d{1,20})$")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -246,7 +248,8 @@ class Writer(StorageWriter):
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 key = fqn
                 if key in blobs:
-                    raise InvalidArgumentError(f"{self.checkpoint_id}: two byte items named {fqn!r}")
+                    raise InvalidArgumentError(
+                        f"{self.checkpoint_id}: two byte items named {fqn!r}")
                 blobs[key] = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
                               else torch.empty(0, dtype=torch.uint8))
                 items[key] = {"fqn": fqn, "kind": "bytes"}
@@ -496,7 +499,8 @@ class Reader(StorageReader):
                     size=torch.Size(size), chunks=[])
             elif (not isinstance(tmd, TensorStorageMetadata) or tuple(tmd.size) != size
                   or tmd.properties.dtype != dtype):
-                raise CorruptionError(f"{img}: chunk {key!r} disagrees with other chunks of {fqn!r}")
+                raise CorruptionError(
+                    f"{img}: chunk {key!r} disagrees with other chunks of {fqn!r}")
             index = MetadataIndex(fqn, offsets)
             if index in storage:
                 continue  # the same chunk saved twice (replicated): either copy serves
@@ -507,7 +511,8 @@ class Reader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         if not isinstance(metadata.storage_data, dict):
-            raise InvalidArgumentError(f"{self.path}: metadata was not read by safepoint.dcp.Reader")
+            raise InvalidArgumentError(
+                f"{self.path}: metadata was not read by safepoint.dcp.Reader")
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -545,8 +550,9 @@ class _RangeReader:
         for req in items:
             loc = self.reader.storage_data.get(req.storage_index)
             if loc is None:
+                at = tuple(req.storage_index.offset or ())
                 raise NotFoundError(f"{self.reader.checkpoint_id}: no stored item "
-                                    f"{req.storage_index.fqn!r} at {tuple(req.storage_index.offset or ())}")
+                                    f"{req.storage_index.fqn!r} at offsets {at}")
             if req.type == LoadItemType.BYTE_IO:
                 self._bytes(req, loc)
             else:
@@ -733,7 +739,8 @@ class ShmStager(AsyncStager):
     the state dict (plain tensors and DTensors' local shards); later stages with the same tensor
     shapes and dtypes copy into the same buffer, so ``async_save`` blocks the training loop only
     for that copy. A buffer is never overwritten while the state dict staged into it last time
-    is still referenced (its save may be running): a second buffer is used then. Non-tensor
+    is still referenced (its save may be running): after waiting up to 50 ms for it to be let go,
+    a second buffer is used. Non-tensor
     values are deep-copied. ``close()`` (or leaving a ``with`` block) removes the files. Use it
     with the thread executor (``AsyncCheckpointerType.THREAD``, the default).
     """
@@ -778,9 +785,18 @@ class ShmStager(AsyncStager):
             return staged
 
     def _slot(self, layout: list) -> dict:
-        for s in self._slots:
-            if s["layout"] == layout and not _busy(s):
-                return s
+        same = [s for s in self._slots if s["layout"] == layout]
+        # A save that has just completed may still hold its state dict for a moment (DCP's
+        # executor thread drops its arguments after it sets the future's result): wait briefly
+        # for that before paying for a second buffer.
+        deadline = time.monotonic() + _REUSE_WAIT_S
+        while same:
+            for s in same:
+                if not _busy(s):
+                    return s
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
         for s in list(self._slots):  # free buffers of another layout go
             if s["layout"] != layout and not _busy(s):
                 s["buf"].unlink()

@@ -117,7 +117,8 @@ def test_sharded_save_reshards_to_one_two_and_three_ranks(tmp_path, ckpt, cli):
         dcp.load({"meta": {"step": 0}}, storage_reader=sdcp.Reader(ckpt, step=2))
 
     # World size 3: DCP's planner reshards (13 rows, 11 and 257 columns: uneven splits).
-    stored = sum(e["nbytes"] for r in range(2) for e in _core.read_metadata(str(ckpt), 1, r)["tensors"])
+    stored = sum(e["nbytes"] for r in range(2)
+                 for e in _core.read_metadata(str(ckpt), 1, r)["tensors"])
     for rep in run(3, "load"):
         got = rep["load"]
         assert got["ok"] == expect_ok and got["step"] == 1
@@ -152,7 +153,9 @@ def test_async_save_with_shm_stager(ckpt):
         state["step"] = 2
         dcp.async_save(state, storage_writer=sdcp.Writer(ckpt, step=2),
                        async_stager=stager).result()
-        assert stager.allocations == 1  # the same shapes reuse the same buffer
+        # The same shapes reuse the buffer (a second one only if the first save's thread had
+        # not let go of its state dict within 50 ms: exact reuse is tested below).
+        assert stager.allocations in (1, 2)
     assert not any(os.path.exists(f) for f in files)
     assert safepoint.steps(ckpt) == [1, 2]
 
@@ -177,8 +180,9 @@ def test_a_stager_never_overwrites_a_staged_state_still_in_use(tmp_path):
         assert torch.equal(first["w"], torch.arange(6.0))
         assert torch.equal(second["w"], torch.arange(6.0) + 10)
         del first, second
-        stager.stage(t)
-        assert stager.allocations == 2
+        third = stager.stage(t)  # both buffers are free again: one is reused
+        assert stager.allocations == 2 and torch.equal(third["w"], t["w"])
+        del third
         stager.stage({"w": torch.zeros(3)})  # another layout: a new buffer, the idle ones go
         assert len(stager.files) <= 2
     assert os.listdir(tmp_path) == []

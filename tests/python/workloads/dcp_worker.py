@@ -6,7 +6,8 @@
 PHASE ``save``: saves step 1 (DTensors sharded Shard(0) and Shard(1), a replicated tensor, an
 int tensor, non-tensor values), loads it back into fresh DTensors and checks every element, then
 runs a save of step 2 during which rank 1 fails (its planner raises), checks that step 2 is
-not visible, and saves step 3 with dcp.async_save through safepoint.dcp.ShmStager. PHASE ``load``: loads step 1 into this world size's shards and checks them.
+not visible, and saves step 3 with dcp.async_save through safepoint.dcp.ShmStager.
+PHASE ``load``: loads step 1 into this world size's shards and checks them.
 Each rank prints one JSON line.
 """
 
@@ -73,7 +74,8 @@ def main() -> None:
         # Only what this rank's shards overlap is read (plus the small non-tensor items).
         local = sum(v.to_local().numel() * v.element_size() if k in PLACEMENT
                     else v.numel() * v.element_size() for k, v in target["model"].items())
-        extra = sum(reader.storage_data[MetadataIndex(f"meta.{k}")].nbytes for k in ("step", "name"))
+        extra = sum(reader.storage_data[MetadataIndex(f"meta.{k}")].nbytes
+                    for k in ("step", "name"))
         return {"ok": ok, "meta": target["meta"], "bytes_read": reader.bytes_read,
                 "needed": local + extra, "step": reader._loaded_step}
 
