@@ -150,6 +150,13 @@ class Flattener {
     Types& t = T();
     auto seen = seen_.find(obj.ptr());
     if (seen != seen_.end()) return Value(seen->second);
+    if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr())) {
+      nb::handle dtensor = DTensorType();
+      if (dtensor.is_valid() &&
+          PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(dtensor.ptr()))) {
+        return ShardOf(obj);
+      }
+    }
     nb::object layout = nb::steal(PyObject_GetAttr(obj.ptr(), t.s_layout.ptr()));
     if (!layout.is_valid()) throw nb::python_error();
     if (!layout.is(t.strided)) {
@@ -181,6 +188,44 @@ class Flattener {
     TensorRef ref{idx, 0};
     seen_.emplace(obj.ptr(), ref);  // the caller's state keeps obj alive while we run
     return Value(ref);
+  }
+
+  // torch.distributed.tensor.DTensor, looked up on the first tensor subclass (None without
+  // torch.distributed).
+  static nb::handle DTensorType() {
+    static nb::object* type = [] {
+      auto* out = new nb::object(nb::none());
+      try {
+        nb::object dist = nb::module_::import_("torch.distributed");
+        if (nb::cast<bool>(dist.attr("is_available")())) {
+          *out = nb::module_::import_("torch.distributed.tensor").attr("DTensor");
+        }
+      } catch (const nb::python_error&) {
+        PyErr_Clear();
+      }
+      return out;
+    }();
+    return type->is_none() ? nb::handle() : nb::handle(*type);
+  }
+
+  // A DTensor: its local shard, with the box it covers in the global tensor
+  // (safepoint._shards.dtensor_box computes it from the mesh and placements).
+  Value ShardOf(nb::handle obj) {
+    static nb::object* box_of =
+        new nb::object(nb::module_::import_("safepoint._shards").attr("dtensor_box"));
+    nb::tuple box;
+    try {
+      box = nb::borrow<nb::tuple>((*box_of)(obj));
+    } catch (nb::python_error& e) {
+      Fail(std::string("cannot save this DTensor: ") + e.what());
+    }
+    Value v = Tensor(box[0]);
+    TensorSource& src = (*tensors_)[std::get<TensorRef>(v.v).index];
+    src.spec.global_shape = Dims(box[1]);
+    src.spec.global_offset = Dims(box[2]);
+    keepalive_->append(box[0]);
+    seen_.emplace(obj.ptr(), std::get<TensorRef>(v.v));
+    return v;
   }
 
   static nb::object Call(nb::handle self, const nb::str& method) {

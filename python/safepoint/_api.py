@@ -9,7 +9,8 @@ from typing import Any, Optional
 from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
-from safepoint.errors import InvalidArgumentError
+from safepoint._shards import read_into
+from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 
 def _path(path: "str | os.PathLike[str]") -> str:
@@ -58,14 +59,34 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
 
 def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = None, *,
             rank: int = 0, allow_pickle: AllowPickle = False) -> int:
-    """Loads ``rank``'s shard of the newest (or the given) step into ``state`` in place:
-    tensors are copied into the existing tensors, objects with ``load_state_dict`` get it,
-    other values are replaced. Returns the step."""
-    got_step, got = load(path, step, rank=rank, allow_pickle=allow_pickle)
-    restore_into(state, got)
-    if isinstance(got, dict) and RNG_KEY in got:
-        restore_rng(got[RNG_KEY])
-    return got_step
+    """Loads the newest (or the given) step into ``state`` in place, as ``rank`` of the loading
+    world: tensors are copied into the existing tensors (a DTensor gets its own shard), objects
+    with ``load_state_dict`` get it, other values are replaced. Returns the step.
+
+    Only the byte ranges the state's tensors need are read, from whichever ranks' images hold
+    them, so a step saved by N ranks restores into M ranks with any sharding (resharding).
+    With ``step=None`` a newer step that cannot be read is skipped with a warning."""
+    p = _path(path)
+    if step is not None and (type(step) is not int or step < 0):
+        raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
+    candidates = [step] if step is not None else sorted(steps(p), reverse=True)
+    if not candidates:
+        raise NotFoundError(f"{p}: no committed checkpoint")
+    targets = to_saveable(state)
+    for i, s in enumerate(candidates):
+        try:
+            got = read_into(p, s, rank, targets, unpickler(allow_pickle))
+        except (CorruptionError, NotFoundError) as e:
+            if step is not None or i == len(candidates) - 1:
+                raise
+            warnings.warn(f"safepoint: skipped a damaged checkpoint: step {s}: {e}",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        restore_into(state, got)
+        if isinstance(got, dict) and RNG_KEY in got:
+            restore_rng(got[RNG_KEY])
+        return s
+    raise AssertionError("unreachable")
 
 
 def steps(path: "str | os.PathLike[str]") -> list[int]:

@@ -22,6 +22,7 @@ from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
+from safepoint._shards import read_into
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
@@ -148,7 +149,8 @@ class Checkpointer:
         self._live.wait(-1.0 if timeout is None else float(timeout))
 
     # -- loading ------------------------------------------------------------------------------
-    def load(self, step: Optional[int] = None) -> Optional[tuple[int, Any]]:
+    def load(self, step: Optional[int] = None, *,
+             _targets: Any = None) -> Optional[tuple[int, Any]]:
         """The newest (or the given) step from the fastest valid copy: this node's memory when
         it is at least as new as the newest committed step, else storage (falling back to older
         steps). None when there is nothing to load.
@@ -159,9 +161,9 @@ class Checkpointer:
         Ranks never resume from different steps."""
         t0 = time.perf_counter()
         if self._group is not None:
-            out = self._load_agreed(step)
+            out = self._load_agreed(step, _targets)
         else:
-            out = self._load_local(step)
+            out = self._load_local(step, _targets)
         if out is None:
             return None
         result, source = out
@@ -172,7 +174,30 @@ class Checkpointer:
     def _memory_steps(self) -> list[int]:
         return sorted(s["step"] for s in self._live.slots() if s["state"] == "COMPLETE")
 
-    def _load_local(self, step: Optional[int]):
+    def _from_storage(self, step: Optional[int], targets: Any):
+        """This rank's state of `step` from storage: with targets (restore), only the byte
+        ranges the targets need, from whichever ranks' images hold them (any saving world size);
+        else this rank's whole image."""
+        if targets is None:
+            return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
+        candidates = [step] if step is not None else sorted(storage_steps(self.path), reverse=True)
+        for i, s in enumerate(candidates):
+            try:
+                return s, read_into(self.path, s, self.rank, targets, self._unpickler)
+            except (CorruptionError, NotFoundError) as e:
+                if i == len(candidates) - 1:
+                    raise
+                warnings.warn(f"safepoint: skipped a damaged checkpoint: step {s}: {e}",
+                              RuntimeWarning, stacklevel=4)
+        raise NotFoundError(f"{self.path}: no committed checkpoint")
+
+    def _usable(self, snap):
+        """A memory snapshot, unless another world size saved it (then storage reshards)."""
+        if snap is None or snap["world_size"] != self.world_size:
+            return None
+        return (snap["step"], snap["state"]), "memory"
+
+    def _load_local(self, step: Optional[int], targets: Any = None):
         committed = storage_steps(self.path)
         newest_storage = committed[-1] if committed else None
         want = step if step is not None else newest_storage
@@ -183,33 +208,31 @@ class Checkpointer:
         except CorruptionError as e:
             warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                           RuntimeWarning, stacklevel=3)
-        if snap is not None:
-            return (snap["step"], snap["state"]), "memory"
+        if self._usable(snap) is not None:
+            return self._usable(snap)
         if step is not None or committed:
-            return storage_load(self.path, step, rank=self.rank,
-                                allow_pickle=self.allow_pickle), "storage"
+            return self._from_storage(step, targets), "storage"
         return None
 
-    def _load_one(self, step: int, memory: list[int], committed: list[int]):
+    def _load_one(self, step: int, memory: list[int], committed: list[int], targets: Any):
         """This rank's copy of `step`: memory first, then storage. None if neither reads back."""
         if step in memory:
             try:
-                snap = self._live.load_step(step, self._unpickler)
-                if snap is not None:
-                    return (snap["step"], snap["state"]), "memory"
+                got = self._usable(self._live.load_step(step, self._unpickler))
+                if got is not None:
+                    return got
             except CorruptionError as e:
                 warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
                               RuntimeWarning, stacklevel=3)
         if step in committed:
             try:
-                return storage_load(self.path, step, rank=self.rank,
-                                allow_pickle=self.allow_pickle), "storage"
+                return self._from_storage(step, targets), "storage"
             except Error as e:
                 warnings.warn(f"safepoint: step {step} cannot be read from storage: {e}",
                               RuntimeWarning, stacklevel=3)
         return None
 
-    def _load_agreed(self, step: Optional[int]):
+    def _load_agreed(self, step: Optional[int], targets: Any):
         import torch
         import torch.distributed as dist
 
@@ -223,7 +246,7 @@ class Checkpointer:
         common = set(everyone[0]).intersection(*map(set, everyone[1:]))
         while common:
             candidate = max(common)
-            got = self._load_one(candidate, memory, committed)
+            got = self._load_one(candidate, memory, committed, targets)
             failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
             if int(failed.item()) == 0:
@@ -240,7 +263,7 @@ class Checkpointer:
         tensors are copied into the existing tensors, Stateful values get ``load_state_dict``,
         other values are replaced; generator states saved with ``include_rng`` are restored.
         Returns the step, or None when there is nothing to load."""
-        loaded = self.load(step)
+        loaded = self.load(step, _targets=to_saveable(state))
         if loaded is None:
             return None
         got_step, got = loaded

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from safepoint._shards import copy_tensor
 from safepoint.errors import InvalidArgumentError
 
 RNG_KEY = "__safepoint_rng__"
@@ -82,17 +83,16 @@ def restore_into(state: Any, loaded: Any, path: str = "") -> Any:
     where it could be updated in place)."""
     where = path or "<root>"
     if is_stateful(state):
-        state.load_state_dict(loaded)
+        # Through the object's current state dict, so its tensors (DTensor shards of FSDP2/TP
+        # parameters included) are written in place, then load_state_dict with the result.
+        state.load_state_dict(_overlay(state.state_dict(), loaded, where))
         return state
     if isinstance(state, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
             raise InvalidArgumentError(f"{where}: the checkpoint holds a {type(loaded).__name__} "
                                        "where the state has a tensor")
-        if state.shape != loaded.shape:
-            raise InvalidArgumentError(f"{where}: shape {tuple(loaded.shape)} in the checkpoint, "
-                                       f"{tuple(state.shape)} in the state")
-        with torch.no_grad():
-            state.copy_(loaded)
+        if loaded is not state:
+            copy_tensor(state, loaded, where)
         return state
     if isinstance(state, MutableMapping) and isinstance(loaded, Mapping):
         for k in list(state.keys()):
@@ -109,4 +109,24 @@ def restore_into(state: Any, loaded: Any, path: str = "") -> Any:
         for i in range(len(state)):
             state[i] = restore_into(state[i], loaded[i], f"{path}.{i}" if path else str(i))
         return state
+    return loaded
+
+
+def _overlay(current: Any, loaded: Any, where: str) -> Any:
+    """`loaded`, with each of its tensors copied into the tensor `current` has at the same place
+    (in place; a DTensor gets its local shard) and that tensor used instead. Values only
+    `loaded` has (optimizer state before the first step, say) are taken as loaded."""
+    if isinstance(loaded, torch.Tensor):
+        if isinstance(current, torch.Tensor):
+            if current is not loaded:
+                copy_tensor(current, loaded, where)
+            return current
+        return loaded
+    if isinstance(loaded, Mapping):
+        cur = current if isinstance(current, Mapping) else {}
+        return {k: _overlay(cur.get(k), v, f"{where}.{k}") for k, v in loaded.items()}
+    if isinstance(loaded, (list, tuple)):
+        same = isinstance(current, (list, tuple)) and len(current) == len(loaded)
+        return type(loaded)(_overlay(current[i] if same else None, v, f"{where}.{i}")
+                            for i, v in enumerate(loaded))
     return loaded

@@ -7,6 +7,26 @@ import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
+_SHORT_BASETEMP = None
+
+
+def pytest_configure(config):
+    # Agents listen on a Unix socket inside the shm directory, and socket paths are limited to
+    # 107 bytes. pytest's default base (/tmp/pytest-of-<user>/pytest-<n>/<test name>/) grows with
+    # n and with test names, so tests that put an shm directory under tmp_path would start to
+    # fail after enough runs. A short base keeps every such path well under the limit.
+    global _SHORT_BASETEMP
+    if not config.option.basetemp and not hasattr(config, "workerinput"):
+        import tempfile
+
+        _SHORT_BASETEMP = tempfile.mkdtemp(prefix="sp-", dir="/tmp")
+        config.option.basetemp = _SHORT_BASETEMP
+
+
+def pytest_unconfigure(config):
+    if _SHORT_BASETEMP:
+        shutil.rmtree(_SHORT_BASETEMP, ignore_errors=True)
+
 
 def cli_path() -> str:
     """The safepoint CLI installed beside this Python (the venv's bin) or on PATH."""

@@ -1,0 +1,208 @@
+"""Sharded tensors: DTensor boxes on save, and loading into any sharding from storage.
+
+Every tensor in an image may record the box it covers in a global tensor (``global_shape`` and
+``global_offset``; docs/format.md). A DTensor is saved as its local shard with that box; a plain
+tensor is its own whole box. Loading *into* a state (``restore``) from storage does not read
+whole images: for each tensor of the target state it finds, across every rank's image of the
+step, the saved pieces that overlap the box the target needs, and reads just those byte ranges
+(whole 4 MiB checksum chunks, each verified). So a step saved by N ranks loads into M ranks
+(resharding), with any Shard/Replicate placements, uneven splits included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, MutableMapping, MutableSequence
+from typing import Any, Optional
+
+import torch
+
+from safepoint import _core
+from safepoint.errors import InvalidArgumentError, NotFoundError
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def _dtensor_type():
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available():
+            from torch.distributed.tensor import DTensor
+
+            return DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    return None
+
+
+def dtensor_box(t: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local shard, global shape, global offset of the shard) of a DTensor. Called by the C++
+    state walker for every DTensor it saves."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in t.placements):
+        raise InvalidArgumentError("a DTensor with Partial placement holds unreduced values; "
+                                   "redistribute it to Shard/Replicate before saving")
+    local = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise InvalidArgumentError(f"local shard shape {tuple(local.shape)} does not match the "
+                                   f"placement's {tuple(shape)}")
+    return local, tuple(t.shape), tuple(int(x) for x in offset)
+
+
+def _box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    dt = _dtensor_type()
+    if dt is not None and isinstance(t, dt):
+        return dtensor_box(t)
+    return t, tuple(t.shape), (0,) * t.dim()
+
+
+def copy_tensor(target: torch.Tensor, loaded: torch.Tensor, where: str) -> None:
+    """Copies a loaded tensor (a whole tensor or this rank's saved shard) into `target`, which
+    may be a DTensor (its local shard is written)."""
+    local, _, _ = _box(target)
+    if tuple(local.shape) != tuple(loaded.shape):
+        raise InvalidArgumentError(f"{where}: shape {tuple(loaded.shape)} in the checkpoint, "
+                                   f"{tuple(local.shape)} in the state")
+    with torch.no_grad():
+        local.copy_(loaded)
+
+
+class _Piece:
+    __slots__ = ("reader", "name", "dtype", "shape", "global_shape", "offset")
+
+    def __init__(self, reader, entry) -> None:
+        self.reader = reader
+        self.name = entry["name"]
+        self.dtype = entry["dtype"]
+        self.shape = tuple(entry["shape"])
+        self.global_shape = tuple(entry["global_shape"] or entry["shape"])
+        self.offset = tuple(entry["global_offset"] or (0,) * len(self.shape))
+
+
+class StepReader:
+    """Every rank's image of one committed step, opened for partial reads (metadata only)."""
+
+    def __init__(self, path: str, step: int) -> None:
+        first = _core.ShardReader(path, step, 0)
+        self.path, self.step, self.world_size = path, step, first.world_size
+        self.readers = [first] + [_core.ShardReader(path, step, r)
+                                  for r in range(1, first.world_size)]
+        self.entries = [r.tensors() for r in self.readers]
+        # name -> box (offset, shape) -> the copies of that box (replicas on several ranks)
+        self.pieces: dict[str, dict[tuple, list[_Piece]]] = {}
+        for reader, entries in zip(self.readers, self.entries):
+            for e in entries:
+                if e["elsewhere"] is None:  # the bytes are in this image
+                    p = _Piece(reader, e)
+                    self.pieces.setdefault(p.name, {}).setdefault((p.offset, p.shape), []).append(p)
+
+    def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[dict]]:
+        """The state tree a rank saved (its non-tensor values), for rank `rank` of the loading
+        world: the same rank when it existed, else rank 0."""
+        r = rank if rank < self.world_size else 0
+        return self.readers[r].state(unpickler), self.entries[r]
+
+    def fill(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]], rank: int) -> None:
+        """For each (name, local tensor, global shape, global offset of the local tensor),
+        assembles that box from the saved pieces into the local tensor. Of a box saved by
+        several ranks (replicas), loading rank r reads copy r mod (number of copies), which
+        spreads the reads across images."""
+        reads: dict[int, list] = {}
+        copies = []
+        for name, local, gshape, goff in requests:
+            boxes = self.pieces.get(name)
+            if not boxes:
+                raise NotFoundError(f"{self.path}: step {self.step} has no tensor '{name}'")
+            want_dtype = str(local.dtype).removeprefix("torch.")
+            covered = 0
+            for copies_of_box in boxes.values():
+                p = copies_of_box[rank % len(copies_of_box)]
+                if p.global_shape != gshape:
+                    what = "shape" if gshape == tuple(local.shape) else "global shape"
+                    raise InvalidArgumentError(f"{name}: {what} {p.global_shape} in the "
+                                               f"checkpoint, {gshape} in the state")
+                if p.dtype != want_dtype:
+                    raise InvalidArgumentError(f"{name}: dtype {p.dtype} in the checkpoint, "
+                                               f"{want_dtype} in the state")
+                lo = [max(a, b) for a, b in zip(goff, p.offset)]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(goff, local.shape, p.offset, p.shape)]
+                if any(h <= l for l, h in zip(lo, hi)) and local.dim() > 0:
+                    continue
+                # The smallest contiguous span of the piece that holds the overlap.
+                plo = [l - o for l, o in zip(lo, p.offset)]
+                phi = [h - o for h, o in zip(hi, p.offset)]
+                strides = _row_major(p.shape)
+                first = sum(i * s for i, s in zip(plo, strides))
+                last = sum((i - 1) * s for i, s in zip(phi, strides))
+                itemsize = local.element_size()
+                buf = torch.empty(last - first + 1, dtype=local.dtype)
+                reads.setdefault(id(p.reader), [p.reader, []])[1].append(
+                    (p.name, first * itemsize, buf.numel() * itemsize, buf.view(torch.uint8)))
+                src = torch.as_strided(buf, [h - l for l, h in zip(plo, phi)], strides, 0)
+                dst = local[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, goff))]
+                copies.append((dst, src))
+                covered += math.prod(h - l for l, h in zip(lo, hi))
+            if covered < local.numel():
+                raise NotFoundError(f"{self.path}: step {self.step} does not cover all of "
+                                    f"'{name}' for this rank's shard (box {goff} + "
+                                    f"{tuple(local.shape)})")
+        for reader, batch in reads.values():
+            reader.read(batch)
+        with torch.no_grad():
+            for dst, src in copies:
+                dst.copy_(src)
+
+
+def _row_major(shape: tuple[int, ...]) -> list[int]:
+    strides, s = [], 1
+    for n in reversed(shape):
+        strides.append(s)
+        s *= max(n, 1)
+    return strides[::-1]
+
+
+def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = None,
+              reader: Optional[StepReader] = None) -> Any:
+    """Loads step `step` into `targets` (a state tree of tensors/DTensors, e.g. state dicts) for
+    rank `rank` of the loading world, reading only the byte ranges its tensors need. Returns the
+    tree to restore from: `targets` with its tensors filled in place, and the non-tensor values
+    and the tensors the target does not have (e.g. optimizer state before the first step) taken
+    from the checkpoint as the rank (or rank 0, for a rank the saving world did not have)
+    saved them."""
+    sr = reader or StepReader(path, step)
+    skeleton, entries = sr.skeleton(rank, unpickler)
+    requests: list[tuple[str, torch.Tensor, tuple, tuple]] = []
+
+    def merge(target: Any, saved: Any, where: str) -> Any:
+        if isinstance(saved, _core.TensorSlot):
+            e = entries[saved.index]
+            if isinstance(target, torch.Tensor):
+                local, gshape, goff = _box(target)
+                requests.append((e["name"], local, gshape, goff))
+                return target
+            t = torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
+            requests.append((e["name"], t, tuple(e["global_shape"] or e["shape"]),
+                             tuple(e["global_offset"] or (0,) * len(e["shape"]))))
+            return t
+        if isinstance(target, MutableMapping) and isinstance(saved, Mapping):
+            for k in target:
+                if k not in saved:
+                    raise InvalidArgumentError(f"{where}: key {k!r} is not in the checkpoint")
+            return {k: merge(target.get(k), v, f"{where}.{k}") for k, v in saved.items()}
+        if isinstance(saved, (list, tuple)):
+            same = isinstance(target, (list, tuple)) and len(target) == len(saved)
+            return type(saved)(merge(target[i] if same else None, v, f"{where}.{i}")
+                               for i, v in enumerate(saved))
+        if isinstance(saved, Mapping):
+            return {k: merge(None, v, f"{where}.{k}") for k, v in saved.items()}
+        return saved
+
+    out = merge(targets, skeleton, "<root>")
+    sr.fill(requests, rank)
+    return out

@@ -1,0 +1,87 @@
+"""One rank of a resharding run: saves DTensor-sharded state with one world size, or restores it
+into another (torch.distributed with gloo on the CPU).
+
+argv: ckpt_dir mode(save|flash|load) mesh(e.g. "2" or "2x2") port rank [shm_dir job]
+Prints one JSON line: {"rank", "ok", "step", "mismatches"}.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import safepoint
+
+ckpt, mode, mesh_spec, port, rank = sys.argv[1:6]
+dims = tuple(int(x) for x in mesh_spec.split("x"))
+world = 1
+for d in dims:
+    world *= d
+rank = int(rank)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=world)
+mesh = init_device_mesh("cpu", dims)
+
+
+def full(i, shape, dtype=torch.float32):
+    """The global tensors: a pure function of their index (uneven sizes on purpose)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float64) * (i + 1) + i).reshape(shape).to(dtype)
+
+
+SHAPES = [(7, 5), (5, 9), (6, 4), (3, 11)]
+if len(dims) == 1:
+    PLACEMENTS = [[Shard(0)], [Shard(1)], [Replicate()], [Shard(0)]]
+else:
+    PLACEMENTS = [[Shard(0), Shard(1)], [Replicate(), Shard(0)], [Shard(1), Replicate()],
+                  [Shard(1), Shard(0)]]
+
+
+def state(fill: bool):
+    out = {}
+    for i, (shape, pl) in enumerate(zip(SHAPES, PLACEMENTS)):
+        g = full(i, shape, torch.bfloat16 if i == 3 else torch.float32)
+        out[f"w{i}"] = distribute_tensor(g if fill else torch.zeros_like(g), mesh, pl)
+    out["plain"] = full(9, (4, 3)) if fill else torch.zeros(4, 3)
+    out["meta"] = {"lr": 0.5 if fill else 0.0, "name": "run"}
+    return out
+
+
+if mode == "save":
+    safepoint.save(ckpt, 7, state(True), rank=rank, world_size=world)
+    print(json.dumps({"rank": rank, "ok": True, "step": 7, "mismatches": []}))
+elif mode == "flash":
+    shm_dir, job = sys.argv[6:8]
+    with safepoint.Checkpointer(ckpt, job=job, shm_dir=shm_dir) as ck:
+        ck.save(7, state(True))
+        ck.wait()
+        # Same world size: restore from the memory snapshot, straight into the DTensor shards.
+        target = state(False)
+        got = ck.restore(target)
+        source = ck.last_load_source
+    bad = [f"w{i}" for i, shape in enumerate(SHAPES)
+           if not torch.equal(target[f"w{i}"].full_tensor(),
+                              full(i, shape, target[f"w{i}"].dtype))]
+    print(json.dumps({"rank": rank, "ok": got == 7 and not bad and source == "memory",
+                      "step": got, "mismatches": bad, "source": source}))
+else:
+    target = state(False)
+    got = safepoint.restore(ckpt, target, rank=rank)
+    bad = []
+    for i, shape in enumerate(SHAPES):
+        k = f"w{i}"
+        if not torch.equal(target[k].full_tensor(), full(i, shape, target[k].dtype)):
+            bad.append(k)
+    if not torch.equal(target["plain"], full(9, (4, 3))):
+        bad.append("plain")
+    if target["meta"] != {"lr": 0.5, "name": "run"}:
+        bad.append("meta")
+    print(json.dumps({"rank": rank, "ok": got == 7 and not bad, "step": got, "mismatches": bad}))
+dist.barrier()
+dist.destroy_process_group()
