@@ -158,6 +158,7 @@ class SafepointCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """Waits until the persisted steps are committed and closes the Checkpointer."""
+        self._resume_state = None  # loaded into the trainer by now
         self.close()
 
     def close(self) -> None:

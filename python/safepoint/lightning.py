@@ -140,13 +140,7 @@ def _write_pointer(path: str, doc: dict, durable: bool) -> None:
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        if os.path.islink(path) or os.path.isdir(path):
-            # ModelCheckpoint replaces a `last` link by a file the same way.
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # replaces a file or a symlink (a `last` link), never its target
     except BaseException:
         try:
             os.unlink(tmp)
@@ -287,6 +281,9 @@ class SafepointCheckpointIO(*_checkpoint_io_bases()):
         if target == self._root or target.startswith(self._root + os.sep):
             raise InvalidArgumentError(f"{target}: a Lightning checkpoint path cannot lie inside "
                                        f"the safepoint directory {self._root}")
+        if os.path.isdir(target) and not os.path.islink(target):
+            raise InvalidArgumentError(f"{target}: is a directory; a Lightning checkpoint path "
+                                       "for SafepointCheckpointIO names a file (its pointer)")
         state = dict(checkpoint)
         if self.include_rng:
             state[RNG_KEY] = capture_rng()

@@ -52,7 +52,8 @@ def make_trainer(out_dir, callbacks, steps=STEPS):
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
-                                       n_head=2, resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2))
+                                       n_head=2, resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2,
+                                       bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4,
                              learning_rate=1e-2, lr_scheduler_type="linear", save_strategy="no",
                              report_to=[], logging_steps=1, use_cpu=True, seed=0,
@@ -143,22 +144,34 @@ def shm():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def run_worker(*args) -> subprocess.CompletedProcess:
+def start_worker(*args) -> subprocess.Popen:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, args)],
-                          capture_output=True, text=True, timeout=HANG, env=env)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def run_worker(*args) -> subprocess.CompletedProcess:
+    proc = start_worker(*args)
+    try:
+        out, err = proc.communicate(timeout=HANG)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_flash_sigkill_then_resume_is_bit_identical(tmp_path, shm):
     job = f"hf{os.getpid()}"
-    ref = run_worker("--root", tmp_path / "ref", "--shm", shm, "--job", job + "r",
-                     "--out", tmp_path / "ref-out", "--work", tmp_path / "w0")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    assert "RESUMED None None" in ref.stdout  # nothing to resume from
-
+    # The uninterrupted reference run goes alongside the run that is killed.
+    ref = start_worker("--root", tmp_path / "ref", "--shm", shm, "--job", job + "r",
+                       "--out", tmp_path / "ref-out", "--work", tmp_path / "w0")
     root = tmp_path / "sp"
     common = ["--root", root, "--shm", shm, "--job", job, "--work", tmp_path / "w1"]
     killed = run_worker(*common, "--kill-at", KILL_AT, "--out", tmp_path / "unused")
+    ref_out, ref_err = ref.communicate(timeout=HANG)
+    assert ref.returncode == 0, ref_err[-3000:]
+    assert "RESUMED None None" in ref_out  # nothing to resume from
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # The agent persists the dead process's snapshot (emergency flush) and keeps it in memory.
     end = time.monotonic() + HANG
