@@ -25,7 +25,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-STAMP=.venv/.safepoint-deps-v2
+STAMP=.venv/.safepoint-deps-v3
 if [ ! -f "$STAMP" ]; then
   echo "setup: installing Python packages into .venv"
   .venv/bin/python -m pip install -q --upgrade pip

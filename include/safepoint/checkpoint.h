@@ -80,10 +80,13 @@ class CheckpointStore {
   Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step,
                                      uint32_t rank);
 
-  // If every rank of `world_size` has a published, valid-header image for `step`, writes the
-  // COMMIT record (idempotent: any rank may try; equal records replace each other atomically).
-  // Returns true when the step is committed (now or before).
-  Result<bool> TryCommit(uint64_t step, uint32_t world_size, std::string_view job);
+  // If every rank of `world_size` has a published, valid-header image for `step`, all of save
+  // attempt `attempt` (ImageMeta::attempt), writes the COMMIT record (idempotent: any rank may
+  // try; equal records replace each other atomically). An image of another attempt (left by an
+  // unfinished or replaced save) means not yet: its rank's new image will replace it. Returns
+  // true when the step is committed (now or before).
+  Result<bool> TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
+                         uint64_t attempt = 0);
 
   // Valid commit records, ascending by step. A corrupt COMMIT record is skipped (that step does
   // not exist) and reported through `problems` when given.

@@ -36,6 +36,7 @@ struct ClientOptions {
   std::string agent_binary;    // safepointd; empty: do not start one (fail if none serves)
   double agent_start_timeout_s = 30;
   uint32_t copy_threads = 0;   // 0: all cores
+  uint64_t attempt = 0;        // ImageMeta::attempt of every snapshot: shared by all ranks of a run
 };
 
 struct SnapshotResult {

@@ -59,6 +59,10 @@ struct ImageMeta {
   uint32_t rank = 0;
   uint32_t world_size = 1;
   int64_t create_time_ns = 0;  // wall clock; set by the builder when 0
+  // Identifies one save attempt of a step across its ranks (0: none given). A step commits only
+  // from images of one attempt, so the image of an earlier, unfinished or replaced attempt
+  // (a rank that crashed after persisting, a re-saved step) is never committed beside new ones.
+  uint64_t attempt = 0;
 };
 
 // Describes one tensor of the shard. For a shard of a larger tensor, global_shape and

@@ -60,9 +60,10 @@ void Check(const Status& s) {
 // --- save / load -----------------------------------------------------------------------------
 
 nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
-              const std::string& job, nb::handle state, nb::handle pickler) {
+              const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt) {
   ImageMeta meta;
   meta.job = job;
+  meta.attempt = attempt;
   meta.step = step;
   meta.rank = rank;
   meta.world_size = world_size;
@@ -275,7 +276,7 @@ class PyClient {
  public:
   PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
            uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
-           const std::string& agent_binary) {
+           const std::string& agent_binary, uint64_t attempt) {
     ClientOptions o;
     o.storage = storage;
     o.job = job;
@@ -285,6 +286,7 @@ class PyClient {
     o.keep = keep;
     o.wait_when_busy = wait_when_busy;
     o.agent_binary = agent_binary;
+    o.attempt = attempt;
     Result<std::unique_ptr<SnapshotClient>> c = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
@@ -394,7 +396,7 @@ NB_MODULE(_core, m) {
   using namespace safepoint;
   m.doc() = "safepoint's C++ core (internal; use the safepoint package)";
   m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a,
-        "pickler"_a.none() = nb::none());
+        "pickler"_a.none() = nb::none(), "attempt"_a = 0);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
   nb::class_<TensorSlot>(m, "TensorSlot")
@@ -416,9 +418,9 @@ NB_MODULE(_core, m) {
   m.def("read_ranges", &ReadRanges, "path"_a, "step"_a, "rank"_a, "requests"_a);
   nb::class_<PyClient>(m, "Client")
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
-                    uint32_t, bool, const std::string&>(),
+                    uint32_t, bool, const std::string&, uint64_t>(),
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
-           "wait_when_busy"_a, "agent_binary"_a)
+           "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0)
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
            "pickler"_a.none() = nb::none())
       .def("wait", &PyClient::Wait, "timeout"_a)

@@ -21,12 +21,16 @@ def _path(path: "str | os.PathLike[str]") -> str:
 
 
 def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0,
-         world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False) -> dict:
+         world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False,
+         attempt: Optional[int] = None) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
 
     ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
     arrays, or None / bool / int / float / str / bytes. The image is durable when this returns;
     the step becomes visible (committed) once every rank of ``world_size`` has saved it.
+    With several ranks, ``attempt`` (an int all ranks of this save share; default from
+    $SAFEPOINT_ATTEMPT or torchrun's run id and restart count) makes sure a step commits only
+    from images of the same attempt, never beside an image an earlier, unfinished save left.
     Returns ``{"bytes", "write_seconds", "committed"}``.
     """
     p = _path(path)
@@ -36,7 +40,14 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
         raise InvalidArgumentError(f"{p}: world_size must be a positive int, got {world_size!r}")
     if type(rank) is not int or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"{p}: rank {rank!r} is not in [0, {world_size})")
-    return _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle))
+    if attempt is None:
+        from safepoint._checkpointer import run_attempt
+
+        attempt = run_attempt() if world_size > 1 else 0
+    if type(attempt) is not int or not 0 <= attempt < 2**64:
+        raise InvalidArgumentError(f"{p}: attempt must be an int in [0, 2**64), got {attempt!r}")
+    return _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
+                      attempt)
 
 
 def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,

@@ -49,6 +49,29 @@ def _default_job(storage: str) -> str:
     return f"{base}-{digest}"
 
 
+def run_attempt(group: Any = None) -> int:
+    """The id every image of this run carries (docs/format.md, "attempt"): a step commits only
+    from images of one attempt, so what a crashed or earlier incarnation of the job left on
+    storage is never committed beside this one's images. All ranks must share it: with a
+    process group, rank 0 draws it and broadcasts it; else $SAFEPOINT_ATTEMPT, or torchrun's
+    run id and restart count; else 0 (no check: single-rank runs need none)."""
+    if group is not None:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([int.from_bytes(os.urandom(7), "little") + 1], dtype=torch.int64)
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+        return int(t.item())
+    env = os.environ.get("SAFEPOINT_ATTEMPT")
+    if env:
+        return int(hashlib.sha1(env.encode()).hexdigest()[:14], 16) + 1
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        key = f"{run_id}/{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+        return int(hashlib.sha1(key.encode()).hexdigest()[:14], 16) + 1
+    return 0
+
+
 def _agent_binary() -> str:
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "safepointd")
     if os.access(here, os.X_OK):
@@ -96,14 +119,15 @@ class Checkpointer:
         self.shm_dir = shm_dir or os.environ.get("SAFEPOINT_SHM_DIR", "/dev/shm")
         self.allow_pickle = allow_pickle
         self._pickler, self._unpickler = pickler(allow_pickle), unpickler(allow_pickle)
-        self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
-                                    on_busy == "wait", _agent_binary())
         # Restore agreement runs over its own gloo group (CPU), whatever the training backend.
         self._group = None
         if world_size > 1 and drank is not None:
             import torch.distributed as dist
 
             self._group = dist.new_group(backend="gloo")
+        self.attempt = run_attempt(self._group)
+        self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
+                                    on_busy == "wait", _agent_binary(), self.attempt)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,

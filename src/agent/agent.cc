@@ -353,7 +353,7 @@ TaskResult Agent::Persist(const Task& t) {
   }
   r.bytes = stats->bytes;
   r.seconds = stats->seconds;
-  auto committed = store_->TryCommit(t.step, config_->world_size, opt_.job);
+  auto committed = store_->TryCommit(t.step, config_->world_size, opt_.job, header->first.attempt);
   if (!committed.ok()) {
     r.status = committed.status();
     return r;

@@ -274,7 +274,8 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   return WriteStats{image.size(), SecondsSince(t0)};
 }
 
-Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job) {
+Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
+                                        uint64_t attempt) {
   if (world_size == 0 || world_size > kMaxRank) {
     return InvalidArgument("world size " + std::to_string(world_size) + " is invalid");
   }
@@ -309,6 +310,7 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
       return Corruption(source + ": object has " + std::to_string(obj->size()) +
                         " bytes, its header says " + std::to_string(layout.image_size));
     }
+    if (meta.attempt != attempt) return false;  // a leftover of another attempt, to be replaced
     record.images[r] = {layout.image_size, layout.header_crc};
   }
   record.commit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -553,11 +555,13 @@ Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
   const uint64_t step = meta.step;
   const uint32_t world_size = meta.world_size;
   const std::string job = meta.job;
+  const uint64_t attempt = meta.attempt;
   SP_ASSIGN_OR_RETURN(auto builder, ImageBuilder::Create(std::move(meta), std::move(tensors),
                                                          std::move(extras)));
   // Saving a step that is already committed replaces it: un-commit it first, so that no reader
   // ever sees the old COMMIT record beside a new image. It is committed again once every rank
-  // has re-saved it.
+  // has re-saved it with this save's attempt (with attempt 0 on several ranks, once every
+  // image is there: give ranks a shared attempt id to re-save a multi-rank step safely).
   auto existing = store.ReadCommit(step);
   if (existing.ok() || existing.status().code() == StatusCode::kCorruption) {
     SP_RETURN_IF_ERROR(store.storage().Delete(CommitObjectName(step)));
@@ -566,7 +570,7 @@ Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
   }
   SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder));
   SaveResult result{stats.bytes, stats.seconds, false};
-  SP_ASSIGN_OR_RETURN(result.committed, store.TryCommit(step, world_size, job));
+  SP_ASSIGN_OR_RETURN(result.committed, store.TryCommit(step, world_size, job, attempt));
   if (result.committed) {
     // Leftovers of older failed writes; a failure here loses nothing and is not the save's.
     store.CleanUp().status().IgnoreError();

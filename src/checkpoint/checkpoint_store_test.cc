@@ -96,6 +96,37 @@ TEST(CheckpointStoreTest, StepIsInvisibleUntilEveryRankWrote) {
   EXPECT_EQ(commit->job, "test");
 }
 
+// Regression (found while building the DCP adapter): with two ranks, re-saving a committed
+// step on one rank committed it again at once, pairing the other rank's old image with the new
+// one; so did a new save beside the image an unfinished earlier save left. Images now carry
+// their save attempt, and a step commits only from images of one attempt.
+TEST(CheckpointStoreTest, StepCommitsOnlyFromImagesOfOneAttempt) {
+  CheckpointStore store(NewMemoryStorage());
+  auto save = [&](uint32_t rank, uint64_t attempt) {
+    Shard s(1, rank);
+    ImageMeta m = Meta(1, rank, 2);
+    m.attempt = attempt;
+    return SaveShard(store, m, s.sources, s.extras);
+  };
+  // A crashed run (attempt 7) left rank 0's image; the restarted run (attempt 8) saves again.
+  ASSERT_TRUE(save(0, 7).ok());
+  auto r1 = save(1, 8);
+  ASSERT_TRUE(r1.ok());
+  EXPECT_FALSE(r1->committed);
+  EXPECT_TRUE(Steps(store).empty());  // never the mix of attempts 7 and 8
+  auto r0 = save(0, 8);
+  ASSERT_TRUE(r0.ok());
+  EXPECT_TRUE(r0->committed);
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+
+  // Re-saving the committed step on one rank un-commits it until every rank re-saved it.
+  ASSERT_TRUE(save(1, 9).ok());
+  EXPECT_TRUE(Steps(store).empty());
+  ASSERT_TRUE(save(0, 9).ok());
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+  for (uint32_t r = 0; r < 2; ++r) ExpectLoads(store, 1, 1, r);
+}
+
 TEST(CheckpointStoreTest, CommitRecordRoundTripAndCorruption) {
   CommitRecord r;
   r.step = 42;

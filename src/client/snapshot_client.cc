@@ -191,6 +191,7 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
                                             std::string extras, bool persist) {
   ImageMeta meta;
   meta.job = opt_.job;
+  meta.attempt = opt_.attempt;
   meta.step = step;
   meta.rank = opt_.rank;
   meta.world_size = opt_.world_size;

@@ -26,6 +26,7 @@ constexpr char kMagic[8] = {'S', 'P', 'I', 'M', 'A', 'G', 'E', '\0'};
 constexpr size_t kHeaderCrcOffset = kImageHeaderSize - 4;
 constexpr size_t kJobOffset = 145;
 constexpr size_t kReservedOffset = kJobOffset + kMaxJobLength;  // 209
+constexpr size_t kAttemptOffset = 216;  // u64; 209..215 and 224..4091 stay reserved
 constexpr size_t kEntryFixedSize = 32;
 constexpr uint64_t kMaxImageSize = uint64_t{1} << 50;  // 1 PiB: keeps offset arithmetic exact
 constexpr uint64_t kLargeTensor = 64 << 10;
@@ -226,6 +227,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
   StoreLE<uint32_t>(&h[24], b->meta_.rank);
   StoreLE<uint32_t>(&h[28], b->meta_.world_size);
   StoreLE<int64_t>(&h[32], b->meta_.create_time_ns);
+  StoreLE<uint64_t>(&h[kAttemptOffset], b->meta_.attempt);
   StoreLE<uint64_t>(&h[40], l.image_size);
   StoreLE<uint64_t>(&h[48], l.chunk_size);
   StoreLE<uint64_t>(&h[56], l.tensor_count);
@@ -326,6 +328,7 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
     return Bad(source, "unknown header flags");
   }
   for (size_t i = kReservedOffset; i < kHeaderCrcOffset; ++i) {
+    if (i == kAttemptOffset) i += 8;
     if (h[i] != std::byte{0}) return Bad(source, "non-zero reserved header bytes");
   }
   ImageMeta m;
@@ -334,6 +337,7 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
   m.rank = LoadLE<uint32_t>(&h[24]);
   m.world_size = LoadLE<uint32_t>(&h[28]);
   m.create_time_ns = LoadLE<int64_t>(&h[32]);
+  m.attempt = LoadLE<uint64_t>(&h[kAttemptOffset]);
   if (m.world_size == 0 || m.world_size > kMaxRank || m.rank >= m.world_size) {
     return Bad(source, "invalid rank " + std::to_string(m.rank) + " of world size " +
                            std::to_string(m.world_size));

@@ -203,3 +203,19 @@ def test_gil_is_released_during_io(ckpt):
         stop.set()
         t.join()
     assert during_save > 0 and during_load > 0
+
+
+def test_multi_rank_step_never_commits_a_mix_of_attempts(ckpt):
+    # Regression: re-saving a committed 2-rank step on one rank re-committed it at once with the
+    # other rank's old image (and likewise beside an unfinished save's leftover image).
+    for r in (0, 1):
+        safepoint.save(ckpt, 5, {"v": torch.full((3,), float(r))}, rank=r, world_size=2, attempt=1)
+    assert safepoint.steps(ckpt) == [5]
+    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 10.0)}, rank=1, world_size=2, attempt=2)
+    assert not out["committed"] and safepoint.steps(ckpt) == []
+    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 20.0)}, rank=0, world_size=2, attempt=2)
+    assert out["committed"] and safepoint.steps(ckpt) == [5]
+    assert torch.equal(safepoint.load(ckpt, 5, rank=0)[1]["v"], torch.full((3,), 20.0))
+    assert torch.equal(safepoint.load(ckpt, 5, rank=1)[1]["v"], torch.full((3,), 10.0))
+    with pytest.raises(safepoint.InvalidArgumentError, match="attempt"):
+        safepoint.save(ckpt, 6, {}, rank=0, world_size=2, attempt=-1)
