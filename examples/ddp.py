@@ -1,7 +1,7 @@
 """DDP with safepoint flash checkpoints: 2 ranks on the CPU (gloo).
 
     python examples/ddp.py [--ckpt DIR] [--steps 30] [--crash-at 12]   # starts 2 ranks itself
-    torchrun --nproc-per-node 2 --max-restarts 1 examples/ddp.py --ckpt DIR   # or torchrun
+    torchrun --nproc-per-node 2 examples/ddp.py --ckpt DIR              # or under torchrun
 
 ``train()`` is an ordinary DDP loop: every rank flash-saves its state every step (the node
 agent persists every 10th step; a step is committed on storage once every rank's image is
@@ -13,8 +13,10 @@ kills itself with SIGKILL right after step ``--crash-at``; like torchrun, the la
 stops the other rank and starts the group again, where every rank prints
 ``[rank R] resumed from step 12 (memory)`` (or ``(storage)`` for a rank whose step raised when
 its peer died: leaving the ``with`` block on that exception closed its checkpointer, which
-persists the newest step and frees its memory snapshots). Under torchrun,
-``--max-restarts 1`` does the same restart (``--crash-at 0``: no crash).
+persists the newest step and frees its memory snapshots). Under torchrun the first command
+fails when rank 1 crashes; running it again resumes (``--crash-at 0``: no crash). (torchrun's
+own ``--max-restarts`` restart fails in gloo's connectFullMesh with torch 2.13, with or without
+safepoint.)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tempfile
 from typing import Optional
 
 import torch
+import torch._dynamo  # noqa: F401  (DDP imports it when built: once here, before forking ranks)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -108,11 +111,11 @@ def main() -> None:
     ap.add_argument("--crash-at", type=int, default=12, help="0: no crash")
     args = ap.parse_args()
     if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
+        if not args.ckpt:
+            ap.error("under torchrun, --ckpt DIR is needed (the same directory for every rank)")
         torch.set_num_threads(1)  # a small model, several ranks on one CPU: one thread each
         train(args.ckpt, args.steps, args.crash_at or None)
         return
-    import torch._dynamo  # noqa: F401  (DDP imports it when built: once here, not in every rank)
-
     tmp = None if args.ckpt else tempfile.mkdtemp(prefix="safepoint-example-")
     ckpt_dir = args.ckpt or os.path.join(tmp, "ckpt")
     try:
