@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 BUILD  := build/py
 JOBS   ?= 2
 
-.PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench clean
+.PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench bench-multirank clean
 
 setup:
 	@scripts/setup.sh
@@ -66,6 +66,13 @@ demo: build
 bench: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/run.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/flash.py
+	$(MAKE) bench-multirank
+
+# 2-rank DDP and FSDP2 against DCP, torch.save and DLRover (which imports grpc undeclared).
+bench-multirank: build
+	@$(PY) -c 'import grpc' 2>/dev/null || test -d build/bench/dlrover-deps || \
+	  $(PY) -m pip install -q --target build/bench/dlrover-deps grpcio
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/multirank.py
 
 clean:
 	rm -rf build
