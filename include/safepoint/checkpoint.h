@@ -129,6 +129,7 @@ class CheckpointStore {
   Result<size_t> CleanUp();
 
  private:
+  Status CheckReplicasHeld(uint64_t step, uint32_t world_size);
   std::shared_ptr<Storage> storage_;
 };
 

@@ -48,7 +48,9 @@ struct SnapshotResult {
   double wait_seconds = 0;     // waiting for a free slot (on_busy="wait")
   double create_seconds = 0;   // creating and pre-faulting a slot (first save, or a new layout)
   std::string agent_error;     // the agent could not be told (the snapshot is safe in memory)
+  uint64_t structure_hash = 0; // of the tensors' names, dtypes, shapes and boxes
 };
+
 
 struct MemorySnapshot {
   LoadedImage image;  // a private, verified copy of the slot's image
@@ -63,8 +65,16 @@ class SnapshotClient {
   static Result<std::unique_ptr<SnapshotClient>> Connect(ClientOptions options);
 
   // Snapshots one rank's shard of `step`. `persist`: ask the agent to persist it.
+  // With notify=false the agent is told only by the next Notify() (after the ranks agreed on
+  // which replicas each writes); a process that dies before is flushed without skipping.
   Result<SnapshotResult> Save(uint64_t step, std::vector<TensorSource> tensors, std::string extras,
-                              bool persist);
+                              bool persist, bool notify = true);
+  // Tells the agent about the last snapshot saved with notify=false; `skip`: the tensors its
+  // persisted image leaves to other ranks. Returns the error text when the agent could not be
+  // told (the snapshot is safe in memory either way).
+  std::string Notify(const SkipRanges& skip);
+  // The tensors of the last snapshot (specs only).
+  const std::vector<TensorSpec>& last_specs() const { return last_specs_; }
   // Waits until the newest step whose persist was asked is committed (or its persist failed);
   // `timeout_s` < 0 waits forever. OK right away when no persist was asked.
   Status Wait(double timeout_s);
@@ -97,6 +107,8 @@ class SnapshotClient {
   std::unique_ptr<Arena> arena_;
   int fd_ = -1;
   std::optional<uint64_t> last_persist_step_;
+  std::vector<TensorSpec> last_specs_;
+  std::optional<std::string> pending_note_;  // JSON of a Snapshot message not yet sent
 };
 
 }  // namespace safepoint

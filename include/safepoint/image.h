@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "safepoint/status.h"
@@ -73,7 +74,14 @@ struct TensorSpec {
   std::vector<uint64_t> shape;
   std::vector<uint64_t> global_shape;
   std::vector<uint64_t> global_offset;
+  // The tensor's bytes are not in this image but in another rank's image of the same step (a
+  // replica that rank writes; the loader finds it by name and box). No data, offset 0.
+  bool elsewhere = false;
 };
+
+// Tensor index ranges [first, last) of an image whose bytes another rank's image of the same
+// step holds (replicas written once: they become TensorSpec::elsewhere when stored).
+using SkipRanges = std::vector<std::pair<uint32_t, uint32_t>>;
 
 // A tensor to write: contiguous, row-major, little-endian bytes that stay valid until the image
 // has been filled.
@@ -100,6 +108,7 @@ struct ImageLayout {
   uint64_t checksums_offset = 0, checksums_size = 0;
   uint64_t tensor_count = 0;
   uint32_t index_crc = 0, extras_crc = 0, header_crc = 0;
+  bool has_elsewhere = false;  // some tensors are held by other ranks' images (header flag 1)
   // Chunks cover [0, checksums_offset).
   uint64_t chunk_count() const { return (checksums_offset + chunk_size - 1) / chunk_size; }
 };
@@ -174,7 +183,9 @@ class ImageReader {
   const ImageMeta& meta() const { return meta_; }
   const ImageLayout& layout() const { return layout_; }
   const std::vector<TensorEntry>& tensors() const { return tensors_; }
+  // Empty for a tensor held elsewhere (TensorSpec::elsewhere).
   std::span<const std::byte> tensor_data(size_t i) const {
+    if (tensors_[i].spec.elsewhere) return {};
     return image_.subspan(tensors_[i].offset, tensors_[i].nbytes);
   }
   std::span<const std::byte> extras() const {

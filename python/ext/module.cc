@@ -7,6 +7,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -110,7 +111,9 @@ nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, con
   out["step"] = reader.meta().step;
   out["world_size"] = reader.meta().world_size;
   out["job"] = reader.meta().job;
-  out["state"] = python::RebuildState(extras, buffer, reader, unpickler);
+  nb::list elsewhere;
+  out["state"] = python::RebuildState(extras, buffer, reader, unpickler, &elsewhere);
+  out["elsewhere"] = elsewhere;
   out["source"] = image.source;
   return out;
 }
@@ -209,7 +212,7 @@ class ShardReader {
       d["global_offset"] =
           e.spec.global_offset.empty() ? nb::none() : nb::cast(e.spec.global_offset);
       d["nbytes"] = e.nbytes;
-      d["elsewhere"] = nb::none();
+      d["elsewhere"] = e.spec.elsewhere;
       out.append(d);
     }
     return out;
@@ -232,6 +235,9 @@ class ShardReader {
         Check(NotFound(md_.source + ": no tensor named '" + name + "'"));
       }
       const TensorEntry& e = md_.tensors[it->second];
+      if (e.spec.elsewhere) {
+        Check(NotFound(md_.source + ": tensor '" + name + "' is held by another rank's image"));
+      }
       if (offset > e.nbytes || length > e.nbytes - offset) {
         Check(InvalidArgument(md_.source + ": tensor '" + name + "' has " +
                               std::to_string(e.nbytes) + " bytes; cannot read [" +
@@ -295,14 +301,14 @@ class PyClient {
     client_ = Unwrap(std::move(c));
   }
 
-  nb::dict Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler) {
+  nb::dict Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler, bool notify) {
     python::FlatState flat = python::FlattenState(state, pickler);
     std::string extras = Unwrap(EncodeExtras(flat.skeleton));
     std::vector<TensorSource> sources = std::move(flat.tensors);
     Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
-      r = Get().Save(step, std::move(sources), std::move(extras), persist);
+      r = Get().Save(step, std::move(sources), std::move(extras), persist, notify);
     }
     SnapshotResult s = Unwrap(std::move(r));
     nb::dict out;
@@ -314,6 +320,25 @@ class PyClient {
     out["wait_seconds"] = s.wait_seconds;
     out["create_seconds"] = s.create_seconds;
     out["agent_error"] = s.agent_error;
+    out["structure_hash"] = s.structure_hash;
+    return out;
+  }
+
+  // skip: [(first, last), ...] tensor index ranges other ranks write. Returns the agent error
+  // text ("" when told).
+  std::string Notify(const SkipRanges& skip) {
+    return WithoutGil([&] { return Get().Notify(skip); });
+  }
+
+  // The tensors of the last snapshot: (name, dtype, shape, global_shape, global_offset, nbytes).
+  nb::list LastEntries() {
+    nb::list out;
+    for (const TensorSpec& s : Get().last_specs()) {
+      uint64_t n = DTypeSize(s.dtype);
+      for (uint64_t d : s.shape) n *= d;
+      out.append(nb::make_tuple(s.name, std::string(DTypeName(s.dtype)), s.shape, s.global_shape,
+                                s.global_offset, n));
+    }
     return out;
   }
 
@@ -422,7 +447,9 @@ NB_MODULE(_core, m) {
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
            "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0)
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
-           "pickler"_a.none() = nb::none())
+           "pickler"_a.none() = nb::none(), "notify"_a = true)
+      .def("notify", &PyClient::Notify, "skip"_a)
+      .def("last_entries", &PyClient::LastEntries)
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)
       .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none(),

@@ -2,6 +2,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 #include <unordered_map>
@@ -439,6 +440,7 @@ class Rebuilder {
     if (reader_ == nullptr) return slot = slot_factory_(ref.index);
     Types& t = T();
     const TensorEntry& e = reader_->tensors()[ref.index];
+    if (e.spec.elsewhere) return slot = Elsewhere(e, ref.kind);
     const size_t ndim = e.spec.shape.size();
     nb::object shape = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(ndim)));
     for (size_t i = 0; i < ndim; ++i) {
@@ -470,6 +472,27 @@ class Rebuilder {
     return slot;
   }
 
+  // A tensor whose bytes another rank's image holds: a fresh tensor, listed in `elsewhere_` as
+  // (name, tensor, global shape, global offset) for the caller to fill from that image.
+  nb::object Elsewhere(const TensorEntry& e, uint8_t kind) {
+    Types& t = T();
+    nb::object shape = nb::cast(e.spec.shape);
+    nb::object tensor = t.torch.attr("empty")(shape, nb::arg("dtype") =
+                                                  t.torch_by_dtype.at(static_cast<int>(e.spec.dtype)));
+    const bool box = !e.spec.global_shape.empty();
+    std::vector<uint64_t> zeros(e.spec.shape.size(), 0);
+    elsewhere_.append(nb::make_tuple(e.spec.name, tensor,
+                                     nb::cast(box ? e.spec.global_shape : e.spec.shape),
+                                     nb::cast(box ? e.spec.global_offset : zeros)));
+    if (kind == 0) return tensor;
+    nb::object arr = tensor.attr("numpy")();  // shares the tensor's memory
+    return kind == 1 ? arr : arr[nb::tuple()];
+  }
+
+ public:
+  nb::list elsewhere_;
+
+ private:
   nb::handle buffer_;
   const ImageReader* reader_;
   nb::handle unpickler_;
@@ -486,9 +509,11 @@ FlatState FlattenState(nb::handle state, nb::handle pickler) {
 }
 
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
-                        nb::handle unpickler) {
-  return Rebuilder(buffer, &reader, reader.tensors().size(), unpickler, nb::none())
-      .Build(skeleton);
+                        nb::handle unpickler, nb::list* elsewhere) {
+  Rebuilder r(buffer, &reader, reader.tensors().size(), unpickler, nb::none());
+  nb::object out = r.Build(skeleton);
+  if (elsewhere != nullptr) *elsewhere = r.elsewhere_;
+  return out;
 }
 
 nb::object RebuildSkeleton(const Value& skeleton, size_t tensor_count, nb::handle unpickler,

@@ -32,8 +32,10 @@ FlatState FlattenState(nb::handle state, nb::handle pickler);
 
 // `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes. Pickled
 // values are passed to `unpickler`; when it is None they are refused with an error.
+// Tensors held by another rank's image (TensorSpec::elsewhere) come back as fresh tensors,
+// listed in `elsewhere` as (name, tensor, global shape, global offset) for the caller to fill.
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
-                        nb::handle unpickler);
+                        nb::handle unpickler, nb::list* elsewhere = nullptr);
 
 // The state tree of an image whose tensors were not read: each tensor reference becomes
 // slot_factory(index of its index entry).

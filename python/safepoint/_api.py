@@ -9,7 +9,7 @@ from typing import Any, Optional
 from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
-from safepoint._shards import read_into
+from safepoint._shards import fill_elsewhere, read_into
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 
@@ -62,6 +62,7 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
     if step is not None and (type(step) is not int or step < 0):
         raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
     out = _core.load(p, step, rank, unpickler(allow_pickle))
+    fill_elsewhere(p, out["step"], rank, out["elsewhere"])
     for skipped in out["skipped"]:
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
                       stacklevel=2)

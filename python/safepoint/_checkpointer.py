@@ -22,7 +22,7 @@ from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
-from safepoint._shards import read_into
+from safepoint._shards import plan_replicas, read_into
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
@@ -89,12 +89,22 @@ class Checkpointer:
     ``$RANK``/``$WORLD_SIZE``, then 0/1. Every ``persist_every``-th step is persisted; the newest
     ``keep`` committed steps are kept. ``on_busy`` says what ``save`` does when no slot is free
     because the agent still persists it: ``"wait"`` or ``"skip"`` (counted in ``status()``).
+
+    With several ranks under torch.distributed, ``dedupe`` (default) writes each replicated
+    tensor to storage once in total instead of once per rank: tensors with the same name,
+    dtype, shape and box on several ranks are taken as replicas (DDP's parameters and optimizer
+    state; DCP's convention), and the ranks split the writing between them by bytes. Memory
+    snapshots still hold every rank's full state (hot reload reads nothing from other ranks);
+    loading from storage reads a replica from the rank that wrote it. Keep tensors that differ
+    between ranks under different names (the generator states of ``include_rng`` are never
+    taken as replicas), or pass ``dedupe=False``.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
-                 shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False) -> None:
+                 shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False,
+                 dedupe: bool = True) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -126,6 +136,8 @@ class Checkpointer:
 
             self._group = dist.new_group(backend="gloo")
         self.attempt = run_attempt(self._group)
+        self.dedupe = bool(dedupe) and self._group is not None
+        self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
         self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
                                     on_busy == "wait", _agent_binary(), self.attempt)
         self._stats: dict[str, Any] = {
@@ -155,7 +167,12 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else step % self.persist_every == 0
-        res = self._live.save(step, state, bool(do_persist), self._pickler)
+        res = self._live.save(step, state, bool(do_persist), self._pickler,
+                              notify=not self.dedupe)
+        if self.dedupe:
+            # Every rank calls save for the step: agree on who writes which replica, then tell
+            # the agent. A rank that dies before this is flushed without skipping (correct).
+            res["agent_error"] = self._live.notify(self._skip_ranges(res))
         res["blocking_seconds"] = time.perf_counter() - t0
         res["step"] = step
         self._stats["saves"] += 1
@@ -167,6 +184,26 @@ class Checkpointer:
             warnings.warn(f"safepoint: step {step} is snapshotted in memory but the agent could "
                           f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=2)
         return bool(res["saved"])
+
+    def _skip_ranges(self, res: dict) -> list:
+        """This rank's replicas that other ranks write. One all-gather of a structure hash per
+        save; the full plan is recomputed only when some rank's tensors changed."""
+        import torch
+        import torch.distributed as dist
+
+        mine = res["structure_hash"] if res["saved"] else 0
+        h = torch.tensor([mine - (1 << 63)], dtype=torch.int64)  # u64 -> i64
+        hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(hashes, h, group=self._group)
+        key = tuple(int(x.item()) for x in hashes)
+        if key != self._plan[0]:
+            entries = self._live.last_entries() if res["saved"] else []
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, entries, group=self._group)
+            if any(not e for e in everyone):  # a rank skipped its snapshot: write everything
+                return []
+            self._plan = (key, plan_replicas(everyone, self.rank, RNG_KEY + "."))
+        return self._plan[1] if res["saved"] else []
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every step persisted so far is committed; raises if persisting failed."""
@@ -339,8 +376,20 @@ class Checkpointer:
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Leaving by an exception is a crash, not the end of the job: keep the snapshots for
+            # hot reload (the agent persists what is not yet committed, as when a process dies).
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Drops the connection like a dying process would: the agent persists the newest
+        snapshot and keeps the snapshots in memory for a restarted process. Idempotent."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            client.abandon()
 
     def __del__(self) -> None:  # no clean close: the agent treats it like a death and flushes
         client = getattr(self, "_client", None)

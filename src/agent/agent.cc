@@ -38,6 +38,7 @@
 #include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
+#include "base/parallel.h"
 
 namespace safepoint {
 
@@ -73,6 +74,7 @@ struct Task {
   uint64_t step = 0;
   bool leased = false;  // the slot lease is already held for this task
   std::string reason;   // "requested", "emergency flush", "close", "adopted", "shutdown"
+  SkipRanges skip;      // tensors other ranks write (replicas); empty: write every tensor
 };
 
 struct TaskResult {
@@ -132,6 +134,8 @@ class Agent {
   void Enqueue(Task t);
   void Worker();
   TaskResult Persist(const Task& t);
+  Result<WriteStats> WriteWithoutReplicas(std::span<const std::byte> image,
+                                          const std::string& source, const SkipRanges& skip);
   void DrainResults();
   void AnswerWaits();
   bool StepCommitted(uint64_t step);
@@ -305,6 +309,38 @@ void Agent::Worker() {
   }
 }
 
+// The stored image of a snapshot whose replicas other ranks write: the same tensors, extras and
+// identity, with the skipped tensors marked "elsewhere" (no bytes). Every chunk of the snapshot
+// is verified first, so the checksums of the new layout cover bytes that were checked
+// end to end; the tensors are then streamed from shared memory.
+Result<WriteStats> Agent::WriteWithoutReplicas(std::span<const std::byte> image,
+                                               const std::string& source, const SkipRanges& skip) {
+  SP_ASSIGN_OR_RETURN(ImageReader reader,
+                      ImageReader::Parse(image, source, ImageReader::Verify::kAll,
+                                         internal::DefaultCpuThreads()));
+  std::vector<TensorSource> tensors;
+  tensors.reserve(reader.tensors().size());
+  for (size_t i = 0; i < reader.tensors().size(); ++i) {
+    const TensorEntry& e = reader.tensors()[i];
+    tensors.push_back({e.spec, reader.tensor_data(i).data(), e.nbytes});
+  }
+  for (const auto& [first, last] : skip) {
+    if (first >= last || last > tensors.size()) {
+      return InvalidArgument(source + ": skip range [" + std::to_string(first) + ", " +
+                             std::to_string(last) + ") is outside the snapshot's " +
+                             std::to_string(tensors.size()) + " tensors");
+    }
+    for (uint32_t i = first; i < last; ++i) tensors[i].spec.elsewhere = true;
+  }
+  auto extras = reader.extras();
+  SP_ASSIGN_OR_RETURN(auto builder,
+                      ImageBuilder::Create(reader.meta(), std::move(tensors),
+                                           std::string(reinterpret_cast<const char*>(extras.data()),
+                                                       extras.size()),
+                                           reader.layout().chunk_size));
+  return store_->WriteImage(*builder);
+}
+
 TaskResult Agent::Persist(const Task& t) {
   TaskResult r;
   r.task = t;
@@ -346,7 +382,8 @@ TaskResult Agent::Persist(const Task& t) {
     r.status = Corruption(source + ": the snapshot's header does not match its slot");
     return r;
   }
-  auto stats = store_->WriteImageBytes(image, t.step, t.rank);
+  auto stats = t.skip.empty() ? store_->WriteImageBytes(image, t.step, t.rank)
+                              : WriteWithoutReplicas(image, source, t.skip);
   if (!stats.ok()) {
     r.status = stats.status();
     return r;
@@ -616,6 +653,7 @@ void Agent::HandleMessage(Client& c, const Message& m) {
       t.step = j.at("step").get<uint64_t>();
       t.leased = j.at("leased").get<bool>();
       t.reason = "requested";
+      if (j.contains("skip")) t.skip = j.at("skip").get<SkipRanges>();
       RankState& rs = ranks_[c.rank];
       if (!rs.arena || t.slot >= rs.arena->slot_count()) {
         throw std::runtime_error("slot " + std::to_string(t.slot) + " does not exist");

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <unordered_set>
 
 #include "base/aligned_buffer.h"
 #include "base/bytes.h"
@@ -274,6 +275,48 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   return WriteStats{image.size(), SecondsSince(t0)};
 }
 
+// Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same name
+// and box, by some image of the step: else the step would commit with a tensor nobody wrote.
+Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size) {
+  auto key = [](const TensorSpec& s) {
+    std::string k = s.name;
+    k += '\0';
+    k += static_cast<char>(s.dtype);
+    for (const auto* v : {&s.shape, &s.global_shape, &s.global_offset}) {
+      k.append(reinterpret_cast<const char*>(v->data()), 8 * v->size());
+      k += '|';
+    }
+    return k;
+  };
+  std::unordered_set<std::string> held;
+  std::vector<std::pair<uint32_t, TensorSpec>> wanted;
+  for (uint32_t r = 0; r < world_size; ++r) {
+    const std::string name = ImageObjectName(step, r);
+    SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
+    std::vector<std::byte> header(kImageHeaderSize);
+    SP_RETURN_IF_ERROR(obj->ReadAt(0, header));
+    SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header, storage_->Describe(name)));
+    std::vector<std::byte> index(parsed.second.index_size);
+    SP_RETURN_IF_ERROR(obj->ReadAt(parsed.second.index_offset, index));
+    SP_ASSIGN_OR_RETURN(auto entries, ParseIndex(index, parsed.second, storage_->Describe(name)));
+    for (auto& e : entries) {
+      if (e.spec.elsewhere) {
+        wanted.emplace_back(r, std::move(e.spec));
+      } else {
+        held.insert(key(e.spec));
+      }
+    }
+  }
+  for (const auto& [r, spec] : wanted) {
+    if (!held.contains(key(spec))) {
+      return Corruption(storage_->uri() + ": step " + std::to_string(step) + ": rank " +
+                        std::to_string(r) + " left tensor '" + spec.name +
+                        "' to another rank, but no image of the step holds it");
+    }
+  }
+  return Status::OK();
+}
+
 Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
                                         uint64_t attempt) {
   if (world_size == 0 || world_size > kMaxRank) {
@@ -291,6 +334,7 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
   for (uint32_t r = 0; r < world_size; ++r) {
     if (!sizes.contains(ImageObjectName(step, r))) return false;
   }
+  bool any_elsewhere = false;  // some image leaves tensors to other ranks' images
   for (uint32_t r = 0; r < world_size; ++r) {
     const std::string name = ImageObjectName(step, r);
     const std::string source = storage_->Describe(name);
@@ -312,7 +356,9 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
     }
     if (meta.attempt != attempt) return false;  // a leftover of another attempt, to be replaced
     record.images[r] = {layout.image_size, layout.header_crc};
+    any_elsewhere |= layout.has_elsewhere;
   }
+  if (any_elsewhere) SP_RETURN_IF_ERROR(CheckReplicasHeld(step, world_size));
   record.commit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();

@@ -127,6 +127,36 @@ TEST(CheckpointStoreTest, StepCommitsOnlyFromImagesOfOneAttempt) {
   for (uint32_t r = 0; r < 2; ++r) ExpectLoads(store, 1, 1, r);
 }
 
+TEST(CheckpointStoreTest, StepCommitsOnlyWhenEveryReplicaLeftElsewhereIsHeld) {
+  std::vector<float> a(1000, 1.5f), b(10, 2.5f);
+  auto save = [&](CheckpointStore& store, uint32_t rank, bool a_elsewhere, bool with_a) {
+    std::vector<TensorSource> t;
+    if (with_a) {
+      TensorSource s{{"a", DType::kFloat32, {1000}, {}, {}}, a.data(), 4000};
+      s.spec.elsewhere = a_elsewhere;
+      t.push_back(s);
+    }
+    t.push_back({{"b" + std::to_string(rank), DType::kFloat32, {10}, {}, {}}, b.data(), 40});
+    return SaveShard(store, Meta(4, rank, 2), t, *EncodeExtras(Value()));
+  };
+  {  // rank 0 leaves "a" to rank 1, which holds it: commits, and rank 1's bytes are "a"
+    CheckpointStore store(NewMemoryStorage());
+    ASSERT_TRUE(save(store, 0, true, true).ok());
+    auto r = save(store, 1, false, true);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_TRUE(r->committed);
+  }
+  {  // nobody holds "a": the commit fails, naming the tensor, and the step stays invisible
+    CheckpointStore store(NewMemoryStorage());
+    ASSERT_TRUE(save(store, 0, true, true).ok());
+    auto r = save(store, 1, false, false);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+    EXPECT_NE(r.status().message().find("'a'"), std::string::npos) << r.status().message();
+    EXPECT_TRUE(Steps(store).empty());
+  }
+}
+
 TEST(CheckpointStoreTest, CommitRecordRoundTripAndCorruption) {
   CommitRecord r;
   r.step = 42;

@@ -188,7 +188,24 @@ Result<std::string> SnapshotClient::Request(int type, const std::string& payload
 }
 
 Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSource> tensors,
-                                            std::string extras, bool persist) {
+                                            std::string extras, bool persist, bool notify) {
+  pending_note_.reset();
+  last_specs_.clear();
+  last_specs_.reserve(tensors.size());
+  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over what identifies each tensor
+  auto mix = [&hash](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) hash = (hash ^ static_cast<const uint8_t*>(p)[i]) * 0x100000001b3ull;
+  };
+  for (const TensorSource& t : tensors) {
+    last_specs_.push_back(t.spec);
+    mix(t.spec.name.data(), t.spec.name.size() + 1);  // with the terminating NUL
+    mix(&t.spec.dtype, 1);
+    for (const auto* v : {&t.spec.shape, &t.spec.global_shape, &t.spec.global_offset}) {
+      const uint64_t n = v->size();
+      mix(&n, 8);
+      mix(v->data(), 8 * n);
+    }
+  }
   ImageMeta meta;
   meta.job = opt_.job;
   meta.attempt = opt_.attempt;
@@ -232,18 +249,31 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   result.saved = true;
   if (persist) last_persist_step_ = step;
 
+  result.structure_hash = hash;
   // Tell the agent; the snapshot is safe in memory whatever happens here.
-  const json note = {{"slot", ticket.slot}, {"generation", ticket.generation}, {"step", step},
-                     {"persist", persist}, {"leased", persist}};
-  Status s = fd_ >= 0 ? SendMessage(fd_, MessageType::kSnapshot, note.dump())
+  pending_note_ = json{{"slot", ticket.slot}, {"generation", ticket.generation}, {"step", step},
+                       {"persist", persist}, {"leased", persist}}.dump();
+  if (notify) result.agent_error = Notify({});
+  return result;
+}
+
+std::string SnapshotClient::Notify(const SkipRanges& skip) {
+  if (!pending_note_) return "";
+  std::string note = *pending_note_;
+  pending_note_.reset();
+  if (!skip.empty()) {
+    json j = json::parse(note);
+    j["skip"] = skip;
+    note = j.dump();
+  }
+  Status s = fd_ >= 0 ? SendMessage(fd_, MessageType::kSnapshot, note)
                       : Unavailable("not connected");
   if (!s.ok()) {
     Disconnect();
     s = EnsureAgent();  // a new agent adopts the arena and persists what is not yet committed
-    if (s.ok()) s = SendMessage(fd_, MessageType::kSnapshot, note.dump());
-    if (!s.ok()) result.agent_error = s.ToString();
+    if (s.ok()) s = SendMessage(fd_, MessageType::kSnapshot, note);
   }
-  return result;
+  return s.ok() ? "" : s.ToString();
 }
 
 Status SnapshotClient::Wait(double timeout_s) {

@@ -158,7 +158,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
       return fail("nbytes " + std::to_string(t.nbytes) + " does not match shape and dtype (" +
                   std::to_string(n) + ")");
     }
-    if (n > 0 && t.data == nullptr) return fail("no data");
+    if (n > 0 && t.data == nullptr && !s.elsewhere) return fail("no data");
     const bool shard = !s.global_shape.empty() || !s.global_offset.empty();
     if (shard) {
       if (s.global_shape.size() != s.shape.size() || s.global_offset.size() != s.shape.size()) {
@@ -174,8 +174,8 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
     const uint64_t ndim = s.shape.size();
     const uint64_t raw = kEntryFixedSize + 8 * ndim * (shard ? 3 : 1) + s.name.size();
     const uint64_t entry_size = AlignUp(raw, 8);
-    data_cursor = AlignUp(data_cursor, TensorAlignment(n));
-    rel_offsets.push_back(data_cursor);
+    if (!s.elsewhere) data_cursor = AlignUp(data_cursor, TensorAlignment(n));
+    rel_offsets.push_back(data_cursor);  // elsewhere: a zero-length placeholder for Fill
 
     const size_t start = index.size();
     index.resize(start + entry_size, '\0');
@@ -183,7 +183,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
     StoreLE<uint32_t>(p + 0, static_cast<uint32_t>(entry_size));
     StoreLE<uint8_t>(p + 4, static_cast<uint8_t>(s.dtype));
     StoreLE<uint8_t>(p + 5, static_cast<uint8_t>(ndim));
-    StoreLE<uint8_t>(p + 6, shard ? 1 : 0);
+    StoreLE<uint8_t>(p + 6, (shard ? 1 : 0) | (s.elsewhere ? 2 : 0));
     StoreLE<uint32_t>(p + 8, static_cast<uint32_t>(s.name.size()));
     // Offset (p + 16) is written once data_offset is known.
     StoreLE<uint64_t>(p + 24, n);
@@ -194,7 +194,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
       for (uint64_t d : s.global_offset) StoreLE<uint64_t>(q, d), q += 8;
     }
     std::memcpy(q, s.name.data(), s.name.size());
-    data_cursor += n;
+    if (!s.elsewhere) data_cursor += n;
   }
   l.index_size = index.size();
   l.data_size = data_cursor;
@@ -207,11 +207,13 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
     for (size_t i = 0; i < tensors.size(); ++i) {
       auto* p = reinterpret_cast<std::byte*>(index.data() + pos);
       b->offsets_[i] = l.data_offset + rel_offsets[i];
-      StoreLE<uint64_t>(p + 16, b->offsets_[i]);
+      StoreLE<uint64_t>(p + 16, tensors[i].spec.elsewhere ? 0 : b->offsets_[i]);
       pos += LoadLE<uint32_t>(p);
     }
   }
   l.index_crc = Crc32c(0, index.data(), index.size());
+  l.has_elsewhere = std::any_of(tensors.begin(), tensors.end(),
+                                [](const TensorSource& t) { return t.spec.elsewhere; });
   l.extras_crc = Crc32c(0, b->extras_.data(), b->extras_.size());
   b->index_.assign(reinterpret_cast<const std::byte*>(index.data()),
                    reinterpret_cast<const std::byte*>(index.data()) + index.size());
@@ -241,6 +243,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
   StoreLE<uint64_t>(&h[120], l.checksums_size);
   StoreLE<uint32_t>(&h[128], l.index_crc);
   StoreLE<uint32_t>(&h[132], l.extras_crc);
+  StoreLE<uint32_t>(&h[140], l.has_elsewhere ? 1 : 0);
   StoreLE<uint8_t>(&h[144], static_cast<uint8_t>(b->meta_.job.size()));
   std::memcpy(&h[kJobOffset], b->meta_.job.data(), b->meta_.job.size());
   l.header_crc = Crc32c(0, h.data(), kHeaderCrcOffset);
@@ -270,7 +273,7 @@ void ImageBuilder::Fill(uint64_t offset, std::span<std::byte> dst) const {
     size_t i = std::upper_bound(offsets_.begin(), offsets_.end(), cursor) - offsets_.begin();
     if (i > 0) --i;
     for (; i < tensors_.size() && offsets_[i] < end; ++i) {
-      emit(offsets_[i], tensors_[i].data, tensors_[i].nbytes);
+      if (!tensors_[i].spec.elsewhere) emit(offsets_[i], tensors_[i].data, tensors_[i].nbytes);
     }
   }
   emit(layout_.extras_offset, extras_.data(), extras_.size());
@@ -324,7 +327,7 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
   const uint32_t crc = Crc32c(0, h.data(), kHeaderCrcOffset);
   if (crc != stored_crc) return Bad(source, "header checksum mismatch");
   if (LoadLE<uint32_t>(&h[12]) != kImageHeaderSize) return Bad(source, "bad header size");
-  if (LoadLE<uint32_t>(&h[136]) != 0 || LoadLE<uint32_t>(&h[140]) != 0) {
+  if (LoadLE<uint32_t>(&h[136]) != 0 || (LoadLE<uint32_t>(&h[140]) & ~1u) != 0) {
     return Bad(source, "unknown header flags");
   }
   for (size_t i = kReservedOffset; i < kHeaderCrcOffset; ++i) {
@@ -361,6 +364,7 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
   l.checksums_offset = LoadLE<uint64_t>(&h[112]);
   l.checksums_size = LoadLE<uint64_t>(&h[120]);
   l.index_crc = LoadLE<uint32_t>(&h[128]);
+  l.has_elsewhere = LoadLE<uint32_t>(&h[140]) & 1;
   l.extras_crc = LoadLE<uint32_t>(&h[132]);
   l.header_crc = crc;
   if (!ValidChunkSize(l.chunk_size)) {
@@ -438,7 +442,7 @@ Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index,
     }
     if (!IsValidDType(dtype)) return bad("unknown dtype code " + std::to_string(dtype));
     if (ndim > kMaxNdim) return bad("too many dimensions");
-    if (flags & ~1u) return bad("unknown flags");
+    if (flags & ~3u) return bad("unknown flags");
     if (name_len == 0 || name_len > kMaxNameLength) return bad("invalid name length");
     const bool shard = flags & 1;
     const uint64_t raw = kEntryFixedSize + 8ull * ndim * (shard ? 3 : 1) + name_len;
@@ -477,6 +481,14 @@ Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index,
     if (!internal::IsValidUtf8(name)) return bad("name is not valid UTF-8");
     if (!names.insert(name).second) return bad("duplicate name '" + std::string(name) + "'");
     e.spec.name.assign(name);
+    e.spec.elsewhere = flags & 2;
+    if (e.spec.elsewhere) {  // no bytes here
+      if (e.offset != 0) return bad("a tensor held elsewhere has a data offset");
+      if (!l.has_elsewhere) return bad("a tensor held elsewhere, but the header says none");
+      out.push_back(std::move(e));
+      pos += entry_size;
+      continue;
+    }
     // Placement: aligned, increasing, inside the data section.
     if (e.offset % TensorAlignment(e.nbytes) != 0) return bad("misaligned data offset");
     uint64_t end;

@@ -110,6 +110,33 @@ TEST(ImageTest, FillOfAnyRangeMatchesFillAll) {
   }
 }
 
+TEST(ImageTest, TensorsHeldElsewhereTakeNoSpaceAndRoundTrip) {
+  Owned all, some;
+  for (auto* o : {&all, &some}) {
+    o->Add("a", DType::kFloat32, {1000, 64}, 1);
+    o->Add("b", DType::kBFloat16, {3, 5}, 2, {6, 5}, {3, 0});
+    o->Add("c", DType::kInt64, {70000}, 3);
+  }
+  some.sources[0].spec.elsewhere = true;  // another rank's image holds "a" and "c"
+  some.sources[0].data = nullptr;
+  some.sources[2].spec.elsewhere = true;
+  auto full = ImageBuilder::Create(Meta(), all.sources, "x");
+  auto part = ImageBuilder::Create(Meta(), some.sources, "x");
+  ASSERT_TRUE(full.ok() && part.ok()) << part.status().ToString();
+  EXPECT_LT((*part)->layout().data_size, 4096u);  // only "b"
+  auto bytes = Build(**part);
+  auto r = ImageReader::Parse(bytes, "part");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->tensors().size(), 3u);
+  EXPECT_TRUE(r->tensors()[0].spec.elsewhere);
+  EXPECT_EQ(r->tensors()[0].nbytes, 1000u * 64 * 4);  // still says what the tensor is
+  EXPECT_TRUE(r->tensor_data(0).empty());
+  EXPECT_FALSE(r->tensors()[1].spec.elsewhere);
+  EXPECT_EQ(r->tensors()[1].spec.global_offset, (std::vector<uint64_t>{3, 0}));
+  EXPECT_EQ(std::memcmp(r->tensor_data(1).data(), some.data[1].data(), 30), 0);
+  EXPECT_TRUE(r->tensors()[2].spec.elsewhere);
+}
+
 TEST(ImageTest, BuilderRejectsBadInput) {
   auto make = [](auto mutate) {
     Owned o;
@@ -236,6 +263,11 @@ TEST_F(CorruptImageTest, IndexWithValidCrcButBadContentIsRejected) {
   EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint32_t>(p, 1u << 30); }).code(),
             StatusCode::kCorruption);
   EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint64_t>(p + 32, 1ull << 62); }).code(),
+            StatusCode::kCorruption);
+  // An entry flagged "elsewhere" (bit 1) that still has a data offset.
+  EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint8_t>(p + 6, 2); }).code(),
+            StatusCode::kCorruption);
+  EXPECT_EQ(forge([](std::byte* p) { internal::StoreLE<uint8_t>(p + 6, 4); }).code(),
             StatusCode::kCorruption);
 }
 

@@ -29,14 +29,15 @@ def pytest_unconfigure(config):
 
 
 def cli_path() -> str:
-    """The safepoint CLI installed beside this Python (the venv's bin) or on PATH."""
-    cand = os.path.join(os.path.dirname(sys.executable), "safepoint")
-    if os.path.exists(cand):
-        return cand
+    """The safepoint CLI on PATH (`make test` puts the venv's bin first; a development build
+    directory can come first instead), else the one installed beside this Python."""
     found = shutil.which("safepoint")
-    if not found:
+    if found:
+        return found
+    cand = os.path.join(os.path.dirname(sys.executable), "safepoint")
+    if not os.path.exists(cand):
         pytest.skip("the safepoint CLI is not installed")
-    return found
+    return cand
 
 
 @pytest.fixture

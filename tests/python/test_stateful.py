@@ -98,3 +98,19 @@ def test_checkpointer_include_rng_and_restore(tmp_path):
         assert torch.equal(torch.rand(4), after)  # the generator was restored
         for a, b in zip(model.parameters(), m2.parameters()):
             assert torch.equal(a, b)
+
+
+def test_leaving_with_by_an_exception_keeps_snapshots_for_hot_reload(tmp_path):
+    # Regression: __exit__ closed the checkpointer even when an exception was propagating, which
+    # persisted and then deleted the memory snapshots, so a restart loaded from storage.
+    job = f"exit-{id(tmp_path) % 10**8}"
+    with pytest.raises(RuntimeError, match="boom"):
+        with safepoint.Checkpointer(tmp_path / "ckpt", job=job, shm_dir=str(tmp_path),
+                                    persist_every=100) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(step, {"w": torch.full((4,), float(step))})
+            raise RuntimeError("boom")
+    with safepoint.Checkpointer(tmp_path / "ckpt", job=job, shm_dir=str(tmp_path)) as again:
+        step, state = again.load()
+        assert step == 3 and again.last_load_source == "memory"
+        assert torch.equal(state["w"], torch.full((4,), 3.0))

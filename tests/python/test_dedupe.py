@@ -1,0 +1,66 @@
+"""Data-parallel replicas are written to storage once in total, the work split across ranks
+(2 ranks, gloo, real processes and agents)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import safepoint
+from safepoint import _core
+from test_reshard import free_port
+
+WORKER = os.path.join(os.path.dirname(__file__), "workloads", "dedupe_worker.py")
+
+
+def test_replicas_are_written_once_and_every_rank_loads_them(tmp_path, cli):
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    shm.mkdir()
+    job, port = f"dedupe-{os.getpid()}", free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, str(ckpt), str(shm), job, port, str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {
+            "rank": json.loads(out.strip().splitlines()[-1])["rank"], "memory_ok": True,
+            "load_ok": True, "restore_ok": True}
+    assert safepoint.steps(ckpt) == [1, 2]
+    for step in (1, 2):
+        held = {}  # replicated tensor -> ranks whose image holds its bytes
+        written = [0, 0]
+        for r in range(2):
+            for e in _core.read_metadata(str(ckpt), step, r)["tensors"]:
+                if e["name"].startswith("model."):
+                    if not e["elsewhere"]:
+                        held.setdefault(e["name"], []).append(r)
+                        written[r] += e["nbytes"]
+                else:
+                    assert not e["elsewhere"], e  # rank-local: the step, generator states
+        # Each of the 4 replicated tensors is written exactly once, and both ranks write some.
+        assert sorted(held) == [f"model.layer{i}" for i in range(4)]
+        assert all(len(rs) == 1 for rs in held.values()), held
+        assert min(written) > 0, written
+    cli("verify", ckpt, "--all", check=0)
+
+
+def test_a_skip_list_outside_the_snapshot_fails_the_persist_clearly(tmp_path):
+    # The agent checks the ranges it is told to leave to other ranks: a bad one fails that
+    # persist (reported through wait()) and writes nothing; the next save persists normally.
+    import pytest
+    import torch
+
+    ck = safepoint.Checkpointer(tmp_path / "ckpt", job=f"skip-{os.getpid()}",
+                                shm_dir=str(tmp_path))
+    try:
+        ck._live.save(1, {"w": torch.ones(8)}, True, None, notify=False)
+        ck._live.notify([(0, 5)])  # the snapshot has one tensor
+        with pytest.raises(safepoint.Error, match="skip range"):
+            ck.wait()
+        assert safepoint.steps(tmp_path / "ckpt") == []
+        ck.save(2, {"w": torch.ones(8)})
+        ck.wait()
+        assert safepoint.steps(tmp_path / "ckpt") == [2]
+    finally:
+        ck.close()
