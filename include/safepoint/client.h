@@ -13,6 +13,7 @@
 // Thread safety: one thread at a time.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -67,8 +68,12 @@ class SnapshotClient {
   // Snapshots one rank's shard of `step`. `persist`: ask the agent to persist it.
   // With notify=false the agent is told only by the next Notify() (after the ranks agreed on
   // which replicas each writes); a process that dies before is flushed without skipping.
+  // `stage`, when given, is called once the slot is reserved and before it is filled, to put
+  // the bytes of the TensorSource::staged tensors in place (GPU copies); it returns when they
+  // are there. The slot's image is `slot`; tensor i starts at builder.tensor_offset(i).
+  using StageFn = std::function<Status(std::span<std::byte> slot, const ImageBuilder& builder)>;
   Result<SnapshotResult> Save(uint64_t step, std::vector<TensorSource> tensors, std::string extras,
-                              bool persist, bool notify = true);
+                              bool persist, bool notify = true, const StageFn& stage = {});
   // Tells the agent about the last snapshot saved with notify=false; `skip`: the tensors its
   // persisted image leaves to other ranks. Returns the error text when the agent could not be
   // told (the snapshot is safe in memory either way).

@@ -89,6 +89,9 @@ struct TensorSource {
   TensorSpec spec;
   const void* data = nullptr;
   uint64_t nbytes = 0;  // must equal the product of shape times DTypeSize
+  // The caller puts the bytes in place itself before FillAll (e.g. asynchronous copies from a
+  // GPU into the pinned destination); Fill leaves that range alone. data is unused.
+  bool staged = false;
 };
 
 // A tensor of a parsed image.

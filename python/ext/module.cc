@@ -301,14 +301,38 @@ class PyClient {
     client_ = Unwrap(std::move(c));
   }
 
-  nb::dict Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler, bool notify) {
-    python::FlatState flat = python::FlattenState(state, pickler);
+  // stage: 1 = GPU tensors are copied into the slot by safepoint._staging (pinned memory,
+  // asynchronous copies on a side stream), 2 = every tensor is (tests of that path on CPUs).
+  nb::dict Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler, bool notify,
+                int stage) {
+    if (stage < 0 || stage > 2) Check(InvalidArgument("stage must be 0, 1 or 2"));
+    python::FlatState flat =
+        python::FlattenState(state, pickler, static_cast<python::Stage>(stage));
     std::string extras = Unwrap(EncodeExtras(flat.skeleton));
     std::vector<TensorSource> sources = std::move(flat.tensors);
+    SnapshotClient::StageFn stage_fn;
+    if (flat.staged.size() > 0) {
+      stage_fn = [&flat](std::span<std::byte> slot, const ImageBuilder& b) -> Status {
+        nb::gil_scoped_acquire acquire;
+        try {
+          nb::list copies;
+          for (nb::handle item : flat.staged) {
+            auto idx = nb::cast<size_t>(item[0]);
+            copies.append(nb::make_tuple(item[1], b.tensor_offset(idx)));
+          }
+          nb::module_::import_("safepoint._staging")
+              .attr("stage")(reinterpret_cast<uintptr_t>(slot.data()), slot.size(), copies);
+        } catch (nb::python_error& e) {
+          return Status(StatusCode::kIOError,
+                        std::string("copying tensors into the snapshot failed: ") + e.what());
+        }
+        return Status::OK();
+      };
+    }
     Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
-      r = Get().Save(step, std::move(sources), std::move(extras), persist, notify);
+      r = Get().Save(step, std::move(sources), std::move(extras), persist, notify, stage_fn);
     }
     SnapshotResult s = Unwrap(std::move(r));
     nb::dict out;
@@ -447,7 +471,7 @@ NB_MODULE(_core, m) {
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
            "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0)
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
-           "pickler"_a.none() = nb::none(), "notify"_a = true)
+           "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
       .def("notify", &PyClient::Notify, "skip"_a)
       .def("last_entries", &PyClient::LastEntries)
       .def("wait", &PyClient::Wait, "timeout"_a)

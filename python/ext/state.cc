@@ -101,10 +101,11 @@ std::vector<uint64_t> Dims(nb::handle shape) {
 
 class Flattener {
  public:
-  explicit Flattener(nb::handle pickler) : pickler_(pickler) {}
+  Flattener(nb::handle pickler, Stage stage) : pickler_(pickler), stage_(stage) {}
   FlatState Run(nb::handle state) {
     FlatState out;
     keepalive_ = &out.keepalive;
+    staged_ = &out.staged;
     tensors_ = &out.tensors;
     out.skeleton = Walk(state, 0);
     return out;
@@ -174,7 +175,9 @@ class Flattener {
     nb::object src = nb::borrow(obj);
     nb::object is_cpu = nb::steal(PyObject_GetAttr(src.ptr(), t.s_is_cpu.ptr()));
     if (!is_cpu.is_valid()) throw nb::python_error();
-    if (!is_cpu.is(nb::handle(Py_True))) src = Call(src, t.s_cpu);
+    const bool on_cpu = is_cpu.is(nb::handle(Py_True));
+    if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu)) return Staged(obj, d->second);
+    if (!on_cpu) src = Call(src, t.s_cpu);
     if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
     nb::object ptr_obj = Call(src, t.s_data_ptr);
     const uintptr_t ptr = PyLong_AsUnsignedLongLong(ptr_obj.ptr());
@@ -227,6 +230,25 @@ class Flattener {
     keepalive_->append(box[0]);
     seen_.emplace(obj.ptr(), std::get<TensorRef>(v.v));
     return v;
+  }
+
+  // A tensor the caller copies into the slot itself (GPU: asynchronous device-to-host copies);
+  // listed in `staged_` with its index.
+  Value Staged(nb::handle obj, DType dtype) {
+    Types& t = T();
+    nb::object src = nb::borrow(obj);
+    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
+    nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
+    if (!shape_obj.is_valid()) throw nb::python_error();
+    std::vector<uint64_t> shape = Dims(shape_obj);
+    uint64_t nbytes = DTypeSize(dtype);
+    for (uint64_t x : shape) nbytes *= x;
+    const size_t idx = Add(dtype, std::move(shape), 0, nbytes);
+    (*tensors_)[idx].staged = true;
+    staged_->append(nb::make_tuple(idx, src));
+    TensorRef ref{idx, 0};
+    seen_.emplace(obj.ptr(), ref);
+    return Value(ref);
   }
 
   static nb::object Call(nb::handle self, const nb::str& method) {
@@ -369,6 +391,8 @@ class Flattener {
   }
 
   nb::handle pickler_;
+  Stage stage_ = Stage::kNone;
+  nb::list* staged_ = nullptr;
   std::string path_;
   std::unordered_set<std::string> names_;
   std::unordered_map<PyObject*, TensorRef> seen_;
@@ -504,8 +528,8 @@ class Rebuilder {
 
 }  // namespace
 
-FlatState FlattenState(nb::handle state, nb::handle pickler) {
-  return Flattener(pickler).Run(state);
+FlatState FlattenState(nb::handle state, nb::handle pickler, Stage stage) {
+  return Flattener(pickler, stage).Run(state);
 }
 
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,

@@ -24,11 +24,17 @@ struct FlatState {
   Value skeleton;
   std::vector<TensorSource> tensors;
   nb::list keepalive;  // tensors made contiguous / copied to the CPU; hold until written
+  nb::list staged;     // (tensor index, tensor) of the TensorSource::staged tensors
 };
+
+// Which tensors the caller copies into place itself (TensorSource::staged) instead of the walker
+// handing out CPU pointers: none (the streaming save path), GPU tensors (flash snapshots:
+// asynchronous copies into pinned slot memory), or every tensor (tests of that path on CPUs).
+enum class Stage { kNone = 0, kDevice = 1, kAll = 2 };
 
 // Raises InvalidArgumentError (a Python exception) naming the key of an unsupported value, unless
 // `pickler` is a callable (allow_pickle), which then turns such a value into bytes.
-FlatState FlattenState(nb::handle state, nb::handle pickler);
+FlatState FlattenState(nb::handle state, nb::handle pickler, Stage stage = Stage::kNone);
 
 // `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes. Pickled
 // values are passed to `unpickler`; when it is None they are refused with an error.

@@ -188,7 +188,8 @@ Result<std::string> SnapshotClient::Request(int type, const std::string& payload
 }
 
 Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSource> tensors,
-                                            std::string extras, bool persist, bool notify) {
+                                            std::string extras, bool persist, bool notify,
+                                            const StageFn& stage) {
   pending_note_.reset();
   last_specs_.clear();
   last_specs_.reserve(tensors.size());
@@ -243,6 +244,13 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
 
   const auto t_copy = Clock::now();
   const size_t threads = opt_.copy_threads ? opt_.copy_threads : internal::DefaultCpuThreads();
+  if (stage) {
+    Status staged = stage(ticket.data, *builder);
+    if (!staged.ok()) {
+      arena_->AbortWrite(ticket);
+      return staged;
+    }
+  }
   builder->FillAll(ticket.data, threads);
   arena_->FinishWrite(ticket, step, builder->size(), /*leased=*/persist);
   result.copy_seconds = Since(t_copy);

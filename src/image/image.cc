@@ -158,7 +158,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
       return fail("nbytes " + std::to_string(t.nbytes) + " does not match shape and dtype (" +
                   std::to_string(n) + ")");
     }
-    if (n > 0 && t.data == nullptr && !s.elsewhere) return fail("no data");
+    if (n > 0 && t.data == nullptr && !s.elsewhere && !t.staged) return fail("no data");
     const bool shard = !s.global_shape.empty() || !s.global_offset.empty();
     if (shard) {
       if (s.global_shape.size() != s.shape.size() || s.global_offset.size() != s.shape.size()) {
@@ -266,6 +266,13 @@ void ImageBuilder::Fill(uint64_t offset, std::span<std::byte> dst) const {
                 to - from);
     cursor = to;
   };
+  auto keep = [&](uint64_t seg_off, uint64_t len) {  // bytes the caller staged: leave them
+    const uint64_t seg_end = seg_off + len;
+    if (seg_end <= cursor || seg_off >= end || len == 0) return;
+    const uint64_t from = std::max(seg_off, cursor);
+    if (from > cursor) std::memset(dst.data() + (cursor - offset), 0, from - cursor);
+    cursor = std::min(seg_end, end);
+  };
   emit(0, header_.data(), header_.size());
   emit(layout_.index_offset, index_.data(), index_.size());
   if (cursor < end && !tensors_.empty()) {
@@ -273,7 +280,12 @@ void ImageBuilder::Fill(uint64_t offset, std::span<std::byte> dst) const {
     size_t i = std::upper_bound(offsets_.begin(), offsets_.end(), cursor) - offsets_.begin();
     if (i > 0) --i;
     for (; i < tensors_.size() && offsets_[i] < end; ++i) {
-      if (!tensors_[i].spec.elsewhere) emit(offsets_[i], tensors_[i].data, tensors_[i].nbytes);
+      if (tensors_[i].spec.elsewhere) continue;
+      if (tensors_[i].staged) {
+        keep(offsets_[i], tensors_[i].nbytes);
+      } else {
+        emit(offsets_[i], tensors_[i].data, tensors_[i].nbytes);
+      }
     }
   }
   emit(layout_.extras_offset, extras_.data(), extras_.size());

@@ -1,0 +1,67 @@
+"""The staged-copy path of flash snapshots: GPU tensors are copied by safepoint._staging straight
+into the (pinned) slot before the image is checksummed. On machines without CUDA the same path
+is driven with CPU tensors (stage=2); the CUDA test runs where a GPU exists."""
+
+import os
+
+import pytest
+import torch
+
+import safepoint
+from safepoint import _staging
+
+
+def state():
+    g = torch.Generator().manual_seed(3)
+    return {"big": torch.randn(300_000, generator=g), "small": torch.arange(7, dtype=torch.int16),
+            "t": torch.randn(64, 64, generator=g).t(),  # not contiguous
+            "bf": torch.randn(1000, generator=g).to(torch.bfloat16), "empty": torch.zeros(0),
+            "n": 3}
+
+
+def equal(a, b):
+    return all(torch.equal(a[k], b[k]) for k in ("big", "small", "t", "bf", "empty")) and a["n"] == b["n"]
+
+
+@pytest.fixture
+def ck(tmp_path):
+    c = safepoint.Checkpointer(tmp_path / "ckpt", job=f"stage-{os.getpid()}-{id(tmp_path) % 10**6}",
+                               shm_dir=str(tmp_path))
+    yield c
+    c.close()
+
+
+def test_staged_tensors_land_in_the_snapshot_and_on_storage(ck, cli):
+    ck._live.save(1, state(), True, None, True, 2)  # every tensor through the staged path
+    ck.wait()
+    step, snap = ck.load()
+    assert step == 1 and ck.last_load_source == "memory" and equal(snap, state())
+    assert equal(safepoint.load(ck.path, 1)[1], state())
+    cli("verify", ck.path, "--all", check=0)
+
+
+def test_a_failing_copy_fails_the_save_and_frees_the_slot(ck, monkeypatch):
+    def broken(address, size, copies):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(_staging, "stage", broken)
+    with pytest.raises(safepoint.StorageError, match="device lost"):
+        ck._live.save(1, state(), True, None, True, 2)
+    monkeypatch.undo()
+    assert all(s["state"] != "WRITING" for s in ck._live.slots())
+    ck.save(2, state())  # the next save works, and nothing half-copied is ever loaded
+    ck.wait()
+    assert ck.load()[0] == 2 and safepoint.steps(ck.path) == [2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tensors_are_copied_asynchronously_into_pinned_slots(ck):
+    gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in state().items()}
+    ck.save(1, gpu)
+    ck.wait()
+    step, snap = ck.load()
+    assert step == 1 and equal(snap, state())
+    assert _staging._pinned  # the slot was registered with CUDA
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in gpu.items()}
+    assert ck.restore(target) == 1
+    assert all(torch.equal(target[k].cpu(), state()[k]) for k in ("big", "small", "t", "bf"))
