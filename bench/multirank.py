@@ -224,6 +224,10 @@ class Contender:
             os.makedirs(self.root)
         r.barrier()
 
+    def written(self) -> int:
+        """The bytes this rank's save put on disk (rank 0 counts the directory)."""
+        return dir_bytes(self.root) if self.r.rank == 0 else 0
+
     def clear(self) -> None:  # after a repetition, untimed
         if self.r.rank == 0:
             for p in os.listdir(self.root):
@@ -248,6 +252,7 @@ class SpFlash(Contender):
         self.ckpt.wait()
         t2 = time.perf_counter()
         st = self.ckpt.status()
+        self.persisted = st["last_persist_bytes"]
         self.extra = {"persist_s": st["last_persist_seconds"], "copy_s": st["last_save"]["copy_seconds"],
                       "wait_s": st["last_save"].get("wait_seconds")}
         return t1 - t0, t2 - t0
@@ -258,6 +263,9 @@ class SpFlash(Contender):
         seconds = time.perf_counter() - t0
         self.extra["source"] = self.ckpt.last_load_source
         return seconds
+
+    def written(self):  # the agent's count (the directory may still hold the step it prunes)
+        return self.persisted
 
     def clear(self):  # keep=1: the agent prunes older steps itself
         pass
@@ -464,7 +472,7 @@ def worker(cfg: dict) -> None:
             try:
                 blocking, durable = c.save(step, sd)
                 r.barrier()
-                size = dir_bytes(c.root) if r.rank == 0 else 0
+                size = c.written()
                 with torch.no_grad():
                     for t in r.targets.values():
                         local(t).zero_()
@@ -491,7 +499,7 @@ def worker(cfg: dict) -> None:
                 rec["blocking"].append(max(g[0] for g in got))
                 rec["durable"].append(max(g[1] for g in got))
                 rec["load"].append(max(g[2] for g in got))
-                rec["bytes"].append(got[0][3])
+                rec["bytes"].append(sum(g[3] for g in got))
                 rec["extra"].append([g[4] for g in got] + [got[0][5]])
         r.barrier()
         if r.rank == 0:  # the disk's own limit, for the bytes of the whole (unsharded) state
@@ -635,7 +643,7 @@ def render(results: list, args, conditions: str) -> str:
              "(**blocking**) and until the checkpoint is on disk (**durable**: fsync returned / "
              "committed), then the live state is zeroed, the page cache dropped, and the "
              "**load** restores the step into the live model and optimizer in place (checked "
-             "against the saved values). Each figure is the slower rank's; median of "
+             "against the saved values). Each figure is the slower rank's; median (and range) of "
              f"{args.runs} repetitions after a warm-up round, contenders alternated. Flash "
              "contenders (safepoint Checkpointer, DLRover) load from their shared memory; the "
              "others cold from disk. safepoint's agent writes with 16 I/O threads; DCP with one "
@@ -686,10 +694,24 @@ def render(results: list, args, conditions: str) -> str:
 
             def ratio(x, ref):
                 return f"{x / ref:.2f}x" if ref else ""
-            lines.append(f"| {NAMES[k]} | {b:.3f} | {ratio(b, ref_b)} | {d:.3f} | {ratio(d, ref_d)} | "
-                         f"{nb / MiB:.0f} | {rate:.2f} | "
-                         f"{(rate / (total / dd / 1e9)) if dd else 0:.0%} | {ld:.3f} | "
+            def cell(xs):  # the median, and the range over the repetitions
+                return f"{med(xs):.3f} ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 else f"{xs[0]:.3f}"
+            lines.append(f"| {NAMES[k]} | {cell(v['blocking'])} | {ratio(b, ref_b)} | "
+                         f"{cell(v['durable'])} | {ratio(d, ref_d)} | {nb / MiB:.0f} | {rate:.2f} | "
+                         f"{(rate / (total / dd / 1e9)) if dd else 0:.0%} | {cell(v['load'])} | "
                          f"{ratio(ld, ref_l)} |")
+        if "sp_flash" in m:  # where the flash Checkpointer loses, in words
+            sp = {q: med(m["sp_flash"][q]) for q in ("blocking", "durable", "load")}
+            losses = []
+            for q, what in (("blocking", "blocks longer than"), ("durable", "is durable later than"),
+                            ("load", "loads slower than")):
+                worse = [f"{NAMES[k].replace('**', '')} ({sp[q] / med(m[k][q]):.1f}x)"
+                         for k in METHODS if k in m and k != "sp_flash" and med(m[k][q]) < sp[q]]
+                if worse:
+                    losses.append(f"{what} {', '.join(worse)}")
+            lines.append("")
+            lines.append("Where the safepoint Checkpointer loses here (medians): "
+                         + ("; ".join(losses) if losses else "nowhere") + ".")
         notes = []
         if "sp_flash" in m:
             ex = [e for rep in m["sp_flash"]["extra"] for e in rep[:WORLD] if e]
@@ -759,6 +781,7 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(os.path.dirname(HERE), "build", "bench"),
                     help="where to write (a directory on the disk being measured)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a setup may take")
+    ap.add_argument("--note", default="", help="a sentence for the doc (e.g. which build)")
     ap.add_argument("--no-doc", action="store_true", help="print, do not rewrite docs/benchmarks.md")
     args = ap.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
@@ -767,14 +790,15 @@ def main() -> None:
     if bad or args.runs < 1:
         raise SystemExit(f"unknown {bad} or --runs < 1")
     os.makedirs(args.dir, exist_ok=True)
-    conditions = load_conditions()
+    conditions = (args.note + " " if args.note else "") + load_conditions()
     t0 = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="multirank-", dir=args.dir)
     try:
         results = [run_setup(s, args, workdir) for s in args.setups.split(",")]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    conditions += f" The run took {time.perf_counter() - t0:.0f} s."
+    conditions += (f" The run took {time.perf_counter() - t0:.0f} s; load average at the end "
+                   f"{os.getloadavg()[0]:.2f}.")
     section = render(results, args, conditions)
     print(section)
     with open(os.path.join(args.dir, "multirank.json"), "w") as f:
