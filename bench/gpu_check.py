@@ -74,7 +74,10 @@ def main() -> int:
     finally:
         ck.close()
     gbs = lambda s: nbytes / s / 1e9  # noqa: E731
+    from safepoint import _staging
+
     res = {"device": torch.cuda.get_device_name(), "bytes": nbytes, "tensors": args.tensors,
+           "slots_pinned": len(_staging._pinned),
            "pinned_copy_gbs": gbs(statistics.median(plain)), "save_gbs": gbs(statistics.median(saves)),
            "save_vs_pinned": statistics.median(saves) / statistics.median(plain),
            "hot_reload_gbs": gbs(reload_s), "restore_to_gpu_gbs": gbs(restore_s), "bit_exact": ok}
