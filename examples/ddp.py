@@ -11,9 +11,9 @@ so ranks never resume from different steps.
 Started without torchrun, ``main()`` launches the 2 ranks (torch.multiprocessing), and rank 1
 kills itself with SIGKILL right after step ``--crash-at``; like torchrun, the launcher then
 stops the other rank and starts the group again, where every rank prints
-``[rank R] resumed from step 12 (memory)`` (or ``(storage)`` for a rank whose step raised when
-its peer died: leaving the ``with`` block on that exception closed its checkpointer, which
-persists the newest step and frees its memory snapshots). Under torchrun the first command
+``[rank R] resumed from step 12 (memory)`` (a rank whose step raised when its peer died leaves
+the ``with`` block through the exception, which keeps its snapshots for hot reload). Under
+torchrun the first command
 fails when rank 1 crashes; running it again resumes (``--crash-at 0``: no crash). (torchrun's
 own ``--max-restarts`` restart fails in gloo's connectFullMesh with torch 2.13, with or without
 safepoint.)

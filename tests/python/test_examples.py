@@ -44,16 +44,16 @@ class Example:
 
 EXAMPLES = [
     Example("plain_pytorch.py", step=12, source="memory"),
-    # Either source: rank 0 may see its peer die (a gloo error in the step) and close its
-    # checkpointer on the way out of the with block, which frees its memory snapshots.
+    # Either source is correct for ddp.py; since leaving `with` by an exception keeps the
+    # snapshots, both ranks normally resume from memory.
     Example("ddp.py", step=12, resumes=2),
     # DCP's example saves and then loads the newest step in one process (no crash to resume).
     Example("dcp_example.py", pattern=r"loaded step (?P<step>\d+) from \S+: weights "
                                       r"bit-identical: True"),
-    # Planned in issue 4; skipped until they exist. Adjust the entries when adding them.
-    Example("fsdp2.py"),
-    Example("lightning_example.py"),
-    Example("hf_example.py"),
+    # Saved by 2 FSDP2 ranks, resumed by one process: resharding reads from storage.
+    Example("fsdp2.py", step=6, source="storage"),
+    Example("lightning_example.py", step=16, source="memory"),
+    Example("hf_example.py", step=6, source="memory"),
 ]
 
 
