@@ -97,7 +97,9 @@ class Checkpointer:
     snapshots still hold every rank's full state (hot reload reads nothing from other ranks);
     loading from storage reads a replica from the rank that wrote it. Keep tensors that differ
     between ranks under different names (the generator states of ``include_rng`` are never
-    taken as replicas), or pass ``dedupe=False``.
+    taken as replicas), or pass ``dedupe=False``. With dedupe, ``save`` is a collective (like
+    DCP's save): every rank calls it for the same steps; if the ranks cannot agree (a peer died),
+    the snapshot is still taken and this rank writes all of its tensors.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, job: Optional[str] = None,
@@ -172,7 +174,15 @@ class Checkpointer:
         if self.dedupe:
             # Every rank calls save for the step: agree on who writes which replica, then tell
             # the agent. A rank that dies before this is flushed without skipping (correct).
-            res["agent_error"] = self._live.notify(self._skip_ranges(res))
+            try:
+                skip = self._skip_ranges(res)
+            except Exception as e:  # a peer is gone or out of step: write every tensor
+                warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
+                              f"the replicas ({e}); this rank writes all of its tensors",
+                              RuntimeWarning, stacklevel=2)
+                self._plan = ((), [])
+                skip = []
+            res["agent_error"] = self._live.notify(skip)
         res["blocking_seconds"] = time.perf_counter() - t0
         res["step"] = step
         self._stats["saves"] += 1

@@ -307,17 +307,19 @@ def test_single_process_resume_is_bit_identical(ctx, reference, new_job, source)
 
 
 def test_ddp_one_rank_killed_resumes_from_memory_bit_identical(ctx, reference, new_job):
-    """Rank 1 is killed during step K+1; rank 0 runs ahead (saves K+1, then waits in the next
-    step's all-reduce) and is killed next, as torchrun kills a failed group. Both ranks must
-    resume from step K (rank 0's newer snapshot is not one every rank has), from memory."""
+    """Rank 1 is killed during step K+1; rank 0 runs ahead into save(K+1), which waits for its
+    peer to agree on who writes the replicas. When rank 1 dies, rank 0's save still completes
+    (it writes all of its tensors) and rank 0 is killed next, as torchrun kills a failed group.
+    Both ranks must resume from step K (rank 0's newer snapshot is not one every rank has),
+    from memory."""
     ref = reference(2)
     job = new_job()
     r0, r1 = job.launch(ctx, 2, pause_at=[None, K + 1])
     assert r1.expect("paused") == ("paused", K + 1)
-    while ("saved", K + 1) not in r0.events:
-        r0.expect("saved")
     r1.kill()
     assert r1.proc.exitcode == -signal.SIGKILL
+    while ("saved", K + 1) not in r0.events:
+        r0.expect("saved")
     r0.kill()
 
     procs = job.launch(ctx, 2, resume=True)
