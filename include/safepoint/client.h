@@ -54,7 +54,7 @@ struct SnapshotResult {
 
 
 struct MemorySnapshot {
-  LoadedImage image;  // a private, verified copy of the slot's image
+  LoadedImage image;  // a private, verified copy of the slot's image (or the slot: in_place)
   ImageReader reader;
   Value extras;
   uint64_t step = 0;
@@ -87,9 +87,14 @@ class SnapshotClient {
   Result<std::string> AgentStatus();
   // Reads the newest COMPLETE snapshot of this rank that is at least `min_step`, verified.
   // NotFound when there is none; Corruption when the newest one fails its checksums.
-  Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step);
+  //
+  // in_place: verify the slot's bytes where they are and hand out the slot's memory itself
+  // instead of a private copy (restore copies from it once, straight into its targets). The
+  // bytes stay valid until this client's next Save (only that writes this rank's slots; the
+  // agent only reads them). Not for results a caller keeps.
+  Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step, bool in_place = false);
   // Reads the COMPLETE snapshot of exactly `step`, verified. NotFound when no slot holds it.
-  Result<MemorySnapshot> LoadStep(uint64_t step);
+  Result<MemorySnapshot> LoadStep(uint64_t step, bool in_place = false);
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
 
@@ -103,7 +108,9 @@ class SnapshotClient {
   Status ConnectOnce();
   Status StartAgent();
   Status Hello();
-  Result<MemorySnapshot> LoadSlot(const SlotInfo& slot);
+  Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place);
+  Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
+                               const std::string& source) const;
   void Disconnect();
   Result<std::string> Request(int type, const std::string& payload, int reply_type, double timeout_s);
 

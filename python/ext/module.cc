@@ -384,12 +384,12 @@ class PyClient {
     return Unwrap(std::move(r));
   }
 
-  nb::object LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler) {
-    return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step); }), unpickler);
+  nb::object LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler, bool in_place) {
+    return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step, in_place); }), unpickler);
   }
 
-  nb::object LoadStep(uint64_t step, nb::handle unpickler) {
-    return ToPython(WithoutGil([&] { return Get().LoadStep(step); }), unpickler);
+  nb::object LoadStep(uint64_t step, nb::handle unpickler, bool in_place) {
+    return ToPython(WithoutGil([&] { return Get().LoadStep(step, in_place); }), unpickler);
   }
 
   nb::list Slots() {
@@ -477,8 +477,9 @@ NB_MODULE(_core, m) {
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)
       .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none(),
-           "unpickler"_a.none() = nb::none())
-      .def("load_step", &PyClient::LoadStep, "step"_a, "unpickler"_a.none() = nb::none())
+           "unpickler"_a.none() = nb::none(), "in_place"_a = false)
+      .def("load_step", &PyClient::LoadStep, "step"_a, "unpickler"_a.none() = nb::none(),
+           "in_place"_a = false)
       .def("slots", &PyClient::Slots)
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("close", &PyClient::Close, "timeout"_a)

@@ -194,22 +194,22 @@ class Flattener {
     return Value(ref);
   }
 
-  // torch.distributed.tensor.DTensor, looked up on the first tensor subclass (None without
-  // torch.distributed).
+  // torch.distributed.tensor.DTensor if that module is loaded (a DTensor cannot exist before
+  // it is; importing it here would cost seconds), else an invalid handle. Looked up for tensor
+  // subclasses only (nn.Parameter, DTensor, ...).
   static nb::handle DTensorType() {
-    static nb::object* type = [] {
-      auto* out = new nb::object(nb::none());
-      try {
-        nb::object dist = nb::module_::import_("torch.distributed");
-        if (nb::cast<bool>(dist.attr("is_available")())) {
-          *out = nb::module_::import_("torch.distributed.tensor").attr("DTensor");
-        }
-      } catch (const nb::python_error&) {
-        PyErr_Clear();
-      }
-      return out;
-    }();
-    return type->is_none() ? nb::handle() : nb::handle(*type);
+    static nb::object* type = nullptr;
+    if (type != nullptr) return *type;
+    PyObject* modules = PyImport_GetModuleDict();
+    PyObject* mod = PyDict_GetItemString(modules, "torch.distributed.tensor");  // borrowed
+    if (mod == nullptr) return nb::handle();
+    PyObject* cls = PyObject_GetAttrString(mod, "DTensor");
+    if (cls == nullptr) {
+      PyErr_Clear();
+      return nb::handle();
+    }
+    type = new nb::object(nb::steal(cls));
+    return *type;
   }
 
   // A DTensor: its local shard, with the box it covers in the global tensor

@@ -23,6 +23,7 @@ from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._shards import plan_replicas, read_into
+from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
@@ -274,8 +275,10 @@ class Checkpointer:
         want = step if step is not None else newest_storage
         snap = None
         try:
-            snap = (self._live.load_newest(want, self._unpickler) if step is None
-                    else self._live.load_step(step, self._unpickler))
+            # restore (targets) copies from the slot itself, once, straight into its targets
+            in_place = targets is not None
+            snap = (self._live.load_newest(want, self._unpickler, in_place) if step is None
+                    else self._live.load_step(step, self._unpickler, in_place))
         except CorruptionError as e:
             warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                           RuntimeWarning, stacklevel=3)
@@ -289,7 +292,8 @@ class Checkpointer:
         """This rank's copy of `step`: memory first, then storage. None if neither reads back."""
         if step in memory:
             try:
-                got = self._usable(self._live.load_step(step, self._unpickler))
+                got = self._usable(self._live.load_step(step, self._unpickler,
+                                                        targets is not None))
                 if got is not None:
                     return got
             except CorruptionError as e:
@@ -334,11 +338,20 @@ class Checkpointer:
         tensors are copied into the existing tensors, Stateful values get ``load_state_dict``,
         other values are replaced; generator states saved with ``include_rng`` are restored.
         Returns the step, or None when there is nothing to load."""
-        loaded = self.load(step, _targets=to_saveable(state))
+        targets = to_saveable(state)
+        loaded = self.load(step, _targets=targets)
         if loaded is None:
             return None
         got_step, got = loaded
-        restore_into(state, got)
+        # From memory, `got` views the snapshot slot itself (read in place, verified): copy
+        # out of it now, and never keep a reference to it.
+        borrowed = self.last_load_source == "memory"
+        gpu = borrowed and pin_for_gpu_copies(got, targets)
+        restore_into(state, got, borrowed=borrowed)
+        if gpu:
+            import torch
+
+            torch.cuda.synchronize()
         if isinstance(got, dict) and RNG_KEY in got:
             restore_rng(got[RNG_KEY])
         return got_step

@@ -12,6 +12,7 @@ step, the saved pieces that overlap the box the target needs, and reads just tho
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any, Optional
 
@@ -26,16 +27,10 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 
 def _dtensor_type():
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available():
-            from torch.distributed.tensor import DTensor
-
-            return DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        pass
-    return None
+    """DTensor, if torch.distributed.tensor is loaded (no DTensor exists before it is, and
+    importing it costs seconds)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
 def dtensor_box(t: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -70,7 +65,9 @@ def copy_tensor(target: torch.Tensor, loaded: torch.Tensor, where: str) -> None:
         raise InvalidArgumentError(f"{where}: shape {tuple(loaded.shape)} in the checkpoint, "
                                    f"{tuple(local.shape)} in the state")
     with torch.no_grad():
-        local.copy_(loaded)
+        # From pinned memory (a registered snapshot slot) to a GPU the copy is asynchronous;
+        # the restore synchronizes before the slot can be written again.
+        local.copy_(loaded, non_blocking=local.is_cuda and loaded.is_pinned())
 
 
 class _Piece:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -25,8 +27,11 @@ def _host_view(address: int, size: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_ubyte * size).from_address(address), dtype=torch.uint8)
 
 
+_MIN_PIN_BYTES = 64 << 20  # smaller slots copy fast enough without; registering costs too
+
+
 def _pin(address: int, size: int) -> None:
-    if _pinned.get(address) == size:
+    if _pinned.get(address) == size or size < _MIN_PIN_BYTES:
         return
     cudart = torch.cuda.cudart()
     for old in [a for a in _pinned if a <= address < a + _pinned[a] or address <= a < address + size]:
@@ -34,8 +39,12 @@ def _pin(address: int, size: int) -> None:
         del _pinned[old]
     rc = cudart.cudaHostRegister(address, size, 0)
     if int(rc) != 0:
-        warnings.warn(f"safepoint: cudaHostRegister of a {size}-byte snapshot slot failed ({rc}); "
-                      "device-to-host copies into it will be slower", RuntimeWarning)
+        # The failed call left its error as CUDA's "last error", which the next kernel launch
+        # check in torch would report as its own: read it to clear it.
+        getattr(cudart, "cudaGetLastError", lambda: None)()
+        warnings.warn(f"safepoint: cudaHostRegister of a {size}-byte snapshot slot failed "
+                      f"(error {int(rc)}); copies between it and the GPU will be slower",
+                      RuntimeWarning)
         return
     _pinned[address] = size
 
@@ -75,3 +84,33 @@ def stage(address: int, size: int, copies: list) -> None:
         pending.append(stream)
     for stream in pending:
         stream.synchronize()
+
+
+def _walk_tensors(tree: Any):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from _walk_tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _walk_tensors(v)
+
+
+def pin_for_gpu_copies(loaded: Any, targets: Any) -> bool:
+    """Before restoring a snapshot read in place (tensors that view its slot) into `targets`:
+    when some target is on a GPU, registers the slot with CUDA (once; saves pinned it already
+    in a process that saved), so the copies to the GPU are asynchronous DMA transfers; the
+    caller synchronizes after them. Returns whether there are GPU targets."""
+    if not torch.cuda.is_available():
+        return False
+    if not any(t.is_cuda for t in _walk_tensors(targets)):
+        return False
+    slots = {}
+    for t in _walk_tensors(loaded):
+        if not t.is_cuda and t.numel():
+            st = t.untyped_storage()
+            slots[st.data_ptr()] = st.nbytes()
+    for address, size in slots.items():
+        _pin(address, size)
+    return True

@@ -78,14 +78,15 @@ def _cpu_uint8(t: Any) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.uint8).contiguous().clone()
 
 
-def restore_into(state: Any, loaded: Any, path: str = "") -> Any:
+def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False) -> Any:
     """Loads ``loaded`` into ``state`` in place; returns the restored state (the same object
-    where it could be updated in place)."""
+    where it could be updated in place). ``borrowed``: ``loaded`` lives in memory that will be
+    reused (a snapshot slot read in place), so values taken from it as they are get copied."""
     where = path or "<root>"
     if is_stateful(state):
         # Through the object's current state dict, so its tensors (DTensor shards of FSDP2/TP
         # parameters included) are written in place, then load_state_dict with the result.
-        state.load_state_dict(_overlay(state.state_dict(), loaded, where))
+        state.load_state_dict(_overlay(state.state_dict(), loaded, where, borrowed))
         return state
     if isinstance(state, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
@@ -100,19 +101,34 @@ def restore_into(state: Any, loaded: Any, path: str = "") -> Any:
                 continue
             if k not in loaded:
                 raise InvalidArgumentError(f"{where}: key {k!r} is not in the checkpoint")
-            state[k] = restore_into(state[k], loaded[k], f"{path}.{k}" if path else str(k))
+            state[k] = restore_into(state[k], loaded[k], f"{path}.{k}" if path else str(k),
+                                    borrowed)
         return state
     if isinstance(state, MutableSequence) and isinstance(loaded, (list, tuple)):
         if len(state) != len(loaded):
             raise InvalidArgumentError(f"{where}: {len(loaded)} items in the checkpoint, "
                                        f"{len(state)} in the state")
         for i in range(len(state)):
-            state[i] = restore_into(state[i], loaded[i], f"{path}.{i}" if path else str(i))
+            state[i] = restore_into(state[i], loaded[i], f"{path}.{i}" if path else str(i),
+                                    borrowed)
         return state
-    return loaded
+    return _owned(loaded) if borrowed else loaded
 
 
-def _overlay(current: Any, loaded: Any, where: str) -> Any:
+def _owned(value: Any) -> Any:
+    """`value` with every tensor and array copied out of the memory it views."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, Mapping):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v) for v in value)
+    return value
+
+
+def _overlay(current: Any, loaded: Any, where: str, borrowed: bool = False) -> Any:
     """`loaded`, with each of its tensors copied into the tensor `current` has at the same place
     (in place; a DTensor gets its local shard) and that tensor used instead. Values only
     `loaded` has (optimizer state before the first step, say) are taken as loaded."""
@@ -121,12 +137,14 @@ def _overlay(current: Any, loaded: Any, where: str) -> Any:
             if current is not loaded:
                 copy_tensor(current, loaded, where)
             return current
-        return loaded
+        return loaded.clone() if borrowed else loaded
+    if isinstance(loaded, np.ndarray) and borrowed:
+        return loaded.copy()
     if isinstance(loaded, Mapping):
         cur = current if isinstance(current, Mapping) else {}
-        return {k: _overlay(cur.get(k), v, f"{where}.{k}") for k, v in loaded.items()}
+        return {k: _overlay(cur.get(k), v, f"{where}.{k}", borrowed) for k, v in loaded.items()}
     if isinstance(loaded, (list, tuple)):
         same = isinstance(current, (list, tuple)) and len(current) == len(loaded)
-        return type(loaded)(_overlay(current[i] if same else None, v, f"{where}.{i}")
+        return type(loaded)(_overlay(current[i] if same else None, v, f"{where}.{i}", borrowed)
                             for i, v in enumerate(loaded))
     return loaded

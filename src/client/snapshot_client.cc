@@ -305,31 +305,55 @@ Result<std::string> SnapshotClient::AgentStatus() {
                  static_cast<int>(MessageType::kStatusReply), 30);
 }
 
-Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_step) {
+Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_step, bool in_place) {
   SP_RETURN_IF_ERROR(arena_->Refresh());
   const std::optional<SlotInfo> newest = arena_->NewestComplete();
   if (!newest || (min_step && newest->step < *min_step)) {
     return NotFound(job_dir_ + ": no snapshot of rank " + std::to_string(opt_.rank) +
                     " in memory" + (min_step ? " at step " + std::to_string(*min_step) + " or newer" : ""));
   }
-  return LoadSlot(*newest);
+  return LoadSlot(*newest, in_place);
 }
 
-Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step) {
+Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step, bool in_place) {
   SP_RETURN_IF_ERROR(arena_->Refresh());
   for (const SlotInfo& s : arena_->Slots()) {
-    if (s.state == SlotState::kComplete && s.step == step) return LoadSlot(s);
+    if (s.state == SlotState::kComplete && s.step == step) return LoadSlot(s, in_place);
   }
   return NotFound(job_dir_ + ": no snapshot of step " + std::to_string(step) + " of rank " +
                   std::to_string(opt_.rank) + " in memory");
 }
 
-Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot) {
+Status SnapshotClient::CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
+                                             const std::string& source) const {
+  if (reader.meta().step != slot.step || reader.meta().rank != opt_.rank ||
+      reader.meta().world_size != opt_.world_size) {
+    return Corruption(source + ": the image in the slot is of step " +
+                      std::to_string(reader.meta().step) + ", rank " +
+                      std::to_string(reader.meta().rank) + " of " +
+                      std::to_string(reader.meta().world_size));
+  }
+  return Status::OK();
+}
+
+Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_place) {
   const SlotInfo* newest = &slot;
   const std::string source = job_dir_ + "/rank-" + std::to_string(opt_.rank) + ".slot-" +
                              std::to_string(newest->index) + " (step " +
                              std::to_string(newest->step) + ")";
   const size_t size = newest->image_size;
+  if (in_place) {
+    auto src = arena_->SlotData(newest->index).subspan(0, size);
+    std::shared_ptr<std::byte> view(src.data(), [](std::byte*) {});  // the arena owns it
+    SP_ASSIGN_OR_RETURN(ImageReader reader,
+                        ImageReader::Parse(src, source, ImageReader::Verify::kAll,
+                                           internal::DefaultCpuThreads()));
+    SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
+    SP_ASSIGN_OR_RETURN(Value extras,
+                        DecodeExtras(reader.extras(), reader.tensors().size(), source));
+    return MemorySnapshot{LoadedImage{std::move(view), size, source}, std::move(reader),
+                          std::move(extras), newest->step};
+  }
   auto* raw = static_cast<std::byte*>(
       ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (raw == MAP_FAILED) return ResourceExhausted(source + ": cannot allocate " + std::to_string(size) + " bytes");
@@ -346,13 +370,7 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot) {
   std::span<const std::byte> bytes(raw, size);
   SP_ASSIGN_OR_RETURN(ImageReader reader,
                       ImageReader::Parse(bytes, source, ImageReader::Verify::kStructure));
-  if (reader.meta().step != newest->step || reader.meta().rank != opt_.rank ||
-      reader.meta().world_size != opt_.world_size) {
-    return Corruption(source + ": the image in the slot is of step " +
-                      std::to_string(reader.meta().step) + ", rank " +
-                      std::to_string(reader.meta().rank) + " of " +
-                      std::to_string(reader.meta().world_size));
-  }
+  SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
   SP_ASSIGN_OR_RETURN(Value extras, DecodeExtras(reader.extras(), reader.tensors().size(), source));
   MemorySnapshot out{LoadedImage{std::move(buffer), size, source}, std::move(reader), std::move(extras),
                      newest->step};

@@ -114,3 +114,28 @@ def test_leaving_with_by_an_exception_keeps_snapshots_for_hot_reload(tmp_path):
         step, state = again.load()
         assert step == 3 and again.last_load_source == "memory"
         assert torch.equal(state["w"], torch.full((4,), 3.0))
+
+
+def test_restore_from_memory_never_aliases_the_snapshot_slot(tmp_path):
+    # restore() reads the slot in place; whatever it hands over (optimizer state the target did
+    # not have yet, values replacing non-tensors) must be copies: the slot is reused by the
+    # next saves.
+    model, opt, sched, _ = make()
+    train(model, opt, sched, 2)
+    saved = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    with safepoint.Checkpointer(tmp_path / "ckpt", job=f"alias-{id(tmp_path) % 10**8}",
+                                shm_dir=str(tmp_path), persist_every=100) as ckpt:
+        ckpt.save(2, {"model": model, "optim": opt, "extra": torch.full((3,), 7.0)})
+        m2, o2, s2, _ = make()  # o2 has no state yet: it comes from the slot
+        target = {"model": m2, "optim": o2, "extra": None}  # so does "extra"
+        assert ckpt.restore(target) == 2 and ckpt.last_load_source == "memory"
+        for step in (3, 4, 5):  # overwrite both slots with other values
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            train(model, opt, sched, 1)
+            ckpt.save(step, {"model": model, "optim": opt, "extra": torch.full((3,), float(step))})
+    assert torch.equal(target["extra"], torch.full((3,), 7.0))
+    for k, v in o2.state_dict()["state"].items():
+        for n, t in v.items():
+            assert torch.equal(t, saved[k][n]), (k, n)
