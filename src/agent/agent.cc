@@ -34,6 +34,7 @@
 #include <set>
 #include <thread>
 
+#include "base/kill_point.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
@@ -346,6 +347,7 @@ TaskResult Agent::Persist(const Task& t) {
     r.status = Corruption(source + ": the snapshot's header does not match its slot");
     return r;
   }
+  SP_KILL_POINT("agent.persist.leased");
   auto stats = store_->WriteImageBytes(image, t.step, t.rank);
   if (!stats.ok()) {
     r.status = stats.status();
@@ -353,6 +355,7 @@ TaskResult Agent::Persist(const Task& t) {
   }
   r.bytes = stats->bytes;
   r.seconds = stats->seconds;
+  SP_KILL_POINT("agent.persist.before_commit");
   auto committed = store_->TryCommit(t.step, config_->world_size, opt_.job);
   if (!committed.ok()) {
     r.status = committed.status();
@@ -360,6 +363,7 @@ TaskResult Agent::Persist(const Task& t) {
   }
   r.committed = *committed;
   if (r.committed) {
+    SP_KILL_POINT("agent.persist.before_prune");
     // Retention: keep the newest `keep` committed steps (never fewer than one).
     auto all = store_->ListCommitted();
     if (all.ok()) {

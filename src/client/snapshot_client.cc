@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "base/crc32c.h"
+#include "base/kill_point.h"
 #include "base/parallel.h"
 #include "safepoint/agent.h"
 #include "safepoint/client.h"
@@ -226,7 +227,9 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   const auto t_copy = Clock::now();
   const size_t threads = opt_.copy_threads ? opt_.copy_threads : internal::DefaultCpuThreads();
   builder->FillAll(ticket.data, threads);
+  SP_KILL_POINT("client.save.before_complete");
   arena_->FinishWrite(ticket, step, builder->size(), /*leased=*/persist);
+  SP_KILL_POINT("client.save.after_complete");
   result.copy_seconds = Since(t_copy);
   result.saved = true;
   if (persist) last_persist_step_ = step;
