@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -680,6 +681,31 @@ TEST_F(AgentTest, CleanCloseRemovesSlotsAndTheAgentExits) {
   EXPECT_EQ(committed.back(), 2u);
   ExpectOnStorage(std::nullopt, 2);
   client.reset();
+}
+
+// Found by the crash campaign (tests/crash): an agent started on demand that died while starting
+// (there: SIGKILLed while it adopted the job's snapshots) left the training process waiting out
+// the whole start timeout for an agent that was gone, then failing. The client starts it again.
+TEST_F(AgentTest, ClientRestartsAnAgentThatDiedWhileStarting) {
+  // An "agent" that dies at its first start and is the real one afterwards.
+  const std::string script = tmp_ + "/dies-once";
+  {
+    std::ofstream f(script);
+    f << "#!/bin/sh\n"
+      << "if [ ! -e \"$0.started\" ]; then : > \"$0.started\"; exit 1; fi\n"
+      << "exec " << SAFEPOINTD_PATH << " \"$@\"\n";
+  }
+  ASSERT_EQ(::chmod(script.c_str(), 0700), 0);
+  ClientOptions options = Options();
+  options.agent_binary = script;
+  auto client = SnapshotClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  EXPECT_TRUE(fs::exists(script + ".started"));
+  uint32_t pid = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &pid));
+  SaveStep(**client, 3, /*persist=*/true);
+  ASSERT_TRUE((*client)->Wait(kDeadlineSeconds).ok());
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{3}));
 }
 
 }  // namespace
