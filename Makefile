@@ -6,7 +6,8 @@ PY     := $(VENV)/bin/python
 BUILD  := build/py
 JOBS   ?= 2
 
-.PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench bench-multirank clean
+.PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
+        bench-multirank clean crash-build test-crash crashtest
 
 setup:
 	@scripts/setup.sh
@@ -24,7 +25,23 @@ test-cpp: build
 test-python: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests/python
 
-test: test-cpp test-python
+test: test-cpp test-python test-crash
+
+# The crash campaign (tests/crash, docs/reliability.md): kill -9 at random moments and at named
+# kill points. Kill points exist only in this separate build (build/crash, never installed or
+# shipped); `make test` runs a short campaign, `make crashtest` a long one.
+CRASH_BUILD := build/crash
+CRASH_KILLS ?= 1000
+crash-build: setup
+	cmake -S . -B $(CRASH_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSAFEPOINT_BUILD_TESTS=OFF \
+	    -DSAFEPOINT_BUILD_PYTHON=ON -DSAFEPOINT_KILL_POINTS=ON -DPython_EXECUTABLE=$(CURDIR)/$(PY) >/dev/null
+	cmake --build $(CRASH_BUILD) -j$(JOBS) --target _core safepointd safepoint_cli
+
+test-crash: crash-build
+	$(PY) tests/crash/crashtest.py --kills 50 --build-dir $(CRASH_BUILD)
+
+crashtest: crash-build
+	$(PY) tests/crash/crashtest.py --kills $(CRASH_KILLS) --build-dir $(CRASH_BUILD)
 
 # Sanitizer builds of the C++ tests (the agent binary they start is sanitized too).
 SAN_CMAKE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSAFEPOINT_BUILD_PYTHON=OFF

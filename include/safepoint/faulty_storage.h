@@ -2,12 +2,14 @@
 //
 // It forwards to a base Storage and, according to the armed faults, fails the Nth operation of a
 // kind with EIO (IOError) or ENOSPC (ResourceExhausted), performs short writes (writes a prefix
-// of the data, then fails), and simulates a power loss: every object that was created but not
+// of the data, then fails), delays it (a latency spike: the operation then proceeds normally),
+// and simulates a power loss: every object that was created but not
 // yet published loses its data and can never be published.
 //
 // Thread-safe. Operation counters are per kind and count from 1 since the fault was armed.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -34,6 +36,7 @@ enum class FaultKind : int {
   kEIO = 0,     // IOError
   kENOSPC,      // ResourceExhausted
   kShortWrite,  // only for kWrite: half of the data is written, then IOError
+  kDelay,       // a latency spike: the operation waits `delay`, then proceeds without error
 };
 
 struct FaultSpec {
@@ -41,6 +44,7 @@ struct FaultSpec {
   uint64_t nth = 1;         // fail the nth operation of `op` counted from arming (1-based)
   FaultKind kind = FaultKind::kEIO;
   bool sticky = false;      // also fail every later operation of `op` until cleared
+  std::chrono::microseconds delay{0};  // for kDelay
 };
 
 class FaultyStorage final : public Storage {

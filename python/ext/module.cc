@@ -486,4 +486,5 @@ NB_MODULE(_core, m) {
       .def("abandon", &PyClient::Abandon);
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("FORMAT_VERSION") = kImageFormatVersion;
+  m.attr("KILL_POINTS") = static_cast<bool>(SAFEPOINT_HAVE_KILL_POINTS);  // crash-test builds only
 }

@@ -53,34 +53,51 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+_views: dict = {}  # (address, size, layout) -> destination views, for the two slots of a rank
+
+
+def _destinations(address: int, size: int, layout: tuple) -> list:
+    """uint8 views of the slot for each (offset, nbytes) of `layout`; a save with the layout of
+    an earlier one into the same slot reuses them (no per-tensor Python work)."""
+    key = (address, size, layout)
+    views = _views.get(key)
+    if views is None:
+        if len(_views) >= 4:
+            _views.clear()
+        host = _host_view(address, size)
+        views = _views[key] = [host[o:o + n] for o, n in layout]
+    return views
+
+
 def stage(address: int, size: int, copies: list) -> None:
     """Copies each (tensor, offset) of `copies` into the slot at `address` (`size` bytes) and
-    returns when all bytes are there."""
-    host = _host_view(address, size)
-    on_gpu: dict[torch.device, list] = {}
+    returns when all bytes are there. One batched copy per device (torch._foreach_copy_);
+    the copies from a GPU run on a side stream that first waits for the current one."""
+    groups: dict = {}
     for t, offset in copies:
         n = t.numel() * t.element_size()
         if n == 0:
             continue
         if offset + n > size:
             raise ValueError(f"tensor of {n} bytes at offset {offset} exceeds the {size}-byte slot")
-        if t.is_cuda:
-            on_gpu.setdefault(t.device, []).append((t, offset, n))
-        else:
-            host[offset:offset + n].copy_(_bytes(t))
-    if not on_gpu:
-        return
-    _pin(address, size)
+        groups.setdefault(t.device if t.is_cuda else None, []).append((t, offset, n))
+    if any(d is not None for d in groups):
+        _pin(address, size)
     pending = []
-    for device, items in on_gpu.items():
+    for device, items in groups.items():
+        dsts = _destinations(address, size, tuple((o, n) for _, o, n in items))
+        srcs = [_bytes(t) for t, _, _ in items]
+        if device is None:
+            torch._foreach_copy_(dsts, srcs)
+            continue
         stream = _streams.get(device.index)
         if stream is None:
             stream = _streams[device.index] = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for t, offset, n in items:
-                host[offset:offset + n].copy_(_bytes(t), non_blocking=True)
-                t.record_stream(stream)
+            # No record_stream: the sources stay referenced until the stream is synchronized
+            # below, before this returns.
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
         pending.append(stream)
     for stream in pending:
         stream.synchronize()

@@ -34,6 +34,7 @@
 #include <set>
 #include <thread>
 
+#include "base/kill_point.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
@@ -82,6 +83,7 @@ struct TaskResult {
   Status status;
   bool superseded = false;
   bool committed = false;
+  bool uncommitted = false;  // the step's COMMIT was removed to replace this rank's image
   uint64_t bytes = 0;
   double seconds = 0;
   std::vector<uint64_t> pruned;
@@ -101,7 +103,7 @@ struct RankState {
   std::string last_error;
   std::map<uint64_t, Status> outcomes;  // step -> result of persisting this rank's image
   std::map<uint64_t, uint64_t> persisted_generation;  // step -> slot generation persisted
-  std::set<uint64_t> pending;           // steps queued or in flight
+  std::multiset<uint64_t> pending;      // steps queued or in flight, once per task
 };
 
 struct Client {
@@ -132,10 +134,12 @@ class Agent {
   void EmergencyFlush(uint32_t rank, const std::string& reason);
   Status EnsureRank(uint32_t rank);
   void Enqueue(Task t);
+  bool Queued(uint32_t rank, uint32_t slot, uint64_t generation);
   void Worker();
   TaskResult Persist(const Task& t);
-  Result<WriteStats> WriteWithoutReplicas(std::span<const std::byte> image,
-                                          const std::string& source, const SkipRanges& skip);
+  Result<std::unique_ptr<ImageBuilder>> WithoutReplicas(std::span<const std::byte> image,
+                                                        const std::string& source,
+                                                        const SkipRanges& skip);
   void DrainResults();
   void AnswerWaits();
   bool StepCommitted(uint64_t step);
@@ -285,6 +289,19 @@ void Agent::Enqueue(Task t) {
   cv_.notify_one();
 }
 
+bool Agent::Queued(uint32_t rank, uint32_t slot, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto same = [&](const Task& t) {
+    return t.rank == rank && t.slot == slot && t.generation == generation;
+  };
+  if (in_flight_ && same(*in_flight_)) return true;
+  // Finished but not drained yet: still counts as pending here.
+  for (const TaskResult& r : results_) {
+    if (same(r.task)) return true;
+  }
+  return std::any_of(queue_.begin(), queue_.end(), same);
+}
+
 void Agent::Worker() {
   for (;;) {
     Task t;
@@ -312,9 +329,10 @@ void Agent::Worker() {
 // The stored image of a snapshot whose replicas other ranks write: the same tensors, extras and
 // identity, with the skipped tensors marked "elsewhere" (no bytes). Every chunk of the snapshot
 // is verified first, so the checksums of the new layout cover bytes that were checked
-// end to end; the tensors are then streamed from shared memory.
-Result<WriteStats> Agent::WriteWithoutReplicas(std::span<const std::byte> image,
-                                               const std::string& source, const SkipRanges& skip) {
+// end to end; the builder's tensors point into shared memory (held under the slot's lease).
+Result<std::unique_ptr<ImageBuilder>> Agent::WithoutReplicas(std::span<const std::byte> image,
+                                                              const std::string& source,
+                                                              const SkipRanges& skip) {
   SP_ASSIGN_OR_RETURN(ImageReader reader,
                       ImageReader::Parse(image, source, ImageReader::Verify::kAll,
                                          internal::DefaultCpuThreads()));
@@ -333,12 +351,10 @@ Result<WriteStats> Agent::WriteWithoutReplicas(std::span<const std::byte> image,
     for (uint32_t i = first; i < last; ++i) tensors[i].spec.elsewhere = true;
   }
   auto extras = reader.extras();
-  SP_ASSIGN_OR_RETURN(auto builder,
-                      ImageBuilder::Create(reader.meta(), std::move(tensors),
-                                           std::string(reinterpret_cast<const char*>(extras.data()),
-                                                       extras.size()),
-                                           reader.layout().chunk_size));
-  return store_->WriteImage(*builder);
+  return ImageBuilder::Create(reader.meta(), std::move(tensors),
+                              std::string(reinterpret_cast<const char*>(extras.data()),
+                                          extras.size()),
+                              reader.layout().chunk_size);
 }
 
 TaskResult Agent::Persist(const Task& t) {
@@ -382,14 +398,45 @@ TaskResult Agent::Persist(const Task& t) {
     r.status = Corruption(source + ": the snapshot's header does not match its slot");
     return r;
   }
-  auto stats = t.skip.empty() ? store_->WriteImageBytes(image, t.step, t.rank)
-                              : WriteWithoutReplicas(image, source, t.skip);
+  SP_KILL_POINT("agent.persist.leased");
+  // With replicas left to other ranks the stored image is laid out anew (same identity and
+  // creation time, so persisting the same snapshot again gives the same bytes).
+  std::unique_ptr<ImageBuilder> relaid;
+  uint32_t stored_header_crc = header->second.header_crc;
+  if (!t.skip.empty()) {
+    auto b = WithoutReplicas(image, source, t.skip);
+    if (!b.ok()) {
+      r.status = b.status();
+      return r;
+    }
+    relaid = std::move(*b);
+    stored_header_crc = relaid->layout().header_crc;
+  }
+  // Replacing an image of a committed step (a step saved again after the ranks resumed from an
+  // older one): un-commit it first, as SaveShard does, so that a crash before the new COMMIT
+  // leaves the step uncommitted, never committed with an image its record does not name.
+  if (auto existing = store_->ReadCommit(t.step); existing.ok()) {
+    if (t.rank < existing->images.size() &&
+        existing->images[t.rank].header_crc == stored_header_crc) {
+      r.bytes = image.size();  // this very image is committed already
+      r.committed = true;
+      return r;
+    }
+    Status s = store_->storage().Delete(CommitObjectName(t.step));
+    if (!s.ok()) {
+      r.status = s;
+      return r;
+    }
+    r.uncommitted = true;
+  }
+  auto stats = relaid ? store_->WriteImage(*relaid) : store_->WriteImageBytes(image, t.step, t.rank);
   if (!stats.ok()) {
     r.status = stats.status();
     return r;
   }
   r.bytes = stats->bytes;
   r.seconds = stats->seconds;
+  SP_KILL_POINT("agent.persist.before_commit");
   auto committed = store_->TryCommit(t.step, config_->world_size, opt_.job, header->first.attempt);
   if (!committed.ok()) {
     r.status = committed.status();
@@ -397,6 +444,7 @@ TaskResult Agent::Persist(const Task& t) {
   }
   r.committed = *committed;
   if (r.committed) {
+    SP_KILL_POINT("agent.persist.before_prune");
     // Retention: keep the newest `keep` committed steps (never fewer than one).
     auto all = store_->ListCommitted();
     if (all.ok()) {
@@ -429,7 +477,8 @@ void Agent::DrainResults() {
   }
   for (TaskResult& r : results) {
     RankState& rs = ranks_[r.task.rank];
-    rs.pending.erase(r.task.step);
+    if (r.uncommitted) committed_cache_.erase(r.task.step);
+    if (auto it = rs.pending.find(r.task.step); it != rs.pending.end()) rs.pending.erase(it);
     auto prior = rs.outcomes.find(r.task.step);
     const bool already_ok = prior != rs.outcomes.end() && prior->second.ok();
     if (r.superseded) {
@@ -659,8 +708,10 @@ void Agent::HandleMessage(Client& c, const Message& m) {
         throw std::runtime_error("slot " + std::to_string(t.slot) + " does not exist");
       }
       if (!j.at("persist").get<bool>()) return;
-      // Already queued or persisted (e.g. adopted by this agent after a restart).
-      if (rs.pending.contains(t.step)) return;
+      // Already queued (e.g. adopted by this agent after a restart). Only this very snapshot
+      // counts: the same step may sit in the other slot too (saved before a restart, and again
+      // after the ranks resumed from an older step), and skipping this one would leak its lease.
+      if (Queued(t.rank, t.slot, t.generation)) return;
       auto done = rs.persisted_generation.find(t.step);
       if (done != rs.persisted_generation.end() && done->second == t.generation) {
         if (t.leased) rs.arena->Release(t.slot, t.generation);
@@ -716,13 +767,22 @@ void Agent::EmergencyFlush(uint32_t rank, const std::string& reason) {
   if (!config_ || !store_) return;
   RankState& rs = ranks_[rank];
   if (!rs.arena || !rs.arena->Refresh().ok()) return;
+  // A COMPLETE slot that is leased but not queued here carries the lease its writer took for a
+  // persist it never got to request (it died between marking the slot COMPLETE and telling us).
+  // Nobody else would release that lease, and with it held the rank could never save again:
+  // the flush takes the lease over (and releases it when done), or releases it if there is
+  // nothing to persist.
   std::vector<SlotInfo> todo;
   for (const SlotInfo& s : rs.arena->Slots()) {
     if (s.state != SlotState::kComplete) continue;
-    if (rs.pending.contains(s.step)) continue;
+    if (Queued(rank, s.index, s.generation)) continue;
     auto it = rs.outcomes.find(s.step);
-    if (it != rs.outcomes.end() && it->second.ok()) continue;
-    if (newest_committed_ && s.step <= *newest_committed_ && StepCommitted(s.step)) continue;
+    const bool done = (it != rs.outcomes.end() && it->second.ok()) ||
+                      (newest_committed_ && s.step <= *newest_committed_ && StepCommitted(s.step));
+    if (done) {
+      if (s.leased) rs.arena->Release(s.index, s.generation);
+      continue;
+    }
     todo.push_back(s);
   }
   std::sort(todo.begin(), todo.end(), [](auto& a, auto& b) { return a.step < b.step; });
@@ -735,7 +795,7 @@ void Agent::EmergencyFlush(uint32_t rank, const std::string& reason) {
   }
   for (const SlotInfo& s : todo) {
     if (reason != "close") ++rs.emergency_flushes;
-    Enqueue({rank, s.index, s.generation, s.step, false, reason});
+    Enqueue({rank, s.index, s.generation, s.step, /*leased=*/s.leased, reason});
   }
 }
 

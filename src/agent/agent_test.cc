@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -680,6 +681,91 @@ TEST_F(AgentTest, CleanCloseRemovesSlotsAndTheAgentExits) {
   EXPECT_EQ(committed.back(), 2u);
   ExpectOnStorage(std::nullopt, 2);
   client.reset();
+}
+
+// Found by the crash campaign (tests/crash): a training process killed after it marked a slot
+// COMPLETE and leased for a persist, but before it told the agent, left that lease held. The
+// emergency flush failed to lease the slot ("superseded") and nobody released it, so the rank's
+// next process, with one slot holding its newest snapshot and the other leased, waited forever
+// in save(). The flush takes the lease over: the step is persisted and the lease released.
+TEST_F(AgentTest, DeadClientsUnannouncedLeaseIsTakenOverByTheFlush) {
+  const pid_t agent = StartAgent();
+  ASSERT_GT(agent, 0);
+  const ClientOptions options = Options();
+  const std::string job_dir = job_dir_;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto c = SnapshotClient::Connect(options);  // hello: the agent watches this process
+    if (!c.ok()) ::_exit(2);
+    auto arena = Arena::Open(job_dir, 0);
+    if (!arena.ok()) ::_exit(3);
+    Shard s(7);
+    ImageMeta meta;
+    meta.job = options.job;
+    meta.step = 7;
+    meta.world_size = 1;
+    auto b = ImageBuilder::Create(meta, s.sources, s.extras);
+    if (!b.ok()) ::_exit(4);
+    auto t = (*arena)->BeginWrite((*b)->size());
+    if (!t.ok() || t->first != Arena::Acquire::kAcquired) ::_exit(5);
+    (*b)->FillAll(t->second.data, 1);
+    // What SnapshotClient::Save does for a persisted step, up to the kill point
+    // "client.save.after_complete": COMPLETE and leased, the agent not told.
+    (*arena)->FinishWrite(t->second, 7, (*b)->size(), /*leased=*/true);
+    ::_exit(0);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the child failed, status " << st;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
+  auto leased = [&] {
+    auto arena = Arena::Open(job_dir_, 0);
+    if (!arena.ok()) return true;
+    for (const SlotInfo& s : (*arena)->Slots()) {
+      if (s.leased) return true;
+    }
+    return false;
+  };
+  while ((Committed().empty() || leased()) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{7}));
+  ExpectOnStorage(7, 7);
+  EXPECT_FALSE(leased()) << "the dead writer's lease is still held";
+  // The rank's next process saves twice (both slots) without waiting forever.
+  auto client = NewClient();
+  ASSERT_TRUE(client);
+  SaveStep(*client, 8, /*persist=*/false);
+  SaveStep(*client, 9, /*persist=*/true);
+  ASSERT_TRUE(client->Wait(kDeadlineSeconds).ok());
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{7, 9}));
+  ExpectServes(agent);
+}
+
+// Found by the crash campaign (tests/crash): an agent started on demand that died while starting
+// (there: SIGKILLed while it adopted the job's snapshots) left the training process waiting out
+// the whole start timeout for an agent that was gone, then failing. The client starts it again.
+TEST_F(AgentTest, ClientRestartsAnAgentThatDiedWhileStarting) {
+  // An "agent" that dies at its first start and is the real one afterwards.
+  const std::string script = tmp_ + "/dies-once";
+  {
+    std::ofstream f(script);
+    f << "#!/bin/sh\n"
+      << "if [ ! -e \"$0.started\" ]; then : > \"$0.started\"; exit 1; fi\n"
+      << "exec " << SAFEPOINTD_PATH << " \"$@\"\n";
+  }
+  ASSERT_EQ(::chmod(script.c_str(), 0700), 0);
+  ClientOptions options = Options();
+  options.agent_binary = script;
+  auto client = SnapshotClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  EXPECT_TRUE(fs::exists(script + ".started"));
+  uint32_t pid = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &pid));
+  SaveStep(**client, 3, /*persist=*/true);
+  ASSERT_TRUE((*client)->Wait(kDeadlineSeconds).ok());
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{3}));
 }
 
 }  // namespace

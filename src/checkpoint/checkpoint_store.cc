@@ -35,6 +35,7 @@
 #include "base/aligned_buffer.h"
 #include "base/bytes.h"
 #include "base/crc32c.h"
+#include "base/kill_point.h"
 #include "base/parallel.h"
 
 namespace safepoint {
@@ -269,6 +270,7 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
     if (error.failed()) return;
     const uint64_t off = i * kIoPiece;
     error.Set(w->WriteAt(off, image.subspan(off, std::min<uint64_t>(kIoPiece, image.size() - off))));
+    SP_KILL_POINT("store.write.after_piece");
   });
   SP_RETURN_IF_ERROR(error.status());
   SP_RETURN_IF_ERROR(w->Publish());
@@ -362,7 +364,9 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
   record.commit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
+  SP_KILL_POINT("store.commit.before_write");
   SP_RETURN_IF_ERROR(WriteSmallObject(*storage_, CommitObjectName(step), EncodeCommitRecord(record)));
+  SP_KILL_POINT("store.commit.after_write");
   return true;
 }
 
@@ -557,8 +561,12 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
 
 Status CheckpointStore::DeleteStep(uint64_t step) {
   SP_RETURN_IF_ERROR(storage_->Delete(CommitObjectName(step)));
+  SP_KILL_POINT("store.delete.after_commit");
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
-  for (const auto& o : objects) SP_RETURN_IF_ERROR(storage_->Delete(o.name));
+  for (const auto& o : objects) {
+    SP_RETURN_IF_ERROR(storage_->Delete(o.name));
+    SP_KILL_POINT("store.delete.after_object");
+  }
   return Status::OK();
 }
 
@@ -575,6 +583,7 @@ Result<size_t> CheckpointStore::CleanUp() {
     auto step = StepFromObjectName(o.name);
     if (!step || *step >= newest) continue;
     if (!std::binary_search(committed_steps.begin(), committed_steps.end(), *step)) {
+      SP_KILL_POINT("store.cleanup.before_remove");
       SP_RETURN_IF_ERROR(storage_->Delete(o.name));
       ++removed;
     }

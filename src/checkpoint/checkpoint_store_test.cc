@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <cstring>
+#include <thread>
+#include <tuple>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -262,6 +264,60 @@ std::string FaultCaseName(const ::testing::TestParamInfo<FaultCase>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOps, FaultMatrixTest, ::testing::ValuesIn(AllFaults()), FaultCaseName);
+
+// Latency spikes: every operation of one kind (or the 2nd only) stalls. A save under spikes
+// still commits; while it is slow, the newest committed step stays loadable, bit-exact, from
+// another thread (no timing is asserted: the spikes only change interleavings).
+class LatencySpikeTest : public ::testing::TestWithParam<std::tuple<FaultOp, bool>> {};
+
+TEST_P(LatencySpikeTest, SaveUnderSpikesCommitsAndNewestStaysLoadable) {
+  const auto [op, sticky] = GetParam();
+  auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  CheckpointStore store(faulty);
+  ASSERT_TRUE(Save(store, 1).ok());
+  // Two images of a step that never commits (world 3): the commit of step 3 cleans them up,
+  // so that the save deletes too.
+  ASSERT_TRUE(Save(store, 2, 0, 3).ok());
+  ASSERT_TRUE(Save(store, 2, 1, 3).ok());
+  faulty->Arm({op, sticky ? 1u : 2u, FaultKind::kDelay, sticky, std::chrono::milliseconds(3)});
+  std::atomic<bool> done{false};
+  std::atomic<int> loads{0};
+  std::thread reader([&] {
+    while (!done.load()) {
+      auto shard = LoadShard(store, std::nullopt, 0);
+      ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+      const uint64_t step = shard->commit.step;
+      ASSERT_TRUE(step == 1 || step == 3) << step;
+      Shard want(step, 0);
+      auto big = shard->reader.tensor_data(0);
+      ASSERT_EQ(big.size(), want.big.size() * 4);
+      ASSERT_EQ(std::memcmp(big.data(), want.big.data(), big.size()), 0) << "step " << step;
+      ++loads;
+    }
+  });
+  Status s = Save(store, 3);
+  done = true;
+  reader.join();
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GT(faulty->fired(), 0u) << "no spike was injected";
+  EXPECT_GE(loads.load(), 1);
+  faulty->Clear();
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 3}));
+  EXPECT_TRUE(faulty->List(StepPrefix(2))->empty()) << "step 2's images were not cleaned up";
+  ExpectLoads(store, std::nullopt, 3);
+  ExpectLoads(store, 1, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllOps, LatencySpikeTest,
+    ::testing::Combine(::testing::Values(FaultOp::kCreate, FaultOp::kWrite, FaultOp::kSync,
+                                         FaultOp::kPublish, FaultOp::kOpen, FaultOp::kRead,
+                                         FaultOp::kList, FaultOp::kDelete),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<FaultOp, bool>>& info) {
+      return std::string(FaultOpName(std::get<0>(info.param))) +
+             (std::get<1>(info.param) ? "_every" : "_second");
+    });
 
 TEST(CheckpointStoreTest, PowerLossMidSaveLeavesNoPartialStep) {
   auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));

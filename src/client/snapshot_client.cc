@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "base/crc32c.h"
+#include "base/kill_point.h"
 #include "base/parallel.h"
 #include "safepoint/agent.h"
 #include "safepoint/client.h"
@@ -27,6 +28,9 @@ using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
+
+// An agent that has not taken its job's lock this long after it was started is presumed dead.
+constexpr double kAgentRestartSeconds = 2.0;
 
 }  // namespace
 
@@ -141,9 +145,21 @@ Status SnapshotClient::EnsureAgent() {
   if (s.ok() || s.code() != StatusCode::kUnavailable) return s;
   SP_RETURN_IF_ERROR(StartAgent());
   const auto t0 = Clock::now();
+  auto started = t0;
+  bool seen_alive = false;
   for (;;) {
     s = ConnectOnce();
     if (s.ok() || s.code() != StatusCode::kUnavailable) return s;
+    // An agent that died while starting (after taking the job's lock, or before: it holds the
+    // lock within milliseconds when it lives) is started again, instead of waiting out the
+    // timeout for one that is gone. A redundant start is harmless: the lock lets one agent in.
+    const bool alive = AgentAlive(job_dir_);
+    seen_alive |= alive;
+    if (!alive && (seen_alive || Since(started) > kAgentRestartSeconds)) {
+      SP_RETURN_IF_ERROR(StartAgent());
+      started = Clock::now();
+      seen_alive = false;
+    }
     if (Since(t0) > opt_.agent_start_timeout_s) {
       return Unavailable(job_dir_ + ": the safepoint agent did not start within " +
                          std::to_string(static_cast<int>(opt_.agent_start_timeout_s)) +
@@ -252,7 +268,9 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
     }
   }
   builder->FillAll(ticket.data, threads);
+  SP_KILL_POINT("client.save.before_complete");
   arena_->FinishWrite(ticket, step, builder->size(), /*leased=*/persist);
+  SP_KILL_POINT("client.save.after_complete");
   result.copy_seconds = Since(t_copy);
   result.saved = true;
   if (persist) last_persist_step_ = step;

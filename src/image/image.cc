@@ -9,6 +9,7 @@
 
 #include "base/bytes.h"
 #include "base/crc32c.h"
+#include "base/kill_point.h"
 #include "base/parallel.h"
 
 namespace safepoint {
@@ -312,6 +313,7 @@ void ImageBuilder::FillAll(std::span<std::byte> dst, size_t threads) const {
       auto piece = dst.subspan(off + p, std::min(kPiece, len - p));
       Fill(off + p, piece);
       crc = Crc32c(crc, piece.data(), piece.size());
+      SP_KILL_POINT("client.copy.piece");
     }
     crcs[i] = crc;
   });

@@ -22,6 +22,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -83,6 +84,11 @@ struct FaultState {
       if (!(n == spec.nth || (spec.sticky && n > spec.nth))) return Status::OK();
       ++fired;
     }
+    if (spec.kind == FaultKind::kDelay) {
+      // Outside the mutex: other operations (and other delays) go on meanwhile.
+      std::this_thread::sleep_for(spec.delay);
+      return Status::OK();
+    }
     const std::string what =
         std::string(FaultOpName(op)) + " #" + std::to_string(n) + " (injected fault)";
     switch (spec.kind) {
@@ -94,6 +100,7 @@ struct FaultState {
         }
         [[fallthrough]];  // a short "create" or "read" is an I/O error
       case FaultKind::kEIO: return ErrnoStatus(what, subject, EIO);
+      case FaultKind::kDelay: break;
     }
     return ErrnoStatus(what, subject, EIO);
   }

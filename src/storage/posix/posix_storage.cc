@@ -57,6 +57,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/kill_point.h"
 #include "base/random.h"
 #include "safepoint/storage.h"
 
@@ -350,15 +351,18 @@ class PosixWritableObject final : public WritableObject {
     }
     // Never retried: after a failed fsync the kernel may have dropped the dirty pages, and a
     // second fsync would report success for data that is gone.
+    SP_KILL_POINT("posix.publish.before_fsync");
     if (::fsync(io_.buffered_fd()) != 0) return Fail(ErrnoStatus("fsync", tmp_path_, errno));
     io_.direct().Reset();
     if (int err = io_.buffered().Close(); err != 0) {
       return Fail(ErrnoStatus("close", tmp_path_, err));
     }
+    SP_KILL_POINT("posix.publish.before_rename");
     if (::renameat(dir_fd_.get(), tmp_name_.c_str(), dir_fd_.get(), base_name_.c_str()) != 0) {
       return Fail(ErrnoStatus("rename to " + path_, tmp_path_, errno));
     }
     LiveTemporaries::Get().Remove(tmp_dev_, tmp_ino_);
+    SP_KILL_POINT("posix.publish.before_dir_fsync");
     if (::fsync(dir_fd_.get()) != 0) {
       Status s = ErrnoStatus("fsync", dir_path_, errno)
                      .WithContext("publishing " + path_ + " (the object was removed again)");
@@ -662,6 +666,7 @@ class PosixStorage final : public Storage {
         return ErrnoStatus("stat", Describe(rel), errno);
       }
       if (!S_ISREG(st.st_mode) || live.Contains(st.st_dev, st.st_ino)) return Status::OK();
+      SP_KILL_POINT("store.cleanup.before_remove");
       if (::unlinkat(dir_fd, file_name.c_str(), 0) != 0) {
         if (errno == ENOENT) return Status::OK();
         return ErrnoStatus("unlink", Describe(rel), errno);

@@ -1,0 +1,75 @@
+// Kill points (src/base/kill_point.h). Only kill-point builds compile anything here.
+#include "base/kill_point.h"
+
+#if defined(SAFEPOINT_KILL_POINTS)
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace safepoint::internal {
+
+namespace {
+
+struct KillSpec {
+  std::string name;  // empty: no kill point armed in this process
+  uint64_t nth = 1;
+  std::string stamp;
+  std::atomic<uint64_t> hits{0};
+};
+
+// Read once, at the first hit: the environment of the process as it is then.
+KillSpec& Spec() {
+  static KillSpec* spec = [] {
+    auto* s = new KillSpec();  // never destroyed: hits may come from threads at exit
+    const char* at = std::getenv("SAFEPOINT_KILL_AT");
+    if (at == nullptr || *at == '\0') return s;
+    std::string v(at);
+    const size_t colon = v.rfind(':');
+    if (colon != std::string::npos) {
+      s->nth = std::strtoull(v.c_str() + colon + 1, nullptr, 10);
+      v.resize(colon);
+    }
+    if (s->nth == 0) s->nth = 1;
+    bool known = false;
+    for (std::string_view k : kKillPoints) known |= (k == v);
+    if (!known) {
+      std::fprintf(stderr, "safepoint: SAFEPOINT_KILL_AT names no kill point: %s\n", v.c_str());
+      std::abort();  // a typo must not make a campaign silently kill nothing
+    }
+    s->name = std::move(v);
+    if (const char* stamp = std::getenv("SAFEPOINT_KILL_STAMP")) s->stamp = stamp;
+    return s;
+  }();
+  return *spec;
+}
+
+}  // namespace
+
+void KillPointHit(std::string_view name) {
+  KillSpec& s = Spec();
+  if (s.name.empty() || name != s.name) return;
+  const uint64_t n = s.hits.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (n != s.nth) return;
+  if (!s.stamp.empty()) {
+    const int fd = ::open(s.stamp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) return;  // another process already died here (or the stamp cannot be made)
+    const std::string line =
+        s.name + " " + std::to_string(n) + " " + std::to_string(::getpid()) + "\n";
+    if (::write(fd, line.data(), line.size()) < 0) {
+      // The stamp exists; its text is only for people.
+    }
+    ::close(fd);
+  }
+  ::raise(SIGKILL);
+}
+
+}  // namespace safepoint::internal
+
+#endif  // SAFEPOINT_KILL_POINTS

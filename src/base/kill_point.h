@@ -1,0 +1,74 @@
+// Named kill points for the crash campaign (tests/crash/, docs/reliability.md).
+//
+// SP_KILL_POINT("name") marks a moment at which a crash must be survivable. In a normal build
+// (every build unless CMake is given -DSAFEPOINT_KILL_POINTS=ON: the pip package, `make build`,
+// the sanitizer and fuzz builds) it compiles to nothing but a compile-time check that the name is
+// in kKillPoints below. In a kill-point build, the environment variable
+//     SAFEPOINT_KILL_AT=<name>[:<nth>]
+// makes the process raise(SIGKILL) on the nth hit (default 1) of that point, counted per process.
+// With SAFEPOINT_KILL_STAMP=<file> the kill is one-shot across processes: the process that is
+// about to die creates <file> (O_EXCL) and writes "<name> <nth> <pid>"; a process that finds the
+// file already there does not die. The agent inherits its environment from the training process
+// that starts it, so the stamp keeps a restarted agent from dying at the same point again.
+//
+// kKillPoints is the one list of names: a name used anywhere else fails to compile, and the
+// crash driver reads its campaign's points from this list.
+#pragma once
+
+#include <string_view>
+
+namespace safepoint::internal {
+
+// Every kill point, in the order a save reaches them. "(each)" points are hit once per piece or
+// object, so that nth picks how far the operation got.
+inline constexpr std::string_view kKillPoints[] = {
+    // Training process, Checkpointer.save (src/client/snapshot_client.cc, src/image/image.cc)
+    "client.copy.piece",            // (each) 256 KiB of the image copied into the slot (WRITING)
+    "client.save.before_complete",  // image and checksums in the slot, slot still WRITING
+    "client.save.after_complete",   // slot COMPLETE (leased for the agent), agent not told yet
+    // Agent, persisting a snapshot (src/agent/agent.cc)
+    "agent.persist.leased",         // slot leased and checked, nothing written to storage yet
+    "agent.persist.before_commit",  // the rank's image is published, TryCommit not called yet
+    "agent.persist.before_prune",   // the step is committed, retention not applied yet
+    // Commit protocol (src/checkpoint/checkpoint_store.cc)
+    "store.write.after_piece",      // (each) 8 MiB piece of an image written to the temporary
+    "store.commit.before_write",    // every rank's image checked, COMMIT not written yet
+    "store.commit.after_write",     // COMMIT published (durable), nothing after it done yet
+    "store.delete.after_commit",    // DeleteStep: COMMIT removed, the images not yet
+    "store.delete.after_object",    // (each) DeleteStep: one more object of the step removed
+    "store.cleanup.before_remove",  // (each) CleanUp: about to remove a leftover or stray object
+    // POSIX storage driver, Publish (src/storage/posix/posix_storage.cc)
+    "posix.publish.before_fsync",      // temporary file written, not fsynced
+    "posix.publish.before_rename",     // temporary file fsynced, not renamed
+    "posix.publish.before_dir_fsync",  // renamed over the final name, directory not fsynced
+};
+
+consteval bool IsKillPoint(std::string_view name) {
+  for (std::string_view k : kKillPoints) {
+    if (k == name) return true;
+  }
+  return false;
+}
+
+#if defined(SAFEPOINT_KILL_POINTS)
+inline constexpr bool kKillPointsEnabled = true;
+// Counts a hit of `name` and dies if SAFEPOINT_KILL_AT names this hit.
+void KillPointHit(std::string_view name);
+#else
+inline constexpr bool kKillPointsEnabled = false;
+#endif
+
+}  // namespace safepoint::internal
+
+#if defined(SAFEPOINT_KILL_POINTS)
+#define SP_KILL_POINT(name)                                                              \
+  do {                                                                                   \
+    static_assert(::safepoint::internal::IsKillPoint(name), "unknown kill point " name); \
+    ::safepoint::internal::KillPointHit(name);                                           \
+  } while (0)
+#else
+#define SP_KILL_POINT(name)                                                              \
+  do {                                                                                   \
+    static_assert(::safepoint::internal::IsKillPoint(name), "unknown kill point " name); \
+  } while (0)
+#endif

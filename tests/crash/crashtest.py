@@ -1,0 +1,993 @@
+#!/usr/bin/env python3
+"""The crash campaign (RocksDB's db_crashtest idea): kill -9 the training processes, the agent or
+both, at random moments and at the named kill points of a kill-point build, restart, and check an
+expected-state record after every round.
+
+    tests/crash/crashtest.py [--kills N] [--seed S] [--build-dir build/crash]
+
+It needs a kill-point build (cmake -DSAFEPOINT_KILL_POINTS=ON, `make crash-build`): it runs the
+Python package, `safepointd` and `safepoint` from --build-dir and refuses a build without kill
+points. Two jobs run side by side: one rank, and two ranks (torch.distributed over gloo, lockstep),
+each with persists every k-th step and retention. Every state a rank saves is a pure function of
+(seed, step, rank) (workload.make_state). A round:
+
+  1. plan (from the seeded generator): whom to kill (the training processes, the agent, both, or
+     both plus the node's shared memory), and when: at a named kill point (SAFEPOINT_KILL_AT,
+     one-shot through SAFEPOINT_KILL_STAMP) or after a random delay;
+  2. start the ranks (forked from a zygote that imported torch once); each resumes, checks what it
+     loaded bit for bit, saves a few steps, sometimes waits for a commit or asks status();
+  3. kill; when one rank dies, the others are killed too (as torchrun does); the survivors of a
+     round that killed only the agent finish, then exit without closing or close cleanly;
+  4. wait until the agent is idle (or gone), then check.
+
+Checks (any failure is a violation; the run exits 1 and prints how to replay it):
+  - resume: every rank loads the same step, bit-exact; never older than the newest committed
+    step; never older than the newest step whose save() returned on every rank while the
+    snapshots stayed in memory; from storage exactly the newest committed step when memory was
+    lost (and exactly the step the ranks closed at, after a clean close);
+  - storage: every listed step (safepoint.steps) was begun by every rank and loads bit-exact for
+    every rank; every step the agent reported committed (wait() returned, status()) is listed
+    or was pruned by retention (then `keep` newer steps are listed); `safepoint verify --all`
+    is clean; temporaries (left by kills, and decoys planted by the driver) are never listed;
+  - processes: a training process exits only when killed or told to; an agent dies only when
+    killed (or exits, logging so); no round hangs.
+
+The plan is a function of the seed; where a random-delay kill lands depends on timing, so a replay
+repeats the plan, not every interleaving. Kill-point kills repeat exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import queue
+import random
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+HANG = 300.0  # seconds: a guard against hangs, never a performance limit
+
+
+# --- the kill points ----------------------------------------------------------------------------
+
+def read_kill_points() -> dict[str, bool]:
+    """name -> hit once per piece/object ("(each)"), from src/base/kill_point.h, the one list."""
+    text = open(os.path.join(REPO, "src", "base", "kill_point.h")).read()
+    body = text[text.index("kKillPoints[] = {"):]
+    body = body[:body.index("};")]
+    points = {}
+    for m in re.finditer(r'^\s*"([a-z_.]+)",\s*//(.*)$', body, re.M):
+        points[m.group(1)] = "(each)" in m.group(2)
+    if not points:
+        raise SystemExit("no kill points found in src/base/kill_point.h")
+    return points
+
+
+# --- the zygote: imports torch once, forks a training process per request -----------------------
+
+def zygote_main(fd: int) -> int:
+    sock = socket.socket(fileno=fd)
+    sys.path.insert(0, HERE)
+    import torch  # noqa: F401  (imported once here; children are forked)
+    import torch.distributed  # noqa: F401
+
+    import safepoint
+    import workload
+
+    sock.send(json.dumps({"ready": os.getpid(),
+                          "kill_points": bool(safepoint._core.KILL_POINTS),
+                          "core": safepoint._core.__file__}).encode())
+    while True:
+        # Reap by polling (no SIGCHLD handler: nothing to inherit, nothing to miss).
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            sock.send(json.dumps({"exited": pid, "status": status}).encode())
+        ready, _, _ = select.select([sock], [], [], 0.01)
+        if not ready:
+            continue
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+        if not msg:
+            return 0
+        args = json.loads(msg)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                sock.close()
+                for i, f in enumerate(fds):
+                    os.dup2(f, i)
+                    os.close(f)
+                code = workload.child_main(args)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        for f in fds:
+            os.close(f)
+        sock.send(json.dumps({"spawned": pid}).encode())
+
+
+class Zygote:
+    def __init__(self, env: dict, log: str):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--zygote", str(child.fileno())],
+                pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=err)
+        child.close()
+        self.sock = parent
+        self.sock.settimeout(HANG)
+        hello = json.loads(self.sock.recv(1 << 16) or b"{}")
+        if "ready" not in hello:
+            raise SystemExit(f"the zygote did not start; see {log}")
+        self.info = hello
+        self.sock.settimeout(None)
+        self.exits: dict[int, int] = {}
+        self.cv = threading.Condition()
+        self.spawned: "queue.Queue[int]" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.sock.recv(1 << 16)
+            except OSError:
+                return
+            if not msg:
+                return
+            m = json.loads(msg)
+            if "spawned" in m:
+                self.spawned.put(m["spawned"])
+            elif "exited" in m:
+                with self.cv:
+                    self.exits[m["exited"]] = m["status"]
+                    self.cv.notify_all()
+
+    def spawn(self, args: dict, stderr_path: str) -> tuple[int, int, int]:
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        socket.send_fds(self.sock, [json.dumps(args).encode()], [in_r, out_w, err])
+        for f in (in_r, out_w, err):
+            os.close(f)
+        pid = self.spawned.get(timeout=HANG)
+        return pid, in_w, out_r
+
+    def wait_exit(self, pid: int, timeout: float = HANG) -> Optional[int]:
+        with self.cv:
+            self.cv.wait_for(lambda: pid in self.exits, timeout=timeout)
+            return self.exits.get(pid)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        finally:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+def proc_state(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie whose threads have all exited (its files are closed)."""
+    if proc_state(pid) not in (None, "Z"):
+        return False
+    try:
+        return os.listdir(f"/proc/{pid}/task") in ([], [str(pid)])
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def wait_until(cond, deadline: float = HANG, interval: float = 0.005) -> bool:
+    end = time.monotonic() + deadline
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(interval)
+    return True
+
+
+class Violation(Exception):
+    pass
+
+
+def stamp_pid(stamp: str) -> Optional[int]:
+    """The pid that a kill point's stamp names ("<name> <nth> <pid>"), if it was written."""
+    try:
+        with open(stamp) as f:
+            fields = f.read().split()
+        return int(fields[2]) if len(fields) == 3 else None
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class Rank:
+    """One training process of a round: its lines, parsed."""
+
+    def __init__(self, zygote: Zygote, args: dict, err: str, events: "queue.Queue"):
+        self.rank = args["rank"]
+        self.err = err
+        self.pid, in_w, out_r = zygote.spawn(args, err)
+        self.stdin = os.fdopen(in_w, "w", buffering=1)
+        self.stdout = os.fdopen(out_r, "r")
+        self.zygote = zygote
+        self.loaded: Optional[tuple] = None
+        self.fresh = False
+        self.began: list[int] = []
+        self.saved: list[int] = []
+        self.committed: list[int] = []
+        self.newest: list[int] = []
+        self.idle = False
+        self.closed: Optional[bool] = None
+        self.eof = False
+        self.lines: list[str] = []
+        self.killed = False  # by the driver
+        self.status: Optional[int] = None
+        threading.Thread(target=self._read, args=(events,), daemon=True).start()
+
+    def _read(self, events: "queue.Queue") -> None:
+        for line in self.stdout:
+            self.lines.append(line.rstrip("\n"))
+            events.put((self, line.split()))
+        events.put((self, None))
+
+    def handle(self, f: list[str]) -> None:
+        kind = f[0] if f else ""
+        if kind == "LOADED":
+            self.loaded = (int(f[1]), f[2], f[3])
+        elif kind == "FRESH":
+            self.fresh = True
+        elif kind == "BEGIN":
+            self.began.append(int(f[1]))
+        elif kind == "SAVED":
+            self.saved.append(int(f[1]))
+        elif kind == "COMMITTED":
+            self.committed.append(int(f[1]))
+        elif kind == "NEWEST":
+            self.newest.append(int(f[1]))
+        elif kind == "IDLE":
+            self.idle = True
+        elif kind == "CLOSED":
+            self.closed = True
+        elif kind == "CLOSEFAIL":
+            self.closed = False
+
+    def alive(self) -> bool:
+        return not dead(self.pid)
+
+    def kill(self) -> bool:
+        """SIGKILL if alive; True when this call killed it."""
+        if not self.killed and self.alive():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return False
+            self.killed = True
+            return True
+        return False
+
+    def send(self, cmd: str) -> None:
+        try:
+            self.stdin.write(cmd + "\n")
+            self.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def reap(self) -> Optional[int]:
+        self.status = self.zygote.wait_exit(self.pid, timeout=60)
+        if self.status is None:
+            raise Violation(f"rank {self.rank} (pid {self.pid}, state {proc_state(self.pid)}) "
+                            f"was not reaped; zygote alive: {self.zygote.proc.poll() is None}")
+        try:
+            self.stdin.close()
+        except OSError:
+            pass
+        return self.status
+
+    def stderr(self) -> str:
+        try:
+            with open(self.err, errors="replace") as f:
+                return f.read()[-3000:]
+        except FileNotFoundError:
+            return ""
+
+
+# --- one job: a checkpoint directory, its ranks and the expected state ---------------------------
+
+class Job:
+    def __init__(self, name: str, world: int, persist_every: int, keep: int, root: str,
+                 shm: str):
+        self.name, self.world = name, world
+        self.persist_every, self.keep = persist_every, keep
+        self.path = os.path.join(root, name)
+        self.shm = os.path.join(shm, name)  # its own: `safepoint gc` of a lost node is per job
+        os.makedirs(self.shm, mode=0o700)
+        self.job_dir = os.path.join(self.shm, f"safepoint-{os.geteuid()}-{name}")
+        # Expected state.
+        self.began_ever: list[set] = [set() for _ in range(world)]
+        # Per rank, bounds on the newest COMPLETE snapshot in memory: at least `mem_lb` (the last
+        # save() that returned), at most `mem_ub` (the last save begun). None: nothing known.
+        self.mem_lb: list[Optional[int]] = [None] * world
+        self.mem_ub: list[Optional[int]] = [None] * world
+        self.closed_at: Optional[int] = None  # every rank closed cleanly after saving this step
+        self.reported: set[int] = set()       # the agent said these are committed
+        self.listed: list[int] = []           # at the last check
+        self.rounds = 0
+        self.steps_saved = 0
+
+    # The agent of this job, if one is alive.
+    def agent_pid(self) -> Optional[int]:
+        try:
+            with open(os.path.join(self.job_dir, "agent.lock")) as f:
+                text = f.read().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not text.isdigit():
+            return None
+        pid = int(text)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode() for a in f.read().split(b"\0") if a]
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        if not argv or not argv[0].endswith("safepointd") or proc_state(pid) in (None, "Z"):
+            return None
+        opts = dict(zip(argv[1::2], argv[2::2]))
+        if opts.get("--job") != self.name or opts.get("--shm-dir") != self.shm:
+            return None
+        return pid
+
+    def agent_log(self) -> str:
+        try:
+            with open(os.path.join(self.job_dir, "agent.log"), errors="replace") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return ""
+
+
+# --- the campaign --------------------------------------------------------------------------------
+
+MODES = ["workload"] * 4 + ["agent"] * 3 + ["both"] * 2 + ["node"]
+
+
+class Campaign:
+    def __init__(self, args, env: dict):
+        self.args = args
+        self.seed = args.seed
+        self.rng = random.Random(self.seed)
+        self.env = env
+        self.points = read_kill_points()
+        self.client_points = [p for p in self.points if p.startswith("client.")]
+        self.agent_points = [p for p in self.points if not p.startswith("client.")]
+        self.root = tempfile.mkdtemp(prefix="safepoint-crash-", dir=args.dir)
+        self.shm = tempfile.mkdtemp(prefix="spc-", dir=args.shm_parent)
+        self.cli = os.path.join(args.build_dir, "safepoint")
+        self.log = open(os.path.join(self.root, "log.txt"), "w", buffering=1)
+        self.zygote = Zygote(env, os.path.join(self.root, "zygote.err"))
+        if not self.zygote.info.get("kill_points"):
+            raise SystemExit(f"{self.zygote.info.get('core')} was built without kill points; "
+                             "build with -DSAFEPOINT_KILL_POINTS=ON (make crash-build)")
+        tag = f"{self.seed % 100000}"
+        self.jobs = [Job(f"c1-{tag}", 1, persist_every=2, keep=2, root=self.root, shm=self.shm),
+                     Job(f"c2-{tag}", 2, persist_every=3, keep=3, root=self.root, shm=self.shm)]
+        self.kills = 0
+        self.by_point: Counter = Counter()
+        self.by_random: Counter = Counter()
+        self.modes: Counter = Counter()
+        self.fallbacks = 0
+        self.decoys = 0
+        self.temporaries_seen = 0
+        self.verifies = 0
+        self.loads_checked = 0
+        self.round_seconds: list[float] = []
+        self.round = 0
+        self.killed_agents: set[int] = set()
+        self.current = None
+
+    # -- helpers --------------------------------------------------------------------------------
+    def note(self, msg: str) -> None:
+        self.log.write(f"[round {self.round}] {msg}\n")
+
+    def cli_run(self, *args, check: Optional[int] = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run([self.cli, *map(str, args)], capture_output=True, text=True,
+                              timeout=HANG)
+        if check is not None and proc.returncode != check:
+            raise Violation(f"`safepoint {' '.join(map(str, args))}` exited {proc.returncode} "
+                            f"(expected {check}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return proc
+
+    def kill_agent(self, job: Job, why: str) -> bool:
+        pid = job.agent_pid()
+        if pid is None:
+            return False
+        self.killed_agents.add(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        if not wait_until(lambda: dead(pid)):
+            raise Violation(f"agent {pid} survived SIGKILL")
+        self.kills += 1
+        self.by_random[f"agent ({why})"] += 1
+        self.note(f"killed agent {pid} ({why})")
+        return True
+
+    def stop_agent(self, job: Job) -> None:
+        """SIGTERM (the agent flushes and exits): not a kill."""
+        pid = job.agent_pid()
+        if pid is None:
+            return
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        if not wait_until(lambda: dead(pid)):
+            raise Violation(f"agent {pid} did not exit after SIGTERM:\n{job.agent_log()[-3000:]}")
+
+    # -- a round --------------------------------------------------------------------------------
+    def plan(self, job: Job) -> dict:
+        r = self.rng
+        mode = r.choice(MODES)
+        use_point = r.random() < 0.6
+        point = nth = None
+        if use_point:
+            point = r.choice(self.client_points if mode == "workload" else self.agent_points)
+            nth = r.randint(1, 4) if self.points[point] else r.randint(1, 3)
+        return {
+            "mode": mode,
+            "point": point,
+            "nth": nth,
+            "target_rank": r.randrange(job.world),
+            "delay": r.random(),          # fraction of a typical round
+            "steps": r.randint(2, 9),
+            "end": "close" if r.random() < 0.15 else "exit",
+            "p_wait": r.choice([0.0, 0.3, 0.8]),
+            "p_status": r.choice([0.0, 0.2]),
+            "decoy": r.random() < 0.3,
+            "rng": r.getrandbits(64),
+        }
+
+    def run_round(self, job: Job) -> None:
+        p = self.plan(job)
+        self.round += 1
+        job.rounds += 1
+        self.modes[p["mode"]] += 1
+        self.note(f"job {job.name}: {json.dumps(p)}")
+        t0 = time.monotonic()
+        stamp = os.path.join(self.root, f"stamp-{self.round}")
+        agent_point = p["point"] is not None and p["mode"] != "workload"
+        # An agent-side kill point must be in the agent's environment: the agent is started by a
+        # rank of this round, so an agent still running from an earlier round goes first.
+        if agent_point:
+            self.stop_agent(job)
+        rdzv = os.path.join(self.root, f"rdzv-{self.round}")
+        events: "queue.Queue" = queue.Queue()
+        ranks = []
+        for rank in range(job.world):
+            env = {}
+            if p["point"] is not None and (agent_point or rank == p["target_rank"]):
+                env = {"SAFEPOINT_KILL_AT": f"{p['point']}:{p['nth']}",
+                       "SAFEPOINT_KILL_STAMP": stamp}
+            args = {"path": job.path, "job": job.name, "shm_dir": job.shm, "seed": self.seed,
+                    "rank": rank, "world_size": job.world, "persist_every": job.persist_every,
+                    "keep": job.keep, "steps": p["steps"], "p_wait": p["p_wait"],
+                    "p_status": p["p_status"], "rng": f"{p['rng']}-{rank}", "rdzv": rdzv,
+                    "env": env}
+            ranks.append(Rank(self.zygote, args, os.path.join(self.root, f"r{self.round}-{rank}.err"),
+                              events))
+        self.current = (job, ranks)
+        typical = (sorted(self.round_seconds)[len(self.round_seconds) // 2]
+                   if self.round_seconds else 1.0)
+        kill_at = t0 + p["delay"] * typical
+        agents_seen: set[int] = set()
+        rank_down = False    # a rank of this round died by a kill (point or driver)
+        point_fired = False
+        ended = False        # the workloads were told to exit or close
+        deadline = time.monotonic() + HANG
+
+        def kill_workloads(why: str) -> None:
+            nonlocal rank_down
+            rank_down = True
+            for rk in ranks:
+                if rk.kill():
+                    self.kills += 1
+                    self.by_random[f"rank ({why})"] += 1
+                    self.note(f"killed rank {rk.rank} pid {rk.pid} ({why})")
+
+        def fire(why: str) -> None:
+            """The random-moment kill (or the fallback when a kill point never fired)."""
+            if p["mode"] in ("agent", "both", "node"):
+                self.kill_agent(job, why)
+            if p["mode"] in ("workload", "both", "node"):
+                targets = ([ranks[p["target_rank"]]] if p["mode"] == "workload" else ranks)
+                for rk in targets:
+                    if rk.kill():
+                        self.kills += 1
+                        self.by_random[f"rank ({why})"] += 1
+                        self.note(f"killed rank {rk.rank} pid {rk.pid} ({why})")
+                kill_workloads("a peer died")
+
+        random_done = p["point"] is not None
+        armed = p["point"]
+        while True:
+            if time.monotonic() > deadline:
+                raise Violation(f"round {self.round} hung; ranks said: "
+                                + " | ".join(" ".join(rk.lines[-5:]) for rk in ranks))
+            try:
+                rk, fields = events.get(timeout=0.005)
+                if fields is None:
+                    rk.eof = True
+                else:
+                    rk.handle(fields)
+                    if fields and fields[0] == "LOADED" and fields[3] != "EXACT":
+                        raise Violation(f"rank {rk.rank} loaded step {fields[1]} from {fields[2]} "
+                                        f"and it differs from what was saved: {rk.lines}")
+            except queue.Empty:
+                pass
+            pid = job.agent_pid()
+            if pid is not None:
+                agents_seen.add(pid)
+            # A kill point fired?
+            if not point_fired and p["point"] is not None and os.path.exists(stamp):
+                with open(stamp) as f:
+                    text = f.read()
+                if text.strip():
+                    point_fired = True
+                    self.kills += 1
+                    self.by_point[p["point"]] += 1
+                    dead_pid = int(text.split()[2])
+                    if not wait_until(lambda: dead(dead_pid)):
+                        raise Violation(f"pid {dead_pid} survived its kill point")
+                    self.note(f"kill point {text.strip()} fired")
+                    if any(rk.pid == dead_pid for rk in ranks):
+                        kill_workloads("a peer died")
+                    else:
+                        self.killed_agents.add(dead_pid)
+                        if p["mode"] in ("both", "node"):
+                            kill_workloads("with the agent")
+            # Random moment.
+            if not random_done and time.monotonic() >= kill_at:
+                random_done = True
+                fire("random moment")
+            # A rank that died on its own, without a kill: a violation unless a peer died first
+            # (gloo then fails) or it was told to end.
+            for rk in ranks:
+                if rk.eof and rk.status is None and not rk.alive():
+                    status = rk.reap()
+                    by_point = point_fired and os.WIFSIGNALED(status) and \
+                        os.WTERMSIG(status) == signal.SIGKILL
+                    told = ended and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+                    # A rank may fail on its own only after a peer was killed (gloo fails).
+                    if not (rk.killed or by_point or told or rank_down):
+                        raise Violation(f"rank {rk.rank} (pid {rk.pid}) exited with status "
+                                        f"{status} without being killed:\n{rk.stderr()}")
+                    if by_point:
+                        kill_workloads("a peer died")
+            # An agent that died without being killed must have exited on its own, saying so
+            # (or, when every rank closed, removing its lock and log with the job directory).
+            for pid in list(agents_seen):
+                if dead(pid):
+                    agents_seen.discard(pid)
+                    stamped = stamp_pid(stamp)
+                    if stamped == pid and pid not in self.killed_agents:
+                        # The armed point fired late, in an agent started after the fallback
+                        # kill (it inherited the ranks' environment): a kill all the same.
+                        self.killed_agents.add(pid)
+                        self.kills += 1
+                        self.by_point[armed] += 1
+                        self.note(f"kill point fired late in agent {pid}")
+                    lock = os.path.join(job.job_dir, "agent.lock")
+                    if pid not in self.killed_agents and os.path.exists(lock) and \
+                            f"safepointd[{pid}]: exited" not in job.agent_log():
+                        raise Violation(f"agent {pid} died without being killed:\n"
+                                        + job.agent_log()[-3000:])
+            everyone_idle = all(rk.idle or rk.status is not None or not rk.alive() for rk in ranks)
+            if everyone_idle and not ended:
+                if p["point"] is not None and not point_fired:
+                    # The point was not reached this often: kill now instead.
+                    self.fallbacks += 1
+                    p["point"] = None
+                    random_done = True
+                    fire("kill point not reached")
+                elif not random_done:
+                    random_done = True
+                    fire("random moment (at the end)")
+                ended = True
+                end = p["end"]
+                for rk in ranks:
+                    if rk.alive() and rk.idle:
+                        rk.send(end)
+                p["end_sent"] = end
+            if ended and all(rk.status is not None or (rk.eof and not rk.alive()) for rk in ranks):
+                break
+        for rk in ranks:
+            if rk.status is None:
+                rk.reap()
+            while not events.empty():
+                r2, fields = events.get()
+                if fields is not None:
+                    r2.handle(fields)
+        # Whatever was killed, make sure an armed agent does not outlive the round.
+        if agent_point and not point_fired:
+            self.kill_agent(job, "armed, kill point not reached")
+        if p["mode"] == "node":
+            # Every agent dies with the node, also one a rank started just before it was killed
+            # (it may still be taking the job's lock: ask the lock, not only the pid file).
+            def no_agent() -> bool:
+                self.kill_agent(job, "node lost")
+                out = self.cli_run("status", "--shm-dir", job.shm, "--json")
+                return not any(j.get("agent_alive") for j in json.loads(out.stdout or "[]"))
+            if not wait_until(no_agent, interval=0.01):
+                raise Violation(f"an agent of {job.name} survived the node loss")
+            # Node lost: the shared memory is gone.
+            self.cli_run("gc", "--shm-dir", job.shm, check=0)
+            if os.path.exists(job.job_dir):
+                raise Violation(f"safepoint gc left {job.job_dir}")
+        self.round_seconds.append(time.monotonic() - t0)
+        self.check_round(job, p, ranks)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_resume(self, job: Job, ranks: list, listed_before: list[int]) -> None:
+        loaded = [rk.loaded for rk in ranks if rk.loaded is not None]
+        fresh = [rk for rk in ranks if rk.fresh]
+        if not loaded and not fresh:
+            return  # killed before loading
+        newest = listed_before[-1] if listed_before else None
+        if fresh:
+            if loaded:
+                raise Violation(f"some ranks loaded {loaded}, others nothing")
+            if newest is not None:
+                raise Violation(f"a rank started fresh although step {newest} is committed")
+            if all(lb is not None for lb in job.mem_lb):
+                raise Violation(f"the ranks started fresh although every rank's save returned "
+                                f"(steps {job.mem_lb}) and memory was kept")
+            return
+        steps = {s for s, _, _ in loaded}
+        if len(steps) != 1:
+            raise Violation(f"ranks resumed from different steps: {loaded}")
+        s = steps.pop()
+        if newest is not None and s < newest:
+            raise Violation(f"resumed at step {s}, older than the newest committed step {newest}")
+        if job.reported and s < max(job.reported):
+            raise Violation(f"resumed at step {s}; the agent had reported step "
+                            f"{max(job.reported)} committed")
+        lbs = [lb for lb in job.mem_lb if lb is not None]
+        if len(lbs) == job.world and s < min(lbs):
+            raise Violation(f"resumed at step {s}, but every rank's save() of step {min(lbs)} "
+                            f"returned and the snapshots stayed in memory (ranks: {job.mem_lb})")
+        ubs = [ub for ub in job.mem_ub if ub is not None]
+        top = max(ubs + ([newest] if newest is not None else []))
+        if s > top:
+            raise Violation(f"resumed at step {s}, newer than any step begun ({top})")
+        if not ubs and s != newest:
+            raise Violation(f"memory was lost; resumed at step {s}, not at the newest committed "
+                            f"step {newest}")
+        if job.closed_at is not None and not ubs and s != job.closed_at:
+            raise Violation(f"every rank closed after step {job.closed_at}, resumed at {s}")
+        for s2, source, _ in loaded:
+            if newest is not None and s > newest and source != "memory":
+                raise Violation(f"step {s} is not committed but was loaded from {source}")
+
+    def quiesce(self, job: Job) -> None:
+        """Waits until the job's agent is gone or idle with no rank connected."""
+        def idle() -> bool:
+            # `safepoint status` asks the job's lock (flock), which a starting agent holds before
+            # it writes its pid: no window in which a live agent looks absent.
+            out = self.cli_run("status", "--shm-dir", job.shm, "--json")
+            try:
+                jobs = {j["job"]: j for j in json.loads(out.stdout)}
+            except (ValueError, KeyError):
+                return False
+            j = jobs.get(job.name)
+            if j is None or not j.get("agent_alive"):
+                return job.agent_pid() is None
+            if "queued" not in j:
+                return False  # the agent did not answer (busy starting): ask again
+            return (j["queued"] == 0 and j["in_flight"] is None and
+                    all(not r["connected"] and r["pending_persists"] == 0 for r in j["ranks"]))
+        if not wait_until(idle, interval=0.02):
+            raise Violation(f"the agent of {job.name} never became idle:\n{job.agent_log()[-3000:]}")
+
+    def check_storage(self, job: Job) -> None:
+        import safepoint
+        from workload import first_difference, make_state
+
+        listed = safepoint.steps(job.path)
+        for s in listed:
+            for r in range(job.world):
+                if s not in job.began_ever[r]:
+                    raise Violation(f"step {s} is listed but rank {r} never began saving it")
+                try:
+                    got, state = safepoint.load(job.path, s, rank=r)
+                except safepoint.Error as e:
+                    raise Violation(f"listed step {s} cannot be loaded for rank {r}: {e}")
+                diff = first_difference(state, make_state(self.seed, s, r))
+                if got != s or diff is not None:
+                    raise Violation(f"step {s} rank {r} loads with a difference: {diff}")
+                self.loads_checked += 1
+        for s in job.reported:
+            newer = [t for t in listed if t > s]
+            if s not in listed and len(newer) < job.keep:
+                raise Violation(f"the agent reported step {s} committed; it is not listed and "
+                                f"only {newer} are newer (keep={job.keep}); listed: {listed}")
+        if listed:
+            self.cli_run("verify", job.path, "--all", check=0)
+            self.verifies += 1
+        tmps = glob.glob(os.path.join(job.path, "step-*", "*.tmp.*"))
+        self.temporaries_seen += len(tmps)
+        job.listed = listed
+
+    def plant_decoy(self, job: Job) -> None:
+        """A torn temporary where a killed writer would leave one: it must never be read."""
+        dirs = sorted(glob.glob(os.path.join(job.path, "step-*")))
+        if not dirs:
+            return
+        d = self.rng.choice(dirs)
+        r = self.rng.randrange(job.world)
+        name = f"rank-{r:05d}.img.tmp.{self.rng.getrandbits(64):016x}"
+        if self.rng.random() < 0.5:
+            name = f"COMMIT.tmp.{self.rng.getrandbits(64):016x}"
+        real = sorted(glob.glob(os.path.join(d, "rank-*.img")))
+        with open(os.path.join(d, name), "wb") as f:
+            if real and self.rng.random() < 0.5:
+                with open(real[0], "rb") as src:  # a torn copy of a real image
+                    data = src.read()
+                f.write(data[: self.rng.randrange(1, max(2, len(data)))])
+            else:
+                f.write(os.urandom(self.rng.randrange(1, 20000)))
+        self.decoys += 1
+
+    def check_round(self, job: Job, p: dict, ranks: list) -> None:
+        listed_before = job.listed
+        self.check_resume(job, ranks, listed_before)
+        # Update the expected state from what the ranks said.
+        for rk in ranks:
+            r = rk.rank
+            job.began_ever[r].update(rk.began)
+            job.steps_saved += len(rk.saved)
+            job.reported.update(rk.committed)
+            job.reported.update(rk.newest)
+            if rk.began:
+                job.mem_ub[r] = max(rk.began)
+            if rk.saved:
+                job.mem_lb[r] = max(rk.saved)
+            elif rk.loaded is not None and rk.loaded[1] == "memory":
+                job.mem_lb[r] = rk.loaded[0]
+        closed = [rk.closed for rk in ranks]
+        if p.get("end_sent") == "close" and any(c is not None for c in closed):
+            # A clean close removes the snapshots (a failed one may have).
+            if all(c is True for c in closed) and all(rk.saved for rk in ranks):
+                job.closed_at = max(ranks[0].saved)
+            else:
+                job.closed_at = None
+            job.mem_lb = [None] * job.world
+            if all(c is True for c in closed):
+                job.mem_ub = [None] * job.world
+        elif any(rk.began for rk in ranks):
+            job.closed_at = None
+        if p["mode"] == "node":
+            job.mem_lb = [None] * job.world
+            job.mem_ub = [None] * job.world
+        self.quiesce(job)
+        self.check_storage(job)
+        if job.closed_at is not None and (not job.listed or job.listed[-1] != job.closed_at):
+            raise Violation(f"every rank closed after step {job.closed_at}; the newest "
+                            f"committed step is {job.listed[-1:] or None}")
+        if p["decoy"]:
+            self.plant_decoy(job)
+
+    def final_round(self, job: Job) -> None:
+        """A clean run to the end: resume, save, commit, close; then no temporary may remain
+        below the newest committed step (the commit's clean-up removed what the kills left)."""
+        self.round += 1
+        events: "queue.Queue" = queue.Queue()
+        ranks = []
+        for rank in range(job.world):
+            args = {"path": job.path, "job": job.name, "shm_dir": job.shm, "seed": self.seed,
+                    "rank": rank, "world_size": job.world, "persist_every": job.persist_every,
+                    "keep": job.keep, "steps": job.persist_every * 2, "p_wait": 1.0,
+                    "p_status": 0.0, "rng": f"final-{rank}",
+                    "rdzv": os.path.join(self.root, "rdzv-final"), "env": {}}
+            ranks.append(Rank(self.zygote, args, os.path.join(self.root, f"final-{rank}.err"),
+                              events))
+        sent = False
+        while not all(rk.eof for rk in ranks):
+            rk, fields = events.get(timeout=HANG)
+            if fields is None:
+                rk.eof = True
+                continue
+            rk.handle(fields)
+            if not sent and all(r.idle for r in ranks):
+                for r in ranks:
+                    r.send("close")
+                sent = True
+        for rk in ranks:
+            status = rk.reap()
+            if status != 0 or rk.closed is not True or "WAITFAIL" in " ".join(rk.lines):
+                raise Violation(f"the final clean run of {job.name} failed: {rk.lines}\n"
+                                f"{rk.stderr()}")
+        p = {"mode": "final", "decoy": False, "end_sent": "close"}
+        self.check_round(job, p, ranks)
+        newest = job.listed[-1]
+        left = [t for t in glob.glob(os.path.join(job.path, "step-*", "*.tmp.*"))
+                if int(os.path.basename(os.path.dirname(t))[5:]) < newest]
+        if left:
+            raise Violation(f"temporaries below the newest committed step {newest} survived a "
+                            f"commit's clean-up: {left}")
+
+    # -- the whole campaign ---------------------------------------------------------------------
+    def run(self) -> int:
+        t0 = time.monotonic()
+        last_report = t0
+        try:
+            while self.kills < self.args.kills:
+                job = self.jobs[self.round % len(self.jobs)]
+                self.run_round(job)
+                if time.monotonic() - last_report > 30:
+                    last_report = time.monotonic()
+                    print(f"  {self.kills} kills in {self.round} rounds, "
+                          f"{time.monotonic() - t0:.0f} s", flush=True)
+            for job in self.jobs:
+                self.final_round(job)
+        except Violation as v:
+            print(f"VIOLATION in round {self.round}: {v}", flush=True)
+            self.note(f"VIOLATION: {v}")
+            if self.current is not None:
+                job, ranks = self.current
+                for rk in ranks:
+                    self.note(f"rank {rk.rank} pid {rk.pid} said: {' | '.join(rk.lines)}")
+                self.note("status: " + self.cli_run("status", "--shm-dir", job.shm, "--json").stdout)
+                self.note("agent log:\n" + job.agent_log()[-5000:])
+            print(f"kept for inspection: {self.root} (log.txt); replay: "
+                  f"{sys.argv[0]} --seed {self.seed} --kills {self.args.kills}", flush=True)
+            self.cleanup(keep=True)
+            return 1
+        wall = time.monotonic() - t0
+        self.report(wall)
+        self.cleanup(keep=self.args.keep)
+        return 0
+
+    def report(self, wall: float) -> None:
+        named = sum(self.by_point.values())
+        print(f"crash campaign, seed {self.seed}: {self.kills} kill points executed "
+              f"({named} at named kill points, {self.kills - named} at random moments) in "
+              f"{self.round} rounds, {wall:.1f} s wall; 0 violations")
+        print("  rounds by mode: " + ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items())))
+        print("  named kill points: " + ", ".join(
+            f"{p} {self.by_point.get(p, 0)}" for p in self.points))
+        print("  random kills: " + ", ".join(f"{k} {n}" for k, n in sorted(self.by_random.items())))
+        print(f"  kill points not reached (killed at the end instead): {self.fallbacks}")
+        for job in self.jobs:
+            print(f"  job {job.name}: world {job.world}, persist every {job.persist_every}, "
+                  f"keep {job.keep}: {job.rounds} rounds, {job.steps_saved} saves returned, "
+                  f"newest committed step {job.listed[-1] if job.listed else None}, "
+                  f"{len(job.reported)} steps reported committed")
+        print(f"  checked: {self.loads_checked} bit-exact loads from storage, {self.verifies} "
+              f"clean `safepoint verify --all`, {self.temporaries_seen} temporaries seen left "
+              f"over (never listed or read), {self.decoys} decoy temporaries planted")
+        missing = [p for p in self.points if not self.by_point.get(p)]
+        if missing and self.args.kills >= 1000:
+            print(f"  WARNING: never fired: {missing}")
+
+    def cleanup(self, keep: bool) -> None:
+        if self.current is not None:
+            for rk in self.current[1]:
+                rk.kill()
+        for job in self.jobs:
+            pid = job.agent_pid()
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.zygote.close()
+        if keep:
+            print(f"shared memory kept in {self.shm}", flush=True)
+        else:
+            shutil.rmtree(self.shm, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def setup_build(build_dir: str) -> dict:
+    """A package directory over the kill-point build: python/safepoint/*.py, the build's _core
+    and safepointd. Returns the environment that runs it."""
+    build_dir = os.path.abspath(build_dir)
+    pkg = os.path.join(build_dir, "crashpkg", "safepoint")
+    os.makedirs(pkg, exist_ok=True)
+    wanted = {}
+    for f in glob.glob(os.path.join(REPO, "python", "safepoint", "*.py")):
+        wanted[os.path.basename(f)] = f
+    cores = glob.glob(os.path.join(build_dir, "_core*.so"))
+    agent = os.path.join(build_dir, "safepointd")
+    cli = os.path.join(build_dir, "safepoint")
+    if not cores or not os.path.exists(agent) or not os.path.exists(cli):
+        raise SystemExit(f"{build_dir} has no _core module, safepointd or safepoint: "
+                         "run `make crash-build` first")
+    wanted[os.path.basename(cores[0])] = cores[0]
+    wanted["safepointd"] = agent
+    for name in os.listdir(pkg):
+        if name not in wanted:
+            os.unlink(os.path.join(pkg, name))
+    for name, target in wanted.items():
+        link = os.path.join(pkg, name)
+        if os.path.islink(link) and os.readlink(link) == target:
+            continue
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(target, link)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(pkg) + os.pathsep + HERE
+    env["PATH"] = build_dir + os.pathsep + env.get("PATH", "")
+    env.pop("SAFEPOINT_KILL_AT", None)
+    env.pop("SAFEPOINT_KILL_STAMP", None)
+    env.pop("SAFEPOINT_JOB", None)
+    env["PYTHONWARNINGS"] = "default,ignore::FutureWarning"  # safepoint's warnings go to .err
+    return env
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--zygote":
+        return zygote_main(int(sys.argv[2]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=1000, help="kill points to execute")
+    ap.add_argument("--seed", type=int, default=None, help="replay a run (default: random)")
+    ap.add_argument("--build-dir", default=os.path.join(REPO, "build", "crash"))
+    ap.add_argument("--dir", default=None, help="where checkpoint directories go (default: $TMPDIR)")
+    ap.add_argument("--shm-parent", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                    help="where the private shm_dir is made")
+    ap.add_argument("--keep", action="store_true", help="keep the run directory")
+    args = ap.parse_args()
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    print(f"crash campaign: seed {args.seed}, {args.kills} kill points "
+          f"(replay: {sys.argv[0]} --seed {args.seed} --kills {args.kills})", flush=True)
+    env = setup_build(args.build_dir)
+    # This process checks storage with the same build.
+    sys.path[:0] = env["PYTHONPATH"].split(os.pathsep)
+    os.environ["PATH"] = env["PATH"]
+    import warnings
+    warnings.simplefilter("ignore")
+    campaign = Campaign(args, env)
+    return campaign.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The crash campaign's training process (tests/crash/crashtest.py drives it).
+
+One process per rank, using the real ``safepoint.Checkpointer``: it resumes from the newest step it
+can load (with several ranks, the step all ranks agree on, through torch.distributed / gloo, as a
+real job would), checks what it loaded bit for bit, then saves ``--steps`` more steps, each a pure
+function of (seed, step, rank) (``make_state``), with a barrier after each save (lockstep training).
+Now and then it waits for its last persisted step to be committed (``wait()``) or asks the agent
+for the newest committed step (``status()``), and says so. It prints one line per event, flushed:
+
+    READY <pid>
+    LOADED <step> <source> EXACT|MISMATCH     what load() returned (MISMATCH: a violation)
+    DIFF <where>                              after MISMATCH: the first difference
+    FRESH                                     nothing to load
+    BEGIN <step> / SAVED <step>               around save(step); SKIPPED <step> if skipped
+    COMMITTED <step>                          wait() returned: <step> is committed
+    WAITFAIL <step> <error>                   wait() raised
+    NEWEST <step>                             status()["newest_committed"]
+    IDLE                                      done; then reads commands from stdin:
+        exit   -> dies at once without closing (the agent flushes, as after a crash)
+        close  -> close(); prints CLOSED or CLOSEFAIL <error>; exits
+
+The driver normally runs ``child_main`` in a process forked from a zygote that has imported torch
+once (tests/crash/crashtest.py); ``python workload.py --json '<args>'`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from datetime import timedelta
+
+SMALL = 1 << 14        # int32 elements of "w<rank>" on most steps (64 KiB)
+BIG = (5 << 20) // 2   # on big steps (10 MiB: two 8 MiB write pieces, and a larger slot)
+
+
+def is_big_step(seed: int, step: int) -> bool:
+    return (seed + step) % 11 == 0
+
+
+def make_state(seed: int, step: int, rank: int) -> dict:
+    """The state of (seed, step, rank); some steps are big. Like data-parallel training, "model"
+    is the same on every rank (a function of seed and step: the ranks write each of its tensors
+    to storage once, and a rank loading from storage reads some from the other's image), while
+    "w<rank>" and "meta" are the rank's own (every byte depends on all three)."""
+    import torch
+
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 131)
+    n = BIG if is_big_step(seed, step) else SMALL
+    w = torch.arange(n, dtype=torch.int32) * (2 * rank + 1) + (step * 7919 + seed) % (1 << 30)
+    return {
+        f"w{rank}": w,
+        "model": {"b": torch.randn(257, generator=g),
+                  "h": torch.randn(3, 5, generator=g).to(torch.float64),
+                  "e": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+                  "i": torch.randint(-1000, 1000, (7,), generator=g, dtype=torch.int64)},
+        "step": step,
+        "meta": {"seed": seed, "rank": rank, "tag": f"s{seed}-r{rank}-{step}",
+                 "lr": 1.0 / (step + 1), "flags": [step % 2 == 0, None, b"\x00\xff"]},
+    }
+
+
+def _same_tensor(a, b) -> bool:
+    import torch
+
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def first_difference(got, want, where: str = "state"):
+    """None when `got` equals `want` bit for bit (tensors byte-wise), else where they differ."""
+    import torch
+
+    if isinstance(want, torch.Tensor):
+        return None if _same_tensor(got, want) else where
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            have = sorted(got) if isinstance(got, dict) else type(got)
+            return f"{where}: keys {have} != {sorted(want)}"
+        for k in want:
+            d = first_difference(got[k], want[k], f"{where}[{k!r}]")
+            if d:
+                return d
+        return None
+    if isinstance(want, (list, tuple)):
+        if type(got) is not type(want) or len(got) != len(want):
+            return f"{where}: {got!r} != {want!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            d = first_difference(g, w, f"{where}[{i}]")
+            if d:
+                return d
+        return None
+    if type(got) is not type(want) or got != want:
+        return f"{where}: {got!r} != {want!r}"
+    return None
+
+
+def say(*fields) -> None:
+    sys.stdout.write(" ".join(str(f) for f in fields) + "\n")
+    sys.stdout.flush()
+
+
+def child_main(a: dict) -> int:
+    """Runs one rank. `a`: path, job, shm_dir, seed, rank, world_size, persist_every, keep,
+    steps, p_wait, p_status, rng (a string seeding this process's choices), rdzv (a file for
+    torch.distributed's FileStore when world_size > 1), env (variables to set first)."""
+    os.environ.update(a.get("env", {}))  # before the first kill point reads SAFEPOINT_KILL_AT
+    import torch
+
+    import safepoint
+
+    rank, world = a["rank"], a["world_size"]
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="file://" + a["rdzv"], rank=rank,
+                                world_size=world, timeout=timedelta(seconds=600))
+    ckpt = safepoint.Checkpointer(a["path"], job=a["job"], shm_dir=a["shm_dir"], rank=rank,
+                                  world_size=world, persist_every=a["persist_every"],
+                                  keep=a["keep"])
+    say("READY", os.getpid())
+    seed = a["seed"]
+    loaded = ckpt.load()
+    if loaded is None:
+        say("FRESH")
+        step = 1
+    else:
+        got, state = loaded
+        diff = first_difference(state, make_state(seed, got, rank))
+        say("LOADED", got, ckpt.last_load_source, "EXACT" if diff is None else "MISMATCH")
+        if diff is not None:
+            say("DIFF", diff)
+        step = got + 1
+    rng = random.Random(a["rng"])
+    last_persisted = None
+    for _ in range(a["steps"]):
+        state = make_state(seed, step, rank)
+        say("BEGIN", step)
+        if ckpt.save(step, state):
+            say("SAVED", step)
+        else:
+            say("SKIPPED", step)
+        if step % a["persist_every"] == 0:
+            last_persisted = step
+        if world > 1:
+            torch.distributed.barrier()
+        if last_persisted == step and rng.random() < a["p_wait"]:
+            try:
+                ckpt.wait(timeout=600)
+                say("COMMITTED", step)
+            except safepoint.Error as e:
+                say("WAITFAIL", step, str(e).replace("\n", " "))
+        if rng.random() < a["p_status"]:
+            try:
+                newest = ckpt.status()["newest_committed"]
+                if newest is not None:
+                    say("NEWEST", newest)
+            except safepoint.Error as e:
+                say("STATUSFAIL", str(e).replace("\n", " "))
+        step += 1
+    say("IDLE")
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "exit":
+            os._exit(0)
+        if cmd == "close":
+            try:
+                ckpt.close()
+                say("CLOSED")
+            except safepoint.Error as e:
+                say("CLOSEFAIL", str(e).replace("\n", " "))
+            os._exit(0)
+    os._exit(0)  # stdin closed: like a crash
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--json":
+        sys.exit("usage: workload.py --json '<arguments as a JSON object>'")
+    sys.exit(child_main(json.loads(sys.argv[2])))
