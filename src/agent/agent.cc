@@ -102,7 +102,9 @@ struct RankState {
   uint64_t emergency_flushes = 0;
   std::string last_error;
   std::map<uint64_t, Status> outcomes;  // step -> result of persisting this rank's image
-  std::map<uint64_t, uint64_t> persisted_generation;  // step -> slot generation persisted
+  // step -> (slot, generation) of the snapshot persisted for it. Generations count per slot, so
+  // the same step saved again into the other slot may carry an equal generation: match both.
+  std::map<uint64_t, std::pair<uint32_t, uint64_t>> persisted_generation;
   std::multiset<uint64_t> pending;      // steps queued or in flight, once per task
 };
 
@@ -499,7 +501,7 @@ void Agent::DrainResults() {
       rs.last_persist_seconds = r.seconds;
       rs.last_persist_bytes = r.bytes;
       rs.outcomes[r.task.step] = Status::OK();
-      rs.persisted_generation[r.task.step] = r.task.generation;
+      rs.persisted_generation[r.task.step] = {r.task.slot, r.task.generation};
       if (r.committed) {
         committed_cache_.insert(r.task.step);
         newest_committed_ = std::max(newest_committed_.value_or(0), r.task.step);
@@ -713,7 +715,8 @@ void Agent::HandleMessage(Client& c, const Message& m) {
       // after the ranks resumed from an older step), and skipping this one would leak its lease.
       if (Queued(t.rank, t.slot, t.generation)) return;
       auto done = rs.persisted_generation.find(t.step);
-      if (done != rs.persisted_generation.end() && done->second == t.generation) {
+      if (done != rs.persisted_generation.end() &&
+          done->second == std::make_pair(t.slot, t.generation)) {
         if (t.leased) rs.arena->Release(t.slot, t.generation);
         return;
       }

@@ -746,6 +746,43 @@ TEST_F(AgentTest, DeadClientsUnannouncedLeaseIsTakenOverByTheFlush) {
 // Found by the crash campaign (tests/crash): an agent started on demand that died while starting
 // (there: SIGKILLed while it adopted the job's snapshots) left the training process waiting out
 // the whole start timeout for an agent that was gone, then failing. The client starts it again.
+// Regression (crash campaign, seed 2279128066, round 24): the agent remembered a persisted step
+// by its slot generation only. Generations count per slot, so when the ranks resumed from an
+// older step and saved that step again into the other slot with an equal generation, the agent
+// took the new snapshot for the one it had persisted and skipped it: rank 0's image stayed the
+// one from the earlier run, the step never committed, and wait() hung.
+TEST_F(AgentTest, StepSavedAgainIntoTheOtherSlotIsPersistedAgain) {
+  auto options = [&](uint32_t rank, uint64_t attempt) {
+    ClientOptions o = Options();
+    o.rank = rank;
+    o.world_size = 2;
+    o.attempt = attempt;
+    return o;
+  };
+  {
+    // Run 1: rank 0 saves step 2 (slot 0, generation 1) and it is persisted; rank 1 dies first.
+    auto r0 = SnapshotClient::Connect(options(0, 1));
+    ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+    SaveStep(**r0, 2, /*persist=*/true);
+    for (int i = 0; i < 200 && Committed().empty(); ++i) {
+      auto st = (*r0)->AgentStatus();  // wait until the agent persisted it (never committed)
+      if (st.ok() && json::parse(*st)["ranks"][0]["persists_ok"] == 1) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  // Run 2 (a new attempt): both ranks save step 2; rank 0's goes into slot 1, generation 1.
+  auto r0 = SnapshotClient::Connect(options(0, 2));
+  auto r1 = SnapshotClient::Connect(options(1, 2));
+  ASSERT_TRUE(r0.ok() && r1.ok());
+  SaveStep(**r0, 2, /*persist=*/true);
+  SaveStep(**r1, 2, /*persist=*/true);
+  Status w0 = (*r0)->Wait(kDeadlineSeconds);
+  Status w1 = (*r1)->Wait(kDeadlineSeconds);
+  ASSERT_TRUE(w0.ok()) << w0.ToString();
+  ASSERT_TRUE(w1.ok()) << w1.ToString();
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{2}));
+}
+
 TEST_F(AgentTest, ClientRestartsAnAgentThatDiedWhileStarting) {
   // An "agent" that dies at its first start and is the real one afterwards.
   const std::string script = tmp_ + "/dies-once";
