@@ -418,9 +418,18 @@ TaskResult Agent::Persist(const Task& t) {
   // older one): un-commit it first, as SaveShard does, so that a crash before the new COMMIT
   // leaves the step uncommitted, never committed with an image its record does not name.
   if (auto existing = store_->ReadCommit(t.step); existing.ok()) {
-    if (t.rank < existing->images.size() &&
-        existing->images[t.rank].header_crc == stored_header_crc) {
-      r.bytes = image.size();  // this very image is committed already
+    bool same = t.rank < existing->images.size() &&
+                existing->images[t.rank].header_crc == stored_header_crc;
+    if (!same && t.rank < existing->images.size()) {
+      // The same snapshot may be committed in the other layout (with or without its replicas:
+      // an emergency flush writes everything, a requested persist may skip replicas). Its
+      // identity is the attempt and creation time the client stamped into the header.
+      auto md = store_->ReadMetadata(*existing, t.rank);
+      same = md.ok() && md->meta.attempt == header->first.attempt &&
+             md->meta.create_time_ns == header->first.create_time_ns;
+    }
+    if (same) {
+      r.bytes = image.size();  // this very snapshot is committed already
       r.committed = true;
       return r;
     }

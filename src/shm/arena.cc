@@ -460,16 +460,21 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
   const uint32_t self = static_cast<uint32_t>(::getpid());
   for (int attempt = 0; attempt < 100; ++attempt) {
     const std::vector<SlotInfo> info = Slots();
+    // The snapshot kept is the one completed last, not the one of the highest step: after the
+    // ranks resumed from an older step, a higher step left in memory by the abandoned run is
+    // the stale one (keeping it by step overwrote the newest save of the resumed run, found by
+    // the crash campaign, seed 3172031226).
+    auto later = [](const SlotInfo& a, const SlotInfo& b) {
+      return a.complete_time_ns != b.complete_time_ns ? a.complete_time_ns > b.complete_time_ns
+                                                      : a.step > b.step;
+    };
     std::optional<uint32_t> newest;
     for (const SlotInfo& s : info) {
       if (s.state != SlotState::kComplete) continue;
-      if (!newest || s.step > info[*newest].step ||
-          (s.step == info[*newest].step && s.generation > info[*newest].generation)) {
-        newest = s.index;
-      }
+      if (!newest || later(s, info[*newest])) newest = s.index;
     }
     // Preference: a slot that does not exist yet or is FREE, then a torn one (WRITING by a dead
-    // writer, or by this process after a failed save), then the oldest COMPLETE one.
+    // writer, or by this process after a failed save), then the COMPLETE one completed first.
     std::vector<const SlotInfo*> order;
     for (const SlotInfo& s : info) {
       if (newest && s.index == *newest) continue;
@@ -487,7 +492,8 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
         return s->state == SlotState::kFree ? 0 : s->state == SlotState::kWriting ? 1 : 2;
       };
       if (rank_of(a) != rank_of(b)) return rank_of(a) < rank_of(b);
-      return a->step < b->step;
+      return a->complete_time_ns != b->complete_time_ns ? a->complete_time_ns < b->complete_time_ns
+                                                        : a->step < b->step;
     });
     if (order.empty()) return std::make_pair(Acquire::kBusy, WriteTicket{});
     const SlotInfo& s = *order.front();

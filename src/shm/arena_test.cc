@@ -279,33 +279,54 @@ TEST_F(ArenaTest, FirstSavesUseFreeSlotsThenTheOldest) {
   }
 }
 
-TEST_F(ArenaTest, NeverOverwritesTheNewestComplete) {
+TEST_F(ArenaTest, NeverOverwritesTheSnapshotCompletedLast) {
   auto arena = Open(2);
   ASSERT_TRUE(arena);
-  // Steps out of order too: "newest" is the highest step, not the latest write.
+  // Steps out of order too (ranks that resumed from an older step save lower steps again): the
+  // snapshot kept while a slot is written is the one completed last, whatever its step.
   const uint64_t steps[] = {10, 20, 5, 30, 25, 26, 40};
+  std::optional<SlotInfo> last;
   for (uint64_t step : steps) {
-    const auto before = arena->NewestComplete();
     Shard s(step);
     auto t = arena->BeginWrite(s.size());
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
-    if (before) {
-      EXPECT_NE(t->second.slot, before->index) << "step " << step;
-      // While the slot is written, the newest snapshot is still the previous one, intact.
-      auto during = arena->NewestComplete();
-      ASSERT_TRUE(during);
-      EXPECT_EQ(during->index, before->index);
-      EXPECT_EQ(during->step, before->step);
-      ExpectImage(arena->SlotData(during->index).subspan(0, during->image_size), during->step);
+    if (last) {
+      EXPECT_NE(t->second.slot, last->index) << "step " << step;
+      // While the slot is written, the previous save is still there, intact.
+      const SlotInfo during = arena->Slots()[last->index];
+      EXPECT_EQ(during.state, SlotState::kComplete);
+      EXPECT_EQ(during.step, last->step);
+      ExpectImage(arena->SlotData(during.index).subspan(0, during.image_size), during.step);
     }
     EXPECT_EQ(arena->Slots()[t->second.slot].state, SlotState::kWriting);
     s.builder->FillAll(t->second.data, 1);
     arena->FinishWrite(t->second, step, s.size());
+    last = arena->Slots()[t->second.slot];
   }
   auto newest = arena->NewestComplete();
   ASSERT_TRUE(newest);
   EXPECT_EQ(newest->step, 40u);
+}
+
+// Regression (crash campaign, seed 3172031226): slots held step 10 of a run that was then
+// abandoned (the ranks resumed from step 8) and the resumed run's step 9; saving step 10 again
+// kept the old step 10 (the higher step) and overwrote step 9, the newest save that every rank
+// had made, so the ranks could only agree on step 8.
+TEST_F(ArenaTest, AfterAResumeTheStaleHigherStepIsOverwrittenFirst) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  for (uint64_t step : {10, 9, 10}) {
+    Shard s(step);
+    auto t = arena->BeginWrite(s.size());
+    ASSERT_TRUE(t.ok() && t->first == Arena::Acquire::kAcquired);
+    s.builder->FillAll(t->second.data, 1);
+    arena->FinishWrite(t->second, step, s.size());
+  }
+  std::vector<uint64_t> held;
+  for (const SlotInfo& s : arena->Slots()) held.push_back(s.step);
+  std::sort(held.begin(), held.end());
+  EXPECT_EQ(held, (std::vector<uint64_t>{9, 10}));
 }
 
 TEST_F(ArenaTest, AbortWriteFreesTheSlot) {
