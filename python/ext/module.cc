@@ -403,6 +403,14 @@ class PyClient {
       d["step"] = s.step;
       d["image_bytes"] = s.image_size;
       d["capacity"] = s.capacity;
+      // The save attempt of a complete snapshot, from its image header (None when unreadable:
+      // a load verifies everything anyway).
+      d["attempt"] = nb::none();
+      if (s.state == SlotState::kComplete && s.image_size >= kImageHeaderSize) {
+        auto h = ParseImageHeader(Get().arena().SlotData(s.index).subspan(0, kImageHeaderSize),
+                                  "slot");
+        if (h.ok()) d["attempt"] = h->first.attempt;
+      }
       out.append(d);
     }
     return out;

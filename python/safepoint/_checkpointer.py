@@ -246,6 +246,14 @@ class Checkpointer:
     def _memory_steps(self) -> list[int]:
         return sorted(s["step"] for s in self._live.slots() if s["state"] == "COMPLETE")
 
+    def _memory_attempts(self) -> dict[int, Any]:
+        """step -> save attempt of this rank's complete snapshots (several: None)."""
+        out: dict[int, Any] = {}
+        for s in self._live.slots():
+            if s["state"] == "COMPLETE":
+                out[s["step"]] = s["attempt"] if s["step"] not in out else None
+        return out
+
     def _from_storage(self, step: Optional[int], targets: Any):
         """This rank's state of `step` from storage: with targets (restore), only the byte
         ranges the targets need, from whichever ranks' images hold them (any saving world size);
@@ -312,11 +320,18 @@ class Checkpointer:
         import torch.distributed as dist
 
         committed = storage_steps(self.path)
-        memory = self._memory_steps()
+        attempts = self._memory_attempts()
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, attempts, group=self._group)
+        # A step is loaded from memory only where every rank's snapshot of it is of one save
+        # attempt: snapshots that two runs (before and after a restart) left of the same step
+        # are never combined; such a step comes from storage, where a commit is one attempt.
+        memory = [s for s in self._memory_steps()
+                  if all(s in a for a in everyone) and attempts.get(s) is not None
+                  and all(a[s] == attempts[s] for a in everyone)]
         mine = sorted(set(committed) | set(memory))
         if step is not None:
             mine = [step] if step in mine else []
-        everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self._group)
         common = set(everyone[0]).intersection(*map(set, everyone[1:]))
         while common:

@@ -83,7 +83,6 @@ struct TaskResult {
   Status status;
   bool superseded = false;
   bool committed = false;
-  bool uncommitted = false;  // the step's COMMIT was removed to replace this rank's image
   uint64_t bytes = 0;
   double seconds = 0;
   std::vector<uint64_t> pruned;
@@ -401,10 +400,18 @@ TaskResult Agent::Persist(const Task& t) {
     return r;
   }
   SP_KILL_POINT("agent.persist.leased");
-  // With replicas left to other ranks the stored image is laid out anew (same identity and
-  // creation time, so persisting the same snapshot again gives the same bytes).
+  // A committed step is never replaced. Either this very snapshot is committed already (persisted
+  // twice: adopted, flushed), or an earlier run committed the step before the ranks resumed from
+  // an older one and saved it again: that commit is a complete checkpoint of one attempt, and
+  // replacing it would leave the step uncommitted until every rank's new image is there, so a
+  // crash in between (or a stale snapshot of the step, adopted after a restart) would lose a step
+  // already reported committed. Found by the crash campaign (seed 858721433).
+  if (store_->ReadCommit(t.step).ok()) {
+    r.committed = true;
+    return r;
+  }
+  // With replicas left to other ranks the stored image is laid out anew.
   std::unique_ptr<ImageBuilder> relaid;
-  uint32_t stored_header_crc = header->second.header_crc;
   if (!t.skip.empty()) {
     auto b = WithoutReplicas(image, source, t.skip);
     if (!b.ok()) {
@@ -412,33 +419,6 @@ TaskResult Agent::Persist(const Task& t) {
       return r;
     }
     relaid = std::move(*b);
-    stored_header_crc = relaid->layout().header_crc;
-  }
-  // Replacing an image of a committed step (a step saved again after the ranks resumed from an
-  // older one): un-commit it first, as SaveShard does, so that a crash before the new COMMIT
-  // leaves the step uncommitted, never committed with an image its record does not name.
-  if (auto existing = store_->ReadCommit(t.step); existing.ok()) {
-    bool same = t.rank < existing->images.size() &&
-                existing->images[t.rank].header_crc == stored_header_crc;
-    if (!same && t.rank < existing->images.size()) {
-      // The same snapshot may be committed in the other layout (with or without its replicas:
-      // an emergency flush writes everything, a requested persist may skip replicas). Its
-      // identity is the attempt and creation time the client stamped into the header.
-      auto md = store_->ReadMetadata(*existing, t.rank);
-      same = md.ok() && md->meta.attempt == header->first.attempt &&
-             md->meta.create_time_ns == header->first.create_time_ns;
-    }
-    if (same) {
-      r.bytes = image.size();  // this very snapshot is committed already
-      r.committed = true;
-      return r;
-    }
-    Status s = store_->storage().Delete(CommitObjectName(t.step));
-    if (!s.ok()) {
-      r.status = s;
-      return r;
-    }
-    r.uncommitted = true;
   }
   auto stats = relaid ? store_->WriteImage(*relaid) : store_->WriteImageBytes(image, t.step, t.rank);
   if (!stats.ok()) {
@@ -488,7 +468,6 @@ void Agent::DrainResults() {
   }
   for (TaskResult& r : results) {
     RankState& rs = ranks_[r.task.rank];
-    if (r.uncommitted) committed_cache_.erase(r.task.step);
     if (auto it = rs.pending.find(r.task.step); it != rs.pending.end()) rs.pending.erase(it);
     auto prior = rs.outcomes.find(r.task.step);
     const bool already_ok = prior != rs.outcomes.end() && prior->second.ok();
