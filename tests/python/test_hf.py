@@ -25,6 +25,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 import torch  # noqa: E402
+from workloads.bitexact import assert_bit_identical as tensors_equal  # noqa: E402
 
 import safepoint  # noqa: E402
 from safepoint.hf import SafepointCallback  # noqa: E402
@@ -110,23 +111,6 @@ def worker(argv) -> None:
 
 # --- tests -----------------------------------------------------------------------------------------
 
-def tensors_equal(a, b, where="") -> None:
-    """Bit-identical nested states (tensors by bytes, everything else by ==)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                           b.contiguous().reshape(-1).view(torch.uint8)), f"{where}: bytes differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
-        for k in a:
-            tensors_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            tensors_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ import json
 import os
 import sys
 
+from bitexact import first_difference
+
 
 @functools.lru_cache(maxsize=2)
 def _base(seed: int, numel: int):
@@ -47,37 +49,6 @@ def make_state(seed: int, step: int, numel: int) -> dict:
         "step": step,
         "meta": {"seed": seed, "tag": f"step-{step}", "lr": 1.0 / (step + 1)},
     }
-
-
-def _same_tensor(a, b) -> bool:
-    import torch
-
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return False
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                       b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def first_difference(got, want, where: str = "state"):
-    """None when `got` equals `want` bit for bit (tensors byte-wise), else where they differ."""
-    import torch
-
-    if isinstance(want, torch.Tensor):
-        return None if _same_tensor(got, want) else where
-    if isinstance(want, dict):
-        if not isinstance(got, dict) or set(got) != set(want):
-            have = sorted(got) if isinstance(got, dict) else type(got)
-            return f"{where}: keys {have} != {sorted(want)}"
-        for k in want:
-            d = first_difference(got[k], want[k], f"{where}[{k!r}]")
-            if d:
-                return d
-        return None
-    if type(got) is not type(want) or got != want:
-        return f"{where}: {got!r} != {want!r}"
-    return None
 
 
 def main() -> int:
