@@ -403,6 +403,7 @@ class PyClient {
       d["step"] = s.step;
       d["image_bytes"] = s.image_size;
       d["capacity"] = s.capacity;
+      d["complete_time_ns"] = s.complete_time_ns;
       // The save attempt of a complete snapshot, from its image header (None when unreadable:
       // a load verifies everything anyway).
       d["attempt"] = nb::none();

@@ -247,12 +247,15 @@ class Checkpointer:
         return sorted(s["step"] for s in self._live.slots() if s["state"] == "COMPLETE")
 
     def _memory_attempts(self) -> dict[int, Any]:
-        """step -> save attempt of this rank's complete snapshots (several: None)."""
-        out: dict[int, Any] = {}
+        """step -> save attempt of the snapshot of it a load would read (of two snapshots of one
+        step, the one completed last, as load_step picks)."""
+        newest: dict[int, dict] = {}
         for s in self._live.slots():
             if s["state"] == "COMPLETE":
-                out[s["step"]] = s["attempt"] if s["step"] not in out else None
-        return out
+                if s["step"] not in newest or \
+                        s["complete_time_ns"] > newest[s["step"]]["complete_time_ns"]:
+                    newest[s["step"]] = s
+        return {step: s["attempt"] for step, s in newest.items()}
 
     def _from_storage(self, step: Optional[int], targets: Any):
         """This rank's state of `step` from storage: with targets (restore), only the byte

@@ -335,9 +335,16 @@ Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_st
 
 Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step, bool in_place) {
   SP_RETURN_IF_ERROR(arena_->Refresh());
+  // Two slots may hold the step (saved again after the ranks resumed from an older one): the
+  // snapshot completed last is the current run's.
+  std::optional<SlotInfo> found;
   for (const SlotInfo& s : arena_->Slots()) {
-    if (s.state == SlotState::kComplete && s.step == step) return LoadSlot(s, in_place);
+    if (s.state == SlotState::kComplete && s.step == step &&
+        (!found || s.complete_time_ns > found->complete_time_ns)) {
+      found = s;
+    }
   }
+  if (found) return LoadSlot(*found, in_place);
   return NotFound(job_dir_ + ": no snapshot of step " + std::to_string(step) + " of rank " +
                   std::to_string(opt_.rank) + " in memory");
 }

@@ -415,7 +415,9 @@ std::optional<SlotInfo> Arena::NewestComplete() const {
   std::optional<SlotInfo> best;
   for (const SlotInfo& s : Slots()) {
     if (s.state != SlotState::kComplete) continue;
-    if (!best || s.step > best->step || (s.step == best->step && s.generation > best->generation)) {
+    // Of two snapshots of one step, the one completed last (generations count per slot).
+    if (!best || s.step > best->step ||
+        (s.step == best->step && s.complete_time_ns > best->complete_time_ns)) {
       best = s;
     }
   }
