@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
-from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
-from safepoint._shards import fill_elsewhere, read_into
-from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
+from safepoint._stateful import apply_loaded, to_saveable
+from safepoint._shards import fill_elsewhere, read_newest_into
+from safepoint.errors import InvalidArgumentError
 
 
 def _path(path: "str | os.PathLike[str]") -> str:
@@ -81,24 +81,9 @@ def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = No
     p = _path(path)
     if step is not None and (type(step) is not int or step < 0):
         raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
-    candidates = [step] if step is not None else sorted(steps(p), reverse=True)
-    if not candidates:
-        raise NotFoundError(f"{p}: no committed checkpoint")
-    targets = to_saveable(state)
-    for i, s in enumerate(candidates):
-        try:
-            got = read_into(p, s, rank, targets, unpickler(allow_pickle))
-        except (CorruptionError, NotFoundError) as e:
-            if step is not None or i == len(candidates) - 1:
-                raise
-            warnings.warn(f"safepoint: skipped a damaged checkpoint: step {s}: {e}",
-                          RuntimeWarning, stacklevel=2)
-            continue
-        restore_into(state, got)
-        if isinstance(got, dict) and RNG_KEY in got:
-            restore_rng(got[RNG_KEY])
-        return s
-    raise AssertionError("unreachable")
+    got_step, got = read_newest_into(p, step, rank, to_saveable(state), unpickler(allow_pickle))
+    apply_loaded(state, got)
+    return got_step
 
 
 def steps(path: "str | os.PathLike[str]") -> list[int]:

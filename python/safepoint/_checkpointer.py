@@ -22,9 +22,9 @@ from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
-from safepoint._shards import plan_replicas, read_into
+from safepoint._shards import plan_replicas, read_newest_into
 from safepoint._staging import pin_for_gpu_copies
-from safepoint._stateful import RNG_KEY, restore_into, restore_rng, to_saveable
+from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -263,16 +263,7 @@ class Checkpointer:
         else this rank's whole image."""
         if targets is None:
             return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
-        candidates = [step] if step is not None else sorted(storage_steps(self.path), reverse=True)
-        for i, s in enumerate(candidates):
-            try:
-                return s, read_into(self.path, s, self.rank, targets, self._unpickler)
-            except (CorruptionError, NotFoundError) as e:
-                if i == len(candidates) - 1:
-                    raise
-                warnings.warn(f"safepoint: skipped a damaged checkpoint: step {s}: {e}",
-                              RuntimeWarning, stacklevel=4)
-        raise NotFoundError(f"{self.path}: no committed checkpoint")
+        return read_newest_into(self.path, step, self.rank, targets, self._unpickler)
 
     def _usable(self, snap):
         """A memory snapshot, unless another world size saved it (then storage reshards)."""
@@ -323,20 +314,20 @@ class Checkpointer:
         import torch.distributed as dist
 
         committed = storage_steps(self.path)
-        attempts = self._memory_attempts()
+        memory = self._memory_steps()
+        # One all-gather: every rank's committed steps and the attempt of each snapshot in its
+        # memory. A step is loaded from memory only where every rank's snapshot of it is of one
+        # save attempt: snapshots that two runs (before and after a restart) left of the same
+        # step are never combined; such a step comes from storage, where a commit is one attempt.
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, attempts, group=self._group)
-        # A step is loaded from memory only where every rank's snapshot of it is of one save
-        # attempt: snapshots that two runs (before and after a restart) left of the same step
-        # are never combined; such a step comes from storage, where a commit is one attempt.
-        memory = [s for s in self._memory_steps()
-                  if all(s in a for a in everyone) and attempts.get(s) is not None
-                  and all(a[s] == attempts[s] for a in everyone)]
-        mine = sorted(set(committed) | set(memory))
+        dist.all_gather_object(everyone, (committed, self._memory_attempts()), group=self._group)
+        first = everyone[0][1]
+        in_memory = {s for s, a in first.items()
+                     if a is not None and all(other.get(s) == a for _, other in everyone[1:])}
+        common = in_memory | set(everyone[0][0]).intersection(*(set(c) for c, _ in everyone[1:]))
         if step is not None:
-            mine = [step] if step in mine else []
-        dist.all_gather_object(everyone, mine, group=self._group)
-        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+            common &= {step}
+        memory = [s for s in memory if s in in_memory]
         while common:
             candidate = max(common)
             got = self._load_one(candidate, memory, committed, targets)
@@ -365,13 +356,11 @@ class Checkpointer:
         # out of it now, and never keep a reference to it.
         borrowed = self.last_load_source == "memory"
         gpu = borrowed and pin_for_gpu_copies(got, targets)
-        restore_into(state, got, borrowed=borrowed)
+        apply_loaded(state, got, borrowed=borrowed)
         if gpu:
             import torch
 
             torch.cuda.synchronize()
-        if isinstance(got, dict) and RNG_KEY in got:
-            restore_rng(got[RNG_KEY])
         return got_step
 
     @property

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, MutableMapping, MutableSequence
+import warnings
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
 
 import torch
 
 from safepoint import _core
-from safepoint.errors import InvalidArgumentError, NotFoundError
+from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
@@ -162,6 +163,24 @@ def _row_major(shape: tuple[int, ...]) -> list[int]:
         strides.append(s)
         s *= max(n, 1)
     return strides[::-1]
+
+
+def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
+                     unpickler: Any = None) -> tuple[int, Any]:
+    """read_into() of `step`, or with step None of the newest committed step that reads back
+    (a damaged newer one is skipped with a warning). Returns (step, tree)."""
+    if step is not None:
+        return step, read_into(path, step, rank, targets, unpickler)
+    candidates = sorted(_core.steps(path), reverse=True)
+    if not candidates:
+        raise NotFoundError(f"{path}: no committed checkpoint")
+    for s in candidates[:-1]:
+        try:
+            return s, read_into(path, s, rank, targets, unpickler)
+        except (CorruptionError, NotFoundError) as e:
+            warnings.warn(f"safepoint: skipped a damaged checkpoint: step {s}: {e}",
+                          RuntimeWarning, stacklevel=3)
+    return candidates[-1], read_into(path, candidates[-1], rank, targets, unpickler)
 
 
 def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = None,

@@ -148,3 +148,11 @@ def _overlay(current: Any, loaded: Any, where: str, borrowed: bool = False) -> A
         return type(loaded)(_overlay(current[i] if same else None, v, f"{where}.{i}", borrowed)
                             for i, v in enumerate(loaded))
     return loaded
+
+
+def apply_loaded(state: Any, loaded: Any, borrowed: bool = False) -> None:
+    """restore_into(state, loaded), then the generator states the checkpoint carries
+    (``include_rng``)."""
+    restore_into(state, loaded, borrowed=borrowed)
+    if isinstance(loaded, Mapping) and RNG_KEY in loaded:
+        restore_rng(loaded[RNG_KEY])
