@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -26,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 import torch  # noqa: E402
 from workloads.bitexact import assert_bit_identical as tensors_equal  # noqa: E402
+from conftest import run_script, start_script  # noqa: E402
 
 import safepoint  # noqa: E402
 from safepoint.hf import SafepointCallback  # noqa: E402
@@ -113,36 +112,12 @@ def worker(argv) -> None:
 
 
 
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="sph-")  # short: the agent's socket path has a length limit
-    yield d
-    for entry in os.listdir(d):  # the agents this test started (named by its private shm dir)
-        try:
-            pid = int(open(os.path.join(d, entry, "agent.lock")).read().strip() or 0)
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if cmd and cmd[0].endswith(b"safepointd") and d.encode() in cmd:
-            os.kill(pid, signal.SIGKILL)
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def start_worker(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return start_script(__file__, *args)
 
 
 def run_worker(*args) -> subprocess.CompletedProcess:
-    proc = start_worker(*args)
-    try:
-        out, err = proc.communicate(timeout=HANG)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_script(__file__, *args, timeout=HANG)
 
 
 def test_flash_sigkill_then_resume_is_bit_identical(tmp_path, shm):
