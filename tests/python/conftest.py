@@ -99,3 +99,27 @@ def run_script(path: str, *args, timeout: float) -> subprocess.CompletedProcess:
             proc.kill()
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback (for MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(argvs: list, timeout: float = 240) -> list:
+    """Starts one Python process per argv (the ranks of a job) at once, waits for all, asserts
+    each exited 0, and returns the JSON object each printed last."""
+    import json
+
+    procs = [subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for argv in argvs]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"rank failed:\n{out}\n{err[-3000:]}"
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs

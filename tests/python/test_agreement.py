@@ -1,29 +1,20 @@
 """Restore agreement: ranks never resume from different steps (2 ranks, gloo, real processes)."""
 
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
 import safepoint
+from conftest import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workloads", "agree_worker.py")
 
 
-def run_ranks(tmp_path, job, phase, tag):
+def run_phase(tmp_path, job, phase, tag):
     store = tmp_path / f"store-{tag}"
-    procs = [subprocess.Popen([sys.executable, WORKER, str(store), str(tmp_path / "ckpt"),
-                               str(tmp_path / "shm"), job, str(r), phase],
-                              stdout=subprocess.PIPE, text=True) for r in range(2)]
-    outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, f"rank failed: {out}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
+    return run_ranks([[WORKER, store, tmp_path / "ckpt", tmp_path / "shm", job, r, phase]
+                      for r in range(2)])
 
 
 def kill_agent(shm, job):
@@ -47,9 +38,9 @@ def job(tmp_path):
 
 
 def test_ranks_agree_on_a_step_every_rank_has(tmp_path, job):
-    run_ranks(tmp_path, job, "save", "a")
+    run_phase(tmp_path, job, "save", "a")
     assert safepoint.steps(tmp_path / "ckpt") == [1, 2, 3]
-    outs = run_ranks(tmp_path, job, "load", "b")
+    outs = run_phase(tmp_path, job, "load", "b")
     # Rank 0 holds step 4 in memory, rank 1 does not: both resume from step 3, from memory.
     assert [o["step"] for o in outs] == [3, 3]
     assert all(o["ok"] for o in outs)
@@ -57,7 +48,7 @@ def test_ranks_agree_on_a_step_every_rank_has(tmp_path, job):
 
 
 def test_all_ranks_fall_back_together(tmp_path, job):
-    run_ranks(tmp_path, job, "save", "a")
+    run_phase(tmp_path, job, "save", "a")
     # Damage rank 1's copies of step 3: its memory snapshot and its image on storage.
     shm_job = next(d for d in os.listdir(tmp_path / "shm") if d.endswith("-" + job))
     for slot in (0, 1):
@@ -70,7 +61,7 @@ def test_all_ranks_fall_back_together(tmp_path, job):
     raw = bytearray(img.read_bytes())
     raw[8192 + 100] ^= 0xFF
     img.write_bytes(bytes(raw))
-    outs = run_ranks(tmp_path, job, "load", "b")
+    outs = run_phase(tmp_path, job, "load", "b")
     # Step 3 is unreadable for rank 1 everywhere, step 2 only exists on storage (both memory
     # slots were damaged): both ranks resume from step 2.
     assert [o["step"] for o in outs] == [2, 2]

@@ -1,14 +1,11 @@
 """Data-parallel replicas are written to storage once in total, the work split across ranks
 (2 ranks, gloo, real processes and agents)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import safepoint
 from safepoint import _core
-from test_reshard import free_port
+from conftest import free_port, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "workloads", "dedupe_worker.py")
 
@@ -17,15 +14,9 @@ def test_replicas_are_written_once_and_every_rank_loads_them(tmp_path, cli):
     ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
     shm.mkdir()
     job, port = f"dedupe-{os.getpid()}", free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(ckpt), str(shm), job, port, str(r)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1]) == {
-            "rank": json.loads(out.strip().splitlines()[-1])["rank"], "memory_ok": True,
-            "load_ok": True, "restore_ok": True}
+    outs = run_ranks([[WORKER, ckpt, shm, job, port, r] for r in range(2)])
+    assert outs == [{"rank": r, "memory_ok": True, "load_ok": True, "restore_ok": True}
+                    for r in range(2)]
     assert safepoint.steps(ckpt) == [1, 2]
     for step in (1, 2):
         held = {}  # replicated tensor -> ranks whose image holds its bytes

@@ -29,7 +29,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import safepoint
 WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
 sys.path.insert(0, WORKLOADS)
 import det_train  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 N, K = 12, 6           # train N steps; killed during step K + 1, after save(K) returned
 PERSIST_EVERY = 4      # storage holds step 4; step K reaches it by the agent's flush
@@ -117,11 +117,6 @@ class Proc:
     def digests(self) -> dict:
         return next(ev[1] for ev in self.events if ev[0] == "done")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the node agent ------------------------------------------------------------------------------

@@ -1,24 +1,15 @@
 """Resharding: DTensor states saved by N ranks restore into M ranks from storage (1-D and 2-D
 meshes, Shard(0)/Shard(1)/Replicate, uneven splits), bit-exact; real processes, gloo."""
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
 import safepoint
+from conftest import free_port, run_ranks
 from safepoint import _core
 
 WORKER = os.path.join(os.path.dirname(__file__), "workloads", "reshard_worker.py")
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def run(ckpt, mode, mesh, *extra):
@@ -26,15 +17,7 @@ def run(ckpt, mode, mesh, *extra):
     for d in mesh.split("x"):
         world *= int(d)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(ckpt), mode, mesh, port, str(r),
-                               *map(str, extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(world)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, f"rank failed:\n{out}\n{err[-3000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
+    return run_ranks([[WORKER, ckpt, mode, mesh, port, r, *extra] for r in range(world)])
 
 
 @pytest.mark.parametrize("save_mesh,load_meshes", [("2", ["1", "3"]), ("2x2", ["3"])])

@@ -13,13 +13,10 @@ directory's path is refused, and nothing is written through it.
 
 from __future__ import annotations
 
-import grp
 import json
 import os
 import pwd
 import shutil
-import socket
-import struct
 import subprocess
 import tempfile
 import textwrap
