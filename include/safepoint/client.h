@@ -49,7 +49,7 @@ struct SnapshotResult {
   double wait_seconds = 0;     // waiting for a free slot (on_busy="wait")
   double create_seconds = 0;   // creating and pre-faulting a slot (first save, or a new layout)
   std::string agent_error;     // the agent could not be told (the snapshot is safe in memory)
-  uint64_t structure_hash = 0; // of the tensors' names, dtypes, shapes and boxes
+  uint64_t structure_hash = 0; // of the tensors' names, dtypes, shapes and boxes (notify=false)
 };
 
 
@@ -78,7 +78,7 @@ class SnapshotClient {
   // persisted image leaves to other ranks. Returns the error text when the agent could not be
   // told (the snapshot is safe in memory either way).
   std::string Notify(const SkipRanges& skip);
-  // The tensors of the last snapshot (specs only).
+  // The tensors of the last snapshot saved with notify=false (specs only).
   const std::vector<TensorSpec>& last_specs() const { return last_specs_; }
   // Waits until the newest step whose persist was asked is committed (or its persist failed);
   // `timeout_s` < 0 waits forever. OK right away when no persist was asked.

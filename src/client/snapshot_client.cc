@@ -208,12 +208,13 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
                                             const StageFn& stage) {
   pending_note_.reset();
   last_specs_.clear();
-  last_specs_.reserve(tensors.size());
+  // The structure hash and the specs serve only a caller that agrees on replicas before
+  // notifying (notify=false); a plain save does not pay for them.
   uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over what identifies each tensor
   auto mix = [&hash](const void* p, size_t n) {
     for (size_t i = 0; i < n; ++i) hash = (hash ^ static_cast<const uint8_t*>(p)[i]) * 0x100000001b3ull;
   };
-  for (const TensorSource& t : tensors) {
+  for (const TensorSource& t : notify ? std::span<const TensorSource>() : tensors) {
     last_specs_.push_back(t.spec);
     mix(t.spec.name.data(), t.spec.name.size() + 1);  // with the terminating NUL
     mix(&t.spec.dtype, 1);
