@@ -219,3 +219,22 @@ def test_multi_rank_step_never_commits_a_mix_of_attempts(ckpt):
     assert torch.equal(safepoint.load(ckpt, 5, rank=1)[1]["v"], torch.full((3,), 10.0))
     with pytest.raises(safepoint.InvalidArgumentError, match="attempt"):
         safepoint.save(ckpt, 6, {}, rank=0, world_size=2, attempt=-1)
+
+
+def test_partial_reads_refuse_bad_requests_with_clear_errors(ckpt):
+    from safepoint import _core
+
+    safepoint.save(ckpt, 3, {"w": torch.arange(100, dtype=torch.float32)})
+    good = torch.empty(10, dtype=torch.float32)
+    _core.read_ranges(str(ckpt), 3, 0, [("w", 40, 40, good)])
+    assert torch.equal(good, torch.arange(10, 20, dtype=torch.float32))
+    with pytest.raises(safepoint.NotFoundError, match="no tensor named 'x'"):
+        _core.read_ranges(str(ckpt), 3, 0, [("x", 0, 4, good)])
+    with pytest.raises(safepoint.InvalidArgumentError, match="has 400 bytes"):
+        _core.read_ranges(str(ckpt), 3, 0, [("w", 396, 8, good)])
+    with pytest.raises(safepoint.InvalidArgumentError, match="destination holds 40 bytes"):
+        _core.read_ranges(str(ckpt), 3, 0, [("w", 0, 80, good)])
+    with pytest.raises(safepoint.InvalidArgumentError, match="contiguous CPU tensor"):
+        _core.read_ranges(str(ckpt), 3, 0, [("w", 0, 4, "not a buffer")])
+    with pytest.raises(safepoint.NotFoundError):
+        _core.read_metadata(str(ckpt), 4, 0)
