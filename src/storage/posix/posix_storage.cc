@@ -59,11 +59,14 @@
 
 #include "base/kill_point.h"
 #include "base/random.h"
+#include "base/unique_fd.h"
 #include "safepoint/storage.h"
 
 namespace safepoint {
 
 namespace {
+
+using internal::UniqueFd;
 
 constexpr uint64_t kAlignMask = kDirectIOAlignment - 1;
 // Linux transfers at most 0x7ffff000 bytes per read/write call; ask for no more than that.
@@ -72,41 +75,6 @@ constexpr size_t kMaxIoBytes = 0x7ffff000;
 constexpr int kCreateAttempts = 8;
 constexpr std::string_view kTmpInfix = ".tmp.";
 constexpr size_t kTmpSuffixHexDigits = 16;
-
-// An owned file descriptor.
-class FileDescriptor {
- public:
-  FileDescriptor() = default;
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  ~FileDescriptor() { Reset(); }
-  FileDescriptor(FileDescriptor&& other) noexcept : fd_(other.Release()) {}
-  FileDescriptor& operator=(FileDescriptor&& other) noexcept {
-    if (this != &other) {
-      Reset();
-      fd_ = other.Release();
-    }
-    return *this;
-  }
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-
-  bool valid() const { return fd_ >= 0; }
-  int get() const { return fd_; }
-  int Release() { return std::exchange(fd_, -1); }
-  void Reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  // Closes and returns 0 or the errno of close(2).
-  int Close() {
-    if (fd_ < 0) return 0;
-    int rc = ::close(std::exchange(fd_, -1));
-    return rc == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 bool IsAligned(const void* p, uint64_t offset) {
   return (reinterpret_cast<uintptr_t>(p) & kAlignMask) == 0 && (offset & kAlignMask) == 0;
@@ -177,7 +145,7 @@ class LiveTemporaries {
 // file as `same_as`. Returns an invalid descriptor where the filesystem refuses O_DIRECT (EINVAL)
 // and sets *refused; other failures are errors.
 Status OpenDirect(int dir_fd, const std::string& name, const std::string& path, int access,
-                  const struct stat& same_as, FileDescriptor* out, bool* refused) {
+                  const struct stat& same_as, UniqueFd* out, bool* refused) {
   *refused = false;
   int fd = ::openat(dir_fd, name.c_str(), access | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
@@ -188,7 +156,7 @@ Status OpenDirect(int dir_fd, const std::string& name, const std::string& path, 
     }
     return ErrnoStatus("open (O_DIRECT)", path, err);
   }
-  FileDescriptor direct(fd);
+  UniqueFd direct(fd);
   struct stat st;
   if (::fstat(direct.get(), &st) != 0) return ErrnoStatus("fstat", path, errno);
   // Replaced between the two opens (another process renamed over it): use buffered I/O only.
@@ -202,21 +170,21 @@ Status OpenDirect(int dir_fd, const std::string& name, const std::string& path, 
 // one aligned block remains; EINVAL from the direct descriptor turns direct I/O off for the file.
 class DualDescriptorIo {
  public:
-  void Init(FileDescriptor buffered, FileDescriptor direct) {
+  void Init(UniqueFd buffered, UniqueFd direct) {
     buffered_ = std::move(buffered);
     direct_ = std::move(direct);
     direct_enabled_.store(direct_.valid(), std::memory_order_relaxed);
   }
 
-  void SetDirect(FileDescriptor direct) {
+  void SetDirect(UniqueFd direct) {
     direct_ = std::move(direct);
     direct_enabled_.store(direct_.valid(), std::memory_order_relaxed);
   }
 
   int buffered_fd() const { return buffered_.get(); }
   bool direct_enabled() const { return direct_enabled_.load(std::memory_order_relaxed); }
-  FileDescriptor& buffered() { return buffered_; }
-  FileDescriptor& direct() { return direct_; }
+  UniqueFd& buffered() { return buffered_; }
+  UniqueFd& direct() { return direct_; }
 
   // Transfers n bytes at `offset`; returns 0, an errno, or -1 for end of file (reads only).
   template <bool kWrite, typename Ptr>
@@ -255,16 +223,16 @@ class DualDescriptorIo {
   }
 
  private:
-  FileDescriptor buffered_;
-  FileDescriptor direct_;
+  UniqueFd buffered_;
+  UniqueFd direct_;
   std::atomic<bool> direct_enabled_{false};
 };
 
 class PosixWritableObject final : public WritableObject {
  public:
   // `tmp_fd` is the created temporary file, registered in LiveTemporaries under `tmp_stat`.
-  PosixWritableObject(std::string path, std::string dir_path, FileDescriptor dir_fd,
-                      std::string base_name, std::string tmp_name, FileDescriptor tmp_fd,
+  PosixWritableObject(std::string path, std::string dir_path, UniqueFd dir_fd,
+                      std::string base_name, std::string tmp_name, UniqueFd tmp_fd,
                       const struct stat& tmp_stat)
       : path_(std::move(path)),
         dir_path_(std::move(dir_path)),
@@ -274,7 +242,7 @@ class PosixWritableObject final : public WritableObject {
         dir_fd_(std::move(dir_fd)),
         tmp_dev_(tmp_stat.st_dev),
         tmp_ino_(tmp_stat.st_ino) {
-    io_.Init(std::move(tmp_fd), FileDescriptor());
+    io_.Init(std::move(tmp_fd), UniqueFd());
   }
 
   ~PosixWritableObject() override { Abort(); }
@@ -287,7 +255,7 @@ class PosixWritableObject final : public WritableObject {
     st.st_dev = tmp_dev_;
     st.st_ino = tmp_ino_;
     if (use_direct_io) {
-      FileDescriptor direct;
+      UniqueFd direct;
       SP_RETURN_IF_ERROR(
           OpenDirect(dir_fd_.get(), tmp_name_, tmp_path_, O_WRONLY, st, &direct, direct_refused));
       io_.SetDirect(std::move(direct));
@@ -414,7 +382,7 @@ class PosixWritableObject final : public WritableObject {
   const std::string tmp_path_;   // the temporary file
   const std::string base_name_;  // final name within the directory
   const std::string tmp_name_;   // temporary name within the directory
-  FileDescriptor dir_fd_;
+  UniqueFd dir_fd_;
   DualDescriptorIo io_;
   const dev_t tmp_dev_;
   const ino_t tmp_ino_;
@@ -427,7 +395,7 @@ class PosixWritableObject final : public WritableObject {
 
 class PosixReadableObject final : public ReadableObject {
  public:
-  PosixReadableObject(std::string path, FileDescriptor fd, FileDescriptor direct_fd,
+  PosixReadableObject(std::string path, UniqueFd fd, UniqueFd direct_fd,
                       uint64_t size)
       : path_(std::move(path)), size_(size) {
     io_.Init(std::move(fd), std::move(direct_fd));
@@ -476,7 +444,7 @@ Status MakeRootDirectories(const std::string& dir) {
     path = dir.substr(0, next);
     pos = next;
     if (::mkdir(path.c_str(), 0755) == 0) {
-      FileDescriptor pfd(::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+      UniqueFd pfd(::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
       if (!pfd.valid()) return ErrnoStatus("open", parent, errno);
       if (::fsync(pfd.get()) != 0) return ErrnoStatus("fsync", parent, errno);
       continue;
@@ -513,15 +481,15 @@ class PosixStorage final : public Storage {
     auto [dir_rel, base] = SplitName(name);
     const std::string dir_path = Describe(dir_rel);
     for (int attempt = 0;; ++attempt) {
-      FileDescriptor dir_fd;
+      UniqueFd dir_fd;
       SP_RETURN_IF_ERROR(OpenDirectory(dir_rel, /*create=*/true, &dir_fd));
       std::string tmp_name = std::string(base) + std::string(kTmpInfix) + internal::RandomHex16();
       int err = 0;
-      FileDescriptor fd;
+      UniqueFd fd;
       struct stat st;
       {
         std::shared_lock<std::shared_mutex> lock(LiveTemporaries::Get().sweep_mu());
-        fd = FileDescriptor(::openat(dir_fd.get(), tmp_name.c_str(),
+        fd = UniqueFd(::openat(dir_fd.get(), tmp_name.c_str(),
                                      O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644));
         if (!fd.valid()) {
           err = errno;
@@ -557,7 +525,7 @@ class PosixStorage final : public Storage {
     SP_RETURN_IF_ERROR(ValidateObjectName(name));
     const std::string path = Describe(name);
     auto [dir_rel, base] = SplitName(name);
-    FileDescriptor dir_fd;
+    UniqueFd dir_fd;
     bool blocked = false;
     Status s = OpenDirectory(dir_rel, /*create=*/false, &dir_fd, &blocked);
     if (s.code() == StatusCode::kNotFound) return ErrnoStatus("open", path, ENOENT);
@@ -565,7 +533,7 @@ class PosixStorage final : public Storage {
     SP_RETURN_IF_ERROR(s);
     const std::string base_name(base);
     // O_NONBLOCK so that a FIFO planted in the tree cannot block us; cleared below.
-    FileDescriptor fd(::openat(dir_fd.get(), base_name.c_str(),
+    UniqueFd fd(::openat(dir_fd.get(), base_name.c_str(),
                                O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
     if (!fd.valid()) {
       int err = errno;
@@ -581,7 +549,7 @@ class PosixStorage final : public Storage {
                                                   : ": is not a regular file"));
     }
     if (::fcntl(fd.get(), F_SETFL, 0) != 0) return ErrnoStatus("fcntl(F_SETFL)", path, errno);
-    FileDescriptor direct;
+    UniqueFd direct;
     if (options_.use_direct_io && !direct_refused_.load(std::memory_order_relaxed)) {
       bool refused = false;
       SP_RETURN_IF_ERROR(
@@ -614,7 +582,7 @@ class PosixStorage final : public Storage {
     SP_RETURN_IF_ERROR(ValidateObjectName(name));
     const std::string path = Describe(name);
     auto [dir_rel, base] = SplitName(name);
-    FileDescriptor dir_fd;
+    UniqueFd dir_fd;
     bool blocked = false;
     Status s = OpenDirectory(dir_rel, /*create=*/false, &dir_fd, &blocked);
     if (s.code() == StatusCode::kNotFound || blocked) return Status::OK();  // no such object
@@ -630,7 +598,7 @@ class PosixStorage final : public Storage {
     std::string_view dir = dir_rel;
     while (!dir.empty()) {
       auto [parent_rel, leaf] = SplitName(dir);
-      FileDescriptor parent_fd;
+      UniqueFd parent_fd;
       Status ps = OpenDirectory(parent_rel, /*create=*/false, &parent_fd);
       if (ps.code() == StatusCode::kNotFound) break;
       SP_RETURN_IF_ERROR(ps);
@@ -685,10 +653,10 @@ class PosixStorage final : public Storage {
   // creating missing components when `create`. NotFound when a component is missing. When a
   // component exists but is not a directory (a file, or a symlink, which is not followed), the
   // error is IOError and *blocked, if given, is set.
-  Status OpenDirectory(std::string_view rel, bool create, FileDescriptor* out,
+  Status OpenDirectory(std::string_view rel, bool create, UniqueFd* out,
                        bool* blocked = nullptr) const {
     if (blocked != nullptr) *blocked = false;
-    FileDescriptor cur(::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    UniqueFd cur(::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (!cur.valid()) return ErrnoStatus("open", root_, errno);
     std::string path = root_;
     std::string_view rest = rel;
@@ -723,7 +691,7 @@ class PosixStorage final : public Storage {
         }
         return ErrnoStatus("open directory", path, err);
       }
-      cur = FileDescriptor(fd);
+      cur = UniqueFd(fd);
     }
     *out = std::move(cur);
     return Status::OK();
@@ -735,7 +703,7 @@ class PosixStorage final : public Storage {
   Status Walk(std::string_view prefix, const FileVisitor& visit) const {
     size_t slash = prefix.rfind('/');
     std::string_view start = slash == std::string_view::npos ? "" : prefix.substr(0, slash);
-    FileDescriptor dir_fd;
+    UniqueFd dir_fd;
     bool blocked = false;
     Status s = OpenDirectory(start, /*create=*/false, &dir_fd, &blocked);
     // Missing, or a file or symlink where the prefix needs a directory: nothing below it.
@@ -747,7 +715,7 @@ class PosixStorage final : public Storage {
   }
 
   // `rel_dir` is the directory's relative name with a trailing '/' ("" for the root).
-  Status WalkDirectory(FileDescriptor fd, const std::string& rel_dir, std::string_view prefix,
+  Status WalkDirectory(UniqueFd fd, const std::string& rel_dir, std::string_view prefix,
                        const FileVisitor& visit) const {
     const std::string dir_path =
         Describe(std::string_view(rel_dir).substr(0, rel_dir.empty() ? 0 : rel_dir.size() - 1));
@@ -788,7 +756,7 @@ class PosixStorage final : public Storage {
         return ErrnoStatus("stat", Describe(rel), errno);
       }
       if (S_ISDIR(st.st_mode) && dir_may_match) {
-        FileDescriptor child(
+        UniqueFd child(
             ::openat(dfd, file_name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
         if (!child.valid()) {
           const int err = errno;
