@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "base/bytes.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/build_config.h"
@@ -34,6 +35,7 @@ namespace safepoint {
 namespace {
 
 using json = nlohmann::ordered_json;
+using internal::HumanBytes;
 
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
@@ -88,20 +90,6 @@ bool ParseU64(const std::string& s, uint64_t* out) {
   }
   *out = v;
   return true;
-}
-
-std::string HumanBytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 5) v /= 1024, ++u;
-  char buf[32];
-  if (u == 0) {
-    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(n));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.1f %s", v, units[u]);
-  }
-  return buf;
 }
 
 std::string FormatTime(int64_t ns) {

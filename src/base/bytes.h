@@ -45,6 +45,9 @@ inline bool IsJobNameText(std::string_view job) {
   return true;
 }
 
+// "512 B", "1.5 KiB", "3.2 GiB": for messages and tables, never for parsing.
+std::string HumanBytes(uint64_t n);
+
 // True when `s` is well-formed UTF-8 (no overlongs, surrogates or code points above U+10FFFF).
 bool IsValidUtf8(std::string_view s);
 

@@ -22,6 +22,8 @@ namespace safepoint {
 
 namespace {
 
+using internal::HumanBytes;
+
 constexpr char kSlotMagic[8] = {'S', 'P', 'S', 'L', 'O', 'T', '1', '\0'};
 constexpr uint32_t kSlotVersion = 1;
 constexpr uint64_t kSlotHeaderSize = 4096;
@@ -64,16 +66,6 @@ int64_t NowNs() {
 bool ProcessAlive(uint32_t pid) {
   if (pid == 0) return false;
   return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
-}
-
-std::string HumanBytes(uint64_t n) {
-  char buf[32];
-  if (n >= (uint64_t{1} << 30)) {
-    std::snprintf(buf, sizeof(buf), "%.2f GiB", n / double(uint64_t{1} << 30));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.1f MiB", n / double(1 << 20));
-  }
-  return buf;
 }
 
 }  // namespace
