@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "agent/protocol.h"
 #include "base/bytes.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
@@ -36,6 +37,7 @@ namespace {
 
 using json = nlohmann::ordered_json;
 using internal::HumanBytes;
+using namespace safepoint::agent;  // the protocol: status requests, the agent's lock
 
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;

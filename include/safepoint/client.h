@@ -26,6 +26,11 @@
 
 namespace safepoint {
 
+namespace agent {  // the agent protocol (src/agent/protocol.h)
+enum class MessageType : uint16_t;
+struct SnapshotNote;
+}  // namespace agent
+
 struct ClientOptions {
   std::string storage;  // the checkpoint directory (path or URI)
   std::string job;
@@ -112,7 +117,10 @@ class SnapshotClient {
   Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
                                const std::string& source) const;
   void Disconnect();
-  Result<std::string> Request(int type, const std::string& payload, int reply_type, double timeout_s);
+  // Sends a request and returns the payload of its reply of type `reply_type`; reconnects (and
+  // starts a new agent) once when the agent is gone.
+  Result<std::string> Request(agent::MessageType type, const std::string& payload,
+                              agent::MessageType reply_type, double timeout_s);
 
   ClientOptions opt_;
   std::string job_dir_;
@@ -120,7 +128,7 @@ class SnapshotClient {
   int fd_ = -1;
   std::optional<uint64_t> last_persist_step_;
   std::vector<TensorSpec> last_specs_;
-  std::optional<std::string> pending_note_;  // JSON of a Snapshot message not yet sent
+  std::unique_ptr<agent::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
 };
 
 }  // namespace safepoint

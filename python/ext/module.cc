@@ -18,7 +18,6 @@
 #include <unordered_map>
 
 #include "safepoint/build_config.h"
-#include "safepoint/agent.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
 #include "safepoint/extras.h"

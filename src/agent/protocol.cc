@@ -1,4 +1,4 @@
-// Framing of the agent protocol (include/safepoint/agent.h).
+// The agent protocol (src/agent/protocol.h): typed messages, framing, the job directory's files.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/file.h>
@@ -9,13 +9,145 @@
 #include <chrono>
 #include <cstring>
 
-#include "base/bytes.h"
-#include "safepoint/agent.h"
+#include <nlohmann/json.hpp>
 
-namespace safepoint {
+#include "agent/protocol.h"
+#include "base/bytes.h"
+#include "base/unique_fd.h"
+
+namespace safepoint::agent {
 
 using internal::AppendLE;
 using internal::LoadLE;
+using json = nlohmann::json;
+
+namespace {
+
+Status ProtocolError(const std::string& what) { return InvalidArgument("protocol error: " + what); }
+
+Result<json> ParseObject(std::string_view payload) {
+  json j = json::parse(payload.empty() ? std::string_view("{}") : payload, nullptr,
+                       /*allow_exceptions=*/false);
+  if (j.is_discarded()) return ProtocolError("the payload is not valid JSON");
+  if (!j.is_object()) return ProtocolError("the payload is not a JSON object");
+  return j;
+}
+
+// Reads field `key` of `j` into `out`, checking its presence and JSON type (and range).
+template <typename T>
+Status Field(const json& j, const char* key, T* out) {
+  auto it = j.find(key);
+  if (it == j.end()) return ProtocolError(std::string("field '") + key + "' is missing");
+  bool ok;
+  if constexpr (std::is_same_v<T, bool>) {
+    ok = it->is_boolean();
+  } else if constexpr (std::is_integral_v<T>) {
+    ok = it->is_number_unsigned() && it->template get<uint64_t>() <= std::numeric_limits<T>::max();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    ok = it->is_string();
+  } else {
+    static_assert(std::is_same_v<T, SkipRanges>);
+    ok = it->is_array();
+    for (const json& r : *it) {
+      ok = ok && r.is_array() && r.size() == 2 && r[0].is_number_unsigned() &&
+           r[1].is_number_unsigned() && r[0].get<uint64_t>() <= UINT32_MAX &&
+           r[1].get<uint64_t>() <= UINT32_MAX;
+    }
+  }
+  if (!ok) return ProtocolError(std::string("field '") + key + "' has the wrong type");
+  *out = it->template get<T>();
+  return Status::OK();
+}
+
+json StatusFields(const Status& s) {
+  if (s.ok()) return {{"ok", true}};
+  return {{"ok", false}, {"code", static_cast<int>(s.code())}, {"error", s.message()}};
+}
+
+Status DecodeStatus(const json& j, Status* out) {
+  bool ok = false;
+  SP_RETURN_IF_ERROR(Field(j, "ok", &ok));
+  if (ok) {
+    *out = Status::OK();
+    return Status::OK();
+  }
+  std::string error;
+  SP_RETURN_IF_ERROR(Field(j, "error", &error));
+  int code = static_cast<int>(StatusCode::kIOError);
+  if (auto it = j.find("code"); it != j.end() && it->is_number_integer()) code = it->get<int>();
+  if (code <= 0 || code > static_cast<int>(StatusCode::kAlreadyExists)) code = static_cast<int>(StatusCode::kIOError);
+  *out = Status(static_cast<StatusCode>(code), error);
+  return Status::OK();
+}
+
+}  // namespace
+
+std::string Encode(const HelloRequest& m) {
+  return json{{"rank", m.rank},       {"world_size", m.world_size}, {"storage", m.storage},
+              {"keep", m.keep},       {"pid", m.pid}}
+      .dump();
+}
+std::string Encode(const HelloReply& m) {
+  return json{{"ok", true}, {"agent_pid", m.agent_pid}, {"job_dir", m.job_dir}}.dump();
+}
+std::string Encode(const SnapshotNote& m) {
+  json j = {{"slot", m.slot},       {"generation", m.generation}, {"step", m.step},
+            {"persist", m.persist}, {"leased", m.leased}};
+  if (!m.skip.empty()) j["skip"] = m.skip;
+  return j.dump();
+}
+std::string Encode(const WaitRequest& m) { return json{{"step", m.step}}.dump(); }
+std::string Encode(const WaitReply& m) {
+  json j = StatusFields(m.status);
+  j["step"] = m.step;
+  return j.dump();
+}
+std::string Encode(const CloseReply& m) { return StatusFields(m.status).dump(); }
+std::string Encode(const ErrorReply& m) { return json{{"error", m.error}}.dump(); }
+
+Status Decode(std::string_view payload, EmptyRequest*) { return ParseObject(payload).status(); }
+Status Decode(std::string_view payload, HelloRequest* out) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  SP_RETURN_IF_ERROR(Field(j, "rank", &out->rank));
+  SP_RETURN_IF_ERROR(Field(j, "world_size", &out->world_size));
+  SP_RETURN_IF_ERROR(Field(j, "storage", &out->storage));
+  SP_RETURN_IF_ERROR(Field(j, "keep", &out->keep));
+  if (j.contains("pid")) SP_RETURN_IF_ERROR(Field(j, "pid", &out->pid));
+  return Status::OK();
+}
+Status Decode(std::string_view payload, HelloReply* out) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  SP_RETURN_IF_ERROR(Field(j, "agent_pid", &out->agent_pid));
+  return Field(j, "job_dir", &out->job_dir);
+}
+Status Decode(std::string_view payload, SnapshotNote* out) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  SP_RETURN_IF_ERROR(Field(j, "slot", &out->slot));
+  SP_RETURN_IF_ERROR(Field(j, "generation", &out->generation));
+  SP_RETURN_IF_ERROR(Field(j, "step", &out->step));
+  SP_RETURN_IF_ERROR(Field(j, "persist", &out->persist));
+  SP_RETURN_IF_ERROR(Field(j, "leased", &out->leased));
+  out->skip.clear();
+  if (j.contains("skip")) SP_RETURN_IF_ERROR(Field(j, "skip", &out->skip));
+  return Status::OK();
+}
+Status Decode(std::string_view payload, WaitRequest* out) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  return Field(j, "step", &out->step);
+}
+Status Decode(std::string_view payload, WaitReply* out) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  SP_RETURN_IF_ERROR(Field(j, "step", &out->step));
+  return DecodeStatus(j, &out->status);
+}
+Status Decode(std::string_view payload, CloseReply* out) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  return DecodeStatus(j, &out->status);
+}
+Status Decode(std::string_view payload, ErrorReply* out) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  return Field(j, "error", &out->error);
+}
 
 std::string EncodeFrame(MessageType type, std::string_view payload) {
   std::string out;
@@ -127,24 +259,24 @@ Result<Message> ReceiveMessage(int fd, FrameDecoder& decoder, double timeout_s) 
 std::string AgentSocketPath(const std::string& job_dir) { return job_dir + "/agent.sock"; }
 std::string AgentLockPath(const std::string& job_dir) { return job_dir + "/agent.lock"; }
 std::string AgentLogPath(const std::string& job_dir) { return job_dir + "/agent.log"; }
+std::string JobConfigPath(const std::string& job_dir) { return job_dir + "/job.json"; }
 
 bool AgentAlive(const std::string& job_dir, uint32_t* pid) {
   const std::string path = AgentLockPath(job_dir);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return false;
+  internal::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) return false;
   bool alive = false;
-  if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
+  if (::flock(fd.get(), LOCK_SH | LOCK_NB) != 0) {
     alive = errno == EWOULDBLOCK;
   } else {
-    ::flock(fd, LOCK_UN);
+    ::flock(fd.get(), LOCK_UN);
   }
   if (alive && pid != nullptr) {
     char buf[32] = {0};
-    const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+    const ssize_t n = ::pread(fd.get(), buf, sizeof(buf) - 1, 0);
     *pid = n > 0 ? static_cast<uint32_t>(std::strtoul(buf, nullptr, 10)) : 0;
   }
-  ::close(fd);
   return alive;
 }
 
-}  // namespace safepoint
+}  // namespace safepoint::agent

@@ -7,10 +7,12 @@
 #include <thread>
 
 #include "base/bytes.h"
-#include "safepoint/agent.h"
+#include "agent/protocol.h"
 
 namespace safepoint {
 namespace {
+
+using namespace safepoint::agent;  // NOLINT: the protocol under test
 
 using internal::AppendLE;
 

@@ -9,20 +9,19 @@
 
 #include <chrono>
 #include <cstring>
-#include <nlohmann/json.hpp>
 #include <thread>
 
+#include "agent/protocol.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
-#include "safepoint/agent.h"
 #include "safepoint/client.h"
 
 namespace safepoint {
 
 namespace {
 
-using json = nlohmann::json;
+using agent::MessageType;
 using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t0) {
@@ -35,6 +34,16 @@ constexpr double kAgentRestartSeconds = 2.0;
 }  // namespace
 
 SnapshotClient::~SnapshotClient() { Disconnect(); }
+
+namespace {
+
+// The text of an error reply (or the raw payload if even that does not decode).
+std::string ErrorText(const std::string& payload) {
+  agent::ErrorReply e;
+  return agent::Decode(payload, &e).ok() ? e.error : payload;
+}
+
+}  // namespace
 
 Result<std::unique_ptr<SnapshotClient>> SnapshotClient::Connect(ClientOptions options) {
   SP_RETURN_IF_ERROR(ValidateJobName(options.job));
@@ -57,7 +66,7 @@ void SnapshotClient::Disconnect() {
 
 Status SnapshotClient::ConnectOnce() {
   Disconnect();
-  const std::string path = AgentSocketPath(job_dir_);
+  const std::string path = agent::AgentSocketPath(job_dir_);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -76,20 +85,14 @@ Status SnapshotClient::ConnectOnce() {
 }
 
 Status SnapshotClient::Hello() {
-  json hello = {{"rank", opt_.rank},       {"world_size", opt_.world_size},
-                {"storage", opt_.storage}, {"keep", opt_.keep},
-                {"pid", ::getpid()}};
-  FrameDecoder decoder;
-  SP_RETURN_IF_ERROR(SendMessage(fd_, MessageType::kHello, hello.dump()));
-  SP_ASSIGN_OR_RETURN(Message reply, ReceiveMessage(fd_, decoder, 30));
+  const agent::HelloRequest hello{opt_.rank, opt_.world_size, opt_.storage, opt_.keep,
+                                  static_cast<uint32_t>(::getpid())};
+  agent::FrameDecoder decoder;
+  SP_RETURN_IF_ERROR(agent::SendMessage(fd_, MessageType::kHello, agent::Encode(hello)));
+  SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));
   if (reply.type == MessageType::kError) {
     Disconnect();
-    std::string err = reply.payload;
-    try {
-      err = json::parse(reply.payload).at("error").get<std::string>();
-    } catch (const std::exception&) {
-    }
-    return InvalidArgument("the safepoint agent refused this process: " + err);
+    return InvalidArgument("the safepoint agent refused this process: " + ErrorText(reply.payload));
   }
   if (reply.type != MessageType::kHelloReply) {
     Disconnect();
@@ -107,7 +110,7 @@ Status SnapshotClient::StartAgent() {
   if (::access(opt_.agent_binary.c_str(), X_OK) != 0) {
     return ErrnoStatus("exec", opt_.agent_binary, errno);
   }
-  const std::string log = AgentLogPath(job_dir_);
+  const std::string log = agent::AgentLogPath(job_dir_);
   std::vector<std::string> args = {opt_.agent_binary, "--job", opt_.job, "--shm-dir", opt_.shm_dir};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -153,7 +156,7 @@ Status SnapshotClient::EnsureAgent() {
     // An agent that died while starting (after taking the job's lock, or before: it holds the
     // lock within milliseconds when it lives) is started again, instead of waiting out the
     // timeout for one that is gone. A redundant start is harmless: the lock lets one agent in.
-    const bool alive = AgentAlive(job_dir_);
+    const bool alive = agent::AgentAlive(job_dir_);
     seen_alive |= alive;
     if (!alive && (seen_alive || Since(started) > kAgentRestartSeconds)) {
       SP_RETURN_IF_ERROR(StartAgent());
@@ -163,30 +166,26 @@ Status SnapshotClient::EnsureAgent() {
     if (Since(t0) > opt_.agent_start_timeout_s) {
       return Unavailable(job_dir_ + ": the safepoint agent did not start within " +
                          std::to_string(static_cast<int>(opt_.agent_start_timeout_s)) +
-                         " s; see " + AgentLogPath(job_dir_) + " (" + s.message() + ")");
+                         " s; see " + agent::AgentLogPath(job_dir_) + " (" + s.message() + ")");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
 
-Result<std::string> SnapshotClient::Request(int type, const std::string& payload, int reply_type,
-                                            double timeout_s) {
+Result<std::string> SnapshotClient::Request(MessageType type, const std::string& payload,
+                                            MessageType reply_type, double timeout_s) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (fd_ < 0) SP_RETURN_IF_ERROR(EnsureAgent());
-    Status s = SendMessage(fd_, static_cast<MessageType>(type), payload);
+    Status s = agent::SendMessage(fd_, type, payload);
     if (s.ok()) {
-      FrameDecoder decoder;
-      auto reply = ReceiveMessage(fd_, decoder, timeout_s);
+      agent::FrameDecoder decoder;
+      auto reply = agent::ReceiveMessage(fd_, decoder, timeout_s);
       if (reply.ok()) {
         if (reply->type == MessageType::kError) {
-          std::string err = reply->payload;
-          try {
-            err = json::parse(reply->payload).at("error").get<std::string>();
-          } catch (const std::exception&) {
-          }
-          return InvalidArgument("the safepoint agent refused the request: " + err);
+          return InvalidArgument("the safepoint agent refused the request: " +
+                                 ErrorText(reply->payload));
         }
-        if (static_cast<int>(reply->type) != reply_type) {
+        if (reply->type != reply_type) {
           return Unavailable("the safepoint agent sent an unexpected reply");
         }
         return std::move(reply->payload);
@@ -249,7 +248,7 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
       return result;  // skipped: every slot that could be overwritten is still being persisted
     }
     // The agent holds the slot while it persists it. If it died, a new one clears its leases.
-    if (spins % 500 == 499 && !AgentAlive(job_dir_)) {
+    if (spins % 500 == 499 && !agent::AgentAlive(job_dir_)) {
       Disconnect();
       SP_RETURN_IF_ERROR(EnsureAgent());
     }
@@ -278,50 +277,44 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
 
   result.structure_hash = hash;
   // Tell the agent; the snapshot is safe in memory whatever happens here.
-  pending_note_ = json{{"slot", ticket.slot}, {"generation", ticket.generation}, {"step", step},
-                       {"persist", persist}, {"leased", persist}}.dump();
+  pending_note_ = std::make_unique<agent::SnapshotNote>(
+      agent::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
   if (notify) result.agent_error = Notify({});
   return result;
 }
 
 std::string SnapshotClient::Notify(const SkipRanges& skip) {
   if (!pending_note_) return "";
-  std::string note = *pending_note_;
+  pending_note_->skip = skip;
+  const std::string note = agent::Encode(*pending_note_);
   pending_note_.reset();
-  if (!skip.empty()) {
-    json j = json::parse(note);
-    j["skip"] = skip;
-    note = j.dump();
-  }
-  Status s = fd_ >= 0 ? SendMessage(fd_, MessageType::kSnapshot, note)
+  Status s = fd_ >= 0 ? agent::SendMessage(fd_, MessageType::kSnapshot, note)
                       : Unavailable("not connected");
   if (!s.ok()) {
     Disconnect();
     s = EnsureAgent();  // a new agent adopts the arena and persists what is not yet committed
-    if (s.ok()) s = SendMessage(fd_, MessageType::kSnapshot, note);
+    if (s.ok()) s = agent::SendMessage(fd_, MessageType::kSnapshot, note);
   }
   return s.ok() ? "" : s.ToString();
 }
 
 Status SnapshotClient::Wait(double timeout_s) {
   if (!last_persist_step_) return Status::OK();
-  SP_ASSIGN_OR_RETURN(std::string reply,
-                      Request(static_cast<int>(MessageType::kWait),
-                              json{{"step", *last_persist_step_}}.dump(),
-                              static_cast<int>(MessageType::kWaitReply), timeout_s));
-  json j = json::parse(reply, nullptr, false);
-  if (j.is_discarded()) return Unavailable("the safepoint agent sent a malformed reply");
-  if (j.value("ok", false)) return Status::OK();
-  const int code = j.value("code", static_cast<int>(StatusCode::kIOError));
-  return Status(static_cast<StatusCode>(code), "persisting step " +
-                                                   std::to_string(*last_persist_step_) + " of " +
-                                                   opt_.storage + " failed: " +
-                                                   j.value("error", std::string("unknown error")));
+  SP_ASSIGN_OR_RETURN(std::string payload,
+                      Request(MessageType::kWait, agent::Encode(agent::WaitRequest{*last_persist_step_}),
+                              MessageType::kWaitReply, timeout_s));
+  agent::WaitReply reply;
+  if (Status s = agent::Decode(payload, &reply); !s.ok()) {
+    return Unavailable("the safepoint agent sent a malformed reply: " + s.message());
+  }
+  if (reply.status.ok()) return Status::OK();
+  return Status(reply.status.code(), "persisting step " + std::to_string(*last_persist_step_) +
+                                         " of " + opt_.storage +
+                                         " failed: " + reply.status.message());
 }
 
 Result<std::string> SnapshotClient::AgentStatus() {
-  return Request(static_cast<int>(MessageType::kStatus), "{}",
-                 static_cast<int>(MessageType::kStatusReply), 30);
+  return Request(MessageType::kStatus, "{}", MessageType::kStatusReply, 30);
 }
 
 Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_step, bool in_place) {
@@ -404,14 +397,14 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
 }
 
 Status SnapshotClient::Close(double timeout_s) {
-  auto reply = Request(static_cast<int>(MessageType::kClose), "{}",
-                       static_cast<int>(MessageType::kCloseReply), timeout_s);
+  auto payload = Request(MessageType::kClose, "{}", MessageType::kCloseReply, timeout_s);
   Disconnect();
-  if (!reply.ok()) return reply.status();
-  json j = json::parse(*reply, nullptr, false);
-  if (j.is_discarded() || !j.value("ok", false)) {
-    return IOError(job_dir_ + ": closing failed: " + (j.is_discarded() ? *reply : j.value("error", std::string())));
+  if (!payload.ok()) return payload.status();
+  agent::CloseReply reply;
+  if (Status s = agent::Decode(*payload, &reply); !s.ok()) {
+    return IOError(job_dir_ + ": closing failed: the agent sent a malformed reply: " + s.message());
   }
+  if (!reply.status.ok()) return IOError(job_dir_ + ": closing failed: " + reply.status.message());
   return Status::OK();
 }
 

@@ -4,11 +4,11 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 
-#include "safepoint/agent.h"
+#include "agent/protocol.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  safepoint::FrameDecoder decoder;
+  safepoint::agent::FrameDecoder decoder;
   const size_t piece = 1 + data[0] % 64;
   for (size_t off = 1; off < size; off += piece) {
     const size_t n = std::min(piece, size - off);

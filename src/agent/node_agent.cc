@@ -1,0 +1,625 @@
+// NodeAgent's server: the poll loop, connections, dispatch and rank bookkeeping
+// (src/agent/node_agent.h; docs/architecture.md, "The agent").
+//
+// The main thread runs a poll() loop over the listening socket, the clients' sockets, the clients'
+// pidfds (a client that dies is noticed even when a forked child still holds its socket), a
+// signalfd (SIGTERM/SIGINT/SIGHUP) and an eventfd through which the persist worker reports.
+//
+// Leases: a client that asks for a persist marks the COMPLETE slot leased itself (so that no
+// later save can overwrite it before the agent gets to it); the worker releases the lease when
+// the image is written or has failed. A new agent clears stale leases when it adopts a job.
+//
+// Protocol errors (a malformed frame or payload, a request before hello, a slot that does not
+// exist) are answered with an error and close that connection; refusals (a rank already
+// connected, another job configuration) are answered with an error and keep it.
+#include "agent/node_agent.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/file.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "base/log.h"
+
+namespace safepoint::agent {
+
+double MonotonicSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+NodeAgent::NodeAgent(AgentOptions options)
+    : opt_(std::move(options)), last_busy_(MonotonicSeconds()), queue_([this] { Wake(); }) {}
+
+void NodeAgent::Wake() {
+  const uint64_t one = 1;
+  if (::write(event_fd_.get(), &one, sizeof(one)) < 0) {
+    // The main loop also polls periodically; a lost wake-up only delays it.
+  }
+}
+
+Status NodeAgent::Setup() {
+  SP_ASSIGN_OR_RETURN(job_dir_, JobDirectory(opt_.shm_dir, opt_.job, /*create=*/true));
+  const std::string lock = AgentLockPath(job_dir_);
+  lock_fd_.Reset(::open(lock.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!lock_fd_) return ErrnoStatus("open", lock, errno);
+  if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) return AlreadyExists("another agent serves job " + opt_.job);
+    return ErrnoStatus("flock", lock, errno);
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(lock_fd_.get(), 0) != 0 ||
+      ::pwrite(lock_fd_.get(), pid.data(), pid.size(), 0) < 0) {
+    return ErrnoStatus("write", lock, errno);
+  }
+
+  const std::string sock = AgentSocketPath(job_dir_);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (sock.size() >= sizeof(addr.sun_path)) {
+    return InvalidArgument(sock + ": socket path too long (at most " +
+                           std::to_string(sizeof(addr.sun_path) - 1) +
+                           " bytes); use a shorter shm_dir");
+  }
+  std::memcpy(addr.sun_path, sock.c_str(), sock.size() + 1);
+  ::unlink(sock.c_str());  // stale: we hold the lock, so no agent is using it
+  listen_fd_.Reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!listen_fd_) return ErrnoStatus("socket", sock, errno);
+  if (::bind(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ErrnoStatus("bind", sock, errno);
+  }
+  ::chmod(sock.c_str(), 0600);
+  if (::listen(listen_fd_.get(), 128) != 0) return ErrnoStatus("listen", sock, errno);
+
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGHUP);
+  ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  signal_fd_.Reset(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
+  if (!signal_fd_) return ErrnoStatus("signalfd", job_dir_, errno);
+  event_fd_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!event_fd_) return ErrnoStatus("eventfd", job_dir_, errno);
+  return Status::OK();
+}
+
+Status NodeAgent::EnsureRank(uint32_t rank) {
+  RankState& r = ranks_[rank];
+  if (r.arena) return r.arena->Refresh();
+  SP_ASSIGN_OR_RETURN(r.arena, Arena::Open(job_dir_, rank));
+  return Status::OK();
+}
+
+// Fixes the job's configuration and starts persisting to `store`.
+Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointStore> store) {
+  config_ = config;
+  store_ = std::move(store);
+  queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep});
+  auto committed = store_->ListCommitted();
+  if (committed.ok()) {
+    for (const auto& c : *committed) committed_cache_.insert(c.step);
+    if (!committed->empty()) newest_committed_ = committed->back().step;
+  }
+  return Status::OK();
+}
+
+// Writes job.json so that a later agent can adopt the job. A failure does not stop this agent
+// from serving, but it is logged and reported in the status (`job_config_error`), and retried
+// at the next hello.
+void NodeAgent::SaveJobConfig() {
+  config_saved_ = WriteJobConfig(job_dir_, *config_);
+  config_written_ = config_saved_.ok();
+  if (!config_written_) {
+    spdlog::error("cannot write the job configuration; a later agent will not be able to adopt "
+                  "this job's snapshots: {}",
+                  config_saved_.ToString());
+  }
+}
+
+void NodeAgent::Enqueue(PersistTask t) {
+  ranks_[t.rank].pending.insert(t.step);
+  queue_.Enqueue(std::move(t));
+}
+
+bool NodeAgent::StepCommitted(uint64_t step) {
+  if (committed_cache_.contains(step)) return true;
+  if (!store_) return false;
+  if (store_->ReadCommit(step).ok()) {
+    committed_cache_.insert(step);
+    return true;
+  }
+  return false;
+}
+
+void NodeAgent::DrainResults() {
+  for (PersistResult& r : queue_.TakeResults()) {
+    const uint32_t rank = r.task.rank;
+    const uint64_t step = r.task.step;
+    RankState& rs = ranks_[rank];
+    if (auto it = rs.pending.find(step); it != rs.pending.end()) rs.pending.erase(it);
+    auto prior = rs.outcomes.find(step);
+    const bool already_ok = prior != rs.outcomes.end() && prior->second.ok();
+    if (r.superseded) {
+      ++rs.persists_superseded;
+      if (!already_ok) {
+        rs.outcomes[step] = Cancelled("step " + std::to_string(step) +
+                                      " was overwritten by a newer snapshot before it was persisted");
+      }
+      spdlog::warn("rank {} step {}: superseded by a newer snapshot before it could be persisted",
+                   rank, step);
+    } else if (!r.status.ok()) {
+      ++rs.persists_failed;
+      rs.last_error = r.status.ToString();
+      if (!already_ok) rs.outcomes[step] = r.status;
+      spdlog::error("rank {} step {}: persisting failed ({}): {}", rank, step,
+                    FlushReasonName(r.task.reason), r.status.ToString());
+    } else {
+      ++rs.persists_ok;
+      rs.last_persisted_step = std::max(rs.last_persisted_step.value_or(0), step);
+      rs.last_persist_seconds = r.seconds;
+      rs.last_persist_bytes = r.bytes;
+      rs.outcomes[step] = Status::OK();
+      rs.persisted_generation[step] = {r.task.slot, r.task.generation};
+      if (r.committed) {
+        committed_cache_.insert(step);
+        newest_committed_ = std::max(newest_committed_.value_or(0), step);
+      }
+      for (uint64_t p : r.pruned) committed_cache_.erase(p);
+      spdlog::info("rank {} step {}: persisted {} bytes in {:.3f} s ({}){}", rank, step, r.bytes,
+                   r.seconds, FlushReasonName(r.task.reason), r.committed ? ", committed" : "");
+    }
+    // Keep the outcome table small.
+    while (rs.outcomes.size() > 64) rs.outcomes.erase(rs.outcomes.begin());
+    while (rs.persisted_generation.size() > 64) {
+      rs.persisted_generation.erase(rs.persisted_generation.begin());
+    }
+  }
+}
+
+void NodeAgent::AnswerWaits() {
+  const double now = MonotonicSeconds();
+  const bool poll_commits = now - last_commit_poll_ > 0.2;
+  if (poll_commits) last_commit_poll_ = now;
+  for (auto& c : clients_) {
+    if (c->waits.empty()) continue;
+    std::vector<uint64_t> still;
+    RankState& rs = ranks_[c->rank];
+    for (uint64_t step : c->waits) {
+      auto it = rs.outcomes.find(step);
+      if (it != rs.outcomes.end() && !it->second.ok()) {
+        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, it->second}));
+        continue;
+      }
+      if (committed_cache_.contains(step) ||
+          (poll_commits && it != rs.outcomes.end() && StepCommitted(step))) {
+        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, Status::OK()}));
+        continue;
+      }
+      if (it == rs.outcomes.end() && !rs.pending.contains(step)) {
+        const Status s = StepCommitted(step)
+                             ? Status::OK()
+                             : NotFound("step " + std::to_string(step) + " of rank " +
+                                        std::to_string(c->rank) +
+                                        " is not being persisted by this agent (was it restarted?)");
+        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, s}));
+        continue;
+      }
+      still.push_back(step);
+    }
+    c->waits.swap(still);
+  }
+  // Clean closes whose flush is done.
+  for (auto& [rank, rs] : ranks_) {
+    if (rs.close_client < 0 || !rs.pending.empty()) continue;
+    for (auto& c : clients_) {
+      if (c->fd.get() != rs.close_client || !c->closing) continue;
+      Status removed = rs.arena ? rs.arena->Remove() : Status::OK();
+      rs.arena.reset();
+      rs.closed = true;
+      Reply(*c, MessageType::kCloseReply, Encode(CloseReply{removed}));
+      spdlog::info("rank {} closed cleanly; its snapshots were removed", rank);
+    }
+    rs.close_client = -1;
+  }
+}
+
+void NodeAgent::Reply(Client& c, MessageType type, const std::string& payload) {
+  // A client that does not read its replies must not wedge the agent: give up after a second
+  // and drop it (the loop removes broken clients).
+  Status s = SendMessage(c.fd.get(), type, payload, /*timeout_s=*/1.0);
+  if (!s.ok()) {
+    spdlog::warn("reply to pid {} failed: {}; dropping it", c.pid, s.ToString());
+    c.broken = true;
+  }
+}
+
+void NodeAgent::ReplyError(Client& c, const std::string& msg) {
+  Reply(c, MessageType::kError, Encode(ErrorReply{msg}));
+}
+
+void NodeAgent::Accept() {
+  for (;;) {
+    internal::UniqueFd fd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!fd) return;
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+        cred.uid != ::geteuid()) {
+      spdlog::warn("refused a connection from uid {} (pid {}): only the agent's own user may "
+                   "connect",
+                   cred.uid, cred.pid);
+      continue;
+    }
+    auto c = std::make_unique<Client>();
+    c->fd = std::move(fd);
+    c->pid = static_cast<uint32_t>(cred.pid);
+    c->pidfd.Reset(static_cast<int>(::syscall(SYS_pidfd_open, cred.pid, 0)));
+    clients_.push_back(std::move(c));
+  }
+}
+
+void NodeAgent::HandleClientData(size_t idx) {
+  Client& c = *clients_[idx];
+  char buf[64 << 10];
+  for (;;) {
+    const ssize_t n = ::recv(c.fd.get(), buf, sizeof(buf), 0);
+    if (n == 0) return DropClient(idx, !c.closing);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) break;
+      return DropClient(idx, !c.closing);
+    }
+    c.decoder.Feed({reinterpret_cast<const std::byte*>(buf), static_cast<size_t>(n)});
+    if (c.decoder.buffered() > 2 * kMaxMessageBytes) break;
+  }
+  while (!c.broken) {
+    auto m = c.decoder.Next();
+    Status s = m.ok() ? Status::OK() : m.status();
+    if (s.ok()) {
+      if (!*m) break;
+      s = HandleMessage(c, **m);
+    }
+    if (!s.ok()) {
+      spdlog::warn("pid {}: {}; closing its connection", c.pid, s.message());
+      ReplyError(c, s.message());
+      return DropClient(idx, false);
+    }
+  }
+}
+
+Status NodeAgent::HandleMessage(Client& c, const Message& m) {
+  if (m.type == MessageType::kStatus || m.type == MessageType::kClose ||
+      m.type == MessageType::kShutdown) {
+    EmptyRequest empty;
+    SP_RETURN_IF_ERROR(Decode(m.payload, &empty));
+  }
+  auto require_hello = [&](const char* what) {
+    return c.hello ? Status::OK()
+                   : InvalidArgument(std::string("protocol error: ") + what + " before hello");
+  };
+  switch (m.type) {
+    case MessageType::kHello: {
+      HelloRequest hello;
+      SP_RETURN_IF_ERROR(Decode(m.payload, &hello));
+      return HandleHello(c, hello);
+    }
+    case MessageType::kSnapshot: {
+      SP_RETURN_IF_ERROR(require_hello("snapshot"));
+      SnapshotNote note;
+      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      return HandleSnapshot(c, std::move(note));
+    }
+    case MessageType::kStatus:
+      Reply(c, MessageType::kStatusReply, StatusJson().dump());
+      return Status::OK();
+    case MessageType::kWait: {
+      SP_RETURN_IF_ERROR(require_hello("wait"));
+      WaitRequest wait;
+      SP_RETURN_IF_ERROR(Decode(m.payload, &wait));
+      c.waits.push_back(wait.step);
+      AnswerWaits();
+      return Status::OK();
+    }
+    case MessageType::kClose: {
+      SP_RETURN_IF_ERROR(require_hello("close"));
+      c.closing = true;
+      ranks_[c.rank].close_client = c.fd.get();
+      EmergencyFlush(c.rank, FlushReason::kClose);
+      AnswerWaits();
+      return Status::OK();
+    }
+    case MessageType::kShutdown:
+      spdlog::info("shutdown requested by pid {}", c.pid);
+      stopping_ = true;
+      Reply(c, MessageType::kCloseReply, Encode(CloseReply{Status::OK()}));
+      return Status::OK();
+    case MessageType::kHelloReply:
+    case MessageType::kStatusReply:
+    case MessageType::kWaitReply:
+    case MessageType::kCloseReply:
+    case MessageType::kError:
+      break;
+  }
+  return InvalidArgument("protocol error: a client sent message type " +
+                         std::to_string(static_cast<int>(m.type)) + ", which only the agent sends");
+}
+
+Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
+  const JobConfig want{hello.storage, hello.world_size, hello.keep};
+  if (want.world_size == 0 || hello.rank >= want.world_size || want.world_size > kMaxRank) {
+    ReplyError(c, "invalid rank " + std::to_string(hello.rank) + " of world size " +
+                      std::to_string(want.world_size));
+    return Status::OK();
+  }
+  if (config_ && (config_->storage != want.storage || config_->world_size != want.world_size)) {
+    ReplyError(c, "job " + opt_.job + " already persists to " + config_->storage +
+                      " with world size " + std::to_string(config_->world_size) +
+                      "; this process asked for " + want.storage + " with world size " +
+                      std::to_string(want.world_size) + " (use another job name)");
+    return Status::OK();
+  }
+  if (!config_) {
+    auto store = OpenCheckpointStore(want.storage);
+    if (!store.ok()) {
+      ReplyError(c, store.status().ToString());
+      return Status::OK();
+    }
+    SP_RETURN_IF_ERROR(Configure(want, std::move(store).value()));
+  }
+  if (!config_written_) SaveJobConfig();
+  if (Status s = EnsureRank(hello.rank); !s.ok()) {
+    ReplyError(c, s.ToString());
+    return Status::OK();
+  }
+  RankState& rs = ranks_[hello.rank];
+  if (rs.connected && rs.pid != c.pid && ::kill(static_cast<pid_t>(rs.pid), 0) == 0) {
+    ReplyError(c, "rank " + std::to_string(hello.rank) + " is already connected (pid " +
+                      std::to_string(rs.pid) + ")");
+    return Status::OK();
+  }
+  c.hello = true;
+  c.rank = hello.rank;
+  rs.connected = true;
+  rs.closed = false;
+  rs.pid = c.pid;
+  saw_client_ = true;
+  spdlog::info("rank {} connected (pid {})", hello.rank, c.pid);
+  Reply(c, MessageType::kHelloReply,
+        Encode(HelloReply{static_cast<uint32_t>(::getpid()), job_dir_}));
+  return Status::OK();
+}
+
+Status NodeAgent::HandleSnapshot(Client& c, SnapshotNote note) {
+  RankState& rs = ranks_[c.rank];
+  if (!rs.arena || note.slot >= rs.arena->slot_count()) {
+    return InvalidArgument("protocol error: slot " + std::to_string(note.slot) +
+                           " does not exist");
+  }
+  if (!note.persist) return Status::OK();
+  // Already queued (e.g. adopted by this agent after a restart). Only this very snapshot counts:
+  // the same step may sit in the other slot too (saved before a restart, and again after the
+  // ranks resumed from an older step), and skipping this one would leak its lease.
+  if (queue_.Contains(c.rank, note.slot, note.generation)) return Status::OK();
+  auto done = rs.persisted_generation.find(note.step);
+  if (done != rs.persisted_generation.end() &&
+      done->second == std::make_pair(note.slot, note.generation)) {
+    if (note.leased) rs.arena->Release(note.slot, note.generation);
+    return Status::OK();
+  }
+  bool leased = false;
+  if (note.leased) {
+    // Trust the client's lease only if it still holds: an agent that started after the client
+    // leased the slot cleared every lease when it adopted the arena.
+    if (rs.arena->Refresh().ok()) {
+      for (const SlotInfo& si : rs.arena->Slots()) {
+        leased |= si.index == note.slot && si.state == SlotState::kComplete && si.leased &&
+                  si.generation == note.generation && si.step == note.step;
+      }
+    }
+  }
+  Enqueue({c.rank, note.slot, note.generation, note.step, leased, FlushReason::kRequested,
+           std::move(note.skip)});
+  return Status::OK();
+}
+
+// Persists the COMPLETE snapshots of the rank that are not persisted or queued yet. After a death
+// every such snapshot is flushed, oldest first, so that the newest step that every rank still
+// holds can be committed even when ranks died at different steps; a clean close or a shutdown
+// flushes only the newest one.
+void NodeAgent::EmergencyFlush(uint32_t rank, FlushReason reason) {
+  if (!config_ || !store_) return;
+  RankState& rs = ranks_[rank];
+  if (!rs.arena || !rs.arena->Refresh().ok()) return;
+  // A COMPLETE slot that is leased but not queued here carries the lease its writer took for a
+  // persist it never got to request (it died between marking the slot COMPLETE and telling us).
+  // Nobody else would release that lease, and with it held the rank could never save again:
+  // the flush takes the lease over (and releases it when done), or releases it if there is
+  // nothing to persist.
+  std::vector<SlotInfo> todo;
+  for (const SlotInfo& s : rs.arena->Slots()) {
+    if (s.state != SlotState::kComplete) continue;
+    if (queue_.Contains(rank, s.index, s.generation)) continue;
+    auto it = rs.outcomes.find(s.step);
+    const bool done = (it != rs.outcomes.end() && it->second.ok()) ||
+                      (newest_committed_ && s.step <= *newest_committed_ && StepCommitted(s.step));
+    if (done) {
+      if (s.leased) rs.arena->Release(s.index, s.generation);
+      continue;
+    }
+    todo.push_back(s);
+  }
+  std::sort(todo.begin(), todo.end(), [](auto& a, auto& b) { return a.step < b.step; });
+  if (reason == FlushReason::kClose || reason == FlushReason::kShutdown) {
+    std::optional<SlotInfo> newest = rs.arena->NewestComplete();
+    if (!newest) return;
+    const bool newest_todo = !todo.empty() && todo.back().index == newest->index;
+    todo.clear();
+    if (newest_todo) todo.push_back(*newest);
+  }
+  for (const SlotInfo& s : todo) {
+    if (reason != FlushReason::kClose) ++rs.emergency_flushes;
+    Enqueue({rank, s.index, s.generation, s.step, /*leased=*/s.leased, reason, {}});
+  }
+}
+
+void NodeAgent::DropClient(size_t idx, bool died) {
+  Client& c = *clients_[idx];
+  if (c.hello) {
+    RankState& rs = ranks_[c.rank];
+    if (rs.pid == c.pid) rs.connected = false;
+    if (rs.close_client == c.fd.get()) rs.close_client = -1;
+    if (died && !rs.closed) {
+      spdlog::warn("rank {} (pid {}) is gone without closing{}", c.rank, c.pid,
+                   opt_.emergency_flush ? "; emergency flush" : "");
+      if (opt_.emergency_flush) EmergencyFlush(c.rank, FlushReason::kEmergency);
+    }
+  }
+  clients_.erase(clients_.begin() + static_cast<std::ptrdiff_t>(idx));
+}
+
+bool NodeAgent::AllClosed() {
+  if (!saw_client_) return false;
+  for (auto& [rank, rs] : ranks_) {
+    if (!rs.closed) return false;
+  }
+  return true;
+}
+
+bool NodeAgent::Idle() {
+  if (!opt_.exit_when_idle || !clients_.empty() || queue_.Busy()) {
+    last_busy_ = MonotonicSeconds();
+    return false;
+  }
+  if (AllClosed()) return true;
+  return opt_.idle_exit_seconds > 0 && MonotonicSeconds() - last_busy_ > opt_.idle_exit_seconds;
+}
+
+void NodeAgent::Loop() {
+  while (!stopping_) {
+    if (Idle()) {
+      spdlog::info(AllClosed() ? "every rank closed cleanly; exiting"
+                               : "idle with no client; exiting (snapshots stay in shared memory)");
+      return;
+    }
+    std::vector<pollfd> fds = {{listen_fd_.get(), POLLIN, 0},
+                               {signal_fd_.get(), POLLIN, 0},
+                               {event_fd_.get(), POLLIN, 0}};
+    bool waiting = false;
+    for (auto& c : clients_) {
+      fds.push_back({c->fd.get(), POLLIN, 0});
+      fds.push_back({c->pidfd.get(), static_cast<short>(c->pidfd ? POLLIN : 0), 0});
+      waiting |= !c->waits.empty();
+    }
+    const int rc = ::poll(fds.data(), fds.size(), waiting ? 200 : 1000);
+    if (rc < 0 && errno != EINTR) {
+      spdlog::critical("poll failed: {}", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents & POLLIN) {
+      signalfd_siginfo si;
+      while (::read(signal_fd_.get(), &si, sizeof(si)) == sizeof(si)) {
+        spdlog::info("received {}; flushing and exiting",
+                     strsignal(static_cast<int>(si.ssi_signo)));
+        stopping_ = true;
+      }
+    }
+    if (fds[2].revents & POLLIN) {
+      uint64_t v;
+      while (::read(event_fd_.get(), &v, sizeof(v)) == sizeof(v)) {
+      }
+    }
+    DrainResults();
+    // Clients, from the back so that dropping one keeps the indices of the rest.
+    for (size_t i = clients_.size(); i-- > 0;) {
+      const pollfd& sock = fds[3 + 2 * i];
+      const pollfd& pid = fds[4 + 2 * i];
+      if (sock.revents & (POLLIN | POLLHUP | POLLERR)) {
+        const size_t before = clients_.size();
+        HandleClientData(i);
+        if (clients_.size() != before) continue;
+      }
+      if (pid.revents & POLLIN) {
+        DropClient(i, true);  // the process exited
+        continue;
+      }
+      if (clients_[i]->broken) DropClient(i, false);
+    }
+    if (fds[0].revents & POLLIN) Accept();
+    AnswerWaits();
+    for (size_t i = clients_.size(); i-- > 0;) {
+      if (clients_[i]->broken) DropClient(i, false);
+    }
+  }
+}
+
+void NodeAgent::Shutdown() {
+  // Flush what is pending and the newest snapshot of every rank that is not on storage yet.
+  if (opt_.emergency_flush) {
+    for (auto& [rank, rs] : ranks_) {
+      if (!rs.closed) EmergencyFlush(rank, FlushReason::kShutdown);
+    }
+  }
+  queue_.Stop();
+  DrainResults();
+  AnswerWaits();
+  for (auto& [rank, rs] : ranks_) {
+    if (rs.arena) rs.arena->ClearLeases();
+  }
+}
+
+int NodeAgent::Run() {
+  Status s = Setup();
+  if (!s.ok()) {
+    if (s.code() == StatusCode::kAlreadyExists) {
+      spdlog::warn("{}", s.message());
+      return 3;
+    }
+    spdlog::error("{}", s.ToString());
+    return 1;
+  }
+  spdlog::info("serving job {} in {}", opt_.job, job_dir_);
+  Adopt();
+  Loop();
+  Shutdown();
+  const bool all_closed = AllClosed();
+  clients_.clear();
+  ::unlink(AgentSocketPath(job_dir_).c_str());
+  if (all_closed) {
+    // The job finished: nothing is left to keep.
+    ::unlink(JobConfigPath(job_dir_).c_str());
+    ::unlink(AgentLogPath(job_dir_).c_str());
+    ::unlink(AgentLockPath(job_dir_).c_str());
+    ::rmdir(job_dir_.c_str());
+  }
+  spdlog::info("exited");
+  return 0;
+}
+
+}  // namespace safepoint::agent
+
+namespace safepoint {
+
+int RunAgent(const AgentOptions& options) {
+  internal::InitLogging("safepointd");
+  Status v = ValidateJobName(options.job);
+  if (!v.ok()) {
+    spdlog::error("{}", v.ToString());
+    return 1;
+  }
+  agent::NodeAgent agent(options);
+  return agent.Run();
+}
+
+}  // namespace safepoint

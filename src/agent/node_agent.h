@@ -1,0 +1,133 @@
+// NodeAgent: the agent process of one job on one node (safepointd; include/safepoint/agent.h).
+//
+// Files of the agent, each with one job:
+//   node_agent.cc     the poll loop, client connections and message dispatch; the rank
+//                     bookkeeping (which snapshot is persisted, queued, failed), emergency
+//                     flushes, answering waits and closes; start and exit
+//   adoption.cc       taking over a job that an earlier agent left (job.json, leases, snapshots)
+//   status.cc         the status document (`safepoint status`, ckpt.status())
+//   persist_queue.*   the worker that writes snapshots to storage, commits and prunes
+//   job_config.*      job.json: what a job persists to
+//   protocol.*        the messages and frames between clients and the agent
+//
+// Threads: everything in NodeAgent runs on the main thread, except the PersistQueue's worker,
+// which touches only the queue and wakes the loop through an eventfd.
+//
+// Ownership: the agent owns the job directory's lock (one agent per job), the listening socket
+// and the arenas it maps; the training processes own their slots' contents. The agent never
+// writes a slot except its lease bit (src/shm/arena.h).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "agent/job_config.h"
+#include "agent/persist_queue.h"
+#include "agent/protocol.h"
+#include "base/unique_fd.h"
+#include "safepoint/agent.h"
+#include "safepoint/arena.h"
+#include "safepoint/checkpoint.h"
+
+namespace safepoint::agent {
+
+// What the agent knows of one rank of the job.
+struct RankState {
+  std::unique_ptr<Arena> arena;
+  uint32_t pid = 0;
+  bool connected = false;
+  bool closed = false;  // closed cleanly
+  int close_client = -1;
+  std::optional<uint64_t> last_persisted_step;
+  double last_persist_seconds = 0;
+  uint64_t last_persist_bytes = 0;
+  uint64_t persists_ok = 0, persists_failed = 0, persists_superseded = 0;
+  uint64_t emergency_flushes = 0;
+  std::string last_error;
+  std::map<uint64_t, Status> outcomes;  // step -> result of persisting this rank's image
+  // step -> (slot, generation) of the snapshot persisted for it. Generations count per slot, so
+  // the same step saved again into the other slot may carry an equal generation: match both.
+  std::map<uint64_t, std::pair<uint32_t, uint64_t>> persisted_generation;
+  std::multiset<uint64_t> pending;  // steps queued or in flight, once per task
+};
+
+// One connection.
+struct Client {
+  internal::UniqueFd fd;
+  internal::UniqueFd pidfd;  // invalid when pidfd_open failed
+  uint32_t pid = 0;
+  FrameDecoder decoder;
+  bool hello = false;
+  uint32_t rank = 0;
+  bool closing = false;
+  bool broken = false;          // a reply could not be sent: drop the connection
+  std::vector<uint64_t> waits;  // steps whose commit this client waits for
+};
+
+class NodeAgent {
+ public:
+  explicit NodeAgent(AgentOptions options);
+  // Serves until told to stop; returns the process exit status (include/safepoint/agent.h).
+  int Run();
+
+ private:
+  using json = nlohmann::json;
+
+  // node_agent.cc
+  Status Setup();
+  void Loop();
+  void Accept();
+  void HandleClientData(size_t idx);
+  Status HandleMessage(Client& c, const Message& m);
+  Status HandleHello(Client& c, const HelloRequest& hello);
+  Status HandleSnapshot(Client& c, SnapshotNote note);
+  void DropClient(size_t idx, bool died);
+  void EmergencyFlush(uint32_t rank, FlushReason reason);
+  Status EnsureRank(uint32_t rank);
+  Status Configure(const JobConfig& config, std::shared_ptr<CheckpointStore> store);
+  void SaveJobConfig();
+  void Enqueue(PersistTask t);
+  void DrainResults();
+  void AnswerWaits();
+  bool StepCommitted(uint64_t step);
+  void Reply(Client& c, MessageType type, const std::string& payload);
+  void ReplyError(Client& c, const std::string& msg);
+  bool Idle();
+  bool AllClosed();
+  void Shutdown();
+  void Wake();
+
+  // adoption.cc
+  void Adopt();
+
+  // status.cc
+  json StatusJson();
+
+  AgentOptions opt_;
+  std::string job_dir_;
+  internal::UniqueFd lock_fd_, listen_fd_, signal_fd_, event_fd_;
+  std::optional<JobConfig> config_;
+  bool config_written_ = false;  // job.json holds config_ (written, or read by Adopt)
+  Status config_saved_;          // the last attempt to write job.json (reported in status)
+  std::shared_ptr<CheckpointStore> store_;
+  std::map<uint32_t, RankState> ranks_;
+  std::vector<std::unique_ptr<Client>> clients_;
+  std::set<uint64_t> committed_cache_;
+  std::optional<uint64_t> newest_committed_;
+  double last_commit_poll_ = 0;
+  bool stopping_ = false;
+  bool saw_client_ = false;
+  double last_busy_;
+  PersistQueue queue_;
+};
+
+double MonotonicSeconds();
+
+}  // namespace safepoint::agent

@@ -1,0 +1,233 @@
+// PersistQueue (src/agent/persist_queue.h).
+#include "agent/persist_queue.h"
+
+#include <algorithm>
+
+#include "base/kill_point.h"
+#include "base/parallel.h"
+#include "safepoint/arena.h"
+
+namespace safepoint::agent {
+
+std::string_view FlushReasonName(FlushReason reason) {
+  switch (reason) {
+    case FlushReason::kRequested:
+      return "requested";
+    case FlushReason::kEmergency:
+      return "emergency flush";
+    case FlushReason::kClose:
+      return "close";
+    case FlushReason::kAdopted:
+      return "adopted";
+    case FlushReason::kShutdown:
+      return "shutdown";
+  }
+  return "unknown";
+}
+
+PersistQueue::PersistQueue(std::function<void()> notify) : notify_(std::move(notify)) {}
+
+PersistQueue::~PersistQueue() { Stop(); }
+
+void PersistQueue::Start(std::string job_dir, PersistTarget target) {
+  job_dir_ = std::move(job_dir);
+  target_ = std::move(target);
+  worker_ = std::thread([this] { Work(); });
+}
+
+void PersistQueue::Enqueue(PersistTask task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+bool PersistQueue::Contains(uint32_t rank, uint32_t slot, uint64_t generation) const {
+  auto same = [&](const PersistTask& t) {
+    return t.rank == rank && t.slot == slot && t.generation == generation;
+  };
+  std::lock_guard<std::mutex> lock(mu_);
+  if (in_flight_ && same(*in_flight_)) return true;
+  for (const PersistResult& r : results_) {
+    if (same(r.task)) return true;
+  }
+  return std::any_of(queue_.begin(), queue_.end(), same);
+}
+
+std::vector<PersistResult> PersistQueue::TakeResults() {
+  std::vector<PersistResult> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  out.swap(results_);
+  return out;
+}
+
+PersistQueue::Progress PersistQueue::progress() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {queue_.size(), in_flight_};
+}
+
+bool PersistQueue::Busy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !queue_.empty() || in_flight_.has_value();
+}
+
+void PersistQueue::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void PersistQueue::Work() {
+  for (;;) {
+    PersistTask t;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything queued is done
+      t = queue_.front();
+      queue_.pop_front();
+      in_flight_ = t;
+    }
+    PersistResult r = Persist(t);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.reset();
+      results_.push_back(std::move(r));
+    }
+    notify_();
+  }
+}
+
+// The stored image of a snapshot whose replicas other ranks write: the same tensors, extras and
+// identity, with the skipped tensors marked "elsewhere" (no bytes). Every chunk of the snapshot
+// is verified first, so the checksums of the new layout cover bytes that were checked
+// end to end; the builder's tensors point into shared memory (held under the slot's lease).
+Result<std::unique_ptr<ImageBuilder>> PersistQueue::WithoutReplicas(
+    std::span<const std::byte> image, const std::string& source, const SkipRanges& skip) {
+  SP_ASSIGN_OR_RETURN(ImageReader reader,
+                      ImageReader::Parse(image, source, ImageReader::Verify::kAll,
+                                         internal::DefaultCpuThreads()));
+  std::vector<TensorSource> tensors;
+  tensors.reserve(reader.tensors().size());
+  for (size_t i = 0; i < reader.tensors().size(); ++i) {
+    const TensorEntry& e = reader.tensors()[i];
+    tensors.push_back({e.spec, reader.tensor_data(i).data(), e.nbytes});
+  }
+  for (const auto& [first, last] : skip) {
+    if (first >= last || last > tensors.size()) {
+      return InvalidArgument(source + ": skip range [" + std::to_string(first) + ", " +
+                             std::to_string(last) + ") is outside the snapshot's " +
+                             std::to_string(tensors.size()) + " tensors");
+    }
+    for (uint32_t i = first; i < last; ++i) tensors[i].spec.elsewhere = true;
+  }
+  auto extras = reader.extras();
+  return ImageBuilder::Create(reader.meta(), std::move(tensors),
+                              std::string(reinterpret_cast<const char*>(extras.data()),
+                                          extras.size()),
+                              reader.layout().chunk_size);
+}
+
+// Retention: keep the newest `keep` committed steps (never fewer than one).
+std::vector<uint64_t> PersistQueue::Prune() {
+  std::vector<uint64_t> pruned;
+  auto all = target_.store->ListCommitted();
+  if (!all.ok()) return pruned;
+  const size_t keep = std::max<uint32_t>(target_.keep, 1);
+  for (size_t i = 0; i + keep < all->size(); ++i) {
+    if (target_.store->DeleteStep((*all)[i].step).ok()) pruned.push_back((*all)[i].step);
+  }
+  target_.store->CleanUp().status().IgnoreError();
+  return pruned;
+}
+
+PersistResult PersistQueue::Persist(const PersistTask& t) {
+  PersistResult r;
+  r.task = t;
+  auto arena = Arena::Open(job_dir_, t.rank);
+  if (!arena.ok()) {
+    r.status = arena.status();
+    return r;
+  }
+  if (!t.leased && !(*arena)->Lease(t.slot, t.generation)) {
+    r.superseded = true;
+    return r;
+  }
+  struct Releaser {
+    Arena& a;
+    const PersistTask& t;
+    ~Releaser() { a.Release(t.slot, t.generation); }
+  } releaser{**arena, t};
+  const auto slots = (*arena)->Slots();
+  if (t.slot >= slots.size()) {
+    r.status = InvalidArgument("slot " + std::to_string(t.slot) + " does not exist");
+    return r;
+  }
+  const SlotInfo& s = slots[t.slot];
+  if (s.state != SlotState::kComplete || s.generation != t.generation || s.step != t.step) {
+    r.superseded = true;
+    return r;
+  }
+  auto image = (*arena)->SlotData(t.slot).subspan(0, s.image_size);
+  const std::string source = job_dir_ + " rank " + std::to_string(t.rank) + " slot " +
+                             std::to_string(t.slot);
+  auto header = ParseImageHeader(image, source);
+  if (!header.ok()) {
+    r.status = header.status();
+    return r;
+  }
+  if (header->first.step != t.step || header->first.rank != t.rank ||
+      header->first.world_size != target_.world_size ||
+      header->second.image_size != image.size()) {
+    r.status = Corruption(source + ": the snapshot's header does not match its slot");
+    return r;
+  }
+  SP_KILL_POINT("agent.persist.leased");
+  // A committed step is never replaced. Either this very snapshot is committed already (persisted
+  // twice: adopted, flushed), or an earlier run committed the step before the ranks resumed from
+  // an older one and saved it again: that commit is a complete checkpoint of one attempt, and
+  // replacing it would leave the step uncommitted until every rank's new image is there, so a
+  // crash in between (or a stale snapshot of the step, adopted after a restart) would lose a step
+  // already reported committed. Found by the crash campaign (seed 858721433).
+  if (target_.store->ReadCommit(t.step).ok()) {
+    r.committed = true;
+    return r;
+  }
+  // With replicas left to other ranks the stored image is laid out anew.
+  std::unique_ptr<ImageBuilder> relaid;
+  if (!t.skip.empty()) {
+    auto b = WithoutReplicas(image, source, t.skip);
+    if (!b.ok()) {
+      r.status = b.status();
+      return r;
+    }
+    relaid = std::move(*b);
+  }
+  auto stats = relaid ? target_.store->WriteImage(*relaid)
+                      : target_.store->WriteImageBytes(image, t.step, t.rank);
+  if (!stats.ok()) {
+    r.status = stats.status();
+    return r;
+  }
+  r.bytes = stats->bytes;
+  r.seconds = stats->seconds;
+  SP_KILL_POINT("agent.persist.before_commit");
+  auto committed =
+      target_.store->TryCommit(t.step, target_.world_size, target_.job, header->first.attempt);
+  if (!committed.ok()) {
+    r.status = committed.status();
+    return r;
+  }
+  r.committed = *committed;
+  if (r.committed) {
+    SP_KILL_POINT("agent.persist.before_prune");
+    r.pruned = Prune();
+  }
+  return r;
+}
+
+}  // namespace safepoint::agent

@@ -1,0 +1,126 @@
+// PersistQueue: the agent's worker that writes snapshots from shared memory to the storage tier,
+// commits steps and applies retention.
+//
+// Tasks run one at a time, in the order they were queued, on one worker thread. A task names a
+// slot and the generation the snapshot had when it was queued; the worker leases the slot (or
+// takes over the lease the client already holds), checks that the slot still holds that very
+// snapshot (else the task is *superseded*: a newer save overwrote it first), verifies the
+// header against the slot, and writes the image with the commit protocol
+// (CheckpointStore::WriteImageBytes, or WriteImage when replicas are left to other ranks). It then
+// tries to commit the step (TryCommit: every rank's image of one attempt is there) and, when the
+// step committed, prunes to the newest `keep` committed steps (never fewer than one) and removes
+// leftovers. The lease is released whatever happened. A step already committed is never written
+// again: the agent never replaces a committed step.
+//
+// Threads: Enqueue, Contains, TakeResults, progress() and Stop() are called from the agent's main
+// thread; the worker thread runs the tasks and calls `notify` after each result (the main loop's
+// eventfd). The worker maps slots through an Arena of its own.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "safepoint/checkpoint.h"
+#include "safepoint/image.h"
+#include "safepoint/status.h"
+
+namespace safepoint::agent {
+
+// Why a snapshot is persisted.
+enum class FlushReason {
+  kRequested,  // the client asked for it (persist_every)
+  kEmergency,  // its writer died without closing
+  kClose,      // the rank closed cleanly: its newest snapshot
+  kAdopted,    // a new agent found it newer than the newest committed step
+  kShutdown,   // the agent was told to stop
+};
+std::string_view FlushReasonName(FlushReason reason);
+
+struct PersistTask {
+  uint32_t rank = 0;
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  uint64_t step = 0;
+  bool leased = false;  // the slot lease is already held for this task
+  FlushReason reason = FlushReason::kRequested;
+  SkipRanges skip;  // tensors other ranks write (replicas); empty: write every tensor
+};
+
+struct PersistResult {
+  PersistTask task;
+  Status status;
+  bool superseded = false;  // the slot no longer held the snapshot: nothing was written
+  bool committed = false;   // the step is committed (by this task or before it)
+  uint64_t bytes = 0;
+  double seconds = 0;
+  std::vector<uint64_t> pruned;  // committed steps removed by retention
+};
+
+// Where and how a job persists; fixed once the job is configured.
+struct PersistTarget {
+  std::string job;
+  std::shared_ptr<CheckpointStore> store;
+  uint32_t world_size = 1;
+  uint32_t keep = 3;
+};
+
+class PersistQueue {
+ public:
+  explicit PersistQueue(std::function<void()> notify);
+  ~PersistQueue();  // Stop()
+  PersistQueue(const PersistQueue&) = delete;
+  PersistQueue& operator=(const PersistQueue&) = delete;
+
+  // Starts the worker for the snapshots in `job_dir`, persisting to `target`. Called once,
+  // before the first Enqueue.
+  void Start(std::string job_dir, PersistTarget target);
+  bool started() const { return worker_.joinable(); }
+
+  void Enqueue(PersistTask task);
+  // True while the snapshot (rank, slot, generation) is queued, in flight, or finished but its
+  // result not taken yet.
+  bool Contains(uint32_t rank, uint32_t slot, uint64_t generation) const;
+  // The results finished since the last call, in order.
+  std::vector<PersistResult> TakeResults();
+
+  struct Progress {
+    size_t queued = 0;
+    std::optional<PersistTask> in_flight;
+  };
+  Progress progress() const;
+  bool Busy() const;  // queued or in flight
+
+  // Runs what is queued to the end, then stops the worker. Idempotent.
+  void Stop();
+
+ private:
+  void Work();
+  PersistResult Persist(const PersistTask& t);
+  Result<std::unique_ptr<ImageBuilder>> WithoutReplicas(std::span<const std::byte> image,
+                                                        const std::string& source,
+                                                        const SkipRanges& skip);
+  std::vector<uint64_t> Prune();
+
+  const std::function<void()> notify_;
+  // Written by Start before the worker exists, then read-only.
+  std::string job_dir_;
+  PersistTarget target_;
+
+  mutable std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  std::deque<PersistTask> queue_;
+  std::optional<PersistTask> in_flight_;
+  std::vector<PersistResult> results_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace safepoint::agent

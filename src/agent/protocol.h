@@ -1,0 +1,153 @@
+// The control protocol between training processes (src/client) and the node agent (src/agent).
+//
+// The two meet only here and in shared memory (src/shm). A connection carries versioned,
+// length-prefixed frames over a Unix domain socket in the job directory:
+//
+//   u32 length of the rest | u16 protocol version | u16 message type | payload (a JSON object)
+//
+// Every request and reply has a typed struct below with an Encode (struct -> payload) and a
+// Decode (payload -> struct) that checks every field's presence and type and returns
+// InvalidArgument naming the field; nothing here throws. The status reply stays a free-form JSON
+// document (what `safepoint status --json` prints). Bulk data never goes through the socket: a
+// SnapshotNote names a slot, the bytes are in shared memory. docs/architecture.md, "Agent
+// protocol", lists the exchanges.
+//
+// Also here: where a job directory keeps the agent's socket, lock and log, and the lock-based test
+// for a live agent, which the client, the agent and the CLI share.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "safepoint/image.h"
+#include "safepoint/status.h"
+
+namespace safepoint::agent {
+
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint32_t kMaxMessageBytes = 1 << 20;
+inline constexpr size_t kFrameHeaderBytes = 8;  // u32 length, u16 version, u16 type
+
+enum class MessageType : uint16_t {
+  kHello = 1,  // client -> agent: HelloRequest
+  kHelloReply = 2,
+  kSnapshot = 3,  // client -> agent: SnapshotNote (no reply)
+  kStatus = 4,    // client or CLI -> agent: {}
+  kStatusReply = 5,
+  kWait = 6,  // client -> agent: WaitRequest; the reply comes once the step is committed or failed
+  kWaitReply = 7,
+  kClose = 8,  // client -> agent: clean close of a rank; CloseReply once its flush is done
+  kCloseReply = 9,
+  kError = 10,     // agent -> client: ErrorReply, the request was refused
+  kShutdown = 11,  // CLI -> agent: flush and exit; CloseReply
+};
+
+struct Message {
+  MessageType type = MessageType::kError;
+  std::string payload;  // a JSON object
+};
+
+// --- typed messages ----------------------------------------------------------------------------
+
+// Status, Close and Shutdown requests carry an empty object.
+struct EmptyRequest {};
+
+struct HelloRequest {
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  std::string storage;  // the checkpoint directory / URI the job persists to
+  uint32_t keep = 3;    // committed steps to keep
+  uint32_t pid = 0;
+};
+
+struct HelloReply {
+  uint32_t agent_pid = 0;
+  std::string job_dir;
+};
+
+// Slot `slot` of the sender's rank holds a COMPLETE snapshot of `step` (at `generation`).
+struct SnapshotNote {
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  uint64_t step = 0;
+  bool persist = false;  // persist it (else the agent only learns of it)
+  bool leased = false;   // the client leased the slot for the persist
+  SkipRanges skip;       // tensors other ranks write (replicas); empty: every tensor
+};
+
+struct WaitRequest {
+  uint64_t step = 0;
+};
+
+// The outcome of persisting `step`: OK once committed, else the error (its code is kept).
+struct WaitReply {
+  uint64_t step = 0;
+  Status status;
+};
+
+// The outcome of a clean close or a shutdown request.
+struct CloseReply {
+  Status status;
+};
+
+struct ErrorReply {
+  std::string error;
+};
+
+std::string Encode(const HelloRequest& m);
+std::string Encode(const HelloReply& m);
+std::string Encode(const SnapshotNote& m);
+std::string Encode(const WaitRequest& m);
+std::string Encode(const WaitReply& m);
+std::string Encode(const CloseReply& m);
+std::string Encode(const ErrorReply& m);
+
+// Each returns InvalidArgument ("protocol error: ...") for a payload that is not a JSON object,
+// lacks a field or has one of the wrong type. Unknown fields are ignored (newer peers).
+Status Decode(std::string_view payload, EmptyRequest* out);
+Status Decode(std::string_view payload, HelloRequest* out);
+Status Decode(std::string_view payload, HelloReply* out);
+Status Decode(std::string_view payload, SnapshotNote* out);
+Status Decode(std::string_view payload, WaitRequest* out);
+Status Decode(std::string_view payload, WaitReply* out);
+Status Decode(std::string_view payload, CloseReply* out);
+Status Decode(std::string_view payload, ErrorReply* out);
+
+// --- framing -----------------------------------------------------------------------------------
+
+// Encodes one frame: u32 length of the rest, u16 version, u16 type, payload.
+std::string EncodeFrame(MessageType type, std::string_view payload);
+
+// Splits a byte stream into messages; validates every frame header.
+class FrameDecoder {
+ public:
+  void Feed(std::span<const std::byte> data);
+  // The next complete message, nullopt when more bytes are needed, or an InvalidArgument error
+  // for a malformed frame (wrong version, unknown type, oversized).
+  Result<std::optional<Message>> Next();
+  size_t buffered() const { return buf_.size() - pos_; }
+
+ private:
+  std::string buf_;
+  size_t pos_ = 0;
+};
+
+// Blocking helpers for a connected socket. `timeout_s` < 0 waits forever. ReceiveMessage returns
+// Cancelled on a timeout and Unavailable when the peer closed the connection.
+Status SendMessage(int fd, MessageType type, std::string_view payload, double timeout_s = -1);
+Result<Message> ReceiveMessage(int fd, FrameDecoder& decoder, double timeout_s);
+
+// --- the job directory ---------------------------------------------------------------------------
+
+std::string AgentSocketPath(const std::string& job_dir);
+std::string AgentLockPath(const std::string& job_dir);
+std::string AgentLogPath(const std::string& job_dir);
+std::string JobConfigPath(const std::string& job_dir);
+
+// True when an agent holds the job directory's lock (a live agent); `pid` gets its pid.
+bool AgentAlive(const std::string& job_dir, uint32_t* pid = nullptr);
+
+}  // namespace safepoint::agent

@@ -1,0 +1,58 @@
+// The agent's status document (src/agent/node_agent.h): what `safepoint status --json` prints and
+// ckpt.status() returns under "agent". One JSON object: the job, its configuration, the newest
+// committed step, the persist queue, and per rank its slots, pending persists, counters and last
+// error. `job_config_error` is set while job.json could not be written (a later agent could not
+// adopt the job).
+#include "agent/node_agent.h"
+
+namespace safepoint::agent {
+
+nlohmann::json NodeAgent::StatusJson() {
+  json ranks = json::array();
+  for (auto& [rank, rs] : ranks_) {
+    json slots = json::array();
+    if (rs.arena && rs.arena->Refresh().ok()) {
+      for (const SlotInfo& s : rs.arena->Slots()) {
+        slots.push_back({{"slot", s.index},
+                         {"state", SlotStateName(s.state)},
+                         {"leased", s.leased},
+                         {"step", s.step},
+                         {"image_bytes", s.image_size},
+                         {"capacity", s.capacity}});
+      }
+    }
+    auto optional = [](const std::optional<uint64_t>& v) { return v ? json(*v) : json(nullptr); };
+    ranks.push_back({{"rank", rank},
+                     {"pid", rs.pid},
+                     {"connected", rs.connected},
+                     {"closed", rs.closed},
+                     {"slots", slots},
+                     {"pending_persists", rs.pending.size()},
+                     {"last_persisted_step", optional(rs.last_persisted_step)},
+                     {"last_persist_seconds", rs.last_persist_seconds},
+                     {"last_persist_bytes", rs.last_persist_bytes},
+                     {"persists_ok", rs.persists_ok},
+                     {"persists_failed", rs.persists_failed},
+                     {"persists_superseded", rs.persists_superseded},
+                     {"emergency_flushes", rs.emergency_flushes},
+                     {"last_error", rs.last_error}});
+  }
+  const PersistQueue::Progress progress = queue_.progress();
+  json in_flight = nullptr;
+  if (progress.in_flight) {
+    in_flight = {{"rank", progress.in_flight->rank}, {"step", progress.in_flight->step}};
+  }
+  return {{"agent_pid", ::getpid()},
+          {"job", opt_.job},
+          {"job_dir", job_dir_},
+          {"storage", config_ ? json(config_->storage) : json(nullptr)},
+          {"world_size", config_ ? json(config_->world_size) : json(nullptr)},
+          {"keep", config_ ? json(config_->keep) : json(nullptr)},
+          {"job_config_error", config_saved_.ok() ? json(nullptr) : json(config_saved_.ToString())},
+          {"newest_committed", newest_committed_ ? json(*newest_committed_) : json(nullptr)},
+          {"queued", progress.queued},
+          {"in_flight", in_flight},
+          {"ranks", ranks}};
+}
+
+}  // namespace safepoint::agent
