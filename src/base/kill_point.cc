@@ -1,5 +1,6 @@
 // Kill points (src/base/kill_point.h). Only kill-point builds compile anything here.
 #include "base/kill_point.h"
+#include "base/unique_fd.h"
 
 #if defined(SAFEPOINT_KILL_POINTS)
 
@@ -58,14 +59,13 @@ void KillPointHit(std::string_view name) {
   const uint64_t n = s.hits.fetch_add(1, std::memory_order_relaxed) + 1;
   if (n != s.nth) return;
   if (!s.stamp.empty()) {
-    const int fd = ::open(s.stamp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) return;  // another process already died here (or the stamp cannot be made)
+    UniqueFd fd(::open(s.stamp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (!fd) return;  // another process already died here (or the stamp cannot be made)
     const std::string line =
         s.name + " " + std::to_string(n) + " " + std::to_string(::getpid()) + "\n";
-    if (::write(fd, line.data(), line.size()) < 0) {
+    if (::write(fd.get(), line.data(), line.size()) < 0) {
       // The stamp exists; its text is only for people.
     }
-    ::close(fd);
   }
   ::raise(SIGKILL);
 }

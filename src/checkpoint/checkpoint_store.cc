@@ -22,7 +22,6 @@
 //   committed step, whose writers have all finished.
 #include "safepoint/checkpoint.h"
 
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -429,15 +428,14 @@ Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint3
   if (expected.size < kImageHeaderSize || expected.size % kImageAlignment != 0) {
     return Corruption(source + ": invalid image size " + std::to_string(expected.size));
   }
-  auto* raw = static_cast<std::byte*>(mmap(nullptr, expected.size, PROT_READ | PROT_WRITE,
-                                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  if (raw == MAP_FAILED) {
-    return ResourceExhausted(source + ": cannot allocate " + std::to_string(expected.size) +
+  const size_t size = expected.size;
+  auto owner = std::make_shared<internal::AlignedBuffer>(size);
+  if (!owner->ok()) {
+    return ResourceExhausted(source + ": cannot allocate " + std::to_string(size) +
                              " bytes to read the image");
   }
-  if (expected.size >= (2u << 20)) madvise(raw, expected.size, MADV_HUGEPAGE);
-  const size_t size = expected.size;
-  std::shared_ptr<std::byte> buffer(raw, [size](std::byte* p) { munmap(p, size); });
+  std::byte* raw = owner->data();
+  std::shared_ptr<std::byte> buffer(owner, raw);
 
   // Header first: it gives the layout and the chunk size, and must be the committed one.
   SP_RETURN_IF_ERROR(obj->ReadAt(0, {raw, kImageHeaderSize}));

@@ -1,6 +1,5 @@
 // SnapshotClient (include/safepoint/client.h).
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -12,6 +11,8 @@
 #include <thread>
 
 #include "agent/protocol.h"
+#include "base/aligned_buffer.h"
+#include "base/unique_fd.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
@@ -73,14 +74,12 @@ Status SnapshotClient::ConnectOnce() {
     return InvalidArgument(path + ": socket path too long; use a shorter shm_dir");
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoStatus("socket", path, errno);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return Unavailable(path + ": no safepoint agent is listening (" + std::strerror(err) + ")");
+  internal::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return ErrnoStatus("socket", path, errno);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return Unavailable(path + ": no safepoint agent is listening (" + std::strerror(errno) + ")");
   }
-  fd_ = fd;
+  fd_ = fd.Release();
   return Hello();
 }
 
@@ -373,11 +372,12 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
     return MemorySnapshot{LoadedImage{std::move(view), size, source}, std::move(reader),
                           std::move(extras), newest->step};
   }
-  auto* raw = static_cast<std::byte*>(
-      ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  if (raw == MAP_FAILED) return ResourceExhausted(source + ": cannot allocate " + std::to_string(size) + " bytes");
-  if (size >= (2u << 20)) ::madvise(raw, size, MADV_HUGEPAGE);
-  std::shared_ptr<std::byte> buffer(raw, [size](std::byte* p) { ::munmap(p, size); });
+  auto owner = std::make_shared<internal::AlignedBuffer>(size);
+  if (!owner->ok()) {
+    return ResourceExhausted(source + ": cannot allocate " + std::to_string(size) + " bytes");
+  }
+  std::byte* raw = owner->data();
+  std::shared_ptr<std::byte> buffer(owner, raw);
   auto src = arena_->SlotData(newest->index).subspan(0, size);
   SP_RETURN_IF_ERROR(CopyVerifiedImage(src, {raw, size}, source, internal::DefaultCpuThreads()));
   // The copy is what we verify and hand out; the slot must not have changed meanwhile.
