@@ -299,6 +299,23 @@ class AgentTest : public ::testing::Test {
     EXPECT_EQ((*j)["agent_pid"], agent);
   }
 
+  // Connects and says hello as rank 0; the connected fd (closed by the caller), or -1 after a
+  // test failure.
+  int ConnectAndHello() {
+    const int fd = Connect();
+    if (fd < 0) return -1;
+    EXPECT_TRUE(SendMessage(fd, MessageType::kHello, HelloPayload()).ok());
+    FrameDecoder d;
+    auto reply = ReceiveMessage(fd, d, kDeadlineSeconds);
+    EXPECT_TRUE(reply.ok()) << reply.status().ToString();
+    if (!reply.ok() || reply->type != MessageType::kHelloReply) {
+      ADD_FAILURE() << "hello answered with " << (reply.ok() ? reply->payload : "nothing");
+      ::close(fd);
+      return -1;
+    }
+    return fd;
+  }
+
   std::string HelloPayload() const {
     return json{{"rank", 0}, {"world_size", 1}, {"storage", storage_}, {"keep", 3},
                 {"pid", ::getpid()}}
@@ -471,13 +488,8 @@ TEST_F(AgentTest, SnapshotBeforeHelloClosesTheConnection) {
 TEST_F(AgentTest, SnapshotOfASlotThatDoesNotExistIsHarmless) {
   const pid_t agent = StartAgent();
   ASSERT_GT(agent, 0);
-  const int fd = Connect();
+  const int fd = ConnectAndHello();
   ASSERT_GE(fd, 0);
-  ASSERT_TRUE(SendMessage(fd, MessageType::kHello, HelloPayload()).ok());
-  FrameDecoder d;
-  auto reply = ReceiveMessage(fd, d, kDeadlineSeconds);
-  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
-  ASSERT_EQ(reply->type, MessageType::kHelloReply) << reply->payload;
   for (uint32_t slot : {2u, 9u, 15u}) {
     // The agent may refuse these by closing the connection: later sends may fail.
     SendMessage(fd, MessageType::kSnapshot,
@@ -837,13 +849,8 @@ TEST_F(AgentTest, JobConfigWriteFailureIsReportedAndRetried) {
     while (f.write(block.data(), block.size())) {
     }
   }
-  const int fd = Connect();
+  const int fd = ConnectAndHello();
   ASSERT_GE(fd, 0);
-  ASSERT_TRUE(SendMessage(fd, MessageType::kHello, HelloPayload()).ok());
-  FrameDecoder d;
-  auto reply = ReceiveMessage(fd, d, kDeadlineSeconds);
-  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
-  EXPECT_EQ(reply->type, MessageType::kHelloReply) << reply->payload;
   auto status = QueryStatus(fd);
   ASSERT_TRUE(status);
   ASSERT_TRUE((*status)["job_config_error"].is_string()) << status->dump();
@@ -855,13 +862,8 @@ TEST_F(AgentTest, JobConfigWriteFailureIsReportedAndRetried) {
 
   // Room again: the next hello writes it, and the status clears.
   ASSERT_EQ(::unlink(filler.c_str()), 0);
-  const int fd2 = Connect();
+  const int fd2 = ConnectAndHello();
   ASSERT_GE(fd2, 0);
-  ASSERT_TRUE(SendMessage(fd2, MessageType::kHello, HelloPayload()).ok());
-  FrameDecoder d2;
-  auto reply2 = ReceiveMessage(fd2, d2, kDeadlineSeconds);
-  ASSERT_TRUE(reply2.ok()) << reply2.status().ToString();
-  EXPECT_EQ(reply2->type, MessageType::kHelloReply) << reply2->payload;
   auto status2 = QueryStatus(fd2);
   ASSERT_TRUE(status2);
   EXPECT_TRUE((*status2)["job_config_error"].is_null()) << status2->dump();

@@ -9,7 +9,10 @@
 #include <chrono>
 #include <cstring>
 
+#include <initializer_list>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <variant>
 
 #include "agent/protocol.h"
 #include "base/bytes.h"
@@ -59,6 +62,23 @@ Status Field(const json& j, const char* key, T* out) {
   return Status::OK();
 }
 
+// One field of a message: its key, where it goes, and whether it may be absent.
+struct FieldRef {
+  const char* key;
+  std::variant<uint32_t*, uint64_t*, bool*, std::string*, SkipRanges*> out;
+  bool optional = false;
+};
+
+// Parses a payload and reads every field into place; the object, for further fields.
+Result<json> Parse(std::string_view payload, std::initializer_list<FieldRef> fields) {
+  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  for (const FieldRef& f : fields) {
+    if (f.optional && !j.contains(f.key)) continue;
+    SP_RETURN_IF_ERROR(std::visit([&](auto* out) { return Field(j, f.key, out); }, f.out));
+  }
+  return j;
+}
+
 json StatusFields(const Status& s) {
   if (s.ok()) return {{"ok", true}};
   return {{"ok", false}, {"code", static_cast<int>(s.code())}, {"error", s.message()}};
@@ -105,48 +125,41 @@ std::string Encode(const WaitReply& m) {
 std::string Encode(const CloseReply& m) { return StatusFields(m.status).dump(); }
 std::string Encode(const ErrorReply& m) { return json{{"error", m.error}}.dump(); }
 
-Status Decode(std::string_view payload, EmptyRequest*) { return ParseObject(payload).status(); }
+Status Decode(std::string_view payload, EmptyRequest*) { return Parse(payload, {}).status(); }
 Status Decode(std::string_view payload, HelloRequest* out) {
-  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
-  SP_RETURN_IF_ERROR(Field(j, "rank", &out->rank));
-  SP_RETURN_IF_ERROR(Field(j, "world_size", &out->world_size));
-  SP_RETURN_IF_ERROR(Field(j, "storage", &out->storage));
-  SP_RETURN_IF_ERROR(Field(j, "keep", &out->keep));
-  if (j.contains("pid")) SP_RETURN_IF_ERROR(Field(j, "pid", &out->pid));
-  return Status::OK();
+  return Parse(payload, {{"rank", &out->rank},
+                         {"world_size", &out->world_size},
+                         {"storage", &out->storage},
+                         {"keep", &out->keep},
+                         {"pid", &out->pid, /*optional=*/true}})
+      .status();
 }
 Status Decode(std::string_view payload, HelloReply* out) {
-  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
-  SP_RETURN_IF_ERROR(Field(j, "agent_pid", &out->agent_pid));
-  return Field(j, "job_dir", &out->job_dir);
+  return Parse(payload, {{"agent_pid", &out->agent_pid}, {"job_dir", &out->job_dir}}).status();
 }
 Status Decode(std::string_view payload, SnapshotNote* out) {
-  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
-  SP_RETURN_IF_ERROR(Field(j, "slot", &out->slot));
-  SP_RETURN_IF_ERROR(Field(j, "generation", &out->generation));
-  SP_RETURN_IF_ERROR(Field(j, "step", &out->step));
-  SP_RETURN_IF_ERROR(Field(j, "persist", &out->persist));
-  SP_RETURN_IF_ERROR(Field(j, "leased", &out->leased));
   out->skip.clear();
-  if (j.contains("skip")) SP_RETURN_IF_ERROR(Field(j, "skip", &out->skip));
-  return Status::OK();
+  return Parse(payload, {{"slot", &out->slot},
+                         {"generation", &out->generation},
+                         {"step", &out->step},
+                         {"persist", &out->persist},
+                         {"leased", &out->leased},
+                         {"skip", &out->skip, /*optional=*/true}})
+      .status();
 }
 Status Decode(std::string_view payload, WaitRequest* out) {
-  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
-  return Field(j, "step", &out->step);
+  return Parse(payload, {{"step", &out->step}}).status();
 }
 Status Decode(std::string_view payload, WaitReply* out) {
-  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
-  SP_RETURN_IF_ERROR(Field(j, "step", &out->step));
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"step", &out->step}}));
   return DecodeStatus(j, &out->status);
 }
 Status Decode(std::string_view payload, CloseReply* out) {
-  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {}));
   return DecodeStatus(j, &out->status);
 }
 Status Decode(std::string_view payload, ErrorReply* out) {
-  SP_ASSIGN_OR_RETURN(json j, ParseObject(payload));
-  return Field(j, "error", &out->error);
+  return Parse(payload, {{"error", &out->error}}).status();
 }
 
 std::string EncodeFrame(MessageType type, std::string_view payload) {

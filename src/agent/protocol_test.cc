@@ -369,5 +369,86 @@ TEST_F(ProtocolSocketTest, MalformedFrameIsAnError) {
   EXPECT_EQ(ReceiveMessage(fds_[1], d, 10).status().code(), StatusCode::kInvalidArgument);
 }
 
+// --- typed messages ---------------------------------------------------------------------------
+
+TEST(MessageTest, EveryMessageRoundTrips) {
+  HelloRequest hello{3, 8, "/ckpt/run", 5, 4242}, hello_out;
+  ASSERT_TRUE(Decode(Encode(hello), &hello_out).ok());
+  EXPECT_EQ(hello_out.rank, 3u);
+  EXPECT_EQ(hello_out.world_size, 8u);
+  EXPECT_EQ(hello_out.storage, "/ckpt/run");
+  EXPECT_EQ(hello_out.keep, 5u);
+  EXPECT_EQ(hello_out.pid, 4242u);
+
+  SnapshotNote note{1, (uint64_t{1} << 40) + 7, 99, true, false, {{0, 2}, {5, 9}}}, note_out;
+  ASSERT_TRUE(Decode(Encode(note), &note_out).ok());
+  EXPECT_EQ(note_out.slot, 1u);
+  EXPECT_EQ(note_out.generation, (uint64_t{1} << 40) + 7);
+  EXPECT_EQ(note_out.step, 99u);
+  EXPECT_TRUE(note_out.persist);
+  EXPECT_FALSE(note_out.leased);
+  EXPECT_EQ(note_out.skip, (SkipRanges{{0, 2}, {5, 9}}));
+
+  WaitReply failed{7, Status(StatusCode::kResourceExhausted, "disk full")}, failed_out;
+  ASSERT_TRUE(Decode(Encode(failed), &failed_out).ok());
+  EXPECT_EQ(failed_out.step, 7u);
+  EXPECT_EQ(failed_out.status.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(failed_out.status.message(), "disk full");
+  WaitReply ok{8, Status::OK()}, ok_out;
+  ASSERT_TRUE(Decode(Encode(ok), &ok_out).ok());
+  EXPECT_TRUE(ok_out.status.ok());
+
+  CloseReply close{IOError("gone")}, close_out;
+  ASSERT_TRUE(Decode(Encode(close), &close_out).ok());
+  EXPECT_EQ(close_out.status.code(), StatusCode::kIOError);
+  ErrorReply error{"no"}, error_out;
+  ASSERT_TRUE(Decode(Encode(error), &error_out).ok());
+  EXPECT_EQ(error_out.error, "no");
+  HelloReply reply{12, "/dev/shm/x"}, reply_out;
+  ASSERT_TRUE(Decode(Encode(reply), &reply_out).ok());
+  EXPECT_EQ(reply_out.job_dir, "/dev/shm/x");
+}
+
+// Every defect in a payload is an InvalidArgument that names what is wrong; nothing throws.
+TEST(MessageTest, MalformedPayloadsAreErrorsNamingTheField) {
+  struct Case {
+    std::string payload;
+    std::string says;
+  };
+  const Case cases[] = {
+      {"", "field 'rank' is missing"},
+      {"{", "not valid JSON"},
+      {"[1]", "not a JSON object"},
+      {R"({"rank": 0, "world_size": 1, "storage": "/c"})", "field 'keep' is missing"},
+      {R"({"rank": -1, "world_size": 1, "storage": "/c", "keep": 1})", "field 'rank'"},
+      {R"({"rank": 4294967296, "world_size": 1, "storage": "/c", "keep": 1})", "field 'rank'"},
+      {R"({"rank": 0, "world_size": "1", "storage": "/c", "keep": 1})", "field 'world_size'"},
+      {R"({"rank": 0, "world_size": 1, "storage": 5, "keep": 1})", "field 'storage'"},
+      {R"({"rank": 0.5, "world_size": 1, "storage": "/c", "keep": 1})", "field 'rank'"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.payload);
+    HelloRequest out;
+    const Status s = Decode(c.payload, &out);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(c.says), std::string::npos) << s.message();
+  }
+  const std::string bad_skips[] = {R"([[1]])", R"([[1, 2, 3]])", R"([["a", 2]])",
+                                   R"({"a": 1})", R"([[1, 4294967296]])"};
+  for (const std::string& skip : bad_skips) {
+    SCOPED_TRACE(skip);
+    SnapshotNote note;
+    const std::string payload = R"({"slot": 0, "generation": 1, "step": 2, "persist": true,
+                                    "leased": false, "skip": )" + skip + "}";
+    EXPECT_EQ(Decode(payload, &note).code(), StatusCode::kInvalidArgument);
+  }
+  WaitReply reply;
+  EXPECT_EQ(Decode(R"({"step": 1, "ok": false})", &reply).code(), StatusCode::kInvalidArgument);
+  EmptyRequest empty;
+  EXPECT_TRUE(Decode("", &empty).ok());
+  EXPECT_TRUE(Decode("{}", &empty).ok());
+  EXPECT_EQ(Decode("[]", &empty).code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace safepoint
