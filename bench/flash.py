@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import math
 import mmap
 import os
@@ -43,7 +42,6 @@ import safepoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run import (  # noqa: E402  (bench/run.py: the storage benchmark's helpers and limits)
-    DOC,
     GiB,
     IO_REQUEST,
     IO_THREADS,
@@ -59,7 +57,7 @@ from run import (  # noqa: E402  (bench/run.py: the storage benchmark's helpers 
     run_sizes,
     state_bytes,
     tensors_of,
-    write_doc_section,
+    publish,
 )
 
 TARGET_TENSORS = 10_000
@@ -523,13 +521,8 @@ def main() -> None:
     t0 = time.perf_counter()
     results = run_sizes(args, bench_size)
     section = render(results, args.runs)
-    print(section)
+    publish(args, "flash", "Flash checkpoints", section, results)
     print(f"({time.perf_counter() - t0:.0f} s)")
-    with open(os.path.join(args.dir, "flash.json"), "w") as f:
-        json.dump(results, f)
-    if not args.no_doc:
-        write_doc_section("flash-bench", "Flash checkpoints", section)
-        print(f"wrote {DOC}")
 
 
 if __name__ == "__main__":

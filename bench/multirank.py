@@ -52,7 +52,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import torch  # noqa: E402
 
 from run import (  # noqa: E402  (bench/run.py: helpers and the disk limit)
-    DOC,
     MiB,
     drop_caches,
     fsync_path,
@@ -62,7 +61,7 @@ from run import (  # noqa: E402  (bench/run.py: helpers and the disk limit)
     parse_size,
     rm,
     tensors_of,
-    write_doc_section,
+    publish,
 )
 
 # DLRover 0.6.1 imports grpc without declaring it: `make bench-multirank` installs grpcio here
@@ -800,12 +799,7 @@ def main() -> None:
     conditions += (f" The run took {time.perf_counter() - t0:.0f} s; load average at the end "
                    f"{os.getloadavg()[0]:.2f}.")
     section = render(results, args, conditions)
-    print(section)
-    with open(os.path.join(args.dir, "multirank.json"), "w") as f:
-        json.dump(results, f)
-    if not args.no_doc:
-        write_doc_section("multirank-bench", "Multi-rank checkpoints (DDP, FSDP2)", section)
-        print(f"wrote {DOC}")
+    publish(args, "multirank", "Multi-rank checkpoints (DDP, FSDP2)", section, results)
 
 
 if __name__ == "__main__":

@@ -407,6 +407,17 @@ def write_doc_section(name: str, title: str, section: str) -> None:
         f.write(doc)
 
 
+def publish(args: argparse.Namespace, name: str, title: str, section: str, results) -> None:
+    """Prints a benchmark's section, keeps its raw results as <dir>/<name>.json and, unless
+    --no-doc, writes the section into docs/benchmarks.md."""
+    print(section)
+    with open(os.path.join(args.dir, f"{name}.json"), "w") as f:
+        json.dump(results, f)
+    if not args.no_doc:
+        write_doc_section(f"{name}-bench", title, section)
+        print(f"wrote {DOC}")
+
+
 def parse_size(s: str) -> int:
     m = re.fullmatch(r"(\d+)([MG])", s.strip())
     if not m:
@@ -445,12 +456,8 @@ def main() -> None:
     results = run_sizes(args, bench_size)
     cache = drop_caches([])
     section = render(results, args.runs, cache)
-    print(section)
-    with open(os.path.join(args.dir, "storage.json"), "w") as f:
-        json.dump([{**r, "save": {f"{k[0]}|{k[1]}": v for k, v in r["save"].items()}} for r in results], f)
-    if not args.no_doc:
-        write_doc_section("storage-bench", "Storage save and load", section)
-        print(f"wrote {DOC}")
+    publish(args, "storage", "Storage save and load", section,
+            [{**r, "save": {f"{k[0]}|{k[1]}": v for k, v in r["save"].items()}} for r in results])
 
 
 if __name__ == "__main__":

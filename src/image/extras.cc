@@ -89,12 +89,14 @@ class Encoder {
     out += s;
     return Status::OK();
   }
-  Status Put(const Bytes& b, size_t) {
-    out.push_back(kBytes);
-    AppendLE<uint64_t>(out, b.data.size());
-    out += b.data;
+  // A tag, a u64 length and the bytes.
+  Status PutBlob(Tag tag, const std::string& data) {
+    out.push_back(tag);
+    AppendLE<uint64_t>(out, data.size());
+    out += data;
     return Status::OK();
   }
+  Status Put(const Bytes& b, size_t) { return PutBlob(kBytes, b.data); }
   Status PutItems(Tag tag, const ValueList& items, size_t depth) {
     if (items.size() > UINT32_MAX) return InvalidArgument("sequence too long");
     out.push_back(tag);
@@ -118,12 +120,7 @@ class Encoder {
     }
     return Status::OK();
   }
-  Status Put(const Pickled& p, size_t) {
-    out.push_back(kPickled);
-    AppendLE<uint64_t>(out, p.data.size());
-    out += p.data;
-    return Status::OK();
-  }
+  Status Put(const Pickled& p, size_t) { return PutBlob(kPickled, p.data); }
   Status Put(const TensorRef& t, size_t) {
     out.push_back(kTensor);
     AppendLE<uint64_t>(out, t.index);
