@@ -325,3 +325,37 @@ def test_an_image_of_another_save_is_never_committed_beside_this_saves(ckpt, kin
     dcp.load(got, storage_reader=sdcp.Reader(url, step=7))
     assert torch.equal(got["a"], torch.ones(4)) and torch.equal(got["b"], torch.ones(4))
 
+
+# -- staging files outlive a killed process only until gc -------------------------------------------
+
+_STAGER_HOLDER = """
+import sys, torch, safepoint.dcp as sdcp
+stager = sdcp.ShmStager(shm_dir=sys.argv[1])
+staged = stager.stage({"w": torch.ones(1 << 16)})
+print(stager.files[0], flush=True)
+sys.stdin.read()  # holds the stager until the test closes stdin
+"""
+
+
+def test_gc_removes_staging_files_of_a_killed_process_and_keeps_a_live_ones(shm, cli):
+    procs = [subprocess.Popen([sys.executable, "-c", _STAGER_HOLDER, shm], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        killed, live = [p.stdout.readline().strip() for p in procs]
+        assert os.path.isfile(killed) and os.path.isfile(live)
+        procs[0].kill()
+        procs[0].wait()
+        assert os.path.isfile(killed)  # SIGKILL: nothing in the process could remove it
+
+        assert "would remove 1 staging file" in cli("gc", "--shm-dir", shm, "--dry-run",
+                                                     check=0).stdout
+        assert os.path.isfile(killed)
+        out = cli("gc", "--shm-dir", shm, check=0).stdout
+        assert "removed 1 staging file" in out, out
+        assert not os.path.exists(killed)
+        assert os.path.isfile(live)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait()
+    assert not os.path.exists(live)  # its owner removed it when it exited
