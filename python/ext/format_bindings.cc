@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
 #include "shm/stage_file.h"
@@ -136,6 +137,28 @@ nb::bytes PyReplicaKey(const std::string& name, const std::string& dtype,
   return nb::bytes(key.data(), key.size());
 }
 
+// The state of every slot file in a job directory ("FREE", "WRITING", "COMPLETE"), read from
+// the control blocks as the agent reads them: for tests that watch a writer from outside.
+std::vector<std::string> SlotStates(const std::string& job_dir) {
+  auto states = [&]() -> Result<std::vector<std::string>> {
+    nb::gil_scoped_release release;
+    std::vector<std::string> out;
+    auto ranks = ListArenaRanks(job_dir);
+    if (!ranks.ok() && ranks.status().code() == StatusCode::kNotFound) return out;
+    SP_RETURN_IF_ERROR(ranks.status());
+    for (uint32_t rank : *ranks) {
+      auto arena = Arena::Open(job_dir, rank);
+      if (!arena.ok() && arena.status().code() == StatusCode::kNotFound) continue;  // removed
+      SP_RETURN_IF_ERROR(arena.status());
+      for (const SlotInfo& slot : (*arena)->Slots()) {
+        if (slot.capacity > 0) out.emplace_back(SlotStateName(slot.state));  // the file exists
+      }
+    }
+    return out;
+  }();
+  return Unwrap(std::move(states));
+}
+
 // A staging file held by Python: buffers handed out keep the mapping alive after close().
 class PyStageFile {
  public:
@@ -198,6 +221,7 @@ void BindFormat(nb::module_& m) {
   m.def("image_ranks", &ImageRanks, "path"_a, "step"_a);
   m.def("delete_step", &DeleteStep, "path"_a, "step"_a);
   m.def("tensor_extent", &TensorExtent, "path"_a, "step"_a, "rank"_a, "name"_a);
+  m.def("slot_states", &SlotStates, "job_dir"_a);
   m.def("replica_key", &PyReplicaKey, "name"_a, "dtype"_a, "shape"_a, "global_shape"_a.none(),
         "global_offset"_a.none());
   nb::class_<PyStageFile>(m, "StageFile")

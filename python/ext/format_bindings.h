@@ -7,7 +7,7 @@
 namespace safepoint::python {
 
 // Adds DTYPES, CHUNK_SIZE, step_path, split_step_path, image_path, image_ranks, delete_step,
-// tensor_extent, replica_key, StageFile and remove_dead_stage_files to `m`.
+// tensor_extent, slot_states, replica_key, StageFile and remove_dead_stage_files to `m`.
 void BindFormat(nanobind::module_& m);
 
 }  // namespace safepoint::python
