@@ -19,6 +19,7 @@ from torch.futures import Future
 from safepoint import _core
 from safepoint._checkpointer import new_attempt
 from safepoint._pickle import pickler
+from safepoint._shards import _DTYPES
 from safepoint.errors import AlreadyExistsError, InvalidArgumentError, StorageError
 
 #: Version of the layout of the ``dcp`` entry inside an image (not the image format's version).
@@ -26,7 +27,7 @@ FORMAT_VERSION = 1
 _DCP_VERSION = "1.0.0"  # DCP's own metadata version, as FileSystemWriter records it
 
 # dtypes safepoint's image format stores natively; others are stored as their raw bytes (uint8).
-_NATIVE = {getattr(torch, n) for n in _core.DTYPES if isinstance(getattr(torch, n, None), torch.dtype)}
+_NATIVE = set(_DTYPES.values())
 
 
 # -- paths and steps ---------------------------------------------------------------------------
