@@ -31,6 +31,7 @@
 #include "safepoint/checkpoint.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
+#include "shm/stage_file.h"
 
 namespace safepoint {
 namespace {
@@ -411,6 +412,16 @@ int CmdGc(const Args& a) {
       std::cerr << "safepoint: error: " << freed.status().ToString() << "\n";
       ++failures;
     }
+  }
+  // Staging files (safepoint.dcp.ShmStager) of processes that were killed before removing them.
+  auto staged = internal::RemoveDeadStageFiles(a.shm_dir, a.dry_run);
+  if (!staged.ok()) {
+    std::cerr << "safepoint: error: " << staged.status().ToString() << "\n";
+    ++failures;
+  } else if (staged->files > 0) {
+    std::cout << (a.dry_run ? "would remove " : "removed ") << staged->files << " staging file"
+              << (staged->files == 1 ? "" : "s") << " of dead processes in "
+              << internal::StageDirectory(a.shm_dir) << " (" << HumanBytes(staged->bytes) << ")\n";
   }
   return failures ? kExitError : kExitOk;
 }

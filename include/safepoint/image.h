@@ -79,6 +79,13 @@ struct TensorSpec {
   bool elsewhere = false;
 };
 
+// What makes two tensors (of one rank or of two) replicas of each other, the one definition:
+// the same name, dtype, shape and box in the global tensor (a whole tensor is the box of its own
+// shape at offset 0). Equal keys, equal identity; `elsewhere` is not part of it. The replica plan
+// of data-parallel saves, the check that a step holds every replica it names, and the loader's
+// choice between copies of a box all compare these keys.
+std::string ReplicaKey(const TensorSpec& spec);
+
 // Tensor index ranges [first, last) of an image whose bytes another rank's image of the same
 // step holds (replicas written once: they become TensorSpec::elsewhere when stored).
 using SkipRanges = std::vector<std::pair<uint32_t, uint32_t>>;

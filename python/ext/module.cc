@@ -22,6 +22,7 @@
 #include "safepoint/client.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
+#include "format_bindings.h"
 #include "state.h"
 
 namespace nb = nanobind;
@@ -492,6 +493,7 @@ NB_MODULE(_core, m) {
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("close", &PyClient::Close, "timeout"_a)
       .def("abandon", &PyClient::Abandon);
+  python::BindFormat(m);
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("FORMAT_VERSION") = kImageFormatVersion;
   m.attr("KILL_POINTS") = static_cast<bool>(SAFEPOINT_HAVE_KILL_POINTS);  // crash-test builds only

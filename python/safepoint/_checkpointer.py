@@ -50,6 +50,11 @@ def _default_job(storage: str) -> str:
     return f"{base}-{digest}"
 
 
+def new_attempt() -> int:
+    """A fresh save attempt id: random, never 0 (0 means "none given")."""
+    return int.from_bytes(os.urandom(7), "little") + 1
+
+
 def run_attempt(group: Any = None) -> int:
     """The id every image of this run carries (docs/format.md, "attempt"): a step commits only
     from images of one attempt, so what a crashed or earlier incarnation of the job left on
@@ -60,7 +65,7 @@ def run_attempt(group: Any = None) -> int:
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([int.from_bytes(os.urandom(7), "little") + 1], dtype=torch.int64)
+        t = torch.tensor([new_attempt()], dtype=torch.int64)
         dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
         return int(t.item())
     env = os.environ.get("SAFEPOINT_ATTEMPT")

@@ -22,9 +22,79 @@ import torch
 from safepoint import _core
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+# The dtypes images store, by the name an index entry gives (the same as torch's).
+_DTYPES = {n: getattr(torch, n) for n in _core.DTYPES
+           if isinstance(getattr(torch, n, None), torch.dtype)}
+
+_SPAN_LIMIT = 64 << 20  # largest temporary buffer for one strided read
+
+
+# -- box arithmetic: a box is (offset, lengths) in a row-major tensor of some shape -------------
+
+def row_major_strides(shape: tuple) -> tuple:
+    """Element strides of a contiguous tensor of `shape`."""
+    strides, s = [], 1
+    for n in reversed(shape):
+        strides.append(s)
+        s *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def box_span(offset: tuple, lengths: tuple, strides: tuple, itemsize: int) -> tuple[int, int]:
+    """(first byte, bytes up to the end of the last element) of a non-empty box: the smallest
+    contiguous byte range of the tensor that holds it."""
+    first = sum(o * s for o, s in zip(offset, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offset, lengths, strides))
+    return first * itemsize, (last - first + 1) * itemsize
+
+
+def overlap(offset_a: tuple, lengths_a: tuple, offset_b: tuple,
+            lengths_b: tuple) -> Optional[tuple[list, list]]:
+    """(lo, hi) corners of the intersection of two boxes in one global tensor; None when it is
+    empty (a 0-d tensor always overlaps itself)."""
+    lo = [max(a, b) for a, b in zip(offset_a, offset_b)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(offset_a, lengths_a, offset_b, lengths_b)]
+    if lo and any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, hi
+
+
+def split_box(offset: tuple, lengths: tuple, shape: tuple, itemsize: int):
+    """Splits a box of a row-major tensor into sub-boxes that are each read as one byte range.
+
+    A range is read whole, gaps included, while the gaps between its runs are shorter than a
+    checksum chunk (a gap that short costs no extra I/O: its chunk is read anyway) and it fits a
+    64 MiB buffer; otherwise the box is split along its outer dimensions."""
+    if any(n == 0 for n in lengths):
+        return
+    strides = row_major_strides(shape)
+    # k: the innermost dimension the box does not cover fully; everything inside it is contiguous.
+    k = next((d for d in reversed(range(len(shape))) if lengths[d] != shape[d]), None)
+    if k is None or all(n == 1 for n in lengths[:k]):
+        yield offset, lengths  # one contiguous run
+        return
+    run = lengths[k] * strides[k] * itemsize
+    j = next(d for d in reversed(range(k)) if lengths[d] > 1)  # innermost with several runs
+    gap = strides[j] * itemsize - run
+    _, span = box_span(offset, lengths, strides, itemsize)
+    if gap < _core.CHUNK_SIZE and span <= _SPAN_LIMIT:
+        yield offset, lengths
+        return
+    if gap >= _core.CHUNK_SIZE:
+        d, per = j, 1
+        for d0 in range(j):  # split the outer dimensions too, one index at a time
+            if lengths[d0] > 1:
+                d = d0
+                break
+    else:
+        d = next(d for d in range(len(shape)) if lengths[d] > 1)
+        per = max(1, _SPAN_LIMIT // (strides[d] * itemsize))
+        if per >= lengths[d]:
+            per = max(1, lengths[d] // 2)
+    for i in range(offset[d], offset[d] + lengths[d], per):
+        n = min(per, offset[d] + lengths[d] - i)
+        yield from split_box(offset[:d] + (i,) + offset[d + 1:],
+                             lengths[:d] + (n,) + lengths[d + 1:], shape, itemsize)
 
 
 def _dtensor_type():
@@ -92,13 +162,14 @@ class StepReader:
         self.readers = [first] + [_core.ShardReader(path, step, r)
                                   for r in range(1, first.world_size)]
         self.entries = [r.tensors() for r in self.readers]
-        # name -> box (offset, shape) -> the copies of that box (replicas on several ranks)
-        self.pieces: dict[str, dict[tuple, list[_Piece]]] = {}
+        # name -> replica key -> the copies of that box (replicas on several ranks)
+        self.pieces: dict[str, dict[bytes, list[_Piece]]] = {}
         for reader, entries in zip(self.readers, self.entries):
             for e in entries:
                 if not e["elsewhere"]:  # the bytes are in this image
-                    p = _Piece(reader, e)
-                    self.pieces.setdefault(p.name, {}).setdefault((p.offset, p.shape), []).append(p)
+                    self.pieces.setdefault(e["name"], {}).setdefault(
+                        _core.replica_key(e["name"], e["dtype"], e["shape"], e["global_shape"],
+                                          e["global_offset"]), []).append(_Piece(reader, e))
 
     def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[dict]]:
         """The state tree a rank saved (its non-tensor values), for rank `rank` of the loading
@@ -128,21 +199,20 @@ class StepReader:
                 if p.dtype != want_dtype:
                     raise InvalidArgumentError(f"{name}: dtype {p.dtype} in the checkpoint, "
                                                f"{want_dtype} in the state")
-                lo = [max(a, b) for a, b in zip(goff, p.offset)]
-                hi = [min(a + n, b + m) for a, n, b, m in zip(goff, local.shape, p.offset, p.shape)]
-                if any(h <= l for l, h in zip(lo, hi)) and local.dim() > 0:
+                box = overlap(goff, tuple(local.shape), p.offset, p.shape)
+                if box is None:
                     continue
+                lo, hi = box
                 # The smallest contiguous span of the piece that holds the overlap.
-                plo = [l - o for l, o in zip(lo, p.offset)]
-                phi = [h - o for h, o in zip(hi, p.offset)]
-                strides = _row_major(p.shape)
-                first = sum(i * s for i, s in zip(plo, strides))
-                last = sum((i - 1) * s for i, s in zip(phi, strides))
+                plo = tuple(l - o for l, o in zip(lo, p.offset))
+                lengths = tuple(h - l for l, h in zip(lo, hi))
+                strides = row_major_strides(p.shape)
                 itemsize = local.element_size()
-                buf = torch.empty(last - first + 1, dtype=local.dtype)
+                first, nbytes = box_span(plo, lengths, strides, itemsize)
+                buf = torch.empty(nbytes // itemsize, dtype=local.dtype)
                 reads.setdefault(id(p.reader), [p.reader, []])[1].append(
-                    (p.name, first * itemsize, buf.numel() * itemsize, buf.view(torch.uint8)))
-                src = torch.as_strided(buf, [h - l for l, h in zip(plo, phi)], strides, 0)
+                    (p.name, first, nbytes, buf.view(torch.uint8)))
+                src = torch.as_strided(buf, lengths, strides, 0)
                 dst = local[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, goff))]
                 copies.append((dst, src))
                 covered += math.prod(h - l for l, h in zip(lo, hi))
@@ -155,14 +225,6 @@ class StepReader:
         with torch.no_grad():
             for dst, src in copies:
                 dst.copy_(src)
-
-
-def _row_major(shape: tuple[int, ...]) -> list[int]:
-    strides, s = [], 1
-    for n in reversed(shape):
-        strides.append(s)
-        s *= max(n, 1)
-    return strides[::-1]
 
 
 def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
@@ -224,14 +286,14 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
     return out
 
 
-def replica_key(entry: tuple, rank: int, rank_local_prefix: str) -> tuple:
-    """What makes two ranks' tensors replicas of each other: the same name, dtype, shape and
-    box (DCP's convention for data parallelism). Tensors under `rank_local_prefix` (the
-    generator states) are never replicas."""
+def replica_key(entry: tuple, rank: int, rank_local_prefix: str) -> Any:
+    """What makes two ranks' tensors replicas of each other: the core's ReplicaKey (the same
+    name, dtype, shape and box; DCP's convention for data parallelism). Tensors under
+    `rank_local_prefix` (the generator states) are never replicas."""
     name, dtype, shape, gshape, goff, _ = entry
     if name.startswith(rank_local_prefix):
         return (name, rank)
-    return (name, dtype, tuple(shape), tuple(gshape), tuple(goff))
+    return _core.replica_key(name, dtype, shape, gshape or None, goff or None)
 
 
 def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str) -> list:

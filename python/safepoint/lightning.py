@@ -65,6 +65,7 @@ from typing import Any, Optional
 import torch
 
 import safepoint
+from safepoint import _core
 from safepoint._pickle import AllowPickle
 from safepoint._stateful import RNG_KEY, capture_rng, restore_rng
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
@@ -152,16 +153,9 @@ def _write_pointer(path: str, doc: dict, durable: bool) -> None:
 
 
 def delete_step(root: str, step: int) -> None:
-    """Deletes a committed step of a local checkpoint directory the way safepoint's retention
-    does (docs/format.md): COMMIT first, fsync, so the step stops existing before its images go."""
-    d = os.path.join(root, f"step-{step:020d}")
-    try:
-        os.unlink(os.path.join(d, "COMMIT"))
-    except FileNotFoundError:
-        pass
-    if os.path.isdir(d):
-        _fsync_dir(d)
-        shutil.rmtree(d, ignore_errors=True)
+    """Deletes a committed step the way safepoint's retention does (docs/format.md): its commit
+    record first, durably, so the step stops existing before its images go."""
+    _core.delete_step(root, step)
 
 
 def _map_location(obj: Any, device: Any) -> Any:

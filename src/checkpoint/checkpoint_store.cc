@@ -276,19 +276,9 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   return WriteStats{image.size(), SecondsSince(t0)};
 }
 
-// Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same name
-// and box, by some image of the step: else the step would commit with a tensor nobody wrote.
+// Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same
+// ReplicaKey, by some image of the step: else the step would commit with a tensor nobody wrote.
 Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size) {
-  auto key = [](const TensorSpec& s) {
-    std::string k = s.name;
-    k += '\0';
-    k += static_cast<char>(s.dtype);
-    for (const auto* v : {&s.shape, &s.global_shape, &s.global_offset}) {
-      k.append(reinterpret_cast<const char*>(v->data()), 8 * v->size());
-      k += '|';
-    }
-    return k;
-  };
   std::unordered_set<std::string> held;
   std::vector<std::pair<uint32_t, TensorSpec>> wanted;
   for (uint32_t r = 0; r < world_size; ++r) {
@@ -304,12 +294,12 @@ Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size) {
       if (e.spec.elsewhere) {
         wanted.emplace_back(r, std::move(e.spec));
       } else {
-        held.insert(key(e.spec));
+        held.insert(ReplicaKey(e.spec));
       }
     }
   }
   for (const auto& [r, spec] : wanted) {
-    if (!held.contains(key(spec))) {
+    if (!held.contains(ReplicaKey(spec))) {
       return Corruption(storage_->uri() + ": step " + std::to_string(step) + ": rank " +
                         std::to_string(r) + " left tensor '" + spec.name +
                         "' to another rank, but no image of the step holds it");

@@ -208,19 +208,12 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   last_specs_.clear();
   // The structure hash and the specs serve only a caller that agrees on replicas before
   // notifying (notify=false); a plain save does not pay for them.
-  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over what identifies each tensor
-  auto mix = [&hash](const void* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) hash = (hash ^ static_cast<const uint8_t*>(p)[i]) * 0x100000001b3ull;
-  };
+  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
   for (const TensorSource& t : notify ? std::span<const TensorSource>() : tensors) {
     last_specs_.push_back(t.spec);
-    mix(t.spec.name.data(), t.spec.name.size() + 1);  // with the terminating NUL
-    mix(&t.spec.dtype, 1);
-    for (const auto* v : {&t.spec.shape, &t.spec.global_shape, &t.spec.global_offset}) {
-      const uint64_t n = v->size();
-      mix(&n, 8);
-      mix(v->data(), 8 * n);
-    }
+    const std::string key = ReplicaKey(t.spec);
+    for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+    hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
   }
   ImageMeta meta;
   meta.job = opt_.job;

@@ -83,6 +83,22 @@ size_t DTypeSize(DType dtype) {
   return 0;
 }
 
+std::string ReplicaKey(const TensorSpec& spec) {
+  std::string key = spec.name;
+  key += '\0';
+  key += static_cast<char>(spec.dtype);
+  auto append = [&key](uint64_t x) { key.append(reinterpret_cast<const char*>(&x), sizeof(x)); };
+  auto at = [](const std::vector<uint64_t>& v, size_t d) { return d < v.size() ? v[d] : 0; };
+  const bool whole = spec.global_shape.empty();  // the box of its own shape at offset 0
+  append(spec.shape.size());
+  for (size_t d = 0; d < spec.shape.size(); ++d) {
+    append(spec.shape[d]);
+    append(whole ? spec.shape[d] : at(spec.global_shape, d));
+    append(whole ? 0 : at(spec.global_offset, d));
+  }
+  return key;
+}
+
 std::string_view DTypeName(DType dtype) {
   for (const auto& d : kDTypes) {
     if (d.dtype == dtype) return d.name;

@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import stat
-import struct
 import subprocess
 import sys
 
@@ -58,7 +57,7 @@ def test_model_and_optimizer_round_trip_bit_exact(ckpt, cli):
     target = {"model": msd2, "optim": osd2, "extra": extra2}
     reader = sdcp.Reader(ckpt)
     dcp.load(target, storage_reader=reader)
-    assert reader.checkpoint_id.endswith("/step-5")
+    assert reader.checkpoint_id == _core.step_path(str(ckpt), 5)
     set_state_dict(model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"])
 
     for (k, a), (k2, b) in zip(model.state_dict().items(), model2.state_dict().items()):
@@ -112,7 +111,7 @@ def test_sharded_save_reshards_to_one_two_and_three_ranks(tmp_path, ckpt, cli):
         assert rep["stager_files"] == 1 and got["step"] == 3
         assert got["ok"] == expect_ok and got["meta"] == {"step": 3, "name": "run"}
     # (saving step 3 then cleaned up step 2's leftover image: it is older than a committed step)
-    assert not (ckpt / "step-00000000000000000002").exists()
+    assert _core.image_ranks(str(ckpt), 2) == []
     with pytest.raises(CheckpointException, match="step 2 is not committed"):
         dcp.load({"meta": {"step": 0}}, storage_reader=sdcp.Reader(ckpt, step=2))
 
@@ -185,7 +184,9 @@ def test_a_stager_never_overwrites_a_staged_state_still_in_use(tmp_path):
         del third
         stager.stage({"w": torch.zeros(3)})  # another layout: a new buffer, the idle ones go
         assert len(stager.files) <= 2
-    assert os.listdir(tmp_path) == []
+        stager_files = stager.files
+    assert os.listdir(tmp_path) == [os.path.basename(os.path.dirname(stager_files[0]))]
+    assert os.listdir(os.path.dirname(stager_files[0])) == []
 
 
 def _flip_byte(path, offset):
@@ -201,13 +202,10 @@ def test_corruption_is_detected_and_only_needed_chunks_are_read(ckpt):
     g = torch.Generator().manual_seed(7)
     state = {"a": torch.randn(5 << 18, generator=g), "b": torch.randn(5 << 18, generator=g)}
     dcp.save(state, storage_writer=sdcp.Writer(ckpt, step=3))
-    img = ckpt / "step-00000000000000000003" / "rank-00000.img"
-    with open(img, "rb") as f:
-        header = f.read(4096)
-    data_offset, data_size = struct.unpack_from("<QQ", header, 80)
     last = _core.read_metadata(str(ckpt), 3, 0)["tensors"][-1]["name"]
     bad, good = ("b", "a") if last.startswith("tensors.b@") else ("a", "b")
-    _flip_byte(img, data_offset + data_size - 1)  # the last byte of the last tensor
+    img, offset, nbytes = _core.tensor_extent(str(ckpt), 3, 0, last)
+    _flip_byte(img, offset + nbytes - 1)  # the last byte of the last tensor
 
     # The other tensor's chunks are intact: it loads bit-exact without reading the damaged one.
     ok = {good: torch.zeros_like(state[good])}
@@ -245,16 +243,119 @@ def test_clear_errors(ckpt, tmp_path):
 
 
 def test_strided_reads_are_split_where_gaps_span_checksum_chunks():
+    from safepoint._shards import box_span, row_major_strides, split_box
+
     mib = 1 << 20
+    assert _core.CHUNK_SIZE == 4 * mib
     # Rows of 8 MiB, 10 columns wanted: one 40-byte range per row, not the whole chunk.
-    pieces = list(sdcp._pieces((0, 5), (64, 10), (64, 2 * mib), 4))
+    pieces = list(split_box((0, 5), (64, 10), (64, 2 * mib), 4))
     assert len(pieces) == 64
-    assert all(sdcp._span(o, n, sdcp._strides((64, 2 * mib)), 4)[1] == 40 for o, n in pieces)
+    assert all(box_span(o, n, row_major_strides((64, 2 * mib)), 4)[1] == 40 for o, n in pieces)
     # Rows of 4000 bytes: every 4 MiB chunk holds wanted bytes, so ranges stay whole but are cut
     # into buffers of at most 64 MiB.
-    pieces = list(sdcp._pieces((0, 0), (1 << 20, 10), (1 << 20, 1000), 4))
-    spans = [sdcp._span(o, n, sdcp._strides((1 << 20, 1000)), 4)[1] for o, n in pieces]
+    pieces = list(split_box((0, 0), (1 << 20, 10), (1 << 20, 1000), 4))
+    spans = [box_span(o, n, row_major_strides((1 << 20, 1000)), 4)[1] for o, n in pieces]
     assert len(pieces) < 100 and max(spans) <= 64 * mib
     assert sum(n[0] for _, n in pieces) == 1 << 20
     # A contiguous box is one range.
-    assert list(sdcp._pieces((3, 0), (5, 1000), (1 << 20, 1000), 4)) == [((3, 0), (5, 1000))]
+    assert list(split_box((3, 0), (5, 1000), (1 << 20, 1000), 4)) == [((3, 0), (5, 1000))]
+
+
+# -- a step never mixes two saves -----------------------------------------------------------------
+
+def _url(kind: str, ckpt) -> str:
+    return {"path": str(ckpt), "file": f"file://{ckpt}", "mem": f"mem://dcp-{ckpt.name}-"
+            f"{os.getpid()}-{id(ckpt)}"}[kind]
+
+
+class _Ranks:
+    """Drives safepoint.dcp.Writer through DCP's save protocol for several ranks in one process
+    (rank r's planner and writer, plans gathered by hand), so that a test can stop any rank
+    between any two steps of it, as a crash would."""
+
+    def __init__(self, url: str, step: int, states: list) -> None:
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        self.world = len(states)
+        self.planners = [DefaultSavePlanner() for _ in states]
+        self.writers = [sdcp.Writer(url, step=step) for _ in states]
+        for r, (planner, writer) in enumerate(zip(self.planners, self.writers)):
+            planner.set_up_planner(states[r], is_coordinator=r == 0)
+            writer.set_up_storage_writer(r == 0, rank=r, use_collectives=True)
+
+    def plan(self) -> None:
+        """prepare_local_plan on every rank (where the guard runs), then the global plan."""
+        local = [w.prepare_local_plan(p.create_local_plan())
+                 for p, w in zip(self.planners, self.writers)]
+        plans, self.metadata = self.planners[0].create_global_plan(local)
+        self.plans = [p.finish_plan(g) for p, g in
+                      zip(self.planners, self.writers[0].prepare_global_plan(plans))]
+
+    def write(self, rank: int) -> None:
+        self.writers[rank].write_data(self.plans[rank], self.planners[rank]).wait()
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "mem"])
+def test_a_leftover_image_of_an_unfinished_save_is_refused_for_every_uri(ckpt, kind):
+    url = _url(kind, ckpt)
+    crashed = _Ranks(url, 7, [{"a": torch.zeros(4)}, {"b": torch.zeros(4)}])
+    crashed.plan()
+    crashed.write(1)  # rank 0 died before writing: rank 1's image stays, step 7 uncommitted
+    assert safepoint.steps(url) == []
+
+    again = _Ranks(url, 7, [{"a": torch.ones(4)}, {"b": torch.ones(4)}])
+    with pytest.raises(safepoint.AlreadyExistsError, match="unfinished save of step 7"):
+        again.plan()
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "mem"])
+def test_an_image_of_another_save_is_never_committed_beside_this_saves(ckpt, kind):
+    url = _url(kind, ckpt)
+    old = _Ranks(url, 7, [{"a": torch.zeros(4)}, {"b": torch.zeros(4)}])
+    new = _Ranks(url, 7, [{"a": torch.ones(4)}, {"b": torch.ones(4)}])
+    old.plan()
+    new.plan()  # both pass the guard: neither has written yet
+    old.write(1)  # the old save's rank 1 lands late; its rank 0 never writes
+    new.write(0)
+    # Rank 1's image is the old save's: committing now would mix two saves.
+    assert safepoint.steps(url) == []
+    new.write(1)  # replaces the old image: now every image is of this save
+    assert safepoint.steps(url) == [7]
+    got = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    dcp.load(got, storage_reader=sdcp.Reader(url, step=7))
+    assert torch.equal(got["a"], torch.ones(4)) and torch.equal(got["b"], torch.ones(4))
+
+
+# -- staging files outlive a killed process only until gc -------------------------------------------
+
+_STAGER_HOLDER = """
+import sys, torch, safepoint.dcp as sdcp
+stager = sdcp.ShmStager(shm_dir=sys.argv[1])
+staged = stager.stage({"w": torch.ones(1 << 16)})
+print(stager.files[0], flush=True)
+sys.stdin.read()  # holds the stager until the test closes stdin
+"""
+
+
+def test_gc_removes_staging_files_of_a_killed_process_and_keeps_a_live_ones(shm, cli):
+    procs = [subprocess.Popen([sys.executable, "-c", _STAGER_HOLDER, shm], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        killed, live = [p.stdout.readline().strip() for p in procs]
+        assert os.path.isfile(killed) and os.path.isfile(live)
+        procs[0].kill()
+        procs[0].wait()
+        assert os.path.isfile(killed)  # SIGKILL: nothing in the process could remove it
+
+        assert "would remove 1 staging file" in cli("gc", "--shm-dir", shm, "--dry-run",
+                                                     check=0).stdout
+        assert os.path.isfile(killed)
+        out = cli("gc", "--shm-dir", shm, check=0).stdout
+        assert "removed 1 staging file" in out, out
+        assert not os.path.exists(killed)
+        assert os.path.isfile(live)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait()
+    assert not os.path.exists(live)  # its owner removed it when it exited

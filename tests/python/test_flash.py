@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import pytest
 
 import safepoint
+from safepoint import _core
 
 WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
 WORKER = os.path.join(WORKLOADS, "flash_worker.py")
@@ -40,10 +41,7 @@ from flash_worker import first_difference, make_state  # noqa: E402
 SEED = int(os.environ.get("SAFEPOINT_TEST_SEED", "1234"))
 HANG = 180.0  # seconds: only a guard against a hung process, never a performance limit
 
-# The slot file's control block (docs/format.md, "Snapshot slot files"): the state word is the
-# u64 at offset 32, "generation << 8 | leased << 4 | state (FREE 0, WRITING 1, COMPLETE 2)".
-_WORD_OFFSET = 32
-WRITING = 1
+WRITING = "WRITING"  # a slot state (docs/format.md, "Snapshot slot files")
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -98,23 +96,10 @@ def agents_of(shm_dir: Path) -> list[int]:
     return out
 
 
-def slot_states(job_dir: Path) -> list[int]:
-    """The state of each of the job's slot files (FREE 0, WRITING 1, COMPLETE 2)."""
-    out = []
-    for p in sorted(job_dir.glob("rank-*.slot-*")):
-        if ".tmp." in p.name:
-            continue
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            raw = os.pread(fd, 8, _WORD_OFFSET)
-        finally:
-            os.close(fd)
-        if len(raw) == 8:
-            out.append(int.from_bytes(raw, "little") & 0x0F)
-    return out
+def slot_states(job_dir: Path) -> list[str]:
+    """The state of each of the job's slot files ("FREE", "WRITING", "COMPLETE"), read from their
+    control blocks by the core."""
+    return _core.slot_states(str(job_dir))
 
 
 def storage_temporaries(path: Path) -> set:

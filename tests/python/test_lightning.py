@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -123,22 +122,16 @@ def worker(argv) -> None:
 
 
 
-def start_worker(*args) -> subprocess.Popen:
-    return start_script(__file__, *args)
-
-
-def run_worker(*args) -> subprocess.CompletedProcess:
-    return run_script(__file__, *args, timeout=HANG)
-
-
 def test_flash_sigkill_then_fit_ckpt_last_resumes_bit_identical(tmp_path, shm):
     job = f"pl{os.getpid()}"
     # The uninterrupted reference run goes alongside the run that is killed.
-    ref = start_worker("--root", tmp_path / "ref", "--dirpath", tmp_path / "ref-ckpts",
-                       "--shm", shm, "--job", job + "r", "--out", tmp_path / "ref-out")
+    ref = start_script(__file__, "--root", tmp_path / "ref", "--dirpath",
+                       tmp_path / "ref-ckpts", "--shm", shm, "--job", job + "r", "--out",
+                       tmp_path / "ref-out")
     root, dirpath = tmp_path / "sp", tmp_path / "ckpts"
     common = ["--root", root, "--dirpath", dirpath, "--shm", shm, "--job", job]
-    killed = run_worker(*common, "--kill-at", BATCHES * KILL_EPOCH, "--out", tmp_path / "unused")
+    killed = run_script(__file__, *common, "--kill-at", BATCHES * KILL_EPOCH, "--out",
+                        tmp_path / "unused", timeout=HANG)
     _, ref_err = ref.communicate(timeout=HANG)
     assert ref.returncode == 0, ref_err[-3000:]
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -151,8 +144,8 @@ def test_flash_sigkill_then_fit_ckpt_last_resumes_bit_identical(tmp_path, shm):
         time.sleep(0.05)
     _, saved = safepoint.load(root, last["step"])
 
-    resumed = run_worker(*common, "--resume", "--probe", tmp_path / "probe",
-                         "--out", tmp_path / "out")
+    resumed = run_script(__file__, *common, "--resume", "--probe", tmp_path / "probe",
+                         "--out", tmp_path / "out", timeout=HANG)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "SOURCE memory" in resumed.stdout, resumed.stdout  # hot reload from the agent's copy
 
