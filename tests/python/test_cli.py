@@ -1,7 +1,9 @@
 """The safepoint CLI: outputs, --json, and exit codes."""
 
 import json
+import os
 
+import pytest
 import torch
 
 import safepoint
@@ -73,3 +75,45 @@ def test_errors_and_usage(ckpt, tmp_path, cli):
     assert "not committed" in proc.stderr and proc.stdout == ""
     proc = cli("inspect", tmp_path / "missing", check=1)
     assert "error" in proc.stderr
+
+
+COMMANDS = [["ls"], ["ls", "--json"], ["inspect"], ["inspect", "--json"], ["verify"],
+            ["verify", "--all", "--json"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_missing_path_is_an_error(tmp_path, cli, command):
+    # It used to read as an empty checkpoint: `ls` printed "no committed steps" and exited 0.
+    missing = tmp_path / "no" / "such" / "dir"
+    for path in (missing, f"file://{missing}"):
+        proc = cli(command[0], path, *command[1:], check=1)
+        assert f"{missing}: no such checkpoint directory" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_path_that_is_not_a_directory_is_an_error(tmp_path, cli, command):
+    file = tmp_path / "a-file"
+    file.write_text("not a checkpoint")
+    proc = cli(command[0], file, *command[1:], check=1)
+    assert str(file) in proc.stderr and "not a directory" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every directory")
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_an_unreadable_path_is_an_error(tmp_path, cli, command):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o000)
+    try:
+        proc = cli(command[0], locked, *command[1:], check=1)
+        assert str(locked) in proc.stderr and "Permission denied" in proc.stderr
+    finally:
+        locked.chmod(0o700)
+
+
+def test_an_empty_directory_has_no_steps(tmp_path, cli):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no committed steps" in cli("ls", empty, check=0).stdout
+    assert json.loads(cli("ls", empty, "--json", check=0).stdout) == []
+    for command in (["inspect"], ["verify"]):
+        assert "no committed checkpoint" in cli(command[0], empty, check=1).stderr
