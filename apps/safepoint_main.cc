@@ -5,7 +5,7 @@
 //   safepoint verify PATH [--step N | --all] [--json]
 //   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush]
 //   safepoint status [--shm-dir DIR] [--json]
-//   safepoint gc [--shm-dir DIR] [--dry-run]
+//   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
 //   safepoint --version
 //
 // Readable tables on stdout by default, --json for scripts; errors on stderr. Exit status: 0 on
@@ -52,7 +52,8 @@ const char kUsage[] =
     "  agent --job JOB [--shm-dir DIR] [--no-emergency-flush]\n"
     "                                           run the node agent in the foreground (sidecar)\n"
     "  status [--shm-dir DIR] [--json]          this node's agents, snapshots and pending work\n"
-    "  gc [--shm-dir DIR] [--dry-run]           remove snapshots of jobs whose agent is gone\n"
+    "  gc [--shm-dir DIR] [--dry-run] [--json]  remove snapshots of jobs whose agent and\n"
+    "                                           training processes are gone\n"
     "  --version                                version and optional features of this build\n"
     "\n"
     "PATH is a checkpoint directory (a path or file:// URI). Without --step, the newest step.\n";
@@ -389,27 +390,51 @@ int CmdStatus(const Args& a) {
   return kExitOk;
 }
 
+// Removes the job directories that nothing uses any more: no agent holds the job's lock and no
+// process that wrote its snapshot slots still runs (a training process whose agent died keeps its
+// slots mapped and starts a new agent at its next call).
 int CmdGc(const Args& a) {
   auto jobs = ListJobDirectories(a.shm_dir);
   if (!jobs.ok()) return Fail(jobs.status());
+  json report = json::array();
   int failures = 0;
   for (const auto& [job, dir] : *jobs) {
-    if (AgentAlive(dir)) {
-      std::cout << "keep    " << dir << " (agent alive)\n";
-      continue;
-    }
-    if (a.dry_run) {
-      std::cout << "would remove " << dir << "\n";
-      continue;
-    }
-    auto freed = RemoveJobDirectory(dir);
-    if (freed.ok()) {
-      std::cout << "removed " << dir << " (" << HumanBytes(*freed) << ")\n";
+    json j = {{"job", job}, {"job_dir", dir}};
+    std::string line;
+    uint32_t agent_pid = 0;
+    if (AgentAlive(dir, &agent_pid)) {
+      j["action"] = "keep";
+      j["reason"] = "agent alive";
+      j["agent_pid"] = agent_pid;
+      line = "keep    " + dir + " (agent " + std::to_string(agent_pid) + " alive)";
+    } else if (auto writers = LiveSlotWriters(dir); writers.ok() && !writers->empty()) {
+      j["action"] = "keep";
+      j["reason"] = "training process alive";
+      j["writers"] = *writers;
+      std::string pids;
+      for (uint32_t pid : *writers) pids += (pids.empty() ? "" : ", ") + std::to_string(pid);
+      line = "keep    " + dir + " (training process" + (writers->size() > 1 ? "es " : " ") + pids +
+             " alive; its next save starts a new agent)";
+    } else if (writers.ok() && a.dry_run) {
+      j["action"] = "would_remove";
+      line = "would remove " + dir;
     } else {
-      std::cerr << "safepoint: error: " << freed.status().ToString() << "\n";
-      ++failures;
+      auto freed = writers.ok() ? RemoveJobDirectory(dir) : Result<uint64_t>(writers.status());
+      if (freed.ok()) {
+        j["action"] = "removed";
+        j["bytes"] = *freed;
+        line = "removed " + dir + " (" + HumanBytes(*freed) + ")";
+      } else {
+        j["action"] = "error";
+        j["error"] = freed.status().ToString();
+        std::cerr << "safepoint: error: " << freed.status().ToString() << "\n";
+        ++failures;
+      }
     }
+    if (!line.empty() && !a.json) std::cout << line << "\n";
+    report.push_back(std::move(j));
   }
+  if (a.json) std::cout << report.dump(2) << "\n";
   return failures ? kExitError : kExitOk;
 }
 
@@ -435,7 +460,7 @@ int Main(int argc, char** argv) {
       (void)flag;
       return argv_s[++i];
     };
-    if (s == "--json" && a.command != "agent" && a.command != "gc") {
+    if (s == "--json" && a.command != "agent") {
       a.json = true;
     } else if (s == "--shm-dir" && node_command) {
       auto v = value("--shm-dir");
