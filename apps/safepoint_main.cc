@@ -10,6 +10,7 @@
 //
 // Readable tables on stdout by default, --json for scripts; errors on stderr. Exit status: 0 on
 // success, 1 on an error or when verification finds damage, 2 on a usage error.
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "base/bytes.h"
+#include "base/unique_fd.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/build_config.h"
@@ -128,6 +130,43 @@ void ReportProblems(const std::vector<std::string>& problems) {
   for (const auto& p : problems) std::cerr << "safepoint: warning: skipping " << p << "\n";
 }
 
+// A directory that a command reads must exist. Storage creates a missing checkpoint directory
+// when it opens it (a Checkpointer saves into a fresh path) and lists nothing there, and
+// ListJobDirectories takes a missing shm directory for one without jobs; but a path given to a
+// command that reads is a typo or a missing mount: saying "no committed steps" (and creating the
+// directory) would hide it.
+Status CheckDirectory(const std::string& path, const std::string& what) {
+  internal::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd) return Status::OK();
+  const int err = errno;
+  if (err == ENOENT) return NotFound(path + ": no such " + what);
+  if (err == ENOTDIR) return InvalidArgument(path + ": not a directory");
+  return ErrnoStatus("open " + what, path, err);
+}
+
+// The local directory of a checkpoint path that OpenStorage opens as POSIX storage (a plain path,
+// file:///abs or file://localhost/abs), or nullopt for other storage (which has no directories).
+std::optional<std::string> LocalDirectory(std::string_view path) {
+  constexpr std::string_view kFile = "file://";
+  if (path.starts_with(kFile)) {
+    path.remove_prefix(kFile.size());
+    if (path.starts_with("localhost/")) path.remove_prefix(std::string_view("localhost").size());
+    if (!path.starts_with('/')) return std::nullopt;  // not a valid file:// URI: storage says so
+    return std::string(path);
+  }
+  if (path.find("://") != std::string_view::npos) return std::nullopt;
+  return std::string(path);
+}
+
+// The checkpoint at `path`, which must exist: checked before the store is opened, which would
+// create it.
+Result<std::unique_ptr<CheckpointStore>> OpenExistingStore(const std::string& path) {
+  if (auto dir = LocalDirectory(path)) {
+    SP_RETURN_IF_ERROR(CheckDirectory(*dir, "checkpoint directory"));
+  }
+  return OpenCheckpointStore(path);
+}
+
 Result<CommitRecord> PickStep(CheckpointStore& store, std::optional<uint64_t> step) {
   if (step) return store.ReadCommit(*step);
   std::vector<std::string> problems;
@@ -150,7 +189,7 @@ int CmdVersion() {
 }
 
 int CmdLs(const Args& a) {
-  auto store = OpenCheckpointStore(a.path);
+  auto store = OpenExistingStore(a.path);
   if (!store.ok()) return Fail(store.status());
   std::vector<std::string> problems;
   auto committed = (*store)->ListCommitted(&problems);
@@ -182,7 +221,7 @@ int CmdLs(const Args& a) {
 }
 
 int CmdInspect(const Args& a) {
-  auto store = OpenCheckpointStore(a.path);
+  auto store = OpenExistingStore(a.path);
   if (!store.ok()) return Fail(store.status());
   auto commit = PickStep(**store, a.step);
   if (!commit.ok()) return Fail(commit.status());
@@ -232,7 +271,7 @@ int CmdInspect(const Args& a) {
 }
 
 int CmdVerify(const Args& a) {
-  auto store = OpenCheckpointStore(a.path);
+  auto store = OpenExistingStore(a.path);
   if (!store.ok()) return Fail(store.status());
   std::vector<CommitRecord> targets;
   std::vector<std::string> problems;
@@ -337,6 +376,7 @@ int CmdAgent(const Args& a) {
 }
 
 int CmdStatus(const Args& a) {
+  if (Status s = CheckDirectory(a.shm_dir, "shared-memory directory"); !s.ok()) return Fail(s);
   auto jobs = ListJobDirectories(a.shm_dir);
   if (!jobs.ok()) return Fail(jobs.status());
   json out = json::array();
@@ -394,6 +434,7 @@ int CmdStatus(const Args& a) {
 // process that wrote its snapshot slots still runs (a training process whose agent died keeps its
 // slots mapped and starts a new agent at its next call).
 int CmdGc(const Args& a) {
+  if (Status s = CheckDirectory(a.shm_dir, "shared-memory directory"); !s.ok()) return Fail(s);
   auto jobs = ListJobDirectories(a.shm_dir);
   if (!jobs.ok()) return Fail(jobs.status());
   json report = json::array();

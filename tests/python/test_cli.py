@@ -83,11 +83,13 @@ COMMANDS = [["ls"], ["ls", "--json"], ["inspect"], ["inspect", "--json"], ["veri
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_a_missing_path_is_an_error(tmp_path, cli, command):
-    # It used to read as an empty checkpoint: `ls` printed "no committed steps" and exited 0.
+    # It used to read as an empty checkpoint (and was created): `ls` printed "no committed steps"
+    # and exited 0.
     missing = tmp_path / "no" / "such" / "dir"
-    for path in (missing, f"file://{missing}"):
+    for path in (missing, f"file://{missing}", f"file://localhost{missing}"):
         proc = cli(command[0], path, *command[1:], check=1)
         assert f"{missing}: no such checkpoint directory" in proc.stderr and proc.stdout == ""
+        assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
