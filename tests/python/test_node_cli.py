@@ -1,6 +1,7 @@
 """safepoint status / gc: a job whose agent and processes died keeps its snapshots until gc; a job
 with a live agent, or with a live training process whose agent died, is kept."""
 
+import fcntl
 import json
 import os
 import signal
@@ -61,23 +62,26 @@ def agent_pid(job_dir):
         return int(f.read().strip())
 
 
-def wait_gone(pid, deadline=30):
+def lock_free(job_dir):
+    """True when no process holds the agent's lock (as the CLI asks it)."""
+    fd = os.open(os.path.join(job_dir, "agent.lock"), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def kill_agent(job_dir, deadline=30):
+    """SIGKILLs the job's agent and waits until its lock is released: only once every thread of
+    the agent has exited (its main thread is a zombie earlier, while the lock is still held)."""
+    os.kill(agent_pid(job_dir), signal.SIGKILL)
     end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"agent {pid} did not exit")
-
-
-def kill_agent(job_dir):
-    pid = agent_pid(job_dir)
-    os.kill(pid, signal.SIGKILL)
-    wait_gone(pid)
+    while not lock_free(job_dir):
+        assert time.monotonic() < end, "the killed agent's lock was not released"
+        time.sleep(0.01)
 
 
 def test_status_and_gc(tmp_path, cli):
@@ -121,7 +125,7 @@ def test_gc_keeps_a_job_whose_training_process_lives(tmp_path, cli, shm):
     # call. gc must not take its snapshots away (it did: its next save then failed).
     saver = Saver(tmp_path / "ckpt", "orphan", shm)
     try:
-        kill_agent(saver.job_dir)  # a SIGKILLed agent leaves no lock behind
+        kill_agent(saver.job_dir)
         status = json.loads(cli("status", "--shm-dir", shm, "--json", check=0).stdout)
         assert [(j["job"], j["agent_alive"]) for j in status] == [("orphan", False)]
         out = cli("gc", "--shm-dir", shm, "--dry-run", check=0).stdout
