@@ -153,8 +153,8 @@ class SlotFile {
   // Creates the slot file: space reserved (fallocate), every page written once (pre-faulted),
   // published by rename. `word` is the initial control word, `writer` the process creating it.
   static Result<std::unique_ptr<SlotFile>> Create(const std::string& path, uint32_t rank,
-                                                  uint32_t slot, uint64_t capacity,
-                                                  uint64_t word, const ProcessId& writer) {
+                                                  uint32_t slot, uint64_t capacity, uint64_t word,
+                                                  const ProcessId& writer) {
     const uint64_t size = kSlotHeaderSize + capacity;
     const std::string dir = path.substr(0, path.rfind('/'));
     struct statvfs vfs;
@@ -322,7 +322,7 @@ Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
   while (dirent* e = ::readdir(d)) {
     unsigned rank, slot;
     int consumed = 0;
-    if (std::sscanf(e->d_name, "rank-%5u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
+    if (std::sscanf(e->d_name, "rank-%u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
         e->d_name[consumed] == '\0') {
       ranks.push_back(rank);
     }
@@ -336,21 +336,23 @@ Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
 Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir) {
   internal::UniqueDir d(::opendir(job_dir.c_str()));
   if (!d) return ErrnoStatus("opendir", job_dir, errno);
-  std::vector<std::pair<unsigned, unsigned>> slots;
+  struct Named {
+    std::string name;
+    unsigned rank, slot;
+  };
+  std::vector<Named> slots;
   while (dirent* e = ::readdir(d.get())) {
     unsigned rank, slot;
     int consumed = 0;
-    if (std::sscanf(e->d_name, "rank-%5u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
+    if (std::sscanf(e->d_name, "rank-%u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
         e->d_name[consumed] == '\0') {
-      slots.emplace_back(rank, slot);
+      slots.push_back({e->d_name, rank, slot});
     }
   }
   d.Reset();
   std::vector<uint32_t> live;
-  for (const auto& [rank, slot] : slots) {
-    char name[48];
-    std::snprintf(name, sizeof(name), "/rank-%05u.slot-%u", rank, slot);
-    auto file = SlotFile::Open(job_dir + name, rank, slot);
+  for (const auto& [name, rank, slot] : slots) {
+    auto file = SlotFile::Open(job_dir + "/" + name, rank, slot);
     if (!file.ok()) {
       // Removed meanwhile, or not a valid slot file (which no writer can use either).
       const StatusCode c = file.status().code();

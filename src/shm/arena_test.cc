@@ -613,6 +613,13 @@ TEST_F(ArenaTest, LiveSlotWritersNamesRunningWritersOnly) {
   ::close(fd);
   EXPECT_EQ(arena->Slots()[0].writer_pid, self);
   EXPECT_TRUE(LiveSlotWriters(job_dir_)->empty());
+  // A rank of more than 5 digits ("rank-123456.slot-0") is found too.
+  auto wide = Open(kDefaultSlots, 123456);
+  ASSERT_TRUE(wide);
+  Save(*wide, 1);
+  EXPECT_EQ(*ListArenaRanks(job_dir_), (std::vector<uint32_t>{0, 123456}));
+  EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{self});
+  ASSERT_TRUE(wide->Remove().ok());
   arena.reset();
   auto freed = RemoveJobDirectory(job_dir_);
   ASSERT_TRUE(freed.ok()) << freed.status().ToString();
