@@ -347,6 +347,13 @@ json ArenaJson(const std::string& job_dir) {
   return ranks;
 }
 
+// "training process 12" or "training processes 12, 34".
+std::string TrainingProcesses(const std::vector<uint32_t>& pids) {
+  std::string out = pids.size() > 1 ? "training processes " : "training process ";
+  for (size_t i = 0; i < pids.size(); ++i) out += (i ? ", " : "") + std::to_string(pids[i]);
+  return out;
+}
+
 int CmdAgent(const Args& a) {
   AgentOptions o;
   o.job = a.job;
@@ -364,10 +371,12 @@ int CmdStatus(const Args& a) {
   for (const auto& [job, dir] : *jobs) {
     uint32_t pid = 0;
     const bool alive = AgentAlive(dir, &pid);
+    auto writers = LiveSlotWriters(dir);
     json j = {{"job", job},
               {"job_dir", dir},
               {"agent_alive", alive},
               {"agent_pid", alive ? json(pid) : json(nullptr)},
+              {"live_writers", writers.ok() ? json(*writers) : json(nullptr)},
               {"arenas", ArenaJson(dir)}};
     if (alive) {
       if (auto st = QueryAgent(dir)) {
@@ -398,6 +407,10 @@ int CmdStatus(const Args& a) {
                 << (j.contains("newest_committed") ? j["newest_committed"].dump() : "?")
                 << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
                 << "\n";
+    } else if (j["live_writers"].is_array() && !j["live_writers"].empty()) {
+      std::cout << "  no live agent; "
+                << TrainingProcesses(j["live_writers"].get<std::vector<uint32_t>>())
+                << " alive (its next save starts one; `safepoint gc` keeps the job)\n";
     } else {
       std::cout << "  no live agent (snapshots kept for hot reload; `safepoint gc` removes them)\n";
     }
@@ -438,9 +451,7 @@ int CmdGc(const Args& a) {
       j["action"] = "keep";
       j["reason"] = "training process alive";
       j["writers"] = *writers;
-      std::string pids;
-      for (uint32_t pid : *writers) pids += (pids.empty() ? "" : ", ") + std::to_string(pid);
-      line = "keep    " + dir + " (training process" + (writers->size() > 1 ? "es " : " ") + pids +
+      line = "keep    " + dir + " (" + TrainingProcesses(*writers) +
              " alive; its next save starts a new agent)";
     } else if (writers.ok() && a.dry_run) {
       j["action"] = "would_remove";

@@ -101,7 +101,7 @@ def test_status_and_gc(tmp_path, cli):
         dead.exit()
         kill_agent(dead.job_dir)
         out = cli("status", "--shm-dir", shm, check=0).stdout
-        assert "no live agent" in out and "dead-job" in out
+        assert "no live agent (snapshots kept" in out and "dead-job" in out
         assert cli("gc", "--shm-dir", shm, "--dry-run", check=0).stdout.count("would remove") == 1
         assert os.path.isdir(dead.job_dir)
         out = cli("gc", "--shm-dir", shm, check=0).stdout
@@ -127,7 +127,10 @@ def test_gc_keeps_a_job_whose_training_process_lives(tmp_path, cli, shm):
     try:
         kill_agent(saver.job_dir)
         status = json.loads(cli("status", "--shm-dir", shm, "--json", check=0).stdout)
-        assert [(j["job"], j["agent_alive"]) for j in status] == [("orphan", False)]
+        assert [(j["job"], j["agent_alive"], j["live_writers"]) for j in status] == [
+            ("orphan", False, [saver.proc.pid])]
+        out = cli("status", "--shm-dir", shm, check=0).stdout
+        assert f"no live agent; training process {saver.proc.pid} alive" in out
         out = cli("gc", "--shm-dir", shm, "--dry-run", check=0).stdout
         assert "would remove" not in out and "keep" in out and f"process {saver.proc.pid}" in out
         out = cli("gc", "--shm-dir", shm, check=0).stdout
