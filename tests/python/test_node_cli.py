@@ -103,6 +103,10 @@ def test_status_and_gc(tmp_path, cli):
         out = cli("status", "--shm-dir", shm, check=0).stdout
         assert "no live agent (snapshots kept" in out and "dead-job" in out
         assert cli("gc", "--shm-dir", shm, "--dry-run", check=0).stdout.count("would remove") == 1
+        report = json.loads(cli("gc", "--shm-dir", shm, "--dry-run", "--json", check=0).stdout)
+        assert [(r["job"], r["action"], r["reason"] if r["action"] == "keep" else None)
+                for r in report] == [("dead-job", "would_remove", None),
+                                     ("live-job", "keep", "agent alive")]
         assert os.path.isdir(dead.job_dir)
         out = cli("gc", "--shm-dir", shm, check=0).stdout
         assert "removed" in out and "dead-job" in out and "keep" in out
