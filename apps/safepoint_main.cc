@@ -1,23 +1,29 @@
-// The `safepoint` command-line tool: list, inspect and verify checkpoints.
+// The `safepoint` command-line tool: list, inspect and verify checkpoints; look after this node's
+// snapshots in shared memory.
 //
 //   safepoint ls PATH [--json]
 //   safepoint inspect PATH [--step N] [--rank R] [--json]
 //   safepoint verify PATH [--step N | --all] [--json]
 //   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush]
 //   safepoint status [--shm-dir DIR] [--json]
-//   safepoint gc [--shm-dir DIR] [--dry-run]
+//   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
 //   safepoint --version
 //
-// Readable tables on stdout by default, --json for scripts; errors on stderr. Exit status: 0 on
-// success, 1 on an error or when verification finds damage, 2 on a usage error.
+// Arguments are parsed by CLI11 (`safepoint --help`, `safepoint COMMAND --help`). Readable tables
+// on stdout by default, --json for scripts; errors on stderr. Exit status: 0 on success, 1 on an
+// error or when verification finds damage, 2 on a usage error.
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -25,6 +31,7 @@
 
 #include "agent/protocol.h"
 #include "base/bytes.h"
+#include "base/unique_fd.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/build_config.h"
@@ -44,55 +51,21 @@ constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
 
-const char kUsage[] =
-    "usage: safepoint <command> [options]\n"
-    "\n"
-    "commands:\n"
-    "  ls PATH [--json]                         committed steps: world size, bytes, time\n"
-    "  inspect PATH [--step N] [--rank R] [--json]\n"
-    "                                           tensors (dtype, shape, bytes) and non-tensor state\n"
-    "  verify PATH [--step N | --all] [--json]  read every byte and check every checksum\n"
-    "  agent --job JOB [--shm-dir DIR] [--no-emergency-flush]\n"
-    "                                           run the node agent in the foreground (sidecar)\n"
-    "  status [--shm-dir DIR] [--json]          this node's agents, snapshots and pending work\n"
-    "  gc [--shm-dir DIR] [--dry-run]           remove snapshots of jobs whose agent is gone\n"
-    "  --version                                version and optional features of this build\n"
-    "\n"
-    "PATH is a checkpoint directory (a path or file:// URI). Without --step, the newest step.\n";
-
 struct Args {
-  std::string command;
   std::string path;
   std::string job;
   std::string shm_dir = "/dev/shm";
   bool dry_run = false;
-  bool emergency_flush = true;
+  bool no_emergency_flush = false;
   std::optional<uint64_t> step;
   uint32_t rank = 0;
   bool all = false;
   bool json = false;
 };
 
-int Usage(const std::string& error) {
-  if (!error.empty()) std::cerr << "safepoint: " << error << "\n\n";
-  std::cerr << kUsage;
-  return kExitUsage;
-}
-
 int Fail(const Status& s) {
   std::cerr << "safepoint: error: " << s.ToString() << "\n";
   return kExitError;
-}
-
-bool ParseU64(const std::string& s, uint64_t* out) {
-  if (s.empty() || s.size() > 20) return false;
-  uint64_t v = 0;
-  for (char c : s) {
-    if (c < '0' || c > '9') return false;
-    if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, c - '0', &v)) return false;
-  }
-  *out = v;
-  return true;
 }
 
 std::string FormatTime(int64_t ns) {
@@ -130,6 +103,43 @@ void ReportProblems(const std::vector<std::string>& problems) {
   for (const auto& p : problems) std::cerr << "safepoint: warning: skipping " << p << "\n";
 }
 
+// A directory that a command reads must exist. Storage creates a missing checkpoint directory
+// when it opens it (a Checkpointer saves into a fresh path) and lists nothing there, and
+// ListJobDirectories takes a missing shm directory for one without jobs; but a path given to a
+// command that reads is a typo or a missing mount: saying "no committed steps" (and creating the
+// directory) would hide it.
+Status CheckDirectory(const std::string& path, const std::string& what) {
+  internal::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd) return Status::OK();
+  const int err = errno;
+  if (err == ENOENT) return NotFound(path + ": no such " + what);
+  if (err == ENOTDIR) return InvalidArgument(path + ": not a directory");
+  return ErrnoStatus("open " + what, path, err);
+}
+
+// The local directory of a checkpoint path that OpenStorage opens as POSIX storage (a plain path,
+// file:///abs or file://localhost/abs), or nullopt for other storage (which has no directories).
+std::optional<std::string> LocalDirectory(std::string_view path) {
+  constexpr std::string_view kFile = "file://";
+  if (path.starts_with(kFile)) {
+    path.remove_prefix(kFile.size());
+    if (path.starts_with("localhost/")) path.remove_prefix(std::string_view("localhost").size());
+    if (!path.starts_with('/')) return std::nullopt;  // not a valid file:// URI: storage says so
+    return std::string(path);
+  }
+  if (path.find("://") != std::string_view::npos) return std::nullopt;
+  return std::string(path);
+}
+
+// The checkpoint at `path`, which must exist: checked before the store is opened, which would
+// create it.
+Result<std::unique_ptr<CheckpointStore>> OpenExistingStore(const std::string& path) {
+  if (auto dir = LocalDirectory(path)) {
+    SP_RETURN_IF_ERROR(CheckDirectory(*dir, "checkpoint directory"));
+  }
+  return OpenCheckpointStore(path);
+}
+
 Result<CommitRecord> PickStep(CheckpointStore& store, std::optional<uint64_t> step) {
   if (step) return store.ReadCommit(*step);
   std::vector<std::string> problems;
@@ -152,7 +162,7 @@ int CmdVersion() {
 }
 
 int CmdLs(const Args& a) {
-  auto store = OpenCheckpointStore(a.path);
+  auto store = OpenExistingStore(a.path);
   if (!store.ok()) return Fail(store.status());
   std::vector<std::string> problems;
   auto committed = (*store)->ListCommitted(&problems);
@@ -184,7 +194,7 @@ int CmdLs(const Args& a) {
 }
 
 int CmdInspect(const Args& a) {
-  auto store = OpenCheckpointStore(a.path);
+  auto store = OpenExistingStore(a.path);
   if (!store.ok()) return Fail(store.status());
   auto commit = PickStep(**store, a.step);
   if (!commit.ok()) return Fail(commit.status());
@@ -206,18 +216,24 @@ int CmdInspect(const Args& a) {
       }
       tensors.push_back(j);
     }
-    json out = {{"step", commit->step},      {"rank", a.rank},
-                {"world_size", commit->world_size}, {"job", commit->job},
-                {"file", md->source},        {"image_bytes", md->layout.image_size},
-                {"tensor_bytes", tensor_bytes}, {"chunk_size", md->layout.chunk_size},
-                {"tensors", tensors},        {"state", FormatValue(md->extras, 1 << 20)}};
+    json out = {{"step", commit->step},
+                {"rank", a.rank},
+                {"world_size", commit->world_size},
+                {"job", commit->job},
+                {"file", md->source},
+                {"image_bytes", md->layout.image_size},
+                {"tensor_bytes", tensor_bytes},
+                {"chunk_size", md->layout.chunk_size},
+                {"tensors", tensors},
+                {"state", FormatValue(md->extras, 1 << 20)}};
     std::cout << out.dump(2) << "\n";
     return kExitOk;
   }
   std::cout << "step " << commit->step << ", rank " << a.rank << " of " << commit->world_size
             << (commit->job.empty() ? "" : ", job " + commit->job) << "\n"
             << "file " << md->source << " (" << HumanBytes(md->layout.image_size) << ", "
-            << md->tensors.size() << " tensors, " << HumanBytes(tensor_bytes) << " of tensor data)\n\n";
+            << md->tensors.size() << " tensors, " << HumanBytes(tensor_bytes)
+            << " of tensor data)\n\n";
   std::vector<std::vector<std::string>> rows = {{"#", "NAME", "DTYPE", "SHAPE", "BYTES"}};
   for (size_t i = 0; i < md->tensors.size(); ++i) {
     const auto& t = md->tensors[i];
@@ -234,7 +250,7 @@ int CmdInspect(const Args& a) {
 }
 
 int CmdVerify(const Args& a) {
-  auto store = OpenCheckpointStore(a.path);
+  auto store = OpenExistingStore(a.path);
   if (!store.ok()) return Fail(store.status());
   std::vector<CommitRecord> targets;
   std::vector<std::string> problems;
@@ -260,10 +276,11 @@ int CmdVerify(const Args& a) {
       auto image = (*store)->ReadImage(c, r);
       if (image.ok()) {
         bytes = image->size;
-        auto reader = ImageReader::Parse(image->bytes(), image->source,
-                                         ImageReader::Verify::kStructure);
+        auto reader =
+            ImageReader::Parse(image->bytes(), image->source, ImageReader::Verify::kStructure);
         s = reader.status();
-        if (s.ok()) s = DecodeExtras(reader->extras(), reader->tensors().size(), image->source).status();
+        if (s.ok())
+          s = DecodeExtras(reader->extras(), reader->tensors().size(), image->source).status();
       } else {
         s = image.status();
       }
@@ -321,31 +338,48 @@ json ArenaJson(const std::string& job_dir) {
     if (!arena.ok()) continue;
     json slots = json::array();
     for (const SlotInfo& s : (*arena)->Slots()) {
-      slots.push_back({{"slot", s.index}, {"state", SlotStateName(s.state)}, {"leased", s.leased},
-                       {"step", s.step}, {"image_bytes", s.image_size}, {"capacity", s.capacity}});
+      slots.push_back({{"slot", s.index},
+                       {"state", SlotStateName(s.state)},
+                       {"leased", s.leased},
+                       {"step", s.step},
+                       {"image_bytes", s.image_size},
+                       {"capacity", s.capacity}});
     }
     ranks.push_back({{"rank", r}, {"slots", slots}, {"bytes", (*arena)->mapped_bytes()}});
   }
   return ranks;
 }
 
+// "training process 12" or "training processes 12, 34".
+std::string TrainingProcesses(const std::vector<uint32_t>& pids) {
+  std::string out = pids.size() > 1 ? "training processes " : "training process ";
+  for (size_t i = 0; i < pids.size(); ++i) out += (i ? ", " : "") + std::to_string(pids[i]);
+  return out;
+}
+
 int CmdAgent(const Args& a) {
   AgentOptions o;
   o.job = a.job;
   o.shm_dir = a.shm_dir;
-  o.emergency_flush = a.emergency_flush;
+  o.emergency_flush = !a.no_emergency_flush;
   o.exit_when_idle = false;  // a sidecar runs until it is told to stop
   return RunAgent(o);
 }
 
 int CmdStatus(const Args& a) {
+  if (Status s = CheckDirectory(a.shm_dir, "shared-memory directory"); !s.ok()) return Fail(s);
   auto jobs = ListJobDirectories(a.shm_dir);
   if (!jobs.ok()) return Fail(jobs.status());
   json out = json::array();
   for (const auto& [job, dir] : *jobs) {
     uint32_t pid = 0;
     const bool alive = AgentAlive(dir, &pid);
-    json j = {{"job", job}, {"job_dir", dir}, {"agent_alive", alive}, {"agent_pid", alive ? json(pid) : json(nullptr)},
+    auto writers = LiveSlotWriters(dir);
+    json j = {{"job", job},
+              {"job_dir", dir},
+              {"agent_alive", alive},
+              {"agent_pid", alive ? json(pid) : json(nullptr)},
+              {"live_writers", writers.ok() ? json(*writers) : json(nullptr)},
               {"arenas", ArenaJson(dir)}};
     if (alive) {
       if (auto st = QueryAgent(dir)) {
@@ -368,12 +402,18 @@ int CmdStatus(const Args& a) {
     return kExitOk;
   }
   for (const json& j : out) {
-    std::cout << "job " << j["job"].get<std::string>() << "  (" << j["job_dir"].get<std::string>() << ")\n";
+    std::cout << "job " << j["job"].get<std::string>() << "  (" << j["job_dir"].get<std::string>()
+              << ")\n";
     if (j["agent_alive"].get<bool>()) {
       std::cout << "  agent pid " << j["agent_pid"] << ", storage "
                 << (j.contains("storage") ? j["storage"].dump() : "?") << ", newest committed step "
                 << (j.contains("newest_committed") ? j["newest_committed"].dump() : "?")
-                << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?") << "\n";
+                << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
+                << "\n";
+    } else if (j["live_writers"].is_array() && !j["live_writers"].empty()) {
+      std::cout << "  no live agent; "
+                << TrainingProcesses(j["live_writers"].get<std::vector<uint32_t>>())
+                << " alive (its next save starts one; `safepoint gc` keeps the job)\n";
     } else {
       std::cout << "  no live agent (snapshots kept for hot reload; `safepoint gc` removes them)\n";
     }
@@ -392,107 +432,209 @@ int CmdStatus(const Args& a) {
   return kExitOk;
 }
 
+// Removes the job directories that nothing uses any more: no agent holds the job's lock and no
+// process that wrote its snapshot slots still runs (a training process whose agent died keeps its
+// slots mapped and starts a new agent at its next call).
 int CmdGc(const Args& a) {
+  if (Status s = CheckDirectory(a.shm_dir, "shared-memory directory"); !s.ok()) return Fail(s);
   auto jobs = ListJobDirectories(a.shm_dir);
   if (!jobs.ok()) return Fail(jobs.status());
+  json report = json::array();
   int failures = 0;
   for (const auto& [job, dir] : *jobs) {
-    if (AgentAlive(dir)) {
-      std::cout << "keep    " << dir << " (agent alive)\n";
-      continue;
-    }
-    if (a.dry_run) {
-      std::cout << "would remove " << dir << "\n";
-      continue;
-    }
-    auto freed = RemoveJobDirectory(dir);
-    if (freed.ok()) {
-      std::cout << "removed " << dir << " (" << HumanBytes(*freed) << ")\n";
+    json j = {{"job", job}, {"job_dir", dir}};
+    std::string line;
+    uint32_t agent_pid = 0;
+    if (AgentAlive(dir, &agent_pid)) {
+      j["action"] = "keep";
+      j["reason"] = "agent alive";
+      j["agent_pid"] = agent_pid;
+      line = "keep    " + dir + " (agent " + std::to_string(agent_pid) + " alive)";
+    } else if (auto writers = LiveSlotWriters(dir); writers.ok() && !writers->empty()) {
+      j["action"] = "keep";
+      j["reason"] = "training process alive";
+      j["writers"] = *writers;
+      line = "keep    " + dir + " (" + TrainingProcesses(*writers) +
+             " alive; its next save starts a new agent)";
+    } else if (writers.ok() && a.dry_run) {
+      j["action"] = "would_remove";
+      line = "would remove " + dir;
     } else {
-      std::cerr << "safepoint: error: " << freed.status().ToString() << "\n";
-      ++failures;
+      auto freed = writers.ok() ? RemoveJobDirectory(dir) : Result<uint64_t>(writers.status());
+      if (freed.ok()) {
+        j["action"] = "removed";
+        j["bytes"] = *freed;
+        line = "removed " + dir + " (" + HumanBytes(*freed) + ")";
+      } else {
+        j["action"] = "error";
+        j["error"] = freed.status().ToString();
+        std::cerr << "safepoint: error: " << freed.status().ToString() << "\n";
+        ++failures;
+      }
     }
+    if (!line.empty() && !a.json) std::cout << line << "\n";
+    report.push_back(std::move(j));
   }
   // Staging files (safepoint.dcp.ShmStager) of processes that were killed before removing them.
+  json staging = nullptr;
   auto staged = internal::RemoveDeadStageFiles(a.shm_dir, a.dry_run);
   if (!staged.ok()) {
     std::cerr << "safepoint: error: " << staged.status().ToString() << "\n";
     ++failures;
-  } else if (staged->files > 0) {
-    std::cout << (a.dry_run ? "would remove " : "removed ") << staged->files << " staging file"
-              << (staged->files == 1 ? "" : "s") << " of dead processes in "
-              << internal::StageDirectory(a.shm_dir) << " (" << HumanBytes(staged->bytes) << ")\n";
+  } else {
+    staging = {{"directory", internal::StageDirectory(a.shm_dir)},
+               {a.dry_run ? "would_remove_files" : "removed_files", staged->files},
+               {"bytes", staged->bytes}};
+    if (staged->files > 0 && !a.json) {
+      std::cout << (a.dry_run ? "would remove " : "removed ") << staged->files << " staging file"
+                << (staged->files == 1 ? "" : "s") << " of dead processes in "
+                << internal::StageDirectory(a.shm_dir) << " (" << HumanBytes(staged->bytes)
+                << ")\n";
+    }
   }
+  if (a.json) std::cout << json{{"jobs", report}, {"staging", staging}}.dump(2) << "\n";
   return failures ? kExitError : kExitOk;
 }
 
+constexpr char kPathHelp[] = "checkpoint directory: a path or a file:// URI";
+constexpr char kShmDirHelp[] = "the shared-memory directory of the snapshots";
+
+// A non-negative integer of at most `max`, checked before CLI11 converts it (its conversion takes
+// "-1" for 2^64-1 and saturates on overflow).
+CLI::Validator UnsignedAtMost(uint64_t max) {
+  return CLI::Validator(
+      [max](std::string& v) -> std::string {
+        uint64_t n = 0;
+        const char* end = v.data() + v.size();
+        const auto [ptr, ec] = std::from_chars(v.data(), end, n);
+        if (v.empty() || ec == std::errc::invalid_argument || ptr != end) {
+          return "'" + v + "' is not a non-negative integer";
+        }
+        if (ec == std::errc::result_out_of_range || n > max) {
+          return v + " is larger than " + std::to_string(max);
+        }
+        return std::string();
+      },
+      "");
+}
+
+// A usage error: the message, where to find help, exit status 2.
+int Usage(const CLI::App& app, const std::string& message) {
+  const std::string name =
+      app.get_parent() != nullptr ? "safepoint " + app.get_name() : "safepoint";
+  std::cerr << "safepoint: " << message << "\n"
+            << "Run '" << name << " --help' for usage.\n";
+  return kExitUsage;
+}
+
 int Main(int argc, char** argv) {
-  std::vector<std::string> argv_s(argv + 1, argv + argc);
-  if (argv_s.empty()) return Usage("");
   Args a;
-  a.command = argv_s[0];
-  if (a.command == "--version" || a.command == "version") return CmdVersion();
-  if (a.command == "-h" || a.command == "--help" || a.command == "help") {
-    std::cout << kUsage;
+  CLI::App app(
+      "safepoint: list, inspect and verify checkpoints; look after this node's snapshots in "
+      "shared memory.",
+      "safepoint");
+  app.get_formatter()->column_width(26);
+  app.get_formatter()->label("Usage", "usage");
+  app.get_formatter()->label("SUBCOMMAND", "COMMAND");
+  const std::string exit_status =
+      "Exit status: 0 on success; 1 on an error (the message names the path and the cause) or\n"
+      "when verify finds damage; 2 on a usage error.";
+  app.footer(exit_status);  // commands inherit it
+  app.require_subcommand(0, 1);
+  bool version = false;
+  app.add_flag("--version", version, "the version and the optional features of this build");
+  // Also as commands, as the hand-written parser had them (not listed).
+  CLI::App* version_cmd = app.add_subcommand("version", "the version of this build")->group("");
+  app.add_subcommand("help", "this help")->group("")->silent();
+
+  const CLI::Validator not_empty(
+      [](std::string& v) { return v.empty() ? std::string("must not be empty") : std::string(); },
+      "");
+
+  auto add_path = [&](CLI::App* cmd) {
+    cmd->add_option("PATH", a.path, kPathHelp)->type_name("")->required()->check(not_empty);
+  };
+  auto add_json = [&](CLI::App* cmd, const char* what) { cmd->add_flag("--json", a.json, what); };
+  auto add_shm_dir = [&](CLI::App* cmd) {
+    cmd->add_option("--shm-dir", a.shm_dir, kShmDirHelp)
+        ->type_name("DIR")
+        ->capture_default_str()
+        ->check(not_empty);
+  };
+  uint64_t step = 0;
+  auto add_step = [&](CLI::App* cmd) {
+    return cmd->add_option("--step", step, "the step (default: the newest committed one)")
+        ->type_name("N")
+        ->check(UnsignedAtMost(std::numeric_limits<uint64_t>::max()));
+  };
+
+  CLI::App* ls = app.add_subcommand("ls", "committed steps: world size, bytes, time");
+  add_path(ls);
+  add_json(ls, "a JSON array of the steps instead of a table");
+
+  CLI::App* inspect =
+      app.add_subcommand("inspect", "one rank's image: tensors (dtype, shape, bytes), state");
+  add_path(inspect);
+  CLI::Option* inspect_step = add_step(inspect);
+  inspect->add_option("--rank", a.rank, "the rank whose image to show")
+      ->type_name("R")
+      ->capture_default_str()
+      ->check(UnsignedAtMost(kMaxRank - 1));
+  add_json(inspect, "JSON instead of a table");
+
+  CLI::App* verify =
+      app.add_subcommand("verify", "read every byte, check every checksum; 1 on damage");
+  add_path(verify);
+  CLI::Option* verify_step = add_step(verify);
+  verify->add_flag("--all", a.all, "every committed step")->excludes(verify_step);
+  add_json(verify, "a JSON report: ok, and a result per image");
+
+  CLI::App* agent =
+      app.add_subcommand("agent", "run a job's node agent in the foreground (sidecar)");
+  agent->add_option("--job", a.job, "the job's name ([A-Za-z0-9._-], 1..64)")
+      ->type_name("JOB")
+      ->required();
+  add_shm_dir(agent);
+  agent->add_flag("--no-emergency-flush", a.no_emergency_flush,
+                  "do not persist the snapshot of a process that dies");
+
+  CLI::App* status = app.add_subcommand("status", "this node's jobs: agents, snapshots, work");
+  add_shm_dir(status);
+  add_json(status, "a JSON array of the jobs instead of a report");
+
+  CLI::App* gc = app.add_subcommand("gc", "remove snapshots of jobs whose processes are gone");
+  add_shm_dir(gc);
+  gc->add_flag("--dry-run", a.dry_run, "only say what would be removed");
+  add_json(gc, "each job's action and why, as JSON");
+
+  for (CLI::App* cmd : {ls, inspect, verify, agent, status, gc}) cmd->group("Commands");
+  app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    const auto chosen = app.get_subcommands();
+    if (chosen.empty() && argc > 1 && argv[1][0] != '-') {
+      return Usage(app, std::string("unknown command '") + argv[1] + "'");
+    }
+    return Usage(chosen.empty() ? app : *chosen.front(), e.what());
+  }
+  if (inspect_step->count() > 0 || verify_step->count() > 0) a.step = step;
+
+  if (version || version_cmd->parsed()) return CmdVersion();
+  if (app.got_subcommand("help")) {
+    std::cout << app.help();
     return kExitOk;
   }
-  if (a.command != "ls" && a.command != "inspect" && a.command != "verify" &&
-      a.command != "agent" && a.command != "status" && a.command != "gc") {
-    return Usage("unknown command '" + a.command + "'");
-  }
-  const bool node_command = a.command == "agent" || a.command == "status" || a.command == "gc";
-  for (size_t i = 1; i < argv_s.size(); ++i) {
-    const std::string& s = argv_s[i];
-    auto value = [&](const char* flag) -> std::optional<std::string> {
-      if (i + 1 >= argv_s.size()) return std::nullopt;
-      (void)flag;
-      return argv_s[++i];
-    };
-    if (s == "--json" && a.command != "agent" && a.command != "gc") {
-      a.json = true;
-    } else if (s == "--shm-dir" && node_command) {
-      auto v = value("--shm-dir");
-      if (!v || v->empty()) return Usage("--shm-dir needs a directory");
-      a.shm_dir = *v;
-    } else if (s == "--job" && a.command == "agent") {
-      auto v = value("--job");
-      if (!v) return Usage("--job needs a job name");
-      a.job = *v;
-    } else if (s == "--no-emergency-flush" && a.command == "agent") {
-      a.emergency_flush = false;
-    } else if (s == "--dry-run" && a.command == "gc") {
-      a.dry_run = true;
-    } else if (s == "--all" && a.command == "verify") {
-      a.all = true;
-    } else if (s == "--step" && a.command != "ls") {
-      auto v = value("--step");
-      uint64_t n;
-      if (!v || !ParseU64(*v, &n)) return Usage("--step needs a non-negative integer");
-      a.step = n;
-    } else if (s == "--rank" && a.command == "inspect") {
-      auto v = value("--rank");
-      uint64_t n;
-      if (!v || !ParseU64(*v, &n) || n >= kMaxRank) return Usage("--rank needs a rank number");
-      a.rank = static_cast<uint32_t>(n);
-    } else if (!s.empty() && s[0] == '-') {
-      return Usage("unknown option '" + s + "' for " + a.command);
-    } else if (a.path.empty() && !node_command) {
-      a.path = s;
-    } else {
-      return Usage("unexpected argument '" + s + "'");
-    }
-  }
-  if (a.command == "agent") {
-    if (a.job.empty()) return Usage("agent needs --job JOB");
-    return CmdAgent(a);
-  }
-  if (a.command == "status") return CmdStatus(a);
-  if (a.command == "gc") return CmdGc(a);
-  if (a.path.empty()) return Usage(a.command + " needs a checkpoint PATH");
-  if (a.all && a.step) return Usage("use either --step or --all");
-  if (a.command == "ls") return CmdLs(a);
-  if (a.command == "inspect") return CmdInspect(a);
-  return CmdVerify(a);
+  if (ls->parsed()) return CmdLs(a);
+  if (inspect->parsed()) return CmdInspect(a);
+  if (verify->parsed()) return CmdVerify(a);
+  if (agent->parsed()) return CmdAgent(a);
+  if (status->parsed()) return CmdStatus(a);
+  if (gc->parsed()) return CmdGc(a);
+  std::cerr << app.help();  // no command
+  return kExitUsage;
 }
 
 }  // namespace

@@ -13,9 +13,10 @@
 // A slot being written is never read; a leased slot is never overwritten; a writer killed mid-copy
 // leaves a WRITING slot that is never read and is reused by the next writer of that rank.
 //
-// Thread safety: one writer process per rank (checked through the writer pid); any number of
-// readers. Slot files are created pre-faulted with their space reserved, so writing never faults
-// in fresh pages on the save path and a full /dev/shm is an error, never a SIGBUS.
+// Thread safety: one writer process per rank (checked through the writer's pid and start time,
+// which the control block records); any number of readers. Slot files are created pre-faulted
+// with their space reserved, so writing never faults in fresh pages on the save path and a full
+// /dev/shm is an error, never a SIGBUS.
 #pragma once
 
 #include <atomic>
@@ -29,6 +30,10 @@
 #include "safepoint/status.h"
 
 namespace safepoint {
+
+namespace internal {
+struct ProcessId;  // src/base/process.h
+}  // namespace internal
 
 inline constexpr uint32_t kDefaultSlots = 2;
 
@@ -45,7 +50,10 @@ struct SlotInfo {
   uint64_t image_size = 0;
   uint64_t capacity = 0;
   int64_t complete_time_ns = 0;
+  // The process that last took the slot for writing (it keeps the slot mapped and writes it
+  // again at its next save): pid and start time in clock ticks since boot (0: unknown).
   uint32_t writer_pid = 0;
+  uint64_t writer_start_ticks = 0;
 };
 
 // The job directory for `job` under `shm_dir`, created (0700) when `create`. Fails when it exists
@@ -56,8 +64,14 @@ Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
     const std::string& shm_dir);
 // Ranks that have slot files in a job directory, ascending.
 Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir);
+// Processes that wrote snapshot slots of the job and still run (pid and start time compared, so
+// a recycled pid does not count), ascending, each once. While one runs, the job is live even
+// without an agent: the process keeps its slots mapped, saves into them again and starts a new
+// agent at its next call.
+Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir);
 // Removes a job directory and everything safepoint put in it (slot files, the agent's socket,
-// lock, log and job.json); returns the bytes freed. Refuses files it does not know.
+// lock, log and job.json); returns the bytes freed. Refuses a job with live slot writers and a
+// directory with files it does not know (InvalidArgument). The caller checks that no agent runs.
 Result<uint64_t> RemoveJobDirectory(const std::string& job_dir);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
@@ -129,8 +143,12 @@ class Arena {
   Arena() = default;
   Status EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds);
   std::string SlotPath(uint32_t slot) const;
+  // This process as the slot writer it records.
+  internal::ProcessId Self();
   std::string job_dir_;
   uint32_t rank_ = 0;
+  uint32_t self_pid_ = 0;
+  uint64_t self_start_ticks_ = 0;
   std::vector<std::unique_ptr<SlotFile>> slots_;
 };
 

@@ -3,7 +3,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -12,17 +12,22 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 
 #include "base/bytes.h"
 #include "base/parallel.h"
+#include "base/process.h"
 #include "base/random.h"
+#include "base/unique_fd.h"
 
 namespace safepoint {
 
 namespace {
 
 using internal::HumanBytes;
+using internal::ProcessAlive;
+using internal::ProcessId;
 
 constexpr char kSlotMagic[8] = {'S', 'P', 'S', 'L', 'O', 'T', '1', '\0'};
 constexpr uint32_t kSlotVersion = 1;
@@ -46,8 +51,14 @@ struct SlotHeader {
   std::atomic<uint64_t> step;
   std::atomic<uint64_t> image_size;
   std::atomic<int64_t> complete_time_ns;
+  // The process that last took the slot for writing: pid and start time (clock ticks since boot,
+  // 0 when unknown), so that a recycled pid is not taken for it. Written by SetWriter, read by
+  // ReadWriter: writer_pid is 0 while the pair changes.
   std::atomic<uint32_t> writer_pid;
+  std::atomic<uint64_t> writer_start_ticks;
 };
+static_assert(offsetof(SlotHeader, writer_pid) == 64);
+static_assert(offsetof(SlotHeader, writer_start_ticks) == 72);
 static_assert(sizeof(SlotHeader) <= kSlotHeaderSize);
 
 uint64_t Word(uint64_t gen, SlotState s, bool leased = false) {
@@ -63,9 +74,32 @@ int64_t NowNs() {
       .count();
 }
 
-bool ProcessAlive(uint32_t pid) {
-  if (pid == 0) return false;
-  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+// Records `self` as the slot's writer. Only one process writes a slot at a time (it holds the
+// slot WRITING), so the pair changes only when another process takes the slot over: the pid is
+// cleared first, so that a reader never takes one process's pid with another's start time.
+void SetWriter(SlotHeader* h, const ProcessId& self) {
+  if (h->writer_pid.load(std::memory_order_relaxed) == self.pid &&
+      h->writer_start_ticks.load(std::memory_order_relaxed) == self.start_ticks) {
+    return;
+  }
+  h->writer_pid.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  h->writer_start_ticks.store(self.start_ticks, std::memory_order_relaxed);
+  h->writer_pid.store(self.pid, std::memory_order_release);
+}
+
+// The slot's writer, read consistently against SetWriter (a writer killed between its stores
+// leaves pid 0: no writer).
+ProcessId ReadWriter(const SlotHeader* h) {
+  ProcessId id;
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    id.pid = h->writer_pid.load(std::memory_order_acquire);
+    id.start_ticks = h->writer_start_ticks.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (id.pid != 0 && h->writer_pid.load(std::memory_order_relaxed) == id.pid) return id;
+    ::sched_yield();
+  }
+  return {};
 }
 
 }  // namespace
@@ -117,10 +151,10 @@ class SlotFile {
   }
 
   // Creates the slot file: space reserved (fallocate), every page written once (pre-faulted),
-  // published by rename. `word` is the initial control word.
+  // published by rename. `word` is the initial control word, `writer` the process creating it.
   static Result<std::unique_ptr<SlotFile>> Create(const std::string& path, uint32_t rank,
-                                                  uint32_t slot, uint64_t capacity,
-                                                  uint64_t word) {
+                                                  uint32_t slot, uint64_t capacity, uint64_t word,
+                                                  const ProcessId& writer) {
     const uint64_t size = kSlotHeaderSize + capacity;
     const std::string dir = path.substr(0, path.rfind('/'));
     struct statvfs vfs;
@@ -180,7 +214,7 @@ class SlotFile {
     h->rank = rank;
     h->slot = slot;
     h->word.store(word, std::memory_order_relaxed);
-    h->writer_pid.store(static_cast<uint32_t>(::getpid()), std::memory_order_relaxed);
+    SetWriter(h, writer);
     if (::rename(tmp.c_str(), path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp, errno));
     return f;
   }
@@ -288,7 +322,7 @@ Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
   while (dirent* e = ::readdir(d)) {
     unsigned rank, slot;
     int consumed = 0;
-    if (std::sscanf(e->d_name, "rank-%5u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
+    if (std::sscanf(e->d_name, "rank-%u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
         e->d_name[consumed] == '\0') {
       ranks.push_back(rank);
     }
@@ -299,8 +333,50 @@ Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
   return ranks;
 }
 
+Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir) {
+  internal::UniqueDir d(::opendir(job_dir.c_str()));
+  if (!d) return ErrnoStatus("opendir", job_dir, errno);
+  struct Named {
+    std::string name;
+    unsigned rank, slot;
+  };
+  std::vector<Named> slots;
+  while (dirent* e = ::readdir(d.get())) {
+    unsigned rank, slot;
+    int consumed = 0;
+    if (std::sscanf(e->d_name, "rank-%u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
+        e->d_name[consumed] == '\0') {
+      slots.push_back({e->d_name, rank, slot});
+    }
+  }
+  d.Reset();
+  std::vector<uint32_t> live;
+  for (const auto& [name, rank, slot] : slots) {
+    auto file = SlotFile::Open(job_dir + "/" + name, rank, slot);
+    if (!file.ok()) {
+      // Removed meanwhile, or not a valid slot file (which no writer can use either).
+      const StatusCode c = file.status().code();
+      if (c == StatusCode::kNotFound || c == StatusCode::kCorruption ||
+          c == StatusCode::kInvalidArgument) {
+        continue;
+      }
+      return file.status();
+    }
+    const ProcessId writer = ReadWriter((*file)->header());
+    if (ProcessAlive(writer)) live.push_back(writer.pid);
+  }
+  std::sort(live.begin(), live.end());
+  live.erase(std::unique(live.begin(), live.end()), live.end());
+  return live;
+}
+
 Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
   SP_RETURN_IF_ERROR(CheckPrivateDirectory(job_dir));
+  SP_ASSIGN_OR_RETURN(const std::vector<uint32_t> writers, LiveSlotWriters(job_dir));
+  if (!writers.empty()) {
+    return InvalidArgument(job_dir + ": training process " + std::to_string(writers.front()) +
+                           " still uses its snapshots; not removing the directory");
+  }
   DIR* d = ::opendir(job_dir.c_str());
   if (d == nullptr) return ErrnoStatus("opendir", job_dir, errno);
   std::vector<std::string> names;
@@ -331,6 +407,16 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
 // ---------------------------------------------------------------------------------------------
 
 Arena::~Arena() = default;
+
+ProcessId Arena::Self() {
+  // Read from /proc once per process (a child forked after Open reads its own).
+  if (self_pid_ != static_cast<uint32_t>(::getpid())) {
+    const ProcessId self = internal::SelfProcessId();
+    self_pid_ = self.pid;
+    self_start_ticks_ = self.start_ticks;
+  }
+  return {self_pid_, self_start_ticks_};
+}
 
 std::string Arena::SlotPath(uint32_t slot) const {
   char buf[48];
@@ -375,7 +461,9 @@ std::vector<SlotInfo> Arena::Slots() const {
       out[i].step = h->step.load(std::memory_order_relaxed);
       out[i].image_size = h->image_size.load(std::memory_order_relaxed);
       out[i].complete_time_ns = h->complete_time_ns.load(std::memory_order_relaxed);
-      out[i].writer_pid = h->writer_pid.load(std::memory_order_relaxed);
+      const ProcessId writer = ReadWriter(h);
+      out[i].writer_pid = writer.pid;
+      out[i].writer_start_ticks = writer.start_ticks;
       std::atomic_thread_fence(std::memory_order_acquire);
       const uint64_t w2 = h->word.load(std::memory_order_relaxed);
       if ((w1 & ~kLeasedBit) != (w2 & ~kLeasedBit)) continue;
@@ -425,7 +513,8 @@ Status Arena::EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds
   capacity = (capacity + kCapacityQuantum - 1) / kCapacityQuantum * kCapacityQuantum;
   uint64_t word = Word(0, SlotState::kWriting);
   if (slots_[slot]) word = slots_[slot]->header()->word.load(std::memory_order_acquire);
-  SP_ASSIGN_OR_RETURN(slots_[slot], SlotFile::Create(SlotPath(slot), rank_, slot, capacity, word));
+  SP_ASSIGN_OR_RETURN(slots_[slot],
+                      SlotFile::Create(SlotPath(slot), rank_, slot, capacity, word, Self()));
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return Status::OK();
 }
@@ -451,7 +540,7 @@ Status Arena::Reserve(uint64_t image_size) {
 
 Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t image_size) {
   SP_RETURN_IF_ERROR(Refresh());
-  const uint32_t self = static_cast<uint32_t>(::getpid());
+  const ProcessId self = Self();
   for (int attempt = 0; attempt < 100; ++attempt) {
     const std::vector<SlotInfo> info = Slots();
     // The snapshot kept is the one completed last, not the one of the highest step: after the
@@ -473,7 +562,8 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
     for (const SlotInfo& s : info) {
       if (newest && s.index == *newest) continue;
       if (s.leased) continue;
-      if (s.state == SlotState::kWriting && s.writer_pid != self && ProcessAlive(s.writer_pid) &&
+      const ProcessId writer{s.writer_pid, s.writer_start_ticks};
+      if (s.state == SlotState::kWriting && writer.pid != self.pid && ProcessAlive(writer) &&
           slots_[s.index]) {
         return InvalidArgument(job_dir_ + ": process " + std::to_string(s.writer_pid) +
                                " is writing rank " + std::to_string(rank_) +
@@ -500,7 +590,7 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
               expected, Word(t.generation, SlotState::kWriting), std::memory_order_acq_rel)) {
         continue;  // the agent leased it or it changed: choose again
       }
-      slots_[s.index]->header()->writer_pid.store(self, std::memory_order_relaxed);
+      SetWriter(slots_[s.index]->header(), self);
     }
     Status cap = EnsureCapacity(s.index, image_size, &t.create_seconds);
     if (!cap.ok()) {
@@ -510,7 +600,7 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
     t.relaid_out = t.create_seconds > 0;
     SlotHeader* h = slots_[s.index]->header();
     h->word.store(Word(t.generation, SlotState::kWriting), std::memory_order_release);
-    h->writer_pid.store(self, std::memory_order_relaxed);
+    SetWriter(h, self);
     t.data = slots_[s.index]->data().subspan(0, image_size);
     return std::make_pair(Acquire::kAcquired, t);
   }

@@ -573,6 +573,60 @@ TEST_F(ArenaTest, LiveSecondWriterIsRefused) {
   EXPECT_EQ(t2->first, Arena::Acquire::kAcquired);
 }
 
+// gc's check: the writers recorded in the slots, by pid and start time (docs/format.md: the pid at
+// offset 64 and the start time at offset 72 of the control block).
+TEST_F(ArenaTest, LiveSlotWritersNamesRunningWritersOnly) {
+  auto arena = Open();
+  ASSERT_TRUE(arena);
+  auto none = LiveSlotWriters(job_dir_);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(none->empty());
+  Save(*arena, 1);
+  const auto self = static_cast<uint32_t>(::getpid());
+  EXPECT_EQ(arena->Slots()[0].writer_pid, self);
+  EXPECT_GT(arena->Slots()[0].writer_start_ticks, 0u);
+  EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{self});
+  EXPECT_EQ(RemoveJobDirectory(job_dir_).status().code(), StatusCode::kInvalidArgument);
+
+  // Another process takes the other slot and exits: it is not live, this process still is.
+  const uint64_t size = Shard(2).size();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto a = Arena::Open(job_dir_, 0);
+    if (!a.ok()) ::_exit(2);
+    auto t = (*a)->BeginWrite(size);
+    ::_exit(t.ok() && t->first == Arena::Acquire::kAcquired && t->second.slot == 1 ? 0 : 3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ASSERT_TRUE(arena->Refresh().ok());  // the child created slot 1
+  EXPECT_EQ(arena->Slots()[1].writer_pid, static_cast<uint32_t>(child));
+  EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{self});
+
+  // A pid that runs but started at another time is a recycled pid, not the writer.
+  const int fd = ::open((job_dir_ + "/rank-00000.slot-0").c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const uint64_t other_start = arena->Slots()[0].writer_start_ticks + 1;
+  ASSERT_EQ(::pwrite(fd, &other_start, sizeof(other_start), 72), 8);
+  ::close(fd);
+  EXPECT_EQ(arena->Slots()[0].writer_pid, self);
+  EXPECT_TRUE(LiveSlotWriters(job_dir_)->empty());
+  // A rank of more than 5 digits ("rank-123456.slot-0") is found too.
+  auto wide = Open(kDefaultSlots, 123456);
+  ASSERT_TRUE(wide);
+  Save(*wide, 1);
+  EXPECT_EQ(*ListArenaRanks(job_dir_), (std::vector<uint32_t>{0, 123456}));
+  EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{self});
+  ASSERT_TRUE(wide->Remove().ok());
+  arena.reset();
+  auto freed = RemoveJobDirectory(job_dir_);
+  ASSERT_TRUE(freed.ok()) << freed.status().ToString();
+  EXPECT_GT(*freed, 0u);
+  EXPECT_FALSE(fs::exists(job_dir_));
+}
+
 // Growing a slot re-creates its file; what it held before is gone, the other slot is untouched.
 TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
   auto arena = Open(2);

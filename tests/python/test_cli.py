@@ -1,7 +1,10 @@
 """The safepoint CLI: outputs, --json, and exit codes."""
 
 import json
+import os
+import subprocess
 
+import pytest
 import torch
 
 import safepoint
@@ -63,13 +66,106 @@ def test_verify_ok_and_damaged(ckpt, cli):
 
 
 def test_errors_and_usage(ckpt, tmp_path, cli):
-    assert cli(check=2).stderr.startswith("usage")
-    assert "unknown command" in cli("frobnicate", check=2).stderr
-    assert "needs a checkpoint PATH" in cli("ls", check=2).stderr
-    assert "--step needs" in cli("inspect", ckpt, "--step", "x", check=2).stderr
-    assert "unknown option" in cli("ls", ckpt, "--bogus", check=2).stderr
+    proc = cli(check=2)  # no command: the help, on stderr
+    assert proc.stderr.startswith("safepoint:") and "usage: safepoint" in proc.stderr
+    assert all(c in proc.stderr for c in ("ls", "inspect", "verify", "agent", "status", "gc"))
+    assert "unknown command 'frobnicate'" in cli("frobnicate", check=2).stderr
+    assert "PATH is required" in cli("ls", check=2).stderr
+    for bad in ("x", "-1", "1.5", "", "18446744073709551616"):
+        stderr = cli("inspect", ckpt, "--step", bad, check=2).stderr
+        assert "--step" in stderr and "safepoint inspect --help" in stderr, (bad, stderr)
+    assert "--step" in cli("verify", ckpt, "--step", check=2).stderr
+    assert "16777215" in cli("inspect", ckpt, "--rank", "16777216", check=2).stderr
+    assert "--bogus" in cli("ls", ckpt, "--bogus", check=2).stderr
+    assert "--step" in cli("ls", ckpt, "--step", "3", check=2).stderr  # ls has no --step
+    assert "excludes" in cli("verify", ckpt, "--all", "--step", "3", check=2).stderr
+    assert "--job is required" in cli("agent", check=2).stderr
+    assert "--json" in cli("agent", "--job", "j", "--json", check=2).stderr
+    assert "--shm-dir" in cli("status", "--shm-dir", "", check=2).stderr
     make(ckpt)
     proc = cli("inspect", ckpt, "--step", "4", check=1)
     assert "not committed" in proc.stderr and proc.stdout == ""
     proc = cli("inspect", tmp_path / "missing", check=1)
     assert "error" in proc.stderr
+    # The old spellings still work: --flag=value, a path after the options, `version`, `help`.
+    assert json.loads(cli("inspect", "--step=3", "--json", ckpt, check=0).stdout)["step"] == 3
+    assert cli("version", check=0).stdout.startswith("safepoint ")
+    assert "usage: safepoint" in cli("help", check=0).stdout
+
+
+def test_help(cli):
+    out = cli("--help", check=0).stdout
+    assert "usage: safepoint" in out and "Exit status" in out
+    for command in ("ls", "inspect", "verify", "agent", "status", "gc"):
+        out = cli(command, "--help", check=0).stdout
+        assert f"usage: safepoint {command}" in out and "--help" in out
+    out = cli("inspect", "--help", check=0).stdout
+    assert "PATH" in out and "--step N" in out and "--rank R" in out and "--json" in out
+    assert "--shm-dir DIR=/dev/shm" in cli("gc", "--help", check=0).stdout
+
+
+def safepointd(*args):
+    binary = os.path.join(os.path.dirname(safepoint.__file__), "safepointd")
+    return subprocess.run([binary, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_safepointd_rejects_a_malformed_number(tmp_path):
+    # --idle-exit went through an unchecked atof: "abc" meant 0 (never exit when idle). The shm
+    # directory does not exist, so an agent that got past the arguments would fail with 1.
+    shm = tmp_path / "no-shm"
+    for bad in ("abc", "10s", "nan", "inf", "-1", "", "1e999"):
+        proc = safepointd("--job", "j", "--shm-dir", shm, "--idle-exit", bad)
+        assert proc.returncode == 2, (bad, proc.returncode, proc.stderr)
+        assert "--idle-exit" in proc.stderr and "safepointd --help" in proc.stderr, proc.stderr
+    proc = safepointd("--job", "j", "--shm-dir", shm, "--idle-exit", "0.5")
+    assert proc.returncode == 1 and str(shm) in proc.stderr  # parsed; the directory is missing
+    proc = safepointd("--shm-dir", shm)
+    assert proc.returncode == 2 and "--job is required" in proc.stderr
+    proc = safepointd("--job", "j", "--bogus")
+    assert proc.returncode == 2 and "--bogus" in proc.stderr
+    proc = safepointd("--help")
+    assert proc.returncode == 0 and "--idle-exit SECONDS" in proc.stdout
+
+
+COMMANDS = [["ls"], ["ls", "--json"], ["inspect"], ["inspect", "--json"], ["verify"],
+            ["verify", "--all", "--json"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_missing_path_is_an_error(tmp_path, cli, command):
+    # It used to read as an empty checkpoint (and was created): `ls` printed "no committed steps"
+    # and exited 0.
+    missing = tmp_path / "no" / "such" / "dir"
+    for path in (missing, f"file://{missing}", f"file://localhost{missing}"):
+        proc = cli(command[0], path, *command[1:], check=1)
+        assert f"{missing}: no such checkpoint directory" in proc.stderr and proc.stdout == ""
+        assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_path_that_is_not_a_directory_is_an_error(tmp_path, cli, command):
+    file = tmp_path / "a-file"
+    file.write_text("not a checkpoint")
+    proc = cli(command[0], file, *command[1:], check=1)
+    assert str(file) in proc.stderr and "not a directory" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every directory")
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_an_unreadable_path_is_an_error(tmp_path, cli, command):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o000)
+    try:
+        proc = cli(command[0], locked, *command[1:], check=1)
+        assert str(locked) in proc.stderr and "Permission denied" in proc.stderr
+    finally:
+        locked.chmod(0o700)
+
+
+def test_an_empty_directory_has_no_steps(tmp_path, cli):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no committed steps" in cli("ls", empty, check=0).stdout
+    assert json.loads(cli("ls", empty, "--json", check=0).stdout) == []
+    for command in (["inspect"], ["verify"]):
+        assert "no committed checkpoint" in cli(command[0], empty, check=1).stderr
