@@ -20,9 +20,15 @@
 //      aligned request with an unaligned length sends its aligned prefix there; the rest goes
 //      through the page cache. The first failed write poisons the object: Publish refuses it.
 //   4. Publish: trim any unused preallocation, fsync the temporary file, rename it over the final
-//      name, fsync the directory. A failed fsync is never retried: the temporary file is removed
-//      and the error returned. If the directory fsync fails the new object is unlinked again, so
-//      on every failure nothing is published and the caller rewrites the object.
+//      name, fsync the directory. A failed fsync is never retried. Up to the rename, a failure
+//      removes the temporary file and publishes nothing: the caller rewrites the object. Once
+//      renamed, the object is published and is never unlinked again, whatever fails next:
+//      another writer may have renamed an equal object over it meanwhile (two committers of one
+//      COMMIT), and the rename has already replaced the previous version. If the directory fsync
+//      then fails, Publish returns an IOError that names the directory: the object is visible
+//      but its name may not survive a power loss (which may bring back the previous version or
+//      nothing). The caller must neither report it durable nor delete it; writing it again, or
+//      any later successful fsync of the same directory, makes the name durable.
 //   5. Abort (or the destructor of an unpublished object) unlinks the temporary file.
 //
 // Reads: Open() opens the file O_RDONLY, plus O_DIRECT where accepted; ReadAt() uses pread loops
@@ -61,12 +67,16 @@
 #include "base/random.h"
 #include "base/unique_fd.h"
 #include "safepoint/storage.h"
+#include "storage/posix/posix_storage.h"
 
 namespace safepoint {
 
 namespace {
 
+using internal::PosixPublishSync;
+using internal::PosixPublishSyncHook;
 using internal::UniqueFd;
+using SyncHook = std::shared_ptr<const PosixPublishSyncHook>;  // null: none (always, but in tests)
 
 constexpr uint64_t kAlignMask = kDirectIOAlignment - 1;
 // Linux transfers at most 0x7ffff000 bytes per read/write call; ask for no more than that.
@@ -233,7 +243,7 @@ class PosixWritableObject final : public WritableObject {
   // `tmp_fd` is the created temporary file, registered in LiveTemporaries under `tmp_stat`.
   PosixWritableObject(std::string path, std::string dir_path, UniqueFd dir_fd,
                       std::string base_name, std::string tmp_name, UniqueFd tmp_fd,
-                      const struct stat& tmp_stat)
+                      const struct stat& tmp_stat, SyncHook sync_hook)
       : path_(std::move(path)),
         dir_path_(std::move(dir_path)),
         tmp_path_(JoinPath(dir_path_, tmp_name)),
@@ -241,7 +251,8 @@ class PosixWritableObject final : public WritableObject {
         tmp_name_(std::move(tmp_name)),
         dir_fd_(std::move(dir_fd)),
         tmp_dev_(tmp_stat.st_dev),
-        tmp_ino_(tmp_stat.st_ino) {
+        tmp_ino_(tmp_stat.st_ino),
+        sync_hook_(std::move(sync_hook)) {
     io_.Init(std::move(tmp_fd), UniqueFd());
   }
 
@@ -320,7 +331,9 @@ class PosixWritableObject final : public WritableObject {
     // Never retried: after a failed fsync the kernel may have dropped the dirty pages, and a
     // second fsync would report success for data that is gone.
     SP_KILL_POINT("posix.publish.before_fsync");
-    if (::fsync(io_.buffered_fd()) != 0) return Fail(ErrnoStatus("fsync", tmp_path_, errno));
+    if (int err = Fsync(PosixPublishSync::kFile, io_.buffered_fd()); err != 0) {
+      return Fail(ErrnoStatus("fsync", tmp_path_, err));
+    }
     io_.direct().Reset();
     if (int err = io_.buffered().Close(); err != 0) {
       return Fail(ErrnoStatus("close", tmp_path_, err));
@@ -330,23 +343,28 @@ class PosixWritableObject final : public WritableObject {
       return Fail(ErrnoStatus("rename to " + path_, tmp_path_, errno));
     }
     LiveTemporaries::Get().Remove(tmp_dev_, tmp_ino_);
-    SP_KILL_POINT("posix.publish.before_dir_fsync");
-    if (::fsync(dir_fd_.get()) != 0) {
-      Status s = ErrnoStatus("fsync", dir_path_, errno)
-                     .WithContext("publishing " + path_ + " (the object was removed again)");
-      // The rename may not be durable: withdraw the object so that nothing counts as published.
-      ::unlinkat(dir_fd_.get(), base_name_.c_str(), 0);
-      state_.store(State::kAborted, std::memory_order_release);
-      dir_fd_.Reset();
-      return s;
-    }
+    // From here on the object is published: its name shows the new data to every reader, and
+    // may already have been replaced by another writer's equal object (two committers of one
+    // COMMIT). Nothing below may unlink it.
     state_.store(State::kPublished, std::memory_order_release);
+    SP_KILL_POINT("posix.publish.before_dir_fsync");
+    const int err = Fsync(PosixPublishSync::kDirectory, dir_fd_.get());
     dir_fd_.Reset();
+    if (err != 0) {
+      // The rename may not survive a power loss: report it, as an I/O error whatever the errno
+      // (ENOSPC would read as "not written"), and leave the object in place. The caller must
+      // not report it durable; writing it again (or any later successful fsync of this
+      // directory) makes the name durable.
+      const Status s = ErrnoStatus("fsync", dir_path_, err);
+      return IOError(s.message()).WithContext(
+          "publishing " + path_ + " (visible, but it may not survive a power loss)");
+    }
     return Status::OK();
   }
 
   void Abort() override {
-    if (state_.exchange(State::kAborted) != State::kWriting) return;
+    State writing = State::kWriting;
+    if (!state_.compare_exchange_strong(writing, State::kAborted)) return;  // published: keep it
     io_.direct().Reset();
     io_.buffered().Reset();
     // A temporary that cannot be unlinked here (e.g. EIO) stays behind under its ".tmp." name:
@@ -371,6 +389,14 @@ class PosixWritableObject final : public WritableObject {
     return s;
   }
 
+  // fsync(fd), or the errno the test hook answers for `sync`. Returns 0 or an errno.
+  int Fsync(PosixPublishSync sync, int fd) const {
+    if (sync_hook_ != nullptr) {
+      if (int err = (*sync_hook_)(sync, path_); err != 0) return err;
+    }
+    return ::fsync(fd) == 0 ? 0 : errno;
+  }
+
   // Publish failed: remove the temporary file, return `s`.
   Status Fail(Status s) {
     Abort();
@@ -386,6 +412,7 @@ class PosixWritableObject final : public WritableObject {
   DualDescriptorIo io_;
   const dev_t tmp_dev_;
   const ino_t tmp_ino_;
+  const SyncHook sync_hook_;
   uint64_t preallocated_ = 0;
   std::atomic<uint64_t> written_end_{0};
   std::atomic<State> state_{State::kWriting};
@@ -459,8 +486,11 @@ Status MakeRootDirectories(const std::string& dir) {
 
 class PosixStorage final : public Storage {
  public:
-  PosixStorage(std::string root, PosixStorageOptions options)
-      : root_(std::move(root)), uri_("file://" + root_), options_(options) {}
+  PosixStorage(std::string root, PosixStorageOptions options, SyncHook sync_hook)
+      : root_(std::move(root)),
+        uri_("file://" + root_),
+        options_(options),
+        sync_hook_(std::move(sync_hook)) {}
 
   const std::string& uri() const override { return uri_; }
 
@@ -505,7 +535,7 @@ class PosixStorage final : public Storage {
       if (fd.valid()) {
         auto object = std::make_unique<PosixWritableObject>(
             path, dir_path, std::move(dir_fd), std::string(base), std::move(tmp_name),
-            std::move(fd), st);
+            std::move(fd), st, sync_hook_);
         bool refused = false;
         const bool try_direct =
             options_.use_direct_io && !direct_refused_.load(std::memory_order_relaxed);
@@ -774,12 +804,12 @@ class PosixStorage final : public Storage {
   const std::string root_;  // absolute, normalised, no trailing '/' (except "/")
   const std::string uri_;
   const PosixStorageOptions options_;
+  const SyncHook sync_hook_;
   mutable std::atomic<bool> direct_refused_{false};
 };
 
-}  // namespace
-
-Result<std::unique_ptr<Storage>> NewPosixStorage(std::string root, PosixStorageOptions options) {
+Result<std::unique_ptr<Storage>> OpenPosixStorage(std::string root, PosixStorageOptions options,
+                                                  SyncHook sync_hook) {
   if (root.empty()) return InvalidArgument("empty storage root path");
   if (root.find('\0') != std::string::npos) {
     return InvalidArgument("storage root path contains a NUL byte");
@@ -798,7 +828,25 @@ Result<std::unique_ptr<Storage>> NewPosixStorage(std::string root, PosixStorageO
   struct stat st;
   if (::stat(root.c_str(), &st) != 0) return ErrnoStatus("stat (storage root)", root, errno);
   if (!S_ISDIR(st.st_mode)) return InvalidArgument(root + ": storage root is not a directory");
-  return std::unique_ptr<Storage>(std::make_unique<PosixStorage>(std::move(root), options));
+  return std::unique_ptr<Storage>(
+      std::make_unique<PosixStorage>(std::move(root), options, std::move(sync_hook)));
 }
+
+}  // namespace
+
+Result<std::unique_ptr<Storage>> NewPosixStorage(std::string root, PosixStorageOptions options) {
+  return OpenPosixStorage(std::move(root), options, nullptr);
+}
+
+namespace internal {
+
+Result<std::unique_ptr<Storage>> NewPosixStorageWithSyncHook(std::string root,
+                                                             PosixStorageOptions options,
+                                                             PosixPublishSyncHook hook) {
+  return OpenPosixStorage(std::move(root), options,
+                          std::make_shared<const PosixPublishSyncHook>(std::move(hook)));
+}
+
+}  // namespace internal
 
 }  // namespace safepoint

@@ -15,11 +15,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "safepoint/storage.h"
+#include "storage/posix/posix_storage.h"
 
 namespace safepoint {
 namespace {
@@ -369,6 +372,100 @@ TEST(PosixStorageTest, ErrorsNameThePathAndTheCall) {
   ASSERT_FALSE(w.ok());
   EXPECT_NE(w.status().message().find(dir.path() + "/plain"), std::string::npos)
       << w.status().ToString();
+}
+
+std::vector<std::byte> ReadAll(Storage& storage, std::string_view name) {
+  auto r = storage.Open(name);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  if (!r.ok()) return {};
+  std::vector<std::byte> out((*r)->size());
+  EXPECT_TRUE((*r)->ReadAt(0, out).ok());
+  return out;
+}
+
+// Regression (issue 9, defect 4): when the directory fsync after the rename failed, Publish
+// unlinked the final name again, deleting the new version (and with it the old one, which the
+// rename had replaced). The object stays published; the error names the directory.
+TEST(PosixStorageTest, FailedDirectoryFsyncLeavesTheObjectPublished) {
+  TempDir dir;
+  int fail_next_directory_sync = 0;
+  auto opened = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view) {
+        if (sync != internal::PosixPublishSync::kDirectory) return 0;
+        return std::exchange(fail_next_directory_sync, 0);
+      });
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  Storage& storage = **opened;
+  auto put = [&](std::string_view name, int seed) {
+    auto w = storage.Create(name, 0);
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    if (!w.ok()) return w.status();
+    SP_RETURN_IF_ERROR((*w)->WriteAt(0, Bytes(1000, seed)));
+    return (*w)->Publish();
+  };
+  ASSERT_OK(put("step/obj", 1));
+  fail_next_directory_sync = EIO;
+  Status s = put("step/obj", 2);
+  EXPECT_EQ(s.code(), StatusCode::kIOError) << s.ToString();
+  EXPECT_NE(s.message().find(dir.path() + "/step: fsync failed"), std::string::npos)
+      << s.ToString();
+  EXPECT_NE(s.message().find(dir.path() + "/step/obj"), std::string::npos) << s.ToString();
+  // Renamed into place before the fsync failed: visible, with the new data, never withdrawn.
+  EXPECT_EQ(ReadAll(storage, "step/obj"), Bytes(1000, 2));
+  EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+  // ENOSPC from a directory fsync is still an I/O error: the object is not "not written".
+  fail_next_directory_sync = ENOSPC;
+  EXPECT_EQ(put("step/other", 3).code(), StatusCode::kIOError);
+  EXPECT_EQ(ReadAll(storage, "step/other"), Bytes(1000, 3));
+}
+
+// Regression (issue 9, defect 4): two committers publish equal objects under one name; the
+// first one's directory fsync fails after the second one published. Withdrawing the first one
+// unlinked the second one's object, which it had already reported durable.
+TEST(PosixStorageTest, FailedDirectoryFsyncNeverRemovesAnotherWritersObject) {
+  TempDir dir;
+  std::function<void()> during_first_directory_sync;
+  int directory_syncs = 0;
+  auto opened = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view) {
+        if (sync != internal::PosixPublishSync::kDirectory || ++directory_syncs != 1) return 0;
+        during_first_directory_sync();
+        return EIO;
+      });
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  Storage& storage = **opened;
+  auto first = storage.Create("step/COMMIT", 0);
+  auto second = storage.Create("step/COMMIT", 0);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_OK((*first)->WriteAt(0, Bytes(100, 4)));
+  ASSERT_OK((*second)->WriteAt(0, Bytes(100, 4)));
+  Status second_published = InvalidArgument("not run");
+  during_first_directory_sync = [&] { second_published = (*second)->Publish(); };
+  EXPECT_EQ((*first)->Publish().code(), StatusCode::kIOError);
+  ASSERT_OK(second_published);
+  EXPECT_EQ(ReadAll(storage, "step/COMMIT"), Bytes(100, 4));
+}
+
+// A failed fsync of the data is never retried and publishes nothing: the old version stays.
+TEST(PosixStorageTest, FailedFileFsyncPublishesNothing) {
+  TempDir dir;
+  bool fail = false;
+  auto opened = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view) {
+        return sync == internal::PosixPublishSync::kFile && fail ? EIO : 0;
+      });
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  Storage& storage = **opened;
+  for (int seed : {1, 2}) {
+    fail = seed == 2;
+    auto w = storage.Create("obj", 0);
+    ASSERT_TRUE(w.ok());
+    ASSERT_OK((*w)->WriteAt(0, Bytes(100, seed)));
+    Status s = (*w)->Publish();
+    EXPECT_EQ(s.ok(), !fail) << s.ToString();
+  }
+  EXPECT_EQ(ReadAll(storage, "obj"), Bytes(100, 1));
+  EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
 }
 
 void RoundTripAligned(Storage& storage) {
