@@ -10,7 +10,7 @@
 #include <fstream>
 #include <random>
 
-#include "safepoint/faulty_storage.h"
+#include "storage/faulty/faulty_storage.h"
 
 namespace safepoint {
 namespace {
@@ -333,7 +333,7 @@ TEST(CheckpointStoreTest, PowerLossMidSaveLeavesNoPartialStep) {
   std::vector<std::byte> chunk(kDefaultChunkSize);
   (*b)->Fill(0, chunk);
   ASSERT_TRUE((*w)->WriteAt(0, chunk).ok());
-  faulty->DropUnsynced();
+  ASSERT_TRUE(faulty->SimulatePowerLoss().ok());
   EXPECT_FALSE((*w)->Publish().ok());
   EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
   ExpectLoads(store, std::nullopt, 1);

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "safepoint/faulty_storage.h"
+#include "storage/faulty/faulty_storage.h"
 #include "safepoint/storage.h"
 
 namespace safepoint {
