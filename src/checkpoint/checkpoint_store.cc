@@ -584,6 +584,13 @@ Result<size_t> CheckpointStore::CleanUp() {
   for (const auto& c : committed) committed_steps.push_back(c.step);
 
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  // A step with a COMMIT object is committed even when its record did not read back just now (a
+  // bit flipped on the way, a damaged record): clean-up never removes it.
+  for (const auto& o : objects) {
+    auto step = StepFromObjectName(o.name);
+    if (step && o.name == CommitObjectName(*step)) committed_steps.push_back(*step);
+  }
+  std::sort(committed_steps.begin(), committed_steps.end());
   size_t removed = 0;
   for (const auto& o : objects) {
     auto step = StepFromObjectName(o.name);
