@@ -8,6 +8,7 @@
 
 #include "base/bytes.h"
 #include "base/crc32c.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 namespace {
@@ -27,9 +28,7 @@ struct Owned {
            std::vector<uint64_t> gshape = {}, std::vector<uint64_t> goff = {}) {
     uint64_t n = DTypeSize(dtype);
     for (auto d : shape) n *= d;
-    std::vector<std::byte> bytes(n);
-    for (uint64_t i = 0; i < n; ++i) bytes[i] = std::byte(static_cast<uint8_t>(seed + i * 31));
-    data.push_back(std::move(bytes));
+    data.push_back(test::PatternBytes(n, seed));
     TensorSource s;
     s.spec = {std::move(name), dtype, std::move(shape), std::move(gshape), std::move(goff)};
     s.data = data.back().empty() ? nullptr : data.back().data();
@@ -68,11 +67,11 @@ TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
   o.Add(std::string(5000, 'x') + "\xc3\xa9", DType::kInt8, {2}, 4);
   o.Add("shard", DType::kBFloat16, {2, 3}, 5, {8, 3}, {4, 0});
   auto b = ImageBuilder::Create(Meta(), o.sources, "extras-bytes", 64 << 10);
-  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_OK(b);
   auto img = Build(**b);
   EXPECT_EQ(img.size() % 4096, 0u);
   auto r = ImageReader::Parse(img, "mem");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   EXPECT_EQ(r->meta().step, 7u);
   EXPECT_EQ(r->meta().rank, 1u);
   EXPECT_EQ(r->meta().world_size, 4u);
@@ -98,7 +97,7 @@ TEST(ImageTest, FillOfAnyRangeMatchesFillAll) {
   Owned o;
   for (int i = 0; i < 50; ++i) o.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 37)}, i);
   auto b = ImageBuilder::Create(Meta(), o.sources, "x", 4096);
-  ASSERT_TRUE(b.ok());
+  ASSERT_OK(b);
   auto full = Build(**b);
   std::mt19937_64 rng(1);
   const uint64_t limit = (*b)->layout().checksums_offset;
@@ -126,7 +125,7 @@ TEST(ImageTest, TensorsHeldElsewhereTakeNoSpaceAndRoundTrip) {
   EXPECT_LT((*part)->layout().data_size, 4096u);  // only "b"
   auto bytes = Build(**part);
   auto r = ImageReader::Parse(bytes, "part");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   ASSERT_EQ(r->tensors().size(), 3u);
   EXPECT_TRUE(r->tensors()[0].spec.elsewhere);
   EXPECT_EQ(r->tensors()[0].nbytes, 1000u * 64 * 4);  // still says what the tensor is
@@ -173,7 +172,7 @@ class CorruptImageTest : public ::testing::Test {
     o.Add("bias", DType::kFloat32, {64}, 2);
     o.Add("step", DType::kInt64, {}, 3);
     auto b = ImageBuilder::Create(Meta(), o.sources, "extras", 4096);
-    ASSERT_TRUE(b.ok());
+    ASSERT_OK(b);
     builder = std::move(b).value();
     image = Build(*builder);
   }
