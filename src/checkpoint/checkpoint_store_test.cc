@@ -42,12 +42,7 @@ struct Shard {
 };
 
 ImageMeta Meta(uint64_t step, uint32_t rank, uint32_t world) {
-  ImageMeta m;
-  m.job = "test";
-  m.step = step;
-  m.rank = rank;
-  m.world_size = world;
-  return m;
+  return test::TestImageMeta("test", step, rank, world);
 }
 
 Status Save(CheckpointStore& store, uint64_t step, uint32_t rank = 0, uint32_t world = 1) {

@@ -38,12 +38,7 @@ struct Owned {
 };
 
 ImageMeta Meta(uint64_t step = 7, uint32_t rank = 1, uint32_t world = 4) {
-  ImageMeta m;
-  m.job = "job-1";
-  m.step = step;
-  m.rank = rank;
-  m.world_size = world;
-  return m;
+  return test::TestImageMeta("job-1", step, rank, world);
 }
 
 TEST(Crc32cTest, KnownVectorAndChaining) {

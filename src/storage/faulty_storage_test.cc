@@ -278,12 +278,7 @@ TEST_P(FaultyStorageTest, PowerLossLosesUnpublishedObjects) {
   FaultyFixture fx(GetParam());
   ASSERT_TRUE(fx.ok());
   FaultyStorage& fs = fx.faulty();
-  {
-    auto kept = fs.Create("kept", 0);
-    ASSERT_OK(kept);
-    ASSERT_OK((*kept)->WriteAt(0, PatternBytes(100, 1)));
-    ASSERT_OK((*kept)->Publish());
-  }
+  ASSERT_OK(PutObject(fs, "kept", PatternBytes(100, 1)));
   auto lost1 = fs.Create("lost/1", 0);
   auto lost2 = fs.Create("lost/2", 0);
   ASSERT_TRUE(lost1.ok() && lost2.ok());
@@ -316,10 +311,7 @@ TEST_P(FaultyStorageTest, PowerLossLosesUnpublishedObjects) {
   EXPECT_EQ((*list)[0].name, "kept");
 
   // Writers created after the power loss work normally.
-  auto after = fs.Create("lost/1", 0);
-  ASSERT_OK(after);
-  ASSERT_OK((*after)->WriteAt(0, PatternBytes(10, 5)));
-  ASSERT_OK((*after)->Publish());
+  ASSERT_OK(PutObject(fs, "lost/1", PatternBytes(10, 5)));
   EXPECT_OK(fx.base().Open("lost/1"));
 }
 

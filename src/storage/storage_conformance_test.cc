@@ -63,6 +63,15 @@ class StorageConformanceTest : public ::testing::TestWithParam<Backend> {
     return test::ReadWholeObject(*storage_, name);
   }
 
+  // Nothing is listed, `name` is not found, and no temporary data is left to remove.
+  void ExpectNothingBehind(std::string_view name) {
+    EXPECT_TRUE(Names("").empty());
+    EXPECT_EQ(storage_->Open(name).status().code(), StatusCode::kNotFound);
+    auto leftovers = storage_->RemoveLeftovers("");
+    ASSERT_OK(leftovers);
+    EXPECT_EQ(*leftovers, 0u) << "temporary data of " << name << " was left behind";
+  }
+
   std::vector<std::string> Names(std::string_view prefix) {
     auto list = storage_->List(prefix);
     EXPECT_OK(list);
@@ -274,11 +283,7 @@ TEST_P(StorageConformanceTest, AbortRemovesTemporaryData) {
   (*w)->Abort();  // idempotent
   EXPECT_FALSE((*w)->Publish().ok());
   EXPECT_FALSE((*w)->WriteAt(0, PatternBytes(10, 6)).ok());
-  EXPECT_TRUE(Names("").empty());
-  EXPECT_EQ(storage_->Open("a/aborted").status().code(), StatusCode::kNotFound);
-  auto leftovers = storage_->RemoveLeftovers("");
-  ASSERT_OK(leftovers);
-  EXPECT_EQ(*leftovers, 0u) << "Abort left temporary data behind";
+  ExpectNothingBehind("a/aborted");
 }
 
 TEST_P(StorageConformanceTest, DestructorOfUnpublishedWriterRemovesTemporaryData) {
@@ -287,11 +292,7 @@ TEST_P(StorageConformanceTest, DestructorOfUnpublishedWriterRemovesTemporaryData
     ASSERT_OK(w);
     ASSERT_OK((*w)->WriteAt(0, PatternBytes(5000, 7)));
   }
-  EXPECT_TRUE(Names("").empty());
-  EXPECT_EQ(storage_->Open("b/dropped").status().code(), StatusCode::kNotFound);
-  auto leftovers = storage_->RemoveLeftovers("");
-  ASSERT_OK(leftovers);
-  EXPECT_EQ(*leftovers, 0u) << "the destructor left temporary data behind";
+  ExpectNothingBehind("b/dropped");
 }
 
 TEST_P(StorageConformanceTest, WriterRejectsUseAfterPublish) {

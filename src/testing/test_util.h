@@ -8,6 +8,8 @@
 // - Byte patterns: every position of every seed has its own value, so that misplaced, duplicated
 //   or lost blocks show up (PatternBytes, FillPattern, FirstMismatch).
 // - AlignedTestBuffer: a zeroed buffer aligned for O_DIRECT, optionally misaligned on purpose.
+// - PutObject / ReadWholeObject: one object written and published, or read back, in one call;
+//   TestImageMeta: image metadata.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -24,6 +26,7 @@
 #include <system_error>
 #include <vector>
 
+#include "safepoint/image.h"
 #include "safepoint/status.h"
 #include "safepoint/storage.h"
 
@@ -161,6 +164,16 @@ inline Status PutObject(Storage& storage, std::string_view name, std::span<const
   SP_ASSIGN_OR_RETURN(auto w, storage.Create(name, data.size()));
   SP_RETURN_IF_ERROR(w->WriteAt(0, data));
   return w->Publish();
+}
+
+// Image metadata for tests: job `job`, rank `rank` of `world_size`, at `step`.
+inline ImageMeta TestImageMeta(std::string job, uint64_t step, uint32_t rank, uint32_t world_size) {
+  ImageMeta m;
+  m.job = std::move(job);
+  m.step = step;
+  m.rank = rank;
+  m.world_size = world_size;
+  return m;
 }
 
 }  // namespace safepoint::test
