@@ -552,16 +552,13 @@ class PosixStorage final : public Storage {
   }
 
   Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
-    SP_RETURN_IF_ERROR(ValidateObjectName(name));
-    const std::string path = Describe(name);
-    auto [dir_rel, base] = SplitName(name);
-    UniqueFd dir_fd;
-    bool blocked = false;
-    Status s = OpenDirectory(dir_rel, /*create=*/false, &dir_fd, &blocked);
-    if (s.code() == StatusCode::kNotFound) return ErrnoStatus("open", path, ENOENT);
-    if (blocked) return NotFound(path + ": no such object (" + s.message() + ")");
-    SP_RETURN_IF_ERROR(s);
-    const std::string base_name(base);
+    SP_ASSIGN_OR_RETURN(ObjectDirectory at, OpenObjectDirectory(name));
+    const std::string& path = at.path;
+    if (at.status.code() == StatusCode::kNotFound) return ErrnoStatus("open", path, ENOENT);
+    if (at.blocked) return NotFound(path + ": no such object (" + at.status.message() + ")");
+    SP_RETURN_IF_ERROR(at.status);
+    const std::string& base_name = at.base;
+    const UniqueFd& dir_fd = at.fd;
     // O_NONBLOCK so that a FIFO planted in the tree cannot block us; cleared below.
     UniqueFd fd(::openat(dir_fd.get(), base_name.c_str(),
                                O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
@@ -609,23 +606,18 @@ class PosixStorage final : public Storage {
   }
 
   Status Delete(std::string_view name) override {
-    SP_RETURN_IF_ERROR(ValidateObjectName(name));
-    const std::string path = Describe(name);
-    auto [dir_rel, base] = SplitName(name);
-    UniqueFd dir_fd;
-    bool blocked = false;
-    Status s = OpenDirectory(dir_rel, /*create=*/false, &dir_fd, &blocked);
-    if (s.code() == StatusCode::kNotFound || blocked) return Status::OK();  // no such object
-    SP_RETURN_IF_ERROR(s);
-    if (::unlinkat(dir_fd.get(), std::string(base).c_str(), 0) != 0) {
+    SP_ASSIGN_OR_RETURN(ObjectDirectory at, OpenObjectDirectory(name));
+    if (at.status.code() == StatusCode::kNotFound || at.blocked) return Status::OK();  // none
+    SP_RETURN_IF_ERROR(at.status);
+    if (::unlinkat(at.fd.get(), at.base.c_str(), 0) != 0) {
       int err = errno;
       if (err == ENOENT) return Status::OK();
-      return ErrnoStatus("unlink", path, err);
+      return ErrnoStatus("unlink", at.path, err);
     }
-    if (::fsync(dir_fd.get()) != 0) return ErrnoStatus("fsync", Describe(dir_rel), errno);
-    dir_fd.Reset();
+    if (::fsync(at.fd.get()) != 0) return ErrnoStatus("fsync", Describe(at.dir_rel), errno);
+    at.fd.Reset();
     // Remove the directories that this made empty, deepest first, never the root.
-    std::string_view dir = dir_rel;
+    std::string_view dir = at.dir_rel;
     while (!dir.empty()) {
       auto [parent_rel, leaf] = SplitName(dir);
       UniqueFd parent_fd;
@@ -678,6 +670,28 @@ class PosixStorage final : public Storage {
  private:
   using FileVisitor = std::function<Status(int dir_fd, const std::string& file_name,
                                            const std::string& rel, const struct stat& st)>;
+
+  // Where object `name` lives: its directory, opened without creating anything (`status`:
+  // NotFound when missing; `blocked` as for OpenDirectory), and its file name there.
+  struct ObjectDirectory {
+    std::string path;          // the object's full path, for messages
+    std::string_view dir_rel;  // the directory, relative to the root (a view into the name)
+    std::string base;          // the file name within it
+    UniqueFd fd;
+    bool blocked = false;
+    Status status;
+  };
+  // InvalidArgument for an invalid name; every other outcome is in the result.
+  Result<ObjectDirectory> OpenObjectDirectory(std::string_view name) const {
+    SP_RETURN_IF_ERROR(ValidateObjectName(name));
+    ObjectDirectory at;
+    at.path = Describe(name);
+    const auto [dir_rel, base] = SplitName(name);
+    at.dir_rel = dir_rel;
+    at.base = std::string(base);
+    at.status = OpenDirectory(dir_rel, /*create=*/false, &at.fd, &at.blocked);
+    return at;
+  }
 
   // Opens the directory `rel` ("" for the root) below the root without following symlinks,
   // creating missing components when `create`. NotFound when a component is missing. When a
