@@ -498,8 +498,10 @@ Result<std::vector<ObjectInfo>> FaultyStorage::List(std::string_view prefix) {
 Status FaultyStorage::Delete(std::string_view name) {
   SP_RETURN_IF_ERROR(ValidateObjectName(name));
   if (auto fault = state_->Check(FaultOp::kDelete, base_->Describe(name))) return fault->error;
+  // Only the removal of an object syncs its directory (as POSIX storage does).
+  const bool existed = base_->Open(name).ok();
   SP_RETURN_IF_ERROR(base_->Delete(name));
-  state_->Deleted(name);
+  if (existed) state_->Deleted(name);
   return Status::OK();
 }
 
