@@ -1,5 +1,3 @@
-#include "safepoint/checkpoint.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +11,7 @@
 #include <thread>
 #include <tuple>
 
+#include "safepoint/checkpoint.h"
 #include "storage/faulty/faulty_storage.h"
 #include "storage/posix/posix_storage.h"
 #include "testing/test_util.h"
@@ -221,7 +220,7 @@ TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
   CheckpointStore store(faulty);
   ASSERT_OK(Save(store, 1));
   ASSERT_OK(Save(store, 2));
-  ASSERT_OK(store.DeleteStep(1));  // leave garbage for clean-up to delete later
+  ASSERT_OK(store.DeleteStep(1));   // leave garbage for clean-up to delete later
   ASSERT_OK(Save(store, 3, 0, 2));  // an uncommitted step for clean-up (step 3 < 4)
 
   const FaultCase c = GetParam();
@@ -449,9 +448,9 @@ TEST_P(PowerLossCampaignTest, EveryStepReportedCommittedSurvives) {
     ExpectShard(*newest, 0, kElems);
   };
   for (uint64_t step = 1; step <= 40; ++step) {
-    for (FaultOp op : {FaultOp::kCreate, FaultOp::kWrite, FaultOp::kSync, FaultOp::kPublish,
-                       FaultOp::kDirSync, FaultOp::kDelete, FaultOp::kList, FaultOp::kOpen,
-                       FaultOp::kRead}) {
+    for (FaultOp op :
+         {FaultOp::kCreate, FaultOp::kWrite, FaultOp::kSync, FaultOp::kPublish, FaultOp::kDirSync,
+          FaultOp::kDelete, FaultOp::kList, FaultOp::kOpen, FaultOp::kRead}) {
       faulty->Arm({.op = op, .kind = FaultKind::kEIO, .one_in = 40});
     }
     const uint32_t world = 1 + static_cast<uint32_t>(rng() % 2);

@@ -20,9 +20,11 @@ Value Sample() {
   d.items.emplace_back(Value(std::string("nan")), Value(std::nan("")));
   d.items.emplace_back(Value(std::string("inf")), Value(-std::numeric_limits<double>::infinity()));
   d.items.emplace_back(Value(std::string("negzero")), Value(-0.0));
-  d.items.emplace_back(Value(std::string("big")), Value(BigInt{std::string("\x01\x00\x00\x00\x00\x00\x00\x00\x00\x01", 10)}));
+  d.items.emplace_back(Value(std::string("big")),
+                       Value(BigInt{std::string("\x01\x00\x00\x00\x00\x00\x00\x00\x00\x01", 10)}));
   d.items.emplace_back(Value(std::string("bytes")), Value(Bytes{std::string("\x00\xff", 2)}));
-  d.items.emplace_back(Value(std::string("t")), Value(Tuple{{Value(TensorRef{1, 0}), Value(std::string("\xe2\x82\xac"))}}));
+  d.items.emplace_back(Value(std::string("t")),
+                       Value(Tuple{{Value(TensorRef{1, 0}), Value(std::string("\xe2\x82\xac"))}}));
   d.items.emplace_back(Value(std::string("min")), Value(std::numeric_limits<int64_t>::min()));
   return Value(std::move(d));
 }

@@ -50,10 +50,9 @@ TEST(Crc32cTest, KnownVectorAndChaining) {
 
 TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
   Owned o;
-  const DType all[] = {DType::kFloat32, DType::kFloat16,      DType::kBFloat16,
-                       DType::kFloat64, DType::kInt8,         DType::kInt16,
-                       DType::kInt32,   DType::kInt64,        DType::kUInt8,
-                       DType::kBool,    DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+  const DType all[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,     DType::kFloat64,
+                       DType::kInt8,    DType::kInt16,   DType::kInt32,        DType::kInt64,
+                       DType::kUInt8,   DType::kBool,    DType::kFloat8E4M3FN, DType::kFloat8E5M2};
   uint8_t seed = 1;
   for (DType d : all) o.Add(std::string("t.") + std::string(DTypeName(d)), d, {3, 5}, seed++);
   o.Add("scalar", DType::kFloat64, {}, 9);
@@ -83,14 +82,16 @@ TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
     ASSERT_EQ(e.nbytes, s.nbytes);
     EXPECT_EQ(e.offset % 64, 0u);
     if (e.nbytes >= (64 << 10)) EXPECT_EQ(e.offset % 4096, 0u);
-    if (s.nbytes > 0) EXPECT_EQ(std::memcmp(r->tensor_data(i).data(), s.data, s.nbytes), 0) << s.spec.name;
+    if (s.nbytes > 0)
+      EXPECT_EQ(std::memcmp(r->tensor_data(i).data(), s.data, s.nbytes), 0) << s.spec.name;
   }
   EXPECT_EQ(internal::AsStringView(r->extras()), "extras-bytes");
 }
 
 TEST(ImageTest, FillOfAnyRangeMatchesFillAll) {
   Owned o;
-  for (int i = 0; i < 50; ++i) o.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 37)}, i);
+  for (int i = 0; i < 50; ++i)
+    o.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 37)}, i);
   auto b = ImageBuilder::Create(Meta(), o.sources, "x", 4096);
   ASSERT_OK(b);
   auto full = Build(**b);
@@ -154,8 +155,7 @@ TEST(ImageTest, BuilderRejectsBadInput) {
             }).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.rank = 4; }).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.job = "a/b"; }).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.job = "a/b"; }).code(), StatusCode::kInvalidArgument);
   auto s = make([](Owned& o, ImageMeta&) { o.sources[1].spec.name = "a"; });
   EXPECT_NE(s.message().find("'a'"), std::string::npos) << s.message();
 }

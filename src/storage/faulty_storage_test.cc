@@ -100,7 +100,8 @@ Status RunUnit(FaultyStorage& fs, FaultOp op, int i) {
       if (!r.ok()) return r.status();
       std::vector<std::byte> buf((*r)->size());
       SP_RETURN_IF_ERROR((*r)->ReadAt(0, buf));
-      return buf == PatternBytes(100, i) ? Status::OK() : Corruption(name + ": wrong data read back");
+      return buf == PatternBytes(100, i) ? Status::OK()
+                                         : Corruption(name + ": wrong data read back");
     }
     case FaultOp::kList: {
       auto list = fs.List(name);
@@ -115,7 +116,9 @@ Status RunUnit(FaultyStorage& fs, FaultOp op, int i) {
   return InvalidArgument("bad op");
 }
 
-void Populate(Storage& storage, int i) { ASSERT_OK(PutObject(storage, ObjectName(i), PatternBytes(100, i))); }
+void Populate(Storage& storage, int i) {
+  ASSERT_OK(PutObject(storage, ObjectName(i), PatternBytes(100, i)));
+}
 
 bool Exists(Storage& storage, int i) { return storage.Open(ObjectName(i)).ok(); }
 

@@ -19,9 +19,9 @@
 #include <thread>
 #include <vector>
 
+#include "safepoint/storage.h"
 #include "storage/faulty/faulty_storage.h"
 #include "testing/test_util.h"
-#include "safepoint/storage.h"
 
 namespace safepoint {
 namespace {
@@ -173,8 +173,8 @@ TEST_P(StorageConformanceTest, ParallelWriteAtFromManyThreads) {
   for (size_t t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (size_t i = t; i < kChunks; i += kThreads) {
-        Status s = (*w)->WriteAt(offsets[i],
-                                 src.span().subspan(offsets[i], offsets[i + 1] - offsets[i]));
+        Status s =
+            (*w)->WriteAt(offsets[i], src.span().subspan(offsets[i], offsets[i + 1] - offsets[i]));
         if (!s.ok()) {
           ADD_FAILURE() << s.ToString();
           ++failures;
@@ -358,7 +358,7 @@ TEST_P(StorageConformanceTest, EmptyAndSparseObjects) {
 }
 
 TEST_P(StorageConformanceTest, ListFiltersByPrefixAndSorts) {
-  const std::vector<std::string> names = {"b",   "a/2",   "a/10",    "a/1",  "ab",
+  const std::vector<std::string> names = {"b",   "a/2",   "a/10",    "a/1", "ab",
                                           "a.x", "c/d/e", "c/d/f/g", "c/dd"};
   for (size_t i = 0; i < names.size(); ++i) Put(names[i], PatternBytes(i + 1, 14));
   std::vector<std::string> expected = names;
@@ -381,8 +381,8 @@ TEST_P(StorageConformanceTest, ListFiltersByPrefixAndSorts) {
     EXPECT_EQ(info.size, index + 1) << info.name;
   }
 
-  const std::vector<std::string> bad_prefixes = {"../", "/",  "a//", "./x", "a/../b/",
-                                                 std::string("a\0b", 3), "x\\y"};
+  const std::vector<std::string> bad_prefixes = {
+      "../", "/", "a//", "./x", "a/../b/", std::string("a\0b", 3), "x\\y"};
   for (const std::string& bad : bad_prefixes) {
     auto r = storage_->List(bad);
     ASSERT_FALSE(r.ok()) << "List(\"" << bad << "\") succeeded";
@@ -436,8 +436,8 @@ TEST_P(StorageConformanceTest, OpenOfMissingObjectIsNotFound) {
 
 TEST_P(StorageConformanceTest, InvalidNamesAreRejected) {
   const std::vector<std::string> bad = {
-      "../x", "/abs", "a//b", "a/./b", "a/../b", "", "x.tmp.y", std::string("a\0b", 3),
-      "a\\b", "..", ".", "a/", "a/.", "a/..", "./a", std::string(4097, 'n')};
+      "../x", "/abs", "a//b", "a/./b", "a/../b", "",     "x.tmp.y", std::string("a\0b", 3),
+      "a\\b", "..",   ".",    "a/",    "a/.",    "a/..", "./a",     std::string(4097, 'n')};
   for (const std::string& name : bad) {
     SCOPED_TRACE("name \"" + name.substr(0, 40) + "\"");
     Status v = ValidateObjectName(name);
@@ -570,12 +570,13 @@ TEST(StorageRegistryTest, UnknownSchemeIsInvalidArgumentNamingTheScheme) {
 
 TEST(StorageRegistryTest, RegisteredSchemesAreUsed) {
   std::string seen_uri, seen_rest;
-  RegisterStorageScheme("Test-Scheme", [&](std::string_view uri, std::string_view rest)
-                                           -> Result<std::unique_ptr<Storage>> {
-    seen_uri = std::string(uri);
-    seen_rest = std::string(rest);
-    return NewMemoryStorage();
-  });
+  RegisterStorageScheme(
+      "Test-Scheme",
+      [&](std::string_view uri, std::string_view rest) -> Result<std::unique_ptr<Storage>> {
+        seen_uri = std::string(uri);
+        seen_rest = std::string(rest);
+        return NewMemoryStorage();
+      });
   auto r = OpenStorage("test-scheme://host/some/where");
   ASSERT_OK(r);
   EXPECT_EQ(seen_uri, "test-scheme://host/some/where");

@@ -41,19 +41,19 @@ const Status& StatusOf(const Result<T>& r) {
 }  // namespace safepoint::test
 
 // The statement form of gtest's own assertions: a failure message may be streamed after it.
-#define SP_TEST_OK_(expr, on_failure)                                                        \
-  switch (0)                                                                                 \
-  case 0:                                                                                    \
-  default:                                                                                   \
-    if (const ::safepoint::Status sp_test_status_ = ::safepoint::test::StatusOf(expr);       \
-        sp_test_status_.ok()) {                                                              \
-    } else                                                                                   \
+#define SP_TEST_OK_(expr, on_failure)                                                  \
+  switch (0)                                                                           \
+  case 0:                                                                              \
+  default:                                                                             \
+    if (const ::safepoint::Status sp_test_status_ = ::safepoint::test::StatusOf(expr); \
+        sp_test_status_.ok()) {                                                        \
+    } else                                                                             \
       on_failure << #expr << " is not OK: " << sp_test_status_.ToString() << "\n"
 #define ASSERT_OK(expr) SP_TEST_OK_(expr, GTEST_FAIL())
 #define EXPECT_OK(expr) SP_TEST_OK_(expr, ADD_FAILURE())
 
-#define SP_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr)                   \
-  auto tmp = (expr);                                                    \
+#define SP_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr)                          \
+  auto tmp = (expr);                                                           \
   ASSERT_TRUE(tmp.ok()) << #expr << " is not OK: " << tmp.status().ToString(); \
   lhs = std::move(tmp).value()
 #define ASSERT_OK_AND_ASSIGN(lhs, expr) \

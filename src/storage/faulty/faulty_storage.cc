@@ -16,8 +16,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstddef>
 #include <cerrno>
+#include <cstddef>
 #include <list>
 #include <map>
 #include <memory>
@@ -34,28 +34,44 @@ namespace safepoint {
 
 std::string_view FaultOpName(FaultOp op) {
   switch (op) {
-    case FaultOp::kCreate: return "create";
-    case FaultOp::kWrite: return "write";
-    case FaultOp::kSync: return "sync";
-    case FaultOp::kPublish: return "publish";
-    case FaultOp::kDirSync: return "dirsync";
-    case FaultOp::kOpen: return "open";
-    case FaultOp::kRead: return "read";
-    case FaultOp::kList: return "list";
-    case FaultOp::kDelete: return "delete";
-    case FaultOp::kCount_: break;
+    case FaultOp::kCreate:
+      return "create";
+    case FaultOp::kWrite:
+      return "write";
+    case FaultOp::kSync:
+      return "sync";
+    case FaultOp::kPublish:
+      return "publish";
+    case FaultOp::kDirSync:
+      return "dirsync";
+    case FaultOp::kOpen:
+      return "open";
+    case FaultOp::kRead:
+      return "read";
+    case FaultOp::kList:
+      return "list";
+    case FaultOp::kDelete:
+      return "delete";
+    case FaultOp::kCount_:
+      break;
   }
   return "unknown";
 }
 
 std::string_view FaultKindName(FaultKind kind) {
   switch (kind) {
-    case FaultKind::kEIO: return "EIO";
-    case FaultKind::kENOSPC: return "ENOSPC";
-    case FaultKind::kShortWrite: return "ShortWrite";
-    case FaultKind::kDelay: return "Delay";
-    case FaultKind::kBitFlip: return "BitFlip";
-    case FaultKind::kUnsynced: return "Unsynced";
+    case FaultKind::kEIO:
+      return "EIO";
+    case FaultKind::kENOSPC:
+      return "ENOSPC";
+    case FaultKind::kShortWrite:
+      return "ShortWrite";
+    case FaultKind::kDelay:
+      return "Delay";
+    case FaultKind::kBitFlip:
+      return "BitFlip";
+    case FaultKind::kUnsynced:
+      return "Unsynced";
   }
   return "unknown";
 }
@@ -140,12 +156,11 @@ struct FaultState {
       std::this_thread::sleep_for(spec.delay);
       return std::nullopt;
     }
-    const bool applies = (spec.kind == FaultKind::kShortWrite && op == FaultOp::kWrite) ||
-                         (spec.kind == FaultKind::kBitFlip &&
-                          (op == FaultOp::kRead || op == FaultOp::kWrite)) ||
-                         (spec.kind == FaultKind::kUnsynced &&
-                          (op == FaultOp::kSync || op == FaultOp::kDirSync)) ||
-                         spec.kind == FaultKind::kEIO || spec.kind == FaultKind::kENOSPC;
+    const bool applies =
+        (spec.kind == FaultKind::kShortWrite && op == FaultOp::kWrite) ||
+        (spec.kind == FaultKind::kBitFlip && (op == FaultOp::kRead || op == FaultOp::kWrite)) ||
+        (spec.kind == FaultKind::kUnsynced && (op == FaultOp::kSync || op == FaultOp::kDirSync)) ||
+        spec.kind == FaultKind::kEIO || spec.kind == FaultKind::kENOSPC;
     injection.kind = applies ? spec.kind : FaultKind::kEIO;
     const std::string what =
         std::string(FaultOpName(op)) + " #" + std::to_string(n) + " (injected fault)";
@@ -473,8 +488,8 @@ Result<std::unique_ptr<WritableObject>> FaultyStorage::Create(std::string_view n
     state_->writers.remove_if([](const std::weak_ptr<WriterCore>& w) { return w.expired(); });
     state_->writers.push_back(core);
   }
-  return std::unique_ptr<WritableObject>(std::make_unique<FaultyWritableObject>(
-      state_, base_, std::string(name), std::move(core)));
+  return std::unique_ptr<WritableObject>(
+      std::make_unique<FaultyWritableObject>(state_, base_, std::string(name), std::move(core)));
 }
 
 Result<std::unique_ptr<ReadableObject>> FaultyStorage::Open(std::string_view name) {

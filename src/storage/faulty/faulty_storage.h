@@ -37,15 +37,15 @@
 namespace safepoint {
 
 enum class FaultOp : int {
-  kCreate = 0,
-  kWrite,    // WritableObject::WriteAt
-  kSync,     // Publish: the data sync (fsync of the temporary); on failure nothing is published
-  kPublish,  // Publish: the rename (or the final PUT); on failure nothing is published
-  kDirSync,  // Publish: the directory sync after the rename; on failure the object is visible
-  kOpen,
-  kRead,     // ReadableObject::ReadAt
-  kList,
-  kDelete,
+  kCreate = 0,  // Storage::Create
+  kWrite,       // WritableObject::WriteAt
+  kSync,        // Publish: the data sync (fsync of the temporary); on failure nothing is published
+  kPublish,     // Publish: the rename (or the final PUT); on failure nothing is published
+  kDirSync,     // Publish: the directory sync after the rename; on failure the object is visible
+  kOpen,        // Storage::Open
+  kRead,        // ReadableObject::ReadAt
+  kList,        // Storage::List
+  kDelete,      // Storage::Delete
   kCount_,
 };
 std::string_view FaultOpName(FaultOp op);
@@ -62,11 +62,13 @@ std::string_view FaultKindName(FaultKind kind);
 
 struct FaultSpec {
   FaultOp op = FaultOp::kWrite;
-  uint64_t nth = 1;         // fire on the nth operation of `op` counted from arming (1-based)
+  // Fire on the nth operation of `op` counted from arming (1-based) and, when sticky, on every
+  // later one until cleared; or, when one_in > 0, on each operation with probability 1/one_in.
+  uint64_t nth = 1;
   FaultKind kind = FaultKind::kEIO;
-  bool sticky = false;      // also fire on every later operation of `op` until cleared
+  bool sticky = false;
   std::chrono::microseconds delay{0};  // for kDelay
-  uint64_t one_in = 0;      // > 0: fire on each operation with probability 1/one_in instead
+  uint64_t one_in = 0;
 };
 
 class FaultyStorage final : public Storage {

@@ -41,6 +41,8 @@
 // layer guarantees this by calling it for steps whose writers are known to be gone).
 //
 // Thread safety: every method may be called from many threads; WriteAt/ReadAt are positional.
+#include "storage/posix/posix_storage.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -67,7 +69,6 @@
 #include "base/random.h"
 #include "base/unique_fd.h"
 #include "safepoint/storage.h"
-#include "storage/posix/posix_storage.h"
 
 namespace safepoint {
 
@@ -110,9 +111,9 @@ bool IsTemporaryName(std::string_view file_name) {
   size_t pos = file_name.rfind(kTmpInfix);
   if (pos == std::string_view::npos || pos == 0) return false;
   std::string_view hex = file_name.substr(pos + kTmpInfix.size());
-  return hex.size() == kTmpSuffixHexDigits &&
-         std::all_of(hex.begin(), hex.end(),
-                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+  return hex.size() == kTmpSuffixHexDigits && std::all_of(hex.begin(), hex.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
 }
 
 int64_t MtimeNs(const struct stat& st) {
@@ -296,15 +297,15 @@ class PosixWritableObject final : public WritableObject {
     if (state_.load(std::memory_order_acquire) != State::kWriting) return NotWritable();
     if (data.size() > static_cast<uint64_t>(INT64_MAX) ||
         offset > static_cast<uint64_t>(INT64_MAX) - data.size()) {
-      return RecordFailure(InvalidArgument(
-          tmp_path_ + ": write of " + std::to_string(data.size()) + " bytes at offset " +
-          std::to_string(offset) + " exceeds the file size limit"));
+      return RecordFailure(InvalidArgument(tmp_path_ + ": write of " + std::to_string(data.size()) +
+                                           " bytes at offset " + std::to_string(offset) +
+                                           " exceeds the file size limit"));
     }
     int err = io_.Transfer<true>(data.data(), data.size(), offset);
     if (err != 0) {
-      return RecordFailure(ErrnoStatus("pwrite of " + std::to_string(data.size()) +
-                                           " bytes at offset " + std::to_string(offset),
-                                       tmp_path_, err));
+      return RecordFailure(ErrnoStatus(
+          "pwrite of " + std::to_string(data.size()) + " bytes at offset " + std::to_string(offset),
+          tmp_path_, err));
     }
     if (data.empty()) return Status::OK();
     const uint64_t end = offset + data.size();
@@ -356,8 +357,8 @@ class PosixWritableObject final : public WritableObject {
       // not report it durable; writing it again (or any later successful fsync of this
       // directory) makes the name durable.
       const Status s = ErrnoStatus("fsync", dir_path_, err);
-      return IOError(s.message()).WithContext(
-          "publishing " + path_ + " (visible, but it may not survive a power loss)");
+      return IOError(s.message())
+          .WithContext("publishing " + path_ + " (visible, but it may not survive a power loss)");
     }
     return Status::OK();
   }
@@ -422,8 +423,7 @@ class PosixWritableObject final : public WritableObject {
 
 class PosixReadableObject final : public ReadableObject {
  public:
-  PosixReadableObject(std::string path, UniqueFd fd, UniqueFd direct_fd,
-                      uint64_t size)
+  PosixReadableObject(std::string path, UniqueFd fd, UniqueFd direct_fd, uint64_t size)
       : path_(std::move(path)), size_(size) {
     io_.Init(std::move(fd), std::move(direct_fd));
   }
@@ -450,8 +450,7 @@ class PosixReadableObject final : public ReadableObject {
  private:
   Status Truncated(uint64_t offset, size_t n, uint64_t size) const {
     return Corruption(path_ + ": truncated: wanted " + std::to_string(n) + " bytes at offset " +
-                      std::to_string(offset) + ", object has " + std::to_string(size) +
-                      " bytes");
+                      std::to_string(offset) + ", object has " + std::to_string(size) + " bytes");
   }
 
   const std::string path_;
@@ -520,7 +519,7 @@ class PosixStorage final : public Storage {
       {
         std::shared_lock<std::shared_mutex> lock(LiveTemporaries::Get().sweep_mu());
         fd = UniqueFd(::openat(dir_fd.get(), tmp_name.c_str(),
-                                     O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644));
+                               O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644));
         if (!fd.valid()) {
           err = errno;
         } else if (::fstat(fd.get(), &st) != 0) {
@@ -533,9 +532,9 @@ class PosixStorage final : public Storage {
         }
       }
       if (fd.valid()) {
-        auto object = std::make_unique<PosixWritableObject>(
-            path, dir_path, std::move(dir_fd), std::string(base), std::move(tmp_name),
-            std::move(fd), st, sync_hook_);
+        auto object = std::make_unique<PosixWritableObject>(path, dir_path, std::move(dir_fd),
+                                                            std::string(base), std::move(tmp_name),
+                                                            std::move(fd), st, sync_hook_);
         bool refused = false;
         const bool try_direct =
             options_.use_direct_io && !direct_refused_.load(std::memory_order_relaxed);
@@ -560,8 +559,8 @@ class PosixStorage final : public Storage {
     const std::string& base_name = at.base;
     const UniqueFd& dir_fd = at.fd;
     // O_NONBLOCK so that a FIFO planted in the tree cannot block us; cleared below.
-    UniqueFd fd(::openat(dir_fd.get(), base_name.c_str(),
-                               O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+    UniqueFd fd(
+        ::openat(dir_fd.get(), base_name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
     if (!fd.valid()) {
       int err = errno;
       if (err == ELOOP) {
@@ -712,8 +711,8 @@ class PosixStorage final : public Storage {
       path = JoinPath(path, component);
       int fd = -1;
       for (int attempt = 0; attempt < 2; ++attempt) {
-        fd = ::openat(cur.get(), component.c_str(),
-                      O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        fd =
+            ::openat(cur.get(), component.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
         if (fd >= 0 || errno != ENOENT || !create || attempt > 0) break;
         if (::mkdirat(cur.get(), component.c_str(), 0755) != 0 && errno != EEXIST) {
           return ErrnoStatus("mkdir", path, errno);

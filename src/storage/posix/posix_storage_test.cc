@@ -3,6 +3,8 @@
 // inside the root, names that try to escape it, O_DIRECT on tmpfs and its fallback where the
 // filesystem refuses it, and ENOSPC on a real, tiny filesystem (tests that need to mount one
 // skip themselves where mounting is not permitted).
+#include "storage/posix/posix_storage.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -22,7 +24,6 @@
 #include <vector>
 
 #include "safepoint/storage.h"
-#include "storage/posix/posix_storage.h"
 #include "testing/test_util.h"
 
 namespace safepoint {
@@ -505,8 +506,7 @@ TEST(PosixStorageTest, NoSpaceOnATinyFilesystem) {
     auto w = storage->Create("hinted", 4 << 20);
     ASSERT_FALSE(w.ok());
     EXPECT_EQ(w.status().code(), StatusCode::kResourceExhausted) << w.status().ToString();
-    EXPECT_NE(w.status().message().find("fallocate"), std::string::npos)
-        << w.status().ToString();
+    EXPECT_NE(w.status().message().find("fallocate"), std::string::npos) << w.status().ToString();
   }
   EXPECT_TRUE(TemporaryFiles(mount.path()).empty());
 
