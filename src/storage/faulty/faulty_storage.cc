@@ -33,47 +33,18 @@
 namespace safepoint {
 
 std::string_view FaultOpName(FaultOp op) {
-  switch (op) {
-    case FaultOp::kCreate:
-      return "create";
-    case FaultOp::kWrite:
-      return "write";
-    case FaultOp::kSync:
-      return "sync";
-    case FaultOp::kPublish:
-      return "publish";
-    case FaultOp::kDirSync:
-      return "dirsync";
-    case FaultOp::kOpen:
-      return "open";
-    case FaultOp::kRead:
-      return "read";
-    case FaultOp::kList:
-      return "list";
-    case FaultOp::kDelete:
-      return "delete";
-    case FaultOp::kCount_:
-      break;
-  }
-  return "unknown";
+  static constexpr std::string_view kNames[] = {"create", "write", "sync", "publish", "dirsync",
+                                                "open",   "read",  "list", "delete"};
+  static_assert(std::size(kNames) == static_cast<size_t>(FaultOp::kCount_));
+  const size_t i = static_cast<size_t>(op);
+  return i < std::size(kNames) ? kNames[i] : "unknown";
 }
 
 std::string_view FaultKindName(FaultKind kind) {
-  switch (kind) {
-    case FaultKind::kEIO:
-      return "EIO";
-    case FaultKind::kENOSPC:
-      return "ENOSPC";
-    case FaultKind::kShortWrite:
-      return "ShortWrite";
-    case FaultKind::kDelay:
-      return "Delay";
-    case FaultKind::kBitFlip:
-      return "BitFlip";
-    case FaultKind::kUnsynced:
-      return "Unsynced";
-  }
-  return "unknown";
+  static constexpr std::string_view kNames[] = {"EIO",   "ENOSPC",  "ShortWrite",
+                                                "Delay", "BitFlip", "Unsynced"};
+  const size_t i = static_cast<size_t>(kind);
+  return i < std::size(kNames) ? kNames[i] : "unknown";
 }
 
 namespace {
