@@ -8,9 +8,13 @@
 // Writing: Create() returns a WritableObject that is invisible to List/Open until Publish()
 // returns OK. Publish() makes the data durable and then publishes it atomically under its name
 // (POSIX: fsync the temporary file, rename it into place, fsync the directory; object store: one
-// PUT / complete-multipart). If Publish() or any WriteAt() fails, the object is lost: the caller
-// must rewrite it from its source, never retry a failed sync and trust it. Destroying a
-// WritableObject that was not published removes its temporary data.
+// PUT / complete-multipart). If any WriteAt() fails, or Publish() fails before the object is
+// visible, the object is lost: the caller must rewrite it from its source, never retry a failed
+// sync and trust it. A backend that can fail after the object became visible (POSIX: the
+// directory fsync after the rename) returns IOError and leaves it visible but perhaps not
+// durable: the caller must not count it durable and must not delete it (another writer may have
+// published an equal object under that name meanwhile); rewriting it makes it durable.
+// Destroying a WritableObject that was not published removes its temporary data.
 //
 // Reading: Open() returns a ReadableObject for positional reads into caller buffers.
 //
@@ -51,7 +55,9 @@ class WritableObject {
   virtual Status WriteAt(uint64_t offset, std::span<const std::byte> data) = 0;
 
   // Durably publishes the object under its name, replacing an existing object of that name
-  // atomically. On failure nothing is published and the temporary data is removed.
+  // atomically. On failure the temporary data is removed and, in general, nothing is published;
+  // an IOError after the object became visible leaves it published but not known to be durable
+  // (see the top of this file). Either way the object cannot be written or published again.
   virtual Status Publish() = 0;
 
   // Removes the temporary data. Idempotent; called by the destructor when not published.

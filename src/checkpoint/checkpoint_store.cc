@@ -15,6 +15,12 @@
 //   6. List "step-S/". If rank-0 .. rank-(W-1) all exist, read each one's 4 KiB header and check
 //      magic, header CRC, step, rank, world size and that the object size equals image_size.
 //   7. Write "step-S/COMMIT" with steps 1, 3, 4, 5. Concurrent committers write equal records.
+// A failed directory fsync (step 5 of an image or of the COMMIT) comes after the rename: the
+//   object is visible but may not survive a power loss. The write returns that IOError, so that
+//   the save is not reported committed on its account, and deletes nothing: another rank may
+//   have published an equal COMMIT under the name and reported the step committed. Images and
+//   COMMIT share "step-S/", so the successful fsync of a COMMIT written after every image makes
+//   them all durable; committing again (an equal record) makes a visible COMMIT durable.
 // Reading: list "step-*/COMMIT", decode each (CRC, size, version); only those steps exist. Open
 //   a rank's image, compare its size and header CRC with the record, verify every chunk CRC.
 // Deleting: unlink COMMIT first (the step stops existing), then the images.
@@ -566,6 +572,13 @@ Result<size_t> CheckpointStore::CleanUp() {
   for (const auto& c : committed) committed_steps.push_back(c.step);
 
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  // A step with a COMMIT object is committed even when its record did not read back just now (a
+  // bit flipped on the way, a damaged record): clean-up never removes it.
+  for (const auto& o : objects) {
+    auto step = StepFromObjectName(o.name);
+    if (step && o.name == CommitObjectName(*step)) committed_steps.push_back(*step);
+  }
+  std::sort(committed_steps.begin(), committed_steps.end());
   size_t removed = 0;
   for (const auto& o : objects) {
     auto step = StepFromObjectName(o.name);

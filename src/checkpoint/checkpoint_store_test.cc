@@ -1,19 +1,26 @@
-#include "safepoint/checkpoint.h"
-
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <thread>
-#include <tuple>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <random>
+#include <thread>
+#include <tuple>
 
-#include "safepoint/faulty_storage.h"
+#include "safepoint/checkpoint.h"
+#include "storage/faulty/faulty_storage.h"
+#include "storage/posix/posix_storage.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 namespace {
+
+using test::AsBytes;
+using test::TempDir;
 
 // A shard whose bytes are a pure function of (step, rank).
 struct Shard {
@@ -34,12 +41,7 @@ struct Shard {
 };
 
 ImageMeta Meta(uint64_t step, uint32_t rank, uint32_t world) {
-  ImageMeta m;
-  m.job = "test";
-  m.step = step;
-  m.rank = rank;
-  m.world_size = world;
-  return m;
+  return test::TestImageMeta("test", step, rank, world);
 }
 
 Status Save(CheckpointStore& store, uint64_t step, uint32_t rank = 0, uint32_t world = 1) {
@@ -47,25 +49,31 @@ Status Save(CheckpointStore& store, uint64_t step, uint32_t rank = 0, uint32_t w
   return SaveShard(store, Meta(step, rank, world), s.sources, s.extras).status();
 }
 
+// Checks that `shard` is exactly what Shard(step, rank, big_elems) wrote, for its step.
+void ExpectShard(const LoadedShard& shard, uint32_t rank, size_t big_elems = 3 << 20) {
+  Shard want(shard.commit.step, rank, big_elems);
+  ASSERT_EQ(shard.reader.tensors().size(), 2u);
+  auto big = shard.reader.tensor_data(0);
+  ASSERT_EQ(big.size(), want.big.size() * 4);
+  EXPECT_EQ(std::memcmp(big.data(), want.big.data(), big.size()), 0)
+      << "step " << shard.commit.step << ", rank " << rank;
+  auto enc = EncodeExtras(shard.extras);
+  EXPECT_EQ(*enc, want.extras);
+}
+
 // Loads and checks that the content is exactly what Shard(step, rank) wrote.
 void ExpectLoads(CheckpointStore& store, std::optional<uint64_t> step, uint64_t expect_step,
                  uint32_t rank = 0) {
   auto shard = LoadShard(store, step, rank);
-  ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+  ASSERT_OK(shard);
   EXPECT_EQ(shard->commit.step, expect_step);
-  Shard want(expect_step, rank);
-  ASSERT_EQ(shard->reader.tensors().size(), 2u);
-  auto big = shard->reader.tensor_data(0);
-  ASSERT_EQ(big.size(), want.big.size() * 4);
-  EXPECT_EQ(std::memcmp(big.data(), want.big.data(), big.size()), 0);
-  auto enc = EncodeExtras(shard->extras);
-  EXPECT_EQ(*enc, want.extras);
+  ExpectShard(*shard, rank);
 }
 
 std::vector<uint64_t> Steps(CheckpointStore& store) {
   std::vector<uint64_t> out;
   auto committed = store.ListCommitted();
-  EXPECT_TRUE(committed.ok()) << committed.status().ToString();
+  EXPECT_OK(committed);
   if (!committed.ok()) return out;
   for (auto& c : *committed) out.push_back(c.step);
   return out;
@@ -74,8 +82,8 @@ std::vector<uint64_t> Steps(CheckpointStore& store) {
 TEST(CheckpointStoreTest, SaveLoadAndSteps) {
   CheckpointStore store(NewMemoryStorage());
   EXPECT_EQ(LoadShard(store, std::nullopt, 0).status().code(), StatusCode::kNotFound);
-  ASSERT_TRUE(Save(store, 5).ok());
-  ASSERT_TRUE(Save(store, 10).ok());
+  ASSERT_OK(Save(store, 5));
+  ASSERT_OK(Save(store, 10));
   EXPECT_EQ(Steps(store), (std::vector<uint64_t>{5, 10}));
   ExpectLoads(store, std::nullopt, 10);
   ExpectLoads(store, 5, 5);
@@ -86,14 +94,14 @@ TEST(CheckpointStoreTest, SaveLoadAndSteps) {
 TEST(CheckpointStoreTest, StepIsInvisibleUntilEveryRankWrote) {
   CheckpointStore store(NewMemoryStorage());
   for (uint32_t r : {3u, 0u, 2u}) {
-    ASSERT_TRUE(Save(store, 1, r, 4).ok());
+    ASSERT_OK(Save(store, 1, r, 4));
     EXPECT_TRUE(Steps(store).empty());
   }
-  ASSERT_TRUE(Save(store, 1, 1, 4).ok());
+  ASSERT_OK(Save(store, 1, 1, 4));
   EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
   for (uint32_t r = 0; r < 4; ++r) ExpectLoads(store, std::nullopt, 1, r);
   auto commit = store.ReadCommit(1);
-  ASSERT_TRUE(commit.ok());
+  ASSERT_OK(commit);
   EXPECT_EQ(commit->world_size, 4u);
   EXPECT_EQ(commit->job, "test");
 }
@@ -111,20 +119,20 @@ TEST(CheckpointStoreTest, StepCommitsOnlyFromImagesOfOneAttempt) {
     return SaveShard(store, m, s.sources, s.extras);
   };
   // A crashed run (attempt 7) left rank 0's image; the restarted run (attempt 8) saves again.
-  ASSERT_TRUE(save(0, 7).ok());
+  ASSERT_OK(save(0, 7));
   auto r1 = save(1, 8);
-  ASSERT_TRUE(r1.ok());
+  ASSERT_OK(r1);
   EXPECT_FALSE(r1->committed);
   EXPECT_TRUE(Steps(store).empty());  // never the mix of attempts 7 and 8
   auto r0 = save(0, 8);
-  ASSERT_TRUE(r0.ok());
+  ASSERT_OK(r0);
   EXPECT_TRUE(r0->committed);
   EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
 
   // Re-saving the committed step on one rank un-commits it until every rank re-saved it.
-  ASSERT_TRUE(save(1, 9).ok());
+  ASSERT_OK(save(1, 9));
   EXPECT_TRUE(Steps(store).empty());
-  ASSERT_TRUE(save(0, 9).ok());
+  ASSERT_OK(save(0, 9));
   EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
   for (uint32_t r = 0; r < 2; ++r) ExpectLoads(store, 1, 1, r);
 }
@@ -143,14 +151,14 @@ TEST(CheckpointStoreTest, StepCommitsOnlyWhenEveryReplicaLeftElsewhereIsHeld) {
   };
   {  // rank 0 leaves "a" to rank 1, which holds it: commits, and rank 1's bytes are "a"
     CheckpointStore store(NewMemoryStorage());
-    ASSERT_TRUE(save(store, 0, true, true).ok());
+    ASSERT_OK(save(store, 0, true, true));
     auto r = save(store, 1, false, true);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_OK(r);
     EXPECT_TRUE(r->committed);
   }
   {  // nobody holds "a": the commit fails, naming the tensor, and the step stays invisible
     CheckpointStore store(NewMemoryStorage());
-    ASSERT_TRUE(save(store, 0, true, true).ok());
+    ASSERT_OK(save(store, 0, true, true));
     auto r = save(store, 1, false, false);
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
@@ -167,20 +175,17 @@ TEST(CheckpointStoreTest, CommitRecordRoundTripAndCorruption) {
   r.commit_time_ns = 123;
   r.images = {{4096, 1}, {8192, 2}, {12288, 3}};
   std::string enc = EncodeCommitRecord(r);
-  auto span = [](const std::string& s) {
-    return std::span<const std::byte>(reinterpret_cast<const std::byte*>(s.data()), s.size());
-  };
-  auto dec = DecodeCommitRecord(span(enc), "c");
-  ASSERT_TRUE(dec.ok());
+  auto dec = DecodeCommitRecord(AsBytes(enc), "c");
+  ASSERT_OK(dec);
   EXPECT_EQ(dec->images[2].size, 12288u);
   EXPECT_EQ(dec->total_bytes(), 4096u + 8192 + 12288);
   for (size_t i = 0; i < enc.size(); ++i) {
     std::string bad = enc;
     bad[i] ^= 0x04;
-    EXPECT_EQ(DecodeCommitRecord(span(bad), "c").status().code(), StatusCode::kCorruption) << i;
+    EXPECT_EQ(DecodeCommitRecord(AsBytes(bad), "c").status().code(), StatusCode::kCorruption) << i;
   }
   for (size_t n = 0; n < enc.size(); n += 7) {
-    EXPECT_FALSE(DecodeCommitRecord(span(enc.substr(0, n)), "c").ok());
+    EXPECT_FALSE(DecodeCommitRecord(AsBytes(enc.substr(0, n)), "c").ok());
   }
 }
 
@@ -196,7 +201,11 @@ TEST(CheckpointStoreTest, StepNamesParse) {
 
 // Every storage operation failing with EIO, ENOSPC or a short write during a save: the save
 // fails with a clear error (or, for clean-up, succeeds), every committed step still loads, no
-// partial step becomes visible, and the save succeeds once the fault clears.
+// partial step becomes visible, and the save succeeds once the fault clears. A failed directory
+// sync (kDirSync) fails the save with an IOError but leaves the object it published visible:
+// when that is the COMMIT, step 4 is visible and loads, although the save was not reported. Then
+// the power fails: every step reported committed still loads, and the newest loadable step is
+// at least the newest one reported.
 struct FaultCase {
   FaultOp op;
   FaultKind kind;
@@ -209,10 +218,10 @@ TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
   auto base = std::shared_ptr<Storage>(NewMemoryStorage());
   auto faulty = std::make_shared<FaultyStorage>(base);
   CheckpointStore store(faulty);
-  ASSERT_TRUE(Save(store, 1).ok());
-  ASSERT_TRUE(Save(store, 2).ok());
-  ASSERT_TRUE(store.DeleteStep(1).ok());  // leave garbage for clean-up to delete later
-  ASSERT_TRUE(Save(store, 3, 0, 2).ok());  // an uncommitted step for clean-up (step 3 < 4)
+  ASSERT_OK(Save(store, 1));
+  ASSERT_OK(Save(store, 2));
+  ASSERT_OK(store.DeleteStep(1));   // leave garbage for clean-up to delete later
+  ASSERT_OK(Save(store, 3, 0, 2));  // an uncommitted step for clean-up (step 3 < 4)
 
   const FaultCase c = GetParam();
   faulty->Arm({c.op, c.nth, c.kind, false});
@@ -222,13 +231,21 @@ TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
 
   if (fired == 0) {
     // This save never reaches the nth operation of this kind.
-    EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_OK(s);
   } else if (!s.ok()) {
-    const StatusCode want =
-        c.kind == FaultKind::kENOSPC ? StatusCode::kResourceExhausted : StatusCode::kIOError;
+    const StatusCode want = c.kind == FaultKind::kBitFlip ? StatusCode::kCorruption
+                            : c.kind == FaultKind::kENOSPC && c.op != FaultOp::kDirSync
+                                ? StatusCode::kResourceExhausted
+                                : StatusCode::kIOError;
     EXPECT_EQ(s.code(), want) << s.ToString();
     EXPECT_NE(s.message().find("step-"), std::string::npos) << s.ToString();  // names the object
-    EXPECT_EQ(Steps(store).back(), 2u);
+    if (c.op == FaultOp::kDirSync && Steps(store).back() == 4) {
+      // The COMMIT's directory sync failed after it became visible: nothing deleted it.
+      EXPECT_NE(s.message().find(CommitObjectName(4)), std::string::npos) << s.ToString();
+      ExpectLoads(store, std::nullopt, 4);
+    } else {
+      EXPECT_EQ(Steps(store).back(), 2u);
+    }
   } else {
     // The fault hit clean-up work after the commit (it loses nothing and does not fail the
     // save): the save's promise still holds, step 4 is committed and reads back exactly.
@@ -239,8 +256,16 @@ TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
   }
   ExpectLoads(store, 2, 2);
   for (uint64_t step : Steps(store)) ExpectLoads(store, step, step);
-  // Once the fault clears, the same save works.
-  ASSERT_TRUE(Save(store, 4).ok());
+
+  ASSERT_OK(faulty->SimulatePowerLoss());
+  ExpectLoads(store, 2, 2);
+  ExpectLoads(store, std::nullopt, s.ok() ? 4 : 2);
+  for (uint64_t step : Steps(store)) ExpectLoads(store, step, step);
+  // Once the fault clears, the same save works (a failed one left no commit of step 4 behind).
+  if (!s.ok()) {
+    EXPECT_EQ(Steps(store).back(), 2u);
+    ASSERT_OK(Save(store, 4));
+  }
   ExpectLoads(store, std::nullopt, 4);
 }
 
@@ -251,19 +276,206 @@ std::vector<FaultCase> AllFaults() {
       out.push_back({FaultOp(op), FaultKind::kEIO, nth});
       out.push_back({FaultOp(op), FaultKind::kENOSPC, nth});
       if (FaultOp(op) == FaultOp::kWrite) out.push_back({FaultOp(op), FaultKind::kShortWrite, nth});
+      if (FaultOp(op) == FaultOp::kRead) out.push_back({FaultOp(op), FaultKind::kBitFlip, nth});
     }
   }
   return out;
 }
 
 std::string FaultCaseName(const ::testing::TestParamInfo<FaultCase>& info) {
-  static const char* const kKinds[] = {"EIO", "ENOSPC", "ShortWrite"};
   const FaultCase& c = info.param;
-  return std::string(FaultOpName(c.op)) + "_" + kKinds[static_cast<int>(c.kind)] + "_" +
+  return std::string(FaultOpName(c.op)) + "_" + std::string(FaultKindName(c.kind)) + "_" +
          std::to_string(c.nth);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOps, FaultMatrixTest, ::testing::ValuesIn(AllFaults()), FaultCaseName);
+
+// Regression (issue 9, defect 4), on the POSIX driver: two ranks commit step 2 at once. Rank 1's
+// COMMIT is renamed into place, rank 0 then publishes its equal COMMIT and reports the step
+// committed, and only then does rank 1's directory fsync fail. Rank 1's save fails, but the
+// step that rank 0 reported committed must stay: the driver used to unlink the COMMIT.
+TEST(CheckpointStoreTest, FailedDirectoryFsyncNeverUndoesAnotherRanksCommit) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::function<void()> during_rank1_commit_sync = [] {};
+  int commit_syncs = 0;
+  auto storage = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view path) {
+        if (sync != internal::PosixPublishSync::kDirectory ||
+            !path.ends_with(CommitObjectName(2)) || ++commit_syncs != 1) {
+          return 0;
+        }
+        during_rank1_commit_sync();
+        return EIO;
+      });
+  ASSERT_OK(storage);
+  CheckpointStore store(std::shared_ptr<Storage>(std::move(storage).value()));
+  ASSERT_OK(Save(store, 1));
+  ASSERT_OK(Save(store, 2, 0, 2));  // rank 0's image; the step waits for rank 1
+  Result<bool> rank0_committed = false;
+  during_rank1_commit_sync = [&] { rank0_committed = store.TryCommit(2, 2, "test", 0); };
+  Status rank1 = Save(store, 2, 1, 2);
+  EXPECT_EQ(rank1.code(), StatusCode::kIOError) << rank1.ToString();
+  EXPECT_NE(rank1.message().find(dir.path() + "/" + StepPrefix(2).substr(0, 25) + ": fsync"),
+            std::string::npos)
+      << rank1.ToString();
+  ASSERT_OK(rank0_committed);
+  ASSERT_TRUE(*rank0_committed);
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 2}));
+  for (uint32_t r = 0; r < 2; ++r) ExpectLoads(store, std::nullopt, 2, r);
+}
+
+// What a committer does after its COMMIT's directory sync failed: the step is visible but not
+// durable, so it is not reported; committing again (an equal record) makes it durable. Left
+// alone, a power loss takes the COMMIT back, and the step before it is the newest.
+TEST(CheckpointStoreTest, CommitAgainAfterAFailedDirectorySyncMakesTheStepDurable) {
+  for (const bool commit_again : {false, true}) {
+    SCOPED_TRACE(commit_again ? "committed again" : "left alone");
+    auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+    CheckpointStore store(faulty);
+    ASSERT_OK(Save(store, 1));
+    faulty->Arm({FaultOp::kDirSync, 2, FaultKind::kEIO});  // #1: the image, #2: the COMMIT
+    Status s = Save(store, 2);
+    faulty->Clear();
+    EXPECT_EQ(s.code(), StatusCode::kIOError) << s.ToString();
+    EXPECT_NE(s.message().find(CommitObjectName(2)), std::string::npos) << s.ToString();
+    EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 2}));  // visible
+    EXPECT_EQ(faulty->undurable(), 1u);
+    if (commit_again) {
+      auto again = store.TryCommit(2, 1, "test", 0);
+      ASSERT_OK(again);
+      EXPECT_TRUE(*again);
+      EXPECT_EQ(faulty->undurable(), 0u);
+    }
+    ASSERT_OK(faulty->SimulatePowerLoss());
+    ExpectLoads(store, std::nullopt, commit_again ? 2 : 1);
+    ExpectLoads(store, 1, 1);
+  }
+}
+
+// Storage that lies: a data sync or a directory sync reports success and makes nothing
+// durable. A power loss then tears step 2's image or COMMIT, or takes the COMMIT back (an image
+// whose directory sync lied is saved by the COMMIT's sync of the same directory): a save that was
+// reported committed can be lost (only honest storage keeps that promise), but loading never
+// returns torn data: it falls back to the newest step that reads back intact.
+TEST(CheckpointStoreTest, LyingSyncsLoseTheStepButNeverReturnTornData) {
+  for (const FaultOp op : {FaultOp::kSync, FaultOp::kDirSync}) {
+    for (uint64_t nth : {1, 2}) {
+      for (uint64_t seed = 0; seed < 4; ++seed) {
+        SCOPED_TRACE(std::string(FaultOpName(op)) + " #" + std::to_string(nth) + ", seed " +
+                     std::to_string(seed));
+        auto faulty =
+            std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()), seed);
+        CheckpointStore store(faulty);
+        ASSERT_OK(Save(store, 1));
+        faulty->Arm({op, nth, FaultKind::kUnsynced});
+        ASSERT_OK(Save(store, 2));
+        faulty->Clear();
+        // The image's name is made durable by the COMMIT's (honest) sync of the same directory.
+        const bool healed = op == FaultOp::kDirSync && nth == 1;
+        EXPECT_EQ(faulty->undurable(), healed ? 0u : 1u);
+        ASSERT_OK(faulty->SimulatePowerLoss());
+        auto newest = LoadShard(store, std::nullopt, 0);
+        ASSERT_OK(newest);
+        ExpectShard(*newest, 0);
+        if (op == FaultOp::kDirSync) {
+          // The COMMIT's name went back, or nothing was lost.
+          EXPECT_EQ(newest->commit.step, healed ? 2u : 1u);
+        } else if (newest->commit.step == 1) {
+          // Torn: the image (found corrupt) or the COMMIT (a corrupt record, skipped).
+          EXPECT_TRUE(!newest->skipped.empty() || Steps(store) == std::vector<uint64_t>{1});
+        }
+        ExpectLoads(store, 1, 1);
+      }
+    }
+  }
+}
+
+// One flipped bit in any read of a load is detected: the load returns exact data (of the newest
+// step or, when the flip hit it, an older one) or a Corruption error, never wrong data.
+TEST(CheckpointStoreTest, AFlippedBitInAnyReadIsDetected) {
+  auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  CheckpointStore store(faulty);
+  ASSERT_OK(Save(store, 1));
+  ASSERT_OK(Save(store, 2));
+  const uint64_t reads_per_load = [&] {
+    const uint64_t before = faulty->count(FaultOp::kRead);
+    EXPECT_OK(LoadShard(store, std::nullopt, 0));
+    return faulty->count(FaultOp::kRead) - before;
+  }();
+  ASSERT_GT(reads_per_load, 3u);
+  int fell_back = 0;
+  for (uint64_t nth = 1; nth <= reads_per_load; ++nth) {
+    SCOPED_TRACE("read #" + std::to_string(nth));
+    faulty->Arm({FaultOp::kRead, nth, FaultKind::kBitFlip});
+    auto shard = LoadShard(store, std::nullopt, 0);
+    faulty->Clear();
+    if (!shard.ok()) {
+      EXPECT_EQ(shard.status().code(), StatusCode::kCorruption) << shard.status().ToString();
+      continue;
+    }
+    ExpectShard(*shard, 0);
+    fell_back += shard->commit.step == 1;
+  }
+  EXPECT_GT(fell_back, 0);
+  ExpectLoads(store, std::nullopt, 2);
+}
+
+// The power-loss campaign: saves of 1- and 2-rank steps under seeded 1-in-N failures of every
+// write-side operation (and of reads and lists), with the power failing at random moments. After
+// each power loss, every step whose save was reported committed loads bit-exactly, and the
+// newest loadable step is at least the newest one reported. The seed is in the test name.
+class PowerLossCampaignTest : public ::testing::TestWithParam<uint64_t> {};
+
+TEST_P(PowerLossCampaignTest, EveryStepReportedCommittedSurvives) {
+  constexpr size_t kElems = 5000;  // small shards: many steps
+  const uint64_t seed = GetParam();
+  std::mt19937_64 rng(seed);
+  auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()), seed);
+  CheckpointStore store(faulty);
+  std::map<uint64_t, uint32_t> reported;  // step -> world size
+  int power_losses = 0;
+  auto check = [&] {
+    SCOPED_TRACE("after power loss " + std::to_string(power_losses));
+    for (const auto& [step, world] : reported) {
+      for (uint32_t r = 0; r < world; ++r) {
+        auto shard = LoadShard(store, step, r);
+        ASSERT_OK(shard) << "step " << step << " was reported committed";
+        ExpectShard(*shard, r, kElems);
+      }
+    }
+    if (reported.empty()) return;
+    auto newest = LoadShard(store, std::nullopt, 0);
+    ASSERT_OK(newest);
+    EXPECT_GE(newest->commit.step, reported.rbegin()->first);
+    ExpectShard(*newest, 0, kElems);
+  };
+  for (uint64_t step = 1; step <= 40; ++step) {
+    for (FaultOp op :
+         {FaultOp::kCreate, FaultOp::kWrite, FaultOp::kSync, FaultOp::kPublish, FaultOp::kDirSync,
+          FaultOp::kDelete, FaultOp::kList, FaultOp::kOpen, FaultOp::kRead}) {
+      faulty->Arm({.op = op, .kind = FaultKind::kEIO, .one_in = 40});
+    }
+    const uint32_t world = 1 + static_cast<uint32_t>(rng() % 2);
+    for (uint32_t r = 0; r < world; ++r) {
+      Shard shard(step, r, kElems);
+      auto saved = SaveShard(store, Meta(step, r, world), shard.sources, shard.extras);
+      if (saved.ok() && saved->committed) reported[step] = world;
+    }
+    if (rng() % 4 == 0 || step == 40) {
+      faulty->Clear();
+      ASSERT_OK(faulty->SimulatePowerLoss());
+      ++power_losses;
+      check();
+      if (HasFatalFailure()) return;
+    }
+  }
+  EXPECT_GT(faulty->fired(), 10u);
+  EXPECT_GT(reported.size(), 10u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, PowerLossCampaignTest, ::testing::Values(1, 2, 3, 4, 5, 6),
+                         [](const auto& info) { return "seed" + std::to_string(info.param); });
 
 // Latency spikes: every operation of one kind (or the 2nd only) stalls. A save under spikes
 // still commits; while it is slow, the newest committed step stays loadable, bit-exact, from
@@ -274,18 +486,18 @@ TEST_P(LatencySpikeTest, SaveUnderSpikesCommitsAndNewestStaysLoadable) {
   const auto [op, sticky] = GetParam();
   auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
   CheckpointStore store(faulty);
-  ASSERT_TRUE(Save(store, 1).ok());
+  ASSERT_OK(Save(store, 1));
   // Two images of a step that never commits (world 3): the commit of step 3 cleans them up,
   // so that the save deletes too.
-  ASSERT_TRUE(Save(store, 2, 0, 3).ok());
-  ASSERT_TRUE(Save(store, 2, 1, 3).ok());
+  ASSERT_OK(Save(store, 2, 0, 3));
+  ASSERT_OK(Save(store, 2, 1, 3));
   faulty->Arm({op, sticky ? 1u : 2u, FaultKind::kDelay, sticky, std::chrono::milliseconds(3)});
   std::atomic<bool> done{false};
   std::atomic<int> loads{0};
   std::thread reader([&] {
     while (!done.load()) {
       auto shard = LoadShard(store, std::nullopt, 0);
-      ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+      ASSERT_OK(shard);
       const uint64_t step = shard->commit.step;
       ASSERT_TRUE(step == 1 || step == 3) << step;
       Shard want(step, 0);
@@ -298,7 +510,7 @@ TEST_P(LatencySpikeTest, SaveUnderSpikesCommitsAndNewestStaysLoadable) {
   Status s = Save(store, 3);
   done = true;
   reader.join();
-  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_OK(s);
   EXPECT_GT(faulty->fired(), 0u) << "no spike was injected";
   EXPECT_GE(loads.load(), 1);
   faulty->Clear();
@@ -311,8 +523,8 @@ TEST_P(LatencySpikeTest, SaveUnderSpikesCommitsAndNewestStaysLoadable) {
 INSTANTIATE_TEST_SUITE_P(
     AllOps, LatencySpikeTest,
     ::testing::Combine(::testing::Values(FaultOp::kCreate, FaultOp::kWrite, FaultOp::kSync,
-                                         FaultOp::kPublish, FaultOp::kOpen, FaultOp::kRead,
-                                         FaultOp::kList, FaultOp::kDelete),
+                                         FaultOp::kPublish, FaultOp::kDirSync, FaultOp::kOpen,
+                                         FaultOp::kRead, FaultOp::kList, FaultOp::kDelete),
                        ::testing::Bool()),
     [](const ::testing::TestParamInfo<std::tuple<FaultOp, bool>>& info) {
       return std::string(FaultOpName(std::get<0>(info.param))) +
@@ -322,18 +534,18 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(CheckpointStoreTest, PowerLossMidSaveLeavesNoPartialStep) {
   auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
   CheckpointStore store(faulty);
-  ASSERT_TRUE(Save(store, 1).ok());
+  ASSERT_OK(Save(store, 1));
   // Rank 0 of a 2-rank step is durable; rank 1's write loses power after its first chunk.
-  ASSERT_TRUE(Save(store, 2, 0, 2).ok());
+  ASSERT_OK(Save(store, 2, 0, 2));
   Shard s(2, 1);
   auto b = ImageBuilder::Create(Meta(2, 1, 2), s.sources, s.extras);
-  ASSERT_TRUE(b.ok());
+  ASSERT_OK(b);
   auto w = faulty->Create(ImageObjectName(2, 1), (*b)->size());
-  ASSERT_TRUE(w.ok());
+  ASSERT_OK(w);
   std::vector<std::byte> chunk(kDefaultChunkSize);
   (*b)->Fill(0, chunk);
-  ASSERT_TRUE((*w)->WriteAt(0, chunk).ok());
-  faulty->DropUnsynced();
+  ASSERT_OK((*w)->WriteAt(0, chunk));
+  ASSERT_OK(faulty->SimulatePowerLoss());
   EXPECT_FALSE((*w)->Publish().ok());
   EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
   ExpectLoads(store, std::nullopt, 1);
@@ -342,17 +554,17 @@ TEST(CheckpointStoreTest, PowerLossMidSaveLeavesNoPartialStep) {
 TEST(CheckpointStoreTest, CorruptNewestFallsBackToOlder) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
   CheckpointStore store(mem);
-  ASSERT_TRUE(Save(store, 1).ok());
-  ASSERT_TRUE(Save(store, 2).ok());
+  ASSERT_OK(Save(store, 1));
+  ASSERT_OK(Save(store, 2));
   // Replace step 2's image with a copy that has one flipped byte in the tensor data.
   auto obj = mem->Open(ImageObjectName(2, 0));
-  ASSERT_TRUE(obj.ok());
+  ASSERT_OK(obj);
   std::vector<std::byte> bytes((*obj)->size());
-  ASSERT_TRUE((*obj)->ReadAt(0, bytes).ok());
+  ASSERT_OK((*obj)->ReadAt(0, bytes));
   bytes[3 << 20] ^= std::byte{0x40};
   auto w = mem->Create(ImageObjectName(2, 0), bytes.size());
-  ASSERT_TRUE((*w)->WriteAt(0, bytes).ok());
-  ASSERT_TRUE((*w)->Publish().ok());
+  ASSERT_OK((*w)->WriteAt(0, bytes));
+  ASSERT_OK((*w)->Publish());
 
   auto exact = LoadShard(store, 2, 0);
   EXPECT_EQ(exact.status().code(), StatusCode::kCorruption);
@@ -360,7 +572,7 @@ TEST(CheckpointStoreTest, CorruptNewestFallsBackToOlder) {
   EXPECT_NE(exact.status().message().find("chunk 0"), std::string::npos)
       << exact.status().message();
   auto newest = LoadShard(store, std::nullopt, 0);
-  ASSERT_TRUE(newest.ok());
+  ASSERT_OK(newest);
   EXPECT_EQ(newest->commit.step, 1u);
   ASSERT_EQ(newest->skipped.size(), 1u);
   EXPECT_NE(newest->skipped[0].find("step 2"), std::string::npos);
@@ -408,11 +620,11 @@ TEST(CheckpointStoreTest, RangeReadsReadOnlyTheirChunksAndVerifyThem) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
   auto counting = std::make_shared<CountingStorage>(mem);
   CheckpointStore store(counting);
-  ASSERT_TRUE(Save(store, 3).ok());  // "big": 12 MiB of float32, three 4 MiB chunks and more
+  ASSERT_OK(Save(store, 3));  // "big": 12 MiB of float32, three 4 MiB chunks and more
   auto commit = store.ReadCommit(3);
-  ASSERT_TRUE(commit.ok());
+  ASSERT_OK(commit);
   auto md = store.ReadMetadata(*commit, 0);
-  ASSERT_TRUE(md.ok()) << md.status().ToString();
+  ASSERT_OK(md);
   ASSERT_EQ(md->chunk_crcs.size(), md->layout.chunk_count());
   const TensorEntry& big = md->tensors[0];
   Shard want(3, 0);
@@ -425,7 +637,7 @@ TEST(CheckpointStoreTest, RangeReadsReadOnlyTheirChunksAndVerifyThem) {
       {big.offset + 4'000'000 + 40, b.size() * 4, reinterpret_cast<std::byte*>(b.data())},
       {md->tensors[1].offset, 68, reinterpret_cast<std::byte*>(c.data())}};
   counting->bytes_read = 0;
-  ASSERT_TRUE(store.ReadRanges(*md, ranges).ok());
+  ASSERT_OK(store.ReadRanges(*md, ranges));
   EXPECT_EQ(std::memcmp(a.data(), want.big.data() + 1'000'000, a.size() * 4), 0);
   EXPECT_EQ(std::memcmp(b.data(), want.big.data() + 1'000'010, b.size() * 4), 0);
   EXPECT_EQ(std::memcmp(c.data(), want.small.data(), 68), 0);
@@ -443,44 +655,44 @@ TEST(CheckpointStoreTest, RangeReadsReadOnlyTheirChunksAndVerifyThem) {
   // elsewhere still reads.
   auto obj = mem->Open(ImageObjectName(3, 0));
   std::vector<std::byte> bytes((*obj)->size());
-  ASSERT_TRUE((*obj)->ReadAt(0, bytes).ok());
+  ASSERT_OK((*obj)->ReadAt(0, bytes));
   bytes[md->layout.chunk_size + 100] ^= std::byte{0x01};
   auto w = mem->Create(ImageObjectName(3, 0), bytes.size());
-  ASSERT_TRUE((*w)->WriteAt(0, bytes).ok());
-  ASSERT_TRUE((*w)->Publish().ok());
+  ASSERT_OK((*w)->WriteAt(0, bytes));
+  ASSERT_OK((*w)->Publish());
   Status s = store.ReadRanges(*md, ranges);
   EXPECT_EQ(s.code(), StatusCode::kCorruption);
   EXPECT_NE(s.message().find("chunk 1"), std::string::npos) << s.message();
   std::vector<CheckpointStore::Range> small_only = {ranges[2]};
-  EXPECT_TRUE(store.ReadRanges(*md, small_only).ok());
+  EXPECT_OK(store.ReadRanges(*md, small_only));
 }
 
 TEST(CheckpointStoreTest, ImageReplacedAfterCommitIsDetected) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
   CheckpointStore store(mem);
-  ASSERT_TRUE(Save(store, 1).ok());
+  ASSERT_OK(Save(store, 1));
   // A valid image of another step under step 1's name: checksums pass, the commit does not.
   Shard s(9, 0);
   auto b = ImageBuilder::Create(Meta(9, 0, 1), s.sources, s.extras);
   std::vector<std::byte> bytes((*b)->size());
   (*b)->FillAll(bytes, 2);
   auto w = mem->Create(ImageObjectName(1, 0), bytes.size());
-  ASSERT_TRUE((*w)->WriteAt(0, bytes).ok());
-  ASSERT_TRUE((*w)->Publish().ok());
+  ASSERT_OK((*w)->WriteAt(0, bytes));
+  ASSERT_OK((*w)->Publish());
   EXPECT_EQ(LoadShard(store, 1, 0).status().code(), StatusCode::kCorruption);
 }
 
 TEST(CheckpointStoreTest, CorruptCommitRecordHidesOnlyThatStep) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
   CheckpointStore store(mem);
-  ASSERT_TRUE(Save(store, 1).ok());
-  ASSERT_TRUE(Save(store, 2).ok());
+  ASSERT_OK(Save(store, 1));
+  ASSERT_OK(Save(store, 2));
   auto w = mem->Create(CommitObjectName(2), 3);
-  ASSERT_TRUE((*w)->WriteAt(0, std::as_bytes(std::span("xyz", 3))).ok());
-  ASSERT_TRUE((*w)->Publish().ok());
+  ASSERT_OK((*w)->WriteAt(0, AsBytes("xyz")));
+  ASSERT_OK((*w)->Publish());
   std::vector<std::string> problems;
   auto c = store.ListCommitted(&problems);
-  ASSERT_TRUE(c.ok());
+  ASSERT_OK(c);
   ASSERT_EQ(c->size(), 1u);
   EXPECT_EQ((*c)[0].step, 1u);
   ASSERT_EQ(problems.size(), 1u);
@@ -491,12 +703,12 @@ TEST(CheckpointStoreTest, CorruptCommitRecordHidesOnlyThatStep) {
 TEST(CheckpointStoreTest, CleanUpRemovesOnlyAbandonedOlderSteps) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
   CheckpointStore store(mem);
-  ASSERT_TRUE(Save(store, 1, 0, 2).ok());  // never completed: abandoned once 3 commits
-  ASSERT_TRUE(Save(store, 2).ok());
-  ASSERT_TRUE(Save(store, 4, 1, 2).ok());  // newer than the newest commit: maybe in progress
-  ASSERT_TRUE(Save(store, 3).ok());        // commits 3 and cleans up
+  ASSERT_OK(Save(store, 1, 0, 2));  // never completed: abandoned once 3 commits
+  ASSERT_OK(Save(store, 2));
+  ASSERT_OK(Save(store, 4, 1, 2));  // newer than the newest commit: maybe in progress
+  ASSERT_OK(Save(store, 3));        // commits 3 and cleans up
   auto objects = mem->List("");
-  ASSERT_TRUE(objects.ok());
+  ASSERT_OK(objects);
   std::vector<std::string> names;
   for (auto& o : *objects) names.push_back(o.name);
   EXPECT_EQ(names, (std::vector<std::string>{CommitObjectName(2), ImageObjectName(2, 0),
@@ -507,11 +719,12 @@ TEST(CheckpointStoreTest, CleanUpRemovesOnlyAbandonedOlderSteps) {
 
 TEST(CheckpointStoreTest, PosixLeftoversOfAKilledWriterAreIgnoredAndRemoved) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("sp-ckpt-test-" + std::to_string(getpid()));
-  fs::remove_all(dir);
+  TempDir tmp_dir;
+  ASSERT_TRUE(tmp_dir.ok());
+  const fs::path dir = tmp_dir.path();
   auto store = OpenCheckpointStore(dir.string());
-  ASSERT_TRUE(store.ok()) << store.status().ToString();
-  ASSERT_TRUE(Save(**store, 1).ok());
+  ASSERT_OK(store);
+  ASSERT_OK(Save(**store, 1));
   // What a writer killed mid-save leaves: a temporary image in step 2's directory.
   fs::create_directories(dir / "step-00000000000000000002");
   const fs::path tmp = dir / "step-00000000000000000002" / "rank-00000.img.tmp.0123456789abcdef";
@@ -522,11 +735,10 @@ TEST(CheckpointStoreTest, PosixLeftoversOfAKilledWriterAreIgnoredAndRemoved) {
   std::ofstream(newer) << "in progress";
   EXPECT_EQ(Steps(**store), (std::vector<uint64_t>{1}));
   ExpectLoads(**store, std::nullopt, 1);
-  ASSERT_TRUE(Save(**store, 3).ok());  // commits 3 and removes step 2's leftovers
+  ASSERT_OK(Save(**store, 3));  // commits 3 and removes step 2's leftovers
   EXPECT_FALSE(fs::exists(tmp));
   EXPECT_TRUE(fs::exists(newer));
   ExpectLoads(**store, std::nullopt, 3);
-  fs::remove_all(dir);
 }
 
 }  // namespace

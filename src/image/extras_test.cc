@@ -6,12 +6,12 @@
 #include <limits>
 #include <random>
 
+#include "testing/test_util.h"
+
 namespace safepoint {
 namespace {
 
-std::span<const std::byte> B(const std::string& s) {
-  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
-}
+using test::AsBytes;
 
 Value Sample() {
   Dict d;
@@ -20,9 +20,11 @@ Value Sample() {
   d.items.emplace_back(Value(std::string("nan")), Value(std::nan("")));
   d.items.emplace_back(Value(std::string("inf")), Value(-std::numeric_limits<double>::infinity()));
   d.items.emplace_back(Value(std::string("negzero")), Value(-0.0));
-  d.items.emplace_back(Value(std::string("big")), Value(BigInt{std::string("\x01\x00\x00\x00\x00\x00\x00\x00\x00\x01", 10)}));
+  d.items.emplace_back(Value(std::string("big")),
+                       Value(BigInt{std::string("\x01\x00\x00\x00\x00\x00\x00\x00\x00\x01", 10)}));
   d.items.emplace_back(Value(std::string("bytes")), Value(Bytes{std::string("\x00\xff", 2)}));
-  d.items.emplace_back(Value(std::string("t")), Value(Tuple{{Value(TensorRef{1, 0}), Value(std::string("\xe2\x82\xac"))}}));
+  d.items.emplace_back(Value(std::string("t")),
+                       Value(Tuple{{Value(TensorRef{1, 0}), Value(std::string("\xe2\x82\xac"))}}));
   d.items.emplace_back(Value(std::string("min")), Value(std::numeric_limits<int64_t>::min()));
   return Value(std::move(d));
 }
@@ -30,9 +32,9 @@ Value Sample() {
 TEST(ExtrasTest, RoundTripKeepsTypesAndBits) {
   Value v = Sample();
   auto enc = EncodeExtras(v);
-  ASSERT_TRUE(enc.ok()) << enc.status().ToString();
-  auto dec = DecodeExtras(B(*enc), 2, "x");
-  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  ASSERT_OK(enc);
+  auto dec = DecodeExtras(AsBytes(*enc), 2, "x");
+  ASSERT_OK(dec);
   EXPECT_TRUE(*dec == v);
   // -0.0 and 0.0 are different values bit-wise.
   EXPECT_FALSE(Value(-0.0) == Value(0.0));
@@ -51,7 +53,7 @@ TEST(ExtrasTest, EncoderRejects) {
 
 TEST(ExtrasTest, DecoderRejectsMalformedInput) {
   auto bad = [](const std::string& s, uint64_t tensors = 0) {
-    auto r = DecodeExtras(B(s), tensors, "src");
+    auto r = DecodeExtras(AsBytes(s), tensors, "src");
     return r.ok() ? Status::OK() : r.status();
   };
   EXPECT_EQ(bad("").code(), StatusCode::kCorruption);
@@ -77,13 +79,13 @@ TEST(ExtrasTest, DecoderRejectsMalformedInput) {
 
 TEST(ExtrasTest, RandomMutationsNeverCrash) {
   auto enc = EncodeExtras(Sample());
-  ASSERT_TRUE(enc.ok());
+  ASSERT_OK(enc);
   std::mt19937_64 rng(7);
   for (int i = 0; i < 20000; ++i) {
     std::string s = *enc;
     for (int f = 0; f < 1 + int(rng() % 4); ++f) s[rng() % s.size()] = char(rng());
     if (rng() % 5 == 0) s.resize(rng() % s.size());
-    auto r = DecodeExtras(B(s), 2, "fuzz");
+    auto r = DecodeExtras(AsBytes(s), 2, "fuzz");
     if (!r.ok()) ASSERT_EQ(r.status().code(), StatusCode::kCorruption);
   }
 }

@@ -8,6 +8,7 @@
 
 #include "base/bytes.h"
 #include "base/crc32c.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 namespace {
@@ -27,9 +28,7 @@ struct Owned {
            std::vector<uint64_t> gshape = {}, std::vector<uint64_t> goff = {}) {
     uint64_t n = DTypeSize(dtype);
     for (auto d : shape) n *= d;
-    std::vector<std::byte> bytes(n);
-    for (uint64_t i = 0; i < n; ++i) bytes[i] = std::byte(static_cast<uint8_t>(seed + i * 31));
-    data.push_back(std::move(bytes));
+    data.push_back(test::PatternBytes(n, seed));
     TensorSource s;
     s.spec = {std::move(name), dtype, std::move(shape), std::move(gshape), std::move(goff)};
     s.data = data.back().empty() ? nullptr : data.back().data();
@@ -39,12 +38,7 @@ struct Owned {
 };
 
 ImageMeta Meta(uint64_t step = 7, uint32_t rank = 1, uint32_t world = 4) {
-  ImageMeta m;
-  m.job = "job-1";
-  m.step = step;
-  m.rank = rank;
-  m.world_size = world;
-  return m;
+  return test::TestImageMeta("job-1", step, rank, world);
 }
 
 TEST(Crc32cTest, KnownVectorAndChaining) {
@@ -56,10 +50,9 @@ TEST(Crc32cTest, KnownVectorAndChaining) {
 
 TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
   Owned o;
-  const DType all[] = {DType::kFloat32, DType::kFloat16,      DType::kBFloat16,
-                       DType::kFloat64, DType::kInt8,         DType::kInt16,
-                       DType::kInt32,   DType::kInt64,        DType::kUInt8,
-                       DType::kBool,    DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+  const DType all[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,     DType::kFloat64,
+                       DType::kInt8,    DType::kInt16,   DType::kInt32,        DType::kInt64,
+                       DType::kUInt8,   DType::kBool,    DType::kFloat8E4M3FN, DType::kFloat8E5M2};
   uint8_t seed = 1;
   for (DType d : all) o.Add(std::string("t.") + std::string(DTypeName(d)), d, {3, 5}, seed++);
   o.Add("scalar", DType::kFloat64, {}, 9);
@@ -68,11 +61,11 @@ TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
   o.Add(std::string(5000, 'x') + "\xc3\xa9", DType::kInt8, {2}, 4);
   o.Add("shard", DType::kBFloat16, {2, 3}, 5, {8, 3}, {4, 0});
   auto b = ImageBuilder::Create(Meta(), o.sources, "extras-bytes", 64 << 10);
-  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_OK(b);
   auto img = Build(**b);
   EXPECT_EQ(img.size() % 4096, 0u);
   auto r = ImageReader::Parse(img, "mem");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   EXPECT_EQ(r->meta().step, 7u);
   EXPECT_EQ(r->meta().rank, 1u);
   EXPECT_EQ(r->meta().world_size, 4u);
@@ -89,16 +82,18 @@ TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
     ASSERT_EQ(e.nbytes, s.nbytes);
     EXPECT_EQ(e.offset % 64, 0u);
     if (e.nbytes >= (64 << 10)) EXPECT_EQ(e.offset % 4096, 0u);
-    if (s.nbytes > 0) EXPECT_EQ(std::memcmp(r->tensor_data(i).data(), s.data, s.nbytes), 0) << s.spec.name;
+    if (s.nbytes > 0)
+      EXPECT_EQ(std::memcmp(r->tensor_data(i).data(), s.data, s.nbytes), 0) << s.spec.name;
   }
   EXPECT_EQ(internal::AsStringView(r->extras()), "extras-bytes");
 }
 
 TEST(ImageTest, FillOfAnyRangeMatchesFillAll) {
   Owned o;
-  for (int i = 0; i < 50; ++i) o.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 37)}, i);
+  for (int i = 0; i < 50; ++i)
+    o.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 37)}, i);
   auto b = ImageBuilder::Create(Meta(), o.sources, "x", 4096);
-  ASSERT_TRUE(b.ok());
+  ASSERT_OK(b);
   auto full = Build(**b);
   std::mt19937_64 rng(1);
   const uint64_t limit = (*b)->layout().checksums_offset;
@@ -126,7 +121,7 @@ TEST(ImageTest, TensorsHeldElsewhereTakeNoSpaceAndRoundTrip) {
   EXPECT_LT((*part)->layout().data_size, 4096u);  // only "b"
   auto bytes = Build(**part);
   auto r = ImageReader::Parse(bytes, "part");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   ASSERT_EQ(r->tensors().size(), 3u);
   EXPECT_TRUE(r->tensors()[0].spec.elsewhere);
   EXPECT_EQ(r->tensors()[0].nbytes, 1000u * 64 * 4);  // still says what the tensor is
@@ -160,8 +155,7 @@ TEST(ImageTest, BuilderRejectsBadInput) {
             }).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.rank = 4; }).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.job = "a/b"; }).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(make([](Owned&, ImageMeta& m) { m.job = "a/b"; }).code(), StatusCode::kInvalidArgument);
   auto s = make([](Owned& o, ImageMeta&) { o.sources[1].spec.name = "a"; });
   EXPECT_NE(s.message().find("'a'"), std::string::npos) << s.message();
 }
@@ -173,7 +167,7 @@ class CorruptImageTest : public ::testing::Test {
     o.Add("bias", DType::kFloat32, {64}, 2);
     o.Add("step", DType::kInt64, {}, 3);
     auto b = ImageBuilder::Create(Meta(), o.sources, "extras", 4096);
-    ASSERT_TRUE(b.ok());
+    ASSERT_OK(b);
     builder = std::move(b).value();
     image = Build(*builder);
   }

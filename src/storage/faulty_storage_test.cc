@@ -1,11 +1,15 @@
 // Tests of FaultyStorage: every fault point fires on the Nth operation with the documented code,
-// names the object, leaves nothing published, and stops firing when cleared; short writes,
-// sticky faults and the simulated power loss (DropUnsynced). Each test runs over an in-memory
-// base and over a POSIX base in a fresh directory, where leftovers would be real files.
+// names the object, leaves nothing published (but for a failed directory sync, which leaves the
+// object visible), and stops firing when cleared; short writes, sticky faults, flipped bits,
+// seeded 1-in-N faults and the simulated power loss (unpublished data, names whose directory
+// sync failed or lied, torn data). Each test runs over an in-memory base and over a POSIX base
+// in a fresh directory, where leftovers would be real files.
+#include "storage/faulty/faulty_storage.h"
+
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -14,63 +18,44 @@
 #include <tuple>
 #include <vector>
 
-#include "safepoint/faulty_storage.h"
 #include "safepoint/storage.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 
 // Readable test names in gtest output (found by argument-dependent lookup).
 void PrintTo(FaultOp op, std::ostream* os) { *os << FaultOpName(op); }
-void PrintTo(FaultKind kind, std::ostream* os) {
-  *os << (kind == FaultKind::kEIO ? "EIO" : kind == FaultKind::kENOSPC ? "ENOSPC" : "short write");
-}
+void PrintTo(FaultKind kind, std::ostream* os) { *os << FaultKindName(kind); }
 
 namespace {
 
-#define ASSERT_OK(expr)                                    \
-  do {                                                     \
-    const ::safepoint::Status assert_ok_ = (expr);         \
-    ASSERT_TRUE(assert_ok_.ok()) << assert_ok_.ToString(); \
-  } while (0)
-
-std::vector<std::byte> Bytes(size_t n, int seed) {
-  std::vector<std::byte> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + seed * 7) & 0xff);
-  return v;
-}
+using test::PatternBytes;
+using test::PutObject;
+using test::ReadWholeObject;
+using test::TempDir;
 
 enum class BaseKind { kMemory, kPosix };
 
 // A base storage plus the FaultyStorage over it.
 class FaultyFixture {
  public:
-  explicit FaultyFixture(BaseKind kind) {
+  explicit FaultyFixture(BaseKind kind, uint64_t seed = 0) {
     if (kind == BaseKind::kMemory) {
       base_ = NewMemoryStorage();
     } else {
-      std::string tmpl = "/tmp/safepoint-faulty-test-XXXXXX";
-      if (::mkdtemp(tmpl.data()) == nullptr) return;
-      dir_ = tmpl;
-      auto opened = NewPosixStorage(dir_);
+      if (!dir_.ok()) return;
+      auto opened = NewPosixStorage(dir_.path());
       if (!opened.ok()) return;
       base_ = std::move(opened).value();
     }
-    faulty_ = std::make_unique<FaultyStorage>(base_);
-  }
-  ~FaultyFixture() {
-    faulty_.reset();
-    base_.reset();
-    if (!dir_.empty()) {
-      std::error_code ec;
-      std::filesystem::remove_all(dir_, ec);
-    }
+    faulty_ = std::make_unique<FaultyStorage>(base_, seed);
   }
   bool ok() const { return faulty_ != nullptr; }
   // Files with ".tmp." in their name in the POSIX base (0 for the memory base).
   size_t TemporaryFiles() const {
     size_t n = 0;
-    if (dir_.empty()) return n;
-    for (const auto& entry : std::filesystem::recursive_directory_iterator(dir_)) {
+    if (!dir_.ok()) return n;
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(dir_.path())) {
       if (entry.path().filename().string().find(".tmp.") != std::string::npos) ++n;
     }
     return n;
@@ -80,7 +65,7 @@ class FaultyFixture {
   std::unique_ptr<FaultyStorage>& faulty_ptr() { return faulty_; }
 
  private:
-  std::string dir_;
+  TempDir dir_{"safepoint-faulty-test"};  // before base_: removed after it
   std::shared_ptr<Storage> base_;
   std::unique_ptr<FaultyStorage> faulty_;
 };
@@ -90,7 +75,7 @@ void PrintTo(BaseKind kind, std::ostream* os) { *os << BaseName(kind); }
 
 bool IsWriteOp(FaultOp op) {
   return op == FaultOp::kCreate || op == FaultOp::kWrite || op == FaultOp::kSync ||
-         op == FaultOp::kPublish;
+         op == FaultOp::kPublish || op == FaultOp::kDirSync;
 }
 
 std::string ObjectName(int i) { return "step/obj-" + std::to_string(i); }
@@ -102,10 +87,11 @@ Status RunUnit(FaultyStorage& fs, FaultOp op, int i) {
     case FaultOp::kCreate:
     case FaultOp::kWrite:
     case FaultOp::kSync:
-    case FaultOp::kPublish: {
+    case FaultOp::kPublish:
+    case FaultOp::kDirSync: {
       auto w = fs.Create(name, 100);
       if (!w.ok()) return w.status();
-      SP_RETURN_IF_ERROR((*w)->WriteAt(0, Bytes(100, i)));
+      SP_RETURN_IF_ERROR((*w)->WriteAt(0, PatternBytes(100, i)));
       return (*w)->Publish();  // on failure the writer is destroyed here, which aborts it
     }
     case FaultOp::kOpen:
@@ -114,7 +100,8 @@ Status RunUnit(FaultyStorage& fs, FaultOp op, int i) {
       if (!r.ok()) return r.status();
       std::vector<std::byte> buf((*r)->size());
       SP_RETURN_IF_ERROR((*r)->ReadAt(0, buf));
-      return buf == Bytes(100, i) ? Status::OK() : Corruption(name + ": wrong data read back");
+      return buf == PatternBytes(100, i) ? Status::OK()
+                                         : Corruption(name + ": wrong data read back");
     }
     case FaultOp::kList: {
       auto list = fs.List(name);
@@ -130,10 +117,7 @@ Status RunUnit(FaultyStorage& fs, FaultOp op, int i) {
 }
 
 void Populate(Storage& storage, int i) {
-  auto w = storage.Create(ObjectName(i), 100);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
-  ASSERT_OK((*w)->WriteAt(0, Bytes(100, i)));
-  ASSERT_OK((*w)->Publish());
+  ASSERT_OK(PutObject(storage, ObjectName(i), PatternBytes(100, i)));
 }
 
 bool Exists(Storage& storage, int i) { return storage.Open(ObjectName(i)).ok(); }
@@ -149,8 +133,10 @@ TEST_P(FaultyStorageFaultPointTest, FiresOnNthOperationThenClears) {
   if (!IsWriteOp(op)) {
     for (int i = 1; i <= 4; ++i) Populate(fx.base(), i);
   }
-  const StatusCode expected =
-      kind == FaultKind::kENOSPC ? StatusCode::kResourceExhausted : StatusCode::kIOError;
+  // A failed directory sync is an I/O error whatever the errno: the object was published.
+  const StatusCode expected = kind == FaultKind::kENOSPC && op != FaultOp::kDirSync
+                                  ? StatusCode::kResourceExhausted
+                                  : StatusCode::kIOError;
 
   fs.Arm(FaultSpec{op, /*nth=*/2, kind, /*sticky=*/false});
   ASSERT_OK(RunUnit(fs, op, 1));
@@ -164,15 +150,22 @@ TEST_P(FaultyStorageFaultPointTest, FiresOnNthOperationThenClears) {
   EXPECT_NE(s.message().find("injected"), std::string::npos) << s.ToString();
   EXPECT_NE(s.message().find(FaultOpName(op)), std::string::npos) << s.ToString();
 
-  if (IsWriteOp(op)) {
+  if (op == FaultOp::kDirSync) {
+    // Published before the directory sync failed: visible, and the error names the directory.
+    EXPECT_EQ(ReadWholeObject(fx.base(), ObjectName(2)), PatternBytes(100, 2));
+    EXPECT_NE(s.message().find(fs.Describe("step") + ": dirsync"), std::string::npos)
+        << s.ToString();
+    EXPECT_EQ(fs.undurable(), 1u);
+    ASSERT_OK(fs.Delete(ObjectName(2)));
+  } else if (IsWriteOp(op)) {
     // Nothing published, no temporary data left behind in the base.
     EXPECT_FALSE(Exists(fx.base(), 2));
     auto listed = fx.base().List("");
-    ASSERT_TRUE(listed.ok());
+    ASSERT_OK(listed);
     ASSERT_EQ(listed->size(), 1u);
     EXPECT_EQ((*listed)[0].name, ObjectName(1));
     auto leftovers = fx.base().RemoveLeftovers("");
-    ASSERT_TRUE(leftovers.ok()) << leftovers.status().ToString();
+    ASSERT_OK(leftovers);
     EXPECT_EQ(*leftovers, 0u);
   } else if (op == FaultOp::kDelete) {
     EXPECT_TRUE(Exists(fx.base(), 2)) << "a failed delete removed the object";
@@ -201,14 +194,14 @@ TEST_P(FaultyStorageFaultPointTest, FiresOnNthOperationThenClears) {
 INSTANTIATE_TEST_SUITE_P(
     AllOps, FaultyStorageFaultPointTest,
     ::testing::Combine(::testing::Values(FaultOp::kCreate, FaultOp::kWrite, FaultOp::kSync,
-                                         FaultOp::kPublish, FaultOp::kOpen, FaultOp::kRead,
-                                         FaultOp::kList, FaultOp::kDelete),
+                                         FaultOp::kPublish, FaultOp::kDirSync, FaultOp::kOpen,
+                                         FaultOp::kRead, FaultOp::kList, FaultOp::kDelete),
                        ::testing::Values(FaultKind::kEIO, FaultKind::kENOSPC),
                        ::testing::Values(BaseKind::kMemory, BaseKind::kPosix)),
     [](const auto& info) {
       std::string name(FaultOpName(std::get<0>(info.param)));
       name[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(name[0])));
-      name += std::get<1>(info.param) == FaultKind::kEIO ? "EIO" : "ENOSPC";
+      name += FaultKindName(std::get<1>(info.param));
       return name + "Over" + BaseName(std::get<2>(info.param));
     });
 
@@ -220,8 +213,8 @@ TEST_P(FaultyStorageTest, ShortWriteWritesHalfThenFails) {
   FaultyStorage& fs = fx.faulty();
   fs.Arm(FaultSpec{FaultOp::kWrite, 2, FaultKind::kShortWrite, false});
   auto w = fs.Create("short", 0);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
-  const std::vector<std::byte> data = Bytes(1000, 1);
+  ASSERT_OK(w);
+  const std::vector<std::byte> data = PatternBytes(1000, 1);
   ASSERT_OK((*w)->WriteAt(0, std::span(data).first(10)));
   Status s = (*w)->WriteAt(10, std::span(data).subspan(10));
   EXPECT_EQ(s.code(), StatusCode::kIOError) << s.ToString();
@@ -231,7 +224,7 @@ TEST_P(FaultyStorageTest, ShortWriteWritesHalfThenFails) {
     // The memory base publishes whatever reached it: exactly the first half of the request.
     ASSERT_OK((*w)->Publish());
     auto r = fx.base().Open("short");
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     ASSERT_EQ((*r)->size(), 10u + 495u);
     std::vector<std::byte> back((*r)->size());
     ASSERT_OK((*r)->ReadAt(0, back));
@@ -241,7 +234,7 @@ TEST_P(FaultyStorageTest, ShortWriteWritesHalfThenFails) {
     (*w)->Abort();
     EXPECT_FALSE(fx.base().Open("short").ok());
     auto leftovers = fx.base().RemoveLeftovers("");
-    ASSERT_TRUE(leftovers.ok());
+    ASSERT_OK(leftovers);
     EXPECT_EQ(*leftovers, 0u);
   }
   EXPECT_EQ(fs.fired(), 1u);
@@ -253,7 +246,7 @@ TEST_P(FaultyStorageTest, StickyFaultFailsEveryLaterOperationUntilCleared) {
   FaultyStorage& fs = fx.faulty();
   Populate(fx.base(), 1);
   auto r = fs.Open(ObjectName(1));
-  ASSERT_TRUE(r.ok());
+  ASSERT_OK(r);
   std::vector<std::byte> buf(10);
   fs.Arm(FaultSpec{FaultOp::kRead, 3, FaultKind::kEIO, /*sticky=*/true});
   ASSERT_OK((*r)->ReadAt(0, buf));
@@ -272,47 +265,42 @@ TEST_P(FaultyStorageTest, ArmReplacesTheFaultAndRestartsTheCount) {
   FaultyStorage& fs = fx.faulty();
   fs.Arm(FaultSpec{FaultOp::kCreate, 1, FaultKind::kEIO, false});
   fs.Arm(FaultSpec{FaultOp::kCreate, 2, FaultKind::kENOSPC, false});
-  EXPECT_TRUE(fs.Create("a", 0).ok());
+  EXPECT_OK(fs.Create("a", 0));
   auto second = fs.Create("b", 0);
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), StatusCode::kResourceExhausted);
   // Re-arming resets the count: "nth" counts from the Arm() call.
   fs.Arm(FaultSpec{FaultOp::kCreate, 2, FaultKind::kEIO, false});
-  EXPECT_TRUE(fs.Create("c", 0).ok());
+  EXPECT_OK(fs.Create("c", 0));
   EXPECT_EQ(fs.Create("d", 0).status().code(), StatusCode::kIOError);
   EXPECT_EQ(fs.count(FaultOp::kCreate), 4u);
   EXPECT_EQ(fs.count(FaultOp::kOpen), 0u);
 }
 
-TEST_P(FaultyStorageTest, DropUnsyncedLosesUnpublishedObjects) {
+TEST_P(FaultyStorageTest, PowerLossLosesUnpublishedObjects) {
   FaultyFixture fx(GetParam());
   ASSERT_TRUE(fx.ok());
   FaultyStorage& fs = fx.faulty();
-  {
-    auto kept = fs.Create("kept", 0);
-    ASSERT_TRUE(kept.ok());
-    ASSERT_OK((*kept)->WriteAt(0, Bytes(100, 1)));
-    ASSERT_OK((*kept)->Publish());
-  }
+  ASSERT_OK(PutObject(fs, "kept", PatternBytes(100, 1)));
   auto lost1 = fs.Create("lost/1", 0);
   auto lost2 = fs.Create("lost/2", 0);
   ASSERT_TRUE(lost1.ok() && lost2.ok());
-  ASSERT_OK((*lost1)->WriteAt(0, Bytes(5000, 2)));
-  ASSERT_OK((*lost2)->WriteAt(0, Bytes(5000, 3)));
+  ASSERT_OK((*lost1)->WriteAt(0, PatternBytes(5000, 2)));
+  ASSERT_OK((*lost2)->WriteAt(0, PatternBytes(5000, 3)));
   if (GetParam() == BaseKind::kPosix) {
     ASSERT_EQ(fx.TemporaryFiles(), 2u);
   }
   const uint64_t epoch = fs.epoch();
-  fs.DropUnsynced();
+  ASSERT_OK(fs.SimulatePowerLoss());
   EXPECT_EQ(fs.epoch(), epoch + 1);
 
   // The temporary data is gone from the base already, before the writers are told.
   EXPECT_EQ(fx.TemporaryFiles(), 0u);
   auto leftovers = fx.base().RemoveLeftovers("");
-  ASSERT_TRUE(leftovers.ok()) << leftovers.status().ToString();
+  ASSERT_OK(leftovers);
   EXPECT_EQ(*leftovers, 0u);
 
-  Status w = (*lost1)->WriteAt(5000, Bytes(10, 4));
+  Status w = (*lost1)->WriteAt(5000, PatternBytes(10, 4));
   EXPECT_EQ(w.code(), StatusCode::kIOError) << w.ToString();
   EXPECT_NE(w.message().find(fs.Describe("lost/1")), std::string::npos) << w.ToString();
   Status p = (*lost1)->Publish();
@@ -321,25 +309,22 @@ TEST_P(FaultyStorageTest, DropUnsyncedLosesUnpublishedObjects) {
   (*lost2)->Abort();
 
   auto list = fs.List("");
-  ASSERT_TRUE(list.ok());
+  ASSERT_OK(list);
   ASSERT_EQ(list->size(), 1u);
   EXPECT_EQ((*list)[0].name, "kept");
 
   // Writers created after the power loss work normally.
-  auto after = fs.Create("lost/1", 0);
-  ASSERT_TRUE(after.ok());
-  ASSERT_OK((*after)->WriteAt(0, Bytes(10, 5)));
-  ASSERT_OK((*after)->Publish());
-  EXPECT_TRUE(fx.base().Open("lost/1").ok());
+  ASSERT_OK(PutObject(fs, "lost/1", PatternBytes(10, 5)));
+  EXPECT_OK(fx.base().Open("lost/1"));
 }
 
-TEST_P(FaultyStorageTest, DropUnsyncedWhileThreadsAreWriting) {
+TEST_P(FaultyStorageTest, PowerLossWhileThreadsAreWriting) {
   FaultyFixture fx(GetParam());
   ASSERT_TRUE(fx.ok());
   FaultyStorage& fs = fx.faulty();
   auto w = fs.Create("busy", 0);
-  ASSERT_TRUE(w.ok());
-  const std::vector<std::byte> chunk = Bytes(4096, 6);
+  ASSERT_OK(w);
+  const std::vector<std::byte> chunk = PatternBytes(4096, 6);
   std::atomic<int> writes{0};
   std::atomic<int> lost{0};
   std::vector<std::thread> threads;
@@ -356,7 +341,7 @@ TEST_P(FaultyStorageTest, DropUnsyncedWhileThreadsAreWriting) {
     });
   }
   while (writes.load() < 100) std::this_thread::yield();
-  fs.DropUnsynced();
+  ASSERT_OK(fs.SimulatePowerLoss());
   for (auto& t : threads) t.join();
   EXPECT_EQ(lost.load(), 4);
   EXPECT_EQ((*w)->Publish().code(), StatusCode::kIOError);
@@ -367,11 +352,11 @@ TEST_P(FaultyStorageTest, ObjectsOutliveTheStorageThatMadeThem) {
   FaultyFixture fx(GetParam());
   ASSERT_TRUE(fx.ok());
   auto w = fx.faulty().Create("orphan", 0);
-  ASSERT_TRUE(w.ok());
+  ASSERT_OK(w);
   fx.faulty_ptr().reset();
-  ASSERT_OK((*w)->WriteAt(0, Bytes(10, 7)));
+  ASSERT_OK((*w)->WriteAt(0, PatternBytes(10, 7)));
   ASSERT_OK((*w)->Publish());
-  EXPECT_TRUE(fx.base().Open("orphan").ok());
+  EXPECT_OK(fx.base().Open("orphan"));
 }
 
 TEST_P(FaultyStorageTest, ForwardsEverythingWithoutFaults) {
@@ -385,6 +370,129 @@ TEST_P(FaultyStorageTest, ForwardsEverythingWithoutFaults) {
   EXPECT_EQ(fs.count(FaultOp::kCreate), 0u) << "an invalid name counted as an operation";
   EXPECT_EQ(FaultOpName(FaultOp::kSync), "sync");
   EXPECT_EQ(fs.fired(), 0u);
+}
+
+// A failed directory sync: the object is visible at once; a power loss takes the name back to
+// what it showed before (the previous version, or nothing) unless a later successful sync of
+// the same directory (a Publish or a Delete there) made it durable.
+TEST_P(FaultyStorageTest, PowerLossRevertsNamesWhoseDirectorySyncFailed) {
+  FaultyFixture fx(GetParam());
+  ASSERT_TRUE(fx.ok());
+  FaultyStorage& fs = fx.faulty();
+  ASSERT_OK(PutObject(fs, "a/replaced", PatternBytes(300, 1)));
+  ASSERT_OK(PutObject(fs, "c/deleted", PatternBytes(300, 1)));
+  fs.Arm({.op = FaultOp::kDirSync, .kind = FaultKind::kEIO, .sticky = true});
+  Status replaced = PutObject(fs, "a/replaced", PatternBytes(200, 2));
+  EXPECT_EQ(replaced.code(), StatusCode::kIOError) << replaced.ToString();
+  EXPECT_NE(replaced.message().find(fs.Describe("a") + ": dirsync"), std::string::npos)
+      << replaced.ToString();
+  EXPECT_EQ(PutObject(fs, "a/replaced", PatternBytes(100, 3)).code(), StatusCode::kIOError);
+  EXPECT_EQ(PutObject(fs, "a/created", PatternBytes(100, 4)).code(), StatusCode::kIOError);
+  EXPECT_EQ(PutObject(fs, "b/created", PatternBytes(100, 5)).code(), StatusCode::kIOError);
+  EXPECT_EQ(PutObject(fs, "c/created", PatternBytes(100, 6)).code(), StatusCode::kIOError);
+  fs.Clear();
+  // Visible, newest version first.
+  EXPECT_EQ(ReadWholeObject(fs, "a/replaced"), PatternBytes(100, 3));
+  EXPECT_EQ(ReadWholeObject(fs, "b/created"), PatternBytes(100, 5));
+  EXPECT_EQ(fs.undurable(), 4u);
+  // A successful publish in b/ and a delete in c/ sync those directories.
+  ASSERT_OK(PutObject(fs, "b/other", PatternBytes(10, 7)));
+  ASSERT_OK(fs.Delete("c/deleted"));
+  EXPECT_EQ(fs.undurable(), 2u);
+
+  ASSERT_OK(fs.SimulatePowerLoss());
+  EXPECT_EQ(fs.undurable(), 0u);
+  EXPECT_EQ(ReadWholeObject(fs, "a/replaced"), PatternBytes(300, 1));  // the last durable one
+  EXPECT_EQ(fs.Open("a/created").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(ReadWholeObject(fs, "b/created"), PatternBytes(100, 5));
+  EXPECT_EQ(ReadWholeObject(fs, "c/created"), PatternBytes(100, 6));
+  // Nothing else changes at a second power loss.
+  ASSERT_OK(fs.SimulatePowerLoss());
+  EXPECT_EQ(ReadWholeObject(fs, "a/replaced"), PatternBytes(300, 1));
+}
+
+// A data sync that lies: the object reads back whole until the power fails, and torn after it
+// (cut off, or zeros from a seeded offset on), unless it was rewritten honestly before.
+TEST_P(FaultyStorageTest, PowerLossTearsDataWhoseSyncLied) {
+  for (uint64_t seed = 0; seed < 8; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    FaultyFixture fx(GetParam(), seed);
+    ASSERT_TRUE(fx.ok());
+    FaultyStorage& fs = fx.faulty();
+    const std::vector<std::byte> data = PatternBytes(10000, 1);
+    fs.Arm({.op = FaultOp::kSync, .kind = FaultKind::kUnsynced, .sticky = true});
+    ASSERT_OK(PutObject(fs, "torn", data));
+    ASSERT_OK(PutObject(fs, "rewritten", data));
+    fs.Clear();
+    ASSERT_OK(PutObject(fs, "rewritten", data));
+    EXPECT_EQ(ReadWholeObject(fs, "torn"), data);
+    EXPECT_EQ(fs.undurable(), 1u);
+    ASSERT_OK(fs.SimulatePowerLoss());
+    EXPECT_EQ(ReadWholeObject(fs, "rewritten"), data);
+    const std::vector<std::byte> torn = ReadWholeObject(fs, "torn");
+    ASSERT_LE(torn.size(), data.size());
+    EXPECT_NE(torn, data);
+    size_t intact = 0;  // the prefix that survived
+    while (intact < torn.size() && torn[intact] == data[intact]) ++intact;
+    for (size_t i = intact; i < torn.size(); ++i) {
+      ASSERT_EQ(torn[i], std::byte{0}) << "offset " << i;
+    }
+  }
+}
+
+TEST_P(FaultyStorageTest, BitFlipChangesOneBitOfWhatIsReadOrWritten) {
+  FaultyFixture fx(GetParam());
+  ASSERT_TRUE(fx.ok());
+  FaultyStorage& fs = fx.faulty();
+  const std::vector<std::byte> data = PatternBytes(5000, 1);
+  auto differing_bits = [&](const std::vector<std::byte>& got) {
+    int bits = 0;
+    for (size_t i = 0; i < data.size(); ++i) {
+      bits += std::popcount(static_cast<unsigned>(got[i] ^ data[i]));
+    }
+    return bits;
+  };
+  ASSERT_OK(PutObject(fs, "obj", data));
+  fs.Arm({.op = FaultOp::kRead, .kind = FaultKind::kBitFlip});
+  const std::vector<std::byte> read = ReadWholeObject(fs, "obj");
+  ASSERT_EQ(read.size(), data.size());
+  EXPECT_EQ(differing_bits(read), 1);
+  EXPECT_EQ(ReadWholeObject(fx.base(), "obj"), data);  // the stored data is intact
+  EXPECT_EQ(ReadWholeObject(fs, "obj"), data);         // and the next read too
+
+  fs.Arm({.op = FaultOp::kWrite, .kind = FaultKind::kBitFlip});
+  ASSERT_OK(PutObject(fs, "obj", data));
+  const std::vector<std::byte> stored = ReadWholeObject(fx.base(), "obj");
+  ASSERT_EQ(stored.size(), data.size());
+  EXPECT_EQ(differing_bits(stored), 1);
+  EXPECT_EQ(fs.fired(), 2u);
+}
+
+// 1-in-N faults: the same seed fires on the same operations; another seed on others; about one
+// operation in N fails.
+TEST_P(FaultyStorageTest, OneInNFaultsFollowTheSeed) {
+  auto failures = [&](uint64_t seed) {
+    FaultyFixture fx(GetParam(), seed);
+    EXPECT_TRUE(fx.ok());
+    std::vector<int> failed;
+    if (!fx.ok()) return failed;
+    Populate(fx.base(), 1);
+    fx.faulty().Arm({.op = FaultOp::kOpen, .kind = FaultKind::kEIO, .one_in = 10});
+    for (int i = 0; i < 1000; ++i) {
+      auto r = fx.faulty().Open(ObjectName(1));
+      if (!r.ok()) {
+        EXPECT_EQ(r.status().code(), StatusCode::kIOError);
+        failed.push_back(i);
+      }
+    }
+    EXPECT_EQ(fx.faulty().fired(), failed.size());
+    return failed;
+  };
+  const std::vector<int> a = failures(1);
+  EXPECT_EQ(failures(1), a);
+  EXPECT_NE(failures(2), a);
+  EXPECT_GT(a.size(), 50u);
+  EXPECT_LT(a.size(), 200u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Bases, FaultyStorageTest,

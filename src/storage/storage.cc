@@ -5,14 +5,14 @@
 // (and plain paths) open POSIX storage, "mem" opens in-memory storage. The built-in schemes are
 // registered lazily, under the registry's mutex, on first use, so that nothing depends on the
 // order in which static initialisers of a static library run (or whether they run at all).
+#include "safepoint/storage.h"
+
 #include <algorithm>
 #include <cctype>
 #include <map>
 #include <mutex>
 #include <string>
 #include <utility>
-
-#include "safepoint/storage.h"
 
 namespace safepoint {
 

@@ -19,93 +19,18 @@
 #include <thread>
 #include <vector>
 
-#include "safepoint/faulty_storage.h"
 #include "safepoint/storage.h"
+#include "storage/faulty/faulty_storage.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 namespace {
 
-// ---- helpers ----------------------------------------------------------------------------------
-
-// A deterministic byte pattern: every position of every object has its own value, so misplaced,
-// duplicated or lost blocks show up.
-std::byte PatternByte(uint64_t position, uint64_t seed) {
-  uint64_t x = position + seed * 0x9e3779b97f4a7c15ull;
-  x ^= x >> 29;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 32;
-  return static_cast<std::byte>(x & 0xff);
-}
-
-void FillPattern(std::span<std::byte> dst, uint64_t position, uint64_t seed) {
-  for (size_t i = 0; i < dst.size(); ++i) dst[i] = PatternByte(position + i, seed);
-}
-
-// Index of the first byte that differs from the pattern, or -1.
-int64_t FirstMismatch(std::span<const std::byte> data, uint64_t position, uint64_t seed) {
-  for (size_t i = 0; i < data.size(); ++i) {
-    if (data[i] != PatternByte(position + i, seed)) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
-
-// A buffer whose data() is aligned to kDirectIOAlignment (plus an optional misalignment).
-class TestBuffer {
- public:
-  explicit TestBuffer(size_t size, size_t misalign = 0) : size_(size), misalign_(misalign) {
-    const size_t bytes =
-        (size + misalign + kDirectIOAlignment - 1) / kDirectIOAlignment * kDirectIOAlignment +
-        kDirectIOAlignment;
-    base_.reset(static_cast<std::byte*>(std::aligned_alloc(kDirectIOAlignment, bytes)));
-    std::memset(base_.get(), 0, bytes);
-  }
-  std::byte* data() { return base_.get() + misalign_; }
-  std::span<std::byte> span() { return {data(), size_}; }
-  size_t size() const { return size_; }
-
- private:
-  struct Free {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
-  std::unique_ptr<std::byte, Free> base_;
-  size_t size_;
-  size_t misalign_;
-};
-
-std::vector<std::byte> PatternBytes(size_t n, uint64_t seed, uint64_t position = 0) {
-  std::vector<std::byte> v(n);
-  FillPattern(v, position, seed);
-  return v;
-}
-
-#define ASSERT_OK(expr)                                       \
-  do {                                                        \
-    const ::safepoint::Status assert_ok_ = (expr);            \
-    ASSERT_TRUE(assert_ok_.ok()) << assert_ok_.ToString();    \
-  } while (0)
-#define EXPECT_OK(expr)                                       \
-  do {                                                        \
-    const ::safepoint::Status expect_ok_ = (expr);            \
-    EXPECT_TRUE(expect_ok_.ok()) << expect_ok_.ToString();    \
-  } while (0)
-
-// Makes a fresh, empty directory under /tmp and removes it (recursively) when destroyed.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = "/tmp/safepoint-storage-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
-  }
-  ~TempDir() {
-    if (path_.empty()) return;
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::AlignedTestBuffer;
+using test::FillPattern;
+using test::FirstMismatch;
+using test::PatternBytes;
+using test::TempDir;
 
 // ---- the suite --------------------------------------------------------------------------------
 
@@ -120,10 +45,10 @@ void PrintTo(const Backend& backend, std::ostream* os) { *os << backend.name; }
 class StorageConformanceTest : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
-    ASSERT_FALSE(dir_.path().empty()) << "mkdtemp under /tmp failed";
+    ASSERT_TRUE(dir_.ok()) << "mkdtemp failed";
     location_ = dir_.path() + "/root";
     auto opened = GetParam().open(location_);
-    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    ASSERT_OK(opened);
     storage_ = std::move(opened).value();
   }
 
@@ -131,25 +56,25 @@ class StorageConformanceTest : public ::testing::TestWithParam<Backend> {
 
   // Writes `data` as object `name` in one WriteAt and publishes it.
   void Put(std::string_view name, std::span<const std::byte> data) {
-    auto w = storage_->Create(name, data.size());
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
-    ASSERT_OK((*w)->WriteAt(0, data));
-    ASSERT_OK((*w)->Publish());
+    ASSERT_OK(test::PutObject(*storage_, name, data));
   }
 
   std::vector<std::byte> GetAll(std::string_view name) {
-    auto r = storage_->Open(name);
-    EXPECT_TRUE(r.ok()) << r.status().ToString();
-    if (!r.ok()) return {};
-    std::vector<std::byte> out((*r)->size());
-    Status s = (*r)->ReadAt(0, out);
-    EXPECT_TRUE(s.ok()) << s.ToString();
-    return out;
+    return test::ReadWholeObject(*storage_, name);
+  }
+
+  // Nothing is listed, `name` is not found, and no temporary data is left to remove.
+  void ExpectNothingBehind(std::string_view name) {
+    EXPECT_TRUE(Names("").empty());
+    EXPECT_EQ(storage_->Open(name).status().code(), StatusCode::kNotFound);
+    auto leftovers = storage_->RemoveLeftovers("");
+    ASSERT_OK(leftovers);
+    EXPECT_EQ(*leftovers, 0u) << "temporary data of " << name << " was left behind";
   }
 
   std::vector<std::string> Names(std::string_view prefix) {
     auto list = storage_->List(prefix);
-    EXPECT_TRUE(list.ok()) << list.status().ToString();
+    EXPECT_OK(list);
     std::vector<std::string> names;
     if (list.ok()) {
       for (const ObjectInfo& info : *list) names.push_back(info.name);
@@ -167,25 +92,25 @@ TEST_P(StorageConformanceTest, RoundTripUnalignedBuffersAndOffsets) {
   const size_t total = 3 * 10007 + 13;
   std::vector<std::byte> src(total + 1);
   std::span<std::byte> all(src.data() + 1, total);  // +1: an odd address
-  FillPattern(all, 0, 1);
+  FillPattern(all, 1, 0);
   auto w = storage_->Create("dir/unaligned.bin", 0);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   ASSERT_OK((*w)->WriteAt(10007, all.subspan(10007, 10007)));
   ASSERT_OK((*w)->WriteAt(2 * 10007, all.subspan(2 * 10007)));
   ASSERT_OK((*w)->WriteAt(0, all.subspan(0, 10007)));
   ASSERT_OK((*w)->Publish());
 
   auto r = storage_->Open("dir/unaligned.bin");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   ASSERT_EQ((*r)->size(), total);
   std::vector<std::byte> whole(total);
   ASSERT_OK((*r)->ReadAt(0, whole));
-  EXPECT_EQ(FirstMismatch(whole, 0, 1), -1);
+  EXPECT_EQ(FirstMismatch(whole, 1, 0), -1);
   // Odd ranges into an odd address.
   for (uint64_t offset : {uint64_t{1}, uint64_t{4095}, uint64_t{10006}, uint64_t{total - 7}}) {
-    TestBuffer buf(7, 3);
+    AlignedTestBuffer buf(7, 3);
     ASSERT_OK((*r)->ReadAt(offset, buf.span()));
-    EXPECT_EQ(FirstMismatch(buf.span(), offset, 1), -1) << "offset " << offset;
+    EXPECT_EQ(FirstMismatch(buf.span(), 1, offset), -1) << "offset " << offset;
   }
   // A zero-byte read at the end is fine.
   ASSERT_OK((*r)->ReadAt(total, {}));
@@ -194,10 +119,10 @@ TEST_P(StorageConformanceTest, RoundTripUnalignedBuffersAndOffsets) {
 TEST_P(StorageConformanceTest, RoundTripAlignedBuffersAndOffsets) {
   constexpr size_t kBlock = kDirectIOAlignment;
   const size_t total = 64 * kBlock + 123;  // an unaligned tail after aligned blocks
-  TestBuffer src(total);
-  FillPattern(src.span(), 0, 2);
+  AlignedTestBuffer src(total);
+  FillPattern(src.span(), 2, 0);
   auto w = storage_->Create("aligned.bin", total);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   // Aligned address, offset and length.
   ASSERT_OK((*w)->WriteAt(0, src.span().first(32 * kBlock)));
   // Aligned address and offset, unaligned length (aligned prefix + tail).
@@ -205,27 +130,27 @@ TEST_P(StorageConformanceTest, RoundTripAlignedBuffersAndOffsets) {
   ASSERT_OK((*w)->Publish());
 
   auto r = storage_->Open("aligned.bin");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   ASSERT_EQ((*r)->size(), total);
   {
-    TestBuffer dst(16 * kBlock);
+    AlignedTestBuffer dst(16 * kBlock);
     ASSERT_OK((*r)->ReadAt(8 * kBlock, dst.span()));
-    EXPECT_EQ(FirstMismatch(dst.span(), 8 * kBlock, 2), -1);
+    EXPECT_EQ(FirstMismatch(dst.span(), 2, 8 * kBlock), -1);
   }
   {
-    TestBuffer dst(total - 60 * kBlock);  // aligned start, unaligned end at EOF
+    AlignedTestBuffer dst(total - 60 * kBlock);  // aligned start, unaligned end at EOF
     ASSERT_OK((*r)->ReadAt(60 * kBlock, dst.span()));
-    EXPECT_EQ(FirstMismatch(dst.span(), 60 * kBlock, 2), -1);
+    EXPECT_EQ(FirstMismatch(dst.span(), 2, 60 * kBlock), -1);
   }
   {
-    TestBuffer dst(2 * kBlock, 512);  // misaligned buffer, aligned offset
+    AlignedTestBuffer dst(2 * kBlock, 512);  // misaligned buffer, aligned offset
     ASSERT_OK((*r)->ReadAt(kBlock, dst.span()));
-    EXPECT_EQ(FirstMismatch(dst.span(), kBlock, 2), -1);
+    EXPECT_EQ(FirstMismatch(dst.span(), 2, kBlock), -1);
   }
   {
-    TestBuffer dst(2 * kBlock);  // aligned buffer, unaligned offset
+    AlignedTestBuffer dst(2 * kBlock);  // aligned buffer, unaligned offset
     ASSERT_OK((*r)->ReadAt(kBlock + 1, dst.span()));
-    EXPECT_EQ(FirstMismatch(dst.span(), kBlock + 1, 2), -1);
+    EXPECT_EQ(FirstMismatch(dst.span(), 2, kBlock + 1), -1);
   }
 }
 
@@ -239,17 +164,17 @@ TEST_P(StorageConformanceTest, ParallelWriteAtFromManyThreads) {
     offsets[i + 1] = offsets[i] + (i % 2 == 0 ? 16 * kDirectIOAlignment : 12345);
   }
   const size_t total = offsets[kChunks];
-  TestBuffer src(total);
-  FillPattern(src.span(), 0, 3);
+  AlignedTestBuffer src(total);
+  FillPattern(src.span(), 3, 0);
   auto w = storage_->Create("parallel/obj", total);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   std::atomic<int> failures{0};
   std::vector<std::thread> threads;
   for (size_t t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (size_t i = t; i < kChunks; i += kThreads) {
-        Status s = (*w)->WriteAt(offsets[i],
-                                 src.span().subspan(offsets[i], offsets[i + 1] - offsets[i]));
+        Status s =
+            (*w)->WriteAt(offsets[i], src.span().subspan(offsets[i], offsets[i + 1] - offsets[i]));
         if (!s.ok()) {
           ADD_FAILURE() << s.ToString();
           ++failures;
@@ -262,18 +187,18 @@ TEST_P(StorageConformanceTest, ParallelWriteAtFromManyThreads) {
   ASSERT_OK((*w)->Publish());
   std::vector<std::byte> back = GetAll("parallel/obj");
   ASSERT_EQ(back.size(), total);
-  EXPECT_EQ(FirstMismatch(back, 0, 3), -1);
+  EXPECT_EQ(FirstMismatch(back, 3, 0), -1);
 }
 
 TEST_P(StorageConformanceTest, LargeObjectReadBackInParallelRanges) {
   constexpr size_t kSize = 64ull << 20;
   constexpr size_t kChunk = 4ull << 20;
   constexpr size_t kThreads = 4;
-  TestBuffer src(kSize);
-  FillPattern(src.span(), 0, 4);
+  AlignedTestBuffer src(kSize);
+  FillPattern(src.span(), 4, 0);
   {
     auto w = storage_->Create("large.bin", kSize);
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_OK(w);
     std::vector<std::thread> threads;
     std::atomic<int> failures{0};
     for (size_t t = 0; t < kThreads; ++t) {
@@ -288,9 +213,9 @@ TEST_P(StorageConformanceTest, LargeObjectReadBackInParallelRanges) {
     ASSERT_OK((*w)->Publish());
   }
   auto r = storage_->Open("large.bin");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   ASSERT_EQ((*r)->size(), kSize);
-  TestBuffer dst(kSize);
+  AlignedTestBuffer dst(kSize);
   // Ranges of 1 MiB + 1 byte: most start unaligned, so both read paths are used.
   constexpr size_t kRange = (1ull << 20) + 1;
   const size_t ranges = (kSize + kRange - 1) / kRange;
@@ -308,9 +233,9 @@ TEST_P(StorageConformanceTest, LargeObjectReadBackInParallelRanges) {
   }
   for (auto& t : threads) t.join();
   ASSERT_EQ(failures.load(), 0);
-  EXPECT_EQ(FirstMismatch(dst.span(), 0, 4), -1);
+  EXPECT_EQ(FirstMismatch(dst.span(), 4, 0), -1);
   // Aligned 4 MiB reads in parallel as well (the O_DIRECT path where available).
-  TestBuffer aligned(kSize);
+  AlignedTestBuffer aligned(kSize);
   next = 0;
   threads.clear();
   for (size_t t = 0; t < kThreads; ++t) {
@@ -324,12 +249,12 @@ TEST_P(StorageConformanceTest, LargeObjectReadBackInParallelRanges) {
   }
   for (auto& t : threads) t.join();
   ASSERT_EQ(failures.load(), 0);
-  EXPECT_EQ(FirstMismatch(aligned.span(), 0, 4), -1);
+  EXPECT_EQ(FirstMismatch(aligned.span(), 4, 0), -1);
 }
 
 TEST_P(StorageConformanceTest, ObjectIsInvisibleUntilPublished) {
   auto w = storage_->Create("step-1/rank-0", 0);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   std::vector<std::byte> data = PatternBytes(1000, 5);
   ASSERT_OK((*w)->WriteAt(0, data));
   EXPECT_TRUE(Names("").empty());
@@ -339,48 +264,40 @@ TEST_P(StorageConformanceTest, ObjectIsInvisibleUntilPublished) {
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
   // Another view of the same location does not see it either.
   auto other = Reopen();
-  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ASSERT_OK(other);
   EXPECT_FALSE((*other)->Open("step-1/rank-0").ok());
 
   ASSERT_OK((*w)->Publish());
   EXPECT_EQ(Names(""), std::vector<std::string>{"step-1/rank-0"});
   EXPECT_EQ(GetAll("step-1/rank-0"), data);
   auto seen = (*other)->Open("step-1/rank-0");
-  ASSERT_TRUE(seen.ok()) << seen.status().ToString();
+  ASSERT_OK(seen);
   EXPECT_EQ((*seen)->size(), data.size());
 }
 
 TEST_P(StorageConformanceTest, AbortRemovesTemporaryData) {
   auto w = storage_->Create("a/aborted", 1 << 20);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   ASSERT_OK((*w)->WriteAt(0, PatternBytes(5000, 6)));
   (*w)->Abort();
   (*w)->Abort();  // idempotent
   EXPECT_FALSE((*w)->Publish().ok());
   EXPECT_FALSE((*w)->WriteAt(0, PatternBytes(10, 6)).ok());
-  EXPECT_TRUE(Names("").empty());
-  EXPECT_EQ(storage_->Open("a/aborted").status().code(), StatusCode::kNotFound);
-  auto leftovers = storage_->RemoveLeftovers("");
-  ASSERT_TRUE(leftovers.ok()) << leftovers.status().ToString();
-  EXPECT_EQ(*leftovers, 0u) << "Abort left temporary data behind";
+  ExpectNothingBehind("a/aborted");
 }
 
 TEST_P(StorageConformanceTest, DestructorOfUnpublishedWriterRemovesTemporaryData) {
   {
     auto w = storage_->Create("b/dropped", 0);
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_OK(w);
     ASSERT_OK((*w)->WriteAt(0, PatternBytes(5000, 7)));
   }
-  EXPECT_TRUE(Names("").empty());
-  EXPECT_EQ(storage_->Open("b/dropped").status().code(), StatusCode::kNotFound);
-  auto leftovers = storage_->RemoveLeftovers("");
-  ASSERT_TRUE(leftovers.ok()) << leftovers.status().ToString();
-  EXPECT_EQ(*leftovers, 0u) << "the destructor left temporary data behind";
+  ExpectNothingBehind("b/dropped");
 }
 
 TEST_P(StorageConformanceTest, WriterRejectsUseAfterPublish) {
   auto w = storage_->Create("once", 0);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   ASSERT_OK((*w)->WriteAt(0, PatternBytes(10, 8)));
   ASSERT_OK((*w)->Publish());
   EXPECT_FALSE((*w)->WriteAt(0, PatternBytes(10, 9)).ok());
@@ -393,13 +310,13 @@ TEST_P(StorageConformanceTest, RepublishReplacesAtomically) {
   Put("ckpt/state", PatternBytes(3000, 10));
   // A second writer of the same name, in progress: the old object stays readable.
   auto w = storage_->Create("ckpt/state", 0);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   ASSERT_OK((*w)->WriteAt(0, PatternBytes(777, 11)));
   EXPECT_EQ(GetAll("ckpt/state"), PatternBytes(3000, 10));
   ASSERT_OK((*w)->Publish());
   EXPECT_EQ(GetAll("ckpt/state"), PatternBytes(777, 11));
   auto list = storage_->List("");
-  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  ASSERT_OK(list);
   ASSERT_EQ(list->size(), 1u);
   EXPECT_EQ((*list)[0].name, "ckpt/state");
   EXPECT_EQ((*list)[0].size, 777u);
@@ -408,11 +325,11 @@ TEST_P(StorageConformanceTest, RepublishReplacesAtomically) {
 TEST_P(StorageConformanceTest, EmptyAndSparseObjects) {
   {
     auto w = storage_->Create("empty", 4096);  // a size hint that is never used
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_OK(w);
     ASSERT_OK((*w)->Publish());
   }
   auto r = storage_->Open("empty");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   EXPECT_EQ((*r)->size(), 0u);
   ASSERT_OK((*r)->ReadAt(0, {}));
 
@@ -420,7 +337,7 @@ TEST_P(StorageConformanceTest, EmptyAndSparseObjects) {
   std::vector<std::byte> tail = PatternBytes(100, 12);
   {
     auto w = storage_->Create("sparse", 1 << 20);  // a hint larger than what is written
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_OK(w);
     ASSERT_OK((*w)->WriteAt(50000, tail));
     ASSERT_OK((*w)->Publish());
   }
@@ -433,7 +350,7 @@ TEST_P(StorageConformanceTest, EmptyAndSparseObjects) {
   // A hint smaller than what is written is only a hint.
   {
     auto w = storage_->Create("grown", 10);
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_OK(w);
     ASSERT_OK((*w)->WriteAt(0, PatternBytes(20000, 13)));
     ASSERT_OK((*w)->Publish());
   }
@@ -441,7 +358,7 @@ TEST_P(StorageConformanceTest, EmptyAndSparseObjects) {
 }
 
 TEST_P(StorageConformanceTest, ListFiltersByPrefixAndSorts) {
-  const std::vector<std::string> names = {"b",   "a/2",   "a/10",    "a/1",  "ab",
+  const std::vector<std::string> names = {"b",   "a/2",   "a/10",    "a/1", "ab",
                                           "a.x", "c/d/e", "c/d/f/g", "c/dd"};
   for (size_t i = 0; i < names.size(); ++i) Put(names[i], PatternBytes(i + 1, 14));
   std::vector<std::string> expected = names;
@@ -458,14 +375,14 @@ TEST_P(StorageConformanceTest, ListFiltersByPrefixAndSorts) {
   EXPECT_TRUE(Names("b/").empty());  // "b" is an object, not a directory
 
   auto list = storage_->List("a/");
-  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  ASSERT_OK(list);
   for (const ObjectInfo& info : *list) {
     const size_t index = std::find(names.begin(), names.end(), info.name) - names.begin();
     EXPECT_EQ(info.size, index + 1) << info.name;
   }
 
-  const std::vector<std::string> bad_prefixes = {"../", "/",  "a//", "./x", "a/../b/",
-                                                 std::string("a\0b", 3), "x\\y"};
+  const std::vector<std::string> bad_prefixes = {
+      "../", "/", "a//", "./x", "a/../b/", std::string("a\0b", 3), "x\\y"};
   for (const std::string& bad : bad_prefixes) {
     auto r = storage_->List(bad);
     ASSERT_FALSE(r.ok()) << "List(\"" << bad << "\") succeeded";
@@ -491,7 +408,7 @@ TEST_P(StorageConformanceTest, DeleteIsIdempotent) {
 TEST_P(StorageConformanceTest, ReadPastEndIsCorruptionNamingTheObject) {
   Put("short/object", PatternBytes(100, 18));
   auto r = storage_->Open("short/object");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   std::vector<std::byte> buf(100);
   Status s = (*r)->ReadAt(50, buf);
   EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
@@ -519,8 +436,8 @@ TEST_P(StorageConformanceTest, OpenOfMissingObjectIsNotFound) {
 
 TEST_P(StorageConformanceTest, InvalidNamesAreRejected) {
   const std::vector<std::string> bad = {
-      "../x", "/abs", "a//b", "a/./b", "a/../b", "", "x.tmp.y", std::string("a\0b", 3),
-      "a\\b", "..", ".", "a/", "a/.", "a/..", "./a", std::string(4097, 'n')};
+      "../x", "/abs", "a//b", "a/./b", "a/../b", "",     "x.tmp.y", std::string("a\0b", 3),
+      "a\\b", "..",   ".",    "a/",    "a/.",    "a/..", "./a",     std::string(4097, 'n')};
   for (const std::string& name : bad) {
     SCOPED_TRACE("name \"" + name.substr(0, 40) + "\"");
     Status v = ValidateObjectName(name);
@@ -543,10 +460,10 @@ TEST_P(StorageConformanceTest, InvalidNamesAreRejected) {
 
 TEST_P(StorageConformanceTest, TwoViewsOfOneLocationShareObjects) {
   auto other = Reopen();
-  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ASSERT_OK(other);
   Put("shared/obj", PatternBytes(64, 20));
   auto r = (*other)->Open("shared/obj");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   EXPECT_EQ((*r)->size(), 64u);
   EXPECT_OK((*other)->Delete("shared/obj"));
   EXPECT_EQ(storage_->Open("shared/obj").status().code(), StatusCode::kNotFound);
@@ -594,18 +511,18 @@ TEST(StorageRegistryTest, FileUrisAndPlainPathsOpenPosixStorage) {
   TempDir dir;
   ASSERT_FALSE(dir.path().empty());
   auto by_uri = OpenStorage("file://" + dir.path() + "/a");
-  ASSERT_TRUE(by_uri.ok()) << by_uri.status().ToString();
+  ASSERT_OK(by_uri);
   EXPECT_EQ((*by_uri)->uri(), "file://" + dir.path() + "/a");
   EXPECT_EQ((*by_uri)->Describe("x/y"), dir.path() + "/a/x/y");
   EXPECT_TRUE((*by_uri)->capabilities().durable);
   EXPECT_TRUE(std::filesystem::is_directory(dir.path() + "/a"));
 
   auto localhost = OpenStorage("file://localhost" + dir.path() + "/a");
-  ASSERT_TRUE(localhost.ok()) << localhost.status().ToString();
+  ASSERT_OK(localhost);
   EXPECT_EQ((*localhost)->uri(), (*by_uri)->uri());
 
   auto plain = OpenStorage(dir.path() + "/a/");  // trailing slash is normalised away
-  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  ASSERT_OK(plain);
   EXPECT_EQ((*plain)->uri(), (*by_uri)->uri());
 
   // A relative path is resolved against the current directory.
@@ -613,7 +530,7 @@ TEST(StorageRegistryTest, FileUrisAndPlainPathsOpenPosixStorage) {
   std::filesystem::current_path(dir.path());
   auto relative = OpenStorage("rel/./dir");
   std::filesystem::current_path(cwd);
-  ASSERT_TRUE(relative.ok()) << relative.status().ToString();
+  ASSERT_OK(relative);
   EXPECT_EQ((*relative)->uri(), "file://" + dir.path() + "/rel/dir");
   EXPECT_TRUE(std::filesystem::is_directory(dir.path() + "/rel/dir"));
 
@@ -624,22 +541,22 @@ TEST(StorageRegistryTest, FileUrisAndPlainPathsOpenPosixStorage) {
 
 TEST(StorageRegistryTest, MemUrisShareByName) {
   auto a = OpenStorage("mem://registry-test");
-  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_OK(a);
   EXPECT_EQ((*a)->uri(), "mem://registry-test");
   EXPECT_FALSE((*a)->capabilities().durable);
   auto w = (*a)->Create("obj", 0);
-  ASSERT_TRUE(w.ok());
+  ASSERT_OK(w);
   ASSERT_OK((*w)->WriteAt(0, PatternBytes(5, 21)));
   ASSERT_OK((*w)->Publish());
-  EXPECT_TRUE(NewMemoryStorage("registry-test")->Open("obj").ok());
+  EXPECT_OK(NewMemoryStorage("registry-test")->Open("obj"));
   EXPECT_FALSE(NewMemoryStorage("registry-test-other")->Open("obj").ok());
   // Unnamed instances are private.
   auto p1 = NewMemoryStorage();
   auto p2 = NewMemoryStorage();
   auto pw = p1->Create("obj", 0);
-  ASSERT_TRUE(pw.ok());
+  ASSERT_OK(pw);
   ASSERT_OK((*pw)->Publish());
-  EXPECT_TRUE(p1->Open("obj").ok());
+  EXPECT_OK(p1->Open("obj"));
   EXPECT_FALSE(p2->Open("obj").ok());
 }
 
@@ -653,18 +570,19 @@ TEST(StorageRegistryTest, UnknownSchemeIsInvalidArgumentNamingTheScheme) {
 
 TEST(StorageRegistryTest, RegisteredSchemesAreUsed) {
   std::string seen_uri, seen_rest;
-  RegisterStorageScheme("Test-Scheme", [&](std::string_view uri, std::string_view rest)
-                                           -> Result<std::unique_ptr<Storage>> {
-    seen_uri = std::string(uri);
-    seen_rest = std::string(rest);
-    return NewMemoryStorage();
-  });
+  RegisterStorageScheme(
+      "Test-Scheme",
+      [&](std::string_view uri, std::string_view rest) -> Result<std::unique_ptr<Storage>> {
+        seen_uri = std::string(uri);
+        seen_rest = std::string(rest);
+        return NewMemoryStorage();
+      });
   auto r = OpenStorage("test-scheme://host/some/where");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   EXPECT_EQ(seen_uri, "test-scheme://host/some/where");
   EXPECT_EQ(seen_rest, "host/some/where");
   // The built-in schemes are still there after a registration.
-  EXPECT_TRUE(OpenStorage("mem://after-register").ok());
+  EXPECT_OK(OpenStorage("mem://after-register"));
 }
 
 }  // namespace

@@ -1,25 +1,29 @@
-// FaultyStorage: the fault-injecting Storage decorator declared in safepoint/faulty_storage.h.
+// FaultyStorage: the fault-injecting Storage decorator declared in faulty_storage.h.
 //
-// All counters and armed faults live in one State guarded by a mutex and shared with the
-// wrapped objects, so that objects may outlive the FaultyStorage that made them. Injected
-// errors are built with ErrnoStatus() from the errno they simulate, so they carry the same codes
-// and the same message shape ("<path>: fsync (injected fault) failed: Input/output error") as
-// real ones.
+// All counters, armed faults, the seeded generator and the record of what is not yet durable
+// live in one FaultState guarded by a mutex and shared with the wrapped objects, so that objects
+// may outlive the FaultyStorage that made them. Injected errors are built with ErrnoStatus()
+// from the errno they simulate, so they carry the same codes and the same message shape
+// ("<path>: sync #1 (injected fault) failed: Input/output error") as real ones.
 //
-// Publish is split in two fault points: kSync (the data fsync) and kPublish (rename + directory
-// fsync, or the final PUT). Either fault aborts the base object, so nothing is published.
-// DropUnsynced() simulates a power loss: it aborts the base object of every writer created
-// through this storage that has not published yet; those writers then fail every WriteAt and
-// Publish with IOError. A writer's own shared_mutex orders DropUnsynced against its WriteAt
-// (shared) and Publish/Abort (exclusive) calls, so dropping may race with writing threads.
-#include "safepoint/faulty_storage.h"
+// Publish passes three fault points in the order of the POSIX protocol: kSync (data fsync),
+// kPublish (rename) and kDirSync (directory fsync). A failure at the first two aborts the base
+// object, so nothing is published. At kDirSync the base object is published first, and the name
+// is recorded with what it named before (read from the base before publishing): a power loss
+// restores that. A writer's own shared_mutex orders SimulatePowerLoss against its WriteAt
+// (shared) and Publish/Abort (exclusive) calls, so the power may fail while threads write.
+#include "storage/faulty/faulty_storage.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <shared_mutex>
 #include <string>
 #include <thread>
@@ -29,88 +33,214 @@
 namespace safepoint {
 
 std::string_view FaultOpName(FaultOp op) {
-  switch (op) {
-    case FaultOp::kCreate: return "create";
-    case FaultOp::kWrite: return "write";
-    case FaultOp::kSync: return "sync";
-    case FaultOp::kPublish: return "publish";
-    case FaultOp::kOpen: return "open";
-    case FaultOp::kRead: return "read";
-    case FaultOp::kList: return "list";
-    case FaultOp::kDelete: return "delete";
-    case FaultOp::kCount_: break;
-  }
-  return "unknown";
+  static constexpr std::string_view kNames[] = {"create", "write", "sync", "publish", "dirsync",
+                                                "open",   "read",  "list", "delete"};
+  static_assert(std::size(kNames) == static_cast<size_t>(FaultOp::kCount_));
+  const size_t i = static_cast<size_t>(op);
+  return i < std::size(kNames) ? kNames[i] : "unknown";
+}
+
+std::string_view FaultKindName(FaultKind kind) {
+  static constexpr std::string_view kNames[] = {"EIO",   "ENOSPC",  "ShortWrite",
+                                                "Delay", "BitFlip", "Unsynced"};
+  const size_t i = static_cast<size_t>(kind);
+  return i < std::size(kNames) ? kNames[i] : "unknown";
 }
 
 namespace {
 
 constexpr size_t kNumOps = static_cast<size_t>(FaultOp::kCount_);
 
-// The part of a writer that DropUnsynced reaches: the base object and its fate.
+// "a/b/c" -> "a/b", "c" -> "".
+std::string_view DirectoryOf(std::string_view name) {
+  const size_t slash = name.rfind('/');
+  return slash == std::string_view::npos ? std::string_view() : name.substr(0, slash);
+}
+
+// A fault that fired on one operation. `error` is set for the kinds that fail the operation.
+struct Injection {
+  FaultKind kind = FaultKind::kEIO;
+  Status error;
+  uint64_t draw = 0;  // from the seeded generator: bit positions, tear offsets
+};
+
+// The part of a writer that SimulatePowerLoss reaches: the base object and its fate.
 struct WriterCore {
-  std::shared_mutex mu;  // WriteAt: shared; Publish, Abort, DropUnsynced: exclusive
+  std::shared_mutex mu;  // WriteAt: shared; Publish, Abort, SimulatePowerLoss: exclusive
   std::unique_ptr<WritableObject> base;
   bool finished = false;  // published or aborted
-  bool dropped = false;   // lost to DropUnsynced
-  // Set by DropUnsynced before it waits for `mu`: new writes fail at once instead of keeping the
-  // shared lock busy (glibc's rwlock prefers readers, so busy writers would starve the drop).
+  bool dropped = false;   // lost to a power loss
+  // Set before the power loss waits for `mu`: new writes fail at once instead of keeping the
+  // shared lock busy (glibc's rwlock prefers readers, so busy writers would starve it).
   std::atomic<bool> dropping{false};
+};
+
+// A published name that a power loss would change.
+struct Undurable {
+  // The name is not durable: what it named before (nullopt: nothing), and whether that data was
+  // torn-pending itself (its draw).
+  bool name_pending = false;
+  std::string directory;
+  std::optional<std::vector<std::byte>> previous;
+  std::optional<uint64_t> previous_tear;
+  // The data under the name is not durable: the draw that picks the tear.
+  std::optional<uint64_t> tear;
 };
 
 // Everything FaultyStorage and its objects share. (FaultyStorage::State, which the header
 // declares privately, is this type; the objects hold it through this name.)
 struct FaultState {
-  std::mutex mu;
+  explicit FaultState(uint64_t seed) : rng(seed) {}
+
+  mutable std::mutex mu;
   std::optional<FaultSpec> armed[kNumOps];
   uint64_t since_armed[kNumOps] = {};
   uint64_t total[kNumOps] = {};
   uint64_t fired = 0;
   uint64_t epoch = 0;
+  std::mt19937_64 rng;
   // Writers created through this storage (pruned of destroyed ones on each Create).
   std::list<std::weak_ptr<WriterCore>> writers;
+  std::map<std::string, Undurable, std::less<>> undurable;
 
-  Status MaybeFail(FaultOp op, std::string_view subject, bool* short_write) {
-    if (short_write != nullptr) *short_write = false;
+  // Counts an operation of `op` on `subject` and returns the fault to inject, if one fires. A
+  // latency spike is served here (outside the mutex) and injects nothing.
+  std::optional<Injection> Check(FaultOp op, std::string_view subject) {
     const size_t i = static_cast<size_t>(op);
     uint64_t n;
     FaultSpec spec;
+    Injection injection;
     {
       std::lock_guard<std::mutex> lock(mu);
       ++total[i];
-      if (!armed[i]) return Status::OK();
+      if (!armed[i]) return std::nullopt;
       n = ++since_armed[i];
       spec = *armed[i];
-      if (!(n == spec.nth || (spec.sticky && n > spec.nth))) return Status::OK();
+      const bool fire = spec.one_in > 0 ? rng() % spec.one_in == 0
+                                        : n == spec.nth || (spec.sticky && n > spec.nth);
+      if (!fire) return std::nullopt;
       ++fired;
+      injection.draw = rng();
     }
     if (spec.kind == FaultKind::kDelay) {
       // Outside the mutex: other operations (and other delays) go on meanwhile.
       std::this_thread::sleep_for(spec.delay);
-      return Status::OK();
+      return std::nullopt;
     }
+    const bool applies =
+        (spec.kind == FaultKind::kShortWrite && op == FaultOp::kWrite) ||
+        (spec.kind == FaultKind::kBitFlip && (op == FaultOp::kRead || op == FaultOp::kWrite)) ||
+        (spec.kind == FaultKind::kUnsynced && (op == FaultOp::kSync || op == FaultOp::kDirSync)) ||
+        spec.kind == FaultKind::kEIO || spec.kind == FaultKind::kENOSPC;
+    injection.kind = applies ? spec.kind : FaultKind::kEIO;
     const std::string what =
         std::string(FaultOpName(op)) + " #" + std::to_string(n) + " (injected fault)";
-    switch (spec.kind) {
-      case FaultKind::kENOSPC: return ErrnoStatus(what, subject, ENOSPC);
+    switch (injection.kind) {
+      case FaultKind::kENOSPC:
+        injection.error = ErrnoStatus(what, subject, ENOSPC);
+        break;
       case FaultKind::kShortWrite:
-        if (short_write != nullptr) {
-          *short_write = true;
-          return IOError(std::string(subject) + ": short write: " + what);
-        }
-        [[fallthrough]];  // a short "create" or "read" is an I/O error
-      case FaultKind::kEIO: return ErrnoStatus(what, subject, EIO);
-      case FaultKind::kDelay: break;
+        injection.error = IOError(std::string(subject) + ": short write: " + what);
+        break;
+      case FaultKind::kEIO:
+        injection.error = ErrnoStatus(what, subject, EIO);
+        break;
+      case FaultKind::kDelay:
+      case FaultKind::kBitFlip:
+      case FaultKind::kUnsynced:
+        break;
     }
-    return ErrnoStatus(what, subject, EIO);
+    return injection;
+  }
+
+  // `name` was published. `name_durable`: its directory sync succeeded, which makes every name
+  // in that directory durable. `previous`: what the name showed before (read only when the name
+  // is not durable). `tear`: set when its data sync lied.
+  void Published(std::string_view name, bool name_durable,
+                 std::optional<std::vector<std::byte>> previous, std::optional<uint64_t> tear) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (name_durable) DirectorySynced(DirectoryOf(name));
+    auto it = undurable.try_emplace(std::string(name)).first;
+    Undurable& u = it->second;
+    if (!name_durable && !u.name_pending) {
+      // The first publish since the name was last durable: a power loss restores what was there.
+      // (Later ones keep that: the name has been durable only as it was then.)
+      u.name_pending = true;
+      u.directory = std::string(DirectoryOf(name));
+      u.previous = std::move(previous);
+      u.previous_tear = u.tear;
+    }
+    u.tear = tear;
+    if (!u.name_pending && !u.tear) undurable.erase(it);
+  }
+
+  // A successful sync of `dir` (a Publish or Delete there): its names are durable now. The
+  // caller holds `mu`.
+  void DirectorySynced(std::string_view dir) {
+    for (auto it = undurable.begin(); it != undurable.end();) {
+      Undurable& u = it->second;
+      if (u.name_pending && u.directory == dir) {
+        u.name_pending = false;
+        u.previous.reset();
+        u.previous_tear.reset();
+      }
+      it = !u.name_pending && !u.tear ? undurable.erase(it) : std::next(it);
+    }
+  }
+
+  void Deleted(std::string_view name) {
+    std::lock_guard<std::mutex> lock(mu);
+    DirectorySynced(DirectoryOf(name));
+    undurable.erase(std::string(name));
   }
 };
 
+// Returns the object's data as a power cut leaves it when its data sync lied: cut off at a
+// random offset, or (the file size was already durable, e.g. preallocated) zeros from there on.
+void Tear(std::vector<std::byte>& data, uint64_t draw) {
+  if (data.empty()) return;
+  const size_t from = static_cast<size_t>(draw % data.size());
+  if ((draw >> 63) != 0) {
+    data.resize(from);
+  } else {
+    std::fill(data.begin() + static_cast<ptrdiff_t>(from), data.end(), std::byte{0});
+  }
+}
+
+Status WriteBase(Storage& base, std::string_view name, std::span<const std::byte> data) {
+  SP_ASSIGN_OR_RETURN(auto w, base.Create(name, data.size()));
+  SP_RETURN_IF_ERROR(w->WriteAt(0, data));
+  return w->Publish();
+}
+
+// The whole object `name` of `base`, or nullopt when there is none.
+Result<std::optional<std::vector<std::byte>>> ReadBase(Storage& base, std::string_view name) {
+  auto r = base.Open(name);
+  if (!r.ok()) {
+    if (r.status().code() == StatusCode::kNotFound) {
+      return std::optional<std::vector<std::byte>>();
+    }
+    return r.status();
+  }
+  std::vector<std::byte> data((*r)->size());
+  SP_RETURN_IF_ERROR((*r)->ReadAt(0, data));
+  return std::optional<std::vector<std::byte>>(std::move(data));
+}
+
+void FlipBit(std::span<std::byte> data, uint64_t draw) {
+  if (data.empty()) return;
+  data[draw % data.size()] ^= static_cast<std::byte>(1u << ((draw >> 56) & 7));
+}
+
 class FaultyWritableObject final : public WritableObject {
  public:
-  FaultyWritableObject(std::shared_ptr<FaultState> state, std::string path,
-                       std::shared_ptr<WriterCore> core)
-      : state_(std::move(state)), path_(std::move(path)), core_(std::move(core)) {}
+  FaultyWritableObject(std::shared_ptr<FaultState> state, std::shared_ptr<Storage> base_storage,
+                       std::string name, std::shared_ptr<WriterCore> core)
+      : state_(std::move(state)),
+        base_storage_(std::move(base_storage)),
+        name_(std::move(name)),
+        path_(base_storage_->Describe(name_)),
+        core_(std::move(core)) {}
 
   ~FaultyWritableObject() override { Abort(); }
 
@@ -119,31 +249,49 @@ class FaultyWritableObject final : public WritableObject {
     std::shared_lock<std::shared_mutex> lock(core_->mu);
     if (core_->dropped) return Lost();
     if (core_->finished) return InvalidArgument(path_ + ": write after publish or abort");
-    bool short_write = false;
-    Status fault = state_->MaybeFail(FaultOp::kWrite, path_, &short_write);
-    if (!fault.ok()) {
-      if (short_write) {
-        Status s = core_->base->WriteAt(offset, data.first(data.size() / 2));
-        if (!s.ok()) return s;
+    const std::optional<Injection> fault = state_->Check(FaultOp::kWrite, path_);
+    if (!fault) return core_->base->WriteAt(offset, data);
+    switch (fault->kind) {
+      case FaultKind::kShortWrite:
+        SP_RETURN_IF_ERROR(core_->base->WriteAt(offset, data.first(data.size() / 2)));
+        return fault->error;
+      case FaultKind::kBitFlip: {
+        std::vector<std::byte> flipped(data.begin(), data.end());
+        FlipBit(flipped, fault->draw);
+        return core_->base->WriteAt(offset, flipped);
       }
-      return fault;
+      default:
+        return fault->error;
     }
-    return core_->base->WriteAt(offset, data);
   }
 
   Status Publish() override {
     std::unique_lock<std::shared_mutex> lock(core_->mu);
     if (core_->dropped) return Lost();
     if (core_->finished) return InvalidArgument(path_ + ": already published or aborted");
-    Status fault = state_->MaybeFail(FaultOp::kSync, path_, nullptr);
-    if (fault.ok()) fault = state_->MaybeFail(FaultOp::kPublish, path_, nullptr);
-    if (!fault.ok()) {
-      core_->base->Abort();
-      core_->finished = true;
-      return fault;
+    const std::optional<Injection> sync = state_->Check(FaultOp::kSync, path_);
+    if (sync && !sync->error.ok()) return Fail(sync->error);
+    if (auto rename = state_->Check(FaultOp::kPublish, path_)) return Fail(rename->error);
+    const std::string dir_path = base_storage_->Describe(DirectoryOf(name_));
+    const std::optional<Injection> dir_sync = state_->Check(FaultOp::kDirSync, dir_path);
+    std::optional<std::vector<std::byte>> previous;
+    if (dir_sync) {
+      // The name will not be durable: keep what it names now, for a power loss to restore.
+      auto read = ReadBase(*base_storage_, name_);
+      if (!read.ok()) return Fail(read.status());
+      previous = std::move(read).value();
     }
     core_->finished = true;
-    return core_->base->Publish();
+    SP_RETURN_IF_ERROR(core_->base->Publish());
+    std::optional<uint64_t> tear;
+    if (sync) tear = sync->draw;  // kUnsynced: the data sync lied
+    state_->Published(name_, !dir_sync, std::move(previous), tear);
+    if (!dir_sync || dir_sync->kind == FaultKind::kUnsynced) return Status::OK();
+    // As the POSIX driver reports it: the object is visible, its name may not be durable.
+    Status error = dir_sync->error;
+    if (error.code() != StatusCode::kIOError) error = IOError(error.message());
+    return error.WithContext("publishing " + path_ +
+                             " (visible, but it may not survive a power loss)");
   }
 
   void Abort() override {
@@ -154,11 +302,20 @@ class FaultyWritableObject final : public WritableObject {
   }
 
  private:
+  // Publish failed before the base published: abort the base object. The caller holds the lock.
+  Status Fail(Status s) {
+    core_->base->Abort();
+    core_->finished = true;
+    return s;
+  }
+
   Status Lost() const {
-    return IOError(path_ + ": data lost to a simulated power loss (DropUnsynced) before publish");
+    return IOError(path_ + ": data lost to a simulated power loss before publish");
   }
 
   const std::shared_ptr<FaultState> state_;
+  const std::shared_ptr<Storage> base_storage_;
+  const std::string name_;
   const std::string path_;
   const std::shared_ptr<WriterCore> core_;
 };
@@ -172,8 +329,11 @@ class FaultyReadableObject final : public ReadableObject {
   uint64_t size() const override { return base_->size(); }
 
   Status ReadAt(uint64_t offset, std::span<std::byte> dst) const override {
-    SP_RETURN_IF_ERROR(state_->MaybeFail(FaultOp::kRead, path_, nullptr));
-    return base_->ReadAt(offset, dst);
+    const std::optional<Injection> fault = state_->Check(FaultOp::kRead, path_);
+    if (fault && !fault->error.ok()) return fault->error;
+    SP_RETURN_IF_ERROR(base_->ReadAt(offset, dst));
+    if (fault) FlipBit(dst, fault->draw);  // kBitFlip
+    return Status::OK();
   }
 
  private:
@@ -184,10 +344,14 @@ class FaultyReadableObject final : public ReadableObject {
 
 }  // namespace
 
-struct FaultyStorage::State : FaultState {};
+struct FaultyStorage::State : FaultState {
+  using FaultState::FaultState;
+};
 
-FaultyStorage::FaultyStorage(std::shared_ptr<Storage> base)
-    : base_(std::move(base)), state_(std::make_shared<State>()), uri_("faulty+" + base_->uri()) {}
+FaultyStorage::FaultyStorage(std::shared_ptr<Storage> base, uint64_t seed)
+    : base_(std::move(base)),
+      state_(std::make_shared<State>(seed)),
+      uri_("faulty+" + base_->uri()) {}
 
 FaultyStorage::~FaultyStorage() = default;
 
@@ -219,17 +383,19 @@ uint64_t FaultyStorage::count(FaultOp op) const {
   return state_->total[i];
 }
 
+size_t FaultyStorage::undurable() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->undurable.size();
+}
+
 uint64_t FaultyStorage::epoch() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->epoch;
 }
 
-Status FaultyStorage::MaybeFail(FaultOp op, std::string_view name, bool* short_write) {
-  return state_->MaybeFail(op, base_->Describe(name), short_write);
-}
-
-void FaultyStorage::DropUnsynced() {
+Status FaultyStorage::SimulatePowerLoss() {
   std::vector<std::shared_ptr<WriterCore>> victims;
+  std::map<std::string, Undurable, std::less<>> undurable;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     ++state_->epoch;
@@ -237,8 +403,9 @@ void FaultyStorage::DropUnsynced() {
       if (auto core = weak.lock()) victims.push_back(std::move(core));
     }
     state_->writers.clear();
+    undurable.swap(state_->undurable);
   }
-  // Outside the state mutex: a writer holds its own lock while it calls MaybeFail.
+  // Outside the state mutex: a writer holds its own lock while it calls Check.
   for (auto& core : victims) core->dropping.store(true, std::memory_order_release);
   for (auto& core : victims) {
     std::unique_lock<std::shared_mutex> lock(core->mu);
@@ -247,6 +414,32 @@ void FaultyStorage::DropUnsynced() {
     core->finished = true;
     core->dropped = true;
   }
+  Status first;
+  auto keep_first = [&first](Status s) {
+    if (first.ok()) first = std::move(s);
+  };
+  for (auto& [name, u] : undurable) {
+    std::optional<std::vector<std::byte>> data;
+    std::optional<uint64_t> tear = u.tear;
+    if (u.name_pending) {
+      data = std::move(u.previous);
+      tear = u.previous_tear;
+    } else {
+      auto read = ReadBase(*base_, name);
+      if (!read.ok()) {
+        keep_first(read.status());
+        continue;
+      }
+      data = std::move(read).value();
+    }
+    if (!data) {
+      keep_first(base_->Delete(name));
+      continue;
+    }
+    if (tear) Tear(*data, *tear);
+    keep_first(WriteBase(*base_, name, *data));
+  }
+  return first;
 }
 
 const std::string& FaultyStorage::uri() const { return uri_; }
@@ -257,7 +450,7 @@ Result<std::unique_ptr<WritableObject>> FaultyStorage::Create(std::string_view n
                                                               uint64_t size_hint) {
   SP_RETURN_IF_ERROR(ValidateObjectName(name));
   const std::string path = base_->Describe(name);
-  SP_RETURN_IF_ERROR(state_->MaybeFail(FaultOp::kCreate, path, nullptr));
+  if (auto fault = state_->Check(FaultOp::kCreate, path)) return fault->error;
   SP_ASSIGN_OR_RETURN(std::unique_ptr<WritableObject> base, base_->Create(name, size_hint));
   auto core = std::make_shared<WriterCore>();
   core->base = std::move(base);
@@ -267,13 +460,13 @@ Result<std::unique_ptr<WritableObject>> FaultyStorage::Create(std::string_view n
     state_->writers.push_back(core);
   }
   return std::unique_ptr<WritableObject>(
-      std::make_unique<FaultyWritableObject>(state_, path, std::move(core)));
+      std::make_unique<FaultyWritableObject>(state_, base_, std::string(name), std::move(core)));
 }
 
 Result<std::unique_ptr<ReadableObject>> FaultyStorage::Open(std::string_view name) {
   SP_RETURN_IF_ERROR(ValidateObjectName(name));
   const std::string path = base_->Describe(name);
-  SP_RETURN_IF_ERROR(state_->MaybeFail(FaultOp::kOpen, path, nullptr));
+  if (auto fault = state_->Check(FaultOp::kOpen, path)) return fault->error;
   SP_ASSIGN_OR_RETURN(std::unique_ptr<ReadableObject> base, base_->Open(name));
   return std::unique_ptr<ReadableObject>(
       std::make_unique<FaultyReadableObject>(state_, path, std::move(base)));
@@ -281,15 +474,21 @@ Result<std::unique_ptr<ReadableObject>> FaultyStorage::Open(std::string_view nam
 
 Result<std::vector<ObjectInfo>> FaultyStorage::List(std::string_view prefix) {
   SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
-  SP_RETURN_IF_ERROR(state_->MaybeFail(
-      FaultOp::kList, base_->uri() + " (list of prefix \"" + std::string(prefix) + "\")", nullptr));
+  if (auto fault = state_->Check(
+          FaultOp::kList, base_->uri() + " (list of prefix \"" + std::string(prefix) + "\")")) {
+    return fault->error;
+  }
   return base_->List(prefix);
 }
 
 Status FaultyStorage::Delete(std::string_view name) {
   SP_RETURN_IF_ERROR(ValidateObjectName(name));
-  SP_RETURN_IF_ERROR(state_->MaybeFail(FaultOp::kDelete, base_->Describe(name), nullptr));
-  return base_->Delete(name);
+  if (auto fault = state_->Check(FaultOp::kDelete, base_->Describe(name))) return fault->error;
+  // Only the removal of an object syncs its directory (as POSIX storage does).
+  const bool existed = base_->Open(name).ok();
+  SP_RETURN_IF_ERROR(base_->Delete(name));
+  if (existed) state_->Deleted(name);
+  return Status::OK();
 }
 
 Result<size_t> FaultyStorage::RemoveLeftovers(std::string_view prefix,

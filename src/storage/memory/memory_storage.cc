@@ -122,8 +122,8 @@ class MemoryWritableObject final : public WritableObject {
   enum class State { kWriting, kPublished, kAborted };
 
   Status NotWritable() const {
-    return InvalidArgument(path_ + (state_ == State::kPublished ? ": already published"
-                                                                : ": write was aborted"));
+    return InvalidArgument(
+        path_ + (state_ == State::kPublished ? ": already published" : ": write was aborted"));
   }
 
   const std::shared_ptr<ObjectMap> map_;
@@ -159,8 +159,7 @@ class MemoryReadableObject final : public ReadableObject {
 
 class MemoryStorage final : public Storage {
  public:
-  explicit MemoryStorage(std::string name)
-      : uri_("mem://" + name), map_(SharedObjectMap(name)) {}
+  explicit MemoryStorage(std::string name) : uri_("mem://" + name), map_(SharedObjectMap(name)) {}
 
   const std::string& uri() const override { return uri_; }
 
@@ -175,8 +174,8 @@ class MemoryStorage final : public Storage {
   Result<std::unique_ptr<WritableObject>> Create(std::string_view name,
                                                  uint64_t size_hint) override {
     SP_RETURN_IF_ERROR(ValidateObjectName(name));
-    return std::unique_ptr<WritableObject>(std::make_unique<MemoryWritableObject>(
-        map_, std::string(name), Describe(name), size_hint));
+    return std::unique_ptr<WritableObject>(
+        std::make_unique<MemoryWritableObject>(map_, std::string(name), Describe(name), size_hint));
   }
 
   Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {

@@ -20,9 +20,15 @@
 //      aligned request with an unaligned length sends its aligned prefix there; the rest goes
 //      through the page cache. The first failed write poisons the object: Publish refuses it.
 //   4. Publish: trim any unused preallocation, fsync the temporary file, rename it over the final
-//      name, fsync the directory. A failed fsync is never retried: the temporary file is removed
-//      and the error returned. If the directory fsync fails the new object is unlinked again, so
-//      on every failure nothing is published and the caller rewrites the object.
+//      name, fsync the directory. A failed fsync is never retried. Up to the rename, a failure
+//      removes the temporary file and publishes nothing: the caller rewrites the object. Once
+//      renamed, the object is published and is never unlinked again, whatever fails next:
+//      another writer may have renamed an equal object over it meanwhile (two committers of one
+//      COMMIT), and the rename has already replaced the previous version. If the directory fsync
+//      then fails, Publish returns an IOError that names the directory: the object is visible
+//      but its name may not survive a power loss (which may bring back the previous version or
+//      nothing). The caller must neither report it durable nor delete it; writing it again, or
+//      any later successful fsync of the same directory, makes the name durable.
 //   5. Abort (or the destructor of an unpublished object) unlinks the temporary file.
 //
 // Reads: Open() opens the file O_RDONLY, plus O_DIRECT where accepted; ReadAt() uses pread loops
@@ -35,6 +41,8 @@
 // layer guarantees this by calling it for steps whose writers are known to be gone).
 //
 // Thread safety: every method may be called from many threads; WriteAt/ReadAt are positional.
+#include "storage/posix/posix_storage.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -66,7 +74,10 @@ namespace safepoint {
 
 namespace {
 
+using internal::PosixPublishSync;
+using internal::PosixPublishSyncHook;
 using internal::UniqueFd;
+using SyncHook = std::shared_ptr<const PosixPublishSyncHook>;  // null: none (always, but in tests)
 
 constexpr uint64_t kAlignMask = kDirectIOAlignment - 1;
 // Linux transfers at most 0x7ffff000 bytes per read/write call; ask for no more than that.
@@ -100,9 +111,9 @@ bool IsTemporaryName(std::string_view file_name) {
   size_t pos = file_name.rfind(kTmpInfix);
   if (pos == std::string_view::npos || pos == 0) return false;
   std::string_view hex = file_name.substr(pos + kTmpInfix.size());
-  return hex.size() == kTmpSuffixHexDigits &&
-         std::all_of(hex.begin(), hex.end(),
-                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+  return hex.size() == kTmpSuffixHexDigits && std::all_of(hex.begin(), hex.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
 }
 
 int64_t MtimeNs(const struct stat& st) {
@@ -233,7 +244,7 @@ class PosixWritableObject final : public WritableObject {
   // `tmp_fd` is the created temporary file, registered in LiveTemporaries under `tmp_stat`.
   PosixWritableObject(std::string path, std::string dir_path, UniqueFd dir_fd,
                       std::string base_name, std::string tmp_name, UniqueFd tmp_fd,
-                      const struct stat& tmp_stat)
+                      const struct stat& tmp_stat, SyncHook sync_hook)
       : path_(std::move(path)),
         dir_path_(std::move(dir_path)),
         tmp_path_(JoinPath(dir_path_, tmp_name)),
@@ -241,7 +252,8 @@ class PosixWritableObject final : public WritableObject {
         tmp_name_(std::move(tmp_name)),
         dir_fd_(std::move(dir_fd)),
         tmp_dev_(tmp_stat.st_dev),
-        tmp_ino_(tmp_stat.st_ino) {
+        tmp_ino_(tmp_stat.st_ino),
+        sync_hook_(std::move(sync_hook)) {
     io_.Init(std::move(tmp_fd), UniqueFd());
   }
 
@@ -285,15 +297,15 @@ class PosixWritableObject final : public WritableObject {
     if (state_.load(std::memory_order_acquire) != State::kWriting) return NotWritable();
     if (data.size() > static_cast<uint64_t>(INT64_MAX) ||
         offset > static_cast<uint64_t>(INT64_MAX) - data.size()) {
-      return RecordFailure(InvalidArgument(
-          tmp_path_ + ": write of " + std::to_string(data.size()) + " bytes at offset " +
-          std::to_string(offset) + " exceeds the file size limit"));
+      return RecordFailure(InvalidArgument(tmp_path_ + ": write of " + std::to_string(data.size()) +
+                                           " bytes at offset " + std::to_string(offset) +
+                                           " exceeds the file size limit"));
     }
     int err = io_.Transfer<true>(data.data(), data.size(), offset);
     if (err != 0) {
-      return RecordFailure(ErrnoStatus("pwrite of " + std::to_string(data.size()) +
-                                           " bytes at offset " + std::to_string(offset),
-                                       tmp_path_, err));
+      return RecordFailure(ErrnoStatus(
+          "pwrite of " + std::to_string(data.size()) + " bytes at offset " + std::to_string(offset),
+          tmp_path_, err));
     }
     if (data.empty()) return Status::OK();
     const uint64_t end = offset + data.size();
@@ -320,7 +332,9 @@ class PosixWritableObject final : public WritableObject {
     // Never retried: after a failed fsync the kernel may have dropped the dirty pages, and a
     // second fsync would report success for data that is gone.
     SP_KILL_POINT("posix.publish.before_fsync");
-    if (::fsync(io_.buffered_fd()) != 0) return Fail(ErrnoStatus("fsync", tmp_path_, errno));
+    if (int err = Fsync(PosixPublishSync::kFile, io_.buffered_fd()); err != 0) {
+      return Fail(ErrnoStatus("fsync", tmp_path_, err));
+    }
     io_.direct().Reset();
     if (int err = io_.buffered().Close(); err != 0) {
       return Fail(ErrnoStatus("close", tmp_path_, err));
@@ -330,23 +344,28 @@ class PosixWritableObject final : public WritableObject {
       return Fail(ErrnoStatus("rename to " + path_, tmp_path_, errno));
     }
     LiveTemporaries::Get().Remove(tmp_dev_, tmp_ino_);
-    SP_KILL_POINT("posix.publish.before_dir_fsync");
-    if (::fsync(dir_fd_.get()) != 0) {
-      Status s = ErrnoStatus("fsync", dir_path_, errno)
-                     .WithContext("publishing " + path_ + " (the object was removed again)");
-      // The rename may not be durable: withdraw the object so that nothing counts as published.
-      ::unlinkat(dir_fd_.get(), base_name_.c_str(), 0);
-      state_.store(State::kAborted, std::memory_order_release);
-      dir_fd_.Reset();
-      return s;
-    }
+    // From here on the object is published: its name shows the new data to every reader, and
+    // may already have been replaced by another writer's equal object (two committers of one
+    // COMMIT). Nothing below may unlink it.
     state_.store(State::kPublished, std::memory_order_release);
+    SP_KILL_POINT("posix.publish.before_dir_fsync");
+    const int err = Fsync(PosixPublishSync::kDirectory, dir_fd_.get());
     dir_fd_.Reset();
+    if (err != 0) {
+      // The rename may not survive a power loss: report it, as an I/O error whatever the errno
+      // (ENOSPC would read as "not written"), and leave the object in place. The caller must
+      // not report it durable; writing it again (or any later successful fsync of this
+      // directory) makes the name durable.
+      const Status s = ErrnoStatus("fsync", dir_path_, err);
+      return IOError(s.message())
+          .WithContext("publishing " + path_ + " (visible, but it may not survive a power loss)");
+    }
     return Status::OK();
   }
 
   void Abort() override {
-    if (state_.exchange(State::kAborted) != State::kWriting) return;
+    State writing = State::kWriting;
+    if (!state_.compare_exchange_strong(writing, State::kAborted)) return;  // published: keep it
     io_.direct().Reset();
     io_.buffered().Reset();
     // A temporary that cannot be unlinked here (e.g. EIO) stays behind under its ".tmp." name:
@@ -371,6 +390,14 @@ class PosixWritableObject final : public WritableObject {
     return s;
   }
 
+  // fsync(fd), or the errno the test hook answers for `sync`. Returns 0 or an errno.
+  int Fsync(PosixPublishSync sync, int fd) const {
+    if (sync_hook_ != nullptr) {
+      if (int err = (*sync_hook_)(sync, path_); err != 0) return err;
+    }
+    return ::fsync(fd) == 0 ? 0 : errno;
+  }
+
   // Publish failed: remove the temporary file, return `s`.
   Status Fail(Status s) {
     Abort();
@@ -386,6 +413,7 @@ class PosixWritableObject final : public WritableObject {
   DualDescriptorIo io_;
   const dev_t tmp_dev_;
   const ino_t tmp_ino_;
+  const SyncHook sync_hook_;
   uint64_t preallocated_ = 0;
   std::atomic<uint64_t> written_end_{0};
   std::atomic<State> state_{State::kWriting};
@@ -395,8 +423,7 @@ class PosixWritableObject final : public WritableObject {
 
 class PosixReadableObject final : public ReadableObject {
  public:
-  PosixReadableObject(std::string path, UniqueFd fd, UniqueFd direct_fd,
-                      uint64_t size)
+  PosixReadableObject(std::string path, UniqueFd fd, UniqueFd direct_fd, uint64_t size)
       : path_(std::move(path)), size_(size) {
     io_.Init(std::move(fd), std::move(direct_fd));
   }
@@ -423,8 +450,7 @@ class PosixReadableObject final : public ReadableObject {
  private:
   Status Truncated(uint64_t offset, size_t n, uint64_t size) const {
     return Corruption(path_ + ": truncated: wanted " + std::to_string(n) + " bytes at offset " +
-                      std::to_string(offset) + ", object has " + std::to_string(size) +
-                      " bytes");
+                      std::to_string(offset) + ", object has " + std::to_string(size) + " bytes");
   }
 
   const std::string path_;
@@ -459,8 +485,11 @@ Status MakeRootDirectories(const std::string& dir) {
 
 class PosixStorage final : public Storage {
  public:
-  PosixStorage(std::string root, PosixStorageOptions options)
-      : root_(std::move(root)), uri_("file://" + root_), options_(options) {}
+  PosixStorage(std::string root, PosixStorageOptions options, SyncHook sync_hook)
+      : root_(std::move(root)),
+        uri_("file://" + root_),
+        options_(options),
+        sync_hook_(std::move(sync_hook)) {}
 
   const std::string& uri() const override { return uri_; }
 
@@ -490,7 +519,7 @@ class PosixStorage final : public Storage {
       {
         std::shared_lock<std::shared_mutex> lock(LiveTemporaries::Get().sweep_mu());
         fd = UniqueFd(::openat(dir_fd.get(), tmp_name.c_str(),
-                                     O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644));
+                               O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644));
         if (!fd.valid()) {
           err = errno;
         } else if (::fstat(fd.get(), &st) != 0) {
@@ -503,9 +532,9 @@ class PosixStorage final : public Storage {
         }
       }
       if (fd.valid()) {
-        auto object = std::make_unique<PosixWritableObject>(
-            path, dir_path, std::move(dir_fd), std::string(base), std::move(tmp_name),
-            std::move(fd), st);
+        auto object = std::make_unique<PosixWritableObject>(path, dir_path, std::move(dir_fd),
+                                                            std::string(base), std::move(tmp_name),
+                                                            std::move(fd), st, sync_hook_);
         bool refused = false;
         const bool try_direct =
             options_.use_direct_io && !direct_refused_.load(std::memory_order_relaxed);
@@ -522,19 +551,16 @@ class PosixStorage final : public Storage {
   }
 
   Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
-    SP_RETURN_IF_ERROR(ValidateObjectName(name));
-    const std::string path = Describe(name);
-    auto [dir_rel, base] = SplitName(name);
-    UniqueFd dir_fd;
-    bool blocked = false;
-    Status s = OpenDirectory(dir_rel, /*create=*/false, &dir_fd, &blocked);
-    if (s.code() == StatusCode::kNotFound) return ErrnoStatus("open", path, ENOENT);
-    if (blocked) return NotFound(path + ": no such object (" + s.message() + ")");
-    SP_RETURN_IF_ERROR(s);
-    const std::string base_name(base);
+    SP_ASSIGN_OR_RETURN(ObjectDirectory at, OpenObjectDirectory(name));
+    const std::string& path = at.path;
+    if (at.status.code() == StatusCode::kNotFound) return ErrnoStatus("open", path, ENOENT);
+    if (at.blocked) return NotFound(path + ": no such object (" + at.status.message() + ")");
+    SP_RETURN_IF_ERROR(at.status);
+    const std::string& base_name = at.base;
+    const UniqueFd& dir_fd = at.fd;
     // O_NONBLOCK so that a FIFO planted in the tree cannot block us; cleared below.
-    UniqueFd fd(::openat(dir_fd.get(), base_name.c_str(),
-                               O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+    UniqueFd fd(
+        ::openat(dir_fd.get(), base_name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
     if (!fd.valid()) {
       int err = errno;
       if (err == ELOOP) {
@@ -579,23 +605,18 @@ class PosixStorage final : public Storage {
   }
 
   Status Delete(std::string_view name) override {
-    SP_RETURN_IF_ERROR(ValidateObjectName(name));
-    const std::string path = Describe(name);
-    auto [dir_rel, base] = SplitName(name);
-    UniqueFd dir_fd;
-    bool blocked = false;
-    Status s = OpenDirectory(dir_rel, /*create=*/false, &dir_fd, &blocked);
-    if (s.code() == StatusCode::kNotFound || blocked) return Status::OK();  // no such object
-    SP_RETURN_IF_ERROR(s);
-    if (::unlinkat(dir_fd.get(), std::string(base).c_str(), 0) != 0) {
+    SP_ASSIGN_OR_RETURN(ObjectDirectory at, OpenObjectDirectory(name));
+    if (at.status.code() == StatusCode::kNotFound || at.blocked) return Status::OK();  // none
+    SP_RETURN_IF_ERROR(at.status);
+    if (::unlinkat(at.fd.get(), at.base.c_str(), 0) != 0) {
       int err = errno;
       if (err == ENOENT) return Status::OK();
-      return ErrnoStatus("unlink", path, err);
+      return ErrnoStatus("unlink", at.path, err);
     }
-    if (::fsync(dir_fd.get()) != 0) return ErrnoStatus("fsync", Describe(dir_rel), errno);
-    dir_fd.Reset();
+    if (::fsync(at.fd.get()) != 0) return ErrnoStatus("fsync", Describe(at.dir_rel), errno);
+    at.fd.Reset();
     // Remove the directories that this made empty, deepest first, never the root.
-    std::string_view dir = dir_rel;
+    std::string_view dir = at.dir_rel;
     while (!dir.empty()) {
       auto [parent_rel, leaf] = SplitName(dir);
       UniqueFd parent_fd;
@@ -649,6 +670,28 @@ class PosixStorage final : public Storage {
   using FileVisitor = std::function<Status(int dir_fd, const std::string& file_name,
                                            const std::string& rel, const struct stat& st)>;
 
+  // Where object `name` lives: its directory, opened without creating anything (`status`:
+  // NotFound when missing; `blocked` as for OpenDirectory), and its file name there.
+  struct ObjectDirectory {
+    std::string path;          // the object's full path, for messages
+    std::string_view dir_rel;  // the directory, relative to the root (a view into the name)
+    std::string base;          // the file name within it
+    UniqueFd fd;
+    bool blocked = false;
+    Status status;
+  };
+  // InvalidArgument for an invalid name; every other outcome is in the result.
+  Result<ObjectDirectory> OpenObjectDirectory(std::string_view name) const {
+    SP_RETURN_IF_ERROR(ValidateObjectName(name));
+    ObjectDirectory at;
+    at.path = Describe(name);
+    const auto [dir_rel, base] = SplitName(name);
+    at.dir_rel = dir_rel;
+    at.base = std::string(base);
+    at.status = OpenDirectory(dir_rel, /*create=*/false, &at.fd, &at.blocked);
+    return at;
+  }
+
   // Opens the directory `rel` ("" for the root) below the root without following symlinks,
   // creating missing components when `create`. NotFound when a component is missing. When a
   // component exists but is not a directory (a file, or a symlink, which is not followed), the
@@ -668,8 +711,8 @@ class PosixStorage final : public Storage {
       path = JoinPath(path, component);
       int fd = -1;
       for (int attempt = 0; attempt < 2; ++attempt) {
-        fd = ::openat(cur.get(), component.c_str(),
-                      O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        fd =
+            ::openat(cur.get(), component.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
         if (fd >= 0 || errno != ENOENT || !create || attempt > 0) break;
         if (::mkdirat(cur.get(), component.c_str(), 0755) != 0 && errno != EEXIST) {
           return ErrnoStatus("mkdir", path, errno);
@@ -774,12 +817,12 @@ class PosixStorage final : public Storage {
   const std::string root_;  // absolute, normalised, no trailing '/' (except "/")
   const std::string uri_;
   const PosixStorageOptions options_;
+  const SyncHook sync_hook_;
   mutable std::atomic<bool> direct_refused_{false};
 };
 
-}  // namespace
-
-Result<std::unique_ptr<Storage>> NewPosixStorage(std::string root, PosixStorageOptions options) {
+Result<std::unique_ptr<Storage>> OpenPosixStorage(std::string root, PosixStorageOptions options,
+                                                  SyncHook sync_hook) {
   if (root.empty()) return InvalidArgument("empty storage root path");
   if (root.find('\0') != std::string::npos) {
     return InvalidArgument("storage root path contains a NUL byte");
@@ -798,7 +841,25 @@ Result<std::unique_ptr<Storage>> NewPosixStorage(std::string root, PosixStorageO
   struct stat st;
   if (::stat(root.c_str(), &st) != 0) return ErrnoStatus("stat (storage root)", root, errno);
   if (!S_ISDIR(st.st_mode)) return InvalidArgument(root + ": storage root is not a directory");
-  return std::unique_ptr<Storage>(std::make_unique<PosixStorage>(std::move(root), options));
+  return std::unique_ptr<Storage>(
+      std::make_unique<PosixStorage>(std::move(root), options, std::move(sync_hook)));
 }
+
+}  // namespace
+
+Result<std::unique_ptr<Storage>> NewPosixStorage(std::string root, PosixStorageOptions options) {
+  return OpenPosixStorage(std::move(root), options, nullptr);
+}
+
+namespace internal {
+
+Result<std::unique_ptr<Storage>> NewPosixStorageWithSyncHook(std::string root,
+                                                             PosixStorageOptions options,
+                                                             PosixPublishSyncHook hook) {
+  return OpenPosixStorage(std::move(root), options,
+                          std::make_shared<const PosixPublishSyncHook>(std::move(hook)));
+}
+
+}  // namespace internal
 
 }  // namespace safepoint

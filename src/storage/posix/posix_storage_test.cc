@@ -3,6 +3,8 @@
 // inside the root, names that try to escape it, O_DIRECT on tmpfs and its fallback where the
 // filesystem refuses it, and ENOSPC on a real, tiny filesystem (tests that need to mount one
 // skip themselves where mounting is not permitted).
+#include "storage/posix/posix_storage.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -15,58 +17,24 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "safepoint/storage.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 namespace {
 
 namespace fs = std::filesystem;
 
-#define ASSERT_OK(expr)                                    \
-  do {                                                     \
-    const ::safepoint::Status assert_ok_ = (expr);         \
-    ASSERT_TRUE(assert_ok_.ok()) << assert_ok_.ToString(); \
-  } while (0)
-
-std::vector<std::byte> Bytes(size_t n, int seed) {
-  std::vector<std::byte> v(n);
-  for (size_t i = 0; i < n; ++i) {
-    v[i] = static_cast<std::byte>((i * 131 + seed * 17 + (i >> 12)) & 0xff);
-  }
-  return v;
-}
-
-// A 4096-aligned buffer.
-struct AlignedBytes {
-  explicit AlignedBytes(size_t n)
-      : size(n), data(static_cast<std::byte*>(std::aligned_alloc(kDirectIOAlignment, n))) {}
-  ~AlignedBytes() { std::free(data); }
-  std::span<std::byte> span() { return {data, size}; }
-  size_t size;
-  std::byte* data;
-};
-
-// A fresh directory under `parent`, removed recursively at the end.
-class TempDir {
- public:
-  explicit TempDir(const std::string& parent = "/tmp") {
-    std::string tmpl = parent + "/safepoint-posix-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
-  }
-  ~TempDir() {
-    if (path_.empty()) return;
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::AlignedTestBuffer;
+using test::PatternBytes;
+using test::ReadWholeObject;
+using test::TempDir;
 
 // A filesystem of type `type` mounted on a fresh directory, unmounted at the end. ok() is false
 // (with the reason) where mounting is not permitted, e.g. in an unprivileged container.
@@ -118,20 +86,20 @@ std::unique_ptr<Storage> MustOpen(const std::string& root, bool direct = true) {
   PosixStorageOptions options;
   options.use_direct_io = direct;
   auto s = NewPosixStorage(root, options);
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_OK(s);
   return s.ok() ? std::move(s).value() : nullptr;
 }
 
 TEST(PosixStorageTest, TemporaryFileExistsOnlyWhileWriting) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   auto storage = MustOpen(dir.path());
   ASSERT_NE(storage, nullptr);
 
   // Published: the temporary is renamed into place.
   {
     auto w = storage->Create("a/b/obj", 0);
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
-    ASSERT_OK((*w)->WriteAt(0, Bytes(100, 1)));
+    ASSERT_OK(w);
+    ASSERT_OK((*w)->WriteAt(0, PatternBytes(100, 1)));
     auto temps = TemporaryFiles(dir.path());
     ASSERT_EQ(temps.size(), 1u);
     EXPECT_TRUE(temps[0].starts_with("a/b/obj.tmp.")) << temps[0];
@@ -143,8 +111,8 @@ TEST(PosixStorageTest, TemporaryFileExistsOnlyWhileWriting) {
   // Aborted.
   {
     auto w = storage->Create("a/b/aborted", 1 << 20);
-    ASSERT_TRUE(w.ok());
-    ASSERT_OK((*w)->WriteAt(0, Bytes(100, 2)));
+    ASSERT_OK(w);
+    ASSERT_OK((*w)->WriteAt(0, PatternBytes(100, 2)));
     EXPECT_EQ(TemporaryFiles(dir.path()).size(), 1u);
     (*w)->Abort();
     EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
@@ -152,16 +120,16 @@ TEST(PosixStorageTest, TemporaryFileExistsOnlyWhileWriting) {
   // Destroyed unpublished.
   {
     auto w = storage->Create("c/destroyed", 0);
-    ASSERT_TRUE(w.ok());
+    ASSERT_OK(w);
     EXPECT_EQ(TemporaryFiles(dir.path()).size(), 1u);
   }
   EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
   // A failed write poisons the object: Publish refuses, and the temporary goes away.
   {
     auto w = storage->Create("c/failed", 0);
-    ASSERT_TRUE(w.ok());
-    ASSERT_OK((*w)->WriteAt(0, Bytes(100, 3)));
-    Status bad = (*w)->WriteAt(UINT64_MAX - 10, Bytes(100, 3));
+    ASSERT_OK(w);
+    ASSERT_OK((*w)->WriteAt(0, PatternBytes(100, 3)));
+    Status bad = (*w)->WriteAt(UINT64_MAX - 10, PatternBytes(100, 3));
     EXPECT_FALSE(bad.ok());
     Status p = (*w)->Publish();
     EXPECT_FALSE(p.ok());
@@ -172,12 +140,12 @@ TEST(PosixStorageTest, TemporaryFileExistsOnlyWhileWriting) {
 }
 
 TEST(PosixStorageTest, PublishedFilesHaveTheWrittenSizeAndMode) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   auto storage = MustOpen(dir.path());
   ASSERT_NE(storage, nullptr);
   auto w = storage->Create("obj", 1 << 20);  // preallocated far beyond what is written
-  ASSERT_TRUE(w.ok());
-  ASSERT_OK((*w)->WriteAt(0, Bytes(10, 4)));
+  ASSERT_OK(w);
+  ASSERT_OK((*w)->WriteAt(0, PatternBytes(10, 4)));
   ASSERT_OK((*w)->Publish());
   struct stat st;
   ASSERT_EQ(::stat((dir.path() + "/obj").c_str(), &st), 0);
@@ -188,7 +156,7 @@ TEST(PosixStorageTest, PublishedFilesHaveTheWrittenSizeAndMode) {
 }
 
 TEST(PosixStorageTest, RemoveLeftoversSparesLiveWriters) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   auto storage = MustOpen(dir.path());
   ASSERT_NE(storage, nullptr);
   // Stale temporaries, as a crashed process leaves them.
@@ -199,23 +167,23 @@ TEST(PosixStorageTest, RemoveLeftoversSparesLiveWriters) {
   WriteFile(dir.path() + "/step-1/z.tmp.0123456789ABCDEF", "keep");
   // A live writer of this process.
   auto live = storage->Create("step-1/live", 0);
-  ASSERT_TRUE(live.ok());
-  ASSERT_OK((*live)->WriteAt(0, Bytes(100, 5)));
+  ASSERT_OK(live);
+  ASSERT_OK((*live)->WriteAt(0, PatternBytes(100, 5)));
   ASSERT_EQ(TemporaryFiles(dir.path()).size(), 5u);
 
   // Nothing of this is listed.
   auto list = storage->List("");
-  ASSERT_TRUE(list.ok());
+  ASSERT_OK(list);
   EXPECT_TRUE(list->empty());
 
   auto removed = storage->RemoveLeftovers("step-1/");
-  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  ASSERT_OK(removed);
   EXPECT_EQ(*removed, 1u);
   EXPECT_FALSE(fs::exists(dir.path() + "/step-1/x.tmp.0123456789abcdef"));
   EXPECT_TRUE(fs::exists(dir.path() + "/y.tmp.fedcba9876543210"));  // outside the prefix
 
   removed = storage->RemoveLeftovers("");
-  ASSERT_TRUE(removed.ok());
+  ASSERT_OK(removed);
   EXPECT_EQ(*removed, 1u);
   EXPECT_FALSE(fs::exists(dir.path() + "/y.tmp.fedcba9876543210"));
   EXPECT_TRUE(fs::exists(dir.path() + "/step-1/notes.tmp.txt"));
@@ -226,17 +194,17 @@ TEST(PosixStorageTest, RemoveLeftoversSparesLiveWriters) {
   auto other = MustOpen(dir.path() + "/./");
   ASSERT_NE(other, nullptr);
   removed = other->RemoveLeftovers("");
-  ASSERT_TRUE(removed.ok());
+  ASSERT_OK(removed);
   EXPECT_EQ(*removed, 0u);
 
   ASSERT_OK((*live)->Publish());
   auto r = storage->Open("step-1/live");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_OK(r);
   EXPECT_EQ((*r)->size(), 100u);
 }
 
 TEST(PosixStorageTest, SymlinksInsideTheRootAreNotFollowed) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   const std::string root = dir.path() + "/root";
   const std::string outside = dir.path() + "/outside";
   WriteFile(outside + "/secret", "secret");
@@ -244,19 +212,19 @@ TEST(PosixStorageTest, SymlinksInsideTheRootAreNotFollowed) {
   auto storage = MustOpen(root);
   ASSERT_NE(storage, nullptr);
   auto w = storage->Create("real/obj", 0);
-  ASSERT_TRUE(w.ok());
-  ASSERT_OK((*w)->WriteAt(0, Bytes(10, 6)));
+  ASSERT_OK(w);
+  ASSERT_OK((*w)->WriteAt(0, PatternBytes(10, 6)));
   ASSERT_OK((*w)->Publish());
   fs::create_directory_symlink(outside, root + "/link");
   fs::create_symlink(outside + "/secret", root + "/flink");
   fs::create_directory_symlink(outside, root + "/real/nested-link");
 
   auto list = storage->List("");
-  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  ASSERT_OK(list);
   ASSERT_EQ(list->size(), 1u);
   EXPECT_EQ((*list)[0].name, "real/obj");
   auto below_link = storage->List("link/");
-  ASSERT_TRUE(below_link.ok()) << below_link.status().ToString();
+  ASSERT_OK(below_link);
   EXPECT_TRUE(below_link->empty());
 
   for (std::string_view name : {"link/secret", "flink", "real/nested-link/secret"}) {
@@ -274,13 +242,13 @@ TEST(PosixStorageTest, SymlinksInsideTheRootAreNotFollowed) {
   ASSERT_OK(storage->Delete("link/secret"));
   EXPECT_TRUE(fs::exists(outside + "/secret"));
   auto removed = storage->RemoveLeftovers("");
-  ASSERT_TRUE(removed.ok());
+  ASSERT_OK(removed);
   EXPECT_EQ(*removed, 0u);
   EXPECT_TRUE(fs::exists(outside + "/x.tmp.0123456789abcdef"));
 }
 
 TEST(PosixStorageTest, NamesCannotEscapeTheRoot) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   const std::string root = dir.path() + "/root";
   auto storage = MustOpen(root);
   ASSERT_NE(storage, nullptr);
@@ -301,13 +269,13 @@ TEST(PosixStorageTest, NamesCannotEscapeTheRoot) {
 }
 
 TEST(PosixStorageTest, DeleteRemovesEmptyParentsButNeverTheRoot) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   const std::string root = dir.path() + "/root";
   auto storage = MustOpen(root);
   ASSERT_NE(storage, nullptr);
   for (std::string_view name : {"s/a/b/one", "s/a/two"}) {
     auto w = storage->Create(name, 0);
-    ASSERT_TRUE(w.ok());
+    ASSERT_OK(w);
     ASSERT_OK((*w)->Publish());
   }
   ASSERT_OK(storage->Delete("s/a/b/one"));
@@ -318,22 +286,22 @@ TEST(PosixStorageTest, DeleteRemovesEmptyParentsButNeverTheRoot) {
   EXPECT_TRUE(fs::is_directory(root));
   // A directory that holds a writer's temporary is not removed under it.
   auto w = storage->Create("t/pending", 0);
-  ASSERT_TRUE(w.ok());
+  ASSERT_OK(w);
   {
     auto other = storage->Create("t/other", 0);
-    ASSERT_TRUE(other.ok());
+    ASSERT_OK(other);
     ASSERT_OK((*other)->Publish());
   }
   ASSERT_OK(storage->Delete("t/other"));
   EXPECT_TRUE(fs::is_directory(root + "/t"));
   ASSERT_OK((*w)->Publish());
-  EXPECT_TRUE(storage->Open("t/pending").ok());
+  EXPECT_OK(storage->Open("t/pending"));
   // Deleting a directory is not deleting an object.
   EXPECT_FALSE(storage->Delete("t").ok());
 }
 
 TEST(PosixStorageTest, RootHandling) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   PosixStorageOptions no_create;
   no_create.create = false;
   auto missing = NewPosixStorage(dir.path() + "/missing", no_create);
@@ -342,7 +310,7 @@ TEST(PosixStorageTest, RootHandling) {
   EXPECT_NE(missing.status().message().find(dir.path() + "/missing"), std::string::npos);
 
   auto nested = NewPosixStorage(dir.path() + "/x/y/z");
-  ASSERT_TRUE(nested.ok()) << nested.status().ToString();
+  ASSERT_OK(nested);
   EXPECT_TRUE(fs::is_directory(dir.path() + "/x/y/z"));
 
   WriteFile(dir.path() + "/file", "x");
@@ -353,7 +321,7 @@ TEST(PosixStorageTest, RootHandling) {
 }
 
 TEST(PosixStorageTest, ErrorsNameThePathAndTheCall) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   auto storage = MustOpen(dir.path());
   ASSERT_NE(storage, nullptr);
   auto r = storage->Open("no/such");
@@ -371,21 +339,102 @@ TEST(PosixStorageTest, ErrorsNameThePathAndTheCall) {
       << w.status().ToString();
 }
 
+// Regression (issue 9, defect 4): when the directory fsync after the rename failed, Publish
+// unlinked the final name again, deleting the new version (and with it the old one, which the
+// rename had replaced). The object stays published; the error names the directory.
+TEST(PosixStorageTest, FailedDirectoryFsyncLeavesTheObjectPublished) {
+  TempDir dir("safepoint-posix-test");
+  int fail_next_directory_sync = 0;
+  auto opened = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view) {
+        if (sync != internal::PosixPublishSync::kDirectory) return 0;
+        return std::exchange(fail_next_directory_sync, 0);
+      });
+  ASSERT_OK(opened);
+  Storage& storage = **opened;
+  auto put = [&](std::string_view name, int seed) {
+    return test::PutObject(storage, name, PatternBytes(1000, seed));
+  };
+  ASSERT_OK(put("step/obj", 1));
+  fail_next_directory_sync = EIO;
+  Status s = put("step/obj", 2);
+  EXPECT_EQ(s.code(), StatusCode::kIOError) << s.ToString();
+  EXPECT_NE(s.message().find(dir.path() + "/step: fsync failed"), std::string::npos)
+      << s.ToString();
+  EXPECT_NE(s.message().find(dir.path() + "/step/obj"), std::string::npos) << s.ToString();
+  // Renamed into place before the fsync failed: visible, with the new data, never withdrawn.
+  EXPECT_EQ(ReadWholeObject(storage, "step/obj"), PatternBytes(1000, 2));
+  EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+  // ENOSPC from a directory fsync is still an I/O error: the object is not "not written".
+  fail_next_directory_sync = ENOSPC;
+  EXPECT_EQ(put("step/other", 3).code(), StatusCode::kIOError);
+  EXPECT_EQ(ReadWholeObject(storage, "step/other"), PatternBytes(1000, 3));
+}
+
+// Regression (issue 9, defect 4): two committers publish equal objects under one name; the
+// first one's directory fsync fails after the second one published. Withdrawing the first one
+// unlinked the second one's object, which it had already reported durable.
+TEST(PosixStorageTest, FailedDirectoryFsyncNeverRemovesAnotherWritersObject) {
+  TempDir dir("safepoint-posix-test");
+  std::function<void()> during_first_directory_sync;
+  int directory_syncs = 0;
+  auto opened = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view) {
+        if (sync != internal::PosixPublishSync::kDirectory || ++directory_syncs != 1) return 0;
+        during_first_directory_sync();
+        return EIO;
+      });
+  ASSERT_OK(opened);
+  Storage& storage = **opened;
+  auto first = storage.Create("step/COMMIT", 0);
+  auto second = storage.Create("step/COMMIT", 0);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_OK((*first)->WriteAt(0, PatternBytes(100, 4)));
+  ASSERT_OK((*second)->WriteAt(0, PatternBytes(100, 4)));
+  Status second_published = InvalidArgument("not run");
+  during_first_directory_sync = [&] { second_published = (*second)->Publish(); };
+  EXPECT_EQ((*first)->Publish().code(), StatusCode::kIOError);
+  ASSERT_OK(second_published);
+  EXPECT_EQ(ReadWholeObject(storage, "step/COMMIT"), PatternBytes(100, 4));
+}
+
+// A failed fsync of the data is never retried and publishes nothing: the old version stays.
+TEST(PosixStorageTest, FailedFileFsyncPublishesNothing) {
+  TempDir dir("safepoint-posix-test");
+  bool fail = false;
+  auto opened = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view) {
+        return sync == internal::PosixPublishSync::kFile && fail ? EIO : 0;
+      });
+  ASSERT_OK(opened);
+  Storage& storage = **opened;
+  for (int seed : {1, 2}) {
+    fail = seed == 2;
+    auto w = storage.Create("obj", 0);
+    ASSERT_OK(w);
+    ASSERT_OK((*w)->WriteAt(0, PatternBytes(100, seed)));
+    Status s = (*w)->Publish();
+    EXPECT_EQ(s.ok(), !fail) << s.ToString();
+  }
+  EXPECT_EQ(ReadWholeObject(storage, "obj"), PatternBytes(100, 1));
+  EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+}
+
 void RoundTripAligned(Storage& storage) {
   constexpr size_t kSize = 1 << 20;
-  AlignedBytes src(kSize);
-  const std::vector<std::byte> pattern = Bytes(kSize, 7);
-  std::memcpy(src.data, pattern.data(), kSize);
+  AlignedTestBuffer src(kSize);
+  const std::vector<std::byte> pattern = PatternBytes(kSize, 7);
+  std::memcpy(src.data(), pattern.data(), kSize);
   auto w = storage.Create("direct/obj", kSize);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_OK(w);
   ASSERT_OK((*w)->WriteAt(0, src.span().first(kSize / 2)));
   ASSERT_OK((*w)->WriteAt(kSize / 2, src.span().subspan(kSize / 2)));
   ASSERT_OK((*w)->Publish());
   auto r = storage.Open("direct/obj");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  AlignedBytes dst(kSize);
+  ASSERT_OK(r);
+  AlignedTestBuffer dst(kSize);
   ASSERT_OK((*r)->ReadAt(0, dst.span()));
-  EXPECT_EQ(std::memcmp(dst.data, pattern.data(), kSize), 0);
+  EXPECT_EQ(std::memcmp(dst.data(), pattern.data(), kSize), 0);
   std::vector<std::byte> odd(1000);
   ASSERT_OK((*r)->ReadAt(4097, odd));
   EXPECT_EQ(std::memcmp(odd.data(), pattern.data() + 4097, odd.size()), 0);
@@ -393,7 +442,7 @@ void RoundTripAligned(Storage& storage) {
 
 TEST(PosixStorageTest, DirectIoOnDevShm) {
   if (!fs::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm";
-  TempDir dir("/dev/shm");
+  TempDir dir("safepoint-posix-test", "/dev/shm");
   ASSERT_FALSE(dir.path().empty());
   auto storage = MustOpen(dir.path());
   ASSERT_NE(storage, nullptr);
@@ -419,7 +468,7 @@ TEST(PosixStorageTest, DirectIoFallsBackWhereRefused) {
 }
 
 TEST(PosixStorageTest, DirectIoIsUsedWhereAccepted) {
-  TempDir dir;
+  TempDir dir("safepoint-posix-test");
   const int probe = ::open((dir.path() + "/probe").c_str(), O_CREAT | O_WRONLY | O_DIRECT, 0644);
   if (probe < 0) GTEST_SKIP() << "/tmp does not accept O_DIRECT: " << std::strerror(errno);
   ::close(probe);
@@ -441,8 +490,8 @@ TEST(PosixStorageTest, NoSpaceOnATinyFilesystem) {
   // Without a size hint the failure comes from a write.
   {
     auto w = storage->Create("big", 0);
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
-    Status s = (*w)->WriteAt(0, Bytes(2 << 20, 8));
+    ASSERT_OK(w);
+    Status s = (*w)->WriteAt(0, PatternBytes(2 << 20, 8));
     EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
     EXPECT_NE(s.message().find(mount.path() + "/big.tmp."), std::string::npos) << s.ToString();
     EXPECT_NE(s.message().find("pwrite"), std::string::npos) << s.ToString();
@@ -457,17 +506,16 @@ TEST(PosixStorageTest, NoSpaceOnATinyFilesystem) {
     auto w = storage->Create("hinted", 4 << 20);
     ASSERT_FALSE(w.ok());
     EXPECT_EQ(w.status().code(), StatusCode::kResourceExhausted) << w.status().ToString();
-    EXPECT_NE(w.status().message().find("fallocate"), std::string::npos)
-        << w.status().ToString();
+    EXPECT_NE(w.status().message().find("fallocate"), std::string::npos) << w.status().ToString();
   }
   EXPECT_TRUE(TemporaryFiles(mount.path()).empty());
 
   // The space is back: a small object still fits.
   auto w = storage->Create("small", 1000);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
-  ASSERT_OK((*w)->WriteAt(0, Bytes(1000, 9)));
+  ASSERT_OK(w);
+  ASSERT_OK((*w)->WriteAt(0, PatternBytes(1000, 9)));
   ASSERT_OK((*w)->Publish());
-  EXPECT_TRUE(storage->Open("small").ok());
+  EXPECT_OK(storage->Open("small"));
 }
 
 }  // namespace

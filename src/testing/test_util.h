@@ -1,0 +1,179 @@
+// Helpers shared by the C++ unit tests (never linked into the library).
+//
+// - ASSERT_OK(expr) / EXPECT_OK(expr): expr is a Status or a Result<T>; on failure the message
+//   shows the code and the message of the status.
+// - ASSERT_OK_AND_ASSIGN(lhs, expr): expr is a Result<T>; asserts it is OK and moves its value
+//   into lhs (a declaration like `auto w` or an existing variable).
+// - TempDir: a fresh directory, removed with everything below it when destroyed.
+// - Byte patterns: every position of every seed has its own value, so that misplaced, duplicated
+//   or lost blocks show up (PatternBytes, FillPattern, FirstMismatch).
+// - AlignedTestBuffer: a zeroed buffer aligned for O_DIRECT, optionally misaligned on purpose.
+// - PutObject / ReadWholeObject: one object written and published, or read back, in one call;
+//   TestImageMeta: image metadata.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "safepoint/image.h"
+#include "safepoint/status.h"
+#include "safepoint/storage.h"
+
+namespace safepoint::test {
+
+inline const Status& StatusOf(const Status& s) { return s; }
+template <typename T>
+const Status& StatusOf(const Result<T>& r) {
+  return r.status();
+}
+
+}  // namespace safepoint::test
+
+// The statement form of gtest's own assertions: a failure message may be streamed after it.
+#define SP_TEST_OK_(expr, on_failure)                                                  \
+  switch (0)                                                                           \
+  case 0:                                                                              \
+  default:                                                                             \
+    if (const ::safepoint::Status sp_test_status_ = ::safepoint::test::StatusOf(expr); \
+        sp_test_status_.ok()) {                                                        \
+    } else                                                                             \
+      on_failure << #expr << " is not OK: " << sp_test_status_.ToString() << "\n"
+#define ASSERT_OK(expr) SP_TEST_OK_(expr, GTEST_FAIL())
+#define EXPECT_OK(expr) SP_TEST_OK_(expr, ADD_FAILURE())
+
+#define SP_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr)                          \
+  auto tmp = (expr);                                                           \
+  ASSERT_TRUE(tmp.ok()) << #expr << " is not OK: " << tmp.status().ToString(); \
+  lhs = std::move(tmp).value()
+#define ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  SP_ASSERT_OK_AND_ASSIGN_IMPL_(SP_CONCAT_(sp_assign_, __LINE__), lhs, expr)
+
+namespace safepoint::test {
+
+// A fresh, empty directory "<parent>/<prefix>-XXXXXX" (parent: $TMPDIR or /tmp). path() is empty
+// when it could not be made; tests assert ok() first.
+class TempDir {
+ public:
+  explicit TempDir(std::string_view prefix = "safepoint-test", std::string parent = "") {
+    if (parent.empty()) {
+      std::error_code ec;
+      parent = std::filesystem::temp_directory_path(ec).string();
+      if (ec) parent = "/tmp";
+    }
+    std::string tmpl = parent + "/" + std::string(prefix) + "-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) path_ = std::move(tmpl);
+  }
+  ~TempDir() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  bool ok() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+  // "<path>/<name>"
+  std::string Join(std::string_view name) const { return path_ + "/" + std::string(name); }
+
+ private:
+  std::string path_;
+};
+
+// The byte at `position` of the pattern `seed` (a 64-bit mix, so patterns do not repeat).
+inline std::byte PatternByte(uint64_t position, uint64_t seed) {
+  uint64_t x = position + seed * 0x9e3779b97f4a7c15ull;
+  x ^= x >> 29;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 32;
+  return static_cast<std::byte>(x & 0xff);
+}
+
+inline void FillPattern(std::span<std::byte> dst, uint64_t seed, uint64_t position = 0) {
+  for (size_t i = 0; i < dst.size(); ++i) dst[i] = PatternByte(position + i, seed);
+}
+
+// `n` bytes of pattern `seed`, starting at `position`.
+inline std::vector<std::byte> PatternBytes(size_t n, uint64_t seed, uint64_t position = 0) {
+  std::vector<std::byte> v(n);
+  FillPattern(v, seed, position);
+  return v;
+}
+
+// Index of the first byte of `data` that differs from the pattern, or -1.
+inline int64_t FirstMismatch(std::span<const std::byte> data, uint64_t seed,
+                             uint64_t position = 0) {
+  for (size_t i = 0; i < data.size(); ++i) {
+    if (data[i] != PatternByte(position + i, seed)) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+// The bytes of a string, for APIs that take bytes.
+inline std::span<const std::byte> AsBytes(std::string_view s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+// A zeroed buffer whose data() is `misalign` bytes past a kDirectIOAlignment boundary.
+class AlignedTestBuffer {
+ public:
+  explicit AlignedTestBuffer(size_t size, size_t misalign = 0) : size_(size), misalign_(misalign) {
+    const size_t bytes =
+        (size + misalign + kDirectIOAlignment - 1) / kDirectIOAlignment * kDirectIOAlignment +
+        kDirectIOAlignment;
+    base_.reset(static_cast<std::byte*>(std::aligned_alloc(kDirectIOAlignment, bytes)));
+    std::memset(base_.get(), 0, bytes);
+  }
+  std::byte* data() { return base_.get() + misalign_; }
+  std::span<std::byte> span() { return {data(), size_}; }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::unique_ptr<std::byte, Free> base_;
+  size_t size_;
+  size_t misalign_;
+};
+
+// Reads the whole object `name` (empty on failure, which is reported as a test failure).
+inline std::vector<std::byte> ReadWholeObject(Storage& storage, std::string_view name) {
+  auto r = storage.Open(name);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  if (!r.ok()) return {};
+  std::vector<std::byte> out((*r)->size());
+  const Status s = (*r)->ReadAt(0, out);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return out;
+}
+
+// Writes `data` as object `name` in one WriteAt and publishes it; the first error.
+inline Status PutObject(Storage& storage, std::string_view name, std::span<const std::byte> data) {
+  SP_ASSIGN_OR_RETURN(auto w, storage.Create(name, data.size()));
+  SP_RETURN_IF_ERROR(w->WriteAt(0, data));
+  return w->Publish();
+}
+
+// Image metadata for tests: job `job`, rank `rank` of `world_size`, at `step`.
+inline ImageMeta TestImageMeta(std::string job, uint64_t step, uint32_t rank, uint32_t world_size) {
+  ImageMeta m;
+  m.job = std::move(job);
+  m.step = step;
+  m.rank = rank;
+  m.world_size = world_size;
+  return m;
+}
+
+}  // namespace safepoint::test
