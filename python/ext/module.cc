@@ -161,26 +161,46 @@ struct TensorSlot {
   size_t index;
 };
 
-// Writable destination memory of a read: a contiguous CPU torch tensor or any writable buffer.
-std::span<std::byte> Destination(nb::handle dest, const std::string& what) {
-  if (nb::hasattr(dest, "data_ptr")) {
-    if (!nb::cast<bool>(dest.attr("is_contiguous")()) || !nb::cast<bool>(dest.attr("is_cpu"))) {
-      Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor"));
+// The writable destination memory of a read, held until the read has ended (the read runs with
+// the GIL released, so other threads may run meanwhile): a contiguous CPU torch tensor, kept
+// alive by a reference, or any writable buffer, held through its buffer export, which also keeps
+// it from being resized (a bytearray raises BufferError). Torch has no export lock: resizing a
+// destination tensor during the read (tensor.resize_) is the caller's error. Create and destroy
+// with the GIL held.
+class HeldDestination {
+ public:
+  HeldDestination(nb::handle dest, const std::string& what) : object_(nb::borrow(dest)) {
+    if (nb::hasattr(dest, "data_ptr")) {
+      if (!nb::cast<bool>(dest.attr("is_contiguous")()) || !nb::cast<bool>(dest.attr("is_cpu"))) {
+        Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor"));
+      }
+      auto ptr = nb::cast<uintptr_t>(dest.attr("data_ptr")());
+      auto n = nb::cast<size_t>(dest.attr("nbytes"));
+      span_ = {reinterpret_cast<std::byte*>(ptr), n};
+      return;
     }
-    auto ptr = nb::cast<uintptr_t>(dest.attr("data_ptr")());
-    auto n = nb::cast<size_t>(dest.attr("nbytes"));
-    return {reinterpret_cast<std::byte*>(ptr), n};
+    if (PyObject_GetBuffer(dest.ptr(), &view_, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor or a "
+                                   "writable buffer"));
+    }
+    exported_ = true;
+    span_ = {static_cast<std::byte*>(view_.buf), static_cast<size_t>(view_.len)};
   }
-  Py_buffer view;
-  if (PyObject_GetBuffer(dest.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-    PyErr_Clear();
-    Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor or a "
-                                 "writable buffer"));
+  ~HeldDestination() {
+    if (exported_) PyBuffer_Release(&view_);
   }
-  std::span<std::byte> out(static_cast<std::byte*>(view.buf), static_cast<size_t>(view.len));
-  PyBuffer_Release(&view);  // the caller keeps `dest` alive for the call
-  return out;
-}
+  HeldDestination(const HeldDestination&) = delete;
+  HeldDestination& operator=(const HeldDestination&) = delete;
+
+  std::span<std::byte> span() const { return span_; }
+
+ private:
+  nb::object object_;  // the requests list may change while the GIL is released
+  Py_buffer view_{};
+  bool exported_ = false;
+  std::span<std::byte> span_;
+};
 
 // One rank's image of one committed step, opened for partial reads: its index, its state tree
 // and byte ranges of its tensors, each covering checksum chunk verified. Nothing else is read.
@@ -227,6 +247,9 @@ class ShardReader {
   void Read(nb::list requests) {
     std::vector<CheckpointStore::Range> ranges;
     ranges.reserve(requests.size());
+    // Released (with the GIL held) only when this call returns or throws, after the read.
+    std::vector<std::unique_ptr<HeldDestination>> held;
+    held.reserve(requests.size());
     for (nb::handle item : requests) {
       auto [name, offset, length, dest] =
           nb::cast<std::tuple<std::string, uint64_t, uint64_t, nb::handle>>(item);
@@ -243,7 +266,9 @@ class ShardReader {
                               std::to_string(e.nbytes) + " bytes; cannot read [" +
                               std::to_string(offset) + ", +" + std::to_string(length) + ")"));
       }
-      std::span<std::byte> dst = Destination(dest, md_.source + ": tensor '" + name + "'");
+      held.push_back(
+          std::make_unique<HeldDestination>(dest, md_.source + ": tensor '" + name + "'"));
+      const std::span<std::byte> dst = held.back()->span();
       if (dst.size() < length) {
         Check(InvalidArgument(md_.source + ": tensor '" + name + "': destination holds " +
                               std::to_string(dst.size()) + " bytes, " + std::to_string(length) +

@@ -188,7 +188,9 @@ class Flattener {
     for (uint64_t x : shape) nbytes *= x;
     if (PyErr_Occurred()) throw nb::python_error();
     const size_t idx = Add(d->second, std::move(shape), ptr, nbytes);
-    if (!src.is(obj)) keepalive_->append(src);
+    // Held until the image is written: the write runs with the GIL released, and another thread
+    // could drop the caller's last reference (e.g. replace the tensor in the state dict).
+    keepalive_->append(src);
     TensorRef ref{idx, 0};
     seen_.emplace(obj.ptr(), ref);  // the caller's state keeps obj alive while we run
     return Value(ref);

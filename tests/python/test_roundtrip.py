@@ -238,3 +238,38 @@ def test_partial_reads_refuse_bad_requests_with_clear_errors(ckpt):
         _core.read_ranges(str(ckpt), 3, 0, [("w", 0, 4, "not a buffer")])
     with pytest.raises(safepoint.NotFoundError):
         _core.read_metadata(str(ckpt), 4, 0)
+
+
+def test_partial_read_holds_its_destination_buffer_until_the_read_ends(ckpt):
+    """A bytearray destination stays exported (cannot be resized or freed) while the read runs
+    with the GIL released. The second destination runs Python code after the first was taken
+    (tensor-like objects are asked is_contiguous()); resizing the bytearray there must fail."""
+    from safepoint import _core
+
+    data = torch.arange(100, dtype=torch.float32)
+    safepoint.save(ckpt, 3, {"w": data})
+    first = bytearray(400)
+    second = torch.empty(100, dtype=torch.float32)
+    resized = []
+
+    class TensorLike:
+        is_cpu = True
+        nbytes = second.nbytes
+
+        def data_ptr(self):
+            return second.data_ptr()
+
+        def is_contiguous(self):
+            try:
+                first.extend(bytes(1 << 20))  # moves the bytearray's memory unless exported
+            except BufferError:
+                resized.append(False)
+                return True
+            # Abort before the read writes into the memory the bytearray just gave up.
+            raise AssertionError("the first destination's buffer was released before the read")
+
+    _core.read_ranges(str(ckpt), 3, 0, [("w", 0, 400, first), ("w", 0, 400, TensorLike())])
+    assert resized == [False]
+    assert bytes(first) == data.numpy().tobytes()
+    assert torch.equal(second, data)
+
