@@ -22,9 +22,11 @@ import torch
 from safepoint import _core
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+# The image format's dtypes (docs/format.md) that this torch has, by name.
+_DTYPES = {n: getattr(torch, n) for n in (
+    "float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8",
+    "bool", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128", "uint16", "uint32",
+    "uint64", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)}
 
 
 def _dtensor_type():

@@ -2,6 +2,7 @@
 
 import collections
 import math
+import os
 import struct
 import threading
 
@@ -11,19 +12,28 @@ import torch
 
 import safepoint
 
+# Complex buffers (Llama's freqs_cis), unsigned ints and every float8 variant torch has.
+NEW_DTYPES = [
+    torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+]
 ALL_DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-]
+] + NEW_DTYPES
 
 
 def random_tensor(dtype, shape, gen):
+    """Random bits of `dtype` (every bit pattern, nan and the like included for floats)."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) * 10).to(dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        size = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (*shape, size), generator=gen, dtype=torch.int64)
+        return raw.to(torch.uint8).view(dtype).reshape(shape)
     info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+    lo, hi = max(info.min, -2**63), min(info.max, 2**63 - 1)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -273,3 +283,38 @@ def test_partial_read_holds_its_destination_buffer_until_the_read_ends(ckpt):
     assert bytes(first) == data.numpy().tobytes()
     assert torch.equal(second, data)
 
+
+@pytest.mark.parametrize("dtype", NEW_DTYPES, ids=lambda d: str(d)[6:])
+def test_new_dtypes_restore_in_place_and_through_the_checkpointer(tmp_path, dtype):
+    gen = torch.Generator().manual_seed(1)
+    state = {"buf": random_tensor(dtype, (5, 7), gen), "arr": random_tensor(dtype, (3,), gen)}
+    ckpt = tmp_path / "ckpt"
+    safepoint.save(ckpt, 1, state)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert safepoint.restore(ckpt, target) == 1
+    for k in state:
+        assert same_bits(state[k], target[k]), k
+    with safepoint.Checkpointer(tmp_path / "flash", job=f"dt{os.getpid()}-{str(dtype)[6:]}",
+                                shm_dir=str(tmp_path), persist_every=1) as ck:
+        ck.save(2, state)
+        ck.wait()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(target) == 2 and ck.last_load_source == "memory"
+        for k in state:
+            assert same_bits(state[k], target[k]), k
+    step, loaded = safepoint.load(tmp_path / "flash")  # what the agent persisted
+    assert step == 2 and all(same_bits(state[k], loaded[k]) for k in state)
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, np.uint16, np.uint32, np.uint64])
+def test_new_numpy_dtypes_round_trip(ckpt, dtype):
+    arr = (np.arange(12) * 7 + 3).astype(dtype).reshape(3, 4)
+    safepoint.save(ckpt, 1, {"a": arr, "s": arr[1, 2]})
+    _, loaded = safepoint.load(ckpt)
+    assert loaded["a"].dtype == arr.dtype and np.array_equal(loaded["a"], arr)
+    assert type(loaded["s"]) is type(arr[1, 2]) and loaded["s"] == arr[1, 2]
+
+
+def test_a_meta_tensor_is_refused_with_its_key(ckpt):
+    with pytest.raises(safepoint.InvalidArgumentError, match=r"model\.w: .*meta"):
+        safepoint.save(ckpt, 1, {"model": {"w": torch.empty(3, device="meta")}})
