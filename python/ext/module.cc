@@ -61,7 +61,8 @@ void Check(const Status& s) {
 // --- save / load -----------------------------------------------------------------------------
 
 nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
-              const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt) {
+              const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt,
+              bool overwrite) {
   ImageMeta meta;
   meta.job = job;
   meta.attempt = attempt;
@@ -76,7 +77,8 @@ nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t wo
     nb::gil_scoped_release release;
     auto store = OpenCheckpointStore(path);
     if (store.ok()) {
-      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras));
+      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras),
+                         SaveOptions{overwrite});
       if (r.ok()) {
         result = *r;
       } else {
@@ -220,6 +222,9 @@ class ShardReader {
   uint64_t step() const { return commit_.step; }
   uint32_t rank() const { return md_.meta.rank; }
   uint32_t world_size() const { return commit_.world_size; }
+  // Which images the COMMIT record read names (CommitRecord::generation): readers of several
+  // ranks of one step check that they read one version of a step that may be replaced.
+  uint64_t generation() const { return commit_.generation; }
 
   nb::list Tensors() const {
     nb::list out;
@@ -479,7 +484,7 @@ NB_MODULE(_core, m) {
   using namespace safepoint;
   m.doc() = "safepoint's C++ core (internal; use the safepoint package)";
   m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a,
-        "pickler"_a.none() = nb::none(), "attempt"_a = 0);
+        "pickler"_a.none() = nb::none(), "attempt"_a = 0, "overwrite"_a = false);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
   nb::class_<TensorSlot>(m, "TensorSlot")
@@ -493,6 +498,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("step", &ShardReader::step)
       .def_prop_ro("rank", &ShardReader::rank)
       .def_prop_ro("world_size", &ShardReader::world_size)
+      .def_prop_ro("generation", &ShardReader::generation)
       .def("tensors", &ShardReader::Tensors)
       .def("state", &ShardReader::State, "unpickler"_a.none() = nb::none())
       .def("read", &ShardReader::Read, "requests"_a);

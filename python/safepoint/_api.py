@@ -22,7 +22,7 @@ def _path(path: "str | os.PathLike[str]") -> str:
 
 def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0,
          world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False,
-         attempt: Optional[int] = None) -> dict:
+         attempt: Optional[int] = None, overwrite: bool = False) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
 
     ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
@@ -31,6 +31,11 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
     With several ranks, ``attempt`` (an int all ranks of this save share; default from
     $SAFEPOINT_ATTEMPT or torchrun's run id and restart count) makes sure a step commits only
     from images of the same attempt, never beside an image an earlier, unfinished save left.
+    A committed step is immutable: saving it again raises ``AlreadyExistsError``, unless
+    ``overwrite=True``, which replaces it atomically once every rank has saved (readers see the
+    old step or the new one, never a mix or nothing). Every rank of a replacing save must pass
+    the same ``attempt``, one that differs from the attempt that committed the step (a single
+    rank draws one).
     Returns ``{"bytes", "write_seconds", "committed"}``.
     """
     p = _path(path)
@@ -44,10 +49,16 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
         from safepoint._checkpointer import run_attempt
 
         attempt = run_attempt() if world_size > 1 else 0
+        if overwrite and world_size == 1:
+            attempt = int.from_bytes(os.urandom(7), "little") + 1  # names the new images
+        elif overwrite and attempt == 0:
+            raise InvalidArgumentError(
+                f"{p}: overwrite=True with several ranks needs attempt= (an int all ranks of "
+                f"this save share) or $SAFEPOINT_ATTEMPT")
     if type(attempt) is not int or not 0 <= attempt < 2**64:
         raise InvalidArgumentError(f"{p}: attempt must be an int in [0, 2**64), got {attempt!r}")
     return _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
-                      attempt)
+                      attempt, bool(overwrite))
 
 
 def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,

@@ -89,10 +89,9 @@ class StepReader:
     """Every rank's image of one committed step, opened for partial reads (metadata only)."""
 
     def __init__(self, path: str, step: int) -> None:
-        first = _core.ShardReader(path, step, 0)
-        self.path, self.step, self.world_size = path, step, first.world_size
-        self.readers = [first] + [_core.ShardReader(path, step, r)
-                                  for r in range(1, first.world_size)]
+        self.path, self.step = path, step
+        self.readers = self._open_one_version(path, step)
+        self.world_size = self.readers[0].world_size
         self.entries = [r.tensors() for r in self.readers]
         # name -> box (offset, shape) -> the copies of that box (replicas on several ranks)
         self.pieces: dict[str, dict[tuple, list[_Piece]]] = {}
@@ -101,6 +100,26 @@ class StepReader:
                 if not e["elsewhere"]:  # the bytes are in this image
                     p = _Piece(reader, e)
                     self.pieces.setdefault(p.name, {}).setdefault((p.offset, p.shape), []).append(p)
+
+    @staticmethod
+    def _open_one_version(path: str, step: int) -> list:
+        """Every rank's reader, all of one COMMIT record: a step replaced meanwhile
+        (safepoint.save(overwrite=True)) is opened again rather than mixed."""
+        for tries in range(4):
+            try:
+                first = _core.ShardReader(path, step, 0)
+                readers = [first] + [_core.ShardReader(path, step, r)
+                                     for r in range(1, first.world_size)]
+            except NotFoundError:  # an old image removed after the COMMIT record was replaced
+                if tries == 3 or step not in _core.steps(path):
+                    raise
+                continue
+            if all(r.generation == first.generation for r in readers):
+                return readers
+        raise NotFoundError(f"{path}: step {step} was replaced again and again while being read")
+
+    def generation(self) -> int:
+        return self.readers[0].generation
 
     def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[dict]]:
         """The state tree a rank saved (its non-tensor values), for rank `rank` of the loading
@@ -193,7 +212,21 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
     and the tensors the target does not have (e.g. optimizer state before the first step) taken
     from the checkpoint as the rank (or rank 0, for a rank the saving world did not have)
     saved them."""
-    sr = reader or StepReader(path, step)
+    for tries in range(4):
+        sr = reader or StepReader(path, step)
+        try:
+            return _read_into(sr, rank, targets, unpickler)
+        except (NotFoundError, CorruptionError):
+            # The step was replaced while its ranges were read (its old images removed): read
+            # the new version. Anything else is a real error.
+            if reader is not None or tries == 3:
+                raise
+            if StepReader(path, step).generation() == sr.generation():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_into(sr: StepReader, rank: int, targets: Any, unpickler: Any) -> Any:
     skeleton, entries = sr.skeleton(rank, unpickler)
     requests: list[tuple[str, torch.Tensor, tuple, tuple]] = []
 

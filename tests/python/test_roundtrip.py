@@ -184,11 +184,49 @@ def test_steps_are_listed_ascending(ckpt):
     assert safepoint.load(ckpt, 2)[1] == {"s": 2}
 
 
-def test_resave_same_step_replaces_atomically(ckpt):
+def test_a_committed_step_is_immutable_unless_overwrite(ckpt):
+    # Regression (issue 9, defect 8): the second save silently replaced the committed step.
     safepoint.save(ckpt, 5, {"v": torch.zeros(3)})
-    safepoint.save(ckpt, 5, {"v": torch.ones(3)})
-    assert safepoint.steps(ckpt) == [5]
-    assert torch.equal(safepoint.load(ckpt)[1]["v"], torch.ones(3))
+    with pytest.raises(safepoint.AlreadyExistsError, match="step 5 is already committed"):
+        safepoint.save(ckpt, 5, {"v": torch.ones(3)})
+    assert torch.equal(safepoint.load(ckpt)[1]["v"], torch.zeros(3))
+    for value in (1.0, 2.0):  # each overwrite of one rank draws its own attempt
+        safepoint.save(ckpt, 5, {"v": torch.full((3,), value)}, overwrite=True)
+        assert safepoint.steps(ckpt) == [5]
+        assert torch.equal(safepoint.load(ckpt)[1]["v"], torch.full((3,), value))
+    target = {"v": torch.empty(3)}
+    assert safepoint.restore(ckpt, target) == 5 and torch.equal(target["v"], torch.full((3,), 2.0))
+    assert sorted(p.name for p in (ckpt / f"step-{5:020d}").iterdir())[0] == "COMMIT"
+    assert len(list((ckpt / f"step-{5:020d}").iterdir())) == 2  # the old images are gone
+
+
+def test_readers_see_the_old_or_the_new_step_while_it_is_replaced(ckpt):
+    safepoint.save(ckpt, 1, {"v": torch.full((1000,), 0.0)})
+    seen, errors, stop = set(), [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            try:
+                v = safepoint.load(ckpt, 1)[1]["v"]
+                assert bool((v == v[0]).all()), "a mix of two versions"
+                seen.add(float(v[0]))
+                target = {"v": torch.empty(1000)}
+                safepoint.restore(ckpt, target, 1)
+                assert bool((target["v"] == target["v"][0]).all())
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(1, 40):
+            safepoint.save(ckpt, 1, {"v": torch.full((1000,), float(i))}, overwrite=True)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+    assert seen <= {float(i) for i in range(40)}
 
 
 def test_gil_is_released_during_io(ckpt):
@@ -217,16 +255,29 @@ def test_gil_is_released_during_io(ckpt):
 
 def test_multi_rank_step_never_commits_a_mix_of_attempts(ckpt):
     # Regression: re-saving a committed 2-rank step on one rank re-committed it at once with the
-    # other rank's old image (and likewise beside an unfinished save's leftover image).
+    # other rank's old image; then (defect 8) it un-committed the step until every rank had
+    # re-saved it. Now the old step stays until the replacement is complete.
     for r in (0, 1):
         safepoint.save(ckpt, 5, {"v": torch.full((3,), float(r))}, rank=r, world_size=2, attempt=1)
     assert safepoint.steps(ckpt) == [5]
-    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 10.0)}, rank=1, world_size=2, attempt=2)
-    assert not out["committed"] and safepoint.steps(ckpt) == []
-    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 20.0)}, rank=0, world_size=2, attempt=2)
+    with pytest.raises(safepoint.AlreadyExistsError, match="step 5"):
+        safepoint.save(ckpt, 5, {"v": torch.full((3,), 10.0)}, rank=1, world_size=2, attempt=2)
+    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 10.0)}, rank=1, world_size=2, attempt=2,
+                         overwrite=True)
+    assert not out["committed"] and safepoint.steps(ckpt) == [5]
+    assert torch.equal(safepoint.load(ckpt, 5, rank=1)[1]["v"], torch.full((3,), 1.0))  # old
+    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 20.0)}, rank=0, world_size=2, attempt=2,
+                         overwrite=True)
     assert out["committed"] and safepoint.steps(ckpt) == [5]
     assert torch.equal(safepoint.load(ckpt, 5, rank=0)[1]["v"], torch.full((3,), 20.0))
     assert torch.equal(safepoint.load(ckpt, 5, rank=1)[1]["v"], torch.full((3,), 10.0))
+    # A crashed save (attempt 3) left rank 0's image of step 6; the restarted one (attempt 4).
+    safepoint.save(ckpt, 6, {"v": torch.zeros(3)}, rank=0, world_size=2, attempt=3)
+    assert not safepoint.save(ckpt, 6, {"v": torch.ones(3)}, rank=1, world_size=2,
+                              attempt=4)["committed"]
+    assert safepoint.save(ckpt, 6, {"v": torch.ones(3)}, rank=0, world_size=2,
+                          attempt=4)["committed"]
+    assert torch.equal(safepoint.load(ckpt, 6, rank=0)[1]["v"], torch.ones(3))
     with pytest.raises(safepoint.InvalidArgumentError, match="attempt"):
         safepoint.save(ckpt, 6, {}, rank=0, world_size=2, attempt=-1)
 
