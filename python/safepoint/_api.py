@@ -57,8 +57,9 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
                 f"this save share) or $SAFEPOINT_ATTEMPT")
     if type(attempt) is not int or not 0 <= attempt < 2**64:
         raise InvalidArgumentError(f"{p}: attempt must be an int in [0, 2**64), got {attempt!r}")
-    return _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
-                      attempt, bool(overwrite))
+    r = _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
+                   attempt, bool(overwrite))
+    return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed}
 
 
 def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
@@ -73,11 +74,11 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
     if step is not None and (type(step) is not int or step < 0):
         raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
     out = _core.load(p, step, rank, unpickler(allow_pickle))
-    fill_elsewhere(p, out["step"], rank, out["elsewhere"])
-    for skipped in out["skipped"]:
+    fill_elsewhere(p, out.step, rank, out.elsewhere)
+    for skipped in out.skipped:
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
                       stacklevel=2)
-    return out["step"], out["state"]
+    return out.step, out.state
 
 
 def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = None, *,

@@ -50,6 +50,11 @@ def _default_job(storage: str) -> str:
     return f"{base}-{digest}"
 
 
+def _fields(result: Any) -> dict[str, Any]:
+    """A bound result of _core (SnapshotResult, SlotInfo) as the plain dict status() reports."""
+    return {k: getattr(result, k) for k in dir(result) if not k.startswith("_")}
+
+
 def run_attempt(group: Any = None) -> int:
     """The id every image of this run carries (docs/format.md, "attempt"): a step commits only
     from images of one attempt, so what a crashed or earlier incarnation of the job left on
@@ -170,13 +175,14 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else step % self.persist_every == 0
-        res = self._live.save(step, state, bool(do_persist), self._pickler,
-                              notify=not self.dedupe)
+        snap = self._live.save(step, state, bool(do_persist), self._pickler,
+                               notify=not self.dedupe)
+        res = _fields(snap)
         if self.dedupe:
             # Every rank calls save for the step: agree on who writes which replica, then tell
             # the agent. A rank that dies before this is flushed without skipping (correct).
             try:
-                skip = self._skip_ranges(res)
+                skip = self._skip_ranges(snap)
             except Exception as e:  # a peer is gone or out of step: write every tensor
                 warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
                               f"the replicas ({e}); this rank writes all of its tensors",
@@ -196,25 +202,25 @@ class Checkpointer:
                           f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=2)
         return bool(res["saved"])
 
-    def _skip_ranges(self, res: dict) -> list:
+    def _skip_ranges(self, res: _core.SnapshotResult) -> list:
         """This rank's replicas that other ranks write. One all-gather of a structure hash per
         save; the full plan is recomputed only when some rank's tensors changed."""
         import torch
         import torch.distributed as dist
 
-        mine = res["structure_hash"] if res["saved"] else 0
+        mine = res.structure_hash if res.saved else 0
         h = torch.tensor([mine - (1 << 63)], dtype=torch.int64)  # u64 -> i64
         hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(hashes, h, group=self._group)
         key = tuple(int(x.item()) for x in hashes)
         if key != self._plan[0]:
-            entries = self._live.last_entries() if res["saved"] else []
+            entries = self._live.last_entries() if res.saved else []
             everyone: list = [None] * self.world_size
             dist.all_gather_object(everyone, entries, group=self._group)
             if any(not e for e in everyone):  # a rank skipped its snapshot: write everything
                 return []
             self._plan = (key, plan_replicas(everyone, self.rank, RNG_KEY + "."))
-        return self._plan[1] if res["saved"] else []
+        return self._plan[1] if res.saved else []
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every step persisted so far is committed; raises if persisting failed."""
@@ -244,18 +250,17 @@ class Checkpointer:
         return result
 
     def _memory_steps(self) -> list[int]:
-        return sorted(s["step"] for s in self._live.slots() if s["state"] == "COMPLETE")
+        return sorted(s.step for s in self._live.slots() if s.state == "COMPLETE")
 
     def _memory_attempts(self) -> dict[int, Any]:
         """step -> save attempt of the snapshot of it a load would read (of two snapshots of one
         step, the one completed last, as load_step picks)."""
-        newest: dict[int, dict] = {}
+        newest: dict[int, _core.SlotInfo] = {}
         for s in self._live.slots():
-            if s["state"] == "COMPLETE":
-                if s["step"] not in newest or \
-                        s["complete_time_ns"] > newest[s["step"]]["complete_time_ns"]:
-                    newest[s["step"]] = s
-        return {step: s["attempt"] for step, s in newest.items()}
+            if s.state == "COMPLETE":
+                if s.step not in newest or s.complete_time_ns > newest[s.step].complete_time_ns:
+                    newest[s.step] = s
+        return {step: s.attempt for step, s in newest.items()}
 
     def _from_storage(self, step: Optional[int], targets: Any):
         """This rank's state of `step` from storage: with targets (restore), only the byte
@@ -265,11 +270,11 @@ class Checkpointer:
             return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
         return read_newest_into(self.path, step, self.rank, targets, self._unpickler)
 
-    def _usable(self, snap):
+    def _usable(self, snap: Optional[_core.Loaded]):
         """A memory snapshot, unless another world size saved it (then storage reshards)."""
-        if snap is None or snap["world_size"] != self.world_size:
+        if snap is None or snap.world_size != self.world_size:
             return None
-        return (snap["step"], snap["state"]), "memory"
+        return (snap.step, snap.state), "memory"
 
     def _load_local(self, step: Optional[int], targets: Any = None):
         committed = storage_steps(self.path)
@@ -378,7 +383,7 @@ class Checkpointer:
             "path": self.path,
             "rank": self.rank,
             "world_size": self.world_size,
-            "snapshots": self._live.slots(),
+            "snapshots": [_fields(s) for s in self._live.slots()],
             "pending_persists": mine.get("pending_persists", 0),
             "newest_committed": agent.get("newest_committed"),
             "last_persisted_step": mine.get("last_persisted_step"),

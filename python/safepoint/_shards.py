@@ -78,11 +78,11 @@ class _Piece:
 
     def __init__(self, reader, entry) -> None:
         self.reader = reader
-        self.name = entry["name"]
-        self.dtype = entry["dtype"]
-        self.shape = tuple(entry["shape"])
-        self.global_shape = tuple(entry["global_shape"] or entry["shape"])
-        self.offset = tuple(entry["global_offset"] or (0,) * len(self.shape))
+        self.name = entry.name
+        self.dtype = entry.dtype
+        self.shape = tuple(entry.shape)
+        self.global_shape = tuple(entry.global_shape or entry.shape)
+        self.offset = tuple(entry.global_offset or (0,) * len(self.shape))
 
 
 class StepReader:
@@ -97,7 +97,7 @@ class StepReader:
         self.pieces: dict[str, dict[tuple, list[_Piece]]] = {}
         for reader, entries in zip(self.readers, self.entries):
             for e in entries:
-                if not e["elsewhere"]:  # the bytes are in this image
+                if not e.elsewhere:  # the bytes are in this image
                     p = _Piece(reader, e)
                     self.pieces.setdefault(p.name, {}).setdefault((p.offset, p.shape), []).append(p)
 
@@ -121,7 +121,7 @@ class StepReader:
     def generation(self) -> int:
         return self.readers[0].generation
 
-    def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[dict]]:
+    def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[_core.TensorInfo]]:
         """The state tree a rank saved (its non-tensor values), for rank `rank` of the loading
         world: the same rank when it existed, else rank 0."""
         r = rank if rank < self.world_size else 0
@@ -235,11 +235,11 @@ def _read_into(sr: StepReader, rank: int, targets: Any, unpickler: Any) -> Any:
             e = entries[saved.index]
             if isinstance(target, torch.Tensor):
                 local, gshape, goff = _box(target)
-                requests.append((e["name"], local, gshape, goff))
+                requests.append((e.name, local, gshape, goff))
                 return target
-            t = torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
-            requests.append((e["name"], t, tuple(e["global_shape"] or e["shape"]),
-                             tuple(e["global_offset"] or (0,) * len(e["shape"]))))
+            t = torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+            requests.append((e.name, t, tuple(e.global_shape or e.shape),
+                             tuple(e.global_offset or (0,) * len(e.shape))))
             return t
         if isinstance(target, MutableMapping) and isinstance(saved, Mapping):
             for k in target:
