@@ -612,6 +612,7 @@ NB_MODULE(_core, m) {
       .def("close", &PyClient::Close, "timeout"_a)
       .def("abandon", &PyClient::Abandon);
   m.attr("__version__") = SAFEPOINT_VERSION;
+  m.attr("VERSION") = SAFEPOINT_VERSION;  // __version__ for type checkers (stubs omit dunders)
   m.attr("FORMAT_VERSION") = kImageFormatVersion;
   m.attr("KILL_POINTS") = static_cast<bool>(SAFEPOINT_HAVE_KILL_POINTS);  // crash-test builds only
 }

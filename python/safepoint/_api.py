@@ -8,19 +8,19 @@ from typing import Any, Optional
 
 from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
-from safepoint._stateful import apply_loaded, to_saveable
 from safepoint._shards import fill_elsewhere, read_newest_into
+from safepoint._stateful import apply_loaded, to_saveable
 from safepoint.errors import InvalidArgumentError
 
 
-def _path(path: "str | os.PathLike[str]") -> str:
+def _path(path: str | os.PathLike[str]) -> str:
     p = os.fspath(path)
     if not isinstance(p, str) or not p:
         raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
     return p
 
 
-def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0,
+def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
          world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False,
          attempt: Optional[int] = None, overwrite: bool = False) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
@@ -62,7 +62,7 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
     return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed}
 
 
-def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
+def load(path: str | os.PathLike[str], step: Optional[int] = None, *,
          rank: int = 0, allow_pickle: AllowPickle = False) -> tuple[int, Any]:
     """Loads ``rank``'s shard; returns ``(step, state)``.
 
@@ -81,7 +81,7 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
     return out.step, out.state
 
 
-def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = None, *,
+def restore(path: str | os.PathLike[str], state: Any, step: Optional[int] = None, *,
             rank: int = 0, allow_pickle: AllowPickle = False) -> int:
     """Loads the newest (or the given) step into ``state`` in place, as ``rank`` of the loading
     world: tensors are copied into the existing tensors (a DTensor gets its own shard), objects
@@ -98,6 +98,6 @@ def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = No
     return got_step
 
 
-def steps(path: "str | os.PathLike[str]") -> list[int]:
+def steps(path: str | os.PathLike[str]) -> list[int]:
     """The committed steps of the checkpoint directory, ascending."""
     return list(_core.steps(_path(path)))

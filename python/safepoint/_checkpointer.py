@@ -108,7 +108,7 @@ class Checkpointer:
     the snapshot is still taken and this rank writes all of its tensors.
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", *, job: Optional[str] = None,
+    def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
                  shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False,
@@ -128,7 +128,8 @@ class Checkpointer:
         if type(keep) is not int or keep < 1:
             raise InvalidArgumentError(f"{self.path}: keep must be a positive int")
         if on_busy not in ("wait", "skip"):
-            raise InvalidArgumentError(f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
+            raise InvalidArgumentError(
+                f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"{self.path}: rank {rank} is not in [0, {world_size})")
         self.job = job or _default_job(self.path)
@@ -146,8 +147,9 @@ class Checkpointer:
         self.attempt = run_attempt(self._group)
         self.dedupe = bool(dedupe) and self._group is not None
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
-        self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
-                                    on_busy == "wait", _agent_binary(), self.attempt)
+        self._client: Optional[_core.Client] = _core.Client(
+            self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
+            _agent_binary(), self.attempt)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,
@@ -171,7 +173,8 @@ class Checkpointer:
         ``persist_every`` for this step.
         """
         if type(step) is not int or step < 0:
-            raise InvalidArgumentError(f"{self.path}: step must be a non-negative int, got {step!r}")
+            raise InvalidArgumentError(
+                f"{self.path}: step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         state = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else step % self.persist_every == 0
@@ -287,8 +290,9 @@ class Checkpointer:
             snap = (self._live.load_newest(want, self._unpickler, in_place) if step is None
                     else self._live.load_step(step, self._unpickler, in_place))
         except CorruptionError as e:
-            warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
+                RuntimeWarning, stacklevel=3)
         if self._usable(snap) is not None:
             return self._usable(snap)
         if step is not None or committed:
@@ -377,7 +381,8 @@ class Checkpointer:
     def status(self) -> dict:
         """Snapshots in memory, pending persists, newest committed step, sizes and timings."""
         agent = json.loads(self._live.agent_status())
-        mine = next((r for r in agent.get("ranks", []) if r["rank"] == self.rank), {})
+        mine: dict[str, Any] = next(
+            (r for r in agent.get("ranks", []) if r["rank"] == self.rank), {})
         return {
             "job": self.job,
             "path": self.path,
@@ -408,7 +413,7 @@ class Checkpointer:
             client, self._client = self._client, None
             client.close(-1.0 if timeout is None else float(timeout))
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
