@@ -524,11 +524,11 @@ NB_MODULE(_core, m) {
   auto item = [](nb::handle self, const std::string& key) -> nb::object {
     return self.attr(key.c_str());
   };
-  nb::class_<SaveResult>(m, "SaveResult")
+  nb::class_<SaveResult>(m, "SaveResult", "What save() wrote; committed: the step is committed now")
       .def_ro("bytes", &SaveResult::bytes)
       .def_ro("write_seconds", &SaveResult::write_seconds)
       .def_ro("committed", &SaveResult::committed);
-  nb::class_<Loaded>(m, "Loaded")
+  nb::class_<Loaded>(m, "Loaded", "A loaded shard: its state tree, whose tensors view the image")
       .def_ro("step", &Loaded::step)
       .def_ro("world_size", &Loaded::world_size)
       .def_ro("job", &Loaded::job)
@@ -536,7 +536,7 @@ NB_MODULE(_core, m) {
       .def_ro("elsewhere", &Loaded::elsewhere)
       .def_ro("source", &Loaded::source)
       .def_ro("skipped", &Loaded::skipped);
-  nb::class_<TensorInfo>(m, "TensorInfo")
+  nb::class_<TensorInfo>(m, "TensorInfo", "A tensor of an image's index (no data)")
       .def("__getitem__", item)
       .def_ro("name", &TensorInfo::name)
       .def_ro("dtype", &TensorInfo::dtype)
@@ -545,13 +545,13 @@ NB_MODULE(_core, m) {
       .def_ro("global_offset", &TensorInfo::global_offset)
       .def_ro("nbytes", &TensorInfo::nbytes)
       .def_ro("elsewhere", &TensorInfo::elsewhere);
-  nb::class_<ShardMetadata>(m, "ShardMetadata")
+  nb::class_<ShardMetadata>(m, "ShardMetadata", "One rank's image of a step, without tensor data")
       .def("__getitem__", item)
       .def_ro("step", &ShardMetadata::step)
       .def_ro("world_size", &ShardMetadata::world_size)
       .def_ro("tensors", &ShardMetadata::tensors)
       .def_ro("extras", &ShardMetadata::extras);
-  nb::class_<SnapshotResult>(m, "SnapshotResult")
+  nb::class_<SnapshotResult>(m, "SnapshotResult", "What Client.save() did")
       .def_ro("saved", &SnapshotResult::saved)
       .def_ro("persist_requested", &SnapshotResult::persist_requested)
       .def_ro("slot", &SnapshotResult::slot)
@@ -561,7 +561,7 @@ NB_MODULE(_core, m) {
       .def_ro("create_seconds", &SnapshotResult::create_seconds)
       .def_ro("agent_error", &SnapshotResult::agent_error)
       .def_ro("structure_hash", &SnapshotResult::structure_hash);
-  nb::class_<SlotView>(m, "SlotInfo")
+  nb::class_<SlotView>(m, "SlotInfo", "A snapshot slot in shared memory")
       .def_ro("slot", &SlotView::slot)
       .def_ro("state", &SlotView::state)
       .def_ro("leased", &SlotView::leased)
