@@ -369,3 +369,27 @@ def test_new_numpy_dtypes_round_trip(ckpt, dtype):
 def test_a_meta_tensor_is_refused_with_its_key(ckpt):
     with pytest.raises(safepoint.InvalidArgumentError, match=r"model\.w: .*meta"):
         safepoint.save(ckpt, 1, {"model": {"w": torch.empty(3, device="meta")}})
+
+
+def test_save_holds_every_tensor_until_it_is_written(ckpt):
+    """The walker hands the writer raw pointers and the write runs without the GIL: a tensor
+    whose only reference is the walk's (a mapping that makes its values on the fly) must stay
+    alive until the image is written, not be freed and its memory reused by the next one."""
+
+    class OnTheFly(collections.abc.Mapping):
+        def __len__(self):
+            return 8
+
+        def __iter__(self):
+            return iter(range(8))
+
+        def __getitem__(self, i):
+            return torch.full((4096,), float(i))
+
+        def items(self):
+            return ((i, self[i]) for i in range(8))
+
+    safepoint.save(ckpt, 1, {"m": OnTheFly()})
+    _, loaded = safepoint.load(ckpt)
+    for i in range(8):
+        assert torch.equal(loaded["m"][i], torch.full((4096,), float(i))), i
