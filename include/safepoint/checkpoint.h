@@ -121,7 +121,7 @@ class CheckpointStore {
     std::vector<TensorEntry> tensors;
     Value extras;
     std::vector<uint32_t> chunk_crcs;  // one per chunk, from the (validated) checksum section
-    std::string name;    // the image's object name (the commit's generation)
+    std::string name;                  // the image's object name (the commit's generation)
     std::string source;
   };
   Result<Metadata> ReadMetadata(const CommitRecord& commit, uint32_t rank);

@@ -35,15 +35,24 @@ namespace python {
 // new StatusCode fails to compile here (-Wswitch) until it has its exception.
 const char* ExceptionName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "Error";  // a bug: ThrowStatus of an OK status
-    case StatusCode::kNotFound: return "NotFoundError";
-    case StatusCode::kCorruption: return "CorruptionError";
-    case StatusCode::kIOError: return "StorageError";
-    case StatusCode::kInvalidArgument: return "InvalidArgumentError";
-    case StatusCode::kUnavailable: return "UnavailableError";
-    case StatusCode::kResourceExhausted: return "ResourceExhaustedError";
-    case StatusCode::kCancelled: return "CancelledError";
-    case StatusCode::kAlreadyExists: return "AlreadyExistsError";
+    case StatusCode::kOk:
+      return "Error";  // a bug: ThrowStatus of an OK status
+    case StatusCode::kNotFound:
+      return "NotFoundError";
+    case StatusCode::kCorruption:
+      return "CorruptionError";
+    case StatusCode::kIOError:
+      return "StorageError";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgumentError";
+    case StatusCode::kUnavailable:
+      return "UnavailableError";
+    case StatusCode::kResourceExhausted:
+      return "ResourceExhaustedError";
+    case StatusCode::kCancelled:
+      return "CancelledError";
+    case StatusCode::kAlreadyExists:
+      return "AlreadyExistsError";
   }
   return "Error";  // a code outside the enum (a corrupted value)
 }
@@ -92,7 +101,7 @@ struct TensorInfo {
   std::string name;
   std::string dtype;
   std::vector<uint64_t> shape;
-  std::optional<std::vector<uint64_t>> global_shape;   // None: a whole tensor, not a shard
+  std::optional<std::vector<uint64_t>> global_shape;  // None: a whole tensor, not a shard
   std::optional<std::vector<uint64_t>> global_offset;
   uint64_t nbytes = 0;
   bool elsewhere = false;  // held by another rank's image
@@ -119,8 +128,8 @@ struct SlotView {
 };
 
 SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
-              const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt,
-              bool overwrite) {
+                const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt,
+                bool overwrite) {
   ImageMeta meta;
   meta.job = job;
   meta.attempt = attempt;

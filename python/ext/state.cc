@@ -76,10 +76,12 @@ Types& T() {
 
 bool NumpyDTypeOk(const std::string& name, DType* out) {
   static const std::unordered_map<std::string, DType> kNames = {
-      {"float32", DType::kFloat32}, {"float16", DType::kFloat16}, {"float64", DType::kFloat64},
-      {"int8", DType::kInt8},       {"int16", DType::kInt16},     {"int32", DType::kInt32},
-      {"int64", DType::kInt64},     {"uint8", DType::kUInt8},     {"bool", DType::kBool},
-      {"uint16", DType::kUInt16},   {"uint32", DType::kUInt32},   {"uint64", DType::kUInt64},
+      {"float32", DType::kFloat32},     {"float16", DType::kFloat16},
+      {"float64", DType::kFloat64},     {"int8", DType::kInt8},
+      {"int16", DType::kInt16},         {"int32", DType::kInt32},
+      {"int64", DType::kInt64},         {"uint8", DType::kUInt8},
+      {"bool", DType::kBool},           {"uint16", DType::kUInt16},
+      {"uint32", DType::kUInt32},       {"uint64", DType::kUInt64},
       {"complex64", DType::kComplex64}, {"complex128", DType::kComplex128}};
   auto it = kNames.find(name);
   if (it == kNames.end()) return false;
@@ -170,8 +172,8 @@ class Flattener {
     if (!dt.is_valid()) throw nb::python_error();
     auto d = t.torch_dtypes.find(dt.ptr());
     if (d == t.torch_dtypes.end()) {
-      Fail("tensor dtype " + nb::cast<std::string>(nb::str(dt)) + " is not supported (supported: " +
-           t.supported + ")");
+      Fail("tensor dtype " + nb::cast<std::string>(nb::str(dt)) +
+           " is not supported (supported: " + t.supported + ")");
     }
     nb::object src = nb::borrow(obj);
     nb::object is_cpu = nb::steal(PyObject_GetAttr(src.ptr(), t.s_is_cpu.ptr()));
@@ -181,8 +183,9 @@ class Flattener {
       nb::object is_meta = nb::steal(PyObject_GetAttr(src.ptr(), t.s_is_meta.ptr()));
       if (!is_meta.is_valid()) throw nb::python_error();
       if (is_meta.is(nb::handle(Py_True))) {
-        Fail("cannot save a meta tensor (it has a shape but no data); materialize it first "
-             "(e.g. to_empty() and initialize, or load the real weights)");
+        Fail(
+            "cannot save a meta tensor (it has a shape but no data); materialize it first "
+            "(e.g. to_empty() and initialize, or load the real weights)");
       }
     }
     if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu)) return Staged(obj, d->second);

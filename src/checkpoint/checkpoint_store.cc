@@ -300,8 +300,7 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
 
 // Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same name
 // and box, by some image of the step: else the step would commit with a tensor nobody wrote.
-Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size,
-                                          uint64_t generation) {
+Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size, uint64_t generation) {
   auto key = [](const TensorSpec& s) {
     std::string k = s.name;
     k += '\0';
@@ -662,16 +661,18 @@ Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
     return existing.status();
   }
   if (existing.ok() && !options.overwrite) {
-    return AlreadyExists(what + " is already committed (a committed step is immutable; pass "
-                                "overwrite=True to replace it)");
+    return AlreadyExists(what +
+                         " is already committed (a committed step is immutable; pass "
+                         "overwrite=True to replace it)");
   }
   // A replacing save names its images by its attempt (every rank of it must share one), so
   // they never touch the committed images until its COMMIT record replaces the old one.
   uint64_t generation = 0;
   if (options.overwrite) {
     if (attempt == 0) {
-      return InvalidArgument(what + ": overwrite needs a non-zero attempt that every rank of "
-                                    "this save shares");
+      return InvalidArgument(what +
+                             ": overwrite needs a non-zero attempt that every rank of "
+                             "this save shares");
     }
     if (existing.ok() && existing->generation == attempt) {
       return InvalidArgument(what + " was committed by a save with attempt " +
@@ -679,8 +680,8 @@ Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
     }
     generation = attempt;
   }
-  SP_ASSIGN_OR_RETURN(auto builder, ImageBuilder::Create(std::move(meta), std::move(tensors),
-                                                         std::move(extras)));
+  SP_ASSIGN_OR_RETURN(auto builder,
+                      ImageBuilder::Create(std::move(meta), std::move(tensors), std::move(extras)));
   SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder, generation));
   SaveResult result{stats.bytes, stats.seconds, false};
   SP_ASSIGN_OR_RETURN(result.committed,

@@ -1,16 +1,15 @@
-#include "safepoint/checkpoint.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <thread>
-#include <tuple>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
+#include <tuple>
 
+#include "safepoint/checkpoint.h"
 #include "safepoint/faulty_storage.h"
 
 namespace safepoint {
@@ -537,8 +536,8 @@ TEST(CheckpointStoreTest, PosixLeftoversOfAKilledWriterAreIgnoredAndRemoved) {
 // --- Replacing a committed step (SaveOptions::overwrite) -------------------------------------
 
 // Saves Shard(step, rank, elems) with `attempt`; elems tells the versions of a step apart.
-Result<SaveResult> SaveVersion(CheckpointStore& store, uint64_t step, uint32_t rank,
-                               uint32_t world, uint64_t attempt, size_t elems, bool overwrite) {
+Result<SaveResult> SaveVersion(CheckpointStore& store, uint64_t step, uint32_t rank, uint32_t world,
+                               uint64_t attempt, size_t elems, bool overwrite) {
   Shard s(step, rank, elems);
   ImageMeta m = Meta(step, rank, world);
   m.attempt = attempt;
