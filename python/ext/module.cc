@@ -93,6 +93,7 @@ struct Loaded {
   // caller to fill (replicas written once).
   nb::list elsewhere;
   std::string source;                // what it was read from
+  uint64_t generation = 0;           // of the COMMIT record read (CommitRecord::generation)
   std::vector<std::string> skipped;  // newer steps skipped as damaged, one line each
 };
 
@@ -194,6 +195,7 @@ Loaded Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank
   LoadedShard s = Unwrap(std::move(shard));
   Loaded out = LoadedToPython(s.image, s.reader, s.extras, unpickler);
   out.skipped = s.skipped;
+  out.generation = s.commit.generation;
   return out;
 }
 
@@ -544,6 +546,7 @@ NB_MODULE(_core, m) {
       .def_ro("state", &Loaded::state)
       .def_ro("elsewhere", &Loaded::elsewhere)
       .def_ro("source", &Loaded::source)
+      .def_ro("generation", &Loaded::generation)
       .def_ro("skipped", &Loaded::skipped);
   nb::class_<TensorInfo>(m, "TensorInfo", "A tensor of an image's index (no data)")
       .def("__getitem__", item)

@@ -10,7 +10,7 @@ from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._shards import fill_elsewhere, read_newest_into
 from safepoint._stateful import apply_loaded, to_saveable
-from safepoint.errors import InvalidArgumentError
+from safepoint.errors import InvalidArgumentError, NotFoundError
 
 
 def _path(path: str | os.PathLike[str]) -> str:
@@ -74,7 +74,12 @@ def load(path: str | os.PathLike[str], step: Optional[int] = None, *,
     if step is not None and (type(step) is not int or step < 0):
         raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
     out = _core.load(p, step, rank, unpickler(allow_pickle))
-    fill_elsewhere(p, out.step, rank, out.elsewhere)
+    for _ in range(3):  # the step was replaced between reading this rank's and another's image
+        if fill_elsewhere(p, out.step, rank, out.elsewhere, out.generation):
+            break
+        out = _core.load(p, out.step, rank, unpickler(allow_pickle))
+    else:
+        raise NotFoundError(f"{p}: step {out.step} was replaced again and again while loading")
     for skipped in out.skipped:
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
                       stacklevel=2)

@@ -297,8 +297,14 @@ def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str
     return [tuple(x) for x in ranges]
 
 
-def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list) -> None:
-    """Fills the tensors a loaded image left to other ranks' images (replicas written once)."""
+def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list,
+                   generation: Optional[int] = None) -> bool:
+    """Fills the tensors a loaded image left to other ranks' images (replicas written once).
+    With `generation` (the loaded image's COMMIT record), returns False, filling nothing, when
+    the step has been replaced since (safepoint.save(overwrite=True)): load it again."""
     if elsewhere:
-        StepReader(path, step).fill([(n, t, tuple(gs), tuple(go)) for n, t, gs, go in elsewhere],
-                                    rank)
+        reader = StepReader(path, step)
+        if generation is not None and reader.generation() != generation:
+            return False
+        reader.fill([(n, t, tuple(gs), tuple(go)) for n, t, gs, go in elsewhere], rank)
+    return True
