@@ -353,8 +353,13 @@ def test_new_dtypes_restore_in_place_and_through_the_checkpointer(tmp_path, dtyp
         assert ck.restore(target) == 2 and ck.last_load_source == "memory"
         for k in state:
             assert same_bits(state[k], target[k]), k
+        ck._live.save(3, state, True, None, True, 2)  # the staged copy path GPU tensors take
+        ck.wait()
+        step, snap = ck.load()
+        assert step == 3 and ck.last_load_source == "memory"
+        assert all(same_bits(state[k], snap[k]) for k in state)
     step, loaded = safepoint.load(tmp_path / "flash")  # what the agent persisted
-    assert step == 2 and all(same_bits(state[k], loaded[k]) for k in state)
+    assert step == 3 and all(same_bits(state[k], loaded[k]) for k in state)
 
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128, np.uint16, np.uint32, np.uint64])
