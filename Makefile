@@ -7,7 +7,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-multirank clean crash-build test-crash crashtest
+        bench-multirank clean crash-build test-crash crashtest lint
 
 setup:
 	@scripts/setup.sh
@@ -26,6 +26,16 @@ test-python: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests/python
 
 test: test-cpp test-python test-crash
+
+# Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
+# the Python package (configured in pyproject.toml). mypy reads the _core.pyi the build generates.
+LINT_CXX_DIRS := src include apps python/ext
+lint: build
+	find $(LINT_CXX_DIRS) \( -name '*.cc' -o -name '*.h' \) -print0 | \
+	    xargs -0 clang-format --dry-run --Werror
+	$(VENV)/bin/ruff check python/safepoint
+	cp $(BUILD)/_core.pyi python/safepoint/_core.pyi
+	$(VENV)/bin/mypy
 
 # The crash campaign (tests/crash, docs/reliability.md): kill -9 at random moments and at named
 # kill points. Kill points exist only in this separate build (build/crash, never installed or

@@ -284,7 +284,7 @@ int CmdVerify(const Args& a) {
       } else {
         s = image.status();
       }
-      const std::string file = (*store)->storage().Describe(ImageObjectName(c.step, r));
+      const std::string file = (*store)->storage().Describe(ImageObjectName(c, r));
       if (!s.ok()) damaged = true;
       if (a.json) {
         json j = {{"step", c.step}, {"rank", r}, {"file", file}, {"ok", s.ok()}, {"bytes", bytes}};

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(g++ cmake ninja-build pkg-config libisal-dev libgtest-dev libgmock-dev libzstd-dev liburing-dev
-          nlohmann-json3-dev libspdlog-dev libcli11-dev
+          nlohmann-json3-dev libspdlog-dev libcli11-dev clang-format
           python3-venv python3-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
@@ -25,12 +25,12 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-STAMP=.venv/.safepoint-deps-v3
+STAMP=.venv/.safepoint-deps-v4
 if [ ! -f "$STAMP" ]; then
   echo "setup: installing Python packages into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" \
-      "cmake>=3.24" ninja pytest safetensors \
+      "cmake>=3.24" ninja pytest safetensors "ruff==0.17.5" "mypy==2.4.1" \
       "pytorch-lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0" "dlrover==0.6.1"
   # DLRover pulls the deprecated `pynvml` shim, which makes every `import torch.cuda` warn; the
   # module it wraps comes from nvidia-ml-py, so keep that one alone.

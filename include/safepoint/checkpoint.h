@@ -4,8 +4,12 @@
 // Layout under the storage root (docs/format.md, "Checkpoint directory"):
 //   step-<20-digit step>/rank-<rank, 5+ digits>.img   one image per rank
 //   step-<20-digit step>/COMMIT                       the commit record, written last
+//   step-<20-digit step>/rank-<rank>.g<16 hex>.img     images of a save that replaced the step
 // A step exists for readers if and only if its COMMIT record exists and is valid. There is no
 // separate "latest" file that could disagree: the newest step is the newest valid COMMIT.
+// A committed step is immutable, except that a save with SaveOptions::overwrite replaces it
+// whole: its images go to new names (its generation) and one rename of COMMIT switches readers
+// from the old images to the new ones; only then are the old images removed.
 //
 // Thread safety: a CheckpointStore may be used from several threads; several processes (ranks)
 // may write different images of the same step concurrently.
@@ -26,6 +30,8 @@
 namespace safepoint {
 
 inline constexpr uint32_t kCommitFormatVersion = 1;
+// A record of a replaced step (CommitRecord::generation != 0); plain records stay version 1.
+inline constexpr uint32_t kCommitFormatVersionReplaced = 2;
 
 struct CommitRecord {
   uint64_t step = 0;
@@ -37,6 +43,9 @@ struct CommitRecord {
     uint32_t header_crc = 0;  // identifies the exact image that was committed
   };
   std::vector<Image> images;  // by rank
+  // Which images: 0 for rank-R.img (every step that was never replaced); otherwise the attempt
+  // of the save that replaced the step, whose images are rank-R.g<generation>.img.
+  uint64_t generation = 0;
 
   uint64_t total_bytes() const;
 };
@@ -46,7 +55,8 @@ Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> data, std::st
 
 // Object names.
 std::string StepPrefix(uint64_t step);                  // "step-00000000000000000042/"
-std::string ImageObjectName(uint64_t step, uint32_t rank);
+std::string ImageObjectName(uint64_t step, uint32_t rank, uint64_t generation = 0);
+std::string ImageObjectName(const CommitRecord& commit, uint32_t rank);  // the one it names
 std::string CommitObjectName(uint64_t step);
 // Parses "step-<digits>/..." and returns the step; nullopt for other names.
 std::optional<uint64_t> StepFromObjectName(std::string_view name);
@@ -73,7 +83,8 @@ class CheckpointStore {
   // Writes one rank's image durably under its final name (temporary object, sync, publish).
   // The image is streamed from the builder through a few reusable chunk buffers: checksums are
   // computed on the way and tensor bytes are copied once. Any failure loses this copy only.
-  Result<WriteStats> WriteImage(const ImageBuilder& image);
+  // `generation` != 0 writes the image of a replacing save (CommitRecord::generation).
+  Result<WriteStats> WriteImage(const ImageBuilder& image, uint64_t generation = 0);
 
   // Writes an image that is already complete in memory (a snapshot): one sequential stream of
   // large aligned writes straight from `image`.
@@ -85,8 +96,13 @@ class CheckpointStore {
   // try; equal records replace each other atomically). An image of another attempt (left by an
   // unfinished or replaced save) means not yet: its rank's new image will replace it. Returns
   // true when the step is committed (now or before).
+  // With `generation` != 0 (a save that replaces the step; generation == attempt) the images
+  // looked at are that generation's: once all are there the new COMMIT record replaces the old
+  // one in one rename, and then the images no longer named (the old ones) are removed. A commit
+  // of generation 0 never replaces a record of another generation (it returns true: the step
+  // is committed), so a plain committer (the agent) cannot undo a replacement.
   Result<bool> TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
-                         uint64_t attempt = 0);
+                         uint64_t attempt = 0, uint64_t generation = 0);
 
   // Valid commit records, ascending by step. A corrupt COMMIT record is skipped (that step does
   // not exist) and reported through `problems` when given.
@@ -105,6 +121,7 @@ class CheckpointStore {
     std::vector<TensorEntry> tensors;
     Value extras;
     std::vector<uint32_t> chunk_crcs;  // one per chunk, from the (validated) checksum section
+    std::string name;                  // the image's object name (the commit's generation)
     std::string source;
   };
   Result<Metadata> ReadMetadata(const CommitRecord& commit, uint32_t rank);
@@ -129,7 +146,7 @@ class CheckpointStore {
   Result<size_t> CleanUp();
 
  private:
-  Status CheckReplicasHeld(uint64_t step, uint32_t world_size);
+  Status CheckReplicasHeld(uint64_t step, uint32_t world_size, uint64_t generation);
   std::shared_ptr<Storage> storage_;
 };
 
@@ -137,6 +154,14 @@ class CheckpointStore {
 Result<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(std::string_view path);
 
 // --- Synchronous save and load of one rank's shard (what safepoint.save / load call) ---------
+
+struct SaveOptions {
+  // A committed step is immutable: saving it again is AlreadyExists, unless `overwrite`, which
+  // replaces it atomically once every rank of this save (ImageMeta::attempt, non-zero, shared
+  // by the ranks and not the one that committed the step) has saved: readers see the old step
+  // or the new one, never a mix and never nothing.
+  bool overwrite = false;
+};
 
 struct SaveResult {
   uint64_t bytes = 0;
@@ -148,7 +173,8 @@ struct SaveResult {
 // commit protocol, commits the step if every rank's image is now there, and cleans up what
 // failed writes left behind. Durable when it returns.
 Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
-                             std::vector<TensorSource> tensors, std::string extras);
+                             std::vector<TensorSource> tensors, std::string extras,
+                             SaveOptions options = {});
 
 struct LoadedShard {
   CommitRecord commit;
@@ -161,7 +187,8 @@ struct LoadedShard {
 
 // Loads rank's shard. With `step` the exact step (NotFound / Corruption when it cannot be read);
 // without, the newest committed step that reads back intact, falling back to older steps and
-// reporting the skipped ones. NotFound when nothing is committed.
+// reporting the skipped ones. NotFound when nothing is committed. A step replaced while it is
+// read (its old images removed) is read again from its new COMMIT record.
 Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step, uint32_t rank);
 
 }  // namespace safepoint

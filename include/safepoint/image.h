@@ -35,6 +35,14 @@ enum class DType : uint8_t {
   kBool = 10,
   kFloat8E4M3FN = 11,
   kFloat8E5M2 = 12,
+  kComplex64 = 13,  // two float32: real, imaginary
+  kComplex128 = 14,
+  kUInt16 = 15,
+  kUInt32 = 16,
+  kUInt64 = 17,
+  kFloat8E4M3FNUZ = 18,
+  kFloat8E5M2FNUZ = 19,
+  kFloat8E8M0FNU = 20,
 };
 
 // Size of one element in bytes; 0 for an unknown code.

@@ -31,13 +31,34 @@ using namespace nb::literals;
 namespace safepoint {
 namespace python {
 
+// The Python exception class of each status code (python/safepoint/errors.py). No default: a
+// new StatusCode fails to compile here (-Wswitch) until it has its exception.
+const char* ExceptionName(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk:
+      return "Error";  // a bug: ThrowStatus of an OK status
+    case StatusCode::kNotFound:
+      return "NotFoundError";
+    case StatusCode::kCorruption:
+      return "CorruptionError";
+    case StatusCode::kIOError:
+      return "StorageError";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgumentError";
+    case StatusCode::kUnavailable:
+      return "UnavailableError";
+    case StatusCode::kResourceExhausted:
+      return "ResourceExhaustedError";
+    case StatusCode::kCancelled:
+      return "CancelledError";
+    case StatusCode::kAlreadyExists:
+      return "AlreadyExistsError";
+  }
+  return "Error";  // a code outside the enum (a corrupted value)
+}
+
 [[noreturn]] void ThrowStatus(const Status& s) {
-  static const char* kNames[] = {"Error", "NotFoundError", "CorruptionError", "StorageError",
-                                 "InvalidArgumentError", "UnavailableError",
-                                 "ResourceExhaustedError", "CancelledError", "AlreadyExistsError"};
-  const int code = static_cast<int>(s.code());
-  const char* name = (code >= 0 && code < 9) ? kNames[code] : "Error";
-  nb::object cls = nb::module_::import_("safepoint.errors").attr(name);
+  nb::object cls = nb::module_::import_("safepoint.errors").attr(ExceptionName(s.code()));
   PyErr_SetString(cls.ptr(), s.message().c_str());
   throw nb::python_error();
 }
@@ -60,8 +81,56 @@ void Check(const Status& s) {
 
 // --- save / load -----------------------------------------------------------------------------
 
-nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
-              const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt) {
+// --- results: small bound classes (typed in the generated _core.pyi) ------------------------
+
+// load() and a memory snapshot's load: the state, whose tensors are views into the loaded image.
+struct Loaded {
+  uint64_t step = 0;
+  uint32_t world_size = 0;
+  std::string job;
+  nb::object state;
+  // (name, tensor, global shape, global offset) of tensors another rank's image holds, for the
+  // caller to fill (replicas written once).
+  nb::list elsewhere;
+  std::string source;                // what it was read from
+  uint64_t generation = 0;           // of the COMMIT record read (CommitRecord::generation)
+  std::vector<std::string> skipped;  // newer steps skipped as damaged, one line each
+};
+
+// A tensor of an image's index.
+struct TensorInfo {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  std::optional<std::vector<uint64_t>> global_shape;  // None: a whole tensor, not a shard
+  std::optional<std::vector<uint64_t>> global_offset;
+  uint64_t nbytes = 0;
+  bool elsewhere = false;  // held by another rank's image
+};
+
+// read_metadata(): one rank's image of a step without its tensor data.
+struct ShardMetadata {
+  uint64_t step = 0;
+  uint32_t world_size = 0;
+  std::vector<TensorInfo> tensors;
+  nb::object extras;  // the state tree, each tensor a TensorSlot
+};
+
+// A snapshot slot as Client.slots() reports it.
+struct SlotView {
+  uint32_t slot = 0;
+  std::string state;
+  bool leased = false;
+  uint64_t step = 0;
+  uint64_t image_bytes = 0;
+  uint64_t capacity = 0;
+  int64_t complete_time_ns = 0;
+  std::optional<uint64_t> attempt;  // of a complete snapshot, from its image header
+};
+
+SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
+                const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt,
+                bool overwrite) {
   ImageMeta meta;
   meta.job = job;
   meta.attempt = attempt;
@@ -76,7 +145,8 @@ nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t wo
     nb::gil_scoped_release release;
     auto store = OpenCheckpointStore(path);
     if (store.ok()) {
-      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras));
+      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras),
+                         SaveOptions{overwrite});
       if (r.ok()) {
         result = *r;
       } else {
@@ -88,17 +158,13 @@ nb::dict Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t wo
       ThrowStatus(store.status());
     }
   }
-  nb::dict out;
-  out["bytes"] = result.bytes;
-  out["write_seconds"] = result.write_seconds;
-  out["committed"] = result.committed;
-  return out;
+  return result;
 }
 
 // What load() returns to Python: the step and the state, whose tensors are views into the loaded
 // image (zero copy, zero parse), kept alive through a numpy array that owns the image.
-nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras,
-                        nb::handle unpickler) {
+Loaded LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras,
+                      nb::handle unpickler) {
   auto* keep = new std::shared_ptr<std::byte>(image.buffer);
   nb::capsule owner(keep, [](void* p) noexcept {
     delete static_cast<std::shared_ptr<std::byte>*>(p);
@@ -107,19 +173,19 @@ nb::dict LoadedToPython(const LoadedImage& image, const ImageReader& reader, con
   nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> array(
       reinterpret_cast<uint8_t*>(image.buffer.get()), 1, shape, owner);
   nb::object buffer = array.cast();
-  nb::dict out;
-  out["step"] = reader.meta().step;
-  out["world_size"] = reader.meta().world_size;
-  out["job"] = reader.meta().job;
+  Loaded out;
+  out.step = reader.meta().step;
+  out.world_size = reader.meta().world_size;
+  out.job = reader.meta().job;
   nb::list elsewhere;
-  out["state"] = python::RebuildState(extras, buffer, reader, unpickler, &elsewhere);
-  out["elsewhere"] = elsewhere;
-  out["source"] = image.source;
+  out.state = python::RebuildState(extras, buffer, reader, unpickler, &elsewhere);
+  out.elsewhere = elsewhere;
+  out.source = image.source;
   return out;
 }
 
-nb::dict Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank,
-              nb::handle unpickler) {
+Loaded Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank,
+            nb::handle unpickler) {
   Result<LoadedShard> shard = Status(StatusCode::kCancelled, "not loaded");
   {
     nb::gil_scoped_release release;
@@ -127,10 +193,9 @@ nb::dict Load(const std::string& path, std::optional<uint64_t> step, uint32_t ra
     shard = store.ok() ? LoadShard(**store, step, rank) : Result<LoadedShard>(store.status());
   }
   LoadedShard s = Unwrap(std::move(shard));
-  nb::dict out = LoadedToPython(s.image, s.reader, s.extras, unpickler);
-  nb::list skipped;
-  for (const auto& m : s.skipped) skipped.append(m);
-  out["skipped"] = skipped;
+  Loaded out = LoadedToPython(s.image, s.reader, s.extras, unpickler);
+  out.skipped = s.skipped;
+  out.generation = s.commit.generation;
   return out;
 }
 
@@ -161,26 +226,46 @@ struct TensorSlot {
   size_t index;
 };
 
-// Writable destination memory of a read: a contiguous CPU torch tensor or any writable buffer.
-std::span<std::byte> Destination(nb::handle dest, const std::string& what) {
-  if (nb::hasattr(dest, "data_ptr")) {
-    if (!nb::cast<bool>(dest.attr("is_contiguous")()) || !nb::cast<bool>(dest.attr("is_cpu"))) {
-      Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor"));
+// The writable destination memory of a read, held until the read has ended (the read runs with
+// the GIL released, so other threads may run meanwhile): a contiguous CPU torch tensor, kept
+// alive by a reference, or any writable buffer, held through its buffer export, which also keeps
+// it from being resized (a bytearray raises BufferError). Torch has no export lock: resizing a
+// destination tensor during the read (tensor.resize_) is the caller's error. Create and destroy
+// with the GIL held.
+class HeldDestination {
+ public:
+  HeldDestination(nb::handle dest, const std::string& what) : object_(nb::borrow(dest)) {
+    if (nb::hasattr(dest, "data_ptr")) {
+      if (!nb::cast<bool>(dest.attr("is_contiguous")()) || !nb::cast<bool>(dest.attr("is_cpu"))) {
+        Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor"));
+      }
+      auto ptr = nb::cast<uintptr_t>(dest.attr("data_ptr")());
+      auto n = nb::cast<size_t>(dest.attr("nbytes"));
+      span_ = {reinterpret_cast<std::byte*>(ptr), n};
+      return;
     }
-    auto ptr = nb::cast<uintptr_t>(dest.attr("data_ptr")());
-    auto n = nb::cast<size_t>(dest.attr("nbytes"));
-    return {reinterpret_cast<std::byte*>(ptr), n};
+    if (PyObject_GetBuffer(dest.ptr(), &view_, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor or a "
+                                   "writable buffer"));
+    }
+    exported_ = true;
+    span_ = {static_cast<std::byte*>(view_.buf), static_cast<size_t>(view_.len)};
   }
-  Py_buffer view;
-  if (PyObject_GetBuffer(dest.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-    PyErr_Clear();
-    Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor or a "
-                                 "writable buffer"));
+  ~HeldDestination() {
+    if (exported_) PyBuffer_Release(&view_);
   }
-  std::span<std::byte> out(static_cast<std::byte*>(view.buf), static_cast<size_t>(view.len));
-  PyBuffer_Release(&view);  // the caller keeps `dest` alive for the call
-  return out;
-}
+  HeldDestination(const HeldDestination&) = delete;
+  HeldDestination& operator=(const HeldDestination&) = delete;
+
+  std::span<std::byte> span() const { return span_; }
+
+ private:
+  nb::object object_;  // the requests list may change while the GIL is released
+  Py_buffer view_{};
+  bool exported_ = false;
+  std::span<std::byte> span_;
+};
 
 // One rank's image of one committed step, opened for partial reads: its index, its state tree
 // and byte ranges of its tensors, each covering checksum chunk verified. Nothing else is read.
@@ -200,20 +285,23 @@ class ShardReader {
   uint64_t step() const { return commit_.step; }
   uint32_t rank() const { return md_.meta.rank; }
   uint32_t world_size() const { return commit_.world_size; }
+  // Which images the COMMIT record read names (CommitRecord::generation): readers of several
+  // ranks of one step check that they read one version of a step that may be replaced.
+  uint64_t generation() const { return commit_.generation; }
 
-  nb::list Tensors() const {
-    nb::list out;
+  std::vector<TensorInfo> Tensors() const {
+    std::vector<TensorInfo> out;
+    out.reserve(md_.tensors.size());
     for (const TensorEntry& e : md_.tensors) {
-      nb::dict d;
-      d["name"] = e.spec.name;
-      d["dtype"] = std::string(DTypeName(e.spec.dtype));
-      d["shape"] = e.spec.shape;
-      d["global_shape"] = e.spec.global_shape.empty() ? nb::none() : nb::cast(e.spec.global_shape);
-      d["global_offset"] =
-          e.spec.global_offset.empty() ? nb::none() : nb::cast(e.spec.global_offset);
-      d["nbytes"] = e.nbytes;
-      d["elsewhere"] = e.spec.elsewhere;
-      out.append(d);
+      TensorInfo t;
+      t.name = e.spec.name;
+      t.dtype = std::string(DTypeName(e.spec.dtype));
+      t.shape = e.spec.shape;
+      if (!e.spec.global_shape.empty()) t.global_shape = e.spec.global_shape;
+      if (!e.spec.global_offset.empty()) t.global_offset = e.spec.global_offset;
+      t.nbytes = e.nbytes;
+      t.elsewhere = e.spec.elsewhere;
+      out.push_back(std::move(t));
     }
     return out;
   }
@@ -227,6 +315,9 @@ class ShardReader {
   void Read(nb::list requests) {
     std::vector<CheckpointStore::Range> ranges;
     ranges.reserve(requests.size());
+    // Released (with the GIL held) only when this call returns or throws, after the read.
+    std::vector<std::unique_ptr<HeldDestination>> held;
+    held.reserve(requests.size());
     for (nb::handle item : requests) {
       auto [name, offset, length, dest] =
           nb::cast<std::tuple<std::string, uint64_t, uint64_t, nb::handle>>(item);
@@ -243,7 +334,9 @@ class ShardReader {
                               std::to_string(e.nbytes) + " bytes; cannot read [" +
                               std::to_string(offset) + ", +" + std::to_string(length) + ")"));
       }
-      std::span<std::byte> dst = Destination(dest, md_.source + ": tensor '" + name + "'");
+      held.push_back(
+          std::make_unique<HeldDestination>(dest, md_.source + ": tensor '" + name + "'"));
+      const std::span<std::byte> dst = held.back()->span();
       if (dst.size() < length) {
         Check(InvalidArgument(md_.source + ": tensor '" + name + "': destination holds " +
                               std::to_string(dst.size()) + " bytes, " + std::to_string(length) +
@@ -261,15 +354,10 @@ class ShardReader {
   std::unordered_map<std::string, size_t> by_name_;
 };
 
-nb::dict ReadMetadata(const std::string& path, uint64_t step, uint32_t rank,
-                      nb::handle unpickler) {
+ShardMetadata ReadMetadata(const std::string& path, uint64_t step, uint32_t rank,
+                           nb::handle unpickler) {
   ShardReader r(path, step, rank);
-  nb::dict out;
-  out["step"] = r.step();
-  out["world_size"] = r.world_size();
-  out["tensors"] = r.Tensors();
-  out["extras"] = r.State(unpickler);
-  return out;
+  return ShardMetadata{r.step(), r.world_size(), r.Tensors(), r.State(unpickler)};
 }
 
 void ReadRanges(const std::string& path, uint64_t step, uint32_t rank, nb::list requests) {
@@ -303,8 +391,8 @@ class PyClient {
 
   // stage: 1 = GPU tensors are copied into the slot by safepoint._staging (pinned memory,
   // asynchronous copies on a side stream), 2 = every tensor is (tests of that path on CPUs).
-  nb::dict Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler, bool notify,
-                int stage) {
+  SnapshotResult Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler,
+                      bool notify, int stage) {
     if (stage < 0 || stage > 2) Check(InvalidArgument("stage must be 0, 1 or 2"));
     python::FlatState flat =
         python::FlattenState(state, pickler, static_cast<python::Stage>(stage));
@@ -334,18 +422,7 @@ class PyClient {
       nb::gil_scoped_release release;
       r = Get().Save(step, std::move(sources), std::move(extras), persist, notify, stage_fn);
     }
-    SnapshotResult s = Unwrap(std::move(r));
-    nb::dict out;
-    out["saved"] = s.saved;
-    out["persist_requested"] = s.persist_requested;
-    out["slot"] = s.slot;
-    out["image_bytes"] = s.image_bytes;
-    out["copy_seconds"] = s.copy_seconds;
-    out["wait_seconds"] = s.wait_seconds;
-    out["create_seconds"] = s.create_seconds;
-    out["agent_error"] = s.agent_error;
-    out["structure_hash"] = s.structure_hash;
-    return out;
+    return Unwrap(std::move(r));
   }
 
   // skip: [(first, last), ...] tensor index ranges other ranks write. Returns the agent error
@@ -384,35 +461,35 @@ class PyClient {
     return Unwrap(std::move(r));
   }
 
-  nb::object LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler, bool in_place) {
+  std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
+                                   bool in_place) {
     return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step, in_place); }), unpickler);
   }
 
-  nb::object LoadStep(uint64_t step, nb::handle unpickler, bool in_place) {
+  std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place) {
     return ToPython(WithoutGil([&] { return Get().LoadStep(step, in_place); }), unpickler);
   }
 
-  nb::list Slots() {
-    nb::list out;
+  std::vector<SlotView> Slots() {
+    std::vector<SlotView> out;
     Check(Get().arena().Refresh());
     for (const SlotInfo& s : Get().arena().Slots()) {
-      nb::dict d;
-      d["slot"] = s.index;
-      d["state"] = std::string(SlotStateName(s.state));
-      d["leased"] = s.leased;
-      d["step"] = s.step;
-      d["image_bytes"] = s.image_size;
-      d["capacity"] = s.capacity;
-      d["complete_time_ns"] = s.complete_time_ns;
+      SlotView v;
+      v.slot = s.index;
+      v.state = std::string(SlotStateName(s.state));
+      v.leased = s.leased;
+      v.step = s.step;
+      v.image_bytes = s.image_size;
+      v.capacity = s.capacity;
+      v.complete_time_ns = s.complete_time_ns;
       // The save attempt of a complete snapshot, from its image header (None when unreadable:
       // a load verifies everything anyway).
-      d["attempt"] = nb::none();
       if (s.state == SlotState::kComplete && s.image_size >= kImageHeaderSize) {
         auto h = ParseImageHeader(Get().arena().SlotData(s.index).subspan(0, kImageHeaderSize),
                                   "slot");
-        if (h.ok()) d["attempt"] = h->first.attempt;
+        if (h.ok()) v.attempt = h->first.attempt;
       }
-      out.append(d);
+      out.push_back(std::move(v));
     }
     return out;
   }
@@ -434,8 +511,8 @@ class PyClient {
 
  private:
   // A memory snapshot as load() returns it; None when there is none.
-  static nb::object ToPython(Result<MemorySnapshot> r, nb::handle unpickler) {
-    if (!r.ok() && r.status().code() == StatusCode::kNotFound) return nb::none();
+  static std::optional<Loaded> ToPython(Result<MemorySnapshot> r, nb::handle unpickler) {
+    if (!r.ok() && r.status().code() == StatusCode::kNotFound) return std::nullopt;
     MemorySnapshot s = Unwrap(std::move(r));
     return LoadedToPython(s.image, s.reader, s.extras, unpickler);
   }
@@ -453,8 +530,60 @@ class PyClient {
 NB_MODULE(_core, m) {
   using namespace safepoint;
   m.doc() = "safepoint's C++ core (internal; use the safepoint package)";
+  // Transitional: dcp.py (being split by another change) still reads TensorInfo and
+  // ShardMetadata as dicts. Remove __getitem__ once it reads attributes.
+  auto item = [](nb::handle self, const std::string& key) -> nb::object {
+    return self.attr(key.c_str());
+  };
+  nb::class_<SaveResult>(m, "SaveResult", "What save() wrote; committed: the step is committed now")
+      .def_ro("bytes", &SaveResult::bytes)
+      .def_ro("write_seconds", &SaveResult::write_seconds)
+      .def_ro("committed", &SaveResult::committed);
+  nb::class_<Loaded>(m, "Loaded", "A loaded shard: its state tree, whose tensors view the image")
+      .def_ro("step", &Loaded::step)
+      .def_ro("world_size", &Loaded::world_size)
+      .def_ro("job", &Loaded::job)
+      .def_ro("state", &Loaded::state)
+      .def_ro("elsewhere", &Loaded::elsewhere)
+      .def_ro("source", &Loaded::source)
+      .def_ro("generation", &Loaded::generation)
+      .def_ro("skipped", &Loaded::skipped);
+  nb::class_<TensorInfo>(m, "TensorInfo", "A tensor of an image's index (no data)")
+      .def("__getitem__", item)
+      .def_ro("name", &TensorInfo::name)
+      .def_ro("dtype", &TensorInfo::dtype)
+      .def_ro("shape", &TensorInfo::shape)
+      .def_ro("global_shape", &TensorInfo::global_shape)
+      .def_ro("global_offset", &TensorInfo::global_offset)
+      .def_ro("nbytes", &TensorInfo::nbytes)
+      .def_ro("elsewhere", &TensorInfo::elsewhere);
+  nb::class_<ShardMetadata>(m, "ShardMetadata", "One rank's image of a step, without tensor data")
+      .def("__getitem__", item)
+      .def_ro("step", &ShardMetadata::step)
+      .def_ro("world_size", &ShardMetadata::world_size)
+      .def_ro("tensors", &ShardMetadata::tensors)
+      .def_ro("extras", &ShardMetadata::extras);
+  nb::class_<SnapshotResult>(m, "SnapshotResult", "What Client.save() did")
+      .def_ro("saved", &SnapshotResult::saved)
+      .def_ro("persist_requested", &SnapshotResult::persist_requested)
+      .def_ro("slot", &SnapshotResult::slot)
+      .def_ro("image_bytes", &SnapshotResult::image_bytes)
+      .def_ro("copy_seconds", &SnapshotResult::copy_seconds)
+      .def_ro("wait_seconds", &SnapshotResult::wait_seconds)
+      .def_ro("create_seconds", &SnapshotResult::create_seconds)
+      .def_ro("agent_error", &SnapshotResult::agent_error)
+      .def_ro("structure_hash", &SnapshotResult::structure_hash);
+  nb::class_<SlotView>(m, "SlotInfo", "A snapshot slot in shared memory")
+      .def_ro("slot", &SlotView::slot)
+      .def_ro("state", &SlotView::state)
+      .def_ro("leased", &SlotView::leased)
+      .def_ro("step", &SlotView::step)
+      .def_ro("image_bytes", &SlotView::image_bytes)
+      .def_ro("capacity", &SlotView::capacity)
+      .def_ro("complete_time_ns", &SlotView::complete_time_ns)
+      .def_ro("attempt", &SlotView::attempt);
   m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a,
-        "pickler"_a.none() = nb::none(), "attempt"_a = 0);
+        "pickler"_a.none() = nb::none(), "attempt"_a = 0, "overwrite"_a = false);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
   nb::class_<TensorSlot>(m, "TensorSlot")
@@ -468,6 +597,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("step", &ShardReader::step)
       .def_prop_ro("rank", &ShardReader::rank)
       .def_prop_ro("world_size", &ShardReader::world_size)
+      .def_prop_ro("generation", &ShardReader::generation)
       .def("tensors", &ShardReader::Tensors)
       .def("state", &ShardReader::State, "unpickler"_a.none() = nb::none())
       .def("read", &ShardReader::Read, "requests"_a);
@@ -495,6 +625,7 @@ NB_MODULE(_core, m) {
       .def("abandon", &PyClient::Abandon);
   python::BindFormat(m);
   m.attr("__version__") = SAFEPOINT_VERSION;
+  m.attr("VERSION") = SAFEPOINT_VERSION;  // __version__ for type checkers (stubs omit dunders)
   m.attr("FORMAT_VERSION") = kImageFormatVersion;
   m.attr("KILL_POINTS") = static_cast<bool>(SAFEPOINT_HAVE_KILL_POINTS);  // crash-test builds only
 }

@@ -21,8 +21,9 @@ struct Types {
   nb::object mapping_type;
   std::unordered_map<PyObject*, DType> torch_dtypes;  // torch.dtype singletons
   std::unordered_map<int, nb::object> torch_by_dtype;
+  std::string supported;  // the torch dtypes above, for messages
   nb::str s_layout, s_dtype, s_is_cpu, s_cpu, s_is_contiguous, s_contiguous, s_data_ptr, s_nbytes,
-      s_shape, s_name, s_isnative, s_flags, s_c_contiguous, s_array_interface, s_view;
+      s_shape, s_name, s_isnative, s_flags, s_c_contiguous, s_array_interface, s_view, s_is_meta;
 
   Types() {
     torch = nb::module_::import_("torch");
@@ -37,19 +38,17 @@ struct Types {
     asarray = np.attr("asarray");
     np_ndarray = np.attr("ndarray");
     mapping_type = nb::module_::import_("collections.abc").attr("Mapping");
-    const std::pair<const char*, DType> names[] = {
-        {"float32", DType::kFloat32}, {"float16", DType::kFloat16},
-        {"bfloat16", DType::kBFloat16}, {"float64", DType::kFloat64},
-        {"int8", DType::kInt8},         {"int16", DType::kInt16},
-        {"int32", DType::kInt32},       {"int64", DType::kInt64},
-        {"uint8", DType::kUInt8},       {"bool", DType::kBool},
-        {"float8_e4m3fn", DType::kFloat8E4M3FN}, {"float8_e5m2", DType::kFloat8E5M2}};
-    for (const auto& [name, d] : names) {
-      if (!nb::hasattr(torch, name)) continue;
-      nb::object dt = torch.attr(name);
+    // Every dtype of the image format (src/image/image.cc) that this torch has.
+    for (int code = 1; code < 256; ++code) {
+      const auto d = static_cast<DType>(code);
+      if (DTypeSize(d) == 0) continue;
+      const std::string name(DTypeName(d));
+      if (!nb::hasattr(torch, name.c_str())) continue;
+      nb::object dt = torch.attr(name.c_str());
       torch_dtypes[dt.ptr()] = d;
-      torch_by_dtype[static_cast<int>(d)] = dt;
+      torch_by_dtype[code] = dt;
       dt.inc_ref();  // dtype singletons live for the process; keep the key valid
+      supported += (supported.empty() ? "" : ", ") + name;
     }
     s_layout = nb::str("layout");
     s_dtype = nb::str("dtype");
@@ -66,6 +65,7 @@ struct Types {
     s_c_contiguous = nb::str("c_contiguous");
     s_array_interface = nb::str("__array_interface__");
     s_view = nb::str("view");
+    s_is_meta = nb::str("is_meta");
   }
 };
 
@@ -76,9 +76,13 @@ Types& T() {
 
 bool NumpyDTypeOk(const std::string& name, DType* out) {
   static const std::unordered_map<std::string, DType> kNames = {
-      {"float32", DType::kFloat32}, {"float16", DType::kFloat16}, {"float64", DType::kFloat64},
-      {"int8", DType::kInt8},       {"int16", DType::kInt16},     {"int32", DType::kInt32},
-      {"int64", DType::kInt64},     {"uint8", DType::kUInt8},     {"bool", DType::kBool}};
+      {"float32", DType::kFloat32},     {"float16", DType::kFloat16},
+      {"float64", DType::kFloat64},     {"int8", DType::kInt8},
+      {"int16", DType::kInt16},         {"int32", DType::kInt32},
+      {"int64", DType::kInt64},         {"uint8", DType::kUInt8},
+      {"bool", DType::kBool},           {"uint16", DType::kUInt16},
+      {"uint32", DType::kUInt32},       {"uint64", DType::kUInt64},
+      {"complex64", DType::kComplex64}, {"complex128", DType::kComplex128}};
   auto it = kNames.find(name);
   if (it == kNames.end()) return false;
   *out = it->second;
@@ -169,13 +173,21 @@ class Flattener {
     auto d = t.torch_dtypes.find(dt.ptr());
     if (d == t.torch_dtypes.end()) {
       Fail("tensor dtype " + nb::cast<std::string>(nb::str(dt)) +
-           " is not supported (supported: bfloat16, bool, float16, float32, float64, "
-           "float8_e4m3fn, float8_e5m2, int16, int32, int64, int8, uint8)");
+           " is not supported (supported: " + t.supported + ")");
     }
     nb::object src = nb::borrow(obj);
     nb::object is_cpu = nb::steal(PyObject_GetAttr(src.ptr(), t.s_is_cpu.ptr()));
     if (!is_cpu.is_valid()) throw nb::python_error();
     const bool on_cpu = is_cpu.is(nb::handle(Py_True));
+    if (!on_cpu) {
+      nb::object is_meta = nb::steal(PyObject_GetAttr(src.ptr(), t.s_is_meta.ptr()));
+      if (!is_meta.is_valid()) throw nb::python_error();
+      if (is_meta.is(nb::handle(Py_True))) {
+        Fail(
+            "cannot save a meta tensor (it has a shape but no data); materialize it first "
+            "(e.g. to_empty() and initialize, or load the real weights)");
+      }
+    }
     if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu)) return Staged(obj, d->second);
     if (!on_cpu) src = Call(src, t.s_cpu);
     if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
@@ -188,7 +200,9 @@ class Flattener {
     for (uint64_t x : shape) nbytes *= x;
     if (PyErr_Occurred()) throw nb::python_error();
     const size_t idx = Add(d->second, std::move(shape), ptr, nbytes);
-    if (!src.is(obj)) keepalive_->append(src);
+    // Held until the image is written: the write runs with the GIL released, and another thread
+    // could drop the caller's last reference (e.g. replace the tensor in the state dict).
+    keepalive_->append(src);
     TensorRef ref{idx, 0};
     seen_.emplace(obj.ptr(), ref);  // the caller's state keeps obj alive while we run
     return Value(ref);
@@ -267,8 +281,8 @@ class Flattener {
     DType d;
     if (!NumpyDTypeOk(name, &d) || !PyObject_IsTrue(dt.attr(t.s_isnative).ptr())) {
       Fail("numpy dtype " + nb::cast<std::string>(nb::str(dt)) +
-           " is not supported (supported: bool, float16, float32, float64, int16, int32, int64, "
-           "int8, uint8)");
+           " is not supported (supported: bool, complex64, complex128, float16, float32, float64, "
+           "int16, int32, int64, int8, uint8, uint16, uint32, uint64)");
     }
     if (!PyObject_IsTrue(arr.attr(t.s_flags).attr(t.s_c_contiguous).ptr())) {
       arr = t.ascontiguousarray(arr);

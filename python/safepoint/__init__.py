@@ -24,7 +24,7 @@ from safepoint.errors import (
     UnavailableError,
 )
 
-__version__ = _core.__version__
+__version__: str = _core.VERSION
 FORMAT_VERSION = _core.FORMAT_VERSION
 
 __all__ = [

@@ -8,21 +8,21 @@ from typing import Any, Optional
 
 from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
-from safepoint._stateful import apply_loaded, to_saveable
 from safepoint._shards import fill_elsewhere, read_newest_into
-from safepoint.errors import InvalidArgumentError
+from safepoint._stateful import apply_loaded, to_saveable
+from safepoint.errors import InvalidArgumentError, NotFoundError
 
 
-def _path(path: "str | os.PathLike[str]") -> str:
+def _path(path: str | os.PathLike[str]) -> str:
     p = os.fspath(path)
     if not isinstance(p, str) or not p:
         raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
     return p
 
 
-def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0,
+def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
          world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False,
-         attempt: Optional[int] = None) -> dict:
+         attempt: Optional[int] = None, overwrite: bool = False) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
 
     ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
@@ -31,6 +31,11 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
     With several ranks, ``attempt`` (an int all ranks of this save share; default from
     $SAFEPOINT_ATTEMPT or torchrun's run id and restart count) makes sure a step commits only
     from images of the same attempt, never beside an image an earlier, unfinished save left.
+    A committed step is immutable: saving it again raises ``AlreadyExistsError``, unless
+    ``overwrite=True``, which replaces it atomically once every rank has saved (readers see the
+    old step or the new one, never a mix or nothing). Every rank of a replacing save must pass
+    the same ``attempt``, one that differs from the attempt that committed the step (a single
+    rank draws one).
     Returns ``{"bytes", "write_seconds", "committed"}``.
     """
     p = _path(path)
@@ -44,13 +49,20 @@ def save(path: "str | os.PathLike[str]", step: int, state: Any, *, rank: int = 0
         from safepoint._checkpointer import run_attempt
 
         attempt = run_attempt() if world_size > 1 else 0
+        if overwrite and world_size == 1:
+            attempt = int.from_bytes(os.urandom(7), "little") + 1  # names the new images
+        elif overwrite and attempt == 0:
+            raise InvalidArgumentError(
+                f"{p}: overwrite=True with several ranks needs attempt= (an int all ranks of "
+                f"this save share) or $SAFEPOINT_ATTEMPT")
     if type(attempt) is not int or not 0 <= attempt < 2**64:
         raise InvalidArgumentError(f"{p}: attempt must be an int in [0, 2**64), got {attempt!r}")
-    return _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
-                      attempt)
+    r = _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
+                   attempt, bool(overwrite))
+    return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed}
 
 
-def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
+def load(path: str | os.PathLike[str], step: Optional[int] = None, *,
          rank: int = 0, allow_pickle: AllowPickle = False) -> tuple[int, Any]:
     """Loads ``rank``'s shard; returns ``(step, state)``.
 
@@ -62,14 +74,19 @@ def load(path: "str | os.PathLike[str]", step: Optional[int] = None, *,
     if step is not None and (type(step) is not int or step < 0):
         raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
     out = _core.load(p, step, rank, unpickler(allow_pickle))
-    fill_elsewhere(p, out["step"], rank, out["elsewhere"])
-    for skipped in out["skipped"]:
+    for _ in range(3):  # the step was replaced between reading this rank's and another's image
+        if fill_elsewhere(p, out.step, rank, out.elsewhere, out.generation):
+            break
+        out = _core.load(p, out.step, rank, unpickler(allow_pickle))
+    else:
+        raise NotFoundError(f"{p}: step {out.step} was replaced again and again while loading")
+    for skipped in out.skipped:
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
                       stacklevel=2)
-    return out["step"], out["state"]
+    return out.step, out.state
 
 
-def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = None, *,
+def restore(path: str | os.PathLike[str], state: Any, step: Optional[int] = None, *,
             rank: int = 0, allow_pickle: AllowPickle = False) -> int:
     """Loads the newest (or the given) step into ``state`` in place, as ``rank`` of the loading
     world: tensors are copied into the existing tensors (a DTensor gets its own shard), objects
@@ -86,6 +103,6 @@ def restore(path: "str | os.PathLike[str]", state: Any, step: Optional[int] = No
     return got_step
 
 
-def steps(path: "str | os.PathLike[str]") -> list[int]:
+def steps(path: str | os.PathLike[str]) -> list[int]:
     """The committed steps of the checkpoint directory, ascending."""
     return list(_core.steps(_path(path)))

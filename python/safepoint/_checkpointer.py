@@ -55,6 +55,11 @@ def new_attempt() -> int:
     return int.from_bytes(os.urandom(7), "little") + 1
 
 
+def _fields(result: Any) -> dict[str, Any]:
+    """A bound result of _core (SnapshotResult, SlotInfo) as the plain dict status() reports."""
+    return {k: getattr(result, k) for k in dir(result) if not k.startswith("_")}
+
+
 def run_attempt(group: Any = None) -> int:
     """The id every image of this run carries (docs/format.md, "attempt"): a step commits only
     from images of one attempt, so what a crashed or earlier incarnation of the job left on
@@ -108,7 +113,7 @@ class Checkpointer:
     the snapshot is still taken and this rank writes all of its tensors.
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", *, job: Optional[str] = None,
+    def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
                  shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False,
@@ -128,7 +133,8 @@ class Checkpointer:
         if type(keep) is not int or keep < 1:
             raise InvalidArgumentError(f"{self.path}: keep must be a positive int")
         if on_busy not in ("wait", "skip"):
-            raise InvalidArgumentError(f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
+            raise InvalidArgumentError(
+                f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"{self.path}: rank {rank} is not in [0, {world_size})")
         self.job = job or _default_job(self.path)
@@ -146,8 +152,9 @@ class Checkpointer:
         self.attempt = run_attempt(self._group)
         self.dedupe = bool(dedupe) and self._group is not None
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
-        self._client = _core.Client(self.path, self.job, self.shm_dir, rank, world_size, keep,
-                                    on_busy == "wait", _agent_binary(), self.attempt)
+        self._client: Optional[_core.Client] = _core.Client(
+            self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
+            _agent_binary(), self.attempt)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,
@@ -171,17 +178,19 @@ class Checkpointer:
         ``persist_every`` for this step.
         """
         if type(step) is not int or step < 0:
-            raise InvalidArgumentError(f"{self.path}: step must be a non-negative int, got {step!r}")
+            raise InvalidArgumentError(
+                f"{self.path}: step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         state = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else step % self.persist_every == 0
-        res = self._live.save(step, state, bool(do_persist), self._pickler,
-                              notify=not self.dedupe)
+        snap = self._live.save(step, state, bool(do_persist), self._pickler,
+                               notify=not self.dedupe)
+        res = _fields(snap)
         if self.dedupe:
             # Every rank calls save for the step: agree on who writes which replica, then tell
             # the agent. A rank that dies before this is flushed without skipping (correct).
             try:
-                skip = self._skip_ranges(res)
+                skip = self._skip_ranges(snap)
             except Exception as e:  # a peer is gone or out of step: write every tensor
                 warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
                               f"the replicas ({e}); this rank writes all of its tensors",
@@ -201,25 +210,25 @@ class Checkpointer:
                           f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=2)
         return bool(res["saved"])
 
-    def _skip_ranges(self, res: dict) -> list:
+    def _skip_ranges(self, res: _core.SnapshotResult) -> list:
         """This rank's replicas that other ranks write. One all-gather of a structure hash per
         save; the full plan is recomputed only when some rank's tensors changed."""
         import torch
         import torch.distributed as dist
 
-        mine = res["structure_hash"] if res["saved"] else 0
+        mine = res.structure_hash if res.saved else 0
         h = torch.tensor([mine - (1 << 63)], dtype=torch.int64)  # u64 -> i64
         hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(hashes, h, group=self._group)
         key = tuple(int(x.item()) for x in hashes)
         if key != self._plan[0]:
-            entries = self._live.last_entries() if res["saved"] else []
+            entries = self._live.last_entries() if res.saved else []
             everyone: list = [None] * self.world_size
             dist.all_gather_object(everyone, entries, group=self._group)
             if any(not e for e in everyone):  # a rank skipped its snapshot: write everything
                 return []
             self._plan = (key, plan_replicas(everyone, self.rank, RNG_KEY + "."))
-        return self._plan[1] if res["saved"] else []
+        return self._plan[1] if res.saved else []
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every step persisted so far is committed; raises if persisting failed."""
@@ -249,18 +258,17 @@ class Checkpointer:
         return result
 
     def _memory_steps(self) -> list[int]:
-        return sorted(s["step"] for s in self._live.slots() if s["state"] == "COMPLETE")
+        return sorted(s.step for s in self._live.slots() if s.state == "COMPLETE")
 
     def _memory_attempts(self) -> dict[int, Any]:
         """step -> save attempt of the snapshot of it a load would read (of two snapshots of one
         step, the one completed last, as load_step picks)."""
-        newest: dict[int, dict] = {}
+        newest: dict[int, _core.SlotInfo] = {}
         for s in self._live.slots():
-            if s["state"] == "COMPLETE":
-                if s["step"] not in newest or \
-                        s["complete_time_ns"] > newest[s["step"]]["complete_time_ns"]:
-                    newest[s["step"]] = s
-        return {step: s["attempt"] for step, s in newest.items()}
+            if s.state == "COMPLETE":
+                if s.step not in newest or s.complete_time_ns > newest[s.step].complete_time_ns:
+                    newest[s.step] = s
+        return {step: s.attempt for step, s in newest.items()}
 
     def _from_storage(self, step: Optional[int], targets: Any):
         """This rank's state of `step` from storage: with targets (restore), only the byte
@@ -270,11 +278,11 @@ class Checkpointer:
             return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
         return read_newest_into(self.path, step, self.rank, targets, self._unpickler)
 
-    def _usable(self, snap):
+    def _usable(self, snap: Optional[_core.Loaded]):
         """A memory snapshot, unless another world size saved it (then storage reshards)."""
-        if snap is None or snap["world_size"] != self.world_size:
+        if snap is None or snap.world_size != self.world_size:
             return None
-        return (snap["step"], snap["state"]), "memory"
+        return (snap.step, snap.state), "memory"
 
     def _load_local(self, step: Optional[int], targets: Any = None):
         committed = storage_steps(self.path)
@@ -287,8 +295,9 @@ class Checkpointer:
             snap = (self._live.load_newest(want, self._unpickler, in_place) if step is None
                     else self._live.load_step(step, self._unpickler, in_place))
         except CorruptionError as e:
-            warnings.warn(f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
+                RuntimeWarning, stacklevel=3)
         if self._usable(snap) is not None:
             return self._usable(snap)
         if step is not None or committed:
@@ -377,13 +386,14 @@ class Checkpointer:
     def status(self) -> dict:
         """Snapshots in memory, pending persists, newest committed step, sizes and timings."""
         agent = json.loads(self._live.agent_status())
-        mine = next((r for r in agent.get("ranks", []) if r["rank"] == self.rank), {})
+        mine: dict[str, Any] = next(
+            (r for r in agent.get("ranks", []) if r["rank"] == self.rank), {})
         return {
             "job": self.job,
             "path": self.path,
             "rank": self.rank,
             "world_size": self.world_size,
-            "snapshots": self._live.slots(),
+            "snapshots": [_fields(s) for s in self._live.slots()],
             "pending_persists": mine.get("pending_persists", 0),
             "newest_committed": agent.get("newest_committed"),
             "last_persisted_step": mine.get("last_persisted_step"),
@@ -408,7 +418,7 @@ class Checkpointer:
             client, self._client = self._client, None
             client.close(-1.0 if timeout is None else float(timeout))
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, Union
 
 from safepoint.errors import CorruptionError
 

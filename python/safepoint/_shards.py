@@ -146,32 +146,51 @@ class _Piece:
 
     def __init__(self, reader, entry) -> None:
         self.reader = reader
-        self.name = entry["name"]
-        self.dtype = entry["dtype"]
-        self.shape = tuple(entry["shape"])
-        self.global_shape = tuple(entry["global_shape"] or entry["shape"])
-        self.offset = tuple(entry["global_offset"] or (0,) * len(self.shape))
+        self.name = entry.name
+        self.dtype = entry.dtype
+        self.shape = tuple(entry.shape)
+        self.global_shape = tuple(entry.global_shape or entry.shape)
+        self.offset = tuple(entry.global_offset or (0,) * len(self.shape))
 
 
 class StepReader:
     """Every rank's image of one committed step, opened for partial reads (metadata only)."""
 
     def __init__(self, path: str, step: int) -> None:
-        first = _core.ShardReader(path, step, 0)
-        self.path, self.step, self.world_size = path, step, first.world_size
-        self.readers = [first] + [_core.ShardReader(path, step, r)
-                                  for r in range(1, first.world_size)]
+        self.path, self.step = path, step
+        self.readers = self._open_one_version(path, step)
+        self.world_size = self.readers[0].world_size
         self.entries = [r.tensors() for r in self.readers]
         # name -> replica key -> the copies of that box (replicas on several ranks)
         self.pieces: dict[str, dict[bytes, list[_Piece]]] = {}
         for reader, entries in zip(self.readers, self.entries):
             for e in entries:
-                if not e["elsewhere"]:  # the bytes are in this image
-                    self.pieces.setdefault(e["name"], {}).setdefault(
-                        _core.replica_key(e["name"], e["dtype"], e["shape"], e["global_shape"],
-                                          e["global_offset"]), []).append(_Piece(reader, e))
+                if not e.elsewhere:  # the bytes are in this image
+                    self.pieces.setdefault(e.name, {}).setdefault(
+                        _core.replica_key(e.name, e.dtype, e.shape, e.global_shape,
+                                          e.global_offset), []).append(_Piece(reader, e))
 
-    def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[dict]]:
+    @staticmethod
+    def _open_one_version(path: str, step: int) -> list:
+        """Every rank's reader, all of one COMMIT record: a step replaced meanwhile
+        (safepoint.save(overwrite=True)) is opened again rather than mixed."""
+        for tries in range(4):
+            try:
+                first = _core.ShardReader(path, step, 0)
+                readers = [first] + [_core.ShardReader(path, step, r)
+                                     for r in range(1, first.world_size)]
+            except NotFoundError:  # an old image removed after the COMMIT record was replaced
+                if tries == 3 or step not in _core.steps(path):
+                    raise
+                continue
+            if all(r.generation == first.generation for r in readers):
+                return readers
+        raise NotFoundError(f"{path}: step {step} was replaced again and again while being read")
+
+    def generation(self) -> int:
+        return self.readers[0].generation
+
+    def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[_core.TensorInfo]]:
         """The state tree a rank saved (its non-tensor values), for rank `rank` of the loading
         world: the same rank when it existed, else rank 0."""
         r = rank if rank < self.world_size else 0
@@ -253,7 +272,21 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
     and the tensors the target does not have (e.g. optimizer state before the first step) taken
     from the checkpoint as the rank (or rank 0, for a rank the saving world did not have)
     saved them."""
-    sr = reader or StepReader(path, step)
+    for tries in range(4):
+        sr = reader or StepReader(path, step)
+        try:
+            return _read_into(sr, rank, targets, unpickler)
+        except (NotFoundError, CorruptionError):
+            # The step was replaced while its ranges were read (its old images removed): read
+            # the new version. Anything else is a real error.
+            if reader is not None or tries == 3:
+                raise
+            if StepReader(path, step).generation() == sr.generation():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_into(sr: StepReader, rank: int, targets: Any, unpickler: Any) -> Any:
     skeleton, entries = sr.skeleton(rank, unpickler)
     requests: list[tuple[str, torch.Tensor, tuple, tuple]] = []
 
@@ -262,11 +295,11 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
             e = entries[saved.index]
             if isinstance(target, torch.Tensor):
                 local, gshape, goff = _box(target)
-                requests.append((e["name"], local, gshape, goff))
+                requests.append((e.name, local, gshape, goff))
                 return target
-            t = torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
-            requests.append((e["name"], t, tuple(e["global_shape"] or e["shape"]),
-                             tuple(e["global_offset"] or (0,) * len(e["shape"]))))
+            t = torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+            requests.append((e.name, t, tuple(e.global_shape or e.shape),
+                             tuple(e.global_offset or (0,) * len(e.shape))))
             return t
         if isinstance(target, MutableMapping) and isinstance(saved, Mapping):
             for k in target:
@@ -324,8 +357,14 @@ def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str
     return [tuple(x) for x in ranges]
 
 
-def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list) -> None:
-    """Fills the tensors a loaded image left to other ranks' images (replicas written once)."""
+def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list,
+                   generation: Optional[int] = None) -> bool:
+    """Fills the tensors a loaded image left to other ranks' images (replicas written once).
+    With `generation` (the loaded image's COMMIT record), returns False, filling nothing, when
+    the step has been replaced since (safepoint.save(overwrite=True)): load it again."""
     if elsewhere:
-        StepReader(path, step).fill([(n, t, tuple(gs), tuple(go)) for n, t, gs, go in elsewhere],
-                                    rank)
+        reader = StepReader(path, step)
+        if generation is not None and reader.generation() != generation:
+            return False
+        reader.fill([(n, t, tuple(gs), tuple(go)) for n, t, gs, go in elsewhere], rank)
+    return True

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 _pinned: dict[int, int] = {}  # slot address -> size, registered with CUDA
-_streams: dict[int, "torch.cuda.Stream"] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _host_view(address: int, size: int) -> torch.Tensor:
@@ -34,7 +34,9 @@ def _pin(address: int, size: int) -> None:
     if _pinned.get(address) == size or size < _MIN_PIN_BYTES:
         return
     cudart = torch.cuda.cudart()
-    for old in [a for a in _pinned if a <= address < a + _pinned[a] or address <= a < address + size]:
+    overlapping = [a for a in _pinned
+                   if a <= address < a + _pinned[a] or address <= a < address + size]
+    for old in overlapping:
         cudart.cudaHostUnregister(old)  # a slot that was re-laid out; errors are harmless here
         del _pinned[old]
     rc = cudart.cudaHostRegister(address, size, 0)
@@ -44,7 +46,7 @@ def _pin(address: int, size: int) -> None:
         getattr(cudart, "cudaGetLastError", lambda: None)()
         warnings.warn(f"safepoint: cudaHostRegister of a {size}-byte snapshot slot failed "
                       f"(error {int(rc)}); copies between it and the GPU will be slower",
-                      RuntimeWarning)
+                      RuntimeWarning, stacklevel=3)
         return
     _pinned[address] = size
 

@@ -24,7 +24,8 @@ RNG_KEY = "__safepoint_rng__"
 
 
 def is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return (callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None)))
 
 
 def to_saveable(state: Any, include_rng: bool = False) -> Any:
@@ -46,9 +47,9 @@ def to_saveable(state: Any, include_rng: bool = False) -> Any:
 def capture_rng() -> dict:
     """The states of this process's generators: torch (CPU and every CUDA device), numpy's
     global generator and Python's ``random``, in a form safepoint saves without pickle."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # the legacy tuple
     py_state = random.getstate()
-    rng = {
+    rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": {"kind": np_state[0], "key": np_state[1].astype(np.int64), "pos": int(np_state[2]),
                   "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},

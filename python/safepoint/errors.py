@@ -1,4 +1,10 @@
-"""Exceptions raised by safepoint. Every one names the path (or peer) and the cause."""
+"""Exceptions raised by safepoint. Every one names the path (or peer) and the cause.
+
+Each C++ StatusCode (include/safepoint/status.h) raises one of these, chosen in one switch in the
+binding (``ExceptionName`` in python/ext/module.cc, which does not compile without a case for
+every code): NotFound, Corruption, IOError (StorageError), InvalidArgument, Unavailable,
+ResourceExhausted, Cancelled, AlreadyExists.
+"""
 
 
 class Error(Exception):
@@ -34,7 +40,8 @@ class CancelledError(Error):
 
 
 class AlreadyExistsError(Error):
-    """The object already exists."""
+    """It exists already: e.g. a committed step saved again without ``overwrite=True`` (a
+    committed step is immutable)."""
 
 
 __all__ = [

@@ -70,7 +70,7 @@ class SafepointCallback(TrainerCallback):
     ``allow_pickle``: as for ``safepoint.Checkpointer``.
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", *, every_n_steps: Optional[int] = None,
+    def __init__(self, path: str | os.PathLike[str], *, every_n_steps: Optional[int] = None,
                  mode: str = "flash", persist_every: int = 1, keep: int = 3,
                  job: Optional[str] = None, shm_dir: Optional[str] = None, on_busy: str = "wait",
                  allow_pickle: AllowPickle = False) -> None:
@@ -87,8 +87,9 @@ class SafepointCallback(TrainerCallback):
                 raise InvalidArgumentError(f"{p}: {name} must be a positive int, got {v!r}")
         self.path = p
         self.every_n_steps, self.mode = every_n_steps, mode
-        self._ckpt_kw = dict(persist_every=persist_every, keep=keep, job=job, shm_dir=shm_dir,
-                             on_busy=on_busy, allow_pickle=allow_pickle)
+        self._ckpt_kw: dict[str, Any] = dict(persist_every=persist_every, keep=keep, job=job,
+                                             shm_dir=shm_dir, on_busy=on_busy,
+                                             allow_pickle=allow_pickle)
         self.allow_pickle = allow_pickle
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._last_saved: Optional[int] = None
@@ -220,22 +221,27 @@ class SafepointCallback(TrainerCallback):
         def ours(checkpoint) -> bool:
             return checkpoint is not None and os.path.abspath(checkpoint) == resume_dir
 
+        def resumed() -> dict:
+            assert cb._resume_state is not None  # set before the hooks are routed
+            return cb._resume_state
+
         def load_model(resume_from_checkpoint, model=None):
             if not ours(resume_from_checkpoint):
                 return originals["_load_from_checkpoint"](trainer, resume_from_checkpoint, model)
-            (model if model is not None else trainer.model).load_state_dict(cb._resume_state["model"])
+            target = model if model is not None else trainer.model
+            target.load_state_dict(resumed()["model"])
 
         def load_optimizer_and_scheduler(checkpoint):
             if not ours(checkpoint):
                 return originals["_load_optimizer_and_scheduler"](trainer, checkpoint)
-            trainer.optimizer.load_state_dict(cb._resume_state["optimizer"])
-            if "scheduler" in cb._resume_state and trainer.lr_scheduler is not None:
-                trainer.lr_scheduler.load_state_dict(cb._resume_state["scheduler"])
+            trainer.optimizer.load_state_dict(resumed()["optimizer"])
+            if "scheduler" in resumed() and trainer.lr_scheduler is not None:
+                trainer.lr_scheduler.load_state_dict(resumed()["scheduler"])
 
         def load_rng_state(checkpoint):
             if not ours(checkpoint):
                 return originals["_load_rng_state"](trainer, checkpoint)
-            restore_rng(cb._resume_state[RNG_KEY])
+            restore_rng(resumed()[RNG_KEY])
 
         trainer._load_from_checkpoint = load_model
         trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler

@@ -23,6 +23,12 @@
 //   them all durable; committing again (an equal record) makes a visible COMMIT durable.
 // Reading: list "step-*/COMMIT", decode each (CRC, size, version); only those steps exist. Open
 //   a rank's image, compare its size and header CRC with the record, verify every chunk CRC.
+// Replacing a committed step (SaveShard with overwrite; the agent never does): each rank writes
+//   its image as "step-S/rank-R.g<attempt, 16 hex>.img" (1-5), beside the committed images; the
+//   step stays as it was. 6-7 with those names write a record naming that generation over the
+//   old COMMIT: the rename switches readers from every old image to every new one at once.
+//   8. Remove the images the new record does not name. A reader that read the old record and
+//   then misses an old image reads the record again (LoadShard).
 // Deleting: unlink COMMIT first (the step stops existing), then the images.
 // Clean-up: temporaries and uncommitted images only in step directories older than the newest
 //   committed step, whose writers have all finished.
@@ -139,10 +145,19 @@ std::string StepPrefix(uint64_t step) {
   return buf;
 }
 
-std::string ImageObjectName(uint64_t step, uint32_t rank) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "rank-%05u.img", rank);
+std::string ImageObjectName(uint64_t step, uint32_t rank, uint64_t generation) {
+  char buf[48];
+  if (generation == 0) {
+    std::snprintf(buf, sizeof(buf), "rank-%05u.img", rank);
+  } else {
+    std::snprintf(buf, sizeof(buf), "rank-%05u.g%016llx.img", rank,
+                  static_cast<unsigned long long>(generation));
+  }
   return StepPrefix(step) + buf;
+}
+
+std::string ImageObjectName(const CommitRecord& commit, uint32_t rank) {
+  return ImageObjectName(commit.step, rank, commit.generation);
 }
 
 std::string CommitObjectName(uint64_t step) { return StepPrefix(step) + "COMMIT"; }
@@ -173,7 +188,7 @@ uint64_t CommitRecord::total_bytes() const {
 
 std::string EncodeCommitRecord(const CommitRecord& r) {
   std::string out(kCommitMagic, 8);
-  AppendLE<uint32_t>(out, kCommitFormatVersion);
+  AppendLE<uint32_t>(out, r.generation == 0 ? kCommitFormatVersion : kCommitFormatVersionReplaced);
   AppendLE<uint32_t>(out, r.world_size);
   AppendLE<uint64_t>(out, r.step);
   AppendLE<int64_t>(out, r.commit_time_ns);
@@ -185,6 +200,7 @@ std::string EncodeCommitRecord(const CommitRecord& r) {
     AppendLE<uint64_t>(out, i.size);
     AppendLE<uint32_t>(out, i.header_crc);
   }
+  if (r.generation != 0) AppendLE<uint64_t>(out, r.generation);
   AppendLE<uint32_t>(out, Crc32c(0, out.data(), out.size()));
   return out;
 }
@@ -196,13 +212,14 @@ Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::strin
   if (d.size() < kCommitFixed + 4) return bad("truncated");
   if (std::memcmp(d.data(), kCommitMagic, 8) != 0) return bad("bad magic");
   const uint32_t version = LoadLE<uint32_t>(&d[8]);
-  if (version != kCommitFormatVersion) {
+  if (version != kCommitFormatVersion && version != kCommitFormatVersionReplaced) {
     return bad("unsupported format version " + std::to_string(version));
   }
+  const uint64_t generation_size = version == kCommitFormatVersionReplaced ? 8 : 0;
   CommitRecord r;
   r.world_size = LoadLE<uint32_t>(&d[12]);
   if (r.world_size == 0 || r.world_size > kMaxRank) return bad("invalid world size");
-  if (d.size() != kCommitFixed + 12ull * r.world_size + 4) {
+  if (d.size() != kCommitFixed + 12ull * r.world_size + generation_size + 4) {
     return bad("size " + std::to_string(d.size()) + " does not match world size " +
                std::to_string(r.world_size));
   }
@@ -220,6 +237,10 @@ Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::strin
     r.images[i].size = LoadLE<uint64_t>(p);
     r.images[i].header_crc = LoadLE<uint32_t>(p + 8);
   }
+  if (generation_size != 0) {
+    r.generation = LoadLE<uint64_t>(&d[kCommitFixed + 12ull * r.world_size]);
+    if (r.generation == 0) return bad("a version 2 record with generation 0");
+  }
   return r;
 }
 
@@ -228,10 +249,10 @@ Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::strin
 
 CheckpointStore::CheckpointStore(std::shared_ptr<Storage> storage) : storage_(std::move(storage)) {}
 
-Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image) {
+Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64_t generation) {
   const auto t0 = std::chrono::steady_clock::now();
   const ImageLayout& l = image.layout();
-  const std::string name = ImageObjectName(image.meta().step, image.meta().rank);
+  const std::string name = ImageObjectName(image.meta().step, image.meta().rank, generation);
   SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, l.image_size));
 
   const uint64_t chunks = image.chunk_count();
@@ -284,11 +305,11 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
 
 // Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same
 // ReplicaKey, by some image of the step: else the step would commit with a tensor nobody wrote.
-Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size) {
+Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size, uint64_t generation) {
   std::unordered_set<std::string> held;
   std::vector<std::pair<uint32_t, TensorSpec>> wanted;
   for (uint32_t r = 0; r < world_size; ++r) {
-    const std::string name = ImageObjectName(step, r);
+    const std::string name = ImageObjectName(step, r, generation);
     SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
     std::vector<std::byte> header(kImageHeaderSize);
     SP_RETURN_IF_ERROR(obj->ReadAt(0, header));
@@ -315,9 +336,16 @@ Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size) {
 }
 
 Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
-                                        uint64_t attempt) {
+                                        uint64_t attempt, uint64_t generation) {
   if (world_size == 0 || world_size > kMaxRank) {
     return InvalidArgument("world size " + std::to_string(world_size) + " is invalid");
+  }
+  if (generation != 0 && generation != attempt) {
+    return InvalidArgument("the images of a replacing save are named by its attempt");
+  }
+  if (generation == 0) {  // a plain commit never undoes a replacement
+    auto existing = ReadCommit(step);
+    if (existing.ok() && existing->generation != 0) return true;
   }
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
   std::map<std::string, uint64_t> sizes;
@@ -328,12 +356,13 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
   record.world_size = world_size;
   record.job = std::string(job);
   record.images.resize(world_size);
+  record.generation = generation;
   for (uint32_t r = 0; r < world_size; ++r) {
-    if (!sizes.contains(ImageObjectName(step, r))) return false;
+    if (!sizes.contains(ImageObjectName(step, r, generation))) return false;
   }
   bool any_elsewhere = false;  // some image leaves tensors to other ranks' images
   for (uint32_t r = 0; r < world_size; ++r) {
-    const std::string name = ImageObjectName(step, r);
+    const std::string name = ImageObjectName(step, r, generation);
     const std::string source = storage_->Describe(name);
     SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
     AlignedBuffer header(kImageHeaderSize);
@@ -355,13 +384,24 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
     record.images[r] = {layout.image_size, layout.header_crc};
     any_elsewhere |= layout.has_elsewhere;
   }
-  if (any_elsewhere) SP_RETURN_IF_ERROR(CheckReplicasHeld(step, world_size));
+  if (any_elsewhere) SP_RETURN_IF_ERROR(CheckReplicasHeld(step, world_size, generation));
   record.commit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
   SP_KILL_POINT("store.commit.before_write");
   SP_RETURN_IF_ERROR(WriteSmallObject(*storage_, CommitObjectName(step), EncodeCommitRecord(record)));
   SP_KILL_POINT("store.commit.after_write");
+  if (generation != 0) {
+    // Step 8: the images the record no longer names. A failure leaves unused objects only
+    // (DeleteStep removes them with the step).
+    std::unordered_set<std::string> named;
+    for (uint32_t r = 0; r < world_size; ++r) named.insert(ImageObjectName(step, r, generation));
+    for (const auto& o : objects) {
+      if (o.name.ends_with(".img") && !named.contains(o.name)) {
+        storage_->Delete(o.name).IgnoreError();
+      }
+    }
+  }
   return true;
 }
 
@@ -413,7 +453,7 @@ Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint3
                            " was saved by " + std::to_string(commit.world_size) +
                            " ranks; rank " + std::to_string(rank) + " does not exist");
   }
-  const std::string name = ImageObjectName(commit.step, rank);
+  const std::string name = ImageObjectName(commit, rank);
   const std::string source = storage_->Describe(name);
   SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
   const auto& expected = commit.images[rank];
@@ -469,8 +509,9 @@ Result<CheckpointStore::Metadata> CheckpointStore::ReadMetadata(const CommitReco
     return InvalidArgument(storage_->uri() + ": step " + std::to_string(commit.step) +
                            " has no rank " + std::to_string(rank));
   }
-  const std::string name = ImageObjectName(commit.step, rank);
+  const std::string name = ImageObjectName(commit, rank);
   Metadata md;
+  md.name = name;
   md.source = storage_->Describe(name);
   SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
   if (obj->size() != commit.images[rank].size) {
@@ -523,7 +564,7 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
     return Corruption(md.source + ": checksum section has too few chunks");
   }
   // Match the object to the metadata: a replaced image must not be read with the old checksums.
-  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(ImageObjectName(md.meta.step, md.meta.rank)));
+  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(md.name));
   if (obj->size() != layout.image_size) {
     return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
                       " bytes, its header says " + std::to_string(layout.image_size));
@@ -607,26 +648,45 @@ Result<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(std::string_view pa
 namespace safepoint {
 
 Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
-                             std::vector<TensorSource> tensors, std::string extras) {
+                             std::vector<TensorSource> tensors, std::string extras,
+                             SaveOptions options) {
   const uint64_t step = meta.step;
   const uint32_t world_size = meta.world_size;
   const std::string job = meta.job;
   const uint64_t attempt = meta.attempt;
-  SP_ASSIGN_OR_RETURN(auto builder, ImageBuilder::Create(std::move(meta), std::move(tensors),
-                                                         std::move(extras)));
-  // Saving a step that is already committed replaces it: un-commit it first, so that no reader
-  // ever sees the old COMMIT record beside a new image. It is committed again once every rank
-  // has re-saved it with this save's attempt (with attempt 0 on several ranks, once every
-  // image is there: give ranks a shared attempt id to re-save a multi-rank step safely).
+  const std::string what = store.storage().uri() + ": step " + std::to_string(step);
+  // A committed step is immutable; a corrupt COMMIT record means the step does not exist.
   auto existing = store.ReadCommit(step);
-  if (existing.ok() || existing.status().code() == StatusCode::kCorruption) {
-    SP_RETURN_IF_ERROR(store.storage().Delete(CommitObjectName(step)));
-  } else if (existing.status().code() != StatusCode::kNotFound) {
+  if (!existing.ok() && existing.status().code() != StatusCode::kNotFound &&
+      existing.status().code() != StatusCode::kCorruption) {
     return existing.status();
   }
-  SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder));
+  if (existing.ok() && !options.overwrite) {
+    return AlreadyExists(what +
+                         " is already committed (a committed step is immutable; pass "
+                         "overwrite=True to replace it)");
+  }
+  // A replacing save names its images by its attempt (every rank of it must share one), so
+  // they never touch the committed images until its COMMIT record replaces the old one.
+  uint64_t generation = 0;
+  if (options.overwrite) {
+    if (attempt == 0) {
+      return InvalidArgument(what +
+                             ": overwrite needs a non-zero attempt that every rank of "
+                             "this save shares");
+    }
+    if (existing.ok() && existing->generation == attempt) {
+      return InvalidArgument(what + " was committed by a save with attempt " +
+                             std::to_string(attempt) + "; replacing it needs another attempt");
+    }
+    generation = attempt;
+  }
+  SP_ASSIGN_OR_RETURN(auto builder,
+                      ImageBuilder::Create(std::move(meta), std::move(tensors), std::move(extras)));
+  SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder, generation));
   SaveResult result{stats.bytes, stats.seconds, false};
-  SP_ASSIGN_OR_RETURN(result.committed, store.TryCommit(step, world_size, job, attempt));
+  SP_ASSIGN_OR_RETURN(result.committed,
+                      store.TryCommit(step, world_size, job, attempt, generation));
   if (result.committed) {
     // Leftovers of older failed writes; a failure here loses nothing and is not the save's.
     store.CleanUp().status().IgnoreError();
@@ -644,18 +704,35 @@ Result<LoadedShard> LoadCommitted(CheckpointStore& store, const CommitRecord& co
                       DecodeExtras(reader.extras(), reader.tensors().size(), image.source));
   return LoadedShard{commit, std::move(image), std::move(reader), std::move(extras), {}};
 }
+
+// Loads `commit`; if its image is gone or changed because the step was replaced meanwhile (its
+// COMMIT record changed), loads the new record instead.
+Result<LoadedShard> LoadCommittedOrReplacement(CheckpointStore& store, CommitRecord commit,
+                                               uint32_t rank) {
+  for (int tries = 0;; ++tries) {
+    auto shard = LoadCommitted(store, commit, rank);
+    const StatusCode code = shard.ok() ? StatusCode::kOk : shard.status().code();
+    if (shard.ok() || tries == 3 ||
+        (code != StatusCode::kNotFound && code != StatusCode::kCorruption)) {
+      return shard;
+    }
+    auto now = store.ReadCommit(commit.step);
+    if (!now.ok() || EncodeCommitRecord(*now) == EncodeCommitRecord(commit)) return shard;
+    commit = std::move(now).value();
+  }
+}
 }  // namespace
 
 Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step,
                               uint32_t rank) {
   if (step) {
     SP_ASSIGN_OR_RETURN(CommitRecord commit, store.ReadCommit(*step));
-    return LoadCommitted(store, commit, rank);
+    return LoadCommittedOrReplacement(store, std::move(commit), rank);
   }
   std::vector<std::string> skipped;
   SP_ASSIGN_OR_RETURN(auto committed, store.ListCommitted(&skipped));
   for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
-    auto shard = LoadCommitted(store, *it, rank);
+    auto shard = LoadCommittedOrReplacement(store, *it, rank);
     if (shard.ok()) {
       shard->skipped = std::move(skipped);
       return shard;

@@ -129,11 +129,8 @@ TEST(CheckpointStoreTest, StepCommitsOnlyFromImagesOfOneAttempt) {
   EXPECT_TRUE(r0->committed);
   EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
 
-  // Re-saving the committed step on one rank un-commits it until every rank re-saved it.
-  ASSERT_OK(save(1, 9));
-  EXPECT_TRUE(Steps(store).empty());
-  ASSERT_OK(save(0, 9));
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+  // The committed step is immutable: a plain re-save is refused (CommittedStepIs... below).
+  EXPECT_EQ(save(1, 9).status().code(), StatusCode::kAlreadyExists);
   for (uint32_t r = 0; r < 2; ++r) ExpectLoads(store, 1, 1, r);
 }
 
@@ -739,6 +736,122 @@ TEST(CheckpointStoreTest, PosixLeftoversOfAKilledWriterAreIgnoredAndRemoved) {
   EXPECT_FALSE(fs::exists(tmp));
   EXPECT_TRUE(fs::exists(newer));
   ExpectLoads(**store, std::nullopt, 3);
+}
+
+// --- Replacing a committed step (SaveOptions::overwrite) -------------------------------------
+
+// Saves Shard(step, rank, elems) with `attempt`; elems tells the versions of a step apart.
+Result<SaveResult> SaveVersion(CheckpointStore& store, uint64_t step, uint32_t rank, uint32_t world,
+                               uint64_t attempt, size_t elems, bool overwrite) {
+  Shard s(step, rank, elems);
+  ImageMeta m = Meta(step, rank, world);
+  m.attempt = attempt;
+  return SaveShard(store, m, s.sources, s.extras, SaveOptions{overwrite});
+}
+
+// The number of elements of "big" in rank's image of the newest step (the version loaded).
+size_t LoadedVersion(CheckpointStore& store, uint32_t rank) {
+  auto shard = LoadShard(store, std::nullopt, rank);
+  EXPECT_TRUE(shard.ok()) << shard.status().ToString();
+  return shard.ok() ? shard->reader.tensors()[0].nbytes / 4 : 0;
+}
+
+std::vector<std::string> ObjectNames(Storage& storage, uint64_t step) {
+  std::vector<std::string> names;
+  auto objects = storage.List(StepPrefix(step));
+  EXPECT_TRUE(objects.ok());
+  if (objects.ok()) {
+    for (const auto& o : *objects) names.push_back(o.name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Regression (issue 9, defect 8): safepoint.save of a committed step silently replaced it.
+TEST(CheckpointStoreTest, CommittedStepIsImmutableUnlessOverwritten) {
+  CheckpointStore store(NewMemoryStorage());
+  ASSERT_TRUE(SaveVersion(store, 1, 0, 1, 0, 1000, false).ok());
+  auto again = SaveVersion(store, 1, 0, 1, 0, 2000, false);
+  ASSERT_EQ(again.status().code(), StatusCode::kAlreadyExists) << again.status().ToString();
+  EXPECT_NE(again.status().message().find("step 1 is already committed"), std::string::npos)
+      << again.status().message();
+  EXPECT_EQ(LoadedVersion(store, 0), 1000u);
+
+  // overwrite needs an attempt that names the new images.
+  EXPECT_EQ(SaveVersion(store, 1, 0, 1, 0, 2000, true).status().code(),
+            StatusCode::kInvalidArgument);
+  auto replaced = SaveVersion(store, 1, 0, 1, 5, 2000, true);
+  ASSERT_TRUE(replaced.ok()) << replaced.status().ToString();
+  EXPECT_TRUE(replaced->committed);
+  EXPECT_EQ(LoadedVersion(store, 0), 2000u);
+  auto commit = store.ReadCommit(1);
+  ASSERT_TRUE(commit.ok());
+  EXPECT_EQ(commit->generation, 5u);
+  // The old image is gone; only what the record names is left.
+  EXPECT_EQ(ObjectNames(store.storage(), 1),
+            (std::vector<std::string>{CommitObjectName(1), ImageObjectName(1, 0, 5)}));
+  // The same attempt again would overwrite the committed images in place: refused.
+  EXPECT_EQ(SaveVersion(store, 1, 0, 1, 5, 3000, true).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(SaveVersion(store, 1, 0, 1, 6, 3000, true).ok());
+  EXPECT_EQ(LoadedVersion(store, 0), 3000u);
+  EXPECT_EQ(SaveVersion(store, 1, 0, 1, 6, 4000, false).status().code(),
+            StatusCode::kAlreadyExists);
+}
+
+TEST(CheckpointStoreTest, ReplacingAMultiRankStepShowsTheOldOrTheNewStepNeverAMix) {
+  CheckpointStore store(NewMemoryStorage());
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(SaveVersion(store, 3, r, 2, 7, 1000, false).ok());
+  // Rank 0 of the replacing save (attempt 8) is done; the step is still the old one on every
+  // rank (before, the step was un-committed here: nothing to load).
+  auto r0 = SaveVersion(store, 3, 0, 2, 8, 2000, true);
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+  EXPECT_FALSE(r0->committed);
+  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(LoadedVersion(store, 0), 1000u);
+  EXPECT_EQ(LoadedVersion(store, 1), 1000u);
+  auto old_commit = store.ReadCommit(3);
+  ASSERT_TRUE(old_commit.ok());
+  // The agent's plain commit of the old images cannot undo a replacement either (below).
+  auto r1 = SaveVersion(store, 3, 1, 2, 8, 2000, true);
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  EXPECT_TRUE(r1->committed);
+  EXPECT_EQ(LoadedVersion(store, 0), 2000u);
+  EXPECT_EQ(LoadedVersion(store, 1), 2000u);
+  EXPECT_EQ(ObjectNames(store.storage(), 3),
+            (std::vector<std::string>{CommitObjectName(3), ImageObjectName(3, 0, 8),
+                                      ImageObjectName(3, 1, 8)}));
+  // A reader that still holds the old record finds its images gone; LoadShard reads the new
+  // record instead of failing.
+  EXPECT_EQ(store.ReadImage(*old_commit, 0).status().code(), StatusCode::kNotFound);
+  auto again = store.TryCommit(3, 2, "test", 7);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(*again);
+  EXPECT_EQ(store.ReadCommit(3)->generation, 8u);
+}
+
+TEST(CheckpointStoreTest, CommitRecordOfAReplacedStepRoundTrips) {
+  CommitRecord r;
+  r.step = 9;
+  r.world_size = 2;
+  r.images = {{4096, 1}, {8192, 2}};
+  r.generation = 0x1234;
+  const std::string enc = EncodeCommitRecord(r);
+  EXPECT_EQ(enc.size(), 104u + 12 * 2 + 8);
+  auto span = [](const std::string& x) {
+    return std::span<const std::byte>(reinterpret_cast<const std::byte*>(x.data()), x.size());
+  };
+  auto dec = DecodeCommitRecord(span(enc), "c");
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_EQ(dec->generation, 0x1234u);
+  EXPECT_EQ(ImageObjectName(*dec, 1), "step-00000000000000000009/rank-00001.g0000000000001234.img");
+  for (size_t i = 0; i < enc.size(); ++i) {
+    std::string bad = enc;
+    bad[i] ^= 0x04;
+    EXPECT_EQ(DecodeCommitRecord(span(bad), "c").status().code(), StatusCode::kCorruption) << i;
+  }
+  r.generation = 0;
+  EXPECT_EQ(EncodeCommitRecord(r).size(), 104u + 12 * 2);  // plain records stay version 1
 }
 
 }  // namespace

@@ -38,12 +38,26 @@ struct DTypeInfo {
   size_t size;
 };
 constexpr DTypeInfo kDTypes[] = {
-    {DType::kFloat32, "float32", 4},     {DType::kFloat16, "float16", 2},
-    {DType::kBFloat16, "bfloat16", 2},   {DType::kFloat64, "float64", 8},
-    {DType::kInt8, "int8", 1},           {DType::kInt16, "int16", 2},
-    {DType::kInt32, "int32", 4},         {DType::kInt64, "int64", 8},
-    {DType::kUInt8, "uint8", 1},         {DType::kBool, "bool", 1},
-    {DType::kFloat8E4M3FN, "float8_e4m3fn", 1}, {DType::kFloat8E5M2, "float8_e5m2", 1},
+    {DType::kFloat32, "float32", 4},
+    {DType::kFloat16, "float16", 2},
+    {DType::kBFloat16, "bfloat16", 2},
+    {DType::kFloat64, "float64", 8},
+    {DType::kInt8, "int8", 1},
+    {DType::kInt16, "int16", 2},
+    {DType::kInt32, "int32", 4},
+    {DType::kInt64, "int64", 8},
+    {DType::kUInt8, "uint8", 1},
+    {DType::kBool, "bool", 1},
+    {DType::kFloat8E4M3FN, "float8_e4m3fn", 1},
+    {DType::kFloat8E5M2, "float8_e5m2", 1},
+    {DType::kComplex64, "complex64", 8},
+    {DType::kComplex128, "complex128", 16},
+    {DType::kUInt16, "uint16", 2},
+    {DType::kUInt32, "uint32", 4},
+    {DType::kUInt64, "uint64", 8},
+    {DType::kFloat8E4M3FNUZ, "float8_e4m3fnuz", 1},
+    {DType::kFloat8E5M2FNUZ, "float8_e5m2fnuz", 1},
+    {DType::kFloat8E8M0FNU, "float8_e8m0fnu", 1},
 };
 
 uint64_t TensorAlignment(uint64_t nbytes) { return nbytes >= kLargeTensor ? 4096 : 64; }
@@ -113,7 +127,7 @@ Result<DType> DTypeFromName(std::string_view name) {
   return InvalidArgument("unsupported dtype '" + std::string(name) + "'");
 }
 
-bool IsValidDType(uint8_t code) { return code >= 1 && code <= 12; }
+bool IsValidDType(uint8_t code) { return DTypeSize(static_cast<DType>(code)) != 0; }
 
 // ---------------------------------------------------------------------------------------------
 // Builder

@@ -50,9 +50,12 @@ TEST(Crc32cTest, KnownVectorAndChaining) {
 
 TEST(ImageTest, RoundTripEveryDtypeScalarEmptyLongNames) {
   Owned o;
-  const DType all[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,     DType::kFloat64,
-                       DType::kInt8,    DType::kInt16,   DType::kInt32,        DType::kInt64,
-                       DType::kUInt8,   DType::kBool,    DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+  const DType all[] = {
+      DType::kFloat32,   DType::kFloat16,        DType::kBFloat16,       DType::kFloat64,
+      DType::kInt8,      DType::kInt16,          DType::kInt32,          DType::kInt64,
+      DType::kUInt8,     DType::kBool,           DType::kFloat8E4M3FN,   DType::kFloat8E5M2,
+      DType::kComplex64, DType::kComplex128,     DType::kUInt16,         DType::kUInt32,
+      DType::kUInt64,    DType::kFloat8E4M3FNUZ, DType::kFloat8E5M2FNUZ, DType::kFloat8E8M0FNU};
   uint8_t seed = 1;
   for (DType d : all) o.Add(std::string("t.") + std::string(DTypeName(d)), d, {3, 5}, seed++);
   o.Add("scalar", DType::kFloat64, {}, 9);

@@ -22,13 +22,13 @@ def test_replicas_are_written_once_and_every_rank_loads_them(tmp_path, cli):
         held = {}  # replicated tensor -> ranks whose image holds its bytes
         written = [0, 0]
         for r in range(2):
-            for e in _core.read_metadata(str(ckpt), step, r)["tensors"]:
-                if e["name"].startswith("model."):
-                    if not e["elsewhere"]:
-                        held.setdefault(e["name"], []).append(r)
-                        written[r] += e["nbytes"]
+            for e in _core.read_metadata(str(ckpt), step, r).tensors:
+                if e.name.startswith("model."):
+                    if not e.elsewhere:
+                        held.setdefault(e.name, []).append(r)
+                        written[r] += e.nbytes
                 else:
-                    assert not e["elsewhere"], e  # rank-local: the step, generator states
+                    assert not e.elsewhere, e.name  # rank-local: the step, generator states
         # Each of the 4 replicated tensors is written exactly once, and both ranks write some.
         assert sorted(held) == [f"model.layer{i}" for i in range(4)]
         assert all(len(rs) == 1 for rs in held.values()), held

@@ -30,9 +30,8 @@ def test_save_n_ranks_restore_m_ranks(tmp_path, save_mesh, load_meshes):
         # and [4, 7).
         boxes = []
         for r in range(2):
-            e = next(t for t in _core.read_metadata(str(ckpt), 7, r)["tensors"]
-                     if t["name"] == "w0")
-            boxes.append((e["shape"], e["global_shape"], e["global_offset"]))
+            e = next(t for t in _core.read_metadata(str(ckpt), 7, r).tensors if t.name == "w0")
+            boxes.append((e.shape, e.global_shape, e.global_offset))
         assert boxes == [([4, 5], [7, 5], [0, 0]), ([3, 5], [7, 5], [4, 0])]
     for mesh in load_meshes:
         outs = run(ckpt, "load", mesh)

@@ -2,6 +2,7 @@
 
 import collections
 import math
+import os
 import struct
 import threading
 
@@ -11,19 +12,28 @@ import torch
 
 import safepoint
 
+# Complex buffers (Llama's freqs_cis), unsigned ints and every float8 variant torch has.
+NEW_DTYPES = [
+    torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+]
 ALL_DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-]
+] + NEW_DTYPES
 
 
 def random_tensor(dtype, shape, gen):
+    """Random bits of `dtype` (every bit pattern, nan and the like included for floats)."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) * 10).to(dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        size = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (*shape, size), generator=gen, dtype=torch.int64)
+        return raw.to(torch.uint8).view(dtype).reshape(shape)
     info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+    lo, hi = max(info.min, -2**63), min(info.max, 2**63 - 1)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -174,11 +184,49 @@ def test_steps_are_listed_ascending(ckpt):
     assert safepoint.load(ckpt, 2)[1] == {"s": 2}
 
 
-def test_resave_same_step_replaces_atomically(ckpt):
+def test_a_committed_step_is_immutable_unless_overwrite(ckpt):
+    # Regression (issue 9, defect 8): the second save silently replaced the committed step.
     safepoint.save(ckpt, 5, {"v": torch.zeros(3)})
-    safepoint.save(ckpt, 5, {"v": torch.ones(3)})
-    assert safepoint.steps(ckpt) == [5]
-    assert torch.equal(safepoint.load(ckpt)[1]["v"], torch.ones(3))
+    with pytest.raises(safepoint.AlreadyExistsError, match="step 5 is already committed"):
+        safepoint.save(ckpt, 5, {"v": torch.ones(3)})
+    assert torch.equal(safepoint.load(ckpt)[1]["v"], torch.zeros(3))
+    for value in (1.0, 2.0):  # each overwrite of one rank draws its own attempt
+        safepoint.save(ckpt, 5, {"v": torch.full((3,), value)}, overwrite=True)
+        assert safepoint.steps(ckpt) == [5]
+        assert torch.equal(safepoint.load(ckpt)[1]["v"], torch.full((3,), value))
+    target = {"v": torch.empty(3)}
+    assert safepoint.restore(ckpt, target) == 5 and torch.equal(target["v"], torch.full((3,), 2.0))
+    assert sorted(p.name for p in (ckpt / f"step-{5:020d}").iterdir())[0] == "COMMIT"
+    assert len(list((ckpt / f"step-{5:020d}").iterdir())) == 2  # the old images are gone
+
+
+def test_readers_see_the_old_or_the_new_step_while_it_is_replaced(ckpt):
+    safepoint.save(ckpt, 1, {"v": torch.full((1000,), 0.0)})
+    seen, errors, stop = set(), [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            try:
+                v = safepoint.load(ckpt, 1)[1]["v"]
+                assert bool((v == v[0]).all()), "a mix of two versions"
+                seen.add(float(v[0]))
+                target = {"v": torch.empty(1000)}
+                safepoint.restore(ckpt, target, 1)
+                assert bool((target["v"] == target["v"][0]).all())
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(1, 40):
+            safepoint.save(ckpt, 1, {"v": torch.full((1000,), float(i))}, overwrite=True)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+    assert seen <= {float(i) for i in range(40)}
 
 
 def test_gil_is_released_during_io(ckpt):
@@ -207,16 +255,29 @@ def test_gil_is_released_during_io(ckpt):
 
 def test_multi_rank_step_never_commits_a_mix_of_attempts(ckpt):
     # Regression: re-saving a committed 2-rank step on one rank re-committed it at once with the
-    # other rank's old image (and likewise beside an unfinished save's leftover image).
+    # other rank's old image; then (defect 8) it un-committed the step until every rank had
+    # re-saved it. Now the old step stays until the replacement is complete.
     for r in (0, 1):
         safepoint.save(ckpt, 5, {"v": torch.full((3,), float(r))}, rank=r, world_size=2, attempt=1)
     assert safepoint.steps(ckpt) == [5]
-    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 10.0)}, rank=1, world_size=2, attempt=2)
-    assert not out["committed"] and safepoint.steps(ckpt) == []
-    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 20.0)}, rank=0, world_size=2, attempt=2)
+    with pytest.raises(safepoint.AlreadyExistsError, match="step 5"):
+        safepoint.save(ckpt, 5, {"v": torch.full((3,), 10.0)}, rank=1, world_size=2, attempt=2)
+    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 10.0)}, rank=1, world_size=2, attempt=2,
+                         overwrite=True)
+    assert not out["committed"] and safepoint.steps(ckpt) == [5]
+    assert torch.equal(safepoint.load(ckpt, 5, rank=1)[1]["v"], torch.full((3,), 1.0))  # old
+    out = safepoint.save(ckpt, 5, {"v": torch.full((3,), 20.0)}, rank=0, world_size=2, attempt=2,
+                         overwrite=True)
     assert out["committed"] and safepoint.steps(ckpt) == [5]
     assert torch.equal(safepoint.load(ckpt, 5, rank=0)[1]["v"], torch.full((3,), 20.0))
     assert torch.equal(safepoint.load(ckpt, 5, rank=1)[1]["v"], torch.full((3,), 10.0))
+    # A crashed save (attempt 3) left rank 0's image of step 6; the restarted one (attempt 4).
+    safepoint.save(ckpt, 6, {"v": torch.zeros(3)}, rank=0, world_size=2, attempt=3)
+    assert not safepoint.save(ckpt, 6, {"v": torch.ones(3)}, rank=1, world_size=2,
+                              attempt=4)["committed"]
+    assert safepoint.save(ckpt, 6, {"v": torch.ones(3)}, rank=0, world_size=2,
+                          attempt=4)["committed"]
+    assert torch.equal(safepoint.load(ckpt, 6, rank=0)[1]["v"], torch.ones(3))
     with pytest.raises(safepoint.InvalidArgumentError, match="attempt"):
         safepoint.save(ckpt, 6, {}, rank=0, world_size=2, attempt=-1)
 
@@ -238,3 +299,102 @@ def test_partial_reads_refuse_bad_requests_with_clear_errors(ckpt):
         _core.read_ranges(str(ckpt), 3, 0, [("w", 0, 4, "not a buffer")])
     with pytest.raises(safepoint.NotFoundError):
         _core.read_metadata(str(ckpt), 4, 0)
+
+
+def test_partial_read_holds_its_destination_buffer_until_the_read_ends(ckpt):
+    """A bytearray destination stays exported (cannot be resized or freed) while the read runs
+    with the GIL released. The second destination runs Python code after the first was taken
+    (tensor-like objects are asked is_contiguous()); resizing the bytearray there must fail."""
+    from safepoint import _core
+
+    data = torch.arange(100, dtype=torch.float32)
+    safepoint.save(ckpt, 3, {"w": data})
+    first = bytearray(400)
+    second = torch.empty(100, dtype=torch.float32)
+    resized = []
+
+    class TensorLike:
+        is_cpu = True
+        nbytes = second.nbytes
+
+        def data_ptr(self):
+            return second.data_ptr()
+
+        def is_contiguous(self):
+            try:
+                first.extend(bytes(1 << 20))  # moves the bytearray's memory unless exported
+            except BufferError:
+                resized.append(False)
+                return True
+            # Abort before the read writes into the memory the bytearray just gave up.
+            raise AssertionError("the first destination's buffer was released before the read")
+
+    _core.read_ranges(str(ckpt), 3, 0, [("w", 0, 400, first), ("w", 0, 400, TensorLike())])
+    assert resized == [False]
+    assert bytes(first) == data.numpy().tobytes()
+    assert torch.equal(second, data)
+
+
+@pytest.mark.parametrize("dtype", NEW_DTYPES, ids=lambda d: str(d)[6:])
+def test_new_dtypes_restore_in_place_and_through_the_checkpointer(tmp_path, dtype):
+    gen = torch.Generator().manual_seed(1)
+    state = {"buf": random_tensor(dtype, (5, 7), gen), "arr": random_tensor(dtype, (3,), gen)}
+    ckpt = tmp_path / "ckpt"
+    safepoint.save(ckpt, 1, state)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert safepoint.restore(ckpt, target) == 1
+    for k in state:
+        assert same_bits(state[k], target[k]), k
+    with safepoint.Checkpointer(tmp_path / "flash", job=f"dt{os.getpid()}-{str(dtype)[6:]}",
+                                shm_dir=str(tmp_path), persist_every=1) as ck:
+        ck.save(2, state)
+        ck.wait()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(target) == 2 and ck.last_load_source == "memory"
+        for k in state:
+            assert same_bits(state[k], target[k]), k
+        ck._live.save(3, state, True, None, True, 2)  # the staged copy path GPU tensors take
+        ck.wait()
+        step, snap = ck.load()
+        assert step == 3 and ck.last_load_source == "memory"
+        assert all(same_bits(state[k], snap[k]) for k in state)
+    step, loaded = safepoint.load(tmp_path / "flash")  # what the agent persisted
+    assert step == 3 and all(same_bits(state[k], loaded[k]) for k in state)
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, np.uint16, np.uint32, np.uint64])
+def test_new_numpy_dtypes_round_trip(ckpt, dtype):
+    arr = (np.arange(12) * 7 + 3).astype(dtype).reshape(3, 4)
+    safepoint.save(ckpt, 1, {"a": arr, "s": arr[1, 2]})
+    _, loaded = safepoint.load(ckpt)
+    assert loaded["a"].dtype == arr.dtype and np.array_equal(loaded["a"], arr)
+    assert type(loaded["s"]) is type(arr[1, 2]) and loaded["s"] == arr[1, 2]
+
+
+def test_a_meta_tensor_is_refused_with_its_key(ckpt):
+    with pytest.raises(safepoint.InvalidArgumentError, match=r"model\.w: .*meta"):
+        safepoint.save(ckpt, 1, {"model": {"w": torch.empty(3, device="meta")}})
+
+
+def test_save_holds_every_tensor_until_it_is_written(ckpt):
+    """The walker hands the writer raw pointers and the write runs without the GIL: a tensor
+    whose only reference is the walk's (a mapping that makes its values on the fly) must stay
+    alive until the image is written, not be freed and its memory reused by the next one."""
+
+    class OnTheFly(collections.abc.Mapping):
+        def __len__(self):
+            return 8
+
+        def __iter__(self):
+            return iter(range(8))
+
+        def __getitem__(self, i):
+            return torch.full((4096,), float(i))
+
+        def items(self):
+            return ((i, self[i]) for i in range(8))
+
+    safepoint.save(ckpt, 1, {"m": OnTheFly()})
+    _, loaded = safepoint.load(ckpt)
+    for i in range(8):
+        assert torch.equal(loaded["m"][i], torch.full((4096,), float(i))), i

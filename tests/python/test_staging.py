@@ -48,7 +48,7 @@ def test_a_failing_copy_fails_the_save_and_frees_the_slot(ck, monkeypatch):
     with pytest.raises(safepoint.StorageError, match="device lost"):
         ck._live.save(1, state(), True, None, True, 2)
     monkeypatch.undo()
-    assert all(s["state"] != "WRITING" for s in ck._live.slots())
+    assert all(s.state != "WRITING" for s in ck._live.slots())
     ck.save(2, state())  # the next save works, and nothing half-copied is ever loaded
     ck.wait()
     assert ck.load()[0] == 2 and safepoint.steps(ck.path) == [2]
