@@ -32,7 +32,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -43,7 +42,8 @@ import safepoint
 WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
 sys.path.insert(0, WORKLOADS)
 import det_train  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import cli_path, free_port  # noqa: E402
+from processes import agents_of, job_dir, kill_agents, wait_until  # noqa: E402
 
 N, K = 12, 6           # train N steps; killed during step K + 1, after save(K) returned
 PERSIST_EVERY = 4      # storage holds step 4; step K reaches it by the agent's flush
@@ -121,38 +121,6 @@ class Proc:
 
 # --- the node agent ------------------------------------------------------------------------------
 
-def _argv(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                return []  # a zombie (agents are reparented; nobody may reap them): dead
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return []
-
-
-def agents_of(shm: Path) -> list[int]:
-    """Live safepointd processes serving jobs in `shm` (a private directory of one test)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            argv = _argv(int(entry))
-            if argv and argv[0].endswith("safepointd") and \
-                    dict(zip(argv[1::2], argv[2::2])).get("--shm-dir") == str(shm):
-                out.append(int(entry))
-    return out
-
-
-def wait_until(cond, deadline: float = HANG) -> bool:
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 class Job:
     def __init__(self, tmp: Path, shm: Path, name: str):
         self.path, self.shm, self.name = tmp / "ckpt", shm, name
@@ -174,7 +142,7 @@ class Job:
         return procs
 
     def job_dir(self) -> Path:
-        return self.shm / f"safepoint-{os.geteuid()}-{self.name}"
+        return job_dir(self.shm, self.name)
 
     def stop_agent_and_wipe_memory(self, cli: str) -> None:
         """SIGTERM the agent (it persists the newest snapshots and exits), then `safepoint gc`
@@ -193,12 +161,7 @@ class Job:
             if p.proc.is_alive():
                 p.proc.kill()
             p.proc.join(30)
-        for pid in agents_of(self.shm):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_until(lambda: not agents_of(self.shm), deadline=30)
+        kill_agents(self.shm, deadline=30)
 
 
 _counter = iter(range(1 << 30))
@@ -222,14 +185,6 @@ def new_job(tmp_path):
     for job, own in made:
         job.cleanup()
         shutil.rmtree(own, ignore_errors=True)
-
-
-def cli_path() -> str:
-    cand = os.path.join(os.path.dirname(sys.executable), "safepoint")
-    found = cand if os.path.exists(cand) else shutil.which("safepoint")
-    if not found:
-        pytest.skip("the safepoint CLI is not installed")
-    return found
 
 
 # --- the uninterrupted runs ----------------------------------------------------------------------
