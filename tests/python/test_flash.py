@@ -376,6 +376,34 @@ def test_killed_during_copy_resumes_from_memory(env):
     assert first_difference(state, make_state(SEED, step, numel)) is None
 
 
+def test_a_save_after_a_resume_keeps_the_snapshot_resumed_from(env):
+    """Regression (issue 9, defect 10; crash campaign, seed 866710947): a rank held step 5 and
+    a later step 6 of a run that was abandoned (its peer never completed 6), so the ranks
+    resumed from 5 in memory. The arena kept the snapshot completed last while writing the
+    next save, the stale 6, and overwrote 5: a kill during that save left the rank without
+    step 5 (its peer without 6), the ranks could no longer agree on a step in memory and
+    resumed from an older one on storage. The snapshot a run resumes from is the one kept."""
+    numel = 1000
+    abandoned = env.checkpointer(persist_every=1000)
+    for step in (5, 6):
+        assert abandoned.save(step, make_state(SEED, step, numel))
+    abandoned.abandon()
+
+    resumed = env.checkpointer(persist_every=1000)
+    step, state = resumed.load(5)
+    assert (step, resumed.last_load_source) == (5, "memory")
+    assert first_difference(state, make_state(SEED, 5, numel)) is None
+    slot_of_5 = next(s["slot"] for s in resumed.status()["snapshots"]
+                     if s["state"] == "COMPLETE" and s["step"] == 5)
+    assert resumed.save(6, make_state(SEED, 6, numel))
+    assert resumed.status()["last_save"]["slot"] != slot_of_5, \
+        "the save after the resume overwrote the snapshot the run resumed from"
+    held = sorted(s["step"] for s in resumed.status()["snapshots"] if s["state"] == "COMPLETE")
+    assert held == [5, 6], held
+    step, state = resumed.load(5)
+    assert first_difference(state, make_state(SEED, 5, numel)) is None
+
+
 def test_killed_during_persist_resumes_from_memory(env):
     """Persist every step (64 MiB); each process is killed while the agent writes an image."""
     rng = random.Random(SEED + 1)
