@@ -62,6 +62,10 @@ Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir);
 // Removes a job directory and everything safepoint put in it (slot files, the agent's socket,
 // lock, log and job.json); returns the bytes freed. Refuses files it does not know.
 Result<uint64_t> RemoveJobDirectory(const std::string& job_dir);
+// Whether another COMPLETE slot in `slots` holds the same step as `s` and became current later
+// (a rank saved the step again after resuming from an older one): loads, the restore agreement
+// and persists take that other snapshot, never `s`.
+bool HasLaterCopy(const std::vector<SlotInfo>& slots, const SlotInfo& s);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
 

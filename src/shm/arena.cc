@@ -205,6 +205,13 @@ class SlotFile {
 
 // ---------------------------------------------------------------------------------------------
 
+bool HasLaterCopy(const std::vector<SlotInfo>& slots, const SlotInfo& s) {
+  return std::any_of(slots.begin(), slots.end(), [&s](const SlotInfo& o) {
+    return o.index != s.index && o.state == SlotState::kComplete && o.step == s.step &&
+           o.complete_time_ns > s.complete_time_ns;
+  });
+}
+
 Status ValidateJobName(const std::string& job) {
   if (job.empty() || job.size() > 64) {
     return InvalidArgument("job name '" + job + "' must have 1..64 characters");

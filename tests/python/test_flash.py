@@ -404,6 +404,51 @@ def test_a_save_after_a_resume_keeps_the_snapshot_resumed_from(env):
     assert first_difference(state, make_state(SEED, 5, numel)) is None
 
 
+def test_adopting_agent_persists_only_the_current_snapshot_of_a_step(env, cli, monkeypatch):
+    """Found by the crash campaign (seed 866710947, round 364): rank 0 held two snapshots of
+    step 3, one of an abandoned run (attempt Z) and the current run's (attempt C), rank 1 only
+    the current one. An agent that adopted them persisted both of rank 0's, the stale one last:
+    rank 0's image was of attempt Z and rank 1's of C, so step 3 never committed and every
+    wait() for it hung. Of two snapshots of one step, the agent persists the one that became
+    current last, as loads and the restore agreement read it."""
+    numel = 1000
+
+    def crash(*checkpointers) -> None:
+        """Agent and ranks die together: nothing is flushed."""
+        env.kill_agent(env.wait_agent())
+        for ck in checkpointers:
+            ck.abandon()
+
+    monkeypatch.setenv("SAFEPOINT_ATTEMPT", "run-Z")
+    z0 = env.checkpointer(rank=0, world_size=2, persist_every=1000)
+    for step in (2, 3):  # rank 1 of this run died before it saved step 3
+        assert z0.save(step, make_state(SEED, step, numel))
+    crash(z0)
+
+    monkeypatch.setenv("SAFEPOINT_ATTEMPT", "run-C")
+    c0 = env.checkpointer(rank=0, world_size=2, persist_every=1000)
+    c1 = env.checkpointer(rank=1, world_size=2, persist_every=1000)
+    assert c0.save(3, make_state(SEED, 3, numel))  # beside the stale one, completed earlier
+    assert c1.save(3, make_state(SEED, 3, numel))
+    held = sorted(s["step"] for s in c0.status()["snapshots"] if s["state"] == "COMPLETE")
+    assert held == [3, 3], held
+    crash(c0, c1)
+
+    monkeypatch.setenv("SAFEPOINT_ATTEMPT", "run-D")
+    env.checkpointer(rank=0, world_size=2)  # starts an agent, which adopts the snapshots
+
+    def idle() -> bool:
+        jobs = json.loads(cli("status", "--shm-dir", env.shm, "--json", check=0).stdout)
+        j = next(j for j in jobs if j["job"] == env.job)
+        return "queued" in j and j["queued"] == 0 and j["in_flight"] is None and \
+            all(r["pending_persists"] == 0 for r in j["ranks"])
+    assert wait_until(idle), env.agent_log()[-3000:]
+    assert 3 in safepoint.steps(env.path), env.agent_log()[-3000:]
+    for rank in (0, 1):
+        step, state = safepoint.load(env.path, 3, rank=rank)
+        assert first_difference(state, make_state(SEED, 3, numel)) is None
+
+
 def test_killed_during_persist_resumes_from_memory(env):
     """Persist every step (64 MiB); each process is killed while the agent writes an image."""
     rng = random.Random(SEED + 1)
