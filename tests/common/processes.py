@@ -194,10 +194,12 @@ def sigkill(proc: subprocess.Popen) -> int:
 
 class LineReader:
     """Reads a process's stdout lines on a thread into a queue: `next` returns the next line's
-    fields (None at the end), `expect` the next line of one of the given kinds."""
+    fields (None at the end), `expect` the next line of one of the given kinds. `observe` sees
+    the fields of every line read (it may record them, or raise on a line that must not be)."""
 
-    def __init__(self, stdout: Iterable[str], what: str, stderr: Callable[[], str] = lambda: ""):
-        self.what, self.stderr = what, stderr
+    def __init__(self, stdout: Iterable[str], what: str, stderr: Callable[[], str] = lambda: "",
+                 observe: Callable[[list[str]], None] = lambda fields: None):
+        self.what, self.stderr, self.observe = what, stderr, observe
         self.queue: "queue.Queue[Optional[str]]" = queue.Queue()
         self.lines: list[str] = []
         self.eof = False
@@ -220,7 +222,9 @@ class LineReader:
             self.eof = True
             return None
         self.lines.append(line.rstrip("\n"))
-        return line.split()
+        fields = line.split()
+        self.observe(fields)
+        return fields
 
     def expect(self, *kinds: str) -> list[str]:
         while True:

@@ -233,6 +233,18 @@ def check_identical(ref: tuple[dict, dict], before: Proc, after: Proc, rank: int
     assert not diff, f"rank {rank}: final state differs from the uninterrupted run: {sorted(diff)}"
 
 
+def resume_and_check(ctx, job, ref: list, killed: list, source: str) -> None:
+    """Restarts the killed ranks: each resumes from step K (from `source`), runs to N, and
+    matches the uninterrupted run bit for bit."""
+    procs = job.launch(ctx, len(killed), resume=True)
+    for p in procs:
+        assert p.expect("fresh", "resumed") == ("resumed", K, source)
+    for p in procs:
+        assert p.finish() == 0, p.events[-3:]
+    for rank, (before, after) in enumerate(zip(killed, procs)):
+        check_identical(ref[rank], before, after, rank)
+
+
 # --- tests ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("source", ["memory", "storage"])
@@ -250,10 +262,7 @@ def test_single_process_resume_is_bit_identical(ctx, reference, new_job, source)
         job.stop_agent_and_wipe_memory(cli_path())
         assert safepoint.steps(job.path)[-1] == K  # persisted by the agent when it stopped
 
-    [second] = job.launch(ctx, 1, resume=True)
-    assert second.expect("fresh", "resumed") == ("resumed", K, source)
-    assert second.finish() == 0, second.events[-3:]
-    check_identical(ref[0], first, second, 0)
+    resume_and_check(ctx, job, ref, [first], source)
 
 
 def test_ddp_one_rank_killed_resumes_from_memory_bit_identical(ctx, reference, new_job):
@@ -272,13 +281,7 @@ def test_ddp_one_rank_killed_resumes_from_memory_bit_identical(ctx, reference, n
         r0.expect("saved")
     r0.kill()
 
-    procs = job.launch(ctx, 2, resume=True)
-    for p in procs:
-        assert p.expect("fresh", "resumed") == ("resumed", K, "memory")
-    for p in procs:
-        assert p.finish() == 0, p.events[-3:]
-    for rank in range(2):
-        check_identical(ref[rank], (r0, r1)[rank], procs[rank], rank)
+    resume_and_check(ctx, job, ref, [r0, r1], "memory")
 
 
 def test_ddp_group_killed_resumes_from_storage_bit_identical(ctx, reference, new_job):
@@ -295,10 +298,4 @@ def test_ddp_group_killed_resumes_from_storage_bit_identical(ctx, reference, new
     job.stop_agent_and_wipe_memory(cli_path())
     assert safepoint.steps(job.path)[-1] == K
 
-    procs = job.launch(ctx, 2, resume=True)
-    for p in procs:
-        assert p.expect("fresh", "resumed") == ("resumed", K, "storage")
-    for p in procs:
-        assert p.finish() == 0, p.events[-3:]
-    for rank in range(2):
-        check_identical(ref[rank], first[rank], procs[rank], rank)
+    resume_and_check(ctx, job, ref, first, "storage")

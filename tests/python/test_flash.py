@@ -110,13 +110,11 @@ class Worker:
             self.proc = start_script(WORKER, "--path", path, "--job", job, "--shm-dir", env.shm,
                                      *args, stdin=subprocess.PIPE, stderr=err, bufsize=1,
                                      env=os.environ)
-        self.out = LineReader(self.proc.stdout, f"worker {self.proc.pid}", self.stderr)
         self.saved: list[int] = []
         self.began: list[int] = []
-
-    @property
-    def eof(self) -> bool:
-        return self.out.eof
+        self.out = LineReader(self.proc.stdout, f"worker {self.proc.pid}", self.stderr,
+                              self._observe)
+        self.next, self.expect = self.out.next, self.out.expect
 
     def stderr(self) -> str:
         try:
@@ -124,23 +122,12 @@ class Worker:
         except FileNotFoundError:
             return ""
 
-    def next(self, timeout: float = HANG) -> Optional[list[str]]:
-        fields = self.out.next(timeout)
+    def _observe(self, fields: list[str]) -> None:
         if fields and fields[0] == "SAVED":
             self.saved.append(int(fields[1]))
         elif fields and fields[0] == "BEGIN":
             self.began.append(int(fields[1]))
-        return fields
-
-    def expect(self, *kinds: str) -> list[str]:
-        while True:
-            fields = self.next()
-            if fields is None:
-                raise AssertionError(f"worker {self.proc.pid} ended (rc {self.proc.wait()}) "
-                                     f"before saying {kinds}; stderr:\n{self.stderr()}")
-            if fields and fields[0] in kinds:
-                return fields
-            assert not fields or fields[0] != "DIFF", f"worker: {' '.join(fields)}"
+        assert not fields or fields[0] != "DIFF", f"worker: {' '.join(fields)}"
 
     def send(self, cmd: str) -> None:
         self.proc.stdin.write(cmd + "\n")
@@ -149,13 +136,11 @@ class Worker:
     def kill(self) -> None:
         """SIGKILL, reap, and collect what it printed before it died."""
         sigkill(self.proc)
-        while self.next() is not None:
-            pass
+        self.out.drain()
 
     def finish(self) -> int:
         """Waits for the process to exit on its own; returns its exit status."""
-        while self.next() is not None:
-            pass
+        self.out.drain()
         return self.proc.wait(timeout=HANG)
 
     @property
