@@ -454,9 +454,10 @@ void NodeAgent::EmergencyFlush(uint32_t rank, FlushReason reason) {
     if (s.state != SlotState::kComplete) continue;
     if (queue_.Contains(rank, s.index, s.generation)) continue;
     auto it = rs.outcomes.find(s.step);
-    const bool done = (it != rs.outcomes.end() && it->second.ok()) ||
-                      (newest_committed_ && s.step <= *newest_committed_ && StepCommitted(s.step)) ||
-                      HasLaterCopy(slots, s);
+    const bool committed =
+        newest_committed_ && s.step <= *newest_committed_ && StepCommitted(s.step);
+    const bool done =
+        (it != rs.outcomes.end() && it->second.ok()) || committed || HasLaterCopy(slots, s);
     if (done) {
       if (s.leased) rs.arena->Release(s.index, s.generation);
       continue;
