@@ -12,6 +12,9 @@
 //   only if not leased) ...; COMPLETE <-> COMPLETE+leased (agent, CAS with the generation).
 // A slot being written is never read; a leased slot is never overwritten; a writer killed mid-copy
 // leaves a WRITING slot that is never read and is reused by the next writer of that rank.
+// While a slot is written, the snapshot that became current last is kept: the one completed
+// last, or the one the run resumed from (MarkResumed). Completion times are strictly increasing
+// within an arena, whatever the wall clock does.
 //
 // Thread safety: one writer process per rank (checked through the writer's pid and start time,
 // which the control block records); any number of readers. Slot files are created pre-faulted
@@ -73,6 +76,10 @@ Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir);
 // lock, log and job.json); returns the bytes freed. Refuses a job with live slot writers and a
 // directory with files it does not know (InvalidArgument). The caller checks that no agent runs.
 Result<uint64_t> RemoveJobDirectory(const std::string& job_dir);
+// Whether another COMPLETE slot in `slots` holds the same step as `s` and became current later
+// (a rank saved the step again after resuming from an older one): loads, the restore agreement
+// and persists take that other snapshot, never `s`.
+bool HasLaterCopy(const std::vector<SlotInfo>& slots, const SlotInfo& s);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
 
@@ -119,6 +126,11 @@ class Arena {
                    bool leased = false);
   // Marks a slot FREE again after a failed write.
   void AbortWrite(const WriteTicket& ticket);
+  // The run resumes from this COMPLETE snapshot (the writer loaded it before saving anything):
+  // it becomes the newest, as if it had completed now, so that the next BeginWrite keeps it
+  // and overwrites a snapshot that an abandoned run completed later. False when the slot no
+  // longer holds that snapshot.
+  bool MarkResumed(uint32_t slot, uint64_t generation);
 
   // --- agent side -----------------------------------------------------------------------------
   // Leases a COMPLETE slot of `generation` so that it is not overwritten while it is read.
@@ -142,6 +154,7 @@ class Arena {
  private:
   Arena() = default;
   Status EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds);
+  int64_t NextCompletionNs() const;
   std::string SlotPath(uint32_t slot) const;
   // This process as the slot writer it records.
   internal::ProcessId Self();

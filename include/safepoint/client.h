@@ -99,6 +99,8 @@ class SnapshotClient {
   // agent only reads them). Not for results a caller keeps.
   Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step, bool in_place = false);
   // Reads the COMPLETE snapshot of exactly `step`, verified. NotFound when no slot holds it.
+  // Either load, before this client's first Save, marks the snapshot it read as the one the run
+  // resumes from (Arena::MarkResumed): the next Save keeps it.
   Result<MemorySnapshot> LoadStep(uint64_t step, bool in_place = false);
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
@@ -114,6 +116,7 @@ class SnapshotClient {
   Status StartAgent();
   Status Hello();
   Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place);
+  void NoteResumedFrom(const SlotInfo& slot);
   Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
                                const std::string& source) const;
   void Disconnect();
@@ -127,6 +130,7 @@ class SnapshotClient {
   std::unique_ptr<Arena> arena_;
   int fd_ = -1;
   std::optional<uint64_t> last_persist_step_;
+  bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)
   std::vector<TensorSpec> last_specs_;
   std::unique_ptr<agent::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
 };

@@ -43,8 +43,13 @@ void NodeAgent::Adopt() {
     r.arena->ClearLeases();
     spdlog::info("adopted the snapshots of rank {}", rank);
     if (!opt_.emergency_flush) continue;
-    for (const SlotInfo& s : r.arena->Slots()) {
-      if (s.state != SlotState::kComplete || (newest_committed_ && s.step <= *newest_committed_)) {
+    // Of two snapshots of one step, only the current one: persisting the other last would
+    // leave an image of another attempt that the step can never commit with (crash campaign,
+    // seed 866710947).
+    const std::vector<SlotInfo> slots = r.arena->Slots();
+    for (const SlotInfo& s : slots) {
+      if (s.state != SlotState::kComplete || (newest_committed_ && s.step <= *newest_committed_) ||
+          HasLaterCopy(slots, s)) {
         continue;
       }
       Enqueue({rank, s.index, s.generation, s.step, /*leased=*/false, FlushReason::kAdopted, {}});

@@ -447,13 +447,17 @@ void NodeAgent::EmergencyFlush(uint32_t rank, FlushReason reason) {
   // Nobody else would release that lease, and with it held the rank could never save again:
   // the flush takes the lease over (and releases it when done), or releases it if there is
   // nothing to persist.
+  // Of two snapshots of one step only the current one is persisted (as in Adopt).
   std::vector<SlotInfo> todo;
-  for (const SlotInfo& s : rs.arena->Slots()) {
+  const std::vector<SlotInfo> slots = rs.arena->Slots();
+  for (const SlotInfo& s : slots) {
     if (s.state != SlotState::kComplete) continue;
     if (queue_.Contains(rank, s.index, s.generation)) continue;
     auto it = rs.outcomes.find(s.step);
-    const bool done = (it != rs.outcomes.end() && it->second.ok()) ||
-                      (newest_committed_ && s.step <= *newest_committed_ && StepCommitted(s.step));
+    const bool committed =
+        newest_committed_ && s.step <= *newest_committed_ && StepCommitted(s.step);
+    const bool done =
+        (it != rs.outcomes.end() && it->second.ok()) || committed || HasLaterCopy(slots, s);
     if (done) {
       if (s.leased) rs.arena->Release(s.index, s.generation);
       continue;

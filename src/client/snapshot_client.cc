@@ -262,6 +262,7 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   builder->FillAll(ticket.data, threads);
   SP_KILL_POINT("client.save.before_complete");
   arena_->FinishWrite(ticket, step, builder->size(), /*leased=*/persist);
+  saved_ = true;
   SP_KILL_POINT("client.save.after_complete");
   result.copy_seconds = Since(t_copy);
   result.saved = true;
@@ -362,6 +363,7 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
     SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
     SP_ASSIGN_OR_RETURN(Value extras,
                         DecodeExtras(reader.extras(), reader.tensors().size(), source));
+    NoteResumedFrom(*newest);
     return MemorySnapshot{LoadedImage{std::move(view), size, source}, std::move(reader),
                           std::move(extras), newest->step};
   }
@@ -386,7 +388,16 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
   SP_ASSIGN_OR_RETURN(Value extras, DecodeExtras(reader.extras(), reader.tensors().size(), source));
   MemorySnapshot out{LoadedImage{std::move(buffer), size, source}, std::move(reader), std::move(extras),
                      newest->step};
+  NoteResumedFrom(*newest);
   return out;
+}
+
+// A snapshot loaded before this client's first save is the one the run resumes from: the arena
+// keeps it while the next save is written, rather than a snapshot that an abandoned run
+// completed later (a kill during that save would otherwise leave this rank without the step
+// the ranks agreed on; crash campaign, seed 866710947). Later loads change nothing.
+void SnapshotClient::NoteResumedFrom(const SlotInfo& slot) {
+  if (!saved_) arena_->MarkResumed(slot.index, slot.generation);
 }
 
 Status SnapshotClient::Close(double timeout_s) {

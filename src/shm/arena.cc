@@ -239,6 +239,13 @@ class SlotFile {
 
 // ---------------------------------------------------------------------------------------------
 
+bool HasLaterCopy(const std::vector<SlotInfo>& slots, const SlotInfo& s) {
+  return std::any_of(slots.begin(), slots.end(), [&s](const SlotInfo& o) {
+    return o.index != s.index && o.state == SlotState::kComplete && o.step == s.step &&
+           o.complete_time_ns > s.complete_time_ns;
+  });
+}
+
 Status ValidateJobName(const std::string& job) {
   if (job.empty() || job.size() > 64) {
     return InvalidArgument("job name '" + job + "' must have 1..64 characters");
@@ -607,11 +614,21 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
   return std::make_pair(Acquire::kBusy, WriteTicket{});
 }
 
+// The time a snapshot becomes current: now, and later than every other slot's (only the rank's
+// one writer calls this), so that the order holds even if the wall clock steps back.
+int64_t Arena::NextCompletionNs() const {
+  int64_t t = NowNs();
+  for (const auto& s : slots_) {
+    if (s) t = std::max(t, s->header()->complete_time_ns.load(std::memory_order_relaxed) + 1);
+  }
+  return t;
+}
+
 void Arena::FinishWrite(const WriteTicket& t, uint64_t step, uint64_t image_size, bool leased) {
   SlotHeader* h = slots_[t.slot]->header();
   h->step.store(step, std::memory_order_relaxed);
   h->image_size.store(image_size, std::memory_order_relaxed);
-  h->complete_time_ns.store(NowNs(), std::memory_order_relaxed);
+  h->complete_time_ns.store(NextCompletionNs(), std::memory_order_relaxed);
   h->word.store(Word(t.generation, SlotState::kComplete, leased), std::memory_order_release);
 }
 
@@ -619,6 +636,17 @@ void Arena::AbortWrite(const WriteTicket& t) {
   if (!slots_[t.slot]) return;
   slots_[t.slot]->header()->word.store(Word(t.generation, SlotState::kFree),
                                        std::memory_order_release);
+}
+
+bool Arena::MarkResumed(uint32_t slot, uint64_t generation) {
+  if (slot >= slots_.size() || !slots_[slot]) return false;
+  SlotHeader* h = slots_[slot]->header();
+  const uint64_t w = h->word.load(std::memory_order_acquire);
+  if (StateOf(w) != SlotState::kComplete || GenOf(w) != generation) return false;
+  // Only this rank's writer changes the slot's state, so it stays this snapshot (the agent may
+  // lease it meanwhile, which changes nothing here).
+  h->complete_time_ns.store(NextCompletionNs(), std::memory_order_release);
+  return true;
 }
 
 bool Arena::Lease(uint32_t slot, uint64_t generation) {

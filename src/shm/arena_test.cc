@@ -329,6 +329,44 @@ TEST_F(ArenaTest, AfterAResumeTheStaleHigherStepIsOverwrittenFirst) {
   EXPECT_EQ(held, (std::vector<uint64_t>{9, 10}));
 }
 
+// Regression (issue 9, defect 10; crash campaign, seed 866710947): slots held step 5 and a step
+// 6 that an abandoned run completed later (its peer never did), so the ranks resumed from step 5.
+// The next save kept the stale 6, the snapshot completed last, and overwrote 5: killed during
+// that save, the rank was left without the step the ranks had agreed on, and the ranks resumed
+// from an older step on storage. The snapshot a run resumes from is kept.
+TEST_F(ArenaTest, TheSnapshotResumedFromIsKeptWhileTheNextSaveIsWritten) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  for (uint64_t step : {5, 6}) {
+    Shard s(step);
+    auto t = arena->BeginWrite(s.size());
+    ASSERT_TRUE(t.ok() && t->first == Arena::Acquire::kAcquired);
+    s.builder->FillAll(t->second.data, 1);
+    arena->FinishWrite(t->second, step, s.size());
+  }
+  std::optional<SlotInfo> five;
+  for (const SlotInfo& s : arena->Slots()) {
+    if (s.step == 5) five = s;
+  }
+  ASSERT_TRUE(five);
+  ASSERT_TRUE(arena->MarkResumed(five->index, five->generation));
+  EXPECT_EQ(arena->NewestComplete()->step, 6u);  // by step, loads still see 6 as newest
+
+  Shard six(6);
+  auto t = arena->BeginWrite(six.size());
+  ASSERT_TRUE(t.ok() && t->first == Arena::Acquire::kAcquired);
+  EXPECT_NE(t->second.slot, five->index);
+  const SlotInfo during = arena->Slots()[five->index];
+  EXPECT_EQ(during.state, SlotState::kComplete);
+  EXPECT_EQ(during.step, 5u);
+  ExpectImage(arena->SlotData(five->index).subspan(0, during.image_size), 5);
+  arena->AbortWrite(t->second);  // killed during the save: step 5 is what is left
+  ASSERT_TRUE(arena->NewestComplete());
+  EXPECT_EQ(arena->NewestComplete()->step, 5u);
+  // A slot that no longer holds the snapshot is not marked.
+  EXPECT_FALSE(arena->MarkResumed(t->second.slot, t->second.generation - 1));
+}
+
 TEST_F(ArenaTest, AbortWriteFreesTheSlot) {
   auto arena = Open(2);
   ASSERT_TRUE(arena);

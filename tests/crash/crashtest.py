@@ -60,6 +60,11 @@ from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "tests", "common"))
+from processes import (agent_log, agents_of, become_subreaper, children, dead,  # noqa: E402
+                       job_dir, kill_and_wait, lock_agent_pid, proc_argv, proc_state,
+                       wait_until)
+
 HANG = 300.0  # seconds: a guard against hangs, never a performance limit
 
 
@@ -82,6 +87,9 @@ def read_kill_points() -> dict[str, bool]:
 
 def zygote_main(fd: int) -> int:
     sock = socket.socket(fileno=fd)
+    # The agents that training processes start (double-forked to be reparented) stay below the
+    # zygote, where the driver finds them before they even run safepointd (Campaign.lose_node).
+    become_subreaper()
     sys.path.insert(0, HERE)
     import torch  # noqa: F401  (imported once here; children are forked)
     import torch.distributed  # noqa: F401
@@ -195,35 +203,6 @@ class Zygote:
                 self.proc.kill()
 
 
-# --- processes -----------------------------------------------------------------------------------
-
-def proc_state(pid: int) -> Optional[str]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-
-
-def dead(pid: int) -> bool:
-    """Gone, or a zombie whose threads have all exited (its files are closed)."""
-    if proc_state(pid) not in (None, "Z"):
-        return False
-    try:
-        return os.listdir(f"/proc/{pid}/task") in ([], [str(pid)])
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
-def wait_until(cond, deadline: float = HANG, interval: float = 0.005) -> bool:
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(interval)
-    return True
-
-
 class Violation(Exception):
     pass
 
@@ -329,6 +308,118 @@ class Rank:
             return ""
 
 
+# --- the expected state: what must have survived ----------------------------------------------
+
+class ExpectedState:
+    """What must have survived the kills so far, for one job (RocksDB's ExpectedState): updated
+    from what the ranks said after every round (`record_round`), checked against how the next
+    round resumed (`check_resume`) and against what storage lists (`check_listed`). Kills
+    never update it: a kill can only lose what this record does not promise."""
+
+    def __init__(self, world: int, keep: int):
+        self.world, self.keep = world, keep
+        self.began_ever: list[set] = [set() for _ in range(world)]
+        # Per rank, bounds on the newest COMPLETE snapshot in memory: at least `mem_lb` (the last
+        # save() that returned), at most `mem_ub` (the last save begun). None: nothing known.
+        self.mem_lb: list[Optional[int]] = [None] * world
+        self.mem_ub: list[Optional[int]] = [None] * world
+        self.closed_at: Optional[int] = None  # every rank closed cleanly after saving this step
+        self.reported: set[int] = set()       # the agent said these are committed
+        self.listed: list[int] = []           # committed steps at the last check
+
+    def memory_lost(self) -> None:
+        """The node's shared memory is gone (node loss)."""
+        self.mem_lb = [None] * self.world
+        self.mem_ub = [None] * self.world
+
+    def check_resume(self, ranks: list) -> None:
+        """How the ranks of a round resumed (`loaded` (step, source, verdict) or `fresh`)."""
+        loaded = [rk.loaded for rk in ranks if rk.loaded is not None]
+        fresh = [rk for rk in ranks if rk.fresh]
+        if not loaded and not fresh:
+            return  # killed before loading
+        newest = self.listed[-1] if self.listed else None
+        if fresh:
+            if loaded:
+                raise Violation(f"some ranks loaded {loaded}, others nothing")
+            if newest is not None:
+                raise Violation(f"a rank started fresh although step {newest} is committed")
+            if all(lb is not None for lb in self.mem_lb):
+                raise Violation(f"the ranks started fresh although every rank's save returned "
+                                f"(steps {self.mem_lb}) and memory was kept")
+            return
+        steps = {s for s, _, _ in loaded}
+        if len(steps) != 1:
+            raise Violation(f"ranks resumed from different steps: {loaded}")
+        s = steps.pop()
+        if newest is not None and s < newest:
+            raise Violation(f"resumed at step {s}, older than the newest committed step {newest}")
+        if self.reported and s < max(self.reported):
+            raise Violation(f"resumed at step {s}; the agent had reported step "
+                            f"{max(self.reported)} committed")
+        lbs = [lb for lb in self.mem_lb if lb is not None]
+        if len(lbs) == self.world and s < min(lbs):
+            raise Violation(f"resumed at step {s}, but every rank's save() of step {min(lbs)} "
+                            f"returned and the snapshots stayed in memory (ranks: {self.mem_lb})")
+        ubs = [ub for ub in self.mem_ub if ub is not None]
+        top = max(ubs + ([newest] if newest is not None else []))
+        if s > top:
+            raise Violation(f"resumed at step {s}, newer than any step begun ({top})")
+        if not ubs and s != newest:
+            raise Violation(f"memory was lost; resumed at step {s}, not at the newest committed "
+                            f"step {newest}")
+        if self.closed_at is not None and not ubs and s != self.closed_at:
+            raise Violation(f"every rank closed after step {self.closed_at}, resumed at {s}")
+        for _, source, _ in loaded:
+            if newest is not None and s > newest and source != "memory":
+                raise Violation(f"step {s} is not committed but was loaded from {source}")
+
+    def record_round(self, ranks: list, end_sent: Optional[str]) -> None:
+        """What the ranks of a round said: begun, returned and reported steps, and a clean close
+        (`end_sent` "close"), which removes the snapshots."""
+        for rk in ranks:
+            r = rk.rank
+            self.began_ever[r].update(rk.began)
+            self.reported.update(rk.committed)
+            self.reported.update(rk.newest)
+            if rk.began:
+                self.mem_ub[r] = max(rk.began)
+            if rk.saved:
+                self.mem_lb[r] = max(rk.saved)
+            elif rk.loaded is not None and rk.loaded[1] == "memory":
+                self.mem_lb[r] = rk.loaded[0]
+        closed = [rk.closed for rk in ranks]
+        if end_sent == "close" and any(c is not None for c in closed):
+            # A clean close removes the snapshots (a failed one may have).
+            if all(c is True for c in closed) and all(rk.saved for rk in ranks):
+                self.closed_at = max(ranks[0].saved)
+            else:
+                self.closed_at = None
+            self.mem_lb = [None] * self.world
+            if all(c is True for c in closed):
+                self.mem_ub = [None] * self.world
+        elif any(rk.began for rk in ranks):
+            self.closed_at = None
+
+    def check_listed(self, listed: list[int]) -> None:
+        """The committed steps storage lists now: each begun by every rank; every step the
+        agent reported committed listed, or pruned with `keep` newer ones listed; after a clean
+        close, the close step is the newest."""
+        for s in listed:
+            for r in range(self.world):
+                if s not in self.began_ever[r]:
+                    raise Violation(f"step {s} is listed but rank {r} never began saving it")
+        for s in self.reported:
+            newer = [t for t in listed if t > s]
+            if s not in listed and len(newer) < self.keep:
+                raise Violation(f"the agent reported step {s} committed; it is not listed and "
+                                f"only {newer} are newer (keep={self.keep}); listed: {listed}")
+        if self.closed_at is not None and (not listed or listed[-1] != self.closed_at):
+            raise Violation(f"every rank closed after step {self.closed_at}; the newest "
+                            f"committed step is {listed[-1:] or None}")
+        self.listed = listed
+
+
 # --- one job: a checkpoint directory, its ranks and the expected state ---------------------------
 
 class Job:
@@ -339,47 +430,17 @@ class Job:
         self.path = os.path.join(root, name)
         self.shm = os.path.join(shm, name)  # its own: `safepoint gc` of a lost node is per job
         os.makedirs(self.shm, mode=0o700)
-        self.job_dir = os.path.join(self.shm, f"safepoint-{os.geteuid()}-{name}")
-        # Expected state.
-        self.began_ever: list[set] = [set() for _ in range(world)]
-        # Per rank, bounds on the newest COMPLETE snapshot in memory: at least `mem_lb` (the last
-        # save() that returned), at most `mem_ub` (the last save begun). None: nothing known.
-        self.mem_lb: list[Optional[int]] = [None] * world
-        self.mem_ub: list[Optional[int]] = [None] * world
-        self.closed_at: Optional[int] = None  # every rank closed cleanly after saving this step
-        self.reported: set[int] = set()       # the agent said these are committed
-        self.listed: list[int] = []           # at the last check
+        self.job_dir = str(job_dir(self.shm, name))
+        self.expected = ExpectedState(world, keep)
         self.rounds = 0
         self.steps_saved = 0
 
-    # The agent of this job, if one is alive.
     def agent_pid(self) -> Optional[int]:
-        try:
-            with open(os.path.join(self.job_dir, "agent.lock")) as f:
-                text = f.read().strip()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        if not text.isdigit():
-            return None
-        pid = int(text)
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [a.decode() for a in f.read().split(b"\0") if a]
-        except (FileNotFoundError, ProcessLookupError):
-            return None
-        if not argv or not argv[0].endswith("safepointd") or proc_state(pid) in (None, "Z"):
-            return None
-        opts = dict(zip(argv[1::2], argv[2::2]))
-        if opts.get("--job") != self.name or opts.get("--shm-dir") != self.shm:
-            return None
-        return pid
+        """The job's live agent, as its lock names it."""
+        return lock_agent_pid(self.shm, self.name)
 
     def agent_log(self) -> str:
-        try:
-            with open(os.path.join(self.job_dir, "agent.log"), errors="replace") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            return ""
+        return agent_log(self.shm, self.name)
 
 
 # --- the campaign --------------------------------------------------------------------------------
@@ -460,6 +521,43 @@ class Campaign:
             return
         if not wait_until(lambda: dead(pid)):
             raise Violation(f"agent {pid} did not exit after SIGTERM:\n{job.agent_log()[-3000:]}")
+
+    def starting_agents(self) -> list[int]:
+        """Agents that training processes started and that do not run safepointd yet: forked
+        helpers below the zygote (their subreaper) that are not training processes. Call only
+        when no training process is alive."""
+        out = []
+        for pid in children(self.zygote.proc.pid):
+            argv = proc_argv(pid)
+            if argv and not argv[0].endswith("safepointd"):
+                out.append(pid)
+        return out
+
+    def lose_node_agents(self, job: Job, ranks: list) -> None:
+        """Every agent of the job dies with the node: the one its lock names, and any that a
+        training process of the round started before it was killed, which may not have taken
+        the lock yet, or not even run safepointd yet (a forked helper below the zygote, the
+        subreaper of every rank's descendants). The ranks are dead, so none can start another:
+        kill until none is left, then check that the job's lock is free."""
+        if not all(dead(rk.pid) for rk in ranks):
+            raise Violation("a rank outlived the node loss")
+
+        def found() -> list[int]:
+            return sorted(set(self.starting_agents()) | set(agents_of(job.shm, job.name)))
+
+        def none_left() -> bool:
+            for pid in found():
+                self.killed_agents.add(pid)
+                kill_and_wait(pid)
+                self.kills += 1
+                self.by_random["agent (node lost)"] += 1
+                self.note(f"killed agent {pid} (node lost)")
+            if found():
+                return False
+            out = self.cli_run("status", "--shm-dir", job.shm, "--json")
+            return not any(j.get("agent_alive") for j in json.loads(out.stdout or "[]"))
+        if not wait_until(none_left, interval=0.01):
+            raise Violation(f"an agent of {job.name} survived the node loss")
 
     # -- a round --------------------------------------------------------------------------------
     def plan(self, job: Job) -> dict:
@@ -648,14 +746,7 @@ class Campaign:
         if agent_point and not point_fired:
             self.kill_agent(job, "armed, kill point not reached")
         if p["mode"] == "node":
-            # Every agent dies with the node, also one a rank started just before it was killed
-            # (it may still be taking the job's lock: ask the lock, not only the pid file).
-            def no_agent() -> bool:
-                self.kill_agent(job, "node lost")
-                out = self.cli_run("status", "--shm-dir", job.shm, "--json")
-                return not any(j.get("agent_alive") for j in json.loads(out.stdout or "[]"))
-            if not wait_until(no_agent, interval=0.01):
-                raise Violation(f"an agent of {job.name} survived the node loss")
+            self.lose_node_agents(job, ranks)
             # Node lost: the shared memory is gone.
             self.cli_run("gc", "--shm-dir", job.shm, check=0)
             if os.path.exists(job.job_dir):
@@ -664,50 +755,14 @@ class Campaign:
         self.check_round(job, p, ranks)
 
     # -- checks ---------------------------------------------------------------------------------
-    def check_resume(self, job: Job, ranks: list, listed_before: list[int]) -> None:
-        loaded = [rk.loaded for rk in ranks if rk.loaded is not None]
-        fresh = [rk for rk in ranks if rk.fresh]
-        if not loaded and not fresh:
-            return  # killed before loading
-        newest = listed_before[-1] if listed_before else None
-        if fresh:
-            if loaded:
-                raise Violation(f"some ranks loaded {loaded}, others nothing")
-            if newest is not None:
-                raise Violation(f"a rank started fresh although step {newest} is committed")
-            if all(lb is not None for lb in job.mem_lb):
-                raise Violation(f"the ranks started fresh although every rank's save returned "
-                                f"(steps {job.mem_lb}) and memory was kept")
-            return
-        steps = {s for s, _, _ in loaded}
-        if len(steps) != 1:
-            raise Violation(f"ranks resumed from different steps: {loaded}")
-        s = steps.pop()
-        if newest is not None and s < newest:
-            raise Violation(f"resumed at step {s}, older than the newest committed step {newest}")
-        if job.reported and s < max(job.reported):
-            raise Violation(f"resumed at step {s}; the agent had reported step "
-                            f"{max(job.reported)} committed")
-        lbs = [lb for lb in job.mem_lb if lb is not None]
-        if len(lbs) == job.world and s < min(lbs):
-            raise Violation(f"resumed at step {s}, but every rank's save() of step {min(lbs)} "
-                            f"returned and the snapshots stayed in memory (ranks: {job.mem_lb})")
-        ubs = [ub for ub in job.mem_ub if ub is not None]
-        top = max(ubs + ([newest] if newest is not None else []))
-        if s > top:
-            raise Violation(f"resumed at step {s}, newer than any step begun ({top})")
-        if not ubs and s != newest:
-            raise Violation(f"memory was lost; resumed at step {s}, not at the newest committed "
-                            f"step {newest}")
-        if job.closed_at is not None and not ubs and s != job.closed_at:
-            raise Violation(f"every rank closed after step {job.closed_at}, resumed at {s}")
-        for s2, source, _ in loaded:
-            if newest is not None and s > newest and source != "memory":
-                raise Violation(f"step {s} is not committed but was loaded from {source}")
-
     def quiesce(self, job: Job) -> None:
-        """Waits until the job's agent is gone or idle with no rank connected."""
+        """Waits until the job's agent is gone or idle with no rank connected, and no other agent
+        is on its way: one that a killed rank started may not have taken the lock yet (or not
+        even run safepointd yet), and would adopt and persist while storage is checked."""
         def idle() -> bool:
+            if self.starting_agents() or any(a != job.agent_pid()
+                                             for a in agents_of(job.shm, job.name)):
+                return False  # a starting agent takes the lock or exits ("another agent serves")
             # `safepoint status` asks the job's lock (flock), which a starting agent holds before
             # it writes its pid: no window in which a live agent looks absent.
             out = self.cli_run("status", "--shm-dir", job.shm, "--json")
@@ -730,10 +785,9 @@ class Campaign:
         from workload import first_difference, make_state
 
         listed = safepoint.steps(job.path)
+        job.expected.check_listed(listed)
         for s in listed:
             for r in range(job.world):
-                if s not in job.began_ever[r]:
-                    raise Violation(f"step {s} is listed but rank {r} never began saving it")
                 try:
                     got, state = safepoint.load(job.path, s, rank=r)
                 except safepoint.Error as e:
@@ -742,17 +796,11 @@ class Campaign:
                 if got != s or diff is not None:
                     raise Violation(f"step {s} rank {r} loads with a difference: {diff}")
                 self.loads_checked += 1
-        for s in job.reported:
-            newer = [t for t in listed if t > s]
-            if s not in listed and len(newer) < job.keep:
-                raise Violation(f"the agent reported step {s} committed; it is not listed and "
-                                f"only {newer} are newer (keep={job.keep}); listed: {listed}")
         if listed:
             self.cli_run("verify", job.path, "--all", check=0)
             self.verifies += 1
         tmps = glob.glob(os.path.join(job.path, "step-*", "*.tmp.*"))
         self.temporaries_seen += len(tmps)
-        job.listed = listed
 
     def plant_decoy(self, job: Job) -> None:
         """A torn temporary where a killed writer would leave one: it must never be read."""
@@ -775,41 +823,13 @@ class Campaign:
         self.decoys += 1
 
     def check_round(self, job: Job, p: dict, ranks: list) -> None:
-        listed_before = job.listed
-        self.check_resume(job, ranks, listed_before)
-        # Update the expected state from what the ranks said.
-        for rk in ranks:
-            r = rk.rank
-            job.began_ever[r].update(rk.began)
-            job.steps_saved += len(rk.saved)
-            job.reported.update(rk.committed)
-            job.reported.update(rk.newest)
-            if rk.began:
-                job.mem_ub[r] = max(rk.began)
-            if rk.saved:
-                job.mem_lb[r] = max(rk.saved)
-            elif rk.loaded is not None and rk.loaded[1] == "memory":
-                job.mem_lb[r] = rk.loaded[0]
-        closed = [rk.closed for rk in ranks]
-        if p.get("end_sent") == "close" and any(c is not None for c in closed):
-            # A clean close removes the snapshots (a failed one may have).
-            if all(c is True for c in closed) and all(rk.saved for rk in ranks):
-                job.closed_at = max(ranks[0].saved)
-            else:
-                job.closed_at = None
-            job.mem_lb = [None] * job.world
-            if all(c is True for c in closed):
-                job.mem_ub = [None] * job.world
-        elif any(rk.began for rk in ranks):
-            job.closed_at = None
+        job.expected.check_resume(ranks)
+        job.expected.record_round(ranks, p.get("end_sent"))
+        job.steps_saved += sum(len(rk.saved) for rk in ranks)
         if p["mode"] == "node":
-            job.mem_lb = [None] * job.world
-            job.mem_ub = [None] * job.world
+            job.expected.memory_lost()
         self.quiesce(job)
         self.check_storage(job)
-        if job.closed_at is not None and (not job.listed or job.listed[-1] != job.closed_at):
-            raise Violation(f"every rank closed after step {job.closed_at}; the newest "
-                            f"committed step is {job.listed[-1:] or None}")
         if p["decoy"]:
             self.plant_decoy(job)
 
@@ -845,7 +865,7 @@ class Campaign:
                                 f"{rk.stderr()}")
         p = {"mode": "final", "decoy": False, "end_sent": "close"}
         self.check_round(job, p, ranks)
-        newest = job.listed[-1]
+        newest = job.expected.listed[-1]
         left = [t for t in glob.glob(os.path.join(job.path, "step-*", "*.tmp.*"))
                 if int(os.path.basename(os.path.dirname(t))[5:]) < newest]
         if left:
@@ -897,8 +917,8 @@ class Campaign:
         for job in self.jobs:
             print(f"  job {job.name}: world {job.world}, persist every {job.persist_every}, "
                   f"keep {job.keep}: {job.rounds} rounds, {job.steps_saved} saves returned, "
-                  f"newest committed step {job.listed[-1] if job.listed else None}, "
-                  f"{len(job.reported)} steps reported committed")
+                  f"newest committed step {job.expected.listed[-1] if job.expected.listed else None}, "
+                  f"{len(job.expected.reported)} steps reported committed")
         print(f"  checked: {self.loads_checked} bit-exact loads from storage, {self.verifies} "
               f"clean `safepoint verify --all`, {self.temporaries_seen} temporaries seen left "
               f"over (never listed or read), {self.decoys} decoy temporaries planted")

@@ -6,6 +6,9 @@ import sys
 import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# tests/common: the helpers that the Python tests share with the crash driver (tests/crash).
+sys.path.insert(0, os.path.join(REPO, "tests", "common"))
+from processes import agents_of, kill_and_wait, start_script  # noqa: E402,F401
 
 _SHORT_BASETEMP = None
 
@@ -58,36 +61,17 @@ def ckpt(tmp_path):
     return tmp_path / "ckpt"
 
 
-def run_python(code: str, *args, timeout=300, **kwargs):
-    """Runs `code` in a fresh interpreter (a separate process, as a rank would be)."""
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], **kwargs)
-
-
 @pytest.fixture
 def shm():
     """A private, short shm directory (the agent's socket path has a length limit) whose agents
     are killed afterwards (those named by this directory on their command line)."""
-    import signal
     import tempfile
 
     d = tempfile.mkdtemp(prefix="spa-")
     yield d
-    for entry in os.listdir(d):
-        try:
-            pid = int(open(os.path.join(d, entry, "agent.lock")).read().strip() or 0)
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if cmd and cmd[0].endswith(b"safepointd") and d.encode() in cmd:
-            os.kill(pid, signal.SIGKILL)
+    for pid in agents_of(d):
+        kill_and_wait(pid)
     shutil.rmtree(d, ignore_errors=True)
-
-
-def start_script(path: str, *args) -> subprocess.Popen:
-    """Runs a Python file (a test file doubling as its own worker) with warnings off."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.Popen([sys.executable, os.path.abspath(path), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def run_script(path: str, *args, timeout: float) -> subprocess.CompletedProcess:

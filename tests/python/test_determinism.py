@@ -32,7 +32,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -43,7 +42,8 @@ import safepoint
 WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
 sys.path.insert(0, WORKLOADS)
 import det_train  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import cli_path, free_port  # noqa: E402
+from processes import agents_of, job_dir, kill_agents, wait_until  # noqa: E402
 
 N, K = 12, 6           # train N steps; killed during step K + 1, after save(K) returned
 PERSIST_EVERY = 4      # storage holds step 4; step K reaches it by the agent's flush
@@ -121,38 +121,6 @@ class Proc:
 
 # --- the node agent ------------------------------------------------------------------------------
 
-def _argv(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                return []  # a zombie (agents are reparented; nobody may reap them): dead
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return []
-
-
-def agents_of(shm: Path) -> list[int]:
-    """Live safepointd processes serving jobs in `shm` (a private directory of one test)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            argv = _argv(int(entry))
-            if argv and argv[0].endswith("safepointd") and \
-                    dict(zip(argv[1::2], argv[2::2])).get("--shm-dir") == str(shm):
-                out.append(int(entry))
-    return out
-
-
-def wait_until(cond, deadline: float = HANG) -> bool:
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 class Job:
     def __init__(self, tmp: Path, shm: Path, name: str):
         self.path, self.shm, self.name = tmp / "ckpt", shm, name
@@ -174,7 +142,7 @@ class Job:
         return procs
 
     def job_dir(self) -> Path:
-        return self.shm / f"safepoint-{os.geteuid()}-{self.name}"
+        return job_dir(self.shm, self.name)
 
     def stop_agent_and_wipe_memory(self, cli: str) -> None:
         """SIGTERM the agent (it persists the newest snapshots and exits), then `safepoint gc`
@@ -193,12 +161,7 @@ class Job:
             if p.proc.is_alive():
                 p.proc.kill()
             p.proc.join(30)
-        for pid in agents_of(self.shm):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_until(lambda: not agents_of(self.shm), deadline=30)
+        kill_agents(self.shm, deadline=30)
 
 
 _counter = iter(range(1 << 30))
@@ -222,14 +185,6 @@ def new_job(tmp_path):
     for job, own in made:
         job.cleanup()
         shutil.rmtree(own, ignore_errors=True)
-
-
-def cli_path() -> str:
-    cand = os.path.join(os.path.dirname(sys.executable), "safepoint")
-    found = cand if os.path.exists(cand) else shutil.which("safepoint")
-    if not found:
-        pytest.skip("the safepoint CLI is not installed")
-    return found
 
 
 # --- the uninterrupted runs ----------------------------------------------------------------------
@@ -278,6 +233,18 @@ def check_identical(ref: tuple[dict, dict], before: Proc, after: Proc, rank: int
     assert not diff, f"rank {rank}: final state differs from the uninterrupted run: {sorted(diff)}"
 
 
+def resume_and_check(ctx, job, ref: list, killed: list, source: str) -> None:
+    """Restarts the killed ranks: each resumes from step K (from `source`), runs to N, and
+    matches the uninterrupted run bit for bit."""
+    procs = job.launch(ctx, len(killed), resume=True)
+    for p in procs:
+        assert p.expect("fresh", "resumed") == ("resumed", K, source)
+    for p in procs:
+        assert p.finish() == 0, p.events[-3:]
+    for rank, (before, after) in enumerate(zip(killed, procs)):
+        check_identical(ref[rank], before, after, rank)
+
+
 # --- tests ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("source", ["memory", "storage"])
@@ -295,10 +262,7 @@ def test_single_process_resume_is_bit_identical(ctx, reference, new_job, source)
         job.stop_agent_and_wipe_memory(cli_path())
         assert safepoint.steps(job.path)[-1] == K  # persisted by the agent when it stopped
 
-    [second] = job.launch(ctx, 1, resume=True)
-    assert second.expect("fresh", "resumed") == ("resumed", K, source)
-    assert second.finish() == 0, second.events[-3:]
-    check_identical(ref[0], first, second, 0)
+    resume_and_check(ctx, job, ref, [first], source)
 
 
 def test_ddp_one_rank_killed_resumes_from_memory_bit_identical(ctx, reference, new_job):
@@ -317,13 +281,7 @@ def test_ddp_one_rank_killed_resumes_from_memory_bit_identical(ctx, reference, n
         r0.expect("saved")
     r0.kill()
 
-    procs = job.launch(ctx, 2, resume=True)
-    for p in procs:
-        assert p.expect("fresh", "resumed") == ("resumed", K, "memory")
-    for p in procs:
-        assert p.finish() == 0, p.events[-3:]
-    for rank in range(2):
-        check_identical(ref[rank], (r0, r1)[rank], procs[rank], rank)
+    resume_and_check(ctx, job, ref, [r0, r1], "memory")
 
 
 def test_ddp_group_killed_resumes_from_storage_bit_identical(ctx, reference, new_job):
@@ -340,10 +298,4 @@ def test_ddp_group_killed_resumes_from_storage_bit_identical(ctx, reference, new
     job.stop_agent_and_wipe_memory(cli_path())
     assert safepoint.steps(job.path)[-1] == K
 
-    procs = job.launch(ctx, 2, resume=True)
-    for p in procs:
-        assert p.expect("fresh", "resumed") == ("resumed", K, "storage")
-    for p in procs:
-        assert p.finish() == 0, p.events[-3:]
-    for rank in range(2):
-        check_identical(ref[rank], first[rank], procs[rank], rank)
+    resume_and_check(ctx, job, ref, first, "storage")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import re
 import shutil
@@ -22,11 +21,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import pytest
 
@@ -37,6 +35,10 @@ WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads"
 WORKER = os.path.join(WORKLOADS, "flash_worker.py")
 sys.path.insert(0, WORKLOADS)
 from flash_worker import first_difference, make_state  # noqa: E402
+from processes import (LineReader, agent_log, agents_of, is_agent_of,  # noqa: E402
+                       kill_agents, kill_and_wait, lock_agent_pid, sigkill, start_script,
+                       wait_until)
+from processes import job_dir as job_directory  # noqa: E402
 
 SEED = int(os.environ.get("SAFEPOINT_TEST_SEED", "1234"))
 HANG = 180.0  # seconds: only a guard against a hung process, never a performance limit
@@ -45,56 +47,6 @@ WRITING = "WRITING"  # a slot state (docs/format.md, "Snapshot slot files")
 
 
 # --- helpers -------------------------------------------------------------------------------------
-
-def wait_until(cond: Callable[[], bool], deadline: float = HANG, interval: float = 0.002) -> bool:
-    end = time.monotonic() + deadline
-    while True:
-        if cond():
-            return True
-        if time.monotonic() > end:
-            return False
-        time.sleep(interval)
-
-
-def _proc_cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                return []  # a zombie (agents are reparented; nobody may reap them): it is dead
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return []
-
-
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie whose threads have all exited (so its files, sockets included, are
-    closed: a thread-group leader shows "Z" while its other threads are still exiting)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                return False
-        return os.listdir(f"/proc/{pid}/task") in ([], [str(pid)])
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-
-
-def _is_agent_of(pid: int, shm_dir: Path, job: Optional[str] = None) -> bool:
-    argv = _proc_cmdline(pid)
-    if not argv or not argv[0].endswith("safepointd"):
-        return False
-    opts = dict(zip(argv[1::2], argv[2::2]))
-    return opts.get("--shm-dir") == str(shm_dir) and (job is None or opts.get("--job") == job)
-
-
-def agents_of(shm_dir: Path) -> list[int]:
-    """Live safepointd processes serving jobs in `shm_dir` (a private directory of one test)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and _is_agent_of(int(entry), shm_dir):
-            out.append(int(entry))
-    return out
-
 
 def slot_states(job_dir: Path) -> list[str]:
     """The state of each of the job's slot files ("FREE", "WRITING", "COMPLETE"), read from their
@@ -139,21 +91,15 @@ class Worker:
     def __init__(self, env: "FlashEnv", args: list, job: str, path: Path):
         self.n = len(env.workers)
         self.err = env.tmp / f"worker-{job}-{self.n}.err"
-        cmd = [sys.executable, WORKER, "--path", str(path), "--job", job,
-               "--shm-dir", str(env.shm), *map(str, args)]
         with open(self.err, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, text=True, bufsize=1)
-        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+            self.proc = start_script(WORKER, "--path", path, "--job", job, "--shm-dir", env.shm,
+                                     *args, stdin=subprocess.PIPE, stderr=err, bufsize=1,
+                                     env=os.environ)
         self.saved: list[int] = []
         self.began: list[int] = []
-        self.eof = False
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
+        self.out = LineReader(self.proc.stdout, f"worker {self.proc.pid}", self.stderr,
+                              self._observe)
+        self.next, self.expect = self.out.next, self.out.expect
 
     def stderr(self) -> str:
         try:
@@ -161,31 +107,12 @@ class Worker:
         except FileNotFoundError:
             return ""
 
-    def next(self, timeout: float = HANG) -> Optional[list[str]]:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"worker {self.proc.pid} said nothing for {timeout} s; "
-                                 f"stderr:\n{self.stderr()}") from None
-        if line is None:
-            self.eof = True
-            return None
-        fields = line.split()
+    def _observe(self, fields: list[str]) -> None:
         if fields and fields[0] == "SAVED":
             self.saved.append(int(fields[1]))
         elif fields and fields[0] == "BEGIN":
             self.began.append(int(fields[1]))
-        return fields
-
-    def expect(self, *kinds: str) -> list[str]:
-        while True:
-            fields = self.next()
-            if fields is None:
-                raise AssertionError(f"worker {self.proc.pid} ended (rc {self.proc.wait()}) "
-                                     f"before saying {kinds}; stderr:\n{self.stderr()}")
-            if fields and fields[0] in kinds:
-                return fields
-            assert not fields or fields[0] != "DIFF", f"worker: {' '.join(fields)}"
+        assert not fields or fields[0] != "DIFF", f"worker: {' '.join(fields)}"
 
     def send(self, cmd: str) -> None:
         self.proc.stdin.write(cmd + "\n")
@@ -193,16 +120,12 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL, reap, and collect what it printed before it died."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        while not self.eof:
-            self.next()
+        sigkill(self.proc)
+        self.out.drain()
 
     def finish(self) -> int:
         """Waits for the process to exit on its own; returns its exit status."""
-        while not self.eof:
-            self.next()
+        self.out.drain()
         return self.proc.wait(timeout=HANG)
 
     @property
@@ -223,7 +146,7 @@ class FlashEnv:
         self.stopped: list[int] = []
 
     def job_dir(self, job: Optional[str] = None) -> Path:
-        return self.shm / f"safepoint-{os.geteuid()}-{job or self.job}"
+        return job_directory(self.shm, job or self.job)
 
     def worker(self, *args, job: Optional[str] = None, path: Optional[Path] = None) -> Worker:
         w = Worker(self, list(args), job or self.job, path or self.path)
@@ -239,14 +162,7 @@ class FlashEnv:
 
     def agent_pid(self, job: Optional[str] = None) -> Optional[int]:
         """The pid in the job's agent.lock when that process is the job's live agent."""
-        try:
-            text = (self.job_dir(job) / "agent.lock").read_text().strip()
-        except FileNotFoundError:
-            return None
-        if not text.isdigit():
-            return None  # an agent is just writing it
-        pid = int(text)
-        return pid if _is_agent_of(pid, self.shm, job or self.job) else None
+        return lock_agent_pid(self.shm, job or self.job)
 
     def wait_agent(self, job: Optional[str] = None, not_in=()) -> int:
         pid = None
@@ -260,10 +176,7 @@ class FlashEnv:
         return pid
 
     def agent_log(self, job: Optional[str] = None) -> str:
-        try:
-            return (self.job_dir(job) / "agent.log").read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return agent_log(self.shm, job or self.job)
 
     def _connections(self, job: Optional[str] = None) -> list[tuple[int, int]]:
         """(agent pid, client pid) of every "rank 0 connected" line of the job's agent log."""
@@ -277,7 +190,7 @@ class FlashEnv:
         def found() -> bool:
             nonlocal pid
             live = [a for a, _ in self._connections()
-                    if a not in not_in and _is_agent_of(a, self.shm, self.job)]
+                    if a not in not_in and is_agent_of(a, self.shm, self.job)]
             pid = live[-1] if live else None
             return pid is not None
 
@@ -287,32 +200,23 @@ class FlashEnv:
     def agent_of_worker(self, worker_pid: int) -> int:
         """The live agent the worker is connected to."""
         live = [a for a, c in self._connections()
-                if c == worker_pid and _is_agent_of(a, self.shm, self.job)]
+                if c == worker_pid and is_agent_of(a, self.shm, self.job)]
         assert live, f"worker {worker_pid} is not connected:\n{self.agent_log()[-3000:]}"
         return live[-1]
 
     def kill_agent(self, pid: int) -> None:
         """SIGKILL an agent and wait until it is dead."""
-        assert _is_agent_of(pid, self.shm), f"pid {pid} is not an agent of this test"
-        os.kill(pid, signal.SIGKILL)
-        assert wait_until(lambda: _dead(pid)), f"agent {pid} survived SIGKILL"
+        assert is_agent_of(pid, self.shm), f"pid {pid} is not an agent of this test"
+        kill_and_wait(pid)
 
     def cleanup(self) -> None:
         for w in self.workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-            w.proc.wait()
+            sigkill(w.proc)
         for ck in self.checkpointers:  # drop without a clean close (agents are killed next)
             client, ck._client = ck._client, None
             if client is not None:
                 client.abandon()
-        for pid in agents_of(self.shm):
-            try:
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_until(lambda: not agents_of(self.shm), deadline=30)
+        kill_agents(self.shm, deadline=30)
 
 
 _counter = iter(range(1 << 30))
@@ -440,6 +344,79 @@ def test_killed_during_copy_resumes_from_memory(env):
     step, state = safepoint.load(env.path)
     assert step == resumed + 1
     assert first_difference(state, make_state(SEED, step, numel)) is None
+
+
+def test_a_save_after_a_resume_keeps_the_snapshot_resumed_from(env):
+    """Regression (issue 9, defect 10; crash campaign, seed 866710947): a rank held step 5 and
+    a later step 6 of a run that was abandoned (its peer never completed 6), so the ranks
+    resumed from 5 in memory. The arena kept the snapshot completed last while writing the
+    next save, the stale 6, and overwrote 5: a kill during that save left the rank without
+    step 5 (its peer without 6), the ranks could no longer agree on a step in memory and
+    resumed from an older one on storage. The snapshot a run resumes from is the one kept."""
+    numel = 1000
+    abandoned = env.checkpointer(persist_every=1000)
+    for step in (5, 6):
+        assert abandoned.save(step, make_state(SEED, step, numel))
+    abandoned.abandon()
+
+    resumed = env.checkpointer(persist_every=1000)
+    step, state = resumed.load(5)
+    assert (step, resumed.last_load_source) == (5, "memory")
+    assert first_difference(state, make_state(SEED, 5, numel)) is None
+    slot_of_5 = next(s["slot"] for s in resumed.status()["snapshots"]
+                     if s["state"] == "COMPLETE" and s["step"] == 5)
+    assert resumed.save(6, make_state(SEED, 6, numel))
+    assert resumed.status()["last_save"]["slot"] != slot_of_5, \
+        "the save after the resume overwrote the snapshot the run resumed from"
+    held = sorted(s["step"] for s in resumed.status()["snapshots"] if s["state"] == "COMPLETE")
+    assert held == [5, 6], held
+    step, state = resumed.load(5)
+    assert first_difference(state, make_state(SEED, 5, numel)) is None
+
+
+def test_adopting_agent_persists_only_the_current_snapshot_of_a_step(env, cli, monkeypatch):
+    """Found by the crash campaign (seed 866710947, round 364): rank 0 held two snapshots of
+    step 3, one of an abandoned run (attempt Z) and the current run's (attempt C), rank 1 only
+    the current one. An agent that adopted them persisted both of rank 0's, the stale one last:
+    rank 0's image was of attempt Z and rank 1's of C, so step 3 never committed and every
+    wait() for it hung. Of two snapshots of one step, the agent persists the one that became
+    current last, as loads and the restore agreement read it."""
+    numel = 1000
+
+    def crash(*checkpointers) -> None:
+        """Agent and ranks die together: nothing is flushed."""
+        env.kill_agent(env.wait_agent())
+        for ck in checkpointers:
+            ck.abandon()
+
+    monkeypatch.setenv("SAFEPOINT_ATTEMPT", "run-Z")
+    z0 = env.checkpointer(rank=0, world_size=2, persist_every=1000)
+    for step in (2, 3):  # rank 1 of this run died before it saved step 3
+        assert z0.save(step, make_state(SEED, step, numel))
+    crash(z0)
+
+    monkeypatch.setenv("SAFEPOINT_ATTEMPT", "run-C")
+    c0 = env.checkpointer(rank=0, world_size=2, persist_every=1000)
+    c1 = env.checkpointer(rank=1, world_size=2, persist_every=1000)
+    assert c0.save(3, make_state(SEED, 3, numel))  # beside the stale one, completed earlier
+    assert c1.save(3, make_state(SEED, 3, numel))
+    held = sorted(s["step"] for s in c0.status()["snapshots"] if s["state"] == "COMPLETE")
+    assert held == [3, 3], held
+    crash(c0, c1)
+
+    monkeypatch.setenv("SAFEPOINT_ATTEMPT", "run-D")
+    env.checkpointer(rank=0, world_size=2)  # starts an agent, which adopts the snapshots
+
+    def idle() -> bool:
+        jobs = json.loads(cli("status", "--shm-dir", env.shm, "--json", check=0).stdout)
+        j = next(j for j in jobs if j["job"] == env.job)
+        return "queued" in j and j["queued"] == 0 and j["in_flight"] is None and \
+            all(r["pending_persists"] == 0 for r in j["ranks"])
+    assert wait_until(idle), env.agent_log()[-3000:]
+    assert 3 in safepoint.steps(env.path), env.agent_log()[-3000:]
+    for rank in (0, 1):
+        step, state = safepoint.load(env.path, 3, rank=rank)
+        assert first_difference(state, make_state(SEED, 3, numel)) is None
 
 
 def test_killed_during_persist_resumes_from_memory(env):
@@ -657,9 +634,7 @@ def test_too_little_shared_memory_gives_a_clear_error(env):
         assert out["saved_small"] is True
         assert out["loaded"] == [2, "memory", None], out
     finally:
-        for pid in agents_of(mnt):
-            os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: not agents_of(mnt), deadline=30)
+        kill_agents(mnt, deadline=30)
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
@@ -767,7 +742,7 @@ def test_status_retention_persist_overrides_and_close(env):
     ck.close()
     assert safepoint.steps(env.path) == [10, 11]
     assert not list(env.job_dir().glob("rank-*"))
-    assert wait_until(lambda: not _is_agent_of(agent, env.shm)), f"agent {agent} did not exit"
+    assert wait_until(lambda: not is_agent_of(agent, env.shm)), f"agent {agent} did not exit"
     assert wait_until(lambda: not env.job_dir().exists()), list(env.job_dir().iterdir())
     ck.close()  # idempotent
 

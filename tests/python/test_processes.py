@@ -2,15 +2,14 @@
 
 import os
 import random
-import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import safepoint
+from processes import run_python, sigkill
 
 RANK_SCRIPT = r"""
 import sys, torch, safepoint
@@ -30,14 +29,12 @@ def test_four_ranks_commit_only_when_all_have_saved(ckpt):
     world = 4
     # Ranks 0..2 save step 1 as separate processes; the step must stay invisible.
     for rank in range(world - 1):
-        subprocess.run([sys.executable, "-c", RANK_SCRIPT, str(ckpt), "1", str(rank), str(world)], check=True)
+        assert run_python(RANK_SCRIPT, ckpt, 1, rank, world).wait() == 0
         assert safepoint.steps(ckpt) == []
-    subprocess.run([sys.executable, "-c", RANK_SCRIPT, str(ckpt), "1", str(world - 1), str(world)],
-                   check=True)
+    assert run_python(RANK_SCRIPT, ckpt, 1, world - 1, world).wait() == 0
     assert safepoint.steps(ckpt) == [1]
     # Step 2 with all ranks at once.
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(ckpt), "2", str(r), str(world)])
-             for r in range(world)]
+    procs = [run_python(RANK_SCRIPT, ckpt, 2, r, world) for r in range(world)]
     assert [p.wait() for p in procs] == [0] * world
     assert safepoint.steps(ckpt) == [1, 2]
     for rank in range(world):
@@ -65,17 +62,15 @@ while True:
 def test_writer_killed_mid_save_never_exposes_a_partial_step(ckpt):
     rng = random.Random(int(os.environ.get("SAFEPOINT_TEST_SEED", "1234")))
     for attempt in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, str(ckpt)],
-                                stdout=subprocess.PIPE, text=True)
+        proc = run_python(WRITER_SCRIPT, ckpt, stdout=subprocess.PIPE, text=True)
         reported = 0
         # Wait until at least one more step was reported durable, then kill at a random moment.
         line = proc.stdout.readline()
         assert line, "writer died"
         reported = int(line)
         time.sleep(rng.uniform(0.0, 0.6))
-        proc.send_signal(signal.SIGKILL)
+        sigkill(proc)
         rest = proc.stdout.read()
-        proc.wait()
         for line in rest.split():
             reported = max(reported, int(line))
         steps = safepoint.steps(ckpt)
