@@ -31,6 +31,7 @@
 
 #include "agent/protocol.h"
 #include "base/bytes.h"
+#include "base/log.h"
 #include "base/unique_fd.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
@@ -61,10 +62,11 @@ struct Args {
   uint32_t rank = 0;
   bool all = false;
   bool json = false;
+  std::string log_level;  // empty: $SAFEPOINT_LOG_LEVEL or info
 };
 
 int Fail(const Status& s) {
-  std::cerr << "safepoint: error: " << s.ToString() << "\n";
+  spdlog::error("{}", s.ToString());
   return kExitError;
 }
 
@@ -100,7 +102,7 @@ void PrintTable(const std::vector<std::vector<std::string>>& rows) {
 }
 
 void ReportProblems(const std::vector<std::string>& problems) {
-  for (const auto& p : problems) std::cerr << "safepoint: warning: skipping " << p << "\n";
+  for (const auto& p : problems) spdlog::warn("skipping {}", p);
 }
 
 // A directory that a command reads must exist. Storage creates a missing checkpoint directory
@@ -300,7 +302,7 @@ int CmdVerify(const Args& a) {
   }
   if (a.json) std::cout << json{{"ok", !damaged}, {"results", results}}.dump(2) << "\n";
   if (damaged) {
-    std::cerr << "safepoint: verification failed: damaged checkpoint data in " << a.path << "\n";
+    spdlog::error("verification failed: damaged checkpoint data in {}", a.path);
     return kExitError;
   }
   return kExitOk;
@@ -363,6 +365,7 @@ int CmdAgent(const Args& a) {
   o.shm_dir = a.shm_dir;
   o.emergency_flush = !a.no_emergency_flush;
   o.exit_when_idle = false;  // a sidecar runs until it is told to stop
+  o.log_level = a.log_level;
   return RunAgent(o);
 }
 
@@ -468,7 +471,7 @@ int CmdGc(const Args& a) {
       } else {
         j["action"] = "error";
         j["error"] = freed.status().ToString();
-        std::cerr << "safepoint: error: " << freed.status().ToString() << "\n";
+        spdlog::error("{}", freed.status().ToString());
         ++failures;
       }
     }
@@ -479,7 +482,7 @@ int CmdGc(const Args& a) {
   json staging = nullptr;
   auto staged = internal::RemoveDeadStageFiles(a.shm_dir, a.dry_run);
   if (!staged.ok()) {
-    std::cerr << "safepoint: error: " << staged.status().ToString() << "\n";
+    spdlog::error("{}", staged.status().ToString());
     ++failures;
   } else {
     staging = {{"directory", internal::StageDirectory(a.shm_dir)},
@@ -528,6 +531,7 @@ int Usage(const CLI::App& app, const std::string& message) {
 }
 
 int Main(int argc, char** argv) {
+  internal::InitLogging("safepoint");
   Args a;
   CLI::App app(
       "safepoint: list, inspect and verify checkpoints; look after this node's snapshots in "
@@ -543,6 +547,11 @@ int Main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   bool version = false;
   app.add_flag("--version", version, "the version and the optional features of this build");
+  app.add_option("--log-level", a.log_level,
+                 "diagnostics from this level on: trace, debug, info, warn, error, critical, off "
+                 "(default: $SAFEPOINT_LOG_LEVEL, else info)")
+      ->type_name("LEVEL")
+      ->check(CLI::IsMember(internal::kLogLevels));
   // Also as commands, as the hand-written parser had them (not listed).
   CLI::App* version_cmd = app.add_subcommand("version", "the version of this build")->group("");
   app.add_subcommand("help", "this help")->group("")->silent();
@@ -621,6 +630,7 @@ int Main(int argc, char** argv) {
     return Usage(chosen.empty() ? app : *chosen.front(), e.what());
   }
   if (inspect_step->count() > 0 || verify_step->count() > 0) a.step = step;
+  if (!a.log_level.empty()) internal::SetLogLevel(a.log_level);
 
   if (version || version_cmd->parsed()) return CmdVersion();
   if (app.got_subcommand("help")) {

@@ -1,6 +1,7 @@
 // safepointd: the node agent of one job (include/safepoint/agent.h).
 //
 //   safepointd --job JOB [--shm-dir DIR] [--no-emergency-flush] [--sidecar] [--idle-exit SECONDS]
+//              [--log-level LEVEL]
 //
 // Training processes start it on demand; `safepoint agent` runs the same code in the
 // foreground as a sidecar. Arguments are parsed by CLI11 (`safepointd --help`). Exit status: that
@@ -12,6 +13,7 @@
 #include <iostream>
 #include <string>
 
+#include "base/log.h"
 #include "safepoint/agent.h"
 
 namespace {
@@ -62,6 +64,11 @@ int main(int argc, char** argv) {
       ->type_name("SECONDS")
       ->capture_default_str()
       ->check(kSeconds);
+  app.add_option("--log-level", o.log_level,
+                 "log from this level on: trace, debug, info, warn, error, critical, off "
+                 "(default: $SAFEPOINT_LOG_LEVEL, else info)")
+      ->type_name("LEVEL")
+      ->check(CLI::IsMember(safepoint::internal::kLogLevels));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

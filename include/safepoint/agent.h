@@ -25,6 +25,10 @@ struct AgentOptions {
   // keeping the snapshots in shared memory (a restarted process starts a new agent, which adopts
   // them). 0: never.
   double idle_exit_seconds = 60;
+  // The log level (trace, debug, info, warn, error, critical, off); empty: $SAFEPOINT_LOG_LEVEL,
+  // else info. The log is the agent's stderr (agent.log in the job directory when started on
+  // demand).
+  std::string log_level;
 };
 
 // Runs the agent in this process until it is told to stop (SIGTERM, SIGINT, a shutdown message,

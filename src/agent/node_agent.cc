@@ -617,6 +617,10 @@ namespace safepoint {
 
 int RunAgent(const AgentOptions& options) {
   internal::InitLogging("safepointd");
+  if (!options.log_level.empty() && !internal::SetLogLevel(options.log_level)) {
+    spdlog::error("unknown log level '{}'", options.log_level);
+    return 1;
+  }
   Status v = ValidateJobName(options.job);
   if (!v.ok()) {
     spdlog::error("{}", v.ToString());

@@ -9,9 +9,15 @@
 
 #include <spdlog/spdlog.h>
 
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace safepoint::internal {
+
+// The level names SetLogLevel accepts.
+inline const std::vector<std::string> kLogLevels = {"trace", "debug", "info",    "warn",
+                                                    "error", "critical", "off"};
 
 // Installs the default logger for `program` (again: replaces it).
 void InitLogging(std::string_view program);

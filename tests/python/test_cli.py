@@ -169,3 +169,18 @@ def test_an_empty_directory_has_no_steps(tmp_path, cli):
     assert json.loads(cli("ls", empty, "--json", check=0).stdout) == []
     for command in (["inspect"], ["verify"]):
         assert "no committed checkpoint" in cli(command[0], empty, check=1).stderr
+
+
+def test_log_level_and_the_log_format(tmp_path, cli):
+    # Errors are log lines in the agent's format ("<time> error safepoint[<pid>]: <message>").
+    missing = tmp_path / "missing"
+    proc = cli("ls", missing, check=1)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert " error safepoint[" in line and f"{missing}: no such checkpoint directory" in line
+    # --log-level off silences them; the exit status still says what happened.
+    proc = cli("--log-level", "off", "ls", missing, check=1)
+    assert proc.stderr == ""
+    proc = cli("--log-level", "loud", "ls", missing, check=2)
+    assert "--log-level" in proc.stderr
+    proc = safepointd("--job", "j", "--shm-dir", tmp_path / "no-shm", "--log-level", "loud")
+    assert proc.returncode == 2 and "--log-level" in proc.stderr
