@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "agent/protocol.h"
+#include "agent/status.h"
 #include "base/bytes.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
@@ -338,16 +339,8 @@ json ArenaJson(const std::string& job_dir) {
   for (uint32_t r : *list) {
     auto arena = Arena::Open(job_dir, r);
     if (!arena.ok()) continue;
-    json slots = json::array();
-    for (const SlotInfo& s : (*arena)->Slots()) {
-      slots.push_back({{"slot", s.index},
-                       {"state", SlotStateName(s.state)},
-                       {"leased", s.leased},
-                       {"step", s.step},
-                       {"image_bytes", s.image_size},
-                       {"capacity", s.capacity}});
-    }
-    ranks.push_back({{"rank", r}, {"slots", slots}, {"bytes", (*arena)->mapped_bytes()}});
+    ranks.push_back(
+        {{"rank", r}, {"slots", SlotsJson((*arena)->Slots())}, {"bytes", (*arena)->mapped_bytes()}});
   }
   return ranks;
 }

@@ -3,24 +3,30 @@
 // committed step, the persist queue, and per rank its slots, pending persists, counters and last
 // error. `job_config_error` is set while job.json could not be written (a later agent could not
 // adopt the job).
+#include "agent/status.h"
+
 #include "agent/node_agent.h"
 
 namespace safepoint::agent {
+
+nlohmann::ordered_json SlotsJson(const std::vector<SlotInfo>& slots) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (const SlotInfo& s : slots) {
+    out.push_back({{"slot", s.index},
+                   {"state", SlotStateName(s.state)},
+                   {"leased", s.leased},
+                   {"step", s.step},
+                   {"image_bytes", s.image_size},
+                   {"capacity", s.capacity}});
+  }
+  return out;
+}
 
 nlohmann::json NodeAgent::StatusJson() {
   json ranks = json::array();
   for (auto& [rank, rs] : ranks_) {
     json slots = json::array();
-    if (rs.arena && rs.arena->Refresh().ok()) {
-      for (const SlotInfo& s : rs.arena->Slots()) {
-        slots.push_back({{"slot", s.index},
-                         {"state", SlotStateName(s.state)},
-                         {"leased", s.leased},
-                         {"step", s.step},
-                         {"image_bytes", s.image_size},
-                         {"capacity", s.capacity}});
-      }
-    }
+    if (rs.arena && rs.arena->Refresh().ok()) slots = SlotsJson(rs.arena->Slots());
     auto optional = [](const std::optional<uint64_t>& v) { return v ? json(*v) : json(nullptr); };
     ranks.push_back({{"rank", rank},
                      {"pid", rs.pid},
