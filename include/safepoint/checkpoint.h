@@ -54,7 +54,7 @@ std::string EncodeCommitRecord(const CommitRecord& record);
 Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> data, std::string_view source);
 
 // Object names.
-std::string StepPrefix(uint64_t step);                  // "step-00000000000000000042/"
+std::string StepPrefix(uint64_t step);  // "step-00000000000000000042/"
 std::string ImageObjectName(uint64_t step, uint32_t rank, uint64_t generation = 0);
 std::string ImageObjectName(const CommitRecord& commit, uint32_t rank);  // the one it names
 std::string CommitObjectName(uint64_t step);

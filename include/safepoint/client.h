@@ -41,22 +41,21 @@ struct ClientOptions {
   bool wait_when_busy = true;  // on_busy: wait for a slot, or skip the memory snapshot
   std::string agent_binary;    // safepointd; empty: do not start one (fail if none serves)
   double agent_start_timeout_s = 30;
-  uint32_t copy_threads = 0;   // 0: all cores
-  uint64_t attempt = 0;        // ImageMeta::attempt of every snapshot: shared by all ranks of a run
+  uint32_t copy_threads = 0;  // 0: all cores
+  uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
 };
 
 struct SnapshotResult {
-  bool saved = false;          // false: skipped because no slot was free (on_busy="skip")
+  bool saved = false;  // false: skipped because no slot was free (on_busy="skip")
   bool persist_requested = false;
   uint32_t slot = 0;
   uint64_t image_bytes = 0;
-  double copy_seconds = 0;     // filling the slot (the blocking part of a save)
-  double wait_seconds = 0;     // waiting for a free slot (on_busy="wait")
-  double create_seconds = 0;   // creating and pre-faulting a slot (first save, or a new layout)
-  std::string agent_error;     // the agent could not be told (the snapshot is safe in memory)
-  uint64_t structure_hash = 0; // of the tensors' names, dtypes, shapes and boxes (notify=false)
+  double copy_seconds = 0;      // filling the slot (the blocking part of a save)
+  double wait_seconds = 0;      // waiting for a free slot (on_busy="wait")
+  double create_seconds = 0;    // creating and pre-faulting a slot (first save, or a new layout)
+  std::string agent_error;      // the agent could not be told (the snapshot is safe in memory)
+  uint64_t structure_hash = 0;  // of the tensors' names, dtypes, shapes and boxes (notify=false)
 };
-
 
 struct MemorySnapshot {
   LoadedImage image;  // a private, verified copy of the slot's image (or the slot: in_place)

@@ -54,7 +54,7 @@ bool IsValidDType(uint8_t code);
 
 inline constexpr uint32_t kImageFormatVersion = 1;
 inline constexpr size_t kImageHeaderSize = 4096;
-inline constexpr size_t kImageAlignment = 4096;     // every section starts on this boundary
+inline constexpr size_t kImageAlignment = 4096;         // every section starts on this boundary
 inline constexpr uint64_t kDefaultChunkSize = 4 << 20;  // bytes covered by one CRC-32C
 inline constexpr size_t kMaxJobLength = 64;
 inline constexpr size_t kMaxRank = 1 << 24;

@@ -67,9 +67,10 @@ Status ErrnoStatus(std::string_view op, std::string_view path, int err);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {  // NOLINT
-    if (std::get<Status>(v_).ok()) v_ = Status(StatusCode::kInvalidArgument, "Result from OK status");
+    if (std::get<Status>(v_).ok())
+      v_ = Status(StatusCode::kInvalidArgument, "Result from OK status");
   }
 
   bool ok() const { return std::holds_alternative<T>(v_); }
@@ -94,10 +95,10 @@ class [[nodiscard]] Result {
 #define SP_CONCAT_INNER_(a, b) a##b
 #define SP_CONCAT_(a, b) SP_CONCAT_INNER_(a, b)
 
-#define SP_RETURN_IF_ERROR(expr)                    \
-  do {                                              \
-    ::safepoint::Status sp_status_ = (expr);        \
-    if (!sp_status_.ok()) return sp_status_;        \
+#define SP_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::safepoint::Status sp_status_ = (expr); \
+    if (!sp_status_.ok()) return sp_status_; \
   } while (0)
 
 #define SP_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

@@ -128,7 +128,8 @@ nb::tuple TensorExtent(const std::string& path, uint64_t step, uint32_t rank,
 }
 
 nb::bytes PyReplicaKey(const std::string& name, const std::string& dtype,
-                       std::vector<uint64_t> shape, std::optional<std::vector<uint64_t>> global_shape,
+                       std::vector<uint64_t> shape,
+                       std::optional<std::vector<uint64_t>> global_shape,
                        std::optional<std::vector<uint64_t>> global_offset) {
   TensorSpec spec;
   spec.name = name;

@@ -6,8 +6,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -17,12 +17,12 @@
 #include <string>
 #include <unordered_map>
 
+#include "format_bindings.h"
 #include "safepoint/build_config.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
-#include "format_bindings.h"
 #include "state.h"
 
 namespace nb = nanobind;
@@ -166,12 +166,11 @@ SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t 
 Loaded LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras,
                       nb::handle unpickler) {
   auto* keep = new std::shared_ptr<std::byte>(image.buffer);
-  nb::capsule owner(keep, [](void* p) noexcept {
-    delete static_cast<std::shared_ptr<std::byte>*>(p);
-  });
+  nb::capsule owner(keep,
+                    [](void* p) noexcept { delete static_cast<std::shared_ptr<std::byte>*>(p); });
   size_t shape[1] = {image.size};
-  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> array(
-      reinterpret_cast<uint8_t*>(image.buffer.get()), 1, shape, owner);
+  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> array(reinterpret_cast<uint8_t*>(image.buffer.get()),
+                                                     1, shape, owner);
   nb::object buffer = array.cast();
   Loaded out;
   out.step = reader.meta().step;
@@ -204,8 +203,8 @@ std::vector<uint64_t> Steps(const std::string& path) {
   {
     nb::gil_scoped_release release;
     auto store = OpenCheckpointStore(path);
-    committed = store.ok() ? (*store)->ListCommitted()
-                           : Result<std::vector<CommitRecord>>(store.status());
+    committed =
+        store.ok() ? (*store)->ListCommitted() : Result<std::vector<CommitRecord>>(store.status());
   }
   std::vector<uint64_t> out;
   for (const auto& c : Unwrap(std::move(committed))) out.push_back(c.step);
@@ -485,8 +484,8 @@ class PyClient {
       // The save attempt of a complete snapshot, from its image header (None when unreadable:
       // a load verifies everything anyway).
       if (s.state == SlotState::kComplete && s.image_size >= kImageHeaderSize) {
-        auto h = ParseImageHeader(Get().arena().SlotData(s.index).subspan(0, kImageHeaderSize),
-                                  "slot");
+        auto h =
+            ParseImageHeader(Get().arena().SlotData(s.index).subspan(0, kImageHeaderSize), "slot");
         if (h.ok()) v.attempt = h->first.attempt;
       }
       out.push_back(std::move(v));
@@ -589,9 +588,8 @@ NB_MODULE(_core, m) {
   nb::class_<TensorSlot>(m, "TensorSlot")
       .def(nb::init<size_t>(), "index"_a)
       .def_ro("index", &TensorSlot::index)
-      .def("__repr__", [](const TensorSlot& t) {
-        return "TensorSlot(" + std::to_string(t.index) + ")";
-      });
+      .def("__repr__",
+           [](const TensorSlot& t) { return "TensorSlot(" + std::to_string(t.index) + ")"; });
   nb::class_<ShardReader>(m, "ShardReader")
       .def(nb::init<const std::string&, uint64_t, uint32_t>(), "path"_a, "step"_a, "rank"_a)
       .def_prop_ro("step", &ShardReader::step)

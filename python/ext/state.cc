@@ -166,7 +166,8 @@ class Flattener {
     nb::object layout = nb::steal(PyObject_GetAttr(obj.ptr(), t.s_layout.ptr()));
     if (!layout.is_valid()) throw nb::python_error();
     if (!layout.is(t.strided)) {
-      Fail("cannot save a " + nb::cast<std::string>(nb::str(layout)) + " tensor; use a dense tensor");
+      Fail("cannot save a " + nb::cast<std::string>(nb::str(layout)) +
+           " tensor; use a dense tensor");
     }
     nb::object dt = nb::steal(PyObject_GetAttr(obj.ptr(), t.s_dtype.ptr()));
     if (!dt.is_valid()) throw nb::python_error();
@@ -188,7 +189,8 @@ class Flattener {
             "(e.g. to_empty() and initialize, or load the real weights)");
       }
     }
-    if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu)) return Staged(obj, d->second);
+    if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu))
+      return Staged(obj, d->second);
     if (!on_cpu) src = Call(src, t.s_cpu);
     if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
     nb::object ptr_obj = Call(src, t.s_data_ptr);
@@ -267,8 +269,8 @@ class Flattener {
 
   static nb::object Call(nb::handle self, const nb::str& method) {
     PyObject* args[1] = {self.ptr()};
-    PyObject* r = PyObject_VectorcallMethod(method.ptr(), args,
-                                            1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    PyObject* r =
+        PyObject_VectorcallMethod(method.ptr(), args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
     if (r == nullptr) throw nb::python_error();
     return nb::steal(r);
   }
@@ -418,8 +420,8 @@ class Rebuilder {
  public:
   // With a reader, tensors become views into `buffer`; without, each tensor reference becomes
   // slot_factory(index of its index entry) (metadata only, nothing is read).
-  Rebuilder(nb::handle buffer, const ImageReader* reader, size_t tensor_count,
-            nb::handle unpickler, nb::handle slot_factory)
+  Rebuilder(nb::handle buffer, const ImageReader* reader, size_t tensor_count, nb::handle unpickler,
+            nb::handle slot_factory)
       : buffer_(buffer), reader_(reader), unpickler_(unpickler), slot_factory_(slot_factory) {
     made_.resize(tensor_count * 3);
   }
@@ -497,7 +499,8 @@ class Rebuilder {
         PyTuple_SET_ITEM(stride.ptr(), i, PyLong_FromUnsignedLongLong(s));
         s *= std::max<uint64_t>(e.spec.shape[i], 1);
       }
-      nb::object offset = nb::steal(PyLong_FromUnsignedLongLong(e.offset / DTypeSize(e.spec.dtype)));
+      nb::object offset =
+          nb::steal(PyLong_FromUnsignedLongLong(e.offset / DTypeSize(e.spec.dtype)));
       PyObject* args[4] = {typed->second.ptr(), shape.ptr(), stride.ptr(), offset.ptr()};
       PyObject* r = PyObject_Vectorcall(t.as_strided.ptr(), args, 4, nullptr);
       if (r == nullptr) throw nb::python_error();
@@ -515,8 +518,8 @@ class Rebuilder {
   nb::object Elsewhere(const TensorEntry& e, uint8_t kind) {
     Types& t = T();
     nb::object shape = nb::cast(e.spec.shape);
-    nb::object tensor = t.torch.attr("empty")(shape, nb::arg("dtype") =
-                                                  t.torch_by_dtype.at(static_cast<int>(e.spec.dtype)));
+    nb::object tensor = t.torch.attr("empty")(
+        shape, nb::arg("dtype") = t.torch_by_dtype.at(static_cast<int>(e.spec.dtype)));
     const bool box = !e.spec.global_shape.empty();
     std::vector<uint64_t> zeros(e.spec.shape.size(), 0);
     elsewhere_.append(nb::make_tuple(e.spec.name, tensor,

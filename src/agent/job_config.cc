@@ -49,9 +49,10 @@ Result<std::optional<JobConfig>> ReadJobConfig(const std::string& job_dir) {
 Status WriteJobConfig(const std::string& job_dir, const JobConfig& config) {
   const std::string path = JobConfigPath(job_dir);
   const std::string tmp = path + ".tmp";
-  const std::string text =
-      json{{"storage", config.storage}, {"world_size", config.world_size}, {"keep", config.keep}}
-          .dump();
+  const std::string text = json{
+      {"storage", config.storage},
+      {"world_size", config.world_size},
+      {"keep", config.keep}}.dump();
   ::unlink(tmp.c_str());  // a leftover of an agent that died while writing
   internal::UniqueFd fd(
       ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
@@ -60,8 +61,10 @@ Status WriteJobConfig(const std::string& job_dir, const JobConfig& config) {
   for (size_t off = 0; off < text.size() && s.ok();) {
     const ssize_t n = ::write(fd.get(), text.data() + off, text.size() - off);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) s = ErrnoStatus("write", tmp, errno);
-    else off += static_cast<size_t>(n);
+    if (n < 0)
+      s = ErrnoStatus("write", tmp, errno);
+    else
+      off += static_cast<size_t>(n);
   }
   if (s.ok() && ::fsync(fd.get()) != 0) s = ErrnoStatus("fsync", tmp, errno);
   if (const int err = fd.Close(); s.ok() && err != 0) s = ErrnoStatus("close", tmp, err);

@@ -35,8 +35,7 @@
 namespace safepoint::agent {
 
 double MonotonicSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 NodeAgent::NodeAgent(AgentOptions options)
@@ -123,9 +122,10 @@ void NodeAgent::SaveJobConfig() {
   config_saved_ = WriteJobConfig(job_dir_, *config_);
   config_written_ = config_saved_.ok();
   if (!config_written_) {
-    spdlog::error("cannot write the job configuration; a later agent will not be able to adopt "
-                  "this job's snapshots: {}",
-                  config_saved_.ToString());
+    spdlog::error(
+        "cannot write the job configuration; a later agent will not be able to adopt "
+        "this job's snapshots: {}",
+        config_saved_.ToString());
   }
 }
 
@@ -155,8 +155,9 @@ void NodeAgent::DrainResults() {
     if (r.superseded) {
       ++rs.persists_superseded;
       if (!already_ok) {
-        rs.outcomes[step] = Cancelled("step " + std::to_string(step) +
-                                      " was overwritten by a newer snapshot before it was persisted");
+        rs.outcomes[step] =
+            Cancelled("step " + std::to_string(step) +
+                      " was overwritten by a newer snapshot before it was persisted");
       }
       spdlog::warn("rank {} step {}: superseded by a newer snapshot before it could be persisted",
                    rank, step);
@@ -209,11 +210,11 @@ void NodeAgent::AnswerWaits() {
         continue;
       }
       if (it == rs.outcomes.end() && !rs.pending.contains(step)) {
-        const Status s = StepCommitted(step)
-                             ? Status::OK()
-                             : NotFound("step " + std::to_string(step) + " of rank " +
-                                        std::to_string(c->rank) +
-                                        " is not being persisted by this agent (was it restarted?)");
+        const Status s =
+            StepCommitted(step)
+                ? Status::OK()
+                : NotFound("step " + std::to_string(step) + " of rank " + std::to_string(c->rank) +
+                           " is not being persisted by this agent (was it restarted?)");
         Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, s}));
         continue;
       }
@@ -252,15 +253,17 @@ void NodeAgent::ReplyError(Client& c, const std::string& msg) {
 
 void NodeAgent::Accept() {
   for (;;) {
-    internal::UniqueFd fd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    internal::UniqueFd fd(
+        ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd) return;
     ucred cred{};
     socklen_t len = sizeof(cred);
     if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
         cred.uid != ::geteuid()) {
-      spdlog::warn("refused a connection from uid {} (pid {}): only the agent's own user may "
-                   "connect",
-                   cred.uid, cred.pid);
+      spdlog::warn(
+          "refused a connection from uid {} (pid {}): only the agent's own user may "
+          "connect",
+          cred.uid, cred.pid);
       continue;
     }
     auto c = std::make_unique<Client>();
@@ -404,8 +407,7 @@ Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
 Status NodeAgent::HandleSnapshot(Client& c, SnapshotNote note) {
   RankState& rs = ranks_[c.rank];
   if (!rs.arena || note.slot >= rs.arena->slot_count()) {
-    return InvalidArgument("protocol error: slot " + std::to_string(note.slot) +
-                           " does not exist");
+    return InvalidArgument("protocol error: slot " + std::to_string(note.slot) + " does not exist");
   }
   if (!note.persist) return Status::OK();
   // Already queued (e.g. adopted by this agent after a restart). Only this very snapshot counts:
@@ -517,9 +519,8 @@ void NodeAgent::Loop() {
                                : "idle with no client; exiting (snapshots stay in shared memory)");
       return;
     }
-    std::vector<pollfd> fds = {{listen_fd_.get(), POLLIN, 0},
-                               {signal_fd_.get(), POLLIN, 0},
-                               {event_fd_.get(), POLLIN, 0}};
+    std::vector<pollfd> fds = {
+        {listen_fd_.get(), POLLIN, 0}, {signal_fd_.get(), POLLIN, 0}, {event_fd_.get(), POLLIN, 0}};
     bool waiting = false;
     for (auto& c : clients_) {
       fds.push_back({c->fd.get(), POLLIN, 0});

@@ -108,9 +108,9 @@ void PersistQueue::Work() {
 // end to end; the builder's tensors point into shared memory (held under the slot's lease).
 Result<std::unique_ptr<ImageBuilder>> PersistQueue::WithoutReplicas(
     std::span<const std::byte> image, const std::string& source, const SkipRanges& skip) {
-  SP_ASSIGN_OR_RETURN(ImageReader reader,
-                      ImageReader::Parse(image, source, ImageReader::Verify::kAll,
-                                         internal::DefaultCpuThreads()));
+  SP_ASSIGN_OR_RETURN(
+      ImageReader reader,
+      ImageReader::Parse(image, source, ImageReader::Verify::kAll, internal::DefaultCpuThreads()));
   std::vector<TensorSource> tensors;
   tensors.reserve(reader.tensors().size());
   for (size_t i = 0; i < reader.tensors().size(); ++i) {
@@ -126,10 +126,10 @@ Result<std::unique_ptr<ImageBuilder>> PersistQueue::WithoutReplicas(
     for (uint32_t i = first; i < last; ++i) tensors[i].spec.elsewhere = true;
   }
   auto extras = reader.extras();
-  return ImageBuilder::Create(reader.meta(), std::move(tensors),
-                              std::string(reinterpret_cast<const char*>(extras.data()),
-                                          extras.size()),
-                              reader.layout().chunk_size);
+  return ImageBuilder::Create(
+      reader.meta(), std::move(tensors),
+      std::string(reinterpret_cast<const char*>(extras.data()), extras.size()),
+      reader.layout().chunk_size);
 }
 
 // Retention: keep the newest `keep` committed steps (never fewer than one).
@@ -173,16 +173,15 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     return r;
   }
   auto image = (*arena)->SlotData(t.slot).subspan(0, s.image_size);
-  const std::string source = job_dir_ + " rank " + std::to_string(t.rank) + " slot " +
-                             std::to_string(t.slot);
+  const std::string source =
+      job_dir_ + " rank " + std::to_string(t.rank) + " slot " + std::to_string(t.slot);
   auto header = ParseImageHeader(image, source);
   if (!header.ok()) {
     r.status = header.status();
     return r;
   }
   if (header->first.step != t.step || header->first.rank != t.rank ||
-      header->first.world_size != target_.world_size ||
-      header->second.image_size != image.size()) {
+      header->first.world_size != target_.world_size || header->second.image_size != image.size()) {
     r.status = Corruption(source + ": the snapshot's header does not match its slot");
     return r;
   }

@@ -1,4 +1,6 @@
 // The agent protocol (src/agent/protocol.h): typed messages, framing, the job directory's files.
+#include "agent/protocol.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/file.h>
@@ -8,13 +10,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-
 #include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <variant>
 
-#include "agent/protocol.h"
 #include "base/bytes.h"
 #include "base/unique_fd.h"
 
@@ -95,7 +95,8 @@ Status DecodeStatus(const json& j, Status* out) {
   SP_RETURN_IF_ERROR(Field(j, "error", &error));
   int code = static_cast<int>(StatusCode::kIOError);
   if (auto it = j.find("code"); it != j.end() && it->is_number_integer()) code = it->get<int>();
-  if (code <= 0 || code > static_cast<int>(StatusCode::kAlreadyExists)) code = static_cast<int>(StatusCode::kIOError);
+  if (code <= 0 || code > static_cast<int>(StatusCode::kAlreadyExists))
+    code = static_cast<int>(StatusCode::kIOError);
   *out = Status(static_cast<StatusCode>(code), error);
   return Status::OK();
 }
@@ -103,16 +104,22 @@ Status DecodeStatus(const json& j, Status* out) {
 }  // namespace
 
 std::string Encode(const HelloRequest& m) {
-  return json{{"rank", m.rank},       {"world_size", m.world_size}, {"storage", m.storage},
-              {"keep", m.keep},       {"pid", m.pid}}
+  return json{{"rank", m.rank},
+              {"world_size", m.world_size},
+              {"storage", m.storage},
+              {"keep", m.keep},
+              {"pid", m.pid}}
       .dump();
 }
 std::string Encode(const HelloReply& m) {
   return json{{"ok", true}, {"agent_pid", m.agent_pid}, {"job_dir", m.job_dir}}.dump();
 }
 std::string Encode(const SnapshotNote& m) {
-  json j = {{"slot", m.slot},       {"generation", m.generation}, {"step", m.step},
-            {"persist", m.persist}, {"leased", m.leased}};
+  json j = {{"slot", m.slot},
+            {"generation", m.generation},
+            {"step", m.step},
+            {"persist", m.persist},
+            {"leased", m.leased}};
   if (!m.skip.empty()) j["skip"] = m.skip;
   return j.dump();
 }
@@ -250,7 +257,8 @@ Result<Message> ReceiveMessage(int fd, FrameDecoder& decoder, double timeout_s) 
     int wait_ms = -1;
     if (timeout_s >= 0) {
       const auto left = deadline - std::chrono::steady_clock::now();
-      wait_ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count());
+      wait_ms =
+          static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count());
       if (wait_ms <= 0) return Cancelled("timed out waiting for the safepoint agent");
     }
     pollfd pfd{fd, POLLIN, 0};

@@ -1,5 +1,6 @@
 // Kill points (src/base/kill_point.h). Only kill-point builds compile anything here.
 #include "base/kill_point.h"
+
 #include "base/unique_fd.h"
 
 #if defined(SAFEPOINT_KILL_POINTS)

@@ -16,7 +16,7 @@
 namespace safepoint::internal {
 
 // The level names SetLogLevel accepts.
-inline const std::vector<std::string> kLogLevels = {"trace", "debug", "info",    "warn",
+inline const std::vector<std::string> kLogLevels = {"trace", "debug",    "info", "warn",
                                                     "error", "critical", "off"};
 
 // Installs the default logger for `program` (again: replaces it).

@@ -7,15 +7,24 @@ namespace safepoint {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kCorruption: return "Corruption";
-    case StatusCode::kIOError: return "IOError";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kResourceExhausted: return "ResourceExhausted";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kAlreadyExists: return "AlreadyExists";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kNotFound:
+      return "NotFound";
+    case StatusCode::kCorruption:
+      return "Corruption";
+    case StatusCode::kIOError:
+      return "IOError";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgument";
+    case StatusCode::kUnavailable:
+      return "Unavailable";
+    case StatusCode::kResourceExhausted:
+      return "ResourceExhausted";
+    case StatusCode::kCancelled:
+      return "Cancelled";
+    case StatusCode::kAlreadyExists:
+      return "AlreadyExists";
   }
   return "Unknown";
 }
@@ -54,11 +63,15 @@ Status ErrnoStatus(std::string_view op, std::string_view path, int err) {
   m += " failed: ";
   m += std::strerror(err);
   switch (err) {
-    case ENOENT: return NotFound(std::move(m));
+    case ENOENT:
+      return NotFound(std::move(m));
     case ENOSPC:
-    case EDQUOT: return ResourceExhausted(std::move(m));
-    case EEXIST: return AlreadyExists(std::move(m));
-    default: return IOError(std::move(m));
+    case EDQUOT:
+      return ResourceExhausted(std::move(m));
+    case EEXIST:
+      return AlreadyExists(std::move(m));
+    default:
+      return IOError(std::move(m));
   }
 }
 

@@ -32,9 +32,6 @@
 // Deleting: unlink COMMIT first (the step stops existing), then the images.
 // Clean-up: temporaries and uncommitted images only in step directories older than the newest
 //   committed step, whose writers have all finished.
-#include "safepoint/checkpoint.h"
-
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -48,6 +45,7 @@
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "safepoint/checkpoint.h"
 
 namespace safepoint {
 
@@ -285,8 +283,8 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   return WriteStats{l.image_size, SecondsSince(t0)};
 }
 
-Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image,
-                                                    uint64_t step, uint32_t rank) {
+Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image, uint64_t step,
+                                                    uint32_t rank) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string name = ImageObjectName(step, rank);
   SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, image.size()));
@@ -295,7 +293,8 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   internal::ParallelFor(pieces, internal::DefaultIoThreads(), [&](size_t i) {
     if (error.failed()) return;
     const uint64_t off = i * kIoPiece;
-    error.Set(w->WriteAt(off, image.subspan(off, std::min<uint64_t>(kIoPiece, image.size() - off))));
+    error.Set(
+        w->WriteAt(off, image.subspan(off, std::min<uint64_t>(kIoPiece, image.size() - off))));
     SP_KILL_POINT("store.write.after_piece");
   });
   SP_RETURN_IF_ERROR(error.status());
@@ -389,7 +388,8 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
   SP_KILL_POINT("store.commit.before_write");
-  SP_RETURN_IF_ERROR(WriteSmallObject(*storage_, CommitObjectName(step), EncodeCommitRecord(record)));
+  SP_RETURN_IF_ERROR(
+      WriteSmallObject(*storage_, CommitObjectName(step), EncodeCommitRecord(record)));
   SP_KILL_POINT("store.commit.after_write");
   if (generation != 0) {
     // Step 8: the images the record no longer names. A failure leaves unused objects only
@@ -414,10 +414,10 @@ Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
     }
     return data.status();
   }
-  SP_ASSIGN_OR_RETURN(auto record,
-                      DecodeCommitRecord({reinterpret_cast<const std::byte*>(data->data()),
-                                          data->size()},
-                                         storage_->Describe(name)));
+  SP_ASSIGN_OR_RETURN(
+      auto record,
+      DecodeCommitRecord({reinterpret_cast<const std::byte*>(data->data()), data->size()},
+                         storage_->Describe(name)));
   if (record.step != step) {
     return Corruption(storage_->Describe(name) + ": COMMIT record names step " +
                       std::to_string(record.step));
@@ -425,7 +425,8 @@ Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
   return record;
 }
 
-Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(std::vector<std::string>* problems) {
+Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(
+    std::vector<std::string>* problems) {
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
   std::vector<CommitRecord> out;
   for (const auto& o : objects) {
@@ -450,8 +451,8 @@ Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(std::vector<std
 Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint32_t rank) {
   if (rank >= commit.world_size) {
     return InvalidArgument(storage_->uri() + ": step " + std::to_string(commit.step) +
-                           " was saved by " + std::to_string(commit.world_size) +
-                           " ranks; rank " + std::to_string(rank) + " does not exist");
+                           " was saved by " + std::to_string(commit.world_size) + " ranks; rank " +
+                           std::to_string(rank) + " does not exist");
   }
   const std::string name = ImageObjectName(commit, rank);
   const std::string source = storage_->Describe(name);
@@ -723,8 +724,7 @@ Result<LoadedShard> LoadCommittedOrReplacement(CheckpointStore& store, CommitRec
 }
 }  // namespace
 
-Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step,
-                              uint32_t rank) {
+Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step, uint32_t rank) {
   if (step) {
     SP_ASSIGN_OR_RETURN(CommitRecord commit, store.ReadCommit(*step));
     return LoadCommittedOrReplacement(store, std::move(commit), rank);

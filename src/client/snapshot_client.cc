@@ -12,10 +12,10 @@
 
 #include "agent/protocol.h"
 #include "base/aligned_buffer.h"
-#include "base/unique_fd.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "base/unique_fd.h"
 #include "safepoint/client.h"
 
 namespace safepoint {
@@ -164,8 +164,8 @@ Status SnapshotClient::EnsureAgent() {
     }
     if (Since(t0) > opt_.agent_start_timeout_s) {
       return Unavailable(job_dir_ + ": the safepoint agent did not start within " +
-                         std::to_string(static_cast<int>(opt_.agent_start_timeout_s)) +
-                         " s; see " + agent::AgentLogPath(job_dir_) + " (" + s.message() + ")");
+                         std::to_string(static_cast<int>(opt_.agent_start_timeout_s)) + " s; see " +
+                         agent::AgentLogPath(job_dir_) + " (" + s.message() + ")");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -293,9 +293,10 @@ std::string SnapshotClient::Notify(const SkipRanges& skip) {
 
 Status SnapshotClient::Wait(double timeout_s) {
   if (!last_persist_step_) return Status::OK();
-  SP_ASSIGN_OR_RETURN(std::string payload,
-                      Request(MessageType::kWait, agent::Encode(agent::WaitRequest{*last_persist_step_}),
-                              MessageType::kWaitReply, timeout_s));
+  SP_ASSIGN_OR_RETURN(
+      std::string payload,
+      Request(MessageType::kWait, agent::Encode(agent::WaitRequest{*last_persist_step_}),
+              MessageType::kWaitReply, timeout_s));
   agent::WaitReply reply;
   if (Status s = agent::Decode(payload, &reply); !s.ok()) {
     return Unavailable("the safepoint agent sent a malformed reply: " + s.message());
@@ -314,8 +315,8 @@ Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_st
   SP_RETURN_IF_ERROR(arena_->Refresh());
   const std::optional<SlotInfo> newest = arena_->NewestComplete();
   if (!newest || (min_step && newest->step < *min_step)) {
-    return NotFound(job_dir_ + ": no snapshot of rank " + std::to_string(opt_.rank) +
-                    " in memory" + (min_step ? " at step " + std::to_string(*min_step) + " or newer" : ""));
+    return NotFound(job_dir_ + ": no snapshot of rank " + std::to_string(opt_.rank) + " in memory" +
+                    (min_step ? " at step " + std::to_string(*min_step) + " or newer" : ""));
   }
   return LoadSlot(*newest, in_place);
 }
@@ -357,9 +358,9 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
   if (in_place) {
     auto src = arena_->SlotData(newest->index).subspan(0, size);
     std::shared_ptr<std::byte> view(src.data(), [](std::byte*) {});  // the arena owns it
-    SP_ASSIGN_OR_RETURN(ImageReader reader,
-                        ImageReader::Parse(src, source, ImageReader::Verify::kAll,
-                                           internal::DefaultCpuThreads()));
+    SP_ASSIGN_OR_RETURN(
+        ImageReader reader,
+        ImageReader::Parse(src, source, ImageReader::Verify::kAll, internal::DefaultCpuThreads()));
     SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
     SP_ASSIGN_OR_RETURN(Value extras,
                         DecodeExtras(reader.extras(), reader.tensors().size(), source));
@@ -377,7 +378,8 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
   SP_RETURN_IF_ERROR(CopyVerifiedImage(src, {raw, size}, source, internal::DefaultCpuThreads()));
   // The copy is what we verify and hand out; the slot must not have changed meanwhile.
   for (const SlotInfo& s : arena_->Slots()) {
-    if (s.index == newest->index && (s.generation != newest->generation || s.state != SlotState::kComplete)) {
+    if (s.index == newest->index &&
+        (s.generation != newest->generation || s.state != SlotState::kComplete)) {
       return Corruption(source + ": the snapshot changed while it was read");
     }
   }
@@ -386,8 +388,8 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
                       ImageReader::Parse(bytes, source, ImageReader::Verify::kStructure));
   SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
   SP_ASSIGN_OR_RETURN(Value extras, DecodeExtras(reader.extras(), reader.tensors().size(), source));
-  MemorySnapshot out{LoadedImage{std::move(buffer), size, source}, std::move(reader), std::move(extras),
-                     newest->step};
+  MemorySnapshot out{LoadedImage{std::move(buffer), size, source}, std::move(reader),
+                     std::move(extras), newest->step};
   NoteResumedFrom(*newest);
   return out;
 }

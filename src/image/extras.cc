@@ -139,9 +139,12 @@ class Decoder {
     if (pos_ >= d_.size()) return Bad("truncated");
     const auto tag = static_cast<uint8_t>(d_[pos_++]);
     switch (tag) {
-      case kNone: return Value();
-      case kFalse: return Value(false);
-      case kTrue: return Value(true);
+      case kNone:
+        return Value();
+      case kFalse:
+        return Value(false);
+      case kTrue:
+        return Value(true);
       case kInt64: {
         SP_ASSIGN_OR_RETURN(auto p, Take(8));
         return Value(LoadLE<int64_t>(p));
@@ -293,7 +296,9 @@ void Repr(const Value& v, std::string& out, size_t max) {
       }
       out += '\'';
     }
-    void operator()(const Bytes& b) { out += "<bytes of length " + std::to_string(b.data.size()) + ">"; }
+    void operator()(const Bytes& b) {
+      out += "<bytes of length " + std::to_string(b.data.size()) + ">";
+    }
     void Seq(const ValueList& items, char open, char close, bool tuple) {
       out += open;
       for (size_t i = 0; i < items.size() && out.size() <= max; ++i) {

@@ -422,15 +422,14 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
     return Bad(source, "section offsets are inconsistent (overlapping or out of bounds)");
   }
   if (l.tensor_count > l.index_size / kEntryFixedSize) {
-    return Bad(source, "tensor count " + std::to_string(l.tensor_count) +
-                           " does not fit the index");
+    return Bad(source,
+               "tensor count " + std::to_string(l.tensor_count) + " does not fit the index");
   }
   return std::make_pair(std::move(m), l);
 }
 
 Result<std::vector<uint32_t>> ParseChecksumSection(std::span<const std::byte> section,
-                                                   const ImageLayout& l,
-                                                   std::string_view source) {
+                                                   const ImageLayout& l, std::string_view source) {
   if (section.size() < l.checksums_size) return Bad(source, "truncated checksum section");
   const uint64_t n = l.chunk_count();
   const uint32_t stored = LoadLE<uint32_t>(&section[4 * n]);
@@ -457,8 +456,8 @@ Status VerifyChunk(std::span<const std::byte> chunk, uint64_t index, uint32_t ex
   return Bad(source, buf);
 }
 
-Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index,
-                                            const ImageLayout& l, std::string_view source) {
+Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index, const ImageLayout& l,
+                                            std::string_view source) {
   if (index.size() != l.index_size) return Bad(source, "index size mismatch");
   if (Crc32c(0, index.data(), index.size()) != l.index_crc) {
     return Bad(source, "index checksum mismatch");
@@ -600,7 +599,8 @@ Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::st
     return Bad(source, "size is " + std::to_string(image.size()) + " bytes, header says " +
                            std::to_string(l.image_size) + " (truncated or extended)");
   }
-  SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(image.subspan(l.checksums_offset), l, source));
+  SP_ASSIGN_OR_RETURN(auto crcs,
+                      ParseChecksumSection(image.subspan(l.checksums_offset), l, source));
   if (verify == Verify::kAll) {
     std::vector<Status> errors(crcs.size());
     internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
@@ -610,7 +610,8 @@ Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::st
     });
     for (auto& s : errors) SP_RETURN_IF_ERROR(s);
   }
-  SP_ASSIGN_OR_RETURN(r.tensors_, ParseIndex(image.subspan(l.index_offset, l.index_size), l, source));
+  SP_ASSIGN_OR_RETURN(r.tensors_,
+                      ParseIndex(image.subspan(l.index_offset, l.index_size), l, source));
   if (Crc32c(0, image.data() + l.extras_offset, l.extras_size) != l.extras_crc) {
     return Bad(source, "extras checksum mismatch");
   }

@@ -73,8 +73,7 @@ std::string StageDirectory(const std::string& shm_dir) {
   return shm_dir + "/safepoint-stage-" + std::to_string(::geteuid());
 }
 
-Result<std::unique_ptr<StageFile>> StageFile::Create(const std::string& shm_dir,
-                                                     uint64_t size) {
+Result<std::unique_ptr<StageFile>> StageFile::Create(const std::string& shm_dir, uint64_t size) {
   UniqueFd dir;
   SP_RETURN_IF_ERROR(OpenStageDirectory(shm_dir, /*create=*/true, &dir));
   const std::string name = StageFileName(SelfProcessId());
@@ -82,8 +81,8 @@ Result<std::unique_ptr<StageFile>> StageFile::Create(const std::string& shm_dir,
   f->path_ = StageDirectory(shm_dir) + "/" + name;
   f->size_ = size;
   f->map_size_ = std::max<uint64_t>(size, 1);
-  UniqueFd fd(::openat(dir.get(), name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                       0600));
+  UniqueFd fd(
+      ::openat(dir.get(), name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
   if (!fd) return ErrnoStatus("create", f->path_, errno);
   auto fail = [&](Status s) {
     ::unlinkat(dir.get(), name.c_str(), 0);
@@ -91,10 +90,10 @@ Result<std::unique_ptr<StageFile>> StageFile::Create(const std::string& shm_dir,
   };
   if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(f->map_size_)) != 0) {
     if (errno == ENOSPC) {
-      return fail(ResourceExhausted(
-          f->path_ + ": no room for a staging buffer of " + std::to_string(size) + " bytes (" +
-          HumanBytes(size) + ") in shared memory; enlarge /dev/shm or point shm_dir / "
-          "SAFEPOINT_SHM_DIR at a larger tmpfs"));
+      return fail(ResourceExhausted(f->path_ + ": no room for a staging buffer of " +
+                                    std::to_string(size) + " bytes (" + HumanBytes(size) +
+                                    ") in shared memory; enlarge /dev/shm or point shm_dir / "
+                                    "SAFEPOINT_SHM_DIR at a larger tmpfs"));
     }
     if (errno != EOPNOTSUPP) return fail(ErrnoStatus("fallocate", f->path_, errno));
     if (::ftruncate(fd.get(), static_cast<off_t>(f->map_size_)) != 0) {
