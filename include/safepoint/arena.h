@@ -39,6 +39,8 @@ struct ProcessId;  // src/base/process.h
 }  // namespace internal
 
 inline constexpr uint32_t kDefaultSlots = 2;
+// A slot file is a control block of this size followed by the image (docs/format.md).
+inline constexpr uint64_t kSlotHeaderBytes = 4096;
 
 enum class SlotState : uint8_t { kFree = 0, kWriting = 1, kComplete = 2 };
 std::string_view SlotStateName(SlotState s);

@@ -31,7 +31,7 @@ using internal::ProcessId;
 
 constexpr char kSlotMagic[8] = {'S', 'P', 'S', 'L', 'O', 'T', '1', '\0'};
 constexpr uint32_t kSlotVersion = 1;
-constexpr uint64_t kSlotHeaderSize = 4096;
+constexpr uint64_t kSlotHeaderSize = kSlotHeaderBytes;
 constexpr uint64_t kCapacityQuantum = 2 << 20;
 constexpr uint64_t kLeasedBit = 0x10;
 constexpr uint64_t kStateMask = 0x0F;

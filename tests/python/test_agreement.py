@@ -1,12 +1,13 @@
 """Restore agreement: ranks never resume from different steps (2 ranks, gloo, real processes)."""
 
 import os
-import signal
 
 import pytest
 
 import safepoint
 from conftest import run_ranks
+from processes import job_dir, kill_agents
+from safepoint import _core
 
 WORKER = os.path.join(os.path.dirname(__file__), "workloads", "agree_worker.py")
 
@@ -17,24 +18,12 @@ def run_phase(tmp_path, job, phase, tag):
                       for r in range(2)])
 
 
-def kill_agent(shm, job):
-    for d in os.listdir(shm):
-        if d.endswith("-" + job):
-            with open(os.path.join(shm, d, "agent.lock")) as f:
-                pid = int(f.read().strip() or 0)
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
 @pytest.fixture
 def job(tmp_path):
     (tmp_path / "shm").mkdir()
     name = f"agree-{os.getpid()}-{abs(hash(str(tmp_path))) % 10**6}"
     yield name
-    kill_agent(tmp_path / "shm", name)
+    kill_agents(tmp_path / "shm", name)
 
 
 def test_ranks_agree_on_a_step_every_rank_has(tmp_path, job):
@@ -49,18 +38,17 @@ def test_ranks_agree_on_a_step_every_rank_has(tmp_path, job):
 
 def test_all_ranks_fall_back_together(tmp_path, job):
     run_phase(tmp_path, job, "save", "a")
-    # Damage rank 1's copies of step 3: its memory snapshot and its image on storage.
-    shm_job = next(d for d in os.listdir(tmp_path / "shm") if d.endswith("-" + job))
-    for slot in (0, 1):
-        path = tmp_path / "shm" / shm_job / f"rank-00001.slot-{slot}"
-        data = bytearray(path.read_bytes())
-        # The image starts after the 4 KiB control block; flip a byte of its tensor data.
-        data[4096 + 8192 + 100] ^= 0xFF
-        path.write_bytes(bytes(data))
-    img = tmp_path / "ckpt" / "step-00000000000000000003" / "rank-00001.img"
-    raw = bytearray(img.read_bytes())
-    raw[8192 + 100] ^= 0xFF
-    img.write_bytes(bytes(raw))
+    # Damage rank 1's copies of step 3: its image on storage and its memory snapshots (a slot
+    # holds the same image after its control block), one byte of tensor "w" each.
+    img, offset, nbytes = _core.tensor_extent(str(tmp_path / "ckpt"), 3, 1, "w")
+    assert nbytes == 4000
+    for path in [img] + sorted(job_dir(tmp_path / "shm", job).glob("rank-00001.slot-*")):
+        at = offset + 100 + (_core.SLOT_HEADER_BYTES if ".slot-" in str(path) else 0)
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
     outs = run_phase(tmp_path, job, "load", "b")
     # Step 3 is unreadable for rank 1 everywhere, step 2 only exists on storage (both memory
     # slots were damaged): both ranks resume from step 2.
