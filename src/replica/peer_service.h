@@ -1,0 +1,117 @@
+// PeerService: how one node's agent sends its snapshots to other nodes' agents and fetches them
+// back (docs/replication.md). Transport: UCX (UCP active messages over whatever the fabric offers:
+// RDMA verbs on a cluster, TCP elsewhere; shared-memory transports are excluded, peers are always
+// on other hosts).
+//
+// Wire: every message is a versioned, bounded header (type, version, JSON fields) plus an optional
+// bulk payload. A connection is usable only after mutual HMAC-SHA256 challenge-response with the
+// job's secret (OpenSSL), bound to the job name and both nodes' ids; anything else is dropped.
+// Every payload chunk carries its CRC32C and the receiver checks offsets and sizes against what
+// was declared. A peer that sends garbage, lies about sizes, fails authentication or makes no
+// progress for `timeout_s` is dropped; a replica is committed only when whole and verified
+// (ReplicaStore), so no wrong byte is ever kept.
+//
+// Threads: the service runs one progress thread that owns the UCX worker; the public methods are
+// thread-safe, block their caller and are meant for the agent's replication worker (never its
+// poll loop).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "replica/redundancy.h"
+#include "replica/replica_store.h"
+#include "safepoint/status.h"
+
+namespace safepoint::replica {
+
+struct PeerServiceOptions {
+  std::string job;        // the job's name; part of the authentication
+  std::string node;       // this node's id
+  std::string bind_host;  // listen only on this address (the interface the job uses)
+  uint16_t port = 0;      // 0: a free port
+  std::string secret;     // the job's secret (>= 16 bytes); SetSecret replaces it
+  double timeout_s = 30;  // a request or a transfer that makes no progress this long fails
+  double bandwidth_bytes_per_s = 0;  // cap on what Push sends (all targets together); 0: none
+  uint32_t keep = 1;      // snapshots kept per (source node, rank) on the receiving side
+  uint64_t chunk_bytes = 4 << 20;  // bulk transfers are sent in chunks of this size
+};
+
+struct Peer {
+  std::string node;
+  std::string address;  // "host:port" as returned by address()
+};
+
+// The identity of one snapshot being pushed.
+struct SnapshotId {
+  uint32_t rank = 0;
+  uint64_t step = 0;
+  uint64_t complete_ns = 0;
+};
+
+struct PushResult {
+  std::vector<Status> targets;  // one per target, in the order given
+  uint64_t bytes_sent = 0;
+  double seconds = 0;
+  double paused_seconds = 0;  // time spent paused (SetPaused) or throttled
+};
+
+// A replica that a peer holds.
+struct Holding {
+  Peer holder;
+  ReplicaMeta meta;
+};
+
+struct PeerServiceStats {
+  uint64_t replicas_received = 0, bytes_received = 0;
+  uint64_t pushes = 0, bytes_sent = 0;
+  uint64_t peers_rejected = 0;    // failed authentication or protocol errors
+  uint64_t transfers_failed = 0;  // timeouts, dead peers, CRC mismatches
+};
+
+class PeerService {
+ public:
+  // Starts listening; `store` (owned by the caller, outliving the service) keeps what peers send.
+  static Result<std::unique_ptr<PeerService>> Start(const PeerServiceOptions& options,
+                                                    ReplicaStore* store);
+  virtual ~PeerService() = default;
+
+  // "host:port" peers connect to.
+  virtual std::string address() const = 0;
+  virtual void SetSecret(const std::string& secret) = 0;
+  virtual void SetBandwidthLimit(double bytes_per_s) = 0;
+  // While paused, Push sends nothing (between chunks); the training calls this around its own
+  // collectives.
+  virtual void SetPaused(bool paused) = 0;
+
+  // Sends one snapshot image (readable for the whole call) to `targets` per `redundancy`:
+  // mirror: a whole copy to every target; ec:K+P: fragment f to targets[f]
+  // (targets.size() == redundancy.targets()). `still_valid` is polled between chunks and at the
+  // end; when it turns false the push stops with Cancelled and receivers drop what they got.
+  // A target that fails does not stop the others.
+  virtual Result<PushResult> Push(const SnapshotId& id, std::span<const std::byte> image,
+                                  const Redundancy& redundancy, const std::vector<Peer>& targets,
+                                  const std::function<bool()>& still_valid) = 0;
+
+  // What `peers` hold (of `rank` if given), asked in parallel. Peers that cannot be asked are
+  // skipped; their errors go to `errors` when given.
+  virtual std::vector<Holding> List(const std::vector<Peer>& peers, std::optional<uint32_t> rank,
+                                    std::vector<Status>* errors = nullptr) = 0;
+
+  // Rebuilds snapshot (rank, step, complete_ns) into `image` (its image_bytes long) from
+  // `holdings` (a List result): a whole copy from a reachable holder if there is one, else K
+  // distinct fragments fetched in parallel and decoded. Verifies every payload's CRC and the
+  // image's CRC; tries other holders when one fails. NotFound when the holdings cannot rebuild
+  // it, Corruption/Unavailable when every attempt failed (the last error).
+  virtual Status FetchImage(const std::vector<Holding>& holdings, const SnapshotId& id,
+                            std::span<std::byte> image) = 0;
+
+  virtual PeerServiceStats stats() const = 0;
+};
+
+}  // namespace safepoint::replica

@@ -1,0 +1,84 @@
+// ReplicaStore: the copies and fragments of other nodes' snapshots that this node's agent keeps in
+// its shared memory (docs/replication.md).
+//
+// Files live in "<job_dir>/replicas/" (0700): one file per copy or fragment,
+//   "<source-node>.rank-<R>.step-<S>.<complete_ns>.<kind>-<index>"   (kind: copy | frag)
+// Each file is a 4 KiB header (magic, version, ReplicaMeta as fixed fields, header CRC32C)
+// followed by the payload. A file is received under a temporary name (".tmp-..." prefix),
+// its space reserved up front (fallocate: a full /dev/shm is ResourceExhausted naming the bytes
+// needed and free, never a SIGBUS), and renamed into place only after the payload's CRC32C
+// matched the sender's: a visible replica file is always whole and verified. Readers verify the
+// header CRC, and the payload CRC before they trust the bytes.
+//
+// Thread safety: one ReplicaStore per agent; its methods may be called from several threads
+// (each writer owns its file until Commit).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "safepoint/status.h"
+
+namespace safepoint::replica {
+
+// What a replica file holds.
+struct ReplicaMeta {
+  std::string source_node;     // the node that took the snapshot ([A-Za-z0-9._-]{1,64})
+  uint32_t rank = 0;           // the training rank whose image it is
+  uint64_t step = 0;
+  uint64_t complete_ns = 0;    // when the snapshot completed on its node (orders two of one step)
+  uint64_t image_bytes = 0;    // the whole image
+  uint32_t image_crc = 0;      // CRC32C of the whole image's bytes
+  enum class Kind : uint32_t { kCopy = 1, kFragment = 2 };
+  Kind kind = Kind::kCopy;
+  uint32_t index = 0;          // copy: 0; fragment: its index in [0, k+p)
+  uint32_t k = 1, p = 0;       // fragment: the code (EcLayout)
+  uint64_t piece_bytes = 0;    // fragment: EcLayout::piece_bytes
+  uint64_t payload_bytes = 0;  // bytes in this file after the header
+  uint32_t payload_crc = 0;    // CRC32C of the payload
+};
+
+// A replica file being received: write payload_bytes into data(), then Commit().
+class ReplicaWriter {
+ public:
+  virtual ~ReplicaWriter() = default;  // an uncommitted file is removed
+  virtual std::span<std::byte> data() = 0;
+  // Verifies the payload against meta.payload_crc (Corruption naming the replica otherwise),
+  // writes the header and renames the file into place, replacing an equal replica.
+  virtual Status Commit() = 0;
+};
+
+// A verified, mapped replica file.
+struct ReplicaView {
+  ReplicaMeta meta;
+  std::span<const std::byte> payload;
+  std::shared_ptr<const void> mapping;  // keeps payload mapped
+};
+
+class ReplicaStore {
+ public:
+  // Opens (creating) "<job_dir>/replicas"; removes temporary files of earlier agents.
+  static Result<std::unique_ptr<ReplicaStore>> Open(const std::string& job_dir);
+  virtual ~ReplicaStore() = default;
+
+  // Starts receiving a replica (validates meta: names, sizes, kind/index/k/p consistent).
+  virtual Result<std::unique_ptr<ReplicaWriter>> Begin(const ReplicaMeta& meta) = 0;
+  // Every committed replica whose header is valid (optionally of one rank), sorted by rank,
+  // step, complete_ns, kind, index. Files with bad headers are skipped and logged.
+  virtual Result<std::vector<ReplicaMeta>> List(std::optional<uint32_t> rank = std::nullopt) = 0;
+  // Maps a replica and verifies its payload CRC (Corruption when it does not match).
+  virtual Result<ReplicaView> Read(const ReplicaMeta& meta) = 0;
+  // Keeps, for each (source node, rank), the replicas of the newest `keep` snapshots (by step,
+  // then complete_ns); removes the rest. Returns the bytes freed.
+  virtual Result<uint64_t> Prune(uint32_t keep) = 0;
+  // Removes every replica of a source node (e.g. a node that left the job for good).
+  virtual Status RemoveSource(const std::string& source_node) = 0;
+  // Bytes of shared memory the replica files take.
+  virtual uint64_t bytes() = 0;
+};
+
+}  // namespace safepoint::replica
