@@ -339,8 +339,9 @@ json ArenaJson(const std::string& job_dir) {
   for (uint32_t r : *list) {
     auto arena = Arena::Open(job_dir, r);
     if (!arena.ok()) continue;
-    ranks.push_back(
-        {{"rank", r}, {"slots", SlotsJson((*arena)->Slots())}, {"bytes", (*arena)->mapped_bytes()}});
+    ranks.push_back({{"rank", r},
+                     {"slots", SlotsJson((*arena)->Slots())},
+                     {"bytes", (*arena)->mapped_bytes()}});
   }
   return ranks;
 }

@@ -1,6 +1,5 @@
 // Tests of the real agent binary (safepointd) as a child process: its protocol robustness, its
 // single-instance lock, and persisting / flushing / closing with a SnapshotClient.
-#include "agent/protocol.h"
 #include "safepoint/agent.h"
 
 #include <fcntl.h>
@@ -24,6 +23,7 @@
 #include <random>
 #include <thread>
 
+#include "agent/protocol.h"
 #include "base/bytes.h"
 #include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
@@ -317,8 +317,8 @@ class AgentTest : public ::testing::Test {
   }
 
   std::string HelloPayload() const {
-    return json{{"rank", 0}, {"world_size", 1}, {"storage", storage_}, {"keep", 3},
-                {"pid", ::getpid()}}
+    return json{
+        {"rank", 0}, {"world_size", 1}, {"storage", storage_}, {"keep", 3}, {"pid", ::getpid()}}
         .dump();
   }
 
@@ -492,10 +492,10 @@ TEST_F(AgentTest, SnapshotOfASlotThatDoesNotExistIsHarmless) {
   ASSERT_GE(fd, 0);
   for (uint32_t slot : {2u, 9u, 15u}) {
     // The agent may refuse these by closing the connection: later sends may fail.
-    SendMessage(fd, MessageType::kSnapshot,
-                json{{"slot", slot}, {"generation", 1}, {"step", slot}, {"persist", true},
-                     {"leased", true}}
-                    .dump())
+    SendMessage(
+        fd, MessageType::kSnapshot,
+        json{{"slot", slot}, {"generation", 1}, {"step", slot}, {"persist", true}, {"leased", true}}
+            .dump())
         .IgnoreError();
   }
   // Wait until the agent worked through them; it must still be alive and serve.

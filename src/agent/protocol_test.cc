@@ -1,3 +1,5 @@
+#include "agent/protocol.h"
+
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -7,7 +9,6 @@
 #include <thread>
 
 #include "base/bytes.h"
-#include "agent/protocol.h"
 
 namespace safepoint {
 namespace {
@@ -41,10 +42,10 @@ std::vector<Message> Drain(FrameDecoder& d) {
 }
 
 constexpr MessageType kAllTypes[] = {
-    MessageType::kHello, MessageType::kHelloReply, MessageType::kSnapshot,
-    MessageType::kStatus, MessageType::kStatusReply, MessageType::kWait,
-    MessageType::kWaitReply, MessageType::kClose, MessageType::kCloseReply,
-    MessageType::kError, MessageType::kShutdown};
+    MessageType::kHello,     MessageType::kHelloReply,  MessageType::kSnapshot,
+    MessageType::kStatus,    MessageType::kStatusReply, MessageType::kWait,
+    MessageType::kWaitReply, MessageType::kClose,       MessageType::kCloseReply,
+    MessageType::kError,     MessageType::kShutdown};
 
 TEST(ProtocolTest, EncodeFrameLayout) {
   const std::string frame = EncodeFrame(MessageType::kStatus, R"({"a":1})");
@@ -56,9 +57,9 @@ TEST(ProtocolTest, EncodeFrameLayout) {
 
 TEST(ProtocolTest, FrameRoundTrip) {
   for (MessageType type : kAllTypes) {
-    for (const std::string payload : {std::string(), std::string("{}"),
-                                      std::string(R"({"step":42,"name":"x\u00e9"})"),
-                                      std::string("\0binary\xff\0", 10)}) {
+    for (const std::string payload :
+         {std::string(), std::string("{}"), std::string(R"({"step":42,"name":"x\u00e9"})"),
+          std::string("\0binary\xff\0", 10)}) {
       FrameDecoder d;
       d.Feed(Bytes(EncodeFrame(type, payload)));
       auto m = d.Next();
@@ -154,8 +155,8 @@ TEST(ProtocolTest, LargeFramesInRandomPieces) {
   FrameDecoder d;
   std::vector<Message> got;
   for (size_t off = 0; off < stream.size();) {
-    const size_t n = std::min(stream.size() - off,
-                              std::uniform_int_distribution<size_t>(1, 3 << 20)(rng));
+    const size_t n =
+        std::min(stream.size() - off, std::uniform_int_distribution<size_t>(1, 3 << 20)(rng));
     d.Feed(Bytes(stream).subspan(off, n));
     off += n;
     auto more = Drain(d);
@@ -173,8 +174,7 @@ void ExpectRejected(const std::string& bytes, const std::string& what) {
   auto m = d.Next();
   ASSERT_FALSE(m.ok()) << "accepted";
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(m.status().message().find("protocol error"), std::string::npos)
-      << m.status().message();
+  EXPECT_NE(m.status().message().find("protocol error"), std::string::npos) << m.status().message();
   // The stream cannot be resynchronised: the decoder keeps refusing it.
   d.Feed(Bytes(EncodeFrame(MessageType::kStatus, "{}")));
   EXPECT_FALSE(d.Next().ok());
@@ -264,9 +264,8 @@ TEST(ProtocolTest, FuzzedStreamsYieldErrorsOrValidMessages) {
           }
           break;
         case 4: {  // overwrite 4 bytes with an interesting u32
-          static const uint32_t kInteresting[] = {0,          3,          4,          5,
-                                                  kMaxMessageBytes, kMaxMessageBytes + 1,
-                                                  0xFFFFFFFF, 0x80000000};
+          static const uint32_t kInteresting[] = {
+              0, 3, 4, 5, kMaxMessageBytes, kMaxMessageBytes + 1, 0xFFFFFFFF, 0x80000000};
           if (s.size() >= 4) {
             const uint32_t v = kInteresting[pick(std::size(kInteresting))];
             std::memcpy(s.data() + pick(s.size() - 3), &v, 4);
@@ -346,9 +345,9 @@ TEST_F(ProtocolSocketTest, LargeMessageThroughASmallSocketBuffer) {
 }
 
 TEST_F(ProtocolSocketTest, TooLargeToSend) {
-  EXPECT_EQ(SendMessage(fds_[0], MessageType::kStatus, std::string(kMaxMessageBytes - 3, 'x'))
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      SendMessage(fds_[0], MessageType::kStatus, std::string(kMaxMessageBytes - 3, 'x')).code(),
+      StatusCode::kInvalidArgument);
 }
 
 TEST_F(ProtocolSocketTest, TimeoutAndPeerClose) {
@@ -433,13 +432,14 @@ TEST(MessageTest, MalformedPayloadsAreErrorsNamingTheField) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find(c.says), std::string::npos) << s.message();
   }
-  const std::string bad_skips[] = {R"([[1]])", R"([[1, 2, 3]])", R"([["a", 2]])",
-                                   R"({"a": 1})", R"([[1, 4294967296]])"};
+  const std::string bad_skips[] = {R"([[1]])", R"([[1, 2, 3]])", R"([["a", 2]])", R"({"a": 1})",
+                                   R"([[1, 4294967296]])"};
   for (const std::string& skip : bad_skips) {
     SCOPED_TRACE(skip);
     SnapshotNote note;
     const std::string payload = R"({"slot": 0, "generation": 1, "step": 2, "persist": true,
-                                    "leased": false, "skip": )" + skip + "}";
+                                    "leased": false, "skip": )" +
+                                skip + "}";
     EXPECT_EQ(Decode(payload, &note).code(), StatusCode::kInvalidArgument);
   }
   WaitReply reply;

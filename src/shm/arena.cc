@@ -106,9 +106,12 @@ ProcessId ReadWriter(const SlotHeader* h) {
 
 std::string_view SlotStateName(SlotState s) {
   switch (s) {
-    case SlotState::kFree: return "FREE";
-    case SlotState::kWriting: return "WRITING";
-    case SlotState::kComplete: return "COMPLETE";
+    case SlotState::kFree:
+      return "FREE";
+    case SlotState::kWriting:
+      return "WRITING";
+    case SlotState::kComplete:
+      return "COMPLETE";
   }
   return "UNKNOWN";
 }
@@ -130,7 +133,8 @@ class SlotFile {
     struct stat st;
     if (::fstat(f->fd_, &st) != 0) return ErrnoStatus("stat", path, errno);
     if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
-      return InvalidArgument(path + ": not a private regular file of this user; refusing to use it");
+      return InvalidArgument(path +
+                             ": not a private regular file of this user; refusing to use it");
     }
     if (static_cast<uint64_t>(st.st_size) < kSlotHeaderSize) {
       return Corruption(path + ": slot file is truncated");
@@ -165,7 +169,8 @@ class SlotFile {
             dir + ": a snapshot slot for rank " + std::to_string(rank) + " needs " +
             std::to_string(size) + " bytes (" + HumanBytes(size) + ") of shared memory, but only " +
             std::to_string(free_bytes) + " bytes (" + HumanBytes(free_bytes) +
-            ") are free. Each rank keeps " + "2 slots of its state's size: enlarge /dev/shm (e.g. "
+            ") are free. Each rank keeps " +
+            "2 slots of its state's size: enlarge /dev/shm (e.g. "
             "`docker run --shm-size=...`, or `mount -o remount,size=... /dev/shm`) or point "
             "shm_dir / SAFEPOINT_SHM_DIR at a larger tmpfs or a local disk directory");
       }
@@ -220,9 +225,7 @@ class SlotFile {
   }
 
   SlotHeader* header() const { return reinterpret_cast<SlotHeader*>(map_); }
-  std::span<std::byte> data() const {
-    return {map_ + kSlotHeaderSize, header()->capacity};
-  }
+  std::span<std::byte> data() const { return {map_ + kSlotHeaderSize, header()->capacity}; }
   uint64_t capacity() const { return header()->capacity; }
   uint64_t ino() const { return ino_; }
   uint64_t map_size() const { return map_size_; }
@@ -264,7 +267,8 @@ Status CheckPrivateDirectory(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ELOOP || errno == ENOTDIR) {
-      return InvalidArgument(path + ": exists but is not a directory (or is a symlink); refusing "
+      return InvalidArgument(path +
+                             ": exists but is not a directory (or is a symlink); refusing "
                              "to use it for snapshots");
     }
     return ErrnoStatus("open", path, errno);
@@ -390,11 +394,12 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
   while (dirent* e = ::readdir(d)) {
     const std::string n = e->d_name;
     if (n == "." || n == "..") continue;
-    const bool ours = n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 ||
-                      n.rfind("job.json", 0) == 0;
+    const bool ours =
+        n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 || n.rfind("job.json", 0) == 0;
     if (!ours) {
       ::closedir(d);
-      return InvalidArgument(job_dir + ": contains '" + n + "', which safepoint did not create; "
+      return InvalidArgument(job_dir + ": contains '" + n +
+                             "', which safepoint did not create; "
                              "not removing the directory");
     }
     names.push_back(n);

@@ -56,8 +56,8 @@ struct Shard {
     meta.step = step;
     meta.rank = 0;
     std::vector<TensorSource> sources;
-    sources.push_back({{"w", DType::kFloat32, {data.size()}, {}, {}}, data.data(),
-                       data.size() * sizeof(float)});
+    sources.push_back(
+        {{"w", DType::kFloat32, {data.size()}, {}, {}}, data.data(), data.size() * sizeof(float)});
     Dict d;
     d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
     auto extras = EncodeExtras(Value(std::move(d)));
@@ -82,8 +82,7 @@ void ExpectImage(std::span<const std::byte> image, uint64_t step, size_t elems =
 }
 
 // Takes a slot, fills it with Shard(step) and marks it COMPLETE.
-Arena::WriteTicket Save(Arena& arena, uint64_t step, bool leased = false,
-                        size_t elems = 16 << 10) {
+Arena::WriteTicket Save(Arena& arena, uint64_t step, bool leased = false, size_t elems = 16 << 10) {
   Shard s(step, elems);
   auto t = arena.BeginWrite(s.size());
   EXPECT_TRUE(t.ok()) << t.status().ToString();
@@ -135,8 +134,8 @@ TEST(ArenaJobDirectoryTest, CreatesPrivateDirectory) {
 
 TEST(ArenaJobDirectoryTest, ValidatesJobNames) {
   TempDir tmp;
-  const std::vector<std::string> bad_names = {"", "a/b", "..", ".", "sp ace", "x\n",
-                                              std::string(65, 'a')};
+  const std::vector<std::string> bad_names = {
+      "", "a/b", "..", ".", "sp ace", "x\n", std::string(65, 'a')};
   for (const std::string& bad : bad_names) {
     SCOPED_TRACE(bad);
     EXPECT_EQ(JobDirectory(tmp.path(), bad, true).status().code(), StatusCode::kInvalidArgument);

@@ -42,8 +42,10 @@ TEST_F(StageFileTest, IsAPrivatePreallocatedFileNamedAfterItsOwner) {
   EXPECT_EQ(Mode(dir), 0700u);
   EXPECT_EQ(Mode((*f)->path()), 0600u);
   const ProcessId me = SelfProcessId();
-  EXPECT_EQ(fs::path((*f)->path()).filename().string().rfind(
-                std::to_string(me.pid) + "-" + std::to_string(me.start_ticks) + "-", 0),
+  EXPECT_EQ(fs::path((*f)->path())
+                .filename()
+                .string()
+                .rfind(std::to_string(me.pid) + "-" + std::to_string(me.start_ticks) + "-", 0),
             0u);
   struct stat st;
   ASSERT_EQ(::stat((*f)->path().c_str(), &st), 0);
