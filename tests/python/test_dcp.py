@@ -116,8 +116,7 @@ def test_sharded_save_reshards_to_one_two_and_three_ranks(tmp_path, ckpt, cli):
         dcp.load({"meta": {"step": 0}}, storage_reader=sdcp.Reader(ckpt, step=2))
 
     # World size 3: DCP's planner reshards (13 rows, 11 and 257 columns: uneven splits).
-    stored = sum(e["nbytes"] for r in range(2)
-                 for e in _core.read_metadata(str(ckpt), 1, r)["tensors"])
+    stored = sum(e.nbytes for r in range(2) for e in _core.read_metadata(str(ckpt), 1, r).tensors)
     for rep in run(3, "load"):
         got = rep["load"]
         assert got["ok"] == expect_ok and got["step"] == 1
@@ -202,7 +201,7 @@ def test_corruption_is_detected_and_only_needed_chunks_are_read(ckpt):
     g = torch.Generator().manual_seed(7)
     state = {"a": torch.randn(5 << 18, generator=g), "b": torch.randn(5 << 18, generator=g)}
     dcp.save(state, storage_writer=sdcp.Writer(ckpt, step=3))
-    last = _core.read_metadata(str(ckpt), 3, 0)["tensors"][-1]["name"]
+    last = _core.read_metadata(str(ckpt), 3, 0).tensors[-1].name
     bad, good = ("b", "a") if last.startswith("tensors.b@") else ("a", "b")
     img, offset, nbytes = _core.tensor_extent(str(ckpt), 3, 0, last)
     _flip_byte(img, offset + nbytes - 1)  # the last byte of the last tensor
