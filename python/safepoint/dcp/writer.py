@@ -26,8 +26,9 @@ from safepoint.errors import AlreadyExistsError, InvalidArgumentError, StorageEr
 FORMAT_VERSION = 1
 _DCP_VERSION = "1.0.0"  # DCP's own metadata version, as FileSystemWriter records it
 
-# dtypes safepoint's image format stores natively; others are stored as their raw bytes (uint8).
-_NATIVE = set(_DTYPES.values())
+# dtypes safepoint's image format stores natively (_core.DTYPES, as torch dtypes); the others
+# torch has (complex32, sub-byte and bit types) are stored as their raw bytes (uint8).
+_NATIVE = frozenset(_DTYPES.values())
 
 
 # -- paths and steps ---------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class Writer(StorageWriter):
                 if key in tensors:
                     raise InvalidArgumentError(f"{self.checkpoint_id}: two chunks keyed {key!r}")
                 raw_bytes = t.dtype not in _NATIVE
-                if raw_bytes:  # complex, uint16, ...: stored as their bytes
+                if raw_bytes:  # complex32, ...: stored as their bytes
                     t = t.cpu().contiguous().reshape(-1).view(torch.uint8)
                 tensors[key] = t
                 items[key] = {
