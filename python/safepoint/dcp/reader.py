@@ -67,7 +67,7 @@ class Reader(StorageReader):
     Only the byte ranges the loading rank needs are read and checksum-verified.
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", step: Optional[int] = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], step: Optional[int] = None) -> None:
         super().__init__()
         self.path = _fspath(path, "checkpoint path")
         self.step = _check_step(self.path, step)
@@ -76,7 +76,7 @@ class Reader(StorageReader):
         self.storage_data: dict = {}
         self.bytes_read = 0  # bytes requested by the last read_data (for tests and logs)
 
-    def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             path, step = _split_checkpoint_id(checkpoint_id)
             self.path, self.step = path, step
@@ -90,7 +90,7 @@ class Reader(StorageReader):
         return _checkpoint_id(self.path, step)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return Writer.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self) -> Metadata:  # no **kwargs: there is no rank-local metadata to retry
@@ -212,7 +212,7 @@ class Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._loaded_step is None:
             raise InvalidArgumentError(f"{self.path}: read_data before read_metadata")
-        _RangeReader(self, planner).run(plan.items)
+        _RangeReader(self, planner, self._loaded_step).run(plan.items)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -221,9 +221,8 @@ class Reader(StorageReader):
 class _RangeReader:
     """Turns ReadItems into byte-range requests per image, batched, then places the bytes."""
 
-    def __init__(self, reader: Reader, planner: LoadPlanner) -> None:
-        self.reader, self.planner = reader, planner
-        self.step = reader._loaded_step
+    def __init__(self, reader: Reader, planner: LoadPlanner, step: int) -> None:
+        self.reader, self.planner, self.step = reader, planner, step
         self.pending: dict[int, list] = {}     # rank -> [(name, off, n, dest, after)]
         self.pending_bytes: dict[int, int] = {}
         self.left: dict[int, int] = {}         # id(read item) -> pieces not yet placed
