@@ -4,12 +4,12 @@ A `Cluster(n)` is n "nodes" on one machine (as root): per node a network namespa
 pair into a bridge that the cluster creates, an address in a private /24 that no other cluster
 uses at the same time (a lock file per /24), and a node init process, started as
 
-    ip netns exec NS unshare --mount --pid --fork --mount-proc --uts sh -c '...'
+    ip netns exec NS unshare --mount --pid --fork --mount-proc --uts --ipc sh -c '...'
 
 that mounts its own tmpfs on /dev/shm, bind-mounts the cluster's hosts file on /etc/hosts (the
 node names resolve to their addresses), sets the hostname and then reaps orphans as the pid
 namespace's init. `node.popen`/`node.run` start processes inside a node (nsenter into the
-init's mount, pid, uts and network namespaces): they see the node's /dev/shm, hostname and
+init's mount, pid, uts, ipc and network namespaces): they see the node's /dev/shm, hostname and
 address, and the host's file system everywhere else (a directory under /tmp is "shared
 storage"). `node.kill()` is the loss of a node: SIGKILL to its init kills every process of the
 node, and with the last of them the mount namespace and its /dev/shm go; kill() checks both.
@@ -93,10 +93,10 @@ def unavailable() -> Optional[str]:
             _unavailable = f"cannot create a veth pair: {link.stderr.strip()}"
             return _unavailable
         run = _sh("ip", "netns", "exec", probe, "unshare", "--mount", "--pid", "--fork",
-                  "--mount-proc", "--uts", "sh", "-c",
+                  "--mount-proc", "--uts", "--ipc", "sh", "-c",
                   "mount -t tmpfs -o size=1m tmpfs /dev/shm && hostname probe", check=False)
         if run.returncode != 0:
-            _unavailable = f"cannot unshare mount/pid/uts namespaces: {run.stderr.strip()}"
+            _unavailable = f"cannot unshare mount/pid/uts/ipc namespaces: {run.stderr.strip()}"
     finally:
         _sh("ip", "netns", "del", probe, check=False)
     return _unavailable
@@ -260,7 +260,7 @@ class Node:
         log = open(c.dir / f"{self.name}.init.log", "ab")
         self._unshare = subprocess.Popen(
             ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--pid", "--fork",
-             "--mount-proc", "--uts", "sh", "-c", script],
+             "--mount-proc", "--uts", "--ipc", "sh", "-c", script],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
         log.close()
         line = self._unshare.stdout.readline()
@@ -324,14 +324,14 @@ class Node:
 
     # -- processes in the node ---------------------------------------------------------------
     def popen(self, argv: Sequence[str], *, cwd: Optional[str] = None, **kw) -> subprocess.Popen:
-        """Starts argv inside the node (its mount, pid, uts and network namespaces), in a new
+        """Starts argv inside the node (its mount, pid, uts, ipc and network namespaces), in a new
         session (killpg of its pid kills it and what it started in that session). `kw` go to
         subprocess.Popen (env, stdout, ...)."""
         if not self.alive:
             raise RuntimeError(f"node {self.name} is not running")
         kw.setdefault("start_new_session", True)
         proc = subprocess.Popen(
-            ["nsenter", f"--target={self.init_pid}", "--mount", "--uts", "--net", "--pid",
+            ["nsenter", f"--target={self.init_pid}", "--mount", "--uts", "--ipc", "--net", "--pid",
              f"--wd={cwd or os.getcwd()}", "--", *map(str, argv)], **kw)
         self._procs.append(proc)
         return proc
