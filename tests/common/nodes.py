@@ -195,6 +195,10 @@ def _sweep_stale() -> None:
         m = re.match(rf"^{PREFIX}(\d+)[nvb]", line)
         if m:
             ks.add(int(m.group(1)))
+    for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        m = re.match(rf"^{PREFIX}(\d+)-", d.name)
+        if m:
+            ks.add(int(m.group(1)))
     for k in ks:
         fd = os.open(LOCK_DIR / f"net-{k}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -203,6 +207,8 @@ def _sweep_stale() -> None:
             except BlockingIOError:
                 continue  # a live cluster
             _remove(*_names_of(k))
+            for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}{k}-*"):
+                shutil.rmtree(d, ignore_errors=True)
         finally:
             os.close(fd)
 
