@@ -46,7 +46,7 @@ ReplicaMeta CopyMeta(const std::string& source, uint32_t rank, uint64_t step, ui
 Status Put(ReplicaStore& store, const ReplicaMeta& meta, std::span<const std::byte> payload) {
   SP_ASSIGN_OR_RETURN(auto w, store.Begin(meta));
   if (w->data().size() != payload.size()) return InvalidArgument("data() has the wrong size");
-  std::memcpy(w->data().data(), payload.data(), payload.size());
+  if (!payload.empty()) std::memcpy(w->data().data(), payload.data(), payload.size());
   return w->Commit();
 }
 
