@@ -711,11 +711,18 @@ class Campaign:
                         self.kills += 1
                         self.by_point[armed] += 1
                         self.note(f"kill point fired late in agent {pid}")
+                    # Every agent logs "serving job" first. A log without a line of this agent
+                    # is a new one: this agent exited after every rank closed and removed its
+                    # log with the job directory, and an agent that a rank had started while
+                    # the previous one was being killed took the lock late (seed 2072461297,
+                    # round 372). A crash leaves the agent's lines without "exited".
                     lock = os.path.join(job.job_dir, "agent.lock")
+                    log = job.agent_log()
                     if pid not in self.killed_agents and os.path.exists(lock) and \
-                            f"safepointd[{pid}]: exited" not in job.agent_log():
+                            f"safepointd[{pid}]" in log and \
+                            f"safepointd[{pid}]: exited" not in log:
                         raise Violation(f"agent {pid} died without being killed:\n"
-                                        + job.agent_log()[-3000:])
+                                        + log[-3000:])
             everyone_idle = all(rk.idle or rk.status is not None or not rk.alive() for rk in ranks)
             if everyone_idle and not ended:
                 if p["point"] is not None and not point_fired:
