@@ -52,6 +52,7 @@ struct SnapshotId {
   uint32_t rank = 0;
   uint64_t step = 0;
   uint64_t complete_ns = 0;
+  uint64_t attempt = 0;  // ImageMeta::attempt (the restore agreement never mixes two attempts)
 };
 
 struct PushResult {

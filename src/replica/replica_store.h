@@ -31,6 +31,7 @@ struct ReplicaMeta {
   uint32_t rank = 0;           // the training rank whose image it is
   uint64_t step = 0;
   uint64_t complete_ns = 0;    // when the snapshot completed on its node (orders two of one step)
+  uint64_t attempt = 0;        // the image's save attempt (ImageMeta::attempt)
   uint64_t image_bytes = 0;    // the whole image
   uint32_t image_crc = 0;      // CRC32C of the whole image's bytes
   enum class Kind : uint32_t { kCopy = 1, kFragment = 2 };
