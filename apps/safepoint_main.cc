@@ -316,19 +316,17 @@ std::optional<json> QueryAgent(const std::string& job_dir) {
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) return std::nullopt;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return std::nullopt;
-  std::optional<json> out;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      SendMessage(fd, MessageType::kStatus, "{}").ok()) {
-    FrameDecoder decoder;
-    auto reply = ReceiveMessage(fd, decoder, 10);
-    if (reply.ok() && reply->type == MessageType::kStatusReply) {
-      out = json::parse(reply->payload, nullptr, false);
-      if (out->is_discarded()) out.reset();
-    }
+  const internal::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return std::nullopt;
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      !SendMessage(fd.get(), MessageType::kStatus, "{}").ok()) {
+    return std::nullopt;
   }
-  ::close(fd);
+  FrameDecoder decoder;
+  auto reply = ReceiveMessage(fd.get(), decoder, 10);
+  if (!reply.ok() || reply->type != MessageType::kStatusReply) return std::nullopt;
+  json out = json::parse(reply->payload, nullptr, false);
+  if (out.is_discarded()) return std::nullopt;
   return out;
 }
 
@@ -339,8 +337,9 @@ json ArenaJson(const std::string& job_dir) {
   for (uint32_t r : *list) {
     auto arena = Arena::Open(job_dir, r);
     if (!arena.ok()) continue;
-    ranks.push_back(
-        {{"rank", r}, {"slots", SlotsJson((*arena)->Slots())}, {"bytes", (*arena)->mapped_bytes()}});
+    ranks.push_back({{"rank", r},
+                     {"slots", SlotsJson((*arena)->Slots())},
+                     {"bytes", (*arena)->mapped_bytes()}});
   }
   return ranks;
 }

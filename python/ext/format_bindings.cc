@@ -218,8 +218,8 @@ void BindFormat(nb::module_& m) {
     }
   }
   m.attr("DTYPES") = nb::tuple(dtypes);
-  m.attr("CHUNK_SIZE") = kDefaultChunkSize;
-  m.attr("SLOT_HEADER_BYTES") = kSlotHeaderBytes;  // a slot file's image starts here  // an image's checksum chunk: the unit of every read
+  m.attr("CHUNK_SIZE") = kDefaultChunkSize;        // an image's checksum chunk
+  m.attr("SLOT_HEADER_BYTES") = kSlotHeaderBytes;  // a slot file's image starts here
   m.def("step_path", &StepPath, "path"_a, "step"_a);
   m.def("split_step_path", &SplitStepPath, "path"_a);
   m.def("image_path", &ImagePath, "path"_a, "step"_a, "rank"_a);

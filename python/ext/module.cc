@@ -556,11 +556,6 @@ class PyClient {
 NB_MODULE(_core, m) {
   using namespace safepoint;
   m.doc() = "safepoint's C++ core (internal; use the safepoint package)";
-  // Transitional: dcp.py (being split by another change) still reads TensorInfo and
-  // ShardMetadata as dicts. Remove __getitem__ once it reads attributes.
-  auto item = [](nb::handle self, const std::string& key) -> nb::object {
-    return self.attr(key.c_str());
-  };
   nb::class_<SaveResult>(m, "SaveResult", "What save() wrote; committed: the step is committed now")
       .def_ro("bytes", &SaveResult::bytes)
       .def_ro("write_seconds", &SaveResult::write_seconds)
@@ -575,7 +570,6 @@ NB_MODULE(_core, m) {
       .def_ro("generation", &Loaded::generation)
       .def_ro("skipped", &Loaded::skipped);
   nb::class_<TensorInfo>(m, "TensorInfo", "A tensor of an image's index (no data)")
-      .def("__getitem__", item)
       .def_ro("name", &TensorInfo::name)
       .def_ro("dtype", &TensorInfo::dtype)
       .def_ro("shape", &TensorInfo::shape)
@@ -584,7 +578,6 @@ NB_MODULE(_core, m) {
       .def_ro("nbytes", &TensorInfo::nbytes)
       .def_ro("elsewhere", &TensorInfo::elsewhere);
   nb::class_<ShardMetadata>(m, "ShardMetadata", "One rank's image of a step, without tensor data")
-      .def("__getitem__", item)
       .def_ro("step", &ShardMetadata::step)
       .def_ro("world_size", &ShardMetadata::world_size)
       .def_ro("tensors", &ShardMetadata::tensors)

@@ -8,21 +8,11 @@ Synchronous API (durable when it returns)::
     safepoint.steps("/ckpt")
 """
 
-from safepoint import _core
+from safepoint import _core, errors
 from safepoint._api import load, restore, save, steps
 from safepoint._checkpointer import Checkpointer
 from safepoint._stateful import capture_rng, restore_rng
-from safepoint.errors import (
-    AlreadyExistsError,
-    CancelledError,
-    CorruptionError,
-    Error,
-    InvalidArgumentError,
-    NotFoundError,
-    ResourceExhaustedError,
-    StorageError,
-    UnavailableError,
-)
+from safepoint.errors import *  # noqa: F403  (the exceptions: errors.__all__ names them)
 
 __version__: str = _core.VERSION
 FORMAT_VERSION = _core.FORMAT_VERSION
@@ -35,13 +25,5 @@ __all__ = [
     "restore",
     "capture_rng",
     "restore_rng",
-    "Error",
-    "NotFoundError",
-    "CorruptionError",
-    "StorageError",
-    "InvalidArgumentError",
-    "UnavailableError",
-    "ResourceExhaustedError",
-    "CancelledError",
-    "AlreadyExistsError",
 ]
+__all__ += errors.__all__

@@ -56,11 +56,13 @@ are not supported. Only local directories (no ``s3://`` URLs) can hold pointer f
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import tempfile
-from typing import Any, Optional
+import types
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -75,29 +77,39 @@ POINTER_VERSION = 1
 _POINTER_MAX_BYTES = 64 * 1024  # a pointer is a few hundred bytes; anything larger is not one
 
 
-def _checkpoint_io_bases() -> tuple:
-    """Lightning's CheckpointIO base classes: ``lightning`` and/or ``pytorch_lightning``'s."""
-    bases = []
-    try:  # the unified package (lightning.pytorch)
-        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _Unified
+# Where Lightning's CheckpointIO lives: the unified package (lightning.pytorch), and the
+# standalone one (pytorch_lightning uses lightning_fabric's).
+_CHECKPOINT_IO_MODULES = ("lightning.fabric.plugins.io.checkpoint_io",
+                          "lightning_fabric.plugins.io.checkpoint_io")
 
-        bases.append(_Unified)
-    except ImportError:
-        pass
-    try:  # the standalone package (pytorch_lightning uses lightning_fabric's)
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _Standalone
 
-        if _Standalone not in bases:
-            bases.append(_Standalone)
-    except ImportError:
-        pass
+def _checkpoint_io_base() -> type:
+    """Lightning's CheckpointIO: ``lightning``'s and/or ``pytorch_lightning``'s (one class that
+    derives from both when both packages are installed, so that either Trainer accepts it)."""
+    bases: list[type] = []
+    for module in _CHECKPOINT_IO_MODULES:
+        try:
+            cls = importlib.import_module(module).CheckpointIO
+        except ImportError:
+            continue
+        if cls not in bases:
+            bases.append(cls)
     if not bases:
         raise ImportError("safepoint.lightning needs `lightning` or `pytorch_lightning` "
                           "(pip install pytorch-lightning)")
-    return tuple(bases)
+    if len(bases) == 1:
+        return bases[0]
+    return types.new_class("CheckpointIO", tuple(bases),
+                           exec_body=lambda ns: ns.update(__module__=__name__))
 
 
-def read_pointer(path: "str | os.PathLike[str]") -> Optional[dict]:
+if TYPE_CHECKING:  # the classes are found at import time; type-check against pytorch_lightning's
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
+else:
+    _CheckpointIO = _checkpoint_io_base()
+
+
+def read_pointer(path: str | os.PathLike[str]) -> Optional[dict]:
     """The pointer file at ``path`` (symlinks followed) as a dict, or None when ``path`` is not a
     pointer file (missing, a directory, another kind of file)."""
     p = os.fspath(path)
@@ -173,7 +185,7 @@ def _map_location(obj: Any, device: Any) -> Any:
 _NO_PRUNE = 2**31 - 1  # the agent's `keep`: retention is Lightning's (pointer removal)
 
 
-class SafepointCheckpointIO(*_checkpoint_io_bases()):
+class SafepointCheckpointIO(_CheckpointIO):
     """Lightning ``CheckpointIO`` that stores checkpoints with safepoint (see the module doc).
 
     ``path``: the safepoint checkpoint directory (default: ``<dir of the first checkpoint>/
@@ -183,7 +195,7 @@ class SafepointCheckpointIO(*_checkpoint_io_bases()):
     ``shm_dir``, ``on_busy``: passed to ``safepoint.Checkpointer`` (flash mode).
     """
 
-    def __init__(self, path: "str | os.PathLike[str] | None" = None, *, mode: str = "flash",
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, mode: str = "flash",
                  allow_pickle: AllowPickle = False, include_rng: bool = True,
                  job: Optional[str] = None, shm_dir: Optional[str] = None,
                  on_busy: str = "wait") -> None:
@@ -239,9 +251,9 @@ class SafepointCheckpointIO(*_checkpoint_io_bases()):
                 on_busy=self.on_busy, shm_dir=self.shm_dir, allow_pickle=self.allow_pickle)
         return self._ckpt
 
-    def _take_step(self) -> int:
+    def _take_step(self, root: str) -> int:
         if self._next is None:
-            known = list(safepoint.steps(self._root)) if os.path.isdir(self._root) else []
+            known = list(safepoint.steps(root)) if os.path.isdir(root) else []
             if self.mode == "flash":
                 known += [s["step"] for s in self._checkpointer().status()["snapshots"]
                           if s.get("state") == "COMPLETE"]
@@ -263,12 +275,14 @@ class SafepointCheckpointIO(*_checkpoint_io_bases()):
             self._doomed.clear()
 
     # -- CheckpointIO ---------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict, path: Any,
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("SafepointCheckpointIO.save_checkpoint takes no storage_options "
                             f"(got {storage_options!r})")
         if not isinstance(checkpoint, dict):
-            raise InvalidArgumentError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
+            raise InvalidArgumentError(
+                f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
         target = self._local_dir(path, "the checkpoint path")
         if self._root is None:
             self._root = os.path.join(os.path.dirname(target), "safepoint")
@@ -281,7 +295,7 @@ class SafepointCheckpointIO(*_checkpoint_io_bases()):
         state = dict(checkpoint)
         if self.include_rng:
             state[RNG_KEY] = capture_rng()
-        step = self._take_step()
+        step = self._take_step(self._root)
         try:
             if self.mode == "flash":
                 # Every save is persisted: a pointer must eventually name a step on storage.

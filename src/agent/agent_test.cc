@@ -1,6 +1,5 @@
 // Tests of the real agent binary (safepointd) as a child process: its protocol robustness, its
 // single-instance lock, and persisting / flushing / closing with a SnapshotClient.
-#include "agent/protocol.h"
 #include "safepoint/agent.h"
 
 #include <fcntl.h>
@@ -18,16 +17,19 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
-#include "base/bytes.h"
+#include "agent/protocol.h"
+#include "base/unique_fd.h"
 #include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
+#include "testing/protocol_util.h"
+#include "testing/test_util.h"
 
 #ifndef SAFEPOINTD_PATH
 #error "SAFEPOINTD_PATH must name the built safepointd binary"
@@ -39,6 +41,8 @@ namespace {
 using namespace safepoint::agent;  // NOLINT: the protocol under test
 
 namespace fs = std::filesystem;
+using internal::UniqueFd;
+using test::FrameHeader;
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
@@ -76,16 +80,8 @@ void ExpectShard(const ImageReader& reader, const Value& extras, uint64_t step) 
   ASSERT_EQ(small.size(), want.small.size() * 4);
   EXPECT_EQ(std::memcmp(small.data(), want.small.data(), small.size()), 0);
   auto enc = EncodeExtras(extras);
-  ASSERT_TRUE(enc.ok());
+  ASSERT_OK(enc);
   EXPECT_EQ(*enc, want.extras);
-}
-
-std::string Header(uint32_t length, uint16_t version, uint16_t type) {
-  std::string out;
-  internal::AppendLE<uint32_t>(out, length);
-  internal::AppendLE<uint16_t>(out, version);
-  internal::AppendLE<uint16_t>(out, type);
-  return out;
 }
 
 bool SendAll(int fd, const std::string& bytes) {
@@ -130,9 +126,8 @@ Outcome ReadUntilClosed(int fd, double timeout_s) {
 class AgentTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tmpl = "/tmp/spag-XXXXXX";  // short: the socket path must fit sun_path
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr) << std::strerror(errno);
-    tmp_ = tmpl;
+    ASSERT_TRUE(tmp_dir_.ok()) << "mkdtemp failed";
+    tmp_ = tmp_dir_.path();
     shm_ = tmp_ + "/shm";
     storage_ = tmp_ + "/ckpt";
     ASSERT_EQ(::mkdir(shm_.c_str(), 0700), 0);
@@ -157,18 +152,14 @@ class AgentTest : public ::testing::Test {
       }
     }
     if (HasFailure()) {
+      // The logs of the agents this test started, and of the one a client started.
+      logs_.push_back(AgentLogPath(job_dir_));
       for (const auto& log : logs_) {
-        std::ifstream f(log);
-        std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-        std::cerr << "---- " << log << " ----\n" << text;
-      }
-      std::ifstream f(AgentLogPath(job_dir_));
-      if (f) {
-        std::cerr << "---- " << AgentLogPath(job_dir_) << " ----\n" << f.rdbuf();
+        if (auto text = test::ReadFileToString(log)) {
+          std::cerr << "---- " << log << " ----\n" << *text;
+        }
       }
     }
-    std::error_code ec;
-    fs::remove_all(tmp_, ec);
   }
 
   // Starts safepointd for the job as a child process (not waiting for it).
@@ -195,27 +186,14 @@ class AgentTest : public ::testing::Test {
     return pid;
   }
 
-  // Starts the agent and waits until its socket accepts connections.
-  pid_t StartAgent() {
-    const pid_t pid = Spawn();
-    if (pid <= 0) return -1;
-    const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
-    while (Clock::now() < deadline) {
-      int status;
-      if (::waitpid(pid, &status, WNOHANG) == pid) {
-        children_[pid] = true;
-        ADD_FAILURE() << "the agent exited at start with status " << status;
-        return -1;
-      }
-      const int fd = TryConnect();
-      if (fd >= 0) {
-        ::close(fd);
-        return pid;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    ADD_FAILURE() << "the agent did not listen within the deadline";
-    return -1;
+  // Starts the agent (agent_) and waits until its socket accepts connections; a fatal failure
+  // when it exits or does not listen within the deadline.
+  void StartAgent() {
+    agent_ = Spawn();
+    ASSERT_GT(agent_, 0);
+    ASSERT_TRUE(WaitUntil([&] { return !Running(agent_) || TryConnect().valid(); }))
+        << "the agent did not listen within the deadline";
+    ASSERT_TRUE(Running(agent_)) << "the agent exited at start";
   }
 
   // The exit status of a child (waitpid's), or nullopt if it is still running at the deadline.
@@ -233,6 +211,14 @@ class AgentTest : public ::testing::Test {
     }
   }
 
+  // The child `pid` exits (within the deadline) with exit status `code`.
+  void ExpectExitsWith(pid_t pid, int code) {
+    const std::optional<int> status = WaitExit(pid);
+    ASSERT_TRUE(status) << "process " << pid << " did not exit";
+    ASSERT_TRUE(WIFEXITED(*status)) << "process " << pid << ": wait status " << *status;
+    EXPECT_EQ(WEXITSTATUS(*status), code);
+  }
+
   bool Running(pid_t pid) {
     int status;
     if (::waitpid(pid, &status, WNOHANG) == pid) {
@@ -242,25 +228,35 @@ class AgentTest : public ::testing::Test {
     return true;
   }
 
-  int TryConnect() {
+  // A connection to the agent's socket (not valid when none could be made).
+  UniqueFd TryConnect() {
     const std::string path = AgentSocketPath(job_dir_);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
-    if (path.size() >= sizeof(addr.sun_path)) return -1;
+    if (path.size() >= sizeof(addr.sun_path)) return UniqueFd();
     std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -1;
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      ::close(fd);
-      return -1;
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (fd.valid() && ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      fd.Reset();
     }
     return fd;
   }
 
-  int Connect() {
-    const int fd = TryConnect();
-    EXPECT_GE(fd, 0) << "cannot connect to " << AgentSocketPath(job_dir_);
+  // TryConnect, and a test failure when it could not connect.
+  UniqueFd Connect() {
+    UniqueFd fd = TryConnect();
+    EXPECT_TRUE(fd.valid()) << "cannot connect to " << AgentSocketPath(job_dir_);
     return fd;
+  }
+
+  // Polls `done` until it holds or the deadline passed; whether it held.
+  bool WaitUntil(const std::function<bool()>& done) {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
+    while (!done()) {
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return true;
   }
 
   // Asks for the agent's status on `fd` and parses it.
@@ -287,38 +283,35 @@ class AgentTest : public ::testing::Test {
     return j;
   }
 
-  // A well-formed client on a fresh connection gets a status.
-  void ExpectServes(pid_t agent) {
-    EXPECT_TRUE(Running(agent)) << "the agent exited";
-    const int fd = Connect();
-    if (fd < 0) return;
-    auto j = QueryStatus(fd);
-    ::close(fd);
+  // A well-formed client on a fresh connection gets a status from agent_.
+  void ExpectServes() {
+    EXPECT_TRUE(Running(agent_)) << "the agent exited";
+    const UniqueFd fd = Connect();
+    if (!fd.valid()) return;
+    auto j = QueryStatus(fd.get());
     ASSERT_TRUE(j);
     EXPECT_EQ((*j)["job"], job_);
-    EXPECT_EQ((*j)["agent_pid"], agent);
+    EXPECT_EQ((*j)["agent_pid"], agent_);
   }
 
-  // Connects and says hello as rank 0; the connected fd (closed by the caller), or -1 after a
-  // test failure.
-  int ConnectAndHello() {
-    const int fd = Connect();
-    if (fd < 0) return -1;
-    EXPECT_TRUE(SendMessage(fd, MessageType::kHello, HelloPayload()).ok());
+  // Connects and says hello as rank 0; the connection, or an invalid one after a test failure.
+  UniqueFd ConnectAndHello() {
+    UniqueFd fd = Connect();
+    if (!fd.valid()) return fd;
+    EXPECT_OK(SendMessage(fd.get(), MessageType::kHello, HelloPayload()));
     FrameDecoder d;
-    auto reply = ReceiveMessage(fd, d, kDeadlineSeconds);
-    EXPECT_TRUE(reply.ok()) << reply.status().ToString();
+    auto reply = ReceiveMessage(fd.get(), d, kDeadlineSeconds);
+    EXPECT_OK(reply);
     if (!reply.ok() || reply->type != MessageType::kHelloReply) {
       ADD_FAILURE() << "hello answered with " << (reply.ok() ? reply->payload : "nothing");
-      ::close(fd);
-      return -1;
+      return UniqueFd();
     }
     return fd;
   }
 
   std::string HelloPayload() const {
-    return json{{"rank", 0}, {"world_size", 1}, {"storage", storage_}, {"keep", 3},
-                {"pid", ::getpid()}}
+    return json{
+        {"rank", 0}, {"world_size", 1}, {"storage", storage_}, {"keep", 3}, {"pid", ::getpid()}}
         .dump();
   }
 
@@ -334,16 +327,10 @@ class AgentTest : public ::testing::Test {
     return o;
   }
 
-  std::unique_ptr<SnapshotClient> NewClient() {
-    auto c = SnapshotClient::Connect(Options());
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    return c.ok() ? std::move(c).value() : nullptr;
-  }
-
   void SaveStep(SnapshotClient& c, uint64_t step, bool persist) {
     Shard s(step);
     auto r = c.Save(step, s.sources, s.extras, persist);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_OK(r);
     EXPECT_TRUE(r->saved);
     EXPECT_EQ(r->persist_requested, persist);
     EXPECT_TRUE(r->agent_error.empty()) << r->agent_error;
@@ -354,7 +341,7 @@ class AgentTest : public ::testing::Test {
     auto store = OpenCheckpointStore(storage_);
     if (!store.ok()) return out;
     auto list = (*store)->ListCommitted();
-    EXPECT_TRUE(list.ok()) << list.status().ToString();
+    EXPECT_OK(list);
     if (!list.ok()) return out;
     for (const auto& c : *list) out.push_back(c.step);
     return out;
@@ -363,9 +350,9 @@ class AgentTest : public ::testing::Test {
   // Loads `step` from storage and checks it is bit-exact.
   void ExpectOnStorage(std::optional<uint64_t> step, uint64_t want_step) {
     auto store = OpenCheckpointStore(storage_);
-    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    ASSERT_OK(store);
     auto shard = LoadShard(**store, step, 0);
-    ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+    ASSERT_OK(shard);
     EXPECT_EQ(shard->commit.step, want_step);
     EXPECT_TRUE(shard->skipped.empty());
     ExpectShard(shard->reader, shard->extras, want_step);
@@ -382,18 +369,19 @@ class AgentTest : public ::testing::Test {
   }
 
   const std::string job_ = "agent-test";
+  test::TempDir tmp_dir_{"spag", "/tmp"};  // short: the socket path must fit sun_path
   std::string tmp_, shm_, storage_, job_dir_;
+  pid_t agent_ = -1;                // started by StartAgent
   std::map<pid_t, bool> children_;  // pid -> reaped
   std::vector<std::string> logs_;
 };
 
 TEST_F(AgentTest, ServesStatus) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  ExpectServes(agent);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ExpectServes();
   uint32_t pid = 0;
   EXPECT_TRUE(AgentAlive(job_dir_, &pid));
-  EXPECT_EQ(pid, static_cast<uint32_t>(agent));
+  EXPECT_EQ(pid, static_cast<uint32_t>(agent_));
   struct stat st;
   ASSERT_EQ(::stat(AgentSocketPath(job_dir_).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
@@ -402,11 +390,10 @@ TEST_F(AgentTest, ServesStatus) {
 // Each malformed input closes that connection only (possibly after a kError reply); the agent
 // keeps serving well-formed clients, including one that stays connected throughout.
 TEST_F(AgentTest, MalformedInputClosesOnlyThatConnection) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  const int steady = Connect();
-  ASSERT_GE(steady, 0);
-  ASSERT_TRUE(QueryStatus(steady));
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  UniqueFd steady = Connect();
+  ASSERT_TRUE(steady.valid());
+  ASSERT_TRUE(QueryStatus(steady.get()));
 
   std::mt19937_64 rng(99);
   std::string random_garbage(512, '\0');
@@ -421,12 +408,12 @@ TEST_F(AgentTest, MalformedInputClosesOnlyThatConnection) {
   const std::vector<Case> cases = {
       {"text garbage", "GET / HTTP/1.1\r\nHost: safepoint\r\n\r\n"},
       {"random garbage", random_garbage},
-      {"bad version", Header(6, kProtocolVersion + 1, uint16_t(MessageType::kStatus)) + "{}"},
-      {"version 0", Header(6, 0, uint16_t(MessageType::kStatus)) + "{}"},
-      {"oversized length", Header(kMaxMessageBytes + 1, kProtocolVersion, 4)},
-      {"huge length", Header(0xFFFFFFFFu, kProtocolVersion, 4)},
-      {"length below header", Header(2, kProtocolVersion, 4)},
-      {"unknown type", Header(6, kProtocolVersion, 77) + "{}"},
+      {"bad version", FrameHeader(6, kProtocolVersion + 1, uint16_t(MessageType::kStatus)) + "{}"},
+      {"version 0", FrameHeader(6, 0, uint16_t(MessageType::kStatus)) + "{}"},
+      {"oversized length", FrameHeader(kMaxMessageBytes + 1, kProtocolVersion, 4)},
+      {"huge length", FrameHeader(0xFFFFFFFFu, kProtocolVersion, 4)},
+      {"length below header", FrameHeader(2, kProtocolVersion, 4)},
+      {"unknown type", FrameHeader(6, kProtocolVersion, 77) + "{}"},
       {"invalid JSON", EncodeFrame(MessageType::kHello, R"({"rank": 0, "storage": )")},
       {"JSON that is not an object", EncodeFrame(MessageType::kStatus, "[1, 2, 3]")},
       {"hello missing fields", EncodeFrame(MessageType::kHello, R"({"rank": 0})")},
@@ -438,11 +425,11 @@ TEST_F(AgentTest, MalformedInputClosesOnlyThatConnection) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    const int fd = Connect();
-    ASSERT_GE(fd, 0);
-    ASSERT_TRUE(SendAll(fd, c.bytes));
-    const Outcome out = ReadUntilClosed(fd, 2);
-    ::close(fd);
+    UniqueFd fd = Connect();
+    ASSERT_TRUE(fd.valid());
+    ASSERT_TRUE(SendAll(fd.get(), c.bytes));
+    const Outcome out = ReadUntilClosed(fd.get(), 2);
+    fd.Reset();
     EXPECT_TRUE(out.closed) << "the agent kept the connection open";
     EXPECT_TRUE(out.error.empty()) << out.error;
     for (const Message& m : out.messages) {
@@ -451,34 +438,33 @@ TEST_F(AgentTest, MalformedInputClosesOnlyThatConnection) {
       json j = json::parse(m.payload, nullptr, false);
       EXPECT_TRUE(j.is_object() && j.contains("error")) << m.payload;
     }
-    ExpectServes(agent);
-    auto steady_status = QueryStatus(steady);
+    ExpectServes();
+    auto steady_status = QueryStatus(steady.get());
     ASSERT_TRUE(steady_status);
     EXPECT_EQ((*steady_status)["job"], job_);
   }
   // Nothing was persisted or committed because of any of it.
   EXPECT_TRUE(Committed().empty());
-  ::close(steady);
-  EXPECT_TRUE(Running(agent));
+  steady.Reset();
+  EXPECT_TRUE(Running(agent_));
 }
 
 // A request that needs a hello, sent before it, is a protocol violation: refused with kError and
 // that connection is closed, like any other malformed input.
 TEST_F(AgentTest, SnapshotBeforeHelloClosesTheConnection) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  const int fd = Connect();
-  ASSERT_GE(fd, 0);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  UniqueFd fd = Connect();
+  ASSERT_TRUE(fd.valid());
   const std::string snapshot =
       json{{"slot", 0}, {"generation", 1}, {"step", 1}, {"persist", true}, {"leased", false}}
           .dump();
-  ASSERT_TRUE(SendAll(fd, EncodeFrame(MessageType::kSnapshot, snapshot)));
-  const Outcome out = ReadUntilClosed(fd, 2);
-  ::close(fd);
+  ASSERT_TRUE(SendAll(fd.get(), EncodeFrame(MessageType::kSnapshot, snapshot)));
+  const Outcome out = ReadUntilClosed(fd.get(), 2);
+  fd.Reset();
   ASSERT_FALSE(out.messages.empty()) << "no kError reply";
   EXPECT_EQ(out.messages[0].type, MessageType::kError) << out.messages[0].payload;
   EXPECT_TRUE(out.closed) << "the agent kept the connection open after refusing it";
-  ExpectServes(agent);
+  ExpectServes();
   EXPECT_TRUE(Committed().empty());
 }
 
@@ -486,26 +472,25 @@ TEST_F(AgentTest, SnapshotBeforeHelloClosesTheConnection) {
 // must not make it read past its slot table. (A release build usually survives the
 // out-of-bounds read by luck; with -D_GLIBCXX_ASSERTIONS or ASan the agent aborts.)
 TEST_F(AgentTest, SnapshotOfASlotThatDoesNotExistIsHarmless) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  const int fd = ConnectAndHello();
-  ASSERT_GE(fd, 0);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  UniqueFd fd = ConnectAndHello();
+  ASSERT_TRUE(fd.valid());
   for (uint32_t slot : {2u, 9u, 15u}) {
     // The agent may refuse these by closing the connection: later sends may fail.
-    SendMessage(fd, MessageType::kSnapshot,
-                json{{"slot", slot}, {"generation", 1}, {"step", slot}, {"persist", true},
-                     {"leased", true}}
-                    .dump())
+    SendMessage(
+        fd.get(), MessageType::kSnapshot,
+        json{{"slot", slot}, {"generation", 1}, {"step", slot}, {"persist", true}, {"leased", true}}
+            .dump())
         .IgnoreError();
   }
   // Wait until the agent worked through them; it must still be alive and serve.
   const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
   for (;;) {
-    ASSERT_TRUE(Running(agent)) << "the agent crashed";
-    const int probe = TryConnect();
-    ASSERT_GE(probe, 0) << "the agent stopped listening";
-    auto j = QueryStatus(probe);
-    ::close(probe);
+    ASSERT_TRUE(Running(agent_)) << "the agent crashed";
+    UniqueFd probe = TryConnect();
+    ASSERT_TRUE(probe.valid()) << "the agent stopped listening";
+    auto j = QueryStatus(probe.get());
+    probe.Reset();
     ASSERT_TRUE(j);
     if ((*j)["queued"] == 0 && (*j)["in_flight"].is_null()) {
       for (auto& r : (*j)["ranks"]) EXPECT_EQ(r["persists_ok"], 0) << r.dump();
@@ -515,26 +500,26 @@ TEST_F(AgentTest, SnapshotOfASlotThatDoesNotExistIsHarmless) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_TRUE(Committed().empty());
-  ::close(fd);
-  ExpectServes(agent);
+  fd.Reset();
+  ExpectServes();
 }
 
 // A client that sends requests but never reads the replies must not wedge the agent for everyone
 // else: its replies back up, and the agent has to keep serving other clients meanwhile.
 TEST_F(AgentTest, ClientThatNeverReadsDoesNotWedgeTheAgent) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  const int stuck = Connect();
-  ASSERT_GE(stuck, 0);
-  ASSERT_TRUE(QueryStatus(stuck));  // accepted and served before it floods
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  UniqueFd stuck = Connect();
+  ASSERT_TRUE(stuck.valid());
+  ASSERT_TRUE(QueryStatus(stuck.get()));  // accepted and served before it floods
   std::string requests;
   for (int i = 0; i < 5000; ++i) requests += EncodeFrame(MessageType::kStatus, "{}");
   // Non-blocking: once both socket buffers are full, this side stops sending too.
-  ASSERT_EQ(::fcntl(stuck, F_SETFL, O_NONBLOCK), 0);
+  ASSERT_EQ(::fcntl(stuck.get(), F_SETFL, O_NONBLOCK), 0);
   size_t off = 0;
   const auto send_deadline = Clock::now() + std::chrono::seconds(2);
   while (off < requests.size() && Clock::now() < send_deadline) {
-    const ssize_t n = ::send(stuck, requests.data() + off, requests.size() - off, MSG_NOSIGNAL);
+    const ssize_t n =
+        ::send(stuck.get(), requests.data() + off, requests.size() - off, MSG_NOSIGNAL);
     if (n > 0) {
       off += static_cast<size_t>(n);
     } else {
@@ -544,44 +529,39 @@ TEST_F(AgentTest, ClientThatNeverReadsDoesNotWedgeTheAgent) {
   // Wait until the unread replies pile up on this side: the agent is answering the flood.
   const auto pile_deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
   for (int queued = 0; queued < (16 << 10) && Clock::now() < pile_deadline;) {
-    ASSERT_EQ(::ioctl(stuck, FIONREAD, &queued), 0);
+    ASSERT_EQ(::ioctl(stuck.get(), FIONREAD, &queued), 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   // Another client is still served (in well under the deadline a wedged agent would need).
-  const int fd = Connect();
-  ASSERT_GE(fd, 0);
-  auto j = QueryStatus(fd, 5);
-  ::close(fd);
+  UniqueFd fd = Connect();
+  ASSERT_TRUE(fd.valid());
+  auto j = QueryStatus(fd.get(), 5);
+  fd.Reset();
   EXPECT_TRUE(j) << "the agent stopped serving while one client did not read its replies";
-  ::close(stuck);
-  EXPECT_TRUE(Running(agent));
+  stuck.Reset();
+  EXPECT_TRUE(Running(agent_));
 }
 
 TEST_F(AgentTest, SecondAgentForTheSameJobExitsWith3) {
-  const pid_t first = StartAgent();
-  ASSERT_GT(first, 0);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
   const pid_t second = Spawn();
   ASSERT_GT(second, 0);
-  auto status = WaitExit(second);
-  ASSERT_TRUE(status) << "the second agent did not exit";
-  ASSERT_TRUE(WIFEXITED(*status)) << "status " << *status;
-  EXPECT_EQ(WEXITSTATUS(*status), 3);
+  ExpectExitsWith(second, 3);
   // The first one is undisturbed: same socket, same lock.
-  ExpectServes(first);
+  ExpectServes();
   uint32_t pid = 0;
   EXPECT_TRUE(AgentAlive(job_dir_, &pid));
-  EXPECT_EQ(pid, static_cast<uint32_t>(first));
+  EXPECT_EQ(pid, static_cast<uint32_t>(agent_));
 }
 
 // A client starts the agent on demand, saves with persist=true, and the steps are committed.
 TEST_F(AgentTest, ClientPersistsStepsThatLoadBitExact) {
-  auto client = NewClient();
-  ASSERT_TRUE(client);
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
   uint32_t agent_pid = 0;
   ASSERT_TRUE(AgentAlive(job_dir_, &agent_pid)) << "the client did not start an agent";
   for (uint64_t step = 1; step <= 4; ++step) SaveStep(*client, step, /*persist=*/true);
   Status w = client->Wait(kDeadlineSeconds);
-  ASSERT_TRUE(w.ok()) << w.ToString();
+  ASSERT_OK(w);
   EXPECT_EQ(client->last_persist_step(), std::optional<uint64_t>(4));
 
   // Every persisted step is committed (keep = 10) and loads bit-exact.
@@ -594,14 +574,14 @@ TEST_F(AgentTest, ClientPersistsStepsThatLoadBitExact) {
 
   // Hot reload from memory: the newest snapshot.
   auto mem = client->LoadNewest(std::nullopt);
-  ASSERT_TRUE(mem.ok()) << mem.status().ToString();
+  ASSERT_OK(mem);
   EXPECT_EQ(mem->step, 4u);
   ExpectShard(mem->reader, mem->extras, 4);
-  EXPECT_TRUE(client->LoadNewest(4).ok());
+  EXPECT_OK(client->LoadNewest(4));
   EXPECT_EQ(client->LoadNewest(5).status().code(), StatusCode::kNotFound);
 
   auto status = client->AgentStatus();
-  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  ASSERT_OK(status);
   json j = json::parse(*status, nullptr, false);
   ASSERT_TRUE(j.is_object()) << *status;
   EXPECT_EQ(j["agent_pid"], agent_pid);
@@ -612,26 +592,21 @@ TEST_F(AgentTest, ClientPersistsStepsThatLoadBitExact) {
   for (auto& s : j["ranks"][0]["slots"]) EXPECT_FALSE(s["leased"].get<bool>()) << s.dump();
 
   // A further Wait with nothing new asked returns at once.
-  EXPECT_TRUE(client->Wait(kDeadlineSeconds).ok());
+  EXPECT_OK(client->Wait(kDeadlineSeconds));
 }
 
 // SIGTERM: the agent flushes the newest snapshot that was never persisted and exits 0.
 TEST_F(AgentTest, SigtermFlushesTheNewestSnapshot) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  auto client = NewClient();
-  ASSERT_TRUE(client);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
   SaveStep(*client, 5, /*persist=*/false);
   SaveStep(*client, 6, /*persist=*/false);
   // Nothing asked a persist: nothing is on storage yet (and Wait has nothing to wait for).
-  EXPECT_TRUE(client->Wait(kDeadlineSeconds).ok());
+  EXPECT_OK(client->Wait(kDeadlineSeconds));
   EXPECT_TRUE(Committed().empty());
 
-  ASSERT_EQ(::kill(agent, SIGTERM), 0);
-  auto status = WaitExit(agent);
-  ASSERT_TRUE(status) << "the agent did not exit after SIGTERM";
-  ASSERT_TRUE(WIFEXITED(*status)) << "status " << *status;
-  EXPECT_EQ(WEXITSTATUS(*status), 0);
+  ASSERT_EQ(::kill(agent_, SIGTERM), 0);
+  ExpectExitsWith(agent_, 0);
 
   const auto committed = Committed();
   ASSERT_FALSE(committed.empty());
@@ -639,55 +614,41 @@ TEST_F(AgentTest, SigtermFlushesTheNewestSnapshot) {
   ExpectOnStorage(std::nullopt, 6);
   // The snapshots stay in memory for a restarted job.
   auto mem = client->LoadNewest(std::nullopt);
-  ASSERT_TRUE(mem.ok()) << mem.status().ToString();
+  ASSERT_OK(mem);
   EXPECT_EQ(mem->step, 6u);
   EXPECT_FALSE(SlotFiles().empty());
 }
 
 // A rank that dies without closing: its newest snapshot is flushed (emergency flush).
 TEST_F(AgentTest, DeadClientIsFlushed) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  const ClientOptions options = Options();
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    auto c = SnapshotClient::Connect(options);
-    if (!c.ok()) ::_exit(2);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  const int exit_code = test::RunInChild([&] {
+    auto c = SnapshotClient::Connect(Options());
+    if (!c.ok()) return 2;
     Shard s(7);
     auto r = (*c)->Save(7, s.sources, s.extras, /*persist=*/false);
-    ::_exit(r.ok() && r->saved ? 0 : 3);  // dies without Close
-  }
-  int st = 0;
-  ASSERT_EQ(::waitpid(child, &st, 0), child);
-  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the child failed to save, status " << st;
-  const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
-  while (Committed().empty() && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+    return r.ok() && r->saved ? 0 : 3;  // dies without Close
+  });
+  ASSERT_EQ(exit_code, 0) << "the child failed to save";
+  WaitUntil([&] { return !Committed().empty(); });
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{7}));
   ExpectOnStorage(7, 7);
-  ExpectServes(agent);
+  ExpectServes();
 }
 
 // Clean close: the newest snapshot is persisted, the rank's slot files are removed and the
 // on-demand agent exits.
 TEST_F(AgentTest, CleanCloseRemovesSlotsAndTheAgentExits) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  auto client = NewClient();
-  ASSERT_TRUE(client);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
   SaveStep(*client, 1, /*persist=*/true);
   SaveStep(*client, 2, /*persist=*/false);
   EXPECT_EQ(SlotFiles().size(), 2u);
   Status closed = client->Close(kDeadlineSeconds);
-  ASSERT_TRUE(closed.ok()) << closed.ToString();
+  ASSERT_OK(closed);
   EXPECT_TRUE(SlotFiles().empty()) << "slot files left: " << SlotFiles().size();
 
-  auto status = WaitExit(agent);
-  ASSERT_TRUE(status) << "the agent did not exit after the only rank closed";
-  ASSERT_TRUE(WIFEXITED(*status)) << "status " << *status;
-  EXPECT_EQ(WEXITSTATUS(*status), 0);
+  ExpectExitsWith(agent_, 0);  // the only rank closed
   EXPECT_TRUE(SlotFiles().empty());
   EXPECT_FALSE(AgentAlive(job_dir_));
   EXPECT_FALSE(fs::exists(AgentSocketPath(job_dir_)));
@@ -705,36 +666,24 @@ TEST_F(AgentTest, CleanCloseRemovesSlotsAndTheAgentExits) {
 // next process, with one slot holding its newest snapshot and the other leased, waited forever
 // in save(). The flush takes the lease over: the step is persisted and the lease released.
 TEST_F(AgentTest, DeadClientsUnannouncedLeaseIsTakenOverByTheFlush) {
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
-  const ClientOptions options = Options();
-  const std::string job_dir = job_dir_;
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    auto c = SnapshotClient::Connect(options);  // hello: the agent watches this process
-    if (!c.ok()) ::_exit(2);
-    auto arena = Arena::Open(job_dir, 0);
-    if (!arena.ok()) ::_exit(3);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  const int exit_code = test::RunInChild([&] {
+    auto c = SnapshotClient::Connect(Options());  // hello: the agent watches this process
+    if (!c.ok()) return 2;
+    auto arena = Arena::Open(job_dir_, 0);
+    if (!arena.ok()) return 3;
     Shard s(7);
-    ImageMeta meta;
-    meta.job = options.job;
-    meta.step = 7;
-    meta.world_size = 1;
-    auto b = ImageBuilder::Create(meta, s.sources, s.extras);
-    if (!b.ok()) ::_exit(4);
+    auto b = ImageBuilder::Create(test::TestImageMeta(job_, 7, 0, 1), s.sources, s.extras);
+    if (!b.ok()) return 4;
     auto t = (*arena)->BeginWrite((*b)->size());
-    if (!t.ok() || t->first != Arena::Acquire::kAcquired) ::_exit(5);
+    if (!t.ok() || t->first != Arena::Acquire::kAcquired) return 5;
     (*b)->FillAll(t->second.data, 1);
     // What SnapshotClient::Save does for a persisted step, up to the kill point
     // "client.save.after_complete": COMPLETE and leased, the agent not told.
     (*arena)->FinishWrite(t->second, 7, (*b)->size(), /*leased=*/true);
-    ::_exit(0);
-  }
-  int st = 0;
-  ASSERT_EQ(::waitpid(child, &st, 0), child);
-  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the child failed, status " << st;
-  const auto deadline = Clock::now() + std::chrono::duration<double>(kDeadlineSeconds);
+    return 0;
+  });
+  ASSERT_EQ(exit_code, 0) << "the child failed";
   auto leased = [&] {
     auto arena = Arena::Open(job_dir_, 0);
     if (!arena.ok()) return true;
@@ -743,25 +692,19 @@ TEST_F(AgentTest, DeadClientsUnannouncedLeaseIsTakenOverByTheFlush) {
     }
     return false;
   };
-  while ((Committed().empty() || leased()) && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  WaitUntil([&] { return !Committed().empty() && !leased(); });
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{7}));
   ExpectOnStorage(7, 7);
   EXPECT_FALSE(leased()) << "the dead writer's lease is still held";
   // The rank's next process saves twice (both slots) without waiting forever.
-  auto client = NewClient();
-  ASSERT_TRUE(client);
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
   SaveStep(*client, 8, /*persist=*/false);
   SaveStep(*client, 9, /*persist=*/true);
-  ASSERT_TRUE(client->Wait(kDeadlineSeconds).ok());
+  ASSERT_OK(client->Wait(kDeadlineSeconds));
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{7, 9}));
-  ExpectServes(agent);
+  ExpectServes();
 }
 
-// Found by the crash campaign (tests/crash): an agent started on demand that died while starting
-// (there: SIGKILLed while it adopted the job's snapshots) left the training process waiting out
-// the whole start timeout for an agent that was gone, then failing. The client starts it again.
 // Regression (crash campaign, seed 2279128066, round 24): the agent remembered a persisted step
 // by its slot generation only. Generations count per slot, so when the ranks resumed from an
 // older step and saved that step again into the other slot with an equal generation, the agent
@@ -778,7 +721,7 @@ TEST_F(AgentTest, StepSavedAgainIntoTheOtherSlotIsPersistedAgain) {
   {
     // Run 1: rank 0 saves step 2 (slot 0, generation 1) and it is persisted; rank 1 dies first.
     auto r0 = SnapshotClient::Connect(options(0, 1));
-    ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+    ASSERT_OK(r0);
     SaveStep(**r0, 2, /*persist=*/true);
     for (int i = 0; i < 200 && Committed().empty(); ++i) {
       auto st = (*r0)->AgentStatus();  // wait until the agent persisted it (never committed)
@@ -794,38 +737,33 @@ TEST_F(AgentTest, StepSavedAgainIntoTheOtherSlotIsPersistedAgain) {
   SaveStep(**r1, 2, /*persist=*/true);
   Status w0 = (*r0)->Wait(kDeadlineSeconds);
   Status w1 = (*r1)->Wait(kDeadlineSeconds);
-  ASSERT_TRUE(w0.ok()) << w0.ToString();
-  ASSERT_TRUE(w1.ok()) << w1.ToString();
+  ASSERT_OK(w0);
+  ASSERT_OK(w1);
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{2}));
 }
 
+// Found by the crash campaign (tests/crash): an agent started on demand that died while starting
+// (there: SIGKILLed while it adopted the job's snapshots) left the training process waiting out
+// the whole start timeout for an agent that was gone, then failing. The client starts it again.
 TEST_F(AgentTest, ClientRestartsAnAgentThatDiedWhileStarting) {
   // An "agent" that dies at its first start and is the real one afterwards.
   const std::string script = tmp_ + "/dies-once";
-  {
-    std::ofstream f(script);
-    f << "#!/bin/sh\n"
-      << "if [ ! -e \"$0.started\" ]; then : > \"$0.started\"; exit 1; fi\n"
-      << "exec " << SAFEPOINTD_PATH << " \"$@\"\n";
-  }
+  ASSERT_TRUE(test::WriteStringToFile(
+      script, std::string("#!/bin/sh\n") +
+                  "if [ ! -e \"$0.started\" ]; then : > \"$0.started\"; exit 1; fi\n" + "exec " +
+                  SAFEPOINTD_PATH + " \"$@\"\n"));
   ASSERT_EQ(::chmod(script.c_str(), 0700), 0);
   ClientOptions options = Options();
   options.agent_binary = script;
   auto client = SnapshotClient::Connect(options);
-  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  ASSERT_OK(client);
   EXPECT_TRUE(fs::exists(script + ".started"));
   uint32_t pid = 0;
   ASSERT_TRUE(AgentAlive(job_dir_, &pid));
   SaveStep(**client, 3, /*persist=*/true);
-  ASSERT_TRUE((*client)->Wait(kDeadlineSeconds).ok());
+  ASSERT_OK((*client)->Wait(kDeadlineSeconds));
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{3}));
 }
-
-}  // namespace
-}  // namespace safepoint
-
-namespace safepoint {
-namespace {
 
 // Issue 9, defect 6: an agent that cannot write job.json (here: a full tmpfs) keeps serving, but
 // says so in its status and log, and writes the file at a later hello once there is room again;
@@ -839,36 +777,30 @@ TEST_F(AgentTest, JobConfigWriteFailureIsReportedAndRetried) {
     std::string dir;
     ~Unmount() { ::umount2(dir.c_str(), MNT_DETACH); }
   } unmount{shm_};
-  const pid_t agent = StartAgent();
-  ASSERT_GT(agent, 0);
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
   // Fill the file system.
   const std::string filler = shm_ + "/filler";
-  {
-    std::ofstream f(filler, std::ios::binary);
-    const std::string block(4096, 'x');
-    while (f.write(block.data(), block.size())) {
-    }
-  }
-  const int fd = ConnectAndHello();
-  ASSERT_GE(fd, 0);
-  auto status = QueryStatus(fd);
+  ASSERT_TRUE(test::FillFileSystem(filler));
+  UniqueFd fd = ConnectAndHello();
+  ASSERT_TRUE(fd.valid());
+  auto status = QueryStatus(fd.get());
   ASSERT_TRUE(status);
   ASSERT_TRUE((*status)["job_config_error"].is_string()) << status->dump();
   const std::string error = (*status)["job_config_error"].get<std::string>();
   EXPECT_NE(error.find("job.json"), std::string::npos) << error;
   EXPECT_NE(error.find("No space left"), std::string::npos) << error;
   EXPECT_FALSE(fs::exists(job_dir_ + "/job.json"));
-  ::close(fd);
+  fd.Reset();
 
   // Room again: the next hello writes it, and the status clears.
   ASSERT_EQ(::unlink(filler.c_str()), 0);
-  const int fd2 = ConnectAndHello();
-  ASSERT_GE(fd2, 0);
-  auto status2 = QueryStatus(fd2);
+  UniqueFd fd2 = ConnectAndHello();
+  ASSERT_TRUE(fd2.valid());
+  auto status2 = QueryStatus(fd2.get());
   ASSERT_TRUE(status2);
   EXPECT_TRUE((*status2)["job_config_error"].is_null()) << status2->dump();
   EXPECT_TRUE(fs::exists(job_dir_ + "/job.json"));
-  ::close(fd2);
+  fd2.Reset();
 }
 
 }  // namespace

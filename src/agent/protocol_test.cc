@@ -1,3 +1,5 @@
+#include "agent/protocol.h"
+
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -7,7 +9,9 @@
 #include <thread>
 
 #include "base/bytes.h"
-#include "agent/protocol.h"
+#include "base/unique_fd.h"
+#include "testing/protocol_util.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 namespace {
@@ -15,59 +19,48 @@ namespace {
 using namespace safepoint::agent;  // NOLINT: the protocol under test
 
 using internal::AppendLE;
-
-std::span<const std::byte> Bytes(std::string_view s) {
-  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
-}
-
-// A frame header with arbitrary fields.
-std::string Header(uint32_t length, uint16_t version, uint16_t type) {
-  std::string out;
-  AppendLE<uint32_t>(out, length);
-  AppendLE<uint16_t>(out, version);
-  AppendLE<uint16_t>(out, type);
-  return out;
-}
+using test::AsBytes;
+using test::FrameHeader;
 
 // Everything the decoder yields until it needs more bytes; fails the test on an error.
 std::vector<Message> Drain(FrameDecoder& d) {
   std::vector<Message> out;
   for (;;) {
     auto m = d.Next();
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_OK(m);
     if (!m.ok() || !*m) return out;
     out.push_back(std::move(**m));
   }
 }
 
 constexpr MessageType kAllTypes[] = {
-    MessageType::kHello, MessageType::kHelloReply, MessageType::kSnapshot,
-    MessageType::kStatus, MessageType::kStatusReply, MessageType::kWait,
-    MessageType::kWaitReply, MessageType::kClose, MessageType::kCloseReply,
-    MessageType::kError, MessageType::kShutdown};
+    MessageType::kHello,     MessageType::kHelloReply,  MessageType::kSnapshot,
+    MessageType::kStatus,    MessageType::kStatusReply, MessageType::kWait,
+    MessageType::kWaitReply, MessageType::kClose,       MessageType::kCloseReply,
+    MessageType::kError,     MessageType::kShutdown};
 
 TEST(ProtocolTest, EncodeFrameLayout) {
   const std::string frame = EncodeFrame(MessageType::kStatus, R"({"a":1})");
   ASSERT_EQ(frame.size(), kFrameHeaderBytes + 7);
-  EXPECT_EQ(frame.substr(0, 8), Header(4 + 7, kProtocolVersion, 4));
+  EXPECT_EQ(frame.substr(0, 8), FrameHeader(4 + 7, kProtocolVersion, 4));
   EXPECT_EQ(frame.substr(8), R"({"a":1})");
-  EXPECT_EQ(EncodeFrame(MessageType::kClose, ""), Header(4, kProtocolVersion, 8));
+  EXPECT_EQ(EncodeFrame(MessageType::kClose, ""), FrameHeader(4, kProtocolVersion, 8));
 }
 
 TEST(ProtocolTest, FrameRoundTrip) {
   for (MessageType type : kAllTypes) {
-    for (const std::string payload : {std::string(), std::string("{}"),
-                                      std::string(R"({"step":42,"name":"x\u00e9"})"),
-                                      std::string("\0binary\xff\0", 10)}) {
+    for (const std::string payload :
+         {std::string(), std::string("{}"), std::string(R"({"step":42,"name":"x\u00e9"})"),
+          std::string("\0binary\xff\0", 10)}) {
       FrameDecoder d;
-      d.Feed(Bytes(EncodeFrame(type, payload)));
+      d.Feed(AsBytes(EncodeFrame(type, payload)));
       auto m = d.Next();
-      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      ASSERT_OK(m);
       ASSERT_TRUE(*m);
       EXPECT_EQ((*m)->type, type);
       EXPECT_EQ((*m)->payload, payload);
       auto none = d.Next();
-      ASSERT_TRUE(none.ok());
+      ASSERT_OK(none);
       EXPECT_FALSE(*none);
       EXPECT_EQ(d.buffered(), 0u);
     }
@@ -78,13 +71,13 @@ TEST(ProtocolTest, LargestMessageRoundTrips) {
   const std::string payload(kMaxMessageBytes - 4, 'p');
   FrameDecoder d;
   const std::string frame = EncodeFrame(MessageType::kStatusReply, payload);
-  d.Feed(Bytes(frame).subspan(0, frame.size() - 1));
+  d.Feed(AsBytes(frame).subspan(0, frame.size() - 1));
   auto partial = d.Next();
-  ASSERT_TRUE(partial.ok()) << partial.status().ToString();
+  ASSERT_OK(partial);
   EXPECT_FALSE(*partial);
-  d.Feed(Bytes(frame).subspan(frame.size() - 1));
+  d.Feed(AsBytes(frame).subspan(frame.size() - 1));
   auto m = d.Next();
-  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  ASSERT_OK(m);
   ASSERT_TRUE(*m);
   EXPECT_EQ((*m)->payload, payload);
 }
@@ -102,7 +95,7 @@ TEST(ProtocolTest, ByteByByteFeeding) {
   FrameDecoder d;
   std::vector<Message> got;
   for (size_t i = 0; i < stream.size(); ++i) {
-    d.Feed(Bytes(stream).subspan(i, 1));
+    d.Feed(AsBytes(stream).subspan(i, 1));
     auto more = Drain(d);
     ASSERT_LE(more.size(), 1u) << "one byte completes at most one frame";
     got.insert(got.end(), more.begin(), more.end());
@@ -125,7 +118,7 @@ TEST(ProtocolTest, ManyFramesInOneFeed) {
   const std::string last = EncodeFrame(MessageType::kWait, "{\"step\":99}");
   stream += last.substr(0, 5);
   FrameDecoder d;
-  d.Feed(Bytes(stream));
+  d.Feed(AsBytes(stream));
   auto got = Drain(d);
   ASSERT_EQ(got.size(), size_t{kFrames});
   for (int i = 0; i < kFrames; ++i) {
@@ -133,7 +126,7 @@ TEST(ProtocolTest, ManyFramesInOneFeed) {
     ASSERT_EQ(got[i].payload, "{\"step\":" + std::to_string(i) + "}");
   }
   EXPECT_EQ(d.buffered(), 5u);
-  d.Feed(Bytes(last).subspan(5));
+  d.Feed(AsBytes(last).subspan(5));
   got = Drain(d);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].type, MessageType::kWait);
@@ -154,9 +147,9 @@ TEST(ProtocolTest, LargeFramesInRandomPieces) {
   FrameDecoder d;
   std::vector<Message> got;
   for (size_t off = 0; off < stream.size();) {
-    const size_t n = std::min(stream.size() - off,
-                              std::uniform_int_distribution<size_t>(1, 3 << 20)(rng));
-    d.Feed(Bytes(stream).subspan(off, n));
+    const size_t n =
+        std::min(stream.size() - off, std::uniform_int_distribution<size_t>(1, 3 << 20)(rng));
+    d.Feed(AsBytes(stream).subspan(off, n));
     off += n;
     auto more = Drain(d);
     got.insert(got.end(), more.begin(), more.end());
@@ -169,26 +162,25 @@ TEST(ProtocolTest, LargeFramesInRandomPieces) {
 void ExpectRejected(const std::string& bytes, const std::string& what) {
   SCOPED_TRACE(what);
   FrameDecoder d;
-  d.Feed(Bytes(bytes));
+  d.Feed(AsBytes(bytes));
   auto m = d.Next();
   ASSERT_FALSE(m.ok()) << "accepted";
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(m.status().message().find("protocol error"), std::string::npos)
-      << m.status().message();
+  EXPECT_NE(m.status().message().find("protocol error"), std::string::npos) << m.status().message();
   // The stream cannot be resynchronised: the decoder keeps refusing it.
-  d.Feed(Bytes(EncodeFrame(MessageType::kStatus, "{}")));
+  d.Feed(AsBytes(EncodeFrame(MessageType::kStatus, "{}")));
   EXPECT_FALSE(d.Next().ok());
 }
 
 TEST(ProtocolTest, RejectsWrongVersion) {
   for (uint16_t v : {uint16_t{0}, uint16_t{kProtocolVersion + 1}, uint16_t{0xFFFF}}) {
-    ExpectRejected(Header(4 + 2, v, 4) + "{}", "version " + std::to_string(v));
+    ExpectRejected(FrameHeader(4 + 2, v, 4) + "{}", "version " + std::to_string(v));
   }
 }
 
 TEST(ProtocolTest, RejectsUnknownType) {
   for (uint16_t t : {uint16_t{0}, uint16_t{12}, uint16_t{0x100}, uint16_t{0xFFFF}}) {
-    ExpectRejected(Header(4 + 2, kProtocolVersion, t) + "{}", "type " + std::to_string(t));
+    ExpectRejected(FrameHeader(4 + 2, kProtocolVersion, t) + "{}", "type " + std::to_string(t));
   }
 }
 
@@ -210,20 +202,20 @@ TEST(ProtocolTest, RejectsOversizedLengthBeforeItsPayload) {
   }
   // Exactly the maximum is a valid length (it only needs its bytes).
   FrameDecoder d;
-  d.Feed(Bytes(Header(kMaxMessageBytes, kProtocolVersion, 4)));
+  d.Feed(AsBytes(FrameHeader(kMaxMessageBytes, kProtocolVersion, 4)));
   auto m = d.Next();
-  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  ASSERT_OK(m);
   EXPECT_FALSE(*m);
 }
 
 TEST(ProtocolTest, ErrorAfterValidFramesKeepsThem) {
   std::string stream = EncodeFrame(MessageType::kHello, "{}") +
-                       EncodeFrame(MessageType::kStatus, "{}") + Header(6, 9, 4) + "{}";
+                       EncodeFrame(MessageType::kStatus, "{}") + FrameHeader(6, 9, 4) + "{}";
   FrameDecoder d;
-  d.Feed(Bytes(stream));
+  d.Feed(AsBytes(stream));
   for (MessageType want : {MessageType::kHello, MessageType::kStatus}) {
     auto m = d.Next();
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    ASSERT_OK(m);
     ASSERT_TRUE(*m);
     EXPECT_EQ((*m)->type, want);
   }
@@ -264,9 +256,8 @@ TEST(ProtocolTest, FuzzedStreamsYieldErrorsOrValidMessages) {
           }
           break;
         case 4: {  // overwrite 4 bytes with an interesting u32
-          static const uint32_t kInteresting[] = {0,          3,          4,          5,
-                                                  kMaxMessageBytes, kMaxMessageBytes + 1,
-                                                  0xFFFFFFFF, 0x80000000};
+          static const uint32_t kInteresting[] = {
+              0, 3, 4, 5, kMaxMessageBytes, kMaxMessageBytes + 1, 0xFFFFFFFF, 0x80000000};
           if (s.size() >= 4) {
             const uint32_t v = kInteresting[pick(std::size(kInteresting))];
             std::memcpy(s.data() + pick(s.size() - 3), &v, 4);
@@ -282,7 +273,7 @@ TEST(ProtocolTest, FuzzedStreamsYieldErrorsOrValidMessages) {
     bool failed = false;
     for (size_t off = 0; off < s.size() && !failed;) {
       const size_t n = std::min(s.size() - off, 1 + pick(64));
-      d.Feed(Bytes(s).subspan(off, n));
+      d.Feed(AsBytes(s).subspan(off, n));
       off += n;
       for (;;) {
         auto m = d.Next();
@@ -311,69 +302,68 @@ TEST(ProtocolTest, FuzzedStreamsYieldErrorsOrValidMessages) {
 
 class ProtocolSocketTest : public ::testing::Test {
  protected:
-  void SetUp() override { ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds_), 0); }
-  void TearDown() override {
-    for (int fd : fds_) {
-      if (fd >= 0) ::close(fd);
-    }
+  void SetUp() override {
+    int fds[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    a_.Reset(fds[0]);
+    b_.Reset(fds[1]);
   }
-  int fds_[2] = {-1, -1};
+
+  internal::UniqueFd a_, b_;  // the two ends of the socket pair
 };
 
 TEST_F(ProtocolSocketTest, SendAndReceive) {
-  ASSERT_TRUE(SendMessage(fds_[0], MessageType::kHello, R"({"rank":0})").ok());
-  ASSERT_TRUE(SendMessage(fds_[0], MessageType::kStatus, "").ok());
+  ASSERT_OK(SendMessage(a_.get(), MessageType::kHello, R"({"rank":0})"));
+  ASSERT_OK(SendMessage(a_.get(), MessageType::kStatus, ""));
   FrameDecoder d;
-  auto a = ReceiveMessage(fds_[1], d, 10);
-  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto a = ReceiveMessage(b_.get(), d, 10);
+  ASSERT_OK(a);
   EXPECT_EQ(a->type, MessageType::kHello);
   EXPECT_EQ(a->payload, R"({"rank":0})");
-  auto b = ReceiveMessage(fds_[1], d, 10);
-  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  auto b = ReceiveMessage(b_.get(), d, 10);
+  ASSERT_OK(b);
   EXPECT_EQ(b->type, MessageType::kStatus);
   EXPECT_EQ(b->payload, "");
 }
 
 TEST_F(ProtocolSocketTest, LargeMessageThroughASmallSocketBuffer) {
   const std::string payload(kMaxMessageBytes - 4, 'z');
-  std::thread sender(
-      [&] { EXPECT_TRUE(SendMessage(fds_[0], MessageType::kStatusReply, payload).ok()); });
+  std::thread sender([&] { EXPECT_OK(SendMessage(a_.get(), MessageType::kStatusReply, payload)); });
   FrameDecoder d;
-  auto m = ReceiveMessage(fds_[1], d, 30);
+  auto m = ReceiveMessage(b_.get(), d, 30);
   sender.join();
-  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  ASSERT_OK(m);
   EXPECT_EQ(m->payload, payload);
 }
 
 TEST_F(ProtocolSocketTest, TooLargeToSend) {
-  EXPECT_EQ(SendMessage(fds_[0], MessageType::kStatus, std::string(kMaxMessageBytes - 3, 'x'))
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      SendMessage(a_.get(), MessageType::kStatus, std::string(kMaxMessageBytes - 3, 'x')).code(),
+      StatusCode::kInvalidArgument);
 }
 
 TEST_F(ProtocolSocketTest, TimeoutAndPeerClose) {
   FrameDecoder d;
-  EXPECT_EQ(ReceiveMessage(fds_[1], d, 0.05).status().code(), StatusCode::kCancelled);
+  EXPECT_EQ(ReceiveMessage(b_.get(), d, 0.05).status().code(), StatusCode::kCancelled);
   // Half a frame, then the peer goes away.
   const std::string frame = EncodeFrame(MessageType::kStatus, "{}");
-  ASSERT_EQ(::write(fds_[0], frame.data(), 5), 5);
-  ::close(fds_[0]);
-  fds_[0] = -1;
-  EXPECT_EQ(ReceiveMessage(fds_[1], d, 10).status().code(), StatusCode::kUnavailable);
+  ASSERT_EQ(::write(a_.get(), frame.data(), 5), 5);
+  a_.Reset();
+  EXPECT_EQ(ReceiveMessage(b_.get(), d, 10).status().code(), StatusCode::kUnavailable);
 }
 
 TEST_F(ProtocolSocketTest, MalformedFrameIsAnError) {
-  const std::string bad = Header(6, kProtocolVersion + 1, 4) + "{}";
-  ASSERT_EQ(::write(fds_[0], bad.data(), bad.size()), static_cast<ssize_t>(bad.size()));
+  const std::string bad = FrameHeader(6, kProtocolVersion + 1, 4) + "{}";
+  ASSERT_EQ(::write(a_.get(), bad.data(), bad.size()), static_cast<ssize_t>(bad.size()));
   FrameDecoder d;
-  EXPECT_EQ(ReceiveMessage(fds_[1], d, 10).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReceiveMessage(b_.get(), d, 10).status().code(), StatusCode::kInvalidArgument);
 }
 
 // --- typed messages ---------------------------------------------------------------------------
 
 TEST(MessageTest, EveryMessageRoundTrips) {
   HelloRequest hello{3, 8, "/ckpt/run", 5, 4242}, hello_out;
-  ASSERT_TRUE(Decode(Encode(hello), &hello_out).ok());
+  ASSERT_OK(Decode(Encode(hello), &hello_out));
   EXPECT_EQ(hello_out.rank, 3u);
   EXPECT_EQ(hello_out.world_size, 8u);
   EXPECT_EQ(hello_out.storage, "/ckpt/run");
@@ -381,7 +371,7 @@ TEST(MessageTest, EveryMessageRoundTrips) {
   EXPECT_EQ(hello_out.pid, 4242u);
 
   SnapshotNote note{1, (uint64_t{1} << 40) + 7, 99, true, false, {{0, 2}, {5, 9}}}, note_out;
-  ASSERT_TRUE(Decode(Encode(note), &note_out).ok());
+  ASSERT_OK(Decode(Encode(note), &note_out));
   EXPECT_EQ(note_out.slot, 1u);
   EXPECT_EQ(note_out.generation, (uint64_t{1} << 40) + 7);
   EXPECT_EQ(note_out.step, 99u);
@@ -390,22 +380,22 @@ TEST(MessageTest, EveryMessageRoundTrips) {
   EXPECT_EQ(note_out.skip, (SkipRanges{{0, 2}, {5, 9}}));
 
   WaitReply failed{7, Status(StatusCode::kResourceExhausted, "disk full")}, failed_out;
-  ASSERT_TRUE(Decode(Encode(failed), &failed_out).ok());
+  ASSERT_OK(Decode(Encode(failed), &failed_out));
   EXPECT_EQ(failed_out.step, 7u);
   EXPECT_EQ(failed_out.status.code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(failed_out.status.message(), "disk full");
   WaitReply ok{8, Status::OK()}, ok_out;
-  ASSERT_TRUE(Decode(Encode(ok), &ok_out).ok());
-  EXPECT_TRUE(ok_out.status.ok());
+  ASSERT_OK(Decode(Encode(ok), &ok_out));
+  EXPECT_OK(ok_out.status);
 
   CloseReply close{IOError("gone")}, close_out;
-  ASSERT_TRUE(Decode(Encode(close), &close_out).ok());
+  ASSERT_OK(Decode(Encode(close), &close_out));
   EXPECT_EQ(close_out.status.code(), StatusCode::kIOError);
   ErrorReply error{"no"}, error_out;
-  ASSERT_TRUE(Decode(Encode(error), &error_out).ok());
+  ASSERT_OK(Decode(Encode(error), &error_out));
   EXPECT_EQ(error_out.error, "no");
   HelloReply reply{12, "/dev/shm/x"}, reply_out;
-  ASSERT_TRUE(Decode(Encode(reply), &reply_out).ok());
+  ASSERT_OK(Decode(Encode(reply), &reply_out));
   EXPECT_EQ(reply_out.job_dir, "/dev/shm/x");
 }
 
@@ -433,20 +423,21 @@ TEST(MessageTest, MalformedPayloadsAreErrorsNamingTheField) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find(c.says), std::string::npos) << s.message();
   }
-  const std::string bad_skips[] = {R"([[1]])", R"([[1, 2, 3]])", R"([["a", 2]])",
-                                   R"({"a": 1})", R"([[1, 4294967296]])"};
+  const std::string bad_skips[] = {R"([[1]])", R"([[1, 2, 3]])", R"([["a", 2]])", R"({"a": 1})",
+                                   R"([[1, 4294967296]])"};
   for (const std::string& skip : bad_skips) {
     SCOPED_TRACE(skip);
     SnapshotNote note;
     const std::string payload = R"({"slot": 0, "generation": 1, "step": 2, "persist": true,
-                                    "leased": false, "skip": )" + skip + "}";
+                                    "leased": false, "skip": )" +
+                                skip + "}";
     EXPECT_EQ(Decode(payload, &note).code(), StatusCode::kInvalidArgument);
   }
   WaitReply reply;
   EXPECT_EQ(Decode(R"({"step": 1, "ok": false})", &reply).code(), StatusCode::kInvalidArgument);
   EmptyRequest empty;
-  EXPECT_TRUE(Decode("", &empty).ok());
-  EXPECT_TRUE(Decode("{}", &empty).ok());
+  EXPECT_OK(Decode("", &empty));
+  EXPECT_OK(Decode("{}", &empty));
   EXPECT_EQ(Decode("[]", &empty).code(), StatusCode::kInvalidArgument);
 }
 

@@ -66,8 +66,8 @@ Result<Redundancy> ParseRedundancy(std::string_view spec) {
   Redundancy r;
   auto bad = [&] {
     return InvalidArgument("redundancy '" + std::string(spec) +
-                                "' is not one of none, mirror, mirror:N (N >= 1), ec:K+P "
-                                "(K >= 1, P >= 1, K+P <= 32)");
+                           "' is not one of none, mirror, mirror:N (N >= 1), ec:K+P "
+                           "(K >= 1, P >= 1, K+P <= 32)");
   };
   if (spec.empty() || spec == "none") return r;
   if (spec == "mirror") {
@@ -98,10 +98,9 @@ Status CheckPlacement(const Redundancy& r, uint32_t nodes) {
   if (!r.enabled()) return Status::OK();
   uint32_t need = r.targets() + 1;
   if (nodes >= need) return Status::OK();
-  return InvalidArgument(
-      "redundancy " + r.ToString() + " needs at least " + std::to_string(need) +
-      " nodes (each node's snapshot on " + std::to_string(r.targets()) +
-      " other nodes), the job has " + std::to_string(nodes));
+  return InvalidArgument("redundancy " + r.ToString() + " needs at least " + std::to_string(need) +
+                         " nodes (each node's snapshot on " + std::to_string(r.targets()) +
+                         " other nodes), the job has " + std::to_string(nodes));
 }
 
 std::vector<uint32_t> PlacementTargets(const Redundancy& r, uint32_t source, uint32_t nodes) {

@@ -23,7 +23,7 @@ namespace safepoint::replica {
 struct Redundancy {
   enum class Kind { kNone, kMirror, kErasure };
   Kind kind = Kind::kNone;
-  uint32_t copies = 0;  // mirror: full copies on other nodes
+  uint32_t copies = 0;    // mirror: full copies on other nodes
   uint32_t k = 0, p = 0;  // ec: data and parity fragments
 
   bool enabled() const { return kind != Kind::kNone; }

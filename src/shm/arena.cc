@@ -106,9 +106,12 @@ ProcessId ReadWriter(const SlotHeader* h) {
 
 std::string_view SlotStateName(SlotState s) {
   switch (s) {
-    case SlotState::kFree: return "FREE";
-    case SlotState::kWriting: return "WRITING";
-    case SlotState::kComplete: return "COMPLETE";
+    case SlotState::kFree:
+      return "FREE";
+    case SlotState::kWriting:
+      return "WRITING";
+    case SlotState::kComplete:
+      return "COMPLETE";
   }
   return "UNKNOWN";
 }
@@ -118,26 +121,26 @@ class SlotFile {
  public:
   ~SlotFile() {
     if (map_ != nullptr) ::munmap(map_, map_size_);
-    if (fd_ >= 0) ::close(fd_);
   }
 
   static Result<std::unique_ptr<SlotFile>> Open(const std::string& path, uint32_t rank,
                                                 uint32_t slot) {
     auto f = std::unique_ptr<SlotFile>(new SlotFile());
     f->path_ = path;
-    f->fd_ = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-    if (f->fd_ < 0) return ErrnoStatus("open", path, errno);
+    f->fd_.Reset(::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
+    if (!f->fd_) return ErrnoStatus("open", path, errno);
     struct stat st;
-    if (::fstat(f->fd_, &st) != 0) return ErrnoStatus("stat", path, errno);
+    if (::fstat(f->fd_.get(), &st) != 0) return ErrnoStatus("stat", path, errno);
     if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
-      return InvalidArgument(path + ": not a private regular file of this user; refusing to use it");
+      return InvalidArgument(path +
+                             ": not a private regular file of this user; refusing to use it");
     }
     if (static_cast<uint64_t>(st.st_size) < kSlotHeaderSize) {
       return Corruption(path + ": slot file is truncated");
     }
     f->ino_ = st.st_ino;
     f->map_size_ = st.st_size;
-    void* p = ::mmap(nullptr, f->map_size_, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd_, 0);
+    void* p = ::mmap(nullptr, f->map_size_, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd_.get(), 0);
     if (p == MAP_FAILED) return ErrnoStatus("mmap", path, errno);
     f->map_ = static_cast<std::byte*>(p);
     const SlotHeader* h = f->header();
@@ -165,7 +168,8 @@ class SlotFile {
             dir + ": a snapshot slot for rank " + std::to_string(rank) + " needs " +
             std::to_string(size) + " bytes (" + HumanBytes(size) + ") of shared memory, but only " +
             std::to_string(free_bytes) + " bytes (" + HumanBytes(free_bytes) +
-            ") are free. Each rank keeps " + "2 slots of its state's size: enlarge /dev/shm (e.g. "
+            ") are free. Each rank keeps " +
+            "2 slots of its state's size: enlarge /dev/shm (e.g. "
             "`docker run --shm-size=...`, or `mount -o remount,size=... /dev/shm`) or point "
             "shm_dir / SAFEPOINT_SHM_DIR at a larger tmpfs or a local disk directory");
       }
@@ -173,13 +177,13 @@ class SlotFile {
     const std::string tmp = path + ".tmp." + internal::RandomHex16();
     auto f = std::unique_ptr<SlotFile>(new SlotFile());
     f->path_ = path;
-    f->fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (f->fd_ < 0) return ErrnoStatus("create", tmp, errno);
+    f->fd_.Reset(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!f->fd_) return ErrnoStatus("create", tmp, errno);
     auto fail = [&](Status s) {
       ::unlink(tmp.c_str());
       return s;
     };
-    if (::fallocate(f->fd_, 0, 0, static_cast<off_t>(size)) != 0) {
+    if (::fallocate(f->fd_.get(), 0, 0, static_cast<off_t>(size)) != 0) {
       if (errno != EOPNOTSUPP) {
         Status s = ErrnoStatus("fallocate", tmp, errno);
         if (s.code() == StatusCode::kResourceExhausted) {
@@ -189,15 +193,15 @@ class SlotFile {
         }
         return fail(s);
       }
-      if (::ftruncate(f->fd_, static_cast<off_t>(size)) != 0) {
+      if (::ftruncate(f->fd_.get(), static_cast<off_t>(size)) != 0) {
         return fail(ErrnoStatus("ftruncate", tmp, errno));
       }
     }
     struct stat st;
-    if (::fstat(f->fd_, &st) != 0) return fail(ErrnoStatus("stat", tmp, errno));
+    if (::fstat(f->fd_.get(), &st) != 0) return fail(ErrnoStatus("stat", tmp, errno));
     f->ino_ = st.st_ino;
     f->map_size_ = size;
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd_, 0);
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd_.get(), 0);
     if (p == MAP_FAILED) return fail(ErrnoStatus("mmap", tmp, errno));
     f->map_ = static_cast<std::byte*>(p);
     // Pre-fault: write every page once now, so that saves copy into warm pages.
@@ -220,9 +224,7 @@ class SlotFile {
   }
 
   SlotHeader* header() const { return reinterpret_cast<SlotHeader*>(map_); }
-  std::span<std::byte> data() const {
-    return {map_ + kSlotHeaderSize, header()->capacity};
-  }
+  std::span<std::byte> data() const { return {map_ + kSlotHeaderSize, header()->capacity}; }
   uint64_t capacity() const { return header()->capacity; }
   uint64_t ino() const { return ino_; }
   uint64_t map_size() const { return map_size_; }
@@ -231,7 +233,7 @@ class SlotFile {
  private:
   SlotFile() = default;
   std::string path_;
-  int fd_ = -1;
+  internal::UniqueFd fd_;
   std::byte* map_ = nullptr;
   uint64_t map_size_ = 0;
   uint64_t ino_ = 0;
@@ -261,18 +263,18 @@ namespace {
 std::string JobDirPrefix() { return "safepoint-" + std::to_string(::geteuid()) + "-"; }
 
 Status CheckPrivateDirectory(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) {
+  const internal::UniqueFd fd(
+      ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) {
     if (errno == ELOOP || errno == ENOTDIR) {
-      return InvalidArgument(path + ": exists but is not a directory (or is a symlink); refusing "
+      return InvalidArgument(path +
+                             ": exists but is not a directory (or is a symlink); refusing "
                              "to use it for snapshots");
     }
     return ErrnoStatus("open", path, errno);
   }
   struct stat st;
-  const int rc = ::fstat(fd, &st);
-  ::close(fd);
-  if (rc != 0) return ErrnoStatus("stat", path, errno);
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("stat", path, errno);
   if (st.st_uid != ::geteuid()) {
     return InvalidArgument(path + ": owned by uid " + std::to_string(st.st_uid) +
                            ", not by this user; refusing to use it for snapshots");
@@ -302,13 +304,13 @@ Result<std::string> JobDirectory(const std::string& shm_dir, const std::string& 
 Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
     const std::string& shm_dir) {
   std::vector<std::pair<std::string, std::string>> out;
-  DIR* d = ::opendir(shm_dir.c_str());
-  if (d == nullptr) {
+  const internal::UniqueDir d(::opendir(shm_dir.c_str()));
+  if (!d) {
     if (errno == ENOENT) return out;
     return ErrnoStatus("opendir", shm_dir, errno);
   }
   const std::string prefix = JobDirPrefix();
-  while (dirent* e = ::readdir(d)) {
+  while (dirent* e = ::readdir(d.get())) {
     std::string name = e->d_name;
     if (name.rfind(prefix, 0) != 0) continue;
     std::string job = name.substr(prefix.size());
@@ -317,16 +319,15 @@ Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
     if (!CheckPrivateDirectory(path).ok()) continue;
     out.emplace_back(job, path);
   }
-  ::closedir(d);
   std::sort(out.begin(), out.end());
   return out;
 }
 
 Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
-  DIR* d = ::opendir(job_dir.c_str());
-  if (d == nullptr) return ErrnoStatus("opendir", job_dir, errno);
+  const internal::UniqueDir d(::opendir(job_dir.c_str()));
+  if (!d) return ErrnoStatus("opendir", job_dir, errno);
   std::vector<uint32_t> ranks;
-  while (dirent* e = ::readdir(d)) {
+  while (dirent* e = ::readdir(d.get())) {
     unsigned rank, slot;
     int consumed = 0;
     if (std::sscanf(e->d_name, "rank-%u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
@@ -334,7 +335,6 @@ Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
       ranks.push_back(rank);
     }
   }
-  ::closedir(d);
   std::sort(ranks.begin(), ranks.end());
   ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
   return ranks;
@@ -384,22 +384,22 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
     return InvalidArgument(job_dir + ": training process " + std::to_string(writers.front()) +
                            " still uses its snapshots; not removing the directory");
   }
-  DIR* d = ::opendir(job_dir.c_str());
-  if (d == nullptr) return ErrnoStatus("opendir", job_dir, errno);
+  internal::UniqueDir d(::opendir(job_dir.c_str()));
+  if (!d) return ErrnoStatus("opendir", job_dir, errno);
   std::vector<std::string> names;
-  while (dirent* e = ::readdir(d)) {
+  while (dirent* e = ::readdir(d.get())) {
     const std::string n = e->d_name;
     if (n == "." || n == "..") continue;
-    const bool ours = n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 ||
-                      n.rfind("job.json", 0) == 0;
+    const bool ours =
+        n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 || n.rfind("job.json", 0) == 0;
     if (!ours) {
-      ::closedir(d);
-      return InvalidArgument(job_dir + ": contains '" + n + "', which safepoint did not create; "
+      return InvalidArgument(job_dir + ": contains '" + n +
+                             "', which safepoint did not create; "
                              "not removing the directory");
     }
     names.push_back(n);
   }
-  ::closedir(d);
+  d.Reset();
   uint64_t freed = 0;
   for (const auto& n : names) {
     const std::string path = job_dir + "/" + n;

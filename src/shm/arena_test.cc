@@ -1,6 +1,5 @@
 #include "safepoint/arena.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mount.h>
@@ -12,35 +11,20 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 
+#include "base/unique_fd.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
+#include "testing/test_util.h"
 
 namespace safepoint {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A private temporary directory, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = fs::temp_directory_path().string() + "/sp-arena-XXXXXX";
-    char* p = ::mkdtemp(tmpl.data());
-    EXPECT_NE(p, nullptr) << std::strerror(errno);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::ReadFileToString;
+using test::WriteStringToFile;
 
 std::string Prefix() { return "safepoint-" + std::to_string(::geteuid()) + "-"; }
 
@@ -56,14 +40,14 @@ struct Shard {
     meta.step = step;
     meta.rank = 0;
     std::vector<TensorSource> sources;
-    sources.push_back({{"w", DType::kFloat32, {data.size()}, {}, {}}, data.data(),
-                       data.size() * sizeof(float)});
+    sources.push_back(
+        {{"w", DType::kFloat32, {data.size()}, {}, {}}, data.data(), data.size() * sizeof(float)});
     Dict d;
     d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
     auto extras = EncodeExtras(Value(std::move(d)));
-    EXPECT_TRUE(extras.ok());
+    EXPECT_OK(extras);
     auto b = ImageBuilder::Create(meta, std::move(sources), *extras);
-    EXPECT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_OK(b);
     builder = std::move(b).value();
   }
   uint64_t size() const { return builder->size(); }
@@ -72,7 +56,7 @@ struct Shard {
 // Checks that `image` is a valid image of Shard(step, elems).
 void ExpectImage(std::span<const std::byte> image, uint64_t step, size_t elems = 16 << 10) {
   auto reader = ImageReader::Parse(image, "slot");
-  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  ASSERT_OK(reader);
   EXPECT_EQ(reader->meta().step, step);
   ASSERT_EQ(reader->tensors().size(), 1u);
   Shard want(step, elems);
@@ -82,11 +66,10 @@ void ExpectImage(std::span<const std::byte> image, uint64_t step, size_t elems =
 }
 
 // Takes a slot, fills it with Shard(step) and marks it COMPLETE.
-Arena::WriteTicket Save(Arena& arena, uint64_t step, bool leased = false,
-                        size_t elems = 16 << 10) {
+Arena::WriteTicket Save(Arena& arena, uint64_t step, bool leased = false, size_t elems = 16 << 10) {
   Shard s(step, elems);
   auto t = arena.BeginWrite(s.size());
-  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_OK(t);
   if (!t.ok()) return {};
   EXPECT_EQ(t->first, Arena::Acquire::kAcquired);
   if (t->first != Arena::Acquire::kAcquired) return {};
@@ -111,66 +94,75 @@ std::string SlotPathOf(const std::string& job_dir, uint32_t rank, uint32_t slot)
 
 // --- Job directories -------------------------------------------------------------------------
 
-TEST(ArenaJobDirectoryTest, CreatesPrivateDirectory) {
-  TempDir tmp;
-  auto dir = JobDirectory(tmp.path(), "job1", /*create=*/true);
-  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
-  EXPECT_EQ(*dir, tmp.path() + "/" + Prefix() + "job1");
+// A fresh temporary directory, tmp_, for every test.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(tmp_.ok()) << "mkdtemp failed"; }
+
+  // Where the job directory of `job` is (or would be) in tmp_.
+  std::string JobPath(const std::string& job) const { return tmp_.Join(Prefix() + job); }
+
+  test::TempDir tmp_{"sp-arena"};
+};
+
+using ArenaJobDirectoryTest = TempDirTest;
+
+TEST_F(ArenaJobDirectoryTest, CreatesPrivateDirectory) {
+  auto dir = JobDirectory(tmp_.path(), "job1", /*create=*/true);
+  ASSERT_OK(dir);
+  EXPECT_EQ(*dir, JobPath("job1"));
   struct stat st;
   ASSERT_EQ(::lstat(dir->c_str(), &st), 0);
   EXPECT_TRUE(S_ISDIR(st.st_mode));
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   EXPECT_EQ(st.st_uid, ::geteuid());
   // Idempotent, and found without create.
-  auto again = JobDirectory(tmp.path(), "job1", true);
-  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  auto again = JobDirectory(tmp_.path(), "job1", true);
+  ASSERT_OK(again);
   EXPECT_EQ(*again, *dir);
-  auto found = JobDirectory(tmp.path(), "job1", false);
-  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  auto found = JobDirectory(tmp_.path(), "job1", false);
+  ASSERT_OK(found);
   EXPECT_EQ(*found, *dir);
-  EXPECT_EQ(JobDirectory(tmp.path(), "nope", false).status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(JobDirectory(tmp.path() + "/missing", "job1", true).status().code(),
+  EXPECT_EQ(JobDirectory(tmp_.path(), "nope", false).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(JobDirectory(tmp_.path() + "/missing", "job1", true).status().code(),
             StatusCode::kNotFound);
 }
 
-TEST(ArenaJobDirectoryTest, ValidatesJobNames) {
-  TempDir tmp;
-  const std::vector<std::string> bad_names = {"", "a/b", "..", ".", "sp ace", "x\n",
-                                              std::string(65, 'a')};
+TEST_F(ArenaJobDirectoryTest, ValidatesJobNames) {
+  const std::vector<std::string> bad_names = {
+      "", "a/b", "..", ".", "sp ace", "x\n", std::string(65, 'a')};
   for (const std::string& bad : bad_names) {
     SCOPED_TRACE(bad);
-    EXPECT_EQ(JobDirectory(tmp.path(), bad, true).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(JobDirectory(tmp_.path(), bad, true).status().code(), StatusCode::kInvalidArgument);
   }
-  EXPECT_TRUE(ValidateJobName(std::string(64, 'a')).ok());
-  EXPECT_TRUE(ValidateJobName("A-z_0.9").ok());
+  EXPECT_OK(ValidateJobName(std::string(64, 'a')));
+  EXPECT_OK(ValidateJobName("A-z_0.9"));
   // Nothing was created by the refused names.
-  EXPECT_TRUE(ListDir(tmp.path()).empty());
+  EXPECT_TRUE(ListDir(tmp_.path()).empty());
 }
 
-TEST(ArenaJobDirectoryTest, RefusesSymlink) {
-  TempDir tmp;
-  const std::string target = tmp.path() + "/elsewhere";
+TEST_F(ArenaJobDirectoryTest, RefusesSymlink) {
+  const std::string target = tmp_.path() + "/elsewhere";
   ASSERT_EQ(::mkdir(target.c_str(), 0700), 0);
-  const std::string path = tmp.path() + "/" + Prefix() + "job";
+  const std::string path = JobPath("job");
   ASSERT_EQ(::symlink(target.c_str(), path.c_str()), 0);
   for (bool create : {true, false}) {
-    auto dir = JobDirectory(tmp.path(), "job", create);
+    auto dir = JobDirectory(tmp_.path(), "job", create);
     EXPECT_EQ(dir.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(dir.status().message().find(path), std::string::npos) << dir.status().message();
   }
   // A dangling symlink is refused as well (and nothing is created at its target).
-  const std::string dangling = tmp.path() + "/" + Prefix() + "dangling";
-  ASSERT_EQ(::symlink((tmp.path() + "/ghost").c_str(), dangling.c_str()), 0);
-  EXPECT_FALSE(JobDirectory(tmp.path(), "dangling", true).ok());
-  EXPECT_FALSE(fs::exists(tmp.path() + "/ghost"));
+  const std::string dangling = JobPath("dangling");
+  ASSERT_EQ(::symlink((tmp_.path() + "/ghost").c_str(), dangling.c_str()), 0);
+  EXPECT_FALSE(JobDirectory(tmp_.path(), "dangling", true).ok());
+  EXPECT_FALSE(fs::exists(tmp_.path() + "/ghost"));
 }
 
-TEST(ArenaJobDirectoryTest, RefusesDirectoryAccessibleToOthers) {
-  TempDir tmp;
-  const std::string path = tmp.path() + "/" + Prefix() + "job";
+TEST_F(ArenaJobDirectoryTest, RefusesDirectoryAccessibleToOthers) {
+  const std::string path = JobPath("job");
   ASSERT_EQ(::mkdir(path.c_str(), 0700), 0);
   ASSERT_EQ(::chmod(path.c_str(), 0755), 0);
-  auto dir = JobDirectory(tmp.path(), "job", true);
+  auto dir = JobDirectory(tmp_.path(), "job", true);
   EXPECT_EQ(dir.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(dir.status().message().find(path), std::string::npos) << dir.status().message();
   // Not "fixed" behind the user's back.
@@ -179,56 +171,53 @@ TEST(ArenaJobDirectoryTest, RefusesDirectoryAccessibleToOthers) {
   EXPECT_EQ(st.st_mode & 0777, 0755u);
 }
 
-TEST(ArenaJobDirectoryTest, RefusesFile) {
-  TempDir tmp;
-  const std::string path = tmp.path() + "/" + Prefix() + "job";
-  { std::ofstream(path) << "not a directory"; }
-  EXPECT_EQ(JobDirectory(tmp.path(), "job", true).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(JobDirectory(tmp.path(), "job", false).status().code(), StatusCode::kInvalidArgument);
+TEST_F(ArenaJobDirectoryTest, RefusesFile) {
+  const std::string path = JobPath("job");
+  ASSERT_TRUE(WriteStringToFile(path, "not a directory"));
+  EXPECT_EQ(JobDirectory(tmp_.path(), "job", true).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(JobDirectory(tmp_.path(), "job", false).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(ArenaJobDirectoryTest, ListJobDirectories) {
-  TempDir tmp;
-  auto none = ListJobDirectories(tmp.path() + "/missing");
-  ASSERT_TRUE(none.ok()) << none.status().ToString();
+TEST_F(ArenaJobDirectoryTest, ListJobDirectories) {
+  auto none = ListJobDirectories(tmp_.path() + "/missing");
+  ASSERT_OK(none);
   EXPECT_TRUE(none->empty());
 
-  auto b = JobDirectory(tmp.path(), "beta", true);
-  auto a = JobDirectory(tmp.path(), "alpha", true);
+  auto b = JobDirectory(tmp_.path(), "beta", true);
+  auto a = JobDirectory(tmp_.path(), "alpha", true);
   ASSERT_TRUE(a.ok() && b.ok());
   // Things that must not be listed.
-  const std::string open = tmp.path() + "/" + Prefix() + "open";
+  const std::string open = JobPath("open");
   ASSERT_EQ(::mkdir(open.c_str(), 0700), 0);
   ASSERT_EQ(::chmod(open.c_str(), 0755), 0);
-  ASSERT_EQ(::symlink(a->c_str(), (tmp.path() + "/" + Prefix() + "link").c_str()), 0);
-  { std::ofstream(tmp.path() + "/" + Prefix() + "file") << "x"; }
-  ASSERT_EQ(::mkdir((tmp.path() + "/" + Prefix() + "bad name").c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(a->c_str(), JobPath("link").c_str()), 0);
+  ASSERT_TRUE(WriteStringToFile(JobPath("file"), "x"));
+  ASSERT_EQ(::mkdir(JobPath("bad name").c_str(), 0700), 0);
   const std::string other_user = "/safepoint-" + std::to_string(::geteuid() + 1) + "-other";
-  ASSERT_EQ(::mkdir((tmp.path() + other_user).c_str(), 0700), 0);
-  ASSERT_EQ(::mkdir((tmp.path() + "/unrelated").c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((tmp_.path() + other_user).c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((tmp_.path() + "/unrelated").c_str(), 0700), 0);
 
-  auto list = ListJobDirectories(tmp.path());
-  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  auto list = ListJobDirectories(tmp_.path());
+  ASSERT_OK(list);
   std::vector<std::pair<std::string, std::string>> want = {{"alpha", *a}, {"beta", *b}};
   EXPECT_EQ(*list, want);
 }
 
 // --- Arenas ----------------------------------------------------------------------------------
 
-class ArenaTest : public ::testing::Test {
+// tmp_ holds the job directory job_dir_ of job "arena".
+class ArenaTest : public TempDirTest {
  protected:
   void SetUp() override {
-    auto dir = JobDirectory(tmp_.path(), "arena", true);
-    ASSERT_TRUE(dir.ok()) << dir.status().ToString();
-    job_dir_ = *dir;
+    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
+    ASSERT_OK_AND_ASSIGN(job_dir_, JobDirectory(tmp_.path(), "arena", true));
   }
   std::unique_ptr<Arena> Open(uint32_t slots = kDefaultSlots, uint32_t rank = 0) {
     auto a = Arena::Open(job_dir_, rank, slots);
-    EXPECT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_OK(a);
     return a.ok() ? std::move(a).value() : nullptr;
   }
 
-  TempDir tmp_;
   std::string job_dir_;
 };
 
@@ -257,7 +246,7 @@ TEST_F(ArenaTest, FirstSavesUseFreeSlotsThenTheOldest) {
   for (uint64_t step = 1; step <= 7; ++step) {
     Shard s(step);
     auto t = arena->BeginWrite(s.size());
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_OK(t);
     ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
     EXPECT_EQ(t->second.data.size(), s.size());
     EXPECT_EQ(t->second.relaid_out, step <= 3) << "step " << step;
@@ -289,7 +278,7 @@ TEST_F(ArenaTest, NeverOverwritesTheSnapshotCompletedLast) {
   for (uint64_t step : steps) {
     Shard s(step);
     auto t = arena->BeginWrite(s.size());
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_OK(t);
     ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
     if (last) {
       EXPECT_NE(t->second.slot, last->index) << "step " << step;
@@ -316,13 +305,7 @@ TEST_F(ArenaTest, NeverOverwritesTheSnapshotCompletedLast) {
 TEST_F(ArenaTest, AfterAResumeTheStaleHigherStepIsOverwrittenFirst) {
   auto arena = Open(2);
   ASSERT_TRUE(arena);
-  for (uint64_t step : {10, 9, 10}) {
-    Shard s(step);
-    auto t = arena->BeginWrite(s.size());
-    ASSERT_TRUE(t.ok() && t->first == Arena::Acquire::kAcquired);
-    s.builder->FillAll(t->second.data, 1);
-    arena->FinishWrite(t->second, step, s.size());
-  }
+  for (uint64_t step : {10, 9, 10}) Save(*arena, step);
   std::vector<uint64_t> held;
   for (const SlotInfo& s : arena->Slots()) held.push_back(s.step);
   std::sort(held.begin(), held.end());
@@ -337,13 +320,7 @@ TEST_F(ArenaTest, AfterAResumeTheStaleHigherStepIsOverwrittenFirst) {
 TEST_F(ArenaTest, TheSnapshotResumedFromIsKeptWhileTheNextSaveIsWritten) {
   auto arena = Open(2);
   ASSERT_TRUE(arena);
-  for (uint64_t step : {5, 6}) {
-    Shard s(step);
-    auto t = arena->BeginWrite(s.size());
-    ASSERT_TRUE(t.ok() && t->first == Arena::Acquire::kAcquired);
-    s.builder->FillAll(t->second.data, 1);
-    arena->FinishWrite(t->second, step, s.size());
-  }
+  for (uint64_t step : {5, 6}) Save(*arena, step);
   std::optional<SlotInfo> five;
   for (const SlotInfo& s : arena->Slots()) {
     if (s.step == 5) five = s;
@@ -373,13 +350,13 @@ TEST_F(ArenaTest, AbortWriteFreesTheSlot) {
   Save(*arena, 1);
   Shard s(2);
   auto t = arena->BeginWrite(s.size());
-  ASSERT_TRUE(t.ok());
+  ASSERT_OK(t);
   ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
   arena->AbortWrite(t->second);
   EXPECT_EQ(arena->Slots()[t->second.slot].state, SlotState::kFree);
   EXPECT_EQ(arena->NewestComplete()->step, 1u);
   auto t2 = arena->BeginWrite(s.size());
-  ASSERT_TRUE(t2.ok());
+  ASSERT_OK(t2);
   ASSERT_EQ(t2->first, Arena::Acquire::kAcquired);
   EXPECT_EQ(t2->second.slot, t->second.slot);
   EXPECT_GT(t2->second.generation, t->second.generation);
@@ -411,7 +388,7 @@ TEST_F(ArenaTest, LeasedSlotIsNeverOverwritten) {
   const auto t2 = Save(*arena, 2);
   ASSERT_EQ(t1.slot, 0u);
   ASSERT_EQ(t2.slot, 1u);
-  ASSERT_TRUE(agent->Refresh().ok());
+  ASSERT_OK(agent->Refresh());
   ASSERT_TRUE(agent->Lease(t1.slot, t1.generation));
   EXPECT_TRUE(arena->Slots()[t1.slot].leased);
   EXPECT_EQ(arena->Slots()[t1.slot].state, SlotState::kComplete);
@@ -419,14 +396,14 @@ TEST_F(ArenaTest, LeasedSlotIsNeverOverwritten) {
   Shard s(3);
   for (int i = 0; i < 3; ++i) {
     auto t = arena->BeginWrite(s.size());
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_OK(t);
     EXPECT_EQ(t->first, Arena::Acquire::kBusy);
   }
   ExpectImage(arena->SlotData(0).subspan(0, arena->Slots()[0].image_size), 1);
   agent->Release(t1.slot, t1.generation);
   EXPECT_FALSE(arena->Slots()[t1.slot].leased);
   auto t = arena->BeginWrite(s.size());
-  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_OK(t);
   ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
   EXPECT_EQ(t->second.slot, t1.slot);
 }
@@ -461,7 +438,7 @@ TEST_F(ArenaTest, FinishWriteLeasedHandsOverLeased) {
   EXPECT_NE(t2.slot, t1.slot);
   Shard s(3);
   auto busy = arena->BeginWrite(s.size());
-  ASSERT_TRUE(busy.ok());
+  ASSERT_OK(busy);
   EXPECT_EQ(busy->first, Arena::Acquire::kBusy);  // slot 0 leased, slot 1 newest
   arena->Release(t1.slot, t1.generation);
   EXPECT_FALSE(arena->Slots()[t1.slot].leased);
@@ -494,7 +471,7 @@ TEST_F(ArenaTest, LeaseFailsForAStaleGeneration) {
   arena->Release(t3.slot, t3.generation);
   Shard s(4);
   auto t4 = arena->BeginWrite(s.size());
-  ASSERT_TRUE(t4.ok());
+  ASSERT_OK(t4);
   ASSERT_EQ(t4->first, Arena::Acquire::kAcquired);
   EXPECT_FALSE(arena->Lease(t4->second.slot, t4->second.generation));
   EXPECT_FALSE(arena->Lease(t4->second.slot, t4->second.generation - 1));
@@ -522,21 +499,19 @@ TEST_F(ArenaTest, SlotOfADeadWriterIsReusedAndNeverRead) {
   Save(*arena, 2);
   Save(*arena, 3);
   const uint64_t size = Shard(4).size();
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    auto a = Arena::Open(job_dir_, 0, 3);
-    if (!a.ok()) ::_exit(2);
-    auto t = (*a)->BeginWrite(size);
-    if (!t.ok() || t->first != Arena::Acquire::kAcquired) ::_exit(3);
-    // Half a copy of garbage, then death without FinishWrite.
-    std::memset(t->second.data.data(), 0xAB, t->second.data.size() / 2);
-    ::_exit(t->second.slot == 0 ? 0 : 4);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status));
-  ASSERT_EQ(WEXITSTATUS(status), 0) << "the child did not take slot 0";
+  pid_t child = -1;
+  const int exit_code = test::RunInChild(
+      [&] {
+        auto a = Arena::Open(job_dir_, 0, 3);
+        if (!a.ok()) return 2;
+        auto t = (*a)->BeginWrite(size);
+        if (!t.ok() || t->first != Arena::Acquire::kAcquired) return 3;
+        // Half a copy of garbage, then death without FinishWrite.
+        std::memset(t->second.data.data(), 0xAB, t->second.data.size() / 2);
+        return t->second.slot == 0 ? 0 : 4;
+      },
+      &child);
+  ASSERT_EQ(exit_code, 0) << "the child did not take slot 0";
 
   SlotInfo torn = arena->Slots()[0];
   EXPECT_EQ(torn.state, SlotState::kWriting);
@@ -555,7 +530,7 @@ TEST_F(ArenaTest, SlotOfADeadWriterIsReusedAndNeverRead) {
   // The torn slot is taken before the oldest good snapshot (step 2 in slot 1).
   Shard s(4);
   auto t = arena->BeginWrite(s.size());
-  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_OK(t);
   ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
   EXPECT_EQ(t->second.slot, 0u);
   EXPECT_GT(t->second.generation, torn.generation);
@@ -572,42 +547,44 @@ TEST_F(ArenaTest, LiveSecondWriterIsRefused) {
   ASSERT_TRUE(arena);
   Save(*arena, 1);
   const uint64_t size = Shard(2).size();
-  int ready[2], done[2];
-  ASSERT_EQ(::pipe(ready), 0);
-  ASSERT_EQ(::pipe(done), 0);
+  // The child says on `ready` whether it took a slot, then writes until `done` is closed.
+  int ready_fds[2], done_fds[2];
+  ASSERT_EQ(::pipe(ready_fds), 0);
+  internal::UniqueFd ready_read(ready_fds[0]), ready_write(ready_fds[1]);
+  ASSERT_EQ(::pipe(done_fds), 0);
+  internal::UniqueFd done_read(done_fds[0]), done_write(done_fds[1]);
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    ::close(ready[0]);
-    ::close(done[1]);
+    ready_read.Reset();
+    done_write.Reset();
     auto a = Arena::Open(job_dir_, 0, 3);
     char ok = 0;
     if (a.ok()) {
       auto t = (*a)->BeginWrite(size);
       ok = t.ok() && t->first == Arena::Acquire::kAcquired ? 1 : 0;
     }
-    if (::write(ready[1], &ok, 1) != 1) ::_exit(1);
+    if (::write(ready_write.get(), &ok, 1) != 1) ::_exit(1);
     char c;
-    while (::read(done[0], &c, 1) > 0) {
+    while (::read(done_read.get(), &c, 1) > 0) {
     }
     ::_exit(0);
   }
-  ::close(ready[1]);
-  ::close(done[0]);
+  ready_write.Reset();
+  done_read.Reset();
   char ok = 0;
-  ASSERT_EQ(::read(ready[0], &ok, 1), 1);
+  ASSERT_EQ(::read(ready_read.get(), &ok, 1), 1);
   EXPECT_EQ(ok, 1);
   auto t = arena->BeginWrite(size);
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(t.status().message().find(std::to_string(child)), std::string::npos)
       << t.status().message();
-  ::close(done[1]);
-  ::close(ready[0]);
+  done_write.Reset();  // the child exits
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
   // Now the other writer is dead (and reaped): its slot is reused.
   auto t2 = arena->BeginWrite(size);
-  ASSERT_TRUE(t2.ok()) << t2.status().ToString();
+  ASSERT_OK(t2);
   EXPECT_EQ(t2->first, Arena::Acquire::kAcquired);
 }
 
@@ -617,7 +594,7 @@ TEST_F(ArenaTest, LiveSlotWritersNamesRunningWritersOnly) {
   auto arena = Open();
   ASSERT_TRUE(arena);
   auto none = LiveSlotWriters(job_dir_);
-  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  ASSERT_OK(none);
   EXPECT_TRUE(none->empty());
   Save(*arena, 1);
   const auto self = static_cast<uint32_t>(::getpid());
@@ -628,27 +605,27 @@ TEST_F(ArenaTest, LiveSlotWritersNamesRunningWritersOnly) {
 
   // Another process takes the other slot and exits: it is not live, this process still is.
   const uint64_t size = Shard(2).size();
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    auto a = Arena::Open(job_dir_, 0);
-    if (!a.ok()) ::_exit(2);
-    auto t = (*a)->BeginWrite(size);
-    ::_exit(t.ok() && t->first == Arena::Acquire::kAcquired && t->second.slot == 1 ? 0 : 3);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  ASSERT_TRUE(arena->Refresh().ok());  // the child created slot 1
+  pid_t child = -1;
+  const int exit_code = test::RunInChild(
+      [&] {
+        auto a = Arena::Open(job_dir_, 0);
+        if (!a.ok()) return 2;
+        auto t = (*a)->BeginWrite(size);
+        return t.ok() && t->first == Arena::Acquire::kAcquired && t->second.slot == 1 ? 0 : 3;
+      },
+      &child);
+  ASSERT_EQ(exit_code, 0);
+  ASSERT_OK(arena->Refresh());  // the child created slot 1
   EXPECT_EQ(arena->Slots()[1].writer_pid, static_cast<uint32_t>(child));
   EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{self});
 
   // A pid that runs but started at another time is a recycled pid, not the writer.
-  const int fd = ::open((job_dir_ + "/rank-00000.slot-0").c_str(), O_RDWR | O_CLOEXEC);
-  ASSERT_GE(fd, 0);
-  const uint64_t other_start = arena->Slots()[0].writer_start_ticks + 1;
-  ASSERT_EQ(::pwrite(fd, &other_start, sizeof(other_start), 72), 8);
-  ::close(fd);
+  {
+    const internal::UniqueFd fd(::open(SlotPathOf(job_dir_, 0, 0).c_str(), O_RDWR | O_CLOEXEC));
+    ASSERT_TRUE(fd.valid()) << std::strerror(errno);
+    const uint64_t other_start = arena->Slots()[0].writer_start_ticks + 1;
+    ASSERT_EQ(::pwrite(fd.get(), &other_start, sizeof(other_start), 72), 8);
+  }
   EXPECT_EQ(arena->Slots()[0].writer_pid, self);
   EXPECT_TRUE(LiveSlotWriters(job_dir_)->empty());
   // A rank of more than 5 digits ("rank-123456.slot-0") is found too.
@@ -657,10 +634,10 @@ TEST_F(ArenaTest, LiveSlotWritersNamesRunningWritersOnly) {
   Save(*wide, 1);
   EXPECT_EQ(*ListArenaRanks(job_dir_), (std::vector<uint32_t>{0, 123456}));
   EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{self});
-  ASSERT_TRUE(wide->Remove().ok());
+  ASSERT_OK(wide->Remove());
   arena.reset();
   auto freed = RemoveJobDirectory(job_dir_);
-  ASSERT_TRUE(freed.ok()) << freed.status().ToString();
+  ASSERT_OK(freed);
   EXPECT_GT(*freed, 0u);
   EXPECT_FALSE(fs::exists(job_dir_));
 }
@@ -672,7 +649,7 @@ TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
   ASSERT_TRUE(arena && reader);
   const auto t1 = Save(*arena, 1);
   const auto t2 = Save(*arena, 2);
-  ASSERT_TRUE(reader->Refresh().ok());
+  ASSERT_OK(reader->Refresh());
   const uint64_t old_capacity = arena->Slots()[t1.slot].capacity;
   struct stat before;
   ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, t1.slot).c_str(), &before), 0);
@@ -681,7 +658,7 @@ TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
   Shard big(3, big_elems);
   ASSERT_GT(big.size(), old_capacity);
   auto t = arena->BeginWrite(big.size());
-  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_OK(t);
   ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
   EXPECT_EQ(t->second.slot, t1.slot);
   EXPECT_TRUE(t->second.relaid_out);
@@ -713,7 +690,7 @@ TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
   ExpectImage(arena->SlotData(t1.slot).subspan(0, big.size()), 3, big_elems);
   ExpectImage(arena->SlotData(t2.slot).subspan(0, arena->Slots()[t2.slot].image_size), 2);
 
-  ASSERT_TRUE(reader->Refresh().ok());
+  ASSERT_OK(reader->Refresh());
   seen = reader->NewestComplete();
   ASSERT_TRUE(seen);
   EXPECT_EQ(seen->step, 3u);
@@ -723,20 +700,20 @@ TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
   // A small image fits the small slot; a big one grows it once, and only once.
   Shard small(4);
   auto t4 = arena->BeginWrite(small.size());
-  ASSERT_TRUE(t4.ok());
+  ASSERT_OK(t4);
   EXPECT_EQ(t4->second.slot, t2.slot);
   EXPECT_FALSE(t4->second.relaid_out);
   arena->AbortWrite(t4->second);
   Shard big5(5, big_elems);
   auto t5 = arena->BeginWrite(big5.size());
-  ASSERT_TRUE(t5.ok());
+  ASSERT_OK(t5);
   EXPECT_EQ(t5->second.slot, t2.slot);
   EXPECT_TRUE(t5->second.relaid_out);
   big5.builder->FillAll(t5->second.data, 1);
   arena->FinishWrite(t5->second, 5, big5.size());
   Shard big6(6, big_elems);
   auto t6 = arena->BeginWrite(big6.size());
-  ASSERT_TRUE(t6.ok());
+  ASSERT_OK(t6);
   EXPECT_EQ(t6->second.slot, t1.slot);
   EXPECT_FALSE(t6->second.relaid_out);
 }
@@ -746,7 +723,7 @@ TEST_F(ArenaTest, ReserveLaysOutEverySlot) {
   auto arena = Open(2);
   ASSERT_TRUE(arena);
   Shard s(1);
-  ASSERT_TRUE(arena->Reserve(s.size()).ok());
+  ASSERT_OK(arena->Reserve(s.size()));
   for (const SlotInfo& info : arena->Slots()) {
     EXPECT_GE(info.capacity, s.size()) << "slot " << info.index;
     EXPECT_NE(info.state, SlotState::kComplete);
@@ -756,7 +733,7 @@ TEST_F(ArenaTest, ReserveLaysOutEverySlot) {
   for (uint64_t step = 1; step <= 2; ++step) {
     Shard shard(step);
     auto t = arena->BeginWrite(shard.size());
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_OK(t);
     ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
     EXPECT_FALSE(t->second.relaid_out) << "step " << step << " slot " << t->second.slot;
     shard.builder->FillAll(t->second.data, 1);
@@ -770,7 +747,7 @@ TEST_F(ArenaTest, ReserveKeepsSnapshotsAndIsANoOpWhenLargeEnough) {
   const auto t1 = Save(*arena, 1);
   const uint64_t cap = arena->Slots()[t1.slot].capacity;
   // Grows what it may (not the newest snapshot), keeps step 1 readable.
-  ASSERT_TRUE(arena->Reserve(cap + 1).ok());
+  ASSERT_OK(arena->Reserve(cap + 1));
   auto newest = arena->NewestComplete();
   ASSERT_TRUE(newest);
   EXPECT_EQ(newest->step, 1u);
@@ -781,7 +758,7 @@ TEST_F(ArenaTest, ReserveKeepsSnapshotsAndIsANoOpWhenLargeEnough) {
   struct stat a0, a1, b0, b1;
   ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 0).c_str(), &a0), 0);
   ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 1).c_str(), &a1), 0);
-  ASSERT_TRUE(arena->Reserve(Shard(2).size()).ok());
+  ASSERT_OK(arena->Reserve(Shard(2).size()));
   ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 0).c_str(), &b0), 0);
   ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 1).c_str(), &b1), 0);
   EXPECT_EQ(a0.st_ino, b0.st_ino);
@@ -808,7 +785,7 @@ TEST_F(ArenaTest, SlotFilesArePrivateAndNoTemporariesRemain) {
   auto other = Open(2, 0);
   ASSERT_TRUE(other);
   EXPECT_FALSE(other->NewestComplete());
-  ASSERT_TRUE(arena->Remove().ok());
+  ASSERT_OK(arena->Remove());
   EXPECT_TRUE(ListDir(job_dir_).empty());
   EXPECT_FALSE(arena->NewestComplete());
 }
@@ -824,34 +801,21 @@ TEST_F(ArenaTest, RefusesSlotFileAccessibleToOthers) {
 }
 
 TEST_F(ArenaTest, RefusesDamagedSlotFile) {
-  {
-    std::ofstream f(SlotPathOf(job_dir_, 0, 1));
-    f << std::string(8192, 'x');
-  }
+  ASSERT_TRUE(WriteStringToFile(SlotPathOf(job_dir_, 0, 1), std::string(8192, 'x')));
   ASSERT_EQ(::chmod(SlotPathOf(job_dir_, 0, 1).c_str(), 0600), 0);
   EXPECT_EQ(Arena::Open(job_dir_, 0).status().code(), StatusCode::kCorruption);
-  {
-    std::ofstream f(SlotPathOf(job_dir_, 0, 1), std::ios::trunc);
-    f << "short";
-  }
+  ASSERT_TRUE(WriteStringToFile(SlotPathOf(job_dir_, 0, 1), "short"));
   EXPECT_EQ(Arena::Open(job_dir_, 0).status().code(), StatusCode::kCorruption);
 }
 
 // A symlink planted at a slot path is never followed: Open / Refresh fail and the target is
 // neither read nor written.
 TEST_F(ArenaTest, SymlinkAtSlotPathIsNotFollowed) {
-  const std::string target = tmp_.path() + "/target";
+  const std::string target = tmp_.Join("target");
   const std::string original(16384, 'T');
-  {
-    std::ofstream f(target);
-    f << original;
-  }
+  ASSERT_TRUE(WriteStringToFile(target, original));
   ASSERT_EQ(::chmod(target.c_str(), 0600), 0);
-  auto target_unchanged = [&] {
-    std::ifstream f(target);
-    std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    return s == original;
-  };
+  auto target_unchanged = [&] { return ReadFileToString(target) == original; };
 
   // Planted before the arena is opened.
   ASSERT_EQ(::symlink(target.c_str(), SlotPathOf(job_dir_, 0, 0).c_str()), 0);
@@ -906,6 +870,16 @@ TEST_F(ArenaTest, ConcurrentReaderNeverSeesATornImage) {
       return;
     }
     std::vector<std::byte> copy;
+    // `image` is a whole image of `slot`'s step.
+    auto check = [&](std::span<const std::byte> image, const SlotInfo& slot, const char* what) {
+      auto r = ImageReader::Parse(image, what);
+      if (!r.ok() || r->meta().step != slot.step) {
+        ADD_FAILURE() << "step " << slot.step << ": " << r.status().ToString();
+        ++failures;
+      } else {
+        ++parsed;
+      }
+    };
     for (uint64_t i = 0; !done.load() || i < 4; ++i) {
       if (!(*reader)->Refresh().ok()) {
         ++failures;
@@ -920,14 +894,8 @@ TEST_F(ArenaTest, ConcurrentReaderNeverSeesATornImage) {
       if (i % 2 == 0) {
         // Lease, read in place, release.
         if (!(*reader)->Lease(newest->index, newest->generation)) continue;
-        auto image = (*reader)->SlotData(newest->index).subspan(0, newest->image_size);
-        auto r = ImageReader::Parse(image, "leased slot");
-        if (!r.ok() || r->meta().step != newest->step) {
-          ADD_FAILURE() << "step " << newest->step << ": " << r.status().ToString();
-          ++failures;
-        } else {
-          ++parsed;
-        }
+        check((*reader)->SlotData(newest->index).subspan(0, newest->image_size), *newest,
+              "leased slot");
         (*reader)->Release(newest->index, newest->generation);
       } else {
         // Copy, then check that the slot did not change meanwhile (what LoadNewest does).
@@ -936,13 +904,7 @@ TEST_F(ArenaTest, ConcurrentReaderNeverSeesATornImage) {
         std::atomic_thread_fence(std::memory_order_acquire);
         const SlotInfo now = (*reader)->Slots()[newest->index];
         if (now.generation != newest->generation || now.state != SlotState::kComplete) continue;
-        auto r = ImageReader::Parse(copy, "copied slot");
-        if (!r.ok() || r->meta().step != newest->step) {
-          ADD_FAILURE() << "step " << newest->step << ": " << r.status().ToString();
-          ++failures;
-        } else {
-          ++parsed;
-        }
+        check(copy, *newest, "copied slot");
       }
     }
   });
@@ -980,29 +942,27 @@ TEST_F(ArenaTest, ConcurrentReaderNeverSeesATornImage) {
 
 // --- Too little shared memory: a clear error, never a SIGBUS ---------------------------------
 
-class ArenaTmpfsTest : public ::testing::Test {
+class ArenaTmpfsTest : public TempDirTest {
  protected:
   void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(TempDirTest::SetUp());
     if (::mount("tmpfs", tmp_.path().c_str(), "tmpfs", 0, "size=4m,mode=0700") != 0) {
       GTEST_SKIP() << "cannot mount a tmpfs (" << std::strerror(errno) << "); needs root";
     }
     mounted_ = true;
-    auto dir = JobDirectory(tmp_.path(), "small", true);
-    ASSERT_TRUE(dir.ok()) << dir.status().ToString();
-    job_dir_ = *dir;
+    ASSERT_OK_AND_ASSIGN(job_dir_, JobDirectory(tmp_.path(), "small", true));
   }
   void TearDown() override {
     if (mounted_) ::umount2(tmp_.path().c_str(), MNT_DETACH);
   }
 
-  TempDir tmp_;
   bool mounted_ = false;
   std::string job_dir_;
 };
 
 TEST_F(ArenaTmpfsTest, TooLittleSpaceIsResourceExhausted) {
   auto a = Arena::Open(job_dir_, 0);
-  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_OK(a);
   Arena& arena = **a;
 
   // An image larger than the whole tmpfs.
@@ -1021,7 +981,7 @@ TEST_F(ArenaTmpfsTest, TooLittleSpaceIsResourceExhausted) {
   // One slot of ~1 MiB fits; the second does not.
   Shard one(2, 256 << 10);
   auto t1 = arena.BeginWrite(one.size());
-  ASSERT_TRUE(t1.ok()) << t1.status().ToString();
+  ASSERT_OK(t1);
   ASSERT_EQ(t1->first, Arena::Acquire::kAcquired);
   one.builder->FillAll(t1->second.data, 1);
   arena.FinishWrite(t1->second, 2, one.size());
@@ -1045,26 +1005,18 @@ TEST_F(ArenaTmpfsTest, TooLittleSpaceIsResourceExhausted) {
 // a later save into a SIGBUS.
 TEST_F(ArenaTmpfsTest, FullTmpfsAfterCreationDoesNotSigbus) {
   auto a = Arena::Open(job_dir_, 0);
-  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_OK(a);
   Arena& arena = **a;
   Shard first(1, 256 << 10);
   {
     auto t = arena.BeginWrite(first.size());
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_OK(t);
     // Abort: the slot file exists (reserved) but holds nothing yet.
     arena.AbortWrite(t->second);
   }
-  // Fill the rest of the tmpfs.
-  {
-    const int fd = ::open((tmp_.path() + "/filler").c_str(), O_WRONLY | O_CREAT, 0600);
-    ASSERT_GE(fd, 0);
-    std::vector<char> buf(64 << 10, 'f');
-    while (::write(fd, buf.data(), buf.size()) > 0) {
-    }
-    ::close(fd);
-  }
+  ASSERT_TRUE(test::FillFileSystem(tmp_.Join("filler")));
   auto t = arena.BeginWrite(first.size());
-  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_OK(t);
   ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
   EXPECT_FALSE(t->second.relaid_out);
   first.builder->FillAll(t->second.data, 1);  // would SIGBUS on unreserved tmpfs pages

@@ -2,14 +2,13 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
-#include <fstream>
 
 #include "base/process.h"
 #include "safepoint/arena.h"
+#include "testing/test_util.h"
 
 namespace safepoint::internal {
 namespace {
@@ -18,12 +17,7 @@ namespace fs = std::filesystem;
 
 class StageFileTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string tmpl = fs::temp_directory_path().string() + "/sp-stage-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    shm_dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(shm_dir_); }
+  void SetUp() override { ASSERT_TRUE(tmp_.ok()) << "mkdtemp failed"; }
 
   static mode_t Mode(const std::string& path) {
     struct stat st;
@@ -31,19 +25,22 @@ class StageFileTest : public ::testing::Test {
     return st.st_mode & 0777;
   }
 
-  std::string shm_dir_;
+  test::TempDir tmp_{"sp-stage"};
+  const std::string& shm_dir_ = tmp_.path();
 };
 
 TEST_F(StageFileTest, IsAPrivatePreallocatedFileNamedAfterItsOwner) {
   auto f = StageFile::Create(shm_dir_, 3 << 20);
-  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_OK(f);
   const std::string dir = StageDirectory(shm_dir_);
   EXPECT_EQ(fs::path((*f)->path()).parent_path(), dir);
   EXPECT_EQ(Mode(dir), 0700u);
   EXPECT_EQ(Mode((*f)->path()), 0600u);
   const ProcessId me = SelfProcessId();
-  EXPECT_EQ(fs::path((*f)->path()).filename().string().rfind(
-                std::to_string(me.pid) + "-" + std::to_string(me.start_ticks) + "-", 0),
+  EXPECT_EQ(fs::path((*f)->path())
+                .filename()
+                .string()
+                .rfind(std::to_string(me.pid) + "-" + std::to_string(me.start_ticks) + "-", 0),
             0u);
   struct stat st;
   ASSERT_EQ(::stat((*f)->path().c_str(), &st), 0);
@@ -51,52 +48,44 @@ TEST_F(StageFileTest, IsAPrivatePreallocatedFileNamedAfterItsOwner) {
   EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, uint64_t{3} << 20);  // reserved
   ASSERT_EQ((*f)->data().size(), size_t{3} << 20);
   (*f)->data().back() = std::byte{7};
-  ASSERT_TRUE((*f)->Remove().ok());
+  ASSERT_OK((*f)->Remove());
   EXPECT_FALSE(fs::exists((*f)->path()));
   EXPECT_EQ((*f)->data().back(), std::byte{7});  // the mapping outlives the name
-  EXPECT_TRUE((*f)->Remove().ok());
+  EXPECT_OK((*f)->Remove());
 }
 
 TEST_F(StageFileTest, TheStagingDirectoryIsNoJobDirectory) {
-  ASSERT_TRUE(StageFile::Create(shm_dir_, 1).ok());
+  ASSERT_OK(StageFile::Create(shm_dir_, 1));
   auto jobs = ListJobDirectories(shm_dir_);
-  ASSERT_TRUE(jobs.ok());
+  ASSERT_OK(jobs);
   EXPECT_TRUE(jobs->empty());
 }
 
 TEST_F(StageFileTest, RemoveDeadStageFilesTakesThoseOfDeadProcessesOnly) {
-  auto mine = StageFile::Create(shm_dir_, 1 << 20);
-  ASSERT_TRUE(mine.ok());
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {  // dies without removing its file, as a SIGKILLed process would
-    auto f = StageFile::Create(shm_dir_, 2 << 20);
-    ::_exit(f.ok() ? 0 : 1);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ASSERT_OK_AND_ASSIGN(auto mine, StageFile::Create(shm_dir_, 1 << 20));
+  // The child dies without removing its file, as a SIGKILLed process would.
+  ASSERT_EQ(test::RunInChild([&] { return StageFile::Create(shm_dir_, 2 << 20).ok() ? 0 : 1; }), 0);
   const std::string dir = StageDirectory(shm_dir_);
-  std::ofstream(dir + "/notes.txt") << "not a staging file";
+  ASSERT_TRUE(test::WriteStringToFile(dir + "/notes.txt", "not a staging file"));
   ASSERT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 3);
 
   auto counted = RemoveDeadStageFiles(shm_dir_, /*dry_run=*/true);
-  ASSERT_TRUE(counted.ok()) << counted.status().ToString();
+  ASSERT_OK(counted);
   EXPECT_EQ(counted->files, 1u);
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 3);
 
   auto removed = RemoveDeadStageFiles(shm_dir_);
-  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  ASSERT_OK(removed);
   EXPECT_EQ(removed->files, 1u);
   EXPECT_GE(removed->bytes, uint64_t{2} << 20);
-  EXPECT_TRUE(fs::exists((*mine)->path()));
+  EXPECT_TRUE(fs::exists(mine->path()));
   EXPECT_TRUE(fs::exists(dir + "/notes.txt"));
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 2);
 }
 
 TEST_F(StageFileTest, NoStagingDirectoryIsNothingToRemove) {
   auto removed = RemoveDeadStageFiles(shm_dir_);
-  ASSERT_TRUE(removed.ok());
+  ASSERT_OK(removed);
   EXPECT_EQ(removed->files, 0u);
 }
 

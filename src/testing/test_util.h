@@ -5,6 +5,8 @@
 // - ASSERT_OK_AND_ASSIGN(lhs, expr): expr is a Result<T>; asserts it is OK and moves its value
 //   into lhs (a declaration like `auto w` or an existing variable).
 // - TempDir: a fresh directory, removed with everything below it when destroyed.
+// - Files: ReadFileToString, WriteStringToFile, FillFileSystem (write until ENOSPC).
+// - RunInChild: runs a function in a forked child process and returns its exit code.
 // - Byte patterns: every position of every seed has its own value, so that misplaced, duplicated
 //   or lost blocks show up (PatternBytes, FillPattern, FirstMismatch).
 // - AlignedTestBuffer: a zeroed buffer aligned for O_DIRECT, optionally misaligned on purpose.
@@ -12,20 +14,30 @@
 //   TestImageMeta: image metadata.
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "safepoint/image.h"
 #include "safepoint/status.h"
 #include "safepoint/storage.h"
@@ -90,6 +102,59 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// The whole content of the file at `path`, or nullopt when it cannot be opened.
+inline std::optional<std::string> ReadFileToString(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return std::nullopt;
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Creates or replaces the file at `path` with `content`; false when that failed.
+[[nodiscard]] inline bool WriteStringToFile(const std::string& path, std::string_view content) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(content.data(), static_cast<std::streamsize>(content.size()));
+  f.close();
+  return f.good();
+}
+
+// Creates the file `path` and writes to it until its file system is full (ENOSPC); false when
+// the file could not be created or a write failed for another reason.
+[[nodiscard]] inline bool FillFileSystem(const std::string& path) {
+  const internal::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!fd) return false;
+  const std::string block(64 << 10, 'f');
+  ssize_t n;
+  while ((n = ::write(fd.get(), block.data(), block.size())) > 0 || (n < 0 && errno == EINTR)) {
+  }
+  return n < 0 && errno == ENOSPC;
+}
+
+// Forks; the child runs `body` and exits with its result at once (no destructors, no atexit
+// handlers: the parent's gtest state is left alone). Returns the child's exit code after it
+// exited, or -1 when fork failed or the child died of a signal (reported as a test failure).
+// `child_pid`, if given, receives the child's pid.
+inline int RunInChild(const std::function<int()>& body, pid_t* child_pid = nullptr) {
+  const pid_t child = ::fork();
+  if (child_pid != nullptr) *child_pid = child;
+  if (child < 0) {
+    ADD_FAILURE() << "fork: " << std::strerror(errno);
+    return -1;
+  }
+  if (child == 0) ::_exit(body());
+  int status = 0;
+  while (::waitpid(child, &status, 0) < 0) {
+    if (errno != EINTR) {
+      ADD_FAILURE() << "waitpid: " << std::strerror(errno);
+      return -1;
+    }
+  }
+  if (!WIFEXITED(status)) {
+    ADD_FAILURE() << "the child process did not exit normally (wait status " << status << ")";
+    return -1;
+  }
+  return WEXITSTATUS(status);
+}
 
 // The byte at `position` of the pattern `seed` (a 64-bit mix, so patterns do not repeat).
 inline std::byte PatternByte(uint64_t position, uint64_t seed) {

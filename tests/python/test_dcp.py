@@ -78,6 +78,54 @@ def test_model_and_optimizer_round_trip_bit_exact(ckpt, cli):
     assert "tensors.model.0.weight@0,0" in json.dumps(listing)
 
 
+def _stored_dtypes(ckpt, step: int) -> dict:
+    """{tensor name in the image: the dtype its index records} of rank 0's image."""
+    return {e.name: e.dtype for e in _core.read_metadata(str(ckpt), step, 0).tensors}
+
+
+def test_complex64_and_uint16_round_trip_bit_exact_and_are_stored_as_themselves(ckpt):
+    # freqs_cis-like complex buffer; uint16 values above 2**15 (a signed reading would change them)
+    angles = torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7
+    z = torch.polar(torch.ones(4, 6), angles)
+    u = torch.tensor([[0, 1, 32767, 32768, 40000, 65535]] * 3, dtype=torch.uint16)
+    dcp.save({"z": z, "u": u}, storage_writer=sdcp.Writer(ckpt, step=1))
+    # Native dtypes of the image format (from _core.DTYPES), not raw bytes: safepoint inspect
+    # and safepoint.load see them as what they are.
+    assert _stored_dtypes(ckpt, 1) == {"tensors.z@0,0": "complex64", "tensors.u@0,0": "uint16"}
+
+    target = {"z": torch.zeros(4, 6, dtype=torch.complex64),
+              "u": torch.zeros(3, 6, dtype=torch.uint16)}
+    dcp.load(target, storage_reader=sdcp.Reader(ckpt, step=1))
+    assert torch.equal(target["z"], z) and torch.equal(target["u"], u)
+
+
+@pytest.mark.parametrize("name", [n for n in _core.DTYPES
+                                  if isinstance(getattr(torch, n, None), torch.dtype)])
+def test_every_dtype_the_format_stores_round_trips_natively(ckpt, name):
+    dtype = getattr(torch, name)
+    g = torch.Generator().manual_seed(3)
+    if dtype == torch.bool:
+        t = torch.randint(0, 2, (5, 8), generator=g).bool()
+    else:  # arbitrary bit patterns (NaNs included): compared as bytes
+        t = torch.randint(0, 256, (5, 8 * dtype.itemsize), generator=g,
+                          dtype=torch.uint8).view(dtype)
+    dcp.save({"t": t}, storage_writer=sdcp.Writer(ckpt, step=2))
+    assert _stored_dtypes(ckpt, 2) == {"tensors.t@0,0": name}
+    target = {"t": torch.zeros(t.shape, dtype=dtype)}
+    dcp.load(target, storage_reader=sdcp.Reader(ckpt, step=2))
+    assert torch.equal(target["t"].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_a_dtype_the_format_lacks_round_trips_as_its_bytes(ckpt):
+    assert "complex32" not in _core.DTYPES
+    t = torch.randn(3, 4, dtype=torch.complex64).to(torch.complex32)
+    dcp.save({"c": t}, storage_writer=sdcp.Writer(ckpt, step=1))
+    assert _stored_dtypes(ckpt, 1) == {"tensors.c@0,0": "uint8"}
+    target = {"c": torch.zeros(3, 4, dtype=torch.complex32)}
+    dcp.load(target, storage_reader=sdcp.Reader(ckpt, step=1))
+    assert torch.equal(target["c"].view(torch.uint8), t.view(torch.uint8))
+
+
 def test_sharded_save_reshards_to_one_two_and_three_ranks(tmp_path, ckpt, cli):
     def run(world, phase):
         store = tmp_path / f"store-{phase}-{world}"
@@ -116,8 +164,7 @@ def test_sharded_save_reshards_to_one_two_and_three_ranks(tmp_path, ckpt, cli):
         dcp.load({"meta": {"step": 0}}, storage_reader=sdcp.Reader(ckpt, step=2))
 
     # World size 3: DCP's planner reshards (13 rows, 11 and 257 columns: uneven splits).
-    stored = sum(e["nbytes"] for r in range(2)
-                 for e in _core.read_metadata(str(ckpt), 1, r)["tensors"])
+    stored = sum(e.nbytes for r in range(2) for e in _core.read_metadata(str(ckpt), 1, r).tensors)
     for rep in run(3, "load"):
         got = rep["load"]
         assert got["ok"] == expect_ok and got["step"] == 1
@@ -202,7 +249,7 @@ def test_corruption_is_detected_and_only_needed_chunks_are_read(ckpt):
     g = torch.Generator().manual_seed(7)
     state = {"a": torch.randn(5 << 18, generator=g), "b": torch.randn(5 << 18, generator=g)}
     dcp.save(state, storage_writer=sdcp.Writer(ckpt, step=3))
-    last = _core.read_metadata(str(ckpt), 3, 0)["tensors"][-1]["name"]
+    last = _core.read_metadata(str(ckpt), 3, 0).tensors[-1].name
     bad, good = ("b", "a") if last.startswith("tensors.b@") else ("a", "b")
     img, offset, nbytes = _core.tensor_extent(str(ckpt), 3, 0, last)
     _flip_byte(img, offset + nbytes - 1)  # the last byte of the last tensor

@@ -29,6 +29,19 @@ def test_error_hierarchy():
         assert issubclass(cls, safepoint.Error)
 
 
+def test_every_exception_is_exported_once_from_errors():
+    import safepoint.errors as errors
+
+    defined = sorted(n for n, v in vars(errors).items()
+                     if isinstance(v, type) and issubclass(v, safepoint.Error))
+    assert sorted(errors.__all__) == defined
+    assert [n for n in safepoint.__all__ if n in defined] == errors.__all__
+    assert len(set(safepoint.__all__)) == len(safepoint.__all__)
+    for name in defined:
+        assert getattr(safepoint, name) is getattr(errors, name)
+    assert {"Checkpointer", "save", "load", "steps"} <= set(safepoint.__all__)
+
+
 def test_load_missing(tmp_path):
     with pytest.raises(safepoint.NotFoundError, match="no committed checkpoint"):
         safepoint.load(tmp_path / "nothing")

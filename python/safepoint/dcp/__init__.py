@@ -21,7 +21,8 @@ that its images carry, so an image an earlier, unfinished save left is never com
 them); ``safepoint ls``, ``inspect`` and ``verify`` work on it. Each image holds:
 
 - ``tensors``: one tensor per tensor write item, keyed ``"<fqn>@<chunk offsets>"`` (the chunk of
-  the global tensor that rank saved);
+  the global tensor that rank saved), in its own dtype when the image format has it (every dtype
+  of ``safepoint._core.DTYPES``), else (complex32, sub-byte types) as its raw bytes;
 - ``bytes``: one uint8 tensor per byte write item (DCP's ``torch.save`` of non-tensor values),
   keyed by fqn, so that loading reads only the items it needs;
 - ``dcp``: what DCP's ``Metadata`` is rebuilt from (per item: fqn, chunk offsets and sizes, the

@@ -67,7 +67,7 @@ class Reader(StorageReader):
     Only the byte ranges the loading rank needs are read and checksum-verified.
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", step: Optional[int] = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], step: Optional[int] = None) -> None:
         super().__init__()
         self.path = _fspath(path, "checkpoint path")
         self.step = _check_step(self.path, step)
@@ -76,7 +76,7 @@ class Reader(StorageReader):
         self.storage_data: dict = {}
         self.bytes_read = 0  # bytes requested by the last read_data (for tests and logs)
 
-    def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             path, step = _split_checkpoint_id(checkpoint_id)
             self.path, self.step = path, step
@@ -90,7 +90,7 @@ class Reader(StorageReader):
         return _checkpoint_id(self.path, step)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return Writer.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self) -> Metadata:  # no **kwargs: there is no rank-local metadata to retry
@@ -108,9 +108,9 @@ class Reader(StorageReader):
         r = 0
         while r < world:  # header, index and extras of each rank's image; no tensor data
             meta = _core.read_metadata(self.path, step, r)
-            world = meta["world_size"]
+            world = meta.world_size
             img = _core.image_path(self.path, step, r)
-            dcpm = meta["extras"].get("dcp") if isinstance(meta["extras"], dict) else None
+            dcpm = meta.extras.get("dcp") if isinstance(meta.extras, dict) else None
             if not isinstance(dcpm, dict) or dcpm.get("version") != FORMAT_VERSION:
                 raise InvalidArgumentError(
                     f"{img}: not written by safepoint.dcp.Writer (no DCP metadata of version "
@@ -140,11 +140,12 @@ class Reader(StorageReader):
         )
 
     @staticmethod
-    def _add_image(img: str, rank: int, meta: dict, dcpm: dict, md: dict, storage: dict) -> None:
-        slots = meta["extras"]
-        entries = meta["tensors"]
+    def _add_image(img: str, rank: int, meta: _core.ShardMetadata, dcpm: dict, md: dict,
+                   storage: dict) -> None:
+        slots = meta.extras if isinstance(meta.extras, dict) else {}
+        entries = meta.tensors
 
-        def entry(section: str, key: str) -> dict:
+        def entry(section: str, key: str) -> _core.TensorInfo:
             slot = slots.get(section, {}).get(key) if isinstance(slots.get(section), dict) else None
             idx = getattr(slot, "index", None)
             if type(idx) is not int or not 0 <= idx < len(entries):
@@ -162,17 +163,17 @@ class Reader(StorageReader):
                     raise CorruptionError(f"{img}: {fqn!r} is both a tensor and bytes")
                 md[fqn] = BytesStorageMetadata()
                 storage.setdefault(MetadataIndex(fqn),
-                                   _Location(rank, e["name"], (), torch.uint8, e["nbytes"]))
+                                   _Location(rank, e.name, (), torch.uint8, e.nbytes))
                 continue
             e = entry("tensors", key)
             dtype = _dtype(it.get("dtype"), f"{img}: {key!r}")
             sizes, offsets, size = tuple(it["sizes"]), tuple(it["offsets"]), tuple(it["size"])
             nbytes = math.prod(sizes) * dtype.itemsize
-            if e["nbytes"] != nbytes or len(sizes) != len(size) or len(offsets) != len(size) or any(
+            if e.nbytes != nbytes or len(sizes) != len(size) or len(offsets) != len(size) or any(
                     o < 0 or o + s > g for o, s, g in zip(offsets, sizes, size)):
                 raise CorruptionError(
                     f"{img}: item {key!r}: chunk {offsets}+{sizes} of {size} ({dtype}) does not "
-                    f"match its tensor {e['name']!r} of {e['nbytes']} bytes")
+                    f"match its tensor {e.name!r} of {e.nbytes} bytes")
             tmd = md.get(fqn)
             if tmd is None:
                 tmd = md[fqn] = TensorStorageMetadata(
@@ -188,7 +189,7 @@ class Reader(StorageReader):
                 continue  # the same chunk saved twice (replicated): either copy serves
             tmd.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
                                                    sizes=torch.Size(sizes)))
-            storage[index] = _Location(rank, e["name"], sizes, dtype, nbytes)
+            storage[index] = _Location(rank, e.name, sizes, dtype, nbytes)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -211,7 +212,7 @@ class Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._loaded_step is None:
             raise InvalidArgumentError(f"{self.path}: read_data before read_metadata")
-        _RangeReader(self, planner).run(plan.items)
+        _RangeReader(self, planner, self._loaded_step).run(plan.items)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -220,9 +221,8 @@ class Reader(StorageReader):
 class _RangeReader:
     """Turns ReadItems into byte-range requests per image, batched, then places the bytes."""
 
-    def __init__(self, reader: Reader, planner: LoadPlanner) -> None:
-        self.reader, self.planner = reader, planner
-        self.step = reader._loaded_step
+    def __init__(self, reader: Reader, planner: LoadPlanner, step: int) -> None:
+        self.reader, self.planner, self.step = reader, planner, step
         self.pending: dict[int, list] = {}     # rank -> [(name, off, n, dest, after)]
         self.pending_bytes: dict[int, int] = {}
         self.left: dict[int, int] = {}         # id(read item) -> pieces not yet placed

@@ -6,19 +6,23 @@ directory, named after this process, so ``safepoint gc`` removes those a killed 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import threading
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from safepoint import _core
 from safepoint.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # stage() imports it when it runs
+    from torch.distributed.tensor import DTensor
 
 _REUSE_WAIT_S = 0.05  # how long stage() waits for a just-finished save to let go of a buffer
 
@@ -36,9 +40,18 @@ class _ShmBuffer:
         self.file.remove()
 
 
-def _busy(slot: dict) -> bool:
-    """Whether a staged state dict handed out from this buffer may still be in use."""
-    return any(r() is not None for r in slot["handed"])
+@dataclasses.dataclass
+class _Slot:
+    """A staging buffer, the tensor layout it was carved for, and what was handed out of it."""
+
+    buf: _ShmBuffer
+    layout: list                 # [(dtype, shape)] of the tensors, in staging order
+    views: list[torch.Tensor]    # one per layout entry, over buf
+    handed: list[weakref.ref] = dataclasses.field(default_factory=list)  # the last stage's
+
+    def busy(self) -> bool:
+        """Whether a staged state dict handed out from this buffer may still be in use."""
+        return any(r() is not None for r in self.handed)
 
 
 class ShmStager(AsyncStager):
@@ -61,12 +74,12 @@ class ShmStager(AsyncStager):
     def __init__(self, shm_dir: Optional[str] = None) -> None:
         self.shm_dir = shm_dir or os.environ.get("SAFEPOINT_SHM_DIR", "/dev/shm")
         self._lock = threading.Lock()
-        self._slots: list[dict] = []  # {"buf", "layout", "views", "handed": [weakrefs]}
+        self._slots: list[_Slot] = []
         self._closed = False
         self.allocations = 0  # shared-memory files created so far (for tests and logs)
         weakref.finalize(self, ShmStager._unlink_all, self._slots)
 
-    def __enter__(self) -> "ShmStager":
+    def __enter__(self) -> ShmStager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -75,7 +88,7 @@ class ShmStager(AsyncStager):
     @property
     def files(self) -> list[str]:
         """The shared-memory files in use."""
-        return [s["buf"].path for s in self._slots]
+        return [s.buf.path for s in self._slots]
 
     def stage(self, state_dict: dict) -> dict:
         from torch.distributed.tensor import DTensor
@@ -88,29 +101,29 @@ class ShmStager(AsyncStager):
             slot = self._slot([(t.dtype, tuple(t.shape)) for t in sources])
             handed: list = []
             with torch.no_grad():
-                for src, dst in zip(sources, slot["views"]):
+                for src, dst in zip(sources, slot.views):
                     dst.copy_(src.detach())
-                staged = _rebuild(state_dict, {id(s): v for s, v in zip(sources, slot["views"])},
+                staged = _rebuild(state_dict, {id(s): v for s, v in zip(sources, slot.views)},
                                   {}, handed, DTensor)
-            slot["handed"] = [weakref.ref(x) for x in handed]
+            slot.handed = [weakref.ref(x) for x in handed]
             return staged
 
-    def _slot(self, layout: list) -> dict:
-        same = [s for s in self._slots if s["layout"] == layout]
+    def _slot(self, layout: list) -> _Slot:
+        same = [s for s in self._slots if s.layout == layout]
         # A save that has just completed may still hold its state dict for a moment (DCP's
         # executor thread drops its arguments after it sets the future's result): wait briefly
         # for that before paying for a second buffer.
         deadline = time.monotonic() + _REUSE_WAIT_S
         while same:
             for s in same:
-                if not _busy(s):
+                if not s.busy():
                     return s
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
         for s in list(self._slots):  # free buffers of another layout go
-            if s["layout"] != layout and not _busy(s):
-                s["buf"].unlink()
+            if s.layout != layout and not s.busy():
+                s.buf.unlink()
                 self._slots.remove(s)
         offsets, total = [], 0
         for dtype, shape in layout:
@@ -124,7 +137,7 @@ class ShmStager(AsyncStager):
             n = math.prod(shape) * dtype.itemsize
             views.append(buf.base[off:off + n].view(dtype).view(shape) if n
                          else torch.empty(shape, dtype=dtype))
-        slot = {"buf": buf, "layout": layout, "views": views, "handed": []}
+        slot = _Slot(buf, layout, views)
         self._slots.append(slot)
         return slot
 
@@ -134,16 +147,16 @@ class ShmStager(AsyncStager):
             ShmStager._unlink_all(self._slots)
 
     @staticmethod
-    def _unlink_all(slots: list) -> None:
+    def _unlink_all(slots: list[_Slot]) -> None:
         for s in slots:
-            s["buf"].unlink()
+            s.buf.unlink()
         slots.clear()
 
     def synchronize_staging(self) -> None:  # stage() is synchronous
         return None
 
 
-def _collect(obj: Any, out: list, seen: set, key: str, dtensor: type) -> None:
+def _collect(obj: Any, out: list, seen: set, key: str, dtensor: type[DTensor]) -> None:
     """The tensors to stage, in a fixed order, each once (tied tensors share one buffer)."""
     if isinstance(obj, dtensor):
         obj = obj._local_tensor  # to_local() may return a new view each call
@@ -163,7 +176,7 @@ def _collect(obj: Any, out: list, seen: set, key: str, dtensor: type) -> None:
             _collect(v, out, seen, f"{key}.{i}" if key else str(i), dtensor)
 
 
-def _rebuild(obj: Any, staged: dict, memo: dict, handed: list, dtensor: type) -> Any:
+def _rebuild(obj: Any, staged: dict, memo: dict, handed: list, dtensor: type[DTensor]) -> Any:
     """``obj`` with every tensor replaced by a new tensor object over its staged buffer."""
     if id(obj) in memo:
         return memo[id(obj)]

@@ -26,8 +26,9 @@ from safepoint.errors import AlreadyExistsError, InvalidArgumentError, StorageEr
 FORMAT_VERSION = 1
 _DCP_VERSION = "1.0.0"  # DCP's own metadata version, as FileSystemWriter records it
 
-# dtypes safepoint's image format stores natively; others are stored as their raw bytes (uint8).
-_NATIVE = set(_DTYPES.values())
+# dtypes safepoint's image format stores natively (_core.DTYPES, as torch dtypes); the others
+# torch has (complex32, sub-byte and bit types) are stored as their raw bytes (uint8).
+_NATIVE = frozenset(_DTYPES.values())
 
 
 # -- paths and steps ---------------------------------------------------------------------------
@@ -109,7 +110,7 @@ class Writer(StorageWriter):
     or that holds images of an earlier unfinished save, is refused: use a new step.
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", step: Optional[int] = None, *,
+    def __init__(self, path: str | os.PathLike[str], step: Optional[int] = None, *,
                  job: str = "") -> None:
         super().__init__()
         self.path = _fspath(path, "checkpoint path")
@@ -121,7 +122,7 @@ class Writer(StorageWriter):
         self.use_collectives = True
 
     # -- the DCP protocol ------------------------------------------------------------------------
-    def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             path, step = _split_checkpoint_id(checkpoint_id)
             self.path = path
@@ -133,10 +134,7 @@ class Writer(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", 0 if is_coordinator else None)
         self.use_collectives = kwargs.get("use_collectives", True)
-        if self.step is None:
-            raise InvalidArgumentError(
-                f"{self.path}: no step to save: pass safepoint.dcp.Writer(path, step=N) or "
-                f"dcp.save(..., checkpoint_id='{self.path}/step-N')")
+        self._step_to_save()
         if not self.use_collectives and self.rank not in (None, 0):
             raise InvalidArgumentError(
                 f"{self.path}: safepoint.dcp.Writer needs dcp.save(use_collectives=True) with "
@@ -203,7 +201,7 @@ class Writer(StorageWriter):
                 if key in tensors:
                     raise InvalidArgumentError(f"{self.checkpoint_id}: two chunks keyed {key!r}")
                 raw_bytes = t.dtype not in _NATIVE
-                if raw_bytes:  # complex, uint16, ...: stored as their bytes
+                if raw_bytes:  # complex32, ...: stored as their bytes
                     t = t.cpu().contiguous().reshape(-1).view(torch.uint8)
                 tensors[key] = t
                 items[key] = {
@@ -228,7 +226,7 @@ class Writer(StorageWriter):
             "save_id": self.save_id,
         }
         state = {"tensors": tensors, "bytes": blobs, "dcp": meta}
-        _core.save(self.path, self.step, info.rank, info.world_size, self.job, state,
+        _core.save(self.path, self._step_to_save(), info.rank, info.world_size, self.job, state,
                    pickler(False), info.attempt)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -240,9 +238,10 @@ class Writer(StorageWriter):
         metadata.version = _DCP_VERSION
         metadata.storage_meta = self.storage_meta()
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
-        if self.step in _core.steps(self.path):
+        step = self._step_to_save()
+        if step in _core.steps(self.path):
             return
-        present = _core.image_ranks(self.path, self.step)
+        present = _core.image_ranks(self.path, step)
         raise StorageError(
             f"{self.checkpoint_id}: every rank reported its image written but the step is not "
             f"committed (images of ranks {present or 'none'} present); see the ranks' errors")
@@ -255,22 +254,30 @@ class Writer(StorageWriter):
         return _checkpoint_id(self.path, self.step)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
             return _split_checkpoint_id(checkpoint_id)[1] is not None
         except InvalidArgumentError:
             return False
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _step_to_save(self) -> int:
+        if self.step is None:
+            raise InvalidArgumentError(
+                f"{self.path}: no step to save: pass safepoint.dcp.Writer(path, step=N) or "
+                f"dcp.save(..., checkpoint_id='{self.path}/step-N')")
+        return self.step
+
     def _refuse_existing(self) -> None:
-        if self.step in _core.steps(self.path):
+        step = self._step_to_save()
+        if step in _core.steps(self.path):
             raise AlreadyExistsError(
-                f"{self.path}: step {self.step} is already committed; save DCP checkpoints to a "
+                f"{self.path}: step {step} is already committed; save DCP checkpoints to a "
                 f"new step (re-writing a committed step is not atomic across ranks)")
         # Any storage: the attempt keeps such images out of this save's commit, but a step whose
         # images are half old and half new until every rank wrote would be a trap to debug.
-        left = _core.image_ranks(self.path, self.step)
+        left = _core.image_ranks(self.path, step)
         if left:
             raise AlreadyExistsError(
                 f"{self.checkpoint_id}: images of an earlier, unfinished save of step "
-                f"{self.step} are there (ranks {left}). Save to a new step, or remove them")
+                f"{step} are there (ranks {left}). Save to a new step, or remove them")

@@ -1,6 +1,7 @@
 // FaultyStorage: a Storage decorator for tests that injects the failures real storage has,
 // including what a power cut loses (like RocksDB's FaultInjectionTestFS). Test-only: it lives
-// in src/, outside the public headers, and nothing in the library or the binaries makes one.
+// in src/, outside the public headers, and is built into safepoint_testing, the library that
+// only the tests link (never into safepoint_core, the binaries or the Python module).
 //
 // Faults. Arm(FaultSpec) makes operations of one kind (FaultOp) misbehave: the nth one counted
 // from arming (and, when sticky, every later one), or, with one_in = N, each one with

@@ -76,6 +76,7 @@ namespace {
 
 using internal::PosixPublishSync;
 using internal::PosixPublishSyncHook;
+using internal::UniqueDir;
 using internal::UniqueFd;
 using SyncHook = std::shared_ptr<const PosixPublishSyncHook>;  // null: none (always, but in tests)
 
@@ -762,14 +763,13 @@ class PosixStorage final : public Storage {
                        const FileVisitor& visit) const {
     const std::string dir_path =
         Describe(std::string_view(rel_dir).substr(0, rel_dir.empty() ? 0 : rel_dir.size() - 1));
-    DIR* dir = ::fdopendir(fd.get());
-    if (dir == nullptr) return ErrnoStatus("opendir", dir_path, errno);
-    fd.Release();  // now owned by `dir`
-    std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, &::closedir);
-    const int dfd = ::dirfd(dir);
+    UniqueDir dir(::fdopendir(fd.get()));
+    if (!dir) return ErrnoStatus("opendir", dir_path, errno);  // `fd` still closes it
+    // The stream owns the descriptor now (closedir closes it); `dfd` stays valid while it is open.
+    const int dfd = fd.Release();
     while (true) {
       errno = 0;
-      const struct dirent* entry = ::readdir(dir);
+      const struct dirent* entry = ::readdir(dir.get());
       if (entry == nullptr) {
         if (errno != 0) return ErrnoStatus("readdir", dir_path, errno);
         break;
