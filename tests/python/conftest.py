@@ -107,3 +107,27 @@ def run_ranks(argvs: list, timeout: float = 240) -> list:
         assert p.returncode == 0, f"rank failed:\n{out}\n{err[-3000:]}"
         outs.append(json.loads(out.strip().splitlines()[-1]))
     return outs
+
+
+@pytest.fixture
+def cluster():
+    """Makes multi-node clusters (tests/common/nodes.py): `cluster(n, shm_size=...)` returns a
+    started Cluster, closed after the test (also when it fails), which must leave no network
+    namespace or link behind. Skips when this machine cannot make nodes (not root, no netns)."""
+    import nodes
+
+    reason = nodes.unavailable()
+    if reason:
+        pytest.skip(reason)
+    made = []
+
+    def make(n: int, **kw):
+        c = nodes.Cluster(n, **kw).__enter__()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+    for c in made:
+        assert c.leftovers() == [], f"cluster {c.k} left {c.leftovers()}"
