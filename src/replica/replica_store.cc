@@ -12,6 +12,7 @@
 //     64  8  image bytes     72  8  piece bytes
 //     80  8  payload bytes
 //     88  64 source node (zero-padded)
+//     152 8  attempt (the image's save attempt)
 //     ... zero ...
 //     4092 4 CRC32C of bytes [0, 4092)
 //   [4096, 4096 + payload bytes)  payload
@@ -146,6 +147,7 @@ void EncodeHeader(const ReplicaMeta& m, std::byte* h) {
   StoreLE<uint64_t>(h + 72, m.piece_bytes);
   StoreLE<uint64_t>(h + 80, m.payload_bytes);
   std::memcpy(h + 88, m.source_node.data(), m.source_node.size());
+  StoreLE<uint64_t>(h + 152, m.attempt);
   StoreLE<uint32_t>(h + kHeaderCrcOffset, Crc32c(0, h, kHeaderCrcOffset));
 }
 
@@ -175,16 +177,19 @@ Result<ReplicaMeta> DecodeHeader(const std::byte* h) {
     return Corruption("source node length " + std::to_string(source_len));
   }
   m.source_node.assign(reinterpret_cast<const char*>(h + 88), source_len);
+  m.attempt = LoadLE<uint64_t>(h + 152);
   Status s = ValidateMeta(m);
   if (!s.ok()) return Corruption(s.message());
   return m;
 }
 
 bool SameMeta(const ReplicaMeta& a, const ReplicaMeta& b) {
-  return std::tie(a.source_node, a.rank, a.step, a.complete_ns, a.image_bytes, a.image_crc, a.kind,
-                  a.index, a.k, a.p, a.piece_bytes, a.payload_bytes, a.payload_crc) ==
-         std::tie(b.source_node, b.rank, b.step, b.complete_ns, b.image_bytes, b.image_crc, b.kind,
-                  b.index, b.k, b.p, b.piece_bytes, b.payload_bytes, b.payload_crc);
+  return std::tie(a.source_node, a.rank, a.step, a.complete_ns, a.attempt, a.image_bytes,
+                  a.image_crc, a.kind, a.index, a.k, a.p, a.piece_bytes, a.payload_bytes,
+                  a.payload_crc) == std::tie(b.source_node, b.rank, b.step, b.complete_ns,
+                                             b.attempt, b.image_bytes, b.image_crc, b.kind, b.index,
+                                             b.k, b.p, b.piece_bytes, b.payload_bytes,
+                                             b.payload_crc);
 }
 
 // Reads and checks the header of the open file `fd` at `path` named `name`: its CRC, that the

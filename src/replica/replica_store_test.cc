@@ -36,6 +36,7 @@ ReplicaMeta CopyMeta(const std::string& source, uint32_t rank, uint64_t step, ui
   m.rank = rank;
   m.step = step;
   m.complete_ns = complete_ns;
+  m.attempt = complete_ns * 3 + 1;  // any value: it must survive the round trip
   m.image_bytes = payload.size();
   m.image_crc = Crc32c(payload);
   m.kind = ReplicaMeta::Kind::kCopy;
@@ -70,10 +71,10 @@ void FlipByte(const std::string& path, uint64_t offset) {
 
 bool Same(const ReplicaMeta& a, const ReplicaMeta& b) {
   return a.source_node == b.source_node && a.rank == b.rank && a.step == b.step &&
-         a.complete_ns == b.complete_ns && a.image_bytes == b.image_bytes &&
-         a.image_crc == b.image_crc && a.kind == b.kind && a.index == b.index && a.k == b.k &&
-         a.p == b.p && a.piece_bytes == b.piece_bytes && a.payload_bytes == b.payload_bytes &&
-         a.payload_crc == b.payload_crc;
+         a.complete_ns == b.complete_ns && a.attempt == b.attempt &&
+         a.image_bytes == b.image_bytes && a.image_crc == b.image_crc && a.kind == b.kind &&
+         a.index == b.index && a.k == b.k && a.p == b.p && a.piece_bytes == b.piece_bytes &&
+         a.payload_bytes == b.payload_bytes && a.payload_crc == b.payload_crc;
 }
 
 class ReplicaStoreTest : public ::testing::Test {
