@@ -1,0 +1,355 @@
+// PeerService end to end: services in one process on 127.0.0.1, each with its own ReplicaStore in
+// a temporary job directory (a "node").
+#include "replica/peer_service.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
+#include "base/unique_fd.h"
+#include "replica/redundancy.h"
+#include "replica/replica_store.h"
+#include "testing/test_util.h"
+
+namespace safepoint::replica {
+namespace {
+
+constexpr char kSecret[] = "peer-service-test-secret-0123456789";
+
+struct Node {
+  std::string name;
+  test::TempDir dir{"peer-service-test"};
+  std::unique_ptr<ReplicaStore> store;
+  std::unique_ptr<PeerService> svc;
+  Peer peer() const { return {name, svc->address()}; }
+};
+
+class PeerServiceTest : public ::testing::Test {
+ protected:
+  PeerServiceOptions Options(const std::string& name) {
+    PeerServiceOptions o;
+    o.job = "job-1";
+    o.node = name;
+    o.bind_host = "127.0.0.1";
+    o.secret = kSecret;
+    o.timeout_s = 10;  // never reached by a passing test; only the stall tests lower it
+    o.chunk_bytes = 256 << 10;
+    return o;
+  }
+
+  // Starts node `name` (the options after `tweak`).
+  Node* StartNode(const std::string& name,
+                  const std::function<void(PeerServiceOptions&)>& tweak = nullptr) {
+    auto n = std::make_unique<Node>();
+    n->name = name;
+    EXPECT_FALSE(n->dir.path().empty());
+    auto store = ReplicaStore::Open(n->dir.path());
+    EXPECT_TRUE(store.ok()) << store.status().ToString();
+    if (!store.ok()) return nullptr;
+    n->store = std::move(*store);
+    PeerServiceOptions o = Options(name);
+    if (tweak) tweak(o);
+    auto svc = PeerService::Start(o, n->store.get());
+    EXPECT_TRUE(svc.ok()) << svc.status().ToString();
+    if (!svc.ok()) return nullptr;
+    n->svc = std::move(*svc);
+    nodes_.push_back(std::move(n));
+    return nodes_.back().get();
+  }
+
+  static size_t Stored(Node* n) {
+    auto list = n->store->List();
+    EXPECT_TRUE(list.ok()) << list.status().ToString();
+    return list.ok() ? list->size() : 0;
+  }
+
+  std::vector<std::unique_ptr<Node>> nodes_;
+};
+
+const SnapshotId kId{/*rank=*/1, /*step=*/7, /*complete_ns=*/123456};
+
+TEST_F(PeerServiceTest, MirrorPushToTwoThenListAndFetchBitExact) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  Node* c = StartNode("c");
+  ASSERT_TRUE(src && b && c);
+  const std::vector<std::byte> image = test::PatternBytes((3 << 20) + 123, 1);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror:2"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed,
+                       src->svc->Push(kId, image, r, {b->peer(), c->peer()}, nullptr));
+  ASSERT_EQ(pushed.targets.size(), 2u);
+  for (const Status& s : pushed.targets) EXPECT_OK(s);
+  EXPECT_EQ(pushed.bytes_sent, 2 * image.size());
+  EXPECT_EQ(Stored(b), 1u);
+  EXPECT_EQ(Stored(c), 1u);
+  EXPECT_EQ(b->svc->stats().replicas_received, 1u);
+
+  // A fresh node (the replacement) lists and fetches.
+  Node* d = StartNode("d");
+  ASSERT_TRUE(d);
+  std::vector<Status> errors;
+  std::vector<Holding> holdings = d->svc->List({b->peer(), c->peer()}, kId.rank, &errors);
+  ASSERT_EQ(errors.size(), 2u);
+  for (const Status& s : errors) EXPECT_OK(s);
+  ASSERT_EQ(holdings.size(), 2u);
+  for (const Holding& h : holdings) {
+    EXPECT_EQ(h.meta.source_node, "a");
+    EXPECT_EQ(h.meta.step, kId.step);
+    EXPECT_EQ(h.meta.image_bytes, image.size());
+  }
+  EXPECT_TRUE(d->svc->List({b->peer()}, kId.rank + 1).empty());
+  std::vector<std::byte> out(image.size());
+  ASSERT_OK(d->svc->FetchImage(holdings, kId, out));
+  EXPECT_EQ(test::FirstMismatch(out, 1), -1);
+
+  // With one holder gone the other one serves.
+  b->svc.reset();
+  std::fill(out.begin(), out.end(), std::byte{0});
+  ASSERT_OK(d->svc->FetchImage(holdings, kId, out));
+  EXPECT_EQ(test::FirstMismatch(out, 1), -1);
+}
+
+TEST_F(PeerServiceTest, ErasurePushToFourThenFetchWithTwoHoldersStopped) {
+  Node* src = StartNode("s");
+  std::vector<Node*> t;
+  for (int i = 0; i < 4; ++i) t.push_back(StartNode("t" + std::to_string(i)));
+  ASSERT_TRUE(src);
+  for (Node* n : t) ASSERT_TRUE(n);
+  // Not a multiple of the stripe: the last stripe is padded.
+  const std::vector<std::byte> image = test::PatternBytes((5 << 20) + 4321, 2);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("ec:2+2"));
+  std::vector<Peer> targets;
+  for (Node* n : t) targets.push_back(n->peer());
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, targets, nullptr));
+  for (const Status& s : pushed.targets) EXPECT_OK(s);
+  for (Node* n : t) EXPECT_EQ(Stored(n), 1u);
+
+  Node* fresh = StartNode("s2");
+  ASSERT_TRUE(fresh);
+  std::vector<Holding> holdings = fresh->svc->List(targets, kId.rank);
+  ASSERT_EQ(holdings.size(), 4u);
+  for (const Holding& h : holdings) EXPECT_EQ(h.meta.kind, ReplicaMeta::Kind::kFragment);
+
+  // Lose both data fragments' holders: rebuild from the two parity fragments.
+  t[0]->svc.reset();
+  t[1]->svc.reset();
+  std::vector<std::byte> out(image.size());
+  ASSERT_OK(fresh->svc->FetchImage(holdings, kId, out));
+  EXPECT_EQ(test::FirstMismatch(out, 2), -1);
+
+  // A third loss leaves too few fragments.
+  t[2]->svc.reset();
+  Status s = fresh->svc->FetchImage(holdings, kId, out);
+  EXPECT_FALSE(s.ok());
+}
+
+TEST_F(PeerServiceTest, WrongSecretIsRefusedAndNothingStored) {
+  Node* src = StartNode("a", [](PeerServiceOptions& o) { o.secret = "not-the-jobs-secret-000"; });
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 3);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  ASSERT_EQ(pushed.targets.size(), 1u);
+  EXPECT_EQ(pushed.targets[0].code(), StatusCode::kUnavailable);
+  EXPECT_NE(pushed.targets[0].message().find("authentication failed"), std::string::npos)
+      << pushed.targets[0].ToString();
+  EXPECT_NE(pushed.targets[0].message().find("peer b"), std::string::npos);
+  EXPECT_EQ(Stored(b), 0u);
+  std::vector<Status> errors;
+  EXPECT_TRUE(src->svc->List({b->peer()}, std::nullopt, &errors).empty());
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_FALSE(errors[0].ok());
+
+  // The right secret, set later, works; a new secret on the receiver drops the old one.
+  src->svc->SetSecret(kSecret);
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_OK(pushed.targets[0]);
+  EXPECT_EQ(Stored(b), 1u);
+  b->svc->SetSecret("a-new-secret-for-the-job");
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_FALSE(pushed.targets[0].ok());
+}
+
+TEST_F(PeerServiceTest, WrongJobIsRefused) {
+  Node* src = StartNode("a", [](PeerServiceOptions& o) { o.job = "other-job"; });
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  std::vector<Status> errors;
+  EXPECT_TRUE(src->svc->List({b->peer()}, std::nullopt, &errors).empty());
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].message().find("job"), std::string::npos) << errors[0].ToString();
+}
+
+TEST_F(PeerServiceTest, GarbageOnTheListenerPortDoesNotStopTheService) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  const std::string addr = b->svc->address();
+  const uint16_t port = static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+  std::vector<internal::UniqueFd> socks;
+  for (int i = 0; i < 3; ++i) {
+    internal::UniqueFd fd(::socket(AF_INET, SOCK_STREAM, 0));
+    ASSERT_GE(fd.get(), 0);
+    sockaddr_in sin{};
+    sin.sin_family = AF_INET;
+    sin.sin_port = htons(port);
+    sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&sin), sizeof sin), 0);
+    const std::vector<std::byte> garbage = test::PatternBytes(64 << 10, 100 + i);
+    // Short writes are fine: the point is bytes the listener does not expect.
+    ASSERT_GT(::send(fd.get(), garbage.data(), garbage.size(), MSG_NOSIGNAL), 0);
+    socks.push_back(std::move(fd));  // kept open: a client that never goes away
+  }
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 4);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_OK(pushed.targets[0]);
+  EXPECT_EQ(Stored(b), 1u);
+  socks.clear();
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_OK(pushed.targets[0]);
+}
+
+TEST_F(PeerServiceTest, StalledPeerFailsPushAndListWithinTheTimeout) {
+  Node* src = StartNode("a", [](PeerServiceOptions& o) { o.timeout_s = 0.5; });
+  ASSERT_TRUE(src);
+  // A listener that accepts (the kernel completes the handshake) and never answers.
+  internal::UniqueFd lfd(::socket(AF_INET, SOCK_STREAM, 0));
+  ASSERT_GE(lfd.get(), 0);
+  sockaddr_in sin{};
+  sin.sin_family = AF_INET;
+  sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(lfd.get(), reinterpret_cast<sockaddr*>(&sin), sizeof sin), 0);
+  ASSERT_EQ(::listen(lfd.get(), 16), 0);
+  socklen_t len = sizeof sin;
+  ASSERT_EQ(::getsockname(lfd.get(), reinterpret_cast<sockaddr*>(&sin), &len), 0);
+  const Peer stalled{"z", "127.0.0.1:" + std::to_string(ntohs(sin.sin_port))};
+
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 5);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {stalled}, nullptr));
+  ASSERT_EQ(pushed.targets.size(), 1u);
+  EXPECT_EQ(pushed.targets[0].code(), StatusCode::kUnavailable) << pushed.targets[0].ToString();
+  EXPECT_NE(pushed.targets[0].message().find("peer z"), std::string::npos);
+
+  std::vector<Status> errors;
+  EXPECT_TRUE(src->svc->List({stalled}, std::nullopt, &errors).empty());
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].code(), StatusCode::kUnavailable) << errors[0].ToString();
+  EXPECT_NE(errors[0].message().find("peer z"), std::string::npos);
+
+  // The service still works for a good peer afterwards.
+  Node* b = StartNode("b");
+  ASSERT_TRUE(b);
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_OK(pushed.targets[0]);
+}
+
+TEST_F(PeerServiceTest, ReceiverDyingMidTransferFailsThePush) {
+  Node* src = StartNode("a", [](PeerServiceOptions& o) { o.timeout_s = 0.5; });
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(4 << 20, 6);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  // The receiver goes away in the middle of the transfer (still_valid runs between chunks).
+  std::atomic<int> calls{0};
+  auto kill_receiver = [&] {
+    if (++calls == 3) b->svc.reset();
+    return true;
+  };
+  ASSERT_OK_AND_ASSIGN(PushResult pushed,
+                       src->svc->Push(kId, image, r, {b->peer()}, kill_receiver));
+  EXPECT_EQ(pushed.targets[0].code(), StatusCode::kUnavailable) << pushed.targets[0].ToString();
+  EXPECT_EQ(Stored(b), 0u);
+}
+
+TEST_F(PeerServiceTest, StillValidTurningFalseCancelsAndLeavesNoReplica) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  Node* c = StartNode("c");
+  ASSERT_TRUE(src && b && c);
+  const std::vector<std::byte> image = test::PatternBytes(2 << 20, 7);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror:2"));
+  std::atomic<int> calls{0};
+  Result<PushResult> pushed =
+      src->svc->Push(kId, image, r, {b->peer(), c->peer()}, [&] { return ++calls < 4; });
+  EXPECT_EQ(pushed.status().code(), StatusCode::kCancelled) << pushed.status().ToString();
+  EXPECT_EQ(Stored(b), 0u);
+  EXPECT_EQ(Stored(c), 0u);
+
+  // Turning false only at the very end (every chunk sent) still commits nothing.
+  const size_t chunks = image.size() / (256 << 10);
+  calls = 0;
+  pushed = src->svc->Push(kId, image, r, {b->peer(), c->peer()},
+                          [&] { return ++calls <= static_cast<int>(2 * chunks); });
+  EXPECT_EQ(pushed.status().code(), StatusCode::kCancelled) << pushed.status().ToString();
+  EXPECT_EQ(Stored(b), 0u);
+  EXPECT_EQ(Stored(c), 0u);
+}
+
+TEST_F(PeerServiceTest, CorruptedChunkIsRefusedAndNothingCommitted) {
+  Node* src = StartNode("a", [](PeerServiceOptions& o) {
+    o.test_mangle_chunk = [](uint64_t offset, std::span<std::byte> chunk) {
+      if (offset == (256 << 10)) chunk[17] ^= std::byte{1};
+    };
+  });
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 8);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_FALSE(pushed.targets[0].ok());
+  EXPECT_EQ(Stored(b), 0u);
+  EXPECT_GE(b->svc->stats().transfers_failed, 1u);
+}
+
+TEST_F(PeerServiceTest, PausedPushSendsNothingUntilResumed) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 9);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  src->svc->SetPaused(true);
+  std::atomic<bool> done{false};
+  Result<PushResult> pushed = InvalidArgument("not run");
+  std::thread t([&] {
+    pushed = src->svc->Push(kId, image, r, {b->peer()}, nullptr);
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(done);
+  EXPECT_EQ(src->svc->stats().bytes_sent, 0u);
+  src->svc->SetPaused(false);
+  t.join();
+  ASSERT_OK(pushed);
+  EXPECT_OK(pushed->targets[0]);
+  EXPECT_GT(pushed->paused_seconds, 0);
+}
+
+TEST_F(PeerServiceTest, RefusesShortSecretsAndDeclaredImagesOverTheLimit) {
+  test::TempDir dir("peer-service-test");
+  ASSERT_OK_AND_ASSIGN(auto store, ReplicaStore::Open(dir.path()));
+  PeerServiceOptions o = Options("a");
+  o.secret = "short";
+  EXPECT_EQ(PeerService::Start(o, store.get()).status().code(), StatusCode::kInvalidArgument);
+
+  Node* src = StartNode("a");
+  Node* b = StartNode("b", [](PeerServiceOptions& o) { o.max_image_bytes = 1 << 20; });
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes((1 << 20) + 1, 10);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_EQ(pushed.targets[0].code(), StatusCode::kCorruption) << pushed.targets[0].ToString();
+  EXPECT_EQ(Stored(b), 0u);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
