@@ -3,7 +3,8 @@
 // An image of `image_bytes` is cut into stripes of K pieces of `piece_bytes` each (the last stripe
 // zero-padded). Each stripe is encoded into P parity pieces. Fragment f (0 <= f < K+P) is the
 // concatenation of piece f of every stripe: fragments 0..K-1 are data, K..K+P-1 parity, each of
-// fragment_bytes(). Any K distinct fragments rebuild the image exactly. Stripes let a sender
+// fragment_bytes(). Any K distinct fragments rebuild the image exactly. An empty image has no
+// stripes: its fragments are empty and decode to the empty image. Stripes let a sender
 // encode and send as it reads the slot, with memory for one stripe, and a receiver write its
 // fragment sequentially.
 #pragma once
@@ -28,7 +29,8 @@ struct EcLayout {
   uint64_t stripe_bytes() const { return piece_bytes * k; }  // image bytes per stripe
   uint64_t stripes() const;                                  // ceil(image_bytes / stripe_bytes)
   uint64_t fragment_bytes() const { return stripes() * piece_bytes; }
-  // InvalidArgument unless 1 <= k, 1 <= p, k + p <= 32, piece_bytes a positive multiple of 64.
+  // InvalidArgument unless 1 <= k, 1 <= p, k + p <= 32, piece_bytes a positive multiple of 64
+  // (at most 2^40).
   Status Validate() const;
 };
 

@@ -87,7 +87,7 @@ Result<Redundancy> ParseRedundancy(std::string_view spec) {
     if (!ParseUint(rest.substr(0, plus), &r.k) || !ParseUint(rest.substr(plus + 1), &r.p)) {
       return bad();
     }
-    if (r.k < 1 || r.p < 1 || r.k + r.p > 32) return bad();
+    if (r.k < 1 || r.p < 1 || r.k > 32 || r.p > 32 || r.k + r.p > 32) return bad();  // no wrap
     r.kind = Redundancy::Kind::kErasure;
     return r;
   }

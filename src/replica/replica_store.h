@@ -27,12 +27,13 @@ namespace safepoint::replica {
 
 // What a replica file holds.
 struct ReplicaMeta {
-  std::string source_node;     // the node that took the snapshot ([A-Za-z0-9._-]{1,64})
-  uint32_t rank = 0;           // the training rank whose image it is
+  // The node that took the snapshot: [A-Za-z0-9._-]{1,64}, not starting with '.'.
+  std::string source_node;
+  uint32_t rank = 0;  // the training rank whose image it is
   uint64_t step = 0;
-  uint64_t complete_ns = 0;    // when the snapshot completed on its node (orders two of one step)
-  uint64_t image_bytes = 0;    // the whole image
-  uint32_t image_crc = 0;      // CRC32C of the whole image's bytes
+  uint64_t complete_ns = 0;  // when the snapshot completed on its node (orders two of one step)
+  uint64_t image_bytes = 0;  // the whole image
+  uint32_t image_crc = 0;    // CRC32C of the whole image's bytes
   enum class Kind : uint32_t { kCopy = 1, kFragment = 2 };
   Kind kind = Kind::kCopy;
   uint32_t index = 0;          // copy: 0; fragment: its index in [0, k+p)
@@ -45,8 +46,8 @@ struct ReplicaMeta {
 // A replica file being received: write payload_bytes into data(), then Commit().
 class ReplicaWriter {
  public:
-  virtual ~ReplicaWriter() = default;  // an uncommitted file is removed
-  virtual std::span<std::byte> data() = 0;
+  virtual ~ReplicaWriter() = default;       // an uncommitted file is removed
+  virtual std::span<std::byte> data() = 0;  // empty once committed (the file is unmapped)
   // Verifies the payload against meta.payload_crc (Corruption naming the replica otherwise),
   // writes the header and renames the file into place, replacing an equal replica.
   virtual Status Commit() = 0;
@@ -68,16 +69,18 @@ class ReplicaStore {
   // Starts receiving a replica (validates meta: names, sizes, kind/index/k/p consistent).
   virtual Result<std::unique_ptr<ReplicaWriter>> Begin(const ReplicaMeta& meta) = 0;
   // Every committed replica whose header is valid (optionally of one rank), sorted by rank,
-  // step, complete_ns, kind, index. Files with bad headers are skipped and logged.
+  // step, complete_ns, kind, index (then source node). Files with bad headers, a name other
+  // than their header's or a size other than header + payload are skipped and logged.
   virtual Result<std::vector<ReplicaMeta>> List(std::optional<uint32_t> rank = std::nullopt) = 0;
-  // Maps a replica and verifies its payload CRC (Corruption when it does not match).
+  // Maps a replica and verifies its payload CRC (Corruption when it does not match, or when the
+  // file's header is not `meta`; NotFound when there is no such file).
   virtual Result<ReplicaView> Read(const ReplicaMeta& meta) = 0;
   // Keeps, for each (source node, rank), the replicas of the newest `keep` snapshots (by step,
   // then complete_ns); removes the rest. Returns the bytes freed.
   virtual Result<uint64_t> Prune(uint32_t keep) = 0;
   // Removes every replica of a source node (e.g. a node that left the job for good).
   virtual Status RemoveSource(const std::string& source_node) = 0;
-  // Bytes of shared memory the replica files take.
+  // Bytes of shared memory the replica files take (those being received included).
   virtual uint64_t bytes() = 0;
 };
 

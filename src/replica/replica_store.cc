@@ -1,0 +1,496 @@
+// The replica file (little-endian), one per copy or fragment:
+//
+//   [0, 4096)      header
+//     0   8  magic "SPREPL\0\1"
+//     8   4  version (1)
+//     12  4  header bytes (4096)
+//     16  4  rank            20  4  kind (1 copy, 2 fragment)
+//     24  4  index           28  4  k
+//     32  4  p               36  4  image CRC32C
+//     40  4  payload CRC32C  44  4  source node length (1..64)
+//     48  8  step            56  8  complete_ns
+//     64  8  image bytes     72  8  piece bytes
+//     80  8  payload bytes
+//     88  64 source node (zero-padded)
+//     ... zero ...
+//     4092 4 CRC32C of bytes [0, 4092)
+//   [4096, 4096 + payload bytes)  payload
+//
+// Write: open ".tmp-<random>-<name>" (O_EXCL), check free space, fallocate the whole file (so a
+// full tmpfs is an error now, not a SIGBUS when the mapping is written), map it, let the caller
+// fill the payload, verify its CRC, write the header, rename to "<name>". Read: the header's CRC,
+// its fields against the name and the caller's meta, the file size against payload bytes (a
+// mapping past the end of a file would SIGBUS), then the payload's CRC.
+#include "replica/replica_store.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "base/bytes.h"
+#include "base/crc32c.h"
+#include "base/log.h"
+#include "base/random.h"
+#include "base/unique_fd.h"
+#include "replica/erasure.h"
+
+namespace safepoint::replica {
+
+namespace {
+
+using internal::Crc32c;
+using internal::HumanBytes;
+using internal::LoadLE;
+using internal::StoreLE;
+using internal::UniqueDir;
+using internal::UniqueFd;
+
+constexpr uint64_t kHeaderBytes = 4096;
+constexpr char kMagic[8] = {'S', 'P', 'R', 'E', 'P', 'L', '\0', '\1'};
+constexpr uint32_t kVersion = 1;
+constexpr size_t kMaxSourceBytes = 64;
+constexpr size_t kHeaderCrcOffset = kHeaderBytes - 4;
+constexpr std::string_view kTempPrefix = ".tmp-";
+// Larger payloads cannot be a file size (off_t) after the header.
+constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 62;
+
+// [A-Za-z0-9._-]{1,64}, not starting with '.' (so that no replica is taken for a temporary
+// file, and no name is "." or "..").
+Status ValidateSourceNode(std::string_view name) {
+  if (name.empty() || name.size() > kMaxSourceBytes || name[0] == '.' ||
+      !internal::IsJobNameText(name)) {
+    std::string shown(name.substr(0, 80));
+    for (char& c : shown) {
+      if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+    }
+    return InvalidArgument("replica source node '" + shown +
+                           "' is not 1 to 64 characters of [A-Za-z0-9._-] not starting with '.'");
+  }
+  return Status::OK();
+}
+
+std::string FileName(const ReplicaMeta& m) {
+  return m.source_node + ".rank-" + std::to_string(m.rank) + ".step-" + std::to_string(m.step) +
+         "." + std::to_string(m.complete_ns) + "." +
+         (m.kind == ReplicaMeta::Kind::kCopy ? "copy-" : "frag-") + std::to_string(m.index);
+}
+
+// Names, kinds and sizes that fit together (what a peer's meta must satisfy before it costs
+// memory).
+Status ValidateMeta(const ReplicaMeta& m) {
+  SP_RETURN_IF_ERROR(ValidateSourceNode(m.source_node));
+  const std::string what = "replica of node " + m.source_node + " rank " + std::to_string(m.rank) +
+                           " step " + std::to_string(m.step);
+  if (m.payload_bytes > kMaxPayloadBytes) {
+    return InvalidArgument(what + ": payload of " + std::to_string(m.payload_bytes) +
+                           " bytes is too large");
+  }
+  switch (m.kind) {
+    case ReplicaMeta::Kind::kCopy:
+      if (m.index != 0) {
+        return InvalidArgument(what + ": a copy has index 0, not " + std::to_string(m.index));
+      }
+      if (m.payload_bytes != m.image_bytes) {
+        return InvalidArgument(what + ": a copy's payload of " + std::to_string(m.payload_bytes) +
+                               " bytes is not the image's " + std::to_string(m.image_bytes));
+      }
+      return Status::OK();
+    case ReplicaMeta::Kind::kFragment: {
+      EcLayout layout;
+      layout.k = m.k;
+      layout.p = m.p;
+      layout.image_bytes = m.image_bytes;
+      layout.piece_bytes = m.piece_bytes;
+      SP_RETURN_IF_ERROR(layout.Validate().WithContext(what));
+      if (m.index >= m.k + m.p) {
+        return InvalidArgument(what + ": fragment index " + std::to_string(m.index) +
+                               " is not below k+p = " + std::to_string(m.k + m.p));
+      }
+      if (m.payload_bytes != layout.fragment_bytes()) {
+        return InvalidArgument(what + ": a fragment's payload of " +
+                               std::to_string(m.payload_bytes) + " bytes is not the " +
+                               std::to_string(layout.fragment_bytes()) +
+                               " bytes of ec:" + std::to_string(m.k) + "+" + std::to_string(m.p) +
+                               " over " + std::to_string(m.image_bytes) + " image bytes");
+      }
+      return Status::OK();
+    }
+  }
+  return InvalidArgument(what + ": unknown kind " + std::to_string(static_cast<uint32_t>(m.kind)));
+}
+
+void EncodeHeader(const ReplicaMeta& m, std::byte* h) {
+  std::memset(h, 0, kHeaderBytes);
+  std::memcpy(h, kMagic, sizeof(kMagic));
+  StoreLE<uint32_t>(h + 8, kVersion);
+  StoreLE<uint32_t>(h + 12, kHeaderBytes);
+  StoreLE<uint32_t>(h + 16, m.rank);
+  StoreLE<uint32_t>(h + 20, static_cast<uint32_t>(m.kind));
+  StoreLE<uint32_t>(h + 24, m.index);
+  StoreLE<uint32_t>(h + 28, m.k);
+  StoreLE<uint32_t>(h + 32, m.p);
+  StoreLE<uint32_t>(h + 36, m.image_crc);
+  StoreLE<uint32_t>(h + 40, m.payload_crc);
+  StoreLE<uint32_t>(h + 44, static_cast<uint32_t>(m.source_node.size()));
+  StoreLE<uint64_t>(h + 48, m.step);
+  StoreLE<uint64_t>(h + 56, m.complete_ns);
+  StoreLE<uint64_t>(h + 64, m.image_bytes);
+  StoreLE<uint64_t>(h + 72, m.piece_bytes);
+  StoreLE<uint64_t>(h + 80, m.payload_bytes);
+  std::memcpy(h + 88, m.source_node.data(), m.source_node.size());
+  StoreLE<uint32_t>(h + kHeaderCrcOffset, Crc32c(0, h, kHeaderCrcOffset));
+}
+
+// The meta of a header, or the reason it is not one.
+Result<ReplicaMeta> DecodeHeader(const std::byte* h) {
+  if (std::memcmp(h, kMagic, sizeof(kMagic)) != 0) return Corruption("not a replica file (magic)");
+  const uint32_t crc = LoadLE<uint32_t>(h + kHeaderCrcOffset);
+  if (crc != Crc32c(0, h, kHeaderCrcOffset)) return Corruption("header CRC32C mismatch");
+  if (LoadLE<uint32_t>(h + 8) != kVersion || LoadLE<uint32_t>(h + 12) != kHeaderBytes) {
+    return Corruption("unknown replica file version " + std::to_string(LoadLE<uint32_t>(h + 8)));
+  }
+  ReplicaMeta m;
+  m.rank = LoadLE<uint32_t>(h + 16);
+  m.kind = static_cast<ReplicaMeta::Kind>(LoadLE<uint32_t>(h + 20));
+  m.index = LoadLE<uint32_t>(h + 24);
+  m.k = LoadLE<uint32_t>(h + 28);
+  m.p = LoadLE<uint32_t>(h + 32);
+  m.image_crc = LoadLE<uint32_t>(h + 36);
+  m.payload_crc = LoadLE<uint32_t>(h + 40);
+  const uint32_t source_len = LoadLE<uint32_t>(h + 44);
+  m.step = LoadLE<uint64_t>(h + 48);
+  m.complete_ns = LoadLE<uint64_t>(h + 56);
+  m.image_bytes = LoadLE<uint64_t>(h + 64);
+  m.piece_bytes = LoadLE<uint64_t>(h + 72);
+  m.payload_bytes = LoadLE<uint64_t>(h + 80);
+  if (source_len == 0 || source_len > kMaxSourceBytes) {
+    return Corruption("source node length " + std::to_string(source_len));
+  }
+  m.source_node.assign(reinterpret_cast<const char*>(h + 88), source_len);
+  Status s = ValidateMeta(m);
+  if (!s.ok()) return Corruption(s.message());
+  return m;
+}
+
+bool SameMeta(const ReplicaMeta& a, const ReplicaMeta& b) {
+  return std::tie(a.source_node, a.rank, a.step, a.complete_ns, a.image_bytes, a.image_crc, a.kind,
+                  a.index, a.k, a.p, a.piece_bytes, a.payload_bytes, a.payload_crc) ==
+         std::tie(b.source_node, b.rank, b.step, b.complete_ns, b.image_bytes, b.image_crc, b.kind,
+                  b.index, b.k, b.p, b.piece_bytes, b.payload_bytes, b.payload_crc);
+}
+
+// Reads and checks the header of the open file `fd` at `path` named `name`: its CRC, that the
+// name is the one its meta gives, and that the file holds exactly its payload.
+Result<ReplicaMeta> ReadHeader(int fd, const std::string& path, const std::string& name) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus("stat", path, errno);
+  if (!S_ISREG(st.st_mode)) return Corruption(path + ": not a regular file");
+  std::vector<std::byte> h(kHeaderBytes);
+  const ssize_t n = ::pread(fd, h.data(), h.size(), 0);
+  if (n < 0) return ErrnoStatus("read", path, errno);
+  if (static_cast<uint64_t>(n) < kHeaderBytes) {
+    return Corruption(path + ": " + std::to_string(n) + " bytes, shorter than a replica header");
+  }
+  auto meta = DecodeHeader(h.data());
+  if (!meta.ok()) return meta.status().WithContext(path);
+  if (FileName(*meta) != name) {
+    return Corruption(path + ": the header describes " + FileName(*meta));
+  }
+  if (static_cast<uint64_t>(st.st_size) != kHeaderBytes + meta->payload_bytes) {
+    return Corruption(path + ": " + std::to_string(st.st_size) + " bytes, the header says " +
+                      std::to_string(kHeaderBytes + meta->payload_bytes));
+  }
+  return meta;
+}
+
+class Mapping {
+ public:
+  Mapping(void* p, size_t n) : p_(p), n_(n) {}
+  ~Mapping() {
+    if (p_ != nullptr) ::munmap(p_, n_);
+  }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  std::byte* data() const { return static_cast<std::byte*>(p_); }
+
+ private:
+  void* p_;
+  size_t n_;
+};
+
+class PosixReplicaWriter final : public ReplicaWriter {
+ public:
+  PosixReplicaWriter(ReplicaMeta meta, std::string tmp, std::string path, UniqueFd fd,
+                     std::unique_ptr<Mapping> map)
+      : meta_(std::move(meta)),
+        tmp_(std::move(tmp)),
+        path_(std::move(path)),
+        fd_(std::move(fd)),
+        map_(std::move(map)) {}
+  ~PosixReplicaWriter() override {
+    map_.reset();
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+
+  std::span<std::byte> data() override {
+    if (map_ == nullptr) return {};
+    return {map_->data() + kHeaderBytes, static_cast<size_t>(meta_.payload_bytes)};
+  }
+
+  Status Commit() override {
+    if (committed_) return InvalidArgument(path_ + ": replica already committed");
+    const uint32_t crc = Crc32c(data());
+    if (crc != meta_.payload_crc) {
+      return Corruption(path_ + ": received payload of " + std::to_string(meta_.payload_bytes) +
+                        " bytes has CRC32C " + std::to_string(crc) + ", the sender's is " +
+                        std::to_string(meta_.payload_crc));
+    }
+    EncodeHeader(meta_, map_->data());
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) return ErrnoStatus("rename", tmp_, errno);
+    committed_ = true;
+    // Done with the file: a writer kept around must not keep its pages alive after a Prune.
+    map_.reset();
+    fd_.Reset();
+    return Status::OK();
+  }
+
+ private:
+  ReplicaMeta meta_;
+  std::string tmp_, path_;
+  UniqueFd fd_;
+  std::unique_ptr<Mapping> map_;
+  bool committed_ = false;
+};
+
+class PosixReplicaStore final : public ReplicaStore {
+ public:
+  explicit PosixReplicaStore(std::string dir) : dir_(std::move(dir)) {}
+
+  Status RemoveTemporaries() {
+    SP_ASSIGN_OR_RETURN(std::vector<std::string> names, Names());
+    for (const std::string& name : names) {
+      if (!name.starts_with(kTempPrefix)) continue;
+      const std::string path = dir_ + "/" + name;
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("unlink", path, errno);
+      spdlog::info("{}: removed an unfinished replica of an earlier agent", path);
+    }
+    return Status::OK();
+  }
+
+  Result<std::unique_ptr<ReplicaWriter>> Begin(const ReplicaMeta& meta) override {
+    SP_RETURN_IF_ERROR(ValidateMeta(meta));
+    const std::string name = FileName(meta);
+    const std::string path = dir_ + "/" + name;
+    const uint64_t size = kHeaderBytes + meta.payload_bytes;
+    auto no_room = [&](uint64_t free_bytes) {
+      return ResourceExhausted(dir_ + ": replica " + name + " needs " + std::to_string(size) +
+                               " bytes (" + HumanBytes(size) + ") of shared memory, " +
+                               std::to_string(free_bytes) + " bytes (" + HumanBytes(free_bytes) +
+                               ") are free");
+    };
+    auto free_bytes = [&]() -> uint64_t {
+      struct statvfs vfs;
+      if (::statvfs(dir_.c_str(), &vfs) != 0) return 0;
+      return static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    };
+    if (const uint64_t f = free_bytes(); f < size) return no_room(f);
+    const std::string tmp =
+        dir_ + "/" + std::string(kTempPrefix) + internal::RandomHex16() + "-" + name;
+    UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!fd) return ErrnoStatus("create", tmp, errno);
+    auto fail = [&](Status s) {
+      ::unlink(tmp.c_str());
+      return s;
+    };
+    if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(size)) != 0) {
+      const int err = errno;
+      if (err == ENOSPC || err == EDQUOT || err == EFBIG) return fail(no_room(free_bytes()));
+      if (err != EOPNOTSUPP) return fail(ErrnoStatus("fallocate", tmp, err));
+      // A file system without fallocate (not tmpfs): reserve nothing, size the file.
+      if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
+        return fail(ErrnoStatus("ftruncate", tmp, errno));
+      }
+    }
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    if (p == MAP_FAILED) return fail(ErrnoStatus("mmap", tmp, errno));
+    return std::unique_ptr<ReplicaWriter>(
+        new PosixReplicaWriter(meta, tmp, path, std::move(fd), std::make_unique<Mapping>(p, size)));
+  }
+
+  Result<std::vector<ReplicaMeta>> List(std::optional<uint32_t> rank) override {
+    SP_ASSIGN_OR_RETURN(std::vector<Entry> entries, Entries());
+    std::vector<ReplicaMeta> out;
+    for (Entry& e : entries) {
+      if (!rank || e.meta.rank == *rank) out.push_back(std::move(e.meta));
+    }
+    std::sort(out.begin(), out.end(), [](const ReplicaMeta& a, const ReplicaMeta& b) {
+      return std::tie(a.rank, a.step, a.complete_ns, a.kind, a.index, a.source_node) <
+             std::tie(b.rank, b.step, b.complete_ns, b.kind, b.index, b.source_node);
+    });
+    return out;
+  }
+
+  Result<ReplicaView> Read(const ReplicaMeta& meta) override {
+    SP_RETURN_IF_ERROR(ValidateSourceNode(meta.source_node));
+    const std::string name = FileName(meta);
+    const std::string path = dir_ + "/" + name;
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+    if (!fd) return ErrnoStatus("open", path, errno);
+    SP_ASSIGN_OR_RETURN(ReplicaMeta found, ReadHeader(fd.get(), path, name));
+    if (!SameMeta(found, meta)) {
+      return Corruption(path +
+                        ": the replica's header does not match the meta asked for "
+                        "(payload " +
+                        std::to_string(found.payload_bytes) + " bytes CRC " +
+                        std::to_string(found.payload_crc) + ", asked " +
+                        std::to_string(meta.payload_bytes) + " bytes CRC " +
+                        std::to_string(meta.payload_crc) + ")");
+    }
+    const uint64_t size = kHeaderBytes + found.payload_bytes;
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (p == MAP_FAILED) return ErrnoStatus("mmap", path, errno);
+    auto map = std::make_shared<Mapping>(p, size);
+    ReplicaView view;
+    view.payload = {map->data() + kHeaderBytes, static_cast<size_t>(found.payload_bytes)};
+    const uint32_t crc = Crc32c(view.payload);
+    if (crc != found.payload_crc) {
+      return Corruption(path + ": payload CRC32C " + std::to_string(crc) + ", the header says " +
+                        std::to_string(found.payload_crc));
+    }
+    view.meta = std::move(found);
+    view.mapping = std::move(map);
+    return view;
+  }
+
+  Result<uint64_t> Prune(uint32_t keep) override {
+    std::lock_guard lock(mu_);
+    SP_ASSIGN_OR_RETURN(std::vector<Entry> entries, Entries());
+    // The snapshots (step, complete_ns) of each (source, rank), newest first.
+    using Snapshot = std::pair<uint64_t, uint64_t>;
+    std::map<std::pair<std::string, uint32_t>, std::vector<Snapshot>> snapshots;
+    for (const Entry& e : entries) {
+      snapshots[{e.meta.source_node, e.meta.rank}].emplace_back(e.meta.step, e.meta.complete_ns);
+    }
+    for (auto& [key, list] : snapshots) {
+      std::sort(list.begin(), list.end(), std::greater<>());
+      list.erase(std::unique(list.begin(), list.end()), list.end());
+      if (list.size() > keep) list.resize(keep);
+    }
+    uint64_t freed = 0;
+    for (const Entry& e : entries) {
+      const auto& kept = snapshots[{e.meta.source_node, e.meta.rank}];
+      if (std::find(kept.begin(), kept.end(), Snapshot(e.meta.step, e.meta.complete_ns)) !=
+          kept.end()) {
+        continue;
+      }
+      SP_RETURN_IF_ERROR(Remove(e, &freed));
+    }
+    return freed;
+  }
+
+  Status RemoveSource(const std::string& source_node) override {
+    SP_RETURN_IF_ERROR(ValidateSourceNode(source_node));
+    std::lock_guard lock(mu_);
+    SP_ASSIGN_OR_RETURN(std::vector<Entry> entries, Entries());
+    uint64_t freed = 0;
+    for (const Entry& e : entries) {
+      if (e.meta.source_node == source_node) SP_RETURN_IF_ERROR(Remove(e, &freed));
+    }
+    return Status::OK();
+  }
+
+  uint64_t bytes() override {
+    auto names = Names();
+    if (!names.ok()) return 0;
+    uint64_t total = 0;
+    for (const std::string& name : *names) {
+      struct stat st;
+      const std::string path = dir_ + "/" + name;
+      if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+        total += static_cast<uint64_t>(st.st_blocks) * 512;
+      }
+    }
+    return total;
+  }
+
+ private:
+  struct Entry {
+    ReplicaMeta meta;
+    std::string path;
+    uint64_t size = 0;
+  };
+
+  // Every name in the directory but "." and "..".
+  Result<std::vector<std::string>> Names() {
+    UniqueDir d(::opendir(dir_.c_str()));
+    if (!d) return ErrnoStatus("opendir", dir_, errno);
+    std::vector<std::string> out;
+    errno = 0;
+    while (const dirent* e = ::readdir(d.get())) {
+      const std::string_view name = e->d_name;
+      if (name != "." && name != "..") out.emplace_back(name);
+      errno = 0;
+    }
+    if (errno != 0) return ErrnoStatus("readdir", dir_, errno);
+    return out;
+  }
+
+  // Every committed replica with a valid header; the others are logged.
+  Result<std::vector<Entry>> Entries() {
+    SP_ASSIGN_OR_RETURN(std::vector<std::string> names, Names());
+    std::vector<Entry> out;
+    for (const std::string& name : names) {
+      if (name.starts_with(kTempPrefix)) continue;
+      const std::string path = dir_ + "/" + name;
+      UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+      if (!fd) {
+        if (errno == ENOENT) continue;  // removed meanwhile
+        spdlog::warn("{}: skipped: {}", path, ErrnoStatus("open", path, errno).ToString());
+        continue;
+      }
+      auto meta = ReadHeader(fd.get(), path, name);
+      if (!meta.ok()) {
+        spdlog::warn("skipped a replica file that is not valid: {}", meta.status().ToString());
+        continue;
+      }
+      out.push_back({std::move(*meta), path, 0});
+      out.back().size = kHeaderBytes + out.back().meta.payload_bytes;
+    }
+    return out;
+  }
+
+  Status Remove(const Entry& e, uint64_t* freed) {
+    if (::unlink(e.path.c_str()) != 0) {
+      if (errno == ENOENT) return Status::OK();
+      return ErrnoStatus("unlink", e.path, errno);
+    }
+    *freed += e.size;
+    return Status::OK();
+  }
+
+  const std::string dir_;
+  std::mutex mu_;  // Prune and RemoveSource, one at a time
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ReplicaStore>> ReplicaStore::Open(const std::string& job_dir) {
+  const std::string dir = job_dir + "/replicas";
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", dir, errno);
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) return ErrnoStatus("stat", dir, errno);
+  if (!S_ISDIR(st.st_mode)) return InvalidArgument(dir + ": not a directory");
+  auto store = std::make_unique<PosixReplicaStore>(dir);
+  SP_RETURN_IF_ERROR(store->RemoveTemporaries());
+  return std::unique_ptr<ReplicaStore>(std::move(store));
+}
+
+}  // namespace safepoint::replica
