@@ -49,9 +49,9 @@ constexpr uint16_t kAmId = 17;
 constexpr size_t kSendWindow = 4;        // chunks in flight per connection
 constexpr size_t kMaxServerConns = 256;  // accepted connections at once
 constexpr size_t kMaxListed = 4096;      // replicas in one list reply
-// Transports that need both peers on one host; peers are other hosts (and in tests other network
-// namespaces, which shared memory would cross). $UCX_TLS overrides.
-constexpr const char* kDefaultTls = "^posix,sysv,cma,knem,xpmem";
+// No shared-memory transport ("sm": posix, sysv, cma, knem, xpmem): peers are other hosts (in
+// tests, other network namespaces, which shared memory would cross). $UCX_TLS overrides.
+constexpr const char* kDefaultTls = "^sm";
 
 std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
 
@@ -341,10 +341,12 @@ ucs_status_t AmCb(void* arg, const void* header, size_t header_length, void* dat
 void SendCb(void* request, ucs_status_t status, void* user_data) {
   auto* ctx = static_cast<SendCtx*>(user_data);
   ctx->svc->OnSendDone(ctx, status);
+  ucp_request_free(request);
 }
 void RecvCb(void* request, ucs_status_t status, size_t length, void* user_data) {
   auto* ctx = static_cast<RecvCtx*>(user_data);
   ctx->svc->OnRecvDone(ctx, status);
+  ucp_request_free(request);
 }
 
 // ---- Start and stop ----
@@ -542,9 +544,7 @@ void PeerServiceImpl::SendNow(const ConnPtr& c, const WireHeader& h, std::string
     OnSendDone(ctx, UCS_OK);
   } else if (UCS_PTR_IS_ERR(r)) {
     OnSendDone(ctx, UCS_PTR_STATUS(r));
-  } else {
-    ucp_request_free(r);  // the callback still runs on completion
-  }
+  }  // else the callback frees the request (freeing it now would cancel the callback)
 }
 
 void PeerServiceImpl::SendControlNow(const ConnPtr& c, MsgType type, const json& body) {
@@ -553,7 +553,8 @@ void PeerServiceImpl::SendControlNow(const ConnPtr& c, MsgType type, const json&
     Lock lk(mu_);
     ++c->outstanding;
   }
-  SendNow(c, ControlHeader(type, text.size()), std::move(text), nullptr, 0, nullptr);
+  const WireHeader h = ControlHeader(type, text.size());
+  SendNow(c, h, std::move(text), nullptr, 0, nullptr);
 }
 
 void PeerServiceImpl::OnSendDone(SendCtx* ctx, ucs_status_t status) {
@@ -903,9 +904,7 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
     OnRecvDone(ctx, UCS_OK);
   } else if (UCS_PTR_IS_ERR(r)) {
     OnRecvDone(ctx, UCS_PTR_STATUS(r));
-  } else {
-    ucp_request_free(r);
-  }
+  }  // else the callback frees the request
 }
 
 void PeerServiceImpl::OnRecvDone(RecvCtx* ctx, ucs_status_t status) {
@@ -998,7 +997,8 @@ Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer) {
                             {"node", options_.node},
                             {"nonce", ToHex(client_nonce.data(), kNonceBytes)}}
                            .dump();
-    SendNow(c, ControlHeader(MsgType::kHello, text.size()), std::move(text), nullptr, 0, nullptr);
+    const WireHeader h = ControlHeader(MsgType::kHello, text.size());
+    SendNow(c, h, std::move(text), nullptr, 0, nullptr);
   });
   auto fail = [&](Status s) -> Result<ConnPtr> {
     Close(c);
@@ -1037,7 +1037,8 @@ void PeerServiceImpl::SendControl(const ConnPtr& c, MsgType type, json body) {
   }
   Submit([this, c, type, body = std::move(body)] {
     std::string text = body.dump();
-    SendNow(c, ControlHeader(type, text.size()), std::move(text), nullptr, 0, nullptr);
+    const WireHeader h = ControlHeader(type, text.size());
+    SendNow(c, h, std::move(text), nullptr, 0, nullptr);
   });
 }
 
