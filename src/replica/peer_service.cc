@@ -46,9 +46,10 @@ using Clock = std::chrono::steady_clock;
 using internal::Crc32c;
 
 constexpr uint16_t kAmId = 17;
-constexpr size_t kSendWindow = 4;        // chunks in flight per connection
-constexpr size_t kMaxServerConns = 256;  // accepted connections at once
-constexpr size_t kMaxListed = 4096;      // replicas in one list reply
+constexpr size_t kSendWindow = 4;                     // chunks in flight per connection
+constexpr size_t kMaxServerConns = 256;               // accepted connections at once
+constexpr size_t kMaxListed = 4096;                   // replicas in one list reply
+constexpr auto kDropGrace = std::chrono::seconds(1);  // for the error message of a dropped peer
 // No shared-memory transport ("sm": posix, sysv, cma, knem, xpmem): peers are other hosts (in
 // tests, other network namespaces, which shared memory would cross). $UCX_TLS overrides.
 constexpr const char* kDefaultTls = "^sm";
@@ -157,6 +158,10 @@ struct Conn {
   std::string name;  // "peer <node> (<address>)" for messages
   ucp_ep_h ep = nullptr;
   bool closing = false, closed = false;
+  // Dropped: nothing more is accepted; closed once the error message to the peer has left (or
+  // after kDropGrace).
+  bool dropping = false;
+  Clock::time_point dropped_at;
   Status error;
   Clock::time_point last_progress = Clock::now();
   size_t outstanding = 0;     // sends in flight
@@ -192,6 +197,9 @@ struct SendCtx {
   WireHeader header;
   std::string body;
   std::shared_ptr<const void> keep;  // keeps the chunk's bytes alive
+  bool close_after = false;          // the error of a Drop: close the connection once it left
+  const void* data = nullptr;
+  size_t len = 0;
 };
 
 struct RecvCtx {
@@ -262,6 +270,7 @@ class PeerServiceImpl final : public PeerService {
   void ReapCloses();
   void SendNow(const ConnPtr& c, const WireHeader& h, std::string body, const void* data,
                size_t len, std::shared_ptr<const void> keep);
+  void SendCtxNow(SendCtx* ctx);
   void SendControlNow(const ConnPtr& c, MsgType type, const json& body);
   void CloseNow(const ConnPtr& c, const Status& why);
   void Drop(const ConnPtr& c, const Status& why, bool tell_peer);
@@ -509,8 +518,14 @@ void PeerServiceImpl::CheckIdle() {
   Lock lk(mu_);
   std::vector<ConnPtr> idle;
   const auto now = Clock::now();
-  for (auto& [ep, c] : eps_)
-    if (!c->client && now - c->last_progress > timeout()) idle.push_back(c);
+  std::vector<ConnPtr> late;
+  for (auto& [ep, c] : eps_) {
+    if (c->dropping && now - c->dropped_at > kDropGrace)
+      late.push_back(c);
+    else if (!c->client && !c->dropping && now - c->last_progress > timeout())
+      idle.push_back(c);
+  }
+  for (auto& c : late) CloseNow(c, c->error);
   for (auto& c : idle) {
     if (c->writer) ++transfers_failed_;
     Drop(c, Unavailable(c->name + ": no progress for " + Seconds(options_.timeout_s) + " s"),
@@ -520,17 +535,26 @@ void PeerServiceImpl::CheckIdle() {
 
 void PeerServiceImpl::SendNow(const ConnPtr& c, const WireHeader& h, std::string body,
                               const void* data, size_t len, std::shared_ptr<const void> keep) {
-  Lock lk(mu_);
   auto* ctx = new SendCtx{this, c, h, std::move(body), std::move(keep)};
-  if (c->ep == nullptr || c->closing) {
+  if (static_cast<MsgType>(h.type) == MsgType::kChunk) {
+    ctx->data = data;
+    ctx->len = len;
+  }
+  SendCtxNow(ctx);
+}
+
+void PeerServiceImpl::SendCtxNow(SendCtx* ctx) {
+  Lock lk(mu_);
+  Conn& c = *ctx->conn;
+  if (c.ep == nullptr || c.closing) {
     lk.unlock();
     OnSendDone(ctx, UCS_ERR_CANCELED);
     return;
   }
-  const bool control = static_cast<MsgType>(h.type) != MsgType::kChunk;
+  const bool control = static_cast<MsgType>(ctx->header.type) != MsgType::kChunk;
   if (control) {
-    data = ctx->body.data();
-    len = ctx->body.size();
+    ctx->data = ctx->body.data();
+    ctx->len = ctx->body.size();
   }
   ucp_request_param_t p{};
   p.op_attr_mask =
@@ -539,7 +563,7 @@ void PeerServiceImpl::SendNow(const ConnPtr& c, const WireHeader& h, std::string
   p.cb.send = SendCb;
   p.user_data = ctx;
   ucs_status_ptr_t r =
-      ucp_am_send_nbx(c->ep, kAmId, &ctx->header, sizeof ctx->header, data, len, &p);
+      ucp_am_send_nbx(c.ep, kAmId, &ctx->header, sizeof ctx->header, ctx->data, ctx->len, &p);
   if (r == nullptr) {
     OnSendDone(ctx, UCS_OK);
   } else if (UCS_PTR_IS_ERR(r)) {
@@ -562,7 +586,10 @@ void PeerServiceImpl::OnSendDone(SendCtx* ctx, ucs_status_t status) {
   Lock lk(mu_);
   Conn& c = *ctx->conn;
   if (c.outstanding > 0) --c.outstanding;
-  if (status == UCS_OK) {
+  if (ctx->close_after) {
+    ConnPtr conn = ctx->conn;
+    Submit([this, conn] { CloseNow(conn, conn->error); });
+  } else if (status == UCS_OK) {
     c.last_progress = Clock::now();
     if (!c.client && c.view) PumpFetch(ctx->conn);
   } else if (c.error.ok()) {
@@ -593,18 +620,26 @@ void PeerServiceImpl::CloseNow(const ConnPtr& c, const Status& why) {
 }
 
 void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) {
-  spdlog::warn("peer service: dropping {}: {}", c->name, why.ToString());
-  if (tell_peer && c->ep != nullptr && !c->closing) {
-    // Best effort: the close below may overtake it.
-    SendControlNow(c, MsgType::kError, StatusToJson(why));
-  }
-  // Closed from the task queue, after the error had its chance to leave.
   Lock lk(mu_);
+  if (c->dropping || c->closing) return;
+  spdlog::warn("peer service: dropping {}: {}", c->name, why.ToString());
+  c->dropping = true;
+  c->dropped_at = Clock::now();
   if (c->error.ok()) c->error = why;
-  c->writer.reset();
+  c->writer.reset();  // an unfinished replica file is removed
   c->view.reset();
   c->sink = {};
-  Submit([this, c, why] { CloseNow(c, why); });
+  cv_.notify_all();
+  if (tell_peer && c->ep != nullptr) {
+    // Closed when the error has left (OnSendDone), so that the peer learns why.
+    std::string text = StatusToJson(why).dump();
+    const WireHeader h = ControlHeader(MsgType::kError, text.size());
+    ++c->outstanding;
+    auto* ctx = new SendCtx{this, c, h, std::move(text), nullptr, /*close_after=*/true};
+    SendCtxNow(ctx);
+  } else {
+    Submit([this, c, why] { CloseNow(c, why); });
+  }
 }
 
 // ---- Server side ----
@@ -659,7 +694,8 @@ ucs_status_t PeerServiceImpl::OnAm(const void* header, size_t header_length, voi
     return UCS_OK;  // not one of ours: a reply endpoint is always sent
   Lock lk(mu_);
   auto it = eps_.find(param->reply_ep);
-  if (it == eps_.end() || it->second->closing) return UCS_OK;
+  if (it == eps_.end() || it->second->closing || it->second->dropping)
+    return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_CANCELED : UCS_OK;
   ConnPtr c = it->second;
   const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
   Result<WireHeader> h = ParseHeader(header, header_length, length);
@@ -857,7 +893,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
 
 void PeerServiceImpl::PumpFetch(const ConnPtr& c) {
   Lock lk(mu_);
-  while (c->view && !c->closing && c->outstanding < kSendWindow &&
+  while (c->view && !c->closing && !c->dropping && c->outstanding < kSendWindow &&
          c->next_chunk < c->send_layout.chunks()) {
     const uint64_t offset = c->next_chunk * c->send_layout.chunk_bytes;
     const uint64_t len = std::min(c->send_layout.chunk_bytes, c->send_layout.total - offset);
