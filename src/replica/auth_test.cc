@@ -17,8 +17,8 @@ TEST(AuthTest, ProofsBindSecretRoleJobNodesAndNonces) {
   EXPECT_TRUE(MacEqual(client, AuthProof(kSecret, AuthRole::kClient, "job", "a", "b", nc, ns)));
   // Every input changes the proof.
   EXPECT_FALSE(MacEqual(client, AuthProof(kSecret, AuthRole::kServer, "job", "a", "b", nc, ns)));
-  EXPECT_FALSE(MacEqual(client, AuthProof("0123456789abcdef0124", AuthRole::kClient, "job", "a",
-                                          "b", nc, ns)));
+  EXPECT_FALSE(MacEqual(
+      client, AuthProof("0123456789abcdef0124", AuthRole::kClient, "job", "a", "b", nc, ns)));
   EXPECT_FALSE(MacEqual(client, AuthProof(kSecret, AuthRole::kClient, "jo", "a", "b", nc, ns)));
   EXPECT_FALSE(MacEqual(client, AuthProof(kSecret, AuthRole::kClient, "job", "b", "a", nc, ns)));
   EXPECT_FALSE(MacEqual(client, AuthProof(kSecret, AuthRole::kClient, "job", "a", "b", ns, nc)));

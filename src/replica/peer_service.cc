@@ -297,7 +297,8 @@ class PeerServiceImpl final : public PeerService {
     return !still_valid || still_valid();
   }
   // Blocks while paused and until the bandwidth cap allows `bytes`; returns the seconds waited.
-  double Throttle(uint64_t bytes);
+  Result<double> Throttle(const ConnPtr& c, uint64_t bytes,
+                          const std::function<bool()>& still_valid, const Status& cancelled);
   std::chrono::nanoseconds timeout() const {
     return std::chrono::nanoseconds(static_cast<int64_t>(options_.timeout_s * 1e9));
   }
@@ -833,6 +834,8 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
       SendControlNow(c, MsgType::kCommitted, StatusToJson(s));
       return;
     }
+    case MsgType::kPing:  // a paused or throttled sender; OnAm noted the progress
+      return;
     case MsgType::kCancel:
       c->writer.reset();
       c->sink = {};
@@ -1131,11 +1134,31 @@ void PeerServiceImpl::Close(const ConnPtr& c) {
   }
 }
 
-double PeerServiceImpl::Throttle(uint64_t bytes) {
+Result<double> PeerServiceImpl::Throttle(const ConnPtr& c, uint64_t bytes,
+                                         const std::function<bool()>& still_valid,
+                                         const Status& cancelled) {
   const auto start = Clock::now();
-  {
+  // Waits in slices, pinging the receiver so that it does not drop a connection that is only
+  // paused, and polling still_valid and the connection.
+  const auto slice =
+      std::max<std::chrono::nanoseconds>(timeout() / 3, std::chrono::milliseconds(1));
+  auto ping = [&]() -> Status {
+    {
+      Lock lk(mu_);
+      if (!c->error.ok()) return c->error;
+      c->last_progress = Clock::now();
+    }
+    SendControl(c, MsgType::kPing, json::object());
+    return StillValid(still_valid) ? Status::OK() : cancelled;
+  };
+  bool waited = false;
+  while (true) {
     std::unique_lock lk(pause_mu_);
-    pause_cv_.wait(lk, [&] { return !paused_ || stop_; });
+    if (!paused_ || stop_) break;
+    waited = true;
+    if (pause_cv_.wait_for(lk, slice, [&] { return !paused_ || stop_; })) break;
+    lk.unlock();
+    SP_RETURN_IF_ERROR(ping());
   }
   double wait_s = 0;
   {
@@ -1150,8 +1173,18 @@ double PeerServiceImpl::Throttle(uint64_t bytes) {
     }
     bucket_time_ = now;
   }
-  if (wait_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
-  return std::chrono::duration<double>(Clock::now() - start).count();
+  if (wait_s > 0) waited = true;
+  const auto until = Clock::now() + std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::duration<double>(wait_s));
+  while (Clock::now() < until) {
+    std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(slice, until - Clock::now()));
+    if (Clock::now() < until) SP_RETURN_IF_ERROR(ping());
+  }
+  {
+    Lock lk(mu_);
+    c->last_progress = Clock::now();
+  }
+  return waited ? std::chrono::duration<double>(Clock::now() - start).count() : 0.0;
 }
 
 Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta,
@@ -1179,11 +1212,9 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta,
     if (!StillValid(still_valid)) return finish(cancelled);
     const uint64_t offset = i * layout.chunk_bytes;
     const uint64_t len = std::min(layout.chunk_bytes, layout.total - offset);
-    *paused_seconds += Throttle(len);
-    {
-      Lock lk(mu_);
-      c->last_progress = std::max(c->last_progress, Clock::now() - std::chrono::milliseconds(1));
-    }
+    Result<double> waited = Throttle(c, len, still_valid, cancelled);
+    if (!waited.ok()) return finish(waited.status());
+    *paused_seconds += *waited;
     if (Status s = WaitUntil(c, [&] { return c->outstanding < kSendWindow; }); !s.ok())
       return finish(s);
     std::span<const std::byte> bytes = payload.subspan(offset, len);

@@ -67,6 +67,8 @@ const char* MsgTypeName(MsgType type) {
       return "commit";
     case MsgType::kCommitted:
       return "committed";
+    case MsgType::kPing:
+      return "ping";
   }
   return "unknown";
 }

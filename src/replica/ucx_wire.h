@@ -42,7 +42,8 @@ enum class MsgType : uint16_t {
   kFetchBegin = 14,  // server: meta as stored; chunks follow
   kCommit = 15,      // client: the snapshot is still valid; commit it
   kCommitted = 16,   // server: committed (or an error)
-  kLast = kCommitted,
+  kPing = 17,        // client: paused or throttled, still there
+  kLast = kPing,
 };
 const char* MsgTypeName(MsgType type);
 
