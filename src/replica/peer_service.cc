@@ -189,6 +189,52 @@ struct Conn {
 };
 using ConnPtr = std::shared_ptr<Conn>;
 
+// The encoded stripes of an image being pushed with ec:K+P: stripe s holds piece f of every
+// fragment at f * piece_bytes. Targets progress at their own pace; the newest few stripes are
+// cached, an older one a slow target still needs is encoded again (memory stays bounded).
+class StripeSource {
+ public:
+  StripeSource(const EcLayout& layout, const EcCodec* codec, std::span<const std::byte> image)
+      : layout_(layout), codec_(codec), image_(image) {}
+
+  std::shared_ptr<const std::vector<std::byte>> Get(uint64_t stripe) {
+    std::lock_guard lk(mu_);
+    if (auto it = cache_.find(stripe); it != cache_.end()) return it->second;
+    auto buf = Encode(stripe);
+    while (cache_.size() >= kCachedStripes) cache_.erase(cache_.begin());
+    cache_[stripe] = buf;
+    return buf;
+  }
+
+  std::vector<uint32_t> FragmentCrcs() const {
+    std::vector<uint32_t> crcs(layout_.k + layout_.p, 0);
+    for (uint64_t s = 0; s < layout_.stripes(); ++s) {
+      auto buf = Encode(s);
+      for (uint32_t f = 0; f < crcs.size(); ++f)
+        crcs[f] = Crc32c(crcs[f], buf->data() + f * layout_.piece_bytes, layout_.piece_bytes);
+    }
+    return crcs;
+  }
+
+ private:
+  static constexpr size_t kCachedStripes = 2 * 4;  // 2 * kSendWindow
+
+  std::shared_ptr<std::vector<std::byte>> Encode(uint64_t stripe) const {
+    const uint32_t n = layout_.k + layout_.p;
+    auto buf = std::make_shared<std::vector<std::byte>>(n * layout_.piece_bytes);
+    std::vector<std::byte*> out(n);
+    for (uint32_t f = 0; f < n; ++f) out[f] = buf->data() + f * layout_.piece_bytes;
+    codec_->EncodeStripe(layout_, image_, stripe, out);
+    return buf;
+  }
+
+  const EcLayout layout_;
+  const EcCodec* const codec_;
+  const std::span<const std::byte> image_;
+  std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<const std::vector<std::byte>>> cache_;
+};
+
 class PeerServiceImpl;
 
 struct SendCtx {
@@ -288,8 +334,12 @@ class PeerServiceImpl final : public PeerService {
   Status WaitUntil(const ConnPtr& c, const std::function<bool()>& done);
   Result<json> WaitMessage(const ConnPtr& c, MsgType expected);
   void Close(const ConnPtr& c);
-  Status PushOne(const Peer& target, const ReplicaMeta& meta, std::span<const std::byte> payload,
-                 const std::function<bool()>& still_valid, double* paused_seconds);
+  // The bytes of chunk i of one target's payload, and what keeps them alive.
+  using ChunkOf = std::function<std::pair<std::span<const std::byte>, std::shared_ptr<const void>>(
+      uint64_t chunk)>;
+  Status PushOne(const Peer& target, const ReplicaMeta& meta, uint64_t chunk_bytes,
+                 const ChunkOf& chunk_of, const std::function<bool()>& still_valid,
+                 double* paused_seconds);
   Status FetchOne(const Holding& holding, std::span<std::byte> dest,
                   std::shared_ptr<void> dest_owner);
   bool StillValid(const std::function<bool()>& still_valid) {
@@ -369,6 +419,10 @@ Status PeerServiceImpl::Init() {
     return InvalidArgument("peer service: chunk_bytes " + std::to_string(options_.chunk_bytes) +
                            " outside [" + std::to_string(kMinChunkBytes) + ", " +
                            std::to_string(kMaxChunkBytes) + "]");
+  if (options_.chunk_bytes % 64 != 0)
+    return InvalidArgument(
+        "peer service: chunk_bytes must be a multiple of 64 (it is also the "
+        "erasure code's piece size)");
   if (!(options_.timeout_s > 0)) return InvalidArgument("peer service: timeout_s must be > 0");
   int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (efd < 0) return ErrnoStatus("eventfd", "peer service", errno);
@@ -1187,9 +1241,9 @@ Result<double> PeerServiceImpl::Throttle(const ConnPtr& c, uint64_t bytes,
   return waited ? std::chrono::duration<double>(Clock::now() - start).count() : 0.0;
 }
 
-Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta,
-                                std::span<const std::byte> payload,
-                                const std::function<bool()>& still_valid, double* paused_seconds) {
+Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uint64_t chunk_bytes,
+                                const ChunkOf& chunk_of, const std::function<bool()>& still_valid,
+                                double* paused_seconds) {
   SP_ASSIGN_OR_RETURN(ConnPtr c, Connect(target));
   auto finish = [&](Status s) {
     if (s.code() == StatusCode::kCancelled) {
@@ -1202,10 +1256,9 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta,
     if (!s.ok()) spdlog::warn("peer service: push to {} failed: {}", c->name, s.ToString());
     return s;
   };
-  SendControl(c, MsgType::kPutBegin,
-              {{"meta", MetaToJson(meta)}, {"chunk_bytes", options_.chunk_bytes}});
+  SendControl(c, MsgType::kPutBegin, {{"meta", MetaToJson(meta)}, {"chunk_bytes", chunk_bytes}});
   if (Result<json> r = WaitMessage(c, MsgType::kPutReady); !r.ok()) return finish(r.status());
-  const ChunkLayout layout{payload.size(), options_.chunk_bytes};
+  const ChunkLayout layout{meta.payload_bytes, chunk_bytes};
   const Status cancelled = Cancelled("snapshot rank " + std::to_string(meta.rank) + " step " +
                                      std::to_string(meta.step) + " is no longer valid");
   for (uint64_t i = 0; i < layout.chunks(); ++i) {
@@ -1217,9 +1270,9 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta,
     *paused_seconds += *waited;
     if (Status s = WaitUntil(c, [&] { return c->outstanding < kSendWindow; }); !s.ok())
       return finish(s);
-    std::span<const std::byte> bytes = payload.subspan(offset, len);
+    auto [bytes, keep] = chunk_of(i);
+    if (bytes.size() != len) return finish(InvalidArgument("push: chunk of the wrong size"));
     const uint32_t crc = Crc32c(bytes);
-    std::shared_ptr<const void> keep;
     if (options_.test_mangle_chunk) {
       auto copy = std::make_shared<std::vector<std::byte>>(bytes.begin(), bytes.end());
       options_.test_mangle_chunk(offset, *copy);
@@ -1271,34 +1324,41 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
   base.image_crc = Crc32c(image);
 
   std::vector<ReplicaMeta> metas(targets.size(), base);
-  std::vector<std::span<const std::byte>> payloads(targets.size());
-  std::vector<std::vector<std::byte>> fragments;
+  std::vector<ChunkOf> chunk_of(targets.size());
+  const uint64_t chunk_bytes = options_.chunk_bytes;
+  std::unique_ptr<EcCodec> codec;
+  std::unique_ptr<StripeSource> stripes;
   if (redundancy.kind == Redundancy::Kind::kMirror) {
     for (size_t t = 0; t < targets.size(); ++t) {
       metas[t].payload_bytes = image.size();
       metas[t].payload_crc = base.image_crc;
-      payloads[t] = image;
+      chunk_of[t] = [image, chunk_bytes](uint64_t i) {
+        const uint64_t offset = i * chunk_bytes;
+        return std::pair(image.subspan(offset, std::min(chunk_bytes, image.size() - offset)),
+                         std::shared_ptr<const void>());
+      };
     }
   } else {
-    EcLayout layout{redundancy.k, redundancy.p, image.size(), kDefaultPieceBytes};
+    // One chunk of fragment f is piece f of one stripe, encoded as it is sent (StripeSource);
+    // a first pass computes the fragments' CRCs, which the receivers need up front.
+    EcLayout layout{redundancy.k, redundancy.p, image.size(), chunk_bytes};
     SP_RETURN_IF_ERROR(layout.Validate());
-    SP_ASSIGN_OR_RETURN(std::unique_ptr<EcCodec> codec, EcCodec::Create(layout.k, layout.p));
-    const uint32_t n = layout.k + layout.p;
-    fragments.assign(n, std::vector<std::byte>(layout.fragment_bytes()));
-    std::vector<std::byte*> out(n);
-    for (uint64_t s = 0; s < layout.stripes(); ++s) {
-      for (uint32_t f = 0; f < n; ++f) out[f] = fragments[f].data() + s * layout.piece_bytes;
-      codec->EncodeStripe(layout, image, s, out);
-    }
-    for (uint32_t f = 0; f < n; ++f) {
+    SP_ASSIGN_OR_RETURN(codec, EcCodec::Create(layout.k, layout.p));
+    stripes = std::make_unique<StripeSource>(layout, codec.get(), image);
+    const std::vector<uint32_t> crcs = stripes->FragmentCrcs();
+    for (uint32_t f = 0; f < layout.k + layout.p; ++f) {
       metas[f].kind = ReplicaMeta::Kind::kFragment;
       metas[f].index = f;
       metas[f].k = layout.k;
       metas[f].p = layout.p;
       metas[f].piece_bytes = layout.piece_bytes;
       metas[f].payload_bytes = layout.fragment_bytes();
-      metas[f].payload_crc = Crc32c(fragments[f]);
-      payloads[f] = fragments[f];
+      metas[f].payload_crc = crcs[f];
+      chunk_of[f] = [src = stripes.get(), f, piece = layout.piece_bytes](uint64_t i) {
+        std::shared_ptr<const std::vector<std::byte>> stripe = src->Get(i);
+        return std::pair(std::span<const std::byte>(stripe->data() + f * piece, piece),
+                         std::shared_ptr<const void>(stripe));
+      };
     }
   }
 
@@ -1309,7 +1369,8 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
   std::vector<std::thread> threads;
   for (size_t t = 0; t < targets.size(); ++t)
     threads.emplace_back([&, t] {
-      result.targets[t] = PushOne(targets[t], metas[t], payloads[t], still_valid, &paused[t]);
+      result.targets[t] =
+          PushOne(targets[t], metas[t], chunk_bytes, chunk_of[t], still_valid, &paused[t]);
     });
   for (auto& th : threads) th.join();
   result.bytes_sent = bytes_sent_ - sent_before;
