@@ -10,6 +10,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <thread>
 
@@ -401,6 +403,52 @@ TEST_F(PeerServiceTest, DISABLED_MirrorPush512MiBThroughput) {
   ASSERT_OK(d->svc->FetchImage(holdings, last, out));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("fetch of 512 MiB: %.3f s, %.1f MB/s\n", s, out.size() / s / 1e6);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// A holder whose fragment file went bad is refused (its CRC) and another holder's fragment used.
+TEST_F(PeerServiceTest, FetchSkipsAHolderWhoseReplicaIsDamaged) {
+  Node* src = StartNode("s");
+  std::vector<Node*> t;
+  for (int i = 0; i < 4; ++i) t.push_back(StartNode("t" + std::to_string(i)));
+  ASSERT_TRUE(src);
+  for (Node* n : t) ASSERT_TRUE(n);
+  const std::vector<std::byte> image = test::PatternBytes((2 << 20) + 99, 13);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("ec:2+2"));
+  std::vector<Peer> targets;
+  for (Node* n : t) targets.push_back(n->peer());
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, targets, nullptr));
+  for (const Status& s : pushed.targets) ASSERT_OK(s);
+  // Damage the payload of t0's fragment (the last byte of its only replica file).
+  int damaged = 0;
+  for (const auto& e : std::filesystem::directory_iterator(t[0]->dir.path() + "/replicas")) {
+    if (!e.is_regular_file()) continue;
+    FILE* f = std::fopen(e.path().c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fseek(f, -1, SEEK_END), 0);
+    const int c = std::fgetc(f);
+    ASSERT_EQ(std::fseek(f, -1, SEEK_END), 0);
+    std::fputc(c ^ 0x5a, f);
+    std::fclose(f);
+    ++damaged;
+  }
+  ASSERT_EQ(damaged, 1);
+  std::vector<Holding> holdings = src->svc->List(targets, kId.rank);
+  ASSERT_EQ(holdings.size(), 4u);
+  std::vector<std::byte> out(image.size());
+  ASSERT_OK(src->svc->FetchImage(holdings, kId, out));
+  EXPECT_EQ(test::FirstMismatch(out, 13), -1);
+  // With only t0 and t1 left, the damaged fragment cannot make up K.
+  t[2]->svc.reset();
+  t[3]->svc.reset();
+  Status s = src->svc->FetchImage(holdings, kId, out);
+  EXPECT_TRUE(s.code() == StatusCode::kCorruption || s.code() == StatusCode::kUnavailable)
+      << s.ToString();
 }
 
 }  // namespace
