@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -13,11 +14,15 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "base/unique_fd.h"
+#include "replica/auth.h"
 #include "replica/redundancy.h"
 #include "replica/replica_store.h"
+#include "replica/ucx_wire.h"
 #include "testing/test_util.h"
 
 namespace safepoint::replica {
@@ -449,6 +454,232 @@ TEST_F(PeerServiceTest, FetchSkipsAHolderWhoseReplicaIsDamaged) {
   Status s = src->svc->FetchImage(holdings, kId, out);
   EXPECT_TRUE(s.code() == StatusCode::kCorruption || s.code() == StatusCode::kUnavailable)
       << s.ToString();
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// A hand-driven UCX peer speaking (or abusing) the wire format.
+class RawPeer {
+ public:
+  ~RawPeer() {
+    if (ep_) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t r = ucp_ep_close_nbx(ep_, &p);
+      if (UCS_PTR_IS_PTR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+        ucp_request_free(r);
+      }
+    }
+    if (worker_) ucp_worker_destroy(worker_);
+    if (context_) ucp_cleanup(context_);
+  }
+
+  bool Connect(const std::string& address) {
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    if (ucp_init(&params, nullptr, &context_) != UCS_OK) return false;
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    if (ucp_worker_create(context_, &wp, &worker_) != UCS_OK) return false;
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = 17;
+    hp.arg = this;
+    hp.cb = [](void* arg, const void* header, size_t header_length, void* data, size_t length,
+               const ucp_am_recv_param_t*) -> ucs_status_t {
+      auto* self = static_cast<RawPeer*>(arg);
+      WireHeader h;
+      if (header_length == sizeof h) {
+        std::memcpy(&h, header, sizeof h);
+        self->received_.push_back(
+            {static_cast<MsgType>(h.type), std::string(static_cast<const char*>(data), length)});
+      }
+      return UCS_OK;
+    };
+    if (ucp_worker_set_am_recv_handler(worker_, &hp) != UCS_OK) return false;
+    const size_t colon = address.rfind(':');
+    sockaddr_in sin{};
+    sin.sin_family = AF_INET;
+    sin.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+    inet_pton(AF_INET, address.substr(0, colon).c_str(), &sin.sin_addr);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sin);
+    ep.sockaddr.addrlen = sizeof sin;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
+      static_cast<RawPeer*>(arg)->failed_ = true;
+    };
+    ep.err_handler.arg = this;
+    return ucp_ep_create(worker_, &ep, &ep_) == UCS_OK;
+  }
+
+  // Sends one message (any header bytes) and progresses until it left or the connection failed.
+  void Send(const void* header, size_t header_bytes, const std::string& data) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(ep_, 17, header, header_bytes, data.data(), data.size(), &p);
+    if (!UCS_PTR_IS_PTR(r)) return;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && !failed_) ucp_worker_progress(worker_);
+    ucp_request_free(r);
+  }
+  void SendControl(MsgType type, const nlohmann::json& body) {
+    const std::string text = body.dump();
+    const WireHeader h = ControlHeader(type, text.size());
+    Send(&h, sizeof h, text);
+  }
+
+  // Progresses until a message arrives or the connection fails (bounded by a generous limit so
+  // that a broken service fails the test instead of hanging it).
+  std::optional<std::pair<MsgType, std::string>> Next() {
+    const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (received_.empty() && !failed_ && std::chrono::steady_clock::now() < limit)
+      ucp_worker_progress(worker_);
+    if (received_.empty()) return std::nullopt;
+    auto m = received_.front();
+    received_.erase(received_.begin());
+    return m;
+  }
+  bool failed() const { return failed_; }
+
+  // The client side of the handshake, as node `node` with `secret`.
+  bool Authenticate(const std::string& node, const std::string& server, const std::string& secret) {
+    auto nc = NewNonce();
+    if (!nc.ok()) return false;
+    SendControl(MsgType::kHello,
+                {{"job", "job-1"}, {"node", node}, {"nonce", ToHex(nc->data(), kNonceBytes)}});
+    auto ch = Next();
+    if (!ch || ch->first != MsgType::kChallenge) return false;
+    auto j = nlohmann::json::parse(ch->second);
+    Nonce ns{};
+    if (!FromHex(j["nonce"].get<std::string>(), ns.data(), kNonceBytes)) return false;
+    const Mac mine = AuthProof(secret, AuthRole::kClient, "job-1", node, server, *nc, ns);
+    SendControl(MsgType::kAuth, {{"proof", ToHex(mine.data(), kMacBytes)}});
+    auto ok = Next();
+    return ok && ok->first == MsgType::kAuthOk;
+  }
+
+ private:
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+  bool failed_ = false;
+  std::vector<std::pair<MsgType, std::string>> received_;
+};
+
+ReplicaMeta CopyMetaOf(const std::string& node, uint64_t bytes) {
+  ReplicaMeta m;
+  m.source_node = node;
+  m.rank = 0;
+  m.step = 1;
+  m.image_bytes = m.payload_bytes = bytes;
+  return m;
+}
+
+TEST_F(PeerServiceTest, GarbageMessagesAreDroppedBeforeAuthentication) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  {
+    RawPeer raw;
+    ASSERT_TRUE(raw.Connect(b->svc->address()));
+    const char junk[5] = {1, 2, 3, 4, 5};
+    raw.Send(junk, sizeof junk, "garbage");
+    auto reply = raw.Next();
+    ASSERT_TRUE(reply.has_value() || raw.failed());
+    if (reply) EXPECT_EQ(reply->first, MsgType::kError);
+  }
+  {
+    // A well-formed chunk, but before any authentication.
+    RawPeer raw;
+    ASSERT_TRUE(raw.Connect(b->svc->address()));
+    const WireHeader h = ChunkHeader(0, 4, 0);
+    raw.Send(&h, sizeof h, "abcd");
+    auto reply = raw.Next();
+    ASSERT_TRUE(reply.has_value() || raw.failed());
+    if (reply) EXPECT_EQ(reply->first, MsgType::kError);
+  }
+  EXPECT_GE(b->svc->stats().peers_rejected, 2u);
+  // Still serving.
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 14);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  EXPECT_OK(pushed.targets[0]);
+}
+
+TEST_F(PeerServiceTest, AuthenticatedPeerLyingAboutSizesIsDropped) {
+  Node* b = StartNode("b");
+  ASSERT_TRUE(b);
+  {
+    // A copy whose payload is not the image.
+    RawPeer raw;
+    ASSERT_TRUE(raw.Connect(b->svc->address()));
+    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
+    ReplicaMeta m = CopyMetaOf("x", 1 << 20);
+    m.payload_bytes = 100;
+    raw.SendControl(MsgType::kPutBegin, {{"meta", MetaToJson(m)}, {"chunk_bytes", 65536}});
+    auto reply = raw.Next();
+    ASSERT_TRUE(reply.has_value());
+    EXPECT_EQ(reply->first, MsgType::kError);
+  }
+  {
+    // Another node's snapshot.
+    RawPeer raw;
+    ASSERT_TRUE(raw.Connect(b->svc->address()));
+    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
+    raw.SendControl(MsgType::kPutBegin,
+                    {{"meta", MetaToJson(CopyMetaOf("y", 65536))}, {"chunk_bytes", 65536}});
+    auto reply = raw.Next();
+    ASSERT_TRUE(reply.has_value());
+    EXPECT_EQ(reply->first, MsgType::kError);
+  }
+  {
+    // A chunk outside what was declared, after a valid put-begin.
+    RawPeer raw;
+    ASSERT_TRUE(raw.Connect(b->svc->address()));
+    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
+    raw.SendControl(MsgType::kPutBegin,
+                    {{"meta", MetaToJson(CopyMetaOf("x", 65536))}, {"chunk_bytes", 65536}});
+    auto ready = raw.Next();
+    ASSERT_TRUE(ready.has_value());
+    ASSERT_EQ(ready->first, MsgType::kPutReady);
+    const std::string bytes(4096, 'z');
+    const WireHeader h = ChunkHeader(65536, bytes.size(), 0);
+    raw.Send(&h, sizeof h, bytes);
+    auto reply = raw.Next();
+    ASSERT_TRUE(reply.has_value());
+    EXPECT_EQ(reply->first, MsgType::kError);
+    EXPECT_NE(reply->second.find("still expects"), std::string::npos) << reply->second;
+  }
+  {
+    // A commit before the chunks.
+    RawPeer raw;
+    ASSERT_TRUE(raw.Connect(b->svc->address()));
+    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
+    raw.SendControl(MsgType::kPutBegin,
+                    {{"meta", MetaToJson(CopyMetaOf("x", 65536))}, {"chunk_bytes", 65536}});
+    auto ready = raw.Next();
+    ASSERT_TRUE(ready.has_value());
+    raw.SendControl(MsgType::kCommit, nlohmann::json::object());
+    auto reply = raw.Next();
+    ASSERT_TRUE(reply.has_value());
+    EXPECT_EQ(reply->first, MsgType::kError);
+  }
+  EXPECT_EQ(Stored(b), 0u);
+  EXPECT_GE(b->svc->stats().peers_rejected, 4u);
 }
 
 }  // namespace
