@@ -38,8 +38,13 @@ struct PeerServiceOptions {
   std::string secret;     // the job's secret (>= 16 bytes); SetSecret replaces it
   double timeout_s = 30;  // a request or a transfer that makes no progress this long fails
   double bandwidth_bytes_per_s = 0;  // cap on what Push sends (all targets together); 0: none
-  uint32_t keep = 1;      // snapshots kept per (source node, rank) on the receiving side
-  uint64_t chunk_bytes = 4 << 20;  // bulk transfers are sent in chunks of this size
+  uint32_t keep = 1;                 // snapshots kept per (source node, rank) on the receiving side
+  uint64_t chunk_bytes = 4 << 20;    // bulk transfers are sent in chunks of this size
+  // Receiving side: a peer that declares a larger image is refused before anything is reserved.
+  uint64_t max_image_bytes = uint64_t{64} << 30;
+  // Tests only: called on a copy of every chunk Push sends, after its CRC32C was computed (a test
+  // flips a byte to play a corrupting link).
+  std::function<void(uint64_t offset, std::span<std::byte> chunk)> test_mangle_chunk;
 };
 
 struct Peer {
