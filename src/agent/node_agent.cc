@@ -424,8 +424,9 @@ Status NodeAgent::HandlePeerMessage(Client& c, const Message& m) {
         if (m.type == MessageType::kPeerList) {
           Reply(c, MessageType::kPeerListReply, Encode(PeerListReply{}));
         } else {
-          Reply(c, MessageType::kPeerFetchReply,
-                Encode(PeerFetchReply{NotFound("peer replication is not configured")}));
+          PeerFetchReply none;
+          none.status = NotFound("peer replication is not configured");
+          Reply(c, MessageType::kPeerFetchReply, Encode(none));
         }
         return Status::OK();
       }

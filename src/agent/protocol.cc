@@ -180,9 +180,9 @@ std::string Encode(const PeerSetupReply& m) { return json{{"address", m.address}
 std::string Encode(const MembershipNote& m) {
   json nodes = json::array();
   for (const PeerAddress& n : m.nodes) nodes.push_back({{"node", n.node}, {"address", n.address}});
-  return json{{"epoch", m.epoch},           {"node_index", m.node_index},
-              {"nodes", nodes},             {"redundancy", m.redundancy},
-              {"secret", m.secret},         {"bandwidth", m.bandwidth}}
+  return json{{"epoch", m.epoch},   {"node_index", m.node_index},
+              {"nodes", nodes},     {"redundancy", m.redundancy},
+              {"secret", m.secret}, {"bandwidth", m.bandwidth}}
       .dump();
 }
 std::string Encode(const AckReply& m) { return StatusFields(m.status).dump(); }

@@ -1,9 +1,9 @@
 // Replicator (src/agent/replicator.h).
 #include "agent/replicator.h"
 
-#include <algorithm>
 #include <openssl/rand.h>
 
+#include <algorithm>
 #include <chrono>
 #include <set>
 
@@ -84,8 +84,7 @@ Replicator::Replicator(std::string job, std::function<void()> notify)
 
 Replicator::~Replicator() { Stop(); }
 
-Result<std::string> Replicator::Setup(const std::string& job_dir,
-                                      const PeerSetupRequest& request) {
+Result<std::string> Replicator::Setup(const std::string& job_dir, const PeerSetupRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
   if (service_) {
     if (request.node != node_ || request.bind_host != bind_host_) {
@@ -319,9 +318,8 @@ PushOutcome Replicator::Push(const PushTask& t) {
     if (pushed->targets[i].ok()) ++ok;
   }
   // Losses the snapshot survives now: mirror, one per copy held; ec, the fragments beyond K.
-  const uint32_t survives = r.kind == replica::Redundancy::Kind::kErasure
-                                ? (ok >= r.k ? ok - r.k : 0)
-                                : ok;
+  const uint32_t survives =
+      r.kind == replica::Redundancy::Kind::kErasure ? (ok >= r.k ? ok - r.k : 0) : ok;
   o.is_protected = ok == targets.size() && survives >= r.tolerated_losses();
   if (ok < targets.size()) {
     for (const auto& [node, st] : o.targets) {
@@ -471,9 +469,9 @@ json Replicator::StatusJson() const {
   j["tolerates_node_losses"] = redundancy_.tolerated_losses();
   j["paused"] = paused_;
   j["queued"] = pushes_.size();
-  j["in_flight"] = push_in_flight_ ? json{{"rank", push_in_flight_->rank},
-                                          {"step", push_in_flight_->step}}
-                                   : json(nullptr);
+  j["in_flight"] = push_in_flight_
+                       ? json{{"rank", push_in_flight_->rank}, {"step", push_in_flight_->step}}
+                       : json(nullptr);
   j["pushes_ok"] = pushes_ok_;
   j["pushes_failed"] = pushes_failed_;
   j["pushes_superseded"] = pushes_superseded_;
@@ -485,8 +483,12 @@ json Replicator::StatusJson() const {
       if (!st.ok()) t["error"] = st.message();
       targets.push_back(t);
     }
-    json e = {{"rank", rank},         {"step", o.task.step},     {"protected", o.is_protected},
-              {"targets", targets},   {"bytes", o.bytes},        {"seconds", o.seconds},
+    json e = {{"rank", rank},
+              {"step", o.task.step},
+              {"protected", o.is_protected},
+              {"targets", targets},
+              {"bytes", o.bytes},
+              {"seconds", o.seconds},
               {"paused_seconds", o.paused_seconds}};
     if (!o.status.ok()) e["error"] = o.status.message();
     ranks.push_back(e);

@@ -112,9 +112,9 @@ Status SnapshotClient::SendPeerState() {
   };
   if (peer_setup_) {
     const auto& [node, host, timeout] = *peer_setup_;
-    Status s = exchange(MessageType::kPeerSetup,
-                        agent::Encode(agent::PeerSetupRequest{
-                            node, host, static_cast<uint32_t>(timeout * 1000)}));
+    Status s = exchange(
+        MessageType::kPeerSetup,
+        agent::Encode(agent::PeerSetupRequest{node, host, static_cast<uint32_t>(timeout * 1000)}));
     if (!s.ok()) return Status::OK();
   }
   if (membership_) {
@@ -130,14 +130,13 @@ Status SnapshotClient::SendPeerState() {
   return Status::OK();
 }
 
-Result<std::string> SnapshotClient::PeerSetup(const std::string& node,
-                                              const std::string& bind_host, double timeout_s) {
-  SP_ASSIGN_OR_RETURN(
-      std::string payload,
-      Request(MessageType::kPeerSetup,
-              agent::Encode(agent::PeerSetupRequest{node, bind_host,
-                                                    static_cast<uint32_t>(timeout_s * 1000)}),
-              MessageType::kPeerSetupReply, 60));
+Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std::string& bind_host,
+                                              double timeout_s) {
+  SP_ASSIGN_OR_RETURN(std::string payload,
+                      Request(MessageType::kPeerSetup,
+                              agent::Encode(agent::PeerSetupRequest{
+                                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000)}),
+                              MessageType::kPeerSetupReply, 60));
   agent::PeerSetupReply reply;
   SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
   peer_setup_.emplace(node, bind_host, timeout_s);
@@ -162,9 +161,9 @@ Status SnapshotClient::SetMembership(const Membership& m) {
 }
 
 Result<std::vector<PeerCopy>> SnapshotClient::PeerCopies() {
-  SP_ASSIGN_OR_RETURN(std::string payload,
-                      Request(MessageType::kPeerList, agent::Encode(agent::PeerListRequest{opt_.rank}),
-                              MessageType::kPeerListReply, 120));
+  SP_ASSIGN_OR_RETURN(std::string payload, Request(MessageType::kPeerList,
+                                                   agent::Encode(agent::PeerListRequest{opt_.rank}),
+                                                   MessageType::kPeerListReply, 120));
   agent::PeerListReply reply;
   SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
   std::vector<PeerCopy> out;
@@ -177,17 +176,17 @@ Result<std::vector<PeerCopy>> SnapshotClient::PeerCopies() {
 Result<PeerFetchResult> SnapshotClient::FetchFromPeers(uint64_t step, uint64_t attempt,
                                                        double timeout_s) {
   const auto t0 = std::chrono::steady_clock::now();
-  SP_ASSIGN_OR_RETURN(
-      std::string payload,
-      Request(MessageType::kPeerFetch, agent::Encode(agent::PeerFetchRequest{opt_.rank, step, attempt}),
-              MessageType::kPeerFetchReply, timeout_s));
+  SP_ASSIGN_OR_RETURN(std::string payload,
+                      Request(MessageType::kPeerFetch,
+                              agent::Encode(agent::PeerFetchRequest{opt_.rank, step, attempt}),
+                              MessageType::kPeerFetchReply, timeout_s));
   agent::PeerFetchReply reply;
   SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
   if (!reply.status.ok()) return reply.status;
   SP_RETURN_IF_ERROR(arena_->Refresh());  // the agent may have created the slot file
-  return PeerFetchResult{reply.slot, reply.bytes, reply.source,
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                             .count()};
+  return PeerFetchResult{
+      reply.slot, reply.bytes, reply.source,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
 }
 
 Status SnapshotClient::PauseReplication(bool paused) {
@@ -401,9 +400,8 @@ Status SnapshotClient::Wait(double timeout_s) {
     return Unavailable("the safepoint agent sent a malformed reply: " + s.message());
   }
   if (reply.status.ok()) return Status::OK();
-  return Status(reply.status.code(), "persisting step " + std::to_string(step) +
-                                         " of " + opt_.storage +
-                                         " failed: " + reply.status.message());
+  return Status(reply.status.code(), "persisting step " + std::to_string(step) + " of " +
+                                         opt_.storage + " failed: " + reply.status.message());
 }
 
 Result<std::string> SnapshotClient::AgentStatus() {

@@ -1320,6 +1320,7 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
   base.rank = id.rank;
   base.step = id.step;
   base.complete_ns = id.complete_ns;
+  base.attempt = id.attempt;
   base.image_bytes = image.size();
   base.image_crc = Crc32c(image);
 
@@ -1468,7 +1469,10 @@ Status PeerServiceImpl::FetchImage(const std::vector<Holding>& holdings, const S
   std::vector<Holding> copies, frags;
   for (const Holding& h : holdings) {
     const ReplicaMeta& m = h.meta;
-    if (m.rank != id.rank || m.step != id.step || m.complete_ns != id.complete_ns) continue;
+    if (m.rank != id.rank || m.step != id.step || m.complete_ns != id.complete_ns ||
+        m.attempt != id.attempt) {
+      continue;
+    }
     if (m.image_bytes != image.size()) continue;
     (m.kind == ReplicaMeta::Kind::kCopy ? copies : frags).push_back(h);
   }

@@ -121,6 +121,7 @@ std::string MetaToJson(const ReplicaMeta& m) {
             {"rank", m.rank},
             {"step", m.step},
             {"complete_ns", m.complete_ns},
+            {"attempt", m.attempt},
             {"image_bytes", m.image_bytes},
             {"image_crc", m.image_crc},
             {"kind", static_cast<uint32_t>(m.kind)},
@@ -142,7 +143,8 @@ Result<ReplicaMeta> MetaFromJson(std::string_view text) {
   m.source_node = src->get<std::string>();
   uint32_t kind = 0;
   if (!GetU32(j, "rank", &m.rank) || !GetU64(j, "step", &m.step) ||
-      !GetU64(j, "complete_ns", &m.complete_ns) || !GetU64(j, "image_bytes", &m.image_bytes) ||
+      !GetU64(j, "complete_ns", &m.complete_ns) || !GetU64(j, "attempt", &m.attempt) ||
+      !GetU64(j, "image_bytes", &m.image_bytes) ||
       !GetU32(j, "image_crc", &m.image_crc) || !GetU32(j, "kind", &kind) ||
       !GetU32(j, "index", &m.index) || !GetU32(j, "k", &m.k) || !GetU32(j, "p", &m.p) ||
       !GetU64(j, "piece_bytes", &m.piece_bytes) || !GetU64(j, "payload_bytes", &m.payload_bytes) ||
