@@ -128,6 +128,9 @@ def exchange_membership(client: Any, group: Any, rank: int, world_size: int, red
     cap = default_bandwidth(host) if bandwidth is None else int(bandwidth)
     client.set_membership(epoch, order.index(node), [(n, nodes[n][0]) for n in order], spec,
                           secret, cap)
+    # Every agent knows the new secret before any rank asks a peer for anything (a peer still on
+    # the old epoch's secret would refuse the connection).
+    dist.barrier(group=group)
     return {"redundancy": spec, "node": node, "nodes": order, "address": address,
             "targets": targets, "tolerates_node_losses": tolerated,
             "memory_factor": factor, "bandwidth": cap}

@@ -19,6 +19,11 @@ def _save(c, ckpt, name, redundancy, k, persisted):
     return job, saved
 
 
+def _agent_logs(c):
+    return "\n".join(f"--- {n.name}: {p}\n{p.read_text(errors='replace')[-3000:]}"
+                     for n in c for p in n.shm.glob("safepoint-*/agent.log"))
+
+
 def test_mirror_restores_a_lost_node_from_peer_memory(cluster, tmp_path):
     """3 nodes, mirror: steps 1..2 are committed, 3..5 only in memory (and replicated). Node 1
     dies with its memory; a replacement joins; every rank resumes at step 5, node 1's rank from
@@ -62,7 +67,8 @@ def test_erasure_code_survives_two_node_losses(cluster, tmp_path):
     job = job.restart(["load", ckpt, name, "ec:2+2"])
     loaded = job.expect_all("loaded")
     job.check()
-    assert [o["step"] for o in loaded] == [3] * 5
+    assert [o["step"] for o in loaded] == [3] * 5, "\n".join(
+        [job[i].stderr() for i in range(5)] + [_agent_logs(c)])
     assert [o["source"] for o in loaded] == ["memory", "peer", "peer", "memory", "memory"]
     assert all(o["equal"] for o in loaded)
     assert [o["digest"] for o in loaded] == [o["digest"] for o in saved]
