@@ -7,6 +7,7 @@ import os
 import sys
 
 import safepoint
+from conftest import cli_path
 from nodes import Job
 from processes import wait_until
 
@@ -45,6 +46,10 @@ def test_mirror_restores_a_lost_node_from_peer_memory(cluster, tmp_path):
     # node i's copy is on node i+1: node 2 holds node 1's rank 1, step 5
     held = {(h["source_node"], h["rank"], h["step"]) for h in saved[2]["held"]}
     assert ("node1", 1, 5) in held
+    # `safepoint status` on a node shows it too
+    out = c[2].run([cli_path(), "status"], check=True).stdout
+    assert "replication mirror:1: node node2 (3 nodes)" in out, out
+    assert "keeps 1 replicas of other nodes" in out and "rank 2 step 5 protected" in out, out
 
     c[1].kill()  # node loss: its rank, its agent and its /dev/shm are gone
     c.replace(1)
