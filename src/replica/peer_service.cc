@@ -1465,14 +1465,19 @@ Status PeerServiceImpl::FetchOne(const Holding& holding, std::span<std::byte> de
 Status PeerServiceImpl::FetchImage(const std::vector<Holding>& holdings, const SnapshotId& id,
                                    std::span<std::byte> image) {
   const std::string what = "rank " + std::to_string(id.rank) + " step " + std::to_string(id.step);
+  Status last = NotFound("no peer holds enough of " + what + " to rebuild it");
   std::vector<Holding> copies, frags;
   for (const Holding& h : holdings) {
     const ReplicaMeta& m = h.meta;
     if (m.rank != id.rank || m.step != id.step || m.complete_ns != id.complete_ns) continue;
     if (m.image_bytes != image.size()) continue;
+    // What a peer listed is checked like what a peer declares before anything is sized by it.
+    if (Status v = ValidateDeclaredMeta(m, m.source_node, image.size()); !v.ok()) {
+      last = v.WithContext(h.holder.node);
+      continue;
+    }
     (m.kind == ReplicaMeta::Kind::kCopy ? copies : frags).push_back(h);
   }
-  Status last = NotFound("no peer holds enough of " + what + " to rebuild it");
   for (const Holding& h : copies) {
     if (Status s = FetchOne(h, image, nullptr); !s.ok()) {
       last = s;

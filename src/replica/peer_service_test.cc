@@ -684,3 +684,35 @@ TEST_F(PeerServiceTest, AuthenticatedPeerLyingAboutSizesIsDropped) {
 
 }  // namespace
 }  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// A listed meta is not trusted to size anything: a forged fragment size is refused up front.
+TEST_F(PeerServiceTest, FetchRefusesForgedHoldings) {
+  Node* a = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(a && b);
+  std::vector<std::byte> out(1 << 20);
+  ReplicaMeta m;
+  m.source_node = "x";
+  m.rank = kId.rank;
+  m.step = kId.step;
+  m.complete_ns = kId.complete_ns;
+  m.image_bytes = out.size();
+  m.kind = ReplicaMeta::Kind::kFragment;
+  m.k = 1;
+  m.p = 1;
+  m.piece_bytes = 1 << 20;
+  m.payload_bytes = uint64_t{1} << 50;
+  std::vector<Holding> holdings;
+  for (uint32_t i = 0; i < 2; ++i) {
+    m.index = i;
+    holdings.push_back({b->peer(), m});
+  }
+  Status s = a->svc->FetchImage(holdings, kId, out);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+}
+
+}  // namespace
+}  // namespace safepoint::replica
