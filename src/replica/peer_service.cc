@@ -9,6 +9,10 @@
 // list, a fetch of one replica): connect, authenticate, one exchange, close. The server side of a
 // connection is driven entirely by the progress thread. All connection state is guarded by mu_
 // (recursive: UCX may complete a request inside a call made under it); callers wait on cv_.
+// Lock order: only the progress thread calls UCX (sometimes under mu_), and UCX calls back on that
+// thread, sometimes under its own async lock; caller threads take mu_ but never call UCX, and UCX's
+// async thread never calls back into us, so the two orders ThreadSanitizer notices (both on the
+// progress thread) cannot deadlock.
 #include "replica/peer_service.h"
 
 #include <arpa/inet.h>
