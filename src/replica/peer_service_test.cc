@@ -716,3 +716,26 @@ TEST_F(PeerServiceTest, FetchRefusesForgedHoldings) {
 
 }  // namespace
 }  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+TEST_F(PeerServiceTest, ReceiverKeepsTheNewestSnapshots) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b", [](PeerServiceOptions& o) { o.keep = 2; });
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(300 << 10, 15);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  for (uint64_t step = 1; step <= 4; ++step) {
+    ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push({kId.rank, step, step * 10}, image, r,
+                                                           {b->peer()}, nullptr));
+    ASSERT_OK(pushed.targets[0]);
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<ReplicaMeta> kept, b->store->List());
+  ASSERT_EQ(kept.size(), 2u);
+  EXPECT_EQ(kept[0].step, 3u);
+  EXPECT_EQ(kept[1].step, 4u);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
