@@ -739,3 +739,47 @@ TEST_F(PeerServiceTest, ReceiverKeepsTheNewestSnapshots) {
 
 }  // namespace
 }  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// Not tests: two halves of a manual check across network namespaces (docs: run the server half
+// in one namespace, the client half in another).
+//   SP_PEER_BIND=10.0.0.1 safepoint_tests --gtest_also_run_disabled_tests \
+//       --gtest_filter='*DISABLED_ManualServer'          (prints its address, serves 60 s)
+//   SP_PEER_TARGET=10.0.0.1:PORT SP_PEER_BIND=10.0.0.2 ... --gtest_filter='*DISABLED_ManualClient'
+TEST_F(PeerServiceTest, DISABLED_ManualServer) {
+  const char* bind = std::getenv("SP_PEER_BIND");
+  ASSERT_NE(bind, nullptr);
+  Node* b = StartNode("b", [&](PeerServiceOptions& o) { o.bind_host = bind; });
+  ASSERT_TRUE(b);
+  std::printf("serving on %s\n", b->svc->address().c_str());
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+}
+
+TEST_F(PeerServiceTest, DISABLED_ManualClient) {
+  const char* bind = std::getenv("SP_PEER_BIND");
+  const char* target = std::getenv("SP_PEER_TARGET");
+  ASSERT_TRUE(bind && target);
+  Node* a = StartNode("a", [&](PeerServiceOptions& o) {
+    o.bind_host = bind;
+    o.chunk_bytes = 4 << 20;
+  });
+  ASSERT_TRUE(a);
+  const Peer b{"b", target};
+  const std::vector<std::byte> image = test::PatternBytes(256 << 20, 16);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, a->svc->Push(kId, image, r, {b}, nullptr));
+  ASSERT_OK(pushed.targets[0]);
+  std::printf("push of 256 MiB: %.3f s, %.1f MB/s\n", pushed.seconds,
+              pushed.bytes_sent / pushed.seconds / 1e6);
+  std::vector<Holding> holdings = a->svc->List({b}, kId.rank);
+  ASSERT_EQ(holdings.size(), 1u);
+  std::vector<std::byte> out(image.size());
+  ASSERT_OK(a->svc->FetchImage(holdings, kId, out));
+  EXPECT_EQ(test::FirstMismatch(out, 16), -1);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
