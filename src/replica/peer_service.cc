@@ -134,15 +134,19 @@ bool SplitAddress(const std::string& address, std::string* host, uint16_t* port)
 }
 
 std::string FormatAddress(const sockaddr_storage& ss) {
-  char buf[INET6_ADDRSTRLEN] = {};
+  char buf[INET6_ADDRSTRLEN + 16] = {};
   if (ss.ss_family == AF_INET) {
     auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
-    inet_ntop(AF_INET, &in->sin_addr, buf, sizeof buf);
-    return std::string(buf) + ":" + std::to_string(ntohs(in->sin_port));
+    char ip[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &in->sin_addr, ip, sizeof ip);
+    std::snprintf(buf, sizeof buf, "%s:%u", ip, static_cast<unsigned>(ntohs(in->sin_port)));
+  } else {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+    char ip[INET6_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET6, &in6->sin6_addr, ip, sizeof ip);
+    std::snprintf(buf, sizeof buf, "[%s]:%u", ip, static_cast<unsigned>(ntohs(in6->sin6_port)));
   }
-  auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
-  inet_ntop(AF_INET6, &in6->sin6_addr, buf, sizeof buf);
-  return "[" + std::string(buf) + "]:" + std::to_string(ntohs(in6->sin6_port));
+  return buf;
 }
 
 std::string Seconds(double s) {
