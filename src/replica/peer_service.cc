@@ -166,8 +166,8 @@ struct Conn {
   std::string name;  // "peer <node> (<address>)" for messages
   ucp_ep_h ep = nullptr;
   bool closing = false, closed = false;
-  // Dropped: nothing more is accepted; closed once the error message to the peer has left (or
-  // after kDropGrace).
+  // Dropped: nothing more is accepted; closed when the peer closes after reading the error, or
+  // after kDropGrace.
   bool dropping = false;
   Clock::time_point dropped_at;
   Status error;
@@ -251,7 +251,6 @@ struct SendCtx {
   WireHeader header;
   std::string body;
   std::shared_ptr<const void> keep;  // keeps the chunk's bytes alive
-  bool close_after = false;          // the error of a Drop: close the connection once it left
   const void* data = nullptr;
   size_t len = 0;
 };
@@ -649,10 +648,7 @@ void PeerServiceImpl::OnSendDone(SendCtx* ctx, ucs_status_t status) {
   Lock lk(mu_);
   Conn& c = *ctx->conn;
   if (c.outstanding > 0) --c.outstanding;
-  if (ctx->close_after) {
-    ConnPtr conn = ctx->conn;
-    Submit([this, conn] { CloseNow(conn, conn->error); });
-  } else if (status == UCS_OK) {
+  if (status == UCS_OK) {
     c.last_progress = Clock::now();
     if (!c.client && c.view) PumpFetch(ctx->conn);
   } else if (c.error.ok()) {
@@ -694,12 +690,12 @@ void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) 
   c->sink = {};
   cv_.notify_all();
   if (tell_peer && c->ep != nullptr) {
-    // Closed when the error has left (OnSendDone), so that the peer learns why.
+    // Not closed yet: closing could overtake the error (UCX signals the disconnect on another
+    // channel than the data). The peer closes when it has read it, or CheckIdle after kDropGrace.
     std::string text = StatusToJson(why).dump();
     const WireHeader h = ControlHeader(MsgType::kError, text.size());
     ++c->outstanding;
-    auto* ctx = new SendCtx{this, c, h, std::move(text), nullptr, /*close_after=*/true};
-    SendCtxNow(ctx);
+    SendCtxNow(new SendCtx{this, c, h, std::move(text), nullptr});
   } else {
     Submit([this, c, why] { CloseNow(c, why); });
   }
