@@ -18,6 +18,7 @@
 #include <optional>
 #include <thread>
 
+#include "base/crc32c.h"
 #include "base/unique_fd.h"
 #include "replica/auth.h"
 #include "replica/redundancy.h"
@@ -779,6 +780,40 @@ TEST_F(PeerServiceTest, DISABLED_ManualClient) {
   std::vector<std::byte> out(image.size());
   ASSERT_OK(a->svc->FetchImage(holdings, kId, out));
   EXPECT_EQ(test::FirstMismatch(out, 16), -1);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// An authenticated sender that stops in the middle of a transfer is dropped after timeout_s and
+// its reserved replica file removed.
+TEST_F(PeerServiceTest, SenderStallingMidTransferIsDroppedAndItsFileRemoved) {
+  Node* b = StartNode("b", [](PeerServiceOptions& o) { o.timeout_s = 0.5; });
+  ASSERT_TRUE(b);
+  RawPeer raw;
+  ASSERT_TRUE(raw.Connect(b->svc->address()));
+  ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
+  raw.SendControl(MsgType::kPutBegin,
+                  {{"meta", MetaToJson(CopyMetaOf("x", 4 << 20))}, {"chunk_bytes", 1 << 20}});
+  auto ready = raw.Next();
+  ASSERT_TRUE(ready.has_value());
+  ASSERT_EQ(ready->first, MsgType::kPutReady);
+  EXPECT_GE(b->store->bytes(), uint64_t{4} << 20);  // reserved
+  const std::string bytes(1 << 20, 'q');
+  const WireHeader h =
+      ChunkHeader(0, bytes.size(), internal::Crc32c(0, bytes.data(), bytes.size()));
+  raw.Send(&h, sizeof h, bytes);
+  // Then nothing: the receiver gives up on its own.
+  auto reply = raw.Next();
+  EXPECT_TRUE(!reply.has_value() || reply->first == MsgType::kError);
+  for (int i = 0; i < 200 && b->store->bytes() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(b->store->bytes(), 0u);
+  EXPECT_GE(b->svc->stats().transfers_failed, 1u);
+  EXPECT_EQ(Stored(b), 0u);
 }
 
 }  // namespace
