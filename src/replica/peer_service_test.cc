@@ -818,3 +818,34 @@ TEST_F(PeerServiceTest, SenderStallingMidTransferIsDroppedAndItsFileRemoved) {
 
 }  // namespace
 }  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// A new secret drops the connections authenticated with the old one, mid-transfer included.
+TEST_F(PeerServiceTest, NewSecretDropsOpenConnections) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 17);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  src->svc->SetPaused(true);
+  Result<PushResult> pushed = InvalidArgument("not run");
+  std::thread t([&] { pushed = src->svc->Push(kId, image, r, {b->peer()}, nullptr); });
+  // The receiver has reserved the file: the connection is authenticated and the push paused.
+  for (int i = 0; i < 400 && b->store->bytes() == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_GT(b->store->bytes(), 0u);
+  b->svc->SetSecret("the-next-secret-of-the-job");
+  for (int i = 0; i < 400 && b->store->bytes() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(b->store->bytes(), 0u);  // the unfinished file went with the connection
+  src->svc->SetPaused(false);
+  t.join();
+  ASSERT_OK(pushed);
+  EXPECT_EQ(pushed->targets[0].code(), StatusCode::kUnavailable) << pushed->targets[0].ToString();
+  EXPECT_EQ(Stored(b), 0u);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
