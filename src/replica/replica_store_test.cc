@@ -13,6 +13,7 @@
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/crc32c.h"
@@ -46,7 +47,7 @@ ReplicaMeta CopyMeta(const std::string& source, uint32_t rank, uint64_t step, ui
 Status Put(ReplicaStore& store, const ReplicaMeta& meta, std::span<const std::byte> payload) {
   SP_ASSIGN_OR_RETURN(auto w, store.Begin(meta));
   if (w->data().size() != payload.size()) return InvalidArgument("data() has the wrong size");
-  std::memcpy(w->data().data(), payload.data(), payload.size());
+  if (!payload.empty()) std::memcpy(w->data().data(), payload.data(), payload.size());
   return w->Commit();
 }
 
@@ -465,6 +466,30 @@ TEST_F(ReplicaStoreTest, RemoveSourceRemovesOnlyThatNodesReplicas) {
   EXPECT_LT(store_->bytes(), before);
   EXPECT_EQ(store_->RemoveSource("../b").code(), StatusCode::kInvalidArgument);
   ASSERT_OK(store_->RemoveSource("nobody"));
+}
+
+TEST_F(ReplicaStoreTest, WritersOnSeveralThreadsWhileListingAndPruning) {
+  const auto payload = test::PatternBytes(10000, 15);
+  std::vector<std::thread> threads;
+  std::vector<Status> errors(4);
+  for (uint32_t t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (uint64_t step = 1; step <= 20 && errors[t].ok(); ++step) {
+        errors[t] = Put(*store_, CopyMeta("n" + std::to_string(t), t, step, 1, payload), payload);
+        if (errors[t].ok() && step % 5 == 0) errors[t] = store_->List().status();
+        if (errors[t].ok() && step % 7 == 0) errors[t] = store_->Prune(3).status();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const Status& s : errors) EXPECT_OK(s);
+  ASSERT_OK(store_->Prune(3));
+  ASSERT_OK_AND_ASSIGN(auto list, store_->List());
+  ASSERT_EQ(list.size(), 12u);
+  for (const auto& m : list) {
+    EXPECT_GE(m.step, 18u);
+    EXPECT_OK(store_->Read(m));
+  }
 }
 
 TEST(ReplicaStoreOpenTest, OpenFailsNamingTheDirectory) {
