@@ -22,7 +22,7 @@ from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
-from safepoint._shards import plan_replicas, read_newest_into
+from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
@@ -111,13 +111,19 @@ class Checkpointer:
     taken as replicas), or pass ``dedupe=False``. With dedupe, ``save`` is a collective (like
     DCP's save): every rank calls it for the same steps; if the ranks cannot agree (a peer died),
     the snapshot is still taken and this rank writes all of its tensors.
+
+    With several ranks under torch.distributed, ``share_reads`` (default) makes ``restore`` from
+    storage read bytes that several ranks need (replicas) once: one rank reads each such range
+    and sends it to the others over the checkpointer's gloo group (docs/architecture.md,
+    "Restore at scale"); ranges only one rank needs (shards) it reads itself. ``status()``'s
+    ``last_load`` counts the bytes read from storage and sent/received between ranks.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
                  shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False,
-                 dedupe: bool = True) -> None:
+                 dedupe: bool = True, share_reads: bool = True) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -151,6 +157,8 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         self.attempt = run_attempt(self._group)
         self.dedupe = bool(dedupe) and self._group is not None
+        self.share_reads = bool(share_reads) and self._group is not None
+        self._io: dict[str, int] = {}  # bytes moved by the current load (see load())
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
@@ -246,6 +254,7 @@ class Checkpointer:
         one; if any rank then fails to read it, all fall back together to the next older one.
         Ranks never resume from different steps."""
         t0 = time.perf_counter()
+        self._io = {"storage_bytes_read": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0}
         if self._group is not None:
             out = self._load_agreed(step, _targets)
         else:
@@ -254,7 +263,7 @@ class Checkpointer:
             return None
         result, source = out
         self._stats["last_load"] = {"step": result[0], "source": source,
-                                    "seconds": time.perf_counter() - t0}
+                                    "seconds": time.perf_counter() - t0, **self._io}
         return result
 
     def _memory_steps(self) -> list[int]:
@@ -275,8 +284,9 @@ class Checkpointer:
         ranges the targets need, from whichever ranks' images hold them (any saving world size);
         else this rank's whole image."""
         if targets is None:
+            self._io["storage_bytes_read"] = None  # a whole image; not counted
             return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
-        return read_newest_into(self.path, step, self.rank, targets, self._unpickler)
+        return read_newest_into(self.path, step, self.rank, targets, self._unpickler, self._io)
 
     def _usable(self, snap: Optional[_core.Loaded]):
         """A memory snapshot, unless another world size saved it (then storage reshards)."""
@@ -304,17 +314,31 @@ class Checkpointer:
             return self._from_storage(step, targets), "storage"
         return None
 
-    def _load_one(self, step: int, memory: list[int], committed: list[int], targets: Any):
-        """This rank's copy of `step`: memory first, then storage. None if neither reads back."""
+    def _load_one(self, step: int, memory: list[int], committed: list[int], targets: Any,
+                  share: bool = False):
+        """This rank's copy of `step`: memory first, then storage. None if neither reads back.
+        With `share` (every rank restores with share_reads) this is a collective: the ranks
+        that read from storage share the ranges several need (read_shared_into), and a rank
+        whose copy is in memory takes part too."""
+        got = None
         if step in memory:
             try:
                 got = self._usable(self._live.load_step(step, self._unpickler,
                                                         targets is not None))
-                if got is not None:
-                    return got
             except CorruptionError as e:
                 warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
                               RuntimeWarning, stacklevel=3)
+        if share:
+            need = got is None and step in committed
+            tree = read_shared_into(self.path, step, self.rank, targets, self._unpickler,
+                                    self._group, need, self._io)
+            if tree is not None:
+                return (step, tree), "storage"
+            if not need:
+                return got
+            # Some rank could not read its share: each reads on its own, as without sharing.
+        if got is not None:
+            return got
         if step in committed:
             try:
                 return self._from_storage(step, targets), "storage"
@@ -334,17 +358,21 @@ class Checkpointer:
         # save attempt: snapshots that two runs (before and after a restart) left of the same
         # step are never combined; such a step comes from storage, where a commit is one attempt.
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, (committed, self._memory_attempts()), group=self._group)
+        share = self.share_reads and targets is not None  # restore's shared storage reads
+        dist.all_gather_object(everyone, (committed, self._memory_attempts(), share),
+                               group=self._group)
+        share = all(e[2] for e in everyone)
         first = everyone[0][1]
         in_memory = {s for s, a in first.items()
-                     if a is not None and all(other.get(s) == a for _, other in everyone[1:])}
-        common = in_memory | set(everyone[0][0]).intersection(*(set(c) for c, _ in everyone[1:]))
+                     if a is not None and all(other.get(s) == a for _, other, _ in everyone[1:])}
+        common = in_memory | set(everyone[0][0]).intersection(
+            *(set(c) for c, _, _ in everyone[1:]))
         if step is not None:
             common &= {step}
         memory = [s for s in memory if s in in_memory]
         while common:
             candidate = max(common)
-            got = self._load_one(candidate, memory, committed, targets)
+            got = self._load_one(candidate, memory, committed, targets, share)
             failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
             if int(failed.item()) == 0:
