@@ -418,9 +418,9 @@ def plan_shared_reads(wants: list[list[tuple[ReadKey, tuple]]]) -> list[SharedGr
     nothing). A range one rank needs, that rank reads. The ranges a set of ranks all need are
     laid out in storage order in one buffer, which is cut into one contiguous part per rank of
     the set (at MiB boundaries), sized so that every rank's total read (its own ranges included)
-    ends up as even as it can be; each rank reads its part (neighbouring ranges, so no two readers read many of
-    the same checksum chunks) and sends it to the rest of the set. Every rank computes the same
-    plan. Only ranges that several ranks need appear in it."""
+    ends up as even as it can be; each rank reads its part (neighbouring ranges, so no two
+    readers read many of the same checksum chunks) and sends it to the rest of the set. Every
+    rank computes the same plan. Only ranges that several ranks need appear in it."""
     wanters: dict[ReadKey, list[int]] = {}
     pos: dict[ReadKey, tuple] = {}
     for r, ws in enumerate(wants):
@@ -538,7 +538,8 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
                                             group=group, tag=tag))
                     _add_stat(stats, "peer_bytes_received", part.numel())
     for w in works:
-        w.wait()
+        if w is not None:
+            w.wait()
     if not need:
         return None
     StepReader.copy_out(copies, bufs)
