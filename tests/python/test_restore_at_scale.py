@@ -55,6 +55,7 @@ def _rank_main(argv: list) -> None:
     import torch.distributed as dist
 
     import safepoint
+    from safepoint import _core
 
     kind, phase, ckpt, shm, job, port, rank = argv[:7]
     if kind == "bench":
@@ -64,16 +65,31 @@ def _rank_main(argv: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     out: dict = {"rank": rank}
-    if phase == "save":
+    if phase in ("save", "save-keep"):
         with safepoint.Checkpointer(ckpt, job=job, shm_dir=shm) as ck:
             for step in (1, 2):
                 ck.save(step, _state(kind, step, rank), include_rng=True)
             ck.wait()
-        # close() removed the snapshots from memory: a restore reads storage.
+            if phase == "save-keep":
+                ck.abandon()  # like a crash: the snapshots stay in memory
+        # else close() removed the snapshots from memory: a restore reads storage.
     else:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with safepoint.Checkpointer(ckpt, job=job, shm_dir=shm, share_reads=share) as ck:
+                if phase == "restore-damaged1" and rank == 1:
+                    # Rank 1's snapshots in memory are damaged: it alone reads from storage.
+                    job_dir = ck.status()["agent"]["job_dir"]
+                    for slot in ck._live.slots():
+                        if slot.state == "COMPLETE":
+                            at = _core.SLOT_HEADER_BYTES + slot.image_bytes // 2
+                            with open(os.path.join(job_dir, f"rank-00001.slot-{slot.slot}"),
+                                      "r+b") as f:
+                                f.seek(at)
+                                byte = f.read(1)
+                                f.seek(at)
+                                f.write(bytes([byte[0] ^ 0xFF]))
+                dist.barrier()
                 target = _zeros(_state(kind, 0, rank))
                 out["step"] = ck.restore(target)
                 out["ok"] = _equal(target, _state(kind, out["step"], rank))
@@ -175,14 +191,16 @@ def run(tmp_path):
     (tmp_path / "shm").mkdir()
     jobs = []
 
-    def phase(kind: str, phase: str, share: bool = True) -> list:
-        job, port = f"scale-{os.getpid()}-{len(jobs)}", free_port()
-        jobs.append(job)
+    def phase(kind: str, phase: str, share: bool = True, job: str = "") -> list:
+        if not job:
+            job = f"scale-{os.getpid()}-{len(jobs)}"
+            jobs.append(job)
+        port = free_port()
         return run_ranks([[__file__, kind, phase, tmp_path / "ckpt", tmp_path / "shm", job,
                            port, r, "share" if share else "own"] for r in range(WORLD)])
 
     yield phase
-    for job in jobs:
+    for job in jobs + ["kept"]:
         kill_agents(tmp_path / "shm", job)
 
 
@@ -242,6 +260,19 @@ def test_a_rank_that_cannot_read_makes_every_rank_fall_back(run, tmp_path, damag
     outs = run("mixed", "restore")
     assert [(o["step"], o["ok"]) for o in outs] == [(1, True)] * WORLD
     assert any("fall back" in w for o in outs for w in o["warnings"])
+
+
+def test_ranks_restoring_from_memory_take_part_in_the_shared_read(run):
+    # Every rank keeps its snapshots in memory, but rank 1's are damaged: ranks 0, 2 and 3
+    # restore from memory and still take part in the collective; rank 1 reads everything it
+    # needs from storage itself (no other rank needs storage), and nothing is sent.
+    run("mixed", "save-keep", job="kept")
+    outs = run("mixed", "restore-damaged1", job="kept")
+    assert [(o["step"], o["ok"]) for o in outs] == [(2, True)] * WORLD
+    assert [o["last_load"]["source"] for o in outs] == ["memory", "storage", "memory", "memory"]
+    read = [o["last_load"]["storage_bytes_read"] for o in outs]
+    assert read[0] == read[2] == read[3] == 0 and read[1] >= REPLICATED, read
+    assert _sum(outs, "peer_bytes_sent") == 0
 
 
 def test_plan_splits_shared_ranges_evenly_in_storage_order():
