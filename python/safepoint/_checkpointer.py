@@ -158,7 +158,7 @@ class Checkpointer:
         self.attempt = run_attempt(self._group)
         self.dedupe = bool(dedupe) and self._group is not None
         self.share_reads = bool(share_reads) and self._group is not None
-        self._io: dict[str, Optional[int]] = {}  # bytes moved by the current load (load())
+        self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",

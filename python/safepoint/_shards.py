@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
@@ -169,7 +170,7 @@ class _Read:
         self.pos = (piece.image, piece.index, first)
 
 
-def _add_stat(stats: Optional[dict], key: str, n: int) -> None:
+def _add_stat(stats: Optional[dict], key: str, n: float) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0) + n
 
@@ -265,13 +266,16 @@ class StepReader:
     def read(items: list[tuple[Any, str, int, int, torch.Tensor]],
              stats: Optional[dict] = None) -> None:
         """Reads each (image reader, tensor name, first byte, bytes, uint8 buffer), every chunk
-        verified, batched per image. Counts the bytes under stats["storage_bytes_read"]."""
+        verified, batched per image. Counts the bytes and the time under
+        stats["storage_bytes_read"] and ["storage_read_seconds"]."""
         batches: dict[int, list] = {}
         for reader, name, first, nbytes, buf in items:
             batches.setdefault(id(reader), [reader, []])[1].append((name, first, nbytes, buf))
+        t0 = time.perf_counter()
         for reader, batch in batches.values():
             reader.read(batch)
             _add_stat(stats, "storage_bytes_read", sum(b[2] for b in batch))
+        _add_stat(stats, "storage_read_seconds", time.perf_counter() - t0)
 
     @staticmethod
     def copy_out(copies: list, bufs: Mapping[ReadKey, torch.Tensor]) -> None:
@@ -370,7 +374,7 @@ def _requests(sr: StepReader, rank: int, targets: Any,
 # -- restore at scale: ranks that need the same bytes read them once and share them -----------
 
 _ALIGN = 64  # offset of each range in a shared buffer (any dtype can view it)
-_MESSAGE_LIMIT = 256 << 20  # largest single send of a shared buffer
+_MESSAGE_LIMIT = 32 << 20  # a reader reads and sends its part in messages of this size
 _CUT = 1 << 20  # readers' parts of a shared buffer start at multiples of this
 
 
@@ -463,7 +467,9 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     when any rank could not plan or read its part (a damaged range, a step replaced meanwhile):
     then none of them has loaded anything, and each can read on its own as read_into() does.
     Raises only when the group itself fails (a peer died). Counts bytes under
-    stats["storage_bytes_read"], ["peer_bytes_sent"] and ["peer_bytes_received"]."""
+    stats["storage_bytes_read"], ["peer_bytes_sent"] and ["peer_bytes_received"], and the time
+    this rank spent reading from storage and waiting for the exchange to end after its reads
+    under ["storage_read_seconds"] and ["exchange_seconds"]."""
     import torch.distributed as dist
 
     from safepoint.errors import Error
@@ -489,58 +495,67 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     # This rank's buffers: one per set of ranks it is in, one per range only it needs.
     bufs: dict[ReadKey, torch.Tensor] = {}
     flats: dict[int, torch.Tensor] = {}
-    items = []  # what this rank reads from storage
     for i, g in enumerate(plan):
-        if rank not in g.ranks:
-            continue
-        flat = flats[i] = torch.empty(g.size, dtype=torch.uint8)
-        for k, off in g.layout:
-            bufs[k] = flat[off:off + k[3]]
-        for reader, lo, hi in g.shares:
-            if reader == rank:
-                for k, off, a, b in g.pieces(lo, hi):
-                    r = reads[k]
-                    items.append((r.reader, r.name, r.first + a, b - a, flat[off + a:off + b]))
+        if rank in g.ranks:
+            flat = flats[i] = torch.empty(g.size, dtype=torch.uint8)
+            for k, off in g.layout:
+                bufs[k] = flat[off:off + k[3]]
+    own = []  # the ranges only this rank needs
     if need:
         for k, r in reads.items():
             if k not in bufs:
                 bufs[k] = torch.empty(r.nbytes, dtype=torch.uint8)
-                items.append((r.reader, r.name, r.first, r.nbytes, bufs[k]))
-    failed = torch.zeros(1, dtype=torch.int32)
-    if need:
-        try:
-            StepReader.read(items, stats)
-        except Error as e:
-            warnings.warn(f"safepoint: step {step}: cannot read this rank's share: {e}",
-                          RuntimeWarning, stacklevel=3)
-            failed[0] = 1
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if int(failed.item()):
-        return None
+                own.append((r.reader, r.name, r.first, r.nbytes, bufs[k]))
 
-    # Every rank numbers the messages of the whole plan alike (the tag of each).
+    ok = True
+
+    def read(items: list) -> None:
+        nonlocal ok
+        if ok:
+            try:
+                StepReader.read(items, stats)
+            except Error as e:
+                warnings.warn(f"safepoint: step {step}: cannot read this rank's share: {e}",
+                              RuntimeWarning, stacklevel=4)
+                ok = False
+
+    # Every rank numbers the messages of the whole plan alike (the tag of each). A rank posts
+    # its receives first, then reads its parts message by message and sends each as soon as it
+    # is read, so its reads overlap its sends; its own ranges it reads last. A rank whose read
+    # failed still sends (what it has) so that no one waits forever: the all-reduce after the
+    # exchange tells every rank not to use any of it.
     works, tag = [], 0
+    mine = []
     for i, g in enumerate(plan):
         for reader, lo, hi in g.shares:
             for first in range(lo, hi, _MESSAGE_LIMIT):
                 tag += 1
-                if i not in flats:
-                    continue
-                part = flats[i][first:min(hi, first + _MESSAGE_LIMIT)]
+                last = min(hi, first + _MESSAGE_LIMIT)
                 if reader == rank:
-                    for dst in g.ranks:
-                        if dst != rank:
-                            works.append(dist.isend(part, dist.get_global_rank(group, dst),
-                                                    group=group, tag=tag))
-                            _add_stat(stats, "peer_bytes_sent", part.numel())
-                else:
+                    mine.append((i, g, first, last, tag))
+                elif i in flats:
+                    part = flats[i][first:last]
                     works.append(dist.irecv(part, dist.get_global_rank(group, reader),
                                             group=group, tag=tag))
                     _add_stat(stats, "peer_bytes_received", part.numel())
+    for i, g, first, last, tag in mine:
+        flat = flats[i]
+        read([(reads[k].reader, reads[k].name, reads[k].first + a, b - a,
+               flat[off + a:off + b]) for k, off, a, b in g.pieces(first, last)])
+        for dst in g.ranks:
+            if dst != rank:
+                works.append(dist.isend(flat[first:last], dist.get_global_rank(group, dst),
+                                        group=group, tag=tag))
+                _add_stat(stats, "peer_bytes_sent", last - first)
+    read(own)
+    t0 = time.perf_counter()
     for w in works:
         if w is not None:
             w.wait()
-    if not need:
+    _add_stat(stats, "exchange_seconds", time.perf_counter() - t0)
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if int(failed.item()) or not need:
         return None
     StepReader.copy_out(copies, bufs)
     return out

@@ -144,7 +144,7 @@ def _bench_rank(ckpt: str, shm: str, job: str, port: str, rank: int) -> None:
             dist.barrier()
             runs.append({"share": share, "seconds": time.perf_counter() - t0,
                          "ok": all(torch.equal(target[k], v) for k, v in state.items()),
-                         **{k: v for k, v in ck.status()["last_load"].items() if "bytes" in k}})
+                         **ck.status()["last_load"]})
     print(json.dumps({"rank": rank, "runs": runs}))
     dist.barrier()
     dist.destroy_process_group()
@@ -169,6 +169,8 @@ def _bench(workdir: str) -> None:
         print(f"share_reads={run['share']!s:5}  restore {max(r['seconds'] for r in rs):.2f} s  "
               f"read from storage {sum(r['storage_bytes_read'] for r in rs) / 2**20:.0f} MiB  "
               f"sent between ranks {sum(r['peer_bytes_sent'] for r in rs) / 2**20:.0f} MiB  "
+              f"(slowest rank: read {max(r.get('storage_read_seconds', 0) for r in rs):.2f} s, "
+              f"exchange {max(r.get('exchange_seconds', 0) for r in rs):.2f} s)  "
               f"bit-exact {all(r['ok'] for r in rs)}")
 
 
