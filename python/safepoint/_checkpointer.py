@@ -25,7 +25,7 @@ from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._replication import exchange_membership
-from safepoint._shards import plan_replicas, read_newest_into
+from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
@@ -134,13 +134,20 @@ class Checkpointer:
     ``replication_bandwidth`` caps the bytes/s an agent sends (default: half the link's speed
     when the kernel knows it, else no cap); ``peer_timeout`` is how long a silent peer is
     waited for.
+
+    With several ranks under torch.distributed, ``share_reads`` (default) makes ``restore`` from
+    storage read bytes that several ranks need (replicas) once: one rank reads each such range
+    and sends it to the others over the checkpointer's gloo group (docs/architecture.md,
+    "Restore at scale"); ranges only one rank needs (shards) it reads itself. ``status()``'s
+    ``last_load`` counts the bytes read from storage and sent/received between ranks.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
                  shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False,
-                 dedupe: bool = True, redundancy: Optional[str] = None,
+                 dedupe: bool = True, share_reads: bool = True,
+                 redundancy: Optional[str] = None,
                  replication_bandwidth: Optional[float] = None,
                  peer_timeout: float = 30.0) -> None:
         p = os.fspath(path)
@@ -176,6 +183,8 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         self.attempt = run_attempt(self._group)
         self.dedupe = bool(dedupe) and self._group is not None
+        self.share_reads = bool(share_reads) and self._group is not None
+        self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
@@ -288,6 +297,7 @@ class Checkpointer:
         one; if any rank then fails to read it, all fall back together to the next older one.
         Ranks never resume from different steps."""
         t0 = time.perf_counter()
+        self._io = {"storage_bytes_read": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0}
         if self._group is not None:
             out = self._load_agreed(step, _targets)
         else:
@@ -300,7 +310,7 @@ class Checkpointer:
             source, peers = "peer", source[5:]
         seconds = time.perf_counter() - t0
         self._stats["last_load"] = {"step": result[0], "source": source, "seconds": seconds,
-                                    "peers": peers}
+                                    "peers": peers, **self._io}
         self.last_restore = RestoreInfo(result[0], source, seconds, peers)
         return result
 
@@ -322,8 +332,9 @@ class Checkpointer:
         ranges the targets need, from whichever ranks' images hold them (any saving world size);
         else this rank's whole image."""
         if targets is None:
+            self._io["storage_bytes_read"] = None  # a whole image; not counted
             return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
-        return read_newest_into(self.path, step, self.rank, targets, self._unpickler)
+        return read_newest_into(self.path, step, self.rank, targets, self._unpickler, self._io)
 
     def _usable(self, snap: Optional[_core.Loaded]):
         """A memory snapshot, unless another world size saved it (then storage reshards)."""
@@ -383,22 +394,32 @@ class Checkpointer:
         return got[0], f"peer:{fetched.source}"
 
     def _load_one(self, step: int, memory: list[int], committed: list[int], targets: Any,
-                  peers: Optional[dict[int, Any]] = None):
+                  peers: Optional[dict[int, Any]] = None, share: bool = False):
         """This rank's copy of `step`: memory first, then peer memory, then storage. None if
-        none reads back."""
+        none reads back. With `share` (every rank restores with share_reads) this is a
+        collective: the ranks that read from storage share the ranges several need
+        (read_shared_into), and a rank whose copy is in memory (or peer memory) takes part too."""
+        got = None
         if step in memory:
             try:
                 got = self._usable(self._live.load_step(step, self._unpickler,
                                                         targets is not None))
-                if got is not None:
-                    return got
             except CorruptionError as e:
                 warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
                               RuntimeWarning, stacklevel=3)
-        if peers and step in peers and peers[step] is not None:
+        if got is None and peers and step in peers and peers[step] is not None:
             got = self._from_peers(step, peers[step], targets)
-            if got is not None:
+        if share:
+            need = got is None and step in committed
+            tree = read_shared_into(self.path, step, self.rank, targets, self._unpickler,
+                                    self._group, need, self._io)
+            if tree is not None:
+                return (step, tree), "storage"
+            if not need:
                 return got
+            # Some rank could not read its share: each reads on its own, as without sharing.
+        if got is not None:
+            return got
         if step in committed:
             try:
                 return self._from_storage(step, targets), "storage"
@@ -423,18 +444,22 @@ class Checkpointer:
         mine = self._memory_attempts()
         peers = {s: a for s, a in self._peer_attempts().items() if s not in mine}
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, (committed, {**peers, **mine}), group=self._group)
+        share = self.share_reads and targets is not None  # restore's shared storage reads
+        dist.all_gather_object(everyone, (committed, {**peers, **mine}, share),
+                               group=self._group)
+        share = all(e[2] for e in everyone)
         first = everyone[0][1]
         in_memory = {s for s, a in first.items()
-                     if a is not None and all(other.get(s) == a for _, other in everyone[1:])}
-        common = in_memory | set(everyone[0][0]).intersection(*(set(c) for c, _ in everyone[1:]))
+                     if a is not None and all(other.get(s) == a for _, other, _ in everyone[1:])}
+        common = in_memory | set(everyone[0][0]).intersection(
+            *(set(c) for c, _, _ in everyone[1:]))
         if step is not None:
             common &= {step}
         memory = [s for s in memory if s in in_memory]
         peers = {s: a for s, a in peers.items() if s in in_memory}
         while common:
             candidate = max(common)
-            got = self._load_one(candidate, memory, committed, targets, peers)
+            got = self._load_one(candidate, memory, committed, targets, peers, share)
             failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
             if int(failed.item()) == 0:
