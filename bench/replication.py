@@ -1,0 +1,569 @@
+"""safepoint benchmark: peer replication (docs/replication.md) on nodes made of network namespaces.
+
+    make bench-replication          # or (root): python bench/replication.py [--size 256M]
+
+Rewrites the "Peer replication" section of docs/benchmarks.md. Nodes are tests/common/nodes.py's
+network namespaces, each with its own /dev/shm, on one bridge (veth pairs): every byte a node
+sends goes through the host's kernel TCP stack, on the same 2 shared cores that run the ranks
+and the agents. One rank per node. In one run, with references measured in the same run:
+
+1. **Link references**: iperf3 (one stream node0 -> node1, and three at once in a ring, as the
+   mirror's pushes go) and ``ucx_perftest -t ucp_am_bw`` (UCX_TLS=tcp) node0 -> node1.
+2. **Replication throughput**: 3 nodes, ``redundancy="mirror"``, ``replication_bandwidth=0``,
+   --size of state per rank; from save() return until ``wait()`` returned (the newest snapshot
+   is on its peer), and the agent's own push seconds and bytes (``status()["replication"]``).
+   The same on 4 nodes with ``"ec:2+1"``.
+3. **Blocking time** of save with redundancy and without (a second Checkpointer of another job
+   in the same processes, saves alternated A B B A).
+4. **Restore after a node loss**: node 1 is killed (its processes and /dev/shm), replaced by an
+   empty node, the job restarts and restores: node 1's rank from its peer's memory; then node 1
+   is lost again and the job restarts without redundancy, so that node 1's rank reads the same
+   step from storage (page cache dropped).
+5. **Training slowdown**: 3-node DDP (gloo) on examples/tiny_gpt.py, blocks of steps without
+   checkpoints, with a flash save every step, with a flash save every step and mirror.
+6. **lm-resiliency 0.2.0** (GEMINI's in-memory peer checkpoint over Gloo), when installed: the
+   same state and nodes, save blocking time, time to replicated, recovery after a node loss.
+7. **Memory per node**: the bytes in each node's /dev/shm (slots, replicas) and the agent's
+   ``held_bytes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "tests", "common"))
+
+from run import MiB, drop_caches, machine, parse_size, publish  # noqa: E402
+from nodes import Cluster, Job, unavailable  # noqa: E402
+
+WORKER = os.path.join(HERE, "workloads", "repl_worker.py")
+# `make bench-replication` installs lm-resiliency here (pip --target --no-deps: it would pull
+# another torch) when the environment lacks it; appended, so the environment's packages win.
+LMRES_DEPS = os.path.join(REPO, "build", "bench", "lmres-deps")
+if os.path.isdir(LMRES_DEPS):
+    sys.path.append(LMRES_DEPS)
+GB = 1e9
+med = statistics.median
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- link references ---------------------------------------------------------------------------
+
+def iperf(c: Cluster, pairs: list[tuple[int, int]], seconds: float = 3.0) -> list[float]:
+    """Bytes/s of one iperf3 TCP stream per (src, dst) pair, all at once."""
+    servers = [c[d].popen(["iperf3", "-s", "-1", "-p", str(5201 + i)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL) for i, (_, d) in enumerate(pairs)]
+    time.sleep(0.5)
+    clients = [c[s].popen(["iperf3", "-c", c[d].addr, "-p", str(5201 + i), "-t", str(seconds),
+                           "-J"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i, (s, d) in enumerate(pairs)]
+    out = []
+    for p in clients:
+        o, e = p.communicate(timeout=60)
+        d = json.loads(o)
+        if "error" in d:
+            raise RuntimeError(f"iperf3: {d['error']}")
+        out.append(d["end"]["sum_received"]["bits_per_second"] / 8)
+    for s in servers:
+        s.wait(timeout=30)
+    return out
+
+
+def ucx_perftest(c: Cluster, size: int = 4 * MiB, iters: int = 100) -> dict:
+    """ucx_perftest -t ucp_am_bw node0 -> node1 over TCP (UCX's own MB = 2^20 bytes)."""
+    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
+    server = c[1].popen(["ucx_perftest", "-p", "13337"], env=env, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    r = c[0].run(["ucx_perftest", c[1].addr, "-p", "13337", "-t", "ucp_am_bw", "-s", str(size),
+                  "-n", str(iters), "-w", "5", "-f"], env=env, timeout=120)
+    server.wait(timeout=30)
+    line = [ln for ln in r.stdout.splitlines() if ln.strip() and ln.strip()[0].isdigit()]
+    if r.returncode != 0 or not line:
+        raise RuntimeError(f"ucx_perftest failed ({r.returncode}): {r.stdout[-500:]} {r.stderr[-500:]}")
+    f = line[-1].split()
+    return {"bytes_per_s": float(f[5]) * MiB, "msg": size, "iters": iters}
+
+
+def links(c: Cluster) -> dict:
+    out: dict = {}
+    out["iperf_one"] = iperf(c, [(0, 1)])[0]
+    n = len(c)
+    out["iperf_ring"] = iperf(c, [(i, (i + 1) % n) for i in range(n)])
+    try:
+        out["ucx"] = ucx_perftest(c)
+    except Exception as e:  # noqa: BLE001 - reported
+        out["ucx_error"] = str(e)
+    return out
+
+
+# --- memory per node ---------------------------------------------------------------------------
+
+def shm_usage(c: Cluster) -> list[dict]:
+    """Per node: allocated bytes in its /dev/shm, split into replica files and the rest (slots,
+    control files), per job directory."""
+    nodes = []
+    for node in c:
+        use: dict = {}
+        for root, _, files in os.walk(node.shm):
+            rel = os.path.relpath(root, node.shm)
+            top = rel.split(os.sep)[0]
+            kind = "replicas" if "replicas" in rel.split(os.sep) else "slots"
+            for f in files:
+                try:
+                    b = os.lstat(os.path.join(root, f)).st_blocks * 512
+                except OSError:
+                    continue
+                use.setdefault(top, {"slots": 0, "replicas": 0})[kind] += b
+        nodes.append({"node": node.name, "dirs": use})
+    return nodes
+
+
+# --- save / restore with a redundancy ----------------------------------------------------------
+
+def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
+                 restore: bool) -> dict:
+    tag = redundancy.replace(":", "").replace("+", "p")
+    name = f"bench-{tag}-{os.getpid()}"
+    a = {"size": args.size, "runs": args.runs, "warmup": 1, "redundancy": redundancy,
+         "ckpt_on": os.path.join(work, f"ckpt-{tag}"), "job_on": name}
+    if with_off:
+        a.update(ckpt_off=os.path.join(work, f"ckpt-{tag}-off"), job_off=name + "-off")
+    out: dict = {"redundancy": redundancy, "nodes": len(c)}
+    log(f"{redundancy}: save job on {len(c)} nodes")
+    job = Job(c, WORKER, ["save", json.dumps(a)])
+    try:
+        saved = job.expect_all("saved")
+    except BaseException:
+        job.kill()
+        raise RuntimeError("save job failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    out["saved"] = saved
+    out["shm"] = shm_usage(c)
+    if not restore:
+        job.kill()
+        return out
+    step = saved[0]["step"]
+    log(f"{redundancy}: node 1 lost; restore from peers")
+    c[1].kill()
+    c.replace(1)
+    job = job.restart(["load", json.dumps({"size": args.size, "ckpt": a["ckpt_on"],
+                                           "job": name, "redundancy": redundancy})])
+    try:
+        out["peer"] = job.expect_all("loaded")
+    except BaseException:
+        job.kill()
+        raise RuntimeError("peer restore failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    log(f"{redundancy}: node 1 lost again; restore without redundancy (storage for node 1)")
+    job.kill()
+    c[1].kill()
+    c.replace(1)
+    out["cache"] = drop_caches([a["ckpt_on"]])
+    job = job.restart(["load", json.dumps({"size": args.size, "ckpt": a["ckpt_on"],
+                                           "job": name, "redundancy": None})])
+    try:
+        out["storage"] = job.expect_all("loaded")
+    except BaseException:
+        job.kill()
+        raise RuntimeError("storage restore failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    job.kill()
+    out["step"] = step
+    return out
+
+
+def train(c: Cluster, args, work: str, gemini: bool) -> dict:
+    a = {"dim": args.dim, "layers": args.layers, "batch": 8, "steps": args.train_steps,
+         "blocks": 2, "redundancy": "mirror",
+         "ckpt_on": os.path.join(work, "train-on"), "job_on": f"bench-train-{os.getpid()}",
+         "ckpt_off": os.path.join(work, "train-off"), "job_off": f"bench-train-off-{os.getpid()}",
+         "gemini": gemini, "gemini_folder": os.path.join(work, "gemini-train"),
+         "gemini_run_id": f"train-{os.getpid()}"}
+    log("training: DDP on 3 nodes")
+    job = Job(c, WORKER, ["train", json.dumps(a)])
+    try:
+        out = job.expect_all("trained")
+        job.wait()
+    except BaseException:
+        job.kill()
+        raise RuntimeError("train job failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    return {"ranks": out, "args": a}
+
+
+def run_gemini(c: Cluster, args, work: str) -> dict:
+    a = {"size": args.size, "runs": args.runs, "warmup": 1,
+         "folder": os.path.join(work, "gemini"), "run_id": f"gemini-{os.getpid()}"}
+    out: dict = {}
+    log("lm-resiliency: save job")
+    job = Job(c, WORKER, ["gemini", json.dumps(a)])
+    lines = [read_json_line(r, ("gemini_saved", "gemini_error")) for r in job.ranks]
+    out["saved"] = lines
+    if any(k != "gemini_saved" for k, _ in lines):
+        job.kill()
+        return out
+    log("lm-resiliency: node 1 lost, SIGTERM to the others, restart")
+    t0 = time.perf_counter()
+    c[1].kill()
+    for r in job.ranks:
+        if r.node.index != 1 and r.proc.poll() is None:
+            # the rank is the nsenter's child: signal the python process in the node
+            for pid in r.node.processes():
+                try:
+                    if b"repl_worker.py" in open(f"/proc/{pid}/cmdline", "rb").read():
+                        os.kill(pid, signal.SIGTERM)
+                except OSError:
+                    pass
+    codes = []
+    for r in job.ranks:
+        if r.node.index == 1:
+            continue
+        try:
+            codes.append(r.proc.wait(timeout=60))
+        except subprocess.TimeoutExpired:
+            codes.append("hung")
+    out["flush_s"] = time.perf_counter() - t0
+    out["exit_codes"] = codes
+    out["flush_stderr"] = [r.stderr()[-1500:] for r in job.ranks if r.node.index != 1]
+    c.replace(1)
+    out["cache"] = drop_caches([a["folder"]])
+    job = job.restart(["gemini-load", json.dumps(a)])
+    out["loaded"] = [read_json_line(r, ("gemini_loaded",)) for r in job.ranks]
+    try:
+        job.wait(timeout=120)
+    except BaseException:  # noqa: BLE001
+        job.kill()
+    out["load_stderr"] = [r.stderr()[-1500:] for r in job.ranks]
+    return out
+
+
+def read_json_line(r, kinds=None) -> tuple[str, dict]:
+    """The next "KIND {json}" line of a rank (of one of `kinds`, if given); ("exited",
+    {"stderr": ...}) if the rank ended first."""
+    while True:
+        fields = r.out.next()
+        if fields is None:
+            return "exited", {"stderr": r.stderr()[-2000:]}
+        if fields and (kinds is None or fields[0] in kinds) and len(fields) > 1 and \
+                fields[1].startswith("{"):
+            return fields[0], json.loads(" ".join(fields[1:]))
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def per_rep_max(saved: list[dict], mode: str, key: str) -> list[float]:
+    """Per repetition, the slowest rank's figure."""
+    cols = [s["results"][mode][key] for s in saved]
+    return [max(v) for v in zip(*cols)]
+
+
+def fmt_range(v: list[float], digits: int = 3) -> str:
+    return f"{med(v):.{digits}f} ({min(v):.{digits}f}–{max(v):.{digits}f})"
+
+
+def render(res: dict, args, conditions: str) -> str:
+    L: list[str] = []
+    L.append(f"Measured {datetime.date.today().isoformat()} on {machine()}.")
+    L.append(f"Command: `make bench-replication` (`python bench/replication.py --size "
+             f"{args.size // MiB}M --runs {args.runs}`). {conditions}")
+    L.append("")
+    L.append("Nodes are network namespaces (tests/common/nodes.py), each with its own /dev/shm, "
+             "joined by veth pairs on one bridge: every byte between nodes goes through the "
+             "host kernel's TCP stack, on the same 2 cores that run every rank, agent and "
+             "iperf3. One rank per node, one torch thread per rank. Figures are medians "
+             f"(range) of {args.runs} repetitions after a warm-up; per repetition the slowest "
+             "rank's figure.")
+    lk = res.get("links", {})
+    one = lk.get("iperf_one")
+    ring = lk.get("iperf_ring") or []
+    ucx = (lk.get("ucx") or {}).get("bytes_per_s")
+    L.append("")
+    L.append("### Link references (same run)")
+    L.append("")
+    L.append("| reference | GB/s |")
+    L.append("|---|---:|")
+    if one:
+        L.append(f"| iperf3, one TCP stream node0 -> node1 (3 s) | {one / GB:.2f} |")
+    if ring:
+        L.append(f"| iperf3, 3 streams at once in a ring (node i -> i+1), per stream (min–max) | "
+                 f"{med(ring) / GB:.2f} ({min(ring) / GB:.2f}–{max(ring) / GB:.2f}) |")
+        L.append(f"| iperf3 ring, sum of the 3 streams | {sum(ring) / GB:.2f} |")
+    if ucx:
+        L.append(f"| `ucx_perftest -t ucp_am_bw` node0 -> node1, UCX_TLS=tcp, "
+                 f"{lk['ucx']['msg'] // MiB} MiB messages | {ucx / GB:.2f} |")
+    if lk.get("ucx_error"):
+        L.append(f"| ucx_perftest failed: {lk['ucx_error'][:200]} | |")
+
+    # throughput, blocking, time to protected
+    L.append("")
+    L.append("### Replication throughput, blocking time, time until protected")
+    L.append("")
+    L.append("Every rank saves at once (each node pushes its snapshot to the next node(s) while "
+             "receiving its predecessor's), `replication_bandwidth=0`, `persist=False` (nothing "
+             "goes to storage in these saves). **push** = the agent's own `seconds` and `bytes` "
+             "of the rank's last push (`status()[\"replication\"][\"ranks\"]`); **until "
+             "protected** = from save() return until `wait()` returned (the snapshot is on its "
+             "peers). The reference for a push is one iperf3 stream of the ring (all nodes "
+             "send at once); \"vs 1 stream\" is against a lone stream.")
+    L.append("")
+    L.append("| redundancy | nodes | state a rank | blocking save, off | blocking save, on | "
+             "until protected s | push s | sent a rank | push GB/s | vs iperf3 ring stream | "
+             "vs 1 iperf3 stream | vs ucx_perftest |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for key in ("mirror", "ec"):
+        r = res.get(key)
+        if not r or "saved" not in r:
+            continue
+        saved = r["saved"]
+        nbytes = saved[0]["bytes"]
+        on_b = per_rep_max(saved, "on", "block")
+        off_b = per_rep_max(saved, "off", "block") if "off" in saved[0]["results"] else None
+        prot = per_rep_max(saved, "on", "protected")
+        push_s = per_rep_max(saved, "on", "push_s")
+        sent = max(max(s["results"]["on"]["push_bytes"]) for s in saved)
+        rate = sent / med(push_s)
+        flags = all(all(s["results"]["on"]["protected_flag"]) for s in saved)
+        vs = lambda ref: f"{rate / ref:.0%}" if ref else "–"  # noqa: E731
+        L.append(f"| `{r['redundancy']}` | {r['nodes']} | {nbytes / MiB:.0f} MiB | "
+                 f"{fmt_range(off_b) if off_b else '–'} | {fmt_range(on_b)} | {fmt_range(prot)} | "
+                 f"{fmt_range(push_s)} | {sent / MiB:.0f} MiB | {rate / GB:.2f} | "
+                 f"{vs(med(ring) if ring else None)} | {vs(one)} | {vs(ucx)} |")
+        if not flags:
+            L.append(f"| (some pushes of `{r['redundancy']}` were not protected at their step) |"
+                     + " |" * 11)
+    # restore
+    L.append("")
+    L.append("### Restore after losing a node")
+    L.append("")
+    L.append("Node 1 is killed (every process, its /dev/shm) and replaced by an empty node; the "
+             "job restarts. **peer**: with redundancy, node 1's rank rebuilds its snapshot from "
+             "peer memory (the agent fetches it into a slot, then a hot reload). **storage**: "
+             "node 1 lost again, the job restarts without redundancy and node 1's rank reads "
+             "the same step from storage (page cache dropped before). `restore()` seconds of "
+             "the replaced node's rank (and, for reference, of a surviving rank, from its own "
+             "memory); every restored state was compared with what was saved.")
+    L.append("")
+    L.append("| redundancy | step | node 1 from peers s | node 1 from storage s | storage / peers | "
+             "peer GB/s | survivor (memory) s | sources (peer run) | bit-identical |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    for key in ("mirror", "ec"):
+        r = res.get(key)
+        if not r or "peer" not in r:
+            continue
+        p1, s1 = r["peer"][1], r["storage"][1]
+        nbytes = r["saved"][1]["bytes"]
+        ok = all(x.get("equal") for x in r["peer"] + r["storage"])
+        srcs = ", ".join(f"{x['source']}" for x in r["peer"])
+        ssrc = s1["source"]
+        L.append(f"| `{r['redundancy']}` | {p1['step']} | {p1['restore_s']:.3f} "
+                 f"({p1['source']}, from {p1['peers']}) | {s1['restore_s']:.3f} ({ssrc}) | "
+                 f"{s1['restore_s'] / p1['restore_s']:.2f}x | {nbytes / p1['restore_s'] / GB:.2f} | "
+                 f"{r['peer'][0]['restore_s']:.3f} | {srcs} | {'yes' if ok else 'NO'} |")
+    # memory
+    L.append("")
+    L.append("### Memory per node")
+    L.append("")
+    L.append("Allocated bytes in each node's /dev/shm after the last save (the replicated job's "
+             "directory: its two slots per rank, and the replicas it holds for other nodes), "
+             "and the agent's `held_bytes`; S = one rank's snapshot image.")
+    L.append("")
+    L.append("| redundancy | node | slots MiB | replicas MiB | held_bytes MiB | replicas / S | "
+             "expected replicas / S |")
+    L.append("|---|---|---:|---:|---:|---:|---:|")
+    for key in ("mirror", "ec"):
+        r = res.get(key)
+        if not r or "shm" not in r:
+            continue
+        exp = {"mirror": "1", "ec:2+1": "1.5"}.get(r["redundancy"], "?")
+        img = r["saved"][0]["bytes"]
+        for n, s in zip(r["shm"], r["saved"]):
+            job = [v for k, v in n["dirs"].items() if "-off" not in k and "train" not in k]
+            slots = sum(v["slots"] for v in job)
+            reps = sum(v["replicas"] for v in job)
+            L.append(f"| `{r['redundancy']}` | {n['node']} | {slots / MiB:.0f} | "
+                     f"{reps / MiB:.0f} | {(s.get('held_bytes') or 0) / MiB:.0f} | "
+                     f"{reps / img:.2f} | {exp} |")
+    # training
+    t = res.get("train")
+    if t and "ranks" in t:
+        L.append("")
+        L.append("### Training slowdown (3-node DDP)")
+        L.append("")
+        rk = t["ranks"]
+        a = t["args"]
+        L.append(f"examples/tiny_gpt.py (dim {a['dim']}, {a['layers']} layers, "
+                 f"{rk[0]['params'] / 1e6:.1f} M parameters; model + AdamW state "
+                 f"{rk[0]['state_bytes'] / MiB:.0f} MiB a rank), DDP over gloo, batch 8 x 64 "
+                 f"tokens a rank; {a['blocks']} blocks of {a['steps']} steps per mode, modes "
+                 "alternated (A B C, C B A), a save every step with `persist=False`; the first "
+                 "step of each block is not counted. Step time = forward, backward, optimizer "
+                 "step and the save call (rank 0; DDP keeps the ranks in step).")
+        L.append("")
+        L.append("| mode | step s | vs no checkpoint | save call s |")
+        L.append("|---|---:|---:|---:|")
+        base = max(x["step_s"]["none"] for x in rk)
+        for m in rk[0]["step_s"]:
+            st = max(x["step_s"][m] for x in rk)
+            sv = max(x["save_s"][m] for x in rk)
+            L.append(f"| {m} | {st:.3f} | {st / base:.2f}x | {sv:.3f} |")
+        pushes = rk[0].get("pushes")
+        if pushes:
+            L.append("")
+            L.append(f"Rank 0's agent in the mirror mode: pushes ok {pushes[0]}, superseded "
+                     f"{pushes[1]}, failed {pushes[2]} (a push is superseded when the rank "
+                     "overwrites the slot before it is sent; pushes coalesce to the newest "
+                     "snapshot).")
+        if rk[0].get("gemini_error"):
+            L.append("")
+            L.append(f"lm-resiliency on these 3 ranks: `{rk[0]['gemini_error']}`")
+    # gemini
+    g = res.get("gemini")
+    L.append("")
+    L.append("### lm-resiliency 0.2.0 (GEMINI in-memory peer checkpoint over Gloo)")
+    L.append("")
+    if res.get("gemini_note"):
+        L.append(res["gemini_note"])
+        L.append("")
+    if g:
+        saved = g.get("saved", [])
+        if saved and all(k == "gemini_saved" for k, _ in saved):
+            rs = [v for _, v in saved]
+            blk = [max(v) for v in zip(*[x["results"]["block"] for x in rs])]
+            prot = [max(v) for v in zip(*[x["results"]["protected"] for x in rs])]
+            ok = all(all(x["results"]["ok"]) for x in rs)
+            L.append(f"Same state ({res['ec']['saved'][0]['bytes'] / MiB:.0f} MiB a rank) on "
+                     f"the 4 nodes of the ec run, `InMemoryCheckpointManager` (replication_jump=1: "
+                     "ranks pair up 0<->1, 2<->3, each sends its shard to its partner over "
+                     "Gloo send/recv in 16 MiB chunks; pin_memory=False, disk_flush_interval=0). "
+                     "blocking = `save()` (a copy into its own process memory, then the "
+                     "replication starts on a thread); protected = `finalize_replication()` "
+                     "returned (the partner holds it).")
+            L.append("")
+            L.append("| engine | blocking s | until protected s | replicated |")
+            L.append("|---|---:|---:|---|")
+            L.append(f"| lm-resiliency (4 ranks, pairs) | {fmt_range(blk)} | {fmt_range(prot)} | "
+                     f"{'yes' if ok else 'NO'} |")
+            ec = res.get("ec")
+            if ec and "saved" in ec:
+                L.append(f"| safepoint `ec:2+1` (same 4 nodes) | "
+                         f"{fmt_range(per_rep_max(ec['saved'], 'on', 'block'))} | "
+                         f"{fmt_range(per_rep_max(ec['saved'], 'on', 'protected'))} | yes |")
+            mr = res.get("mirror")
+            if mr and "saved" in mr:
+                L.append(f"| safepoint `mirror` (3 nodes, above) | "
+                         f"{fmt_range(per_rep_max(mr['saved'], 'on', 'block'))} | "
+                         f"{fmt_range(per_rep_max(mr['saved'], 'on', 'protected'))} | yes |")
+            L.append("")
+            L.append(f"Recovery: node 1 killed; the other ranks got SIGTERM (lm-resiliency's "
+                     f"handler flushes its own and its partner's shard to `disk_folder`, here a "
+                     f"directory all nodes share) and exited {g.get('exit_codes')} after "
+                     f"{g.get('flush_s', 0):.2f} s; the replaced node joined, the job restarted, "
+                     f"page cache dropped, `load()`:")
+            L.append("")
+            for k, v in g.get("loaded", []):
+                if "error" in v or k != "gemini_loaded":
+                    L.append(f"- rank {g['loaded'].index((k, v))}: {k} "
+                             f"`{(v.get('error') or v.get('stderr', ''))[-400:]}`")
+                else:
+                    L.append(f"- rank {v['rank']}: step {v['step']} in {v['seconds']:.3f} s "
+                             f"(manager construction + load, from disk), equal: {v['equal']}")
+        else:
+            for k, v in saved:
+                L.append(f"- {k}: `{(v.get('error') or v.get('stderr', ''))[-600:]}`")
+    for k, e in res.get("errors", {}).items():
+        L.append("")
+        L.append(f"**{k} failed in this run:** `{e[-800:]}`")
+    return "\n".join(L) + "\n"
+
+
+def load_conditions() -> str:
+    load1, load5, _ = os.getloadavg()
+    rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    return (f"Repository at {rev or '?'}. Load average at the start {load1:.2f} (1 min) / "
+            f"{load5:.2f} (5 min) on {os.cpu_count()} cores; other jobs shared the machine.")
+
+
+def fresh(c: Cluster) -> None:
+    """Every node replaced: no agent, slot or replica of an earlier stage left."""
+    for i in range(len(c)):
+        c.replace(i)
+
+
+def stage(res: dict, key: str, fn, *a) -> None:
+    t0 = time.perf_counter()
+    try:
+        res[key] = fn(*a)
+    except Exception as e:  # noqa: BLE001 - one failed stage must not lose the others
+        traceback.print_exc()
+        res.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
+    log(f"{key}: {time.perf_counter() - t0:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=parse_size, default=parse_size("256M"),
+                    help="state a rank (default 256M)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--train-steps", type=int, default=8, help="steps per block and mode")
+    ap.add_argument("--shm", default="3g", help="each node's /dev/shm size")
+    ap.add_argument("--skip", default="", help="comma list of: ec, train, gemini")
+    ap.add_argument("--dir", default=os.path.join(REPO, "build", "bench"))
+    ap.add_argument("--no-doc", action="store_true")
+    args = ap.parse_args()
+    why = unavailable()
+    if why:
+        raise SystemExit(f"bench/replication.py needs nodes: {why}")
+    skip = set(filter(None, args.skip.split(",")))
+    try:
+        import lm_resiliency  # noqa: F401
+        have_gemini = "gemini" not in skip
+    except ImportError:
+        have_gemini = False
+    os.makedirs(args.dir, exist_ok=True)
+    conditions = load_conditions()
+    t0 = time.perf_counter()
+    work = tempfile.mkdtemp(prefix="replication-", dir=args.dir)
+    res: dict = {}
+    if not have_gemini:
+        res["gemini_note"] = ("lm-resiliency is not installed (`pip install --no-deps "
+                              "lm-resiliency==0.2.0`): not measured.")
+    try:
+        with Cluster(3, shm_size=args.shm) as c:
+            stage(res, "links", links, c)
+            stage(res, "mirror", save_restore, c, "mirror", args, work, True, True)
+            if "train" not in skip:
+                fresh(c)
+                stage(res, "train", train, c, args, work, have_gemini)
+        if "ec" not in skip:
+            with Cluster(4, shm_size=args.shm) as c:
+                stage(res, "ec", save_restore, c, "ec:2+1", args, work, False, True)
+                if have_gemini:
+                    fresh(c)
+                    stage(res, "gemini", run_gemini, c, args, work)
+    finally:
+        subprocess.run(["rm", "-rf", work], check=False)
+    conditions += (f" The run took {time.perf_counter() - t0:.0f} s; load average at the end "
+                   f"{os.getloadavg()[0]:.2f}.")
+    section = render(res, args, conditions)
+    publish(args, "replication", "Peer replication", section, res)
+
+
+if __name__ == "__main__":
+    main()
