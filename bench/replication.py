@@ -101,7 +101,48 @@ def ucx_perftest(c: Cluster, size: int = 4 * MiB, iters: int = 100) -> dict:
     return {"bytes_per_s": float(f[5]) * MiB, "msg": size, "iters": iters}
 
 
-def links(c: Cluster) -> dict:
+def shm_write(c: Cluster, nbytes: int) -> dict:
+    """Write rates into node 0's /dev/shm (a tmpfs of its own), 8 MiB writes: into a new,
+    fallocate'd file (pages the kernel has to find and zero: what a receiver pays when it writes
+    a replica into a new file) and again into the same file (pages that exist)."""
+    buf = bytearray(os.urandom(1 << 20)) * 8
+    path = c[0].shm / "bench-first-touch"
+    out = {}
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for kind in ("fresh", "rewrite"):
+            if kind == "fresh":
+                os.posix_fallocate(fd, 0, nbytes)
+            os.lseek(fd, 0, os.SEEK_SET)
+            t0 = time.perf_counter()
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, memoryview(buf)[:min(len(buf), left)])
+            out[kind] = nbytes / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return out
+
+
+def agent_cpu(c: Cluster) -> list[dict]:
+    """CPU seconds (user + system) of every safepointd in the nodes, with its command line."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for node in c:
+        for pid in node.processes():
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+                if "safepointd" not in cmd:
+                    continue
+                f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out.append({"node": node.name, "cmd": cmd[-300:], "cpu_s": (int(f[11]) + int(f[12])) / tick})
+    return out
+
+
+def links(c: Cluster, nbytes: int) -> dict:
     out: dict = {}
     out["iperf_one"] = iperf(c, [(0, 1)])[0]
     n = len(c)
@@ -110,6 +151,7 @@ def links(c: Cluster) -> dict:
         out["ucx"] = ucx_perftest(c)
     except Exception as e:  # noqa: BLE001 - reported
         out["ucx_error"] = str(e)
+    out["shm"] = shm_write(c, nbytes)
     return out
 
 
@@ -201,7 +243,7 @@ def train(c: Cluster, args, work: str, gemini: bool) -> dict:
     except BaseException:
         job.kill()
         raise RuntimeError("train job failed:\n" + "\n".join(r.stderr() for r in job.ranks))
-    return {"ranks": out, "args": a}
+    return {"ranks": out, "args": a, "agents": agent_cpu(c)}
 
 
 def run_gemini(c: Cluster, args, work: str) -> dict:
@@ -304,6 +346,11 @@ def render(res: dict, args, conditions: str) -> str:
     if ucx:
         L.append(f"| `ucx_perftest -t ucp_am_bw` node0 -> node1, UCX_TLS=tcp, "
                  f"{lk['ucx']['msg'] // MiB} MiB messages | {ucx / GB:.2f} |")
+    sh = lk.get("shm") or {}
+    if sh:
+        L.append(f"| writing {args.size // MiB} MiB into a new fallocate'd file in a node's "
+                 f"/dev/shm (first touch of its pages) | {sh['fresh'] / GB:.2f} |")
+        L.append(f"| the same, into the same file again (pages exist) | {sh['rewrite'] / GB:.2f} |")
     if lk.get("ucx_error"):
         L.append(f"| ucx_perftest failed: {lk['ucx_error'][:200]} | |")
 
@@ -357,8 +404,9 @@ def render(res: dict, args, conditions: str) -> str:
              "memory); every restored state was compared with what was saved.")
     L.append("")
     L.append("| redundancy | step | node 1 from peers s | node 1 from storage s | storage / peers | "
-             "peer GB/s | survivor (memory) s | sources (peer run) | bit-identical |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---|---|")
+             "peer GB/s | survivor (memory) s | Checkpointer() on the new node s | "
+             "sources (peer run) | bit-identical |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for key in ("mirror", "ec"):
         r = res.get(key)
         if not r or "peer" not in r:
@@ -371,7 +419,8 @@ def render(res: dict, args, conditions: str) -> str:
         L.append(f"| `{r['redundancy']}` | {p1['step']} | {p1['restore_s']:.3f} "
                  f"({p1['source']}, from {p1['peers']}) | {s1['restore_s']:.3f} ({ssrc}) | "
                  f"{s1['restore_s'] / p1['restore_s']:.2f}x | {nbytes / p1['restore_s'] / GB:.2f} | "
-                 f"{r['peer'][0]['restore_s']:.3f} | {srcs} | {'yes' if ok else 'NO'} |")
+                 f"{r['peer'][0]['restore_s']:.3f} | {p1['start_s']:.3f} | {srcs} | "
+                 f"{'yes' if ok else 'NO'} |")
     # memory
     L.append("")
     L.append("### Memory per node")
@@ -419,6 +468,16 @@ def render(res: dict, args, conditions: str) -> str:
             st = max(x["step_s"][m] for x in rk)
             sv = max(x["save_s"][m] for x in rk)
             L.append(f"| {m} | {st:.3f} | {st / base:.2f}x | {sv:.3f} |")
+        ag = t.get("agents") or []
+        on = sum(x["cpu_s"] for x in ag if a["job_on"] in x["cmd"])
+        off = sum(x["cpu_s"] for x in ag if a["job_off"] in x["cmd"])
+        nsteps = a["blocks"] * a["steps"]
+        if ag:
+            L.append("")
+            L.append(f"CPU time of the node agents over the whole job (all nodes): the mirror "
+                     f"job's agents {on:.1f} s, the flash-only job's {off:.1f} s, for "
+                     f"{nsteps} saves each: {on / nsteps:.3f} s vs {off / nsteps:.3f} s a "
+                     f"save, on 2 cores that the 3 ranks also compute on.")
         pushes = rk[0].get("pushes")
         if pushes:
             L.append("")
@@ -452,20 +511,25 @@ def render(res: dict, args, conditions: str) -> str:
                      "replication starts on a thread); protected = `finalize_replication()` "
                      "returned (the partner holds it).")
             L.append("")
-            L.append("| engine | blocking s | until protected s | replicated |")
-            L.append("|---|---:|---:|---|")
+            L.append("| engine | blocking s | until protected s | replicated | lost node's rank "
+                     "restored in s |")
+            L.append("|---|---:|---:|---|---:|")
+            lo = [v for k, v in g.get("loaded", []) if k == "gemini_loaded" and "error" not in v]
+            rec = f"{lo[1]['seconds']:.3f} (its partner's flush, from disk)" if len(lo) > 1 else "–"
             L.append(f"| lm-resiliency (4 ranks, pairs) | {fmt_range(blk)} | {fmt_range(prot)} | "
-                     f"{'yes' if ok else 'NO'} |")
+                     f"{'yes' if ok else 'NO'} | {rec} |")
             ec = res.get("ec")
             if ec and "saved" in ec:
                 L.append(f"| safepoint `ec:2+1` (same 4 nodes) | "
                          f"{fmt_range(per_rep_max(ec['saved'], 'on', 'block'))} | "
-                         f"{fmt_range(per_rep_max(ec['saved'], 'on', 'protected'))} | yes |")
+                         f"{fmt_range(per_rep_max(ec['saved'], 'on', 'protected'))} | yes | "
+                         f"{restored(ec)} |")
             mr = res.get("mirror")
             if mr and "saved" in mr:
                 L.append(f"| safepoint `mirror` (3 nodes, above) | "
                          f"{fmt_range(per_rep_max(mr['saved'], 'on', 'block'))} | "
-                         f"{fmt_range(per_rep_max(mr['saved'], 'on', 'protected'))} | yes |")
+                         f"{fmt_range(per_rep_max(mr['saved'], 'on', 'protected'))} | yes | "
+                         f"{restored(mr)} |")
             L.append("")
             L.append(f"Recovery: node 1 killed; the other ranks got SIGTERM (lm-resiliency's "
                      f"handler flushes its own and its partner's shard to `disk_folder`, here a "
@@ -478,8 +542,9 @@ def render(res: dict, args, conditions: str) -> str:
                     L.append(f"- rank {g['loaded'].index((k, v))}: {k} "
                              f"`{(v.get('error') or v.get('stderr', ''))[-400:]}`")
                 else:
-                    L.append(f"- rank {v['rank']}: step {v['step']} in {v['seconds']:.3f} s "
-                             f"(manager construction + load, from disk), equal: {v['equal']}")
+                    L.append(f"- rank {v['rank']}: step {v['step']}, `load()` {v['seconds']:.3f} s "
+                             f"(from disk; constructing the manager before: "
+                             f"{v['start_s']:.3f} s), equal to what was saved: {v['equal']}")
         else:
             for k, v in saved:
                 L.append(f"- {k}: `{(v.get('error') or v.get('stderr', ''))[-600:]}`")
@@ -487,6 +552,13 @@ def render(res: dict, args, conditions: str) -> str:
         L.append("")
         L.append(f"**{k} failed in this run:** `{e[-800:]}`")
     return "\n".join(L) + "\n"
+
+
+def restored(r: dict) -> str:
+    if "peer" not in r:
+        return "–"
+    p = r["peer"][1]
+    return f"{p['restore_s']:.3f} ({p['source']})"
 
 
 def load_conditions() -> str:
@@ -546,7 +618,7 @@ def main() -> None:
                               "lm-resiliency==0.2.0`): not measured.")
     try:
         with Cluster(3, shm_size=args.shm) as c:
-            stage(res, "links", links, c)
+            stage(res, "links", links, c, args.size)
             stage(res, "mirror", save_restore, c, "mirror", args, work, True, True)
             if "train" not in skip:
                 fresh(c)

@@ -145,8 +145,8 @@ def run_save(a: dict) -> None:
     dist.barrier()
     cks["on"].save(step, st, persist=True)
     cks["on"].wait()
+    dist.barrier()  # every rank's push is done: what each node holds now is settled
     rep = cks["on"].status()["replication"]
-    dist.barrier()
     say("saved", rank=rank, step=step, bytes=nbytes_of(st), results=res,
         held_bytes=rep.get("held_bytes"), held=rep.get("held"), push=my_push(cks["on"], rank),
         service=rep.get("service"))
@@ -229,6 +229,8 @@ def run_gemini_load(a: dict) -> None:
     t0 = time.perf_counter()
     try:
         mgr = gemini_manager(a["folder"], a["run_id"])
+        dist.barrier()
+        tl = time.perf_counter()
         got = mgr.load()
     except Exception as e:  # noqa: BLE001
         say("gemini_loaded", rank=rank, error=f"{type(e).__name__}: {e}",
@@ -243,7 +245,7 @@ def run_gemini_load(a: dict) -> None:
             ok = equal(ref, {"model": sd["model"], "optim": sd["optim"], "step": sd["step"]})
         except Exception as e:  # noqa: BLE001
             ok = f"{type(e).__name__}: {e}"
-    say("gemini_loaded", rank=rank, step=step, seconds=t1 - t0, equal=ok)
+    say("gemini_loaded", rank=rank, step=step, seconds=t1 - tl, start_s=tl - t0, equal=ok)
     dist.barrier()
 
 
