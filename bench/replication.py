@@ -85,15 +85,25 @@ def iperf(c: Cluster, pairs: list[tuple[int, int]], seconds: float = 3.0) -> lis
     return out
 
 
+_ucx_port = 13336
+
+
 def ucx_perftest(c: Cluster, size: int = 4 * MiB, iters: int = 100) -> dict:
     """ucx_perftest -t ucp_am_bw node0 -> node1 over TCP (UCX's own MB = 2^20 bytes)."""
     env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
-    server = c[1].popen(["ucx_perftest", "-p", "13337"], env=env, stdout=subprocess.DEVNULL,
+    global _ucx_port
+    _ucx_port += 1
+    port = str(_ucx_port)
+    server = c[1].popen(["ucx_perftest", "-p", port], env=env, stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
-    r = c[0].run(["ucx_perftest", c[1].addr, "-p", "13337", "-t", "ucp_am_bw", "-s", str(size),
+    time.sleep(1.5)
+    r = c[0].run(["ucx_perftest", c[1].addr, "-p", port, "-t", "ucp_am_bw", "-s", str(size),
                   "-n", str(iters), "-w", "5", "-f"], env=env, timeout=120)
-    server.wait(timeout=30)
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
     line = [ln for ln in r.stdout.splitlines() if ln.strip() and ln.strip()[0].isdigit()]
     if r.returncode != 0 or not line:
         raise RuntimeError(f"ucx_perftest failed ({r.returncode}): {r.stdout[-500:]} {r.stderr[-500:]}")
@@ -142,16 +152,21 @@ def agent_cpu(c: Cluster) -> list[dict]:
     return out
 
 
-def links(c: Cluster, nbytes: int) -> dict:
+def links(c: Cluster, nbytes: int, first: bool = True) -> dict:
+    """The references, measured twice per cluster (before and after its replication runs):
+    ucx_perftest spins while it waits, so on these shared cores it varies from run to run."""
     out: dict = {}
-    out["iperf_one"] = iperf(c, [(0, 1)])[0]
     n = len(c)
-    out["iperf_ring"] = iperf(c, [(i, (i + 1) % n) for i in range(n)])
-    try:
-        out["ucx"] = ucx_perftest(c)
-    except Exception as e:  # noqa: BLE001 - reported
-        out["ucx_error"] = str(e)
-    out["shm"] = shm_write(c, nbytes)
+    out["iperf_one"] = iperf(c, [(0, 1)], 2.0)[0]
+    out["iperf_ring"] = iperf(c, [(i, (i + 1) % n) for i in range(n)], 2.0)
+    out["ucx_runs"], out["ucx_errors"] = [], []
+    for _ in range(3):
+        try:
+            out["ucx_runs"].append(ucx_perftest(c, iters=40)["bytes_per_s"])
+        except Exception as e:  # noqa: BLE001 - reported
+            out["ucx_errors"].append(str(e))
+    if first:
+        out["shm"] = shm_write(c, nbytes)
     return out
 
 
@@ -181,9 +196,9 @@ def shm_usage(c: Cluster) -> list[dict]:
 
 def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
                  restore: bool) -> dict:
-    tag = redundancy.replace(":", "").replace("+", "p")
+    tag = redundancy.replace(":", "").replace("+", "p") + f"-{len(c)}n"
     name = f"bench-{tag}-{os.getpid()}"
-    a = {"size": args.size, "runs": args.runs, "warmup": 1, "redundancy": redundancy,
+    a = {"size": args.size, "runs": args.runs, "warmup": 2, "redundancy": redundancy,
          "ckpt_on": os.path.join(work, f"ckpt-{tag}"), "job_on": name}
     if with_off:
         a.update(ckpt_off=os.path.join(work, f"ckpt-{tag}-off"), job_off=name + "-off")
@@ -211,6 +226,7 @@ def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
     except BaseException:
         job.kill()
         raise RuntimeError("peer restore failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    out["rebuilt"] = agent_rebuilds(c[1])
     log(f"{redundancy}: node 1 lost again; restore without redundancy (storage for node 1)")
     job.kill()
     c[1].kill()
@@ -225,6 +241,19 @@ def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
         raise RuntimeError("storage restore failed:\n" + "\n".join(r.stderr() for r in job.ranks))
     job.kill()
     out["step"] = step
+    return out
+
+
+def agent_rebuilds(node) -> list[dict]:
+    """The agent log's "rebuilt N bytes from peers X in T s" lines of a node."""
+    import re
+
+    out = []
+    for p in node.shm.glob("safepoint-*/agent.log"):
+        for m in re.finditer(r"rank (\d+) step (\d+): rebuilt (\d+) bytes from peers (\S+) in "
+                             r"([\d.]+) s", p.read_text(errors="replace")):
+            out.append({"rank": int(m[1]), "step": int(m[2]), "bytes": int(m[3]),
+                        "peers": m[4], "seconds": float(m[5])})
     return out
 
 
@@ -328,52 +357,69 @@ def render(res: dict, args, conditions: str) -> str:
              "iperf3. One rank per node, one torch thread per rank. Figures are medians "
              f"(range) of {args.runs} repetitions after a warm-up; per repetition the slowest "
              "rank's figure.")
-    lk = res.get("links", {})
-    one = lk.get("iperf_one")
-    ring = lk.get("iperf_ring") or []
-    ucx = (lk.get("ucx") or {}).get("bytes_per_s")
     L.append("")
     L.append("### Link references (same run)")
     L.append("")
-    L.append("| reference | GB/s |")
-    L.append("|---|---:|")
-    if one:
-        L.append(f"| iperf3, one TCP stream node0 -> node1 (3 s) | {one / GB:.2f} |")
-    if ring:
-        L.append(f"| iperf3, 3 streams at once in a ring (node i -> i+1), per stream (min–max) | "
-                 f"{med(ring) / GB:.2f} ({min(ring) / GB:.2f}–{max(ring) / GB:.2f}) |")
-        L.append(f"| iperf3 ring, sum of the 3 streams | {sum(ring) / GB:.2f} |")
-    if ucx:
-        L.append(f"| `ucx_perftest -t ucp_am_bw` node0 -> node1, UCX_TLS=tcp, "
-                 f"{lk['ucx']['msg'] // MiB} MiB messages | {ucx / GB:.2f} |")
-    sh = lk.get("shm") or {}
+    L.append("Measured on each cluster, before its replication runs (and, on the 3-node "
+             "cluster, again after them). iperf3: TCP, 2 s; the ring is one stream per node "
+             "(node i -> i+1) at once, as the pushes go. `ucx_perftest -t ucp_am_bw` "
+             "(the transfer the agents use: UCP active messages) node0 -> node1 with "
+             "UCX_TLS=tcp, 4 MiB messages, 3 runs (median, range): it polls while it waits, so "
+             "on these shared, loaded cores it varies most.")
+    L.append("")
+    L.append("| cluster | iperf3 1 stream GB/s | iperf3 ring, per stream GB/s | ring sum GB/s | "
+             "ucx_perftest am_bw GB/s |")
+    L.append("|---|---:|---:|---:|---:|")
+    refs: dict = {}
+    for key, label, n in (("links", "3 nodes, before", 3), ("links_after", "3 nodes, after", 3),
+                          ("links4", "4 nodes, before", 4)):
+        lk = res.get(key)
+        if not lk:
+            continue
+        ring, ucx = lk["iperf_ring"], lk.get("ucx_runs") or []
+        refs.setdefault(n, {"one": [], "ring": [], "ucx": []})
+        refs[n]["one"].append(lk["iperf_one"])
+        refs[n]["ring"].extend(ring)
+        refs[n]["ucx"].extend(ucx)
+        u = (f"{med(ucx) / GB:.2f} ({min(ucx) / GB:.2f}–{max(ucx) / GB:.2f})" if ucx else
+             f"failed: {'; '.join(lk.get('ucx_errors', []))[:200]}")
+        L.append(f"| {label} | {lk['iperf_one'] / GB:.2f} | {med(ring) / GB:.2f} "
+                 f"({min(ring) / GB:.2f}–{max(ring) / GB:.2f}) | {sum(ring) / GB:.2f} | {u} |")
+    sh = (res.get("links") or {}).get("shm") or {}
     if sh:
-        L.append(f"| writing {args.size // MiB} MiB into a new fallocate'd file in a node's "
-                 f"/dev/shm (first touch of its pages) | {sh['fresh'] / GB:.2f} |")
-        L.append(f"| the same, into the same file again (pages exist) | {sh['rewrite'] / GB:.2f} |")
-    if lk.get("ucx_error"):
-        L.append(f"| ucx_perftest failed: {lk['ucx_error'][:200]} | |")
+        L.append("")
+        L.append(f"Writing {args.size // MiB} MiB (8 MiB write() calls) into a node's /dev/shm: "
+                 f"into a new fallocate'd file {sh['fresh'] / GB:.2f} GB/s, into the same file "
+                 f"again {sh['rewrite'] / GB:.2f} GB/s (a receiver writes each replica into a new "
+                 "file).")
 
     # throughput, blocking, time to protected
     L.append("")
     L.append("### Replication throughput, blocking time, time until protected")
     L.append("")
     L.append("Every rank saves at once (each node pushes its snapshot to the next node(s) while "
-             "receiving its predecessor's), `replication_bandwidth=0`, `persist=False` (nothing "
-             "goes to storage in these saves). **push** = the agent's own `seconds` and `bytes` "
-             "of the rank's last push (`status()[\"replication\"][\"ranks\"]`); **until "
+             "receiving from its predecessor(s)), `replication_bandwidth=0`, `persist=False` "
+             "(nothing goes to storage in these saves). **push** = the agent's own `seconds` and "
+             "`bytes` of the rank's last push (`status()[\"replication\"][\"ranks\"]`); **until "
              "protected** = from save() return until `wait()` returned (the snapshot is on its "
-             "peers). The reference for a push is one iperf3 stream of the ring (all nodes "
-             "send at once); \"vs 1 stream\" is against a lone stream.")
+             "peers). References: the same cluster's iperf3 ring stream (all nodes send at "
+             "once), a lone iperf3 stream, and ucx_perftest (medians of the measurements above). "
+             "Two warm-up rounds, so that both slots of every rank have been written once "
+             "(the first saves are listed below the table).")
     L.append("")
     L.append("| redundancy | nodes | state a rank | blocking save, off | blocking save, on | "
              "until protected s | push s | sent a rank | push GB/s | vs iperf3 ring stream | "
              "vs 1 iperf3 stream | vs ucx_perftest |")
     L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for key in ("mirror", "ec"):
+    firsts = []
+    for key in ("mirror", "ec", "mirror4"):
         r = res.get(key)
         if not r or "saved" not in r:
             continue
+        ref = refs.get(r["nodes"], {})
+        ring = med(ref["ring"]) if ref.get("ring") else None
+        one = med(ref["one"]) if ref.get("one") else None
+        ucx = med(ref["ucx"]) if ref.get("ucx") else None
         saved = r["saved"]
         nbytes = saved[0]["bytes"]
         on_b = per_rep_max(saved, "on", "block")
@@ -383,14 +429,26 @@ def render(res: dict, args, conditions: str) -> str:
         sent = max(max(s["results"]["on"]["push_bytes"]) for s in saved)
         rate = sent / med(push_s)
         flags = all(all(s["results"]["on"]["protected_flag"]) for s in saved)
-        vs = lambda ref: f"{rate / ref:.0%}" if ref else "–"  # noqa: E731
+        vs = lambda x: f"{rate / x:.0%}" if x else "–"  # noqa: E731
         L.append(f"| `{r['redundancy']}` | {r['nodes']} | {nbytes / MiB:.0f} MiB | "
                  f"{fmt_range(off_b) if off_b else '–'} | {fmt_range(on_b)} | {fmt_range(prot)} | "
                  f"{fmt_range(push_s)} | {sent / MiB:.0f} MiB | {rate / GB:.2f} | "
-                 f"{vs(med(ring) if ring else None)} | {vs(one)} | {vs(ucx)} |")
+                 f"{vs(ring)} | {vs(one)} | {vs(ucx)} |")
         if not flags:
-            L.append(f"| (some pushes of `{r['redundancy']}` were not protected at their step) |"
-                     + " |" * 11)
+            firsts.append(f"`{r['redundancy']}` on {r['nodes']} nodes: some pushes were not "
+                          "protected at their step.")
+        for m in saved[0]["results"]:
+            fb = per_rep_max(saved, m, "first_block") if "first_block" in saved[0]["results"][m] \
+                else []
+            fp = per_rep_max(saved, m, "first_protected") if fb else []
+            if fb:
+                firsts.append(f"`{r['redundancy']}` on {r['nodes']} nodes, redundancy "
+                              f"{m}: the first two saves (each into a slot not written before) "
+                              f"blocked {', '.join(f'{x:.3f}' for x in fb)} s, protected after "
+                              f"{', '.join(f'{x:.3f}' for x in fp)} s.")
+    if firsts:
+        L.append("")
+        L.extend(f"- {f}" for f in firsts)
     # restore
     L.append("")
     L.append("### Restore after losing a node")
@@ -403,10 +461,14 @@ def render(res: dict, args, conditions: str) -> str:
              "the replaced node's rank (and, for reference, of a surviving rank, from its own "
              "memory); every restored state was compared with what was saved.")
     L.append("")
+    L.append("`restore()` is collective (the ranks agree on a step, then check that every rank "
+             "read it): a survivor's figure includes waiting for node 1's rank; node 1's "
+             "agent's own rebuild time (its log) is listed below the table.")
+    L.append("")
     L.append("| redundancy | step | node 1 from peers s | node 1 from storage s | storage / peers | "
-             "peer GB/s | survivor (memory) s | Checkpointer() on the new node s | "
-             "sources (peer run) | bit-identical |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+             "peer GB/s | node 1's `last_restore.seconds` (peer / storage) | survivor (memory) "
+             "s | Checkpointer() on the new node s | sources (peer run) | bit-identical |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for key in ("mirror", "ec"):
         r = res.get(key)
         if not r or "peer" not in r:
@@ -419,8 +481,18 @@ def render(res: dict, args, conditions: str) -> str:
         L.append(f"| `{r['redundancy']}` | {p1['step']} | {p1['restore_s']:.3f} "
                  f"({p1['source']}, from {p1['peers']}) | {s1['restore_s']:.3f} ({ssrc}) | "
                  f"{s1['restore_s'] / p1['restore_s']:.2f}x | {nbytes / p1['restore_s'] / GB:.2f} | "
+                 f"{p1['seconds']:.3f} / {s1['seconds']:.3f} | "
                  f"{r['peer'][0]['restore_s']:.3f} | {p1['start_s']:.3f} | {srcs} | "
                  f"{'yes' if ok else 'NO'} |")
+    for key in ("mirror", "ec"):
+        r = res.get(key)
+        for rb in (r or {}).get("rebuilt", []):
+            L.append("")
+            L.append(f"- `{r['redundancy']}`: node 1's agent rebuilt rank {rb['rank']}'s step "
+                     f"{rb['step']} ({rb['bytes'] / MiB:.0f} MiB) from {rb['peers']} in "
+                     f"{rb['seconds']:.3f} s ({rb['bytes'] / rb['seconds'] / GB:.2f} GB/s): "
+                     "fetch, checks, (ec) decode, into the slot; the rest of node 1's restore "
+                     "is the agreement and the verified copy into the live tensors.")
     # memory
     L.append("")
     L.append("### Memory per node")
@@ -432,7 +504,7 @@ def render(res: dict, args, conditions: str) -> str:
     L.append("| redundancy | node | slots MiB | replicas MiB | held_bytes MiB | replicas / S | "
              "expected replicas / S |")
     L.append("|---|---|---:|---:|---:|---:|---:|")
-    for key in ("mirror", "ec"):
+    for key in ("mirror", "ec", "mirror4"):
         r = res.get(key)
         if not r or "shm" not in r:
             continue
@@ -620,12 +692,16 @@ def main() -> None:
         with Cluster(3, shm_size=args.shm) as c:
             stage(res, "links", links, c, args.size)
             stage(res, "mirror", save_restore, c, "mirror", args, work, True, True)
+            fresh(c)
+            stage(res, "links_after", links, c, args.size, False)
             if "train" not in skip:
-                fresh(c)
                 stage(res, "train", train, c, args, work, have_gemini)
         if "ec" not in skip:
             with Cluster(4, shm_size=args.shm) as c:
+                stage(res, "links4", links, c, args.size, False)
                 stage(res, "ec", save_restore, c, "ec:2+1", args, work, False, True)
+                fresh(c)
+                stage(res, "mirror4", save_restore, c, "mirror", args, work, False, False)
                 if have_gemini:
                     fresh(c)
                     stage(res, "gemini", run_gemini, c, args, work)

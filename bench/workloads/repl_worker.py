@@ -130,7 +130,9 @@ def run_save(a: dict) -> None:
             ck.wait()
             t2 = time.perf_counter()
             dist.barrier()
-            if i < a["warmup"]:
+            if i < a["warmup"]:  # the first save into each slot (one-time costs)
+                res[m].setdefault("first_block", []).append(t1 - t0)
+                res[m].setdefault("first_protected", []).append(t2 - t1)
                 continue
             res[m]["block"].append(t1 - t0)
             res[m]["protected"].append(t2 - t1)
