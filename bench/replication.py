@@ -65,6 +65,9 @@ def log(msg: str) -> None:
 
 # --- link references ---------------------------------------------------------------------------
 
+iperf_cpu: list[float] = []  # CPU seconds (sender + receiver) per GB of every iperf3 stream
+
+
 def iperf(c: Cluster, pairs: list[tuple[int, int]], seconds: float = 3.0) -> list[float]:
     """Bytes/s of one iperf3 TCP stream per (src, dst) pair, all at once."""
     servers = [c[d].popen(["iperf3", "-s", "-1", "-p", str(5201 + i)], stdout=subprocess.DEVNULL,
@@ -80,6 +83,11 @@ def iperf(c: Cluster, pairs: list[tuple[int, int]], seconds: float = 3.0) -> lis
         if "error" in d:
             raise RuntimeError(f"iperf3: {d['error']}")
         out.append(d["end"]["sum_received"]["bits_per_second"] / 8)
+        cpu = d["end"].get("cpu_utilization_percent", {})
+        sent = d["end"]["sum_received"]["bytes"]
+        secs = d["end"]["sum_received"]["seconds"]
+        iperf_cpu.append((cpu.get("host_total", 0) + cpu.get("remote_total", 0)) / 100 * secs
+                         / (sent / GB))
     for s in servers:
         s.wait(timeout=30)
     return out
@@ -152,6 +160,40 @@ def agent_cpu(c: Cluster) -> list[dict]:
     return out
 
 
+def ucx_ring(c: Cluster, size: int = 4 * MiB, iters: int = 40) -> list[float]:
+    """ucx_perftest am_bw node i -> i+1 for every node at once (as the pushes go): bytes/s of
+    each."""
+    global _ucx_port
+    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
+    n = len(c)
+    ports = []
+    servers = []
+    for i in range(n):
+        _ucx_port += 1
+        ports.append(str(_ucx_port))
+        servers.append(c[(i + 1) % n].popen(["ucx_perftest", "-p", ports[i]], env=env,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.5)
+    clients = [c[i].popen(["ucx_perftest", c[(i + 1) % n].addr, "-p", ports[i], "-t",
+                           "ucp_am_bw", "-s", str(size), "-n", str(iters), "-w", "5", "-f"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in range(n)]
+    out = []
+    for p in clients:
+        o, e = p.communicate(timeout=120)
+        line = [ln for ln in o.splitlines() if ln.strip() and ln.strip()[0].isdigit()]
+        if p.returncode != 0 or not line:
+            raise RuntimeError(f"ucx_perftest ring failed ({p.returncode}): {o[-300:]} {e[-300:]}")
+        out.append(float(line[-1].split()[5]) * MiB)
+    for s in servers:
+        try:
+            s.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(s.pid, signal.SIGKILL)
+            s.wait()
+    return out
+
+
 def links(c: Cluster, nbytes: int, first: bool = True) -> dict:
     """The references, measured twice per cluster (before and after its replication runs):
     ucx_perftest spins while it waits, so on these shared cores it varies from run to run."""
@@ -165,6 +207,10 @@ def links(c: Cluster, nbytes: int, first: bool = True) -> dict:
             out["ucx_runs"].append(ucx_perftest(c, iters=40)["bytes_per_s"])
         except Exception as e:  # noqa: BLE001 - reported
             out["ucx_errors"].append(str(e))
+    try:
+        out["ucx_ring"] = ucx_ring(c)
+    except Exception as e:  # noqa: BLE001 - reported
+        out["ucx_errors"].append(str(e))
     if first:
         out["shm"] = shm_write(c, nbytes)
     return out
@@ -212,6 +258,7 @@ def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
         raise RuntimeError("save job failed:\n" + "\n".join(r.stderr() for r in job.ranks))
     out["saved"] = saved
     out["shm"] = shm_usage(c)
+    out["agents"] = agent_cpu(c)
     if not restore:
         job.kill()
         return out
@@ -368,8 +415,8 @@ def render(res: dict, args, conditions: str) -> str:
              "on these shared, loaded cores it varies most.")
     L.append("")
     L.append("| cluster | iperf3 1 stream GB/s | iperf3 ring, per stream GB/s | ring sum GB/s | "
-             "ucx_perftest am_bw GB/s |")
-    L.append("|---|---:|---:|---:|---:|")
+             "ucx_perftest am_bw GB/s | ucx_perftest ring, per stream GB/s |")
+    L.append("|---|---:|---:|---:|---:|---:|")
     refs: dict = {}
     for key, label, n in (("links", "3 nodes, before", 3), ("links_after", "3 nodes, after", 3),
                           ("links4", "4 nodes, before", 4)):
@@ -383,8 +430,17 @@ def render(res: dict, args, conditions: str) -> str:
         refs[n]["ucx"].extend(ucx)
         u = (f"{med(ucx) / GB:.2f} ({min(ucx) / GB:.2f}–{max(ucx) / GB:.2f})" if ucx else
              f"failed: {'; '.join(lk.get('ucx_errors', []))[:200]}")
+        ur = lk.get("ucx_ring") or []
+        refs[n].setdefault("ucx_ring", []).extend(ur)
+        urs = f"{med(ur) / GB:.2f} ({min(ur) / GB:.2f}–{max(ur) / GB:.2f})" if ur else "–"
         L.append(f"| {label} | {lk['iperf_one'] / GB:.2f} | {med(ring) / GB:.2f} "
-                 f"({min(ring) / GB:.2f}–{max(ring) / GB:.2f}) | {sum(ring) / GB:.2f} | {u} |")
+                 f"({min(ring) / GB:.2f}–{max(ring) / GB:.2f}) | {sum(ring) / GB:.2f} | {u} | "
+                 f"{urs} |")
+    if res.get("iperf_cpu"):
+        ic = res["iperf_cpu"]
+        L.append("")
+        L.append(f"iperf3's own CPU time (sender + receiver, its `cpu_utilization_percent`) per "
+                 f"GB moved: {med(ic):.2f} s (range {min(ic):.2f}–{max(ic):.2f}).")
     sh = (res.get("links") or {}).get("shm") or {}
     if sh:
         L.append("")
@@ -409,8 +465,9 @@ def render(res: dict, args, conditions: str) -> str:
     L.append("")
     L.append("| redundancy | nodes | state a rank | blocking save, off | blocking save, on | "
              "until protected s | push s | sent a rank | push GB/s | vs iperf3 ring stream | "
-             "vs 1 iperf3 stream | vs ucx_perftest |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+             "vs 1 iperf3 stream | vs ucx_perftest | vs ucx_perftest ring stream | "
+             "agents' CPU s per GB sent |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     firsts = []
     for key in ("mirror", "ec", "mirror4"):
         r = res.get(key)
@@ -420,8 +477,14 @@ def render(res: dict, args, conditions: str) -> str:
         ring = med(ref["ring"]) if ref.get("ring") else None
         one = med(ref["one"]) if ref.get("one") else None
         ucx = med(ref["ucx"]) if ref.get("ucx") else None
+        ucxr = med(ref["ucx_ring"]) if ref.get("ucx_ring") else None
         saved = r["saved"]
         nbytes = saved[0]["bytes"]
+        # the replicated saves of the warm-ups and runs (read before the last, persisted save)
+        tot = sum((len(x["results"]["on"]["first_block"]) + len(x["results"]["on"]["block"]))
+                  * x["push"].get("bytes", 0) for x in saved)
+        cpu = sum(x.get("agent_cpu_s") or 0 for x in saved)
+        cpu_per_gb = f"{cpu / (tot / GB):.2f}" if tot and cpu else "–"
         on_b = per_rep_max(saved, "on", "block")
         off_b = per_rep_max(saved, "off", "block") if "off" in saved[0]["results"] else None
         prot = per_rep_max(saved, "on", "protected")
@@ -433,7 +496,7 @@ def render(res: dict, args, conditions: str) -> str:
         L.append(f"| `{r['redundancy']}` | {r['nodes']} | {nbytes / MiB:.0f} MiB | "
                  f"{fmt_range(off_b) if off_b else '–'} | {fmt_range(on_b)} | {fmt_range(prot)} | "
                  f"{fmt_range(push_s)} | {sent / MiB:.0f} MiB | {rate / GB:.2f} | "
-                 f"{vs(ring)} | {vs(one)} | {vs(ucx)} |")
+                 f"{vs(ring)} | {vs(one)} | {vs(ucx)} | {vs(ucxr)} | {cpu_per_gb} |")
         if not flags:
             firsts.append(f"`{r['redundancy']}` on {r['nodes']} nodes: some pushes were not "
                           "protected at their step.")
@@ -707,6 +770,7 @@ def main() -> None:
                     stage(res, "gemini", run_gemini, c, args, work)
     finally:
         subprocess.run(["rm", "-rf", work], check=False)
+    res["iperf_cpu"] = iperf_cpu
     conditions += (f" The run took {time.perf_counter() - t0:.0f} s; load average at the end "
                    f"{os.getloadavg()[0]:.2f}.")
     section = render(res, args, conditions)

@@ -105,6 +105,22 @@ def my_push(ck, rank: int) -> dict:
     return {}
 
 
+def agent_cpu_s(job: str):
+    """CPU seconds (user + system) so far of this node's agent of `job` (its command line has
+    "--job JOB"), or None."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            if not any(c.endswith(b"safepointd") for c in cmd) or job.encode() not in cmd:
+                continue
+            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / tick
+        except OSError:
+            continue
+    return None
+
+
 def run_save(a: dict) -> None:
     import safepoint
 
@@ -141,6 +157,8 @@ def run_save(a: dict) -> None:
                 res[m]["push_s"].append(p.get("seconds"))
                 res[m]["push_bytes"].append(p.get("bytes"))
                 res[m]["protected_flag"].append(bool(p.get("protected")) and p["step"] == step)
+    dist.barrier()
+    agent_cpu = agent_cpu_s(a["job_on"])
     # The step the restores go back to: in memory (and replicated) and committed on storage.
     step += 1
     bump(st, step)
@@ -149,7 +167,7 @@ def run_save(a: dict) -> None:
     cks["on"].wait()
     dist.barrier()  # every rank's push is done: what each node holds now is settled
     rep = cks["on"].status()["replication"]
-    say("saved", rank=rank, step=step, bytes=nbytes_of(st), results=res,
+    say("saved", rank=rank, step=step, bytes=nbytes_of(st), results=res, agent_cpu_s=agent_cpu,
         held_bytes=rep.get("held_bytes"), held=rep.get("held"), push=my_push(cks["on"], rank),
         service=rep.get("service"))
     while True:
