@@ -639,7 +639,7 @@ def render(res: dict, args, conditions: str) -> str:
             prot = [max(v) for v in zip(*[x["results"]["protected"] for x in rs])]
             ok = all(all(x["results"]["ok"]) for x in rs)
             L.append(f"Same state ({res['ec']['saved'][0]['bytes'] / MiB:.0f} MiB a rank) on "
-                     f"the 4 nodes of the ec run, `InMemoryCheckpointManager` (replication_jump=1: "
+                     f"the 4 nodes of the ec run (fresh nodes), `InMemoryCheckpointManager` (replication_jump=1: "
                      "ranks pair up 0<->1, 2<->3, each sends its shard to its partner over "
                      "Gloo send/recv in 16 MiB chunks; pin_memory=False, disk_flush_interval=0). "
                      "blocking = `save()` (a copy into its own process memory, then the "
@@ -659,6 +659,11 @@ def render(res: dict, args, conditions: str) -> str:
                          f"{fmt_range(per_rep_max(ec['saved'], 'on', 'block'))} | "
                          f"{fmt_range(per_rep_max(ec['saved'], 'on', 'protected'))} | yes | "
                          f"{restored(ec)} |")
+            m4 = res.get("mirror4")
+            if m4 and "saved" in m4:
+                L.append(f"| safepoint `mirror` (same 4 nodes) | "
+                         f"{fmt_range(per_rep_max(m4['saved'], 'on', 'block'))} | "
+                         f"{fmt_range(per_rep_max(m4['saved'], 'on', 'protected'))} | yes | – |")
             mr = res.get("mirror")
             if mr and "saved" in mr:
                 L.append(f"| safepoint `mirror` (3 nodes, above) | "
@@ -670,7 +675,8 @@ def render(res: dict, args, conditions: str) -> str:
                      f"handler flushes its own and its partner's shard to `disk_folder`, here a "
                      f"directory all nodes share) and exited {g.get('exit_codes')} after "
                      f"{g.get('flush_s', 0):.2f} s; the replaced node joined, the job restarted, "
-                     f"page cache dropped, `load()`:")
+                     f"page cache dropped, `load()` (every rank reads its shard from disk: "
+                     f"the restart ended the processes that held the in-memory copies):")
             L.append("")
             for k, v in g.get("loaded", []):
                 if "error" in v or k != "gemini_loaded":
