@@ -306,7 +306,7 @@ def agent_rebuilds(node) -> list[dict]:
 
 def train(c: Cluster, args, work: str, gemini: bool) -> dict:
     a = {"dim": args.dim, "layers": args.layers, "batch": 8, "steps": args.train_steps,
-         "blocks": 2, "redundancy": "mirror",
+         "blocks": args.train_blocks, "redundancy": "mirror",
          "ckpt_on": os.path.join(work, "train-on"), "job_on": f"bench-train-{os.getpid()}",
          "ckpt_off": os.path.join(work, "train-off"), "job_off": f"bench-train-off-{os.getpid()}",
          "gemini": gemini, "gemini_folder": os.path.join(work, "gemini-train"),
@@ -592,7 +592,7 @@ def render(res: dict, args, conditions: str) -> str:
                  f"{rk[0]['params'] / 1e6:.1f} M parameters; model + AdamW state "
                  f"{rk[0]['state_bytes'] / MiB:.0f} MiB a rank), DDP over gloo, batch 8 x 64 "
                  f"tokens a rank; {a['blocks']} blocks of {a['steps']} steps per mode, modes "
-                 "alternated (A B C, C B A), a save every step with `persist=False`; the first "
+                 "alternated (A B C, C B A, ...), a save every step with `persist=False`; the first "
                  "step of each block is not counted. Step time = forward, backward, optimizer "
                  "step and the save call (rank 0; DDP keeps the ranks in step).")
         L.append("")
@@ -735,6 +735,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--train-steps", type=int, default=8, help="steps per block and mode")
+    ap.add_argument("--train-blocks", type=int, default=4, help="blocks per mode")
     ap.add_argument("--shm", default="3g", help="each node's /dev/shm size")
     ap.add_argument("--skip", default="", help="comma list of: ec, train, gemini")
     ap.add_argument("--dir", default=os.path.join(REPO, "build", "bench"))
