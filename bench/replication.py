@@ -745,11 +745,9 @@ def main() -> None:
     if why:
         raise SystemExit(f"bench/replication.py needs nodes: {why}")
     skip = set(filter(None, args.skip.split(",")))
-    try:
-        import lm_resiliency  # noqa: F401
-        have_gemini = "gemini" not in skip
-    except ImportError:
-        have_gemini = False
+    import importlib.util
+
+    have_gemini = "gemini" not in skip and importlib.util.find_spec("lm_resiliency") is not None
     os.makedirs(args.dir, exist_ok=True)
     conditions = load_conditions()
     t0 = time.perf_counter()
