@@ -9,12 +9,12 @@ it from memory instead of from storage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
-import contextlib
 import time
 import warnings
 from collections.abc import Iterator

@@ -34,6 +34,10 @@
 
 namespace safepoint::agent {
 
+// How long after a teardown the agent waits before it persists other nodes' snapshots from
+// their replicas: the source nodes' own emergency flushes, if they are alive, come first.
+constexpr double kHeldFlushDelaySeconds = 3;
+
 double MonotonicSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -110,6 +114,7 @@ Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointS
   config_ = config;
   store_ = std::move(store);
   queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep});
+  replicator_.SetStorage(store_, config.world_size);
   auto committed = store_->ListCommitted();
   if (committed.ok()) {
     for (const auto& c : *committed) committed_cache_.insert(c.step);
@@ -661,6 +666,17 @@ void NodeAgent::Loop() {
     }
     DrainResults();
     DrainReplication();
+    // Torn down here (every local rank died): after the ranks' own emergency flushes had a
+    // moment, persist what this node keeps of other nodes' snapshots whose step did not commit.
+    if (!clients_.empty() || AllClosed() || !replicator_.enabled()) {
+      torn_down_since_.reset();
+    } else if (saw_client_ && !torn_down_since_) {
+      torn_down_since_ = MonotonicSeconds();
+    } else if (torn_down_since_ && *torn_down_since_ > 0 &&
+               MonotonicSeconds() - *torn_down_since_ > kHeldFlushDelaySeconds && !queue_.Busy()) {
+      replicator_.EnqueueFlushHeld();
+      torn_down_since_ = 0;  // once per teardown
+    }
     // Clients, from the back so that dropping one keeps the indices of the rest.
     for (size_t i = clients_.size(); i-- > 0;) {
       const pollfd& sock = fds[3 + 2 * i];

@@ -68,7 +68,7 @@ struct Client {
   bool hello = false;
   uint32_t rank = 0;
   bool closing = false;
-  bool broken = false;          // a reply could not be sent: drop the connection
+  bool broken = false;                           // a reply could not be sent: drop the connection
   std::vector<std::pair<uint64_t, bool>> waits;  // (step, persisted) the client waits for
 };
 
@@ -128,6 +128,9 @@ class NodeAgent {
   bool stopping_ = false;
   bool saw_client_ = false;
   double last_busy_;
+  // When the last local client went away without closing (the job was torn down here), for
+  // the flush of other nodes' replicas (Replicator::EnqueueFlushHeld) a few seconds later.
+  std::optional<double> torn_down_since_;
   PersistQueue queue_;
   Replicator replicator_;
 };

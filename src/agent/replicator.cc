@@ -7,6 +7,7 @@
 #include <chrono>
 #include <set>
 
+#include "base/crc32c.h"
 #include "base/log.h"
 #include "safepoint/arena.h"
 #include "safepoint/image.h"
@@ -159,6 +160,18 @@ void Replicator::SetPaused(bool paused) {
   std::lock_guard<std::mutex> lock(mu_);
   paused_ = paused;
   if (service_) service_->SetPaused(paused);
+}
+
+void Replicator::SetStorage(std::shared_ptr<CheckpointStore> store, uint32_t world_size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  storage_ = std::move(store);
+  world_size_ = world_size;
+}
+
+void Replicator::EnqueueFlushHeld() {
+  PeerRequest r;
+  r.type = MessageType::kShutdown;
+  EnqueueRequest(r);
 }
 
 void Replicator::EnqueuePush(PushTask task) {
@@ -342,6 +355,10 @@ void Replicator::RequestWork() {
       r = requests_.front();
       requests_.pop_front();
     }
+    if (r.type == MessageType::kShutdown) {
+      FlushHeld();
+      continue;
+    }
     PeerAnswer a = r.type == MessageType::kPeerFetch ? Fetch(r) : List(r);
     a.client_fd = r.client_fd;
     a.client_pid = r.client_pid;
@@ -455,6 +472,104 @@ PeerAnswer Replicator::Fetch(const PeerRequest& r) {
   return a;
 }
 
+void Replicator::FlushHeld() {
+  std::vector<Peer> peers;
+  std::shared_ptr<CheckpointStore> storage;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers = OtherPeersLocked();
+    storage = storage_;
+  }
+  if (!storage || !store_ || !service_) return;
+  auto held = store_->List();
+  if (!held.ok() || held->empty()) return;
+  // The newest snapshot of each (source node, rank) this node keeps a part of.
+  std::map<std::pair<std::string, uint32_t>, ReplicaMeta> newest;
+  for (const ReplicaMeta& m : *held) {
+    auto [it, fresh] = newest.try_emplace({m.source_node, m.rank}, m);
+    if (!fresh &&
+        std::tie(m.step, m.complete_ns) > std::tie(it->second.step, it->second.complete_ns)) {
+      it->second = m;
+    }
+  }
+  const Peer self{node_, service_->address()};
+  for (const auto& [key, m] : newest) {
+    if (storage->ReadCommit(m.step).ok()) continue;  // committed: nothing to help with
+    // Every live holder's parts of this snapshot, this node's included.
+    std::vector<Holding> parts;
+    for (const ReplicaMeta& own : *held) {
+      if (own.source_node == m.source_node && own.rank == m.rank && own.step == m.step &&
+          own.complete_ns == m.complete_ns) {
+        parts.push_back(Holding{self, own});
+      }
+    }
+    for (Holding& h : service_->List(peers, m.rank)) {
+      if (h.meta.source_node == m.source_node && h.meta.step == m.step &&
+          h.meta.complete_ns == m.complete_ns) {
+        parts.push_back(std::move(h));
+      }
+    }
+    // One writer: the first holder of a copy by node name, else the first of a fragment.
+    const Holding* elected = nullptr;
+    for (const Holding& h : parts) {
+      const bool copy = h.meta.kind == ReplicaMeta::Kind::kCopy;
+      const bool elected_copy = elected && elected->meta.kind == ReplicaMeta::Kind::kCopy;
+      if (!elected || (copy && !elected_copy) ||
+          (copy == elected_copy && h.holder.node < elected->holder.node)) {
+        elected = &h;
+      }
+    }
+    if (!elected || elected->holder.node != node_) continue;
+    Status s = FlushOne(m, parts);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (s.ok()) {
+      ++held_flushed_;
+    } else {
+      ++held_flush_failed_;
+      spdlog::warn("persisting node '{}' rank {} step {} from its replica failed: {}",
+                   m.source_node, m.rank, m.step, s.message());
+    }
+  }
+}
+
+Status Replicator::FlushOne(const ReplicaMeta& m, const std::vector<Holding>& parts) {
+  std::shared_ptr<CheckpointStore> storage;
+  uint32_t world = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    storage = storage_;
+    world = world_size_;
+  }
+  // A whole, verified image: this node's copy, else rebuilt from fragments.
+  std::vector<std::byte> rebuilt;
+  std::span<const std::byte> image;
+  replica::ReplicaView view;
+  if (m.kind == ReplicaMeta::Kind::kCopy) {
+    SP_ASSIGN_OR_RETURN(view, store_->Read(m));
+    image = view.payload;
+  } else {
+    rebuilt.resize(m.image_bytes);
+    SP_RETURN_IF_ERROR(service_->FetchImage(
+        parts, replica::SnapshotId{m.rank, m.step, m.complete_ns, m.attempt}, rebuilt));
+    image = rebuilt;
+  }
+  if (internal::Crc32c(image) != m.image_crc) {
+    return Corruption("the replica's image does not match its CRC32C");
+  }
+  SP_ASSIGN_OR_RETURN(auto header,
+                      ParseImageHeader(image, "replica of rank " + std::to_string(m.rank)));
+  if (header.first.rank != m.rank || header.first.step != m.step ||
+      header.first.world_size != world) {
+    return Corruption("the replica's image header does not match its rank, step or world size");
+  }
+  SP_ASSIGN_OR_RETURN(WriteStats written, storage->WriteImageBytes(image, m.step, m.rank));
+  SP_ASSIGN_OR_RETURN(bool committed,
+                      storage->TryCommit(m.step, world, job_, header.first.attempt));
+  spdlog::info("persisted node '{}' rank {} step {} from its replica ({} bytes{})", m.source_node,
+               m.rank, m.step, written.bytes, committed ? "; the step is committed" : "");
+  return Status::OK();
+}
+
 json Replicator::StatusJson() const {
   std::lock_guard<std::mutex> lock(mu_);
   json j;
@@ -475,6 +590,8 @@ json Replicator::StatusJson() const {
   j["pushes_ok"] = pushes_ok_;
   j["pushes_failed"] = pushes_failed_;
   j["pushes_superseded"] = pushes_superseded_;
+  j["held_flushed"] = held_flushed_;
+  j["held_flush_failed"] = held_flush_failed_;
   json ranks = json::array();
   for (const auto& [rank, o] : last_push_) {
     json targets = json::array();

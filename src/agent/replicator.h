@@ -36,6 +36,7 @@
 #include "replica/peer_service.h"
 #include "replica/redundancy.h"
 #include "replica/replica_store.h"
+#include "safepoint/checkpoint.h"
 #include "safepoint/status.h"
 
 namespace safepoint::agent {
@@ -60,9 +61,9 @@ struct PushOutcome {
 
 // A request of a client, answered on the loop with `reply_type` and `payload`.
 struct PeerRequest {
-  int client_fd = -1;
+  int client_fd = -1;  // -1: the agent's own request (FlushHeld), not answered
   uint32_t client_pid = 0;
-  MessageType type = MessageType::kPeerList;
+  MessageType type = MessageType::kPeerList;  // kPeerList, kPeerFetch, or kShutdown: FlushHeld
   uint32_t rank = 0;
   uint64_t step = 0, attempt = 0;
 };
@@ -89,6 +90,15 @@ class Replicator {
   bool configured() const;  // the peer service runs
   void SetPaused(bool paused);
 
+  // Where the job persists: FlushHeld writes there.
+  void SetStorage(std::shared_ptr<CheckpointStore> store, uint32_t world_size);
+  // The job was torn down on this node: persist the newest snapshot of other nodes' ranks that
+  // this node keeps replicas of, when its step is not committed yet (its own node may be lost
+  // and unable to flush it), so that the step can commit on storage. Of the live holders of a
+  // snapshot one writes it: the first holder of a whole copy by node name, else the first holder
+  // of a fragment, which rebuilds it from K fragments. Runs on the request worker.
+  void EnqueueFlushHeld();
+
   void EnqueuePush(PushTask task);
   void EnqueueRequest(PeerRequest request);
   // True while a push of one of `rank`'s snapshots is queued or running.
@@ -111,6 +121,8 @@ class Replicator {
   PushOutcome Push(const PushTask& t);
   PeerAnswer List(const PeerRequest& r);
   PeerAnswer Fetch(const PeerRequest& r);
+  void FlushHeld();
+  Status FlushOne(const replica::ReplicaMeta& newest, const std::vector<replica::Holding>& parts);
   // Peers other than this node, under mu_.
   std::vector<replica::Peer> OtherPeersLocked() const;
 
@@ -119,6 +131,8 @@ class Replicator {
   std::string job_dir_, node_, bind_host_;
   std::unique_ptr<replica::ReplicaStore> store_;
   std::unique_ptr<replica::PeerService> service_;
+  std::shared_ptr<CheckpointStore> storage_;  // set once, before any FlushHeld
+  uint32_t world_size_ = 0;
 
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable push_cv_, request_cv_;
@@ -134,6 +148,7 @@ class Replicator {
   std::vector<PeerAnswer> answers_;
   std::map<uint32_t, PushOutcome> last_push_;  // rank -> its latest finished push
   uint64_t pushes_ok_ = 0, pushes_failed_ = 0, pushes_superseded_ = 0;
+  uint64_t held_flushed_ = 0, held_flush_failed_ = 0;
   bool stop_ = false;
   std::thread push_worker_, request_worker_;
 };

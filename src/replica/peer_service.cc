@@ -9,6 +9,10 @@
 // list, a fetch of one replica): connect, authenticate, one exchange, close. The server side of a
 // connection is driven entirely by the progress thread. All connection state is guarded by mu_
 // (recursive: UCX may complete a request inside a call made under it); callers wait on cv_.
+// Lock order: only the progress thread calls UCX (sometimes under mu_), and UCX calls back on that
+// thread, sometimes under its own async lock; caller threads take mu_ but never call UCX, and UCX's
+// async thread never calls back into us, so the two orders ThreadSanitizer notices (both on the
+// progress thread) cannot deadlock.
 #include "replica/peer_service.h"
 
 #include <arpa/inet.h>
@@ -130,15 +134,19 @@ bool SplitAddress(const std::string& address, std::string* host, uint16_t* port)
 }
 
 std::string FormatAddress(const sockaddr_storage& ss) {
-  char buf[INET6_ADDRSTRLEN] = {};
+  char buf[INET6_ADDRSTRLEN + 16] = {};
   if (ss.ss_family == AF_INET) {
     auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
-    inet_ntop(AF_INET, &in->sin_addr, buf, sizeof buf);
-    return std::string(buf) + ":" + std::to_string(ntohs(in->sin_port));
+    char ip[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &in->sin_addr, ip, sizeof ip);
+    std::snprintf(buf, sizeof buf, "%s:%u", ip, static_cast<unsigned>(ntohs(in->sin_port)));
+  } else {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+    char ip[INET6_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET6, &in6->sin6_addr, ip, sizeof ip);
+    std::snprintf(buf, sizeof buf, "[%s]:%u", ip, static_cast<unsigned>(ntohs(in6->sin6_port)));
   }
-  auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
-  inet_ntop(AF_INET6, &in6->sin6_addr, buf, sizeof buf);
-  return "[" + std::string(buf) + "]:" + std::to_string(ntohs(in6->sin6_port));
+  return buf;
 }
 
 std::string Seconds(double s) {
@@ -158,8 +166,8 @@ struct Conn {
   std::string name;  // "peer <node> (<address>)" for messages
   ucp_ep_h ep = nullptr;
   bool closing = false, closed = false;
-  // Dropped: nothing more is accepted; closed once the error message to the peer has left (or
-  // after kDropGrace).
+  // Dropped: nothing more is accepted; closed when the peer closes after reading the error, or
+  // after kDropGrace.
   bool dropping = false;
   Clock::time_point dropped_at;
   Status error;
@@ -182,6 +190,7 @@ struct Conn {
   ReplicaMeta meta;
   std::shared_ptr<ReplicaWriter> writer;
   bool all_received = false;
+  bool busy = false;  // a store operation for it runs on the store thread
   // Server side of a fetch: the replica being sent.
   std::shared_ptr<ReplicaView> view;
   ChunkLayout send_layout;
@@ -197,7 +206,12 @@ class StripeSource {
   StripeSource(const EcLayout& layout, const EcCodec* codec, std::span<const std::byte> image)
       : layout_(layout), codec_(codec), image_(image) {}
 
-  std::shared_ptr<const std::vector<std::byte>> Get(uint64_t stripe) {
+  struct Stripe {
+    std::vector<std::byte> bytes;  // piece f at f * piece_bytes
+    std::vector<uint32_t> crcs;    // CRC32C of each piece
+  };
+
+  std::shared_ptr<const Stripe> Get(uint64_t stripe) {
     std::lock_guard lk(mu_);
     if (auto it = cache_.find(stripe); it != cache_.end()) return it->second;
     auto buf = Encode(stripe);
@@ -209,9 +223,9 @@ class StripeSource {
   std::vector<uint32_t> FragmentCrcs() const {
     std::vector<uint32_t> crcs(layout_.k + layout_.p, 0);
     for (uint64_t s = 0; s < layout_.stripes(); ++s) {
-      auto buf = Encode(s);
+      auto buf = Encode(s, /*piece_crcs=*/false);
       for (uint32_t f = 0; f < crcs.size(); ++f)
-        crcs[f] = Crc32c(crcs[f], buf->data() + f * layout_.piece_bytes, layout_.piece_bytes);
+        crcs[f] = Crc32c(crcs[f], buf->bytes.data() + f * layout_.piece_bytes, layout_.piece_bytes);
     }
     return crcs;
   }
@@ -219,12 +233,15 @@ class StripeSource {
  private:
   static constexpr size_t kCachedStripes = 2 * 4;  // 2 * kSendWindow
 
-  std::shared_ptr<std::vector<std::byte>> Encode(uint64_t stripe) const {
+  std::shared_ptr<Stripe> Encode(uint64_t stripe, bool piece_crcs = true) const {
     const uint32_t n = layout_.k + layout_.p;
-    auto buf = std::make_shared<std::vector<std::byte>>(n * layout_.piece_bytes);
+    auto buf = std::make_shared<Stripe>();
+    buf->bytes.resize(n * layout_.piece_bytes);
     std::vector<std::byte*> out(n);
-    for (uint32_t f = 0; f < n; ++f) out[f] = buf->data() + f * layout_.piece_bytes;
+    for (uint32_t f = 0; f < n; ++f) out[f] = buf->bytes.data() + f * layout_.piece_bytes;
     codec_->EncodeStripe(layout_, image_, stripe, out);
+    if (piece_crcs)
+      for (uint32_t f = 0; f < n; ++f) buf->crcs.push_back(Crc32c(0, out[f], layout_.piece_bytes));
     return buf;
   }
 
@@ -232,7 +249,7 @@ class StripeSource {
   const EcCodec* const codec_;
   const std::span<const std::byte> image_;
   std::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<const std::vector<std::byte>>> cache_;
+  std::map<uint64_t, std::shared_ptr<const Stripe>> cache_;
 };
 
 class PeerServiceImpl;
@@ -243,7 +260,6 @@ struct SendCtx {
   WireHeader header;
   std::string body;
   std::shared_ptr<const void> keep;  // keeps the chunk's bytes alive
-  bool close_after = false;          // the error of a Drop: close the connection once it left
   const void* data = nullptr;
   size_t len = 0;
 };
@@ -325,6 +341,10 @@ class PeerServiceImpl final : public PeerService {
                    const ucp_am_recv_param_t* param);
   void ChunkArrived(const ConnPtr& c, const WireHeader& h);
   void PumpFetch(const ConnPtr& c);
+  // Runs `work` on the store thread (no lock held), then `then` on the progress thread under mu_
+  // unless the connection was dropped meanwhile. The connection is busy until then.
+  void Offload(const ConnPtr& c, std::function<void()> work, std::function<void()> then);
+  void RunStore();
 
   // Caller threads.
   Result<ConnPtr> Connect(const Peer& peer);
@@ -335,8 +355,12 @@ class PeerServiceImpl final : public PeerService {
   Result<json> WaitMessage(const ConnPtr& c, MsgType expected);
   void Close(const ConnPtr& c);
   // The bytes of chunk i of one target's payload, and what keeps them alive.
-  using ChunkOf = std::function<std::pair<std::span<const std::byte>, std::shared_ptr<const void>>(
-      uint64_t chunk)>;
+  struct Chunk {
+    std::span<const std::byte> bytes;
+    std::shared_ptr<const void> keep;
+    uint32_t crc = 0;  // CRC32C of bytes
+  };
+  using ChunkOf = std::function<Chunk(uint64_t chunk)>;
   Status PushOne(const Peer& target, const ReplicaMeta& meta, uint64_t chunk_bytes,
                  const ChunkOf& chunk_of, const std::function<bool()>& still_valid,
                  double* paused_seconds);
@@ -367,6 +391,13 @@ class PeerServiceImpl final : public PeerService {
 
   std::mutex task_mu_;
   std::vector<std::function<void()>> tasks_;
+
+  // Store operations that take long (reserve, commit, read) run on their own thread, in order.
+  std::thread store_thread_;
+  std::mutex store_mu_;
+  std::condition_variable store_cv_;
+  std::deque<std::function<void()>> store_tasks_;
+  bool store_stop_ = false;
 
   std::recursive_mutex mu_;
   std::condition_variable_any cv_;
@@ -476,11 +507,20 @@ Status PeerServiceImpl::Init() {
     return Unavailable("UCX: ucp_listener_query: " + UcsError(s));
   address_ = FormatAddress(la.sockaddr);
   thread_ = std::thread([this] { Run(); });
+  store_thread_ = std::thread([this] { RunStore(); });
   spdlog::info("peer service of node {} listening on {}", options_.node, address_);
   return Status::OK();
 }
 
 void PeerServiceImpl::Stop() {
+  if (store_thread_.joinable()) {
+    {
+      std::lock_guard lk(store_mu_);
+      store_stop_ = true;
+    }
+    store_cv_.notify_all();
+    store_thread_.join();
+  }
   if (thread_.joinable()) {
     stop_ = true;
     uint64_t one = 1;
@@ -577,7 +617,7 @@ void PeerServiceImpl::CheckIdle() {
   for (auto& [ep, c] : eps_) {
     if (c->dropping && now - c->dropped_at > kDropGrace)
       late.push_back(c);
-    else if (!c->client && !c->dropping && now - c->last_progress > timeout())
+    else if (!c->client && !c->dropping && !c->busy && now - c->last_progress > timeout())
       idle.push_back(c);
   }
   for (auto& c : late) CloseNow(c, c->error);
@@ -641,10 +681,7 @@ void PeerServiceImpl::OnSendDone(SendCtx* ctx, ucs_status_t status) {
   Lock lk(mu_);
   Conn& c = *ctx->conn;
   if (c.outstanding > 0) --c.outstanding;
-  if (ctx->close_after) {
-    ConnPtr conn = ctx->conn;
-    Submit([this, conn] { CloseNow(conn, conn->error); });
-  } else if (status == UCS_OK) {
+  if (status == UCS_OK) {
     c.last_progress = Clock::now();
     if (!c.client && c.view) PumpFetch(ctx->conn);
   } else if (c.error.ok()) {
@@ -686,12 +723,12 @@ void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) 
   c->sink = {};
   cv_.notify_all();
   if (tell_peer && c->ep != nullptr) {
-    // Closed when the error has left (OnSendDone), so that the peer learns why.
+    // Not closed yet: closing could overtake the error (UCX signals the disconnect on another
+    // channel than the data). The peer closes when it has read it, or CheckIdle after kDropGrace.
     std::string text = StatusToJson(why).dump();
     const WireHeader h = ControlHeader(MsgType::kError, text.size());
     ++c->outstanding;
-    auto* ctx = new SendCtx{this, c, h, std::move(text), nullptr, /*close_after=*/true};
-    SendCtxNow(ctx);
+    SendCtxNow(new SendCtx{this, c, h, std::move(text), nullptr});
   } else {
     Submit([this, c, why] { CloseNow(c, why); });
   }
@@ -840,6 +877,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
     case Conn::Auth::kReady:
       break;
   }
+  if (c->busy) return protocol_error(std::string(MsgTypeName(type)) + " before the last reply");
   switch (type) {
     case MsgType::kPutBegin: {
       uint64_t chunk = 0;
@@ -856,36 +894,51 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
       }
       ChunkLayout layout{meta->payload_bytes, chunk};
       if (Status s = layout.Validate(); !s.ok()) return protocol_error(s.message());
-      Result<std::unique_ptr<ReplicaWriter>> w = store_->Begin(*meta);
-      if (!w.ok()) return Drop(c, w.status(), true);
-      std::shared_ptr<ReplicaWriter> writer = std::move(*w);
-      if (writer->data().size() != meta->payload_bytes)
-        return Drop(c, IOError("replica store gave a buffer of the wrong size"), true);
-      c->meta = *meta;
-      c->writer = writer;
-      c->sink = writer->data();
-      c->sink_owner = writer;
-      c->layout = layout;
-      c->got.assign(layout.chunks(), 0);
-      c->received = 0;
-      c->all_received = false;
-      SendControlNow(c, MsgType::kPutReady, json::object());
+      // Reserving the file (fallocate zeroes every page) is slow for big images: off the
+      // progress thread.
+      auto writer = std::make_shared<Result<std::unique_ptr<ReplicaWriter>>>(Cancelled(""));
+      Offload(
+          c, [this, writer, m = *meta] { *writer = store_->Begin(m); },
+          [this, c, writer, m = *meta, layout] {
+            if (!writer->ok()) return Drop(c, writer->status(), true);
+            std::shared_ptr<ReplicaWriter> w = std::move(**writer);
+            if (w->data().size() != m.payload_bytes)
+              return Drop(c, IOError("replica store gave a buffer of the wrong size"), true);
+            c->meta = m;
+            c->writer = w;
+            c->sink = w->data();
+            c->sink_owner = w;
+            c->layout = layout;
+            c->got.assign(layout.chunks(), 0);
+            c->received = 0;
+            c->all_received = false;
+            SendControlNow(c, MsgType::kPutReady, json::object());
+          });
       return;
     }
     case MsgType::kCommit: {
       if (!c->writer || !c->all_received) return protocol_error("commit before every chunk");
-      Status s = c->writer->Commit();
-      c->writer.reset();
+      // Commit verifies the whole payload's CRC: off the progress thread too.
+      std::shared_ptr<ReplicaWriter> writer = std::move(c->writer);
       c->sink = {};
-      if (s.ok()) {
-        ++replicas_received_;
-        bytes_received_ += c->meta.payload_bytes;
-        if (Result<uint64_t> freed = store_->Prune(options_.keep); !freed.ok())
-          spdlog::warn("peer service: pruning replicas: {}", freed.status().ToString());
-      } else {
-        ++transfers_failed_;
-      }
-      SendControlNow(c, MsgType::kCommitted, StatusToJson(s));
+      auto status = std::make_shared<Status>();
+      Offload(
+          c,
+          [this, writer, status] {
+            *status = writer->Commit();
+            if (status->ok())
+              if (Result<uint64_t> freed = store_->Prune(options_.keep); !freed.ok())
+                spdlog::warn("peer service: pruning replicas: {}", freed.status().ToString());
+          },
+          [this, c, status] {
+            if (status->ok()) {
+              ++replicas_received_;
+              bytes_received_ += c->meta.payload_bytes;
+            } else {
+              ++transfers_failed_;
+            }
+            SendControlNow(c, MsgType::kCommitted, StatusToJson(*status));
+          });
       return;
     }
     case MsgType::kPing:  // a paused or throttled sender; OnAm noted the progress
@@ -932,19 +985,54 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
             NotFound("no replica " + want->source_node + " rank " + std::to_string(want->rank) +
                      " step " + std::to_string(want->step) + " here"),
             true);
-      Result<ReplicaView> view = store_->Read(*it);  // verifies the payload CRC
-      if (!view.ok()) return Drop(c, view.status(), true);
-      ChunkLayout layout{view->meta.payload_bytes, chunk};
+      ChunkLayout layout{it->payload_bytes, chunk};
       if (Status s = layout.Validate(); !s.ok()) return protocol_error(s.message());
-      c->view = std::make_shared<ReplicaView>(std::move(*view));
-      c->send_layout = layout;
-      c->next_chunk = 0;
-      SendControlNow(c, MsgType::kFetchBegin, {{"meta", MetaToJson(c->view->meta)}});
-      PumpFetch(c);
+      // Read verifies the payload's CRC: off the progress thread.
+      auto view = std::make_shared<Result<ReplicaView>>(Cancelled(""));
+      Offload(
+          c, [this, view, m = *it] { *view = store_->Read(m); },
+          [this, c, view, layout] {
+            if (!view->ok()) return Drop(c, view->status(), true);
+            c->view = std::make_shared<ReplicaView>(std::move(**view));
+            c->send_layout = layout;
+            c->next_chunk = 0;
+            SendControlNow(c, MsgType::kFetchBegin, {{"meta", MetaToJson(c->view->meta)}});
+            PumpFetch(c);
+          });
       return;
     }
     default:
       return protocol_error(std::string("unexpected ") + MsgTypeName(type) + " message");
+  }
+}
+
+void PeerServiceImpl::Offload(const ConnPtr& c, std::function<void()> work,
+                              std::function<void()> then) {
+  c->busy = true;
+  std::lock_guard lk(store_mu_);
+  store_tasks_.push_back([this, c, work = std::move(work), then = std::move(then)] {
+    work();
+    Submit([this, c, then] {
+      Lock lk(mu_);
+      c->busy = false;
+      c->last_progress = Clock::now();
+      if (!c->closing && !c->dropping) then();
+    });
+  });
+  store_cv_.notify_one();
+}
+
+void PeerServiceImpl::RunStore() {
+  while (true) {
+    std::function<void()> task;
+    {
+      std::unique_lock lk(store_mu_);
+      store_cv_.wait(lk, [&] { return store_stop_ || !store_tasks_.empty(); });
+      if (store_stop_) return;  // what is left is dropped (uncommitted files are removed)
+      task = std::move(store_tasks_.front());
+      store_tasks_.pop_front();
+    }
+    task();
   }
 }
 
@@ -1270,9 +1358,8 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
     *paused_seconds += *waited;
     if (Status s = WaitUntil(c, [&] { return c->outstanding < kSendWindow; }); !s.ok())
       return finish(s);
-    auto [bytes, keep] = chunk_of(i);
+    auto [bytes, keep, crc] = chunk_of(i);
     if (bytes.size() != len) return finish(InvalidArgument("push: chunk of the wrong size"));
-    const uint32_t crc = Crc32c(bytes);
     if (options_.test_mangle_chunk) {
       auto copy = std::make_shared<std::vector<std::byte>>(bytes.begin(), bytes.end());
       options_.test_mangle_chunk(offset, *copy);
@@ -1322,21 +1409,28 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
   base.complete_ns = id.complete_ns;
   base.attempt = id.attempt;
   base.image_bytes = image.size();
-  base.image_crc = Crc32c(image);
+  const uint64_t chunk_bytes = options_.chunk_bytes;
+  // One pass gives the image's CRC and (for mirror) every chunk's, shared by all targets.
+  std::vector<uint32_t> chunk_crcs;
+  for (uint64_t offset = 0; offset < image.size(); offset += chunk_bytes) {
+    const uint64_t len = std::min(chunk_bytes, image.size() - offset);
+    base.image_crc = Crc32c(base.image_crc, image.data() + offset, len);
+    if (redundancy.kind == Redundancy::Kind::kMirror)
+      chunk_crcs.push_back(Crc32c(0, image.data() + offset, len));
+  }
 
   std::vector<ReplicaMeta> metas(targets.size(), base);
   std::vector<ChunkOf> chunk_of(targets.size());
-  const uint64_t chunk_bytes = options_.chunk_bytes;
   std::unique_ptr<EcCodec> codec;
   std::unique_ptr<StripeSource> stripes;
   if (redundancy.kind == Redundancy::Kind::kMirror) {
     for (size_t t = 0; t < targets.size(); ++t) {
       metas[t].payload_bytes = image.size();
       metas[t].payload_crc = base.image_crc;
-      chunk_of[t] = [image, chunk_bytes](uint64_t i) {
+      chunk_of[t] = [image, chunk_bytes, &chunk_crcs](uint64_t i) {
         const uint64_t offset = i * chunk_bytes;
-        return std::pair(image.subspan(offset, std::min(chunk_bytes, image.size() - offset)),
-                         std::shared_ptr<const void>());
+        return Chunk{image.subspan(offset, std::min(chunk_bytes, image.size() - offset)), nullptr,
+                     chunk_crcs[i]};
       };
     }
   } else {
@@ -1356,9 +1450,9 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
       metas[f].payload_bytes = layout.fragment_bytes();
       metas[f].payload_crc = crcs[f];
       chunk_of[f] = [src = stripes.get(), f, piece = layout.piece_bytes](uint64_t i) {
-        std::shared_ptr<const std::vector<std::byte>> stripe = src->Get(i);
-        return std::pair(std::span<const std::byte>(stripe->data() + f * piece, piece),
-                         std::shared_ptr<const void>(stripe));
+        std::shared_ptr<const StripeSource::Stripe> stripe = src->Get(i);
+        return Chunk{std::span<const std::byte>(stripe->bytes.data() + f * piece, piece), stripe,
+                     stripe->crcs[f]};
       };
     }
   }
@@ -1466,6 +1560,7 @@ Status PeerServiceImpl::FetchOne(const Holding& holding, std::span<std::byte> de
 Status PeerServiceImpl::FetchImage(const std::vector<Holding>& holdings, const SnapshotId& id,
                                    std::span<std::byte> image) {
   const std::string what = "rank " + std::to_string(id.rank) + " step " + std::to_string(id.step);
+  Status last = NotFound("no peer holds enough of " + what + " to rebuild it");
   std::vector<Holding> copies, frags;
   for (const Holding& h : holdings) {
     const ReplicaMeta& m = h.meta;
@@ -1474,9 +1569,13 @@ Status PeerServiceImpl::FetchImage(const std::vector<Holding>& holdings, const S
       continue;
     }
     if (m.image_bytes != image.size()) continue;
+    // What a peer listed is checked like what a peer declares before anything is sized by it.
+    if (Status v = ValidateDeclaredMeta(m, m.source_node, image.size()); !v.ok()) {
+      last = v.WithContext(h.holder.node);
+      continue;
+    }
     (m.kind == ReplicaMeta::Kind::kCopy ? copies : frags).push_back(h);
   }
-  Status last = NotFound("no peer holds enough of " + what + " to rebuild it");
   for (const Holding& h : copies) {
     if (Status s = FetchOne(h, image, nullptr); !s.ok()) {
       last = s;

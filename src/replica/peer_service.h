@@ -11,9 +11,16 @@
 // progress for `timeout_s` is dropped; a replica is committed only when whole and verified
 // (ReplicaStore), so no wrong byte is ever kept.
 //
+// Protocol (ucx_wire.h): each request is one connection: hello/challenge/auth (mutual proofs),
+// then one of: a push (put-begin with the replica's meta -> put-ready -> chunks -> put-done when
+// every chunk arrived and passed its CRC -> commit, sent only if still_valid() still holds ->
+// committed), a list, or a fetch of one replica (its chunks stream back). A paused or throttled
+// sender pings, so a pause is not a stall. Shared-memory transports are excluded unless $UCX_TLS
+// is set (other UCX_* variables apply as usual).
+//
 // Threads: the service runs one progress thread that owns the UCX worker; the public methods are
 // thread-safe, block their caller and are meant for the agent's replication worker (never its
-// poll loop).
+// poll loop). Destroy the service only when none of its calls is in flight.
 #pragma once
 
 #include <cstdint>

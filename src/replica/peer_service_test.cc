@@ -18,6 +18,7 @@
 #include <optional>
 #include <thread>
 
+#include "base/crc32c.h"
 #include "base/unique_fd.h"
 #include "replica/auth.h"
 #include "replica/redundancy.h"
@@ -680,6 +681,170 @@ TEST_F(PeerServiceTest, AuthenticatedPeerLyingAboutSizesIsDropped) {
   }
   EXPECT_EQ(Stored(b), 0u);
   EXPECT_GE(b->svc->stats().peers_rejected, 4u);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// A listed meta is not trusted to size anything: a forged fragment size is refused up front.
+TEST_F(PeerServiceTest, FetchRefusesForgedHoldings) {
+  Node* a = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(a && b);
+  std::vector<std::byte> out(1 << 20);
+  ReplicaMeta m;
+  m.source_node = "x";
+  m.rank = kId.rank;
+  m.step = kId.step;
+  m.complete_ns = kId.complete_ns;
+  m.image_bytes = out.size();
+  m.kind = ReplicaMeta::Kind::kFragment;
+  m.k = 1;
+  m.p = 1;
+  m.piece_bytes = 1 << 20;
+  m.payload_bytes = uint64_t{1} << 50;
+  std::vector<Holding> holdings;
+  for (uint32_t i = 0; i < 2; ++i) {
+    m.index = i;
+    holdings.push_back({b->peer(), m});
+  }
+  Status s = a->svc->FetchImage(holdings, kId, out);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+TEST_F(PeerServiceTest, ReceiverKeepsTheNewestSnapshots) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b", [](PeerServiceOptions& o) { o.keep = 2; });
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(300 << 10, 15);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  for (uint64_t step = 1; step <= 4; ++step) {
+    ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push({kId.rank, step, step * 10}, image, r,
+                                                           {b->peer()}, nullptr));
+    ASSERT_OK(pushed.targets[0]);
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<ReplicaMeta> kept, b->store->List());
+  ASSERT_EQ(kept.size(), 2u);
+  EXPECT_EQ(kept[0].step, 3u);
+  EXPECT_EQ(kept[1].step, 4u);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// Not tests: two halves of a manual check across network namespaces (docs: run the server half
+// in one namespace, the client half in another).
+//   SP_PEER_BIND=10.0.0.1 safepoint_tests --gtest_also_run_disabled_tests \
+//       --gtest_filter='*DISABLED_ManualServer'          (prints its address, serves 60 s)
+//   SP_PEER_TARGET=10.0.0.1:PORT SP_PEER_BIND=10.0.0.2 ... --gtest_filter='*DISABLED_ManualClient'
+TEST_F(PeerServiceTest, DISABLED_ManualServer) {
+  const char* bind = std::getenv("SP_PEER_BIND");
+  ASSERT_NE(bind, nullptr);
+  Node* b = StartNode("b", [&](PeerServiceOptions& o) { o.bind_host = bind; });
+  ASSERT_TRUE(b);
+  std::printf("serving on %s\n", b->svc->address().c_str());
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+}
+
+TEST_F(PeerServiceTest, DISABLED_ManualClient) {
+  const char* bind = std::getenv("SP_PEER_BIND");
+  const char* target = std::getenv("SP_PEER_TARGET");
+  ASSERT_TRUE(bind && target);
+  Node* a = StartNode("a", [&](PeerServiceOptions& o) {
+    o.bind_host = bind;
+    o.chunk_bytes = 4 << 20;
+  });
+  ASSERT_TRUE(a);
+  const Peer b{"b", target};
+  const std::vector<std::byte> image = test::PatternBytes(256 << 20, 16);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, a->svc->Push(kId, image, r, {b}, nullptr));
+  ASSERT_OK(pushed.targets[0]);
+  std::printf("push of 256 MiB: %.3f s, %.1f MB/s\n", pushed.seconds,
+              pushed.bytes_sent / pushed.seconds / 1e6);
+  std::vector<Holding> holdings = a->svc->List({b}, kId.rank);
+  ASSERT_EQ(holdings.size(), 1u);
+  std::vector<std::byte> out(image.size());
+  ASSERT_OK(a->svc->FetchImage(holdings, kId, out));
+  EXPECT_EQ(test::FirstMismatch(out, 16), -1);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// An authenticated sender that stops in the middle of a transfer is dropped after timeout_s and
+// its reserved replica file removed.
+TEST_F(PeerServiceTest, SenderStallingMidTransferIsDroppedAndItsFileRemoved) {
+  Node* b = StartNode("b", [](PeerServiceOptions& o) { o.timeout_s = 0.5; });
+  ASSERT_TRUE(b);
+  RawPeer raw;
+  ASSERT_TRUE(raw.Connect(b->svc->address()));
+  ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
+  raw.SendControl(MsgType::kPutBegin,
+                  {{"meta", MetaToJson(CopyMetaOf("x", 4 << 20))}, {"chunk_bytes", 1 << 20}});
+  auto ready = raw.Next();
+  ASSERT_TRUE(ready.has_value());
+  ASSERT_EQ(ready->first, MsgType::kPutReady);
+  EXPECT_GE(b->store->bytes(), uint64_t{4} << 20);  // reserved
+  const std::string bytes(1 << 20, 'q');
+  const WireHeader h =
+      ChunkHeader(0, bytes.size(), internal::Crc32c(0, bytes.data(), bytes.size()));
+  raw.Send(&h, sizeof h, bytes);
+  // Then nothing: the receiver gives up on its own.
+  auto reply = raw.Next();
+  EXPECT_TRUE(!reply.has_value() || reply->first == MsgType::kError);
+  for (int i = 0; i < 200 && b->store->bytes() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(b->store->bytes(), 0u);
+  EXPECT_GE(b->svc->stats().transfers_failed, 1u);
+  EXPECT_EQ(Stored(b), 0u);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// A new secret drops the connections authenticated with the old one, mid-transfer included.
+TEST_F(PeerServiceTest, NewSecretDropsOpenConnections) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  const std::vector<std::byte> image = test::PatternBytes(1 << 20, 17);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  src->svc->SetPaused(true);
+  Result<PushResult> pushed = InvalidArgument("not run");
+  std::thread t([&] { pushed = src->svc->Push(kId, image, r, {b->peer()}, nullptr); });
+  // The receiver has reserved the file: the connection is authenticated and the push paused.
+  for (int i = 0; i < 400 && b->store->bytes() == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_GT(b->store->bytes(), 0u);
+  b->svc->SetSecret("the-next-secret-of-the-job");
+  for (int i = 0; i < 400 && b->store->bytes() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(b->store->bytes(), 0u);  // the unfinished file went with the connection
+  src->svc->SetPaused(false);
+  t.join();
+  ASSERT_OK(pushed);
+  EXPECT_EQ(pushed->targets[0].code(), StatusCode::kUnavailable) << pushed->targets[0].ToString();
+  EXPECT_EQ(Stored(b), 0u);
 }
 
 }  // namespace

@@ -144,11 +144,10 @@ Result<ReplicaMeta> MetaFromJson(std::string_view text) {
   uint32_t kind = 0;
   if (!GetU32(j, "rank", &m.rank) || !GetU64(j, "step", &m.step) ||
       !GetU64(j, "complete_ns", &m.complete_ns) || !GetU64(j, "attempt", &m.attempt) ||
-      !GetU64(j, "image_bytes", &m.image_bytes) ||
-      !GetU32(j, "image_crc", &m.image_crc) || !GetU32(j, "kind", &kind) ||
-      !GetU32(j, "index", &m.index) || !GetU32(j, "k", &m.k) || !GetU32(j, "p", &m.p) ||
-      !GetU64(j, "piece_bytes", &m.piece_bytes) || !GetU64(j, "payload_bytes", &m.payload_bytes) ||
-      !GetU32(j, "payload_crc", &m.payload_crc))
+      !GetU64(j, "image_bytes", &m.image_bytes) || !GetU32(j, "image_crc", &m.image_crc) ||
+      !GetU32(j, "kind", &kind) || !GetU32(j, "index", &m.index) || !GetU32(j, "k", &m.k) ||
+      !GetU32(j, "p", &m.p) || !GetU64(j, "piece_bytes", &m.piece_bytes) ||
+      !GetU64(j, "payload_bytes", &m.payload_bytes) || !GetU32(j, "payload_crc", &m.payload_crc))
     return Corruption("replica meta with a missing or mistyped field");
   if (kind != static_cast<uint32_t>(ReplicaMeta::Kind::kCopy) &&
       kind != static_cast<uint32_t>(ReplicaMeta::Kind::kFragment))

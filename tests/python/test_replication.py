@@ -4,9 +4,12 @@ whole nodes (every process and the node's memory) and checks where each rank's s
 and that it is bit-identical to what was saved."""
 
 import os
+import sys
 
 import safepoint
+from conftest import cli_path
 from nodes import Job
+from processes import wait_until
 
 WORKER = os.path.join(os.path.dirname(__file__), "workloads", "replica_worker.py")
 
@@ -17,6 +20,13 @@ def _save(c, ckpt, name, redundancy, k, persisted):
     assert [o["step"] for o in saved] == [k] * len(c)
     assert safepoint.steps(ckpt)[-1] == persisted
     return job, saved
+
+
+def _digest(st):
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from replica_worker import digest  # noqa: E402  (the worker's own digest)
+
+    return digest(st)
 
 
 def _agent_logs(c):
@@ -36,6 +46,10 @@ def test_mirror_restores_a_lost_node_from_peer_memory(cluster, tmp_path):
     # node i's copy is on node i+1: node 2 holds node 1's rank 1, step 5
     held = {(h["source_node"], h["rank"], h["step"]) for h in saved[2]["held"]}
     assert ("node1", 1, 5) in held
+    # `safepoint status` on a node shows it too
+    out = c[2].run([cli_path(), "status"], check=True).stdout
+    assert "replication mirror:1: node node2 (3 nodes)" in out, out
+    assert "keeps 1 replicas of other nodes" in out and "rank 2 step 5 protected" in out, out
 
     c[1].kill()  # node loss: its rank, its agent and its /dev/shm are gone
     c.replace(1)
@@ -100,3 +114,18 @@ def test_too_few_nodes_is_refused_at_start(cluster, tmp_path):
     err = job[0].stderr()
     assert "mirror:2 needs at least 3 nodes" in err and "the job has 2" in err, err
 
+
+
+def test_a_torn_down_job_commits_a_lost_nodes_step_from_its_replica(cluster, tmp_path):
+    """3 nodes, mirror. Node 1 dies, then the job is torn down (every rank killed). Ranks 0 and
+    2 are emergency-flushed by their agents; rank 1's image of step 5 exists only as the copy on
+    node 2, whose agent persists it, so step 5 commits on storage without node 1."""
+    c = cluster(3, shm_size="64m")
+    ckpt, name = tmp_path / "ckpt", f"torn-{os.getpid()}"
+    job, saved = _save(c, ckpt, name, "mirror", 5, 2)
+    c[1].kill()
+    job.kill()
+    assert wait_until(lambda: safepoint.steps(ckpt)[-1] == 5), _agent_logs(c)
+    for rank in range(3):  # every rank's image of step 5 loads bit-exact from storage
+        got = safepoint.load(ckpt, 5, rank=rank)[1]
+        assert _digest(got) == saved[rank]["digest"]

@@ -40,33 +40,38 @@ def digest(st):
     return h.hexdigest()
 
 
-mode, ckpt, job, redundancy = sys.argv[1:5]
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
+def main():
+    mode, ckpt, job, redundancy = sys.argv[1:5]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
 
-import safepoint  # noqa: E402
+    import safepoint
 
-ck = safepoint.Checkpointer(ckpt, job=job, redundancy=redundancy, dedupe=False, keep=5,
-                            peer_timeout=10.0)
-if mode == "save":
-    k, persisted = int(sys.argv[5]), int(sys.argv[6])
-    for step in range(1, k + 1):
-        ck.save(step, state(step, rank), persist=step <= persisted)
-    ck.wait()  # committed on storage and replicated to the peers
-    st = ck.status()
-    mine = [r for r in st["replication"]["ranks"] if r["rank"] == rank]
-    dist.barrier()
-    say("saved", rank=rank, step=k, digest=digest(state(k, rank)), replication=mine,
-        node=st["replication"]["node"], held=st["replication"]["held"])
-    while True:  # the test kills nodes now; the launcher then kills this attempt
-        time.sleep(60)
-elif mode == "load":
-    got = torch.zeros(96 * 1024), torch.zeros(4096, dtype=torch.int64)
-    target = {"w": got[0], "b": got[1], "h": torch.zeros(8192, dtype=torch.bfloat16), "step": -1}
-    step = ck.restore(target)
-    info = ck.last_restore
-    say("loaded", rank=rank, step=step, source=info.source if info else None,
-        peers=info.peers if info else None, digest=digest(target),
-        equal=step is not None and digest(target) == digest(state(step, rank)))
-    ck.close()
-    dist.destroy_process_group()
+    ck = safepoint.Checkpointer(ckpt, job=job, redundancy=redundancy, dedupe=False, keep=5,
+                                peer_timeout=10.0)
+    if mode == "save":
+        k, persisted = int(sys.argv[5]), int(sys.argv[6])
+        for step in range(1, k + 1):
+            ck.save(step, state(step, rank), persist=step <= persisted)
+        ck.wait()  # committed on storage and replicated to the peers
+        st = ck.status()
+        mine = [r for r in st["replication"]["ranks"] if r["rank"] == rank]
+        dist.barrier()
+        say("saved", rank=rank, step=k, digest=digest(state(k, rank)), replication=mine,
+            node=st["replication"]["node"], held=st["replication"]["held"])
+        while True:  # the test kills nodes now; the launcher then kills this attempt
+            time.sleep(60)
+    elif mode == "load":
+        got = torch.zeros(96 * 1024), torch.zeros(4096, dtype=torch.int64)
+        target = {"w": got[0], "b": got[1], "h": torch.zeros(8192, dtype=torch.bfloat16), "step": -1}
+        step = ck.restore(target)
+        info = ck.last_restore
+        say("loaded", rank=rank, step=step, source=info.source if info else None,
+            peers=info.peers if info else None, digest=digest(target),
+            equal=step is not None and digest(target) == digest(state(step, rank)))
+        ck.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
