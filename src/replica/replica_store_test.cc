@@ -642,3 +642,54 @@ TEST(ReplicaStoreFullTest, AFullTmpfsIsResourceExhaustedNotSigbus) {
 
 }  // namespace
 }  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// Spares hold shared memory; a Begin that needs it removes them first, and a replica that does
+// not fit even then is still ResourceExhausted (never a SIGBUS), leaving no file behind.
+TEST(ReplicaStoreFullTest, SparesGiveWayWhenMemoryIsNeeded) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs needs root";
+  test::TempDir tmp("replica-store-spares");
+  ASSERT_TRUE(tmp.ok());
+  if (::mount("tmpfs", tmp.path().c_str(), "tmpfs", 0, "size=8m,mode=0700") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { ::umount2(dir.c_str(), MNT_DETACH); }
+  } unmount{tmp.path()};
+  ASSERT_OK_AND_ASSIGN(auto store, ReplicaStore::Open(tmp.path()));
+  const auto mid = test::PatternBytes(3 << 19, 31);  // 1.5 MiB
+  for (uint32_t rank : {0, 1})
+    for (uint64_t step : {1, 2}) ASSERT_OK(Put(*store, CopyMeta("n", rank, step, 1, mid), mid));
+  ASSERT_OK(store->Prune(1));
+  auto spares = [&] {
+    int n = 0;
+    for (const std::string& name : DirNames(tmp.Join("replicas"))) n += name.starts_with(".");
+    return n;
+  };
+  ASSERT_EQ(spares(), 2);
+  // 4 MiB: one spare's pages and the other's freed memory.
+  const auto big = test::PatternBytes(4 << 20, 32);
+  ASSERT_OK(Put(*store, CopyMeta("n", 2, 1, 1, big), big));
+  EXPECT_EQ(spares(), 0);
+  ASSERT_OK(store->Prune(0));
+  ASSERT_EQ(spares(), 3);
+  EXPECT_GT(store->bytes(), 0u);
+  // Too big even without spares.
+  const auto huge = test::PatternBytes(9 << 20, 33);
+  auto w = store->Begin(CopyMeta("n", 3, 1, 1, huge));
+  ASSERT_EQ(w.status().code(), StatusCode::kResourceExhausted) << w.status().ToString();
+  EXPECT_TRUE(DirNames(tmp.Join("replicas")).empty());
+  EXPECT_EQ(store->bytes(), 0u);
+  // ReleaseSpares gives their memory back.
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 5, 1, mid), mid));
+  ASSERT_OK(store->Prune(0));
+  ASSERT_EQ(spares(), 1);
+  EXPECT_GE(store->ReleaseSpares(), mid.size());
+  EXPECT_EQ(spares(), 0);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
