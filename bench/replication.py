@@ -219,21 +219,24 @@ def links(c: Cluster, nbytes: int, first: bool = True) -> dict:
 # --- memory per node ---------------------------------------------------------------------------
 
 def shm_usage(c: Cluster) -> list[dict]:
-    """Per node: allocated bytes in its /dev/shm, split into replica files and the rest (slots,
-    control files), per job directory."""
+    """Per node: allocated bytes in its /dev/shm, split into replica files, spares (pruned
+    replica files the store keeps to reuse their pages) and the rest (slots, control files), per
+    job directory."""
     nodes = []
     for node in c:
         use: dict = {}
         for root, _, files in os.walk(node.shm):
             rel = os.path.relpath(root, node.shm)
             top = rel.split(os.sep)[0]
-            kind = "replicas" if "replicas" in rel.split(os.sep) else "slots"
+            in_replicas = "replicas" in rel.split(os.sep)
             for f in files:
                 try:
                     b = os.lstat(os.path.join(root, f)).st_blocks * 512
                 except OSError:
                     continue
-                use.setdefault(top, {"slots": 0, "replicas": 0})[kind] += b
+                kind = ("spares" if f.startswith(".spare-") else "replicas") if in_replicas \
+                    else "slots"
+                use.setdefault(top, {"slots": 0, "replicas": 0, "spares": 0})[kind] += b
         nodes.append({"node": node.name, "dirs": use})
     return nodes
 
@@ -446,8 +449,9 @@ def render(res: dict, args, conditions: str) -> str:
         L.append("")
         L.append(f"Writing {args.size // MiB} MiB (8 MiB write() calls) into a node's /dev/shm: "
                  f"into a new fallocate'd file {sh['fresh'] / GB:.2f} GB/s, into the same file "
-                 f"again {sh['rewrite'] / GB:.2f} GB/s (a receiver writes each replica into a new "
-                 "file).")
+                 f"again {sh['rewrite'] / GB:.2f} GB/s (the fallocate itself not timed). A "
+                 "receiver writes a replica into the file of one it pruned (a spare) when it has "
+                 "one: from the third push of a rank on, as here after the two warm-up rounds.")
 
     # throughput, blocking, time to protected
     L.append("")
@@ -561,12 +565,15 @@ def render(res: dict, args, conditions: str) -> str:
     L.append("### Memory per node")
     L.append("")
     L.append("Allocated bytes in each node's /dev/shm after the last save (the replicated job's "
-             "directory: its two slots per rank, and the replicas it holds for other nodes), "
-             "and the agent's `held_bytes`; S = one rank's snapshot image.")
+             "directory: its two slots per rank, the replicas it holds for other nodes, and the "
+             "spares: files of pruned replicas the store keeps so that the next push reuses their "
+             "pages instead of fresh ones the kernel must zero; the store gives them up when a "
+             "replica needs the room), and the agent's `held_bytes` (spares included); S = one "
+             "rank's snapshot image.")
     L.append("")
-    L.append("| redundancy | node | slots MiB | replicas MiB | held_bytes MiB | replicas / S | "
-             "expected replicas / S |")
-    L.append("|---|---|---:|---:|---:|---:|---:|")
+    L.append("| redundancy | node | slots MiB | replicas MiB | spares MiB | held_bytes MiB | "
+             "replicas / S | expected replicas / S | (replicas + spares) / S |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for key in ("mirror", "ec", "mirror4"):
         r = res.get(key)
         if not r or "shm" not in r:
@@ -577,9 +584,11 @@ def render(res: dict, args, conditions: str) -> str:
             job = [v for k, v in n["dirs"].items() if "-off" not in k and "train" not in k]
             slots = sum(v["slots"] for v in job)
             reps = sum(v["replicas"] for v in job)
+            spares = sum(v.get("spares", 0) for v in job)
             L.append(f"| `{r['redundancy']}` | {n['node']} | {slots / MiB:.0f} | "
-                     f"{reps / MiB:.0f} | {(s.get('held_bytes') or 0) / MiB:.0f} | "
-                     f"{reps / img:.2f} | {exp} |")
+                     f"{reps / MiB:.0f} | {spares / MiB:.0f} | "
+                     f"{(s.get('held_bytes') or 0) / MiB:.0f} | "
+                     f"{reps / img:.2f} | {exp} | {(reps + spares) / img:.2f} |")
     # training
     t = res.get("train")
     if t and "ranks" in t:
