@@ -7,7 +7,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-multirank clean crash-build test-crash crashtest lint
+        bench-multirank bench-replication clean crash-build test-crash crashtest lint
 
 setup:
 	@scripts/setup.sh
@@ -105,6 +105,13 @@ bench-multirank: build
 	@$(PY) -c 'import grpc' 2>/dev/null || test -d build/bench/dlrover-deps || \
 	  $(PY) -m pip install -q --target build/bench/dlrover-deps grpcio
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/multirank.py
+
+# Peer replication on network-namespace nodes (needs root; not part of `make bench`: it takes
+# several minutes). lm-resiliency 0.2.0 is measured beside it when installed.
+bench-replication: build
+	@$(PY) -c 'import lm_resiliency' 2>/dev/null || test -d build/bench/lmres-deps || \
+	  $(PY) -m pip install -q --no-deps --target build/bench/lmres-deps lm-resiliency==0.2.0
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/replication.py
 
 clean:
 	rm -rf build

@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -179,7 +180,8 @@ struct Conn {
   std::span<std::byte> sink;
   std::shared_ptr<void> sink_owner;  // keeps sink valid while receives are in flight
   ChunkLayout layout;
-  std::vector<uint8_t> got;  // per chunk: 0 missing, 1 arrived, 2 being received
+  std::vector<uint8_t> got;          // per chunk: 0 missing, 1 arrived, 2 being received
+  std::vector<uint32_t> chunk_crcs;  // per chunk that arrived: its CRC32C as it landed
   uint64_t received = 0;
   size_t receiving = 0;  // rendezvous receives in flight
 
@@ -215,33 +217,51 @@ class StripeSource {
     std::lock_guard lk(mu_);
     if (auto it = cache_.find(stripe); it != cache_.end()) return it->second;
     auto buf = Encode(stripe);
+    if (!image_crcs_[stripe]) {
+      // The stripe's share of the image CRC: its data pieces' CRCs, unless the image ends in it
+      // (then the bytes themselves: the pieces are zero-padded).
+      const uint64_t begin = stripe * layout_.stripe_bytes();
+      const uint64_t len = std::min(layout_.stripe_bytes(), layout_.image_bytes - begin);
+      uint32_t crc = 0;
+      if (len == layout_.stripe_bytes()) {
+        for (uint32_t f = 0; f < layout_.k; ++f)
+          crc = Crc32cCombine(crc, buf->crcs[f], layout_.piece_bytes);
+      } else {
+        crc = Crc32c(0, image_.data() + begin, len);
+      }
+      image_crcs_[stripe] = crc;
+    }
     while (cache_.size() >= kCachedStripes) cache_.erase(cache_.begin());
     cache_[stripe] = buf;
     return buf;
   }
 
-  std::vector<uint32_t> FragmentCrcs() const {
-    std::vector<uint32_t> crcs(layout_.k + layout_.p, 0);
+  // The image's CRC32C, once every stripe was encoded (a target has been sent all of its
+  // chunks).
+  uint32_t ImageCrc() {
+    std::lock_guard lk(mu_);
+    uint32_t crc = 0;
     for (uint64_t s = 0; s < layout_.stripes(); ++s) {
-      auto buf = Encode(s, /*piece_crcs=*/false);
-      for (uint32_t f = 0; f < crcs.size(); ++f)
-        crcs[f] = Crc32c(crcs[f], buf->bytes.data() + f * layout_.piece_bytes, layout_.piece_bytes);
+      const uint64_t begin = s * layout_.stripe_bytes();
+      const uint64_t len = std::min(layout_.stripe_bytes(), layout_.image_bytes - begin);
+      const uint32_t part =
+          image_crcs_[s] ? *image_crcs_[s] : Crc32c(0, image_.data() + begin, len);
+      crc = Crc32cCombine(crc, part, len);
     }
-    return crcs;
+    return crc;
   }
 
  private:
   static constexpr size_t kCachedStripes = 2 * 4;  // 2 * kSendWindow
 
-  std::shared_ptr<Stripe> Encode(uint64_t stripe, bool piece_crcs = true) const {
+  std::shared_ptr<Stripe> Encode(uint64_t stripe) const {
     const uint32_t n = layout_.k + layout_.p;
     auto buf = std::make_shared<Stripe>();
     buf->bytes.resize(n * layout_.piece_bytes);
     std::vector<std::byte*> out(n);
     for (uint32_t f = 0; f < n; ++f) out[f] = buf->bytes.data() + f * layout_.piece_bytes;
     codec_->EncodeStripe(layout_, image_, stripe, out);
-    if (piece_crcs)
-      for (uint32_t f = 0; f < n; ++f) buf->crcs.push_back(Crc32c(0, out[f], layout_.piece_bytes));
+    for (uint32_t f = 0; f < n; ++f) buf->crcs.push_back(Crc32c(0, out[f], layout_.piece_bytes));
     return buf;
   }
 
@@ -250,6 +270,8 @@ class StripeSource {
   const std::span<const std::byte> image_;
   std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<const Stripe>> cache_;
+  std::vector<std::optional<uint32_t>> image_crcs_ =
+      std::vector<std::optional<uint32_t>>(layout_.stripes());  // per stripe, once encoded
 };
 
 class PeerServiceImpl;
@@ -361,9 +383,11 @@ class PeerServiceImpl final : public PeerService {
     uint32_t crc = 0;  // CRC32C of bytes
   };
   using ChunkOf = std::function<Chunk(uint64_t chunk)>;
+  // Sends meta's payload to `target`; the CRCs travel with the commit: the payload's folded from
+  // its chunks', the image's from image_crc_of(payload CRC) once every chunk was sent.
   Status PushOne(const Peer& target, const ReplicaMeta& meta, uint64_t chunk_bytes,
-                 const ChunkOf& chunk_of, const std::function<bool()>& still_valid,
-                 double* paused_seconds);
+                 const ChunkOf& chunk_of, const std::function<uint32_t(uint32_t)>& image_crc_of,
+                 const std::function<bool()>& still_valid, double* paused_seconds);
   Status FetchOne(const Holding& holding, std::span<std::byte> dest,
                   std::shared_ptr<void> dest_owner);
   bool StillValid(const std::function<bool()>& still_valid) {
@@ -910,6 +934,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
             c->sink_owner = w;
             c->layout = layout;
             c->got.assign(layout.chunks(), 0);
+            c->chunk_crcs.assign(layout.chunks(), 0);
             c->received = 0;
             c->all_received = false;
             SendControlNow(c, MsgType::kPutReady, json::object());
@@ -918,14 +943,26 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
     }
     case MsgType::kCommit: {
       if (!c->writer || !c->all_received) return protocol_error("commit before every chunk");
-      // Commit verifies the whole payload's CRC: off the progress thread too.
+      uint64_t image_crc = 0, payload_crc = 0;
+      if (!GetU64(body, "image_crc", &image_crc) || !GetU64(body, "payload_crc", &payload_crc) ||
+          image_crc > UINT32_MAX || payload_crc > UINT32_MAX)
+        return protocol_error("malformed commit");
+      c->meta.image_crc = static_cast<uint32_t>(image_crc);
+      c->meta.payload_crc = static_cast<uint32_t>(payload_crc);
+      // What landed, chunk by chunk (each checked as it arrived), folded into the payload's CRC:
+      // the commit compares it with the sender's without reading the payload again.
+      uint32_t received_crc = 0;
+      for (uint64_t i = 0; i < c->layout.chunks(); ++i)
+        received_crc = Crc32cCombine(
+            received_crc, c->chunk_crcs[i],
+            std::min(c->layout.chunk_bytes, c->layout.total - i * c->layout.chunk_bytes));
       std::shared_ptr<ReplicaWriter> writer = std::move(c->writer);
       c->sink = {};
       auto status = std::make_shared<Status>();
       Offload(
           c,
-          [this, writer, status] {
-            *status = writer->Commit();
+          [this, writer, status, m = c->meta, received_crc] {
+            *status = writer->Commit(m.image_crc, m.payload_crc, received_crc);
             if (status->ok())
               if (Result<uint64_t> freed = store_->Prune(options_.keep); !freed.ok())
                 spdlog::warn("peer service: pruning replicas: {}", freed.status().ToString());
@@ -1112,6 +1149,7 @@ void PeerServiceImpl::ChunkArrived(const ConnPtr& c, const WireHeader& h) {
                 true);
   }
   c->got[h.offset / c->layout.chunk_bytes] = 1;
+  if (!c->chunk_crcs.empty()) c->chunk_crcs[h.offset / c->layout.chunk_bytes] = crc;
   c->received += h.len;
   c->last_progress = Clock::now();
   cv_.notify_all();
@@ -1330,8 +1368,9 @@ Result<double> PeerServiceImpl::Throttle(const ConnPtr& c, uint64_t bytes,
 }
 
 Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uint64_t chunk_bytes,
-                                const ChunkOf& chunk_of, const std::function<bool()>& still_valid,
-                                double* paused_seconds) {
+                                const ChunkOf& chunk_of,
+                                const std::function<uint32_t(uint32_t)>& image_crc_of,
+                                const std::function<bool()>& still_valid, double* paused_seconds) {
   SP_ASSIGN_OR_RETURN(ConnPtr c, Connect(target));
   auto finish = [&](Status s) {
     if (s.code() == StatusCode::kCancelled) {
@@ -1349,6 +1388,7 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
   const ChunkLayout layout{meta.payload_bytes, chunk_bytes};
   const Status cancelled = Cancelled("snapshot rank " + std::to_string(meta.rank) + " step " +
                                      std::to_string(meta.step) + " is no longer valid");
+  uint32_t payload_crc = 0;
   for (uint64_t i = 0; i < layout.chunks(); ++i) {
     if (!StillValid(still_valid)) return finish(cancelled);
     const uint64_t offset = i * layout.chunk_bytes;
@@ -1360,6 +1400,7 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
       return finish(s);
     auto [bytes, keep, crc] = chunk_of(i);
     if (bytes.size() != len) return finish(InvalidArgument("push: chunk of the wrong size"));
+    payload_crc = Crc32cCombine(payload_crc, crc, len);
     if (options_.test_mangle_chunk) {
       auto copy = std::make_shared<std::vector<std::byte>>(bytes.begin(), bytes.end());
       options_.test_mangle_chunk(offset, *copy);
@@ -1371,7 +1412,8 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
   }
   if (Result<json> r = WaitMessage(c, MsgType::kPutDone); !r.ok()) return finish(r.status());
   if (!StillValid(still_valid)) return finish(cancelled);
-  SendControl(c, MsgType::kCommit, json::object());
+  SendControl(c, MsgType::kCommit,
+              {{"image_crc", image_crc_of(payload_crc)}, {"payload_crc", payload_crc}});
   Result<json> committed = WaitMessage(c, MsgType::kCommitted);
   if (!committed.ok()) return finish(committed.status());
   uint64_t code = 0;
@@ -1410,37 +1452,40 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
   base.attempt = id.attempt;
   base.image_bytes = image.size();
   const uint64_t chunk_bytes = options_.chunk_bytes;
-  // One pass gives the image's CRC and (for mirror) every chunk's, shared by all targets.
-  std::vector<uint32_t> chunk_crcs;
-  for (uint64_t offset = 0; offset < image.size(); offset += chunk_bytes) {
-    const uint64_t len = std::min(chunk_bytes, image.size() - offset);
-    base.image_crc = Crc32c(base.image_crc, image.data() + offset, len);
-    if (redundancy.kind == Redundancy::Kind::kMirror)
-      chunk_crcs.push_back(Crc32c(0, image.data() + offset, len));
-  }
-
+  // No pass over the image ahead of the sends: each chunk's CRC is computed as it is first sent
+  // (shared by all targets), the payload's and image's are folded from them and go with the
+  // commit.
   std::vector<ReplicaMeta> metas(targets.size(), base);
   std::vector<ChunkOf> chunk_of(targets.size());
+  std::function<uint32_t(uint32_t)> image_crc_of;
   std::unique_ptr<EcCodec> codec;
   std::unique_ptr<StripeSource> stripes;
+  struct ChunkCrcs {
+    explicit ChunkCrcs(size_t n) : once(n), crc(n) {}
+    std::vector<std::once_flag> once;
+    std::vector<uint32_t> crc;
+  };
+  std::unique_ptr<ChunkCrcs> chunk_crcs;
   if (redundancy.kind == Redundancy::Kind::kMirror) {
+    chunk_crcs = std::make_unique<ChunkCrcs>(ChunkLayout{image.size(), chunk_bytes}.chunks());
+    image_crc_of = [](uint32_t payload_crc) { return payload_crc; };  // a copy is the image
     for (size_t t = 0; t < targets.size(); ++t) {
       metas[t].payload_bytes = image.size();
-      metas[t].payload_crc = base.image_crc;
-      chunk_of[t] = [image, chunk_bytes, &chunk_crcs](uint64_t i) {
+      chunk_of[t] = [image, chunk_bytes, crcs = chunk_crcs.get()](uint64_t i) {
         const uint64_t offset = i * chunk_bytes;
-        return Chunk{image.subspan(offset, std::min(chunk_bytes, image.size() - offset)), nullptr,
-                     chunk_crcs[i]};
+        const auto bytes = image.subspan(offset, std::min(chunk_bytes, image.size() - offset));
+        std::call_once(crcs->once[i], [&] { crcs->crc[i] = Crc32c(bytes); });
+        return Chunk{bytes, nullptr, crcs->crc[i]};
       };
     }
   } else {
-    // One chunk of fragment f is piece f of one stripe, encoded as it is sent (StripeSource);
-    // a first pass computes the fragments' CRCs, which the receivers need up front.
+    // One chunk of fragment f is piece f of one stripe, encoded as it is sent (StripeSource),
+    // once for all targets unless one falls behind the cache.
     EcLayout layout{redundancy.k, redundancy.p, image.size(), chunk_bytes};
     SP_RETURN_IF_ERROR(layout.Validate());
     SP_ASSIGN_OR_RETURN(codec, EcCodec::Create(layout.k, layout.p));
     stripes = std::make_unique<StripeSource>(layout, codec.get(), image);
-    const std::vector<uint32_t> crcs = stripes->FragmentCrcs();
+    image_crc_of = [src = stripes.get()](uint32_t) { return src->ImageCrc(); };
     for (uint32_t f = 0; f < layout.k + layout.p; ++f) {
       metas[f].kind = ReplicaMeta::Kind::kFragment;
       metas[f].index = f;
@@ -1448,7 +1493,6 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
       metas[f].p = layout.p;
       metas[f].piece_bytes = layout.piece_bytes;
       metas[f].payload_bytes = layout.fragment_bytes();
-      metas[f].payload_crc = crcs[f];
       chunk_of[f] = [src = stripes.get(), f, piece = layout.piece_bytes](uint64_t i) {
         std::shared_ptr<const StripeSource::Stripe> stripe = src->Get(i);
         return Chunk{std::span<const std::byte>(stripe->bytes.data() + f * piece, piece), stripe,
@@ -1464,8 +1508,8 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
   std::vector<std::thread> threads;
   for (size_t t = 0; t < targets.size(); ++t)
     threads.emplace_back([&, t] {
-      result.targets[t] =
-          PushOne(targets[t], metas[t], chunk_bytes, chunk_of[t], still_valid, &paused[t]);
+      result.targets[t] = PushOne(targets[t], metas[t], chunk_bytes, chunk_of[t], image_crc_of,
+                                  still_valid, &paused[t]);
     });
   for (auto& th : threads) th.join();
   result.bytes_sent = bytes_sent_ - sent_before;

@@ -13,10 +13,11 @@
 //
 // Protocol (ucx_wire.h): each request is one connection: hello/challenge/auth (mutual proofs),
 // then one of: a push (put-begin with the replica's meta -> put-ready -> chunks -> put-done when
-// every chunk arrived and passed its CRC -> commit, sent only if still_valid() still holds ->
-// committed), a list, or a fetch of one replica (its chunks stream back). A paused or throttled
-// sender pings, so a pause is not a stall. Shared-memory transports are excluded unless $UCX_TLS
-// is set (other UCX_* variables apply as usual).
+// every chunk arrived and passed its CRC -> commit with the image's and payload's CRCs, folded
+// from the chunks' as they were sent, sent only if still_valid() still holds -> committed), a list,
+// or a fetch of one replica (its chunks stream back). A paused or throttled sender pings, so a
+// pause is not a stall. Shared-memory transports are excluded unless $UCX_TLS is set (other UCX_*
+// variables apply as usual).
 //
 // Threads: the service runs one progress thread that owns the UCX worker; the public methods are
 // thread-safe, block their caller and are meant for the agent's replication worker (never its

@@ -1,5 +1,6 @@
 #include "replica/ucx_wire.h"
 
+#include <array>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -181,6 +182,44 @@ Status ValidateDeclaredMeta(const ReplicaMeta& m, std::string_view peer, uint64_
     return Corruption(who + ": fragment of " + std::to_string(m.payload_bytes) +
                       " bytes, the layout gives " + std::to_string(stripes * m.piece_bytes));
   return Status::OK();
+}
+
+namespace {
+
+// CRC32C's polynomial, bit-reversed (bit 31 is x^0, as the CRC's bits are).
+constexpr uint32_t kCrc32cPoly = 0x82f63b78;
+
+// a * b modulo the polynomial.
+uint32_t MulModPoly(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t bit = uint32_t{1} << 31; bit != 0; bit >>= 1) {
+    if (a & bit) product ^= b;
+    b = (b & 1) ? (b >> 1) ^ kCrc32cPoly : b >> 1;
+  }
+  return product;
+}
+
+// x^(2^i) modulo the polynomial, i in [0, 64).
+const std::array<uint32_t, 64>& PowersOfX() {
+  static const std::array<uint32_t, 64> table = [] {
+    std::array<uint32_t, 64> t{};
+    t[0] = uint32_t{1} << 30;  // x^1
+    for (size_t i = 1; i < t.size(); ++i) t[i] = MulModPoly(t[i - 1], t[i - 1]);
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  // Appending len_b bytes multiplies a's CRC register by x^(8 len_b); b's CRC adds on (the
+  // initial and final inversions cancel out).
+  uint32_t shift = uint32_t{1} << 31;  // x^0
+  const auto& powers = PowersOfX();
+  for (size_t i = 3; len_b != 0 && i < powers.size(); ++i, len_b >>= 1)
+    if (len_b & 1) shift = MulModPoly(powers[i], shift);
+  return MulModPoly(shift, crc_a) ^ crc_b;
 }
 
 int64_t ChunkLayout::IndexOf(uint64_t offset, uint64_t len) const {

@@ -18,7 +18,8 @@
 namespace safepoint::replica {
 
 inline constexpr uint32_t kWireMagic = 0x31525053;  // "SPR1" little-endian
-inline constexpr uint16_t kWireVersion = 1;
+// 2: the CRCs of a push (image_crc, payload_crc) travel with kCommit, not kPutBegin.
+inline constexpr uint16_t kWireVersion = 2;
 inline constexpr size_t kMaxControlBytes = 1 << 20;
 // Bounds on the chunk size a sender may declare, and on the chunks of one transfer.
 inline constexpr uint64_t kMinChunkBytes = 4 << 10;
@@ -31,7 +32,7 @@ enum class MsgType : uint16_t {
   kAuth = 3,         // client: proof
   kAuthOk = 4,       // server
   kError = 5,        // either: code, message; the sender closes the connection after it
-  kPutBegin = 6,     // client: meta, chunk_bytes
+  kPutBegin = 6,     // client: meta (its CRCs 0: they come with kCommit), chunk_bytes
   kPutReady = 7,     // server: the replica file is reserved, send the chunks
   kChunk = 8,        // either: one chunk of the current transfer
   kPutDone = 9,      // server: every chunk arrived and passed its CRC; waiting for kCommit
@@ -40,7 +41,7 @@ enum class MsgType : uint16_t {
   kListReply = 12,   // server: metas
   kFetch = 13,       // client: meta (identity of one replica), chunk_bytes
   kFetchBegin = 14,  // server: meta as stored; chunks follow
-  kCommit = 15,      // client: the snapshot is still valid; commit it
+  kCommit = 15,      // client: image_crc, payload_crc; the snapshot is still valid: commit it
   kCommitted = 16,   // server: committed (or an error)
   kPing = 17,        // client: paused or throttled, still there
   kLast = kPing,
@@ -64,6 +65,11 @@ WireHeader ChunkHeader(uint64_t offset, uint64_t len, uint32_t crc);
 // Checks the size, magic, version and type of a received header, and that `data_bytes` agrees
 // with it. Corruption naming the cause otherwise.
 Result<WireHeader> ParseHeader(const void* header, size_t header_bytes, size_t data_bytes);
+
+// The CRC32C of a ++ b from crc_a = CRC32C(a), crc_b = CRC32C(b) and b's length (GF(2)
+// arithmetic, O(log len_b)): a receiver or sender that checked every chunk gets the whole
+// payload's CRC without reading it again.
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
 // ReplicaMeta as a JSON object (string) and back (Corruption for a missing or mistyped field).
 std::string MetaToJson(const ReplicaMeta& meta);

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "base/crc32c.h"
 #include "testing/test_util.h"
 
 namespace safepoint::replica {
@@ -32,6 +33,24 @@ ReplicaMeta Fragment() {
   m.payload_bytes = 5 << 20;  // 10 MiB in stripes of 2 MiB: 5 pieces of 1 MiB
   m.payload_crc = 7;
   return m;
+}
+
+TEST(UcxWireTest, Crc32cCombineGivesTheCrcOfTheConcatenation) {
+  const std::vector<std::byte> bytes = test::PatternBytes((3 << 20) + 77, 5);
+  const std::span<const std::byte> all(bytes);
+  for (size_t split : {size_t{0}, size_t{1}, size_t{63}, size_t{4096}, size_t{1} << 20,
+                       bytes.size() - 1, bytes.size()}) {
+    const uint32_t a = internal::Crc32c(all.first(split));
+    const uint32_t b = internal::Crc32c(all.subspan(split));
+    EXPECT_EQ(Crc32cCombine(a, b, bytes.size() - split), internal::Crc32c(all)) << split;
+  }
+  // Chunk by chunk, as a receiver folds them.
+  uint32_t folded = 0;
+  for (size_t off = 0; off < bytes.size(); off += 100000) {
+    const auto chunk = all.subspan(off, std::min<size_t>(100000, bytes.size() - off));
+    folded = Crc32cCombine(folded, internal::Crc32c(chunk), chunk.size());
+  }
+  EXPECT_EQ(folded, internal::Crc32c(all));
 }
 
 TEST(UcxWireTest, HeaderChecksSizeMagicVersionTypeAndLength) {
