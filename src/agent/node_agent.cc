@@ -666,6 +666,7 @@ void NodeAgent::Loop() {
     }
     DrainResults();
     DrainReplication();
+    replicator_.ReleaseSparesWhenMemoryIsLow();
     // Torn down here (every local rank died): after the ranks' own emergency flushes had a
     // moment, persist what this node keeps of other nodes' snapshots whose step did not commit.
     if (!clients_.empty() || AllClosed() || !replicator_.enabled()) {

@@ -2,11 +2,13 @@
 #include "agent/replicator.h"
 
 #include <openssl/rand.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <chrono>
 #include <set>
 
+#include "base/bytes.h"
 #include "base/crc32c.h"
 #include "base/log.h"
 #include "safepoint/arena.h"
@@ -202,6 +204,22 @@ bool Replicator::Busy(uint32_t rank) const {
 bool Replicator::holds_replicas() const {
   std::lock_guard<std::mutex> lock(mu_);
   return store_ && store_->bytes() > 0;
+}
+
+void Replicator::ReleaseSparesWhenMemoryIsLow() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!store_) return;
+  struct statvfs st;
+  if (::statvfs(job_dir_.c_str(), &st) != 0) return;
+  const uint64_t total = static_cast<uint64_t>(st.f_blocks) * st.f_frsize;
+  const uint64_t free = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+  if (free * 4 >= total) return;
+  const uint64_t freed = store_->ReleaseSpares();
+  if (freed > 0) {
+    spdlog::info("shared memory is low ({} of {} free): released {} of spare replica files",
+                 internal::HumanBytes(free), internal::HumanBytes(total),
+                 internal::HumanBytes(freed));
+  }
 }
 
 void Replicator::RemoveReplicas() {

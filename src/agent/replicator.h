@@ -105,6 +105,10 @@ class Replicator {
   bool Busy(uint32_t rank) const;
   // True when this node keeps replicas of other nodes' snapshots.
   bool holds_replicas() const;
+  // Spare replica files (kept to receive the next push without fresh pages) give their memory
+  // back when the job's shared memory runs low (under a quarter free): training processes
+  // allocate their slots there too.
+  void ReleaseSparesWhenMemoryIsLow();
   // Removes every replica this node keeps (the job ended cleanly here). Call after Stop().
   void RemoveReplicas();
   std::vector<PushOutcome> TakeOutcomes();
