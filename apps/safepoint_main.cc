@@ -384,6 +384,7 @@ int CmdStatus(const Args& a) {
         j["queued"] = (*st)["queued"];
         j["in_flight"] = (*st)["in_flight"];
         j["ranks"] = (*st)["ranks"];
+        if (st->contains("replication")) j["replication"] = (*st)["replication"];
       }
     }
     out.push_back(j);
@@ -405,6 +406,20 @@ int CmdStatus(const Args& a) {
                 << (j.contains("newest_committed") ? j["newest_committed"].dump() : "?")
                 << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
                 << "\n";
+      if (j.contains("replication") && j["replication"].is_object()) {
+        const json& r = j["replication"];
+        std::cout << "  replication " << r.value("redundancy", "?") << ": node "
+                  << r.value("node", "?") << " (" << r["nodes"].size() << " nodes), listening on "
+                  << r.value("address", "?") << "; keeps " << r["held"].size()
+                  << " replicas of other nodes (" << HumanBytes(r.value("held_bytes", uint64_t{0}))
+                  << ")\n";
+        for (const json& rank : r["ranks"]) {
+          std::cout << "    rank " << rank["rank"] << " step " << rank["step"]
+                    << (rank.value("protected", false) ? " protected" : " NOT protected");
+          if (rank.contains("error")) std::cout << ": " << rank["error"].get<std::string>();
+          std::cout << "\n";
+        }
+      }
     } else if (j["live_writers"].is_array() && !j["live_writers"].empty()) {
       std::cout << "  no live agent; "
                 << TrainingProcesses(j["live_writers"].get<std::vector<uint32_t>>())

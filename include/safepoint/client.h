@@ -57,6 +57,33 @@ struct SnapshotResult {
   uint64_t structure_hash = 0;  // of the tensors' names, dtypes, shapes and boxes (notify=false)
 };
 
+// Peer replication (docs/replication.md).
+struct PeerNode {
+  std::string node;
+  std::string address;  // "host:port" of its agent's peer service
+};
+struct Membership {
+  std::string epoch;        // names one Checkpointer start of the job; the same on every rank
+  uint32_t node_index = 0;  // this node's place in `nodes`
+  std::vector<PeerNode> nodes;
+  std::string redundancy;  // "mirror", "mirror:N", "ec:K+P"
+  std::string secret_hex;  // the job's secret for this epoch
+  uint64_t bandwidth = 0;  // bytes/s cap on replication sends; 0: none
+};
+// A snapshot of this rank that the peers can rebuild.
+struct PeerCopy {
+  uint64_t step = 0;
+  uint64_t attempt = 0;
+  uint64_t complete_ns = 0;
+  uint64_t image_bytes = 0;
+};
+struct PeerFetchResult {
+  uint32_t slot = 0;
+  uint64_t bytes = 0;
+  std::string source;  // the nodes it came from
+  double seconds = 0;
+};
+
 struct MemorySnapshot {
   LoadedImage image;  // a private, verified copy of the slot's image (or the slot: in_place)
   ImageReader reader;
@@ -101,6 +128,22 @@ class SnapshotClient {
   // Either load, before this client's first Save, marks the snapshot it read as the one the run
   // resumes from (Arena::MarkResumed): the next Save keeps it.
   Result<MemorySnapshot> LoadStep(uint64_t step, bool in_place = false);
+  // --- peer replication ---
+  // Starts the agent's peer service for node `node` on `bind_host` (once per agent; every rank
+  // of the node may call it) and returns the address peers reach it at.
+  Result<std::string> PeerSetup(const std::string& node, const std::string& bind_host,
+                                double timeout_s);
+  // Tells the agent the job's nodes and redundancy. Both are sent again to an agent that
+  // replaces a dead one.
+  Status SetMembership(const Membership& membership);
+  // Snapshots of this rank that peers can rebuild (empty without replication).
+  Result<std::vector<PeerCopy>> PeerCopies();
+  // Has the agent rebuild this rank's snapshot of `step` (of `attempt`) from peers into one of
+  // this rank's slots, verified; a load of the step then reads it from memory.
+  Result<PeerFetchResult> FetchFromPeers(uint64_t step, uint64_t attempt, double timeout_s);
+  // Pauses (or resumes) the agent's replication sends, e.g. around the training's collectives.
+  Status PauseReplication(bool paused);
+
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
 
@@ -129,6 +172,11 @@ class SnapshotClient {
   std::unique_ptr<Arena> arena_;
   int fd_ = -1;
   std::optional<uint64_t> last_persist_step_;
+  std::optional<uint64_t> last_saved_step_;
+  // Peer replication set up by this client, sent again to a new agent.
+  std::optional<std::tuple<std::string, std::string, double>> peer_setup_;
+  std::optional<Membership> membership_;
+  Status SendPeerState();
   bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)
   std::vector<TensorSpec> last_specs_;
   std::unique_ptr<agent::SnapshotNote> pending_note_;  // a Snapshot message not yet sent

@@ -18,6 +18,7 @@
 #include <unordered_map>
 
 #include "format_bindings.h"
+#include "replica/redundancy.h"
 #include "safepoint/build_config.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
@@ -460,6 +461,32 @@ class PyClient {
     return Unwrap(std::move(r));
   }
 
+  // --- peer replication (docs/replication.md) ---
+  std::string PeerSetup(const std::string& node, const std::string& bind_host, double timeout_s) {
+    return Unwrap(WithoutGil([&] { return Get().PeerSetup(node, bind_host, timeout_s); }));
+  }
+
+  void SetMembership(const std::string& epoch, uint32_t node_index,
+                     const std::vector<std::pair<std::string, std::string>>& nodes,
+                     const std::string& redundancy, const std::string& secret_hex,
+                     uint64_t bandwidth) {
+    Membership m{epoch, node_index, {}, redundancy, secret_hex, bandwidth};
+    for (const auto& [node, address] : nodes) m.nodes.push_back({node, address});
+    Check(WithoutGil([&] { return Get().SetMembership(m); }));
+  }
+
+  std::vector<PeerCopy> PeerCopies() {
+    return Unwrap(WithoutGil([&] { return Get().PeerCopies(); }));
+  }
+
+  PeerFetchResult FetchFromPeers(uint64_t step, uint64_t attempt, double timeout_s) {
+    return Unwrap(WithoutGil([&] { return Get().FetchFromPeers(step, attempt, timeout_s); }));
+  }
+
+  void PauseReplication(bool paused) {
+    Check(WithoutGil([&] { return Get().PauseReplication(paused); }));
+  }
+
   std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
                                    bool in_place) {
     return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step, in_place); }), unpickler);
@@ -595,6 +622,16 @@ NB_MODULE(_core, m) {
   m.def("read_metadata", &ReadMetadata, "path"_a, "step"_a, "rank"_a,
         "unpickler"_a.none() = nb::none());
   m.def("read_ranges", &ReadRanges, "path"_a, "step"_a, "rank"_a, "requests"_a);
+  nb::class_<PeerCopy>(m, "PeerCopy", "A snapshot of this rank that peers can rebuild")
+      .def_ro("step", &PeerCopy::step)
+      .def_ro("attempt", &PeerCopy::attempt)
+      .def_ro("complete_ns", &PeerCopy::complete_ns)
+      .def_ro("image_bytes", &PeerCopy::image_bytes);
+  nb::class_<PeerFetchResult>(m, "PeerFetchResult", "A snapshot rebuilt from peers into a slot")
+      .def_ro("slot", &PeerFetchResult::slot)
+      .def_ro("bytes", &PeerFetchResult::bytes)
+      .def_ro("source", &PeerFetchResult::source)
+      .def_ro("seconds", &PeerFetchResult::seconds);
   nb::class_<PyClient>(m, "Client")
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
                     uint32_t, bool, const std::string&, uint64_t>(),
@@ -611,9 +648,25 @@ NB_MODULE(_core, m) {
       .def("load_step", &PyClient::LoadStep, "step"_a, "unpickler"_a.none() = nb::none(),
            "in_place"_a = false)
       .def("slots", &PyClient::Slots)
+      .def("peer_setup", &PyClient::PeerSetup, "node"_a, "bind_host"_a, "timeout"_a)
+      .def("set_membership", &PyClient::SetMembership, "epoch"_a, "node_index"_a, "nodes"_a,
+           "redundancy"_a, "secret_hex"_a, "bandwidth"_a)
+      .def("peer_copies", &PyClient::PeerCopies)
+      .def("fetch_from_peers", &PyClient::FetchFromPeers, "step"_a, "attempt"_a, "timeout"_a)
+      .def("pause_replication", &PyClient::PauseReplication, "paused"_a)
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("close", &PyClient::Close, "timeout"_a)
       .def("abandon", &PyClient::Abandon);
+  m.def(
+      "check_redundancy",
+      [](const std::string& spec, uint32_t nodes) {
+        replica::Redundancy r = Unwrap(replica::ParseRedundancy(spec));
+        if (r.enabled()) Check(replica::CheckPlacement(r, nodes));
+        return std::make_tuple(r.ToString(), r.targets(), r.tolerated_losses(), r.memory_factor());
+      },
+      "spec"_a, "nodes"_a,
+      "Validates a redundancy spec for a job of `nodes` nodes: (normalized spec, nodes holding "
+      "parts of each snapshot, node losses survived, memory on other nodes per snapshot byte)");
   python::BindFormat(m);
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("VERSION") = SAFEPOINT_VERSION;  // __version__ for type checkers (stubs omit dunders)

@@ -9,6 +9,7 @@ it from memory instead of from storage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,13 +17,15 @@ import re
 import shutil
 import time
 import warnings
-from typing import Any, Optional
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Optional
 
 from safepoint import _core
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
-from safepoint._shards import plan_replicas, read_newest_into
+from safepoint._replication import exchange_membership
+from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
@@ -83,6 +86,16 @@ def run_attempt(group: Any = None) -> int:
     return 0
 
 
+class RestoreInfo(NamedTuple):
+    """Where the last ``load``/``restore`` of a Checkpointer got its state: ``source`` is
+    ``"memory"`` (this node's shared memory), ``"peer"`` (rebuilt from other nodes' memory into
+    this node's, then read from there) or ``"storage"``; ``peers`` names the nodes it came from."""
+    step: int
+    source: str
+    seconds: float
+    peers: str = ""
+
+
 def _agent_binary() -> str:
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "safepointd")
     if os.access(here, os.X_OK):
@@ -111,13 +124,32 @@ class Checkpointer:
     taken as replicas), or pass ``dedupe=False``. With dedupe, ``save`` is a collective (like
     DCP's save): every rank calls it for the same steps; if the ranks cannot agree (a peer died),
     the snapshot is still taken and this rank writes all of its tensors.
+
+    ``redundancy`` keeps copies of every node's snapshots in other nodes' memory, so that a
+    lost node's state is restored from its peers instead of storage (docs/replication.md):
+    ``"mirror"`` (one full copy on another node), ``"mirror:N"`` (N copies on N other nodes) or
+    ``"ec:K+P"`` (K data and P parity fragments on K+P other nodes, any K of which rebuild it).
+    It needs torch.distributed and enough nodes (a node is ``$SAFEPOINT_NODE``, torchrun's
+    ``$GROUP_RANK`` or the hostname); the constructor says so when the job has too few.
+    ``replication_bandwidth`` caps the bytes/s an agent sends (default: half the link's speed
+    when the kernel knows it, else no cap); ``peer_timeout`` is how long a silent peer is
+    waited for.
+
+    With several ranks under torch.distributed, ``share_reads`` (default) makes ``restore`` from
+    storage read bytes that several ranks need (replicas) once: one rank reads each such range
+    and sends it to the others over the checkpointer's gloo group (docs/architecture.md,
+    "Restore at scale"); ranges only one rank needs (shards) it reads itself. ``status()``'s
+    ``last_load`` counts the bytes read from storage and sent/received between ranks.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
                  shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False,
-                 dedupe: bool = True) -> None:
+                 dedupe: bool = True, share_reads: bool = True,
+                 redundancy: Optional[str] = None,
+                 replication_bandwidth: Optional[float] = None,
+                 peer_timeout: float = 30.0) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -151,6 +183,8 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         self.attempt = run_attempt(self._group)
         self.dedupe = bool(dedupe) and self._group is not None
+        self.share_reads = bool(share_reads) and self._group is not None
+        self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
@@ -159,6 +193,21 @@ class Checkpointer:
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,
         }
+        self.last_restore: Optional[RestoreInfo] = None
+        self.replication: Optional[dict[str, Any]] = None
+        if redundancy not in (None, "", "none"):
+            if self._group is None:
+                raise InvalidArgumentError(
+                    f"{self.path}: redundancy={redundancy!r} keeps copies on other nodes and "
+                    "needs torch.distributed initialized with ranks on several nodes")
+            try:
+                self.replication = exchange_membership(
+                    self._client, self._group, rank, world_size, str(redundancy),
+                    replication_bandwidth, peer_timeout)
+            except BaseException:
+                self._client.abandon()
+                self._client = None
+                raise
 
     @property
     def _live(self):
@@ -231,7 +280,9 @@ class Checkpointer:
         return self._plan[1] if res.saved else []
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Blocks until every step persisted so far is committed; raises if persisting failed."""
+        """Blocks until every step persisted so far is committed, and with ``redundancy`` until
+        the newest snapshot reached its peers; raises if persisting failed (replication failures
+        show in ``status()["replication"]``, they do not raise)."""
         self._live.wait(-1.0 if timeout is None else float(timeout))
 
     # -- loading ------------------------------------------------------------------------------
@@ -246,6 +297,7 @@ class Checkpointer:
         one; if any rank then fails to read it, all fall back together to the next older one.
         Ranks never resume from different steps."""
         t0 = time.perf_counter()
+        self._io = {"storage_bytes_read": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0}
         if self._group is not None:
             out = self._load_agreed(step, _targets)
         else:
@@ -253,8 +305,13 @@ class Checkpointer:
         if out is None:
             return None
         result, source = out
-        self._stats["last_load"] = {"step": result[0], "source": source,
-                                    "seconds": time.perf_counter() - t0}
+        peers = ""
+        if source.startswith("peer:"):
+            source, peers = "peer", source[5:]
+        seconds = time.perf_counter() - t0
+        self._stats["last_load"] = {"step": result[0], "source": source, "seconds": seconds,
+                                    "peers": peers, **self._io}
+        self.last_restore = RestoreInfo(result[0], source, seconds, peers)
         return result
 
     def _memory_steps(self) -> list[int]:
@@ -275,8 +332,9 @@ class Checkpointer:
         ranges the targets need, from whichever ranks' images hold them (any saving world size);
         else this rank's whole image."""
         if targets is None:
+            self._io["storage_bytes_read"] = None  # a whole image; not counted
             return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
-        return read_newest_into(self.path, step, self.rank, targets, self._unpickler)
+        return read_newest_into(self.path, step, self.rank, targets, self._unpickler, self._io)
 
     def _usable(self, snap: Optional[_core.Loaded]):
         """A memory snapshot, unless another world size saved it (then storage reshards)."""
@@ -304,17 +362,64 @@ class Checkpointer:
             return self._from_storage(step, targets), "storage"
         return None
 
-    def _load_one(self, step: int, memory: list[int], committed: list[int], targets: Any):
-        """This rank's copy of `step`: memory first, then storage. None if neither reads back."""
+    def _peer_attempts(self) -> dict[int, Any]:
+        """step -> save attempt of the newest snapshot of this rank that peers can rebuild
+        (empty without replication, or when the peers cannot be asked)."""
+        if self.replication is None:
+            return {}
+        try:
+            copies = self._live.peer_copies()
+        except Error as e:
+            warnings.warn(f"safepoint: cannot ask the peers for copies: {e}", RuntimeWarning,
+                          stacklevel=4)
+            return {}
+        newest: dict[int, Any] = {}
+        for c in copies:
+            if c.step not in newest or c.complete_ns > newest[c.step].complete_ns:
+                newest[c.step] = c
+        return {step: c.attempt for step, c in newest.items()}
+
+    def _from_peers(self, step: int, attempt: int, targets: Any):
+        """Has the agent rebuild this rank's snapshot of `step` from peers into a slot, then
+        loads it from there like a hot reload (verified). None when that fails."""
+        try:
+            fetched = self._live.fetch_from_peers(step, attempt, -1.0)
+            got = self._usable(self._live.load_step(step, self._unpickler, targets is not None))
+        except Error as e:
+            warnings.warn(f"safepoint: step {step} cannot be rebuilt from peer memory: {e}",
+                          RuntimeWarning, stacklevel=4)
+            return None
+        if got is None:
+            return None
+        return got[0], f"peer:{fetched.source}"
+
+    def _load_one(self, step: int, memory: list[int], committed: list[int], targets: Any,
+                  peers: Optional[dict[int, Any]] = None, share: bool = False):
+        """This rank's copy of `step`: memory first, then peer memory, then storage. None if
+        none reads back. With `share` (every rank restores with share_reads) this is a
+        collective: the ranks that read from storage share the ranges several need
+        (read_shared_into), and a rank whose copy is in memory (or peer memory) takes part too."""
+        got = None
         if step in memory:
             try:
                 got = self._usable(self._live.load_step(step, self._unpickler,
                                                         targets is not None))
-                if got is not None:
-                    return got
             except CorruptionError as e:
                 warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
                               RuntimeWarning, stacklevel=3)
+        if got is None and peers and step in peers and peers[step] is not None:
+            got = self._from_peers(step, peers[step], targets)
+        if share:
+            need = got is None and step in committed
+            tree = read_shared_into(self.path, step, self.rank, targets, self._unpickler,
+                                    self._group, need, self._io)
+            if tree is not None:
+                return (step, tree), "storage"
+            if not need:
+                return got
+            # Some rank could not read its share: each reads on its own, as without sharing.
+        if got is not None:
+            return got
         if step in committed:
             try:
                 return self._from_storage(step, targets), "storage"
@@ -333,18 +438,28 @@ class Checkpointer:
         # memory. A step is loaded from memory only where every rank's snapshot of it is of one
         # save attempt: snapshots that two runs (before and after a restart) left of the same
         # step are never combined; such a step comes from storage, where a commit is one attempt.
+        #
+        # With replication, a snapshot that peers can rebuild counts like one in memory: per
+        # rank, a step's attempt comes from its own memory, else from its peers' copies.
+        mine = self._memory_attempts()
+        peers = {s: a for s, a in self._peer_attempts().items() if s not in mine}
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, (committed, self._memory_attempts()), group=self._group)
+        share = self.share_reads and targets is not None  # restore's shared storage reads
+        dist.all_gather_object(everyone, (committed, {**peers, **mine}, share),
+                               group=self._group)
+        share = all(e[2] for e in everyone)
         first = everyone[0][1]
         in_memory = {s for s, a in first.items()
-                     if a is not None and all(other.get(s) == a for _, other in everyone[1:])}
-        common = in_memory | set(everyone[0][0]).intersection(*(set(c) for c, _ in everyone[1:]))
+                     if a is not None and all(other.get(s) == a for _, other, _ in everyone[1:])}
+        common = in_memory | set(everyone[0][0]).intersection(
+            *(set(c) for c, _, _ in everyone[1:]))
         if step is not None:
             common &= {step}
         memory = [s for s in memory if s in in_memory]
+        peers = {s: a for s, a in peers.items() if s in in_memory}
         while common:
             candidate = max(common)
-            got = self._load_one(candidate, memory, committed, targets)
+            got = self._load_one(candidate, memory, committed, targets, peers, share)
             failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
             if int(failed.item()) == 0:
@@ -368,7 +483,7 @@ class Checkpointer:
         got_step, got = loaded
         # From memory, `got` views the snapshot slot itself (read in place, verified): copy
         # out of it now, and never keep a reference to it.
-        borrowed = self.last_load_source == "memory"
+        borrowed = self.last_load_source in ("memory", "peer")
         gpu = borrowed and pin_for_gpu_copies(got, targets)
         apply_loaded(state, got, borrowed=borrowed)
         if gpu:
@@ -408,7 +523,21 @@ class Checkpointer:
             "last_load": self._stats["last_load"],
             "agent": {"pid": agent.get("agent_pid"), "job_dir": agent.get("job_dir"),
                       "queued": agent.get("queued")},
+            "replication": agent.get("replication"),
+            "last_restore": self.last_restore._asdict() if self.last_restore else None,
         }
+
+    @contextlib.contextmanager
+    def replication_paused(self) -> Iterator[None]:
+        """Pauses this node's replication sends while the block runs (e.g. around the
+        optimizer step or the gradient all-reduce, so that replication traffic does not compete
+        with the training's own collectives)."""
+        self._live.pause_replication(True)
+        try:
+            yield
+        finally:
+            if self._client is not None:
+                self._client.pause_replication(False)
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self, timeout: Optional[float] = None) -> None:

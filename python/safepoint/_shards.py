@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
@@ -142,15 +143,36 @@ def copy_tensor(target: torch.Tensor, loaded: torch.Tensor, where: str) -> None:
 
 
 class _Piece:
-    __slots__ = ("reader", "name", "dtype", "shape", "global_shape", "offset")
+    __slots__ = ("reader", "image", "index", "name", "dtype", "shape", "global_shape", "offset")
 
-    def __init__(self, reader, entry) -> None:
+    def __init__(self, reader, image: int, index: int, entry) -> None:
         self.reader = reader
+        self.image, self.index = image, index  # (rank of the image, entry): where the bytes are
         self.name = entry.name
         self.dtype = entry.dtype
         self.shape = tuple(entry.shape)
         self.global_shape = tuple(entry.global_shape or entry.shape)
         self.offset = tuple(entry.global_offset or (0,) * len(self.shape))
+
+
+# A byte range of one image that a loading rank needs: (image rank, tensor name, first byte,
+# bytes). Two ranks that need the same key need the same bytes.
+ReadKey = tuple[int, str, int, int]
+
+
+class _Read:
+    """A byte range to read (see ReadKey) and where it lies in the step (image, entry, first
+    byte), the order in which ranges are read."""
+    __slots__ = ("reader", "name", "first", "nbytes", "pos")
+
+    def __init__(self, piece: _Piece, first: int, nbytes: int) -> None:
+        self.reader, self.name, self.first, self.nbytes = piece.reader, piece.name, first, nbytes
+        self.pos = (piece.image, piece.index, first)
+
+
+def _add_stat(stats: Optional[dict], key: str, n: float) -> None:
+    if stats is not None:
+        stats[key] = stats.get(key, 0) + n
 
 
 class StepReader:
@@ -163,12 +185,13 @@ class StepReader:
         self.entries = [r.tensors() for r in self.readers]
         # name -> replica key -> the copies of that box (replicas on several ranks)
         self.pieces: dict[str, dict[bytes, list[_Piece]]] = {}
-        for reader, entries in zip(self.readers, self.entries):
-            for e in entries:
+        for image, (reader, entries) in enumerate(zip(self.readers, self.entries)):
+            for index, e in enumerate(entries):
                 if not e.elsewhere:  # the bytes are in this image
                     self.pieces.setdefault(e.name, {}).setdefault(
                         _core.replica_key(e.name, e.dtype, e.shape, e.global_shape,
-                                          e.global_offset), []).append(_Piece(reader, e))
+                                          e.global_offset), []).append(
+                        _Piece(reader, image, index, e))
 
     @staticmethod
     def _open_one_version(path: str, step: int) -> list:
@@ -196,12 +219,13 @@ class StepReader:
         r = rank if rank < self.world_size else 0
         return self.readers[r].state(unpickler), self.entries[r]
 
-    def fill(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]], rank: int) -> None:
-        """For each (name, local tensor, global shape, global offset of the local tensor),
-        assembles that box from the saved pieces into the local tensor. Of a box saved by
+    def needs(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]],
+              rank: int) -> tuple[dict[ReadKey, _Read], list]:
+        """What fill() reads and copies: (the byte ranges, by key; the copies, each (local
+        destination, key of its source range, strided view of that range)). Of a box saved by
         several ranks (replicas), loading rank r reads copy r mod (number of copies), which
         spreads the reads across images."""
-        reads: dict[int, list] = {}
+        reads: dict[ReadKey, _Read] = {}
         copies = []
         for name, local, gshape, goff in requests:
             boxes = self.pieces.get(name)
@@ -226,46 +250,72 @@ class StepReader:
                 plo = tuple(l - o for l, o in zip(lo, p.offset))
                 lengths = tuple(h - l for l, h in zip(lo, hi))
                 strides = row_major_strides(p.shape)
-                itemsize = local.element_size()
-                first, nbytes = box_span(plo, lengths, strides, itemsize)
-                buf = torch.empty(nbytes // itemsize, dtype=local.dtype)
-                reads.setdefault(id(p.reader), [p.reader, []])[1].append(
-                    (p.name, first, nbytes, buf.view(torch.uint8)))
-                src = torch.as_strided(buf, lengths, strides, 0)
+                first, nbytes = box_span(plo, lengths, strides, local.element_size())
+                key = (p.image, p.name, first, nbytes)
+                reads.setdefault(key, _Read(p, first, nbytes))
                 dst = local[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, goff))]
-                copies.append((dst, src))
+                copies.append((dst, key, lengths, strides))
                 covered += math.prod(h - l for l, h in zip(lo, hi))
             if covered < local.numel():
                 raise NotFoundError(f"{self.path}: step {self.step} does not cover all of "
                                     f"'{name}' for this rank's shard (box {goff} + "
                                     f"{tuple(local.shape)})")
-        for reader, batch in reads.values():
+        return reads, copies
+
+    @staticmethod
+    def read(items: list[tuple[Any, str, int, int, torch.Tensor]],
+             stats: Optional[dict] = None) -> None:
+        """Reads each (image reader, tensor name, first byte, bytes, uint8 buffer), every chunk
+        verified, batched per image. Counts the bytes and the time under
+        stats["storage_bytes_read"] and ["storage_read_seconds"]."""
+        batches: dict[int, list] = {}
+        for reader, name, first, nbytes, buf in items:
+            batches.setdefault(id(reader), [reader, []])[1].append((name, first, nbytes, buf))
+        t0 = time.perf_counter()
+        for reader, batch in batches.values():
             reader.read(batch)
+            _add_stat(stats, "storage_bytes_read", sum(b[2] for b in batch))
+        _add_stat(stats, "storage_read_seconds", time.perf_counter() - t0)
+
+    @staticmethod
+    def copy_out(copies: list, bufs: Mapping[ReadKey, torch.Tensor]) -> None:
+        """Copies each read range (a strided view of its buffer) into its destination."""
         with torch.no_grad():
-            for dst, src in copies:
-                dst.copy_(src)
+            for dst, key, lengths, strides in copies:
+                # as_strided keeps the view's storage offset (a buffer may be part of a larger)
+                dst.copy_(torch.as_strided(bufs[key].view(dst.dtype), lengths, strides))
+
+    def fill(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]], rank: int,
+             stats: Optional[dict] = None) -> None:
+        """For each (name, local tensor, global shape, global offset of the local tensor),
+        assembles that box from the saved pieces into the local tensor (see needs())."""
+        reads, copies = self.needs(requests, rank)
+        bufs = {k: torch.empty(r.nbytes, dtype=torch.uint8) for k, r in reads.items()}
+        self.read([(r.reader, r.name, r.first, r.nbytes, bufs[k]) for k, r in reads.items()],
+                  stats)
+        self.copy_out(copies, bufs)
 
 
 def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
-                     unpickler: Any = None) -> tuple[int, Any]:
+                     unpickler: Any = None, stats: Optional[dict] = None) -> tuple[int, Any]:
     """read_into() of `step`, or with step None of the newest committed step that reads back
     (a damaged newer one is skipped with a warning). Returns (step, tree)."""
     if step is not None:
-        return step, read_into(path, step, rank, targets, unpickler)
+        return step, read_into(path, step, rank, targets, unpickler, stats=stats)
     candidates = sorted(_core.steps(path), reverse=True)
     if not candidates:
         raise NotFoundError(f"{path}: no committed checkpoint")
     for s in candidates[:-1]:
         try:
-            return s, read_into(path, s, rank, targets, unpickler)
+            return s, read_into(path, s, rank, targets, unpickler, stats=stats)
         except (CorruptionError, NotFoundError) as e:
             warnings.warn(f"safepoint: skipped a damaged checkpoint: step {s}: {e}",
                           RuntimeWarning, stacklevel=3)
-    return candidates[-1], read_into(path, candidates[-1], rank, targets, unpickler)
+    return candidates[-1], read_into(path, candidates[-1], rank, targets, unpickler, stats=stats)
 
 
 def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = None,
-              reader: Optional[StepReader] = None) -> Any:
+              reader: Optional[StepReader] = None, stats: Optional[dict] = None) -> Any:
     """Loads step `step` into `targets` (a state tree of tensors/DTensors, e.g. state dicts) for
     rank `rank` of the loading world, reading only the byte ranges its tensors need. Returns the
     tree to restore from: `targets` with its tensors filled in place, and the non-tensor values
@@ -275,7 +325,9 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
     for tries in range(4):
         sr = reader or StepReader(path, step)
         try:
-            return _read_into(sr, rank, targets, unpickler)
+            out, requests = _requests(sr, rank, targets, unpickler)
+            sr.fill(requests, rank, stats)
+            return out
         except (NotFoundError, CorruptionError):
             # The step was replaced while its ranges were read (its old images removed): read
             # the new version. Anything else is a real error.
@@ -286,7 +338,9 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
     raise AssertionError("unreachable")
 
 
-def _read_into(sr: StepReader, rank: int, targets: Any, unpickler: Any) -> Any:
+def _requests(sr: StepReader, rank: int, targets: Any,
+              unpickler: Any) -> tuple[Any, list[tuple[str, torch.Tensor, tuple, tuple]]]:
+    """(the tree to restore from, what fill() must load into its tensors) for `targets`."""
     skeleton, entries = sr.skeleton(rank, unpickler)
     requests: list[tuple[str, torch.Tensor, tuple, tuple]] = []
 
@@ -314,8 +368,196 @@ def _read_into(sr: StepReader, rank: int, targets: Any, unpickler: Any) -> Any:
             return {k: merge(None, v, f"{where}.{k}") for k, v in saved.items()}
         return saved
 
-    out = merge(targets, skeleton, "<root>")
-    sr.fill(requests, rank)
+    return merge(targets, skeleton, "<root>"), requests
+
+
+# -- restore at scale: ranks that need the same bytes read them once and share them -----------
+
+_ALIGN = 64  # offset of each range in a shared buffer (any dtype can view it)
+_MESSAGE_LIMIT = 32 << 20  # a reader reads and sends its part in messages of this size
+_CUT = 1 << 20  # readers' parts of a shared buffer start at multiples of this
+
+
+def _water_fill(loads: list[int], total: int) -> list[float]:
+    """How many of `total` bytes each rank takes so that the ranks' loads end up as even as
+    they can: the least loaded are filled up to a common level."""
+    order = sorted(loads)
+    level = float(total + order[0])
+    for j in range(1, len(order) + 1):
+        level = (total + sum(order[:j])) / j
+        if j == len(order) or level <= order[j]:
+            break
+    return [max(0.0, level - x) for x in loads]
+
+
+class SharedGroup:
+    """Byte ranges that the same set of ranks all need, laid out in one buffer that each of
+    them fills: `layout` gives each range's offset in it (in storage order, each aligned), and
+    `shares` the part [lo, hi) of the buffer each reader reads from storage and sends to the
+    other ranks of the set."""
+    __slots__ = ("ranks", "layout", "size", "shares")
+
+    def __init__(self, ranks: tuple, keys: list[ReadKey]) -> None:
+        self.ranks = ranks
+        self.layout: list[tuple[ReadKey, int]] = []
+        self.size = 0
+        for k in keys:
+            self.layout.append((k, self.size))
+            self.size += -(-k[3] // _ALIGN) * _ALIGN
+        self.shares: list[tuple[int, int, int]] = []
+
+    def pieces(self, lo: int, hi: int):
+        """(key, offset of the key in the buffer, first, last byte of the key within [lo, hi))
+        for every range that overlaps [lo, hi)."""
+        for k, off in self.layout:
+            a, b = max(lo, off), min(hi, off + k[3])
+            if a < b:
+                yield k, off, a - off, b - off
+
+
+def plan_shared_reads(wants: list[list[tuple[ReadKey, tuple]]]) -> list[SharedGroup]:
+    """Who reads which bytes from storage, when several ranks need the same ones.
+
+    `wants[r]` is rank r's list of (key, position in the step) (empty for a rank that reads
+    nothing). A range one rank needs, that rank reads. The ranges a set of ranks all need are
+    laid out in storage order in one buffer, which is cut into one contiguous part per rank of
+    the set (at MiB boundaries), sized so that every rank's total read (its own ranges included)
+    ends up as even as it can be; each rank reads its part (neighbouring ranges, so no two
+    readers read many of the same checksum chunks) and sends it to the rest of the set. Every
+    rank computes the same plan. Only ranges that several ranks need appear in it."""
+    wanters: dict[ReadKey, list[int]] = {}
+    pos: dict[ReadKey, tuple] = {}
+    for r, ws in enumerate(wants):
+        for key, p in ws:
+            if r not in wanters.setdefault(key, []):
+                wanters[key].append(r)
+            pos[key] = p
+    load = [0] * len(wants)
+    by_set: dict[tuple, list[ReadKey]] = {}
+    for key, rs in wanters.items():
+        if len(rs) == 1:
+            load[rs[0]] += key[3]
+        else:
+            by_set.setdefault(tuple(sorted(rs)), []).append(key)
+    groups = []
+    for ranks in sorted(by_set, key=lambda w: (-sum(k[3] for k in by_set[w]), w)):
+        g = SharedGroup(ranks, sorted(by_set[ranks], key=lambda k: (pos[k], k)))
+        quota = _water_fill([load[r] for r in ranks], g.size)
+        lo, acc = 0, 0.0
+        for i, r in enumerate(ranks):
+            acc += quota[i]
+            hi = g.size if i == len(ranks) - 1 else min(g.size, round(acc / _CUT) * _CUT)
+            if hi > lo:
+                g.shares.append((r, lo, hi))
+                load[r] += hi - lo
+                lo = hi
+        groups.append(g)
+    return groups
+
+
+def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: Any, group: Any,
+                     need: bool, stats: Optional[dict] = None) -> Optional[Any]:
+    """read_into() as a collective of every rank of `group` (a gloo group of the whole world),
+    for the ranks whose `need` is true: the bytes that several of them need are read from
+    storage once, split among them (plan_shared_reads), and each reader sends its part to the
+    others over the group in a few large messages (not one per tensor). Ranges that only one
+    rank needs it reads itself.
+
+    Returns the tree to restore from, or None: for a rank that needs nothing, and for every rank
+    when any rank could not plan or read its part (a damaged range, a step replaced meanwhile):
+    then none of them has loaded anything, and each can read on its own as read_into() does.
+    Raises only when the group itself fails (a peer died). Counts bytes under
+    stats["storage_bytes_read"], ["peer_bytes_sent"] and ["peer_bytes_received"], and the time
+    this rank spent reading from storage and waiting for the exchange to end after its reads
+    under ["storage_read_seconds"] and ["exchange_seconds"]."""
+    import torch.distributed as dist
+
+    from safepoint.errors import Error
+
+    mine: Any = None
+    if need:
+        try:
+            sr = StepReader(path, step)
+            out, requests = _requests(sr, rank, targets, unpickler)
+            reads, copies = sr.needs(requests, rank)
+            mine = (sr.generation(), [(k, r.pos) for k, r in reads.items()])
+        except Error as e:
+            warnings.warn(f"safepoint: step {step}: cannot plan the shared read: {e}",
+                          RuntimeWarning, stacklevel=3)
+            mine = "failed"
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    planned = [e for e in everyone if e is not None]
+    if any(e == "failed" for e in planned) or len({e[0] for e in planned}) > 1:
+        return None  # one rank cannot take part, or the ranks see different versions of it
+    plan = plan_shared_reads([e[1] if e is not None else [] for e in everyone])
+
+    # This rank's buffers: one per set of ranks it is in, one per range only it needs.
+    bufs: dict[ReadKey, torch.Tensor] = {}
+    flats: dict[int, torch.Tensor] = {}
+    for i, g in enumerate(plan):
+        if rank in g.ranks:
+            flat = flats[i] = torch.empty(g.size, dtype=torch.uint8)
+            for k, off in g.layout:
+                bufs[k] = flat[off:off + k[3]]
+    own = []  # the ranges only this rank needs
+    if need:
+        for k, r in reads.items():
+            if k not in bufs:
+                bufs[k] = torch.empty(r.nbytes, dtype=torch.uint8)
+                own.append((r.reader, r.name, r.first, r.nbytes, bufs[k]))
+
+    ok = True
+
+    def read(items: list) -> None:
+        nonlocal ok
+        if ok:
+            try:
+                StepReader.read(items, stats)
+            except Error as e:
+                warnings.warn(f"safepoint: step {step}: cannot read this rank's share: {e}",
+                              RuntimeWarning, stacklevel=4)
+                ok = False
+
+    # Every rank numbers the messages of the whole plan alike (the tag of each). A rank posts
+    # its receives first, then reads its parts message by message and sends each as soon as it
+    # is read, so its reads overlap its sends; its own ranges it reads last. A rank whose read
+    # failed still sends (what it has) so that no one waits forever: the all-reduce after the
+    # exchange tells every rank not to use any of it.
+    works, tag = [], 0
+    mine = []
+    for i, g in enumerate(plan):
+        for reader, lo, hi in g.shares:
+            for first in range(lo, hi, _MESSAGE_LIMIT):
+                tag += 1
+                last = min(hi, first + _MESSAGE_LIMIT)
+                if reader == rank:
+                    mine.append((i, g, first, last, tag))
+                elif i in flats:
+                    part = flats[i][first:last]
+                    works.append(dist.irecv(part, dist.get_global_rank(group, reader),
+                                            group=group, tag=tag))
+                    _add_stat(stats, "peer_bytes_received", part.numel())
+    for i, g, first, last, tag in mine:
+        flat = flats[i]
+        read([(reads[k].reader, reads[k].name, reads[k].first + a, b - a,
+               flat[off + a:off + b]) for k, off, a, b in g.pieces(first, last)])
+        for dst in g.ranks:
+            if dst != rank:
+                works.append(dist.isend(flat[first:last], dist.get_global_rank(group, dst),
+                                        group=group, tag=tag))
+                _add_stat(stats, "peer_bytes_sent", last - first)
+    read(own)
+    t0 = time.perf_counter()
+    for w in works:
+        if w is not None:
+            w.wait()
+    _add_stat(stats, "exchange_seconds", time.perf_counter() - t0)
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if int(failed.item()) or not need:
+        return None
+    StepReader.copy_out(copies, bufs)
     return out
 
 

@@ -34,12 +34,19 @@
 
 namespace safepoint::agent {
 
+// How long after a teardown the agent waits before it persists other nodes' snapshots from
+// their replicas: the source nodes' own emergency flushes, if they are alive, come first.
+constexpr double kHeldFlushDelaySeconds = 3;
+
 double MonotonicSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 NodeAgent::NodeAgent(AgentOptions options)
-    : opt_(std::move(options)), last_busy_(MonotonicSeconds()), queue_([this] { Wake(); }) {}
+    : opt_(std::move(options)),
+      last_busy_(MonotonicSeconds()),
+      queue_([this] { Wake(); }),
+      replicator_(opt_.job, [this] { Wake(); }) {}
 
 void NodeAgent::Wake() {
   const uint64_t one = 1;
@@ -107,6 +114,7 @@ Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointS
   config_ = config;
   store_ = std::move(store);
   queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep});
+  replicator_.SetStorage(store_, config.world_size);
   auto committed = store_->ListCommitted();
   if (committed.ok()) {
     for (const auto& c : *committed) committed_cache_.insert(c.step);
@@ -196,9 +204,18 @@ void NodeAgent::AnswerWaits() {
   if (poll_commits) last_commit_poll_ = now;
   for (auto& c : clients_) {
     if (c->waits.empty()) continue;
-    std::vector<uint64_t> still;
+    std::vector<std::pair<uint64_t, bool>> still;
     RankState& rs = ranks_[c->rank];
-    for (uint64_t step : c->waits) {
+    for (const auto& [step, persisted] : c->waits) {
+      // ckpt.wait() also waits for the rank's snapshots to reach their peers.
+      if (replicator_.Busy(c->rank)) {
+        still.emplace_back(step, persisted);
+        continue;
+      }
+      if (!persisted) {  // only replication was asked for
+        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, Status::OK()}));
+        continue;
+      }
       auto it = rs.outcomes.find(step);
       if (it != rs.outcomes.end() && !it->second.ok()) {
         Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, it->second}));
@@ -218,7 +235,7 @@ void NodeAgent::AnswerWaits() {
         Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, s}));
         continue;
       }
-      still.push_back(step);
+      still.emplace_back(step, persisted);
     }
     c->waits.swap(still);
   }
@@ -331,7 +348,7 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
       SP_RETURN_IF_ERROR(require_hello("wait"));
       WaitRequest wait;
       SP_RETURN_IF_ERROR(Decode(m.payload, &wait));
-      c.waits.push_back(wait.step);
+      c.waits.emplace_back(wait.step, wait.persisted);
       AnswerWaits();
       return Status::OK();
     }
@@ -348,6 +365,17 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
       stopping_ = true;
       Reply(c, MessageType::kCloseReply, Encode(CloseReply{Status::OK()}));
       return Status::OK();
+    case MessageType::kPeerSetup:
+    case MessageType::kMembership:
+    case MessageType::kPeerList:
+    case MessageType::kPeerFetch:
+    case MessageType::kPause:
+      SP_RETURN_IF_ERROR(require_hello("a peer replication request"));
+      return HandlePeerMessage(c, m);
+    case MessageType::kPeerSetupReply:
+    case MessageType::kAck:
+    case MessageType::kPeerListReply:
+    case MessageType::kPeerFetchReply:
     case MessageType::kHelloReply:
     case MessageType::kStatusReply:
     case MessageType::kWaitReply:
@@ -357,6 +385,91 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
   }
   return InvalidArgument("protocol error: a client sent message type " +
                          std::to_string(static_cast<int>(m.type)) + ", which only the agent sends");
+}
+
+Status NodeAgent::HandlePeerMessage(Client& c, const Message& m) {
+  switch (m.type) {
+    case MessageType::kPeerSetup: {
+      PeerSetupRequest req;
+      SP_RETURN_IF_ERROR(Decode(m.payload, &req));
+      auto address = replicator_.Setup(job_dir_, req);
+      if (!address.ok()) {
+        ReplyError(c, address.status().message());
+      } else {
+        Reply(c, MessageType::kPeerSetupReply, Encode(PeerSetupReply{*address}));
+      }
+      return Status::OK();
+    }
+    case MessageType::kMembership: {
+      MembershipNote note;
+      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      Reply(c, MessageType::kAck, Encode(AckReply{replicator_.Configure(note)}));
+      return Status::OK();
+    }
+    case MessageType::kPeerList:
+    case MessageType::kPeerFetch: {
+      PeerRequest r{c.fd.get(), c.pid, m.type};
+      if (m.type == MessageType::kPeerList) {
+        PeerListRequest req;
+        SP_RETURN_IF_ERROR(Decode(m.payload, &req));
+        r.rank = req.rank;
+      } else {
+        PeerFetchRequest req;
+        SP_RETURN_IF_ERROR(Decode(m.payload, &req));
+        r.rank = req.rank;
+        r.step = req.step;
+        r.attempt = req.attempt;
+      }
+      // A rank rebuilds only its own snapshots: the agent writes that rank's slot for it.
+      if (r.rank != c.rank) {
+        return InvalidArgument("protocol error: rank " + std::to_string(c.rank) +
+                               " asked for rank " + std::to_string(r.rank) + "'s snapshots");
+      }
+      if (!replicator_.enabled()) {
+        if (m.type == MessageType::kPeerList) {
+          Reply(c, MessageType::kPeerListReply, Encode(PeerListReply{}));
+        } else {
+          PeerFetchReply none;
+          none.status = NotFound("peer replication is not configured");
+          Reply(c, MessageType::kPeerFetchReply, Encode(none));
+        }
+        return Status::OK();
+      }
+      replicator_.EnqueueRequest(r);
+      return Status::OK();
+    }
+    case MessageType::kPause: {
+      PauseNote note;
+      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      replicator_.SetPaused(note.paused);
+      return Status::OK();
+    }
+    default:
+      return InvalidArgument("protocol error: not a peer replication request");
+  }
+}
+
+void NodeAgent::DrainReplication() {
+  for (PushOutcome& o : replicator_.TakeOutcomes()) {
+    if (o.superseded) {
+      spdlog::info("rank {} step {}: replication superseded by a newer snapshot", o.task.rank,
+                   o.task.step);
+    } else if (!o.status.ok()) {
+      spdlog::warn("rank {} step {}: replication failed: {}", o.task.rank, o.task.step,
+                   o.status.message());
+    } else {
+      spdlog::debug("rank {} step {}: replicated {} bytes in {:.3f} s", o.task.rank, o.task.step,
+                    o.bytes, o.seconds);
+    }
+  }
+  for (PeerAnswer& a : replicator_.TakeAnswers()) {
+    for (auto& c : clients_) {
+      if (c->fd.get() == a.client_fd && c->pid == a.client_pid) {
+        Reply(*c, a.reply_type, a.payload);
+        break;
+      }
+    }
+  }
 }
 
 Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
@@ -408,6 +521,9 @@ Status NodeAgent::HandleSnapshot(Client& c, SnapshotNote note) {
   RankState& rs = ranks_[c.rank];
   if (!rs.arena || note.slot >= rs.arena->slot_count()) {
     return InvalidArgument("protocol error: slot " + std::to_string(note.slot) + " does not exist");
+  }
+  if (replicator_.enabled()) {
+    replicator_.EnqueuePush(PushTask{c.rank, note.slot, note.generation, note.step});
   }
   if (!note.persist) return Status::OK();
   // Already queued (e.g. adopted by this agent after a restart). Only this very snapshot counts:
@@ -509,7 +625,10 @@ bool NodeAgent::Idle() {
     return false;
   }
   if (AllClosed()) return true;
-  return opt_.idle_exit_seconds > 0 && MonotonicSeconds() - last_busy_ > opt_.idle_exit_seconds;
+  // An agent that holds other nodes' replicas stays longer: a replacement node may need them.
+  const double idle = replicator_.holds_replicas() ? std::max(opt_.idle_exit_seconds, 3600.0)
+                                                   : opt_.idle_exit_seconds;
+  return idle > 0 && MonotonicSeconds() - last_busy_ > idle;
 }
 
 void NodeAgent::Loop() {
@@ -546,6 +665,19 @@ void NodeAgent::Loop() {
       }
     }
     DrainResults();
+    DrainReplication();
+    replicator_.ReleaseSparesWhenMemoryIsLow();
+    // Torn down here (every local rank died): after the ranks' own emergency flushes had a
+    // moment, persist what this node keeps of other nodes' snapshots whose step did not commit.
+    if (!clients_.empty() || AllClosed() || !replicator_.enabled()) {
+      torn_down_since_.reset();
+    } else if (saw_client_ && !torn_down_since_) {
+      torn_down_since_ = MonotonicSeconds();
+    } else if (torn_down_since_ && *torn_down_since_ > 0 &&
+               MonotonicSeconds() - *torn_down_since_ > kHeldFlushDelaySeconds && !queue_.Busy()) {
+      replicator_.EnqueueFlushHeld();
+      torn_down_since_ = 0;  // once per teardown
+    }
     // Clients, from the back so that dropping one keeps the indices of the rest.
     for (size_t i = clients_.size(); i-- > 0;) {
       const pollfd& sock = fds[3 + 2 * i];
@@ -576,6 +708,7 @@ void NodeAgent::Shutdown() {
       if (!rs.closed) EmergencyFlush(rank, FlushReason::kShutdown);
     }
   }
+  replicator_.Stop();
   queue_.Stop();
   DrainResults();
   AnswerWaits();
@@ -606,6 +739,7 @@ int NodeAgent::Run() {
     ::unlink(JobConfigPath(job_dir_).c_str());
     ::unlink(AgentLogPath(job_dir_).c_str());
     ::unlink(AgentLockPath(job_dir_).c_str());
+    replicator_.RemoveReplicas();
     ::rmdir(job_dir_.c_str());
   }
   spdlog::info("exited");

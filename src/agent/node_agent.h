@@ -7,11 +7,12 @@
 //   adoption.cc       taking over a job that an earlier agent left (job.json, leases, snapshots)
 //   status.cc         the status document (`safepoint status`, ckpt.status())
 //   persist_queue.*   the worker that writes snapshots to storage, commits and prunes
+//   replicator.*      peer replication: pushes snapshots to other nodes, rebuilds from them
 //   job_config.*      job.json: what a job persists to
 //   protocol.*        the messages and frames between clients and the agent
 //
-// Threads: everything in NodeAgent runs on the main thread, except the PersistQueue's worker,
-// which touches only the queue and wakes the loop through an eventfd.
+// Threads: everything in NodeAgent runs on the main thread, except the PersistQueue's worker and
+// the Replicator's workers, which touch only their own state and wake the loop through an eventfd.
 //
 // Ownership: the agent owns the job directory's lock (one agent per job), the listening socket
 // and the arenas it maps; the training processes own their slots' contents. The agent never
@@ -30,6 +31,7 @@
 #include "agent/job_config.h"
 #include "agent/persist_queue.h"
 #include "agent/protocol.h"
+#include "agent/replicator.h"
 #include "base/unique_fd.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
@@ -66,8 +68,8 @@ struct Client {
   bool hello = false;
   uint32_t rank = 0;
   bool closing = false;
-  bool broken = false;          // a reply could not be sent: drop the connection
-  std::vector<uint64_t> waits;  // steps whose commit this client waits for
+  bool broken = false;                           // a reply could not be sent: drop the connection
+  std::vector<std::pair<uint64_t, bool>> waits;  // (step, persisted) the client waits for
 };
 
 class NodeAgent {
@@ -94,6 +96,8 @@ class NodeAgent {
   void SaveJobConfig();
   void Enqueue(PersistTask t);
   void DrainResults();
+  void DrainReplication();
+  Status HandlePeerMessage(Client& c, const Message& m);
   void AnswerWaits();
   bool StepCommitted(uint64_t step);
   void Reply(Client& c, MessageType type, const std::string& payload);
@@ -124,7 +128,11 @@ class NodeAgent {
   bool stopping_ = false;
   bool saw_client_ = false;
   double last_busy_;
+  // When the last local client went away without closing (the job was torn down here), for
+  // the flush of other nodes' replicas (Replicator::EnqueueFlushHeld) a few seconds later.
+  std::optional<double> torn_down_since_;
   PersistQueue queue_;
+  Replicator replicator_;
 };
 
 double MonotonicSeconds();

@@ -123,7 +123,9 @@ std::string Encode(const SnapshotNote& m) {
   if (!m.skip.empty()) j["skip"] = m.skip;
   return j.dump();
 }
-std::string Encode(const WaitRequest& m) { return json{{"step", m.step}}.dump(); }
+std::string Encode(const WaitRequest& m) {
+  return json{{"step", m.step}, {"persisted", m.persisted}}.dump();
+}
 std::string Encode(const WaitReply& m) {
   json j = StatusFields(m.status);
   j["step"] = m.step;
@@ -155,7 +157,9 @@ Status Decode(std::string_view payload, SnapshotNote* out) {
       .status();
 }
 Status Decode(std::string_view payload, WaitRequest* out) {
-  return Parse(payload, {{"step", &out->step}}).status();
+  out->persisted = true;
+  return Parse(payload, {{"step", &out->step}, {"persisted", &out->persisted, /*optional=*/true}})
+      .status();
 }
 Status Decode(std::string_view payload, WaitReply* out) {
   SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"step", &out->step}}));
@@ -167,6 +171,112 @@ Status Decode(std::string_view payload, CloseReply* out) {
 }
 Status Decode(std::string_view payload, ErrorReply* out) {
   return Parse(payload, {{"error", &out->error}}).status();
+}
+
+std::string Encode(const PeerSetupRequest& m) {
+  return json{{"node", m.node}, {"bind_host", m.bind_host}, {"timeout_ms", m.timeout_ms}}.dump();
+}
+std::string Encode(const PeerSetupReply& m) { return json{{"address", m.address}}.dump(); }
+std::string Encode(const MembershipNote& m) {
+  json nodes = json::array();
+  for (const PeerAddress& n : m.nodes) nodes.push_back({{"node", n.node}, {"address", n.address}});
+  return json{{"epoch", m.epoch},   {"node_index", m.node_index},
+              {"nodes", nodes},     {"redundancy", m.redundancy},
+              {"secret", m.secret}, {"bandwidth", m.bandwidth}}
+      .dump();
+}
+std::string Encode(const AckReply& m) { return StatusFields(m.status).dump(); }
+std::string Encode(const PeerListRequest& m) { return json{{"rank", m.rank}}.dump(); }
+std::string Encode(const PeerListReply& m) {
+  json list = json::array();
+  for (const PeerSnapshot& s : m.snapshots) {
+    list.push_back({{"step", s.step},
+                    {"attempt", s.attempt},
+                    {"complete_ns", s.complete_ns},
+                    {"image_bytes", s.image_bytes}});
+  }
+  return json{{"snapshots", list}}.dump();
+}
+std::string Encode(const PeerFetchRequest& m) {
+  return json{{"rank", m.rank}, {"step", m.step}, {"attempt", m.attempt}}.dump();
+}
+std::string Encode(const PeerFetchReply& m) {
+  json j = StatusFields(m.status);
+  j["slot"] = m.slot;
+  j["generation"] = m.generation;
+  j["bytes"] = m.bytes;
+  j["source"] = m.source;
+  return j.dump();
+}
+std::string Encode(const PauseNote& m) { return json{{"paused", m.paused}}.dump(); }
+
+Status Decode(std::string_view payload, PeerSetupRequest* out) {
+  return Parse(payload, {{"node", &out->node},
+                         {"bind_host", &out->bind_host},
+                         {"timeout_ms", &out->timeout_ms, /*optional=*/true}})
+      .status();
+}
+Status Decode(std::string_view payload, PeerSetupReply* out) {
+  return Parse(payload, {{"address", &out->address}}).status();
+}
+Status Decode(std::string_view payload, MembershipNote* out) {
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"epoch", &out->epoch},
+                                              {"node_index", &out->node_index},
+                                              {"redundancy", &out->redundancy},
+                                              {"secret", &out->secret},
+                                              {"bandwidth", &out->bandwidth}}));
+  auto it = j.find("nodes");
+  if (it == j.end() || !it->is_array()) return ProtocolError("field 'nodes' is not a list");
+  out->nodes.clear();
+  for (const json& n : *it) {
+    if (!n.is_object()) return ProtocolError("an element of 'nodes' is not an object");
+    PeerAddress a;
+    SP_RETURN_IF_ERROR(Field(n, "node", &a.node));
+    SP_RETURN_IF_ERROR(Field(n, "address", &a.address));
+    out->nodes.push_back(std::move(a));
+  }
+  if (out->node_index >= out->nodes.size()) {
+    return ProtocolError("node_index " + std::to_string(out->node_index) + " is not below " +
+                         std::to_string(out->nodes.size()) + " nodes");
+  }
+  return Status::OK();
+}
+Status Decode(std::string_view payload, AckReply* out) {
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {}));
+  return DecodeStatus(j, &out->status);
+}
+Status Decode(std::string_view payload, PeerListRequest* out) {
+  return Parse(payload, {{"rank", &out->rank}}).status();
+}
+Status Decode(std::string_view payload, PeerListReply* out) {
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {}));
+  auto it = j.find("snapshots");
+  if (it == j.end() || !it->is_array()) return ProtocolError("field 'snapshots' is not a list");
+  out->snapshots.clear();
+  for (const json& e : *it) {
+    if (!e.is_object()) return ProtocolError("an element of 'snapshots' is not an object");
+    PeerSnapshot s;
+    SP_RETURN_IF_ERROR(Field(e, "step", &s.step));
+    SP_RETURN_IF_ERROR(Field(e, "attempt", &s.attempt));
+    SP_RETURN_IF_ERROR(Field(e, "complete_ns", &s.complete_ns));
+    SP_RETURN_IF_ERROR(Field(e, "image_bytes", &s.image_bytes));
+    out->snapshots.push_back(s);
+  }
+  return Status::OK();
+}
+Status Decode(std::string_view payload, PeerFetchRequest* out) {
+  return Parse(payload, {{"rank", &out->rank}, {"step", &out->step}, {"attempt", &out->attempt}})
+      .status();
+}
+Status Decode(std::string_view payload, PeerFetchReply* out) {
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"slot", &out->slot},
+                                              {"generation", &out->generation},
+                                              {"bytes", &out->bytes},
+                                              {"source", &out->source}}));
+  return DecodeStatus(j, &out->status);
+}
+Status Decode(std::string_view payload, PauseNote* out) {
+  return Parse(payload, {{"paused", &out->paused}}).status();
 }
 
 std::string EncodeFrame(MessageType type, std::string_view payload) {
@@ -204,7 +314,7 @@ Result<std::optional<Message>> FrameDecoder::Next() {
                            ", this build speaks version " + std::to_string(kProtocolVersion));
   }
   if (type < static_cast<uint16_t>(MessageType::kHello) ||
-      type > static_cast<uint16_t>(MessageType::kShutdown)) {
+      type > static_cast<uint16_t>(kLastMessageType)) {
     return InvalidArgument("protocol error: unknown message type " + std::to_string(type));
   }
   Message m;

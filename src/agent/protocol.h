@@ -21,6 +21,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "safepoint/image.h"
 #include "safepoint/status.h"
@@ -43,7 +44,18 @@ enum class MessageType : uint16_t {
   kCloseReply = 9,
   kError = 10,     // agent -> client: ErrorReply, the request was refused
   kShutdown = 11,  // CLI -> agent: flush and exit; CloseReply
+  // Peer replication (docs/replication.md):
+  kPeerSetup = 12,  // client -> agent: PeerSetupRequest; PeerSetupReply
+  kPeerSetupReply = 13,
+  kMembership = 14,  // client -> agent: MembershipNote; AckReply
+  kAck = 15,
+  kPeerList = 16,  // client -> agent: PeerListRequest; PeerListReply
+  kPeerListReply = 17,
+  kPeerFetch = 18,  // client -> agent: PeerFetchRequest; PeerFetchReply once fetched or failed
+  kPeerFetchReply = 19,
+  kPause = 20,  // client -> agent: PauseNote (no reply)
 };
+inline constexpr MessageType kLastMessageType = MessageType::kPause;
 
 struct Message {
   MessageType type = MessageType::kError;
@@ -80,6 +92,7 @@ struct SnapshotNote {
 
 struct WaitRequest {
   uint64_t step = 0;
+  bool persisted = true;  // its persist was asked (else the wait is for replication only)
 };
 
 // The outcome of persisting `step`: OK once committed, else the error (its code is kept).
@@ -97,6 +110,71 @@ struct ErrorReply {
   std::string error;
 };
 
+// --- peer replication ---
+
+// Starts the agent's peer service (once per agent) listening on `bind_host`, the address of
+// the interface the job uses, for node `node`.
+struct PeerSetupRequest {
+  std::string node;
+  std::string bind_host;
+  uint32_t timeout_ms = 30000;  // a peer that makes no progress this long is dropped
+};
+struct PeerSetupReply {
+  std::string address;  // "host:port" peers connect to
+};
+
+struct PeerAddress {
+  std::string node;
+  std::string address;
+};
+
+// The job's nodes, as the ranks all-gathered them at a Checkpointer start. `epoch` names that
+// start (every rank of it sends the same note; the agent applies a new epoch once).
+struct MembershipNote {
+  std::string epoch;
+  uint32_t node_index = 0;         // this node's place in `nodes`
+  std::vector<PeerAddress> nodes;  // every node of the job, by node index
+  std::string redundancy;          // "mirror:N", "ec:K+P" (src/replica/redundancy.h)
+  std::string secret;              // hex; authenticates the peers of this epoch
+  uint64_t bandwidth = 0;          // bytes/s cap on replication sends; 0: none
+};
+
+struct AckReply {
+  Status status;
+};
+
+struct PeerListRequest {
+  uint32_t rank = 0;
+};
+// A snapshot of the rank that the peers can rebuild (a whole copy, or K fragments).
+struct PeerSnapshot {
+  uint64_t step = 0;
+  uint64_t attempt = 0;
+  uint64_t complete_ns = 0;
+  uint64_t image_bytes = 0;
+};
+struct PeerListReply {
+  std::vector<PeerSnapshot> snapshots;
+};
+
+// Rebuild the rank's snapshot of `step` (of `attempt`) from peers into one of its slots.
+struct PeerFetchRequest {
+  uint32_t rank = 0;
+  uint64_t step = 0;
+  uint64_t attempt = 0;
+};
+struct PeerFetchReply {
+  Status status;
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  uint64_t bytes = 0;
+  std::string source;  // the nodes it came from
+};
+
+struct PauseNote {
+  bool paused = false;
+};
+
 std::string Encode(const HelloRequest& m);
 std::string Encode(const HelloReply& m);
 std::string Encode(const SnapshotNote& m);
@@ -104,6 +182,15 @@ std::string Encode(const WaitRequest& m);
 std::string Encode(const WaitReply& m);
 std::string Encode(const CloseReply& m);
 std::string Encode(const ErrorReply& m);
+std::string Encode(const PeerSetupRequest& m);
+std::string Encode(const PeerSetupReply& m);
+std::string Encode(const MembershipNote& m);
+std::string Encode(const AckReply& m);
+std::string Encode(const PeerListRequest& m);
+std::string Encode(const PeerListReply& m);
+std::string Encode(const PeerFetchRequest& m);
+std::string Encode(const PeerFetchReply& m);
+std::string Encode(const PauseNote& m);
 
 // Each returns InvalidArgument ("protocol error: ...") for a payload that is not a JSON object,
 // lacks a field or has one of the wrong type. Unknown fields are ignored (newer peers).
@@ -115,6 +202,15 @@ Status Decode(std::string_view payload, WaitRequest* out);
 Status Decode(std::string_view payload, WaitReply* out);
 Status Decode(std::string_view payload, CloseReply* out);
 Status Decode(std::string_view payload, ErrorReply* out);
+Status Decode(std::string_view payload, PeerSetupRequest* out);
+Status Decode(std::string_view payload, PeerSetupReply* out);
+Status Decode(std::string_view payload, MembershipNote* out);
+Status Decode(std::string_view payload, AckReply* out);
+Status Decode(std::string_view payload, PeerListRequest* out);
+Status Decode(std::string_view payload, PeerListReply* out);
+Status Decode(std::string_view payload, PeerFetchRequest* out);
+Status Decode(std::string_view payload, PeerFetchReply* out);
+Status Decode(std::string_view payload, PauseNote* out);
 
 // --- framing -----------------------------------------------------------------------------------
 

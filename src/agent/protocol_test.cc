@@ -34,10 +34,13 @@ std::vector<Message> Drain(FrameDecoder& d) {
 }
 
 constexpr MessageType kAllTypes[] = {
-    MessageType::kHello,     MessageType::kHelloReply,  MessageType::kSnapshot,
-    MessageType::kStatus,    MessageType::kStatusReply, MessageType::kWait,
-    MessageType::kWaitReply, MessageType::kClose,       MessageType::kCloseReply,
-    MessageType::kError,     MessageType::kShutdown};
+    MessageType::kHello,          MessageType::kHelloReply,    MessageType::kSnapshot,
+    MessageType::kStatus,         MessageType::kStatusReply,   MessageType::kWait,
+    MessageType::kWaitReply,      MessageType::kClose,         MessageType::kCloseReply,
+    MessageType::kError,          MessageType::kShutdown,      MessageType::kPeerSetup,
+    MessageType::kPeerSetupReply, MessageType::kMembership,    MessageType::kAck,
+    MessageType::kPeerList,       MessageType::kPeerListReply, MessageType::kPeerFetch,
+    MessageType::kPeerFetchReply, MessageType::kPause};
 
 TEST(ProtocolTest, EncodeFrameLayout) {
   const std::string frame = EncodeFrame(MessageType::kStatus, R"({"a":1})");
@@ -179,7 +182,9 @@ TEST(ProtocolTest, RejectsWrongVersion) {
 }
 
 TEST(ProtocolTest, RejectsUnknownType) {
-  for (uint16_t t : {uint16_t{0}, uint16_t{12}, uint16_t{0x100}, uint16_t{0xFFFF}}) {
+  for (uint16_t t :
+       {uint16_t{0}, static_cast<uint16_t>(static_cast<uint16_t>(kLastMessageType) + 1),
+        uint16_t{0x100}, uint16_t{0xFFFF}}) {
     ExpectRejected(FrameHeader(4 + 2, kProtocolVersion, t) + "{}", "type " + std::to_string(t));
   }
 }
@@ -287,7 +292,7 @@ TEST(ProtocolTest, FuzzedStreamsYieldErrorsOrValidMessages) {
         ++messages;
         const auto type = static_cast<uint16_t>((*m)->type);
         EXPECT_GE(type, static_cast<uint16_t>(MessageType::kHello));
-        EXPECT_LE(type, static_cast<uint16_t>(MessageType::kShutdown));
+        EXPECT_LE(type, static_cast<uint16_t>(kLastMessageType));
         EXPECT_LE((*m)->payload.size() + 4, kMaxMessageBytes);
       }
     }
@@ -397,6 +402,91 @@ TEST(MessageTest, EveryMessageRoundTrips) {
   HelloReply reply{12, "/dev/shm/x"}, reply_out;
   ASSERT_OK(Decode(Encode(reply), &reply_out));
   EXPECT_EQ(reply_out.job_dir, "/dev/shm/x");
+}
+
+TEST(MessageTest, PeerReplicationMessagesRoundTrip) {
+  PeerSetupRequest setup{"node2", "10.1.2.3", 2500}, setup_out;
+  ASSERT_OK(Decode(Encode(setup), &setup_out));
+  EXPECT_EQ(setup_out.node, "node2");
+  EXPECT_EQ(setup_out.bind_host, "10.1.2.3");
+  EXPECT_EQ(setup_out.timeout_ms, 2500u);
+
+  MembershipNote note{"e1", 1, {{"a", "10.0.0.1:1"}, {"b", "10.0.0.2:2"}}, "ec:2+1", "00ff", 7},
+      note_out;
+  ASSERT_OK(Decode(Encode(note), &note_out));
+  EXPECT_EQ(note_out.epoch, "e1");
+  EXPECT_EQ(note_out.node_index, 1u);
+  ASSERT_EQ(note_out.nodes.size(), 2u);
+  EXPECT_EQ(note_out.nodes[1].node, "b");
+  EXPECT_EQ(note_out.nodes[1].address, "10.0.0.2:2");
+  EXPECT_EQ(note_out.redundancy, "ec:2+1");
+  EXPECT_EQ(note_out.secret, "00ff");
+  EXPECT_EQ(note_out.bandwidth, 7u);
+
+  PeerListReply list{{{5, 9, 11, 4096}, {6, 9, 12, 8192}}}, list_out;
+  ASSERT_OK(Decode(Encode(list), &list_out));
+  ASSERT_EQ(list_out.snapshots.size(), 2u);
+  EXPECT_EQ(list_out.snapshots[1].step, 6u);
+  EXPECT_EQ(list_out.snapshots[1].attempt, 9u);
+  EXPECT_EQ(list_out.snapshots[1].complete_ns, 12u);
+  EXPECT_EQ(list_out.snapshots[1].image_bytes, 8192u);
+
+  PeerFetchRequest fetch{3, 6, 9}, fetch_out;
+  ASSERT_OK(Decode(Encode(fetch), &fetch_out));
+  EXPECT_EQ(fetch_out.rank, 3u);
+  EXPECT_EQ(fetch_out.step, 6u);
+  EXPECT_EQ(fetch_out.attempt, 9u);
+  PeerFetchReply fetched{Status::OK(), 1, 44, 8192, "a,b"}, fetched_out;
+  ASSERT_OK(Decode(Encode(fetched), &fetched_out));
+  EXPECT_OK(fetched_out.status);
+  EXPECT_EQ(fetched_out.slot, 1u);
+  EXPECT_EQ(fetched_out.generation, 44u);
+  EXPECT_EQ(fetched_out.source, "a,b");
+  PeerFetchReply missing{NotFound("no copy")}, missing_out;
+  ASSERT_OK(Decode(Encode(missing), &missing_out));
+  EXPECT_EQ(missing_out.status.code(), StatusCode::kNotFound);
+
+  AckReply ack{InvalidArgument("too few nodes")}, ack_out;
+  ASSERT_OK(Decode(Encode(ack), &ack_out));
+  EXPECT_EQ(ack_out.status.message(), "too few nodes");
+  PauseNote pause{true}, pause_out;
+  ASSERT_OK(Decode(Encode(pause), &pause_out));
+  EXPECT_TRUE(pause_out.paused);
+
+  // A wait for replication only; an older client's wait (no field) is for a persisted step.
+  WaitRequest wait{4, false}, wait_out;
+  ASSERT_OK(Decode(Encode(wait), &wait_out));
+  EXPECT_FALSE(wait_out.persisted);
+  ASSERT_OK(Decode(R"({"step": 4})", &wait_out));
+  EXPECT_TRUE(wait_out.persisted);
+}
+
+TEST(MessageTest, MembershipIsCheckedBeforeUse) {
+  MembershipNote out;
+  // node_index outside the list of nodes
+  EXPECT_NE(Decode(R"({"epoch":"e","node_index":2,"nodes":[{"node":"a","address":"x:1"}],)"
+                   R"("redundancy":"mirror","secret":"00","bandwidth":0})",
+                   &out)
+                .message()
+                .find("node_index 2"),
+            std::string::npos);
+  // a node without its address
+  EXPECT_NE(Decode(R"({"epoch":"e","node_index":0,"nodes":[{"node":"a"}],)"
+                   R"("redundancy":"mirror","secret":"00","bandwidth":0})",
+                   &out)
+                .message()
+                .find("field 'address' is missing"),
+            std::string::npos);
+  EXPECT_NE(Decode(R"({"epoch":"e","node_index":0,"nodes":5,)"
+                   R"("redundancy":"mirror","secret":"00","bandwidth":0})",
+                   &out)
+                .message()
+                .find("'nodes'"),
+            std::string::npos);
+  PeerListReply list;
+  EXPECT_NE(
+      Decode(R"({"snapshots":[{"step":1}]})", &list).message().find("field 'attempt' is missing"),
+      std::string::npos);
 }
 
 // Every defect in a payload is an InvalidArgument that names what is wrong; nothing throws.

@@ -58,7 +58,8 @@ nlohmann::json NodeAgent::StatusJson() {
           {"newest_committed", newest_committed_ ? json(*newest_committed_) : json(nullptr)},
           {"queued", progress.queued},
           {"in_flight", in_flight},
-          {"ranks", ranks}};
+          {"ranks", ranks},
+          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)}};
 }
 
 }  // namespace safepoint::agent

@@ -97,7 +97,101 @@ Status SnapshotClient::Hello() {
     Disconnect();
     return Unavailable("the safepoint agent answered hello with an unexpected message");
   }
+  return SendPeerState();
+}
+
+// A new agent (the previous one died) learns the peer setup and membership again. Failures are
+// not fatal to the connection: replication is a cache, saves and loads go on without it.
+Status SnapshotClient::SendPeerState() {
+  agent::FrameDecoder decoder;
+  auto exchange = [&](MessageType type, const std::string& payload) -> Status {
+    SP_RETURN_IF_ERROR(agent::SendMessage(fd_, type, payload));
+    SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));
+    if (reply.type == MessageType::kError) return InvalidArgument(ErrorText(reply.payload));
+    return Status::OK();
+  };
+  if (peer_setup_) {
+    const auto& [node, host, timeout] = *peer_setup_;
+    Status s = exchange(
+        MessageType::kPeerSetup,
+        agent::Encode(agent::PeerSetupRequest{node, host, static_cast<uint32_t>(timeout * 1000)}));
+    if (!s.ok()) return Status::OK();
+  }
+  if (membership_) {
+    agent::MembershipNote note;
+    note.epoch = membership_->epoch;
+    note.node_index = membership_->node_index;
+    for (const PeerNode& n : membership_->nodes) note.nodes.push_back({n.node, n.address});
+    note.redundancy = membership_->redundancy;
+    note.secret = membership_->secret_hex;
+    note.bandwidth = membership_->bandwidth;
+    exchange(MessageType::kMembership, agent::Encode(note)).IgnoreError();
+  }
   return Status::OK();
+}
+
+Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std::string& bind_host,
+                                              double timeout_s) {
+  SP_ASSIGN_OR_RETURN(std::string payload,
+                      Request(MessageType::kPeerSetup,
+                              agent::Encode(agent::PeerSetupRequest{
+                                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000)}),
+                              MessageType::kPeerSetupReply, 60));
+  agent::PeerSetupReply reply;
+  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
+  peer_setup_.emplace(node, bind_host, timeout_s);
+  return reply.address;
+}
+
+Status SnapshotClient::SetMembership(const Membership& m) {
+  agent::MembershipNote note;
+  note.epoch = m.epoch;
+  note.node_index = m.node_index;
+  for (const PeerNode& n : m.nodes) note.nodes.push_back({n.node, n.address});
+  note.redundancy = m.redundancy;
+  note.secret = m.secret_hex;
+  note.bandwidth = m.bandwidth;
+  SP_ASSIGN_OR_RETURN(std::string payload, Request(MessageType::kMembership, agent::Encode(note),
+                                                   MessageType::kAck, 60));
+  agent::AckReply reply;
+  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
+  if (!reply.status.ok()) return reply.status;
+  membership_ = m;
+  return Status::OK();
+}
+
+Result<std::vector<PeerCopy>> SnapshotClient::PeerCopies() {
+  SP_ASSIGN_OR_RETURN(std::string payload, Request(MessageType::kPeerList,
+                                                   agent::Encode(agent::PeerListRequest{opt_.rank}),
+                                                   MessageType::kPeerListReply, 120));
+  agent::PeerListReply reply;
+  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
+  std::vector<PeerCopy> out;
+  for (const agent::PeerSnapshot& s : reply.snapshots) {
+    out.push_back({s.step, s.attempt, s.complete_ns, s.image_bytes});
+  }
+  return out;
+}
+
+Result<PeerFetchResult> SnapshotClient::FetchFromPeers(uint64_t step, uint64_t attempt,
+                                                       double timeout_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  SP_ASSIGN_OR_RETURN(std::string payload,
+                      Request(MessageType::kPeerFetch,
+                              agent::Encode(agent::PeerFetchRequest{opt_.rank, step, attempt}),
+                              MessageType::kPeerFetchReply, timeout_s));
+  agent::PeerFetchReply reply;
+  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
+  if (!reply.status.ok()) return reply.status;
+  SP_RETURN_IF_ERROR(arena_->Refresh());  // the agent may have created the slot file
+  return PeerFetchResult{
+      reply.slot, reply.bytes, reply.source,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
+}
+
+Status SnapshotClient::PauseReplication(bool paused) {
+  if (fd_ < 0) SP_RETURN_IF_ERROR(EnsureAgent());
+  return agent::SendMessage(fd_, MessageType::kPause, agent::Encode(agent::PauseNote{paused}));
 }
 
 Status SnapshotClient::StartAgent() {
@@ -267,6 +361,7 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   result.copy_seconds = Since(t_copy);
   result.saved = true;
   if (persist) last_persist_step_ = step;
+  last_saved_step_ = step;
 
   result.structure_hash = hash;
   // Tell the agent; the snapshot is safe in memory whatever happens here.
@@ -292,19 +387,21 @@ std::string SnapshotClient::Notify(const SkipRanges& skip) {
 }
 
 Status SnapshotClient::Wait(double timeout_s) {
-  if (!last_persist_step_) return Status::OK();
+  // With replication, also wait until the newest snapshot reached its peers.
+  const bool replication_only = !last_persist_step_ && membership_ && last_saved_step_;
+  if (!last_persist_step_ && !replication_only) return Status::OK();
+  const uint64_t step = replication_only ? *last_saved_step_ : *last_persist_step_;
   SP_ASSIGN_OR_RETURN(
       std::string payload,
-      Request(MessageType::kWait, agent::Encode(agent::WaitRequest{*last_persist_step_}),
+      Request(MessageType::kWait, agent::Encode(agent::WaitRequest{step, !replication_only}),
               MessageType::kWaitReply, timeout_s));
   agent::WaitReply reply;
   if (Status s = agent::Decode(payload, &reply); !s.ok()) {
     return Unavailable("the safepoint agent sent a malformed reply: " + s.message());
   }
   if (reply.status.ok()) return Status::OK();
-  return Status(reply.status.code(), "persisting step " + std::to_string(*last_persist_step_) +
-                                         " of " + opt_.storage +
-                                         " failed: " + reply.status.message());
+  return Status(reply.status.code(), "persisting step " + std::to_string(step) + " of " +
+                                         opt_.storage + " failed: " + reply.status.message());
 }
 
 Result<std::string> SnapshotClient::AgentStatus() {

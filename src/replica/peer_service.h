@@ -11,9 +11,17 @@
 // progress for `timeout_s` is dropped; a replica is committed only when whole and verified
 // (ReplicaStore), so no wrong byte is ever kept.
 //
+// Protocol (ucx_wire.h): each request is one connection: hello/challenge/auth (mutual proofs),
+// then one of: a push (put-begin with the replica's meta -> put-ready -> chunks -> put-done when
+// every chunk arrived and passed its CRC -> commit with the image's and payload's CRCs, folded
+// from the chunks' as they were sent, sent only if still_valid() still holds -> committed), a list,
+// or a fetch of one replica (its chunks stream back). A paused or throttled sender pings, so a
+// pause is not a stall. Shared-memory transports are excluded unless $UCX_TLS is set (other UCX_*
+// variables apply as usual).
+//
 // Threads: the service runs one progress thread that owns the UCX worker; the public methods are
 // thread-safe, block their caller and are meant for the agent's replication worker (never its
-// poll loop).
+// poll loop). Destroy the service only when none of its calls is in flight.
 #pragma once
 
 #include <cstdint>
@@ -38,8 +46,13 @@ struct PeerServiceOptions {
   std::string secret;     // the job's secret (>= 16 bytes); SetSecret replaces it
   double timeout_s = 30;  // a request or a transfer that makes no progress this long fails
   double bandwidth_bytes_per_s = 0;  // cap on what Push sends (all targets together); 0: none
-  uint32_t keep = 1;      // snapshots kept per (source node, rank) on the receiving side
-  uint64_t chunk_bytes = 4 << 20;  // bulk transfers are sent in chunks of this size
+  uint32_t keep = 1;                 // snapshots kept per (source node, rank) on the receiving side
+  uint64_t chunk_bytes = 4 << 20;    // bulk transfers are sent in chunks of this size
+  // Receiving side: a peer that declares a larger image is refused before anything is reserved.
+  uint64_t max_image_bytes = uint64_t{64} << 30;
+  // Tests only: called on a copy of every chunk Push sends, after its CRC32C was computed (a test
+  // flips a byte to play a corrupting link).
+  std::function<void(uint64_t offset, std::span<std::byte> chunk)> test_mangle_chunk;
 };
 
 struct Peer {
@@ -52,6 +65,7 @@ struct SnapshotId {
   uint32_t rank = 0;
   uint64_t step = 0;
   uint64_t complete_ns = 0;
+  uint64_t attempt = 0;  // ImageMeta::attempt (the restore agreement never mixes two attempts)
 };
 
 struct PushResult {

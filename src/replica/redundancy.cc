@@ -14,40 +14,13 @@ bool ParseUint(std::string_view s, uint32_t* out) {
 
 }  // namespace
 
-uint32_t Redundancy::targets() const {
-  switch (kind) {
-    case Kind::kNone:
-      return 0;
-    case Kind::kMirror:
-      return copies;
-    case Kind::kErasure:
-      return k + p;
-  }
-  return 0;
-}
+// A parsed Redundancy holds copies == 0 unless kMirror, and k == p == 0 unless kErasure.
+uint32_t Redundancy::targets() const { return kind == Kind::kErasure ? k + p : copies; }
 
-uint32_t Redundancy::tolerated_losses() const {
-  switch (kind) {
-    case Kind::kNone:
-      return 0;
-    case Kind::kMirror:
-      return copies;
-    case Kind::kErasure:
-      return p;
-  }
-  return 0;
-}
+uint32_t Redundancy::tolerated_losses() const { return kind == Kind::kErasure ? p : copies; }
 
 double Redundancy::memory_factor() const {
-  switch (kind) {
-    case Kind::kNone:
-      return 0;
-    case Kind::kMirror:
-      return copies;
-    case Kind::kErasure:
-      return static_cast<double>(k + p) / k;
-  }
-  return 0;
+  return kind == Kind::kErasure ? static_cast<double>(k + p) / k : copies;
 }
 
 std::string Redundancy::ToString() const {

@@ -12,6 +12,7 @@
 //     64  8  image bytes     72  8  piece bytes
 //     80  8  payload bytes
 //     88  64 source node (zero-padded)
+//     152 8  attempt (the image's save attempt)
 //     ... zero ...
 //     4092 4 CRC32C of bytes [0, 4092)
 //   [4096, 4096 + payload bytes)  payload
@@ -59,6 +60,12 @@ constexpr uint32_t kVersion = 1;
 constexpr size_t kMaxSourceBytes = 64;
 constexpr size_t kHeaderCrcOffset = kHeaderBytes - 4;
 constexpr std::string_view kTempPrefix = ".tmp-";
+// A spare: the file of a replica that was pruned, kept (never listed) so that the next replica
+// it can hold reuses its pages instead of allocating and zeroing fresh ones.
+constexpr std::string_view kSparePrefix = ".spare-";
+// Smaller files are simply removed (their pages cost little), and at most this many are kept.
+constexpr uint64_t kMinSpareBytes = 1 << 20;
+constexpr size_t kMaxSpares = 16;
 // Larger payloads cannot be a file size (off_t) after the header.
 constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 62;
 
@@ -146,6 +153,7 @@ void EncodeHeader(const ReplicaMeta& m, std::byte* h) {
   StoreLE<uint64_t>(h + 72, m.piece_bytes);
   StoreLE<uint64_t>(h + 80, m.payload_bytes);
   std::memcpy(h + 88, m.source_node.data(), m.source_node.size());
+  StoreLE<uint64_t>(h + 152, m.attempt);
   StoreLE<uint32_t>(h + kHeaderCrcOffset, Crc32c(0, h, kHeaderCrcOffset));
 }
 
@@ -175,16 +183,19 @@ Result<ReplicaMeta> DecodeHeader(const std::byte* h) {
     return Corruption("source node length " + std::to_string(source_len));
   }
   m.source_node.assign(reinterpret_cast<const char*>(h + 88), source_len);
+  m.attempt = LoadLE<uint64_t>(h + 152);
   Status s = ValidateMeta(m);
   if (!s.ok()) return Corruption(s.message());
   return m;
 }
 
 bool SameMeta(const ReplicaMeta& a, const ReplicaMeta& b) {
-  return std::tie(a.source_node, a.rank, a.step, a.complete_ns, a.image_bytes, a.image_crc, a.kind,
-                  a.index, a.k, a.p, a.piece_bytes, a.payload_bytes, a.payload_crc) ==
-         std::tie(b.source_node, b.rank, b.step, b.complete_ns, b.image_bytes, b.image_crc, b.kind,
-                  b.index, b.k, b.p, b.piece_bytes, b.payload_bytes, b.payload_crc);
+  return std::tie(a.source_node, a.rank, a.step, a.complete_ns, a.attempt, a.image_bytes,
+                  a.image_crc, a.kind, a.index, a.k, a.p, a.piece_bytes, a.payload_bytes,
+                  a.payload_crc) == std::tie(b.source_node, b.rank, b.step, b.complete_ns,
+                                             b.attempt, b.image_bytes, b.image_crc, b.kind, b.index,
+                                             b.k, b.p, b.piece_bytes, b.payload_bytes,
+                                             b.payload_crc);
 }
 
 // Reads and checks the header of the open file `fd` at `path` named `name`: its CRC, that the
@@ -213,7 +224,8 @@ Result<ReplicaMeta> ReadHeader(int fd, const std::string& path, const std::strin
 
 class Mapping {
  public:
-  Mapping(void* p, size_t n) : p_(p), n_(n) {}
+  Mapping(void* p, size_t n, std::shared_ptr<void> pin = nullptr)
+      : p_(p), n_(n), pin_(std::move(pin)) {}
   ~Mapping() {
     if (p_ != nullptr) ::munmap(p_, n_);
   }
@@ -224,6 +236,7 @@ class Mapping {
  private:
   void* p_;
   size_t n_;
+  std::shared_ptr<void> pin_;  // Read: keeps the file from being recycled while mapped
 };
 
 class PosixReplicaWriter final : public ReplicaWriter {
@@ -245,9 +258,18 @@ class PosixReplicaWriter final : public ReplicaWriter {
     return {map_->data() + kHeaderBytes, static_cast<size_t>(meta_.payload_bytes)};
   }
 
-  Status Commit() override {
+  Status Commit() override { return Commit(meta_.image_crc, meta_.payload_crc, std::nullopt); }
+
+  Status Commit(uint32_t image_crc, uint32_t payload_crc,
+                std::optional<uint32_t> received_crc) override {
     if (committed_) return InvalidArgument(path_ + ": replica already committed");
-    const uint32_t crc = Crc32c(data());
+    meta_.image_crc = image_crc;
+    meta_.payload_crc = payload_crc;
+    if (meta_.kind == ReplicaMeta::Kind::kCopy && image_crc != payload_crc) {
+      return Corruption(path_ + ": a copy's image CRC32C " + std::to_string(image_crc) +
+                        " is not its payload's " + std::to_string(payload_crc));
+    }
+    const uint32_t crc = received_crc ? *received_crc : Crc32c(data());
     if (crc != meta_.payload_crc) {
       return Corruption(path_ + ": received payload of " + std::to_string(meta_.payload_bytes) +
                         " bytes has CRC32C " + std::to_string(crc) + ", the sender's is " +
@@ -277,10 +299,11 @@ class PosixReplicaStore final : public ReplicaStore {
   Status RemoveTemporaries() {
     SP_ASSIGN_OR_RETURN(std::vector<std::string> names, Names());
     for (const std::string& name : names) {
-      if (!name.starts_with(kTempPrefix)) continue;
+      const bool spare = name.starts_with(kSparePrefix);
+      if (!name.starts_with(kTempPrefix) && !spare) continue;
       const std::string path = dir_ + "/" + name;
       if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("unlink", path, errno);
-      spdlog::info("{}: removed an unfinished replica of an earlier agent", path);
+      if (!spare) spdlog::info("{}: removed an unfinished replica of an earlier agent", path);
     }
     return Status::OK();
   }
@@ -301,15 +324,41 @@ class PosixReplicaStore final : public ReplicaStore {
       if (::statvfs(dir_.c_str(), &vfs) != 0) return 0;
       return static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     };
-    if (const uint64_t f = free_bytes(); f < size) return no_room(f);
     const std::string tmp =
         dir_ + "/" + std::string(kTempPrefix) + internal::RandomHex16() + "-" + name;
-    UniqueFd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-    if (!fd) return ErrnoStatus("create", tmp, errno);
+    // A spare's pages are reused: only what it lacks is allocated (and zeroed) afresh.
+    UniqueFd fd;
+    uint64_t reused = 0;
+    if (std::optional<Spare> spare = TakeSpare(size)) {
+      if (::rename(spare->path.c_str(), tmp.c_str()) == 0) {
+        fd = UniqueFd(::open(tmp.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
+        if (!fd) ::unlink(tmp.c_str());
+        reused = std::min(spare->allocated, size);
+      } else {
+        ::unlink(spare->path.c_str());
+      }
+    }
     auto fail = [&](Status s) {
       ::unlink(tmp.c_str());
       return s;
     };
+    if (fd) {
+      struct stat st;
+      if (::fstat(fd.get(), &st) != 0) return fail(ErrnoStatus("stat", tmp, errno));
+      // A larger spare gives its pages past `size` back.
+      if (static_cast<uint64_t>(st.st_size) > size &&
+          ::ftruncate(fd.get(), static_cast<off_t>(size)) != 0)
+        return fail(ErrnoStatus("ftruncate", tmp, errno));
+    }
+    // Room for what is not reused; spares give theirs back first.
+    const uint64_t needed = size - reused;
+    if (free_bytes() < needed) ReleaseSpares();
+    if (const uint64_t f = free_bytes(); f < needed) return fail(no_room(f));
+    if (!fd) {
+      fd = UniqueFd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+      if (!fd) return ErrnoStatus("create", tmp, errno);
+    }
+    // Reserves every page not yet allocated (a reused spare's are kept as they are).
     if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(size)) != 0) {
       const int err = errno;
       if (err == ENOSPC || err == EDQUOT || err == EFBIG) return fail(no_room(free_bytes()));
@@ -319,7 +368,9 @@ class PosixReplicaStore final : public ReplicaStore {
         return fail(ErrnoStatus("ftruncate", tmp, errno));
       }
     }
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    // Populated: the page tables are filled in one go, not by a fault on every page as the
+    // chunks land (the pages are reserved already).
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
     if (p == MAP_FAILED) return fail(ErrnoStatus("mmap", tmp, errno));
     return std::unique_ptr<ReplicaWriter>(
         new PosixReplicaWriter(meta, tmp, path, std::move(fd), std::make_unique<Mapping>(p, size)));
@@ -342,8 +393,19 @@ class PosixReplicaStore final : public ReplicaStore {
     SP_RETURN_IF_ERROR(ValidateSourceNode(meta.source_node));
     const std::string name = FileName(meta);
     const std::string path = dir_ + "/" + name;
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
-    if (!fd) return ErrnoStatus("open", path, errno);
+    // Pinned while mapped: a replica pruned meanwhile is removed, not recycled under the reader.
+    std::shared_ptr<void> pin;
+    UniqueFd fd;
+    {
+      std::lock_guard lock(mu_);
+      fd = UniqueFd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+      if (!fd) return ErrnoStatus("open", path, errno);
+      struct stat st;
+      if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("stat", path, errno);
+      pin = std::make_shared<ino_t>(st.st_ino);
+      std::erase_if(readers_, [](const auto& r) { return r.second.expired(); });
+      readers_.emplace(st.st_ino, pin);
+    }
     SP_ASSIGN_OR_RETURN(ReplicaMeta found, ReadHeader(fd.get(), path, name));
     if (!SameMeta(found, meta)) {
       return Corruption(path +
@@ -355,9 +417,9 @@ class PosixReplicaStore final : public ReplicaStore {
                         std::to_string(meta.payload_crc) + ")");
     }
     const uint64_t size = kHeaderBytes + found.payload_bytes;
-    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
     if (p == MAP_FAILED) return ErrnoStatus("mmap", path, errno);
-    auto map = std::make_shared<Mapping>(p, size);
+    auto map = std::make_shared<Mapping>(p, size, std::move(pin));
     ReplicaView view;
     view.payload = {map->data() + kHeaderBytes, static_cast<size_t>(found.payload_bytes)};
     const uint32_t crc = Crc32c(view.payload);
@@ -402,9 +464,22 @@ class PosixReplicaStore final : public ReplicaStore {
     SP_ASSIGN_OR_RETURN(std::vector<Entry> entries, Entries());
     uint64_t freed = 0;
     for (const Entry& e : entries) {
-      if (e.meta.source_node == source_node) SP_RETURN_IF_ERROR(Remove(e, &freed));
+      if (e.meta.source_node == source_node) SP_RETURN_IF_ERROR(Remove(e, &freed, false));
     }
     return Status::OK();
+  }
+
+  uint64_t ReleaseSpares() override {
+    std::vector<Spare> spares;
+    {
+      std::lock_guard lock(spare_mu_);
+      spares.swap(spares_);
+    }
+    uint64_t freed = 0;
+    for (const Spare& s : spares) {
+      if (::unlink(s.path.c_str()) == 0) freed += s.allocated;
+    }
+    return freed;
   }
 
   uint64_t bytes() override {
@@ -448,7 +523,7 @@ class PosixReplicaStore final : public ReplicaStore {
     SP_ASSIGN_OR_RETURN(std::vector<std::string> names, Names());
     std::vector<Entry> out;
     for (const std::string& name : names) {
-      if (name.starts_with(kTempPrefix)) continue;
+      if (name.starts_with(kTempPrefix) || name.starts_with(kSparePrefix)) continue;
       const std::string path = dir_ + "/" + name;
       UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
       if (!fd) {
@@ -467,7 +542,23 @@ class PosixReplicaStore final : public ReplicaStore {
     return out;
   }
 
-  Status Remove(const Entry& e, uint64_t* freed) {
+  // Removes a replica (mu_ held): its file becomes a spare if it is worth keeping and nobody
+  // has it mapped, else it is unlinked.
+  Status Remove(const Entry& e, uint64_t* freed, bool recycle = true) {
+    struct stat st;
+    if (recycle && e.size >= kMinSpareBytes && ::lstat(e.path.c_str(), &st) == 0) {
+      auto reader = readers_.find(st.st_ino);
+      const bool mapped = reader != readers_.end() && !reader->second.expired();
+      std::lock_guard lock(spare_mu_);
+      if (!mapped && spares_.size() < kMaxSpares) {
+        const std::string spare = dir_ + "/" + std::string(kSparePrefix) + internal::RandomHex16();
+        if (::rename(e.path.c_str(), spare.c_str()) == 0) {
+          spares_.push_back({spare, static_cast<uint64_t>(st.st_blocks) * 512});
+          *freed += e.size;
+          return Status::OK();
+        }
+      }
+    }
     if (::unlink(e.path.c_str()) != 0) {
       if (errno == ENOENT) return Status::OK();
       return ErrnoStatus("unlink", e.path, errno);
@@ -476,8 +567,32 @@ class PosixReplicaStore final : public ReplicaStore {
     return Status::OK();
   }
 
+  struct Spare {
+    std::string path;
+    uint64_t allocated = 0;  // bytes of pages it holds
+  };
+
+  // The spare that best holds `size` bytes (the smallest that holds them all, else the largest),
+  // taken out of the pool.
+  std::optional<Spare> TakeSpare(uint64_t size) {
+    std::lock_guard lock(spare_mu_);
+    if (spares_.empty()) return std::nullopt;
+    auto better = [size](const Spare& a, const Spare& b) {
+      const bool a_fits = a.allocated >= size, b_fits = b.allocated >= size;
+      if (a_fits != b_fits) return a_fits;
+      return a_fits ? a.allocated < b.allocated : a.allocated > b.allocated;
+    };
+    auto it = std::min_element(spares_.begin(), spares_.end(), better);
+    Spare s = std::move(*it);
+    spares_.erase(it);
+    return s;
+  }
+
   const std::string dir_;
-  std::mutex mu_;  // Prune and RemoveSource, one at a time
+  std::mutex mu_;  // Prune, RemoveSource and the readers_ of Read, one at a time
+  std::map<ino_t, std::weak_ptr<void>> readers_;  // guarded by mu_: files Read has mapped
+  std::mutex spare_mu_;                           // after mu_ when both are held
+  std::vector<Spare> spares_;                     // guarded by spare_mu_
 };
 
 }  // namespace

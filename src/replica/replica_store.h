@@ -10,6 +10,13 @@
 // matched the sender's: a visible replica file is always whole and verified. Readers verify the
 // header CRC, and the payload CRC before they trust the bytes.
 //
+// Pruned replicas of 1 MiB or more become spares (".spare-<random>", at most 16): never listed,
+// removed when the store is opened, and reused by the next Begin, so that a node receiving
+// snapshot after snapshot allocates (and the kernel zeroes) no fresh pages: a spare's pages are
+// kept (the file is shrunk or grown to the new size; only what it lacked is reserved). When a
+// Begin finds too little free memory, the spares are removed first. A replica that a reader has
+// mapped (Read) is removed, never recycled.
+//
 // Thread safety: one ReplicaStore per agent; its methods may be called from several threads
 // (each writer owns its file until Commit).
 #pragma once
@@ -32,6 +39,7 @@ struct ReplicaMeta {
   uint32_t rank = 0;  // the training rank whose image it is
   uint64_t step = 0;
   uint64_t complete_ns = 0;  // when the snapshot completed on its node (orders two of one step)
+  uint64_t attempt = 0;      // the image's save attempt (ImageMeta::attempt)
   uint64_t image_bytes = 0;  // the whole image
   uint32_t image_crc = 0;    // CRC32C of the whole image's bytes
   enum class Kind : uint32_t { kCopy = 1, kFragment = 2 };
@@ -51,6 +59,11 @@ class ReplicaWriter {
   // Verifies the payload against meta.payload_crc (Corruption naming the replica otherwise),
   // writes the header and renames the file into place, replacing an equal replica.
   virtual Status Commit() = 0;
+  // Commit for a receiver that learns the CRCs only at the end (meta's image_crc and payload_crc
+  // are replaced by these). `received_crc`: the CRC32C of data() as the caller computed it from
+  // the bytes in data() (e.g. chunk by chunk as they landed); then the payload is not read again.
+  virtual Status Commit(uint32_t image_crc, uint32_t payload_crc,
+                        std::optional<uint32_t> received_crc) = 0;
 };
 
 // A verified, mapped replica file.
@@ -80,7 +93,10 @@ class ReplicaStore {
   virtual Result<uint64_t> Prune(uint32_t keep) = 0;
   // Removes every replica of a source node (e.g. a node that left the job for good).
   virtual Status RemoveSource(const std::string& source_node) = 0;
-  // Bytes of shared memory the replica files take (those being received included).
+  // Removes the spares (see above); returns the bytes they held. For when shared memory is
+  // needed elsewhere.
+  virtual uint64_t ReleaseSpares() = 0;
+  // Bytes of shared memory the replica files take (those being received and spares included).
   virtual uint64_t bytes() = 0;
 };
 

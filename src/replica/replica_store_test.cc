@@ -36,6 +36,7 @@ ReplicaMeta CopyMeta(const std::string& source, uint32_t rank, uint64_t step, ui
   m.rank = rank;
   m.step = step;
   m.complete_ns = complete_ns;
+  m.attempt = complete_ns * 3 + 1;  // any value: it must survive the round trip
   m.image_bytes = payload.size();
   m.image_crc = Crc32c(payload);
   m.kind = ReplicaMeta::Kind::kCopy;
@@ -70,10 +71,10 @@ void FlipByte(const std::string& path, uint64_t offset) {
 
 bool Same(const ReplicaMeta& a, const ReplicaMeta& b) {
   return a.source_node == b.source_node && a.rank == b.rank && a.step == b.step &&
-         a.complete_ns == b.complete_ns && a.image_bytes == b.image_bytes &&
-         a.image_crc == b.image_crc && a.kind == b.kind && a.index == b.index && a.k == b.k &&
-         a.p == b.p && a.piece_bytes == b.piece_bytes && a.payload_bytes == b.payload_bytes &&
-         a.payload_crc == b.payload_crc;
+         a.complete_ns == b.complete_ns && a.attempt == b.attempt &&
+         a.image_bytes == b.image_bytes && a.image_crc == b.image_crc && a.kind == b.kind &&
+         a.index == b.index && a.k == b.k && a.p == b.p && a.piece_bytes == b.piece_bytes &&
+         a.payload_bytes == b.payload_bytes && a.payload_crc == b.payload_crc;
 }
 
 class ReplicaStoreTest : public ::testing::Test {
@@ -492,6 +493,93 @@ TEST_F(ReplicaStoreTest, WritersOnSeveralThreadsWhileListingAndPruning) {
   }
 }
 
+// A pruned replica's file is kept as a spare (never listed) and the next replica reuses its pages:
+// no fresh shared memory for snapshot after snapshot of the same size.
+TEST_F(ReplicaStoreTest, PrunedFilesAreReusedForTheNextReplica) {
+  const auto payload = test::PatternBytes(4 << 20, 21);
+  ASSERT_OK(Put(*store_, CopyMeta("n", 0, 1, 1, payload), payload));
+  ASSERT_OK(Put(*store_, CopyMeta("n", 0, 2, 1, payload), payload));
+  ASSERT_OK_AND_ASSIGN(uint64_t freed, store_->Prune(1));
+  EXPECT_EQ(freed, kHeader + payload.size());
+  // Step 1's file is a spare now: same inode, another name, not listed.
+  std::vector<std::string> names = DirNames(dir());
+  ASSERT_EQ(names.size(), 2u);
+  EXPECT_EQ(names[1], "n.rank-0.step-2.1.copy-0");
+  ASSERT_TRUE(names[0].starts_with(".spare-")) << names[0];
+  struct stat spare;
+  ASSERT_EQ(::stat((dir() + "/" + names[0]).c_str(), &spare), 0);
+  ASSERT_OK_AND_ASSIGN(auto list, store_->List());
+  ASSERT_EQ(list.size(), 1u);
+  // The next replica (a little smaller) is written into the spare's file.
+  const auto next = test::PatternBytes((4 << 20) - 1000, 22);
+  ASSERT_OK(Put(*store_, CopyMeta("n", 0, 3, 1, next), next));
+  struct stat reused;
+  ASSERT_EQ(::stat((dir() + "/n.rank-0.step-3.1.copy-0").c_str(), &reused), 0);
+  EXPECT_EQ(reused.st_ino, spare.st_ino);
+  EXPECT_EQ(static_cast<uint64_t>(reused.st_size), kHeader + next.size());
+  EXPECT_EQ(DirNames(dir()),
+            (std::vector<std::string>{"n.rank-0.step-2.1.copy-0", "n.rank-0.step-3.1.copy-0"}));
+  ASSERT_OK_AND_ASSIGN(list, store_->List());
+  ASSERT_EQ(list.size(), 2u);
+  ASSERT_OK_AND_ASSIGN(ReplicaView view, store_->Read(list[1]));
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), next.begin(), next.end()));
+  // A larger one reuses it too, growing it.
+  ASSERT_OK(store_->Prune(1));
+  view = {};
+  const auto big = test::PatternBytes((6 << 20) + 5, 23);
+  ASSERT_OK(Put(*store_, CopyMeta("n", 0, 4, 1, big), big));
+  ASSERT_OK_AND_ASSIGN(list, store_->List());
+  ASSERT_EQ(list.size(), 2u);
+  ASSERT_OK_AND_ASSIGN(view, store_->Read(list[1]));
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), big.begin(), big.end()));
+  // Spares go when the store is opened again (an earlier agent's).
+  ASSERT_OK(store_->Prune(1));
+  view = {};
+  ASSERT_EQ(DirNames(dir()).size(), 2u);
+  ASSERT_OK_AND_ASSIGN(auto reopened, ReplicaStore::Open(tmp_.path()));
+  EXPECT_EQ(DirNames(dir()), std::vector<std::string>{"n.rank-0.step-4.1.copy-0"});
+}
+
+// A replica that a reader has mapped is not recycled under it when it is pruned.
+TEST_F(ReplicaStoreTest, AMappedReplicaIsRemovedNotRecycled) {
+  const auto payload = test::PatternBytes(2 << 20, 24);
+  ASSERT_OK(Put(*store_, CopyMeta("n", 0, 1, 1, payload), payload));
+  ASSERT_OK_AND_ASSIGN(auto list, store_->List());
+  ASSERT_OK_AND_ASSIGN(ReplicaView view, store_->Read(list[0]));
+  ASSERT_OK(Put(*store_, CopyMeta("n", 0, 2, 1, payload), payload));
+  ASSERT_OK(store_->Prune(1));
+  EXPECT_EQ(DirNames(dir()), std::vector<std::string>{"n.rank-0.step-2.1.copy-0"});
+  const auto other = test::PatternBytes(2 << 20, 25);
+  ASSERT_OK(Put(*store_, CopyMeta("n", 0, 3, 1, other), other));
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), payload.begin(), payload.end()));
+  EXPECT_EQ(Crc32c(view.payload), list[0].payload_crc);
+}
+
+// Commit with the CRCs given at the end (a push's receiver): a wrong one is Corruption and
+// nothing becomes visible.
+TEST_F(ReplicaStoreTest, CommitWithCrcsGivenAtTheEnd) {
+  const auto payload = test::PatternBytes(100000, 26);
+  ReplicaMeta m = CopyMeta("n", 0, 1, 1, payload);
+  const uint32_t crc = m.payload_crc;
+  m.image_crc = m.payload_crc = 0;
+  {
+    ASSERT_OK_AND_ASSIGN(auto w, store_->Begin(m));
+    std::memcpy(w->data().data(), payload.data(), payload.size());
+    EXPECT_EQ(w->Commit(crc ^ 1, crc ^ 1, std::nullopt).code(), StatusCode::kCorruption);
+    EXPECT_EQ(w->Commit(crc, crc, crc ^ 1).code(), StatusCode::kCorruption);
+    EXPECT_EQ(w->Commit(crc, crc ^ 2, crc).code(), StatusCode::kCorruption);  // copy: equal
+  }
+  EXPECT_TRUE(DirNames(dir()).empty());
+  ASSERT_OK_AND_ASSIGN(auto w, store_->Begin(m));
+  std::memcpy(w->data().data(), payload.data(), payload.size());
+  ASSERT_OK(w->Commit(crc, crc, std::nullopt));
+  ASSERT_OK_AND_ASSIGN(auto list, store_->List());
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].payload_crc, crc);
+  EXPECT_EQ(list[0].image_crc, crc);
+  EXPECT_OK(store_->Read(list[0]));
+}
+
 TEST(ReplicaStoreOpenTest, OpenFailsNamingTheDirectory) {
   test::TempDir tmp("replica-store-open");
   ASSERT_TRUE(tmp.ok());
@@ -550,6 +638,57 @@ TEST(ReplicaStoreFullTest, AFullTmpfsIsResourceExhaustedNotSigbus) {
   ASSERT_OK(Put(*store, CopyMeta("n", 2, 1, 1, tiny), tiny));
   ASSERT_OK_AND_ASSIGN(auto list, store->List());
   EXPECT_EQ(list.size(), 1u);
+}
+
+}  // namespace
+}  // namespace safepoint::replica
+
+namespace safepoint::replica {
+namespace {
+
+// Spares hold shared memory; a Begin that needs it removes them first, and a replica that does
+// not fit even then is still ResourceExhausted (never a SIGBUS), leaving no file behind.
+TEST(ReplicaStoreFullTest, SparesGiveWayWhenMemoryIsNeeded) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs needs root";
+  test::TempDir tmp("replica-store-spares");
+  ASSERT_TRUE(tmp.ok());
+  if (::mount("tmpfs", tmp.path().c_str(), "tmpfs", 0, "size=8m,mode=0700") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { ::umount2(dir.c_str(), MNT_DETACH); }
+  } unmount{tmp.path()};
+  ASSERT_OK_AND_ASSIGN(auto store, ReplicaStore::Open(tmp.path()));
+  const auto mid = test::PatternBytes(3 << 19, 31);  // 1.5 MiB
+  for (uint32_t rank : {0, 1})
+    for (uint64_t step : {1, 2}) ASSERT_OK(Put(*store, CopyMeta("n", rank, step, 1, mid), mid));
+  ASSERT_OK(store->Prune(1));
+  auto spares = [&] {
+    int n = 0;
+    for (const std::string& name : DirNames(tmp.Join("replicas"))) n += name.starts_with(".");
+    return n;
+  };
+  ASSERT_EQ(spares(), 2);
+  // 4 MiB: one spare's pages and the other's freed memory.
+  const auto big = test::PatternBytes(4 << 20, 32);
+  ASSERT_OK(Put(*store, CopyMeta("n", 2, 1, 1, big), big));
+  EXPECT_EQ(spares(), 0);
+  ASSERT_OK(store->Prune(0));
+  ASSERT_EQ(spares(), 3);
+  EXPECT_GT(store->bytes(), 0u);
+  // Too big even without spares.
+  const auto huge = test::PatternBytes(9 << 20, 33);
+  auto w = store->Begin(CopyMeta("n", 3, 1, 1, huge));
+  ASSERT_EQ(w.status().code(), StatusCode::kResourceExhausted) << w.status().ToString();
+  EXPECT_TRUE(DirNames(tmp.Join("replicas")).empty());
+  EXPECT_EQ(store->bytes(), 0u);
+  // ReleaseSpares gives their memory back.
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 5, 1, mid), mid));
+  ASSERT_OK(store->Prune(0));
+  ASSERT_EQ(spares(), 1);
+  EXPECT_GE(store->ReleaseSpares(), mid.size());
+  EXPECT_EQ(spares(), 0);
 }
 
 }  // namespace

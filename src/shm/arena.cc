@@ -387,9 +387,14 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
   internal::UniqueDir d(::opendir(job_dir.c_str()));
   if (!d) return ErrnoStatus("opendir", job_dir, errno);
   std::vector<std::string> names;
+  bool replicas = false;  // the agent's replicas of other nodes' snapshots (src/replica)
   while (dirent* e = ::readdir(d.get())) {
     const std::string n = e->d_name;
     if (n == "." || n == "..") continue;
+    if (n == "replicas") {
+      replicas = true;
+      continue;
+    }
     const bool ours =
         n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 || n.rfind("job.json", 0) == 0;
     if (!ours) {
@@ -401,6 +406,35 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
   }
   d.Reset();
   uint64_t freed = 0;
+  if (replicas) {
+    // Only regular files, in a directory of ours (not a symlink): replica files and the
+    // temporaries of receives that never finished.
+    const std::string dir = job_dir + "/replicas";
+    struct stat st;
+    if (::lstat(dir.c_str(), &st) != 0) return ErrnoStatus("lstat", dir, errno);
+    if (!S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
+      return InvalidArgument(dir + " is not a directory of this user; not removing the job");
+    }
+    internal::UniqueDir rd(::opendir(dir.c_str()));
+    if (!rd) return ErrnoStatus("opendir", dir, errno);
+    std::vector<std::string> files;
+    while (dirent* e = ::readdir(rd.get())) {
+      const std::string n = e->d_name;
+      if (n == "." || n == "..") continue;
+      struct stat fst;
+      const std::string path = dir + "/" + n;
+      if (::lstat(path.c_str(), &fst) != 0 || !S_ISREG(fst.st_mode)) {
+        return InvalidArgument(path + " is not a replica file; not removing the job");
+      }
+      freed += static_cast<uint64_t>(fst.st_blocks) * 512;
+      files.push_back(path);
+    }
+    rd.Reset();
+    for (const auto& path : files) {
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("unlink", path, errno);
+    }
+    if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("rmdir", dir, errno);
+  }
   for (const auto& n : names) {
     const std::string path = job_dir + "/" + n;
     struct stat st;

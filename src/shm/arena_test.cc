@@ -642,6 +642,21 @@ TEST_F(ArenaTest, LiveSlotWritersNamesRunningWritersOnly) {
   EXPECT_FALSE(fs::exists(job_dir_));
 }
 
+// gc removes a job whose agent kept other nodes' replicas (src/replica: <job_dir>/replicas), and
+// refuses one whose replicas directory holds something that is not a regular file.
+TEST_F(ArenaTest, RemoveJobDirectoryRemovesTheReplicas) {
+  ASSERT_TRUE(fs::create_directory(job_dir_ + "/replicas"));
+  ASSERT_TRUE(test::WriteStringToFile(job_dir_ + "/replicas/node1.rank-1.step-5.9.copy-0", "copy"));
+  ASSERT_TRUE(test::WriteStringToFile(job_dir_ + "/replicas/.tmp-0123456789abcdef-x", "partial"));
+  fs::create_symlink("/etc/passwd", job_dir_ + "/replicas/link");
+  EXPECT_EQ(RemoveJobDirectory(job_dir_).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(fs::exists("/etc/passwd"));
+  fs::remove(job_dir_ + "/replicas/link");
+  auto freed = RemoveJobDirectory(job_dir_);
+  ASSERT_OK(freed);
+  EXPECT_FALSE(fs::exists(job_dir_));
+}
+
 // Growing a slot re-creates its file; what it held before is gone, the other slot is untouched.
 TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
   auto arena = Open(2);

@@ -43,6 +43,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       DecodeAs<WaitReply>(p);
       DecodeAs<CloseReply>(p);
       DecodeAs<ErrorReply>(p);
+      DecodeAs<PeerSetupRequest>(p);
+      DecodeAs<PeerSetupReply>(p);
+      DecodeAs<MembershipNote>(p);
+      DecodeAs<AckReply>(p);
+      DecodeAs<PeerListRequest>(p);
+      DecodeAs<PeerListReply>(p);
+      DecodeAs<PeerFetchRequest>(p);
+      DecodeAs<PeerFetchReply>(p);
+      DecodeAs<PauseNote>(p);
     }
   }
   return 0;

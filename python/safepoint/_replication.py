@@ -1,0 +1,136 @@
+"""Peer replication's Python side (docs/replication.md): who this node is, which address its
+agent listens on, and the membership exchange at every ``Checkpointer`` start.
+
+The agents do the replicating (C++, ``src/agent/replicator.cc``); the training processes only tell
+their agent, once per start, the job's nodes as the ranks all-gathered them, the redundancy, and a
+fresh secret that authenticates the agents to each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from typing import Any, Optional
+
+from safepoint import _core
+from safepoint.errors import InvalidArgumentError
+
+
+def node_id() -> str:
+    """This node's identity: ``$SAFEPOINT_NODE``, else torchrun's node rank (``$GROUP_RANK``),
+    else the hostname. Ranks with the same identity share a node (a failure domain)."""
+    env = os.environ.get("SAFEPOINT_NODE")
+    if env:
+        return env
+    group_rank = os.environ.get("GROUP_RANK")
+    if group_rank is not None and group_rank != "":
+        return f"node{int(group_rank)}"
+    return socket.gethostname()
+
+
+def _node_order() -> Optional[int]:
+    group_rank = os.environ.get("GROUP_RANK")
+    return int(group_rank) if group_rank not in (None, "") else None
+
+
+def bind_host() -> str:
+    """The address of the interface the job uses: ``$SAFEPOINT_PEER_HOST``, else the local
+    address of the route to ``$MASTER_ADDR`` (the interface torch.distributed talks over), else
+    the address the hostname resolves to."""
+    env = os.environ.get("SAFEPOINT_PEER_HOST")
+    if env:
+        return env
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def link_bytes_per_second(host: str) -> Optional[float]:
+    """The speed of the interface that holds `host` (from /sys/class/net/*/speed), or None when
+    the kernel does not say (virtual interfaces)."""
+    try:
+        out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True,
+                             timeout=5, check=True).stdout
+        for iface in json.loads(out):
+            if any(a.get("local") == host for a in iface.get("addr_info", [])):
+                with open(f"/sys/class/net/{iface['ifname']}/speed") as f:
+                    mbit = int(f.read().strip())
+                return mbit * 1e6 / 8 if mbit > 0 else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def default_bandwidth(host: str) -> int:
+    """Half of the link when the kernel knows its speed; else no cap (0)."""
+    link = link_bytes_per_second(host)
+    return int(link / 2) if link else 0
+
+
+def _share_secret(group: Any, rank: int, epoch: str) -> str:
+    """A fresh secret from rank 0, handed over through the launcher's store (never on a command
+    line), falling back to a broadcast on the checkpointer's group."""
+    import torch.distributed as dist
+
+    key = f"safepoint/secret/{epoch}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no default store (a custom init): broadcast instead
+        store = None
+    if store is not None:
+        if rank == 0:
+            store.set(key, os.urandom(32).hex())
+        secret = store.get(key).decode()
+        dist.barrier(group=group)
+        if rank == 0:
+            try:
+                store.delete_key(key)
+            except Exception:
+                pass
+        return secret
+    box = [os.urandom(32).hex() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return str(box[0])
+
+
+def exchange_membership(client: Any, group: Any, rank: int, world_size: int, redundancy: str,
+                        bandwidth: Optional[float], peer_timeout: float) -> dict[str, Any]:
+    """Starts this node's peer service, all-gathers every rank's (node, address), checks that the
+    nodes can hold `redundancy`, and tells the agent. Returns what the status reports."""
+    import torch.distributed as dist
+
+    node = node_id()
+    host = bind_host()
+    address = client.peer_setup(node, host, float(peer_timeout))
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (node, address, _node_order()), group=group)
+    nodes: dict[str, tuple[str, Optional[int]]] = {}
+    for n, a, order in everyone:
+        if n in nodes and nodes[n][0] != a:
+            raise InvalidArgumentError(
+                f"node {n!r} reports two agents ({nodes[n][0]} and {a}): ranks of one node "
+                "must share /dev/shm and the job name; set $SAFEPOINT_NODE per host")
+        nodes[n] = (a, order)
+    order = sorted(nodes, key=lambda n: (nodes[n][1] is None, nodes[n][1] or 0, n))
+    spec, targets, tolerated, factor = _core.check_redundancy(redundancy, len(order))
+    epoch_box = [os.urandom(8).hex() if rank == 0 else None]
+    dist.broadcast_object_list(epoch_box, src=dist.get_global_rank(group, 0), group=group)
+    epoch = str(epoch_box[0])
+    secret = _share_secret(group, rank, epoch)
+    cap = default_bandwidth(host) if bandwidth is None else int(bandwidth)
+    client.set_membership(epoch, order.index(node), [(n, nodes[n][0]) for n in order], spec,
+                          secret, cap)
+    # Every agent knows the new secret before any rank asks a peer for anything (a peer still on
+    # the old epoch's secret would refuse the connection).
+    dist.barrier(group=group)
+    return {"redundancy": spec, "node": node, "nodes": order, "address": address,
+            "targets": targets, "tolerates_node_losses": tolerated,
+            "memory_factor": factor, "bandwidth": cap}

@@ -1,0 +1,131 @@
+"""Peer replication across nodes (docs/replication.md): nodes are network namespaces with their
+own /dev/shm and address (tests/common/nodes.py; needs root, else skipped). Every test loses
+whole nodes (every process and the node's memory) and checks where each rank's state came from
+and that it is bit-identical to what was saved."""
+
+import os
+import sys
+
+import safepoint
+from conftest import cli_path
+from nodes import Job
+from processes import wait_until
+
+WORKER = os.path.join(os.path.dirname(__file__), "workloads", "replica_worker.py")
+
+
+def _save(c, ckpt, name, redundancy, k, persisted):
+    job = Job(c, WORKER, ["save", ckpt, name, redundancy, k, persisted])
+    saved = job.expect_all("saved")
+    assert [o["step"] for o in saved] == [k] * len(c)
+    assert safepoint.steps(ckpt)[-1] == persisted
+    return job, saved
+
+
+def _digest(st):
+    sys.path.insert(0, os.path.dirname(WORKER))
+    from replica_worker import digest  # noqa: E402  (the worker's own digest)
+
+    return digest(st)
+
+
+def _agent_logs(c):
+    return "\n".join(f"--- {n.name}: {p}\n{p.read_text(errors='replace')[-3000:]}"
+                     for n in c for p in n.shm.glob("safepoint-*/agent.log"))
+
+
+def test_mirror_restores_a_lost_node_from_peer_memory(cluster, tmp_path):
+    """3 nodes, mirror: steps 1..2 are committed, 3..5 only in memory (and replicated). Node 1
+    dies with its memory; a replacement joins; every rank resumes at step 5, node 1's rank from
+    its copy on node 2, bit-identical, nothing read from storage."""
+    c = cluster(3, shm_size="64m")
+    ckpt, name = tmp_path / "ckpt", f"mirror-{os.getpid()}"
+    job, saved = _save(c, ckpt, name, "mirror", 5, 2)
+    for o in saved:  # wait() returned: every rank's step 5 is on its peer
+        assert o["replication"][0]["step"] == 5 and o["replication"][0]["protected"], o
+    # node i's copy is on node i+1: node 2 holds node 1's rank 1, step 5
+    held = {(h["source_node"], h["rank"], h["step"]) for h in saved[2]["held"]}
+    assert ("node1", 1, 5) in held
+    # `safepoint status` on a node shows it too
+    out = c[2].run([cli_path(), "status"], check=True).stdout
+    assert "replication mirror:1: node node2 (3 nodes)" in out, out
+    assert "keeps 1 replicas of other nodes" in out and "rank 2 step 5 protected" in out, out
+
+    c[1].kill()  # node loss: its rank, its agent and its /dev/shm are gone
+    c.replace(1)
+    assert safepoint.steps(ckpt)[-1] == 2  # storage has only step 2: step 5 must come from RAM
+    job = job.restart(["load", ckpt, name, "mirror"])
+    loaded = job.expect_all("loaded")
+    job.check()
+    assert [o["step"] for o in loaded] == [5, 5, 5]
+    assert [o["source"] for o in loaded] == ["memory", "peer", "memory"]
+    assert loaded[1]["peers"] == "node2"
+    assert all(o["equal"] for o in loaded)
+    assert [o["digest"] for o in loaded] == [o["digest"] for o in saved]
+    # Rank 1's rebuilt snapshot is an ordinary snapshot of its node again: the clean close
+    # persisted it beside the others' emergency flushes, so step 5 is now committed.
+    assert safepoint.steps(ckpt)[-1] == 5
+
+
+def test_erasure_code_survives_two_node_losses(cluster, tmp_path):
+    """5 nodes, ec:2+2: each node's snapshot is 2 data + 2 parity fragments on the 4 others.
+    Nodes 1 and 2 die at once; their ranks are rebuilt from the 2 fragments left of each."""
+    c = cluster(5, shm_size="64m")
+    ckpt, name = tmp_path / "ckpt", f"ec-{os.getpid()}"
+    job, saved = _save(c, ckpt, name, "ec:2+2", 3, 1)
+    assert all(o["replication"][0]["protected"] for o in saved), saved
+    c[1].kill()
+    c[2].kill()
+    c.replace(1)
+    c.replace(2)
+    job = job.restart(["load", ckpt, name, "ec:2+2"])
+    loaded = job.expect_all("loaded")
+    job.check()
+    assert [o["step"] for o in loaded] == [3] * 5, "\n".join(
+        [job[i].stderr() for i in range(5)] + [_agent_logs(c)])
+    assert [o["source"] for o in loaded] == ["memory", "peer", "peer", "memory", "memory"]
+    assert all(o["equal"] for o in loaded)
+    assert [o["digest"] for o in loaded] == [o["digest"] for o in saved]
+
+
+def test_losing_every_copy_falls_back_to_storage(cluster, tmp_path):
+    """3 nodes, mirror: node 1's only copy is on node 2. Both die: rank 1's step 5 is gone
+    everywhere, so every rank falls back to step 2 on storage (no hang, nothing mixed)."""
+    c = cluster(3, shm_size="64m")
+    ckpt, name = tmp_path / "ckpt", f"lost-{os.getpid()}"
+    job, saved = _save(c, ckpt, name, "mirror", 5, 2)
+    c[1].kill()
+    c[2].kill()
+    c.replace(1)
+    c.replace(2)
+    job = job.restart(["load", ckpt, name, "mirror"])
+    loaded = job.expect_all("loaded")
+    job.check()
+    assert [o["step"] for o in loaded] == [2, 2, 2]
+    assert [o["source"] for o in loaded] == ["storage"] * 3
+    assert all(o["equal"] for o in loaded)
+
+
+def test_too_few_nodes_is_refused_at_start(cluster, tmp_path):
+    c = cluster(2, shm_size="32m")
+    job = Job(c, WORKER, ["load", tmp_path / "ckpt", f"few-{os.getpid()}", "mirror:2"])
+    codes = job.wait()
+    assert codes == [1, 1]
+    err = job[0].stderr()
+    assert "mirror:2 needs at least 3 nodes" in err and "the job has 2" in err, err
+
+
+
+def test_a_torn_down_job_commits_a_lost_nodes_step_from_its_replica(cluster, tmp_path):
+    """3 nodes, mirror. Node 1 dies, then the job is torn down (every rank killed). Ranks 0 and
+    2 are emergency-flushed by their agents; rank 1's image of step 5 exists only as the copy on
+    node 2, whose agent persists it, so step 5 commits on storage without node 1."""
+    c = cluster(3, shm_size="64m")
+    ckpt, name = tmp_path / "ckpt", f"torn-{os.getpid()}"
+    job, saved = _save(c, ckpt, name, "mirror", 5, 2)
+    c[1].kill()
+    job.kill()
+    assert wait_until(lambda: safepoint.steps(ckpt)[-1] == 5), _agent_logs(c)
+    for rank in range(3):  # every rank's image of step 5 loads bit-exact from storage
+        got = safepoint.load(ckpt, 5, rank=rank)[1]
+        assert _digest(got) == saved[rank]["digest"]
