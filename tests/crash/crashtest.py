@@ -142,10 +142,12 @@ def zygote_main(fd: int) -> int:
 
 
 class Zygote:
-    def __init__(self, env: dict, log: str):
+    def __init__(self, env: dict, log: str, launch=subprocess.Popen):
+        """`launch`: how the zygote is started (subprocess.Popen, or a node's popen: inside the
+        node's namespaces, tests/common/nodes.py)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log, "ab") as err:
-            self.proc = subprocess.Popen(
+            self.proc = launch(
                 [sys.executable, os.path.abspath(__file__), "--zygote", str(child.fileno())],
                 pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=err)
@@ -994,9 +996,27 @@ def main() -> int:
     ap.add_argument("--shm-parent", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the private shm_dir is made")
     ap.add_argument("--keep", action="store_true", help="keep the run directory")
+    ap.add_argument("--nodes", action="store_true",
+                    help="node-loss rounds instead: multi-node jobs with peer replication on "
+                         "clusters of network namespaces (tests/crash/node_campaign.py; root)")
+    ap.add_argument("--rounds", type=int, default=30, help="with --nodes: rounds that lose nodes")
+    ap.add_argument("--node-jobs", default=None,
+                    help="with --nodes: which jobs (mirror,ec; default both)")
+    ap.add_argument("--verbose", action="store_true", help="with --nodes: a line per round")
     args = ap.parse_args()
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
+    if args.nodes:
+        print(f"node-loss campaign: seed {args.seed}, {args.rounds} rounds losing nodes "
+              f"(replay: {sys.argv[0]} --nodes --seed {args.seed} --rounds {args.rounds})",
+              flush=True)
+        env = setup_build(args.build_dir)
+        sys.path[:0] = env["PYTHONPATH"].split(os.pathsep)
+        os.environ["PATH"] = env["PATH"]
+        import warnings
+        warnings.simplefilter("ignore")
+        import node_campaign
+        return node_campaign.run(args, env)
     print(f"crash campaign: seed {args.seed}, {args.kills} kill points "
           f"(replay: {sys.argv[0]} --seed {args.seed} --kills {args.kills})", flush=True)
     env = setup_build(args.build_dir)
