@@ -9,9 +9,11 @@ PYTHONPATH/PATH as the campaign's), which forks that node's training processes (
 agents run inside the node. A round (the plan is a function of the seed):
 
   1. plan: what to kill: the training processes ("workload"), one node's agent ("agent"), one
-     whole node ("node": Node.kill(), every process of the node and its /dev/shm), or two nodes at
-     once ("nodes": more than the redundancy tolerates), and when (a random delay, or at the end,
-     after every rank waited for its snapshots to be committed and replicated);
+     whole node ("node": Node.kill(), every process of the node and its /dev/shm), one node's
+     agent and then the node whose replicas that agent holds ("agent+node": its restarted agent
+     must serve them from the files its predecessor left), or two nodes at once ("nodes": more
+     than the redundancy tolerates), and when (a random delay, or at the end, after every rank
+     waited for its snapshots to be committed and replicated);
   2. start the ranks; each restores (memory, peer memory, storage), checks what it loaded bit for
      bit, saves a few steps, sometimes waits (wait()) and reports where its newest snapshot's
      replication stands (status(): PROTECTED <step> / UNPROTECTED <step>);
@@ -56,7 +58,8 @@ from processes import dead, kill_and_wait, proc_argv, wait_until  # noqa: E402
 HANG = ct.HANG
 Violation = ct.Violation
 
-MODES = ["workload"] * 2 + ["agent"] * 2 + ["node"] * 5 + ["nodes"]
+LOSSES = ("node", "nodes", "agent+node")
+MODES = ["workload"] * 2 + ["agent"] * 2 + ["node"] * 4 + ["agent+node"] + ["nodes"]
 
 
 def ns_to_host(node, nspid: int) -> Optional[int]:
@@ -276,7 +279,10 @@ class NodeCampaign:
         self.sources = Counter()         # (lost node's rank?, source) of every resume
         self.resumes = Counter()
         self.round_seconds: list[float] = []
-        self.node_loss_seconds: list[float] = []
+        self.full_seconds: list[float] = []  # until every rank was idle, of rounds that got there
+        self.node_loss_seconds: list[float] = []   # Node.kill() until nothing of it is left
+        self.replace_seconds: list[float] = []     # replace() and a new zygote (imports torch)
+        self.peer_restore_seconds: list[float] = []
         self.loads_checked = 0
         self.verifies = 0
         self.current = None
@@ -328,8 +334,10 @@ class NodeCampaign:
             ranks.append(ct.Rank(job.zygotes[rank], args,
                                  os.path.join(self.root, f"r{self.round}-{rank}.err"), events))
         self.current = (job, ranks)
-        typical = (sorted(self.round_seconds)[len(self.round_seconds) // 2]
-                   if self.round_seconds else 5.0)
+        # A typical round: one that ran to its end (rounds killed early would make it shorter
+        # and shorter, and the kills ever earlier).
+        typical = (sorted(self.full_seconds)[len(self.full_seconds) // 2]
+                   if self.full_seconds else 3.0)
         kill_at = t0 + p["delay"] * typical
         deadline = time.monotonic() + HANG
         fired = p["mode"] == "none"
@@ -373,16 +381,19 @@ class NodeCampaign:
             mode = p["mode"]
             if mode == "workload":
                 kill_workloads(why)
-            elif mode == "agent":
+            if mode in ("agent", "agent+node"):
                 i = p["targets"][0]
                 for pid in job.agent_pids(i):
                     killed_agents.add(pid)
                     kill_and_wait(pid)
                     self.kills[f"agent ({why})"] += 1
                     self.note(f"killed the agent {pid} of {job.cluster[i].name} ({why})")
-            elif mode in ("node", "nodes"):
+            if mode in ("node", "nodes", "agent+node"):
                 t = time.monotonic()
-                for i in p["targets"]:
+                # agent+node: the node whose replicas the killed agent held (the ring's previous)
+                targets = ([(p["targets"][0] - 1) % job.world] if mode == "agent+node"
+                           else p["targets"])
+                for i in targets:
                     had = job.cluster[i].kill()  # every process of the node and its /dev/shm
                     lost.append(i)
                     self.kills[f"node ({why})"] += 1
@@ -429,6 +440,7 @@ class NodeCampaign:
                 if not fired:
                     fired = True
                     fire("at the end")
+                self.full_seconds.append(time.monotonic() - t0)
                 ended = True
                 for rk in ranks:
                     if rk.alive() and rk.idle:
@@ -445,7 +457,9 @@ class NodeCampaign:
             if fields is not None:
                 r2.handle(fields)
         look_at_agents()
+        self.round_seconds.append(time.monotonic() - t0)
         # Lost nodes: replace them (same name and address, empty /dev/shm), new zygotes.
+        t = time.monotonic()
         for i in lost:
             z = job.zygotes[i]
             try:
@@ -455,7 +469,8 @@ class NodeCampaign:
             z.proc.wait(timeout=HANG)
             job.cluster.replace(i)
             job.start_zygote(i)
-        self.round_seconds.append(time.monotonic() - t0)
+        if lost:
+            self.replace_seconds.append(time.monotonic() - t)
         self.check_round(job, p, ranks, lost)
         if final:
             bad = [rk for rk in ranks if rk.closed is not True]
@@ -529,8 +544,12 @@ class NodeCampaign:
             peers = ""
             for line in ranks[r].lines:
                 f = line.split()
-                if f and f[0] == "LOADED" and len(f) > 4 and f[4] != "-":
-                    peers = f"<{f[4]}"
+                if f and f[0] == "LOADED" and len(f) > 5:
+                    if f[4] != "-":
+                        peers = f"<{f[4]}"
+                    if source == "peer":
+                        self.peer_restore_seconds.append(float(f[5]))
+                        peers += f"({float(f[5]):.2f} s)"
             lost_mark = "*" if r in lost_before else ""
             desc.append(f"r{r}{lost_mark}:{s}:{source}{peers}")
             self.sources[("lost node" if lost_mark else "other", source)] += 1
@@ -562,7 +581,7 @@ class NodeCampaign:
     def run(self) -> int:
         t0 = time.monotonic()
         try:
-            while sum(self.modes[m] for m in ("node", "nodes")) < self.args.rounds:
+            while sum(self.modes[m] for m in LOSSES) < self.args.rounds:
                 job = self.jobs[self.round % len(self.jobs)]
                 self.run_round(job)
             for job in self.jobs:
@@ -591,7 +610,7 @@ class NodeCampaign:
     def report(self, wall: float) -> None:
         rs = sorted(self.round_seconds)
         print(f"node-loss campaign, seed {self.seed}: {self.round} rounds "
-              f"({self.modes['node'] + self.modes['nodes']} losing nodes), {wall:.1f} s wall; "
+              f"({sum(self.modes[m] for m in LOSSES)} losing nodes), {wall:.1f} s wall; "
               f"0 violations")
         print("  rounds by mode: " + ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items())))
         print("  kills: " + ", ".join(f"{k} {n}" for k, n in sorted(self.kills.items())))
@@ -605,8 +624,14 @@ class NodeCampaign:
                   f"saves returned, replication promise checked in {e.promises_checked} rounds, "
                   f"newest committed step {e.listed[-1] if e.listed else None}")
         print(f"  checked: {self.loads_checked} bit-exact loads from storage, {self.verifies} "
-              f"clean `safepoint verify --all`; round seconds median {rs[len(rs) // 2]:.1f}, "
-              f"max {rs[-1]:.1f}")
+              f"clean `safepoint verify --all`")
+
+        def dist(xs: list[float]) -> str:
+            xs = sorted(xs)
+            return f"median {xs[len(xs) // 2]:.2f}, max {xs[-1]:.2f}" if xs else "none"
+        print(f"  seconds: rounds {dist(rs)}; node loss (Node.kill) {dist(self.node_loss_seconds)}"
+              f"; replacement and its zygote {dist(self.replace_seconds)}; restores from peers "
+              f"{dist(self.peer_restore_seconds)}")
 
     def cleanup(self, keep: bool) -> None:
         if self.current is not None:

@@ -8,13 +8,17 @@ Now and then it waits for its last persisted step to be committed (``wait()``) o
 for the newest committed step (``status()``), and says so. It prints one line per event, flushed:
 
     READY <pid>
-    LOADED <step> <source> EXACT|MISMATCH     what load() returned (MISMATCH: a violation)
+    LOADED <step> <source> EXACT|MISMATCH <peers> <seconds>
+                                              what load() returned (MISMATCH: a violation),
+                                              the peers a rebuild came from ("-": none)
     DIFF <where>                              after MISMATCH: the first difference
     FRESH                                     nothing to load
     BEGIN <step> / SAVED <step>               around save(step); SKIPPED <step> if skipped
     COMMITTED <step>                          wait() returned: <step> is committed
     WAITFAIL <step> <error>                   wait() raised
     NEWEST <step>                             status()["newest_committed"]
+    PROTECTED <step> / UNPROTECTED <step>     with redundancy, after wait(): the rank's newest
+                                              snapshot reached its peers (or not)
     IDLE                                      done; then reads commands from stdin:
         exit   -> dies at once without closing (the agent flushes, as after a crash)
         close  -> close(); prints CLOSED or CLOSEFAIL <error>; exits
@@ -104,7 +108,8 @@ def child_main(a: dict) -> int:
         diff = first_difference(state, make_state(seed, got, rank))
         info = ckpt.last_restore
         say("LOADED", got, ckpt.last_load_source, "EXACT" if diff is None else "MISMATCH",
-            (info.peers if info is not None else "") or "-")
+            (info.peers if info is not None else "") or "-",
+            f"{info.seconds:.3f}" if info is not None else "-")
         if diff is not None:
             say("DIFF", diff)
         step = got + 1
