@@ -113,7 +113,7 @@ class NodeExpected(ct.ExpectedState):
         self.prot: list[Optional[int]] = [None] * world    # newest step reported protected
         self.losses: list[int] = [0] * world               # nodes lost since that report
         self.after: list[int] = [0] * world                # newest step begun since that report
-        self.lost_ranks: set[int] = set()                   # their node was lost last round
+        self.lost_ranks: set[int] = set()   # their node was lost; they have not loaded since
         self.promises_checked = 0
 
     def promise(self) -> Optional[int]:
@@ -196,14 +196,15 @@ class NodeExpected(ct.ExpectedState):
         if end_sent == "close" and all(rk.closed is True for rk in ranks):
             # A clean close removes the snapshots and the replicas.
             self.prot = [None] * self.world
-        self.lost_ranks = set()
+        # A lost node's rank has memory again once it loaded (from a peer) or saved.
+        self.lost_ranks -= {rk.rank for rk in ranks if rk.loaded is not None or rk.saved}
 
     def nodes_lost(self, ranks_lost: set[int], n: int) -> None:
         for r in ranks_lost:
             self.mem_lb[r] = None
             self.mem_ub[r] = None
         self.losses = [x + n for x in self.losses]
-        self.lost_ranks = set(ranks_lost)
+        self.lost_ranks |= ranks_lost
 
 
 class NodeJob:
@@ -303,6 +304,9 @@ class NodeCampaign:
             "p_wait": r.choice([0.0, 0.3, 0.8]),
             "p_status": r.choice([0.0, 0.2]),
             "p_final_wait": r.choice([0.0, 1.0, 1.0]),
+            # bytes/s an agent sends: slow pushes are superseded by newer saves, and kills land
+            # in the middle of them (None: no cap, the veth's speed is unknown)
+            "bandwidth": r.choice([None, None, 20e6, 4e6]),
             "rng": r.getrandbits(64),
         }
 
@@ -330,7 +334,8 @@ class NodeCampaign:
                     "keep": job.keep, "steps": p["steps"], "p_wait": p["p_wait"],
                     "p_status": p["p_status"], "p_final_wait": p["p_final_wait"],
                     "rng": f"{p['rng']}-{rank}", "rdzv": rdzv, "env": env,
-                    "redundancy": job.redundancy, "peer_timeout": 10.0}
+                    "redundancy": job.redundancy, "peer_timeout": 10.0,
+                    "bandwidth": p.get("bandwidth")}
             ranks.append(ct.Rank(job.zygotes[rank], args,
                                  os.path.join(self.root, f"r{self.round}-{rank}.err"), events))
         self.current = (job, ranks)

@@ -93,7 +93,8 @@ def child_main(a: dict) -> int:
                                 world_size=world, timeout=timedelta(seconds=600))
     extra = {}
     if a.get("redundancy"):
-        extra = {"redundancy": a["redundancy"], "peer_timeout": a.get("peer_timeout", 10.0)}
+        extra = {"redundancy": a["redundancy"], "peer_timeout": a.get("peer_timeout", 10.0),
+                 "replication_bandwidth": a.get("bandwidth")}
     ckpt = safepoint.Checkpointer(a["path"], job=a["job"], shm_dir=a["shm_dir"], rank=rank,
                                   world_size=world, persist_every=a["persist_every"],
                                   keep=a["keep"], **extra)
