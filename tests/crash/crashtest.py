@@ -4,6 +4,7 @@ both, at random moments and at the named kill points of a kill-point build, rest
 expected-state record after every round.
 
     tests/crash/crashtest.py [--kills N] [--seed S] [--build-dir build/crash]
+    tests/crash/crashtest.py --nodes [--rounds N] [--seed S] [--verbose]
 
 It needs a kill-point build (cmake -DSAFEPOINT_KILL_POINTS=ON, `make crash-build`): it runs the
 Python package, `safepointd` and `safepoint` from --build-dir and refuses a build without kill
@@ -31,6 +32,9 @@ Checks (any failure is a violation; the run exits 1 and prints how to replay it)
     is clean; temporaries (left by kills, and decoys planted by the driver) are never listed;
   - processes: a training process exits only when killed or told to; an agent dies only when
     killed (or exits, logging so); no round hangs.
+
+`--nodes` runs the node-loss rounds instead (tests/crash/node_campaign.py: multi-node jobs with
+peer replication on network-namespace nodes, rounds that lose whole nodes; root).
 
 The plan is a function of the seed; where a random-delay kill lands depends on timing, so a replay
 repeats the plan, not every interleaving. Kill-point kills repeat exactly.

@@ -28,7 +28,8 @@ load bit-exact, `safepoint verify --all` clean):
   - never older than P, the newest step that every rank reported protected after its save()
     returned, while at most `tolerated` nodes were lost since the reports and no rank began a step
     past P+1 since (with two slots, the snapshot P may be overwritten after that);
-  - a rank whose node was lost never loads from "memory"; a step newer than the newest committed
+  - a rank whose node was lost never loads from "memory" (unless its node's agent rebuilt that
+    step from peers into its slot in a round killed before the rank said so); a step newer than the newest committed
     one comes from "memory" or "peer" (so "peer" for the lost node's ranks); the round log lists
     every rank's source and the peers it came from;
   - no round hangs, no process dies unless killed.
@@ -124,7 +125,10 @@ class NodeExpected(ct.ExpectedState):
             return None
         return p
 
-    def check_resume(self, ranks: list) -> None:
+    def check_resume(self, ranks: list, rebuilt=lambda rank, step: False) -> None:
+        """`rebuilt(rank, step)`: whether the agent of the rank's node says it rebuilt that
+        snapshot from peers into the rank's slot (then it is in memory, also when the rank was
+        killed before it said LOADED)."""
         loaded = [rk.loaded for rk in ranks if rk.loaded is not None]
         fresh = [rk for rk in ranks if rk.fresh]
         if not loaded and not fresh:
@@ -174,9 +178,9 @@ class NodeExpected(ct.ExpectedState):
             if rk.loaded is None:
                 continue
             _, source, _ = rk.loaded
-            if rk.rank in self.lost_ranks and source == "memory":
+            if rk.rank in self.lost_ranks and source == "memory" and not rebuilt(rk.rank, s):
                 raise Violation(f"rank {rk.rank}'s node was lost, yet it loaded step {s} from "
-                                f"memory")
+                                f"memory, and its agent never rebuilt that step from peers")
             if (newest is None or s > newest) and source not in ("memory", "peer"):
                 raise Violation(f"step {s} is not committed but rank {rk.rank} loaded it from "
                                 f"{source}")
@@ -542,7 +546,9 @@ class NodeCampaign:
         exp = job.expected
         promise = exp.promise()
         lost_before = sorted(exp.lost_ranks)
-        exp.check_resume(ranks)
+        # One rank per node: rank r runs on node r.
+        exp.check_resume(ranks, rebuilt=lambda r, s: f"rank {r} step {s}: rebuilt" in
+                         job.agent_log(r))
         loaded = [(rk.rank, rk.loaded) for rk in ranks if rk.loaded is not None]
         desc = []
         for r, (s, source, _) in loaded:
