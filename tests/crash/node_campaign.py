@@ -226,6 +226,7 @@ class NodeJob:
         self.expected = NodeExpected(nodes, keep, tolerated)
         self.rounds = 0
         self.steps_saved = 0
+        self.logs_of_lost: dict[int, str] = {}  # node -> its agent's log when lost this round
         self.port = 29400 + (os.getpid() % 1000)
 
     def start_zygote(self, i: int) -> None:
@@ -343,6 +344,7 @@ class NodeCampaign:
             ranks.append(ct.Rank(job.zygotes[rank], args,
                                  os.path.join(self.root, f"r{self.round}-{rank}.err"), events))
         self.current = (job, ranks)
+        job.logs_of_lost = {}
         # A typical round: one that ran to its end (rounds killed early would make it shorter
         # and shorter, and the kills ever earlier).
         typical = (sorted(self.full_seconds)[len(self.full_seconds) // 2]
@@ -403,6 +405,8 @@ class NodeCampaign:
                 targets = ([(p["targets"][0] - 1) % job.world] if mode == "agent+node"
                            else p["targets"])
                 for i in targets:
+                    # Its agent's log dies with it; the checks still need it (rebuilds).
+                    job.logs_of_lost[i] = job.agent_log(i)
                     had = job.cluster[i].kill()  # every process of the node and its /dev/shm
                     lost.append(i)
                     self.kills[f"node ({why})"] += 1
@@ -548,7 +552,7 @@ class NodeCampaign:
         lost_before = sorted(exp.lost_ranks)
         # One rank per node: rank r runs on node r.
         exp.check_resume(ranks, rebuilt=lambda r, s: f"rank {r} step {s}: rebuilt" in
-                         job.agent_log(r))
+                         job.logs_of_lost.get(r, "") + job.agent_log(r))
         loaded = [(rk.rank, rk.loaded) for rk in ranks if rk.loaded is not None]
         desc = []
         for r, (s, source, _) in loaded:
@@ -609,7 +613,8 @@ class NodeCampaign:
                     self.note(f"rank {rk.rank} pid {rk.pid} said: {' | '.join(rk.lines)}\n"
                               f"{rk.stderr()}")
                 for i in range(job.world):
-                    self.note(f"agent log of {job.cluster[i].name}:\n{job.agent_log(i)[-5000:]}")
+                    log = job.logs_of_lost.get(i, "") or job.agent_log(i)
+                    self.note(f"agent log of {job.cluster[i].name}:\n{log[-5000:]}")
             print(f"kept for inspection: {self.root} (log.txt); replay: {sys.argv[0]} --nodes "
                   f"--rounds {self.args.rounds} --seed {self.seed}", flush=True)
             self.cleanup(keep=True)
