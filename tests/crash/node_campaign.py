@@ -200,8 +200,9 @@ class NodeExpected(ct.ExpectedState):
         if end_sent == "close" and all(rk.closed is True for rk in ranks):
             # A clean close removes the snapshots and the replicas.
             self.prot = [None] * self.world
-        # A lost node's rank has memory again once it loaded (from a peer) or saved.
-        self.lost_ranks -= {rk.rank for rk in ranks if rk.loaded is not None or rk.saved}
+        # A lost node's rank has memory again once it loaded (from a peer) or began a save (it
+        # may complete although the rank was killed before it said SAVED).
+        self.lost_ranks -= {rk.rank for rk in ranks if rk.loaded is not None or rk.began}
 
     def nodes_lost(self, ranks_lost: set[int], n: int) -> None:
         for r in ranks_lost:
