@@ -29,9 +29,11 @@ load bit-exact, `safepoint verify --all` clean):
     returned, while at most `tolerated` nodes were lost since the reports and no rank began a step
     past P+1 since (with two slots, the snapshot P may be overwritten after that);
   - a rank whose node was lost never loads from "memory" (unless its node's agent rebuilt that
-    step from peers into its slot in a round killed before the rank said so); a step newer than the newest committed
-    one comes from "memory" or "peer" (so "peer" for the lost node's ranks); the round log lists
-    every rank's source and the peers it came from;
+    step from peers into its slot in a round killed before the rank said so); a step newer than
+    the newest committed one at the last check comes from "memory" or "peer" (so "peer" for the
+    lost node's ranks), or from storage only when it is listed at the restore (a restarted
+    agent may complete a commit as the round starts); the round log lists every rank's source
+    and the peers it came from;
   - no round hangs, no process dies unless killed.
 """
 
