@@ -4,6 +4,7 @@ both, at random moments and at the named kill points of a kill-point build, rest
 expected-state record after every round.
 
     tests/crash/crashtest.py [--kills N] [--seed S] [--build-dir build/crash]
+    tests/crash/crashtest.py --nodes [--rounds N] [--seed S] [--verbose]
 
 It needs a kill-point build (cmake -DSAFEPOINT_KILL_POINTS=ON, `make crash-build`): it runs the
 Python package, `safepointd` and `safepoint` from --build-dir and refuses a build without kill
@@ -31,6 +32,9 @@ Checks (any failure is a violation; the run exits 1 and prints how to replay it)
     is clean; temporaries (left by kills, and decoys planted by the driver) are never listed;
   - processes: a training process exits only when killed or told to; an agent dies only when
     killed (or exits, logging so); no round hangs.
+
+`--nodes` runs the node-loss rounds instead (tests/crash/node_campaign.py: multi-node jobs with
+peer replication on network-namespace nodes, rounds that lose whole nodes; root).
 
 The plan is a function of the seed; where a random-delay kill lands depends on timing, so a replay
 repeats the plan, not every interleaving. Kill-point kills repeat exactly.
@@ -142,10 +146,12 @@ def zygote_main(fd: int) -> int:
 
 
 class Zygote:
-    def __init__(self, env: dict, log: str):
+    def __init__(self, env: dict, log: str, launch=subprocess.Popen):
+        """`launch`: how the zygote is started (subprocess.Popen, or a node's popen: inside the
+        node's namespaces, tests/common/nodes.py)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log, "ab") as err:
-            self.proc = subprocess.Popen(
+            self.proc = launch(
                 [sys.executable, os.path.abspath(__file__), "--zygote", str(child.fileno())],
                 pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=err)
@@ -1001,9 +1007,27 @@ def main() -> int:
     ap.add_argument("--shm-parent", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the private shm_dir is made")
     ap.add_argument("--keep", action="store_true", help="keep the run directory")
+    ap.add_argument("--nodes", action="store_true",
+                    help="node-loss rounds instead: multi-node jobs with peer replication on "
+                         "clusters of network namespaces (tests/crash/node_campaign.py; root)")
+    ap.add_argument("--rounds", type=int, default=30, help="with --nodes: rounds that lose nodes")
+    ap.add_argument("--node-jobs", default=None,
+                    help="with --nodes: which jobs (mirror,ec; default both)")
+    ap.add_argument("--verbose", action="store_true", help="with --nodes: a line per round")
     args = ap.parse_args()
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
+    if args.nodes:
+        print(f"node-loss campaign: seed {args.seed}, {args.rounds} rounds losing nodes "
+              f"(replay: {sys.argv[0]} --nodes --seed {args.seed} --rounds {args.rounds})",
+              flush=True)
+        env = setup_build(args.build_dir)
+        sys.path[:0] = env["PYTHONPATH"].split(os.pathsep)
+        os.environ["PATH"] = env["PATH"]
+        import warnings
+        warnings.simplefilter("ignore")
+        import node_campaign
+        return node_campaign.run(args, env)
     print(f"crash campaign: seed {args.seed}, {args.kills} kill points "
           f"(replay: {sys.argv[0]} --seed {args.seed} --kills {args.kills})", flush=True)
     env = setup_build(args.build_dir)

@@ -8,13 +8,17 @@ Now and then it waits for its last persisted step to be committed (``wait()``) o
 for the newest committed step (``status()``), and says so. It prints one line per event, flushed:
 
     READY <pid>
-    LOADED <step> <source> EXACT|MISMATCH     what load() returned (MISMATCH: a violation)
+    LOADED <step> <source> EXACT|MISMATCH <peers> <seconds>
+                                              what load() returned (MISMATCH: a violation),
+                                              the peers a rebuild came from ("-": none)
     DIFF <where>                              after MISMATCH: the first difference
     FRESH                                     nothing to load
     BEGIN <step> / SAVED <step>               around save(step); SKIPPED <step> if skipped
     COMMITTED <step>                          wait() returned: <step> is committed
     WAITFAIL <step> <error>                   wait() raised
     NEWEST <step>                             status()["newest_committed"]
+    PROTECTED <step> / UNPROTECTED <step>     with redundancy, after wait(): the rank's newest
+                                              snapshot reached its peers (or not)
     IDLE                                      done; then reads commands from stdin:
         exit   -> dies at once without closing (the agent flushes, as after a crash)
         close  -> close(); prints CLOSED or CLOSEFAIL <error>; exits
@@ -87,9 +91,13 @@ def child_main(a: dict) -> int:
 
         dist.init_process_group("gloo", init_method="file://" + a["rdzv"], rank=rank,
                                 world_size=world, timeout=timedelta(seconds=600))
+    extra = {}
+    if a.get("redundancy"):
+        extra = {"redundancy": a["redundancy"], "peer_timeout": a.get("peer_timeout", 10.0),
+                 "replication_bandwidth": a.get("bandwidth")}
     ckpt = safepoint.Checkpointer(a["path"], job=a["job"], shm_dir=a["shm_dir"], rank=rank,
                                   world_size=world, persist_every=a["persist_every"],
-                                  keep=a["keep"])
+                                  keep=a["keep"], **extra)
     say("READY", os.getpid())
     seed = a["seed"]
     loaded = ckpt.load()
@@ -99,12 +107,30 @@ def child_main(a: dict) -> int:
     else:
         got, state = loaded
         diff = first_difference(state, make_state(seed, got, rank))
-        say("LOADED", got, ckpt.last_load_source, "EXACT" if diff is None else "MISMATCH")
+        info = ckpt.last_restore
+        say("LOADED", got, ckpt.last_load_source, "EXACT" if diff is None else "MISMATCH",
+            (info.peers if info is not None else "") or "-",
+            f"{info.seconds:.3f}" if info is not None else "-")
         if diff is not None:
             say("DIFF", diff)
         step = got + 1
     rng = random.Random(a["rng"])
     last_persisted = None
+
+    def report_replication() -> None:
+        """With redundancy: where this rank's newest snapshot stands (after wait(): reached
+        its peers, or the push failed)."""
+        if not extra:
+            return
+        try:
+            repl = ckpt.status()["replication"] or {}
+        except safepoint.Error as e:
+            say("STATUSFAIL", str(e).replace("\n", " "))
+            return
+        for r in repl.get("ranks", []):
+            if r.get("rank") == rank and r.get("step") is not None:
+                say("PROTECTED" if r.get("protected") else "UNPROTECTED", r["step"])
+
     for _ in range(a["steps"]):
         state = make_state(seed, step, rank)
         say("BEGIN", step)
@@ -120,6 +146,7 @@ def child_main(a: dict) -> int:
             try:
                 ckpt.wait(timeout=600)
                 say("COMMITTED", step)
+                report_replication()
             except safepoint.Error as e:
                 say("WAITFAIL", step, str(e).replace("\n", " "))
         if rng.random() < a["p_status"]:
@@ -130,6 +157,13 @@ def child_main(a: dict) -> int:
             except safepoint.Error as e:
                 say("STATUSFAIL", str(e).replace("\n", " "))
         step += 1
+    if a.get("p_final_wait") and rng.random() < a["p_final_wait"]:
+        # Everything saved reaches storage and the peers: the state a node loss is checked on.
+        try:
+            ckpt.wait(timeout=600)
+            report_replication()
+        except safepoint.Error as e:
+            say("WAITFAIL", step - 1, str(e).replace("\n", " "))
     say("IDLE")
     for line in sys.stdin:
         cmd = line.strip()
