@@ -400,7 +400,9 @@ PeerAnswer Replicator::List(const PeerRequest& r) {
   if (!peers.empty()) {
     std::vector<Status> errors;
     const std::vector<Holding> holdings = service_->List(peers, r.rank, &errors);
-    for (const Status& e : errors) spdlog::warn("listing peer replicas: {}", e.message());
+    for (const Status& e : errors) {
+      if (!e.ok()) spdlog::warn("listing peer replicas: {}", e.message());
+    }
     for (const auto& [key, rb] : RebuildableSnapshots(holdings)) {
       const auto& [step, attempt, complete_ns] = key;
       reply.snapshots.push_back(PeerSnapshot{step, attempt, complete_ns, rb.image_bytes});

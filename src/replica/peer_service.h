@@ -113,7 +113,7 @@ class PeerService {
                                   const std::function<bool()>& still_valid) = 0;
 
   // What `peers` hold (of `rank` if given), asked in parallel. Peers that cannot be asked are
-  // skipped; their errors go to `errors` when given.
+  // skipped. `errors`, when given, gets one status per peer (OK for those that answered).
   virtual std::vector<Holding> List(const std::vector<Peer>& peers, std::optional<uint32_t> rank,
                                     std::vector<Status>* errors = nullptr) = 0;
 
