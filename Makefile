@@ -78,7 +78,7 @@ test-tsan: setup
 	cmake --build build/tsan -j$(JOBS) --target safepoint_tests safepointd safepoint_cli
 	# UCX_MEM_EVENTS=no: UCX patches mmap/madvise at load for its RDMA registration cache, and those
 	# hooks run on thread exits where TSan no longer tracks the thread (a crash in its interceptor).
-	cd build/tsan && UCX_MEM_EVENTS=no TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --output-on-failure -j$(JOBS)
+	cd build/tsan && UCX_MEM_EVENTS=no TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/tsan.supp ctest --output-on-failure -j$(JOBS)
 
 test-sanitize: test-asan test-tsan
 
