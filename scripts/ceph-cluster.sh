@@ -24,6 +24,8 @@ START_TIMEOUT=${CEPH_START_TIMEOUT:-120}
 OSD_STORE=${CEPH_OSD_STORE:-bluestore}
 
 die() {
+  # The daemons go first: a reader that closes stderr early must not leave them running.
+  [ "$cmd" = start ] && kill_daemons
   echo "ceph-cluster: $*" >&2
   if [ -d "$DIR/log" ]; then
     for f in "$DIR"/log/*.log; do
@@ -32,7 +34,6 @@ die() {
       tail -n 25 "$f" >&2
     done
   fi
-  [ "$cmd" = start ] && kill_daemons
   exit 1
 }
 
@@ -43,7 +44,7 @@ free_port() {
 # Runs a ceph CLI command against this cluster with a bounded time.
 cephc() { timeout 30 ceph -c "$DIR/ceph.conf" --connect-timeout 15 "$@"; }
 
-# True when every daemon whose pid file is under DIR/run is alive.
+# True when at least ${1:-4} daemons have pid files under DIR/run and all of them are alive.
 all_running() {
   local n=0 f
   for f in "$DIR"/run/*.pid; do
@@ -51,7 +52,7 @@ all_running() {
     n=$((n + 1))
     kill -0 "$(cat "$f")" 2>/dev/null || return 1
   done
-  [ "$n" -ge 4 ]
+  [ "$n" -ge "${1:-4}" ]
 }
 
 kill_daemons() {
@@ -93,7 +94,7 @@ wait_for() {
   local what=$1; shift
   local deadline=$((SECONDS + START_TIMEOUT))
   until "$@" >/dev/null 2>&1; do
-    all_running || die "a daemon exited while waiting for $what"
+    all_running 1 || die "a daemon exited while waiting for $what"
     [ $SECONDS -lt $deadline ] || die "timed out after ${START_TIMEOUT}s waiting for $what"
     sleep 0.5
   done
