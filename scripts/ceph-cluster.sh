@@ -20,6 +20,7 @@ usage() { echo "usage: $0 start|stop|env DIR" >&2; exit 2; }
 [ $# -eq 2 ] || usage
 cmd=$1
 DIR=$2
+MARK="# made by safepoint scripts/ceph-cluster.sh"
 START_TIMEOUT=${CEPH_START_TIMEOUT:-120}
 OSD_STORE=${CEPH_OSD_STORE:-bluestore}
 
@@ -76,8 +77,19 @@ kill_daemons() {
   return 0
 }
 
+# DIR is ours to remove when it is empty or holds a cluster this script made (never rm -rf a
+# directory someone passed by mistake).
+check_ours() {
+  [ -d "$DIR" ] || return 0
+  [ -z "$(ls -A "$DIR")" ] && return 0
+  grep -qx "$MARK" "$DIR/ceph.conf" 2>/dev/null && return 0
+  echo "ceph-cluster: $DIR is not empty and holds no cluster of this script; not touching it" >&2
+  exit 1
+}
+
 do_stop() {
   [ -d "$DIR" ] || return 0
+  check_ours
   kill_daemons
   rm -rf "$DIR"
 }
@@ -120,6 +132,8 @@ do_start() {
     || { echo "ceph-cluster: Ceph is not installed (apt-get install ceph-mon ceph-osd ceph-mgr radosgw ceph-common)" >&2; exit 1; }
   mkdir -p "$DIR"
   DIR=$(cd "$DIR" && pwd)
+  # Unix socket paths (the admin sockets) are limited to 107 bytes.
+  [ ${#DIR} -le 80 ] || { echo "ceph-cluster: $DIR is too long for Ceph's admin sockets (80 characters at most)" >&2; exit 1; }
   mkdir -p "$DIR/run" "$DIR/log" "$DIR/mon.a" "$DIR/mgr.x" "$DIR/osd.0" "$DIR/rgw"
   local fsid mon_port rgw_port
   fsid=$(python3 -c 'import uuid; print(uuid.uuid4())')
@@ -128,6 +142,7 @@ do_start() {
   echo "$rgw_port" > "$DIR/rgw.port"
 
   cat > "$DIR/ceph.conf" <<EOF
+$MARK
 [global]
 fsid = $fsid
 mon host = [v2:127.0.0.1:$mon_port]
