@@ -54,9 +54,10 @@ def main():
         for step in range(1, k + 1):
             ck.save(step, state(step, rank), persist=step <= persisted)
         ck.wait()  # committed on storage and replicated to the peers
+        # After every rank's wait: what this node holds includes the other nodes' last pushes.
+        dist.barrier()
         st = ck.status()
         mine = [r for r in st["replication"]["ranks"] if r["rank"] == rank]
-        dist.barrier()
         say("saved", rank=rank, step=k, digest=digest(state(k, rank)), replication=mine,
             node=st["replication"]["node"], held=st["replication"]["held"])
         while True:  # the test kills nodes now; the launcher then kills this attempt
