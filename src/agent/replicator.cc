@@ -11,6 +11,7 @@
 #include "base/bytes.h"
 #include "base/crc32c.h"
 #include "base/log.h"
+#include "replica/auth.h"
 #include "safepoint/arena.h"
 #include "safepoint/image.h"
 
@@ -22,23 +23,6 @@ using replica::Peer;
 using replica::ReplicaMeta;
 
 namespace {
-
-Result<std::string> FromHex(const std::string& hex) {
-  if (hex.size() % 2 != 0) return InvalidArgument("the job secret is not hex");
-  std::string out;
-  for (size_t i = 0; i < hex.size(); i += 2) {
-    auto digit = [](char c) -> int {
-      if (c >= '0' && c <= '9') return c - '0';
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-      return -1;
-    };
-    const int hi = digit(hex[i]), lo = digit(hex[i + 1]);
-    if (hi < 0 || lo < 0) return InvalidArgument("the job secret is not hex");
-    out.push_back(static_cast<char>(hi * 16 + lo));
-  }
-  return out;
-}
 
 // A secret nobody knows: peers cannot connect before the job's secret arrives.
 Result<std::string> RandomSecret() {
@@ -121,7 +105,10 @@ Result<std::string> Replicator::Setup(const std::string& job_dir, const PeerSetu
 
 Status Replicator::Configure(const MembershipNote& note) {
   SP_ASSIGN_OR_RETURN(replica::Redundancy r, replica::ParseRedundancy(note.redundancy));
-  SP_ASSIGN_OR_RETURN(std::string secret, FromHex(note.secret));
+  std::string secret(note.secret.size() / 2, '\0');
+  if (!replica::FromHex(note.secret, reinterpret_cast<uint8_t*>(secret.data()), secret.size())) {
+    return InvalidArgument("the job secret is not lowercase hex");
+  }
   if (secret.size() < 16) return InvalidArgument("the job secret is shorter than 16 bytes");
   std::lock_guard<std::mutex> lock(mu_);
   if (!service_) return InvalidArgument("membership before peer setup");

@@ -100,6 +100,16 @@ Status SnapshotClient::Hello() {
   return SendPeerState();
 }
 
+namespace {
+
+agent::MembershipNote ToNote(const Membership& m) {
+  agent::MembershipNote note{m.epoch, m.node_index, {}, m.redundancy, m.secret_hex, m.bandwidth};
+  for (const PeerNode& n : m.nodes) note.nodes.push_back({n.node, n.address});
+  return note;
+}
+
+}  // namespace
+
 // A new agent (the previous one died) learns the peer setup and membership again. Failures are
 // not fatal to the connection: replication is a cache, saves and loads go on without it.
 Status SnapshotClient::SendPeerState() {
@@ -118,14 +128,7 @@ Status SnapshotClient::SendPeerState() {
     if (!s.ok()) return Status::OK();
   }
   if (membership_) {
-    agent::MembershipNote note;
-    note.epoch = membership_->epoch;
-    note.node_index = membership_->node_index;
-    for (const PeerNode& n : membership_->nodes) note.nodes.push_back({n.node, n.address});
-    note.redundancy = membership_->redundancy;
-    note.secret = membership_->secret_hex;
-    note.bandwidth = membership_->bandwidth;
-    exchange(MessageType::kMembership, agent::Encode(note)).IgnoreError();
+    exchange(MessageType::kMembership, agent::Encode(ToNote(*membership_))).IgnoreError();
   }
   return Status::OK();
 }
@@ -144,15 +147,9 @@ Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std
 }
 
 Status SnapshotClient::SetMembership(const Membership& m) {
-  agent::MembershipNote note;
-  note.epoch = m.epoch;
-  note.node_index = m.node_index;
-  for (const PeerNode& n : m.nodes) note.nodes.push_back({n.node, n.address});
-  note.redundancy = m.redundancy;
-  note.secret = m.secret_hex;
-  note.bandwidth = m.bandwidth;
-  SP_ASSIGN_OR_RETURN(std::string payload, Request(MessageType::kMembership, agent::Encode(note),
-                                                   MessageType::kAck, 60));
+  SP_ASSIGN_OR_RETURN(
+      std::string payload,
+      Request(MessageType::kMembership, agent::Encode(ToNote(m)), MessageType::kAck, 60));
   agent::AckReply reply;
   SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
   if (!reply.status.ok()) return reply.status;
