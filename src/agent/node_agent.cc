@@ -671,12 +671,13 @@ void NodeAgent::Loop() {
     // moment, persist what this node keeps of other nodes' snapshots whose step did not commit.
     if (!clients_.empty() || AllClosed() || !replicator_.enabled()) {
       torn_down_since_.reset();
+      held_flushed_ = false;
     } else if (saw_client_ && !torn_down_since_) {
       torn_down_since_ = MonotonicSeconds();
-    } else if (torn_down_since_ && *torn_down_since_ > 0 &&
-               MonotonicSeconds() - *torn_down_since_ > kHeldFlushDelaySeconds && !queue_.Busy()) {
+    } else if (torn_down_since_ && !held_flushed_ && !queue_.Busy() &&
+               MonotonicSeconds() - *torn_down_since_ > kHeldFlushDelaySeconds) {
       replicator_.EnqueueFlushHeld();
-      torn_down_since_ = 0;  // once per teardown
+      held_flushed_ = true;  // once per teardown
     }
     // Clients, from the back so that dropping one keeps the indices of the rest.
     for (size_t i = clients_.size(); i-- > 0;) {

@@ -131,6 +131,7 @@ class NodeAgent {
   // When the last local client went away without closing (the job was torn down here), for
   // the flush of other nodes' replicas (Replicator::EnqueueFlushHeld) a few seconds later.
   std::optional<double> torn_down_since_;
+  bool held_flushed_ = false;  // this teardown's flush of other nodes' replicas was asked for
   PersistQueue queue_;
   Replicator replicator_;
 };
