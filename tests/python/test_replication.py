@@ -9,7 +9,7 @@ import sys
 import safepoint
 from conftest import cli_path
 from nodes import Job
-from processes import wait_until
+from processes import job_dir, wait_until
 
 WORKER = os.path.join(os.path.dirname(__file__), "workloads", "replica_worker.py")
 
@@ -129,3 +129,23 @@ def test_a_torn_down_job_commits_a_lost_nodes_step_from_its_replica(cluster, tmp
     for rank in range(3):  # every rank's image of step 5 loads bit-exact from storage
         got = safepoint.load(ckpt, 5, rank=rank)[1]
         assert _digest(got) == saved[rank]["digest"]
+
+
+def test_a_restarted_agent_gets_the_peer_setup_again(cluster, tmp_path):
+    """3 nodes, mirror. Node 1's agent is killed; rank 1's next call starts a new agent and
+    sends it the peer setup and membership again, so rank 1's next snapshot is replicated to
+    node 2. Node 0 still knows the old agent's address (its peers learn the new one at the next
+    Checkpointer start): its push to node 1 fails with an error in status, nothing hangs."""
+    c = cluster(3, shm_size="64m")
+    ckpt, name = tmp_path / "ckpt", f"restart-{os.getpid()}"
+    job, saved = _save(c, ckpt, name, "mirror", 3, 1)
+    lock = job_dir(c[1].shm, name) / "agent.lock"
+    pid = lock.read_text().split()[0]
+    c[1].run(["kill", "-9", pid], check=True)
+    (tmp_path / "AGAIN").touch()
+    again = job.expect_all("again")
+    assert again[1]["replication"][0]["step"] == 4, again[1]
+    assert again[1]["replication"][0]["protected"], again[1]
+    assert again[2]["replication"][0]["protected"], again[2]
+    assert not again[0]["replication"][0]["protected"] and again[0]["replication"][0]["error"]
+    job.kill()
