@@ -385,6 +385,7 @@ int CmdStatus(const Args& a) {
         j["in_flight"] = (*st)["in_flight"];
         j["ranks"] = (*st)["ranks"];
         if (st->contains("replication")) j["replication"] = (*st)["replication"];
+        if (st->contains("tiers")) j["tiers"] = (*st)["tiers"];
       }
     }
     out.push_back(j);
@@ -417,6 +418,28 @@ int CmdStatus(const Args& a) {
           std::cout << "    rank " << rank["rank"] << " step " << rank["step"]
                     << (rank.value("protected", false) ? " protected" : " NOT protected");
           if (rank.contains("error")) std::cout << ": " << rank["error"].get<std::string>();
+          std::cout << "\n";
+        }
+      }
+      if (j.contains("tiers") && j["tiers"].is_array()) {
+        for (const json& t : j["tiers"]) {
+          std::cout << "  tier " << t["tier"] << " " << t["uri"].get<std::string>() << ": every "
+                    << (t["every"].get<uint64_t>() ? t["every"].dump() + " steps"
+                                                   : std::string("step"))
+                    << (t["every_seconds"].get<double>() > 0
+                            ? " or " + t["every_seconds"].dump() + " s"
+                            : std::string())
+                    << ", keeps " << t["keep"];
+          if (!t.value("filled_here", false)) {
+            std::cout << " (filled by the agent of rank 0's node)\n";
+            continue;
+          }
+          std::cout << "; newest step " << t["newest_step"].dump() << ", " << t["copies"]
+                    << " copies, " << t["failures"] << " failures";
+          if (!t["in_flight_step"].is_null()) std::cout << ", copying " << t["in_flight_step"];
+          if (!t["pending_step"].is_null()) std::cout << ", next " << t["pending_step"];
+          const std::string error = t.value("last_error", "");
+          if (!error.empty()) std::cout << "; last error: " << error;
           std::cout << "\n";
         }
       }

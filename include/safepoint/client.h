@@ -23,6 +23,7 @@
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
 #include "safepoint/status.h"
+#include "safepoint/tiers.h"
 
 namespace safepoint {
 
@@ -43,6 +44,7 @@ struct ClientOptions {
   double agent_start_timeout_s = 30;
   uint32_t copy_threads = 0;  // 0: all cores
   uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
+  std::vector<TierSpec> tiers;  // storage tiers below `storage` that the agent fills
 };
 
 struct SnapshotResult {

@@ -370,8 +370,12 @@ class PyClient {
  public:
   PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
            uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
-           const std::string& agent_binary, uint64_t attempt) {
+           const std::string& agent_binary, uint64_t attempt,
+           const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>& tiers) {
     ClientOptions o;
+    for (const auto& [uri, every, every_seconds, keep] : tiers) {
+      o.tiers.push_back(TierSpec{uri, every, every_seconds, keep});
+    }
     o.storage = storage;
     o.job = job;
     o.shm_dir = shm_dir;
@@ -634,9 +638,12 @@ NB_MODULE(_core, m) {
       .def_ro("seconds", &PeerFetchResult::seconds);
   nb::class_<PyClient>(m, "Client")
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
-                    uint32_t, bool, const std::string&, uint64_t>(),
+                    uint32_t, bool, const std::string&, uint64_t,
+                    const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>&>(),
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
-           "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0)
+           "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0,
+           "tiers"_a = std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>{},
+           "tiers: (uri, every, every_seconds, keep) of each storage tier below `storage`")
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
            "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
       .def("notify", &PyClient::Notify, "skip"_a)

@@ -12,6 +12,7 @@ from safepoint import _core, errors
 from safepoint._api import load, restore, save, steps
 from safepoint._checkpointer import Checkpointer
 from safepoint._stateful import capture_rng, restore_rng
+from safepoint._tiers import Tier
 from safepoint.errors import *  # noqa: F403  (the exceptions: errors.__all__ names them)
 
 __version__: str = _core.VERSION
@@ -19,6 +20,7 @@ FORMAT_VERSION = _core.FORMAT_VERSION
 
 __all__ = [
     "Checkpointer",
+    "Tier",
     "save",
     "load",
     "steps",

@@ -28,6 +28,7 @@ from safepoint._replication import exchange_membership
 from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
+from safepoint._tiers import Tier, TierLike, core_tiers, normalize_tiers
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -89,11 +90,13 @@ def run_attempt(group: Any = None) -> int:
 class RestoreInfo(NamedTuple):
     """Where the last ``load``/``restore`` of a Checkpointer got its state: ``source`` is
     ``"memory"`` (this node's shared memory), ``"peer"`` (rebuilt from other nodes' memory into
-    this node's, then read from there) or ``"storage"``; ``peers`` names the nodes it came from."""
+    this node's, then read from there) or ``"storage"``; ``peers`` names the nodes it came from;
+    ``uri`` the storage tier it was read from (``path`` or one of ``tiers``)."""
     step: int
     source: str
     seconds: float
     peers: str = ""
+    uri: Optional[str] = None
 
 
 def _agent_binary() -> str:
@@ -140,6 +143,14 @@ class Checkpointer:
     and sends it to the others over the checkpointer's gloo group (docs/architecture.md,
     "Restore at scale"); ranges only one rank needs (shards) it reads itself. ``status()``'s
     ``last_load`` counts the bytes read from storage and sent/received between ranks.
+
+    ``tiers`` adds storage levels below ``path`` (``[Tier("file:///shared/run1", every=100,
+    keep=5), Tier("s3://bucket/run1", every=500, keep=20)]``; a plain URI is a tier that takes
+    every step and keeps 3). The node agent fills each tier by copying committed, verified steps
+    from the tier above on the tier's own schedule, never from the training process; a failing
+    or stalled tier never holds up the ones above it (``status()["tiers"]``). ``load`` and
+    ``restore`` read the fastest copy of the step all ranks agree on: memory, peer memory, then
+    ``path``, then the tiers in order, falling back to the next tier when a copy is damaged.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
@@ -149,7 +160,8 @@ class Checkpointer:
                  dedupe: bool = True, share_reads: bool = True,
                  redundancy: Optional[str] = None,
                  replication_bandwidth: Optional[float] = None,
-                 peer_timeout: float = 30.0) -> None:
+                 peer_timeout: float = 30.0,
+                 tiers: Optional[list[TierLike]] = None) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -169,6 +181,9 @@ class Checkpointer:
                 f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"{self.path}: rank {rank} is not in [0, {world_size})")
+        self.tiers: list[Tier] = normalize_tiers(self.path, tiers)
+        # Where committed steps may be, fastest first: path, then the tiers in order.
+        self._stores = [self.path] + [t.uri for t in self.tiers]
         self.job = job or _default_job(self.path)
         self.rank, self.world_size = rank, world_size
         self.persist_every, self.keep, self.on_busy = persist_every, keep, on_busy
@@ -188,7 +203,7 @@ class Checkpointer:
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
-            _agent_binary(), self.attempt)
+            _agent_binary(), self.attempt, core_tiers(self.tiers))
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,
@@ -309,9 +324,11 @@ class Checkpointer:
         if source.startswith("peer:"):
             source, peers = "peer", source[5:]
         seconds = time.perf_counter() - t0
+        uri = self._io.pop("uri", None)
+        uri = uri if source == "storage" else None
         self._stats["last_load"] = {"step": result[0], "source": source, "seconds": seconds,
-                                    "peers": peers, **self._io}
-        self.last_restore = RestoreInfo(result[0], source, seconds, peers)
+                                    "peers": peers, "uri": uri, **self._io}
+        self.last_restore = RestoreInfo(result[0], source, seconds, peers, uri)
         return result
 
     def _memory_steps(self) -> list[int]:
@@ -327,14 +344,53 @@ class Checkpointer:
                     newest[s.step] = s
         return {step: s.attempt for step, s in newest.items()}
 
-    def _from_storage(self, step: Optional[int], targets: Any):
-        """This rank's state of `step` from storage: with targets (restore), only the byte
-        ranges the targets need, from whichever ranks' images hold them (any saving world size);
-        else this rank's whole image."""
+    def _committed(self) -> dict[int, list[str]]:
+        """step -> the storages that hold it committed, fastest first (``path``, then the tiers
+        in order). A tier that cannot be listed is skipped with a warning: the others serve."""
+        where: dict[int, list[str]] = {}
+        for uri in self._stores:
+            try:
+                found = storage_steps(uri)
+            except Error as e:
+                if len(self._stores) == 1:
+                    raise
+                warnings.warn(f"safepoint: cannot list the steps of {uri}: {e}", RuntimeWarning,
+                              stacklevel=4)
+                continue
+            for s in found:
+                where.setdefault(s, []).append(uri)
+        return where
+
+    def _read_storage(self, uri: str, step: Optional[int], targets: Any):
+        """This rank's state of `step` from the storage at `uri`: with targets (restore), only
+        the byte ranges the targets need, from whichever ranks' images hold them (any saving
+        world size); else this rank's whole image."""
+        self._io["uri"] = uri
         if targets is None:
             self._io["storage_bytes_read"] = None  # a whole image; not counted
-            return storage_load(self.path, step, rank=self.rank, allow_pickle=self.allow_pickle)
-        return read_newest_into(self.path, step, self.rank, targets, self._unpickler, self._io)
+            return storage_load(uri, step, rank=self.rank, allow_pickle=self.allow_pickle)
+        return read_newest_into(uri, step, self.rank, targets, self._unpickler, self._io)
+
+    def _from_storage(self, step: Optional[int], targets: Any, where: dict[int, list[str]]):
+        """This rank's state of `step` (None: the newest that reads back) from the fastest
+        storage that holds it. A damaged or unreadable copy falls back to the next tier that
+        holds the step, and without an exact step to older steps."""
+        if len(self._stores) == 1:  # path alone: its own fallback to older steps
+            return self._read_storage(self.path, step, targets)
+        candidates = [step] if step is not None else sorted(where, reverse=True)
+        error: Optional[Error] = None
+        for s in candidates:
+            for uri in where.get(s, []):
+                try:
+                    return self._read_storage(uri, s, targets)
+                except Error as e:
+                    warnings.warn(f"safepoint: step {s} cannot be read from {uri}, trying the "
+                                  f"next copy: {e}", RuntimeWarning, stacklevel=4)
+                    error = e
+        if error is not None:
+            raise error
+        raise NotFoundError(f"{self.path}: step {step} is not committed on any storage tier "
+                            f"({', '.join(self._stores)})")
 
     def _usable(self, snap: Optional[_core.Loaded]):
         """A memory snapshot, unless another world size saved it (then storage reshards)."""
@@ -343,8 +399,8 @@ class Checkpointer:
         return (snap.step, snap.state), "memory"
 
     def _load_local(self, step: Optional[int], targets: Any = None):
-        committed = storage_steps(self.path)
-        newest_storage = committed[-1] if committed else None
+        committed = self._committed()
+        newest_storage = max(committed) if committed else None
         want = step if step is not None else newest_storage
         snap = None
         try:
@@ -359,7 +415,7 @@ class Checkpointer:
         if self._usable(snap) is not None:
             return self._usable(snap)
         if step is not None or committed:
-            return self._from_storage(step, targets), "storage"
+            return self._from_storage(step, targets, committed), "storage"
         return None
 
     def _peer_attempts(self) -> dict[int, Any]:
@@ -393,12 +449,14 @@ class Checkpointer:
             return None
         return got[0], f"peer:{fetched.source}"
 
-    def _load_one(self, step: int, memory: list[int], committed: list[int], targets: Any,
-                  peers: Optional[dict[int, Any]] = None, share: bool = False):
+    def _load_one(self, step: int, memory: list[int], committed: dict[int, list[str]],
+                  targets: Any, peers: Optional[dict[int, Any]] = None,
+                  share: Optional[str] = None):
         """This rank's copy of `step`: memory first, then peer memory, then storage. None if
         none reads back. With `share` (every rank restores with share_reads) this is a
         collective: the ranks that read from storage share the ranges several need
-        (read_shared_into), and a rank whose copy is in memory (or peer memory) takes part too."""
+        (read_shared_into) from `share`, a storage every rank sees the step on, and a rank whose
+        copy is in memory (or peer memory) takes part too."""
         got = None
         if step in memory:
             try:
@@ -411,7 +469,8 @@ class Checkpointer:
             got = self._from_peers(step, peers[step], targets)
         if share:
             need = got is None and step in committed
-            tree = read_shared_into(self.path, step, self.rank, targets, self._unpickler,
+            self._io["uri"] = share
+            tree = read_shared_into(share, step, self.rank, targets, self._unpickler,
                                     self._group, need, self._io)
             if tree is not None:
                 return (step, tree), "storage"
@@ -422,7 +481,7 @@ class Checkpointer:
             return got
         if step in committed:
             try:
-                return self._from_storage(step, targets), "storage"
+                return self._from_storage(step, targets, committed), "storage"
             except Error as e:
                 warnings.warn(f"safepoint: step {step} cannot be read from storage: {e}",
                               RuntimeWarning, stacklevel=3)
@@ -432,7 +491,7 @@ class Checkpointer:
         import torch
         import torch.distributed as dist
 
-        committed = storage_steps(self.path)
+        committed = self._committed()
         memory = self._memory_steps()
         # One all-gather: every rank's committed steps and the attempt of each snapshot in its
         # memory. A step is loaded from memory only where every rank's snapshot of it is of one
@@ -453,13 +512,24 @@ class Checkpointer:
                      if a is not None and all(other.get(s) == a for _, other, _ in everyone[1:])}
         common = in_memory | set(everyone[0][0]).intersection(
             *(set(c) for c, _, _ in everyone[1:]))
+
+        def shared_uri(s: int) -> Optional[str]:
+            """The fastest storage every rank sees step `s` committed on (the ranks' shared
+            reads are a collective over one storage); None: no sharing for it."""
+            if not share:
+                return None
+            for uri in self._stores:
+                if all(uri in c.get(s, ()) for c, _, _ in everyone):
+                    return uri
+            return None
         if step is not None:
             common &= {step}
         memory = [s for s in memory if s in in_memory]
         peers = {s: a for s, a in peers.items() if s in in_memory}
         while common:
             candidate = max(common)
-            got = self._load_one(candidate, memory, committed, targets, peers, share)
+            got = self._load_one(candidate, memory, committed, targets, peers,
+                                 shared_uri(candidate))
             failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
             if int(failed.item()) == 0:
@@ -524,6 +594,7 @@ class Checkpointer:
             "agent": {"pid": agent.get("agent_pid"), "job_dir": agent.get("job_dir"),
                       "queued": agent.get("queued")},
             "replication": agent.get("replication"),
+            "tiers": agent.get("tiers", []),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
         }
 

@@ -43,16 +43,21 @@ Result<std::optional<JobConfig>> ReadJobConfig(const std::string& job_dir) {
   c.storage = j["storage"].get<std::string>();
   c.world_size = j["world_size"].get<uint32_t>();
   c.keep = j["keep"].get<uint32_t>();
+  if (auto it = j.find("tiers"); it != j.end()) {
+    if (Status s = DecodeTiers(*it, &c.tiers); !s.ok()) {
+      return Corruption(path + ": its storage tiers do not parse: " + s.message());
+    }
+  }
   return std::optional<JobConfig>(std::move(c));
 }
 
 Status WriteJobConfig(const std::string& job_dir, const JobConfig& config) {
   const std::string path = JobConfigPath(job_dir);
   const std::string tmp = path + ".tmp";
-  const std::string text = json{
-      {"storage", config.storage},
-      {"world_size", config.world_size},
-      {"keep", config.keep}}.dump();
+  json doc = {
+      {"storage", config.storage}, {"world_size", config.world_size}, {"keep", config.keep}};
+  if (!config.tiers.empty()) doc["tiers"] = EncodeTiers(config.tiers);
+  const std::string text = doc.dump();
   ::unlink(tmp.c_str());  // a leftover of an agent that died while writing
   internal::UniqueFd fd(
       ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));

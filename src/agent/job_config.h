@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "safepoint/status.h"
+#include "safepoint/tiers.h"
 
 namespace safepoint::agent {
 
@@ -20,6 +22,7 @@ struct JobConfig {
   std::string storage;
   uint32_t world_size = 1;
   uint32_t keep = 3;
+  std::vector<TierSpec> tiers;  // the storage tiers below `storage`, in order
   bool operator==(const JobConfig&) const = default;
 };
 

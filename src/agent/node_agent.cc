@@ -46,7 +46,8 @@ NodeAgent::NodeAgent(AgentOptions options)
     : opt_(std::move(options)),
       last_busy_(MonotonicSeconds()),
       queue_([this] { Wake(); }),
-      replicator_(opt_.job, [this] { Wake(); }) {}
+      replicator_(opt_.job, [this] { Wake(); }),
+      tiers_([this] { Wake(); }) {}
 
 void NodeAgent::Wake() {
   const uint64_t one = 1;
@@ -106,6 +107,10 @@ Status NodeAgent::EnsureRank(uint32_t rank) {
   RankState& r = ranks_[rank];
   if (r.arena) return r.arena->Refresh();
   SP_ASSIGN_OR_RETURN(r.arena, Arena::Open(job_dir_, rank));
+  // The node that runs rank 0 fills the lower tiers (src/agent/tier_copier.h).
+  if (rank == 0 && config_ && !tiers_.started()) {
+    tiers_.Start(opt_.job, store_, config_->tiers, pins_);
+  }
   return Status::OK();
 }
 
@@ -113,7 +118,7 @@ Status NodeAgent::EnsureRank(uint32_t rank) {
 Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointStore> store) {
   config_ = config;
   store_ = std::move(store);
-  queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep});
+  queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep, pins_});
   replicator_.SetStorage(store_, config.world_size);
   auto committed = store_->ListCommitted();
   if (committed.ok()) {
@@ -147,6 +152,8 @@ bool NodeAgent::StepCommitted(uint64_t step) {
   if (!store_) return false;
   if (store_->ReadCommit(step).ok()) {
     committed_cache_.insert(step);
+    newest_committed_ = std::max(newest_committed_.value_or(0), step);
+    tiers_.Committed(step);
     return true;
   }
   return false;
@@ -185,6 +192,7 @@ void NodeAgent::DrainResults() {
       if (r.committed) {
         committed_cache_.insert(step);
         newest_committed_ = std::max(newest_committed_.value_or(0), step);
+        tiers_.Committed(step);
       }
       for (uint64_t p : r.pruned) committed_cache_.erase(p);
       spdlog::info("rank {} step {}: persisted {} bytes in {:.3f} s ({}){}", rank, step, r.bytes,
@@ -473,7 +481,7 @@ void NodeAgent::DrainReplication() {
 }
 
 Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
-  const JobConfig want{hello.storage, hello.world_size, hello.keep};
+  const JobConfig want{hello.storage, hello.world_size, hello.keep, hello.tiers};
   if (want.world_size == 0 || hello.rank >= want.world_size || want.world_size > kMaxRank) {
     ReplyError(c, "invalid rank " + std::to_string(hello.rank) + " of world size " +
                       std::to_string(want.world_size));
@@ -484,6 +492,17 @@ Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
                       " with world size " + std::to_string(config_->world_size) +
                       "; this process asked for " + want.storage + " with world size " +
                       std::to_string(want.world_size) + " (use another job name)");
+    return Status::OK();
+  }
+  if (config_ && config_->tiers != want.tiers) {
+    ReplyError(c, "job " + opt_.job + " already fills the storage tiers " +
+                      EncodeTiers(config_->tiers).dump() + "; this process asked for " +
+                      EncodeTiers(want.tiers).dump() +
+                      " (use another job name, or let the job's agent exit first)");
+    return Status::OK();
+  }
+  if (Status s = ValidateTiers(want.storage, want.tiers); !s.ok()) {
+    ReplyError(c, s.ToString());
     return Status::OK();
   }
   if (!config_) {
@@ -611,6 +630,24 @@ void NodeAgent::DropClient(size_t idx, bool died) {
   clients_.erase(clients_.begin() + static_cast<std::ptrdiff_t>(idx));
 }
 
+// A step this node persisted may have been committed by another node's agent (the last image to
+// arrive commits); the lower tiers learn of it here, about once a second.
+void NodeAgent::PollCommitsForTiers() {
+  if (!tiers_.started()) return;
+  const double now = MonotonicSeconds();
+  if (now - last_tier_poll_ < 1.0) return;
+  last_tier_poll_ = now;
+  std::optional<uint64_t> newest_persisted;
+  for (auto& [rank, rs] : ranks_) {
+    if (rs.last_persisted_step) {
+      newest_persisted = std::max(newest_persisted.value_or(0), *rs.last_persisted_step);
+    }
+  }
+  if (newest_persisted && !committed_cache_.contains(*newest_persisted)) {
+    StepCommitted(*newest_persisted);
+  }
+}
+
 bool NodeAgent::AllClosed() {
   if (!saw_client_) return false;
   for (auto& [rank, rs] : ranks_) {
@@ -620,7 +657,7 @@ bool NodeAgent::AllClosed() {
 }
 
 bool NodeAgent::Idle() {
-  if (!opt_.exit_when_idle || !clients_.empty() || queue_.Busy()) {
+  if (!opt_.exit_when_idle || !clients_.empty() || queue_.Busy() || tiers_.Busy()) {
     last_busy_ = MonotonicSeconds();
     return false;
   }
@@ -666,6 +703,7 @@ void NodeAgent::Loop() {
     }
     DrainResults();
     DrainReplication();
+    PollCommitsForTiers();
     replicator_.ReleaseSparesWhenMemoryIsLow();
     // Torn down here (every local rank died): after the ranks' own emergency flushes had a
     // moment, persist what this node keeps of other nodes' snapshots whose step did not commit.
@@ -713,6 +751,10 @@ void NodeAgent::Shutdown() {
   queue_.Stop();
   DrainResults();
   AnswerWaits();
+  // The steps just committed go down the tiers too, for a bounded time: a stalled tier must not
+  // keep the agent from exiting (its copy resumes when the next agent adopts the job).
+  PollCommitsForTiers();
+  tiers_.Stop(kTierDrainSeconds);
   for (auto& [rank, rs] : ranks_) {
     if (rs.arena) rs.arena->ClearLeases();
   }

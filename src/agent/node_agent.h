@@ -8,11 +8,12 @@
 //   status.cc         the status document (`safepoint status`, ckpt.status())
 //   persist_queue.*   the worker that writes snapshots to storage, commits and prunes
 //   replicator.*      peer replication: pushes snapshots to other nodes, rebuilds from them
+//   tier_copier.*     copies committed steps down the job's storage tiers
 //   job_config.*      job.json: what a job persists to
 //   protocol.*        the messages and frames between clients and the agent
 //
-// Threads: everything in NodeAgent runs on the main thread, except the PersistQueue's worker and
-// the Replicator's workers, which touch only their own state and wake the loop through an eventfd.
+// Threads: everything in NodeAgent runs on the main thread, except the PersistQueue's worker, the
+// Replicator's workers and the TierChain's workers, which touch only their own state and wake the loop through an eventfd.
 //
 // Ownership: the agent owns the job directory's lock (one agent per job), the listening socket
 // and the arenas it maps; the training processes own their slots' contents. The agent never
@@ -32,6 +33,7 @@
 #include "agent/persist_queue.h"
 #include "agent/protocol.h"
 #include "agent/replicator.h"
+#include "agent/tier_copier.h"
 #include "base/unique_fd.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
@@ -97,6 +99,7 @@ class NodeAgent {
   void Enqueue(PersistTask t);
   void DrainResults();
   void DrainReplication();
+  void PollCommitsForTiers();
   Status HandlePeerMessage(Client& c, const Message& m);
   void AnswerWaits();
   bool StepCommitted(uint64_t step);
@@ -132,10 +135,16 @@ class NodeAgent {
   // the flush of other nodes' replicas (Replicator::EnqueueFlushHeld) a few seconds later.
   std::optional<double> torn_down_since_;
   bool held_flushed_ = false;  // this teardown's flush of other nodes' replicas was asked for
+  std::shared_ptr<StepPins> pins_ = std::make_shared<StepPins>();
   PersistQueue queue_;
   Replicator replicator_;
+  TierChain tiers_;  // fills the job's lower storage tiers (on the node that runs rank 0)
+  double last_tier_poll_ = 0;
 };
 
 double MonotonicSeconds();
+
+// How long a stopping agent lets its tier copies finish before cancelling them.
+inline constexpr double kTierDrainSeconds = 30;
 
 }  // namespace safepoint::agent

@@ -134,15 +134,7 @@ Result<std::unique_ptr<ImageBuilder>> PersistQueue::WithoutReplicas(
 
 // Retention: keep the newest `keep` committed steps (never fewer than one).
 std::vector<uint64_t> PersistQueue::Prune() {
-  std::vector<uint64_t> pruned;
-  auto all = target_.store->ListCommitted();
-  if (!all.ok()) return pruned;
-  const size_t keep = std::max<uint32_t>(target_.keep, 1);
-  for (size_t i = 0; i + keep < all->size(); ++i) {
-    if (target_.store->DeleteStep((*all)[i].step).ok()) pruned.push_back((*all)[i].step);
-  }
-  target_.store->CleanUp().status().IgnoreError();
-  return pruned;
+  return PruneSteps(*target_.store, target_.keep, target_.pins.get(), /*tier=*/0);
 }
 
 PersistResult PersistQueue::Persist(const PersistTask& t) {

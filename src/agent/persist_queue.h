@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent/tier_copier.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
 #include "safepoint/status.h"
@@ -70,6 +71,7 @@ struct PersistTarget {
   std::shared_ptr<CheckpointStore> store;
   uint32_t world_size = 1;
   uint32_t keep = 3;
+  std::shared_ptr<StepPins> pins;  // steps the first lower tier copies (retention keeps them)
 };
 
 class PersistQueue {

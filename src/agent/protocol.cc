@@ -103,13 +103,42 @@ Status DecodeStatus(const json& j, Status* out) {
 
 }  // namespace
 
+json EncodeTiers(const std::vector<TierSpec>& tiers) {
+  json out = json::array();
+  for (const TierSpec& t : tiers) {
+    out.push_back(
+        {{"uri", t.uri}, {"every", t.every}, {"every_seconds", t.every_seconds}, {"keep", t.keep}});
+  }
+  return out;
+}
+
+Status DecodeTiers(const json& j, std::vector<TierSpec>* out) {
+  out->clear();
+  if (!j.is_array()) return ProtocolError("'tiers' is not a list");
+  for (const json& t : j) {
+    TierSpec spec;
+    if (!t.is_object()) return ProtocolError("a tier is not an object");
+    SP_RETURN_IF_ERROR(Field(t, "uri", &spec.uri));
+    SP_RETURN_IF_ERROR(Field(t, "every", &spec.every));
+    SP_RETURN_IF_ERROR(Field(t, "keep", &spec.keep));
+    auto it = t.find("every_seconds");
+    if (it == t.end() || !it->is_number()) {
+      return ProtocolError("field 'every_seconds' of a tier is missing or not a number");
+    }
+    spec.every_seconds = it->get<double>();
+    out->push_back(std::move(spec));
+  }
+  return Status::OK();
+}
+
 std::string Encode(const HelloRequest& m) {
-  return json{{"rank", m.rank},
-              {"world_size", m.world_size},
-              {"storage", m.storage},
-              {"keep", m.keep},
-              {"pid", m.pid}}
-      .dump();
+  json j = {{"rank", m.rank},
+            {"world_size", m.world_size},
+            {"storage", m.storage},
+            {"keep", m.keep},
+            {"pid", m.pid}};
+  if (!m.tiers.empty()) j["tiers"] = EncodeTiers(m.tiers);
+  return j.dump();
 }
 std::string Encode(const HelloReply& m) {
   return json{{"ok", true}, {"agent_pid", m.agent_pid}, {"job_dir", m.job_dir}}.dump();
@@ -136,12 +165,14 @@ std::string Encode(const ErrorReply& m) { return json{{"error", m.error}}.dump()
 
 Status Decode(std::string_view payload, EmptyRequest*) { return Parse(payload, {}).status(); }
 Status Decode(std::string_view payload, HelloRequest* out) {
-  return Parse(payload, {{"rank", &out->rank},
-                         {"world_size", &out->world_size},
-                         {"storage", &out->storage},
-                         {"keep", &out->keep},
-                         {"pid", &out->pid, /*optional=*/true}})
-      .status();
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"rank", &out->rank},
+                                              {"world_size", &out->world_size},
+                                              {"storage", &out->storage},
+                                              {"keep", &out->keep},
+                                              {"pid", &out->pid, /*optional=*/true}}));
+  out->tiers.clear();
+  if (auto it = j.find("tiers"); it != j.end()) SP_RETURN_IF_ERROR(DecodeTiers(*it, &out->tiers));
+  return Status::OK();
 }
 Status Decode(std::string_view payload, HelloReply* out) {
   return Parse(payload, {{"agent_pid", &out->agent_pid}, {"job_dir", &out->job_dir}}).status();

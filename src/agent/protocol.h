@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -25,6 +26,7 @@
 
 #include "safepoint/image.h"
 #include "safepoint/status.h"
+#include "safepoint/tiers.h"
 
 namespace safepoint::agent {
 
@@ -73,6 +75,7 @@ struct HelloRequest {
   std::string storage;  // the checkpoint directory / URI the job persists to
   uint32_t keep = 3;    // committed steps to keep
   uint32_t pid = 0;
+  std::vector<TierSpec> tiers;  // the storage tiers below `storage`, in order
 };
 
 struct HelloReply {
@@ -174,6 +177,10 @@ struct PeerFetchReply {
 struct PauseNote {
   bool paused = false;
 };
+
+// Tiers as JSON (in the hello and in job.json): [{"uri", "every", "every_seconds", "keep"}].
+nlohmann::json EncodeTiers(const std::vector<TierSpec>& tiers);
+Status DecodeTiers(const nlohmann::json& j, std::vector<TierSpec>* out);
 
 std::string Encode(const HelloRequest& m);
 std::string Encode(const HelloReply& m);

@@ -1,6 +1,7 @@
 // The agent's status document (src/agent/node_agent.h): what `safepoint status --json` prints and
 // ckpt.status() returns under "agent". One JSON object: the job, its configuration, the newest
-// committed step, the persist queue, and per rank its slots, pending persists, counters and last
+// committed step, the persist queue, the lower storage tiers (newest step, copies, failures, last
+// error), and per rank its slots, pending persists, counters and last
 // error. `job_config_error` is set while job.json could not be written (a later agent could not
 // adopt the job).
 #include "agent/status.h"
@@ -48,6 +49,38 @@ nlohmann::json NodeAgent::StatusJson() {
   if (progress.in_flight) {
     in_flight = {{"rank", progress.in_flight->rank}, {"step", progress.in_flight->step}};
   }
+  // The lower storage tiers (only the agent of rank 0's node fills them; elsewhere they are
+  // listed from the configuration, with "filled_here": false).
+  json tiers = json::array();
+  auto optional = [](const std::optional<uint64_t>& v) { return v ? json(*v) : json(nullptr); };
+  const std::vector<TierState> states = tiers_.States();
+  for (size_t i = 0; config_ && i < config_->tiers.size(); ++i) {
+    const TierSpec& spec = config_->tiers[i];
+    json t = {{"tier", i + 1},
+              {"uri", spec.uri},
+              {"every", spec.every},
+              {"every_seconds", spec.every_seconds},
+              {"keep", spec.keep},
+              {"filled_here", i < states.size()}};
+    if (i < states.size()) {
+      const TierState& st = states[i];
+      t.update({{"open", st.open},
+                {"newest_step", optional(st.newest)},
+                {"last_copy_time",
+                 st.last_copy_unix_ns ? json(static_cast<double>(st.last_copy_unix_ns) / 1e9)
+                                      : json(nullptr)},
+                {"pending_step", optional(st.pending)},
+                {"in_flight_step", optional(st.in_flight)},
+                {"copies", st.copies},
+                {"failures", st.failures},
+                {"skipped", st.skipped},
+                {"last_copy_bytes", st.last_copy_bytes},
+                {"last_copy_seconds", st.last_copy_seconds},
+                {"last_lag_seconds", st.last_lag_seconds},
+                {"last_error", st.last_error}});
+    }
+    tiers.push_back(std::move(t));
+  }
   return {{"agent_pid", ::getpid()},
           {"job", opt_.job},
           {"job_dir", job_dir_},
@@ -59,6 +92,7 @@ nlohmann::json NodeAgent::StatusJson() {
           {"queued", progress.queued},
           {"in_flight", in_flight},
           {"ranks", ranks},
+          {"tiers", tiers},
           {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)}};
 }
 

@@ -52,6 +52,7 @@ Result<std::unique_ptr<SnapshotClient>> SnapshotClient::Connect(ClientOptions op
     return InvalidArgument("rank " + std::to_string(options.rank) + " is not in [0, " +
                            std::to_string(options.world_size) + ")");
   }
+  SP_RETURN_IF_ERROR(ValidateTiers(options.storage, options.tiers));
   auto c = std::unique_ptr<SnapshotClient>(new SnapshotClient());
   c->opt_ = std::move(options);
   SP_ASSIGN_OR_RETURN(c->job_dir_, JobDirectory(c->opt_.shm_dir, c->opt_.job, /*create=*/true));
@@ -85,7 +86,7 @@ Status SnapshotClient::ConnectOnce() {
 
 Status SnapshotClient::Hello() {
   const agent::HelloRequest hello{opt_.rank, opt_.world_size, opt_.storage, opt_.keep,
-                                  static_cast<uint32_t>(::getpid())};
+                                  static_cast<uint32_t>(::getpid()), opt_.tiers};
   agent::FrameDecoder decoder;
   SP_RETURN_IF_ERROR(agent::SendMessage(fd_, MessageType::kHello, agent::Encode(hello)));
   SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));

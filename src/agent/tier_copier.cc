@@ -1,0 +1,307 @@
+// TierChain (src/agent/tier_copier.h).
+#include "agent/tier_copier.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+
+namespace safepoint::agent {
+
+namespace {
+
+int64_t WallNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+void StepPins::Pin(size_t tier, uint64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pins_.insert({tier, step});
+}
+
+void StepPins::Unpin(size_t tier, uint64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = pins_.find({tier, step}); it != pins_.end()) pins_.erase(it);
+}
+
+bool StepPins::Pinned(size_t tier, uint64_t step) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pins_.contains({tier, step});
+}
+
+std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const StepPins* pins,
+                                 size_t tier) {
+  std::vector<uint64_t> pruned;
+  auto all = store.ListCommitted();
+  if (!all.ok()) return pruned;
+  const size_t n = std::max<uint32_t>(keep, 1);
+  for (size_t i = 0; i + n < all->size(); ++i) {
+    const uint64_t step = (*all)[i].step;
+    if (pins != nullptr && pins->Pinned(tier, step)) continue;  // a lower tier copies it now
+    if (store.DeleteStep(step).ok()) pruned.push_back(step);
+  }
+  store.CleanUp().status().IgnoreError();
+  return pruned;
+}
+
+struct TierChain::Worker {
+  size_t index = 0;  // 1-based
+  TierSpec spec;
+  mutable std::mutex mu;  // guards everything below
+  std::condition_variable cv;
+  std::shared_ptr<CheckpointStore> store;  // once opened
+  std::optional<uint64_t> candidate;       // the newest step offered and not yet copied
+  int attempts = 0;                        // failed attempts of `candidate`
+  Clock::time_point retry_at{};
+  bool draining = false;
+  bool stop = false;
+  std::optional<uint64_t> last;  // the step it received last
+  int64_t last_ns = 0;           // when that step committed (wall clock)
+  TierState state;
+  std::thread thread;
+};
+
+TierChain::TierChain(std::function<void()> notify, double retry_base_seconds)
+    : notify_(std::move(notify)), retry_base_seconds_(retry_base_seconds) {}
+
+TierChain::~TierChain() { Stop(0); }
+
+void TierChain::Start(std::string job, std::shared_ptr<CheckpointStore> primary,
+                      std::vector<TierSpec> tiers, std::shared_ptr<StepPins> pins) {
+  if (started() || tiers.empty()) return;
+  job_ = std::move(job);
+  primary_ = std::move(primary);
+  pins_ = std::move(pins);
+  for (size_t i = 0; i < tiers.size(); ++i) {
+    auto w = std::make_unique<Worker>();
+    w->index = i + 1;
+    w->spec = tiers[i];
+    w->state.index = i + 1;
+    w->state.spec = tiers[i];
+    workers_.push_back(std::move(w));
+  }
+  for (auto& w : workers_) {
+    Worker* raw = w.get();
+    w->thread = std::thread([this, raw] { Work(*raw); });
+  }
+}
+
+void TierChain::Committed(uint64_t step) { Offer(1, step); }
+
+void TierChain::Offer(size_t index, uint64_t step) {
+  if (index < 1 || index > workers_.size()) return;
+  Worker& w = *workers_[index - 1];
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.candidate && step <= *w.candidate) return;
+    w.candidate = step;
+    w.attempts = 0;
+    w.retry_at = Clock::time_point{};
+    w.state.pending = step;
+  }
+  w.cv.notify_all();
+}
+
+bool TierChain::Busy() const {
+  for (const auto& w : workers_) {
+    std::lock_guard<std::mutex> lock(w->mu);
+    if (w->state.in_flight || (w->candidate && w->attempts < kMaxAttempts)) return true;
+  }
+  return false;
+}
+
+std::vector<TierState> TierChain::States() const {
+  std::vector<TierState> out;
+  for (const auto& w : workers_) {
+    std::lock_guard<std::mutex> lock(w->mu);
+    out.push_back(w->state);
+  }
+  return out;
+}
+
+void TierChain::Stop(double grace_seconds) {
+  if (workers_.empty()) return;
+  for (auto& w : workers_) {
+    std::lock_guard<std::mutex> lock(w->mu);
+    w->draining = true;
+  }
+  const auto deadline = Clock::now() + std::chrono::duration<double>(grace_seconds);
+  while (Busy() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  cancel_ = true;
+  for (auto& w : workers_) {
+    {
+      std::lock_guard<std::mutex> lock(w->mu);
+      w->stop = true;
+    }
+    w->cv.notify_all();
+  }
+  for (auto& w : workers_) {
+    if (w->thread.joinable()) w->thread.join();
+  }
+}
+
+void TierChain::Work(Worker& w) {
+  // Open the tier's storage; an unreachable tier is retried with backoff (and reported).
+  double backoff = 1;
+  std::shared_ptr<CheckpointStore> store;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      if (w.stop) return;
+    }
+    auto opened = OpenCheckpointStore(w.spec.uri);
+    if (opened.ok()) {
+      store = std::shared_ptr<CheckpointStore>(std::move(opened).value());
+      break;
+    }
+    spdlog::error("tier {} ({}): cannot open its storage, retrying in {:.0f} s: {}", w.index,
+                  w.spec.uri, backoff, opened.status().ToString());
+    std::unique_lock<std::mutex> lock(w.mu);
+    ++w.state.failures;
+    w.state.last_error = opened.status().ToString();
+    w.cv.wait_for(lock, std::chrono::duration<double>(backoff), [&] { return w.stop; });
+    backoff = std::min(backoff * 2, 60.0);
+  }
+  std::optional<uint64_t> newest;
+  int64_t newest_ns = 0;
+  if (auto list = store->ListCommitted(); list.ok() && !list->empty()) {
+    newest = list->back().step;
+    newest_ns = list->back().commit_time_ns;
+  } else if (!list.ok()) {
+    spdlog::warn("tier {} ({}): cannot list its steps: {}", w.index, w.spec.uri,
+                 list.status().ToString());
+  }
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.store = store;
+    w.state.open = true;
+    w.state.last_error.clear();
+    w.last = newest;
+    w.last_ns = newest_ns;
+    w.state.newest = newest;
+  }
+  // Catch up: the newest step of the tier above is due if the schedule says so (an agent that
+  // restarted, or steps committed while this tier could not be opened).
+  std::shared_ptr<CheckpointStore> upper = primary_;
+  if (w.index > 1) {
+    Worker& above = *workers_[w.index - 2];
+    std::lock_guard<std::mutex> lock(above.mu);
+    upper = above.store;
+  }
+  if (upper) {
+    if (auto list = upper->ListCommitted(); list.ok() && !list->empty()) {
+      Offer(w.index, list->back().step);
+    }
+  }
+  for (;;) {
+    uint64_t step;
+    {
+      std::unique_lock<std::mutex> lock(w.mu);
+      for (;;) {
+        if (w.stop) return;
+        if (w.candidate && w.attempts < TierChain::kMaxAttempts) {
+          if (Clock::now() >= w.retry_at) break;
+          w.cv.wait_until(lock, w.retry_at);
+        } else {
+          w.cv.wait(lock);
+        }
+      }
+      step = *w.candidate;
+      const double since = w.last_ns > 0 ? static_cast<double>(WallNs() - w.last_ns) / 1e9 : 1e18;
+      if (!TierDue(w.spec, step, w.last, since)) {
+        ++w.state.skipped;
+        w.candidate.reset();
+        w.state.pending.reset();
+        continue;
+      }
+      w.state.in_flight = step;
+      w.state.pending.reset();
+    }
+    const bool done = CopyOne(w, step);
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.state.in_flight.reset();
+      if (done && w.candidate == step) w.candidate.reset();
+      if (!done && w.candidate == step) {
+        ++w.attempts;
+        const double delay = std::min(retry_base_seconds_ * (1 << w.attempts), 60.0);
+        w.retry_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(delay));
+        if (w.attempts < TierChain::kMaxAttempts) w.state.pending = step;
+      }
+      if (w.candidate) w.state.pending = w.candidate;
+    }
+    if (notify_) notify_();
+  }
+}
+
+// Copies `step` from the tier above into w's tier. True when done with it (copied, or gone from
+// the tier above, which is no failure); false after a failure (retried).
+bool TierChain::CopyOne(Worker& w, uint64_t step) {
+  std::shared_ptr<CheckpointStore> upper = primary_;
+  if (w.index > 1) {
+    Worker& above = *workers_[w.index - 2];
+    std::lock_guard<std::mutex> lock(above.mu);
+    upper = above.store;
+  }
+  auto fail = [&](const Status& s) {
+    spdlog::error("tier {} ({}): copying step {} failed: {}", w.index, w.spec.uri, step,
+                  s.ToString());
+    std::lock_guard<std::mutex> lock(w.mu);
+    ++w.state.failures;
+    w.state.last_error = "step " + std::to_string(step) + ": " + s.ToString();
+    return false;
+  };
+  if (!upper) return fail(Unavailable("the tier above cannot be opened"));
+  const size_t above = w.index - 1;
+  pins_->Pin(above, step);
+  struct Unpin {
+    StepPins& pins;
+    size_t tier;
+    uint64_t step;
+    ~Unpin() { pins.Unpin(tier, step); }
+  } unpin{*pins_, above, step};
+  auto record = upper->ReadCommit(step);
+  if (!record.ok()) {
+    if (record.status().code() == StatusCode::kNotFound) {
+      spdlog::info("tier {} ({}): step {} is gone from the tier above; not copied", w.index,
+                   w.spec.uri, step);
+      return true;
+    }
+    return fail(record.status());
+  }
+  CopyOptions options;
+  options.cancel = &cancel_;
+  auto copied = CopyStep(*upper, *w.store, step, options);
+  if (!copied.ok()) return fail(copied.status());
+  const std::vector<uint64_t> pruned = PruneSteps(*w.store, w.spec.keep, pins_.get(), w.index);
+  const int64_t now = WallNs();
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.last = std::max(w.last.value_or(0), step);
+    w.last_ns = now;
+    w.state.newest = std::max(w.state.newest.value_or(0), step);
+    ++w.state.copies;
+    w.state.last_copy_unix_ns = now;
+    w.state.last_copy_bytes = copied->bytes;
+    w.state.last_copy_seconds = copied->seconds;
+    w.state.last_lag_seconds =
+        record->commit_time_ns > 0 ? static_cast<double>(now - record->commit_time_ns) / 1e9 : 0;
+    w.state.last_error.clear();
+  }
+  spdlog::info("tier {} ({}): step {} {} ({} bytes in {:.3f} s){}", w.index, w.spec.uri, step,
+               copied->already_there ? "was there already" : "copied", copied->bytes,
+               copied->seconds, pruned.empty() ? "" : ", older steps pruned");
+  Offer(w.index + 1, step);
+  return true;
+}
+
+}  // namespace safepoint::agent
