@@ -93,14 +93,16 @@ class CheckpointStore {
 
   // If every rank of `world_size` has a published, valid-header image for `step`, all of save
   // attempt `attempt` (ImageMeta::attempt), writes the COMMIT record (idempotent: any rank may
-  // try; equal records replace each other atomically). An image of another attempt (left by an
+  // try; the record is published only where none exists, PublishIfAbsent, and a rank that finds
+  // one reports the step committed). An image of another attempt (left by an
   // unfinished or replaced save) means not yet: its rank's new image will replace it. Returns
   // true when the step is committed (now or before).
   // With `generation` != 0 (a save that replaces the step; generation == attempt) the images
   // looked at are that generation's: once all are there the new COMMIT record replaces the old
   // one in one rename, and then the images no longer named (the old ones) are removed. A commit
-  // of generation 0 never replaces a record of another generation (it returns true: the step
-  // is committed), so a plain committer (the agent) cannot undo a replacement.
+  // of generation 0 never replaces a valid record (it returns true: the step is committed), so
+  // a plain committer (the agent) cannot undo a replacement, even one that commits while it
+  // checks; it replaces only a corrupt record (the step does not exist).
   Result<bool> TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
                          uint64_t attempt = 0, uint64_t generation = 0);
 
