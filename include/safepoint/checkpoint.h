@@ -15,7 +15,9 @@
 // may write different images of the same step concurrently.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -140,6 +142,14 @@ class CheckpointStore {
   };
   Status ReadRanges(const Metadata& md, std::span<const Range> ranges);
 
+  // Chunk by chunk, for streaming an image (ReadRanges and CopyStep use these): OpenImage opens
+  // the object `md` describes, checked to still have the size its header gives; ReadChunk reads
+  // checksum chunk `chunk` of it into `dst` (exactly the chunk's length: md.layout.chunk_size,
+  // less for the last one) and verifies it against md.chunk_crcs (Corruption naming the image).
+  Result<std::unique_ptr<ReadableObject>> OpenImage(const Metadata& md);
+  static Status ReadChunk(const Metadata& md, const ReadableObject& image, uint64_t chunk,
+                          std::span<std::byte> dst);
+
   // Deletes a step: COMMIT first (so it stops existing at once), then its images.
   Status DeleteStep(uint64_t step);
 
@@ -154,6 +164,32 @@ class CheckpointStore {
 
 // Opens the checkpoint directory at `path` (a plain path or a URI).
 Result<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(std::string_view path);
+
+// --- Copies between storage tiers (tier_copy.cc) ---------------------------------------------
+
+struct CopyProgress {
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+};
+struct CopyOptions {
+  std::function<void(const CopyProgress&)> progress;  // optional; called serialized
+  size_t parallelism = 4;                             // chunks in flight
+  const std::atomic<bool>* cancel = nullptr;          // optional; Cancelled status when set
+};
+struct CopyResult {
+  uint64_t bytes = 0;
+  double seconds = 0;
+  bool already_there = false;
+};
+// Copies committed step `step` from `src` to `dst` with dst's commit protocol: each rank's image
+// the COMMIT record names is streamed chunk by chunk (bounded memory), every chunk verified
+// against the source image's checksums (and the header against the record) before it is written,
+// written under the same object name, published; then the same COMMIT record is published with
+// PublishIfAbsent. A step already committed on dst with an equal record: already_there (nothing
+// written). A different record there: AlreadyExists naming both. Any failure leaves dst's
+// visible steps unchanged (an uncommitted step directory may stay; dst's CleanUp removes it).
+Result<CopyResult> CopyStep(CheckpointStore& src, CheckpointStore& dst, uint64_t step,
+                            const CopyOptions& options = {});
 
 // --- Synchronous save and load of one rank's shard (what safepoint.save / load call) ---------
 

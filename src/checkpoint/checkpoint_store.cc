@@ -589,12 +589,7 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
   if (chunks.back() >= md.chunk_crcs.size()) {
     return Corruption(md.source + ": checksum section has too few chunks");
   }
-  // Match the object to the metadata: a replaced image must not be read with the old checksums.
-  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(md.name));
-  if (obj->size() != layout.image_size) {
-    return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
-                      " bytes, its header says " + std::to_string(layout.image_size));
-  }
+  SP_ASSIGN_OR_RETURN(auto obj, OpenImage(md));
   FirstError error;
   internal::ParallelFor(chunks.size(), internal::DefaultIoThreads(), [&](size_t k) {
     if (error.failed()) return;
@@ -606,8 +601,7 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
       error.Set(ResourceExhausted(md.source + ": cannot allocate a read buffer"));
       return;
     }
-    Status s = obj->ReadAt(off, buf.span());
-    if (s.ok()) s = VerifyChunk(buf.span(), c, md.chunk_crcs[c], md.source);
+    Status s = ReadChunk(md, *obj, c, buf.span());
     if (!s.ok()) {
       error.Set(std::move(s));
       return;
@@ -618,6 +612,29 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
     }
   });
   return error.status();
+}
+
+Result<std::unique_ptr<ReadableObject>> CheckpointStore::OpenImage(const Metadata& md) {
+  // Match the object to the metadata: a replaced image must not be read with the old checksums.
+  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(md.name));
+  if (obj->size() != md.layout.image_size) {
+    return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
+                      " bytes, its header says " + std::to_string(md.layout.image_size));
+  }
+  return obj;
+}
+
+Status CheckpointStore::ReadChunk(const Metadata& md, const ReadableObject& image, uint64_t chunk,
+                                  std::span<std::byte> dst) {
+  const uint64_t covered = md.layout.checksums_offset;
+  const uint64_t off = chunk * md.layout.chunk_size;
+  if (chunk >= md.chunk_crcs.size() || off >= covered ||
+      dst.size() != std::min(md.layout.chunk_size, covered - off)) {
+    return InvalidArgument(md.source + ": no checksum chunk " + std::to_string(chunk) + " of " +
+                           std::to_string(dst.size()) + " bytes");
+  }
+  SP_RETURN_IF_ERROR(image.ReadAt(off, dst));
+  return VerifyChunk(dst, chunk, md.chunk_crcs[chunk], md.source);
 }
 
 Status CheckpointStore::DeleteStep(uint64_t step) {

@@ -7,9 +7,9 @@
 // ("<path>: sync #1 (injected fault) failed: Input/output error") as real ones.
 //
 // Publish and PublishIfAbsent pass three fault points in the order of the POSIX protocol: kSync
-// (data fsync), kPublish (rename) and kDirSync (directory fsync). A failure at the first two aborts the base
-// object, so nothing is published. At kDirSync the base object is published first, and the name
-// is recorded with what it named before (read from the base before publishing): a power loss
+// (data fsync), kPublish (rename) and kDirSync (directory fsync). A failure at the first two aborts
+// the base object, so nothing is published. At kDirSync the base object is published first, and the
+// name is recorded with what it named before (read from the base before publishing): a power loss
 // restores that. A writer's own shared_mutex orders SimulatePowerLoss against its WriteAt
 // (shared) and Publish/Abort (exclusive) calls, so the power may fail while threads write.
 #include "storage/faulty/faulty_storage.h"
@@ -298,8 +298,9 @@ class FaultyWritableObject final : public WritableObject {
         // As the POSIX driver does: the directory sync makes the existing name durable.
         if (dir_sync && !dir_sync->error.ok()) {
           return IOError(dir_sync->error.message())
-              .WithContext(path_ + " already exists (not replaced), but it may not survive a "
-                                   "power loss");
+              .WithContext(path_ +
+                           " already exists (not replaced), but it may not survive a "
+                           "power loss");
         }
         if (!dir_sync) state_->DirectorySyncedLocked(DirectoryOf(name_));
         return s;

@@ -448,8 +448,10 @@ class PosixWritableObject final : public WritableObject {
   Status Exists() {
     if (int err = Fsync(PosixPublishSync::kDirectory, dir_fd_.get()); err != 0) {
       const Status s = ErrnoStatus("fsync", dir_path_, err);
-      return Fail(IOError(s.message()).WithContext(
-          path_ + " already exists (not replaced), but it may not survive a power loss"));
+      return Fail(
+          IOError(s.message())
+              .WithContext(path_ +
+                           " already exists (not replaced), but it may not survive a power loss"));
     }
     return Fail(AlreadyExists(path_ + ": already exists (not replaced)"));
   }

@@ -18,8 +18,8 @@
 namespace safepoint::internal {
 
 enum class PosixPublishSync {
-  kFile,       // fsync of the temporary file, before the rename
-  kDirectory,  // fsync of the object's directory, after the rename
+  kFile,             // fsync of the temporary file, before the rename
+  kDirectory,        // fsync of the object's directory, after the rename
   kRenameNoReplace,  // PublishIfAbsent's renameat2(RENAME_NOREPLACE), before it is made
 };
 
