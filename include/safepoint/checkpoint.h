@@ -15,7 +15,9 @@
 // may write different images of the same step concurrently.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -93,14 +95,16 @@ class CheckpointStore {
 
   // If every rank of `world_size` has a published, valid-header image for `step`, all of save
   // attempt `attempt` (ImageMeta::attempt), writes the COMMIT record (idempotent: any rank may
-  // try; equal records replace each other atomically). An image of another attempt (left by an
+  // try; the record is published only where none exists, PublishIfAbsent, and a rank that finds
+  // one reports the step committed). An image of another attempt (left by an
   // unfinished or replaced save) means not yet: its rank's new image will replace it. Returns
   // true when the step is committed (now or before).
   // With `generation` != 0 (a save that replaces the step; generation == attempt) the images
   // looked at are that generation's: once all are there the new COMMIT record replaces the old
   // one in one rename, and then the images no longer named (the old ones) are removed. A commit
-  // of generation 0 never replaces a record of another generation (it returns true: the step
-  // is committed), so a plain committer (the agent) cannot undo a replacement.
+  // of generation 0 never replaces a valid record (it returns true: the step is committed), so
+  // a plain committer (the agent) cannot undo a replacement, even one that commits while it
+  // checks; it replaces only a corrupt record (the step does not exist).
   Result<bool> TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
                          uint64_t attempt = 0, uint64_t generation = 0);
 
@@ -138,6 +142,14 @@ class CheckpointStore {
   };
   Status ReadRanges(const Metadata& md, std::span<const Range> ranges);
 
+  // Chunk by chunk, for streaming an image (ReadRanges and CopyStep use these): OpenImage opens
+  // the object `md` describes, checked to still have the size its header gives; ReadChunk reads
+  // checksum chunk `chunk` of it into `dst` (exactly the chunk's length: md.layout.chunk_size,
+  // less for the last one) and verifies it against md.chunk_crcs (Corruption naming the image).
+  Result<std::unique_ptr<ReadableObject>> OpenImage(const Metadata& md);
+  static Status ReadChunk(const Metadata& md, const ReadableObject& image, uint64_t chunk,
+                          std::span<std::byte> dst);
+
   // Deletes a step: COMMIT first (so it stops existing at once), then its images.
   Status DeleteStep(uint64_t step);
 
@@ -152,6 +164,32 @@ class CheckpointStore {
 
 // Opens the checkpoint directory at `path` (a plain path or a URI).
 Result<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(std::string_view path);
+
+// --- Copies between storage tiers (tier_copy.cc) ---------------------------------------------
+
+struct CopyProgress {
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+};
+struct CopyOptions {
+  std::function<void(const CopyProgress&)> progress;  // optional; called serialized
+  size_t parallelism = 4;                             // chunks in flight
+  const std::atomic<bool>* cancel = nullptr;          // optional; Cancelled status when set
+};
+struct CopyResult {
+  uint64_t bytes = 0;
+  double seconds = 0;
+  bool already_there = false;
+};
+// Copies committed step `step` from `src` to `dst` with dst's commit protocol: each rank's image
+// the COMMIT record names is streamed chunk by chunk (bounded memory), every chunk verified
+// against the source image's checksums (and the header against the record) before it is written,
+// written under the same object name, published; then the same COMMIT record is published with
+// PublishIfAbsent. A step already committed on dst with an equal record: already_there (nothing
+// written). A different record there: AlreadyExists naming both. Any failure leaves dst's
+// visible steps unchanged (an uncommitted step directory may stay; dst's CleanUp removes it).
+Result<CopyResult> CopyStep(CheckpointStore& src, CheckpointStore& dst, uint64_t step,
+                            const CopyOptions& options = {});
 
 // --- Synchronous save and load of one rank's shard (what safepoint.save / load call) ---------
 

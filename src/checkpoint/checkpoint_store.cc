@@ -14,13 +14,18 @@
 // Committing step s (TryCommit; any rank may try, after its own step 5):
 //   6. List "step-S/". If rank-0 .. rank-(W-1) all exist, read each one's 4 KiB header and check
 //      magic, header CRC, step, rank, world size and that the object size equals image_size.
-//   7. Write "step-S/COMMIT" with steps 1, 3, 4, 5. Concurrent committers write equal records.
+//   7. Write "step-S/COMMIT" with steps 1, 3, 4, 5, where step 4 is an exclusive publish
+//      (renameat2 RENAME_NOREPLACE): of concurrent committers one publishes the record; the
+//      others find it (after an fsync of "step-S/", so that it is durable for them too) and
+//      report the step committed. A record is never replaced by a plain commit, so a plain
+//      committer cannot undo a replacement that committed after it checked (below).
 // A failed directory fsync (step 5 of an image or of the COMMIT) comes after the rename: the
 //   object is visible but may not survive a power loss. The write returns that IOError, so that
 //   the save is not reported committed on its account, and deletes nothing: another rank may
-//   have published an equal COMMIT under the name and reported the step committed. Images and
-//   COMMIT share "step-S/", so the successful fsync of a COMMIT written after every image makes
-//   them all durable; committing again (an equal record) makes a visible COMMIT durable.
+//   have found the COMMIT under the name and reported the step committed. Images and COMMIT
+//   share "step-S/", so the successful fsync of a COMMIT written after every image makes them
+//   all durable; committing again (which finds the record and fsyncs "step-S/") makes a visible
+//   COMMIT durable.
 // Reading: list "step-*/COMMIT", decode each (CRC, size, version); only those steps exist. Open
 //   a rank's image, compare its size and header CRC with the record, verify every chunk CRC.
 // Replacing a committed step (SaveShard with overwrite; the agent never does): each rank writes
@@ -115,10 +120,13 @@ class FirstError {
   std::atomic<bool> failed_{false};
 };
 
-Status WriteSmallObject(Storage& storage, const std::string& name, const std::string& data) {
+// Publishes `data` as `name`: replacing what is there, or when `exclusive` only where nothing is
+// (AlreadyExists otherwise).
+Status WriteSmallObject(Storage& storage, const std::string& name, const std::string& data,
+                        bool exclusive = false) {
   SP_ASSIGN_OR_RETURN(auto w, storage.Create(name, data.size()));
   SP_RETURN_IF_ERROR(w->WriteAt(0, {reinterpret_cast<const std::byte*>(data.data()), data.size()}));
-  return w->Publish();
+  return exclusive ? w->PublishIfAbsent() : w->Publish();
 }
 
 Result<std::string> ReadSmallObject(Storage& storage, const std::string& name, uint64_t max) {
@@ -388,8 +396,25 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
   SP_KILL_POINT("store.commit.before_write");
-  SP_RETURN_IF_ERROR(
-      WriteSmallObject(*storage_, CommitObjectName(step), EncodeCommitRecord(record)));
+  const std::string commit_name = CommitObjectName(step);
+  if (generation != 0) {
+    SP_RETURN_IF_ERROR(WriteSmallObject(*storage_, commit_name, EncodeCommitRecord(record)));
+  } else {
+    // Published only where no record exists: a replacement may have committed since the check
+    // above, and this record must not replace its record (it would name the images the
+    // replacement removes). An existing record is the step's: another rank's equal one, or a
+    // replacement's (the answer made its name durable). A corrupt record (the step does not
+    // exist) is replaced.
+    Status s = WriteSmallObject(*storage_, commit_name, EncodeCommitRecord(record),
+                                /*exclusive=*/true);
+    if (s.code() == StatusCode::kAlreadyExists) {
+      auto existing = ReadCommit(step);
+      if (existing.ok()) return true;
+      if (existing.status().code() != StatusCode::kCorruption) return existing.status();
+      s = WriteSmallObject(*storage_, commit_name, EncodeCommitRecord(record));
+    }
+    SP_RETURN_IF_ERROR(s);
+  }
   SP_KILL_POINT("store.commit.after_write");
   if (generation != 0) {
     // Step 8: the images the record no longer names. A failure leaves unused objects only
@@ -564,12 +589,7 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
   if (chunks.back() >= md.chunk_crcs.size()) {
     return Corruption(md.source + ": checksum section has too few chunks");
   }
-  // Match the object to the metadata: a replaced image must not be read with the old checksums.
-  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(md.name));
-  if (obj->size() != layout.image_size) {
-    return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
-                      " bytes, its header says " + std::to_string(layout.image_size));
-  }
+  SP_ASSIGN_OR_RETURN(auto obj, OpenImage(md));
   FirstError error;
   internal::ParallelFor(chunks.size(), internal::DefaultIoThreads(), [&](size_t k) {
     if (error.failed()) return;
@@ -581,8 +601,7 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
       error.Set(ResourceExhausted(md.source + ": cannot allocate a read buffer"));
       return;
     }
-    Status s = obj->ReadAt(off, buf.span());
-    if (s.ok()) s = VerifyChunk(buf.span(), c, md.chunk_crcs[c], md.source);
+    Status s = ReadChunk(md, *obj, c, buf.span());
     if (!s.ok()) {
       error.Set(std::move(s));
       return;
@@ -593,6 +612,29 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
     }
   });
   return error.status();
+}
+
+Result<std::unique_ptr<ReadableObject>> CheckpointStore::OpenImage(const Metadata& md) {
+  // Match the object to the metadata: a replaced image must not be read with the old checksums.
+  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(md.name));
+  if (obj->size() != md.layout.image_size) {
+    return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
+                      " bytes, its header says " + std::to_string(md.layout.image_size));
+  }
+  return obj;
+}
+
+Status CheckpointStore::ReadChunk(const Metadata& md, const ReadableObject& image, uint64_t chunk,
+                                  std::span<std::byte> dst) {
+  const uint64_t covered = md.layout.checksums_offset;
+  const uint64_t off = chunk * md.layout.chunk_size;
+  if (chunk >= md.chunk_crcs.size() || off >= covered ||
+      dst.size() != std::min(md.layout.chunk_size, covered - off)) {
+    return InvalidArgument(md.source + ": no checksum chunk " + std::to_string(chunk) + " of " +
+                           std::to_string(dst.size()) + " bytes");
+  }
+  SP_RETURN_IF_ERROR(image.ReadAt(off, dst));
+  return VerifyChunk(dst, chunk, md.chunk_crcs[chunk], md.source);
 }
 
 Status CheckpointStore::DeleteStep(uint64_t step) {

@@ -832,6 +832,38 @@ TEST(CheckpointStoreTest, ReplacingAMultiRankStepShowsTheOldOrTheNewStepNeverAMi
   EXPECT_EQ(store.ReadCommit(3)->generation, 8u);
 }
 
+// A plain commit (generation 0) that checked the record before a replacement committed must not
+// publish over the replacement's record: its record would name the images the replacement has
+// removed, and the step would be lost. The plain committer's COMMIT is held between its data
+// sync and its rename while a replacing save runs to the end.
+TEST(CheckpointStoreTest, APlainCommitRacingAReplacementNeverUndoesIt) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::function<void()> before_commit_rename;
+  auto storage = internal::NewPosixStorageWithSyncHook(
+      dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view path) {
+        if (sync == internal::PosixPublishSync::kFile && path.ends_with(CommitObjectName(4)) &&
+            before_commit_rename) {
+          std::exchange(before_commit_rename, nullptr)();
+        }
+        return 0;
+      });
+  ASSERT_OK(storage);
+  CheckpointStore store(std::shared_ptr<Storage>(std::move(storage).value()));
+  ASSERT_TRUE(SaveVersion(store, 4, 0, 1, 0, 1000, false).ok());
+  Result<SaveResult> replaced = InvalidArgument("not run");
+  before_commit_rename = [&] { replaced = SaveVersion(store, 4, 0, 1, 9, 2000, true); };
+  auto plain = store.TryCommit(4, 1, "test", 0);  // e.g. a rank committing again
+  ASSERT_OK(replaced);
+  ASSERT_TRUE(replaced->committed);
+  ASSERT_OK(plain);
+  EXPECT_TRUE(*plain);
+  auto commit = store.ReadCommit(4);
+  ASSERT_OK(commit);
+  EXPECT_EQ(commit->generation, 9u);
+  EXPECT_EQ(LoadedVersion(store, 0), 2000u);
+}
+
 TEST(CheckpointStoreTest, CommitRecordOfAReplacedStepRoundTrips) {
   CommitRecord r;
   r.step = 9;

@@ -411,6 +411,50 @@ TEST_P(FaultyStorageTest, PowerLossRevertsNamesWhoseDirectorySyncFailed) {
   EXPECT_EQ(ReadWholeObject(fs, "a/replaced"), PatternBytes(300, 1));
 }
 
+// PublishIfAbsent passes the fault points of Publish: a failed sync or rename publishes nothing;
+// a failed directory sync leaves a new object visible but not durable (a power loss removes it,
+// as nothing was there before). Finding the name taken, it syncs the directory as the POSIX
+// driver does: that makes the existing name durable, and a failure there is an IOError.
+TEST_P(FaultyStorageTest, PublishIfAbsentHasTheFaultPointsOfPublish) {
+  FaultyFixture fx(GetParam());
+  ASSERT_TRUE(fx.ok());
+  FaultyStorage& fs = fx.faulty();
+  auto publish_if_absent = [&](std::string_view name, int seed) -> Status {
+    SP_ASSIGN_OR_RETURN(auto w, fs.Create(name, 0));
+    SP_RETURN_IF_ERROR(w->WriteAt(0, PatternBytes(100, seed)));
+    return w->PublishIfAbsent();
+  };
+  for (FaultOp op : {FaultOp::kSync, FaultOp::kPublish}) {
+    fs.Arm({.op = op, .kind = FaultKind::kEIO});
+    EXPECT_EQ(publish_if_absent("a/obj", 1).code(), StatusCode::kIOError) << FaultOpName(op);
+    EXPECT_EQ(fs.Open("a/obj").status().code(), StatusCode::kNotFound);
+  }
+  fs.Arm({.op = FaultOp::kDirSync, .kind = FaultKind::kEIO});
+  EXPECT_EQ(publish_if_absent("a/obj", 2).code(), StatusCode::kIOError);
+  EXPECT_EQ(ReadWholeObject(fs, "a/obj"), PatternBytes(100, 2));
+  EXPECT_EQ(fs.undurable(), 1u);
+  // The name is taken: AlreadyExists, and the directory sync made the name durable.
+  fs.Clear();
+  EXPECT_EQ(publish_if_absent("a/obj", 3).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(fs.undurable(), 0u);
+  // The same with a failing directory sync: the name is taken but not known durable.
+  ASSERT_OK(publish_if_absent("b/obj", 4));
+  fs.Arm({.op = FaultOp::kDirSync, .kind = FaultKind::kEIO});
+  const Status taken = publish_if_absent("b/obj", 5);
+  EXPECT_EQ(taken.code(), StatusCode::kIOError) << taken.ToString();
+  EXPECT_NE(taken.message().find("already exists"), std::string::npos) << taken.ToString();
+  EXPECT_EQ(ReadWholeObject(fs, "b/obj"), PatternBytes(100, 4));
+  // A new name whose directory sync failed is gone after a power loss.
+  fs.Arm({.op = FaultOp::kDirSync, .kind = FaultKind::kEIO});
+  EXPECT_EQ(publish_if_absent("c/obj", 6).code(), StatusCode::kIOError);
+  fs.Clear();
+  ASSERT_OK(fs.SimulatePowerLoss());
+  EXPECT_EQ(fs.Open("c/obj").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(ReadWholeObject(fs, "a/obj"), PatternBytes(100, 2));
+  EXPECT_EQ(ReadWholeObject(fs, "b/obj"), PatternBytes(100, 4));
+  EXPECT_EQ(fx.TemporaryFiles(), 0u);
+}
+
 // A data sync that lies: the object reads back whole until the power fails, and torn after it
 // (cut off, or zeros from a seeded offset on), unless it was rewritten honestly before.
 TEST_P(FaultyStorageTest, PowerLossTearsDataWhoseSyncLied) {

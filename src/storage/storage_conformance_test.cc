@@ -322,6 +322,83 @@ TEST_P(StorageConformanceTest, RepublishReplacesAtomically) {
   EXPECT_EQ((*list)[0].size, 777u);
 }
 
+TEST_P(StorageConformanceTest, PublishIfAbsentPublishesANewName) {
+  auto w = storage_->Create("step-1/COMMIT", 0);
+  ASSERT_OK(w);
+  ASSERT_OK((*w)->WriteAt(0, PatternBytes(100, 20)));
+  EXPECT_TRUE(Names("").empty());
+  ASSERT_OK((*w)->PublishIfAbsent());
+  EXPECT_EQ(Names(""), std::vector<std::string>{"step-1/COMMIT"});
+  EXPECT_EQ(GetAll("step-1/COMMIT"), PatternBytes(100, 20));
+  EXPECT_FALSE((*w)->Publish().ok());  // published: the writer is done
+  auto leftovers = storage_->RemoveLeftovers("");
+  ASSERT_OK(leftovers);
+  EXPECT_EQ(*leftovers, 0u);
+}
+
+TEST_P(StorageConformanceTest, PublishIfAbsentKeepsAnExistingObject) {
+  Put("step-1/COMMIT", PatternBytes(300, 21));
+  auto w = storage_->Create("step-1/COMMIT", 0);
+  ASSERT_OK(w);
+  ASSERT_OK((*w)->WriteAt(0, PatternBytes(50, 22)));
+  const Status s = (*w)->PublishIfAbsent();
+  ASSERT_EQ(s.code(), StatusCode::kAlreadyExists) << s.ToString();
+  EXPECT_NE(s.message().find(storage_->Describe("step-1/COMMIT")), std::string::npos)
+      << s.ToString();
+  // The old bytes are intact, nothing else is listed, and the temporary data is gone.
+  EXPECT_EQ(GetAll("step-1/COMMIT"), PatternBytes(300, 21));
+  EXPECT_EQ(Names(""), std::vector<std::string>{"step-1/COMMIT"});
+  auto leftovers = storage_->RemoveLeftovers("");
+  ASSERT_OK(leftovers);
+  EXPECT_EQ(*leftovers, 0u) << "PublishIfAbsent left its temporary data behind";
+  EXPECT_FALSE((*w)->WriteAt(0, PatternBytes(10, 23)).ok());
+  EXPECT_FALSE((*w)->Publish().ok());
+  EXPECT_EQ(GetAll("step-1/COMMIT"), PatternBytes(300, 21));
+}
+
+TEST_P(StorageConformanceTest, PublishIfAbsentRaceHasExactlyOneWinner) {
+  constexpr int kThreads = 8;
+  constexpr int kRounds = 20;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::string name = "race/" + std::to_string(round);
+    // Every writer is ready before any publishes, so the publishes overlap.
+    std::vector<std::unique_ptr<WritableObject>> writers;
+    for (int t = 0; t < kThreads; ++t) {
+      auto w = storage_->Create(name, 0);
+      ASSERT_OK(w);
+      ASSERT_OK((*w)->WriteAt(0, PatternBytes(64 + t, static_cast<uint64_t>(t))));
+      writers.push_back(std::move(w).value());
+    }
+    std::atomic<int> ready{0};
+    std::vector<Status> results(kThreads);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        ready.fetch_add(1);
+        while (ready.load() < kThreads) {
+        }
+        results[t] = writers[t]->PublishIfAbsent();
+      });
+    }
+    for (auto& th : threads) th.join();
+    int winner = -1;
+    for (int t = 0; t < kThreads; ++t) {
+      if (results[t].ok()) {
+        EXPECT_EQ(winner, -1) << "round " << round << ": threads " << winner << " and " << t
+                              << " both published";
+        winner = t;
+      } else {
+        EXPECT_EQ(results[t].code(), StatusCode::kAlreadyExists) << results[t].ToString();
+      }
+    }
+    ASSERT_NE(winner, -1) << "round " << round << ": nobody published";
+    EXPECT_EQ(GetAll(name), PatternBytes(64 + winner, static_cast<uint64_t>(winner)));
+  }
+  auto leftovers = storage_->RemoveLeftovers("");
+  ASSERT_OK(leftovers);
+  EXPECT_EQ(*leftovers, 0u);
+}
+
 TEST_P(StorageConformanceTest, EmptyAndSparseObjects) {
   {
     auto w = storage_->Create("empty", 4096);  // a size hint that is never used

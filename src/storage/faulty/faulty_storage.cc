@@ -6,10 +6,10 @@
 // from the errno they simulate, so they carry the same codes and the same message shape
 // ("<path>: sync #1 (injected fault) failed: Input/output error") as real ones.
 //
-// Publish passes three fault points in the order of the POSIX protocol: kSync (data fsync),
-// kPublish (rename) and kDirSync (directory fsync). A failure at the first two aborts the base
-// object, so nothing is published. At kDirSync the base object is published first, and the name
-// is recorded with what it named before (read from the base before publishing): a power loss
+// Publish and PublishIfAbsent pass three fault points in the order of the POSIX protocol: kSync
+// (data fsync), kPublish (rename) and kDirSync (directory fsync). A failure at the first two aborts
+// the base object, so nothing is published. At kDirSync the base object is published first, and the
+// name is recorded with what it named before (read from the base before publishing): a power loss
 // restores that. A writer's own shared_mutex orders SimulatePowerLoss against its WriteAt
 // (shared) and Publish/Abort (exclusive) calls, so the power may fail while threads write.
 #include "storage/faulty/faulty_storage.h"
@@ -188,6 +188,11 @@ struct FaultState {
     }
   }
 
+  void DirectorySyncedLocked(std::string_view dir) {
+    std::lock_guard<std::mutex> lock(mu);
+    DirectorySynced(dir);
+  }
+
   void Deleted(std::string_view name) {
     std::lock_guard<std::mutex> lock(mu);
     DirectorySynced(DirectoryOf(name));
@@ -265,7 +270,11 @@ class FaultyWritableObject final : public WritableObject {
     }
   }
 
-  Status Publish() override {
+  Status Publish() override { return PublishAs(/*exclusive=*/false); }
+  Status PublishIfAbsent() override { return PublishAs(/*exclusive=*/true); }
+
+  // Publish or PublishIfAbsent: the same fault points; the base decides whether the name exists.
+  Status PublishAs(bool exclusive) {
     std::unique_lock<std::shared_mutex> lock(core_->mu);
     if (core_->dropped) return Lost();
     if (core_->finished) return InvalidArgument(path_ + ": already published or aborted");
@@ -275,14 +284,31 @@ class FaultyWritableObject final : public WritableObject {
     const std::string dir_path = base_storage_->Describe(DirectoryOf(name_));
     const std::optional<Injection> dir_sync = state_->Check(FaultOp::kDirSync, dir_path);
     std::optional<std::vector<std::byte>> previous;
-    if (dir_sync) {
+    if (dir_sync && !exclusive) {
       // The name will not be durable: keep what it names now, for a power loss to restore.
+      // (An exclusive publish that succeeds named nothing before: a power loss removes it.)
       auto read = ReadBase(*base_storage_, name_);
       if (!read.ok()) return Fail(read.status());
       previous = std::move(read).value();
     }
     core_->finished = true;
-    SP_RETURN_IF_ERROR(core_->base->Publish());
+    if (exclusive) {
+      Status s = core_->base->PublishIfAbsent();
+      if (s.code() == StatusCode::kAlreadyExists) {
+        // As the POSIX driver does: the directory sync makes the existing name durable.
+        if (dir_sync && !dir_sync->error.ok()) {
+          return IOError(dir_sync->error.message())
+              .WithContext(path_ +
+                           " already exists (not replaced), but it may not survive a "
+                           "power loss");
+        }
+        if (!dir_sync) state_->DirectorySyncedLocked(DirectoryOf(name_));
+        return s;
+      }
+      SP_RETURN_IF_ERROR(s);
+    } else {
+      SP_RETURN_IF_ERROR(core_->base->Publish());
+    }
     std::optional<uint64_t> tear;
     if (sync) tear = sync->draw;  // kUnsynced: the data sync lied
     state_->Published(name_, !dir_sync, std::move(previous), tear);

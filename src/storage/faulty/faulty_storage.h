@@ -37,6 +37,7 @@
 
 namespace safepoint {
 
+// Publish and PublishIfAbsent pass kSync, kPublish and kDirSync alike.
 enum class FaultOp : int {
   kCreate = 0,  // Storage::Create
   kWrite,       // WritableObject::WriteAt

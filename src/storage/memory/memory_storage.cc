@@ -100,16 +100,8 @@ class MemoryWritableObject final : public WritableObject {
     return Status::OK();
   }
 
-  Status Publish() override {
-    std::unique_lock<std::shared_mutex> lock(mu_);
-    if (state_ != State::kWriting) return NotWritable();
-    auto published = std::make_shared<const Bytes>(std::move(data_));
-    data_ = Bytes();
-    state_ = State::kPublished;
-    std::lock_guard<std::mutex> map_lock(map_->mu);
-    map_->objects[name_] = StoredObject{std::move(published), NowNs()};
-    return Status::OK();
-  }
+  Status Publish() override { return PublishAs(/*exclusive=*/false); }
+  Status PublishIfAbsent() override { return PublishAs(/*exclusive=*/true); }
 
   void Abort() override {
     std::unique_lock<std::shared_mutex> lock(mu_);
@@ -124,6 +116,23 @@ class MemoryWritableObject final : public WritableObject {
   Status NotWritable() const {
     return InvalidArgument(
         path_ + (state_ == State::kPublished ? ": already published" : ": write was aborted"));
+  }
+
+  // The check for an existing object and the insertion happen under the map's lock.
+  Status PublishAs(bool exclusive) {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    if (state_ != State::kWriting) return NotWritable();
+    std::lock_guard<std::mutex> map_lock(map_->mu);
+    if (exclusive && map_->objects.contains(name_)) {
+      state_ = State::kAborted;
+      Bytes().swap(data_);
+      return AlreadyExists(path_ + ": already exists (not replaced)");
+    }
+    auto published = std::make_shared<const Bytes>(std::move(data_));
+    data_ = Bytes();
+    state_ = State::kPublished;
+    map_->objects[name_] = StoredObject{std::move(published), NowNs()};
+    return Status::OK();
   }
 
   const std::shared_ptr<ObjectMap> map_;

@@ -30,6 +30,13 @@
 //      nothing). The caller must neither report it durable nor delete it; writing it again, or
 //      any later successful fsync of the same directory, makes the name durable.
 //   5. Abort (or the destructor of an unpublished object) unlinks the temporary file.
+//   PublishIfAbsent is step 4 with renameat2(RENAME_NOREPLACE) in place of the rename. EEXIST
+//   fsyncs the directory (the existing name may be another writer's, not yet made durable: the
+//   answer must not report an object that a power cut takes back; a failed fsync is IOError),
+//   removes the temporary file and is AlreadyExists. A filesystem that refuses the flag (EINVAL,
+//   or ENOSYS from an old kernel; some network filesystems) gets link(temporary, name), which is
+//   exclusive as well, then unlink(temporary); a temporary whose unlink fails stays behind as a
+//   leftover (RemoveLeftovers only removes that second name of the published file).
 //
 // Reads: Open() opens the file O_RDONLY, plus O_DIRECT where accepted; ReadAt() uses pread loops
 // and picks the descriptor by alignment as writes do. Reading past the end is Corruption.
@@ -45,6 +52,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -316,7 +324,11 @@ class PosixWritableObject final : public WritableObject {
     return Status::OK();
   }
 
-  Status Publish() override {
+  Status Publish() override { return PublishAs(/*exclusive=*/false); }
+  Status PublishIfAbsent() override { return PublishAs(/*exclusive=*/true); }
+
+  // Publish (replacing) or PublishIfAbsent (exclusive).
+  Status PublishAs(bool exclusive) {
     if (state_.load(std::memory_order_acquire) != State::kWriting) return NotWritable();
     {
       std::lock_guard<std::mutex> lock(failure_mu_);
@@ -341,7 +353,10 @@ class PosixWritableObject final : public WritableObject {
       return Fail(ErrnoStatus("close", tmp_path_, err));
     }
     SP_KILL_POINT("posix.publish.before_rename");
-    if (::renameat(dir_fd_.get(), tmp_name_.c_str(), dir_fd_.get(), base_name_.c_str()) != 0) {
+    if (exclusive) {
+      SP_RETURN_IF_ERROR(RenameNoReplace());
+    } else if (::renameat(dir_fd_.get(), tmp_name_.c_str(), dir_fd_.get(), base_name_.c_str()) !=
+               0) {
       return Fail(ErrnoStatus("rename to " + path_, tmp_path_, errno));
     }
     LiveTemporaries::Get().Remove(tmp_dev_, tmp_ino_);
@@ -397,6 +412,48 @@ class PosixWritableObject final : public WritableObject {
       if (int err = (*sync_hook_)(sync, path_); err != 0) return err;
     }
     return ::fsync(fd) == 0 ? 0 : errno;
+  }
+
+  // Moves the temporary file to the final name unless that name exists (then AlreadyExists and
+  // the temporary is removed). On success the final name shows the object.
+  Status RenameNoReplace() {
+    int err = 0;
+    if (sync_hook_ != nullptr) err = (*sync_hook_)(PosixPublishSync::kRenameNoReplace, path_);
+    if (err == 0) {
+      if (::renameat2(dir_fd_.get(), tmp_name_.c_str(), dir_fd_.get(), base_name_.c_str(),
+                      RENAME_NOREPLACE) == 0) {
+        return Status::OK();
+      }
+      err = errno;
+    }
+    if (err == EEXIST) return Exists();
+    if (err != EINVAL && err != ENOSYS) {
+      return Fail(ErrnoStatus("rename (RENAME_NOREPLACE) to " + path_, tmp_path_, err));
+    }
+    // The filesystem refuses the flag: a hard link is exclusive too.
+    if (::linkat(dir_fd_.get(), tmp_name_.c_str(), dir_fd_.get(), base_name_.c_str(), 0) != 0) {
+      err = errno;
+      if (err == EEXIST) return Exists();
+      return Fail(ErrnoStatus("link to " + path_, tmp_path_, err));
+    }
+    // Published. A temporary name that cannot be removed is a leftover (never listed); removing
+    // it later removes only that name.
+    ::unlinkat(dir_fd_.get(), tmp_name_.c_str(), 0);
+    return Status::OK();
+  }
+
+  // The name exists: another writer published it, perhaps without a directory fsync yet (it may
+  // be between its rename and its fsync, or its fsync failed). Sync the directory, so that the
+  // object this answer reports is durable like one this writer published, then fail.
+  Status Exists() {
+    if (int err = Fsync(PosixPublishSync::kDirectory, dir_fd_.get()); err != 0) {
+      const Status s = ErrnoStatus("fsync", dir_path_, err);
+      return Fail(
+          IOError(s.message())
+              .WithContext(path_ +
+                           " already exists (not replaced), but it may not survive a power loss"));
+    }
+    return Fail(AlreadyExists(path_ + ": already exists (not replaced)"));
   }
 
   // Publish failed: remove the temporary file, return `s`.

@@ -398,6 +398,40 @@ TEST(PosixStorageTest, FailedDirectoryFsyncNeverRemovesAnotherWritersObject) {
   EXPECT_EQ(ReadWholeObject(storage, "step/COMMIT"), PatternBytes(100, 4));
 }
 
+// A filesystem that refuses renameat2(RENAME_NOREPLACE) (EINVAL; ENOSYS on old kernels) gets
+// link + unlink, which is as exclusive: absent -> published, present -> AlreadyExists, and no
+// temporary file stays behind either way.
+TEST(PosixStorageTest, PublishIfAbsentFallsBackToLinkWhereTheFlagIsRefused) {
+  for (int refusal : {EINVAL, ENOSYS}) {
+    TempDir dir("safepoint-posix-test");
+    int asked = 0;
+    auto opened = internal::NewPosixStorageWithSyncHook(
+        dir.path(), {}, [&](internal::PosixPublishSync sync, std::string_view) {
+          if (sync != internal::PosixPublishSync::kRenameNoReplace) return 0;
+          ++asked;
+          return refusal;
+        });
+    ASSERT_OK(opened);
+    Storage& storage = **opened;
+    auto publish_if_absent = [&](int seed) -> Status {
+      SP_ASSIGN_OR_RETURN(auto w, storage.Create("step/COMMIT", 0));
+      SP_RETURN_IF_ERROR(w->WriteAt(0, PatternBytes(100, seed)));
+      return w->PublishIfAbsent();
+    };
+    ASSERT_OK(publish_if_absent(1));
+    EXPECT_EQ(ReadWholeObject(storage, "step/COMMIT"), PatternBytes(100, 1));
+    EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+    const Status again = publish_if_absent(2);
+    EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
+    EXPECT_EQ(ReadWholeObject(storage, "step/COMMIT"), PatternBytes(100, 1));
+    EXPECT_TRUE(TemporaryFiles(dir.path()).empty());
+    EXPECT_EQ(asked, 2);
+    struct stat st;
+    ASSERT_EQ(::stat((dir.path() + "/step/COMMIT").c_str(), &st), 0);
+    EXPECT_EQ(st.st_nlink, 1u) << "the temporary's name was not removed";
+  }
+}
+
 // A failed fsync of the data is never retried and publishes nothing: the old version stays.
 TEST(PosixStorageTest, FailedFileFsyncPublishesNothing) {
   TempDir dir("safepoint-posix-test");
