@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "base/log.h"
@@ -47,7 +48,17 @@ NodeAgent::NodeAgent(AgentOptions options)
       last_busy_(MonotonicSeconds()),
       queue_([this] { Wake(); }),
       replicator_(opt_.job, [this] { Wake(); }),
-      tiers_([this] { Wake(); }) {}
+      tiers_([this] { Wake(); }, TierRetrySeconds()) {}
+
+// The first retry delay of a failed tier copy ($SAFEPOINT_TIER_RETRY_SECONDS, default 1 s; each
+// next retry doubles it, up to 60 s).
+double TierRetrySeconds() {
+  const char* v = std::getenv("SAFEPOINT_TIER_RETRY_SECONDS");
+  if (v == nullptr || *v == '\0') return 1.0;
+  char* end = nullptr;
+  const double d = std::strtod(v, &end);
+  return (end != nullptr && *end == '\0' && d > 0 && d <= 60) ? d : 1.0;
+}
 
 void NodeAgent::Wake() {
   const uint64_t one = 1;

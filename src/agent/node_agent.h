@@ -143,6 +143,7 @@ class NodeAgent {
 };
 
 double MonotonicSeconds();
+double TierRetrySeconds();
 
 // How long a stopping agent lets its tier copies finish before cancelling them.
 inline constexpr double kTierDrainSeconds = 30;

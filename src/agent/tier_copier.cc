@@ -150,7 +150,7 @@ void TierChain::Stop(double grace_seconds) {
 
 void TierChain::Work(Worker& w) {
   // Open the tier's storage; an unreachable tier is retried with backoff (and reported).
-  double backoff = 1;
+  double backoff = retry_base_seconds_;
   std::shared_ptr<CheckpointStore> store;
   for (;;) {
     {
@@ -162,11 +162,14 @@ void TierChain::Work(Worker& w) {
       store = std::shared_ptr<CheckpointStore>(std::move(opened).value());
       break;
     }
-    spdlog::error("tier {} ({}): cannot open its storage, retrying in {:.0f} s: {}", w.index,
+    spdlog::error("tier {} ({}): cannot open its storage, retrying in {:.1f} s: {}", w.index,
                   w.spec.uri, backoff, opened.status().ToString());
     std::unique_lock<std::mutex> lock(w.mu);
     ++w.state.failures;
     w.state.last_error = opened.status().ToString();
+    // A step waiting for an unreachable tier counts its attempts too: after kMaxAttempts the
+    // tier no longer keeps the agent busy (it still retries, and reports the error).
+    if (w.candidate) ++w.attempts;
     w.cv.wait_for(lock, std::chrono::duration<double>(backoff), [&] { return w.stop; });
     backoff = std::min(backoff * 2, 60.0);
   }
@@ -184,6 +187,7 @@ void TierChain::Work(Worker& w) {
     w.store = store;
     w.state.open = true;
     w.state.last_error.clear();
+    w.attempts = 0;
     w.last = newest;
     w.last_ns = newest_ns;
     w.state.newest = newest;
