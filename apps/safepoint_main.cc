@@ -4,21 +4,27 @@
 //   safepoint ls PATH [--json]
 //   safepoint inspect PATH [--step N] [--rank R] [--json]
 //   safepoint verify PATH [--step N | --all] [--json]
+//   safepoint cp SRC DST [--step N | --all] [--json]
+//   safepoint rm PATH --step N [--force] [--json]
 //   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush]
 //   safepoint status [--shm-dir DIR] [--json]
 //   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
 //   safepoint --version
 //
-// Arguments are parsed by CLI11 (`safepoint --help`, `safepoint COMMAND --help`). Readable tables
-// on stdout by default, --json for scripts; errors on stderr. Exit status: 0 on success, 1 on an
-// error or when verification finds damage, 2 on a usage error.
+// PATH, SRC and DST are checkpoint directories: plain paths or storage URIs (file://, and the
+// other schemes OpenStorage knows). Arguments are parsed by CLI11 (`safepoint --help`, `safepoint
+// COMMAND --help`). Readable tables on stdout by default, --json for scripts; errors on stderr.
+// Exit status: 0 on success, 1 on an error or when verification finds damage, 2 on a usage error.
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <charconv>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -55,6 +61,8 @@ constexpr int kExitUsage = 2;
 
 struct Args {
   std::string path;
+  std::string destination;  // cp
+  bool force = false;       // rm
   std::string job;
   std::string shm_dir = "/dev/shm";
   bool dry_run = false;
@@ -309,6 +317,193 @@ int CmdVerify(const Args& a) {
   return kExitOk;
 }
 
+// Set by SIGINT/SIGTERM while `cp` runs: the copy in progress stops (Cancelled) and nothing of
+// it becomes visible on the destination.
+std::atomic<bool> g_cancel{false};
+void CancelCopy(int) { g_cancel.store(true); }
+
+// A progress bar on stderr (a terminal): bytes, rate and time left, redrawn at most 10 times a
+// second. CopyStep calls it serialized.
+class ProgressBar {
+ public:
+  explicit ProgressBar(std::string label)
+      : label_(std::move(label)), start_(std::chrono::steady_clock::now()) {}
+
+  void Update(const CopyProgress& p) {
+    const auto now = std::chrono::steady_clock::now();
+    if (p.bytes_done < p.bytes_total && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double rate = elapsed > 0 ? static_cast<double>(p.bytes_done) / elapsed : 0;
+    const double fraction =
+        p.bytes_total > 0 ? static_cast<double>(p.bytes_done) / static_cast<double>(p.bytes_total)
+                          : 1;
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(fraction * kWidth);
+    std::string bar =
+        "\r" + label_ + " [" + std::string(filled, '#') + std::string(kWidth - filled, '.') + "] ";
+    char pct[16];
+    std::snprintf(pct, sizeof(pct), "%3d%% ", static_cast<int>(fraction * 100));
+    bar += pct + HumanBytes(p.bytes_done) + "/" + HumanBytes(p.bytes_total);
+    if (rate > 0) {
+      bar += "  " + HumanBytes(static_cast<uint64_t>(rate)) + "/s";
+      const double left = static_cast<double>(p.bytes_total - p.bytes_done) / rate;
+      char eta[32];
+      std::snprintf(eta, sizeof(eta), "  ETA %dm%02ds", static_cast<int>(left) / 60,
+                    static_cast<int>(left) % 60);
+      bar += eta;
+    }
+    bar += "\033[K";  // clear the rest of the line
+    std::fputs(bar.c_str(), stderr);
+    std::fflush(stderr);
+    drawn_ = true;
+  }
+
+  void Finish() {
+    if (drawn_) std::fputs("\r\033[K", stderr);
+  }
+
+ private:
+  const std::string label_;
+  const std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point last_{};
+  bool drawn_ = false;
+};
+
+std::string Rate(uint64_t bytes, double seconds) {
+  return seconds > 0
+             ? HumanBytes(static_cast<uint64_t>(static_cast<double>(bytes) / seconds)) + "/s"
+             : "-";
+}
+
+// Copies committed steps from a.path to a.destination with CopyStep: --step N, --all (every
+// committed step of the source that the destination has not committed), or the newest.
+int CmdCp(const Args& a) {
+  auto src = OpenExistingStore(a.path);
+  if (!src.ok()) return Fail(src.status());
+  auto dst = OpenCheckpointStore(a.destination);
+  if (!dst.ok()) return Fail(dst.status());
+  std::vector<uint64_t> steps;
+  if (a.all) {
+    std::vector<std::string> problems;
+    auto committed = (*src)->ListCommitted(&problems);
+    if (!committed.ok()) return Fail(committed.status());
+    ReportProblems(problems);
+    auto there = (*dst)->ListCommitted();
+    if (!there.ok()) return Fail(there.status());
+    for (const auto& c : *committed) {
+      const bool present = std::any_of(there->begin(), there->end(),
+                                       [&](const CommitRecord& d) { return d.step == c.step; });
+      if (!present) steps.push_back(c.step);
+    }
+  } else {
+    auto c = PickStep(**src, a.step);
+    if (!c.ok()) return Fail(c.status());
+    steps.push_back(c->step);
+  }
+  const bool tty = ::isatty(STDERR_FILENO) == 1 && !a.json;
+  std::signal(SIGINT, CancelCopy);
+  std::signal(SIGTERM, CancelCopy);
+  json results = json::array();
+  bool failed = false;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const uint64_t step = steps[i];
+    std::string label = "step " + std::to_string(step);
+    if (steps.size() > 1)
+      label += " (" + std::to_string(i + 1) + "/" + std::to_string(steps.size()) + ")";
+    ProgressBar bar(label);
+    CopyOptions options;
+    options.cancel = &g_cancel;
+    if (tty) options.progress = [&bar](const CopyProgress& p) { bar.Update(p); };
+    auto copied = CopyStep(**src, **dst, step, options);
+    bar.Finish();
+    json j = {{"step", step}, {"ok", copied.ok()}};
+    if (copied.ok()) {
+      j["bytes"] = copied->bytes;
+      j["seconds"] = copied->seconds;
+      j["already_there"] = copied->already_there;
+      if (!a.json) {
+        if (copied->already_there) {
+          std::cout << "step " << step << " is already in " << (*dst)->storage().uri() << "\n";
+        } else {
+          char secs[32];
+          std::snprintf(secs, sizeof(secs), "%.2f", copied->seconds);
+          std::cout << "copied step " << step << " to " << (*dst)->storage().uri() << ": "
+                    << HumanBytes(copied->bytes) << " in " << secs << " s ("
+                    << Rate(copied->bytes, copied->seconds) << ")\n";
+        }
+        std::cout.flush();
+      }
+    } else {
+      failed = true;
+      j["error"] = copied.status().ToString();
+      spdlog::error("{}", copied.status().ToString());
+      if (copied.status().code() == StatusCode::kCancelled) {
+        results.push_back(std::move(j));
+        break;
+      }
+    }
+    results.push_back(std::move(j));
+  }
+  if (a.json) {
+    std::cout << json{{"source", (*src)->storage().uri()},
+                      {"destination", (*dst)->storage().uri()},
+                      {"ok", !failed},
+                      {"steps", results}}
+                     .dump(2)
+              << "\n";
+  } else if (steps.empty()) {
+    std::cout << "nothing to copy: " << (*dst)->storage().uri() << " has every committed step of "
+              << (*src)->storage().uri() << "\n";
+  }
+  return failed ? kExitError : kExitOk;
+}
+
+// Deletes one step with CheckpointStore::DeleteStep (its COMMIT first, so it stops existing at
+// once; then its images). The newest committed step only with --force: it is what a restart
+// loads. A step whose COMMIT record is damaged (not a step for readers) may be deleted too.
+int CmdRm(const Args& a) {
+  auto store = OpenExistingStore(a.path);
+  if (!store.ok()) return Fail(store.status());
+  const std::string uri = (*store)->storage().uri();
+  const uint64_t step = *a.step;
+  auto committed = (*store)->ListCommitted();
+  if (!committed.ok()) return Fail(committed.status());
+  auto record = (*store)->ReadCommit(step);
+  bool damaged = false;
+  if (!record.ok()) {
+    if (record.status().code() == StatusCode::kCorruption) {
+      damaged = true;
+      spdlog::warn("{} (deleting it)", record.status().ToString());
+    } else if (record.status().code() == StatusCode::kNotFound) {
+      std::string m = uri + ": step " + std::to_string(step) + " is not committed";
+      if (committed->empty()) {
+        m += " (no committed steps)";
+      } else {
+        m += " (committed steps:";
+        for (const auto& c : *committed) m += " " + std::to_string(c.step);
+        m += ")";
+      }
+      return Fail(NotFound(m));
+    } else {
+      return Fail(record.status());
+    }
+  }
+  if (!damaged && !committed->empty() && committed->back().step == step && !a.force) {
+    return Fail(InvalidArgument(uri + ": step " + std::to_string(step) +
+                                " is the newest committed step (what a restart loads); pass "
+                                "--force to delete it"));
+  }
+  if (Status s = (*store)->DeleteStep(step); !s.ok()) return Fail(s);
+  if (a.json) {
+    std::cout << json{{"uri", uri}, {"step", step}, {"deleted", true}, {"damaged", damaged}}.dump(2)
+              << "\n";
+  } else {
+    std::cout << "deleted step " << step << " from " << uri << "\n";
+  }
+  return kExitOk;
+}
+
 // Asks a live agent for its status (JSON), or nullopt.
 std::optional<json> QueryAgent(const std::string& job_dir) {
   const std::string path = AgentSocketPath(job_dir);
@@ -529,7 +724,7 @@ int CmdGc(const Args& a) {
   return failures ? kExitError : kExitOk;
 }
 
-constexpr char kPathHelp[] = "checkpoint directory: a path or a file:// URI";
+constexpr char kPathHelp[] = "checkpoint directory: a path or a storage URI (file://...)";
 constexpr char kShmDirHelp[] = "the shared-memory directory of the snapshots";
 
 // A non-negative integer of at most `max`, checked before CLI11 converts it (its conversion takes
@@ -564,8 +759,8 @@ int Main(int argc, char** argv) {
   internal::InitLogging("safepoint");
   Args a;
   CLI::App app(
-      "safepoint: list, inspect and verify checkpoints; look after this node's snapshots in "
-      "shared memory.",
+      "safepoint: list, inspect, verify, copy and delete checkpoints; look after this node's "
+      "snapshots in shared memory.",
       "safepoint");
   app.get_formatter()->column_width(26);
   app.get_formatter()->label("Usage", "usage");
@@ -628,6 +823,31 @@ int Main(int argc, char** argv) {
   verify->add_flag("--all", a.all, "every committed step")->excludes(verify_step);
   add_json(verify, "a JSON report: ok, and a result per image");
 
+  CLI::App* cp = app.add_subcommand(
+      "cp", "copy committed steps to another checkpoint directory (verified, committed there)");
+  cp->add_option("SRC", a.path, "the checkpoint to copy from: a path or a storage URI")
+      ->type_name("")
+      ->required()
+      ->check(not_empty);
+  cp->add_option("DST", a.destination,
+                 "the checkpoint to copy to: a path or a storage URI (created if missing)")
+      ->type_name("")
+      ->required()
+      ->check(not_empty);
+  CLI::Option* cp_step = add_step(cp);
+  cp->add_flag("--all", a.all, "every committed step that DST has not committed")
+      ->excludes(cp_step);
+  add_json(cp, "a JSON report: ok, and a result per step");
+
+  CLI::App* rm = app.add_subcommand("rm", "delete one step (its COMMIT record first)");
+  add_path(rm);
+  CLI::Option* rm_step = rm->add_option("--step", step, "the step to delete")
+                             ->type_name("N")
+                             ->required()
+                             ->check(UnsignedAtMost(std::numeric_limits<uint64_t>::max()));
+  rm->add_flag("--force", a.force, "also the newest committed step");
+  add_json(rm, "JSON instead of a line");
+
   CLI::App* agent =
       app.add_subcommand("agent", "run a job's node agent in the foreground (sidecar)");
   agent->add_option("--job", a.job, "the job's name ([A-Za-z0-9._-], 1..64)")
@@ -646,7 +866,7 @@ int Main(int argc, char** argv) {
   gc->add_flag("--dry-run", a.dry_run, "only say what would be removed");
   add_json(gc, "each job's action and why, as JSON");
 
-  for (CLI::App* cmd : {ls, inspect, verify, agent, status, gc}) cmd->group("Commands");
+  for (CLI::App* cmd : {ls, inspect, verify, cp, rm, agent, status, gc}) cmd->group("Commands");
   app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
 
   try {
@@ -659,7 +879,10 @@ int Main(int argc, char** argv) {
     }
     return Usage(chosen.empty() ? app : *chosen.front(), e.what());
   }
-  if (inspect_step->count() > 0 || verify_step->count() > 0) a.step = step;
+  if (inspect_step->count() > 0 || verify_step->count() > 0 || cp_step->count() > 0 ||
+      rm_step->count() > 0) {
+    a.step = step;
+  }
   if (!a.log_level.empty()) internal::SetLogLevel(a.log_level);
 
   if (version || version_cmd->parsed()) return CmdVersion();
@@ -670,6 +893,8 @@ int Main(int argc, char** argv) {
   if (ls->parsed()) return CmdLs(a);
   if (inspect->parsed()) return CmdInspect(a);
   if (verify->parsed()) return CmdVerify(a);
+  if (cp->parsed()) return CmdCp(a);
+  if (rm->parsed()) return CmdRm(a);
   if (agent->parsed()) return CmdAgent(a);
   if (status->parsed()) return CmdStatus(a);
   if (gc->parsed()) return CmdGc(a);
