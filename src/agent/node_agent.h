@@ -13,7 +13,8 @@
 //   protocol.*        the messages and frames between clients and the agent
 //
 // Threads: everything in NodeAgent runs on the main thread, except the PersistQueue's worker, the
-// Replicator's workers and the TierChain's workers, which touch only their own state and wake the loop through an eventfd.
+// Replicator's workers and the TierChain's workers, which touch only their own state and wake the
+// loop through an eventfd.
 //
 // Ownership: the agent owns the job directory's lock (one agent per job), the listening socket
 // and the arenas it maps; the training processes own their slots' contents. The agent never

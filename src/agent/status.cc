@@ -56,19 +56,16 @@ nlohmann::json NodeAgent::StatusJson() {
   const std::vector<TierState> states = tiers_.States();
   for (size_t i = 0; config_ && i < config_->tiers.size(); ++i) {
     const TierSpec& spec = config_->tiers[i];
-    json t = {{"tier", i + 1},
-              {"uri", spec.uri},
-              {"every", spec.every},
-              {"every_seconds", spec.every_seconds},
-              {"keep", spec.keep},
-              {"filled_here", i < states.size()}};
+    json t = {{"tier", i + 1},       {"uri", spec.uri},
+              {"every", spec.every}, {"every_seconds", spec.every_seconds},
+              {"keep", spec.keep},   {"filled_here", i < states.size()}};
     if (i < states.size()) {
       const TierState& st = states[i];
       t.update({{"open", st.open},
                 {"newest_step", optional(st.newest)},
-                {"last_copy_time",
-                 st.last_copy_unix_ns ? json(static_cast<double>(st.last_copy_unix_ns) / 1e9)
-                                      : json(nullptr)},
+                {"last_copy_time", st.last_copy_unix_ns
+                                       ? json(static_cast<double>(st.last_copy_unix_ns) / 1e9)
+                                       : json(nullptr)},
                 {"pending_step", optional(st.pending)},
                 {"in_flight_step", optional(st.in_flight)},
                 {"copies", st.copies},

@@ -57,11 +57,11 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
 struct TierState {
   size_t index = 0;  // 1-based: tier 1 is the first below the job's storage
   TierSpec spec;
-  bool open = false;                   // its storage is reachable (opened)
-  std::optional<uint64_t> newest;      // newest committed step on it (as far as known)
-  int64_t last_copy_unix_ns = 0;       // when its last copy committed (0: none by this agent)
-  std::optional<uint64_t> pending;     // the step waiting to be copied
-  std::optional<uint64_t> in_flight;   // the step being copied
+  bool open = false;                  // its storage is reachable (opened)
+  std::optional<uint64_t> newest;     // newest committed step on it (as far as known)
+  int64_t last_copy_unix_ns = 0;      // when its last copy committed (0: none by this agent)
+  std::optional<uint64_t> pending;    // the step waiting to be copied
+  std::optional<uint64_t> in_flight;  // the step being copied
   uint64_t copies = 0, failures = 0, skipped = 0;  // skipped: offered but not due
   uint64_t last_copy_bytes = 0;
   double last_copy_seconds = 0;
@@ -80,8 +80,8 @@ class TierChain {
   TierChain& operator=(const TierChain&) = delete;
 
   // Starts one worker per tier below `primary` (tier 0). Called once; no-op for no tiers.
-  void Start(std::string job, std::shared_ptr<CheckpointStore> primary,
-             std::vector<TierSpec> tiers, std::shared_ptr<StepPins> pins);
+  void Start(std::string job, std::shared_ptr<CheckpointStore> primary, std::vector<TierSpec> tiers,
+             std::shared_ptr<StepPins> pins);
   bool started() const { return !workers_.empty(); }
 
   // `step` committed on tier 0 (at `commit_unix_ns`).

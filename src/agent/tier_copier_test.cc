@@ -105,11 +105,11 @@ TEST(TierChainTest, AFailingTierIsReportedAndDoesNotHoldUpTheTierAbove) {
   // Tier 2 fails every publish (EIO), like a full or broken object store.
   auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
   faulty->Arm({FaultOp::kPublish, 1, FaultKind::kEIO, /*sticky=*/true});
-  RegisterStorageScheme("tier-test-faulty",
-                        [faulty](std::string_view, std::string_view) -> Result<std::unique_ptr<Storage>> {
-                          return std::unique_ptr<Storage>(
-                              std::make_unique<FaultyStorage>(faulty));
-                        });
+  RegisterStorageScheme(
+      "tier-test-faulty",
+      [faulty](std::string_view, std::string_view) -> Result<std::unique_ptr<Storage>> {
+        return std::unique_ptr<Storage>(std::make_unique<FaultyStorage>(faulty));
+      });
   const std::string t1 = Unique("t1");
   TierChain chain({}, 0.001);
   chain.Start("tiers", shared, {{t1, 0, 0, 3}, {"tier-test-faulty://x", 0, 0, 3}},
