@@ -67,13 +67,14 @@ class SafepointCallback(TrainerCallback):
     ``path``: the safepoint checkpoint directory. ``every_n_steps``: save every N global steps
     (``on_step_end``); None: save on the Trainer's ``on_save``. ``mode``: ``"flash"`` or
     ``"sync"``. ``persist_every``, ``keep``, ``job``, ``shm_dir``, ``on_busy``,
-    ``allow_pickle``: as for ``safepoint.Checkpointer``.
+    ``allow_pickle``, ``tiers``: as for ``safepoint.Checkpointer`` (flash mode: the agent copies
+    committed steps down the storage tiers).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, every_n_steps: Optional[int] = None,
                  mode: str = "flash", persist_every: int = 1, keep: int = 3,
                  job: Optional[str] = None, shm_dir: Optional[str] = None, on_busy: str = "wait",
-                 allow_pickle: AllowPickle = False) -> None:
+                 allow_pickle: AllowPickle = False, tiers: Optional[list[Any]] = None) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -89,7 +90,7 @@ class SafepointCallback(TrainerCallback):
         self.every_n_steps, self.mode = every_n_steps, mode
         self._ckpt_kw: dict[str, Any] = dict(persist_every=persist_every, keep=keep, job=job,
                                              shm_dir=shm_dir, on_busy=on_busy,
-                                             allow_pickle=allow_pickle)
+                                             allow_pickle=allow_pickle, tiers=tiers)
         self.allow_pickle = allow_pickle
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._last_saved: Optional[int] = None

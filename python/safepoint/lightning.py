@@ -192,13 +192,14 @@ class SafepointCheckpointIO(_CheckpointIO):
     safepoint``). ``mode``: ``"flash"`` (return after the copy into shared memory; the agent
     persists) or ``"sync"`` (durable on return). ``allow_pickle``: as for ``safepoint.save``.
     ``include_rng``: save this process's generator states and restore them on load. ``job``,
-    ``shm_dir``, ``on_busy``: passed to ``safepoint.Checkpointer`` (flash mode).
+    ``shm_dir``, ``on_busy``, ``tiers``: passed to ``safepoint.Checkpointer`` (flash mode; the
+    storage tiers keep their own retention, Lightning's applies to ``path``).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, mode: str = "flash",
                  allow_pickle: AllowPickle = False, include_rng: bool = True,
                  job: Optional[str] = None, shm_dir: Optional[str] = None,
-                 on_busy: str = "wait") -> None:
+                 on_busy: str = "wait", tiers: Optional[list[Any]] = None) -> None:
         super().__init__()
         if mode not in ("flash", "sync"):
             raise InvalidArgumentError(f"mode must be 'flash' or 'sync', got {mode!r}")
@@ -211,6 +212,7 @@ class SafepointCheckpointIO(_CheckpointIO):
         self.allow_pickle = allow_pickle
         self.include_rng = include_rng
         self.job, self.shm_dir, self.on_busy = job, shm_dir, on_busy
+        self.tiers = tiers
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._next: Optional[int] = None        # the next safepoint step (save number)
         self._doomed: set[int] = set()          # unreferenced steps, deleted once committed
@@ -248,7 +250,8 @@ class SafepointCheckpointIO(_CheckpointIO):
             assert self._root is not None
             self._ckpt = safepoint.Checkpointer(
                 self._root, job=self.job, rank=0, world_size=1, keep=_NO_PRUNE,
-                on_busy=self.on_busy, shm_dir=self.shm_dir, allow_pickle=self.allow_pickle)
+                on_busy=self.on_busy, shm_dir=self.shm_dir, allow_pickle=self.allow_pickle,
+                tiers=self.tiers)
         return self._ckpt
 
     def _take_step(self, root: str) -> int:
