@@ -16,7 +16,9 @@
 //
 // Time bounds: rados_osd_op_timeout, rados_mon_op_timeout and client_mount_timeout are set to
 // the URI's timeout, so a stalled OSD completes an op with ETIMEDOUT; our own waits are bounded
-// too (timeout + 10 s without any completion cancels what is in flight). Transient errors
+// too (timeout + 10 s without any completion cancels what is in flight). Before a retry the
+// client fetches the newest OSD map (an OSD that died and came back listens elsewhere; librados
+// does not always ask on its own, and its retries would go to the dead address). Transient errors
 // (ETIMEDOUT, EAGAIN, ENOTCONN, ECONNRESET, ESHUTDOWN, EBUSY, EIO) are retried `retries` times
 // with exponential backoff and jitter; ENOENT, EDQUOT, ENOSPC, EEXIST never. Writes carry
 // LIBRADOS_OPERATION_FULL_TRY, so a full pool (quota or space) answers EDQUOT/ENOSPC
@@ -308,13 +310,20 @@ struct AioOp {
 // Returns after every op finished; each op's rv holds its final result.
 class AioBatch {
  public:
-  AioBatch(int timeout_s, int retries) : timeout_s_(timeout_s), retries_(retries) {}
+  AioBatch(rados_t cluster, int timeout_s, int retries)
+      : cluster_(cluster), timeout_s_(timeout_s), retries_(retries) {}
 
   void Run(std::vector<AioOp>& ops, size_t window) {
     std::vector<size_t> pending(ops.size());
     for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
     for (int attempt = 0; !pending.empty(); ++attempt) {
-      if (attempt > 0) Backoff(attempt);
+      if (attempt > 0) {
+        Backoff(attempt);
+        // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
+        // learns the new address only from a newer OSD map, which it does not always ask for on
+        // its own (a lone OSD killed and restarted: every retry would go to the dead address).
+        (void)rados_wait_for_latest_osdmap(cluster_);
+      }
       RunRound(ops, pending, window);
       std::vector<size_t> again;
       for (size_t i : pending) {
@@ -441,6 +450,7 @@ class AioBatch {
     }
   }
 
+  const rados_t cluster_;
   const int timeout_s_;
   const int retries_;
   std::mutex mu_;
@@ -528,7 +538,7 @@ class RadosStorage final : public Storage {
     return head_oid + "@" + id + "." + std::to_string(chunk);
   }
   void RunOps(std::vector<AioOp>& ops, size_t window = kWindow) const {
-    AioBatch(options_.timeout_s, options_.retries).Run(ops, window);
+    AioBatch(pool_->cluster->handle, options_.timeout_s, options_.retries).Run(ops, window);
   }
   Status Check(const std::string& what, const AioOp& op) const {
     return OpStatus(what, op, pool_->name, options_.timeout_s);
