@@ -9,6 +9,11 @@
 #   scripts/ceph-cluster.sh restart-osd DIR
 #                                       starts osd.0 again after a test killed it (its pid file is
 #                                       DIR/run/osd.0.pid) and waits until every PG is active+clean
+#   scripts/ceph-cluster.sh resume-osd DIR
+#                                       SIGCONTs osd.0 after a test stopped it, and has it re-peer
+#                                       (marked down, it rejoins at once): with one OSD, the PGs of a
+#                                       paused OSD stay "laggy" (their read leases expired) and
+#                                       queue every op until they re-peer
 #
 # `start` also creates the S3 bucket `safepoint-test` (the S3 tier's tests write under it).
 #
@@ -21,7 +26,7 @@
 # Idempotent: `start` on a running cluster and `stop` on a missing one do nothing. Quiet on success.
 set -euo pipefail
 
-usage() { echo "usage: $0 start|stop|env|restart-osd DIR" >&2; exit 2; }
+usage() { echo "usage: $0 start|stop|env|restart-osd|resume-osd DIR" >&2; exit 2; }
 [ $# -eq 2 ] || usage
 cmd=$1
 DIR=$2
@@ -121,7 +126,7 @@ pgs_active() {
   local out
   out=$(cephc pg stat 2>/dev/null) || return 1
   # e.g. "41 pgs: 41 active+clean; ..." ; every PG active+clean
-  echo "$out" | grep -Eq '^([0-9]+) pgs: \1 active\+clean'
+  echo "$out" | grep -Eq '^([0-9]+) pgs: \1 active\+clean;'
 }
 
 osd_active() {
@@ -283,9 +288,20 @@ do_restart_osd() {
   wait_for "every PG active+clean after the OSD restart" pgs_active
 }
 
+do_resume_osd() {
+  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
+  local pid
+  pid=$(cat "$DIR/run/osd.0.pid")
+  kill -CONT "$pid" || die "osd.0 (pid $pid) is not running"
+  cephc osd down 0 >/dev/null 2>&1 || die "ceph osd down 0 failed"
+  wait_for "osd.0 to boot again" osd_active
+  wait_for "every PG active+clean after osd.0 re-peered" pgs_active
+}
+
 case "$cmd" in
   start) do_start ;;
   restart-osd) do_restart_osd ;;
+  resume-osd) do_resume_osd ;;
   stop) do_stop ;;
   env) do_env ;;
   *) usage ;;
