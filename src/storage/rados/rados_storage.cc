@@ -62,6 +62,7 @@
 #include <rados/librados.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -785,7 +786,8 @@ class RadosWritableObject final : public WritableObject {
   const uint64_t chunk_size_;
   std::atomic<uint64_t> size_{0};
   std::atomic<bool> failed_{false};
-  State state_ = State::kWriting;  // changed by the one thread that publishes or aborts
+  // Changed by the one thread that publishes or aborts; read by WriteAt on any thread.
+  std::atomic<State> state_{State::kWriting};
   std::mutex mu_;
   std::set<uint64_t> touched_;  // chunks that may exist
 };
