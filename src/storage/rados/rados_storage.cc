@@ -91,9 +91,9 @@ constexpr char kDataNamespace[] = "safepoint.data";
 constexpr char kHeadMagic[8] = {'S', 'P', 'R', 'A', 'D', 'O', 'S', 'H'};
 constexpr uint32_t kHeadVersion = 1;
 constexpr size_t kHeadSize = 64;
-constexpr size_t kWindow = 16;        // aio ops in flight per call
-constexpr size_t kListWindow = 64;    // head reads in flight per List
-constexpr int kBackstopSlackS = 10;   // our own bound beyond librados's op timeout
+constexpr size_t kWindow = 16;       // aio ops in flight per call
+constexpr size_t kListWindow = 64;   // head reads in flight per List
+constexpr int kBackstopSlackS = 10;  // our own bound beyond librados's op timeout
 
 // ---- small helpers ----------------------------------------------------------------------------
 
@@ -302,7 +302,7 @@ struct AioOp {
   char* rbuf = nullptr;
   size_t len = 0;
   uint64_t off = 0;
-  int rv = 0;         // result: bytes read (kRead) or 0, or -errno
+  int rv = 0;  // result: bytes read (kRead) or 0, or -errno
   int attempts = 0;
   rados_write_op_t wop = nullptr;
 };
@@ -484,8 +484,8 @@ Status OpStatus(const std::string& what, const AioOp& op, const std::string& poo
       return NotFound(std::move(m));
     case EDQUOT:
     case ENOSPC:
-      return ResourceExhausted(what + ": pool \"" + pool + "\" is full (quota or space: " +
-                               RadosError(rv) + ")");
+      return ResourceExhausted(what + ": pool \"" + pool +
+                               "\" is full (quota or space: " + RadosError(rv) + ")");
     case EEXIST:
       return AlreadyExists(std::move(m));
     case ETIMEDOUT:
@@ -652,8 +652,8 @@ class RadosWritableObject final : public WritableObject {
       if (op.rv < 0) {
         failed_ = true;
         return storage_->Check("writing " + std::to_string(op.len) + " bytes at offset " +
-                                   std::to_string(op.off) + " of data object " + op.oid +
-                                   " of " + path,
+                                   std::to_string(op.off) + " of data object " + op.oid + " of " +
+                                   path,
                                op);
       }
     }
@@ -1007,10 +1007,20 @@ Result<uint64_t> ParseBytes(std::string_view uri, std::string_view key, std::str
   uint64_t mult = 1;
   if (!v.empty()) {
     switch (v.back()) {
-      case 'K': case 'k': mult = uint64_t{1} << 10; break;
-      case 'M': case 'm': mult = uint64_t{1} << 20; break;
-      case 'G': case 'g': mult = uint64_t{1} << 30; break;
-      default: mult = 0;
+      case 'K':
+      case 'k':
+        mult = uint64_t{1} << 10;
+        break;
+      case 'M':
+      case 'm':
+        mult = uint64_t{1} << 20;
+        break;
+      case 'G':
+      case 'g':
+        mult = uint64_t{1} << 30;
+        break;
+      default:
+        mult = 0;
     }
     if (mult != 0) v.remove_suffix(1);
     if (mult == 0) mult = 1;
@@ -1085,8 +1095,8 @@ Result<std::unique_ptr<Storage>> OpenRadosStorage(std::string_view uri, std::str
   }
   if (!prefix.empty()) {
     if (Status s = ValidateObjectName(prefix); !s.ok()) {
-      return InvalidArgument("storage URI \"" + std::string(uri) + "\": bad prefix: " +
-                             s.message());
+      return InvalidArgument("storage URI \"" + std::string(uri) +
+                             "\": bad prefix: " + s.message());
     }
     prefix += '/';
   }
@@ -1110,9 +1120,8 @@ Result<std::unique_ptr<Storage>> OpenRadosStorage(std::string_view uri, std::str
                        "\": " + RadosError(rv));
   }
   rados_ioctx_set_namespace(p->data, kDataNamespace);
-  return std::unique_ptr<Storage>(
-      std::make_unique<RadosStorage>(std::move(clean_uri), std::move(p), std::move(prefix),
-                                     options));
+  return std::unique_ptr<Storage>(std::make_unique<RadosStorage>(std::move(clean_uri), std::move(p),
+                                                                 std::move(prefix), options));
 }
 
 }  // namespace safepoint::internal

@@ -11,12 +11,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstring>
-#include <iostream>
-#include <mutex>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <iostream>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,11 +46,11 @@ std::string TestUri(std::string_view query = "") {
   return uri;
 }
 
-#define SKIP_WITHOUT_CEPH()                                                                   \
-  do {                                                                                        \
-    if (std::getenv("SAFEPOINT_TEST_RADOS_URI") == nullptr) {                                 \
+#define SKIP_WITHOUT_CEPH()                                                                  \
+  do {                                                                                       \
+    if (std::getenv("SAFEPOINT_TEST_RADOS_URI") == nullptr) {                                \
       GTEST_SKIP() << "$SAFEPOINT_TEST_RADOS_URI is not set (scripts/with-ceph.sh sets it)"; \
-    }                                                                                         \
+    }                                                                                        \
   } while (0)
 
 #define SKIP_WITHOUT_CEPH_DIR()                                                             \
@@ -126,8 +126,8 @@ TEST(RadosOptionsTest, ParsesKnownKeysAndRejectsOthers) {
   EXPECT_EQ(o->retries, 2);
   EXPECT_EQ(o->chunk_size, 64u << 10);
   EXPECT_EQ(internal::ParseRadosOptions("u", "chunk_size=2M")->chunk_size, 2u << 20);
-  for (std::string_view bad : {"timeout=0", "timeout=x", "chunk_size=1", "chunk_size=2T",
-                               "bogus=1", "retries=-1"}) {
+  for (std::string_view bad :
+       {"timeout=0", "timeout=x", "chunk_size=1", "chunk_size=2T", "bogus=1", "retries=-1"}) {
     auto r = internal::ParseRadosOptions("rados://p/x", bad);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
@@ -237,10 +237,10 @@ TEST(RadosStorageTest, LeftoversOfACrashedWriterAreRemovedButNotThoseOfALiveOne)
   ASSERT_OK_AND_ASSIGN(auto s, OpenStorage(uri));
   // A writer in another process that dies before publishing leaves its data objects. (This
   // binary again, not fork(): a forked child has no librados threads.)
-  ASSERT_EQ(Shell("SAFEPOINT_TEST_RADOS_CRASH_URI='" + uri + "' /proc/" +
-                  std::to_string(::getpid()) +
-                  "/exe --gtest_filter=RadosCrashHelper.WriteThenDie >/dev/null 2>&1"),
-            0);
+  ASSERT_EQ(
+      Shell("SAFEPOINT_TEST_RADOS_CRASH_URI='" + uri + "' /proc/" + std::to_string(::getpid()) +
+            "/exe --gtest_filter=RadosCrashHelper.WriteThenDie >/dev/null 2>&1"),
+      0);
   ASSERT_OK_AND_ASSIGN(auto live, s->Create("step-2/img", 0));
   ASSERT_OK(live->WriteAt(0, PatternBytes(10000, 6)));
   ASSERT_OK(test::PutObject(*s, "step-0/img", PatternBytes(10000, 7)));
@@ -270,8 +270,7 @@ TEST(RadosStorageTest, CheckpointStoreRoundTrip) {
   Dict d;
   d.items.emplace_back(Value(std::string("big")), Value(TensorRef{0, 0}));
   const std::string extras = *EncodeExtras(Value(std::move(d)));
-  auto saved =
-      SaveShard(store, test::TestImageMeta("rados", 3, 0, 1), sources, extras);
+  auto saved = SaveShard(store, test::TestImageMeta("rados", 3, 0, 1), sources, extras);
   ASSERT_OK(saved);
   EXPECT_TRUE(saved->committed);
   ASSERT_OK_AND_ASSIGN(LoadedShard shard, LoadShard(store, std::nullopt, 0));
@@ -386,7 +385,8 @@ TEST(RadosFaultTest, KilledOrStalledOsdGivesAnErrorOrASuccessfulRetryNeverAParti
       ASSERT_OK((*r)->ReadAt(0, back.span()));
       EXPECT_EQ(FirstMismatch(back.span(), 50, 0), -1);
     } else {
-      EXPECT_TRUE(result.code() == StatusCode::kUnavailable || result.code() == StatusCode::kIOError)
+      EXPECT_TRUE(result.code() == StatusCode::kUnavailable ||
+                  result.code() == StatusCode::kIOError)
           << result.ToString();
       EXPECT_NE(result.message().find(s->Describe("big")), std::string::npos) << result.ToString();
       EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << "a failed upload is visible";
