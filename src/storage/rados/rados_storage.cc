@@ -40,7 +40,8 @@
 //      data (RemoveLeftovers reclaims it if the head never landed). Otherwise the data is removed.
 //   4. After a head replaced another, the old head's data objects are removed (best effort: what
 //      is left is reclaimed by RemoveLeftovers).
-//   5. Abort (or the destructor of an unpublished writer) removes the data objects written.
+//   5. Abort (or the destructor of an unpublished writer) removes the data objects written, in
+//      one attempt (no retries: what a failure leaves is reclaimed by RemoveLeftovers).
 //
 // Reads: Open reads and checks the head; ReadAt reads only the chunks its range covers, as
 // parallel aio reads straight into the caller's buffer. Bytes below the size that a chunk does
@@ -538,8 +539,9 @@ class RadosStorage final : public Storage {
   static std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
     return head_oid + "@" + id + "." + std::to_string(chunk);
   }
-  void RunOps(std::vector<AioOp>& ops, size_t window = kWindow) const {
-    AioBatch(pool_->cluster->handle, options_.timeout_s, options_.retries).Run(ops, window);
+  void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
+    AioBatch(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries)
+        .Run(ops, window);
   }
   Status Check(const std::string& what, const AioOp& op) const {
     return OpStatus(what, op, pool_->name, options_.timeout_s);
@@ -693,7 +695,9 @@ class RadosWritableObject final : public WritableObject {
         ops.push_back(std::move(op));
       }
     }
-    storage_->RunOps(ops);  // failures leave leftovers for RemoveLeftovers
+    // One attempt, no retries: after a failure (a cluster that does not answer) the writer's
+    // error must not wait for the clean-up too; what is left is reclaimed by RemoveLeftovers.
+    storage_->RunOps(ops, kWindow, /*retries=*/0);
   }
 
   Status DoPublish(bool exclusive) {
