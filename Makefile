@@ -25,7 +25,11 @@ test-cpp: build
 test-python: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests/python
 
-test: test-cpp test-python test-crash
+# One throwaway Ceph cluster (scripts/with-ceph.sh) for the C++ and the Python tests: the rados://
+# and s3:// tests run against it, and skip where it cannot run (not root, Ceph not installed).
+test: build
+	scripts/with-ceph.sh $(MAKE) --no-print-directory test-cpp test-python
+	$(MAKE) --no-print-directory test-crash
 
 # Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
 # the Python package (configured in pyproject.toml). mypy reads the _core.pyi the build generates.

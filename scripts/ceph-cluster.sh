@@ -6,6 +6,16 @@
 #                                       RADOS Gateway with an S3 user; returns once all are healthy
 #   scripts/ceph-cluster.sh env DIR     prints CEPH_CONF, CEPH_ARGS and AWS_* lines to `eval`
 #   scripts/ceph-cluster.sh stop DIR    kills every daemon of DIR and removes DIR
+#   scripts/ceph-cluster.sh restart-osd DIR
+#                                       starts osd.0 again after a test killed it (its pid file is
+#                                       DIR/run/osd.0.pid) and waits until every PG is active+clean
+#   scripts/ceph-cluster.sh resume-osd DIR
+#                                       SIGCONTs osd.0 after a test stopped it, and has it re-peer
+#                                       (marked down, it rejoins at once): with one OSD, the PGs of a
+#                                       paused OSD stay "laggy" (their read leases expired) and
+#                                       queue every op until they re-peer
+#
+# `start` also creates the S3 bucket `safepoint-test` (the S3 tier's tests write under it).
 #
 # The daemons listen on 127.0.0.1 on ports picked free at start, so several clusters can run at
 # once. Authentication is off (`auth ... = none`): the cluster exists only on loopback for the
@@ -16,7 +26,7 @@
 # Idempotent: `start` on a running cluster and `stop` on a missing one do nothing. Quiet on success.
 set -euo pipefail
 
-usage() { echo "usage: $0 start|stop|env DIR" >&2; exit 2; }
+usage() { echo "usage: $0 start|stop|env|restart-osd|resume-osd DIR" >&2; exit 2; }
 [ $# -eq 2 ] || usage
 cmd=$1
 DIR=$2
@@ -116,7 +126,11 @@ pgs_active() {
   local out
   out=$(cephc pg stat 2>/dev/null) || return 1
   # e.g. "41 pgs: 41 active+clean; ..." ; every PG active+clean
-  echo "$out" | grep -Eq '^([0-9]+) pgs: \1 active\+clean'
+  echo "$out" | grep -Eq '^([0-9]+) pgs: \1 active\+clean;'
+}
+
+osd_active() {
+  timeout 10 ceph --admin-daemon "$DIR/run/osd.0.asok" status 2>/dev/null | grep -q '"state": "active"'
 }
 
 health_ok() { [ "$(cephc health 2>/dev/null)" = HEALTH_OK ]; }
@@ -242,14 +256,52 @@ export AWS_SECRET_ACCESS_KEY=$secret
 export AWS_REGION=us-east-1
 EOF
   chmod 600 "$DIR/s3.env"
+  # The bucket of the S3 tier's tests, through the S3 API as any client would (SigV4 by curl;
+  # curl 7.88 does not add the payload hash header that RGW requires).
+  curl -sS --fail-with-body -o "$DIR/log/bucket.out" --max-time 30 -X PUT \
+    --aws-sigv4 "aws:amz:us-east-1:s3" --user "$access:$secret" \
+    -H "x-amz-content-sha256: UNSIGNED-PAYLOAD" "http://127.0.0.1:$rgw_port/safepoint-test" \
+    2>>"$DIR/log/bucket.out" || die "creating bucket safepoint-test failed: $(cat "$DIR/log/bucket.out")"
 
   wait_for "every PG active+clean" pgs_active
   wait_for "HEALTH_OK" health_ok
   touch "$DIR/started"
 }
 
+do_restart_osd() {
+  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
+  local pid
+  pid=$(cat "$DIR/run/osd.0.pid" 2>/dev/null || true)
+  # A test killed it: wait (bounded) until it is gone. A killed daemon may linger as a zombie
+  # where nothing reaps orphans: that one is gone too.
+  local i
+  for i in $(seq 1 100); do
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
+      && [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ] || break
+    sleep 0.2
+  done
+  [ "$i" -lt 100 ] || { echo "ceph-cluster: osd.0 (pid $pid) is still running" >&2; exit 1; }
+  rm -f "$DIR/run/osd.0.pid"
+  ceph-osd -c "$DIR/ceph.conf" -i 0 || die "ceph-osd did not start again"
+  # Booted (the monitor has it up at its new address) before the PGs' state means anything.
+  wait_for "osd.0 to boot" osd_active
+  wait_for "every PG active+clean after the OSD restart" pgs_active
+}
+
+do_resume_osd() {
+  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
+  local pid
+  pid=$(cat "$DIR/run/osd.0.pid")
+  kill -CONT "$pid" || die "osd.0 (pid $pid) is not running"
+  cephc osd down 0 >/dev/null 2>&1 || die "ceph osd down 0 failed"
+  wait_for "osd.0 to boot again" osd_active
+  wait_for "every PG active+clean after osd.0 re-peered" pgs_active
+}
+
 case "$cmd" in
   start) do_start ;;
+  restart-osd) do_restart_osd ;;
+  resume-osd) do_resume_osd ;;
   stop) do_stop ;;
   env) do_env ;;
   *) usage ;;

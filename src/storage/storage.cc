@@ -2,9 +2,10 @@
 //
 // ValidateObjectName() is the single check that keeps object names inside a storage root; every
 // backend calls it before touching a name. The registry maps URI schemes to factories: "file"
-// (and plain paths) open POSIX storage, "mem" opens in-memory storage. The built-in schemes are
-// registered lazily, under the registry's mutex, on first use, so that nothing depends on the
-// order in which static initialisers of a static library run (or whether they run at all).
+// (and plain paths) open POSIX storage, "mem" opens in-memory storage, "rados" a Ceph pool.
+// The built-in schemes are registered lazily, under the registry's mutex, on first use, so that
+// nothing depends on the order in which static initialisers of a static library run (or whether
+// they run at all).
 #include "safepoint/storage.h"
 
 #include <algorithm>
@@ -13,6 +14,8 @@
 #include <mutex>
 #include <string>
 #include <utility>
+
+#include "storage/rados/rados_storage.h"
 
 namespace safepoint {
 
@@ -97,6 +100,8 @@ class SchemeRegistry {
                            std::string_view rest) -> Result<std::unique_ptr<Storage>> {
       return NewMemoryStorage(std::string(rest));
     };
+    // "rados://POOL/PREFIX[?timeout=S&retries=N&chunk_size=B]" (src/storage/rados).
+    factories_["rados"] = internal::OpenRadosStorage;
   }
 
   std::mutex mu_;

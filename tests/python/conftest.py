@@ -131,3 +131,21 @@ def cluster():
         c.close()
     for c in made:
         assert c.leftovers() == [], f"cluster {c.k} left {c.leftovers()}"
+
+
+CEPH_ENV_KEYS = ("SAFEPOINT_TEST_RADOS_URI", "SAFEPOINT_TEST_S3_URI", "SAFEPOINT_TEST_CEPH_DIR",
+                 "CEPH_CONF", "CEPH_ARGS", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                 "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
+
+
+@pytest.fixture(scope="session")
+def ceph() -> dict:
+    """The test Ceph cluster that scripts/with-ceph.sh started for this run (`make test` does):
+    its environment (base URIs SAFEPOINT_TEST_RADOS_URI / SAFEPOINT_TEST_S3_URI, the cluster's
+    directory SAFEPOINT_TEST_CEPH_DIR with run/*.pid, CEPH_CONF, CEPH_ARGS, AWS_*). Skips when
+    the tests run without one."""
+    missing = [k for k in CEPH_ENV_KEYS if not os.environ.get(k)]
+    if missing:
+        pytest.skip("no test Ceph cluster (run under scripts/with-ceph.sh, as `make test` does): "
+                    + ", ".join(missing) + " unset")
+    return {k: os.environ[k] for k in CEPH_ENV_KEYS}

@@ -1,0 +1,1131 @@
+// RadosStorage: Storage in a Ceph RADOS pool through librados's C API.
+//
+// Layout (docs/format.md, "RADOS object layout"): a published object NAME of storage
+// rados://POOL/PREFIX is a 64-byte head object "PREFIX/NAME" in the pool's default namespace,
+// and its bytes live in data objects "PREFIX/NAME@<data id>.<chunk number>" in the namespace
+// "safepoint.data" (chunk k holds bytes [k*chunk_size, (k+1)*chunk_size)). The head holds the
+// size, the chunk size, the data id (16 random hex digits, fresh for every write), the publish
+// time and a CRC32C of itself. Listing the default namespace therefore shows heads only, and a
+// data object can never be mistaken for a published object.
+//
+// Cluster: one connected rados_t per process and configuration ($CEPH_CONF, $CEPH_ARGS, the
+// timeout), shared by every RadosStorage, never shut down (connecting costs 0.1-1 s). It is
+// found the way Ceph's tools find it: rados_conf_read_file(NULL) reads $CEPH_CONF or
+// /etc/ceph/ceph.conf, the client name comes from --id/--user/--name in $CEPH_ARGS (default
+// client.admin) and rados_conf_parse_env("CEPH_ARGS") applies the rest; keyring from the config.
+//
+// Time bounds: rados_osd_op_timeout, rados_mon_op_timeout and client_mount_timeout are set to
+// the URI's timeout, so a stalled OSD completes an op with ETIMEDOUT; our own waits are bounded
+// too (timeout + 10 s without any completion cancels what is in flight). Before a retry the
+// client fetches the newest OSD map (an OSD that died and came back listens elsewhere; librados
+// does not always ask on its own, and its retries would go to the dead address). Transient errors
+// (ETIMEDOUT, EAGAIN, ENOTCONN, ECONNRESET, ESHUTDOWN, EBUSY, EIO) are retried `retries` times
+// with exponential backoff and jitter; ENOENT, EDQUOT, ENOSPC, EEXIST never. Writes carry
+// LIBRADOS_OPERATION_FULL_TRY, so a full pool (quota or space) answers EDQUOT/ENOSPC
+// (ResourceExhausted naming the pool) instead of blocking; removals carry FULL_FORCE, so a full
+// pool can still be cleaned up.
+//
+// Write protocol (Create ... Publish):
+//   1. Create draws the data id and registers it in the process-wide set of live writers.
+//   2. WriteAt splits its range at chunk boundaries and writes the pieces as parallel aio write
+//      ops into their data objects (a window of in-flight ops), waiting for all of them before it
+//      returns (the caller may reuse its buffer). Writes are idempotent, so a timed-out piece is
+//      simply written again. The first failure poisons the object.
+//   3. Publish creates (empty) the chunks below the size that nothing wrote, so that every chunk
+//      of a published object exists and a missing one is detected as corruption; then writes the
+//      head in one op: write_full (replacing a previous head atomically), or, for
+//      PublishIfAbsent, an exclusive create + write_full (EEXIST -> AlreadyExists). A head write
+//      that fails without a definite answer (timeout) is read back: if the head names our data id
+//      the object is published; if the read fails too, Publish returns Unavailable and keeps the
+//      data (RemoveLeftovers reclaims it if the head never landed). Otherwise the data is removed.
+//   4. After a head replaced another, the old head's data objects are removed (best effort: what
+//      is left is reclaimed by RemoveLeftovers).
+//   5. Abort (or the destructor of an unpublished writer) removes the data objects written, in
+//      one attempt (no retries: what a failure leaves is reclaimed by RemoveLeftovers).
+//
+// Reads: Open reads and checks the head; ReadAt reads only the chunks its range covers, as
+// parallel aio reads straight into the caller's buffer. Bytes below the size that a chunk does
+// not hold read as zeros (sparse writes); a missing chunk is Corruption (or NotFound when the
+// object was deleted or replaced after Open: unlike a POSIX file, an open RADOS object does not
+// pin its data).
+//
+// Delete removes the head first (the object disappears at once), then its data objects.
+// List scans the heads of the default namespace under PREFIX and reads them in parallel for
+// sizes and mtimes; objects whose first bytes are not a head (not ours) are skipped, a head with
+// a bad CRC is Corruption.
+// RemoveLeftovers scans the data namespace under PREFIX and removes data objects that no head
+// references and no live writer of this process owns. Like PosixStorage it cannot see writers
+// of other processes: callers use it only where none is live.
+//
+// Thread safety: every method may be called from many threads (librados handles are).
+#include "storage/rados/rados_storage.h"
+
+#include <rados/librados.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "base/crc32c.h"
+#include "base/random.h"
+#include "safepoint/storage.h"
+
+namespace safepoint::internal {
+
+namespace {
+
+constexpr char kDataNamespace[] = "safepoint.data";
+constexpr char kHeadMagic[8] = {'S', 'P', 'R', 'A', 'D', 'O', 'S', 'H'};
+constexpr uint32_t kHeadVersion = 1;
+constexpr size_t kHeadSize = 64;
+constexpr size_t kWindow = 16;       // aio ops in flight per call
+constexpr size_t kListWindow = 64;   // head reads in flight per List
+constexpr int kBackstopSlackS = 10;  // our own bound beyond librados's op timeout
+
+// ---- small helpers ----------------------------------------------------------------------------
+
+void PutU32(std::byte* p, uint32_t v) { std::memcpy(p, &v, 4); }  // little-endian hosts only
+void PutU64(std::byte* p, uint64_t v) { std::memcpy(p, &v, 8); }
+uint32_t GetU32(const std::byte* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+uint64_t GetU64(const std::byte* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool IsHex16(std::string_view s) {
+  return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
+}
+
+bool Transient(int rv) {
+  switch (-rv) {
+    case ETIMEDOUT:
+    case EAGAIN:
+    case ENOTCONN:
+    case ECONNRESET:
+    case ECONNREFUSED:
+    case ESHUTDOWN:
+    case EBUSY:
+    case EIO:
+    case EINTR:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The head of a published object (docs/format.md).
+struct Head {
+  uint64_t size = 0;
+  uint64_t chunk_size = 0;
+  std::string data_id;  // 16 hex digits
+  int64_t mtime_ns = 0;
+
+  uint64_t chunks() const { return chunk_size == 0 ? 0 : (size + chunk_size - 1) / chunk_size; }
+
+  std::vector<std::byte> Encode() const {
+    std::vector<std::byte> b(kHeadSize);
+    std::memcpy(b.data(), kHeadMagic, 8);
+    PutU32(&b[8], kHeadVersion);
+    PutU32(&b[12], kHeadSize);
+    PutU64(&b[16], size);
+    PutU64(&b[24], chunk_size);
+    std::memcpy(&b[32], data_id.data(), 16);
+    PutU64(&b[48], static_cast<uint64_t>(mtime_ns));
+    PutU32(&b[56], 0);
+    PutU32(&b[60], Crc32c(0, b.data(), 60));
+    return b;
+  }
+};
+
+enum class HeadParse { kOk, kNotAHead, kCorrupt };
+
+HeadParse DecodeHead(std::span<const std::byte> b, Head* head, std::string* why) {
+  if (b.size() < 8 || std::memcmp(b.data(), kHeadMagic, 8) != 0) return HeadParse::kNotAHead;
+  if (b.size() < kHeadSize) {
+    *why = "head object of " + std::to_string(b.size()) + " bytes (want " +
+           std::to_string(kHeadSize) + ")";
+    return HeadParse::kCorrupt;
+  }
+  if (GetU32(&b[60]) != Crc32c(0, b.data(), 60)) {
+    *why = "head CRC mismatch";
+    return HeadParse::kCorrupt;
+  }
+  if (GetU32(&b[8]) != kHeadVersion || GetU32(&b[12]) != kHeadSize) {
+    *why = "unsupported head version " + std::to_string(GetU32(&b[8]));
+    return HeadParse::kCorrupt;
+  }
+  head->size = GetU64(&b[16]);
+  head->chunk_size = GetU64(&b[24]);
+  head->data_id.assign(reinterpret_cast<const char*>(&b[32]), 16);
+  head->mtime_ns = static_cast<int64_t>(GetU64(&b[48]));
+  if (head->chunk_size == 0 || !IsHex16(head->data_id)) {
+    *why = "head with chunk size 0 or a bad data id";
+    return HeadParse::kCorrupt;
+  }
+  return HeadParse::kOk;
+}
+
+// Process-wide ids of writers that are not yet published or aborted (RemoveLeftovers spares
+// their data objects).
+std::mutex& LiveMu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+std::unordered_set<std::string>& LiveIds() {
+  static auto* ids = new std::unordered_set<std::string>();
+  return *ids;
+}
+bool IsLive(const std::string& id) {
+  std::lock_guard<std::mutex> lock(LiveMu());
+  return LiveIds().count(id) != 0;
+}
+
+// ---- the cluster handle -----------------------------------------------------------------------
+
+struct Cluster {
+  rados_t handle = nullptr;
+  std::string description;  // "cluster ceph as client.admin (config /etc/ceph/ceph.conf)"
+};
+
+std::vector<std::string> SplitWords(const char* s) {
+  std::vector<std::string> out;
+  if (s == nullptr) return out;
+  std::string cur;
+  for (const char* p = s; *p; ++p) {
+    if (*p == ' ' || *p == '\t' || *p == '\n') {
+      if (!cur.empty()) out.push_back(std::move(cur));
+      cur.clear();
+    } else {
+      cur += *p;
+    }
+  }
+  if (!cur.empty()) out.push_back(std::move(cur));
+  return out;
+}
+
+std::string RadosError(int rv) { return std::strerror(rv < 0 ? -rv : rv); }
+
+Result<std::shared_ptr<Cluster>> ConnectCluster(int timeout_s) {
+  const char* conf_env = std::getenv("CEPH_CONF");
+  const char* args_env = std::getenv("CEPH_ARGS");
+  const std::string key = std::string(conf_env ? conf_env : "") + '\0' +
+                          (args_env ? args_env : "") + '\0' + std::to_string(timeout_s);
+  static std::mutex* mu = new std::mutex();
+  static auto* clusters = new std::map<std::string, std::shared_ptr<Cluster>>();
+  std::lock_guard<std::mutex> lock(*mu);
+  auto it = clusters->find(key);
+  if (it != clusters->end()) return it->second;
+
+  // The client name and the cluster name as Ceph's tools take them from $CEPH_ARGS.
+  std::string name = "client.admin";
+  std::string cluster_name = "ceph";
+  const std::vector<std::string> words = SplitWords(args_env);
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    auto value = [&](std::string_view flag) -> std::string {
+      if (w == flag && i + 1 < words.size()) return words[++i];
+      if (w.starts_with(std::string(flag) + "=")) return w.substr(flag.size() + 1);
+      return {};
+    };
+    std::string v;
+    if (!(v = value("--id")).empty() || !(v = value("--user")).empty() ||
+        !(v = value("-i")).empty()) {
+      name = "client." + v;
+    } else if (!(v = value("--name")).empty() || !(v = value("-n")).empty()) {
+      name = v;
+    } else if (!(v = value("--cluster")).empty()) {
+      cluster_name = v;
+    }
+  }
+  std::string desc = "Ceph cluster \"" + cluster_name + "\" as " + name + " (config " +
+                     (conf_env ? std::string("$CEPH_CONF=") + conf_env
+                               : std::string("/etc/ceph/" + cluster_name + ".conf")) +
+                     ")";
+  rados_t h = nullptr;
+  int rv = rados_create2(&h, cluster_name.c_str(), name.c_str(), 0);
+  if (rv < 0) return Unavailable(desc + ": rados_create2: " + RadosError(rv));
+  auto fail = [&](std::string what, int r) -> Status {
+    rados_shutdown(h);
+    return Unavailable(desc + ": " + what + ": " + RadosError(r));
+  };
+  rv = rados_conf_read_file(h, nullptr);
+  if (rv < 0 && rv != -ENOENT) return fail("reading the configuration", rv);
+  rv = rados_conf_parse_env(h, "CEPH_ARGS");
+  if (rv < 0) return fail("parsing $CEPH_ARGS", rv);
+  const std::string t = std::to_string(timeout_s);
+  for (const char* opt : {"rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"}) {
+    rv = rados_conf_set(h, opt, t.c_str());
+    if (rv < 0) return fail(std::string("setting ") + opt, rv);
+  }
+  rv = rados_connect(h);
+  if (rv < 0) return fail("connecting (timeout " + t + " s)", rv);
+  auto cluster = std::make_shared<Cluster>();
+  cluster->handle = h;
+  cluster->description = std::move(desc);
+  (*clusters)[key] = cluster;  // kept for the life of the process: never shut down
+  return cluster;
+}
+
+// ---- parallel aio with retries ----------------------------------------------------------------
+
+struct AioOp {
+  enum Kind { kWrite, kRead, kRemove, kTouch, kWriteFull, kCreateExclusive } kind;
+  rados_ioctx_t io = nullptr;
+  std::string oid;
+  const char* wbuf = nullptr;
+  char* rbuf = nullptr;
+  size_t len = 0;
+  uint64_t off = 0;
+  int rv = 0;  // result: bytes read (kRead) or 0, or -errno
+  int attempts = 0;
+  rados_write_op_t wop = nullptr;
+};
+
+// Runs `ops` with up to `window` in flight; transient failures are retried with backoff.
+// Returns after every op finished; each op's rv holds its final result.
+class AioBatch {
+ public:
+  AioBatch(rados_t cluster, int timeout_s, int retries)
+      : cluster_(cluster), timeout_s_(timeout_s), retries_(retries) {}
+
+  void Run(std::vector<AioOp>& ops, size_t window) {
+    std::vector<size_t> pending(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
+    for (int attempt = 0; !pending.empty(); ++attempt) {
+      if (attempt > 0) {
+        Backoff(attempt);
+        // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
+        // learns the new address only from a newer OSD map, which it does not always ask for on
+        // its own (a lone OSD killed and restarted: every retry would go to the dead address).
+        (void)rados_wait_for_latest_osdmap(cluster_);
+      }
+      RunRound(ops, pending, window);
+      std::vector<size_t> again;
+      for (size_t i : pending) {
+        if (Transient(ops[i].rv) && attempt < retries_) again.push_back(i);
+      }
+      pending = std::move(again);
+    }
+  }
+
+ private:
+  struct Slot {
+    AioBatch* batch;
+    size_t index;
+  };
+
+  static void OnComplete(rados_completion_t, void* arg) {
+    auto* slot = static_cast<Slot*>(arg);
+    AioBatch* b = slot->batch;
+    std::lock_guard<std::mutex> lock(b->mu_);
+    b->done_.push_back(slot->index);
+    b->cv_.notify_all();
+  }
+
+  void Backoff(int attempt) {
+    static thread_local std::mt19937_64 rng(std::random_device{}());
+    const double base = 0.1 * (1 << std::min(attempt - 1, 6));
+    std::uniform_real_distribution<double> jitter(0.5, 1.5);
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::min(base * jitter(rng), 5.0)));
+  }
+
+  static int Submit(AioOp& op, rados_completion_t c) {
+    ++op.attempts;
+    switch (op.kind) {
+      case AioOp::kRead:
+        return rados_aio_read(op.io, op.oid.c_str(), c, op.rbuf, op.len, op.off);
+      case AioOp::kWrite:
+      case AioOp::kWriteFull:
+      case AioOp::kCreateExclusive:
+      case AioOp::kTouch:
+      case AioOp::kRemove: {
+        op.wop = rados_create_write_op();
+        int flags = LIBRADOS_OPERATION_FULL_TRY;
+        if (op.kind == AioOp::kWrite) {
+          rados_write_op_write(op.wop, op.wbuf, op.len, op.off);
+        } else if (op.kind == AioOp::kWriteFull) {
+          rados_write_op_write_full(op.wop, op.wbuf, op.len);
+        } else if (op.kind == AioOp::kCreateExclusive) {
+          rados_write_op_create(op.wop, LIBRADOS_CREATE_EXCLUSIVE, nullptr);
+          rados_write_op_write_full(op.wop, op.wbuf, op.len);
+        } else if (op.kind == AioOp::kTouch) {
+          rados_write_op_create(op.wop, LIBRADOS_CREATE_IDEMPOTENT, nullptr);
+        } else {
+          rados_write_op_remove(op.wop);
+          flags = LIBRADOS_OPERATION_FULL_FORCE;
+        }
+        return rados_aio_write_op_operate(op.wop, op.io, c, op.oid.c_str(), nullptr, flags);
+      }
+    }
+    return -EINVAL;
+  }
+
+  void RunRound(std::vector<AioOp>& ops, const std::vector<size_t>& pending, size_t window) {
+    std::vector<Slot> slots(ops.size());
+    std::vector<rados_completion_t> comps(ops.size(), nullptr);
+    size_t next = 0, inflight = 0;
+    done_.clear();
+    auto finish = [&](size_t i) {
+      ops[i].rv = rados_aio_get_return_value(comps[i]);
+      rados_aio_release(comps[i]);
+      comps[i] = nullptr;
+      if (ops[i].wop) {
+        rados_release_write_op(ops[i].wop);
+        ops[i].wop = nullptr;
+      }
+    };
+    while (next < pending.size() || inflight > 0) {
+      while (next < pending.size() && inflight < window) {
+        const size_t i = pending[next++];
+        slots[i] = Slot{this, i};
+        int rv = rados_aio_create_completion2(&slots[i], &AioBatch::OnComplete, &comps[i]);
+        if (rv < 0) {
+          ops[i].rv = rv;
+          comps[i] = nullptr;
+          continue;
+        }
+        rv = Submit(ops[i], comps[i]);
+        if (rv < 0) {
+          ops[i].rv = rv;
+          rados_aio_release(comps[i]);
+          comps[i] = nullptr;
+          if (ops[i].wop) {
+            rados_release_write_op(ops[i].wop);
+            ops[i].wop = nullptr;
+          }
+          continue;
+        }
+        ++inflight;
+      }
+      if (inflight == 0) continue;
+      std::vector<size_t> finished;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        const auto bound = std::chrono::seconds(timeout_s_ + kBackstopSlackS);
+        if (!cv_.wait_for(lock, bound, [&] { return !done_.empty(); })) {
+          // librados did not time the ops out itself: cancel what is in flight, then wait for
+          // the cancellations (each completes promptly with ECANCELED).
+          lock.unlock();
+          for (size_t j = 0; j < ops.size(); ++j) {
+            if (comps[j] != nullptr && !rados_aio_is_complete(comps[j])) {
+              rados_aio_cancel(ops[j].io, comps[j]);
+            }
+          }
+          lock.lock();
+          cv_.wait(lock, [&] { return !done_.empty(); });
+        }
+        finished.swap(done_);
+      }
+      for (size_t i : finished) {
+        // The callback may run before rados_aio_get_return_value is ready: wait for it.
+        rados_aio_wait_for_complete(comps[i]);
+        finish(i);
+        --inflight;
+      }
+    }
+  }
+
+  const rados_t cluster_;
+  const int timeout_s_;
+  const int retries_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<size_t> done_;
+};
+
+// ---- the storage ------------------------------------------------------------------------------
+
+struct Pool {
+  std::shared_ptr<Cluster> cluster;
+  std::string name;
+  rados_ioctx_t heads = nullptr;  // default namespace
+  rados_ioctx_t data = nullptr;   // kDataNamespace
+  ~Pool() {
+    if (heads) rados_ioctx_destroy(heads);
+    if (data) rados_ioctx_destroy(data);
+  }
+};
+
+class RadosStorage;
+
+Status OpStatus(const std::string& what, const AioOp& op, const std::string& pool, int timeout_s) {
+  const int rv = op.rv;
+  if (rv >= 0) return Status::OK();
+  std::string m = what + ": " + RadosError(rv);
+  if (op.attempts > 1) m += " (after " + std::to_string(op.attempts) + " attempts)";
+  switch (-rv) {
+    case ENOENT:
+      return NotFound(std::move(m));
+    case EDQUOT:
+    case ENOSPC:
+      return ResourceExhausted(what + ": pool \"" + pool +
+                               "\" is full (quota or space: " + RadosError(rv) + ")");
+    case EEXIST:
+      return AlreadyExists(std::move(m));
+    case ETIMEDOUT:
+    case ECANCELED:
+      return Unavailable(what + ": no answer within the " + std::to_string(timeout_s) +
+                         " s timeout (" + RadosError(rv) + ", " + std::to_string(op.attempts) +
+                         " attempts)");
+    case ENOTCONN:
+    case ECONNREFUSED:
+    case ECONNRESET:
+    case ESHUTDOWN:
+    case EAGAIN:
+    case EBUSY:
+      return Unavailable(std::move(m));
+    default:
+      return IOError(std::move(m));
+  }
+}
+
+class RadosStorage final : public Storage {
+ public:
+  RadosStorage(std::string uri, std::shared_ptr<Pool> pool, std::string prefix,
+               RadosOptions options)
+      : uri_(std::move(uri)),
+        pool_(std::move(pool)),
+        prefix_(std::move(prefix)),
+        options_(options) {}
+
+  const std::string& uri() const override { return uri_; }
+  StorageCapabilities capabilities() const override {
+    return StorageCapabilities{.atomic_rename = true, .direct_io = false, .durable = true};
+  }
+
+  Result<std::unique_ptr<WritableObject>> Create(std::string_view name,
+                                                 uint64_t size_hint) override;
+  Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override;
+  Result<std::vector<ObjectInfo>> List(std::string_view prefix) override;
+  Status Delete(std::string_view name) override;
+  Result<size_t> RemoveLeftovers(std::string_view prefix, const LeftoverFilter& remove_if) override;
+
+  std::string Describe(std::string_view name) const override {
+    std::string d = uri_;
+    if (!d.ends_with('/')) d += '/';
+    d += name;
+    return d;
+  }
+
+  // ---- used by the objects ----
+  std::string HeadOid(std::string_view name) const { return prefix_ + std::string(name); }
+  static std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
+    return head_oid + "@" + id + "." + std::to_string(chunk);
+  }
+  void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
+    AioBatch(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries)
+        .Run(ops, window);
+  }
+  Status Check(const std::string& what, const AioOp& op) const {
+    return OpStatus(what, op, pool_->name, options_.timeout_s);
+  }
+  // Reads the head of `name`. NotFound when missing; Corruption when not a valid head.
+  Result<Head> ReadHead(std::string_view name) const;
+  // Removes the data objects of a write (ENOENT is fine). Returns the first other failure.
+  Status RemoveData(const std::string& head_oid, const std::string& id, uint64_t chunks) const;
+  rados_ioctx_t heads_io() const { return pool_->heads; }
+  rados_ioctx_t data_io() const { return pool_->data; }
+  const RadosOptions& options() const { return options_; }
+
+ private:
+  const std::string uri_;
+  const std::shared_ptr<Pool> pool_;
+  const std::string prefix_;  // "" or ends with '/'
+  const RadosOptions options_;
+};
+
+Result<Head> RadosStorage::ReadHead(std::string_view name) const {
+  std::vector<std::byte> buf(kHeadSize);
+  std::vector<AioOp> ops(1);
+  ops[0].kind = AioOp::kRead;
+  ops[0].io = heads_io();
+  ops[0].oid = HeadOid(name);
+  ops[0].rbuf = reinterpret_cast<char*>(buf.data());
+  ops[0].len = buf.size();
+  RunOps(ops);
+  if (ops[0].rv == -ENOENT) return NotFound(Describe(name) + ": not found");
+  SP_RETURN_IF_ERROR(Check("reading the head of " + Describe(name), ops[0]));
+  Head head;
+  std::string why;
+  switch (DecodeHead(std::span(buf).first(static_cast<size_t>(ops[0].rv)), &head, &why)) {
+    case HeadParse::kOk:
+      return head;
+    case HeadParse::kNotAHead:
+      return Corruption(Describe(name) + ": not a safepoint RADOS head object (bad magic)");
+    case HeadParse::kCorrupt:
+      break;
+  }
+  return Corruption(Describe(name) + ": " + why);
+}
+
+Status RadosStorage::RemoveData(const std::string& head_oid, const std::string& id,
+                                uint64_t chunks) const {
+  std::vector<AioOp> ops(chunks);
+  for (uint64_t c = 0; c < chunks; ++c) {
+    ops[c].kind = AioOp::kRemove;
+    ops[c].io = data_io();
+    ops[c].oid = DataOid(head_oid, id, c);
+  }
+  RunOps(ops);
+  for (const AioOp& op : ops) {
+    if (op.rv < 0 && op.rv != -ENOENT) {
+      return Check("removing data object " + op.oid + " of " + uri_, op);
+    }
+  }
+  return Status::OK();
+}
+
+// ---- writing ----------------------------------------------------------------------------------
+
+class RadosWritableObject final : public WritableObject {
+ public:
+  RadosWritableObject(const RadosStorage* storage, std::string name)
+      : storage_(storage),
+        name_(std::move(name)),
+        head_oid_(storage->HeadOid(name_)),
+        id_(RandomHex16()),
+        chunk_size_(storage->options().chunk_size) {
+    std::lock_guard<std::mutex> lock(LiveMu());
+    LiveIds().insert(id_);
+  }
+
+  ~RadosWritableObject() override { Abort(); }
+
+  Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+    const std::string path = storage_->Describe(name_);
+    if (state_ != State::kWriting) return InvalidArgument(path + ": write after publish or abort");
+    if (data.size() > UINT64_MAX - offset) {
+      return InvalidArgument(path + ": write of " + std::to_string(data.size()) +
+                             " bytes at offset " + std::to_string(offset) + " overflows");
+    }
+    if (data.empty()) return Status::OK();
+    std::vector<AioOp> ops;
+    uint64_t pos = offset;
+    const uint64_t end = offset + data.size();
+    while (pos < end) {
+      const uint64_t chunk = pos / chunk_size_;
+      const uint64_t in_chunk = pos - chunk * chunk_size_;
+      const uint64_t n = std::min(end - pos, chunk_size_ - in_chunk);
+      AioOp op;
+      op.kind = AioOp::kWrite;
+      op.io = storage_->data_io();
+      op.oid = RadosStorage::DataOid(head_oid_, id_, chunk);
+      op.wbuf = reinterpret_cast<const char*>(data.data() + (pos - offset));
+      op.len = n;
+      op.off = in_chunk;
+      ops.push_back(std::move(op));
+      pos += n;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (uint64_t c = offset / chunk_size_; c <= (end - 1) / chunk_size_; ++c) {
+        touched_.insert(c);  // before the write: Abort removes it even after a failure
+      }
+    }
+    storage_->RunOps(ops);
+    for (const AioOp& op : ops) {
+      if (op.rv < 0) {
+        failed_ = true;
+        return storage_->Check("writing " + std::to_string(op.len) + " bytes at offset " +
+                                   std::to_string(op.off) + " of data object " + op.oid + " of " +
+                                   path,
+                               op);
+      }
+    }
+    uint64_t cur = size_.load();
+    while (end > cur && !size_.compare_exchange_weak(cur, end)) {
+    }
+    return Status::OK();
+  }
+
+  Status Publish() override { return DoPublish(/*exclusive=*/false); }
+  Status PublishIfAbsent() override { return DoPublish(/*exclusive=*/true); }
+
+  void Abort() override {
+    if (state_ != State::kWriting) return;
+    state_ = State::kAborted;
+    RemoveWritten();
+    Unregister();
+  }
+
+ private:
+  enum class State { kWriting, kPublished, kAborted };
+
+  void Unregister() {
+    std::lock_guard<std::mutex> lock(LiveMu());
+    LiveIds().erase(id_);
+  }
+
+  void RemoveWritten() {
+    std::vector<AioOp> ops;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (uint64_t c : touched_) {
+        AioOp op;
+        op.kind = AioOp::kRemove;
+        op.io = storage_->data_io();
+        op.oid = RadosStorage::DataOid(head_oid_, id_, c);
+        ops.push_back(std::move(op));
+      }
+    }
+    // One attempt, no retries: after a failure (a cluster that does not answer) the writer's
+    // error must not wait for the clean-up too; what is left is reclaimed by RemoveLeftovers.
+    storage_->RunOps(ops, kWindow, /*retries=*/0);
+  }
+
+  Status DoPublish(bool exclusive) {
+    const std::string path = storage_->Describe(name_);
+    if (state_ != State::kWriting) {
+      return InvalidArgument(path + ": publish after publish or abort");
+    }
+    if (failed_) {
+      Abort();
+      return IOError(path + ": not published: an earlier write failed");
+    }
+    Head head;
+    head.size = size_.load();
+    head.chunk_size = chunk_size_;
+    head.data_id = id_;
+    head.mtime_ns = NowNs();
+    // Every chunk below the size exists, so that a lost one is detected on read.
+    std::vector<AioOp> touch;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (uint64_t c = 0; c < head.chunks(); ++c) {
+        if (touched_.count(c)) continue;
+        touched_.insert(c);
+        AioOp op;
+        op.kind = AioOp::kTouch;
+        op.io = storage_->data_io();
+        op.oid = RadosStorage::DataOid(head_oid_, id_, c);
+        touch.push_back(std::move(op));
+      }
+    }
+    storage_->RunOps(touch);
+    for (const AioOp& op : touch) {
+      if (op.rv < 0) {
+        Status s = storage_->Check("creating data object " + op.oid + " of " + path, op);
+        Abort();
+        return s;
+      }
+    }
+    // The previous head, whose data a replacing publish orphans.
+    Result<Head> old = exclusive ? Result<Head>(NotFound("")) : storage_->ReadHead(name_);
+
+    const std::vector<std::byte> bytes = head.Encode();
+    std::vector<AioOp> ops(1);
+    ops[0].kind = exclusive ? AioOp::kCreateExclusive : AioOp::kWriteFull;
+    ops[0].io = storage_->heads_io();
+    ops[0].oid = head_oid_;
+    ops[0].wbuf = reinterpret_cast<const char*>(bytes.data());
+    ops[0].len = bytes.size();
+    storage_->RunOps(ops);
+    const int rv = ops[0].rv;
+    bool published = rv >= 0;
+    if (!published) {
+      const bool definite = rv == -EDQUOT || rv == -ENOSPC || rv == -EINVAL || rv == -EPERM ||
+                            rv == -EACCES || (rv == -EEXIST && ops[0].attempts == 1);
+      if (!definite) {
+        // No definite answer (a timeout, or EEXIST after a retry that may have met our own first
+        // attempt): the head may have landed. Ask it.
+        Result<Head> now = storage_->ReadHead(name_);
+        if (now.ok() && now->data_id == id_) {
+          published = true;
+        } else if (!now.ok() && now.status().code() != StatusCode::kNotFound &&
+                   now.status().code() != StatusCode::kCorruption) {
+          state_ = State::kAborted;  // the data stays: RemoveLeftovers reclaims it if unused
+          Unregister();
+          return Unavailable(path + ": publishing: the head write failed (" + RadosError(rv) +
+                             ") and reading it back failed too (" + now.status().message() +
+                             "): the object may or may not be published");
+        }
+      }
+    }
+    if (!published) {
+      Status s = rv == -EEXIST ? AlreadyExists(path + ": already exists (not published)")
+                               : storage_->Check("writing the head object of " + path, ops[0]);
+      Abort();
+      return s;
+    }
+    state_ = State::kPublished;
+    Unregister();
+    if (old.ok() && old->data_id != id_) {
+      // Best effort: what fails here is reclaimed by RemoveLeftovers.
+      (void)storage_->RemoveData(head_oid_, old->data_id, old->chunks());
+    }
+    return Status::OK();
+  }
+
+  const RadosStorage* storage_;
+  const std::string name_;
+  const std::string head_oid_;
+  const std::string id_;
+  const uint64_t chunk_size_;
+  std::atomic<uint64_t> size_{0};
+  std::atomic<bool> failed_{false};
+  // Changed by the one thread that publishes or aborts; read by WriteAt on any thread.
+  std::atomic<State> state_{State::kWriting};
+  std::mutex mu_;
+  std::set<uint64_t> touched_;  // chunks that may exist
+};
+
+Result<std::unique_ptr<WritableObject>> RadosStorage::Create(std::string_view name,
+                                                             uint64_t size_hint) {
+  SP_RETURN_IF_ERROR(ValidateObjectName(name));
+  return std::unique_ptr<WritableObject>(
+      std::make_unique<RadosWritableObject>(this, std::string(name)));
+}
+
+// ---- reading ----------------------------------------------------------------------------------
+
+class RadosReadableObject final : public ReadableObject {
+ public:
+  RadosReadableObject(const RadosStorage* storage, std::string name, Head head)
+      : storage_(storage),
+        name_(std::move(name)),
+        head_oid_(storage->HeadOid(name_)),
+        head_(std::move(head)) {}
+
+  uint64_t size() const override { return head_.size; }
+
+  Status ReadAt(uint64_t offset, std::span<std::byte> dst) const override {
+    if (offset > head_.size || dst.size() > head_.size - offset) {
+      return Corruption(storage_->Describe(name_) + ": truncated: wanted " +
+                        std::to_string(dst.size()) + " bytes at offset " + std::to_string(offset) +
+                        ", the object has " + std::to_string(head_.size));
+    }
+    if (dst.empty()) return Status::OK();
+    const uint64_t cs = head_.chunk_size;
+    std::vector<AioOp> ops;
+    uint64_t pos = offset;
+    const uint64_t end = offset + dst.size();
+    while (pos < end) {
+      const uint64_t chunk = pos / cs;
+      const uint64_t in_chunk = pos - chunk * cs;
+      const uint64_t n = std::min(end - pos, cs - in_chunk);
+      AioOp op;
+      op.kind = AioOp::kRead;
+      op.io = storage_->data_io();
+      op.oid = RadosStorage::DataOid(head_oid_, head_.data_id, chunk);
+      op.rbuf = reinterpret_cast<char*>(dst.data() + (pos - offset));
+      op.len = n;
+      op.off = in_chunk;
+      ops.push_back(std::move(op));
+      pos += n;
+    }
+    storage_->RunOps(ops);
+    for (const AioOp& op : ops) {
+      if (op.rv == -ENOENT) {
+        // Deleted or replaced since Open, or lost.
+        Result<Head> now = storage_->ReadHead(name_);
+        if (!now.ok() || now->data_id != head_.data_id) {
+          return NotFound(storage_->Describe(name_) +
+                          ": deleted or replaced while open (data object " + op.oid + " gone)");
+        }
+        return Corruption(storage_->Describe(name_) + ": data object " + op.oid + " is missing");
+      }
+      if (op.rv < 0) {
+        return storage_->Check("reading " + std::to_string(op.len) + " bytes at offset " +
+                                   std::to_string(op.off) + " of data object " + op.oid + " of " +
+                                   storage_->Describe(name_),
+                               op);
+      }
+      // A chunk shorter than the range: the rest was never written (a sparse object).
+      if (static_cast<size_t>(op.rv) < op.len) std::memset(op.rbuf + op.rv, 0, op.len - op.rv);
+    }
+    return Status::OK();
+  }
+
+ private:
+  const RadosStorage* storage_;
+  const std::string name_;
+  const std::string head_oid_;
+  const Head head_;
+};
+
+Result<std::unique_ptr<ReadableObject>> RadosStorage::Open(std::string_view name) {
+  SP_RETURN_IF_ERROR(ValidateObjectName(name));
+  SP_ASSIGN_OR_RETURN(Head head, ReadHead(name));
+  return std::unique_ptr<ReadableObject>(
+      std::make_unique<RadosReadableObject>(this, std::string(name), std::move(head)));
+}
+
+// ---- listing and cleanup ----------------------------------------------------------------------
+
+// Object names of `io` that start with `start`, unsorted.
+Result<std::vector<std::string>> ListOids(rados_ioctx_t io, const std::string& start,
+                                          const std::string& what) {
+  rados_list_ctx_t ctx = nullptr;
+  int rv = rados_nobjects_list_open(io, &ctx);
+  if (rv < 0) return Unavailable(what + ": listing objects: " + RadosError(rv));
+  std::vector<std::string> out;
+  while (true) {
+    const char* entry = nullptr;
+    rv = rados_nobjects_list_next(ctx, &entry, nullptr, nullptr);
+    if (rv == -ENOENT) break;
+    if (rv < 0) {
+      rados_nobjects_list_close(ctx);
+      Status s = rv == -ETIMEDOUT ? Unavailable(what + ": listing objects: timed out")
+                                  : IOError(what + ": listing objects: " + RadosError(rv));
+      return s;
+    }
+    std::string_view oid(entry);
+    if (oid.starts_with(start)) out.emplace_back(oid);
+  }
+  rados_nobjects_list_close(ctx);
+  return out;
+}
+
+Result<std::vector<ObjectInfo>> RadosStorage::List(std::string_view prefix) {
+  SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
+  SP_ASSIGN_OR_RETURN(std::vector<std::string> oids,
+                      ListOids(heads_io(), prefix_ + std::string(prefix), uri_));
+  std::vector<std::string> names;
+  for (const std::string& oid : oids) {
+    std::string name = oid.substr(prefix_.size());
+    if (ValidateObjectName(name).ok()) names.push_back(std::move(name));
+  }
+  std::vector<std::vector<std::byte>> bufs(names.size(), std::vector<std::byte>(kHeadSize));
+  std::vector<AioOp> ops(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    ops[i].kind = AioOp::kRead;
+    ops[i].io = heads_io();
+    ops[i].oid = HeadOid(names[i]);
+    ops[i].rbuf = reinterpret_cast<char*>(bufs[i].data());
+    ops[i].len = kHeadSize;
+  }
+  RunOps(ops, kListWindow);
+  std::vector<ObjectInfo> out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (ops[i].rv == -ENOENT) continue;  // deleted since the scan
+    SP_RETURN_IF_ERROR(Check("reading the head of " + Describe(names[i]), ops[i]));
+    Head head;
+    std::string why;
+    switch (DecodeHead(std::span(bufs[i]).first(static_cast<size_t>(ops[i].rv)), &head, &why)) {
+      case HeadParse::kOk:
+        out.push_back(ObjectInfo{names[i], head.size, head.mtime_ns});
+        break;
+      case HeadParse::kNotAHead:
+        break;  // an object of someone else in the pool
+      case HeadParse::kCorrupt:
+        return Corruption(Describe(names[i]) + ": " + why);
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const ObjectInfo& a, const ObjectInfo& b) { return a.name < b.name; });
+  return out;
+}
+
+Status RadosStorage::Delete(std::string_view name) {
+  SP_RETURN_IF_ERROR(ValidateObjectName(name));
+  Result<Head> head = ReadHead(name);
+  if (!head.ok() && head.status().code() == StatusCode::kNotFound) return Status::OK();
+  if (!head.ok() && head.status().code() != StatusCode::kCorruption) return head.status();
+  std::vector<AioOp> ops(1);
+  ops[0].kind = AioOp::kRemove;
+  ops[0].io = heads_io();
+  ops[0].oid = HeadOid(name);
+  RunOps(ops);
+  if (ops[0].rv < 0 && ops[0].rv != -ENOENT) {
+    return Check("removing the head object of " + Describe(name), ops[0]);
+  }
+  if (!head.ok()) return Status::OK();  // a corrupt head: its data is left to RemoveLeftovers
+  return RemoveData(HeadOid(name), head->data_id, head->chunks());
+}
+
+Result<size_t> RadosStorage::RemoveLeftovers(std::string_view prefix,
+                                             const LeftoverFilter& remove_if) {
+  SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
+  SP_ASSIGN_OR_RETURN(std::vector<std::string> oids,
+                      ListOids(data_io(), prefix_ + std::string(prefix), uri_));
+  // Group the data objects by write: (object name, data id).
+  std::map<std::pair<std::string, std::string>, std::vector<std::string>> writes;
+  for (const std::string& oid : oids) {
+    const size_t at = oid.rfind('@');
+    if (at == std::string::npos || at < prefix_.size()) continue;
+    const std::string_view suffix = std::string_view(oid).substr(at + 1);
+    const size_t dot = suffix.find('.');
+    if (dot != 16 || !IsHex16(suffix.substr(0, 16))) continue;
+    std::string name = oid.substr(prefix_.size(), at - prefix_.size());
+    if (!ValidateObjectName(name).ok()) continue;
+    writes[{std::move(name), std::string(suffix.substr(0, 16))}].push_back(oid);
+  }
+  size_t removed = 0;
+  for (auto& [key, objects] : writes) {
+    const auto& [name, id] = key;
+    if (remove_if && !remove_if(name)) continue;
+    if (IsLive(id)) continue;  // checked before the head: a writer unregisters after publishing
+    Result<Head> head = ReadHead(name);
+    if (head.ok() && head->data_id == id) continue;
+    if (!head.ok() && head.status().code() != StatusCode::kNotFound &&
+        head.status().code() != StatusCode::kCorruption) {
+      return head.status();
+    }
+    std::vector<AioOp> ops(objects.size());
+    for (size_t i = 0; i < objects.size(); ++i) {
+      ops[i].kind = AioOp::kRemove;
+      ops[i].io = data_io();
+      ops[i].oid = objects[i];
+    }
+    RunOps(ops);
+    for (const AioOp& op : ops) {
+      if (op.rv < 0 && op.rv != -ENOENT) {
+        return Check("removing leftover data object " + op.oid + " of " + uri_, op);
+      }
+    }
+    ++removed;
+  }
+  return removed;
+}
+
+// ---- options and the factory ------------------------------------------------------------------
+
+Result<uint64_t> ParseBytes(std::string_view uri, std::string_view key, std::string_view v) {
+  uint64_t mult = 1;
+  if (!v.empty()) {
+    switch (v.back()) {
+      case 'K':
+      case 'k':
+        mult = uint64_t{1} << 10;
+        break;
+      case 'M':
+      case 'm':
+        mult = uint64_t{1} << 20;
+        break;
+      case 'G':
+      case 'g':
+        mult = uint64_t{1} << 30;
+        break;
+      default:
+        mult = 0;
+    }
+    if (mult != 0) v.remove_suffix(1);
+    if (mult == 0) mult = 1;
+  }
+  if (v.empty() || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      v.size() > 12) {
+    return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(key) +
+                           " must be a number of bytes (K, M, G suffixes accepted)");
+  }
+  return std::stoull(std::string(v)) * mult;
+}
+
+}  // namespace
+
+Result<RadosOptions> ParseRadosOptions(std::string_view uri, std::string_view query) {
+  RadosOptions o;
+  if (const char* env = std::getenv("SAFEPOINT_STORAGE_TIMEOUT"); env && *env) {
+    const int t = std::atoi(env);
+    if (t <= 0) return InvalidArgument("$SAFEPOINT_STORAGE_TIMEOUT must be a positive number");
+    o.timeout_s = t;
+  }
+  while (!query.empty()) {
+    const size_t amp = query.find('&');
+    std::string_view kv = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+    if (kv.empty()) continue;
+    const size_t eq = kv.find('=');
+    const std::string_view key = kv.substr(0, eq);
+    const std::string_view value = eq == std::string_view::npos ? "" : kv.substr(eq + 1);
+    auto bad = [&](std::string why) {
+      return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(key) +
+                             ": " + why);
+    };
+    if (key == "timeout" || key == "retries") {
+      if (value.empty() || value.size() > 6 ||
+          !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+        return bad("must be a whole number");
+      }
+      const int v = std::stoi(std::string(value));
+      if (key == "timeout") {
+        if (v <= 0) return bad("must be at least 1 (seconds)");
+        o.timeout_s = v;
+      } else {
+        o.retries = v;
+      }
+    } else if (key == "chunk_size") {
+      SP_ASSIGN_OR_RETURN(uint64_t v, ParseBytes(uri, key, value));
+      if (v < 4096 || v > (uint64_t{1} << 30)) return bad("must be between 4K and 1G");
+      o.chunk_size = v;
+    } else {
+      return InvalidArgument("storage URI \"" + std::string(uri) + "\": unknown option \"" +
+                             std::string(key) + "\" (known: timeout, retries, chunk_size)");
+    }
+  }
+  return o;
+}
+
+Result<std::unique_ptr<Storage>> OpenRadosStorage(std::string_view uri, std::string_view rest) {
+  const size_t q = rest.find('?');
+  const std::string_view query = q == std::string_view::npos ? "" : rest.substr(q + 1);
+  rest = rest.substr(0, q);
+  std::string clean_uri(uri.substr(0, uri.find('?')));
+  while (clean_uri.ends_with('/') && !clean_uri.ends_with("://")) clean_uri.pop_back();
+  SP_ASSIGN_OR_RETURN(RadosOptions options, ParseRadosOptions(uri, query));
+  const size_t slash = rest.find('/');
+  const std::string pool(rest.substr(0, slash));
+  std::string prefix(slash == std::string_view::npos ? "" : rest.substr(slash + 1));
+  while (prefix.ends_with('/')) prefix.pop_back();
+  if (pool.empty()) {
+    return InvalidArgument("storage URI \"" + std::string(uri) +
+                           "\": no pool (rados://POOL/PREFIX)");
+  }
+  if (!prefix.empty()) {
+    if (Status s = ValidateObjectName(prefix); !s.ok()) {
+      return InvalidArgument("storage URI \"" + std::string(uri) +
+                             "\": bad prefix: " + s.message());
+    }
+    prefix += '/';
+  }
+  SP_ASSIGN_OR_RETURN(std::shared_ptr<Cluster> cluster, ConnectCluster(options.timeout_s));
+  auto p = std::make_shared<Pool>();
+  p->cluster = cluster;
+  p->name = pool;
+  int rv = rados_ioctx_create(cluster->handle, pool.c_str(), &p->heads);
+  if (rv == -ENOENT) {
+    return NotFound("storage URI \"" + std::string(uri) + "\": pool \"" + pool +
+                    "\" does not exist in the " + cluster->description +
+                    " (create it: ceph osd pool create " + pool + ")");
+  }
+  if (rv < 0) {
+    return Unavailable("storage URI \"" + std::string(uri) + "\": opening pool \"" + pool +
+                       "\": " + RadosError(rv));
+  }
+  rv = rados_ioctx_create(cluster->handle, pool.c_str(), &p->data);
+  if (rv < 0) {
+    return Unavailable("storage URI \"" + std::string(uri) + "\": opening pool \"" + pool +
+                       "\": " + RadosError(rv));
+  }
+  rados_ioctx_set_namespace(p->data, kDataNamespace);
+  return std::unique_ptr<Storage>(std::make_unique<RadosStorage>(std::move(clean_uri), std::move(p),
+                                                                 std::move(prefix), options));
+}
+
+}  // namespace safepoint::internal
