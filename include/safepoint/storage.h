@@ -60,6 +60,12 @@ class WritableObject {
   // (see the top of this file). Either way the object cannot be written or published again.
   virtual Status Publish() = 0;
 
+  // Like Publish, but only when no object of this name exists: AlreadyExists (nothing
+  // published, the temporary data removed) when one does. Atomic against concurrent publishers:
+  // of several PublishIfAbsent calls for one name, at most one succeeds. The commit layer writes
+  // COMMIT records this way where a step must not be committed twice (copies between tiers).
+  virtual Status PublishIfAbsent() = 0;
+
   // Removes the temporary data. Idempotent; called by the destructor when not published.
   virtual void Abort() = 0;
 };
