@@ -265,6 +265,8 @@ class FaultyWritableObject final : public WritableObject {
     }
   }
 
+  // TEMPORARY stub of this branch (rados): helper "tiercli" implements it; drop on merge.
+  Status PublishIfAbsent() override { return IOError("PublishIfAbsent: not in this branch"); }
   Status Publish() override {
     std::unique_lock<std::shared_mutex> lock(core_->mu);
     if (core_->dropped) return Lost();

@@ -100,6 +100,8 @@ class MemoryWritableObject final : public WritableObject {
     return Status::OK();
   }
 
+  // TEMPORARY stub of this branch (rados): helper "tiercli" implements it; drop on merge.
+  Status PublishIfAbsent() override { return IOError("PublishIfAbsent: not in this branch"); }
   Status Publish() override {
     std::unique_lock<std::shared_mutex> lock(mu_);
     if (state_ != State::kWriting) return NotWritable();

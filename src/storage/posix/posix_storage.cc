@@ -316,6 +316,8 @@ class PosixWritableObject final : public WritableObject {
     return Status::OK();
   }
 
+  // TEMPORARY stub of this branch (rados): helper "tiercli" implements it; drop on merge.
+  Status PublishIfAbsent() override { return IOError("PublishIfAbsent: not in this branch"); }
   Status Publish() override {
     if (state_.load(std::memory_order_acquire) != State::kWriting) return NotWritable();
     {
