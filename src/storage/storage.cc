@@ -6,6 +6,7 @@
 // registered lazily, under the registry's mutex, on first use, so that nothing depends on the
 // order in which static initialisers of a static library run (or whether they run at all).
 #include "safepoint/storage.h"
+#include "storage/s3/s3_storage.h"
 
 #include <algorithm>
 #include <cctype>
@@ -97,6 +98,7 @@ class SchemeRegistry {
                            std::string_view rest) -> Result<std::unique_ptr<Storage>> {
       return NewMemoryStorage(std::string(rest));
     };
+    factories_["s3"] = OpenS3Storage;  // "s3://BUCKET/PREFIX?OPTIONS"
   }
 
   std::mutex mu_;

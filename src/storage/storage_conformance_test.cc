@@ -38,13 +38,32 @@ struct Backend {
   std::string name;
   std::function<Result<std::unique_ptr<Storage>>(const std::string& location)> open;
   bool durable;
+  // Object stores: the environment variable with the base URI (set by scripts/with-ceph.sh);
+  // the tests skip when it is unset.
+  const char* base_uri_env = nullptr;
 };
+
+// The storage under `$env` for a test location: a prefix unique to the test (the location is
+// a fresh temporary directory), "rados://pool/base" -> "rados://pool/base/tmp_sp-XXXXXX_root".
+Result<std::unique_ptr<Storage>> OpenUnderBase(const char* env, const std::string& location) {
+  const char* base = std::getenv(env);
+  if (base == nullptr) return InvalidArgument(std::string("$") + env + " is not set");
+  std::string leaf = location;
+  std::replace(leaf.begin(), leaf.end(), '/', '_');
+  std::string uri = base;
+  while (uri.ends_with('/')) uri.pop_back();
+  return OpenStorage(uri + "/" + leaf.substr(leaf.find_first_not_of('_')));
+}
 
 void PrintTo(const Backend& backend, std::ostream* os) { *os << backend.name; }
 
 class StorageConformanceTest : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
+    if (GetParam().base_uri_env != nullptr && std::getenv(GetParam().base_uri_env) == nullptr) {
+      GTEST_SKIP() << "$" << GetParam().base_uri_env
+                   << " is not set (scripts/with-ceph.sh sets it with a test Ceph cluster)";
+    }
     ASSERT_TRUE(dir_.ok()) << "mkdtemp failed";
     location_ = dir_.path() + "/root";
     auto opened = GetParam().open(location_);
@@ -502,7 +521,12 @@ INSTANTIATE_TEST_SUITE_P(
                   return std::unique_ptr<Storage>(std::make_unique<FaultyStorage>(
                       std::shared_ptr<Storage>(NewMemoryStorage(location))));
                 },
-                false}),
+                false},
+        Backend{"S3",
+                [](const std::string& location) {
+                  return OpenUnderBase("SAFEPOINT_TEST_S3_URI", location);
+                },
+                true, "SAFEPOINT_TEST_S3_URI"}),
     [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
 
 // ---- the URI registry -------------------------------------------------------------------------
