@@ -16,11 +16,14 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "safepoint/checkpoint.h"
+#include "safepoint/extras.h"
 #include "safepoint/storage.h"
 #include "storage/s3/s3_client.h"
 #include "testing/test_util.h"
@@ -408,6 +411,41 @@ TEST(S3StorageTest, AbortedUploadsLeaveNothingAndLeftoversOfGoneWritersAreAborte
   ASSERT_OK((*live)->Publish());
   EXPECT_TRUE(PendingUploads(*client, root).empty());
   EXPECT_EQ(test::ReadWholeObject(st, "step-2/live.img"), PatternBytes(6 << 20, 2));
+}
+
+TEST(S3StorageTest, CheckpointStoreRoundTripOfTwoRanks) {
+  SKIP_WITHOUT_S3();
+  TempDir dir;
+  auto opened = OpenStorage(TestUri(dir) + "?part_size=5M");
+  ASSERT_OK(opened);
+  CheckpointStore store(std::shared_ptr<Storage>(std::move(*opened)));
+  // 24 MiB of tensor data per rank: multipart images (5 parts), then the COMMIT record.
+  constexpr size_t kElems = 6 << 20;
+  std::vector<std::vector<float>> data(2, std::vector<float>(kElems));
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    for (size_t i = 0; i < kElems; ++i) data[rank][i] = float(rank * 7 + i % 1000003);
+    std::vector<TensorSource> sources;
+    sources.push_back({{"w", DType::kFloat32, {kElems}, {}, {}}, data[rank].data(), kElems * 4});
+    Dict d;
+    d.items.emplace_back(Value(std::string("w")), Value(TensorRef{0, 0}));
+    auto extras = EncodeExtras(Value(std::move(d)));
+    ASSERT_OK(extras);
+    auto saved = SaveShard(store, test::TestImageMeta("s3", 3, rank, 2), sources, *extras);
+    ASSERT_OK(saved);
+    EXPECT_EQ(saved->committed, rank == 1);
+  }
+  auto committed = store.ListCommitted();
+  ASSERT_OK(committed);
+  ASSERT_EQ(committed->size(), 1u);
+  EXPECT_EQ((*committed)[0].step, 3u);
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    auto shard = LoadShard(store, std::nullopt, rank);
+    ASSERT_OK(shard);
+    EXPECT_EQ(shard->commit.step, 3u);
+    auto w = shard->reader.tensor_data(0);
+    ASSERT_EQ(w.size(), kElems * 4);
+    EXPECT_EQ(std::memcmp(w.data(), data[rank].data(), w.size()), 0) << "rank " << rank;
+  }
 }
 
 // A radosgw of the test's own on the test cluster, in the foreground as a child of this process.
