@@ -413,6 +413,34 @@ TEST(S3StorageTest, AbortedUploadsLeaveNothingAndLeftoversOfGoneWritersAreAborte
   EXPECT_EQ(test::ReadWholeObject(st, "step-2/live.img"), PatternBytes(6 << 20, 2));
 }
 
+TEST(S3StorageTest, SparseObjectsReadZerosInTheirGapsAfterPartBuffersWereReused) {
+  SKIP_WITHOUT_S3();
+  TempDir dir;
+  auto s = OpenStorage(TestUri(dir) + "?part_size=5M");
+  ASSERT_OK(s);
+  Storage& st = **s;
+  // A multipart object first: its part buffers (full of 0x.. pattern bytes) go back for reuse.
+  ASSERT_OK(test::PutObject(st, "dense", PatternBytes(20 << 20, 1)));
+  // A small sparse object (one PUT) and a large one (multipart): the gaps read as zeros.
+  for (uint64_t size : {uint64_t{100000}, uint64_t{(13 << 20) + 7}}) {
+    SCOPED_TRACE(size);
+    const std::string name = "sparse-" + std::to_string(size);
+    auto w = st.Create(name, 0);
+    ASSERT_OK(w);
+    const std::vector<std::byte> tail = PatternBytes(100, 2);
+    ASSERT_OK((*w)->WriteAt(10, PatternBytes(10, 3)));
+    ASSERT_OK((*w)->WriteAt(size - 100, tail));
+    ASSERT_OK((*w)->Publish());
+    std::vector<std::byte> back = test::ReadWholeObject(st, name);
+    ASSERT_EQ(back.size(), size);
+    EXPECT_TRUE(std::all_of(back.begin(), back.begin() + 10, [](std::byte b) { return b == std::byte{0}; }));
+    EXPECT_TRUE(std::equal(back.begin() + 10, back.begin() + 20, PatternBytes(10, 3).begin()));
+    EXPECT_TRUE(std::all_of(back.begin() + 20, back.end() - 100,
+                            [](std::byte b) { return b == std::byte{0}; }));
+    EXPECT_TRUE(std::equal(tail.begin(), tail.end(), back.end() - 100));
+  }
+}
+
 TEST(S3StorageTest, CheckpointStoreRoundTripOfTwoRanks) {
   SKIP_WITHOUT_S3();
   TempDir dir;
