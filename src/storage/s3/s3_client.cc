@@ -534,7 +534,7 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
   int made = 0;
   for (int attempt = 0; attempt <= config_.retries; ++attempt) {
     if (attempt > 0) {
-      // Full jitter over an exponentially growing window: 0.2 s, 0.4 s, ... capped at 10 s.
+      // A random half to all of a window that doubles: 0.2 s, 0.4 s, ... capped at 10 s.
       const double window = std::min(10.0, 0.2 * double(1u << std::min(attempt - 1, 10)));
       std::uniform_real_distribution<double> jitter(0.5 * window, window);
       std::this_thread::sleep_for(std::chrono::duration<double>(jitter(rng)));

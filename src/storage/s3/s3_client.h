@@ -19,7 +19,7 @@
 // Every request is bounded: connect timeout, stall detection (no byte for min(timeout, 30) s)
 // and a total time of `timeout`; failures that may be transient (connection errors, timeouts,
 // HTTP 5xx, 429, 409 on a conditional write, the S3 codes SlowDown / RequestTimeout /
-// InternalError) are retried `retries` times with exponential backoff and full jitter. Easy
+// InternalError) are retried `retries` times with exponential backoff and jitter. Easy
 // handles are kept in a pool so that connections are reused across requests and threads.
 //
 // Thread safety: S3Client::Execute may be called from many threads at once.
