@@ -185,7 +185,19 @@ def main() -> None:
     ap.add_argument("--bucket", default="safepoint-bench")
     ap.add_argument("--dir", default=os.path.join(REPO, "build", "bench"))
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--render", metavar="JSON",
+                    help="only render the section from a results file of an earlier run")
     args = ap.parse_args()
+    if args.render:
+        import json
+
+        with open(args.render) as f:
+            saved = json.load(f)
+        results, nbytes = saved["results"], saved["nbytes"]
+        args.runs = len(results["safepoint"])
+        section = render(results, nbytes, args, saved.get("dcp_error"), saved.get("own_cluster"))
+        publish(args, "tier-s3", "Object storage tiers: S3", section, saved)
+        return
     os.makedirs(args.dir, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
     cluster = None
@@ -228,7 +240,9 @@ def main() -> None:
         finally:
             shutil.rmtree(parts_dir, ignore_errors=True)
         section = render(results, nbytes, args, dcp_error, cluster is not None)
-        publish(args, "tier-s3", "Object storage tiers: S3", section, results)
+        publish(args, "tier-s3", "Object storage tiers: S3", section,
+                {"results": results, "nbytes": nbytes, "dcp_error": dcp_error,
+                 "own_cluster": cluster is not None})
     finally:
         if cluster:
             subprocess.run(["bash", os.path.join(REPO, "scripts", "ceph-cluster.sh"), "stop",
@@ -255,13 +269,17 @@ def render(results: dict, nbytes: int, args, dcp_error, own_cluster: bool) -> st
              f"`curl --parallel --parallel-max {PARALLEL}` PUTting {nbytes // PART} objects of "
              "16 MiB from tmpfs, and GETting them back into tmpfs (no checksums, no tensors).",
              "",
+             "Seconds are the median (min-max) of the runs; GB/s and ratios use the median.",
+             "",
              "| contender | persist s | persist GB/s | vs curl PUT | load s | load GB/s | vs curl GET |",
              "|---|---:|---:|---:|---:|---:|---:|"]
 
     def row(name: str, rs: list) -> None:
         s, l = med(r[0] for r in rs), med(r[1] for r in rs)
-        lines.append(f"| {name} | {s:.2f} | {nbytes / s / GB:.2f} | {curl_put / s:.0%} | "
-                     f"{l:.2f} | {nbytes / l / GB:.2f} | {curl_get / l:.0%} |")
+        lines.append(f"| {name} | {s:.2f} ({min(r[0] for r in rs):.2f}-{max(r[0] for r in rs):.2f}) | "
+                     f"{nbytes / s / GB:.2f} | {curl_put / s:.0%} | "
+                     f"{l:.2f} ({min(r[1] for r in rs):.2f}-{max(r[1] for r in rs):.2f}) | "
+                     f"{nbytes / l / GB:.2f} | {curl_get / l:.0%} |")
 
     row("safepoint s3://", results["safepoint"])
     row(f"curl, {PARALLEL} parallel (reference)", results["curl"])
