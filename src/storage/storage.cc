@@ -6,7 +6,6 @@
 // registered lazily, under the registry's mutex, on first use, so that nothing depends on the
 // order in which static initialisers of a static library run (or whether they run at all).
 #include "safepoint/storage.h"
-#include "storage/s3/s3_storage.h"
 
 #include <algorithm>
 #include <cctype>
@@ -14,6 +13,8 @@
 #include <mutex>
 #include <string>
 #include <utility>
+
+#include "storage/s3/s3_storage.h"
 
 namespace safepoint {
 

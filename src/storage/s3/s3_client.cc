@@ -114,8 +114,9 @@ Result<S3Config> ResolveS3Config() {
   if (c.endpoint.empty()) c.endpoint = conf["endpoint_url"];
   while (!c.endpoint.empty() && c.endpoint.back() == '/') c.endpoint.pop_back();
   if (!c.endpoint.empty() && c.endpoint.find("://") == std::string::npos) {
-    return InvalidArgument("S3 endpoint \"" + c.endpoint +
-                           "\" (AWS_ENDPOINT_URL) needs a scheme: http://HOST:PORT or https://HOST");
+    return InvalidArgument(
+        "S3 endpoint \"" + c.endpoint +
+        "\" (AWS_ENDPOINT_URL) needs a scheme: http://HOST:PORT or https://HOST");
   }
   c.path_style = !c.endpoint.empty();
 
@@ -157,14 +158,16 @@ Result<S3Config> ResolveS3Config() {
   return c;
 }
 
-// ---- SigV4 ----------------------------------------------------------------------------------------
+// ---- SigV4
+// ----------------------------------------------------------------------------------------
 
 std::string UriEncode(std::string_view s, bool keep_slash) {
   static const char* kHex = "0123456789ABCDEF";
   std::string out;
   out.reserve(s.size() * 3 / 2);
   for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || (keep_slash && c == '/')) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' ||
+        (keep_slash && c == '/')) {
       out += static_cast<char>(c);
     } else {
       out += '%';
@@ -212,7 +215,8 @@ std::string SigV4Authorization(const S3Config& config, std::string_view method,
          ", Signature=" + HexOf(reinterpret_cast<const unsigned char*>(sig.data()), sig.size());
 }
 
-// ---- XML ------------------------------------------------------------------------------------------
+// ---- XML
+// ------------------------------------------------------------------------------------------
 
 std::vector<std::string_view> XmlElements(std::string_view xml, std::string_view tag) {
   std::vector<std::string_view> out;
@@ -244,15 +248,20 @@ std::string XmlDecode(std::string_view s) {
       continue;
     }
     const std::string_view ent = s.substr(i + 1, semi - i - 1);
-    if (ent == "amp") out += '&';
-    else if (ent == "lt") out += '<';
-    else if (ent == "gt") out += '>';
-    else if (ent == "quot") out += '"';
-    else if (ent == "apos") out += '\'';
+    if (ent == "amp")
+      out += '&';
+    else if (ent == "lt")
+      out += '<';
+    else if (ent == "gt")
+      out += '>';
+    else if (ent == "quot")
+      out += '"';
+    else if (ent == "apos")
+      out += '\'';
     else if (!ent.empty() && ent[0] == '#') {
       const bool hex = ent.size() > 1 && (ent[1] == 'x' || ent[1] == 'X');
-      const unsigned long cp = std::strtoul(std::string(ent.substr(hex ? 2 : 1)).c_str(), nullptr,
-                                            hex ? 16 : 10);
+      const unsigned long cp =
+          std::strtoul(std::string(ent.substr(hex ? 2 : 1)).c_str(), nullptr, hex ? 16 : 10);
       if (cp < 0x80) {
         out += static_cast<char>(cp);
       } else if (cp < 0x800) {
@@ -285,11 +294,20 @@ std::string XmlEscape(std::string_view s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -319,7 +337,8 @@ int64_t ParseIso8601Ns(std::string_view s) {
   return ns;
 }
 
-// ---- responses ------------------------------------------------------------------------------------
+// ---- responses
+// ------------------------------------------------------------------------------------
 
 std::string S3Response::ErrorCode() const { return XmlText(body, "Code"); }
 
@@ -328,7 +347,8 @@ std::string S3Response::Header(std::string_view lower_name) const {
   return it == headers.end() ? std::string() : it->second;
 }
 
-// ---- the client -----------------------------------------------------------------------------------
+// ---- the client
+// -----------------------------------------------------------------------------------
 
 S3Client::S3Client(S3Config config, std::string bucket)
     : config_(std::move(config)), bucket_(std::move(bucket)) {
@@ -339,11 +359,12 @@ S3Client::S3Client(S3Config config, std::string bucket)
   } else {
     const size_t scheme_end = config_.endpoint.find("://") + 3;
     const size_t slash = config_.endpoint.find('/', scheme_end);
-    host_ = config_.endpoint.substr(scheme_end, slash == std::string::npos ? std::string::npos
-                                                                           : slash - scheme_end);
+    host_ = config_.endpoint.substr(
+        scheme_end, slash == std::string::npos ? std::string::npos : slash - scheme_end);
     if (config_.path_style) {
       path_prefix_ = "/" + UriEncode(bucket_, false);
-      base_url_ = config_.endpoint.substr(0, slash == std::string::npos ? std::string::npos : slash);
+      base_url_ =
+          config_.endpoint.substr(0, slash == std::string::npos ? std::string::npos : slash);
     } else {
       host_ = bucket_ + "." + host_;
       base_url_ = config_.endpoint.substr(0, scheme_end) + host_;
@@ -527,8 +548,9 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
 }
 
 Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view what) {
-  const bool conditional = std::any_of(request.headers.begin(), request.headers.end(),
-                                       [](const auto& h) { return Lower(h.first) == "if-none-match"; });
+  const bool conditional =
+      std::any_of(request.headers.begin(), request.headers.end(),
+                  [](const auto& h) { return Lower(h.first) == "if-none-match"; });
   thread_local std::mt19937_64 rng{std::random_device{}()};
   Status last;
   int made = 0;

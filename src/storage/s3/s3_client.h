@@ -70,10 +70,10 @@ struct S3Request {
 
 struct S3Response {
   long http_status = 0;
-  std::string body;                          // response body (or the error body)
+  std::string body;                            // response body (or the error body)
   std::map<std::string, std::string> headers;  // lower-case names
-  uint64_t received = 0;                     // bytes written into receive_into
-  std::string ErrorCode() const;             // <Code> of an S3 error body, "" if none
+  uint64_t received = 0;                       // bytes written into receive_into
+  std::string ErrorCode() const;               // <Code> of an S3 error body, "" if none
   std::string Header(std::string_view lower_name) const;
 };
 

@@ -27,10 +27,10 @@ using s3::S3Request;
 using s3::S3Response;
 
 constexpr uint64_t kMiB = 1ull << 20;
-constexpr uint64_t kMinPartSize = 5 * kMiB;      // S3's minimum for all parts but the last
-constexpr uint64_t kMaxPartSize = 5ull << 30;    // and its maximum
+constexpr uint64_t kMinPartSize = 5 * kMiB;    // S3's minimum for all parts but the last
+constexpr uint64_t kMaxPartSize = 5ull << 30;  // and its maximum
 constexpr uint64_t kMaxParts = 10000;
-constexpr uint64_t kReadPiece = 8 * kMiB;        // one ranged GET of a large read
+constexpr uint64_t kReadPiece = 8 * kMiB;  // one ranged GET of a large read
 
 // A fixed set of threads that run queued tasks; started on first use, joined by the destructor.
 // Tasks never wait for other tasks, so a full pool only delays work.
@@ -190,8 +190,12 @@ struct S3Context {
   TaskPool pool;  // last: its threads are joined first
 
   S3Context(std::unique_ptr<S3Client> c, std::string u, std::string r, S3Options o)
-      : client(std::move(c)), uri(std::move(u)), root(std::move(r)), options(o),
-        buffers(o.part_size, 2 * o.connections), pool(o.connections) {}
+      : client(std::move(c)),
+        uri(std::move(u)),
+        root(std::move(r)),
+        options(o),
+        buffers(o.part_size, 2 * o.connections),
+        pool(o.connections) {}
 
   std::string Key(std::string_view name) const { return root + std::string(name); }
   std::string Describe(std::string_view name) const { return uri + "/" + std::string(name); }
@@ -240,7 +244,9 @@ bool AddRange(std::map<uint64_t, uint64_t>& m, uint64_t a, uint64_t b, uint64_t 
 class S3WritableObject final : public WritableObject {
  public:
   S3WritableObject(std::shared_ptr<S3Context> ctx, std::string name, uint64_t part_size)
-      : ctx_(std::move(ctx)), key_(ctx_->Key(name)), desc_(ctx_->Describe(name)),
+      : ctx_(std::move(ctx)),
+        key_(ctx_->Key(name)),
+        desc_(ctx_->Describe(name)),
         part_size_(part_size) {}
 
   ~S3WritableObject() override { Abort(); }
@@ -330,10 +336,14 @@ class S3WritableObject final : public WritableObject {
   }
   Status UsableLocked() const {
     switch (state_) {
-      case State::kOpen: return Status::OK();
-      case State::kFailed: return error_;
-      case State::kPublished: return InvalidArgument(desc_ + ": already published");
-      case State::kAborted: return InvalidArgument(desc_ + ": aborted");
+      case State::kOpen:
+        return Status::OK();
+      case State::kFailed:
+        return error_;
+      case State::kPublished:
+        return InvalidArgument(desc_ + ": already published");
+      case State::kAborted:
+        return InvalidArgument(desc_ + ": aborted");
     }
     return Status::OK();
   }
@@ -372,7 +382,13 @@ class S3WritableObject final : public WritableObject {
     ++in_flight_;
     const std::byte* data = part.buffer.get();
     ctx_->pool.Submit([this, index, data, len] {
-      Status s = UploadPart(index, std::span<const std::byte>(data, len));
+      bool doomed;  // aborted or failed while queued: no point in sending it
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        doomed = state_ == State::kAborted || state_ == State::kFailed;
+      }
+      Status s = doomed ? Cancelled(desc_ + ": part upload cancelled")
+                        : UploadPart(index, std::span<const std::byte>(data, len));
       std::lock_guard<std::mutex> lock(mu_);
       if (s.ok()) {
         ctx_->buffers.Give(std::move(parts_[index].buffer), part_size_);
@@ -588,7 +604,10 @@ class S3ReadableObject final : public ReadableObject {
  public:
   S3ReadableObject(std::shared_ptr<S3Context> ctx, std::string name, uint64_t size,
                    std::string etag)
-      : ctx_(std::move(ctx)), key_(ctx_->Key(name)), desc_(ctx_->Describe(name)), size_(size),
+      : ctx_(std::move(ctx)),
+        key_(ctx_->Key(name)),
+        desc_(ctx_->Describe(name)),
+        size_(size),
         etag_(std::move(etag)) {}
 
   uint64_t size() const override { return size_; }
@@ -608,7 +627,8 @@ class S3ReadableObject final : public ReadableObject {
       const uint64_t off = i * kReadPiece;
       auto piece = dst.subspan(off, std::min<uint64_t>(kReadPiece, dst.size() - off));
       group.Add();
-      ctx_->pool.Submit([this, &group, offset, off, piece] { group.Done(GetRange(offset + off, piece)); });
+      ctx_->pool.Submit(
+          [this, &group, offset, off, piece] { group.Done(GetRange(offset + off, piece)); });
     }
     Status first = GetRange(offset, dst.subspan(0, kReadPiece));
     Status rest = group.Wait();
@@ -619,8 +639,8 @@ class S3ReadableObject final : public ReadableObject {
   Status GetRange(uint64_t offset, std::span<std::byte> dst) const {
     S3Request req;
     req.key = key_;
-    req.headers.emplace_back("Range", "bytes=" + std::to_string(offset) + "-" +
-                                          std::to_string(offset + dst.size() - 1));
+    req.headers.emplace_back(
+        "Range", "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + dst.size() - 1));
     if (!etag_.empty()) req.headers.emplace_back("If-Match", etag_);
     req.receive_into = dst;
     req.has_receive_into = true;
@@ -670,7 +690,8 @@ class S3Storage final : public Storage {
     SP_RETURN_IF_ERROR(ValidateObjectName(name));
     uint64_t part = ctx_->options.part_size;
     if (size_hint > part * kMaxParts) {
-      part = std::min(kMaxPartSize, ((size_hint + kMaxParts - 1) / kMaxParts + kMiB - 1) / kMiB * kMiB);
+      part = std::min(kMaxPartSize,
+                      ((size_hint + kMaxParts - 1) / kMaxParts + kMiB - 1) / kMiB * kMiB);
     }
     return std::unique_ptr<WritableObject>(
         std::make_unique<S3WritableObject>(ctx_, std::string(name), part));
@@ -738,7 +759,8 @@ class S3Storage final : public Storage {
     return HttpError(r, what);
   }
 
-  Result<size_t> RemoveLeftovers(std::string_view prefix, const LeftoverFilter& remove_if) override {
+  Result<size_t> RemoveLeftovers(std::string_view prefix,
+                                 const LeftoverFilter& remove_if) override {
     SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
     const std::string what = "ListMultipartUploads " + ctx_->Describe(prefix);
     std::vector<std::pair<std::string, std::string>> doomed;  // key, upload id
@@ -797,11 +819,23 @@ bool ParseBytes(std::string_view s, uint64_t* out) {
   uint64_t mult = 1;
   if (!suffix.empty()) {
     switch (suffix[0]) {
-      case 'k': case 'K': mult = 1ull << 10; break;
-      case 'm': case 'M': mult = 1ull << 20; break;
-      case 'g': case 'G': mult = 1ull << 30; break;
-      case 'b': case 'B': break;
-      default: return false;
+      case 'k':
+      case 'K':
+        mult = 1ull << 10;
+        break;
+      case 'm':
+      case 'M':
+        mult = 1ull << 20;
+        break;
+      case 'g':
+      case 'G':
+        mult = 1ull << 30;
+        break;
+      case 'b':
+      case 'B':
+        break;
+      default:
+        return false;
     }
     suffix.remove_prefix(1);
     if (suffix != "" && suffix != "i" && suffix != "iB" && suffix != "B") return false;
@@ -881,9 +915,9 @@ Result<std::unique_ptr<Storage>> OpenS3Storage(std::string_view uri, std::string
   if (options.timeout_s > 0) config->timeout_s = options.timeout_s;
   if (options.retries >= 0) config->retries = options.retries;
   std::string clean = "s3://" + bucket + (prefix.empty() ? "" : "/" + prefix);
-  auto ctx = std::make_shared<S3Context>(std::make_unique<S3Client>(*std::move(config), bucket),
-                                         std::move(clean), prefix.empty() ? "" : prefix + "/",
-                                         options);
+  auto ctx =
+      std::make_shared<S3Context>(std::make_unique<S3Client>(*std::move(config), bucket),
+                                  std::move(clean), prefix.empty() ? "" : prefix + "/", options);
   return std::unique_ptr<Storage>(std::make_unique<S3Storage>(std::move(ctx)));
 }
 

@@ -69,10 +69,10 @@ class ScopedEnv {
 };
 
 void ClearAwsEnv(ScopedEnv& env) {
-  for (const char* v : {"AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
-                        "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                        "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE",
-                        "AWS_CONFIG_FILE", "SAFEPOINT_STORAGE_TIMEOUT"}) {
+  for (const char* v :
+       {"AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+        "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "SAFEPOINT_STORAGE_TIMEOUT"}) {
     env.Unset(v);
   }
 }
@@ -87,13 +87,12 @@ TEST(S3SigV4Test, MatchesAwsPublishedGetObjectExample) {
   c.secret_key = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY";
   const std::string empty_hash = s3::Sha256Hex({});
   EXPECT_EQ(empty_hash, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-  const std::string auth = s3::SigV4Authorization(
-      c, "GET", "/test.txt", "",
-      {{"Host", "examplebucket.s3.amazonaws.com"},
-       {"Range", "bytes=0-9"},
-       {"x-amz-content-sha256", empty_hash},
-       {"x-amz-date", "20130524T000000Z"}},
-      empty_hash, "20130524T000000Z");
+  const std::string auth = s3::SigV4Authorization(c, "GET", "/test.txt", "",
+                                                  {{"Host", "examplebucket.s3.amazonaws.com"},
+                                                   {"Range", "bytes=0-9"},
+                                                   {"x-amz-content-sha256", empty_hash},
+                                                   {"x-amz-date", "20130524T000000Z"}},
+                                                  empty_hash, "20130524T000000Z");
   EXPECT_EQ(auth,
             "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request, "
             "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date, "
@@ -127,9 +126,10 @@ TEST(S3ConfigTest, EnvironmentWinsThenCredentialsFileThenConfigFile) {
   std::ofstream(creds) << "[default]\naws_access_key_id = DEFAULTKEY\naws_secret_access_key = d\n"
                           "[dev]\naws_access_key_id=DEVKEY\naws_secret_access_key=devsecret\n"
                           "aws_session_token = devtoken\n";
-  std::ofstream(config) << "[default]\nregion = eu-west-1\n"
-                           "[profile dev]\nregion = eu-north-1\nendpoint_url = http://10.0.0.1:7480/\n"
-                           "s3 =\n  addressing_style = path\n";
+  std::ofstream(config)
+      << "[default]\nregion = eu-west-1\n"
+         "[profile dev]\nregion = eu-north-1\nendpoint_url = http://10.0.0.1:7480/\n"
+         "s3 =\n  addressing_style = path\n";
   env.Set("AWS_SHARED_CREDENTIALS_FILE", creds);
   env.Set("AWS_CONFIG_FILE", config);
 
@@ -177,7 +177,8 @@ TEST(S3ConfigTest, MissingCredentialsOrRegionNameWhatIsMissing) {
   auto c = s3::ResolveS3Config();
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(c.status().message().find("AWS_ACCESS_KEY_ID"), std::string::npos) << c.status().ToString();
+  EXPECT_NE(c.status().message().find("AWS_ACCESS_KEY_ID"), std::string::npos)
+      << c.status().ToString();
   EXPECT_NE(c.status().message().find(dir.path() + "/.aws/credentials"), std::string::npos)
       << c.status().ToString();
 
@@ -215,9 +216,9 @@ TEST(S3UriTest, OptionsAreParsedAndUnknownOnesRejected) {
   auto root = OpenStorage("s3://bucket");
   ASSERT_OK(root);
   EXPECT_EQ((*root)->Describe("x"), "s3://bucket/x");
-  for (const char* bad : {"s3://bucket/p?color=red", "s3://bucket/p?part_size=1M",
-                          "s3://bucket/p?timeout=0", "s3://bucket/p?retries=x",
-                          "s3:///prefix", "s3://bucket/a/../b"}) {
+  for (const char* bad :
+       {"s3://bucket/p?color=red", "s3://bucket/p?part_size=1M", "s3://bucket/p?timeout=0",
+        "s3://bucket/p?retries=x", "s3:///prefix", "s3://bucket/a/../b"}) {
     auto r = OpenStorage(bad);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
@@ -244,8 +245,10 @@ TEST(S3UriTest, ConnectionRefusedIsUnavailableAfterTheRetries) {
   auto r = (*s)->Open("obj");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
-  EXPECT_NE(r.status().message().find("s3://bucket/p/obj"), std::string::npos) << r.status().ToString();
-  EXPECT_NE(r.status().message().find("after 3 attempts"), std::string::npos) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("s3://bucket/p/obj"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("after 3 attempts"), std::string::npos)
+      << r.status().ToString();
 }
 
 // ---- against a real gateway ---------------------------------------------------------------------
@@ -259,10 +262,10 @@ std::string TestUri(const TempDir& dir) {
   return base + "/" + leaf.substr(leaf.find_first_not_of('_'));
 }
 
-#define SKIP_WITHOUT_S3()                                                                   \
-  if (std::getenv("SAFEPOINT_TEST_S3_URI") == nullptr) {                                    \
+#define SKIP_WITHOUT_S3()                                                                     \
+  if (std::getenv("SAFEPOINT_TEST_S3_URI") == nullptr) {                                      \
     GTEST_SKIP() << "$SAFEPOINT_TEST_S3_URI is not set (scripts/with-ceph.sh sets it with a " \
-                    "test Ceph cluster)";                                                   \
+                    "test Ceph cluster)";                                                     \
   }
 
 // A client on the bucket of `uri` ("s3://bucket/prefix") and the prefix's key root.
@@ -303,7 +306,8 @@ TEST(S3StorageTest, PublishIfAbsentRefusesAnExistingObject) {
   ASSERT_OK((*second)->WriteAt(0, PatternBytes(50, 2)));
   Status again = (*second)->PublishIfAbsent();
   EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
-  EXPECT_NE(again.message().find(st.Describe("step-1/COMMIT")), std::string::npos) << again.ToString();
+  EXPECT_NE(again.message().find(st.Describe("step-1/COMMIT")), std::string::npos)
+      << again.ToString();
   EXPECT_EQ(test::ReadWholeObject(st, "step-1/COMMIT"), PatternBytes(100, 1));
 
   // A multipart object (12 MiB in 5 MiB parts) is refused too, and its upload is aborted.
@@ -348,13 +352,16 @@ TEST(S3StorageTest, WrongSecretIsPermissionDeniedWithoutRetries) {
   auto r = (*s)->Open("obj");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kIOError) << r.status().ToString();
-  EXPECT_NE(r.status().message().find("permission denied"), std::string::npos) << r.status().ToString();
-  EXPECT_NE(r.status().message().find("AWS_SECRET_ACCESS_KEY"), std::string::npos) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("permission denied"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("AWS_SECRET_ACCESS_KEY"), std::string::npos)
+      << r.status().ToString();
   auto list = (*s)->List("");
   ASSERT_FALSE(list.ok());
   EXPECT_NE(list.status().message().find("SignatureDoesNotMatch"), std::string::npos)
       << list.status().ToString();
-  EXPECT_EQ(list.status().message().find("attempts"), std::string::npos) << list.status().ToString();
+  EXPECT_EQ(list.status().message().find("attempts"), std::string::npos)
+      << list.status().ToString();
   EXPECT_FALSE(test::PutObject(**s, "obj", PatternBytes(10, 1)).ok());
 }
 
@@ -399,7 +406,8 @@ TEST(S3StorageTest, AbortedUploadsLeaveNothingAndLeftoversOfGoneWritersAreAborte
   ASSERT_EQ(PendingUploads(*client, root).size(), 2u);
 
   // A filter that spares step-1 removes nothing; the live writer is never touched.
-  auto removed = st.RemoveLeftovers("", [](std::string_view name) { return name.starts_with("step-2/"); });
+  auto removed =
+      st.RemoveLeftovers("", [](std::string_view name) { return name.starts_with("step-2/"); });
   ASSERT_OK(removed);
   EXPECT_EQ(*removed, 0u);
   removed = st.RemoveLeftovers("");
@@ -433,7 +441,8 @@ TEST(S3StorageTest, SparseObjectsReadZerosInTheirGapsAfterPartBuffersWereReused)
     ASSERT_OK((*w)->Publish());
     std::vector<std::byte> back = test::ReadWholeObject(st, name);
     ASSERT_EQ(back.size(), size);
-    EXPECT_TRUE(std::all_of(back.begin(), back.begin() + 10, [](std::byte b) { return b == std::byte{0}; }));
+    EXPECT_TRUE(std::all_of(back.begin(), back.begin() + 10,
+                            [](std::byte b) { return b == std::byte{0}; }));
     EXPECT_TRUE(std::equal(back.begin() + 10, back.begin() + 20, PatternBytes(10, 3).begin()));
     EXPECT_TRUE(std::all_of(back.begin() + 20, back.end() - 100,
                             [](std::byte b) { return b == std::byte{0}; }));
@@ -497,10 +506,9 @@ class PrivateGateway {
     const std::string files = tmp_.path() + "/rgw";
     pid_ = fork();
     if (pid_ == 0) {
-      execlp("radosgw", "radosgw", "-f", "-c", conf.c_str(), "-n", name.c_str(),
-             "--rgw-frontends", frontends.c_str(), "--admin-socket", (files + ".asok").c_str(),
-             "--log-file", (files + ".log").c_str(), "--rgw-thread-pool-size", "16",
-             static_cast<char*>(nullptr));
+      execlp("radosgw", "radosgw", "-f", "-c", conf.c_str(), "-n", name.c_str(), "--rgw-frontends",
+             frontends.c_str(), "--admin-socket", (files + ".asok").c_str(), "--log-file",
+             (files + ".log").c_str(), "--rgw-thread-pool-size", "16", static_cast<char*>(nullptr));
       _exit(127);
     }
     // Poll until it accepts connections (bounded: a gateway that never comes up fails here).
@@ -561,16 +569,16 @@ class PrivateGateway {
   int port_ = 0;
 };
 
-#define START_PRIVATE_GATEWAY(gw, env)                                                   \
-  SKIP_WITHOUT_S3();                                                                     \
-  if (std::getenv("SAFEPOINT_TEST_CEPH_DIR") == nullptr) {                               \
+#define START_PRIVATE_GATEWAY(gw, env)                                                    \
+  SKIP_WITHOUT_S3();                                                                      \
+  if (std::getenv("SAFEPOINT_TEST_CEPH_DIR") == nullptr) {                                \
     GTEST_SKIP() << "$SAFEPOINT_TEST_CEPH_DIR is not set (scripts/with-ceph.sh sets it)"; \
-  }                                                                                      \
-  {                                                                                      \
-    std::string error;                                                                   \
-    ASSERT_TRUE(gw.Start(0, &error)) << error;                                           \
-  }                                                                                      \
-  env.Set("AWS_ENDPOINT_URL", gw.endpoint());                                            \
+  }                                                                                       \
+  {                                                                                       \
+    std::string error;                                                                    \
+    ASSERT_TRUE(gw.Start(0, &error)) << error;                                            \
+  }                                                                                       \
+  env.Set("AWS_ENDPOINT_URL", gw.endpoint());                                             \
   env.Unset("AWS_ENDPOINT_URL_S3")
 
 TEST(S3StorageFaultTest, StalledGatewayFailsUploadAndDownloadAfterTheTimeout) {
@@ -606,7 +614,8 @@ TEST(S3StorageFaultTest, StalledGatewayFailsUploadAndDownloadAfterTheTimeout) {
   Status wrote = (*w)->WriteAt(0, PatternBytes(12 << 20, 3));  // parts go up in the background
   Status published = wrote.ok() ? (*w)->Publish() : wrote;
   EXPECT_EQ(published.code(), StatusCode::kUnavailable) << published.ToString();
-  EXPECT_NE(published.message().find(st.Describe("large")), std::string::npos) << published.ToString();
+  EXPECT_NE(published.message().find(st.Describe("large")), std::string::npos)
+      << published.ToString();
 
   gw.Signal(SIGCONT);
   // The gateway is back. The multipart object never became visible. The single PUT that timed
