@@ -633,6 +633,52 @@ TEST(S3StorageFaultTest, StalledGatewayFailsUploadAndDownloadAfterTheTimeout) {
   ASSERT_OK(st.RemoveLeftovers(""));
 }
 
+TEST(S3StorageFaultTest, BucketQuotaExceededIsResourceExhaustedAndLeavesNothing) {
+  SKIP_WITHOUT_S3();
+  const char* ceph_dir = std::getenv("SAFEPOINT_TEST_CEPH_DIR");
+  if (ceph_dir == nullptr) {
+    GTEST_SKIP() << "$SAFEPOINT_TEST_CEPH_DIR is not set (scripts/with-ceph.sh sets it)";
+  }
+  // A bucket of the test's own with a 1 MiB quota (radosgw-admin on the test cluster).
+  const std::string bucket = "sp-quota-" + std::to_string(getpid());
+  auto config = s3::ResolveS3Config();
+  ASSERT_OK(config);
+  s3::S3Client client(*config, bucket);
+  s3::S3Request create;
+  create.method = "PUT";
+  auto created = client.Execute(create, "CreateBucket " + bucket);
+  ASSERT_OK(created);
+  ASSERT_TRUE(created->http_status == 200 || created->http_status == 409) << created->body;
+  const std::string admin = "timeout 60 radosgw-admin -c " + std::string(ceph_dir) +
+                            "/ceph.conf quota {} --quota-scope=bucket --bucket=" + bucket;
+  auto run = [&](const std::string& verb, const std::string& extra) {
+    std::string cmd = admin;
+    cmd.replace(cmd.find("{}"), 2, verb);
+    return std::system((cmd + extra + " >/dev/null 2>&1").c_str());
+  };
+  ASSERT_EQ(run("set", " --max-size=1048576"), 0);
+  ASSERT_EQ(run("enable", ""), 0);
+
+  auto s = OpenStorage("s3://" + bucket + "/run?part_size=5M");
+  ASSERT_OK(s);
+  Storage& st = **s;
+  Status small = test::PutObject(st, "step-1/rank-0.img", PatternBytes(2 << 20, 1));
+  EXPECT_EQ(small.code(), StatusCode::kResourceExhausted) << small.ToString();
+  EXPECT_NE(small.message().find("QuotaExceeded"), std::string::npos) << small.ToString();
+  EXPECT_NE(small.message().find(st.Describe("step-1/rank-0.img")), std::string::npos);
+  Status large = test::PutObject(st, "step-1/rank-1.img", PatternBytes(12 << 20, 2));
+  EXPECT_EQ(large.code(), StatusCode::kResourceExhausted) << large.ToString();
+  auto names = st.List("");
+  ASSERT_OK(names);
+  EXPECT_TRUE(names->empty());
+  auto leftovers = st.RemoveLeftovers("");
+  ASSERT_OK(leftovers);
+  EXPECT_EQ(*leftovers, 0u);  // the failed multipart upload was aborted
+  s3::S3Request drop;
+  drop.method = "DELETE";
+  (void)client.Execute(drop, "DeleteBucket " + bucket);
+}
+
 TEST(S3StorageFaultTest, GatewayKilledAndRestartedMidDownloadIsRetried) {
   ScopedEnv env;
   PrivateGateway gw;
