@@ -5,6 +5,8 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/sha.h>
+#include <pthread.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <cctype>
@@ -92,6 +94,38 @@ bool Retryable(const S3Response& r, bool conditional) {
   return code == "SlowDown" || code == "RequestTimeout" || code == "InternalError" ||
          code == "RequestTimeTooSkewed";
 }
+
+// Keeps a SIGPIPE raised on this thread during a transfer (a TLS write to a connection the
+// server closed) from killing a process that does not ignore it: blocked while the guard lives,
+// a SIGPIPE that became pending meanwhile is consumed. (libcurl leaves this to the caller with
+// CURLOPT_NOSIGNAL, which threads need.)
+class SigpipeGuard {
+ public:
+  SigpipeGuard() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~SigpipeGuard() {
+    if (!was_pending_) {
+      sigset_t pending;
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        const timespec zero{0, 0};
+        sigtimedwait(&pipe_, nullptr, &zero);
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+
+ private:
+  sigset_t pipe_;
+  sigset_t old_;
+  bool was_pending_ = false;
+};
 
 }  // namespace
 
@@ -353,7 +387,13 @@ std::string S3Response::Header(std::string_view lower_name) const {
 S3Client::S3Client(S3Config config, std::string bucket)
     : config_(std::move(config)), bucket_(std::move(bucket)) {
   GlobalInit();
-  if (config_.endpoint.empty()) {
+  if (config_.endpoint.empty() && bucket_.find('.') != std::string::npos) {
+    // AWS with a dotted bucket name: the wildcard certificate does not cover
+    // "a.b.s3.REGION.amazonaws.com", so path style, as the SDKs do.
+    host_ = "s3." + config_.region + ".amazonaws.com";
+    base_url_ = "https://" + host_;
+    path_prefix_ = "/" + UriEncode(bucket_, false);
+  } else if (config_.endpoint.empty()) {
     host_ = bucket_ + ".s3." + config_.region + ".amazonaws.com";
     base_url_ = "https://" + host_;
   } else {
@@ -529,7 +569,11 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
   } else if (req.method != "GET") {
     curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, req.method.c_str());
   }
-  const CURLcode rc = curl_easy_perform(curl);
+  CURLcode rc;
+  {
+    SigpipeGuard no_sigpipe;
+    rc = curl_easy_perform(curl);
+  }
   curl_slist_free_all(list);
   curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &resp.http_status);
   if (a.overflow) {

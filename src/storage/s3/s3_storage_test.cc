@@ -104,6 +104,19 @@ TEST(S3SigV4Test, UriEncodingKeepsUnreservedAndSlashes) {
   EXPECT_EQ(s3::UriEncode("a/b", false), "a%2Fb");
 }
 
+TEST(S3ClientTest, AddressingFollowsTheEndpoint) {
+  s3::S3Config aws;
+  aws.region = "eu-west-1";
+  EXPECT_EQ(s3::S3Client(aws, "ckpt").Url("run 1/step-1/COMMIT", "uploadId=x"),
+            "https://ckpt.s3.eu-west-1.amazonaws.com/run%201/step-1/COMMIT?uploadId=x");
+  EXPECT_EQ(s3::S3Client(aws, "my.ckpt").Url("k", ""),
+            "https://s3.eu-west-1.amazonaws.com/my.ckpt/k");
+  s3::S3Config rgw = aws;
+  rgw.endpoint = "http://127.0.0.1:7480";
+  rgw.path_style = true;
+  EXPECT_EQ(s3::S3Client(rgw, "ckpt").Url("a/b", ""), "http://127.0.0.1:7480/ckpt/a/b");
+}
+
 TEST(S3XmlTest, ElementsAndEntities) {
   const std::string xml =
       "<R><Contents><Key>a&amp;b&lt;c&#x41;&#66;</Key><Size>3</Size></Contents>"
