@@ -49,7 +49,8 @@ class TaskPool {
   void Submit(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(task));
-    if (threads_.size() < max_threads_ && idle_ == 0) {
+    // More queued tasks than idle threads to take them: another thread, up to the maximum.
+    if (threads_.size() < max_threads_ && queue_.size() > idle_) {
       threads_.emplace_back([this] { Run(); });
     } else {
       cv_.notify_one();
@@ -308,6 +309,7 @@ class S3WritableObject final : public WritableObject {
       if (state_ == State::kPublished || state_ == State::kAborted) return;
       state_ = State::kAborted;
       cv_.wait(lock, [&] { return in_flight_ == 0; });
+      for (auto& [index, part] : parts_) ctx_->buffers.Give(std::move(part.buffer), part_size_);
       parts_.clear();
       upload_id = upload_id_;
     }
@@ -472,6 +474,7 @@ class S3WritableObject final : public WritableObject {
     if (s.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       state_ = State::kPublished;
+      for (auto& [index, part] : parts_) ctx_->buffers.Give(std::move(part.buffer), part_size_);
       parts_.clear();
       if (!upload_id_.empty()) ActiveUploads::Get().Remove(upload_id_);
       return s;
