@@ -16,8 +16,9 @@
 //
 // PublishIfAbsent: HEAD first (AlreadyExists when present), then the PUT (or the Complete)
 // carries `If-None-Match: *`, and HTTP 412 is AlreadyExists. Where a server ignores the header
-// (RGW before Reef on CompleteMultipartUpload, some S3-compatible stores), only the HEAD guards
-// and two exclusive publishers racing within one round trip could both succeed.
+// (radosgw 16.2 on CompleteMultipartUpload: it answers 200 and replaces; some S3-compatible
+// stores on PUT too), only the HEAD guards, and two exclusive publishers racing within one
+// round trip could both succeed. COMMIT records are small: always one PUT.
 //
 // Reading: Open sends HEAD (size, ETag); ReadAt sends ranged GETs with If-Match on the ETag (an
 // object replaced after Open reads as an IOError, never as a mix of two versions), copying the
