@@ -550,6 +550,10 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME,
                    std::max(1L, std::min(30L, static_cast<long>(config_.timeout_s))));
+  // Larger socket reads and writes than libcurl's defaults (16 KiB / 64 KiB): fewer callbacks
+  // and system calls per megabyte (the curl tool itself reads 100 KiB at a time).
+  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 512L * 1024);
+  curl_easy_setopt(curl, CURLOPT_UPLOAD_BUFFERSIZE, 512L * 1024);
   curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, WriteBody);
   curl_easy_setopt(curl, CURLOPT_WRITEDATA, &a);
   curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, HeaderLine);
