@@ -10,7 +10,7 @@ APT_PKGS=(g++ cmake ninja-build pkg-config libisal-dev libgtest-dev libgmock-dev
           nlohmann-json3-dev libspdlog-dev libcli11-dev clang-format
           libucx-dev ucx-utils libssl-dev iperf3 iproute2
           python3-venv python3-dev
-          ceph-mon ceph-osd ceph-mgr radosgw ceph-common librados-dev curl)
+          ceph-mon ceph-osd ceph-mgr radosgw ceph-common librados-dev curl libcurl4-openssl-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

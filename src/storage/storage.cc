@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "storage/rados/rados_storage.h"
+#include "storage/s3/s3_storage.h"
 
 namespace safepoint {
 
@@ -102,6 +103,7 @@ class SchemeRegistry {
     };
     // "rados://POOL/PREFIX[?timeout=S&retries=N&chunk_size=B]" (src/storage/rados).
     factories_["rados"] = internal::OpenRadosStorage;
+    factories_["s3"] = OpenS3Storage;  // "s3://BUCKET/PREFIX?OPTIONS"
   }
 
   std::mutex mu_;

@@ -603,7 +603,12 @@ INSTANTIATE_TEST_SUITE_P(
                 [](const std::string& location) {
                   return OpenUnderBase("SAFEPOINT_TEST_RADOS_URI", location);
                 },
-                true, "SAFEPOINT_TEST_RADOS_URI"}),
+                true, "SAFEPOINT_TEST_RADOS_URI"},
+        Backend{"S3",
+                [](const std::string& location) {
+                  return OpenUnderBase("SAFEPOINT_TEST_S3_URI", location);
+                },
+                true, "SAFEPOINT_TEST_S3_URI"}),
     [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
 
 // ---- the URI registry -------------------------------------------------------------------------
