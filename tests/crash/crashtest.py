@@ -14,7 +14,8 @@ directories the agent copies committed steps into on their own schedules). Every
 (seed, step, rank) (workload.make_state). A round:
 
   1. plan (from the seeded generator): whom to kill (the training processes, the agent, both, or
-     both plus the node's shared memory), and when: at a named kill point (SAFEPOINT_KILL_AT,
+     both plus the node's shared memory, and half the time the job's path: the node's own
+     storage, so that the job resumes from a tier), and when: at a named kill point (SAFEPOINT_KILL_AT,
      one-shot through SAFEPOINT_KILL_STAMP) or after a random delay;
   2. start the ranks (forked from a zygote that imported torch once); each resumes, checks what it
      loaded bit for bit, saves a few steps, sometimes waits for a commit or asks status();
@@ -343,10 +344,22 @@ class ExpectedState:
         self.reported: set[int] = set()       # the agent said these are committed
         self.listed: list[int] = []           # committed steps at the last check
         self.store_listed: list[list[int]] = [[] for _ in self.keeps]  # the same, per store
+        self.path_lost_below: Optional[int] = None  # path was lost while tier 1 held this step
 
     def newest_anywhere(self) -> Optional[int]:
         """The newest step committed on any store (path or a tier) at the last check."""
         return max((ls[-1] for ls in self.store_listed if ls), default=None)
+
+    def path_lost(self) -> None:
+        """The job's path (tier 0: the node's own storage) is gone with the node: what it held
+        is no longer promised; the tiers below keep theirs. Until path has a step newer than
+        tier 1's newest, tier 1 is ahead of it."""
+        self.reported = set()
+        self.closed_at = None
+        self.listed = []
+        self.store_listed[0] = []
+        if len(self.store_listed) > 1 and self.store_listed[1]:
+            self.path_lost_below = self.store_listed[1][-1]
 
     def memory_lost(self) -> None:
         """The node's shared memory is gone (node loss)."""
@@ -428,7 +441,8 @@ class ExpectedState:
         listed, or retention removed it (then at least that store's `keep` newer steps are
         listed: retention deletes only steps with `keep` newer ones, and never the newest). A
         lower tier receives only steps committed on the tier above, which never loses its
-        newest step, so it is never ahead of the tier above."""
+        newest step, so it is never ahead of the tier above (but tier 1 is ahead of a lost path
+        until path commits a newer step)."""
         for k, steps in enumerate(listed):
             where = "path" if k == 0 else f"tier {k} ({tiers[k - 1]['uri']})"
             for s in steps:
@@ -441,6 +455,10 @@ class ExpectedState:
                 if s not in steps and len(newer) < self.keeps[k]:
                     raise Violation(f"step {s} was committed on {where} and is gone, with only "
                                     f"{newer} newer (keep={self.keeps[k]}); listed: {steps}")
+            if k == 1 and self.path_lost_below is not None:
+                if not listed[0] or listed[0][-1] <= self.path_lost_below:
+                    continue  # path was lost; it has not caught up with tier 1 yet
+                self.path_lost_below = None
             if k > 0 and steps and (not listed[k - 1] or steps[-1] > listed[k - 1][-1]):
                 raise Violation(f"{where} holds step {steps[-1]}, newer than the newest step of "
                                 f"the tier above ({listed[k - 1][-1:] or None})")
@@ -545,6 +563,7 @@ class Campaign:
         self.loads_checked = 0
         self.tier_loads: Counter = Counter()  # bit-exact loads checked, by store (0: path)
         self.caught_up_checks = 0
+        self.paths_lost = 0
         self.restores_from: Counter = Counter()
         self.round_seconds: list[float] = []
         self.round = 0
@@ -649,6 +668,7 @@ class Campaign:
             "p_status": r.choice([0.0, 0.2]),
             "decoy": r.random() < 0.3,
             "rng": r.getrandbits(64),
+            "lose_path": r.random() < 0.5,  # a node loss takes the node's path (its storage)
         }
 
     def run_round(self, job: Job) -> None:
@@ -827,6 +847,10 @@ class Campaign:
             self.cli_run("gc", "--shm-dir", job.shm, check=0)
             if os.path.exists(job.job_dir):
                 raise Violation(f"safepoint gc left {job.job_dir}")
+            if p["lose_path"]:
+                # The node's local storage (path) is lost with it: the job resumes from a tier.
+                shutil.rmtree(job.path)
+                self.paths_lost += 1
         self.round_seconds.append(time.monotonic() - t0)
         self.check_round(job, p, ranks)
 
@@ -919,6 +943,8 @@ class Campaign:
         job.steps_saved += sum(len(rk.saved) for rk in ranks)
         if p["mode"] == "node":
             job.expected.memory_lost()
+            if p["lose_path"]:
+                job.expected.path_lost()
         agent = self.quiesce(job)
         self.check_storage(job)
         if p["mode"] == "final" or (agent is not None and
@@ -931,7 +957,7 @@ class Campaign:
         for rk in ranks:
             if rk.loaded is not None:
                 self.restores_from[rk.loaded[1] if rk.loaded_uri == "-" else
-                                   "tier 0" if rk.loaded_uri in (job.path, "file://" + job.path)
+                                   "path" if rk.loaded_uri in (job.path, "file://" + job.path)
                                    else f"tier {job.stores.index(rk.loaded_uri)}"
                                    if rk.loaded_uri in job.stores else rk.loaded_uri] += 1
         if p["decoy"]:
@@ -1034,7 +1060,8 @@ class Campaign:
             f"{'path' if k == 0 else f'tier {k}'} {n}" for k, n in sorted(self.tier_loads.items()))
             + f"; tiers caught up with the agent idle: {self.caught_up_checks} checks")
         print("  resumes from: " + ", ".join(f"{k} {n}" for k, n in
-                                             sorted(self.restores_from.items())))
+                                             sorted(self.restores_from.items()))
+              + f" ({self.paths_lost} node losses took the job's path too)")
         missing = [p for p in self.points if not self.by_point.get(p)]
         if missing and self.args.kills >= 1000:
             print(f"  WARNING: never fired: {missing}")
