@@ -195,6 +195,10 @@ void TierChain::Work(Worker& w) {
     w.last_ns = newest_ns;
     w.state.newest = newest;
   }
+  // The tier below may have started before this one was open (it found no store above to catch
+  // up from): offer it this tier's newest step, which no copy into this tier will offer when
+  // this tier holds it already (TierChainTest.ATierCatchesUpWhenTheTierAboveOpensAfterIt).
+  if (newest) Offer(w.index + 1, *newest);
   // Catch up: the newest step of the tier above is due if the schedule says so (an agent that
   // restarted, or steps committed while this tier could not be opened).
   std::shared_ptr<CheckpointStore> upper = primary_;
