@@ -918,8 +918,10 @@ class Campaign:
             self.temporaries_seen += len(tmps)
 
     def plant_decoy(self, job: Job) -> None:
-        """A torn temporary where a killed writer would leave one: it must never be read."""
-        dirs = sorted(glob.glob(os.path.join(job.path, "step-*")))
+        """A torn temporary where a killed writer (a save or a tier copy) would leave one, on
+        path or a tier: it must never be read."""
+        roots = [job.path] + [t["uri"][len("file://"):] for t in job.tiers]
+        dirs = sorted(d for root in roots for d in glob.glob(os.path.join(root, "step-*")))
         if not dirs:
             return
         d = self.rng.choice(dirs)
