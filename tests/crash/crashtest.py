@@ -344,7 +344,7 @@ class ExpectedState:
         self.reported: set[int] = set()       # the agent said these are committed
         self.listed: list[int] = []           # committed steps at the last check
         self.store_listed: list[list[int]] = [[] for _ in self.keeps]  # the same, per store
-        self.path_lost_below: Optional[int] = None  # path was lost while tier 1 held this step
+        self.path_behind = False  # path was lost and has no step newer than tier 1's yet
 
     def newest_anywhere(self) -> Optional[int]:
         """The newest step committed on any store (path or a tier) at the last check."""
@@ -358,8 +358,7 @@ class ExpectedState:
         self.closed_at = None
         self.listed = []
         self.store_listed[0] = []
-        if len(self.store_listed) > 1 and self.store_listed[1]:
-            self.path_lost_below = self.store_listed[1][-1]
+        self.path_behind = True
 
     def memory_lost(self) -> None:
         """The node's shared memory is gone (node loss)."""
@@ -455,10 +454,10 @@ class ExpectedState:
                 if s not in steps and len(newer) < self.keeps[k]:
                     raise Violation(f"step {s} was committed on {where} and is gone, with only "
                                     f"{newer} newer (keep={self.keeps[k]}); listed: {steps}")
-            if k == 1 and self.path_lost_below is not None:
-                if not listed[0] or listed[0][-1] <= self.path_lost_below:
-                    continue  # path was lost; it has not caught up with tier 1 yet
-                self.path_lost_below = None
+            if k == 1 and self.path_behind:
+                if not listed[0] or (steps and listed[0][-1] <= steps[-1]):
+                    continue  # path was lost; it has no step newer than tier 1's yet
+                self.path_behind = False
             if k > 0 and steps and (not listed[k - 1] or steps[-1] > listed[k - 1][-1]):
                 raise Violation(f"{where} holds step {steps[-1]}, newer than the newest step of "
                                 f"the tier above ({listed[k - 1][-1:] or None})")
