@@ -553,6 +553,7 @@ class Campaign:
                          tiers=((3, 2), (5, 2)))]
         self.kills = 0
         self.by_point: Counter = Counter()
+        self.planned: Counter = Counter()  # rounds armed at each named point
         self.by_random: Counter = Counter()
         self.modes: Counter = Counter()
         self.fallbacks = 0
@@ -675,6 +676,8 @@ class Campaign:
         self.round += 1
         job.rounds += 1
         self.modes[p["mode"]] += 1
+        if p["point"] is not None:
+            self.planned[p["point"]] += 1
         self.note(f"job {job.name}: {json.dumps(p)}")
         t0 = time.monotonic()
         stamp = os.path.join(self.root, f"stamp-{self.round}")
@@ -1042,8 +1045,8 @@ class Campaign:
               f"({named} at named kill points, {self.kills - named} at random moments) in "
               f"{self.round} rounds, {wall:.1f} s wall; 0 violations")
         print("  rounds by mode: " + ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items())))
-        print("  named kill points: " + ", ".join(
-            f"{p} {self.by_point.get(p, 0)}" for p in self.points))
+        print("  named kill points (fired/armed): " + ", ".join(
+            f"{p} {self.by_point.get(p, 0)}/{self.planned.get(p, 0)}" for p in self.points))
         print("  random kills: " + ", ".join(f"{k} {n}" for k, n in sorted(self.by_random.items())))
         print(f"  kill points not reached (killed at the end instead): {self.fallbacks}")
         for job in self.jobs:
