@@ -536,6 +536,7 @@ class Campaign:
         self.points = read_kill_points()
         self.client_points = [p for p in self.points if p.startswith("client.")]
         self.agent_points = [p for p in self.points if not p.startswith("client.")]
+        self.copy_points = [p for p in self.points if p.startswith("tier_copy.")]
         self.root = tempfile.mkdtemp(prefix="safepoint-crash-", dir=args.dir)
         self.shm = tempfile.mkdtemp(prefix="spc-", dir=args.shm_parent)
         self.cli = os.path.join(args.build_dir, "safepoint")
@@ -564,6 +565,8 @@ class Campaign:
         self.tier_loads: Counter = Counter()  # bit-exact loads checked, by store (0: path)
         self.caught_up_checks = 0
         self.paths_lost = 0
+        self.cp_runs = 0
+        self.cp_kills: Counter = Counter()
         self.restores_from: Counter = Counter()
         self.round_seconds: list[float] = []
         self.round = 0
@@ -669,6 +672,10 @@ class Campaign:
             "decoy": r.random() < 0.3,
             "rng": r.getrandbits(64),
             "lose_path": r.random() < 0.5,  # a node loss takes the node's path (its storage)
+            # After the checks: `safepoint cp` of path's newest step, killed at a copy point.
+            "cp": r.random() < 0.25,
+            "cp_point": r.choice(self.copy_points),
+            "cp_nth": r.randint(1, 3),
         }
 
     def run_round(self, job: Job) -> None:
@@ -964,8 +971,58 @@ class Campaign:
                                    "path" if rk.loaded_uri in (job.path, "file://" + job.path)
                                    else f"tier {job.stores.index(rk.loaded_uri)}"
                                    if rk.loaded_uri in job.stores else rk.loaded_uri] += 1
+        if p.get("cp"):
+            self.check_cp(job, p)
         if p["decoy"]:
             self.plant_decoy(job)
+
+    def check_cp(self, job: Job, p: dict) -> None:
+        """`safepoint cp` of path's newest step into a new directory, SIGKILLed at a copy kill
+        point: the step is committed there only if the kill came after its COMMIT; a second
+        `safepoint cp` (over what the first left) commits it, bit-exact for every rank, and
+        `verify --all` is clean. Not counted in --kills (the short run keeps its length)."""
+        import safepoint
+        from workload import first_difference, make_state
+
+        listed = job.expected.store_listed[0]
+        if not listed:
+            return
+        step = listed[-1]
+        dst = os.path.join(self.root, f"{job.name}-cp-{self.round}")
+        point = p["cp_point"]
+        env = dict(self.env, SAFEPOINT_KILL_AT=f"{point}:{p['cp_nth']}",
+                   SAFEPOINT_KILL_STAMP=os.path.join(self.root, f"stamp-cp-{self.round}"))
+        argv = [self.cli, "cp", job.path, dst, "--step", str(step)]
+        first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=HANG)
+        self.cp_runs += 1
+        killed = first.returncode == -signal.SIGKILL
+        if not killed and first.returncode != 0:
+            raise Violation(f"`safepoint cp` of step {step} failed ({first.returncode}): "
+                            f"{first.stdout[-2000:]}{first.stderr[-2000:]}")
+        there = safepoint.steps(dst) if os.path.isdir(dst) else []
+        if killed:
+            self.cp_kills[point] += 1
+            self.note(f"safepoint cp of step {step} killed at {point}:{p['cp_nth']}; "
+                      f"{dst} lists {there}")
+            if point != "tier_copy.after_commit" and there:
+                raise Violation(f"`safepoint cp` killed at {point} left {there} committed")
+        elif there != [step]:
+            raise Violation(f"`safepoint cp` of step {step} succeeded; {dst} lists {there}")
+        second = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=HANG)
+        if second.returncode != 0 or safepoint.steps(dst) != [step]:
+            raise Violation(f"`safepoint cp` of step {step} after a killed one failed "
+                            f"({second.returncode}): {second.stdout[-2000:]}"
+                            f"{second.stderr[-2000:]}; {dst} lists {safepoint.steps(dst)}")
+        for r in range(job.world):
+            got, state = safepoint.load(dst, step, rank=r)
+            diff = first_difference(state, make_state(self.seed, step, r))
+            if got != step or diff is not None:
+                raise Violation(f"step {step} rank {r} copied by `safepoint cp` loads with a "
+                                f"difference: {diff}")
+            self.loads_checked += 1
+        self.cli_run("verify", dst, "--all", check=0)
+        self.verifies += 1
+        shutil.rmtree(dst)
 
     def final_round(self, job: Job) -> None:
         """A clean run to the end: resume, save, commit, close; then no temporary may remain
@@ -1063,6 +1120,9 @@ class Campaign:
         print("  bit-exact loads by store: " + ", ".join(
             f"{'path' if k == 0 else f'tier {k}'} {n}" for k, n in sorted(self.tier_loads.items()))
             + f"; tiers caught up with the agent idle: {self.caught_up_checks} checks")
+        print(f"  safepoint cp: {self.cp_runs} runs, killed at " + ", ".join(
+            f"{k} {n}" for k, n in sorted(self.cp_kills.items())) +
+            "; each then copied again, bit-exact")
         print("  resumes from: " + ", ".join(f"{k} {n}" for k, n in
                                              sorted(self.restores_from.items()))
               + f" ({self.paths_lost} node losses took the job's path too)")
