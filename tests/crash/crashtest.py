@@ -507,6 +507,7 @@ class Job:
         self.tiers = [{"uri": "file://" + os.path.join(root, f"{name}-tier{i}"), "every": every,
                        "keep": tkeep} for i, (every, tkeep) in enumerate(tiers, 1)]
         self.stores = [self.path] + [t["uri"] for t in self.tiers]
+        self.verified: dict[str, list[int]] = {}  # store -> its listing when last verified
         self.shm = os.path.join(shm, name)  # its own: `safepoint gc` of a lost node is per job
         os.makedirs(self.shm, mode=0o700)
         self.job_dir = str(job_dir(self.shm, name))
@@ -919,9 +920,12 @@ class Campaign:
                                         f"difference: {diff}")
                     self.loads_checked += 1
                     self.tier_loads[k] += 1
-            if listed:
+            # verify --all wherever the listing changed since the store was last verified (an
+            # unchanged listing is the same committed objects: nothing rewrites them).
+            if listed and job.verified.get(uri) != listed:
                 self.cli_run("verify", uri, "--all", check=0)
                 self.verifies += 1
+                job.verified[uri] = list(listed)
             d = uri[len("file://"):] if uri.startswith("file://") else uri
             tmps = glob.glob(os.path.join(d, "step-*", "*.tmp.*"))
             self.temporaries_seen += len(tmps)
