@@ -10,13 +10,13 @@ It needs a kill-point build (cmake -DSAFEPOINT_KILL_POINTS=ON, `make crash-build
 Python package, `safepointd` and `safepoint` from --build-dir and refuses a build without kill
 points. Two jobs run side by side: one rank, and two ranks (torch.distributed over gloo, lockstep),
 each with persists every k-th step and retention, and two storage tiers below its path (file://
-directories the agent copies committed steps into on their own schedules). Every state a rank saves is a pure function of
-(seed, step, rank) (workload.make_state). A round:
+directories the agent copies committed steps into on their own schedules). Every state a rank
+saves is a pure function of (seed, step, rank) (workload.make_state). A round:
 
   1. plan (from the seeded generator): whom to kill (the training processes, the agent, both, or
      both plus the node's shared memory, and half the time the job's path: the node's own
-     storage, so that the job resumes from a tier), and when: at a named kill point (SAFEPOINT_KILL_AT,
-     one-shot through SAFEPOINT_KILL_STAMP) or after a random delay;
+     storage, so that the job resumes from a tier), and when: at a named kill point
+     (SAFEPOINT_KILL_AT, one-shot through SAFEPOINT_KILL_STAMP) or after a random delay;
   2. start the ranks (forked from a zygote that imported torch once); each resumes, checks what it
      loaded bit for bit, saves a few steps, sometimes waits for a commit or asks status();
   3. kill; when one rank dies, the others are killed too (as torchrun does); the survivors of a
