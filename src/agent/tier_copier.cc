@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "base/kill_point.h"
+
 namespace safepoint::agent {
 
 namespace {
@@ -45,6 +47,7 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
     const uint64_t step = (*all)[i].step;
     if (pins != nullptr && pins->Pinned(tier, step)) continue;  // a lower tier copies it now
     if (store.DeleteStep(step).ok()) pruned.push_back(step);
+    SP_KILL_POINT("agent.tier.mid_prune");  // before the next step's DeleteStep or the CleanUp
   }
   store.CleanUp().status().IgnoreError();
   return pruned;
@@ -192,6 +195,10 @@ void TierChain::Work(Worker& w) {
     w.last_ns = newest_ns;
     w.state.newest = newest;
   }
+  // The tier below may have started before this one was open (it found no store above to catch
+  // up from): offer it this tier's newest step, which no copy into this tier will offer when
+  // this tier holds it already (TierChainTest.ATierCatchesUpWhenTheTierAboveOpensAfterIt).
+  if (newest) Offer(w.index + 1, *newest);
   // Catch up: the newest step of the tier above is due if the schedule says so (an agent that
   // restarted, or steps committed while this tier could not be opened).
   std::shared_ptr<CheckpointStore> upper = primary_;
@@ -286,6 +293,7 @@ bool TierChain::CopyOne(Worker& w, uint64_t step) {
   options.cancel = &cancel_;
   auto copied = CopyStep(*upper, *w.store, step, options);
   if (!copied.ok()) return fail(copied.status());
+  SP_KILL_POINT("agent.tier.before_prune");
   const std::vector<uint64_t> pruned = PruneSteps(*w.store, w.spec.keep, pins_.get(), w.index);
   const int64_t now = WallNs();
   {

@@ -98,6 +98,53 @@ TEST(TierChainTest, ATierCatchesUpWithTheTierAboveWhenItStarts) {
   chain.Stop(10);
 }
 
+// The tier above opened only after the tier below had started (unreachable at first, or simply
+// slower to open): the tier below must still catch up with the newest step of the tier above,
+// although that step needs no copy into the tier above (it holds it already). The crash
+// campaign checks the same after each round (tests/crash/crashtest.py, "tiers caught up").
+TEST(TierChainTest, ATierCatchesUpWhenTheTierAboveOpensAfterIt) {
+  const std::string primary_uri = Unique("primary");
+  ASSERT_OK_AND_ASSIGN(auto primary, OpenCheckpointStore(primary_uri));
+  std::shared_ptr<CheckpointStore> shared(std::move(primary));
+  const std::string t1 = Unique("t1"), t2 = Unique("t2");
+  ASSERT_OK_AND_ASSIGN(auto tier1, OpenCheckpointStore(t1));
+  ASSERT_OK_AND_ASSIGN(auto tier2, OpenCheckpointStore(t2));
+  // As a killed agent left them: tier 1 received step 8, tier 2 (every 4) not yet.
+  for (uint64_t step : {4, 8}) {
+    ASSERT_OK(Save(*shared, step));
+    ASSERT_OK(CopyStep(*shared, *tier1, step).status());
+  }
+  ASSERT_OK(CopyStep(*shared, *tier2, 4).status());
+  // Tier 1 cannot be opened until tier 2 has started.
+  auto reachable = std::make_shared<std::atomic<bool>>(false);
+  RegisterStorageScheme(
+      "tier-test-late",
+      [reachable, t1](std::string_view, std::string_view) -> Result<std::unique_ptr<Storage>> {
+        if (!reachable->load()) return Unavailable("tier-test-late://: not reachable yet");
+        return OpenStorage(t1);
+      });
+  TierChain chain({}, 0.001);
+  chain.Start("tiers", shared, {{"tier-test-late://x", 2, 0, 2}, {t2, 4, 0, 2}},
+              std::make_shared<StepPins>());
+  for (int i = 0; i < 10000 && !chain.States()[1].open; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(chain.States()[1].open);
+  reachable->store(true);
+  for (int i = 0; i < 10000 && !chain.States()[0].open; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(chain.States()[0].open);
+  // Bounded: a tier that never catches up fails here instead of hanging.
+  for (int i = 0; i < 10000 && Steps(t2) != std::vector<uint64_t>{4, 8}; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  WaitIdle(chain);
+  EXPECT_EQ(Steps(t2), (std::vector<uint64_t>{4, 8}));
+  EXPECT_EQ(Steps(t1), (std::vector<uint64_t>{4, 8}));
+  chain.Stop(10);
+}
+
 TEST(TierChainTest, AFailingTierIsReportedAndDoesNotHoldUpTheTierAbove) {
   const std::string primary_uri = Unique("primary");
   ASSERT_OK_AND_ASSIGN(auto primary, OpenCheckpointStore(primary_uri));

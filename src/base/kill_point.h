@@ -41,6 +41,14 @@ inline constexpr std::string_view kKillPoints[] = {
     "posix.publish.before_fsync",      // temporary file written, not fsynced
     "posix.publish.before_rename",     // temporary file fsynced, not renamed
     "posix.publish.before_dir_fsync",  // renamed over the final name, directory not fsynced
+    // Copying a committed step down the storage tiers (src/checkpoint/tier_copy.cc: the agent's
+    // TierChain, and `safepoint cp`; src/agent/tier_copier.cc)
+    "tier_copy.mid_image",             // (each) a verified chunk written to the temporary
+    "tier_copy.before_image_publish",  // (each) an image and its checksums written, not published
+    "tier_copy.before_commit",         // every image published on the lower tier, no COMMIT yet
+    "tier_copy.after_commit",          // COMMIT published on the lower tier, nothing after it
+    "agent.tier.before_prune",         // a step copied down, the lower tier not pruned yet
+    "agent.tier.mid_prune",            // (each) pruning a lower tier: a step deleted, not the next
 };
 
 consteval bool IsKillPoint(std::string_view name) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "base/aligned_buffer.h"
+#include "base/kill_point.h"
 #include "base/parallel.h"
 #include "safepoint/checkpoint.h"
 
@@ -168,11 +169,13 @@ class StepCopier {
       if (s.ok()) s = out->WriteAt(off, chunk);
       pool_->Give(std::move(buf));
       if (!s.ok()) return error.Set(std::move(s));
+      SP_KILL_POINT("tier_copy.mid_image");
       Advance(chunk.size());
     });
     SP_RETURN_IF_ERROR(error.status());
     SP_RETURN_IF_ERROR(out->WriteAt(layout.checksums_offset, tail.span()));
     SP_RETURN_IF_ERROR(CheckCancelled());
+    SP_KILL_POINT("tier_copy.before_image_publish");
     SP_RETURN_IF_ERROR(out->Publish());
     Advance(tail.size());
     return Status::OK();
@@ -240,8 +243,10 @@ Result<CopyResult> CopyStep(CheckpointStore& src, CheckpointStore& dst, uint64_t
       Status s = copier.CopyImage(rank);
       if (!s.ok()) return s.WithContext(what);
     }
+    SP_KILL_POINT("tier_copy.before_commit");
     Status s = copier.PublishCommit(encoded);
     if (!s.ok()) return s.WithContext(what);
+    SP_KILL_POINT("tier_copy.after_commit");
     result.bytes = record.total_bytes();
   } else {
     result.already_there = true;

@@ -9,12 +9,14 @@ expected-state record after every round.
 It needs a kill-point build (cmake -DSAFEPOINT_KILL_POINTS=ON, `make crash-build`): it runs the
 Python package, `safepointd` and `safepoint` from --build-dir and refuses a build without kill
 points. Two jobs run side by side: one rank, and two ranks (torch.distributed over gloo, lockstep),
-each with persists every k-th step and retention. Every state a rank saves is a pure function of
-(seed, step, rank) (workload.make_state). A round:
+each with persists every k-th step and retention, and two storage tiers below its path (file://
+directories the agent copies committed steps into on their own schedules). Every state a rank
+saves is a pure function of (seed, step, rank) (workload.make_state). A round:
 
   1. plan (from the seeded generator): whom to kill (the training processes, the agent, both, or
-     both plus the node's shared memory), and when: at a named kill point (SAFEPOINT_KILL_AT,
-     one-shot through SAFEPOINT_KILL_STAMP) or after a random delay;
+     both plus the node's shared memory, and half the time the job's path: the node's own
+     storage, so that the job resumes from a tier), and when: at a named kill point
+     (SAFEPOINT_KILL_AT, one-shot through SAFEPOINT_KILL_STAMP) or after a random delay;
   2. start the ranks (forked from a zygote that imported torch once); each resumes, checks what it
      loaded bit for bit, saves a few steps, sometimes waits for a commit or asks status();
   3. kill; when one rank dies, the others are killed too (as torchrun does); the survivors of a
@@ -30,6 +32,12 @@ Checks (any failure is a violation; the run exits 1 and prints how to replay it)
     every rank; every step the agent reported committed (wait() returned, status()) is listed
     or was pruned by retention (then `keep` newer steps are listed); `safepoint verify --all`
     is clean; temporaries (left by kills, and decoys planted by the driver) are never listed;
+  - tiers: the same on every tier (each listed step begun by every rank, bit-exact for every
+    rank, `verify --all` clean); on path and every tier, a step listed at one check is listed
+    at the next or was pruned by that store's retention (`keep` newer listed); a tier is never
+    ahead of the tier above; the resume is never older than the newest step listed on any
+    store; with the agent idle (and after the final clean run) each tier is caught up: it holds
+    a step once the tier above does, less than its `every` behind the tier above's newest;
   - processes: a training process exits only when killed or told to; an agent dies only when
     killed (or exits, logging so); no round hangs.
 
@@ -234,6 +242,7 @@ class Rank:
         self.stdout = os.fdopen(out_r, "r")
         self.zygote = zygote
         self.loaded: Optional[tuple] = None
+        self.loaded_uri = "-"
         self.fresh = False
         self.began: list[int] = []
         self.saved: list[int] = []
@@ -257,6 +266,7 @@ class Rank:
         kind = f[0] if f else ""
         if kind == "LOADED":
             self.loaded = (int(f[1]), f[2], f[3])
+            self.loaded_uri = f[6] if len(f) > 6 else "-"
         elif kind == "FRESH":
             self.fresh = True
         elif kind == "BEGIN":
@@ -322,8 +332,9 @@ class ExpectedState:
     round resumed (`check_resume`) and against what storage lists (`check_listed`). Kills
     never update it: a kill can only lose what this record does not promise."""
 
-    def __init__(self, world: int, keep: int):
+    def __init__(self, world: int, keep: int, tier_keeps: tuple = ()):
         self.world, self.keep = world, keep
+        self.keeps = [keep, *tier_keeps]  # per store: the job's path, then its tiers
         self.began_ever: list[set] = [set() for _ in range(world)]
         # Per rank, bounds on the newest COMPLETE snapshot in memory: at least `mem_lb` (the last
         # save() that returned), at most `mem_ub` (the last save begun). None: nothing known.
@@ -332,6 +343,22 @@ class ExpectedState:
         self.closed_at: Optional[int] = None  # every rank closed cleanly after saving this step
         self.reported: set[int] = set()       # the agent said these are committed
         self.listed: list[int] = []           # committed steps at the last check
+        self.store_listed: list[list[int]] = [[] for _ in self.keeps]  # the same, per store
+        self.path_behind = False  # path was lost and has no step newer than tier 1's yet
+
+    def newest_anywhere(self) -> Optional[int]:
+        """The newest step committed on any store (path or a tier) at the last check."""
+        return max((ls[-1] for ls in self.store_listed if ls), default=None)
+
+    def path_lost(self) -> None:
+        """The job's path (tier 0: the node's own storage) is gone with the node: what it held
+        is no longer promised; the tiers below keep theirs. Until path has a step newer than
+        tier 1's newest, tier 1 is ahead of it."""
+        self.reported = set()
+        self.closed_at = None
+        self.listed = []
+        self.store_listed[0] = []
+        self.path_behind = True
 
     def memory_lost(self) -> None:
         """The node's shared memory is gone (node loss)."""
@@ -344,7 +371,7 @@ class ExpectedState:
         fresh = [rk for rk in ranks if rk.fresh]
         if not loaded and not fresh:
             return  # killed before loading
-        newest = self.listed[-1] if self.listed else None
+        newest = self.newest_anywhere()
         if fresh:
             if loaded:
                 raise Violation(f"some ranks loaded {loaded}, others nothing")
@@ -407,6 +434,48 @@ class ExpectedState:
         elif any(rk.began for rk in ranks):
             self.closed_at = None
 
+    def check_stores(self, listed: list[list[int]], tiers: list[dict]) -> None:
+        """The committed steps each store lists now (the job's path, then its tiers). On every
+        store: each step was begun by every rank; a step listed at the last check is still
+        listed, or retention removed it (then at least that store's `keep` newer steps are
+        listed: retention deletes only steps with `keep` newer ones, and never the newest). A
+        lower tier receives only steps committed on the tier above, which never loses its
+        newest step, so it is never ahead of the tier above (but tier 1 is ahead of a lost path
+        until path commits a newer step)."""
+        for k, steps in enumerate(listed):
+            where = "path" if k == 0 else f"tier {k} ({tiers[k - 1]['uri']})"
+            for s in steps:
+                for r in range(self.world):
+                    if s not in self.began_ever[r]:
+                        raise Violation(f"step {s} is listed on {where} but rank {r} never "
+                                        "began saving it")
+            for s in self.store_listed[k]:
+                newer = [t for t in steps if t > s]
+                if s not in steps and len(newer) < self.keeps[k]:
+                    raise Violation(f"step {s} was committed on {where} and is gone, with only "
+                                    f"{newer} newer (keep={self.keeps[k]}); listed: {steps}")
+            if k == 1 and self.path_behind:
+                if not listed[0] or (steps and listed[0][-1] <= steps[-1]):
+                    continue  # path was lost; it has no step newer than tier 1's yet
+                self.path_behind = False
+            if k > 0 and steps and (not listed[k - 1] or steps[-1] > listed[k - 1][-1]):
+                raise Violation(f"{where} holds step {steps[-1]}, newer than the newest step of "
+                                f"the tier above ({listed[k - 1][-1:] or None})")
+        self.store_listed = [list(steps) for steps in listed]
+
+    def check_caught_up(self, tiers: list[dict], why: str) -> None:
+        """With the agent idle (nothing queued, no copy pending or in flight): every tier holds
+        a step once the tier above has one, and is less than its `every` behind the tier above
+        (a step `every` or more past the tier's newest is due, and the agent offers each tier
+        the newest step of the tier above: when it commits there, and when it starts)."""
+        for k, t in enumerate(tiers, 1):
+            above, here = self.store_listed[k - 1], self.store_listed[k]
+            if not above:
+                continue
+            if not here or above[-1] - here[-1] >= t["every"]:
+                raise Violation(f"{why}, tier {k} ({t['uri']}, every {t['every']}) holds "
+                                f"{here} while the tier above holds {above}")
+
     def check_listed(self, listed: list[int]) -> None:
         """The committed steps storage lists now: each begun by every rank; every step the
         agent reported committed listed, or pruned with `keep` newer ones listed; after a clean
@@ -430,14 +499,19 @@ class ExpectedState:
 
 class Job:
     def __init__(self, name: str, world: int, persist_every: int, keep: int, root: str,
-                 shm: str):
+                 shm: str, tiers: tuple = ()):
+        """`tiers`: (every, keep) of each storage tier below `path` (file:// directories)."""
         self.name, self.world = name, world
         self.persist_every, self.keep = persist_every, keep
         self.path = os.path.join(root, name)
+        self.tiers = [{"uri": "file://" + os.path.join(root, f"{name}-tier{i}"), "every": every,
+                       "keep": tkeep} for i, (every, tkeep) in enumerate(tiers, 1)]
+        self.stores = [self.path] + [t["uri"] for t in self.tiers]
+        self.verified: dict[str, list[int]] = {}  # store -> its listing when last verified
         self.shm = os.path.join(shm, name)  # its own: `safepoint gc` of a lost node is per job
         os.makedirs(self.shm, mode=0o700)
         self.job_dir = str(job_dir(self.shm, name))
-        self.expected = ExpectedState(world, keep)
+        self.expected = ExpectedState(world, keep, tuple(t["keep"] for t in self.tiers))
         self.rounds = 0
         self.steps_saved = 0
 
@@ -463,6 +537,7 @@ class Campaign:
         self.points = read_kill_points()
         self.client_points = [p for p in self.points if p.startswith("client.")]
         self.agent_points = [p for p in self.points if not p.startswith("client.")]
+        self.copy_points = [p for p in self.points if p.startswith("tier_copy.")]
         self.root = tempfile.mkdtemp(prefix="safepoint-crash-", dir=args.dir)
         self.shm = tempfile.mkdtemp(prefix="spc-", dir=args.shm_parent)
         self.cli = os.path.join(args.build_dir, "safepoint")
@@ -472,10 +547,15 @@ class Campaign:
             raise SystemExit(f"{self.zygote.info.get('core')} was built without kill points; "
                              "build with -DSAFEPOINT_KILL_POINTS=ON (make crash-build)")
         tag = f"{self.seed % 100000}"
-        self.jobs = [Job(f"c1-{tag}", 1, persist_every=2, keep=2, root=self.root, shm=self.shm),
-                     Job(f"c2-{tag}", 2, persist_every=3, keep=3, root=self.root, shm=self.shm)]
+        # Each job fills two storage tiers below its path (the agent copies committed steps
+        # down): every 2nd/3rd step keeping 2, then every 4th/5th keeping 2.
+        self.jobs = [Job(f"c1-{tag}", 1, persist_every=2, keep=2, root=self.root, shm=self.shm,
+                         tiers=((2, 2), (4, 2))),
+                     Job(f"c2-{tag}", 2, persist_every=3, keep=3, root=self.root, shm=self.shm,
+                         tiers=((3, 2), (5, 2)))]
         self.kills = 0
         self.by_point: Counter = Counter()
+        self.planned: Counter = Counter()  # rounds armed at each named point
         self.by_random: Counter = Counter()
         self.modes: Counter = Counter()
         self.fallbacks = 0
@@ -483,6 +563,12 @@ class Campaign:
         self.temporaries_seen = 0
         self.verifies = 0
         self.loads_checked = 0
+        self.tier_loads: Counter = Counter()  # bit-exact loads checked, by store (0: path)
+        self.caught_up_checks = 0
+        self.paths_lost = 0
+        self.cp_runs = 0
+        self.cp_kills: Counter = Counter()
+        self.restores_from: Counter = Counter()
         self.round_seconds: list[float] = []
         self.round = 0
         self.killed_agents: set[int] = set()
@@ -586,6 +672,11 @@ class Campaign:
             "p_status": r.choice([0.0, 0.2]),
             "decoy": r.random() < 0.3,
             "rng": r.getrandbits(64),
+            "lose_path": r.random() < 0.5,  # a node loss takes the node's path (its storage)
+            # After the checks: `safepoint cp` of path's newest step, killed at a copy point.
+            "cp": r.random() < 0.25,
+            "cp_point": r.choice(self.copy_points),
+            "cp_nth": r.randint(1, 3),
         }
 
     def run_round(self, job: Job) -> None:
@@ -593,6 +684,8 @@ class Campaign:
         self.round += 1
         job.rounds += 1
         self.modes[p["mode"]] += 1
+        if p["point"] is not None:
+            self.planned[p["point"]] += 1
         self.note(f"job {job.name}: {json.dumps(p)}")
         t0 = time.monotonic()
         stamp = os.path.join(self.root, f"stamp-{self.round}")
@@ -613,7 +706,7 @@ class Campaign:
                     "rank": rank, "world_size": job.world, "persist_every": job.persist_every,
                     "keep": job.keep, "steps": p["steps"], "p_wait": p["p_wait"],
                     "p_status": p["p_status"], "rng": f"{p['rng']}-{rank}", "rdzv": rdzv,
-                    "env": env}
+                    "env": env, "tiers": job.tiers}
             ranks.append(Rank(self.zygote, args, os.path.join(self.root, f"r{self.round}-{rank}.err"),
                               events))
         self.current = (job, ranks)
@@ -764,15 +857,23 @@ class Campaign:
             self.cli_run("gc", "--shm-dir", job.shm, check=0)
             if os.path.exists(job.job_dir):
                 raise Violation(f"safepoint gc left {job.job_dir}")
+            if p["lose_path"]:
+                # The node's local storage (path) is lost with it: the job resumes from a tier.
+                shutil.rmtree(job.path)
+                self.paths_lost += 1
         self.round_seconds.append(time.monotonic() - t0)
         self.check_round(job, p, ranks)
 
     # -- checks ---------------------------------------------------------------------------------
-    def quiesce(self, job: Job) -> None:
-        """Waits until the job's agent is gone or idle with no rank connected, and no other agent
-        is on its way: one that a killed rank started may not have taken the lock yet (or not
-        even run safepointd yet), and would adopt and persist while storage is checked."""
+    def quiesce(self, job: Job) -> Optional[dict]:
+        """Waits until the job's agent is gone or idle with no rank connected and no tier copy
+        pending or in flight, and no other agent is on its way: one that a killed rank started
+        may not have taken the lock yet (or not even run safepointd yet), and would adopt and
+        persist while storage is checked. Returns the idle agent's status (None: no agent)."""
+        seen: list[Optional[dict]] = [None]
+
         def idle() -> bool:
+            seen[0] = None
             if self.starting_agents() or any(a != job.agent_pid()
                                              for a in agents_of(job.shm, job.name)):
                 return False  # a starting agent takes the lock or exits ("another agent serves")
@@ -788,36 +889,52 @@ class Campaign:
                 return job.agent_pid() is None
             if "queued" not in j:
                 return False  # the agent did not answer (busy starting): ask again
+            seen[0] = j
             return (j["queued"] == 0 and j["in_flight"] is None and
-                    all(not r["connected"] and r["pending_persists"] == 0 for r in j["ranks"]))
+                    all(not r["connected"] and r["pending_persists"] == 0 for r in j["ranks"]) and
+                    all(t.get("pending_step") is None and t.get("in_flight_step") is None
+                        for t in j.get("tiers", [])))
         if not wait_until(idle, interval=0.02):
-            raise Violation(f"the agent of {job.name} never became idle:\n{job.agent_log()[-3000:]}")
+            raise Violation(f"the agent of {job.name} never became idle: {json.dumps(seen[0])}"
+                            f"\n{job.agent_log()[-3000:]}")
+        return seen[0]
 
     def check_storage(self, job: Job) -> None:
         import safepoint
         from workload import first_difference, make_state
 
-        listed = safepoint.steps(job.path)
-        job.expected.check_listed(listed)
-        for s in listed:
-            for r in range(job.world):
-                try:
-                    got, state = safepoint.load(job.path, s, rank=r)
-                except safepoint.Error as e:
-                    raise Violation(f"listed step {s} cannot be loaded for rank {r}: {e}")
-                diff = first_difference(state, make_state(self.seed, s, r))
-                if got != s or diff is not None:
-                    raise Violation(f"step {s} rank {r} loads with a difference: {diff}")
-                self.loads_checked += 1
-        if listed:
-            self.cli_run("verify", job.path, "--all", check=0)
-            self.verifies += 1
-        tmps = glob.glob(os.path.join(job.path, "step-*", "*.tmp.*"))
-        self.temporaries_seen += len(tmps)
+        by_store = [safepoint.steps(uri) for uri in job.stores]
+        job.expected.check_listed(by_store[0])
+        job.expected.check_stores(by_store, job.tiers)
+        for k, (uri, listed) in enumerate(zip(job.stores, by_store)):
+            for s in listed:
+                for r in range(job.world):
+                    try:
+                        got, state = safepoint.load(uri, s, rank=r)
+                    except safepoint.Error as e:
+                        raise Violation(f"step {s} listed on {uri} cannot be loaded for rank "
+                                        f"{r}: {e}")
+                    diff = first_difference(state, make_state(self.seed, s, r))
+                    if got != s or diff is not None:
+                        raise Violation(f"step {s} rank {r} loads from {uri} with a "
+                                        f"difference: {diff}")
+                    self.loads_checked += 1
+                    self.tier_loads[k] += 1
+            # verify --all wherever the listing changed since the store was last verified (an
+            # unchanged listing is the same committed objects: nothing rewrites them).
+            if listed and job.verified.get(uri) != listed:
+                self.cli_run("verify", uri, "--all", check=0)
+                self.verifies += 1
+                job.verified[uri] = list(listed)
+            d = uri[len("file://"):] if uri.startswith("file://") else uri
+            tmps = glob.glob(os.path.join(d, "step-*", "*.tmp.*"))
+            self.temporaries_seen += len(tmps)
 
     def plant_decoy(self, job: Job) -> None:
-        """A torn temporary where a killed writer would leave one: it must never be read."""
-        dirs = sorted(glob.glob(os.path.join(job.path, "step-*")))
+        """A torn temporary where a killed writer (a save or a tier copy) would leave one, on
+        path or a tier: it must never be read."""
+        roots = [job.path] + [t["uri"][len("file://"):] for t in job.tiers]
+        dirs = sorted(d for root in roots for d in glob.glob(os.path.join(root, "step-*")))
         if not dirs:
             return
         d = self.rng.choice(dirs)
@@ -841,10 +958,75 @@ class Campaign:
         job.steps_saved += sum(len(rk.saved) for rk in ranks)
         if p["mode"] == "node":
             job.expected.memory_lost()
-        self.quiesce(job)
+            if p["lose_path"]:
+                job.expected.path_lost()
+        agent = self.quiesce(job)
         self.check_storage(job)
+        if p["mode"] == "final" or (agent is not None and
+                                    any(t.get("filled_here") for t in agent.get("tiers", []))):
+            # The agent that fills the tiers is idle (or, after the clean final run, exited
+            # when its copies were done): the tiers have caught up.
+            job.expected.check_caught_up(job.tiers, f"with the agent idle after round {self.round}"
+                                         if p["mode"] != "final" else "after the final run")
+            self.caught_up_checks += 1
+        for rk in ranks:
+            if rk.loaded is not None:
+                self.restores_from[rk.loaded[1] if rk.loaded_uri == "-" else
+                                   "path" if rk.loaded_uri in (job.path, "file://" + job.path)
+                                   else f"tier {job.stores.index(rk.loaded_uri)}"
+                                   if rk.loaded_uri in job.stores else rk.loaded_uri] += 1
+        if p.get("cp"):
+            self.check_cp(job, p)
         if p["decoy"]:
             self.plant_decoy(job)
+
+    def check_cp(self, job: Job, p: dict) -> None:
+        """`safepoint cp` of path's newest step into a new directory, SIGKILLed at a copy kill
+        point: the step is committed there only if the kill came after its COMMIT; a second
+        `safepoint cp` (over what the first left) commits it, bit-exact for every rank, and
+        `verify --all` is clean. Not counted in --kills (the short run keeps its length)."""
+        import safepoint
+        from workload import first_difference, make_state
+
+        listed = job.expected.store_listed[0]
+        if not listed:
+            return
+        step = listed[-1]
+        dst = os.path.join(self.root, f"{job.name}-cp-{self.round}")
+        point = p["cp_point"]
+        env = dict(self.env, SAFEPOINT_KILL_AT=f"{point}:{p['cp_nth']}",
+                   SAFEPOINT_KILL_STAMP=os.path.join(self.root, f"stamp-cp-{self.round}"))
+        argv = [self.cli, "cp", job.path, dst, "--step", str(step)]
+        first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=HANG)
+        self.cp_runs += 1
+        killed = first.returncode == -signal.SIGKILL
+        if not killed and first.returncode != 0:
+            raise Violation(f"`safepoint cp` of step {step} failed ({first.returncode}): "
+                            f"{first.stdout[-2000:]}{first.stderr[-2000:]}")
+        there = safepoint.steps(dst) if os.path.isdir(dst) else []
+        if killed:
+            self.cp_kills[point] += 1
+            self.note(f"safepoint cp of step {step} killed at {point}:{p['cp_nth']}; "
+                      f"{dst} lists {there}")
+            if point != "tier_copy.after_commit" and there:
+                raise Violation(f"`safepoint cp` killed at {point} left {there} committed")
+        elif there != [step]:
+            raise Violation(f"`safepoint cp` of step {step} succeeded; {dst} lists {there}")
+        second = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=HANG)
+        if second.returncode != 0 or safepoint.steps(dst) != [step]:
+            raise Violation(f"`safepoint cp` of step {step} after a killed one failed "
+                            f"({second.returncode}): {second.stdout[-2000:]}"
+                            f"{second.stderr[-2000:]}; {dst} lists {safepoint.steps(dst)}")
+        for r in range(job.world):
+            got, state = safepoint.load(dst, step, rank=r)
+            diff = first_difference(state, make_state(self.seed, step, r))
+            if got != step or diff is not None:
+                raise Violation(f"step {step} rank {r} copied by `safepoint cp` loads with a "
+                                f"difference: {diff}")
+            self.loads_checked += 1
+        self.cli_run("verify", dst, "--all", check=0)
+        self.verifies += 1
+        shutil.rmtree(dst)
 
     def final_round(self, job: Job) -> None:
         """A clean run to the end: resume, save, commit, close; then no temporary may remain
@@ -857,7 +1039,8 @@ class Campaign:
                     "rank": rank, "world_size": job.world, "persist_every": job.persist_every,
                     "keep": job.keep, "steps": job.persist_every * 2, "p_wait": 1.0,
                     "p_status": 0.0, "rng": f"final-{rank}",
-                    "rdzv": os.path.join(self.root, "rdzv-final"), "env": {}}
+                    "rdzv": os.path.join(self.root, "rdzv-final"), "env": {},
+                    "tiers": job.tiers}
             ranks.append(Rank(self.zygote, args, os.path.join(self.root, f"final-{rank}.err"),
                               events))
         sent = False
@@ -923,18 +1106,30 @@ class Campaign:
               f"({named} at named kill points, {self.kills - named} at random moments) in "
               f"{self.round} rounds, {wall:.1f} s wall; 0 violations")
         print("  rounds by mode: " + ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items())))
-        print("  named kill points: " + ", ".join(
-            f"{p} {self.by_point.get(p, 0)}" for p in self.points))
+        print("  named kill points (fired/armed): " + ", ".join(
+            f"{p} {self.by_point.get(p, 0)}/{self.planned.get(p, 0)}" for p in self.points))
         print("  random kills: " + ", ".join(f"{k} {n}" for k, n in sorted(self.by_random.items())))
         print(f"  kill points not reached (killed at the end instead): {self.fallbacks}")
         for job in self.jobs:
             print(f"  job {job.name}: world {job.world}, persist every {job.persist_every}, "
                   f"keep {job.keep}: {job.rounds} rounds, {job.steps_saved} saves returned, "
                   f"newest committed step {job.expected.listed[-1] if job.expected.listed else None}, "
-                  f"{len(job.expected.reported)} steps reported committed")
+                  f"{len(job.expected.reported)} steps reported committed; tiers " +
+                  ", ".join(f"every {t['every']} keep {t['keep']} (newest "
+                            f"{(job.expected.store_listed[k][-1:] or [None])[0]})"
+                            for k, t in enumerate(job.tiers, 1)))
         print(f"  checked: {self.loads_checked} bit-exact loads from storage, {self.verifies} "
               f"clean `safepoint verify --all`, {self.temporaries_seen} temporaries seen left "
               f"over (never listed or read), {self.decoys} decoy temporaries planted")
+        print("  bit-exact loads by store: " + ", ".join(
+            f"{'path' if k == 0 else f'tier {k}'} {n}" for k, n in sorted(self.tier_loads.items()))
+            + f"; tiers caught up with the agent idle: {self.caught_up_checks} checks")
+        print(f"  safepoint cp: {self.cp_runs} runs, killed at " + ", ".join(
+            f"{k} {n}" for k, n in sorted(self.cp_kills.items())) +
+            "; each then copied again, bit-exact")
+        print("  resumes from: " + ", ".join(f"{k} {n}" for k, n in
+                                             sorted(self.restores_from.items()))
+              + f" ({self.paths_lost} node losses took the job's path too)")
         missing = [p for p in self.points if not self.by_point.get(p)]
         if missing and self.args.kills >= 1000:
             print(f"  WARNING: never fired: {missing}")
@@ -992,6 +1187,7 @@ def setup_build(build_dir: str) -> dict:
     env.pop("SAFEPOINT_KILL_AT", None)
     env.pop("SAFEPOINT_KILL_STAMP", None)
     env.pop("SAFEPOINT_JOB", None)
+    env["SAFEPOINT_TIER_RETRY_SECONDS"] = "0.2"  # a failed tier copy is retried soon
     env["PYTHONWARNINGS"] = "default,ignore::FutureWarning"  # safepoint's warnings go to .err
     return env
 

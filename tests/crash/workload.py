@@ -8,9 +8,10 @@ Now and then it waits for its last persisted step to be committed (``wait()``) o
 for the newest committed step (``status()``), and says so. It prints one line per event, flushed:
 
     READY <pid>
-    LOADED <step> <source> EXACT|MISMATCH <peers> <seconds>
+    LOADED <step> <source> EXACT|MISMATCH <peers> <seconds> <uri>
                                               what load() returned (MISMATCH: a violation),
-                                              the peers a rebuild came from ("-": none)
+                                              the peers a rebuild came from ("-": none), the
+                                              storage tier read ("-": not storage)
     DIFF <where>                              after MISMATCH: the first difference
     FRESH                                     nothing to load
     BEGIN <step> / SAVED <step>               around save(step); SKIPPED <step> if skipped
@@ -79,7 +80,8 @@ def say(*fields) -> None:
 def child_main(a: dict) -> int:
     """Runs one rank. `a`: path, job, shm_dir, seed, rank, world_size, persist_every, keep,
     steps, p_wait, p_status, rng (a string seeding this process's choices), rdzv (a file for
-    torch.distributed's FileStore when world_size > 1), env (variables to set first)."""
+    torch.distributed's FileStore when world_size > 1), env (variables to set first); optional:
+    tiers (a list of safepoint.Tier arguments as dicts), redundancy and its settings."""
     os.environ.update(a.get("env", {}))  # before the first kill point reads SAFEPOINT_KILL_AT
     import torch
 
@@ -95,6 +97,8 @@ def child_main(a: dict) -> int:
     if a.get("redundancy"):
         extra = {"redundancy": a["redundancy"], "peer_timeout": a.get("peer_timeout", 10.0),
                  "replication_bandwidth": a.get("bandwidth")}
+    if a.get("tiers"):
+        extra["tiers"] = [safepoint.Tier(**t) for t in a["tiers"]]
     ckpt = safepoint.Checkpointer(a["path"], job=a["job"], shm_dir=a["shm_dir"], rank=rank,
                                   world_size=world, persist_every=a["persist_every"],
                                   keep=a["keep"], **extra)
@@ -110,7 +114,8 @@ def child_main(a: dict) -> int:
         info = ckpt.last_restore
         say("LOADED", got, ckpt.last_load_source, "EXACT" if diff is None else "MISMATCH",
             (info.peers if info is not None else "") or "-",
-            f"{info.seconds:.3f}" if info is not None else "-")
+            f"{info.seconds:.3f}" if info is not None else "-",
+            (info.uri if info is not None else None) or "-")
         if diff is not None:
             say("DIFF", diff)
         step = got + 1
@@ -120,7 +125,7 @@ def child_main(a: dict) -> int:
     def report_replication() -> None:
         """With redundancy: where this rank's newest snapshot stands (after wait(): reached
         its peers, or the push failed)."""
-        if not extra:
+        if "redundancy" not in extra:
             return
         try:
             repl = ckpt.status()["replication"] or {}
