@@ -234,7 +234,9 @@ def test_a_run_killed_with_its_node_resumes_bit_exact_from_the_lowest_tier(dirs,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = ck.restore(target)
-    assert got == committed[-1] and got % 4 == 0
+    # (Not necessarily a multiple of 4: a slow tier skips the steps offered while it copies, and
+    # takes the next one that is 4 steps after its last.)
+    assert got == committed[-1]
     assert same(target, state(got))
     assert ck.last_restore.source == "storage" and ck.last_restore.uri == lowest
     ck.close()
