@@ -112,18 +112,22 @@ def render(r: dict, runs: int, size_label: str) -> str:
     gb = r["bytes"] / GiB
     lines = [f"{size_label} state (16 float32 tensors), {runs} runs, medians; every tier takes "
              "every step. Lag: from the step's commit on `path` until its COMMIT on the tier "
-             "(the agent's `last_lag_seconds`; in brackets, when this benchmark saw it listed). "
-             "The agent copies tier by tier: the object store copies from the shared "
-             "directory, after that one committed.", "",
-             "| tier | lag (s) | agent's copy GB/s | `safepoint cp` from path (s) | reference |",
-             "|---|---:|---:|---:|---|"]
+             "(the agent's `last_lag_seconds`; in brackets, from the return of `wait()` until "
+             "this benchmark saw it listed). The agent copies tier by tier: each tier copies "
+             "from the one above it once the step committed there, so a tier's lag includes "
+             "the lags of the tiers above it.", "",
+             "| tier | copies from | lag (s) | agent's copy GB/s | `safepoint cp` from path (s) "
+             "| reference |",
+             "|---|---|---:|---:|---:|---|"]
     cp = med(r["cp_sync"])
-    for u in r["tiers"]:
-        kind = u.split("://")[0] if "://" in u else "file"
+    kinds = [u.split("://")[0] if "://" in u else "file" for u in r["tiers"]]
+    for i, u in enumerate(r["tiers"]):
+        kind = kinds[i]
+        above = "`path` (file)" if i == 0 else kinds[i - 1]
         ref = (f"`cp -r` + `sync` of the same files: {cp:.2f} s ({gb / cp:.2f} GB/s); agent copy "
                f"at {med(r['copy_gbps'][u]) / (gb / cp):.0%} of it" if kind == "file" else
                "see the object-store sections for the store's own limits")
-        lines.append(f"| {kind} | {med(r['lag'][u]):.2f} ({med(r['seen'][u]):.2f}) | "
+        lines.append(f"| {kind} | {above} | {med(r['lag'][u]):.2f} ({med(r['seen'][u]):.2f}) | "
                      f"{med(r['copy_gbps'][u]):.2f} | {r['safepoint_cp'][u]:.2f} | {ref} |")
     lines += ["", f"Measured {time.strftime('%Y-%m-%d')} on this 2-core VM (one virtual disk; "
               "the object store, when present, is a single-host Ceph with one OSD on the same "
