@@ -16,6 +16,7 @@ takes."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -171,7 +172,7 @@ def s3_uri(ceph: dict, name: str) -> str:
 
 # --- a stalled gateway -------------------------------------------------------------------------
 
-def test_a_stalled_s3_tier_fails_in_status_and_catches_up_once_it_resumes(ceph, gw, dirs):
+def test_a_stalled_s3_tier_fails_in_status_and_catches_up_once_it_resumes(ceph, gw, dirs, cli):
     tmp, shm = dirs
     path = tmp / "nvme"
     tier = s3_uri(ceph, "stalled-tier")
@@ -192,6 +193,12 @@ def test_a_stalled_s3_tier_fails_in_status_and_catches_up_once_it_resumes(ceph, 
     assert tier in bad["last_error"], bad  # names the object on the tier
     assert any(c in bad["last_error"] for c in ("Unavailable", "DeadlineExceeded")), bad
     assert bad["newest_step"] == 1 and bad["copies"] == 1
+    # `safepoint status` shows it too.
+    doc = json.loads(cli("status", "--shm-dir", shm, "--json", check=0).stdout)
+    job = next(j for j in (doc if isinstance(doc, list) else doc["jobs"])
+               if j.get("job") == "tf-stall")
+    assert job["tiers"][0]["failures"] > 0 and tier in job["tiers"][0]["last_error"], job
+    assert tier in cli("status", "--shm-dir", shm, check=0).stdout
     # The agent answers while its tier hangs, and `path` keeps taking steps.
     ck.save(4, state(4))
     ck.wait()
