@@ -7,7 +7,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-multirank bench-replication clean crash-build test-crash crashtest crashtest-nodes lint
+        bench-multirank bench-replication bench-tiers clean crash-build test-crash crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh
@@ -124,6 +124,12 @@ bench-replication: build
 	@$(PY) -c 'import lm_resiliency' 2>/dev/null || test -d build/bench/lmres-deps || \
 	  $(PY) -m pip install -q --no-deps --target build/bench/lmres-deps lm-resiliency==0.2.0
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/replication.py
+
+# Lag from a step's commit on `path` to its commit on each lower tier (file://, and s3:// and
+# rados:// on a throwaway single-host Ceph when this machine can run one). SIZES/RUNS override.
+bench-tiers: build
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH scripts/with-ceph.sh $(PY) bench/tiers.py \
+	  $(if $(SIZES),--sizes $(SIZES)) $(if $(RUNS),--runs $(RUNS))
 
 clean:
 	rm -rf build

@@ -3,14 +3,15 @@
     make bench-tiers            # or: python bench/tiers.py [--sizes 1G] [--runs 3]
 
 Rewrites the "Storage tiers" section of docs/benchmarks.md. One Checkpointer with `path` on
-this machine's disk and two lower tiers, each taking every step: a second directory on the same
-disk, and the object store when one is configured (SAFEPOINT_TEST_S3_URI / SAFEPOINT_TEST_RADOS_URI,
-which `scripts/with-ceph.sh` exports for a throwaway single-host Ceph; `make bench-tiers` runs
-inside it). For each run: a save of the state, then the times from its commit on `path` until
-it is committed on each lower tier (the agent's own `last_lag_seconds`, and the time the test
-saw the COMMIT appear), and the agent's copy throughput. References in the same run: copying
-the same step's files with `cp` and one `sync` (the disk's limit for a file tier), and
-`safepoint cp` of the step between the same two storages (the copy path without the agent).
+this machine's disk and lower tiers that take every step, in this order: a second directory on
+the same disk, then the object stores that are configured (SAFEPOINT_TEST_S3_URI, then
+SAFEPOINT_TEST_RADOS_URI, which `scripts/with-ceph.sh` exports for a throwaway single-host Ceph;
+`make bench-tiers` runs inside it). For each run: a save of the state, then the times from its
+commit on `path` until it is committed on each lower tier (the agent's own `last_lag_seconds`,
+and the time the benchmark saw the COMMIT appear), and the agent's copy throughput. References
+in the same run: the same step's files copied with `cp` and `sync FILE...`, and with `dd`
+O_DIRECT (what the disk gives a plain copy), and `safepoint cp` of the step from `path` to each
+tier's kind of storage (the copy path without the agent).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def bench(args, nbytes: int, runs: int, work: str) -> dict:
         if os.environ.get(var):
             lower.append(f"{os.environ[var]}/bench-tiers-{uuid.uuid4().hex[:8]}")
     out: dict = {"tiers": lower, "lag": {u: [] for u in lower}, "seen": {u: [] for u in lower},
-                 "copy_gbps": {u: [] for u in lower}, "cp_sync": [], "safepoint_cp": {}}
+                 "copy_gbps": {u: [] for u in lower}, "cp_sync": [], "dd_direct": [],
+                 "safepoint_cp": {}}
+    out["load"] = [os.getloadavg()[0]]
     ck = Checkpointer(path, job="bench-tiers", shm_dir=shm, keep=2,
                       tiers=[Tier(u, keep=2) for u in lower])
     try:
@@ -82,13 +85,24 @@ def bench(args, nbytes: int, runs: int, work: str) -> dict:
                 out["lag"][t["uri"]].append(t["last_lag_seconds"])
                 out["copy_gbps"][t["uri"]].append(
                     t["last_copy_bytes"] / GiB / max(t["last_copy_seconds"], 1e-9))
-            # The disk's limit for a file tier: the same files copied with cp, then one sync.
+            # What the disk does for a plain copy of the same files: cp, then `sync FILE...`
+            # (fsyncs just those: a global sync would also wait for whatever else this machine
+            # has dirty), and dd with O_DIRECT in 64 MiB blocks, one file after the other.
             src = os.path.join(path, f"step-{run:020d}")
             dst = os.path.join(work, f"cp-{run}")
             t0 = time.perf_counter()
             subprocess.run(["cp", "-r", src, dst], check=True)
-            os.sync()
+            subprocess.run(["sync", dst, *[os.path.join(dst, f) for f in os.listdir(dst)]],
+                           check=True)
             out["cp_sync"].append(time.perf_counter() - t0)
+            shutil.rmtree(dst)
+            os.mkdir(dst)
+            t0 = time.perf_counter()
+            for f in sorted(os.listdir(src)):
+                subprocess.run(["dd", f"if={os.path.join(src, f)}", f"of={os.path.join(dst, f)}",
+                                "bs=64M", "iflag=direct", "oflag=direct", "conv=fsync",
+                                "status=none"], check=True)
+            out["dd_direct"].append(time.perf_counter() - t0)
             shutil.rmtree(dst)
         # The copy path without the agent: safepoint cp of the newest step to each lower tier's
         # storage kind (a fresh prefix / directory).
@@ -100,6 +114,7 @@ def bench(args, nbytes: int, runs: int, work: str) -> dict:
                            capture_output=True)
             out["safepoint_cp"][u] = time.perf_counter() - t0
         out["bytes"] = ck.status()["tiers"][0]["last_copy_bytes"]
+        out["load"].append(os.getloadavg()[0])
     finally:
         ck.close()
         kill_agents(shm)
@@ -112,22 +127,30 @@ def render(r: dict, runs: int, size_label: str) -> str:
     gb = r["bytes"] / GiB
     lines = [f"{size_label} state (16 float32 tensors), {runs} runs, medians; every tier takes "
              "every step. Lag: from the step's commit on `path` until its COMMIT on the tier "
-             "(the agent's `last_lag_seconds`; in brackets, when this benchmark saw it listed). "
-             "The agent copies tier by tier: the object store copies from the shared "
-             "directory, after that one committed.", "",
-             "| tier | lag (s) | agent's copy GB/s | `safepoint cp` from path (s) | reference |",
-             "|---|---:|---:|---:|---|"]
-    cp = med(r["cp_sync"])
-    for u in r["tiers"]:
-        kind = u.split("://")[0] if "://" in u else "file"
-        ref = (f"`cp -r` + `sync` of the same files: {cp:.2f} s ({gb / cp:.2f} GB/s); agent copy "
-               f"at {med(r['copy_gbps'][u]) / (gb / cp):.0%} of it" if kind == "file" else
-               "see the object-store sections for the store's own limits")
-        lines.append(f"| {kind} | {med(r['lag'][u]):.2f} ({med(r['seen'][u]):.2f}) | "
+             "(the agent's `last_lag_seconds`; in brackets, from the return of `wait()` until "
+             "this benchmark saw it listed). The agent copies tier by tier: each tier copies "
+             "from the one above it once the step committed there, so a tier's lag includes "
+             "the lags of the tiers above it.", "",
+             "| tier | copies from | lag (s) | agent's copy GB/s | `safepoint cp` from path (s) "
+             "| reference |",
+             "|---|---|---:|---:|---:|---|"]
+    cp, dd = med(r["cp_sync"]), med(r["dd_direct"])
+    kinds = [u.split("://")[0] if "://" in u else "file" for u in r["tiers"]]
+    for i, u in enumerate(r["tiers"]):
+        kind = kinds[i]
+        above = "`path` (file)" if i == 0 else kinds[i - 1]
+        ref = "see the object-store sections for the store's own limits"
+        if kind == "file":
+            ref = (f"the same files with `cp -r` + fsync: {cp:.2f} s ({gb / cp:.2f} GB/s); "
+                   f"with `dd` O_DIRECT: {dd:.2f} s ({gb / dd:.2f} GB/s); agent copy at "
+                   f"{med(r['copy_gbps'][u]) / (gb / min(cp, dd)):.0%} of the faster")
+        lines.append(f"| {kind} | {above} | {med(r['lag'][u]):.2f} ({med(r['seen'][u]):.2f}) | "
                      f"{med(r['copy_gbps'][u]):.2f} | {r['safepoint_cp'][u]:.2f} | {ref} |")
     lines += ["", f"Measured {time.strftime('%Y-%m-%d')} on this 2-core VM (one virtual disk; "
               "the object store, when present, is a single-host Ceph with one OSD on the same "
-              "disk)."]
+              "disk), shared with other work: the 1-minute load average was "
+              f"{r['load'][0]:.1f} at the start and {r['load'][-1]:.1f} at the end, and the "
+              "object stores' figures move with it from run to run."]
     return "\n".join(lines) + "\n"
 
 
