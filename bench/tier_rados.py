@@ -125,7 +125,8 @@ def main() -> None:
         f"(COMMIT record, listing); its load verifies every checksum and reads into freshly "
         f"allocated memory (page faults on cores the OSD also uses), where `rados bench` reuses its "
         f"buffers: the `mem://` row is the same load without storage. "
-        f"Data objects are 8 MiB (`chunk_size`), written 16 at a time per request.\n"
+        f"Data objects are 8 MiB (`chunk_size`); save and load move whole data objects, 16 in "
+        f"flight (`StorageCapabilities::preferred_io_size`, `io_parallelism`).\n"
     )
     print(section)
     if not args.no_doc:

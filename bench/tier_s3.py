@@ -10,7 +10,8 @@ alternated, median of --runs:
 
 1. **safepoint**: ``safepoint.save(s3://BUCKET/P, ...)`` of a --size state (fp32 tensors of 64
    MiB each), durable when it returns (CompleteMultipartUpload, then the COMMIT object), and
-   ``safepoint.load`` of it (8 MiB ranged GETs into the image buffer, checksums verified).
+   ``safepoint.load`` of it (16 MiB ranged GETs, one per part, 8 at a time, into the image
+   buffer, checksums verified).
 2. **curl**: the same bytes as 16 MiB objects (safepoint's part size) from tmpfs, PUT by one
    ``curl --parallel --parallel-max 8`` (safepoint's 8 connections), and GET back into tmpfs the
    same way: what the gateway gives plain HTTP with the same request size and parallelism.
@@ -271,7 +272,7 @@ def render(results: dict, nbytes: int, args, dcp_error, own_cluster: bool) -> st
              f"State: {nbytes / GiB:.2f} GiB in {nbytes // (64 * MiB)} fp32 tensors of 64 MiB. "
              f"safepoint: default s3:// options (16 MiB parts, 8 connections); persist = "
              "`safepoint.save` until durable (CompleteMultipartUpload and COMMIT done); load = "
-             "`safepoint.load` (8 MiB ranged GETs, checksums verified, tensors built). curl: one "
+             "`safepoint.load` (16 MiB ranged GETs, 8 in flight, checksums verified, tensors built). curl: one "
              f"`curl --parallel --parallel-max {PARALLEL}` PUTting {nbytes // PART} objects of "
              "16 MiB from tmpfs, and GETting them back into tmpfs (no checksums, no tensors).",
              "",

@@ -85,6 +85,12 @@ struct StorageCapabilities {
   bool atomic_rename = true;  // Publish replaces atomically (POSIX); object stores: single PUT
   bool direct_io = false;     // O_DIRECT is used for aligned requests
   bool durable = true;        // data survives a process crash (false: in-memory)
+  // The request shape the backend serves best, for readers and writers of large objects: spans
+  // of preferred_io_size bytes aligned to it (an object store's part or chunk size; 0: no
+  // preference, the caller's own request size), at most io_parallelism of them at a time (0:
+  // the caller's default thread count).
+  uint64_t preferred_io_size = 0;
+  size_t io_parallelism = 0;
 };
 
 class Storage {

@@ -99,6 +99,32 @@ StagingPool& Staging() {
   return *pool;
 }
 
+// How to split a large read or write of checksum chunks of `chunk` bytes into requests: the
+// storage's preferred request size where it is a multiple of the chunk size (several chunks per
+// request, aligned to it; an object store's part or chunk size), else one chunk per request; at
+// most the storage's preferred number in flight, else the default I/O thread count.
+struct IoShape {
+  uint64_t chunks_per_request = 1;
+  size_t threads = 1;
+};
+
+IoShape ShapeFor(const Storage& storage, uint64_t chunk) {
+  const StorageCapabilities caps = storage.capabilities();
+  IoShape shape;
+  shape.threads = caps.io_parallelism > 0 ? caps.io_parallelism : internal::DefaultIoThreads();
+  if (chunk > 0 && caps.preferred_io_size > chunk && caps.preferred_io_size % chunk == 0) {
+    shape.chunks_per_request = caps.preferred_io_size / chunk;
+  }
+  return shape;
+}
+
+// Faults in the pages of a fresh destination buffer on the calling thread. A backend may receive
+// on few threads of its own (librados: one messenger thread per OSD connection), which would
+// otherwise zero every fresh page of a large image one after another while the readers wait.
+void Prefault(std::byte* p, size_t n) {
+  for (size_t i = 0; i < n; i += 4096) reinterpret_cast<volatile std::byte*>(p)[i] = std::byte{0};
+}
+
 // Keeps the first error of a parallel loop.
 class FirstError {
  public:
@@ -261,23 +287,32 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   const std::string name = ImageObjectName(image.meta().step, image.meta().rank, generation);
   SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, l.image_size));
 
+  // Requests of one or more whole chunks (the storage's preferred size), each chunk CRC'd.
   const uint64_t chunks = image.chunk_count();
+  const IoShape shape = ShapeFor(*storage_, l.chunk_size);
+  const uint64_t span = shape.chunks_per_request * l.chunk_size;
+  const uint64_t requests = (chunks + shape.chunks_per_request - 1) / shape.chunks_per_request;
   std::vector<uint32_t> crcs(chunks);
   FirstError error;
-  internal::ParallelFor(chunks, internal::DefaultIoThreads(), [&](size_t i) {
+  internal::ParallelFor(requests, shape.threads, [&](size_t k) {
     if (error.failed()) return;
-    AlignedBuffer buf = Staging().Take(l.chunk_size);
+    AlignedBuffer buf = Staging().Take(span);
     if (!buf.ok()) {
-      error.Set(ResourceExhausted("out of memory for a " + std::to_string(l.chunk_size) +
+      error.Set(ResourceExhausted("out of memory for a " + std::to_string(span) +
                                   "-byte staging buffer"));
       return;
     }
-    const uint64_t off = i * l.chunk_size;
-    const uint64_t len = std::min(l.chunk_size, l.checksums_offset - off);
-    auto chunk = buf.span().subspan(0, len);
-    image.Fill(off, chunk);
-    crcs[i] = Crc32c(0, chunk.data(), chunk.size());
-    error.Set(w->WriteAt(off, chunk));
+    const uint64_t first = k * shape.chunks_per_request;
+    const uint64_t last = std::min(chunks, first + shape.chunks_per_request);
+    const uint64_t off = first * l.chunk_size;
+    const uint64_t len = std::min(last * l.chunk_size, l.checksums_offset) - off;
+    auto data = buf.span().subspan(0, len);
+    image.Fill(off, data);
+    for (uint64_t i = first; i < last; ++i) {
+      const uint64_t at = (i - first) * l.chunk_size;
+      crcs[i] = Crc32c(0, data.data() + at, std::min(l.chunk_size, len - at));
+    }
+    error.Set(w->WriteAt(off, data));
     Staging().Give(std::move(buf));
   });
   SP_RETURN_IF_ERROR(error.status());
@@ -296,13 +331,16 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   const auto t0 = std::chrono::steady_clock::now();
   const std::string name = ImageObjectName(step, rank);
   SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, image.size()));
-  const uint64_t pieces = (image.size() + kIoPiece - 1) / kIoPiece;
+  const StorageCapabilities caps = storage_->capabilities();
+  const uint64_t piece = caps.preferred_io_size > 0 ? caps.preferred_io_size : kIoPiece;
+  const size_t threads =
+      caps.io_parallelism > 0 ? caps.io_parallelism : internal::DefaultIoThreads();
+  const uint64_t pieces = (image.size() + piece - 1) / piece;
   FirstError error;
-  internal::ParallelFor(pieces, internal::DefaultIoThreads(), [&](size_t i) {
+  internal::ParallelFor(pieces, threads, [&](size_t i) {
     if (error.failed()) return;
-    const uint64_t off = i * kIoPiece;
-    error.Set(
-        w->WriteAt(off, image.subspan(off, std::min<uint64_t>(kIoPiece, image.size() - off))));
+    const uint64_t off = i * piece;
+    error.Set(w->WriteAt(off, image.subspan(off, std::min<uint64_t>(piece, image.size() - off))));
     SP_KILL_POINT("store.write.after_piece");
   });
   SP_RETURN_IF_ERROR(error.status());
@@ -515,14 +553,25 @@ Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint3
   SP_RETURN_IF_ERROR(obj->ReadAt(layout.checksums_offset, tail));
   SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(tail, layout, source));
 
+  // Requests of one or more whole chunks (the storage's preferred size, aligned to it); every
+  // chunk of a request is verified when it has landed. Nothing is handed out before all are.
+  const uint64_t covered = layout.checksums_offset;
+  const uint64_t chunks = crcs.size();
+  const IoShape shape = ShapeFor(*storage_, layout.chunk_size);
+  const uint64_t requests = (chunks + shape.chunks_per_request - 1) / shape.chunks_per_request;
   FirstError error;
-  internal::ParallelFor(crcs.size(), internal::DefaultIoThreads(), [&](size_t i) {
+  internal::ParallelFor(requests, shape.threads, [&](size_t k) {
     if (error.failed()) return;
-    const uint64_t off = i * layout.chunk_size;
-    const uint64_t len = std::min(layout.chunk_size, layout.checksums_offset - off);
-    std::span<std::byte> chunk(raw + off, len);
-    Status s = obj->ReadAt(off, chunk);
-    if (s.ok()) s = VerifyChunk(chunk, i, crcs[i], source);
+    const uint64_t first = k * shape.chunks_per_request;
+    const uint64_t last = std::min(chunks, first + shape.chunks_per_request);
+    const uint64_t off = first * layout.chunk_size;
+    const uint64_t end = std::min(last * layout.chunk_size, covered);
+    Prefault(raw + off, end - off);
+    Status s = obj->ReadAt(off, {raw + off, end - off});
+    for (uint64_t i = first; s.ok() && i < last; ++i) {
+      const uint64_t at = i * layout.chunk_size;
+      s = VerifyChunk({raw + at, std::min(layout.chunk_size, covered - at)}, i, crcs[i], source);
+    }
     error.Set(std::move(s));
   });
   SP_RETURN_IF_ERROR(error.status());

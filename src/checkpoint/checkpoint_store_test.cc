@@ -7,6 +7,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <tuple>
@@ -664,6 +665,161 @@ TEST(CheckpointStoreTest, RangeReadsReadOnlyTheirChunksAndVerifyThem) {
   EXPECT_NE(s.message().find("chunk 1"), std::string::npos) << s.message();
   std::vector<CheckpointStore::Range> small_only = {ranges[2]};
   EXPECT_OK(store.ReadRanges(*md, small_only));
+}
+
+// Announces a preferred request shape (as object stores do) and records the requests it gets.
+class ShapedStorage : public Storage {
+ public:
+  struct Request {
+    std::string name;
+    uint64_t offset, size;
+    bool operator<(const Request& o) const { return offset < o.offset; }
+  };
+  ShapedStorage(std::shared_ptr<Storage> inner, uint64_t io_size, size_t parallelism)
+      : inner_(std::move(inner)), io_size_(io_size), parallelism_(parallelism) {}
+  const std::string& uri() const override { return inner_->uri(); }
+  StorageCapabilities capabilities() const override {
+    StorageCapabilities caps = inner_->capabilities();
+    caps.preferred_io_size = io_size_;
+    caps.io_parallelism = parallelism_;
+    return caps;
+  }
+  Result<std::unique_ptr<WritableObject>> Create(std::string_view n, uint64_t size) override {
+    SP_ASSIGN_OR_RETURN(auto obj, inner_->Create(n, size));
+    return std::unique_ptr<WritableObject>(new Writer(std::move(obj), this, std::string(n)));
+  }
+  Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
+    SP_ASSIGN_OR_RETURN(auto obj, inner_->Open(name));
+    return std::unique_ptr<ReadableObject>(new Reader(std::move(obj), this, std::string(name)));
+  }
+  Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
+    return inner_->List(prefix);
+  }
+  Status Delete(std::string_view name) override { return inner_->Delete(name); }
+  Result<size_t> RemoveLeftovers(std::string_view prefix, const LeftoverFilter& f) override {
+    return inner_->RemoveLeftovers(prefix, f);
+  }
+  std::string Describe(std::string_view name) const override { return inner_->Describe(name); }
+
+  // The requests to object `name` since the last call (of any object), sorted by offset.
+  std::vector<Request> TakeReads(const std::string& name) { return Take(reads_, name); }
+  std::vector<Request> TakeWrites(const std::string& name) { return Take(writes_, name); }
+
+ private:
+  std::vector<Request> Take(std::vector<Request>& v, const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Request> out;
+    for (auto& r : v) {
+      if (r.name == name) out.push_back(std::move(r));
+    }
+    v.clear();
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  void Record(std::vector<Request>& v, const std::string& name, uint64_t offset, uint64_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    v.push_back({name, offset, size});
+  }
+  struct Reader : ReadableObject {
+    Reader(std::unique_ptr<ReadableObject> o, ShapedStorage* s, std::string n)
+        : obj(std::move(o)), st(s), name(std::move(n)) {}
+    uint64_t size() const override { return obj->size(); }
+    Status ReadAt(uint64_t offset, std::span<std::byte> dst) const override {
+      st->Record(st->reads_, name, offset, dst.size());
+      return obj->ReadAt(offset, dst);
+    }
+    std::unique_ptr<ReadableObject> obj;
+    ShapedStorage* st;
+    std::string name;
+  };
+  struct Writer : WritableObject {
+    Writer(std::unique_ptr<WritableObject> o, ShapedStorage* s, std::string n)
+        : obj(std::move(o)), st(s), name(std::move(n)) {}
+    Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+      st->Record(st->writes_, name, offset, data.size());
+      return obj->WriteAt(offset, data);
+    }
+    Status Publish() override { return obj->Publish(); }
+    Status PublishIfAbsent() override { return obj->PublishIfAbsent(); }
+    void Abort() override { obj->Abort(); }
+    std::unique_ptr<WritableObject> obj;
+    ShapedStorage* st;
+    std::string name;
+  };
+  std::shared_ptr<Storage> inner_;
+  const uint64_t io_size_;
+  const size_t parallelism_;
+  std::mutex mu_;
+  std::vector<Request> reads_, writes_;
+};
+
+TEST(CheckpointStoreTest, ImagesMoveInTheStoragesPreferredRequestsAndEveryChunkIsVerified) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  // Three chunks per request; the image (four chunks, the last one short) does not end on a
+  // request boundary.
+  auto shaped = std::make_shared<ShapedStorage>(mem, 3 * kDefaultChunkSize, 2);
+  CheckpointStore store(shaped);
+  ASSERT_OK(Save(store, 1));
+  auto commit = store.ReadCommit(1);
+  ASSERT_OK(commit);
+  auto md = store.ReadMetadata(*commit, 0);
+  ASSERT_OK(md);
+  const ImageLayout& l = md->layout;
+  ASSERT_EQ(l.chunk_size, kDefaultChunkSize);
+  ASSERT_EQ(l.chunk_count(), 4u);
+  const uint64_t span = 3 * l.chunk_size;
+  ASSERT_NE(l.checksums_offset % span, 0u);
+
+  // Written as two data requests (three chunks, then the short rest) and the checksum section.
+  const std::string image = ImageObjectName(1, 0);
+  std::vector<ShapedStorage::Request> writes = shaped->TakeWrites(image);
+  ASSERT_EQ(writes.size(), 3u);
+  EXPECT_EQ(writes[0].offset, 0u);
+  EXPECT_EQ(writes[0].size, span);
+  EXPECT_EQ(writes[1].offset, span);
+  EXPECT_EQ(writes[1].size, l.checksums_offset - span);
+  EXPECT_EQ(writes[2].offset, l.checksums_offset);
+
+  // Read back the same way, bit-exact to the last byte.
+  shaped->TakeReads(image);
+  auto loaded = LoadShard(store, 1, 0);
+  ASSERT_OK(loaded);
+  ExpectShard(*loaded, 0);
+  std::vector<ShapedStorage::Request> data_reads;
+  for (const auto& r : shaped->TakeReads(image)) {
+    // Besides the data: the header and the checksum section.
+    const bool header = r.offset == 0 && r.size == kImageHeaderSize;
+    if (!header && r.offset < l.checksums_offset) data_reads.push_back(r);
+  }
+  ASSERT_EQ(data_reads.size(), 2u);
+  EXPECT_EQ(data_reads[0].offset, 0u);
+  EXPECT_EQ(data_reads[0].size, span);
+  EXPECT_EQ(data_reads[1].offset, span);
+  EXPECT_EQ(data_reads[1].size, l.checksums_offset - span);
+
+  // One flipped byte in the middle chunk of the first request: the load fails naming chunk 1.
+  auto obj = mem->Open(ImageObjectName(1, 0));
+  ASSERT_OK(obj);
+  std::vector<std::byte> bytes((*obj)->size());
+  ASSERT_OK((*obj)->ReadAt(0, bytes));
+  bytes[l.chunk_size + l.chunk_size / 2] ^= std::byte{0x10};
+  auto w = mem->Create(ImageObjectName(1, 0), bytes.size());
+  ASSERT_OK(w);
+  ASSERT_OK((*w)->WriteAt(0, bytes));
+  ASSERT_OK((*w)->Publish());
+  auto bad = LoadShard(store, 1, 0);
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(bad.status().message().find("chunk 1"), std::string::npos) << bad.status().message();
+
+  // A preferred size that is not a multiple of the chunk size: one chunk per request.
+  auto odd = std::make_shared<ShapedStorage>(mem, l.chunk_size + 4096, 3);
+  CheckpointStore odd_store(odd);
+  ASSERT_OK(Save(odd_store, 2));
+  const std::vector<ShapedStorage::Request> odd_writes = odd->TakeWrites(ImageObjectName(2, 0));
+  EXPECT_EQ(odd_writes.size(), l.chunk_count() + 1);  // the chunks and the checksum section
+  for (const auto& r : odd_writes) EXPECT_LE(r.size, l.chunk_size);
+  ASSERT_OK(LoadShard(odd_store, 2, 0));
+  for (const auto& r : odd->TakeReads(ImageObjectName(2, 0))) EXPECT_LE(r.size, l.chunk_size);
 }
 
 TEST(CheckpointStoreTest, ImageReplacedAfterCommitIsDetected) {

@@ -517,7 +517,12 @@ class RadosStorage final : public Storage {
 
   const std::string& uri() const override { return uri_; }
   StorageCapabilities capabilities() const override {
-    return StorageCapabilities{.atomic_rename = true, .direct_io = false, .durable = true};
+    // Large reads and writes: whole data objects, as many at a time as one call keeps in flight.
+    return StorageCapabilities{.atomic_rename = true,
+                               .direct_io = false,
+                               .durable = true,
+                               .preferred_io_size = options_.chunk_size,
+                               .io_parallelism = kWindow};
   }
 
   Result<std::unique_ptr<WritableObject>> Create(std::string_view name,

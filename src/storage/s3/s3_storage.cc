@@ -30,7 +30,6 @@ constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kMinPartSize = 5 * kMiB;    // S3's minimum for all parts but the last
 constexpr uint64_t kMaxPartSize = 5ull << 30;  // and its maximum
 constexpr uint64_t kMaxParts = 10000;
-constexpr uint64_t kReadPiece = 8 * kMiB;  // one ranged GET of a large read
 
 // A fixed set of threads that run queued tasks; started on first use, joined by the destructor.
 // Tasks never wait for other tasks, so a full pool only delays work.
@@ -622,18 +621,21 @@ class S3ReadableObject final : public ReadableObject {
                         std::to_string(size_) + " bytes");
     }
     if (dst.empty()) return Status::OK();
-    const uint64_t pieces = (dst.size() + kReadPiece - 1) / kReadPiece;
+    // One ranged GET per part-sized piece: the request shape of the upload, and the one
+    // capabilities() asks large readers for (one piece per call, on this thread).
+    const uint64_t piece_size = ctx_->options.part_size;
+    const uint64_t pieces = (dst.size() + piece_size - 1) / piece_size;
     if (pieces == 1) return GetRange(offset, dst);
     // Pieces 1.. on the pool, piece 0 on this thread.
     TaskGroup group;
     for (uint64_t i = 1; i < pieces; ++i) {
-      const uint64_t off = i * kReadPiece;
-      auto piece = dst.subspan(off, std::min<uint64_t>(kReadPiece, dst.size() - off));
+      const uint64_t off = i * piece_size;
+      auto piece = dst.subspan(off, std::min<uint64_t>(piece_size, dst.size() - off));
       group.Add();
       ctx_->pool.Submit(
           [this, &group, offset, off, piece] { group.Done(GetRange(offset + off, piece)); });
     }
-    Status first = GetRange(offset, dst.subspan(0, kReadPiece));
+    Status first = GetRange(offset, dst.subspan(0, piece_size));
     Status rest = group.Wait();
     return first.ok() ? rest : first;
   }
@@ -685,7 +687,12 @@ class S3Storage final : public Storage {
   const std::string& uri() const override { return ctx_->uri; }
 
   StorageCapabilities capabilities() const override {
-    return StorageCapabilities{.atomic_rename = true, .direct_io = false, .durable = true};
+    // Large reads and writes: whole parts, one per connection.
+    return StorageCapabilities{.atomic_rename = true,
+                               .direct_io = false,
+                               .durable = true,
+                               .preferred_io_size = ctx_->options.part_size,
+                               .io_parallelism = ctx_->options.connections};
   }
 
   Result<std::unique_ptr<WritableObject>> Create(std::string_view name,

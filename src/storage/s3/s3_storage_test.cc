@@ -700,7 +700,7 @@ TEST(S3StorageFaultTest, GatewayKilledAndRestartedMidDownloadIsRetried) {
   auto s = OpenStorage(TestUri(dir) + "?timeout=30&retries=8");
   ASSERT_OK(s);
   Storage& st = **s;
-  constexpr size_t kSize = 40 << 20;  // five parallel 8 MiB ranges
+  constexpr size_t kSize = 40 << 20;  // three parallel ranges of a part (16 MiB)
   const std::vector<std::byte> data = PatternBytes(kSize, 4);
   ASSERT_OK(test::PutObject(st, "big.img", data));
   auto r = st.Open("big.img");
