@@ -331,13 +331,12 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   const auto t0 = std::chrono::steady_clock::now();
   const std::string name = ImageObjectName(step, rank);
   SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, image.size()));
-  const StorageCapabilities caps = storage_->capabilities();
-  const uint64_t piece = caps.preferred_io_size > 0 ? caps.preferred_io_size : kIoPiece;
-  const size_t threads =
-      caps.io_parallelism > 0 ? caps.io_parallelism : internal::DefaultIoThreads();
+  // Pieces of kIoPiece, or of the storage's preferred size where that is a multiple of it.
+  const IoShape shape = ShapeFor(*storage_, kIoPiece);
+  const uint64_t piece = shape.chunks_per_request * kIoPiece;
   const uint64_t pieces = (image.size() + piece - 1) / piece;
   FirstError error;
-  internal::ParallelFor(pieces, threads, [&](size_t i) {
+  internal::ParallelFor(pieces, shape.threads, [&](size_t i) {
     if (error.failed()) return;
     const uint64_t off = i * piece;
     error.Set(w->WriteAt(off, image.subspan(off, std::min<uint64_t>(piece, image.size() - off))));

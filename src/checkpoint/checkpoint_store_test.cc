@@ -579,26 +579,13 @@ TEST(CheckpointStoreTest, CorruptNewestFallsBackToOlder) {
 }
 
 // A counting wrapper: how many bytes were read, to show that range reads read only what they need.
-class CountingStorage : public Storage {
+class CountingStorage : public test::ForwardingStorage {
  public:
-  explicit CountingStorage(std::shared_ptr<Storage> inner) : inner_(std::move(inner)) {}
-  const std::string& uri() const override { return inner_->uri(); }
-  StorageCapabilities capabilities() const override { return inner_->capabilities(); }
-  Result<std::unique_ptr<WritableObject>> Create(std::string_view n, uint64_t size) override {
-    return inner_->Create(n, size);
-  }
+  using ForwardingStorage::ForwardingStorage;
   Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
     SP_ASSIGN_OR_RETURN(auto obj, inner_->Open(name));
     return std::unique_ptr<ReadableObject>(new Counted(std::move(obj), &bytes_read));
   }
-  Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
-    return inner_->List(prefix);
-  }
-  Status Delete(std::string_view name) override { return inner_->Delete(name); }
-  Result<size_t> RemoveLeftovers(std::string_view prefix, const LeftoverFilter& f) override {
-    return inner_->RemoveLeftovers(prefix, f);
-  }
-  std::string Describe(std::string_view name) const override { return inner_->Describe(name); }
   std::atomic<uint64_t> bytes_read{0};
 
  private:
@@ -613,7 +600,6 @@ class CountingStorage : public Storage {
     std::unique_ptr<ReadableObject> obj;
     std::atomic<uint64_t>* count;
   };
-  std::shared_ptr<Storage> inner_;
 };
 
 TEST(CheckpointStoreTest, RangeReadsReadOnlyTheirChunksAndVerifyThem) {
@@ -668,7 +654,7 @@ TEST(CheckpointStoreTest, RangeReadsReadOnlyTheirChunksAndVerifyThem) {
 }
 
 // Announces a preferred request shape (as object stores do) and records the requests it gets.
-class ShapedStorage : public Storage {
+class ShapedStorage : public test::ForwardingStorage {
  public:
   struct Request {
     std::string name;
@@ -676,8 +662,7 @@ class ShapedStorage : public Storage {
     bool operator<(const Request& o) const { return offset < o.offset; }
   };
   ShapedStorage(std::shared_ptr<Storage> inner, uint64_t io_size, size_t parallelism)
-      : inner_(std::move(inner)), io_size_(io_size), parallelism_(parallelism) {}
-  const std::string& uri() const override { return inner_->uri(); }
+      : ForwardingStorage(std::move(inner)), io_size_(io_size), parallelism_(parallelism) {}
   StorageCapabilities capabilities() const override {
     StorageCapabilities caps = inner_->capabilities();
     caps.preferred_io_size = io_size_;
@@ -692,14 +677,6 @@ class ShapedStorage : public Storage {
     SP_ASSIGN_OR_RETURN(auto obj, inner_->Open(name));
     return std::unique_ptr<ReadableObject>(new Reader(std::move(obj), this, std::string(name)));
   }
-  Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
-    return inner_->List(prefix);
-  }
-  Status Delete(std::string_view name) override { return inner_->Delete(name); }
-  Result<size_t> RemoveLeftovers(std::string_view prefix, const LeftoverFilter& f) override {
-    return inner_->RemoveLeftovers(prefix, f);
-  }
-  std::string Describe(std::string_view name) const override { return inner_->Describe(name); }
 
   // The requests to object `name` since the last call (of any object), sorted by offset.
   std::vector<Request> TakeReads(const std::string& name) { return Take(reads_, name); }
@@ -746,7 +723,6 @@ class ShapedStorage : public Storage {
     ShapedStorage* st;
     std::string name;
   };
-  std::shared_ptr<Storage> inner_;
   const uint64_t io_size_;
   const size_t parallelism_;
   std::mutex mu_;

@@ -2,7 +2,8 @@
 //
 // ValidateObjectName() is the single check that keeps object names inside a storage root; every
 // backend calls it before touching a name. The registry maps URI schemes to factories: "file"
-// (and plain paths) open POSIX storage, "mem" opens in-memory storage, "rados" a Ceph pool.
+// (and plain paths) open POSIX storage, "mem" opens in-memory storage, "rados" a Ceph pool,
+// "s3" an S3 bucket.
 // The built-in schemes are registered lazily, under the registry's mutex, on first use, so that
 // nothing depends on the order in which static initialisers of a static library run (or whether
 // they run at all).

@@ -12,6 +12,8 @@
 // - AlignedTestBuffer: a zeroed buffer aligned for O_DIRECT, optionally misaligned on purpose.
 // - PutObject / ReadWholeObject: one object written and published, or read back, in one call;
 //   TestImageMeta: image metadata.
+// - ForwardingStorage: a Storage that passes every call to another one; test wrappers derive
+//   from it and override only what they observe or change.
 #pragma once
 
 #include <fcntl.h>
@@ -240,5 +242,31 @@ inline ImageMeta TestImageMeta(std::string job, uint64_t step, uint32_t rank, ui
   m.world_size = world_size;
   return m;
 }
+
+// A Storage that passes every call to `inner`.
+class ForwardingStorage : public Storage {
+ public:
+  explicit ForwardingStorage(std::shared_ptr<Storage> inner) : inner_(std::move(inner)) {}
+  const std::string& uri() const override { return inner_->uri(); }
+  StorageCapabilities capabilities() const override { return inner_->capabilities(); }
+  Result<std::unique_ptr<WritableObject>> Create(std::string_view name, uint64_t size) override {
+    return inner_->Create(name, size);
+  }
+  Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
+    return inner_->Open(name);
+  }
+  Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
+    return inner_->List(prefix);
+  }
+  Status Delete(std::string_view name) override { return inner_->Delete(name); }
+  Result<size_t> RemoveLeftovers(std::string_view prefix, const LeftoverFilter& f) override {
+    return inner_->RemoveLeftovers(prefix, f);
+  }
+  using Storage::RemoveLeftovers;
+  std::string Describe(std::string_view name) const override { return inner_->Describe(name); }
+
+ protected:
+  std::shared_ptr<Storage> inner_;
+};
 
 }  // namespace safepoint::test

@@ -8,7 +8,7 @@ import pytest
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # tests/common: the helpers that the Python tests share with the crash driver (tests/crash).
 sys.path.insert(0, os.path.join(REPO, "tests", "common"))
-from processes import agents_of, kill_and_wait, start_script  # noqa: E402,F401
+from processes import agents_of, kill_agents, kill_and_wait, start_script  # noqa: E402,F401
 
 _SHORT_BASETEMP = None
 
@@ -149,3 +149,15 @@ def ceph() -> dict:
         pytest.skip("no test Ceph cluster (run under scripts/with-ceph.sh, as `make test` does): "
                     + ", ".join(missing) + " unset")
     return {k: os.environ[k] for k in CEPH_ENV_KEYS}
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """(tmp_path, an shm directory of its own) for tests of storage tiers; failed tier copies
+    are retried after 0.05, 0.1, 0.2 ... s instead of 1, 2, 4 ... s; the agents are killed
+    after the test."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("SAFEPOINT_TIER_RETRY_SECONDS", "0.05")
+    yield tmp_path, str(shm)
+    kill_agents(str(shm))

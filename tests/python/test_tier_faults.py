@@ -28,27 +28,17 @@ import time
 import uuid
 
 import pytest
-import torch
 
 import safepoint
 from safepoint import Checkpointer, Tier
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "common"))
-from processes import HANG, agent_log, dead, kill_agents, wait_until  # noqa: E402
+from processes import HANG, agent_log, dead, wait_until  # noqa: E402
+from test_tiers import same, state  # noqa: E402  (one definition of the tests' state)
 
 # Each request to a faulty tier gives up after 2 s and one retry: the tests see the failure
 # soon. The storage's own default is 60 s and 4 retries (docs/operations.md).
 FAST_FAIL = "timeout=2&retries=1"
-
-
-def state(step: int, n: int = 300_000) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(n, generator=g), "b": torch.arange(step, step + 17), "step": step}
-
-
-def same(a: dict, b: dict) -> bool:
-    return (torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"])
-            and a["step"] == b["step"])
 
 
 def tier_state(ck: Checkpointer, i: int = 0) -> dict:
@@ -70,6 +60,17 @@ def steps_or_none(uri: str):
 def loads_bit_exact(uri: str, step: int, n: int = 300_000) -> bool:
     got_step, got = safepoint.load(uri, step)
     return got_step == step and same(got, state(step, n))
+
+
+def every_listed_step_is_whole(uri: str, *must: int, n: int = 300_000) -> list[int]:
+    """Asserts that the steps in `must` are listed on `uri` and that every listed step loads
+    bit-exact (a request that timed out may have landed late: then its step is whole, never
+    partial). Returns the listed steps."""
+    listed = safepoint.steps(uri)
+    assert set(must) <= set(listed), (must, listed)
+    for step in listed:
+        assert loads_bit_exact(uri, step, n), step
+    return listed
 
 
 # --- a radosgw of this module's own ------------------------------------------------------------
@@ -156,16 +157,6 @@ def gw(_gateway, monkeypatch):
     _gateway.healthy()
 
 
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    # Failed tier copies are retried after 0.05, 0.1, 0.2 ... s instead of 1, 2, 4 ... s.
-    monkeypatch.setenv("SAFEPOINT_TIER_RETRY_SECONDS", "0.05")
-    yield tmp_path, str(shm)
-    kill_agents(str(shm))
-
-
 def s3_uri(ceph: dict, name: str) -> str:
     return f"{ceph['SAFEPOINT_TEST_S3_URI'].rstrip('/')}/{name}-{uuid.uuid4().hex[:10]}"
 
@@ -212,12 +203,7 @@ def test_a_stalled_s3_tier_fails_in_status_and_catches_up_once_it_resumes(ceph, 
     done = tier_state(ck)
     assert done["newest_step"] == 5 and done["last_error"] == ""
     ck.close()
-    # Only whole steps are listed on the tier (a request that timed out may still have landed
-    # once the gateway resumed: then its step is whole), and each loads bit-exact.
-    listed = safepoint.steps(tier)
-    assert 1 in listed and 5 in listed
-    for step in listed:
-        assert loads_bit_exact(tier, step), step
+    every_listed_step_is_whole(tier, 1, 5)
 
 
 def test_a_stalled_gateway_under_path_fails_wait_and_training_goes_on(ceph, gw, dirs):
@@ -240,10 +226,7 @@ def test_a_stalled_gateway_under_path_fails_wait_and_training_goes_on(ceph, gw, 
     ck.save(3, state(3))
     ck.wait()
     ck.close()
-    listed = safepoint.steps(path)
-    assert 1 in listed and 3 in listed
-    for step in listed:  # step 2 only if its COMMIT landed late; whole then
-        assert loads_bit_exact(path, step), step
+    every_listed_step_is_whole(path, 1, 3)  # step 2 only if its COMMIT landed late
 
 
 # --- a pool over its quota ---------------------------------------------------------------------
@@ -309,10 +292,7 @@ def test_a_rados_tier_over_its_quota_reports_it_and_resumes_when_it_is_lifted(
         (tier_state(ck), agent_log(shm, "tf-quota")[-3000:])
     assert tier_state(ck)["last_error"] == ""
     ck.close()
-    listed = safepoint.steps(tier)
-    assert 1 in listed and 3 in listed
-    for step in listed:
-        assert loads_bit_exact(tier, step), step
+    every_listed_step_is_whole(tier, 1, 3)
 
 
 # --- SIGTERM to an agent whose tier hangs ------------------------------------------------------
@@ -348,8 +328,7 @@ def test_an_agent_with_a_stalled_tier_exits_on_sigterm_and_the_next_one_resumes(
     assert wait_until(lambda: 2 in (steps_or_none(tier) or []) and tier_idle(ck)), \
         (tier_state(ck), agent_log(shm, "tf-term")[-3000:])
     ck.close()
-    for step in safepoint.steps(tier):
-        assert loads_bit_exact(tier, step), step
+    every_listed_step_is_whole(tier, 2)
 
 
 # --- the gateway killed and restarted mid-copy -------------------------------------------------
@@ -395,7 +374,5 @@ def test_a_gateway_killed_mid_copy_never_shows_a_partial_step(ceph, gw, dirs, mo
         assert wait_until(lambda: settled() and 2 in safepoint.steps(tier), HANG, 0.05), \
             (tier_state(ck), agent_log(shm, "tf-kill")[-3000:])
     ck.close()
-    listed = safepoint.steps(tier)
+    listed = every_listed_step_is_whole(tier, n=n)
     assert listed and seen <= set(listed)
-    for step in listed:  # whatever was ever listed is whole
-        assert loads_bit_exact(tier, step, n), step

@@ -27,10 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "common"))
 from processes import HANG, agent_log, dead, kill_agents, wait_until  # noqa: E402
 
 
-def state(step: int) -> dict:
+def state(step: int, n: int = 300_000) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(300_000, generator=g), "b": torch.arange(step, step + 17),
-            "step": step}
+    return {"w": torch.randn(n, generator=g), "b": torch.arange(step, step + 17), "step": step}
 
 
 def same(a: dict, b: dict) -> bool:
@@ -41,16 +40,6 @@ def same(a: dict, b: dict) -> bool:
 def tiers_idle(ck: Checkpointer) -> bool:
     tiers = ck.status()["tiers"]
     return all(t.get("pending_step") is None and t.get("in_flight_step") is None for t in tiers)
-
-
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    # Failed tier copies are retried after 0.05, 0.1, 0.2 ... s instead of 1, 2, 4 ... s.
-    monkeypatch.setenv("SAFEPOINT_TIER_RETRY_SECONDS", "0.05")
-    yield tmp_path, str(shm)
-    kill_agents(str(shm))
 
 
 def test_tiers_receive_steps_on_their_schedules_and_keep_their_newest(dirs):
