@@ -229,3 +229,22 @@ def test_a_run_killed_with_its_node_resumes_bit_exact_from_the_lowest_tier(dirs,
     assert same(target, state(got))
     assert ck.last_restore.source == "storage" and ck.last_restore.uri == lowest
     ck.close()
+
+
+def test_a_second_process_asking_for_other_tiers_under_the_same_job_is_refused(dirs):
+    tmp, shm = dirs
+    p0 = tmp / "nvme"
+    ck = Checkpointer(p0, job="tiers-g", shm_dir=shm, rank=0, world_size=2,
+                      tiers=[Tier(str(tmp / "a"))])
+    # The job's other rank (same path and world size) with other tiers: the agent keeps the
+    # job's configuration and the error names both.
+    with pytest.raises(safepoint.Error, match="already fills the storage tiers") as e:
+        Checkpointer(p0, job="tiers-g", shm_dir=shm, rank=1, world_size=2,
+                     tiers=[Tier(str(tmp / "b"))])
+    assert str(tmp / "a") in str(e.value) and str(tmp / "b") in str(e.value)
+    # With the job's own tiers the rank is accepted.
+    ck1 = Checkpointer(p0, job="tiers-g", shm_dir=shm, rank=1, world_size=2,
+                       tiers=[Tier(str(tmp / "a"))])
+    assert ck1.status()["tiers"][0]["uri"] == str(tmp / "a")
+    ck1.close()
+    ck.close()
