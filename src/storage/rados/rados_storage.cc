@@ -66,12 +66,14 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -82,6 +84,7 @@
 
 #include "base/crc32c.h"
 #include "base/random.h"
+#include "storage/uri_options.h"
 #include "safepoint/storage.h"
 
 namespace safepoint::internal {
@@ -95,6 +98,9 @@ constexpr size_t kHeadSize = 64;
 constexpr size_t kWindow = 16;       // aio ops in flight per call
 constexpr size_t kListWindow = 64;   // head reads in flight per List
 constexpr int kBackstopSlackS = 10;  // our own bound beyond librados's op timeout
+constexpr int kMaxTimeoutS = 1 << 20;  // larger timeouts are clamped (int arithmetic stays safe)
+constexpr uint64_t kMinChunkSize = 4 << 10;
+constexpr uint64_t kMaxChunkSize = 1 << 30;
 
 // ---- small helpers ----------------------------------------------------------------------------
 
@@ -1010,78 +1016,37 @@ Result<size_t> RadosStorage::RemoveLeftovers(std::string_view prefix,
   return removed;
 }
 
-// ---- options and the factory ------------------------------------------------------------------
-
-Result<uint64_t> ParseBytes(std::string_view uri, std::string_view key, std::string_view v) {
-  uint64_t mult = 1;
-  if (!v.empty()) {
-    switch (v.back()) {
-      case 'K':
-      case 'k':
-        mult = uint64_t{1} << 10;
-        break;
-      case 'M':
-      case 'm':
-        mult = uint64_t{1} << 20;
-        break;
-      case 'G':
-      case 'g':
-        mult = uint64_t{1} << 30;
-        break;
-      default:
-        mult = 0;
-    }
-    if (mult != 0) v.remove_suffix(1);
-    if (mult == 0) mult = 1;
-  }
-  if (v.empty() || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
-      v.size() > 12) {
-    return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(key) +
-                           " must be a number of bytes (K, M, G suffixes accepted)");
-  }
-  return std::stoull(std::string(v)) * mult;
-}
-
 }  // namespace
+
+// ---- options and the factory ------------------------------------------------------------------
 
 Result<RadosOptions> ParseRadosOptions(std::string_view uri, std::string_view query) {
   RadosOptions o;
-  if (const char* env = std::getenv("SAFEPOINT_STORAGE_TIMEOUT"); env && *env) {
-    const int t = std::atoi(env);
-    if (t <= 0) return InvalidArgument("$SAFEPOINT_STORAGE_TIMEOUT must be a positive number");
-    o.timeout_s = t;
-  }
-  while (!query.empty()) {
-    const size_t amp = query.find('&');
-    std::string_view kv = query.substr(0, amp);
-    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
-    if (kv.empty()) continue;
-    const size_t eq = kv.find('=');
-    const std::string_view key = kv.substr(0, eq);
-    const std::string_view value = eq == std::string_view::npos ? "" : kv.substr(eq + 1);
-    auto bad = [&](std::string why) {
-      return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(key) +
-                             ": " + why);
-    };
-    if (key == "timeout" || key == "retries") {
-      if (value.empty() || value.size() > 6 ||
-          !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-        return bad("must be a whole number");
+  // librados takes whole seconds: a fractional timeout is rounded up.
+  SP_ASSIGN_OR_RETURN(const double default_timeout, StorageTimeoutFromEnv(o.timeout_s));
+  o.timeout_s = static_cast<int>(std::ceil(std::min(default_timeout, double{kMaxTimeoutS})));
+  for (const auto& [key, value] : SplitUriQuery(query)) {
+    const std::string item = std::string(key) + "=" + std::string(value);
+    if (key == "timeout") {
+      const std::optional<double> v = ParseSeconds(value);
+      if (!v) return BadStorageUri(uri, item + " is not a positive number of seconds");
+      o.timeout_s = static_cast<int>(std::ceil(std::min(*v, double{kMaxTimeoutS})));
+    } else if (key == "retries") {
+      const std::optional<int64_t> v = ParseWholeNumber(value, 0, kMaxUriRetries);
+      if (!v) {
+        return BadStorageUri(uri, item + " is not a number from 0 to " +
+                                      std::to_string(kMaxUriRetries));
       }
-      const int v = std::stoi(std::string(value));
-      if (key == "timeout") {
-        if (v <= 0) return bad("must be at least 1 (seconds)");
-        o.timeout_s = v;
-      } else {
-        o.retries = v;
-      }
+      o.retries = static_cast<int>(*v);
     } else if (key == "chunk_size") {
-      SP_ASSIGN_OR_RETURN(uint64_t v, ParseBytes(uri, key, value));
-      if (v < 4096 || v > (uint64_t{1} << 30)) return bad("must be between 4K and 1G");
-      o.chunk_size = v;
+      const std::optional<uint64_t> v = ParseByteSize(value);
+      if (!v || *v < kMinChunkSize || *v > kMaxChunkSize) {
+        return BadStorageUri(uri, item + " is not a size from 4K to 1G");
+      }
+      o.chunk_size = *v;
     } else {
-      return InvalidArgument("storage URI \"" + std::string(uri) + "\": unknown option \"" +
-                             std::string(key) + "\" (known: timeout, retries, chunk_size)");
+      return BadStorageUri(uri, "unknown option \"" + std::string(key) +
+                                    "\" (known: timeout, retries, chunk_size)");
     }
   }
   return o;
@@ -1099,13 +1064,11 @@ Result<std::unique_ptr<Storage>> OpenRadosStorage(std::string_view uri, std::str
   std::string prefix(slash == std::string_view::npos ? "" : rest.substr(slash + 1));
   while (prefix.ends_with('/')) prefix.pop_back();
   if (pool.empty()) {
-    return InvalidArgument("storage URI \"" + std::string(uri) +
-                           "\": no pool (rados://POOL/PREFIX)");
+    return BadStorageUri(uri, "no pool (rados://POOL/PREFIX)");
   }
   if (!prefix.empty()) {
     if (Status s = ValidateObjectName(prefix); !s.ok()) {
-      return InvalidArgument("storage URI \"" + std::string(uri) +
-                             "\": bad prefix: " + s.message());
+      return BadStorageUri(uri, "bad prefix: " + s.message());
     }
     prefix += '/';
   }

@@ -137,6 +137,37 @@ TEST(RadosOptionsTest, ParsesKnownKeysAndRejectsOthers) {
   EXPECT_EQ(OpenStorage("rados:///x").status().code(), StatusCode::kInvalidArgument);
 }
 
+// The keys every object store shares read as they do for s3:// (src/storage/uri_options.h).
+TEST(RadosOptionsTest, SharesTheSyntaxOfOtherBackends) {
+  auto o = internal::ParseRadosOptions("rados://p/x", "timeout=2.5&retries=100&chunk_size=16MiB");
+  ASSERT_OK(o);
+  EXPECT_EQ(o->timeout_s, 3);  // librados takes whole seconds: rounded up
+  EXPECT_EQ(o->retries, 100);
+  EXPECT_EQ(o->chunk_size, 16u << 20);
+  for (std::string_view bad : {"retries=101", "timeout=1e3", "chunk_size=4k2", "timeout="}) {
+    auto r = internal::ParseRadosOptions("rados://p/x", bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find(bad), std::string::npos) << r.status().ToString();
+  }
+}
+
+TEST(RadosOptionsTest, DefaultTimeoutFromTheEnvironmentIsCheckedWhole) {
+  const char* saved = std::getenv("SAFEPOINT_STORAGE_TIMEOUT");
+  const std::string restore = saved ? saved : "";
+  ::setenv("SAFEPOINT_STORAGE_TIMEOUT", "7", 1);
+  EXPECT_EQ(internal::ParseRadosOptions("u", "")->timeout_s, 7);
+  ::setenv("SAFEPOINT_STORAGE_TIMEOUT", "7.5", 1);
+  EXPECT_EQ(internal::ParseRadosOptions("u", "")->timeout_s, 8);
+  ::setenv("SAFEPOINT_STORAGE_TIMEOUT", "7x", 1);  // was read as 7 (atoi)
+  EXPECT_EQ(internal::ParseRadosOptions("u", "").status().code(), StatusCode::kInvalidArgument);
+  if (saved) {
+    ::setenv("SAFEPOINT_STORAGE_TIMEOUT", restore.c_str(), 1);
+  } else {
+    ::unsetenv("SAFEPOINT_STORAGE_TIMEOUT");
+  }
+}
+
 // ---- against the test cluster -----------------------------------------------------------------
 
 TEST(RadosStorageTest, MissingPoolIsNotFoundNamingThePool) {
