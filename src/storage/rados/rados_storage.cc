@@ -82,6 +82,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/bytes.h"
 #include "base/crc32c.h"
 #include "base/random.h"
 #include "storage/uri_options.h"
@@ -103,19 +104,6 @@ constexpr uint64_t kMinChunkSize = 4 << 10;
 constexpr uint64_t kMaxChunkSize = 1 << 30;
 
 // ---- small helpers ----------------------------------------------------------------------------
-
-void PutU32(std::byte* p, uint32_t v) { std::memcpy(p, &v, 4); }  // little-endian hosts only
-void PutU64(std::byte* p, uint64_t v) { std::memcpy(p, &v, 8); }
-uint32_t GetU32(const std::byte* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-uint64_t GetU64(const std::byte* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -158,14 +146,14 @@ struct Head {
   std::vector<std::byte> Encode() const {
     std::vector<std::byte> b(kHeadSize);
     std::memcpy(b.data(), kHeadMagic, 8);
-    PutU32(&b[8], kHeadVersion);
-    PutU32(&b[12], kHeadSize);
-    PutU64(&b[16], size);
-    PutU64(&b[24], chunk_size);
+    StoreLE<uint32_t>(&b[8], kHeadVersion);
+    StoreLE<uint32_t>(&b[12], kHeadSize);
+    StoreLE<uint64_t>(&b[16], size);
+    StoreLE<uint64_t>(&b[24], chunk_size);
     std::memcpy(&b[32], data_id.data(), 16);
-    PutU64(&b[48], static_cast<uint64_t>(mtime_ns));
-    PutU32(&b[56], 0);
-    PutU32(&b[60], Crc32c(0, b.data(), 60));
+    StoreLE<uint64_t>(&b[48], static_cast<uint64_t>(mtime_ns));
+    StoreLE<uint32_t>(&b[56], 0);
+    StoreLE<uint32_t>(&b[60], Crc32c(0, b.data(), 60));
     return b;
   }
 };
@@ -179,18 +167,18 @@ HeadParse DecodeHead(std::span<const std::byte> b, Head* head, std::string* why)
            std::to_string(kHeadSize) + ")";
     return HeadParse::kCorrupt;
   }
-  if (GetU32(&b[60]) != Crc32c(0, b.data(), 60)) {
+  if (LoadLE<uint32_t>(&b[60]) != Crc32c(0, b.data(), 60)) {
     *why = "head CRC mismatch";
     return HeadParse::kCorrupt;
   }
-  if (GetU32(&b[8]) != kHeadVersion || GetU32(&b[12]) != kHeadSize) {
-    *why = "unsupported head version " + std::to_string(GetU32(&b[8]));
+  if (LoadLE<uint32_t>(&b[8]) != kHeadVersion || LoadLE<uint32_t>(&b[12]) != kHeadSize) {
+    *why = "unsupported head version " + std::to_string(LoadLE<uint32_t>(&b[8]));
     return HeadParse::kCorrupt;
   }
-  head->size = GetU64(&b[16]);
-  head->chunk_size = GetU64(&b[24]);
+  head->size = LoadLE<uint64_t>(&b[16]);
+  head->chunk_size = LoadLE<uint64_t>(&b[24]);
   head->data_id.assign(reinterpret_cast<const char*>(&b[32]), 16);
-  head->mtime_ns = static_cast<int64_t>(GetU64(&b[48]));
+  head->mtime_ns = static_cast<int64_t>(LoadLE<uint64_t>(&b[48]));
   if (head->chunk_size == 0 || !IsHex16(head->data_id)) {
     *why = "head with chunk size 0 or a bad data id";
     return HeadParse::kCorrupt;
