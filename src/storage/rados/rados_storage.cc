@@ -454,6 +454,35 @@ class AioBatch {
   std::vector<size_t> done_;
 };
 
+// The data object of chunk `chunk` of the write `id` of the head object `head_oid`.
+std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
+  return head_oid + "@" + id + "." + std::to_string(chunk);
+}
+
+// The range [offset, offset + len) of the write `id` of `head_oid`, split at chunk boundaries:
+// one copy of `proto` per chunk the range touches, aimed at that chunk's data object, with the
+// piece's offset in the chunk and its length, and its buffer pointer (proto's wbuf or rbuf: the
+// range's first byte) advanced to the piece.
+std::vector<AioOp> SplitAtChunks(const AioOp& proto, const std::string& head_oid,
+                                 const std::string& id, uint64_t chunk_size, uint64_t offset,
+                                 uint64_t len) {
+  std::vector<AioOp> ops;
+  ops.reserve((offset % chunk_size + len + chunk_size - 1) / chunk_size);
+  const uint64_t end = offset + len;
+  for (uint64_t pos = offset; pos < end;) {
+    const uint64_t chunk = pos / chunk_size;
+    const uint64_t in_chunk = pos - chunk * chunk_size;
+    AioOp& op = ops.emplace_back(proto);
+    op.oid = DataOid(head_oid, id, chunk);
+    op.off = in_chunk;
+    op.len = std::min(end - pos, chunk_size - in_chunk);
+    if (op.wbuf != nullptr) op.wbuf += pos - offset;
+    if (op.rbuf != nullptr) op.rbuf += pos - offset;
+    pos += op.len;
+  }
+  return ops;
+}
+
 // ---- the storage ------------------------------------------------------------------------------
 
 struct Pool {
@@ -535,9 +564,6 @@ class RadosStorage final : public Storage {
 
   // ---- used by the objects ----
   std::string HeadOid(std::string_view name) const { return prefix_ + std::string(name); }
-  static std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
-    return head_oid + "@" + id + "." + std::to_string(chunk);
-  }
   void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
     AioBatch(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries)
         .Run(ops, window);
@@ -625,23 +651,12 @@ class RadosWritableObject final : public WritableObject {
                              " bytes at offset " + std::to_string(offset) + " overflows");
     }
     if (data.empty()) return Status::OK();
-    std::vector<AioOp> ops;
-    uint64_t pos = offset;
     const uint64_t end = offset + data.size();
-    while (pos < end) {
-      const uint64_t chunk = pos / chunk_size_;
-      const uint64_t in_chunk = pos - chunk * chunk_size_;
-      const uint64_t n = std::min(end - pos, chunk_size_ - in_chunk);
-      AioOp op;
-      op.kind = AioOp::kWrite;
-      op.io = storage_->data_io();
-      op.oid = RadosStorage::DataOid(head_oid_, id_, chunk);
-      op.wbuf = reinterpret_cast<const char*>(data.data() + (pos - offset));
-      op.len = n;
-      op.off = in_chunk;
-      ops.push_back(std::move(op));
-      pos += n;
-    }
+    AioOp write;
+    write.kind = AioOp::kWrite;
+    write.io = storage_->data_io();
+    write.wbuf = reinterpret_cast<const char*>(data.data());
+    std::vector<AioOp> ops = SplitAtChunks(write, head_oid_, id_, chunk_size_, offset, data.size());
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (uint64_t c = offset / chunk_size_; c <= (end - 1) / chunk_size_; ++c) {
@@ -690,7 +705,7 @@ class RadosWritableObject final : public WritableObject {
         AioOp op;
         op.kind = AioOp::kRemove;
         op.io = storage_->data_io();
-        op.oid = RadosStorage::DataOid(head_oid_, id_, c);
+        op.oid = DataOid(head_oid_, id_, c);
         ops.push_back(std::move(op));
       }
     }
@@ -723,7 +738,7 @@ class RadosWritableObject final : public WritableObject {
         AioOp op;
         op.kind = AioOp::kTouch;
         op.io = storage_->data_io();
-        op.oid = RadosStorage::DataOid(head_oid_, id_, c);
+        op.oid = DataOid(head_oid_, id_, c);
         touch.push_back(std::move(op));
       }
     }
@@ -821,24 +836,12 @@ class RadosReadableObject final : public ReadableObject {
                         ", the object has " + std::to_string(head_.size));
     }
     if (dst.empty()) return Status::OK();
-    const uint64_t cs = head_.chunk_size;
-    std::vector<AioOp> ops;
-    uint64_t pos = offset;
-    const uint64_t end = offset + dst.size();
-    while (pos < end) {
-      const uint64_t chunk = pos / cs;
-      const uint64_t in_chunk = pos - chunk * cs;
-      const uint64_t n = std::min(end - pos, cs - in_chunk);
-      AioOp op;
-      op.kind = AioOp::kRead;
-      op.io = storage_->data_io();
-      op.oid = RadosStorage::DataOid(head_oid_, head_.data_id, chunk);
-      op.rbuf = reinterpret_cast<char*>(dst.data() + (pos - offset));
-      op.len = n;
-      op.off = in_chunk;
-      ops.push_back(std::move(op));
-      pos += n;
-    }
+    AioOp read;
+    read.kind = AioOp::kRead;
+    read.io = storage_->data_io();
+    read.rbuf = reinterpret_cast<char*>(dst.data());
+    std::vector<AioOp> ops =
+        SplitAtChunks(read, head_oid_, head_.data_id, head_.chunk_size, offset, dst.size());
     storage_->RunOps(ops);
     for (const AioOp& op : ops) {
       if (op.rv == -ENOENT) {
