@@ -573,7 +573,11 @@ class RadosStorage final : public Storage {
   }
   // Reads the head of `name`. NotFound when missing; Corruption when not a valid head.
   Result<Head> ReadHead(std::string_view name) const;
-  // Removes the data objects of a write (ENOENT is fine). Returns the first other failure.
+  // Removes the data objects `oids` in parallel (ENOENT is fine: already gone). Returns the first
+  // other failure as "<what> <oid> of <uri>: ..."; `retries` < 0: the URI's.
+  Status RemoveDataObjects(std::vector<std::string> oids, std::string_view what,
+                           int retries = -1) const;
+  // Removes the data objects of a write (chunks 0 .. chunks-1 of `id`).
   Status RemoveData(const std::string& head_oid, const std::string& id, uint64_t chunks) const;
   rados_ioctx_t heads_io() const { return pool_->heads; }
   rados_ioctx_t data_io() const { return pool_->data; }
@@ -588,12 +592,11 @@ class RadosStorage final : public Storage {
 
 Result<Head> RadosStorage::ReadHead(std::string_view name) const {
   std::vector<std::byte> buf(kHeadSize);
-  std::vector<AioOp> ops(1);
-  ops[0].kind = AioOp::kRead;
-  ops[0].io = heads_io();
-  ops[0].oid = HeadOid(name);
-  ops[0].rbuf = reinterpret_cast<char*>(buf.data());
-  ops[0].len = buf.size();
+  std::vector<AioOp> ops{AioOp{.kind = AioOp::kRead,
+                               .io = heads_io(),
+                               .oid = HeadOid(name),
+                               .rbuf = reinterpret_cast<char*>(buf.data()),
+                               .len = buf.size()}};
   RunOps(ops);
   if (ops[0].rv == -ENOENT) return NotFound(Describe(name) + ": not found");
   SP_RETURN_IF_ERROR(Check("reading the head of " + Describe(name), ops[0]));
@@ -610,21 +613,28 @@ Result<Head> RadosStorage::ReadHead(std::string_view name) const {
   return Corruption(Describe(name) + ": " + why);
 }
 
-Status RadosStorage::RemoveData(const std::string& head_oid, const std::string& id,
-                                uint64_t chunks) const {
-  std::vector<AioOp> ops(chunks);
-  for (uint64_t c = 0; c < chunks; ++c) {
-    ops[c].kind = AioOp::kRemove;
-    ops[c].io = data_io();
-    ops[c].oid = DataOid(head_oid, id, c);
+Status RadosStorage::RemoveDataObjects(std::vector<std::string> oids, std::string_view what,
+                                       int retries) const {
+  std::vector<AioOp> ops;
+  ops.reserve(oids.size());
+  for (std::string& oid : oids) {
+    ops.push_back(AioOp{.kind = AioOp::kRemove, .io = data_io(), .oid = std::move(oid)});
   }
-  RunOps(ops);
+  RunOps(ops, kWindow, retries);
   for (const AioOp& op : ops) {
     if (op.rv < 0 && op.rv != -ENOENT) {
-      return Check("removing data object " + op.oid + " of " + uri_, op);
+      return Check(std::string(what) + " " + op.oid + " of " + uri_, op);
     }
   }
   return Status::OK();
+}
+
+Status RadosStorage::RemoveData(const std::string& head_oid, const std::string& id,
+                                uint64_t chunks) const {
+  std::vector<std::string> oids;
+  oids.reserve(chunks);
+  for (uint64_t c = 0; c < chunks; ++c) oids.push_back(DataOid(head_oid, id, c));
+  return RemoveDataObjects(std::move(oids), "removing data object");
 }
 
 // ---- writing ----------------------------------------------------------------------------------
@@ -698,20 +708,14 @@ class RadosWritableObject final : public WritableObject {
   }
 
   void RemoveWritten() {
-    std::vector<AioOp> ops;
+    std::vector<std::string> oids;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (uint64_t c : touched_) {
-        AioOp op;
-        op.kind = AioOp::kRemove;
-        op.io = storage_->data_io();
-        op.oid = DataOid(head_oid_, id_, c);
-        ops.push_back(std::move(op));
-      }
+      for (uint64_t c : touched_) oids.push_back(DataOid(head_oid_, id_, c));
     }
     // One attempt, no retries: after a failure (a cluster that does not answer) the writer's
     // error must not wait for the clean-up too; what is left is reclaimed by RemoveLeftovers.
-    storage_->RunOps(ops, kWindow, /*retries=*/0);
+    (void)storage_->RemoveDataObjects(std::move(oids), "removing data object", /*retries=*/0);
   }
 
   Status DoPublish(bool exclusive) {
@@ -735,11 +739,8 @@ class RadosWritableObject final : public WritableObject {
       for (uint64_t c = 0; c < head.chunks(); ++c) {
         if (touched_.count(c)) continue;
         touched_.insert(c);
-        AioOp op;
-        op.kind = AioOp::kTouch;
-        op.io = storage_->data_io();
-        op.oid = DataOid(head_oid_, id_, c);
-        touch.push_back(std::move(op));
+        touch.push_back(AioOp{
+            .kind = AioOp::kTouch, .io = storage_->data_io(), .oid = DataOid(head_oid_, id_, c)});
       }
     }
     storage_->RunOps(touch);
@@ -754,12 +755,11 @@ class RadosWritableObject final : public WritableObject {
     Result<Head> old = exclusive ? Result<Head>(NotFound("")) : storage_->ReadHead(name_);
 
     const std::vector<std::byte> bytes = head.Encode();
-    std::vector<AioOp> ops(1);
-    ops[0].kind = exclusive ? AioOp::kCreateExclusive : AioOp::kWriteFull;
-    ops[0].io = storage_->heads_io();
-    ops[0].oid = head_oid_;
-    ops[0].wbuf = reinterpret_cast<const char*>(bytes.data());
-    ops[0].len = bytes.size();
+    std::vector<AioOp> ops{AioOp{.kind = exclusive ? AioOp::kCreateExclusive : AioOp::kWriteFull,
+                                 .io = storage_->heads_io(),
+                                 .oid = head_oid_,
+                                 .wbuf = reinterpret_cast<const char*>(bytes.data()),
+                                 .len = bytes.size()}};
     storage_->RunOps(ops);
     const int rv = ops[0].rv;
     bool published = rv >= 0;
@@ -915,13 +915,14 @@ Result<std::vector<ObjectInfo>> RadosStorage::List(std::string_view prefix) {
     if (ValidateObjectName(name).ok()) names.push_back(std::move(name));
   }
   std::vector<std::vector<std::byte>> bufs(names.size(), std::vector<std::byte>(kHeadSize));
-  std::vector<AioOp> ops(names.size());
+  std::vector<AioOp> ops;
+  ops.reserve(names.size());
   for (size_t i = 0; i < names.size(); ++i) {
-    ops[i].kind = AioOp::kRead;
-    ops[i].io = heads_io();
-    ops[i].oid = HeadOid(names[i]);
-    ops[i].rbuf = reinterpret_cast<char*>(bufs[i].data());
-    ops[i].len = kHeadSize;
+    ops.push_back(AioOp{.kind = AioOp::kRead,
+                        .io = heads_io(),
+                        .oid = HeadOid(names[i]),
+                        .rbuf = reinterpret_cast<char*>(bufs[i].data()),
+                        .len = kHeadSize});
   }
   RunOps(ops, kListWindow);
   std::vector<ObjectInfo> out;
@@ -950,10 +951,7 @@ Status RadosStorage::Delete(std::string_view name) {
   Result<Head> head = ReadHead(name);
   if (!head.ok() && head.status().code() == StatusCode::kNotFound) return Status::OK();
   if (!head.ok() && head.status().code() != StatusCode::kCorruption) return head.status();
-  std::vector<AioOp> ops(1);
-  ops[0].kind = AioOp::kRemove;
-  ops[0].io = heads_io();
-  ops[0].oid = HeadOid(name);
+  std::vector<AioOp> ops{AioOp{.kind = AioOp::kRemove, .io = heads_io(), .oid = HeadOid(name)}};
   RunOps(ops);
   if (ops[0].rv < 0 && ops[0].rv != -ENOENT) {
     return Check("removing the head object of " + Describe(name), ops[0]);
@@ -990,18 +988,7 @@ Result<size_t> RadosStorage::RemoveLeftovers(std::string_view prefix,
         head.status().code() != StatusCode::kCorruption) {
       return head.status();
     }
-    std::vector<AioOp> ops(objects.size());
-    for (size_t i = 0; i < objects.size(); ++i) {
-      ops[i].kind = AioOp::kRemove;
-      ops[i].io = data_io();
-      ops[i].oid = objects[i];
-    }
-    RunOps(ops);
-    for (const AioOp& op : ops) {
-      if (op.rv < 0 && op.rv != -ENOENT) {
-        return Check("removing leftover data object " + op.oid + " of " + uri_, op);
-      }
-    }
+    SP_RETURN_IF_ERROR(RemoveDataObjects(std::move(objects), "removing leftover data object"));
     ++removed;
   }
   return removed;
