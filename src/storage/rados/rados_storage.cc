@@ -53,8 +53,9 @@
 // List scans the heads of the default namespace under PREFIX and reads them in parallel for
 // sizes and mtimes; objects whose first bytes are not a head (not ours) are skipped, a head with
 // a bad CRC is Corruption.
-// RemoveLeftovers scans the data namespace under PREFIX and removes data objects that no head
-// references and no live writer of this process owns. Like PosixStorage it cannot see writers
+// RemoveLeftovers scans the data namespace under PREFIX, reads the heads of the writes found
+// there in parallel, and removes data objects that no head references and no live writer of
+// this process owns. Like PosixStorage it cannot see writers
 // of other processes: callers use it only where none is live.
 //
 // Thread safety: every method may be called from many threads (librados handles are).
@@ -573,6 +574,10 @@ class RadosStorage final : public Storage {
   }
   // Reads the head of `name`. NotFound when missing; Corruption when not a valid head.
   Result<Head> ReadHead(std::string_view name) const;
+  // ReadHead of each of `names`, in parallel (kListWindow in flight). `foreign`, if given, marks
+  // the objects whose Corruption is that they are no head at all (someone else's object).
+  std::vector<Result<Head>> ReadHeads(const std::vector<std::string>& names,
+                                      std::vector<bool>* foreign = nullptr) const;
   // Removes the data objects `oids` in parallel (ENOENT is fine: already gone). Returns the first
   // other failure as "<what> <oid> of <uri>: ..."; `retries` < 0: the URI's.
   Status RemoveDataObjects(std::vector<std::string> oids, std::string_view what,
@@ -590,27 +595,52 @@ class RadosStorage final : public Storage {
   const RadosOptions options_;
 };
 
-Result<Head> RadosStorage::ReadHead(std::string_view name) const {
-  std::vector<std::byte> buf(kHeadSize);
-  std::vector<AioOp> ops{AioOp{.kind = AioOp::kRead,
-                               .io = heads_io(),
-                               .oid = HeadOid(name),
-                               .rbuf = reinterpret_cast<char*>(buf.data()),
-                               .len = buf.size()}};
-  RunOps(ops);
-  if (ops[0].rv == -ENOENT) return NotFound(Describe(name) + ": not found");
-  SP_RETURN_IF_ERROR(Check("reading the head of " + Describe(name), ops[0]));
-  Head head;
-  std::string why;
-  switch (DecodeHead(std::span(buf).first(static_cast<size_t>(ops[0].rv)), &head, &why)) {
-    case HeadParse::kOk:
-      return head;
-    case HeadParse::kNotAHead:
-      return Corruption(Describe(name) + ": not a safepoint RADOS head object (bad magic)");
-    case HeadParse::kCorrupt:
-      break;
+std::vector<Result<Head>> RadosStorage::ReadHeads(const std::vector<std::string>& names,
+                                                  std::vector<bool>* foreign) const {
+  std::vector<std::vector<std::byte>> bufs(names.size(), std::vector<std::byte>(kHeadSize));
+  std::vector<AioOp> ops;
+  ops.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    ops.push_back(AioOp{.kind = AioOp::kRead,
+                        .io = heads_io(),
+                        .oid = HeadOid(names[i]),
+                        .rbuf = reinterpret_cast<char*>(bufs[i].data()),
+                        .len = kHeadSize});
   }
-  return Corruption(Describe(name) + ": " + why);
+  RunOps(ops, kListWindow);
+  if (foreign != nullptr) foreign->assign(names.size(), false);
+  std::vector<Result<Head>> out;
+  out.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string path = Describe(names[i]);
+    if (ops[i].rv == -ENOENT) {
+      out.push_back(NotFound(path + ": not found"));
+      continue;
+    }
+    if (Status s = Check("reading the head of " + path, ops[i]); !s.ok()) {
+      out.push_back(std::move(s));
+      continue;
+    }
+    Head head;
+    std::string why;
+    switch (DecodeHead(std::span(bufs[i]).first(static_cast<size_t>(ops[i].rv)), &head, &why)) {
+      case HeadParse::kOk:
+        out.push_back(std::move(head));
+        break;
+      case HeadParse::kNotAHead:
+        if (foreign != nullptr) (*foreign)[i] = true;
+        out.push_back(Corruption(path + ": not a safepoint RADOS head object (bad magic)"));
+        break;
+      case HeadParse::kCorrupt:
+        out.push_back(Corruption(path + ": " + why));
+        break;
+    }
+  }
+  return out;
+}
+
+Result<Head> RadosStorage::ReadHead(std::string_view name) const {
+  return std::move(ReadHeads({std::string(name)})[0]);
 }
 
 Status RadosStorage::RemoveDataObjects(std::vector<std::string> oids, std::string_view what,
@@ -914,31 +944,14 @@ Result<std::vector<ObjectInfo>> RadosStorage::List(std::string_view prefix) {
     std::string name = oid.substr(prefix_.size());
     if (ValidateObjectName(name).ok()) names.push_back(std::move(name));
   }
-  std::vector<std::vector<std::byte>> bufs(names.size(), std::vector<std::byte>(kHeadSize));
-  std::vector<AioOp> ops;
-  ops.reserve(names.size());
-  for (size_t i = 0; i < names.size(); ++i) {
-    ops.push_back(AioOp{.kind = AioOp::kRead,
-                        .io = heads_io(),
-                        .oid = HeadOid(names[i]),
-                        .rbuf = reinterpret_cast<char*>(bufs[i].data()),
-                        .len = kHeadSize});
-  }
-  RunOps(ops, kListWindow);
+  std::vector<bool> foreign;
+  std::vector<Result<Head>> heads = ReadHeads(names, &foreign);
   std::vector<ObjectInfo> out;
   for (size_t i = 0; i < names.size(); ++i) {
-    if (ops[i].rv == -ENOENT) continue;  // deleted since the scan
-    SP_RETURN_IF_ERROR(Check("reading the head of " + Describe(names[i]), ops[i]));
-    Head head;
-    std::string why;
-    switch (DecodeHead(std::span(bufs[i]).first(static_cast<size_t>(ops[i].rv)), &head, &why)) {
-      case HeadParse::kOk:
-        out.push_back(ObjectInfo{names[i], head.size, head.mtime_ns});
-        break;
-      case HeadParse::kNotAHead:
-        break;  // an object of someone else in the pool
-      case HeadParse::kCorrupt:
-        return Corruption(Describe(names[i]) + ": " + why);
+    if (heads[i].ok()) {
+      out.push_back(ObjectInfo{names[i], heads[i]->size, heads[i]->mtime_ns});
+    } else if (heads[i].status().code() != StatusCode::kNotFound && !foreign[i]) {
+      return heads[i].status();  // not: deleted since the scan, or someone else's object
     }
   }
   std::sort(out.begin(), out.end(),
@@ -977,18 +990,27 @@ Result<size_t> RadosStorage::RemoveLeftovers(std::string_view prefix,
     if (!ValidateObjectName(name).ok()) continue;
     writes[{std::move(name), std::string(suffix.substr(0, 16))}].push_back(oid);
   }
+  // The candidates: not refused by the filter, not of a live writer of this process (checked
+  // before the head is read: a writer unregisters after publishing). Their heads in one batch.
+  std::vector<decltype(writes)::iterator> candidates;
+  std::vector<std::string> names;
+  for (auto it = writes.begin(); it != writes.end(); ++it) {
+    const auto& [name, id] = it->first;
+    if ((remove_if && !remove_if(name)) || IsLive(id)) continue;
+    candidates.push_back(it);
+    names.push_back(name);
+  }
+  const std::vector<Result<Head>> heads = ReadHeads(names);
   size_t removed = 0;
-  for (auto& [key, objects] : writes) {
-    const auto& [name, id] = key;
-    if (remove_if && !remove_if(name)) continue;
-    if (IsLive(id)) continue;  // checked before the head: a writer unregisters after publishing
-    Result<Head> head = ReadHead(name);
-    if (head.ok() && head->data_id == id) continue;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Result<Head>& head = heads[i];
+    if (head.ok() && head->data_id == candidates[i]->first.second) continue;  // published
     if (!head.ok() && head.status().code() != StatusCode::kNotFound &&
         head.status().code() != StatusCode::kCorruption) {
       return head.status();
     }
-    SP_RETURN_IF_ERROR(RemoveDataObjects(std::move(objects), "removing leftover data object"));
+    SP_RETURN_IF_ERROR(
+        RemoveDataObjects(std::move(candidates[i]->second), "removing leftover data object"));
     ++removed;
   }
   return removed;
