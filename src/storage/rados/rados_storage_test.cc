@@ -413,6 +413,41 @@ TEST(RadosStorageTest, MissingDataChunkIsCorruptionAndOnlyForTheRangesThatNeedIt
   EXPECT_EQ(leftovers, 0u);
 }
 
+// Leftovers beside published objects: each write's head decides (a batch of heads is read).
+TEST(RadosStorageTest, LeftoversAreJudgedByTheirOwnObjectsHead) {
+  SKIP_WITHOUT_CEPH();
+  const std::string uri = TestUri("chunk_size=4K");
+  ASSERT_OK_AND_ASSIGN(auto s, OpenStorage(uri));
+  for (const char* name : {"a", "b", "d"}) {
+    ASSERT_OK(test::PutObject(*s, name, PatternBytes(9000, name[0])));
+  }
+  test::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  ASSERT_TRUE(test::WriteStringToFile(dir.Join("junk"), "left over"));
+  // Data objects of writes that never published: of "a" (published under another data id), of
+  // "c" (no head at all); and one of "b" whose first chunk is missing.
+  for (const std::string oid : {HeadOid(uri, "a") + "@00000000000000a1.0",
+                                HeadOid(uri, "a") + "@00000000000000a1.1",
+                                HeadOid(uri, "c") + "@00000000000000c1.0",
+                                HeadOid(uri, "b") + "@00000000000000b1.2"}) {
+    std::string out;
+    ASSERT_EQ(RadosCli("put '" + oid + "' '" + dir.Join("junk") + "'", &out, "safepoint.data"), 0)
+        << out;
+  }
+  ASSERT_OK_AND_ASSIGN(size_t removed, s->RemoveLeftovers(""));
+  EXPECT_EQ(removed, 3u);
+  std::string objects;
+  ASSERT_EQ(RadosCli("ls", &objects, "safepoint.data"), 0) << objects;
+  for (const char* id : {"@00000000000000a1.", "@00000000000000b1.", "@00000000000000c1."}) {
+    EXPECT_EQ(objects.find(id), std::string::npos) << id << " left in\n" << objects;
+  }
+  for (const char* name : {"a", "b", "d"}) {
+    EXPECT_EQ(test::ReadWholeObject(*s, name), PatternBytes(9000, name[0])) << name;
+  }
+  ASSERT_OK_AND_ASSIGN(removed, s->RemoveLeftovers(""));
+  EXPECT_EQ(removed, 0u);
+}
+
 // Run by the test above in a process of its own: writes an object and exits without publishing
 // or aborting it (a crash). Skips unless that test runs it.
 TEST(RadosCrashHelper, WriteThenDie) {
