@@ -92,8 +92,8 @@ pid_t DaemonPid(const std::string& name) {
 int RadosCli(const std::string& args, std::string* out = nullptr, const std::string& ns = "") {
   std::string pool = std::string(std::getenv("SAFEPOINT_TEST_RADOS_URI")).substr(8);
   pool = pool.substr(0, pool.find('/'));
-  return Shell("timeout 60 rados -p '" + pool + "'" + (ns.empty() ? "" : " -N '" + ns + "'") +
-                   " " + args + " 2>&1",
+  return Shell("timeout 60 rados -p '" + pool + "'" + (ns.empty() ? "" : " -N '" + ns + "'") + " " +
+                   args + " 2>&1",
                out);
 }
 
@@ -154,12 +154,13 @@ TEST(RadosOptionsTest, ParsesKnownKeysAndRejectsOthers) {
 }
 
 TEST(RadosOptionsTest, MalformedUrisAreInvalidArgumentNamingTheUri) {
-  for (const std::string uri : {"rados://", "rados://?timeout=1", "rados://p/a//b",
-                                "rados://p/../x", "rados://p/x?chunk_size=",
-                                "rados://p/x?chunk_size=2G", "rados://p/x?timeout=-1"}) {
+  for (const std::string uri :
+       {"rados://", "rados://?timeout=1", "rados://p/a//b", "rados://p/../x",
+        "rados://p/x?chunk_size=", "rados://p/x?chunk_size=2G", "rados://p/x?timeout=-1"}) {
     auto r = OpenStorage(uri);
     ASSERT_FALSE(r.ok()) << uri;
-    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << uri << ": " << r.status().ToString();
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument)
+        << uri << ": " << r.status().ToString();
     EXPECT_NE(r.status().message().find(uri), std::string::npos) << r.status().ToString();
   }
 }
@@ -351,12 +352,14 @@ TEST(RadosStorageTest, CorruptHeadIsCorruptionAndAForeignObjectIsNotListed) {
   test::TempDir dir;
   ASSERT_TRUE(dir.ok());
   // The head's magic, then zeros: the CRC does not match.
-  ASSERT_TRUE(test::WriteStringToFile(dir.Join("bad"), std::string("SPRADOSH") + std::string(56, '\0')));
+  ASSERT_TRUE(
+      test::WriteStringToFile(dir.Join("bad"), std::string("SPRADOSH") + std::string(56, '\0')));
   ASSERT_TRUE(test::WriteStringToFile(dir.Join("short"), "SPRADOSH"));
   ASSERT_TRUE(test::WriteStringToFile(dir.Join("foreign"), "not a head at all, someone else's"));
   for (const char* name : {"bad", "short", "foreign"}) {
     std::string out;
-    ASSERT_EQ(RadosCli("put '" + HeadOid(uri, name) + "' '" + dir.Join(name) + "'", &out), 0) << out;
+    ASSERT_EQ(RadosCli("put '" + HeadOid(uri, name) + "' '" + dir.Join(name) + "'", &out), 0)
+        << out;
   }
   for (const char* name : {"bad", "short", "foreign"}) {
     auto r = s->Open(name);
@@ -426,10 +429,9 @@ TEST(RadosStorageTest, LeftoversAreJudgedByTheirOwnObjectsHead) {
   ASSERT_TRUE(test::WriteStringToFile(dir.Join("junk"), "left over"));
   // Data objects of writes that never published: of "a" (published under another data id), of
   // "c" (no head at all); and one of "b" whose first chunk is missing.
-  for (const std::string oid : {HeadOid(uri, "a") + "@00000000000000a1.0",
-                                HeadOid(uri, "a") + "@00000000000000a1.1",
-                                HeadOid(uri, "c") + "@00000000000000c1.0",
-                                HeadOid(uri, "b") + "@00000000000000b1.2"}) {
+  for (const std::string oid :
+       {HeadOid(uri, "a") + "@00000000000000a1.0", HeadOid(uri, "a") + "@00000000000000a1.1",
+        HeadOid(uri, "c") + "@00000000000000c1.0", HeadOid(uri, "b") + "@00000000000000b1.2"}) {
     std::string out;
     ASSERT_EQ(RadosCli("put '" + oid + "' '" + dir.Join("junk") + "'", &out, "safepoint.data"), 0)
         << out;
