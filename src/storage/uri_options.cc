@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <random>
 #include <string>
 
 namespace safepoint::internal {
@@ -16,8 +17,9 @@ std::vector<UriOption> SplitUriQuery(std::string_view query) {
     query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
     if (item.empty()) continue;
     const size_t eq = item.find('=');
-    out.push_back(UriOption{item.substr(0, eq),
-                            eq == std::string_view::npos ? std::string_view() : item.substr(eq + 1)});
+    out.push_back(UriOption{item.substr(0, eq), eq == std::string_view::npos
+                                                    ? std::string_view()
+                                                    : item.substr(eq + 1)});
   }
   return out;
 }
@@ -60,9 +62,8 @@ std::optional<uint64_t> ParseByteSize(std::string_view s) {
 
 std::optional<double> ParseSeconds(std::string_view s) {
   // Plain decimals only: strtod alone would also take blanks, signs, exponents, hex and "inf".
-  if (s.empty() || !std::all_of(s.begin(), s.end(), [](char c) {
-        return (c >= '0' && c <= '9') || c == '.';
-      })) {
+  if (s.empty() ||
+      !std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || c == '.'; })) {
     return std::nullopt;
   }
   const std::string text(s);
@@ -89,6 +90,13 @@ Result<double> StorageTimeoutFromEnv(double fallback) {
                            "\" is not a positive number of seconds");
   }
   return *v;
+}
+
+double RetryBackoffSeconds(int retry) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  const double window =
+      std::min(10.0, 0.2 * static_cast<double>(1u << std::clamp(retry - 1, 0, 10)));
+  return std::uniform_real_distribution<double>(0.5 * window, window)(rng);
 }
 
 Status BadStorageUri(std::string_view uri, std::string_view why) {

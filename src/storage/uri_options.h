@@ -41,6 +41,11 @@ std::optional<int64_t> ParseWholeNumber(std::string_view s, int64_t lo, int64_t 
 // `fallback`. InvalidArgument when the variable is not a positive number of seconds.
 Result<double> StorageTimeoutFromEnv(double fallback = 60);
 
+// The pause before retry number `retry` (1, 2, ...) of a request that failed transiently, as
+// `retries=N` promises (docs/operations.md): a random half to all of a window that doubles from
+// 0.2 s (0.2, 0.4, 0.8, ...) up to 10 s. Thread-safe.
+double RetryBackoffSeconds(int retry);
+
 // InvalidArgument("storage URI \"<uri>\": <why>"): the error of a malformed URI or option.
 Status BadStorageUri(std::string_view uri, std::string_view why);
 

@@ -45,8 +45,8 @@ TEST(UriOptionsTest, SecondsArePositiveDecimals) {
   EXPECT_EQ(ParseSeconds("30"), 30.0);
   EXPECT_EQ(ParseSeconds("2.5"), 2.5);
   EXPECT_EQ(ParseSeconds(".5"), 0.5);
-  for (std::string_view bad : {"", "0", "0.0", "-1", "+1", " 1", "1s", "x", ".", "1e3", "0x10",
-                               "inf", "nan"}) {
+  for (std::string_view bad :
+       {"", "0", "0.0", "-1", "+1", " 1", "1s", "x", ".", "1e3", "0x10", "inf", "nan"}) {
     EXPECT_FALSE(ParseSeconds(bad).has_value()) << bad;
   }
 }
@@ -80,6 +80,20 @@ TEST(UriOptionsTest, TimeoutFromTheEnvironment) {
     ::setenv("SAFEPOINT_STORAGE_TIMEOUT", restore.c_str(), 1);
   } else {
     ::unsetenv("SAFEPOINT_STORAGE_TIMEOUT");
+  }
+}
+
+TEST(UriOptionsTest, RetryBackoffDoublesUpToTenSecondsWithJitter) {
+  for (int i = 0; i < 100; ++i) {
+    const double first = RetryBackoffSeconds(1);
+    EXPECT_GE(first, 0.1);
+    EXPECT_LE(first, 0.2);
+    const double third = RetryBackoffSeconds(3);
+    EXPECT_GE(third, 0.4);
+    EXPECT_LE(third, 0.8);
+    const double late = RetryBackoffSeconds(50);
+    EXPECT_GE(late, 5.0);
+    EXPECT_LE(late, 10.0);
   }
 }
 

@@ -20,7 +20,8 @@
 // client fetches the newest OSD map (an OSD that died and came back listens elsewhere; librados
 // does not always ask on its own, and its retries would go to the dead address). Transient errors
 // (ETIMEDOUT, EAGAIN, ENOTCONN, ECONNRESET, ESHUTDOWN, EBUSY, EIO) are retried `retries` times
-// with exponential backoff and jitter; ENOENT, EDQUOT, ENOSPC, EEXIST never. Writes carry
+// with exponential backoff and jitter (RetryBackoffSeconds, as for s3://); ENOENT, EDQUOT,
+// ENOSPC, EEXIST never. Writes carry
 // LIBRADOS_OPERATION_FULL_TRY, so a full pool (quota or space) answers EDQUOT/ENOSPC
 // (ResourceExhausted naming the pool) instead of blocking; removals carry FULL_FORCE, so a full
 // pool can still be cleaned up.
@@ -75,7 +76,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -86,8 +86,8 @@
 #include "base/bytes.h"
 #include "base/crc32c.h"
 #include "base/random.h"
-#include "storage/uri_options.h"
 #include "safepoint/storage.h"
+#include "storage/uri_options.h"
 
 namespace safepoint::internal {
 
@@ -97,9 +97,9 @@ constexpr char kDataNamespace[] = "safepoint.data";
 constexpr char kHeadMagic[8] = {'S', 'P', 'R', 'A', 'D', 'O', 'S', 'H'};
 constexpr uint32_t kHeadVersion = 1;
 constexpr size_t kHeadSize = 64;
-constexpr size_t kWindow = 16;       // aio ops in flight per call
-constexpr size_t kListWindow = 64;   // head reads in flight per List
-constexpr int kBackstopSlackS = 10;  // our own bound beyond librados's op timeout
+constexpr size_t kWindow = 16;         // aio ops in flight per call
+constexpr size_t kListWindow = 64;     // head reads in flight per List
+constexpr int kBackstopSlackS = 10;    // our own bound beyond librados's op timeout
 constexpr int kMaxTimeoutS = 1 << 20;  // larger timeouts are clamped (int arithmetic stays safe)
 constexpr uint64_t kMinChunkSize = 4 << 10;
 constexpr uint64_t kMaxChunkSize = 1 << 30;
@@ -315,7 +315,7 @@ class AioBatch {
     for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
     for (int attempt = 0; !pending.empty(); ++attempt) {
       if (attempt > 0) {
-        Backoff(attempt);
+        std::this_thread::sleep_for(std::chrono::duration<double>(RetryBackoffSeconds(attempt)));
         // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
         // learns the new address only from a newer OSD map, which it does not always ask for on
         // its own (a lone OSD killed and restarted: every retry would go to the dead address).
@@ -342,13 +342,6 @@ class AioBatch {
     std::lock_guard<std::mutex> lock(b->mu_);
     b->done_.push_back(slot->index);
     b->cv_.notify_all();
-  }
-
-  void Backoff(int attempt) {
-    static thread_local std::mt19937_64 rng(std::random_device{}());
-    const double base = 0.1 * (1 << std::min(attempt - 1, 6));
-    std::uniform_real_distribution<double> jitter(0.5, 1.5);
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::min(base * jitter(rng), 5.0)));
   }
 
   static int Submit(AioOp& op, rados_completion_t c) {
@@ -1034,8 +1027,8 @@ Result<RadosOptions> ParseRadosOptions(std::string_view uri, std::string_view qu
     } else if (key == "retries") {
       const std::optional<int64_t> v = ParseWholeNumber(value, 0, kMaxUriRetries);
       if (!v) {
-        return BadStorageUri(uri, item + " is not a number from 0 to " +
-                                      std::to_string(kMaxUriRetries));
+        return BadStorageUri(uri,
+                             item + " is not a number from 0 to " + std::to_string(kMaxUriRetries));
       }
       o.retries = static_cast<int>(*v);
     } else if (key == "chunk_size") {
@@ -1045,8 +1038,8 @@ Result<RadosOptions> ParseRadosOptions(std::string_view uri, std::string_view qu
       }
       o.chunk_size = *v;
     } else {
-      return BadStorageUri(uri, "unknown option \"" + std::string(key) +
-                                    "\" (known: timeout, retries, chunk_size)");
+      return BadStorageUri(
+          uri, "unknown option \"" + std::string(key) + "\" (known: timeout, retries, chunk_size)");
     }
   }
   return o;
