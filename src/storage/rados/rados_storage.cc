@@ -20,7 +20,8 @@
 // client fetches the newest OSD map (an OSD that died and came back listens elsewhere; librados
 // does not always ask on its own, and its retries would go to the dead address). Transient errors
 // (ETIMEDOUT, EAGAIN, ENOTCONN, ECONNRESET, ESHUTDOWN, EBUSY, EIO) are retried `retries` times
-// with exponential backoff and jitter; ENOENT, EDQUOT, ENOSPC, EEXIST never. Writes carry
+// with exponential backoff and jitter (RetryBackoffSeconds, as for s3://); ENOENT, EDQUOT,
+// ENOSPC, EEXIST never. Writes carry
 // LIBRADOS_OPERATION_FULL_TRY, so a full pool (quota or space) answers EDQUOT/ENOSPC
 // (ResourceExhausted naming the pool) instead of blocking; removals carry FULL_FORCE, so a full
 // pool can still be cleaned up.
@@ -53,8 +54,9 @@
 // List scans the heads of the default namespace under PREFIX and reads them in parallel for
 // sizes and mtimes; objects whose first bytes are not a head (not ours) are skipped, a head with
 // a bad CRC is Corruption.
-// RemoveLeftovers scans the data namespace under PREFIX and removes data objects that no head
-// references and no live writer of this process owns. Like PosixStorage it cannot see writers
+// RemoveLeftovers scans the data namespace under PREFIX, reads the heads of the writes found
+// there in parallel, and removes data objects that no head references and no live writer of
+// this process owns. Like PosixStorage it cannot see writers
 // of other processes: callers use it only where none is live.
 //
 // Thread safety: every method may be called from many threads (librados handles are).
@@ -66,13 +68,14 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <random>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -80,9 +83,11 @@
 #include <utility>
 #include <vector>
 
+#include "base/bytes.h"
 #include "base/crc32c.h"
 #include "base/random.h"
 #include "safepoint/storage.h"
+#include "storage/uri_options.h"
 
 namespace safepoint::internal {
 
@@ -92,24 +97,14 @@ constexpr char kDataNamespace[] = "safepoint.data";
 constexpr char kHeadMagic[8] = {'S', 'P', 'R', 'A', 'D', 'O', 'S', 'H'};
 constexpr uint32_t kHeadVersion = 1;
 constexpr size_t kHeadSize = 64;
-constexpr size_t kWindow = 16;       // aio ops in flight per call
-constexpr size_t kListWindow = 64;   // head reads in flight per List
-constexpr int kBackstopSlackS = 10;  // our own bound beyond librados's op timeout
+constexpr size_t kWindow = 16;         // aio ops in flight per call
+constexpr size_t kListWindow = 64;     // head reads in flight per List
+constexpr int kBackstopSlackS = 10;    // our own bound beyond librados's op timeout
+constexpr int kMaxTimeoutS = 1 << 20;  // larger timeouts are clamped (int arithmetic stays safe)
+constexpr uint64_t kMinChunkSize = 4 << 10;
+constexpr uint64_t kMaxChunkSize = 1 << 30;
 
 // ---- small helpers ----------------------------------------------------------------------------
-
-void PutU32(std::byte* p, uint32_t v) { std::memcpy(p, &v, 4); }  // little-endian hosts only
-void PutU64(std::byte* p, uint64_t v) { std::memcpy(p, &v, 8); }
-uint32_t GetU32(const std::byte* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-uint64_t GetU64(const std::byte* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -152,14 +147,14 @@ struct Head {
   std::vector<std::byte> Encode() const {
     std::vector<std::byte> b(kHeadSize);
     std::memcpy(b.data(), kHeadMagic, 8);
-    PutU32(&b[8], kHeadVersion);
-    PutU32(&b[12], kHeadSize);
-    PutU64(&b[16], size);
-    PutU64(&b[24], chunk_size);
+    StoreLE<uint32_t>(&b[8], kHeadVersion);
+    StoreLE<uint32_t>(&b[12], kHeadSize);
+    StoreLE<uint64_t>(&b[16], size);
+    StoreLE<uint64_t>(&b[24], chunk_size);
     std::memcpy(&b[32], data_id.data(), 16);
-    PutU64(&b[48], static_cast<uint64_t>(mtime_ns));
-    PutU32(&b[56], 0);
-    PutU32(&b[60], Crc32c(0, b.data(), 60));
+    StoreLE<uint64_t>(&b[48], static_cast<uint64_t>(mtime_ns));
+    StoreLE<uint32_t>(&b[56], 0);
+    StoreLE<uint32_t>(&b[60], Crc32c(0, b.data(), 60));
     return b;
   }
 };
@@ -173,18 +168,18 @@ HeadParse DecodeHead(std::span<const std::byte> b, Head* head, std::string* why)
            std::to_string(kHeadSize) + ")";
     return HeadParse::kCorrupt;
   }
-  if (GetU32(&b[60]) != Crc32c(0, b.data(), 60)) {
+  if (LoadLE<uint32_t>(&b[60]) != Crc32c(0, b.data(), 60)) {
     *why = "head CRC mismatch";
     return HeadParse::kCorrupt;
   }
-  if (GetU32(&b[8]) != kHeadVersion || GetU32(&b[12]) != kHeadSize) {
-    *why = "unsupported head version " + std::to_string(GetU32(&b[8]));
+  if (LoadLE<uint32_t>(&b[8]) != kHeadVersion || LoadLE<uint32_t>(&b[12]) != kHeadSize) {
+    *why = "unsupported head version " + std::to_string(LoadLE<uint32_t>(&b[8]));
     return HeadParse::kCorrupt;
   }
-  head->size = GetU64(&b[16]);
-  head->chunk_size = GetU64(&b[24]);
+  head->size = LoadLE<uint64_t>(&b[16]);
+  head->chunk_size = LoadLE<uint64_t>(&b[24]);
   head->data_id.assign(reinterpret_cast<const char*>(&b[32]), 16);
-  head->mtime_ns = static_cast<int64_t>(GetU64(&b[48]));
+  head->mtime_ns = static_cast<int64_t>(LoadLE<uint64_t>(&b[48]));
   if (head->chunk_size == 0 || !IsHex16(head->data_id)) {
     *why = "head with chunk size 0 or a bad data id";
     return HeadParse::kCorrupt;
@@ -320,7 +315,7 @@ class AioBatch {
     for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
     for (int attempt = 0; !pending.empty(); ++attempt) {
       if (attempt > 0) {
-        Backoff(attempt);
+        std::this_thread::sleep_for(std::chrono::duration<double>(RetryBackoffSeconds(attempt)));
         // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
         // learns the new address only from a newer OSD map, which it does not always ask for on
         // its own (a lone OSD killed and restarted: every retry would go to the dead address).
@@ -347,13 +342,6 @@ class AioBatch {
     std::lock_guard<std::mutex> lock(b->mu_);
     b->done_.push_back(slot->index);
     b->cv_.notify_all();
-  }
-
-  void Backoff(int attempt) {
-    static thread_local std::mt19937_64 rng(std::random_device{}());
-    const double base = 0.1 * (1 << std::min(attempt - 1, 6));
-    std::uniform_real_distribution<double> jitter(0.5, 1.5);
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::min(base * jitter(rng), 5.0)));
   }
 
   static int Submit(AioOp& op, rados_completion_t c) {
@@ -460,6 +448,35 @@ class AioBatch {
   std::vector<size_t> done_;
 };
 
+// The data object of chunk `chunk` of the write `id` of the head object `head_oid`.
+std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
+  return head_oid + "@" + id + "." + std::to_string(chunk);
+}
+
+// The range [offset, offset + len) of the write `id` of `head_oid`, split at chunk boundaries:
+// one copy of `proto` per chunk the range touches, aimed at that chunk's data object, with the
+// piece's offset in the chunk and its length, and its buffer pointer (proto's wbuf or rbuf: the
+// range's first byte) advanced to the piece.
+std::vector<AioOp> SplitAtChunks(const AioOp& proto, const std::string& head_oid,
+                                 const std::string& id, uint64_t chunk_size, uint64_t offset,
+                                 uint64_t len) {
+  std::vector<AioOp> ops;
+  ops.reserve((offset % chunk_size + len + chunk_size - 1) / chunk_size);
+  const uint64_t end = offset + len;
+  for (uint64_t pos = offset; pos < end;) {
+    const uint64_t chunk = pos / chunk_size;
+    const uint64_t in_chunk = pos - chunk * chunk_size;
+    AioOp& op = ops.emplace_back(proto);
+    op.oid = DataOid(head_oid, id, chunk);
+    op.off = in_chunk;
+    op.len = std::min(end - pos, chunk_size - in_chunk);
+    if (op.wbuf != nullptr) op.wbuf += pos - offset;
+    if (op.rbuf != nullptr) op.rbuf += pos - offset;
+    pos += op.len;
+  }
+  return ops;
+}
+
 // ---- the storage ------------------------------------------------------------------------------
 
 struct Pool {
@@ -541,9 +558,6 @@ class RadosStorage final : public Storage {
 
   // ---- used by the objects ----
   std::string HeadOid(std::string_view name) const { return prefix_ + std::string(name); }
-  static std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
-    return head_oid + "@" + id + "." + std::to_string(chunk);
-  }
   void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
     AioBatch(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries)
         .Run(ops, window);
@@ -553,7 +567,15 @@ class RadosStorage final : public Storage {
   }
   // Reads the head of `name`. NotFound when missing; Corruption when not a valid head.
   Result<Head> ReadHead(std::string_view name) const;
-  // Removes the data objects of a write (ENOENT is fine). Returns the first other failure.
+  // ReadHead of each of `names`, in parallel (kListWindow in flight). `foreign`, if given, marks
+  // the objects whose Corruption is that they are no head at all (someone else's object).
+  std::vector<Result<Head>> ReadHeads(const std::vector<std::string>& names,
+                                      std::vector<bool>* foreign = nullptr) const;
+  // Removes the data objects `oids` in parallel (ENOENT is fine: already gone). Returns the first
+  // other failure as "<what> <oid> of <uri>: ..."; `retries` < 0: the URI's.
+  Status RemoveDataObjects(std::vector<std::string> oids, std::string_view what,
+                           int retries = -1) const;
+  // Removes the data objects of a write (chunks 0 .. chunks-1 of `id`).
   Status RemoveData(const std::string& head_oid, const std::string& id, uint64_t chunks) const;
   rados_ioctx_t heads_io() const { return pool_->heads; }
   rados_ioctx_t data_io() const { return pool_->data; }
@@ -566,45 +588,76 @@ class RadosStorage final : public Storage {
   const RadosOptions options_;
 };
 
-Result<Head> RadosStorage::ReadHead(std::string_view name) const {
-  std::vector<std::byte> buf(kHeadSize);
-  std::vector<AioOp> ops(1);
-  ops[0].kind = AioOp::kRead;
-  ops[0].io = heads_io();
-  ops[0].oid = HeadOid(name);
-  ops[0].rbuf = reinterpret_cast<char*>(buf.data());
-  ops[0].len = buf.size();
-  RunOps(ops);
-  if (ops[0].rv == -ENOENT) return NotFound(Describe(name) + ": not found");
-  SP_RETURN_IF_ERROR(Check("reading the head of " + Describe(name), ops[0]));
-  Head head;
-  std::string why;
-  switch (DecodeHead(std::span(buf).first(static_cast<size_t>(ops[0].rv)), &head, &why)) {
-    case HeadParse::kOk:
-      return head;
-    case HeadParse::kNotAHead:
-      return Corruption(Describe(name) + ": not a safepoint RADOS head object (bad magic)");
-    case HeadParse::kCorrupt:
-      break;
+std::vector<Result<Head>> RadosStorage::ReadHeads(const std::vector<std::string>& names,
+                                                  std::vector<bool>* foreign) const {
+  std::vector<std::vector<std::byte>> bufs(names.size(), std::vector<std::byte>(kHeadSize));
+  std::vector<AioOp> ops;
+  ops.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    ops.push_back(AioOp{.kind = AioOp::kRead,
+                        .io = heads_io(),
+                        .oid = HeadOid(names[i]),
+                        .rbuf = reinterpret_cast<char*>(bufs[i].data()),
+                        .len = kHeadSize});
   }
-  return Corruption(Describe(name) + ": " + why);
+  RunOps(ops, kListWindow);
+  if (foreign != nullptr) foreign->assign(names.size(), false);
+  std::vector<Result<Head>> out;
+  out.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string path = Describe(names[i]);
+    if (ops[i].rv == -ENOENT) {
+      out.push_back(NotFound(path + ": not found"));
+      continue;
+    }
+    if (Status s = Check("reading the head of " + path, ops[i]); !s.ok()) {
+      out.push_back(std::move(s));
+      continue;
+    }
+    Head head;
+    std::string why;
+    switch (DecodeHead(std::span(bufs[i]).first(static_cast<size_t>(ops[i].rv)), &head, &why)) {
+      case HeadParse::kOk:
+        out.push_back(std::move(head));
+        break;
+      case HeadParse::kNotAHead:
+        if (foreign != nullptr) (*foreign)[i] = true;
+        out.push_back(Corruption(path + ": not a safepoint RADOS head object (bad magic)"));
+        break;
+      case HeadParse::kCorrupt:
+        out.push_back(Corruption(path + ": " + why));
+        break;
+    }
+  }
+  return out;
+}
+
+Result<Head> RadosStorage::ReadHead(std::string_view name) const {
+  return std::move(ReadHeads({std::string(name)})[0]);
+}
+
+Status RadosStorage::RemoveDataObjects(std::vector<std::string> oids, std::string_view what,
+                                       int retries) const {
+  std::vector<AioOp> ops;
+  ops.reserve(oids.size());
+  for (std::string& oid : oids) {
+    ops.push_back(AioOp{.kind = AioOp::kRemove, .io = data_io(), .oid = std::move(oid)});
+  }
+  RunOps(ops, kWindow, retries);
+  for (const AioOp& op : ops) {
+    if (op.rv < 0 && op.rv != -ENOENT) {
+      return Check(std::string(what) + " " + op.oid + " of " + uri_, op);
+    }
+  }
+  return Status::OK();
 }
 
 Status RadosStorage::RemoveData(const std::string& head_oid, const std::string& id,
                                 uint64_t chunks) const {
-  std::vector<AioOp> ops(chunks);
-  for (uint64_t c = 0; c < chunks; ++c) {
-    ops[c].kind = AioOp::kRemove;
-    ops[c].io = data_io();
-    ops[c].oid = DataOid(head_oid, id, c);
-  }
-  RunOps(ops);
-  for (const AioOp& op : ops) {
-    if (op.rv < 0 && op.rv != -ENOENT) {
-      return Check("removing data object " + op.oid + " of " + uri_, op);
-    }
-  }
-  return Status::OK();
+  std::vector<std::string> oids;
+  oids.reserve(chunks);
+  for (uint64_t c = 0; c < chunks; ++c) oids.push_back(DataOid(head_oid, id, c));
+  return RemoveDataObjects(std::move(oids), "removing data object");
 }
 
 // ---- writing ----------------------------------------------------------------------------------
@@ -631,23 +684,12 @@ class RadosWritableObject final : public WritableObject {
                              " bytes at offset " + std::to_string(offset) + " overflows");
     }
     if (data.empty()) return Status::OK();
-    std::vector<AioOp> ops;
-    uint64_t pos = offset;
     const uint64_t end = offset + data.size();
-    while (pos < end) {
-      const uint64_t chunk = pos / chunk_size_;
-      const uint64_t in_chunk = pos - chunk * chunk_size_;
-      const uint64_t n = std::min(end - pos, chunk_size_ - in_chunk);
-      AioOp op;
-      op.kind = AioOp::kWrite;
-      op.io = storage_->data_io();
-      op.oid = RadosStorage::DataOid(head_oid_, id_, chunk);
-      op.wbuf = reinterpret_cast<const char*>(data.data() + (pos - offset));
-      op.len = n;
-      op.off = in_chunk;
-      ops.push_back(std::move(op));
-      pos += n;
-    }
+    AioOp write;
+    write.kind = AioOp::kWrite;
+    write.io = storage_->data_io();
+    write.wbuf = reinterpret_cast<const char*>(data.data());
+    std::vector<AioOp> ops = SplitAtChunks(write, head_oid_, id_, chunk_size_, offset, data.size());
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (uint64_t c = offset / chunk_size_; c <= (end - 1) / chunk_size_; ++c) {
@@ -689,20 +731,14 @@ class RadosWritableObject final : public WritableObject {
   }
 
   void RemoveWritten() {
-    std::vector<AioOp> ops;
+    std::vector<std::string> oids;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (uint64_t c : touched_) {
-        AioOp op;
-        op.kind = AioOp::kRemove;
-        op.io = storage_->data_io();
-        op.oid = RadosStorage::DataOid(head_oid_, id_, c);
-        ops.push_back(std::move(op));
-      }
+      for (uint64_t c : touched_) oids.push_back(DataOid(head_oid_, id_, c));
     }
     // One attempt, no retries: after a failure (a cluster that does not answer) the writer's
     // error must not wait for the clean-up too; what is left is reclaimed by RemoveLeftovers.
-    storage_->RunOps(ops, kWindow, /*retries=*/0);
+    (void)storage_->RemoveDataObjects(std::move(oids), "removing data object", /*retries=*/0);
   }
 
   Status DoPublish(bool exclusive) {
@@ -726,11 +762,8 @@ class RadosWritableObject final : public WritableObject {
       for (uint64_t c = 0; c < head.chunks(); ++c) {
         if (touched_.count(c)) continue;
         touched_.insert(c);
-        AioOp op;
-        op.kind = AioOp::kTouch;
-        op.io = storage_->data_io();
-        op.oid = RadosStorage::DataOid(head_oid_, id_, c);
-        touch.push_back(std::move(op));
+        touch.push_back(AioOp{
+            .kind = AioOp::kTouch, .io = storage_->data_io(), .oid = DataOid(head_oid_, id_, c)});
       }
     }
     storage_->RunOps(touch);
@@ -745,12 +778,11 @@ class RadosWritableObject final : public WritableObject {
     Result<Head> old = exclusive ? Result<Head>(NotFound("")) : storage_->ReadHead(name_);
 
     const std::vector<std::byte> bytes = head.Encode();
-    std::vector<AioOp> ops(1);
-    ops[0].kind = exclusive ? AioOp::kCreateExclusive : AioOp::kWriteFull;
-    ops[0].io = storage_->heads_io();
-    ops[0].oid = head_oid_;
-    ops[0].wbuf = reinterpret_cast<const char*>(bytes.data());
-    ops[0].len = bytes.size();
+    std::vector<AioOp> ops{AioOp{.kind = exclusive ? AioOp::kCreateExclusive : AioOp::kWriteFull,
+                                 .io = storage_->heads_io(),
+                                 .oid = head_oid_,
+                                 .wbuf = reinterpret_cast<const char*>(bytes.data()),
+                                 .len = bytes.size()}};
     storage_->RunOps(ops);
     const int rv = ops[0].rv;
     bool published = rv >= 0;
@@ -827,24 +859,12 @@ class RadosReadableObject final : public ReadableObject {
                         ", the object has " + std::to_string(head_.size));
     }
     if (dst.empty()) return Status::OK();
-    const uint64_t cs = head_.chunk_size;
-    std::vector<AioOp> ops;
-    uint64_t pos = offset;
-    const uint64_t end = offset + dst.size();
-    while (pos < end) {
-      const uint64_t chunk = pos / cs;
-      const uint64_t in_chunk = pos - chunk * cs;
-      const uint64_t n = std::min(end - pos, cs - in_chunk);
-      AioOp op;
-      op.kind = AioOp::kRead;
-      op.io = storage_->data_io();
-      op.oid = RadosStorage::DataOid(head_oid_, head_.data_id, chunk);
-      op.rbuf = reinterpret_cast<char*>(dst.data() + (pos - offset));
-      op.len = n;
-      op.off = in_chunk;
-      ops.push_back(std::move(op));
-      pos += n;
-    }
+    AioOp read;
+    read.kind = AioOp::kRead;
+    read.io = storage_->data_io();
+    read.rbuf = reinterpret_cast<char*>(dst.data());
+    std::vector<AioOp> ops =
+        SplitAtChunks(read, head_oid_, head_.data_id, head_.chunk_size, offset, dst.size());
     storage_->RunOps(ops);
     for (const AioOp& op : ops) {
       if (op.rv == -ENOENT) {
@@ -917,30 +937,14 @@ Result<std::vector<ObjectInfo>> RadosStorage::List(std::string_view prefix) {
     std::string name = oid.substr(prefix_.size());
     if (ValidateObjectName(name).ok()) names.push_back(std::move(name));
   }
-  std::vector<std::vector<std::byte>> bufs(names.size(), std::vector<std::byte>(kHeadSize));
-  std::vector<AioOp> ops(names.size());
-  for (size_t i = 0; i < names.size(); ++i) {
-    ops[i].kind = AioOp::kRead;
-    ops[i].io = heads_io();
-    ops[i].oid = HeadOid(names[i]);
-    ops[i].rbuf = reinterpret_cast<char*>(bufs[i].data());
-    ops[i].len = kHeadSize;
-  }
-  RunOps(ops, kListWindow);
+  std::vector<bool> foreign;
+  std::vector<Result<Head>> heads = ReadHeads(names, &foreign);
   std::vector<ObjectInfo> out;
   for (size_t i = 0; i < names.size(); ++i) {
-    if (ops[i].rv == -ENOENT) continue;  // deleted since the scan
-    SP_RETURN_IF_ERROR(Check("reading the head of " + Describe(names[i]), ops[i]));
-    Head head;
-    std::string why;
-    switch (DecodeHead(std::span(bufs[i]).first(static_cast<size_t>(ops[i].rv)), &head, &why)) {
-      case HeadParse::kOk:
-        out.push_back(ObjectInfo{names[i], head.size, head.mtime_ns});
-        break;
-      case HeadParse::kNotAHead:
-        break;  // an object of someone else in the pool
-      case HeadParse::kCorrupt:
-        return Corruption(Describe(names[i]) + ": " + why);
+    if (heads[i].ok()) {
+      out.push_back(ObjectInfo{names[i], heads[i]->size, heads[i]->mtime_ns});
+    } else if (heads[i].status().code() != StatusCode::kNotFound && !foreign[i]) {
+      return heads[i].status();  // not: deleted since the scan, or someone else's object
     }
   }
   std::sort(out.begin(), out.end(),
@@ -953,10 +957,7 @@ Status RadosStorage::Delete(std::string_view name) {
   Result<Head> head = ReadHead(name);
   if (!head.ok() && head.status().code() == StatusCode::kNotFound) return Status::OK();
   if (!head.ok() && head.status().code() != StatusCode::kCorruption) return head.status();
-  std::vector<AioOp> ops(1);
-  ops[0].kind = AioOp::kRemove;
-  ops[0].io = heads_io();
-  ops[0].oid = HeadOid(name);
+  std::vector<AioOp> ops{AioOp{.kind = AioOp::kRemove, .io = heads_io(), .oid = HeadOid(name)}};
   RunOps(ops);
   if (ops[0].rv < 0 && ops[0].rv != -ENOENT) {
     return Check("removing the head object of " + Describe(name), ops[0]);
@@ -982,106 +983,63 @@ Result<size_t> RadosStorage::RemoveLeftovers(std::string_view prefix,
     if (!ValidateObjectName(name).ok()) continue;
     writes[{std::move(name), std::string(suffix.substr(0, 16))}].push_back(oid);
   }
+  // The candidates: not refused by the filter, not of a live writer of this process (checked
+  // before the head is read: a writer unregisters after publishing). Their heads in one batch.
+  std::vector<decltype(writes)::iterator> candidates;
+  std::vector<std::string> names;
+  for (auto it = writes.begin(); it != writes.end(); ++it) {
+    const auto& [name, id] = it->first;
+    if ((remove_if && !remove_if(name)) || IsLive(id)) continue;
+    candidates.push_back(it);
+    names.push_back(name);
+  }
+  const std::vector<Result<Head>> heads = ReadHeads(names);
   size_t removed = 0;
-  for (auto& [key, objects] : writes) {
-    const auto& [name, id] = key;
-    if (remove_if && !remove_if(name)) continue;
-    if (IsLive(id)) continue;  // checked before the head: a writer unregisters after publishing
-    Result<Head> head = ReadHead(name);
-    if (head.ok() && head->data_id == id) continue;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Result<Head>& head = heads[i];
+    if (head.ok() && head->data_id == candidates[i]->first.second) continue;  // published
     if (!head.ok() && head.status().code() != StatusCode::kNotFound &&
         head.status().code() != StatusCode::kCorruption) {
       return head.status();
     }
-    std::vector<AioOp> ops(objects.size());
-    for (size_t i = 0; i < objects.size(); ++i) {
-      ops[i].kind = AioOp::kRemove;
-      ops[i].io = data_io();
-      ops[i].oid = objects[i];
-    }
-    RunOps(ops);
-    for (const AioOp& op : ops) {
-      if (op.rv < 0 && op.rv != -ENOENT) {
-        return Check("removing leftover data object " + op.oid + " of " + uri_, op);
-      }
-    }
+    SP_RETURN_IF_ERROR(
+        RemoveDataObjects(std::move(candidates[i]->second), "removing leftover data object"));
     ++removed;
   }
   return removed;
 }
 
-// ---- options and the factory ------------------------------------------------------------------
-
-Result<uint64_t> ParseBytes(std::string_view uri, std::string_view key, std::string_view v) {
-  uint64_t mult = 1;
-  if (!v.empty()) {
-    switch (v.back()) {
-      case 'K':
-      case 'k':
-        mult = uint64_t{1} << 10;
-        break;
-      case 'M':
-      case 'm':
-        mult = uint64_t{1} << 20;
-        break;
-      case 'G':
-      case 'g':
-        mult = uint64_t{1} << 30;
-        break;
-      default:
-        mult = 0;
-    }
-    if (mult != 0) v.remove_suffix(1);
-    if (mult == 0) mult = 1;
-  }
-  if (v.empty() || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
-      v.size() > 12) {
-    return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(key) +
-                           " must be a number of bytes (K, M, G suffixes accepted)");
-  }
-  return std::stoull(std::string(v)) * mult;
-}
-
 }  // namespace
+
+// ---- options and the factory ------------------------------------------------------------------
 
 Result<RadosOptions> ParseRadosOptions(std::string_view uri, std::string_view query) {
   RadosOptions o;
-  if (const char* env = std::getenv("SAFEPOINT_STORAGE_TIMEOUT"); env && *env) {
-    const int t = std::atoi(env);
-    if (t <= 0) return InvalidArgument("$SAFEPOINT_STORAGE_TIMEOUT must be a positive number");
-    o.timeout_s = t;
-  }
-  while (!query.empty()) {
-    const size_t amp = query.find('&');
-    std::string_view kv = query.substr(0, amp);
-    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
-    if (kv.empty()) continue;
-    const size_t eq = kv.find('=');
-    const std::string_view key = kv.substr(0, eq);
-    const std::string_view value = eq == std::string_view::npos ? "" : kv.substr(eq + 1);
-    auto bad = [&](std::string why) {
-      return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(key) +
-                             ": " + why);
-    };
-    if (key == "timeout" || key == "retries") {
-      if (value.empty() || value.size() > 6 ||
-          !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-        return bad("must be a whole number");
+  // librados takes whole seconds: a fractional timeout is rounded up.
+  SP_ASSIGN_OR_RETURN(const double default_timeout, StorageTimeoutFromEnv(o.timeout_s));
+  o.timeout_s = static_cast<int>(std::ceil(std::min(default_timeout, double{kMaxTimeoutS})));
+  for (const auto& [key, value] : SplitUriQuery(query)) {
+    const std::string item = std::string(key) + "=" + std::string(value);
+    if (key == "timeout") {
+      const std::optional<double> v = ParseSeconds(value);
+      if (!v) return BadStorageUri(uri, item + " is not a positive number of seconds");
+      o.timeout_s = static_cast<int>(std::ceil(std::min(*v, double{kMaxTimeoutS})));
+    } else if (key == "retries") {
+      const std::optional<int64_t> v = ParseWholeNumber(value, 0, kMaxUriRetries);
+      if (!v) {
+        return BadStorageUri(uri,
+                             item + " is not a number from 0 to " + std::to_string(kMaxUriRetries));
       }
-      const int v = std::stoi(std::string(value));
-      if (key == "timeout") {
-        if (v <= 0) return bad("must be at least 1 (seconds)");
-        o.timeout_s = v;
-      } else {
-        o.retries = v;
-      }
+      o.retries = static_cast<int>(*v);
     } else if (key == "chunk_size") {
-      SP_ASSIGN_OR_RETURN(uint64_t v, ParseBytes(uri, key, value));
-      if (v < 4096 || v > (uint64_t{1} << 30)) return bad("must be between 4K and 1G");
-      o.chunk_size = v;
+      const std::optional<uint64_t> v = ParseByteSize(value);
+      if (!v || *v < kMinChunkSize || *v > kMaxChunkSize) {
+        return BadStorageUri(uri, item + " is not a size from 4K to 1G");
+      }
+      o.chunk_size = *v;
     } else {
-      return InvalidArgument("storage URI \"" + std::string(uri) + "\": unknown option \"" +
-                             std::string(key) + "\" (known: timeout, retries, chunk_size)");
+      return BadStorageUri(
+          uri, "unknown option \"" + std::string(key) + "\" (known: timeout, retries, chunk_size)");
     }
   }
   return o;
@@ -1099,13 +1057,11 @@ Result<std::unique_ptr<Storage>> OpenRadosStorage(std::string_view uri, std::str
   std::string prefix(slash == std::string_view::npos ? "" : rest.substr(slash + 1));
   while (prefix.ends_with('/')) prefix.pop_back();
   if (pool.empty()) {
-    return InvalidArgument("storage URI \"" + std::string(uri) +
-                           "\": no pool (rados://POOL/PREFIX)");
+    return BadStorageUri(uri, "no pool (rados://POOL/PREFIX)");
   }
   if (!prefix.empty()) {
     if (Status s = ValidateObjectName(prefix); !s.ok()) {
-      return InvalidArgument("storage URI \"" + std::string(uri) +
-                             "\": bad prefix: " + s.message());
+      return BadStorageUri(uri, "bad prefix: " + s.message());
     }
     prefix += '/';
   }

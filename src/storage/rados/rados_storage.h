@@ -15,7 +15,8 @@
 
 namespace safepoint::internal {
 
-// Options parsed from the URI's query string (`?timeout=60&retries=4&chunk_size=8M`).
+// Options parsed from the URI's query string (`?timeout=60&retries=4&chunk_size=8M`) with the
+// helpers of storage/uri_options.h, which every object-store backend shares.
 struct RadosOptions {
   int timeout_s = 60;             // each request's bound: librados op timeouts and our own waits
   int retries = 4;                // retries of a transient failure, exponential backoff + jitter

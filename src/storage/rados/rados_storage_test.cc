@@ -87,6 +87,22 @@ pid_t DaemonPid(const std::string& name) {
   return pid;
 }
 
+// The rados CLI on the pool of $SAFEPOINT_TEST_RADOS_URI (the cluster's CEPH_CONF and CEPH_ARGS
+// are in the environment): "rm OID", "put OID FILE", "ls"; `ns` selects the namespace.
+int RadosCli(const std::string& args, std::string* out = nullptr, const std::string& ns = "") {
+  std::string pool = std::string(std::getenv("SAFEPOINT_TEST_RADOS_URI")).substr(8);
+  pool = pool.substr(0, pool.find('/'));
+  return Shell("timeout 60 rados -p '" + pool + "'" + (ns.empty() ? "" : " -N '" + ns + "'") + " " +
+                   args + " 2>&1",
+               out);
+}
+
+// The head object's name of `name` in the storage at `uri` (rados://POOL/PREFIX[?options]).
+std::string HeadOid(const std::string& uri, std::string_view name) {
+  const std::string rest = uri.substr(8, uri.find('?') - 8);
+  return rest.substr(rest.find('/') + 1) + "/" + std::string(name);
+}
+
 // Writes `data` in pieces of `piece` bytes from `threads` threads and publishes it.
 Status WriteParallel(Storage& s, std::string_view name, std::span<const std::byte> data,
                      size_t piece, size_t threads) {
@@ -135,6 +151,49 @@ TEST(RadosOptionsTest, ParsesKnownKeysAndRejectsOthers) {
   }
   EXPECT_EQ(OpenStorage("rados://p/x?nope=1").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(OpenStorage("rados:///x").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(RadosOptionsTest, MalformedUrisAreInvalidArgumentNamingTheUri) {
+  for (const std::string uri :
+       {"rados://", "rados://?timeout=1", "rados://p/a//b", "rados://p/../x",
+        "rados://p/x?chunk_size=", "rados://p/x?chunk_size=2G", "rados://p/x?timeout=-1"}) {
+    auto r = OpenStorage(uri);
+    ASSERT_FALSE(r.ok()) << uri;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument)
+        << uri << ": " << r.status().ToString();
+    EXPECT_NE(r.status().message().find(uri), std::string::npos) << r.status().ToString();
+  }
+}
+
+// The keys every object store shares read as they do for s3:// (src/storage/uri_options.h).
+TEST(RadosOptionsTest, SharesTheSyntaxOfOtherBackends) {
+  auto o = internal::ParseRadosOptions("rados://p/x", "timeout=2.5&retries=100&chunk_size=16MiB");
+  ASSERT_OK(o);
+  EXPECT_EQ(o->timeout_s, 3);  // librados takes whole seconds: rounded up
+  EXPECT_EQ(o->retries, 100);
+  EXPECT_EQ(o->chunk_size, 16u << 20);
+  for (std::string_view bad : {"retries=101", "timeout=1e3", "chunk_size=4k2", "timeout="}) {
+    auto r = internal::ParseRadosOptions("rados://p/x", bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find(bad), std::string::npos) << r.status().ToString();
+  }
+}
+
+TEST(RadosOptionsTest, DefaultTimeoutFromTheEnvironmentIsCheckedWhole) {
+  const char* saved = std::getenv("SAFEPOINT_STORAGE_TIMEOUT");
+  const std::string restore = saved ? saved : "";
+  ::setenv("SAFEPOINT_STORAGE_TIMEOUT", "7", 1);
+  EXPECT_EQ(internal::ParseRadosOptions("u", "")->timeout_s, 7);
+  ::setenv("SAFEPOINT_STORAGE_TIMEOUT", "7.5", 1);
+  EXPECT_EQ(internal::ParseRadosOptions("u", "")->timeout_s, 8);
+  ::setenv("SAFEPOINT_STORAGE_TIMEOUT", "7x", 1);  // was read as 7 (atoi)
+  EXPECT_EQ(internal::ParseRadosOptions("u", "").status().code(), StatusCode::kInvalidArgument);
+  if (saved) {
+    ::setenv("SAFEPOINT_STORAGE_TIMEOUT", restore.c_str(), 1);
+  } else {
+    ::unsetenv("SAFEPOINT_STORAGE_TIMEOUT");
+  }
 }
 
 // ---- against the test cluster -----------------------------------------------------------------
@@ -283,6 +342,112 @@ TEST(RadosStorageTest, CheckpointStoreRoundTrip) {
   ASSERT_EQ(committed.size(), 1u);
   ASSERT_OK(store.DeleteStep(3));
   EXPECT_EQ(LoadShard(store, std::nullopt, 0).status().code(), StatusCode::kNotFound);
+}
+
+TEST(RadosStorageTest, CorruptHeadIsCorruptionAndAForeignObjectIsNotListed) {
+  SKIP_WITHOUT_CEPH();
+  const std::string uri = TestUri();
+  ASSERT_OK_AND_ASSIGN(auto s, OpenStorage(uri));
+  ASSERT_OK(test::PutObject(*s, "good", PatternBytes(100, 8)));
+  test::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  // The head's magic, then zeros: the CRC does not match.
+  ASSERT_TRUE(
+      test::WriteStringToFile(dir.Join("bad"), std::string("SPRADOSH") + std::string(56, '\0')));
+  ASSERT_TRUE(test::WriteStringToFile(dir.Join("short"), "SPRADOSH"));
+  ASSERT_TRUE(test::WriteStringToFile(dir.Join("foreign"), "not a head at all, someone else's"));
+  for (const char* name : {"bad", "short", "foreign"}) {
+    std::string out;
+    ASSERT_EQ(RadosCli("put '" + HeadOid(uri, name) + "' '" + dir.Join(name) + "'", &out), 0)
+        << out;
+  }
+  for (const char* name : {"bad", "short", "foreign"}) {
+    auto r = s->Open(name);
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << name << ": " << r.status().ToString();
+    EXPECT_NE(r.status().message().find(s->Describe(name)), std::string::npos)
+        << r.status().ToString();
+  }
+  // List refuses a damaged head of ours, but passes over what is not ours.
+  auto list = s->List("");
+  EXPECT_EQ(list.status().code(), StatusCode::kCorruption) << list.status().ToString();
+  for (const char* name : {"bad", "short"}) {
+    ASSERT_EQ(RadosCli("rm '" + HeadOid(uri, name) + "'"), 0);
+  }
+  list = s->List("");
+  ASSERT_OK(list);
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].name, "good");
+}
+
+TEST(RadosStorageTest, MissingDataChunkIsCorruptionAndOnlyForTheRangesThatNeedIt) {
+  SKIP_WITHOUT_CEPH();
+  const std::string uri = TestUri("chunk_size=4K");
+  ASSERT_OK_AND_ASSIGN(auto s, OpenStorage(uri));
+  ASSERT_OK(test::PutObject(*s, "x", PatternBytes(3 * 4096 + 10, 9)));
+  // The data objects are "<head oid>@<data id>.<chunk>" in the data namespace: lose chunk 1.
+  std::string objects;
+  ASSERT_EQ(RadosCli("ls", &objects, "safepoint.data"), 0) << objects;
+  std::string chunk1;
+  for (size_t at = 0, nl; at < objects.size(); at = nl + 1) {
+    nl = objects.find('\n', at);
+    if (nl == std::string::npos) nl = objects.size();
+    const std::string oid = objects.substr(at, nl - at);
+    if (oid.starts_with(HeadOid(uri, "x") + "@") && oid.ends_with(".1")) chunk1 = oid;
+  }
+  ASSERT_FALSE(chunk1.empty()) << objects;
+  ASSERT_EQ(RadosCli("rm '" + chunk1 + "'", nullptr, "safepoint.data"), 0);
+
+  ASSERT_OK_AND_ASSIGN(auto r, s->Open("x"));
+  AlignedTestBuffer all(r->size());
+  Status st = r->ReadAt(0, all.span());
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find(s->Describe("x")), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find(chunk1), std::string::npos) << st.ToString();
+  // Chunks 0 and 2 are intact and read back.
+  AlignedTestBuffer first(4096);
+  ASSERT_OK(r->ReadAt(0, first.span()));
+  EXPECT_EQ(FirstMismatch(first.span(), 9, 0), -1);
+  AlignedTestBuffer third(4096 + 10);
+  ASSERT_OK(r->ReadAt(2 * 4096, third.span()));
+  EXPECT_EQ(FirstMismatch(third.span(), 9, 2 * 4096), -1);
+  // Delete still removes the rest.
+  ASSERT_OK(s->Delete("x"));
+  ASSERT_OK_AND_ASSIGN(size_t leftovers, s->RemoveLeftovers(""));
+  EXPECT_EQ(leftovers, 0u);
+}
+
+// Leftovers beside published objects: each write's head decides (a batch of heads is read).
+TEST(RadosStorageTest, LeftoversAreJudgedByTheirOwnObjectsHead) {
+  SKIP_WITHOUT_CEPH();
+  const std::string uri = TestUri("chunk_size=4K");
+  ASSERT_OK_AND_ASSIGN(auto s, OpenStorage(uri));
+  for (const char* name : {"a", "b", "d"}) {
+    ASSERT_OK(test::PutObject(*s, name, PatternBytes(9000, name[0])));
+  }
+  test::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  ASSERT_TRUE(test::WriteStringToFile(dir.Join("junk"), "left over"));
+  // Data objects of writes that never published: of "a" (published under another data id), of
+  // "c" (no head at all); and one of "b" whose first chunk is missing.
+  for (const std::string oid :
+       {HeadOid(uri, "a") + "@00000000000000a1.0", HeadOid(uri, "a") + "@00000000000000a1.1",
+        HeadOid(uri, "c") + "@00000000000000c1.0", HeadOid(uri, "b") + "@00000000000000b1.2"}) {
+    std::string out;
+    ASSERT_EQ(RadosCli("put '" + oid + "' '" + dir.Join("junk") + "'", &out, "safepoint.data"), 0)
+        << out;
+  }
+  ASSERT_OK_AND_ASSIGN(size_t removed, s->RemoveLeftovers(""));
+  EXPECT_EQ(removed, 3u);
+  std::string objects;
+  ASSERT_EQ(RadosCli("ls", &objects, "safepoint.data"), 0) << objects;
+  for (const char* id : {"@00000000000000a1.", "@00000000000000b1.", "@00000000000000c1."}) {
+    EXPECT_EQ(objects.find(id), std::string::npos) << id << " left in\n" << objects;
+  }
+  for (const char* name : {"a", "b", "d"}) {
+    EXPECT_EQ(test::ReadWholeObject(*s, name), PatternBytes(9000, name[0])) << name;
+  }
+  ASSERT_OK_AND_ASSIGN(removed, s->RemoveLeftovers(""));
+  EXPECT_EQ(removed, 0u);
 }
 
 // Run by the test above in a process of its own: writes an object and exits without publishing
