@@ -18,6 +18,8 @@
 #include <random>
 #include <thread>
 
+#include "storage/uri_options.h"
+
 namespace safepoint::s3 {
 
 namespace {
@@ -181,14 +183,7 @@ Result<S3Config> ResolveS3Config() {
         "aws_access_key_id and aws_secret_access_key in the profile \"" +
         profile + "\" of " + (cred_file.empty() ? "~/.aws/credentials" : cred_file));
   }
-  if (const std::string t = Getenv("SAFEPOINT_STORAGE_TIMEOUT"); !t.empty()) {
-    char* end = nullptr;
-    const double v = std::strtod(t.c_str(), &end);
-    if (end == t.c_str() || *end != '\0' || !(v > 0)) {
-      return InvalidArgument("SAFEPOINT_STORAGE_TIMEOUT=\"" + t + "\" is not a positive number");
-    }
-    c.timeout_s = v;
-  }
+  SP_ASSIGN_OR_RETURN(c.timeout_s, internal::StorageTimeoutFromEnv(c.timeout_s));
   return c;
 }
 

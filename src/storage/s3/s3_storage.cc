@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "storage/s3/s3_client.h"
+#include "storage/uri_options.h"
 
 namespace safepoint {
 
@@ -820,79 +822,35 @@ class S3Storage final : public Storage {
   const std::shared_ptr<S3Context> ctx_;
 };
 
-// "16M" -> 16777216; K, M, G (powers of 1024), optional "i"/"iB"/"B".
-bool ParseBytes(std::string_view s, uint64_t* out) {
-  uint64_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p == s.data()) return false;
-  std::string_view suffix(p, s.data() + s.size() - p);
-  uint64_t mult = 1;
-  if (!suffix.empty()) {
-    switch (suffix[0]) {
-      case 'k':
-      case 'K':
-        mult = 1ull << 10;
-        break;
-      case 'm':
-      case 'M':
-        mult = 1ull << 20;
-        break;
-      case 'g':
-      case 'G':
-        mult = 1ull << 30;
-        break;
-      case 'b':
-      case 'B':
-        break;
-      default:
-        return false;
-    }
-    suffix.remove_prefix(1);
-    if (suffix != "" && suffix != "i" && suffix != "iB" && suffix != "B") return false;
-  }
-  if (v > UINT64_MAX / mult) return false;
-  *out = v * mult;
-  return true;
-}
-
 Status ParseOptions(std::string_view uri, std::string_view query, S3Options* o) {
-  auto bad = [&](std::string_view why) {
-    return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(why));
-  };
-  while (!query.empty()) {
-    const size_t amp = query.find('&');
-    std::string_view item = query.substr(0, amp);
-    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
-    if (item.empty()) continue;
-    const size_t eq = item.find('=');
-    const std::string_view key = item.substr(0, eq);
-    const std::string value(eq == std::string_view::npos ? "" : item.substr(eq + 1));
-    char* end = nullptr;
+  using internal::BadStorageUri;
+  for (const auto& [key, value] : internal::SplitUriQuery(query)) {
+    const std::string v(value);
     if (key == "timeout") {
-      o->timeout_s = std::strtod(value.c_str(), &end);
-      if (value.empty() || *end != '\0' || !(o->timeout_s > 0)) {
-        return bad("timeout=" + value + " is not a positive number of seconds");
-      }
+      const std::optional<double> t = internal::ParseSeconds(value);
+      if (!t) return BadStorageUri(uri, "timeout=" + v + " is not a positive number of seconds");
+      o->timeout_s = *t;
     } else if (key == "retries") {
-      const long n = std::strtol(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || n < 0 || n > 100) {
-        return bad("retries=" + value + " is not a number from 0 to 100");
+      const std::optional<int64_t> n =
+          internal::ParseWholeNumber(value, 0, internal::kMaxUriRetries);
+      if (!n) {
+        return BadStorageUri(uri, "retries=" + v + " is not a number from 0 to " +
+                                      std::to_string(internal::kMaxUriRetries));
       }
-      o->retries = static_cast<int>(n);
+      o->retries = static_cast<int>(*n);
     } else if (key == "part_size") {
-      if (!ParseBytes(value, &o->part_size) || o->part_size < kMinPartSize ||
-          o->part_size > kMaxPartSize) {
-        return bad("part_size=" + value + " is not a size from 5M to 5G");
+      const std::optional<uint64_t> n = internal::ParseByteSize(value);
+      if (!n || *n < kMinPartSize || *n > kMaxPartSize) {
+        return BadStorageUri(uri, "part_size=" + v + " is not a size from 5M to 5G");
       }
+      o->part_size = *n;
     } else if (key == "connections") {
-      const long n = std::strtol(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || n < 1 || n > 256) {
-        return bad("connections=" + value + " is not a number from 1 to 256");
-      }
-      o->connections = static_cast<size_t>(n);
+      const std::optional<int64_t> n = internal::ParseWholeNumber(value, 1, 256);
+      if (!n) return BadStorageUri(uri, "connections=" + v + " is not a number from 1 to 256");
+      o->connections = static_cast<size_t>(*n);
     } else {
-      return bad("unknown option \"" + std::string(key) +
-                 "\" (known: timeout, retries, part_size, connections)");
+      return BadStorageUri(uri, "unknown option \"" + std::string(key) +
+                                    "\" (known: timeout, retries, part_size, connections)");
     }
   }
   return Status::OK();
@@ -911,12 +869,11 @@ Result<std::unique_ptr<Storage>> OpenS3Storage(std::string_view uri, std::string
   std::string prefix(slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1));
   while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
   if (bucket.empty()) {
-    return InvalidArgument("storage URI \"" + std::string(uri) +
-                           "\": no bucket (s3://BUCKET/PREFIX)");
+    return internal::BadStorageUri(uri, "no bucket (s3://BUCKET/PREFIX)");
   }
   if (!prefix.empty()) {
     Status s = ValidateObjectName(prefix);
-    if (!s.ok()) return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + s.message());
+    if (!s.ok()) return internal::BadStorageUri(uri, s.message());
   }
   S3Options options;
   SP_RETURN_IF_ERROR(ParseOptions(uri, query, &options));

@@ -231,7 +231,10 @@ TEST(S3UriTest, OptionsAreParsedAndUnknownOnesRejected) {
   EXPECT_EQ((*root)->Describe("x"), "s3://bucket/x");
   for (const char* bad :
        {"s3://bucket/p?color=red", "s3://bucket/p?part_size=1M", "s3://bucket/p?timeout=0",
-        "s3://bucket/p?retries=x", "s3:///prefix", "s3://bucket/a/../b"}) {
+        "s3://bucket/p?retries=x", "s3:///prefix", "s3://bucket/a/../b",
+        "s3://bucket/p?part_size=6G", "s3://bucket/p?part_size=16X", "s3://bucket/p?retries=101",
+        "s3://bucket/p?connections=0", "s3://bucket/p?connections=+4",
+        "s3://bucket/p?connections=4x"}) {
     auto r = OpenStorage(bad);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
