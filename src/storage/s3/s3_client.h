@@ -10,7 +10,7 @@
 // AWS_SHARED_CREDENTIALS_FILE (~/.aws/credentials), then in AWS_CONFIG_FILE (~/.aws/config,
 // sections "[profile NAME]" and "[default]").
 //
-// Signing: requests are signed with AWS Signature Version 4 here (libcrypto HMAC-SHA256), not
+// Signing: requests are signed with AWS Signature Version 4 here (base/digest.h), not
 // with libcurl's CURLOPT_AWS_SIGV4: libcurl 7.88 neither adds the x-amz-content-sha256 header
 // that S3 requires nor signs a session token, and its canonical query string is not the one S3
 // computes for every request this backend sends (?uploads, ?partNumber=&uploadId=, listing
