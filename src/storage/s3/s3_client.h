@@ -84,9 +84,6 @@ class S3Client {
   S3Client(const S3Client&) = delete;
   S3Client& operator=(const S3Client&) = delete;
 
-  const S3Config& config() const { return config_; }
-  const std::string& bucket() const { return bucket_; }
-
   // Sends `request`, retrying transient failures. Returns the response of the last attempt for
   // any HTTP status (the caller maps it); Unavailable naming `what` when no HTTP response came
   // back at all (connection refused, timeout, stall) after the retries.

@@ -201,6 +201,23 @@ struct S3Context {
 
   std::string Key(std::string_view name) const { return root + std::string(name); }
   std::string Describe(std::string_view name) const { return uri + "/" + std::string(name); }
+
+  Result<S3Response> Head(const std::string& key, const std::string& what) const {
+    S3Request req;
+    req.method = "HEAD";
+    req.key = key;
+    return client->Execute(req, what);
+  }
+
+  // AbortMultipartUpload: the upload's parts are dropped, no object appears.
+  Result<S3Response> AbortUpload(const std::string& key, const std::string& upload_id,
+                                 const std::string& what) const {
+    S3Request req;
+    req.method = "DELETE";
+    req.key = key;
+    req.query = {{"uploadId", upload_id}};
+    return client->Execute(req, what);
+  }
 };
 
 // Maps an S3 error response of `what` ("PUT s3://b/p/x") to a Status.
@@ -315,12 +332,8 @@ class S3WritableObject final : public WritableObject {
       upload_id = upload_id_;
     }
     if (upload_id.empty()) return;
-    S3Request req;
-    req.method = "DELETE";
-    req.key = key_;
-    req.query = {{"uploadId", upload_id}};
     // Best effort: an upload left behind is aborted by RemoveLeftovers or a lifecycle rule.
-    (void)ctx_->client->Execute(req, "AbortMultipartUpload " + desc_);
+    (void)ctx_->AbortUpload(key_, upload_id, "AbortMultipartUpload " + desc_);
     ActiveUploads::Get().Remove(upload_id);
   }
 
@@ -455,11 +468,8 @@ class S3WritableObject final : public WritableObject {
 
   // HEAD of the key: OK when absent, AlreadyExists when present.
   Status CheckAbsent() {
-    S3Request head;
-    head.method = "HEAD";
-    head.key = key_;
     const std::string what = "HEAD " + desc_;
-    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(head, what));
+    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->Head(key_, what));
     if (r.http_status == 404) return Status::OK();
     if (Ok2xx(r)) return AlreadyExists(desc_ + ": already exists");
     return HttpError(r, what);
@@ -566,10 +576,7 @@ class S3WritableObject final : public WritableObject {
     if (r.http_status == 404 && r.ErrorCode() == "NoSuchUpload") {
       // A retried Complete whose first attempt succeeded but whose answer was lost: the
       // object is there with our size. (Anything else is a real failure.)
-      S3Request head;
-      head.method = "HEAD";
-      head.key = key_;
-      auto h = ctx_->client->Execute(head, "HEAD " + desc_);
+      auto h = ctx_->Head(key_, "HEAD " + desc_);
       if (h.ok() && Ok2xx(*h) && h->Header("content-length") == std::to_string(end)) {
         return Status::OK();
       }
@@ -711,11 +718,8 @@ class S3Storage final : public Storage {
 
   Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
     SP_RETURN_IF_ERROR(ValidateObjectName(name));
-    S3Request req;
-    req.method = "HEAD";
-    req.key = ctx_->Key(name);
     const std::string what = "HEAD " + ctx_->Describe(name);
-    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, what));
+    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->Head(ctx_->Key(name), what));
     if (r.http_status == 404) return NotFound(ctx_->Describe(name) + ": no such object");
     if (!Ok2xx(r)) return HttpError(r, what);
     uint64_t size = 0;
@@ -800,13 +804,9 @@ class S3Storage final : public Storage {
     }
     size_t removed = 0;
     for (const auto& [key, id] : doomed) {
-      S3Request req;
-      req.method = "DELETE";
-      req.key = key;
-      req.query = {{"uploadId", id}};
       const std::string abort_what = "AbortMultipartUpload " + ctx_->uri + "/" +
                                      key.substr(ctx_->root.size()) + " (upload " + id + ")";
-      SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, abort_what));
+      SP_ASSIGN_OR_RETURN(S3Response r, ctx_->AbortUpload(key, id, abort_what));
       if (Ok2xx(r)) {
         ++removed;
       } else if (r.http_status != 404) {
