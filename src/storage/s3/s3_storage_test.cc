@@ -382,6 +382,19 @@ TEST(S3StorageTest, PublishIfAbsentRefusesAnExistingObject) {
   EXPECT_EQ(refused.load(), kRacers - 1);
 }
 
+TEST(S3StorageTest, MissingBucketIsNotFoundNamingTheBucket) {
+  SKIP_WITHOUT_S3();
+  const std::string uri = "s3://sp-no-such-bucket-" + std::to_string(getpid()) + "/run";
+  auto s = OpenStorage(uri);
+  ASSERT_OK(s);
+  auto list = (*s)->List("");
+  ASSERT_FALSE(list.ok());
+  EXPECT_TRUE(IsError(list.status(), StatusCode::kNotFound, {uri, "NoSuchBucket"}));
+  EXPECT_TRUE(IsError(test::PutObject(**s, "step-1/COMMIT", PatternBytes(10, 1)),
+                      StatusCode::kNotFound, {uri + "/step-1/COMMIT", "NoSuchBucket"}));
+  EXPECT_EQ((*s)->Open("step-1/COMMIT").status().code(), StatusCode::kNotFound);
+}
+
 TEST(S3StorageTest, WrongSecretIsPermissionDeniedWithoutRetries) {
   SKIP_WITHOUT_S3();
   ScopedEnv env;
