@@ -603,6 +603,7 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
       last = Unavailable("HTTP " + std::to_string(r->http_status) + " " + r->ErrorCode());
       continue;
     }
+    r->attempts = made;
     return r;
   }
   return Status(last.code(), std::string(what) + " failed after " + std::to_string(made) +

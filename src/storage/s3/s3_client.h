@@ -73,6 +73,7 @@ struct S3Response {
   std::string body;                            // response body (or the error body)
   std::map<std::string, std::string> headers;  // lower-case names
   uint64_t received = 0;                       // bytes written into receive_into
+  int attempts = 1;                            // requests sent for this answer (retries + 1)
   std::string ErrorCode() const;               // <Code> of an S3 error body, "" if none
   std::string Header(std::string_view lower_name) const;
 };
@@ -85,8 +86,9 @@ class S3Client {
   S3Client& operator=(const S3Client&) = delete;
 
   // Sends `request`, retrying transient failures. Returns the response of the last attempt for
-  // any HTTP status (the caller maps it); Unavailable naming `what` when no HTTP response came
-  // back at all (connection refused, timeout, stall) after the retries.
+  // any HTTP status (the caller maps it; S3Response::attempts counts the requests sent);
+  // Unavailable naming `what` when no HTTP response came back at all (connection refused,
+  // timeout, stall) after the retries.
   Result<S3Response> Execute(const S3Request& request, std::string_view what);
 
   // The request's URL (for tests and messages).

@@ -226,6 +226,7 @@ Status HttpError(const S3Response& r, const std::string& what) {
   std::string detail = "HTTP " + std::to_string(r.http_status);
   if (!code.empty()) detail += " " + code;
   if (const std::string m = s3::XmlText(r.body, "Message"); !m.empty()) detail += ": " + m;
+  if (r.attempts > 1) detail += " (after " + std::to_string(r.attempts) + " attempts)";
   if (code == "QuotaExceeded" || code == "EntityTooLarge" || r.http_status == 507) {
     return ResourceExhausted(what + ": quota exceeded or storage full (" + detail + ")");
   }

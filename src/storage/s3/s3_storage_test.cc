@@ -286,6 +286,99 @@ TEST(S3UriTest, ConnectionRefusedIsUnavailableAfterTheRetries) {
       IsError(r.status(), StatusCode::kUnavailable, {"s3://bucket/p/obj", "after 3 attempts"}));
 }
 
+// A loopback HTTP server that answers the i-th connection with responses[i] and closes it: for
+// the client's retry policy, which a real gateway cannot be made to exercise on demand (the S3
+// semantics themselves are tested against radosgw below). Requests must have no body.
+class CannedHttpServer {
+ public:
+  explicit CannedHttpServer(std::vector<std::string> responses) : responses_(std::move(responses)) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd_, 16) != 0 ||
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      return;
+    }
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~CannedHttpServer() {
+    shutdown(fd_, SHUT_RDWR);  // wakes accept()
+    if (thread_.joinable()) thread_.join();
+    close(fd_);
+  }
+
+  // 0 when the server could not listen.
+  int port() const { return port_; }
+  std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  int requests() const { return requests_.load(); }
+
+ private:
+  void Serve() {
+    for (const std::string& response : responses_) {
+      const int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      std::string request;
+      char buf[4096];
+      while (request.find("\r\n\r\n") == std::string::npos) {
+        const ssize_t n = read(c, buf, sizeof(buf));
+        if (n <= 0) break;
+        request.append(buf, static_cast<size_t>(n));
+      }
+      ++requests_;
+      for (size_t sent = 0; sent < response.size();) {
+        const ssize_t n = write(c, response.data() + sent, response.size() - sent);
+        if (n <= 0) break;
+        sent += static_cast<size_t>(n);
+      }
+      close(c);
+    }
+  }
+
+  const std::vector<std::string> responses_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<int> requests_{0};
+  std::thread thread_;
+};
+
+std::string HeadAnswer(const std::string& status_line, const std::string& headers = "") {
+  return "HTTP/1.1 " + status_line + "\r\n" + headers + "Connection: close\r\n\r\n";
+}
+
+TEST(S3ClientTest, ServerErrorsAndThrottlingAreRetriedUntilAnAnswerComes) {
+  CannedHttpServer server({HeadAnswer("503 Slow Down", "Content-Length: 0\r\n"),
+                           HeadAnswer("500 Internal Server Error", "Content-Length: 0\r\n"),
+                           HeadAnswer("429 Too Many Requests", "Content-Length: 0\r\n"),
+                           HeadAnswer("200 OK", "Content-Length: 1234\r\nETag: \"e1\"\r\n")});
+  ASSERT_NE(server.port(), 0);
+  ScopedEnv env;
+  UseTestCredentials(env, server.endpoint());
+  auto s = OpenStorage("s3://bucket/p?retries=3&timeout=5");
+  ASSERT_OK(s);
+  auto r = (*s)->Open("obj");
+  ASSERT_OK(r);
+  EXPECT_EQ((*r)->size(), 1234u);
+  EXPECT_EQ(server.requests(), 4);
+}
+
+TEST(S3ClientTest, ServerErrorsPastTheRetriesAreUnavailable) {
+  CannedHttpServer server({HeadAnswer("500 Internal Server Error", "Content-Length: 0\r\n"),
+                           HeadAnswer("503 Service Unavailable", "Content-Length: 0\r\n")});
+  ASSERT_NE(server.port(), 0);
+  ScopedEnv env;
+  UseTestCredentials(env, server.endpoint());
+  auto s = OpenStorage("s3://bucket/p?retries=1&timeout=5");
+  ASSERT_OK(s);
+  auto r = (*s)->Open("obj");
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(IsError(r.status(), StatusCode::kUnavailable,
+                      {"s3://bucket/p/obj", "HTTP 503", "after 2 attempts"}));
+  EXPECT_EQ(server.requests(), 2);
+}
+
 // ---- against a real gateway ---------------------------------------------------------------------
 
 // The URI of a fresh prefix under $SAFEPOINT_TEST_S3_URI, unique to the test.
