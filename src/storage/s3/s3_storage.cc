@@ -801,7 +801,7 @@ class S3Storage final : public Storage {
       if (s3::XmlText(r.body, "IsTruncated") != "true") break;
       key_marker = s3::XmlText(r.body, "NextKeyMarker");
       id_marker = s3::XmlText(r.body, "NextUploadIdMarker");
-      if (key_marker.empty()) break;
+      if (key_marker.empty()) return IOError(what + ": truncated listing without a NextKeyMarker");
     }
     size_t removed = 0;
     for (const auto& [key, id] : doomed) {

@@ -379,6 +379,25 @@ TEST(S3ClientTest, ServerErrorsPastTheRetriesAreUnavailable) {
   EXPECT_EQ(server.requests(), 2);
 }
 
+TEST(S3ClientTest, TruncatedListingsWithoutAContinuationAreErrors) {
+  // A server that says "more follows" but not where: no silent stop after the first page.
+  auto truncated = [](const std::string& root) {
+    const std::string body = "<" + root + "><IsTruncated>true</IsTruncated></" + root + ">";
+    return "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\nConnection: close\r\n\r\n" + body;
+  };
+  CannedHttpServer server({truncated("ListBucketResult"), truncated("ListMultipartUploadsResult")});
+  ASSERT_NE(server.port(), 0);
+  ScopedEnv env;
+  UseTestCredentials(env, server.endpoint());
+  auto s = OpenStorage("s3://bucket/p?retries=0&timeout=5");
+  ASSERT_OK(s);
+  EXPECT_TRUE(IsError((*s)->List("").status(), StatusCode::kIOError,
+                      {"ListObjectsV2 s3://bucket/p/", "truncated"}));
+  EXPECT_TRUE(IsError((*s)->RemoveLeftovers("").status(), StatusCode::kIOError,
+                      {"ListMultipartUploads s3://bucket/p/", "truncated"}));
+}
+
 // ---- against a real gateway ---------------------------------------------------------------------
 
 // The URI of a fresh prefix under $SAFEPOINT_TEST_S3_URI, unique to the test.
