@@ -176,8 +176,9 @@ class PartBufferPool {
 };
 
 struct S3Options {
-  double timeout_s = 0;  // 0: from the client configuration
-  int retries = -1;      // -1: default
+  // Unset: the client configuration's ($SAFEPOINT_STORAGE_TIMEOUT or 60 s; 4 retries).
+  std::optional<double> timeout_s;
+  std::optional<int> retries;
   uint64_t part_size = 16 * kMiB;
   size_t connections = 8;
 };
@@ -880,8 +881,8 @@ Result<std::unique_ptr<Storage>> OpenS3Storage(std::string_view uri, std::string
   SP_RETURN_IF_ERROR(ParseOptions(uri, query, &options));
   auto config = s3::ResolveS3Config();
   if (!config.ok()) return config.status().WithContext("storage URI \"" + std::string(uri) + "\"");
-  if (options.timeout_s > 0) config->timeout_s = options.timeout_s;
-  if (options.retries >= 0) config->retries = options.retries;
+  config->timeout_s = options.timeout_s.value_or(config->timeout_s);
+  config->retries = options.retries.value_or(config->retries);
   std::string clean = "s3://" + bucket + (prefix.empty() ? "" : "/" + prefix);
   auto ctx =
       std::make_shared<S3Context>(std::make_unique<S3Client>(*std::move(config), bucket),
