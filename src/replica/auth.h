@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "base/digest.h"
 #include "safepoint/status.h"
 
 namespace safepoint::replica {
@@ -38,7 +39,7 @@ Mac AuthProof(std::string_view secret, AuthRole role, std::string_view job,
 bool MacEqual(const Mac& a, const Mac& b);
 
 // Hex for the wire (lowercase) and back; false for anything else than 2*N hex digits.
-std::string ToHex(const uint8_t* data, size_t n);
-bool FromHex(std::string_view hex, uint8_t* out, size_t n);
+using internal::FromHex;
+using internal::ToHex;
 
 }  // namespace safepoint::replica

@@ -2,9 +2,6 @@
 #include "storage/s3/s3_client.h"
 
 #include <curl/curl.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/sha.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -17,6 +14,9 @@
 #include <fstream>
 #include <random>
 #include <thread>
+
+#include "base/digest.h"
+#include "storage/uri_options.h"
 
 namespace safepoint::s3 {
 
@@ -61,24 +61,6 @@ std::map<std::string, std::string> IniSection(const std::string& path, const std
     out[Lower(Trim(std::string_view(t).substr(0, eq)))] = Trim(std::string_view(t).substr(eq + 1));
   }
   return out;
-}
-
-std::string HexOf(const unsigned char* p, size_t n) {
-  static const char* kHex = "0123456789abcdef";
-  std::string out(2 * n, '0');
-  for (size_t i = 0; i < n; ++i) {
-    out[2 * i] = kHex[p[i] >> 4];
-    out[2 * i + 1] = kHex[p[i] & 15];
-  }
-  return out;
-}
-
-std::string Hmac(std::string_view key, std::string_view data) {
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-       reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &len);
-  return std::string(reinterpret_cast<char*>(out), len);
 }
 
 void GlobalInit() {
@@ -181,14 +163,7 @@ Result<S3Config> ResolveS3Config() {
         "aws_access_key_id and aws_secret_access_key in the profile \"" +
         profile + "\" of " + (cred_file.empty() ? "~/.aws/credentials" : cred_file));
   }
-  if (const std::string t = Getenv("SAFEPOINT_STORAGE_TIMEOUT"); !t.empty()) {
-    char* end = nullptr;
-    const double v = std::strtod(t.c_str(), &end);
-    if (end == t.c_str() || *end != '\0' || !(v > 0)) {
-      return InvalidArgument("SAFEPOINT_STORAGE_TIMEOUT=\"" + t + "\" is not a positive number");
-    }
-    c.timeout_s = v;
-  }
+  SP_ASSIGN_OR_RETURN(c.timeout_s, internal::StorageTimeoutFromEnv(c.timeout_s));
   return c;
 }
 
@@ -213,9 +188,7 @@ std::string UriEncode(std::string_view s, bool keep_slash) {
 }
 
 std::string Sha256Hex(std::span<const std::byte> data) {
-  unsigned char d[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), d);
-  return HexOf(d, sizeof(d));
+  return internal::ToHex(internal::Sha256(data));
 }
 
 std::string SigV4Authorization(const S3Config& config, std::string_view method,
@@ -239,14 +212,15 @@ std::string SigV4Authorization(const S3Config& config, std::string_view method,
   const std::string scope = date + "/" + config.region + "/s3/aws4_request";
   const std::string to_sign = "AWS4-HMAC-SHA256\n" + std::string(amz_date) + "\n" + scope + "\n" +
                               Sha256Hex(std::as_bytes(std::span(creq.data(), creq.size())));
-  std::string key = Hmac("AWS4" + config.secret_key, date);
-  key = Hmac(key, config.region);
-  key = Hmac(key, "s3");
-  key = Hmac(key, "aws4_request");
-  const std::string sig = Hmac(key, to_sign);
+  using internal::AsStringView;
+  using internal::HmacSha256;
+  internal::Sha256Digest key = HmacSha256("AWS4" + config.secret_key, date);
+  key = HmacSha256(AsStringView(key), config.region);
+  key = HmacSha256(AsStringView(key), "s3");
+  key = HmacSha256(AsStringView(key), "aws4_request");
   return "AWS4-HMAC-SHA256 Credential=" + config.access_key + "/" + scope +
          ", SignedHeaders=" + signed_headers +
-         ", Signature=" + HexOf(reinterpret_cast<const unsigned char*>(sig.data()), sig.size());
+         ", Signature=" + internal::ToHex(HmacSha256(AsStringView(key), to_sign));
 }
 
 // ---- XML
@@ -629,6 +603,7 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
       last = Unavailable("HTTP " + std::to_string(r->http_status) + " " + r->ErrorCode());
       continue;
     }
+    r->attempts = made;
     return r;
   }
   return Status(last.code(), std::string(what) + " failed after " + std::to_string(made) +

@@ -10,7 +10,7 @@
 // AWS_SHARED_CREDENTIALS_FILE (~/.aws/credentials), then in AWS_CONFIG_FILE (~/.aws/config,
 // sections "[profile NAME]" and "[default]").
 //
-// Signing: requests are signed with AWS Signature Version 4 here (libcrypto HMAC-SHA256), not
+// Signing: requests are signed with AWS Signature Version 4 here (base/digest.h), not
 // with libcurl's CURLOPT_AWS_SIGV4: libcurl 7.88 neither adds the x-amz-content-sha256 header
 // that S3 requires nor signs a session token, and its canonical query string is not the one S3
 // computes for every request this backend sends (?uploads, ?partNumber=&uploadId=, listing
@@ -73,6 +73,7 @@ struct S3Response {
   std::string body;                            // response body (or the error body)
   std::map<std::string, std::string> headers;  // lower-case names
   uint64_t received = 0;                       // bytes written into receive_into
+  int attempts = 1;                            // requests sent for this answer (retries + 1)
   std::string ErrorCode() const;               // <Code> of an S3 error body, "" if none
   std::string Header(std::string_view lower_name) const;
 };
@@ -84,12 +85,10 @@ class S3Client {
   S3Client(const S3Client&) = delete;
   S3Client& operator=(const S3Client&) = delete;
 
-  const S3Config& config() const { return config_; }
-  const std::string& bucket() const { return bucket_; }
-
   // Sends `request`, retrying transient failures. Returns the response of the last attempt for
-  // any HTTP status (the caller maps it); Unavailable naming `what` when no HTTP response came
-  // back at all (connection refused, timeout, stall) after the retries.
+  // any HTTP status (the caller maps it; S3Response::attempts counts the requests sent);
+  // Unavailable naming `what` when no HTTP response came back at all (connection refused,
+  // timeout, stall) after the retries.
   Result<S3Response> Execute(const S3Request& request, std::string_view what);
 
   // The request's URL (for tests and messages).

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "storage/s3/s3_client.h"
+#include "storage/uri_options.h"
 
 namespace safepoint {
 
@@ -174,8 +176,9 @@ class PartBufferPool {
 };
 
 struct S3Options {
-  double timeout_s = 0;  // 0: from the client configuration
-  int retries = -1;      // -1: default
+  // Unset: the client configuration's ($SAFEPOINT_STORAGE_TIMEOUT or 60 s; 4 retries).
+  std::optional<double> timeout_s;
+  std::optional<int> retries;
   uint64_t part_size = 16 * kMiB;
   size_t connections = 8;
 };
@@ -199,6 +202,23 @@ struct S3Context {
 
   std::string Key(std::string_view name) const { return root + std::string(name); }
   std::string Describe(std::string_view name) const { return uri + "/" + std::string(name); }
+
+  Result<S3Response> Head(const std::string& key, const std::string& what) const {
+    S3Request req;
+    req.method = "HEAD";
+    req.key = key;
+    return client->Execute(req, what);
+  }
+
+  // AbortMultipartUpload: the upload's parts are dropped, no object appears.
+  Result<S3Response> AbortUpload(const std::string& key, const std::string& upload_id,
+                                 const std::string& what) const {
+    S3Request req;
+    req.method = "DELETE";
+    req.key = key;
+    req.query = {{"uploadId", upload_id}};
+    return client->Execute(req, what);
+  }
 };
 
 // Maps an S3 error response of `what` ("PUT s3://b/p/x") to a Status.
@@ -207,6 +227,7 @@ Status HttpError(const S3Response& r, const std::string& what) {
   std::string detail = "HTTP " + std::to_string(r.http_status);
   if (!code.empty()) detail += " " + code;
   if (const std::string m = s3::XmlText(r.body, "Message"); !m.empty()) detail += ": " + m;
+  if (r.attempts > 1) detail += " (after " + std::to_string(r.attempts) + " attempts)";
   if (code == "QuotaExceeded" || code == "EntityTooLarge" || r.http_status == 507) {
     return ResourceExhausted(what + ": quota exceeded or storage full (" + detail + ")");
   }
@@ -313,12 +334,8 @@ class S3WritableObject final : public WritableObject {
       upload_id = upload_id_;
     }
     if (upload_id.empty()) return;
-    S3Request req;
-    req.method = "DELETE";
-    req.key = key_;
-    req.query = {{"uploadId", upload_id}};
     // Best effort: an upload left behind is aborted by RemoveLeftovers or a lifecycle rule.
-    (void)ctx_->client->Execute(req, "AbortMultipartUpload " + desc_);
+    (void)ctx_->AbortUpload(key_, upload_id, "AbortMultipartUpload " + desc_);
     ActiveUploads::Get().Remove(upload_id);
   }
 
@@ -453,11 +470,8 @@ class S3WritableObject final : public WritableObject {
 
   // HEAD of the key: OK when absent, AlreadyExists when present.
   Status CheckAbsent() {
-    S3Request head;
-    head.method = "HEAD";
-    head.key = key_;
     const std::string what = "HEAD " + desc_;
-    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(head, what));
+    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->Head(key_, what));
     if (r.http_status == 404) return Status::OK();
     if (Ok2xx(r)) return AlreadyExists(desc_ + ": already exists");
     return HttpError(r, what);
@@ -564,10 +578,7 @@ class S3WritableObject final : public WritableObject {
     if (r.http_status == 404 && r.ErrorCode() == "NoSuchUpload") {
       // A retried Complete whose first attempt succeeded but whose answer was lost: the
       // object is there with our size. (Anything else is a real failure.)
-      S3Request head;
-      head.method = "HEAD";
-      head.key = key_;
-      auto h = ctx_->client->Execute(head, "HEAD " + desc_);
+      auto h = ctx_->Head(key_, "HEAD " + desc_);
       if (h.ok() && Ok2xx(*h) && h->Header("content-length") == std::to_string(end)) {
         return Status::OK();
       }
@@ -709,11 +720,8 @@ class S3Storage final : public Storage {
 
   Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
     SP_RETURN_IF_ERROR(ValidateObjectName(name));
-    S3Request req;
-    req.method = "HEAD";
-    req.key = ctx_->Key(name);
     const std::string what = "HEAD " + ctx_->Describe(name);
-    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, what));
+    SP_ASSIGN_OR_RETURN(S3Response r, ctx_->Head(ctx_->Key(name), what));
     if (r.http_status == 404) return NotFound(ctx_->Describe(name) + ": no such object");
     if (!Ok2xx(r)) return HttpError(r, what);
     uint64_t size = 0;
@@ -794,17 +802,13 @@ class S3Storage final : public Storage {
       if (s3::XmlText(r.body, "IsTruncated") != "true") break;
       key_marker = s3::XmlText(r.body, "NextKeyMarker");
       id_marker = s3::XmlText(r.body, "NextUploadIdMarker");
-      if (key_marker.empty()) break;
+      if (key_marker.empty()) return IOError(what + ": truncated listing without a NextKeyMarker");
     }
     size_t removed = 0;
     for (const auto& [key, id] : doomed) {
-      S3Request req;
-      req.method = "DELETE";
-      req.key = key;
-      req.query = {{"uploadId", id}};
       const std::string abort_what = "AbortMultipartUpload " + ctx_->uri + "/" +
                                      key.substr(ctx_->root.size()) + " (upload " + id + ")";
-      SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, abort_what));
+      SP_ASSIGN_OR_RETURN(S3Response r, ctx_->AbortUpload(key, id, abort_what));
       if (Ok2xx(r)) {
         ++removed;
       } else if (r.http_status != 404) {
@@ -820,79 +824,35 @@ class S3Storage final : public Storage {
   const std::shared_ptr<S3Context> ctx_;
 };
 
-// "16M" -> 16777216; K, M, G (powers of 1024), optional "i"/"iB"/"B".
-bool ParseBytes(std::string_view s, uint64_t* out) {
-  uint64_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p == s.data()) return false;
-  std::string_view suffix(p, s.data() + s.size() - p);
-  uint64_t mult = 1;
-  if (!suffix.empty()) {
-    switch (suffix[0]) {
-      case 'k':
-      case 'K':
-        mult = 1ull << 10;
-        break;
-      case 'm':
-      case 'M':
-        mult = 1ull << 20;
-        break;
-      case 'g':
-      case 'G':
-        mult = 1ull << 30;
-        break;
-      case 'b':
-      case 'B':
-        break;
-      default:
-        return false;
-    }
-    suffix.remove_prefix(1);
-    if (suffix != "" && suffix != "i" && suffix != "iB" && suffix != "B") return false;
-  }
-  if (v > UINT64_MAX / mult) return false;
-  *out = v * mult;
-  return true;
-}
-
 Status ParseOptions(std::string_view uri, std::string_view query, S3Options* o) {
-  auto bad = [&](std::string_view why) {
-    return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + std::string(why));
-  };
-  while (!query.empty()) {
-    const size_t amp = query.find('&');
-    std::string_view item = query.substr(0, amp);
-    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
-    if (item.empty()) continue;
-    const size_t eq = item.find('=');
-    const std::string_view key = item.substr(0, eq);
-    const std::string value(eq == std::string_view::npos ? "" : item.substr(eq + 1));
-    char* end = nullptr;
+  using internal::BadStorageUri;
+  for (const auto& [key, value] : internal::SplitUriQuery(query)) {
+    const std::string v(value);
     if (key == "timeout") {
-      o->timeout_s = std::strtod(value.c_str(), &end);
-      if (value.empty() || *end != '\0' || !(o->timeout_s > 0)) {
-        return bad("timeout=" + value + " is not a positive number of seconds");
-      }
+      const std::optional<double> t = internal::ParseSeconds(value);
+      if (!t) return BadStorageUri(uri, "timeout=" + v + " is not a positive number of seconds");
+      o->timeout_s = *t;
     } else if (key == "retries") {
-      const long n = std::strtol(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || n < 0 || n > 100) {
-        return bad("retries=" + value + " is not a number from 0 to 100");
+      const std::optional<int64_t> n =
+          internal::ParseWholeNumber(value, 0, internal::kMaxUriRetries);
+      if (!n) {
+        return BadStorageUri(uri, "retries=" + v + " is not a number from 0 to " +
+                                      std::to_string(internal::kMaxUriRetries));
       }
-      o->retries = static_cast<int>(n);
+      o->retries = static_cast<int>(*n);
     } else if (key == "part_size") {
-      if (!ParseBytes(value, &o->part_size) || o->part_size < kMinPartSize ||
-          o->part_size > kMaxPartSize) {
-        return bad("part_size=" + value + " is not a size from 5M to 5G");
+      const std::optional<uint64_t> n = internal::ParseByteSize(value);
+      if (!n || *n < kMinPartSize || *n > kMaxPartSize) {
+        return BadStorageUri(uri, "part_size=" + v + " is not a size from 5M to 5G");
       }
+      o->part_size = *n;
     } else if (key == "connections") {
-      const long n = std::strtol(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || n < 1 || n > 256) {
-        return bad("connections=" + value + " is not a number from 1 to 256");
-      }
-      o->connections = static_cast<size_t>(n);
+      const std::optional<int64_t> n = internal::ParseWholeNumber(value, 1, 256);
+      if (!n) return BadStorageUri(uri, "connections=" + v + " is not a number from 1 to 256");
+      o->connections = static_cast<size_t>(*n);
     } else {
-      return bad("unknown option \"" + std::string(key) +
-                 "\" (known: timeout, retries, part_size, connections)");
+      return BadStorageUri(uri, "unknown option \"" + std::string(key) +
+                                    "\" (known: timeout, retries, part_size, connections)");
     }
   }
   return Status::OK();
@@ -911,19 +871,18 @@ Result<std::unique_ptr<Storage>> OpenS3Storage(std::string_view uri, std::string
   std::string prefix(slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1));
   while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
   if (bucket.empty()) {
-    return InvalidArgument("storage URI \"" + std::string(uri) +
-                           "\": no bucket (s3://BUCKET/PREFIX)");
+    return internal::BadStorageUri(uri, "no bucket (s3://BUCKET/PREFIX)");
   }
   if (!prefix.empty()) {
     Status s = ValidateObjectName(prefix);
-    if (!s.ok()) return InvalidArgument("storage URI \"" + std::string(uri) + "\": " + s.message());
+    if (!s.ok()) return internal::BadStorageUri(uri, s.message());
   }
   S3Options options;
   SP_RETURN_IF_ERROR(ParseOptions(uri, query, &options));
   auto config = s3::ResolveS3Config();
   if (!config.ok()) return config.status().WithContext("storage URI \"" + std::string(uri) + "\"");
-  if (options.timeout_s > 0) config->timeout_s = options.timeout_s;
-  if (options.retries >= 0) config->retries = options.retries;
+  config->timeout_s = options.timeout_s.value_or(config->timeout_s);
+  config->retries = options.retries.value_or(config->retries);
   std::string clean = "s3://" + bucket + (prefix.empty() ? "" : "/" + prefix);
   auto ctx =
       std::make_shared<S3Context>(std::make_unique<S3Client>(*std::move(config), bucket),

@@ -22,8 +22,8 @@
 //
 // Reading: Open sends HEAD (size, ETag); ReadAt sends ranged GETs with If-Match on the ETag (an
 // object replaced after Open reads as an IOError, never as a mix of two versions), copying the
-// body straight into the caller's buffer; a read larger than 8 MiB is split into 8 MiB ranges
-// fetched in parallel on the storage's `connections` threads.
+// body straight into the caller's buffer; a read larger than a part is split into part-sized
+// ranges fetched in parallel on the storage's `connections` threads.
 //
 // URI options (a query string): timeout=SECONDS (each request's bound; default
 // $SAFEPOINT_STORAGE_TIMEOUT, else 60), retries=N (4), part_size=BYTES (16M; 5M..5G; K/M/G
