@@ -12,7 +12,6 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
-#include <random>
 #include <thread>
 
 #include "base/digest.h"
@@ -573,15 +572,11 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
   const bool conditional =
       std::any_of(request.headers.begin(), request.headers.end(),
                   [](const auto& h) { return Lower(h.first) == "if-none-match"; });
-  thread_local std::mt19937_64 rng{std::random_device{}()};
   Status last;
   int made = 0;
   for (int attempt = 0; attempt <= config_.retries; ++attempt) {
     if (attempt > 0) {
-      // A random half to all of a window that doubles: 0.2 s, 0.4 s, ... capped at 10 s.
-      const double window = std::min(10.0, 0.2 * double(1u << std::min(attempt - 1, 10)));
-      std::uniform_real_distribution<double> jitter(0.5 * window, window);
-      std::this_thread::sleep_for(std::chrono::duration<double>(jitter(rng)));
+      std::this_thread::sleep_for(std::chrono::duration<double>(internal::RetryBackoffSeconds(attempt)));
     }
     ++made;
     void* curl = TakeHandle();
