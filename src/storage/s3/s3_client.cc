@@ -576,7 +576,8 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
   int made = 0;
   for (int attempt = 0; attempt <= config_.retries; ++attempt) {
     if (attempt > 0) {
-      std::this_thread::sleep_for(std::chrono::duration<double>(internal::RetryBackoffSeconds(attempt)));
+      std::this_thread::sleep_for(
+          std::chrono::duration<double>(internal::RetryBackoffSeconds(attempt)));
     }
     ++made;
     void* curl = TakeHandle();
