@@ -45,7 +45,15 @@ Result<Method> EncodeChunk(std::span<const std::byte> raw, int element_size, Mod
 // CRC-32C differs from the one the frame records. Never writes past `raw`.
 Status DecodeChunk(std::span<const std::byte> frame, std::span<std::byte> raw);
 
-// The decoded size a well-formed frame declares, or Corruption.
+// The decoded size a well-formed frame declares, or Corruption. Reads the header only.
 Result<uint64_t> DecodedSize(std::span<const std::byte> frame);
+
+// Every frame starts with a header of this many bytes, which says how long the frame is.
+inline constexpr size_t kFrameHeaderSize = 40;
+
+// From a frame's first kFrameHeaderSize bytes (or more): the whole frame's size in bytes, and the
+// method it was coded with. Corruption for a malformed header.
+Result<uint64_t> FrameSize(std::span<const std::byte> header);
+Result<Method> FrameMethod(std::span<const std::byte> header);
 
 }  // namespace safepoint::codec
