@@ -8,8 +8,9 @@
 // unless a sampled order-0 entropy says coding cannot pay, and kept raw when the coded plane is
 // not smaller. Bytes past the last whole value (size % E) follow the planes raw.
 //
-// zstd contexts are per thread (thread_local) and reused: EncodeChunk/DecodeChunk are called
-// from many threads at once, and creating a context costs more than coding a small chunk.
+// zstd contexts and plane buffers are per thread (thread_local) and reused: EncodeChunk and
+// DecodeChunk are called from many threads at once, and creating a context costs more than
+// coding a small chunk. A thread's plane buffers keep the size of the largest chunk it coded.
 #include "codec/codec.h"
 
 // For ZSTD_c_literalCompressionMode (an experimental parameter of libzstd >= 1.4.9, set by name
@@ -51,10 +52,10 @@ constexpr size_t kPlaneEntry = 16;  // coding u8, 7 reserved, coded size u64
 constexpr int kZstdLevel = 1;
 // zstd as byte planes use it: a plane of exponents is a stream of low-entropy symbols with no
 // long repeats, where zstd's match search costs most of the time and finds nothing that a
-// Huffman code of the literals does not already get (on trained bf16 weights: level 1 codes the
-// exponent plane 2.8x at ~160 MB/s, this 3.1x at ~1.3 GB/s). So: match search all but off (a
-// very negative level) and Huffman-coded literals forced on, in effect ZipNN's Huffman coder
-// per 128 KiB block, still a standard zstd frame.
+// Huffman code of the literals does not already get (on Gaussian bf16, the shape of trained
+// weights: level 1 codes the exponent plane 2.8x at ~160 MB/s, this 3.1x at ~1.3 GB/s). So: match
+// search all but off (a very negative level) and Huffman-coded literals forced on, in effect
+// ZipNN's Huffman coder per 128 KiB block, still a standard zstd frame.
 constexpr int kPlaneZstdLevel = -500;
 // kAuto keeps a chunk raw unless coding saves at least 1/32 of it: a smaller gain does not pay
 // for the decode on restore.
