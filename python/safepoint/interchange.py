@@ -32,27 +32,43 @@ from safepoint.errors import Error, InvalidArgumentError, NotFoundError
 FORMATS = ("safetensors", "torch")
 
 
+def _safetensors():
+    try:
+        import safetensors.torch
+
+        return safetensors
+    except ImportError:
+        raise InvalidArgumentError("safetensors files need the safetensors package "
+                                   "(pip install safetensors)") from None
+
+
 class _Progress:
-    """A progress bar on stderr (tqdm) over bytes, shown only on a terminal."""
+    """A progress bar on stderr over bytes (done, rate, time left), redrawn at most 10 times a
+    second, shown only on a terminal (as ``safepoint cp``'s)."""
 
     def __init__(self, total: int, what: str) -> None:
-        self.bar = None
-        if sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc=what, unit="B", unit_scale=True,
-                                unit_divisor=1024, file=sys.stderr)
-            except ImportError:  # pragma: no cover - tqdm comes with the test dependencies
-                self.bar = None
+        self.total, self.what, self.done = max(total, 1), what, 0
+        self.start = self.last = time.monotonic()
+        self.shown = sys.stderr.isatty()
 
     def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
+        self.done += n
+        now = time.monotonic()
+        if self.shown and (now - self.last >= 0.1 or self.done >= self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            left = (self.total - self.done) / rate if rate > 0 else 0.0
+            width = 30
+            filled = int(width * min(self.done / self.total, 1.0))
+            sys.stderr.write(f"\r{self.what} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB "
+                             f"{rate / 2**20:.1f} MiB/s {left:.0f}s left ")
+            sys.stderr.flush()
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def _selected(names: list[str], select: Optional[str]) -> dict[str, str]:
@@ -121,7 +137,7 @@ def export_step(path: str, out: str, *, format: str, step: Optional[int] = None,
         progress.close()
     meta = {"safepoint_source": str(path), "safepoint_step": str(step)}
     if format == "safetensors":
-        from safetensors.torch import save_file
+        save_file = _safetensors().torch.save_file
 
         def write(tmp: str) -> None:
             try:
@@ -166,8 +182,7 @@ def import_safetensors(src: str, dst: str, step: int, *, prefix: str = "model",
     ``step`` of ``dst``, under the key ``prefix`` of the state (``{"model": {...}}``; '' for the
     top level), so that ``Checkpointer.restore({"model": model})`` or ``safepoint.load`` restores
     it. Returns a report."""
-    from safetensors import safe_open
-
+    safe_open = _safetensors().safe_open
     t0 = time.perf_counter()
     files = _safetensors_files(src)
     tensors: dict[str, torch.Tensor] = {}
