@@ -1,8 +1,8 @@
 """Versioning and interchange (issue 12, parts 3 and 4): lineage (parents across kills, resumes
 and branches, the run's attempt, user metadata), `safepoint log / tag / diff`, tags and retention,
 `Checkpointer.restore(from_=URI@tag)`, and export/import through the real `safetensors` package
-and `torch.load`. Real agents, real processes; the s3:// cases run against the Ceph that
-`make test` starts (the `ceph` fixture), else they skip."""
+and `torch.load`. Real agents, real processes; the s3:// and rados:// cases run against the
+Ceph that `make test` starts (the `ceph` fixture), else they skip."""
 
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def location(request, tmp_path):
-    """A checkpoint location on file:// or on s3:// (the test Ceph)."""
+    """A checkpoint location on file://, or on s3:// or rados:// (the test Ceph)."""
     if request.param == "file":
         return f"file://{tmp_path}/ckpt"
     ceph = request.getfixturevalue("ceph")
-    return f"{ceph['SAFEPOINT_TEST_S3_URI']}/versions-{uuid.uuid4().hex}"
+    base = ceph["SAFEPOINT_TEST_S3_URI" if request.param == "s3" else "SAFEPOINT_TEST_RADOS_URI"]
+    return f"{base}/versions-{uuid.uuid4().hex}"
 
 
 def run_python(code: str, *args) -> subprocess.CompletedProcess:
@@ -182,7 +183,7 @@ def test_metadata_must_be_small_and_json(tmp_path, shm):
 
 # --- log, tag, diff on file:// and s3:// ---------------------------------------------------------
 
-@pytest.mark.parametrize("location", ["file", "s3"], indirect=True)
+@pytest.mark.parametrize("location", ["file", "s3", "rados"], indirect=True)
 def test_log_tag_and_diff(location, cli):
     s1, s2 = state(1), state(1)
     s2["model"]["w"][10] += 0.25
