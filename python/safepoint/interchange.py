@@ -127,12 +127,20 @@ def export_step(path: str, out: str, *, format: str, step: Optional[int] = None,
     progress = _Progress(total, f"export step {step}")
     tensors: dict[str, torch.Tensor] = {}
     try:
-        for name, out_name in chosen.items():
+        # Read in batches of about 64 MiB: one batched read per image each (small tensors share
+        # their checksum chunks), and a progress bar that moves.
+        batch: list = []
+        pending = 0
+        for i, (name, out_name) in enumerate(chosen.items()):
             gshape, dtype = shapes[name]
             t = torch.empty(gshape, dtype=dtype)
-            sr.fill([(name, t, tuple(gshape), (0,) * len(gshape))], rank=0)
             tensors[out_name] = t
-            progress.update(t.numel() * t.element_size())
+            batch.append((name, t, tuple(gshape), (0,) * len(gshape)))
+            pending += t.numel() * t.element_size()
+            if pending >= 64 << 20 or i == len(chosen) - 1:
+                sr.fill(batch, rank=0)
+                progress.update(pending)
+                batch, pending = [], 0
     finally:
         progress.close()
     meta = {"safepoint_source": str(path), "safepoint_step": str(step)}

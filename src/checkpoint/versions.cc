@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <thread>
 
 #include "base/bytes.h"
 #include "base/crc32c.h"
@@ -382,8 +383,45 @@ bool HasMaxAbs(DType d) {
          d != DType::kFloat8E5M2FNUZ && d != DType::kFloat8E8M0FNU;
 }
 
+// Counts the elements whose bytes differ and the largest |b - a| of those, one dtype at a time
+// (Bits: the element as an integer; value: its numeric value).
+template <typename Bits, typename Value>
+void CompareTyped(const std::byte* a, const std::byte* b, uint64_t n, Value value,
+                  TensorDiff* out) {
+  uint64_t changed = 0;
+  double m = out->max_abs.value_or(0);
+  for (uint64_t i = 0; i < n; ++i) {
+    Bits x, y;
+    std::memcpy(&x, a + i * sizeof(Bits), sizeof(Bits));
+    std::memcpy(&y, b + i * sizeof(Bits), sizeof(Bits));
+    if (x == y) continue;
+    ++changed;
+    double d = std::fabs(value(y) - value(x));
+    if (!std::isfinite(d)) d = std::numeric_limits<double>::infinity();  // NaN/inf involved
+    m = std::max(m, d);
+  }
+  out->changed += changed;
+  if (changed > 0) out->max_abs = m;
+}
+
 void CompareElements(DType dtype, const std::byte* a, const std::byte* b, uint64_t n,
                      TensorDiff* out) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return CompareTyped<uint32_t>(
+          a, b, n, [](uint32_t v) { return double(std::bit_cast<float>(v)); }, out);
+    case DType::kBFloat16:
+      return CompareTyped<uint16_t>(
+          a, b, n, [](uint16_t v) { return double(std::bit_cast<float>(uint32_t(v) << 16)); }, out);
+    case DType::kFloat16:
+      return CompareTyped<uint16_t>(
+          a, b, n, [](uint16_t v) { return double(HalfToFloat(v)); }, out);
+    case DType::kFloat64:
+      return CompareTyped<uint64_t>(
+          a, b, n, [](uint64_t v) { return std::bit_cast<double>(v); }, out);
+    default:
+      break;
+  }
   const size_t es = DTypeSize(dtype);
   const int components = (dtype == DType::kComplex64 || dtype == DType::kComplex128) ? 2 : 1;
   const bool numeric = HasMaxAbs(dtype);
@@ -404,11 +442,83 @@ void CompareElements(DType dtype, const std::byte* a, const std::byte* b, uint64
   }
 }
 
-// Compares the overlap of piece `pa` (of step view A) and `pb` (of B) in runs that are
-// contiguous in both, a window at a time.
-Status CompareOverlap(CheckpointStore& sa, const StepView& va, const Piece& pa, CheckpointStore& sb,
-                      const StepView& vb, const Piece& pb, DType dtype, const DiffOptions& opt,
-                      TensorDiff* out, uint64_t* done, uint64_t total) {
+// Runs of elements to compare, gathered across tensors into one window per step and read with
+// one ReadRanges per step (a small tensor alone would cost the read of its whole chunk).
+class DiffBatch {
+ public:
+  DiffBatch(CheckpointStore& sa, const StepView& va, CheckpointStore& sb, const StepView& vb,
+            const DiffOptions& opt, uint64_t total)
+      : sa_(sa), va_(va), sb_(sb), vb_(vb), opt_(opt), total_(total) {
+    // Sized once: the ranges point into them until the window is read.
+    buf_a_.resize(std::max<uint64_t>(std::min(opt.window_bytes, total), 16));
+    buf_b_.resize(buf_a_.size());
+  }
+
+  // Compares `n` elements of `dtype` at byte `off_a` of image `ia` of A and `off_b` of image
+  // `ib` of B, into `out` (once the window is read).
+  Status Add(size_t ia, size_t ib, uint64_t off_a, uint64_t off_b, uint64_t n, DType dtype,
+             TensorDiff* out) {
+    const uint64_t es = DTypeSize(dtype);
+    if (!segments_.empty() && (ia != ia_ || ib != ib_)) SP_RETURN_IF_ERROR(Flush());
+    ia_ = ia, ib_ = ib;
+    while (n > 0) {
+      uint64_t room = (buf_a_.size() - pending_) / es;
+      if (room == 0) {
+        SP_RETURN_IF_ERROR(Flush());
+        room = buf_a_.size() / es;
+      }
+      const uint64_t k = std::min(n, room);
+      ra_.push_back({off_a, k * es, buf_a_.data() + pending_});
+      rb_.push_back({off_b, k * es, buf_b_.data() + pending_});
+      segments_.push_back({out, dtype, pending_, k});
+      pending_ += k * es;
+      off_a += k * es, off_b += k * es, n -= k;
+    }
+    return Status::OK();
+  }
+
+  Status Flush() {
+    if (segments_.empty()) return Status::OK();
+    // The two steps are read at once (each ReadRanges reads its chunks in parallel too).
+    Status status_b;
+    std::thread read_b([&] { status_b = sb_.ReadRanges(vb_.images[ib_], rb_); });
+    Status status_a = sa_.ReadRanges(va_.images[ia_], ra_);
+    read_b.join();
+    SP_RETURN_IF_ERROR(status_a);
+    SP_RETURN_IF_ERROR(status_b);
+    for (const Segment& g : segments_) {
+      CompareElements(g.dtype, buf_a_.data() + g.offset, buf_b_.data() + g.offset, g.n, g.out);
+    }
+    done_ += pending_;
+    if (opt_.progress) opt_.progress(done_, total_);
+    ra_.clear(), rb_.clear(), segments_.clear();
+    pending_ = 0;
+    return Status::OK();
+  }
+
+ private:
+  struct Segment {
+    TensorDiff* out;
+    DType dtype;
+    uint64_t offset, n;
+  };
+  CheckpointStore& sa_;
+  const StepView& va_;
+  CheckpointStore& sb_;
+  const StepView& vb_;
+  const DiffOptions& opt_;
+  const uint64_t total_;
+  uint64_t done_ = 0, pending_ = 0;  // bytes
+  size_t ia_ = 0, ib_ = 0;
+  std::vector<std::byte> buf_a_, buf_b_;
+  std::vector<CheckpointStore::Range> ra_, rb_;
+  std::vector<Segment> segments_;
+};
+
+// Adds the overlap of piece `pa` (of A) and `pb` (of B) to the batch, in runs that are
+// contiguous in both.
+Status CompareOverlap(DiffBatch& batch, const Piece& pa, const Piece& pb, DType dtype,
+                      TensorDiff* out) {
   const size_t nd = pa.shape.size();
   const uint64_t es = DTypeSize(dtype);
   std::vector<uint64_t> lo(nd), len(nd);
@@ -434,29 +544,6 @@ Status CompareOverlap(CheckpointStore& sa, const StepView& va, const Piece& pa, 
     return s;
   };
   const std::vector<uint64_t> st_a = strides(pa.shape), st_b = strides(pb.shape);
-  const uint64_t window = std::max<uint64_t>(opt.window_bytes / es, 1);  // elements
-  std::vector<std::byte> buf_a, buf_b;
-  std::vector<CheckpointStore::Range> ra, rb;
-  uint64_t pending = 0;
-  const auto& md_a = va.images[pa.image];
-  const auto& md_b = vb.images[pb.image];
-  auto flush = [&]() -> Status {
-    if (pending == 0) return Status::OK();
-    SP_RETURN_IF_ERROR(sa.ReadRanges(md_a, ra));
-    SP_RETURN_IF_ERROR(sb.ReadRanges(md_b, rb));
-    CompareElements(dtype, buf_a.data(), buf_b.data(), pending, out);
-    *done += pending * es;
-    if (opt.progress) opt.progress(*done, total);
-    ra.clear();
-    rb.clear();
-    pending = 0;
-    return Status::OK();
-  };
-  // Sized once: the ranges point into them until the window is read.
-  uint64_t overlap = 1;
-  for (uint64_t l : len) overlap *= l;
-  buf_a.resize(std::min(window, overlap) * es);
-  buf_b.resize(buf_a.size());
   std::vector<uint64_t> idx(j, 0);  // over the outer dimensions
   while (true) {
     uint64_t off_a = 0, off_b = 0;
@@ -465,14 +552,8 @@ Status CompareOverlap(CheckpointStore& sa, const StepView& va, const Piece& pa, 
       off_a += (lo[d] - pa.offset[d] + i) * st_a[d];
       off_b += (lo[d] - pb.offset[d] + i) * st_b[d];
     }
-    for (uint64_t first = 0; first < run;) {
-      const uint64_t n = std::min(run - first, window - pending);
-      ra.push_back({pa.data_offset + (off_a + first) * es, n * es, buf_a.data() + pending * es});
-      rb.push_back({pb.data_offset + (off_b + first) * es, n * es, buf_b.data() + pending * es});
-      pending += n;
-      first += n;
-      if (pending == window) SP_RETURN_IF_ERROR(flush());
-    }
+    SP_RETURN_IF_ERROR(batch.Add(pa.image, pb.image, pa.data_offset + off_a * es,
+                                 pb.data_offset + off_b * es, run, dtype, out));
     // Next index over the outer dimensions (row-major).
     size_t d = j;
     while (d > 0) {
@@ -486,7 +567,7 @@ Status CompareOverlap(CheckpointStore& sa, const StepView& va, const Piece& pa, 
     }
     if (j == 0 || d == SIZE_MAX) break;
   }
-  return flush();
+  return Status::OK();
 }
 
 }  // namespace
@@ -497,7 +578,8 @@ Result<std::vector<TensorDiff>> DiffSteps(CheckpointStore& store_a, uint64_t a,
   SP_ASSIGN_OR_RETURN(StepView va, OpenStep(store_a, a));
   SP_ASSIGN_OR_RETURN(StepView vb, OpenStep(store_b, b));
   std::vector<TensorDiff> out;
-  uint64_t total = 0, done = 0;
+  out.reserve(va.tensors.size() + vb.tensors.size());  // the batch keeps pointers into it
+  uint64_t total = 0;
   for (const auto& [name, ta] : va.tensors) {
     auto it = vb.tensors.find(name);
     if (it == vb.tensors.end() || it->second.dtype != ta.dtype ||
@@ -508,6 +590,7 @@ Result<std::vector<TensorDiff>> DiffSteps(CheckpointStore& store_a, uint64_t a,
     for (uint64_t d : ta.global_shape) n *= d;
     total += n;
   }
+  DiffBatch batch(store_a, va, store_b, vb, options, total);
   for (const auto& [name, ta] : va.tensors) {
     TensorDiff diff;
     diff.name = name;
@@ -529,6 +612,7 @@ Result<std::vector<TensorDiff>> DiffSteps(CheckpointStore& store_a, uint64_t a,
     }
     diff.elements = 1;
     for (uint64_t d : ta.global_shape) diff.elements *= d;
+    TensorDiff* compared = &out.emplace_back(std::move(diff));
     uint64_t covered = 0;
     for (const Piece& pa : ta.pieces) {
       for (const Piece& pb : tb.pieces) {
@@ -540,17 +624,18 @@ Result<std::vector<TensorDiff>> DiffSteps(CheckpointStore& store_a, uint64_t a,
         }
         if (overlap == 0) continue;
         covered += overlap;
-        SP_RETURN_IF_ERROR(CompareOverlap(store_a, va, pa, store_b, vb, pb, ta.dtype, options,
-                                          &diff, &done, total));
+        SP_RETURN_IF_ERROR(CompareOverlap(batch, pa, pb, ta.dtype, compared));
       }
     }
-    if (covered != diff.elements) {
+    if (covered != compared->elements) {
       return Corruption("tensor '" + name + "': the shards of the two steps cover " +
-                        std::to_string(covered) + " of its " + std::to_string(diff.elements) +
+                        std::to_string(covered) + " of its " + std::to_string(compared->elements) +
                         " elements (overlapping or missing shards)");
     }
-    diff.kind = diff.changed > 0 ? TensorDiff::Kind::kChanged : TensorDiff::Kind::kSame;
-    out.push_back(std::move(diff));
+  }
+  SP_RETURN_IF_ERROR(batch.Flush());
+  for (TensorDiff& d : out) {
+    if (d.kind == TensorDiff::Kind::kSame && d.changed > 0) d.kind = TensorDiff::Kind::kChanged;
   }
   for (const auto& [name, tb] : vb.tensors) {
     if (va.tensors.contains(name)) continue;

@@ -81,14 +81,14 @@ struct TensorDiff {
 std::string_view DiffKindName(TensorDiff::Kind kind);
 
 struct DiffOptions {
-  uint64_t window_bytes = 8 << 20;  // read from each step at a time (bounded memory)
+  uint64_t window_bytes = 32 << 20;  // read from each step at a time (bounded memory)
   std::function<void(uint64_t done, uint64_t total)> progress;  // bytes compared
 };
 
 // Compares step `a` of `store_a` with step `b` of `store_b`, tensor by tensor (by name; shards
 // assembled by their boxes in the global tensor, so steps saved by different world sizes
 // compare). Every byte read is verified against its chunk's checksum; memory is bounded by
-// two windows. Results sorted by name.
+// two windows (read at once, one thread per step). Results sorted by name.
 Result<std::vector<TensorDiff>> DiffSteps(CheckpointStore& store_a, uint64_t a,
                                           CheckpointStore& store_b, uint64_t b,
                                           const DiffOptions& options = {});
