@@ -10,6 +10,7 @@
 //   safepoint status [--shm-dir DIR] [--json]
 //   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
 //   safepoint --version
+//   safepoint log | tag | diff | export | import ...   (apps/cli_versions.h)
 //
 // PATH, SRC and DST are checkpoint directories: plain paths or storage URIs (file://, and the
 // other schemes OpenStorage knows). Arguments are parsed by CLI11 (`safepoint --help`, `safepoint
