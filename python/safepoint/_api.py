@@ -61,7 +61,7 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
                 f"this save share) or $SAFEPOINT_ATTEMPT")
     if type(attempt) is not int or not 0 <= attempt < 2**64:
         raise InvalidArgumentError(f"{p}: attempt must be an int in [0, 2**64), got {attempt!r}")
-    from safepoint._versions import encode_metadata, resolve, split_ref
+    from safepoint._versions import encode_metadata, resolve, same_location, split_ref
 
     meta = encode_metadata(p, metadata)
     parent_step, parent_location = None, ""
@@ -70,6 +70,8 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
         if "@" in text:
             parent_location, ref = split_ref(text)
             parent_step = resolve(parent_location, ref)
+            if same_location(parent_location, p):
+                parent_location = ""
         else:
             parent_step = resolve(p, text)
     r = _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),

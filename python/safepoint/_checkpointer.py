@@ -29,7 +29,7 @@ from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
 from safepoint._tiers import Tier, TierLike, core_tiers, normalize_tiers
-from safepoint._versions import encode_metadata, resolve, split_ref
+from safepoint._versions import encode_metadata, resolve, same_location, split_ref
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -604,7 +604,7 @@ class Checkpointer:
         self._stats["last_load"] = {"step": got_step, "source": "storage", "seconds": seconds,
                                     "peers": "", "uri": location, **self._io}
         self.last_restore = RestoreInfo(got_step, "storage", seconds, "", location)
-        same = location == self.path
+        same = same_location(location, self.path)
         self._live.set_lineage(got_step, "" if same else location, self._metadata)
         return got_step
 

@@ -69,6 +69,22 @@ def split_ref(ref: str) -> tuple[str, Optional[str]]:
     return location, (name or None)
 
 
+def _canonical(location: str) -> str:
+    if location.startswith("file://localhost/"):
+        location = location[len("file://localhost"):]
+    elif location.startswith("file:///"):
+        location = location[len("file://"):]
+    if not _SCHEME.match(location):
+        location = os.path.normpath(os.path.abspath(location))
+    return location.rstrip("/") or "/"
+
+
+def same_location(a: str, b: str) -> bool:
+    """Whether two spellings name one checkpoint (a path and its file:// URI): a parent there is
+    recorded as "this checkpoint", which stays true wherever the steps are copied."""
+    return _canonical(a) == _canonical(b)
+
+
 def resolve(location: str, ref: Optional[str]) -> int:
     """The committed step ``ref`` names in ``location`` (None: the newest)."""
     if ref is None:

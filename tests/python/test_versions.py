@@ -73,6 +73,9 @@ def test_a_fresh_run_records_no_parent_and_its_metadata(tmp_path, shm):
     safepoint.save(path, 3, state(3), metadata={"note": "by hand"}, parent="step-2")
     assert lineage(path, 3) == {"attempt": 0, "parent": {"step": 2, "location": path},
                                 "metadata": {"note": "by hand"}}
+    # Another spelling of the same checkpoint is "this checkpoint" (recorded empty).
+    safepoint.save(path, 4, state(4), parent=f"file://{path}@3")
+    assert _core.step_lineage(path, 4)[1:3] == (3, "")
 
 
 WORKER = """
