@@ -10,6 +10,7 @@
 //   safepoint status [--shm-dir DIR] [--json]
 //   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
 //   safepoint --version
+//   safepoint log | tag | diff | export | import ...   (apps/cli_versions.h)
 //
 // PATH, SRC and DST are checkpoint directories: plain paths or storage URIs (file://, and the
 // other schemes OpenStorage knows). Arguments are parsed by CLI11 (`safepoint --help`, `safepoint
@@ -40,6 +41,8 @@
 #include "base/bytes.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
+#include "checkpoint/versions.h"
+#include "cli_versions.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/build_config.h"
@@ -494,7 +497,20 @@ int CmdRm(const Args& a) {
                                 " is the newest committed step (what a restart loads); pass "
                                 "--force to delete it"));
   }
+  // A tagged step is kept past retention: only --force deletes it, and its tags with it.
+  auto tags = ListTags(**store);
+  if (!tags.ok()) return Fail(tags.status());
+  std::erase_if(*tags, [step](const Tag& t) { return t.step != step; });
+  if (!tags->empty() && !a.force) {
+    return Fail(InvalidArgument(uri + ": step " + std::to_string(step) + " is tagged '" +
+                                tags->front().name +
+                                "' (kept past retention); delete the tag (safepoint tag --delete) "
+                                "or pass --force"));
+  }
   if (Status s = (*store)->DeleteStep(step); !s.ok()) return Fail(s);
+  for (const Tag& t : *tags) {
+    if (Status s = DeleteTag(**store, t.name); !s.ok()) return Fail(s);
+  }
   if (a.json) {
     std::cout << json{{"uri", uri}, {"step", step}, {"deleted", true}, {"damaged", damaged}}.dump(2)
               << "\n";
@@ -845,7 +861,7 @@ int Main(int argc, char** argv) {
                              ->type_name("N")
                              ->required()
                              ->check(UnsignedAtMost(std::numeric_limits<uint64_t>::max()));
-  rm->add_flag("--force", a.force, "also the newest committed step");
+  rm->add_flag("--force", a.force, "also the newest committed step, or a tagged one");
   add_json(rm, "JSON instead of a line");
 
   CLI::App* agent =
@@ -867,6 +883,7 @@ int Main(int argc, char** argv) {
   add_json(gc, "each job's action and why, as JSON");
 
   for (CLI::App* cmd : {ls, inspect, verify, cp, rm, agent, status, gc}) cmd->group("Commands");
+  auto run_version_command = AddVersionCommands(app);  // log, tag, diff, export, import
   app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
 
   try {
@@ -898,6 +915,7 @@ int Main(int argc, char** argv) {
   if (agent->parsed()) return CmdAgent(a);
   if (status->parsed()) return CmdStatus(a);
   if (gc->parsed()) return CmdGc(a);
+  if (std::optional<int> rc = run_version_command()) return *rc;
   std::cerr << app.help();  // no command
   return kExitUsage;
 }

@@ -146,6 +146,11 @@ class SnapshotClient {
   // Pauses (or resumes) the agent's replication sends, e.g. around the training's collectives.
   Status PauseReplication(bool paused);
 
+  // The lineage every following snapshot records (ImageMeta::lineage): the step the run was
+  // restored from, and the user's metadata. InvalidArgument (ValidateLineage) leaves it as it was.
+  Status SetLineage(Lineage lineage);
+  const Lineage& lineage() const { return lineage_; }
+
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
 
@@ -181,6 +186,7 @@ class SnapshotClient {
   Status SendPeerState();
   bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)
   std::vector<TensorSpec> last_specs_;
+  Lineage lineage_;
   std::unique_ptr<agent::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
 };
 

@@ -61,6 +61,24 @@ inline constexpr size_t kMaxRank = 1 << 24;
 inline constexpr size_t kMaxNdim = 32;
 inline constexpr size_t kMaxNameLength = 1 << 20;
 
+// Lineage of a step (docs/format.md, "Lineage"): the step the saving run was restored from and
+// the user's metadata. Kept in the image header, so it travels wherever the image goes (memory,
+// files, object stores, other tiers). All empty for a fresh run without metadata: such a
+// header is byte for byte what builds before lineage wrote.
+inline constexpr size_t kMaxParentLocationLength = 1024;
+inline constexpr size_t kMaxLineageMetadataLength = 2048;
+struct Lineage {
+  bool has_parent = false;  // the run was restored from parent_step (false: a fresh run)
+  uint64_t parent_step = 0;
+  // The checkpoint the parent step was restored from (a path or URI, UTF-8), empty when it is
+  // this image's own checkpoint (a resume, also when the copy read was on a lower tier).
+  std::string parent_location;
+  // A JSON object, UTF-8, at most kMaxLineageMetadataLength bytes (empty: none). Its keys and
+  // values are the caller's (code version, config hash, ...).
+  std::string metadata;
+  bool operator==(const Lineage&) const = default;
+};
+
 // Identity of an image.
 struct ImageMeta {
   std::string job;  // [A-Za-z0-9._-]{0,64}
@@ -72,7 +90,12 @@ struct ImageMeta {
   // from images of one attempt, so the image of an earlier, unfinished or replaced attempt
   // (a rank that crashed after persisting, a re-saved step) is never committed beside new ones.
   uint64_t attempt = 0;
+  Lineage lineage;
 };
+
+// Checks the lineage's sizes, UTF-8 and that metadata is a JSON object; InvalidArgument
+// naming the field otherwise.
+Status ValidateLineage(const Lineage& lineage);
 
 // Describes one tensor of the shard. For a shard of a larger tensor, global_shape and
 // global_offset give the box this shard covers; both empty means the tensor is whole.

@@ -26,6 +26,7 @@
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
 #include "state.h"
+#include "version_bindings.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -130,12 +131,26 @@ struct SlotView {
   std::optional<uint64_t> attempt;  // of a complete snapshot, from its image header
 };
 
+// The lineage of a save (ImageMeta::lineage) from its Python arguments.
+Lineage MakeLineage(std::optional<uint64_t> parent_step, const std::string& parent_location,
+                    const std::string& metadata) {
+  Lineage l;
+  l.has_parent = parent_step.has_value();
+  l.parent_step = parent_step.value_or(0);
+  l.parent_location = parent_location;
+  l.metadata = metadata;
+  Check(ValidateLineage(l));
+  return l;
+}
+
 SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
                 const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt,
-                bool overwrite) {
+                bool overwrite, std::optional<uint64_t> parent_step,
+                const std::string& parent_location, const std::string& metadata) {
   ImageMeta meta;
   meta.job = job;
   meta.attempt = attempt;
+  meta.lineage = MakeLineage(parent_step, parent_location, metadata);
   meta.step = step;
   meta.rank = rank;
   meta.world_size = world_size;
@@ -430,6 +445,11 @@ class PyClient {
     return Unwrap(std::move(r));
   }
 
+  void SetLineage(std::optional<uint64_t> parent_step, const std::string& parent_location,
+                  const std::string& metadata) {
+    Check(Get().SetLineage(MakeLineage(parent_step, parent_location, metadata)));
+  }
+
   // skip: [(first, last), ...] tensor index ranges other ranks write. Returns the agent error
   // text ("" when told).
   std::string Notify(const SkipRanges& skip) {
@@ -607,7 +627,8 @@ NB_MODULE(_core, m) {
       .def_ro("complete_time_ns", &SlotView::complete_time_ns)
       .def_ro("attempt", &SlotView::attempt);
   m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a,
-        "pickler"_a.none() = nb::none(), "attempt"_a = 0, "overwrite"_a = false);
+        "pickler"_a.none() = nb::none(), "attempt"_a = 0, "overwrite"_a = false,
+        "parent_step"_a.none() = nb::none(), "parent_location"_a = "", "metadata"_a = "");
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
   nb::class_<TensorSlot>(m, "TensorSlot")
@@ -647,6 +668,8 @@ NB_MODULE(_core, m) {
            "tiers: (uri, every, every_seconds, keep) of each storage tier below `storage`")
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
            "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
+      .def("set_lineage", &PyClient::SetLineage, "parent_step"_a.none(), "parent_location"_a,
+           "metadata"_a)
       .def("notify", &PyClient::Notify, "skip"_a)
       .def("last_entries", &PyClient::LastEntries)
       .def("wait", &PyClient::Wait, "timeout"_a)
@@ -677,6 +700,7 @@ NB_MODULE(_core, m) {
       "parts of each snapshot, node losses survived, memory on other nodes per snapshot byte)");
   python::BindFormat(m);
   python::BindCodec(m);
+  python::BindVersions(m);
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("VERSION") = SAFEPOINT_VERSION;  // __version__ for type checkers (stubs omit dunders)
   m.attr("FORMAT_VERSION") = kImageFormatVersion;

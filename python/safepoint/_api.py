@@ -22,7 +22,8 @@ def _path(path: str | os.PathLike[str]) -> str:
 
 def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
          world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False,
-         attempt: Optional[int] = None, overwrite: bool = False) -> dict:
+         attempt: Optional[int] = None, overwrite: bool = False,
+         metadata: Optional[dict[str, Any]] = None, parent: Optional[str] = None) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
 
     ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
@@ -36,6 +37,9 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
     old step or the new one, never a mix or nothing). Every rank of a replacing save must pass
     the same ``attempt``, one that differs from the attempt that committed the step (a single
     rank draws one).
+    ``metadata`` (a small dict of str to str/int/float/bool/None, at most 2 KiB as JSON) and
+    ``parent`` (the step this state descends from: ``"PATH@TAG"``, ``"PATH@step-N"``, or
+    ``"step-N"``/``N`` of ``path`` itself) are recorded in the step's lineage (``safepoint log``).
     Returns ``{"bytes", "write_seconds", "committed"}``.
     """
     p = _path(path)
@@ -57,8 +61,21 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
                 f"this save share) or $SAFEPOINT_ATTEMPT")
     if type(attempt) is not int or not 0 <= attempt < 2**64:
         raise InvalidArgumentError(f"{p}: attempt must be an int in [0, 2**64), got {attempt!r}")
+    from safepoint._versions import encode_metadata, resolve, same_location, split_ref
+
+    meta = encode_metadata(p, metadata)
+    parent_step, parent_location = None, ""
+    if parent is not None:
+        text = os.fspath(parent) if not isinstance(parent, int) else str(parent)
+        if "@" in text:
+            parent_location, ref = split_ref(text)
+            parent_step = resolve(parent_location, ref)
+            if same_location(parent_location, p):
+                parent_location = ""
+        else:
+            parent_step = resolve(p, text)
     r = _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
-                   attempt, bool(overwrite))
+                   attempt, bool(overwrite), parent_step, parent_location, meta)
     return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed}
 
 

@@ -29,6 +29,7 @@ from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
 from safepoint._tiers import Tier, TierLike, core_tiers, normalize_tiers
+from safepoint._versions import encode_metadata, resolve, same_location, split_ref
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -161,7 +162,8 @@ class Checkpointer:
                  redundancy: Optional[str] = None,
                  replication_bandwidth: Optional[float] = None,
                  peer_timeout: float = 30.0,
-                 tiers: Optional[list[TierLike]] = None) -> None:
+                 tiers: Optional[list[TierLike]] = None,
+                 metadata: Optional[dict[str, Any]] = None) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -181,6 +183,9 @@ class Checkpointer:
                 f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"{self.path}: rank {rank} is not in [0, {world_size})")
+        # Lineage (docs/guide.md, "Versions"): every step records the step this run was
+        # restored from (none for a fresh run) and this metadata.
+        self._metadata = encode_metadata(self.path, metadata)
         self.tiers: list[Tier] = normalize_tiers(self.path, tiers)
         # Where committed steps may be, fastest first: path, then the tiers in order.
         self._stores = [self.path] + [t.uri for t in self.tiers]
@@ -197,6 +202,8 @@ class Checkpointer:
 
             self._group = dist.new_group(backend="gloo")
         self.attempt = run_attempt(self._group)
+        if self.attempt == 0 and world_size == 1:
+            self.attempt = new_attempt()  # tells this run's steps apart in the lineage (log)
         self.dedupe = bool(dedupe) and self._group is not None
         self.share_reads = bool(share_reads) and self._group is not None
         self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
@@ -209,6 +216,8 @@ class Checkpointer:
             "agent_errors": 0,
         }
         self.last_restore: Optional[RestoreInfo] = None
+        if self._metadata:
+            self._client.set_lineage(None, "", self._metadata)
         self.replication: Optional[dict[str, Any]] = None
         if redundancy not in (None, "", "none"):
             if self._group is None:
@@ -329,6 +338,9 @@ class Checkpointer:
         self._stats["last_load"] = {"step": result[0], "source": source, "seconds": seconds,
                                     "peers": peers, "uri": uri, **self._io}
         self.last_restore = RestoreInfo(result[0], source, seconds, peers, uri)
+        # The steps saved from now on descend from this one (of this checkpoint, wherever the
+        # copy was read: memory, a peer, path or a tier).
+        self._live.set_lineage(result[0], "", self._metadata)
         return result
 
     def _memory_steps(self) -> list[int]:
@@ -541,11 +553,21 @@ class Checkpointer:
             raise NotFoundError(f"{self.path}: step {step} cannot be loaded by every rank")
         return None
 
-    def restore(self, state: Any, step: Optional[int] = None) -> Optional[int]:
+    def restore(self, state: Any, step: Optional[int] = None, *,
+                from_: Optional[str] = None) -> Optional[int]:
         """Loads the newest (or the given) step *into* ``state`` in place, like DCP's load:
         tensors are copied into the existing tensors, Stateful values get ``load_state_dict``,
         other values are replaced; generator states saved with ``include_rng`` are restored.
-        Returns the step, or None when there is nothing to load."""
+        Returns the step, or None when there is nothing to load.
+
+        ``from_`` branches from another checkpoint: ``"file:///runs/base@pretrained"`` (a tag),
+        ``"...@step-100"`` or ``"...@100"`` (a step), or a location alone (its newest step). The
+        step is read from storage there, resharded to this run's ranks, and the steps this run
+        saves record it as their parent."""
+        if from_ is not None:
+            if step is not None:
+                raise InvalidArgumentError(f"{self.path}: pass step= or from_=, not both")
+            return self._restore_from(state, from_)
         targets = to_saveable(state)
         loaded = self.load(step, _targets=targets)
         if loaded is None:
@@ -560,6 +582,30 @@ class Checkpointer:
             import torch
 
             torch.cuda.synchronize()
+        return got_step
+
+    def _restore_from(self, state: Any, from_: str) -> int:
+        t0 = time.perf_counter()
+        location, ref = split_ref(from_)
+        got_step = resolve(location, ref)
+        if self._group is not None:  # every rank branches from the same step
+            import torch.distributed as dist
+
+            agreed = [got_step]
+            dist.broadcast_object_list(agreed, src=0, group=self._group)
+            got_step = int(agreed[0])
+        targets = to_saveable(state)
+        from safepoint._shards import read_into
+
+        self._io = {"storage_bytes_read": 0}
+        tree = read_into(location, got_step, self.rank, targets, self._unpickler, stats=self._io)
+        apply_loaded(state, tree)
+        seconds = time.perf_counter() - t0
+        self._stats["last_load"] = {"step": got_step, "source": "storage", "seconds": seconds,
+                                    "peers": "", "uri": location, **self._io}
+        self.last_restore = RestoreInfo(got_step, "storage", seconds, "", location)
+        same = same_location(location, self.path)
+        self._live.set_lineage(got_step, "" if same else location, self._metadata)
         return got_step
 
     @property

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 
 #include "base/kill_point.h"
+#include "checkpoint/versions.h"
 
 namespace safepoint::agent {
 
@@ -38,14 +40,28 @@ bool StepPins::Pinned(size_t tier, uint64_t step) const {
 }
 
 std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const StepPins* pins,
-                                 size_t tier) {
+                                 size_t tier, CheckpointStore* also_tagged_in) {
   std::vector<uint64_t> pruned;
   auto all = store.ListCommitted();
   if (!all.ok()) return pruned;
   const size_t n = std::max<uint32_t>(keep, 1);
+  // Tagged steps are kept past retention (src/checkpoint/versions.h). Tags that cannot be read
+  // might name any step: then nothing is deleted this time.
+  std::set<uint64_t> tagged;
+  for (CheckpointStore* s : {&store, also_tagged_in}) {
+    if (s == nullptr || all->size() <= n) continue;
+    auto steps = TaggedSteps(*s);
+    if (!steps.ok()) {
+      spdlog::warn("retention of {} deletes nothing: {}", store.storage().uri(),
+                   steps.status().ToString());
+      return pruned;
+    }
+    tagged.merge(*steps);
+  }
   for (size_t i = 0; i + n < all->size(); ++i) {
     const uint64_t step = (*all)[i].step;
     if (pins != nullptr && pins->Pinned(tier, step)) continue;  // a lower tier copies it now
+    if (tagged.contains(step)) continue;
     if (store.DeleteStep(step).ok()) pruned.push_back(step);
     SP_KILL_POINT("agent.tier.mid_prune");  // before the next step's DeleteStep or the CleanUp
   }
@@ -294,7 +310,8 @@ bool TierChain::CopyOne(Worker& w, uint64_t step) {
   auto copied = CopyStep(*upper, *w.store, step, options);
   if (!copied.ok()) return fail(copied.status());
   SP_KILL_POINT("agent.tier.before_prune");
-  const std::vector<uint64_t> pruned = PruneSteps(*w.store, w.spec.keep, pins_.get(), w.index);
+  const std::vector<uint64_t> pruned =
+      PruneSteps(*w.store, w.spec.keep, pins_.get(), w.index, primary_.get());
   const int64_t now = WallNs();
   {
     std::lock_guard<std::mutex> lock(w.mu);

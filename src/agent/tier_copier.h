@@ -49,9 +49,10 @@ class StepPins {
 };
 
 // Deletes the committed steps of `store` beyond its newest `keep` (at least 1), except those
-// pinned on `tier`, then removes what failed writes left. Returns the steps deleted.
+// pinned on `tier` and those a tag of `store` or of `also_tagged_in` (a tier's: the job's own
+// storage) names, then removes what failed writes left. Returns the steps deleted.
 std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const StepPins* pins,
-                                 size_t tier);
+                                 size_t tier, CheckpointStore* also_tagged_in = nullptr);
 
 // What status() shows of one tier.
 struct TierState {

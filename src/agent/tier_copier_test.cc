@@ -8,6 +8,7 @@
 #include <cstring>
 #include <thread>
 
+#include "checkpoint/versions.h"
 #include "safepoint/checkpoint.h"
 #include "storage/faulty/faulty_storage.h"
 #include "testing/test_util.h"
@@ -210,6 +211,31 @@ TEST(PruneStepsTest, KeepsTheNewestAndEveryPinnedStep) {
   EXPECT_EQ(left[0].step, 2u);
   pins.Unpin(0, 2);
   EXPECT_EQ(PruneSteps(*store, 2, &pins, 0), (std::vector<uint64_t>{2}));
+}
+
+// Tags keep steps past retention: a tag of the store itself, and for a tier one of the job's
+// own storage (`also_tagged_in`). Unreadable tags stop retention instead of guessing.
+TEST(PruneStepsTest, KeepsTaggedSteps) {
+  auto store = std::make_shared<CheckpointStore>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  auto primary = std::make_shared<CheckpointStore>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  for (uint64_t step = 1; step <= 6; ++step) ASSERT_OK(Save(*store, step));
+  ASSERT_OK(Save(*primary, 3));
+  ASSERT_OK(WriteTag(*store, {"base", 1, 0}, false));
+  ASSERT_OK(WriteTag(*primary, {"best", 3, 0}, false));
+  EXPECT_EQ(PruneSteps(*store, 2, nullptr, 1, primary.get()), (std::vector<uint64_t>{2, 4}));
+  ASSERT_OK_AND_ASSIGN(auto left, store->ListCommitted());
+  ASSERT_EQ(left.size(), 4u);
+  EXPECT_EQ(left[0].step, 1u);
+  EXPECT_EQ(left[1].step, 3u);
+  ASSERT_OK(DeleteTag(*primary, "best"));
+  EXPECT_EQ(PruneSteps(*store, 2, nullptr, 1, primary.get()), (std::vector<uint64_t>{3}));
+  ASSERT_OK(Save(*store, 7));
+  ASSERT_OK_AND_ASSIGN(auto w, store->storage().Create("tags/damaged", 1));
+  ASSERT_OK(w->WriteAt(0, std::span<const std::byte>(reinterpret_cast<const std::byte*>("x"), 1)));
+  ASSERT_OK(w->Publish());
+  EXPECT_TRUE(PruneSteps(*store, 2, nullptr, 0).empty());
+  ASSERT_OK(store->storage().Delete("tags/damaged"));
+  EXPECT_EQ(PruneSteps(*store, 2, nullptr, 0), (std::vector<uint64_t>{5}));
 }
 
 }  // namespace

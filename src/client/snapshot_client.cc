@@ -294,6 +294,12 @@ Result<std::string> SnapshotClient::Request(MessageType type, const std::string&
   return Unavailable(job_dir_ + ": the safepoint agent is not reachable");
 }
 
+Status SnapshotClient::SetLineage(Lineage lineage) {
+  SP_RETURN_IF_ERROR(ValidateLineage(lineage));
+  lineage_ = std::move(lineage);
+  return Status::OK();
+}
+
 Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSource> tensors,
                                             std::string extras, bool persist, bool notify,
                                             const StageFn& stage) {
@@ -311,6 +317,7 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   ImageMeta meta;
   meta.job = opt_.job;
   meta.attempt = opt_.attempt;
+  meta.lineage = lineage_;
   meta.step = step;
   meta.rank = opt_.rank;
   meta.world_size = opt_.world_size;

@@ -27,7 +27,15 @@ constexpr char kMagic[8] = {'S', 'P', 'I', 'M', 'A', 'G', 'E', '\0'};
 constexpr size_t kHeaderCrcOffset = kImageHeaderSize - 4;
 constexpr size_t kJobOffset = 145;
 constexpr size_t kReservedOffset = kJobOffset + kMaxJobLength;  // 209
-constexpr size_t kAttemptOffset = 216;  // u64; 209..215 and 224..4091 stay reserved
+constexpr size_t kAttemptOffset = 216;  // u64; 209..215 and 224..511 stay reserved
+// Lineage block (docs/format.md, "Lineage"): u16 parent location length, u16 metadata length,
+// u32 reserved, u64 parent step (valid with header flag 2), then the two texts in fixed areas.
+constexpr size_t kLineageOffset = 512;
+constexpr size_t kParentLocationOffset = kLineageOffset + 16;                         // 528
+constexpr size_t kMetadataOffset = kParentLocationOffset + kMaxParentLocationLength;  // 1552
+constexpr size_t kLineageEnd = kMetadataOffset + kMaxLineageMetadataLength;           // 3600
+constexpr uint32_t kFlagElsewhere = 1;
+constexpr uint32_t kFlagParent = 2;
 constexpr size_t kEntryFixedSize = 32;
 constexpr uint64_t kMaxImageSize = uint64_t{1} << 50;  // 1 PiB: keeps offset arithmetic exact
 constexpr uint64_t kLargeTensor = 64 << 10;
@@ -132,10 +140,38 @@ bool IsValidDType(uint8_t code) { return DTypeSize(static_cast<DType>(code)) != 
 // ---------------------------------------------------------------------------------------------
 // Builder
 
+Status ValidateLineage(const Lineage& l) {
+  if (l.parent_location.size() > kMaxParentLocationLength) {
+    return InvalidArgument("lineage: the parent's location is " +
+                           std::to_string(l.parent_location.size()) + " bytes, more than " +
+                           std::to_string(kMaxParentLocationLength));
+  }
+  if (!internal::IsValidUtf8(l.parent_location) ||
+      l.parent_location.find('\0') != std::string::npos) {
+    return InvalidArgument("lineage: the parent's location is not valid UTF-8 text");
+  }
+  if (l.metadata.size() > kMaxLineageMetadataLength) {
+    return InvalidArgument("lineage: metadata is " + std::to_string(l.metadata.size()) +
+                           " bytes of JSON, more than " +
+                           std::to_string(kMaxLineageMetadataLength));
+  }
+  if (!l.metadata.empty()) {
+    if (!internal::IsValidUtf8(l.metadata) || l.metadata.front() != '{' ||
+        l.metadata.back() != '}' || l.metadata.find('\0') != std::string::npos) {
+      return InvalidArgument("lineage: metadata must be the UTF-8 text of a JSON object");
+    }
+  }
+  if (!l.has_parent && (l.parent_step != 0 || !l.parent_location.empty())) {
+    return InvalidArgument("lineage: a parent location or step without a parent");
+  }
+  return Status::OK();
+}
+
 Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
                                                            std::vector<TensorSource> tensors,
                                                            std::string extras,
                                                            uint64_t chunk_size) {
+  SP_RETURN_IF_ERROR(ValidateLineage(meta.lineage));
   if (!internal::IsJobNameText(meta.job)) {
     return InvalidArgument("job name '" + meta.job +
                            "' is invalid: use 0..64 characters of [A-Za-z0-9._-]");
@@ -261,6 +297,14 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
   StoreLE<uint32_t>(&h[28], b->meta_.world_size);
   StoreLE<int64_t>(&h[32], b->meta_.create_time_ns);
   StoreLE<uint64_t>(&h[kAttemptOffset], b->meta_.attempt);
+  {
+    const Lineage& lin = b->meta_.lineage;
+    StoreLE<uint16_t>(&h[kLineageOffset], static_cast<uint16_t>(lin.parent_location.size()));
+    StoreLE<uint16_t>(&h[kLineageOffset + 2], static_cast<uint16_t>(lin.metadata.size()));
+    StoreLE<uint64_t>(&h[kLineageOffset + 8], lin.parent_step);
+    std::memcpy(&h[kParentLocationOffset], lin.parent_location.data(), lin.parent_location.size());
+    std::memcpy(&h[kMetadataOffset], lin.metadata.data(), lin.metadata.size());
+  }
   StoreLE<uint64_t>(&h[40], l.image_size);
   StoreLE<uint64_t>(&h[48], l.chunk_size);
   StoreLE<uint64_t>(&h[56], l.tensor_count);
@@ -274,7 +318,8 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
   StoreLE<uint64_t>(&h[120], l.checksums_size);
   StoreLE<uint32_t>(&h[128], l.index_crc);
   StoreLE<uint32_t>(&h[132], l.extras_crc);
-  StoreLE<uint32_t>(&h[140], l.has_elsewhere ? 1 : 0);
+  StoreLE<uint32_t>(&h[140], (l.has_elsewhere ? kFlagElsewhere : 0) |
+                                 (b->meta_.lineage.has_parent ? kFlagParent : 0));
   StoreLE<uint8_t>(&h[144], static_cast<uint8_t>(b->meta_.job.size()));
   std::memcpy(&h[kJobOffset], b->meta_.job.data(), b->meta_.job.size());
   l.header_crc = Crc32c(0, h.data(), kHeaderCrcOffset);
@@ -371,12 +416,31 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
   const uint32_t crc = Crc32c(0, h.data(), kHeaderCrcOffset);
   if (crc != stored_crc) return Bad(source, "header checksum mismatch");
   if (LoadLE<uint32_t>(&h[12]) != kImageHeaderSize) return Bad(source, "bad header size");
-  if (LoadLE<uint32_t>(&h[136]) != 0 || (LoadLE<uint32_t>(&h[140]) & ~1u) != 0) {
+  const uint32_t flags = LoadLE<uint32_t>(&h[140]);
+  if (LoadLE<uint32_t>(&h[136]) != 0 || (flags & ~(kFlagElsewhere | kFlagParent)) != 0) {
     return Bad(source, "unknown header flags");
   }
-  for (size_t i = kReservedOffset; i < kHeaderCrcOffset; ++i) {
-    if (i == kAttemptOffset) i += 8;
-    if (h[i] != std::byte{0}) return Bad(source, "non-zero reserved header bytes");
+  const size_t location_len = LoadLE<uint16_t>(&h[kLineageOffset]);
+  const size_t metadata_len = LoadLE<uint16_t>(&h[kLineageOffset + 2]);
+  if (location_len > kMaxParentLocationLength || metadata_len > kMaxLineageMetadataLength) {
+    return Bad(source, "lineage lengths out of range");
+  }
+  // Every byte that no field uses (reserved bytes, unused parts of the lineage areas) is zero.
+  const std::pair<size_t, size_t> unused[] = {
+      {kReservedOffset, kAttemptOffset},
+      {kAttemptOffset + 8, kLineageOffset},
+      {kLineageOffset + 4, kLineageOffset + 8},
+      {kParentLocationOffset + location_len, kMetadataOffset},
+      {kMetadataOffset + metadata_len, kLineageEnd},
+      {kLineageEnd, kHeaderCrcOffset},
+  };
+  for (const auto& [first, last] : unused) {
+    for (size_t i = first; i < last; ++i) {
+      if (h[i] != std::byte{0}) return Bad(source, "non-zero reserved header bytes");
+    }
+  }
+  if (!(flags & kFlagParent) && LoadLE<uint64_t>(&h[kLineageOffset + 8]) != 0) {
+    return Bad(source, "a parent step without the parent flag");
   }
   ImageMeta m;
   ImageLayout l;
@@ -385,6 +449,15 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
   m.world_size = LoadLE<uint32_t>(&h[28]);
   m.create_time_ns = LoadLE<int64_t>(&h[32]);
   m.attempt = LoadLE<uint64_t>(&h[kAttemptOffset]);
+  {
+    Lineage& lin = m.lineage;
+    lin.has_parent = flags & kFlagParent;
+    lin.parent_step = LoadLE<uint64_t>(&h[kLineageOffset + 8]);
+    lin.parent_location.assign(reinterpret_cast<const char*>(&h[kParentLocationOffset]),
+                               location_len);
+    lin.metadata.assign(reinterpret_cast<const char*>(&h[kMetadataOffset]), metadata_len);
+    if (Status s = ValidateLineage(lin); !s.ok()) return Bad(source, s.message());
+  }
   if (m.world_size == 0 || m.world_size > kMaxRank || m.rank >= m.world_size) {
     return Bad(source, "invalid rank " + std::to_string(m.rank) + " of world size " +
                            std::to_string(m.world_size));
@@ -408,7 +481,7 @@ Result<std::pair<ImageMeta, ImageLayout>> ParseImageHeader(std::span<const std::
   l.checksums_offset = LoadLE<uint64_t>(&h[112]);
   l.checksums_size = LoadLE<uint64_t>(&h[120]);
   l.index_crc = LoadLE<uint32_t>(&h[128]);
-  l.has_elsewhere = LoadLE<uint32_t>(&h[140]) & 1;
+  l.has_elsewhere = flags & kFlagElsewhere;
   l.extras_crc = LoadLE<uint32_t>(&h[132]);
   l.header_crc = crc;
   if (!ValidChunkSize(l.chunk_size)) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 
@@ -282,6 +283,94 @@ TEST_F(CorruptImageTest, RandomGarbageNeverCrashes) {
       ASSERT_EQ(s.code(), StatusCode::kCorruption);
     }
   }
+}
+
+// Lineage (docs/format.md, "Lineage"): in the header, so it travels with the image.
+TEST(ImageLineageTest, RoundTripsThroughTheHeader) {
+  Owned o;
+  o.Add("w", DType::kFloat32, {16}, 3);
+  ImageMeta meta = Meta();
+  meta.lineage.has_parent = true;
+  meta.lineage.parent_step = 0;  // step 0 is a parent like any other
+  meta.lineage.parent_location = "s3://bucket/runs/base?region=x";
+  meta.lineage.metadata = R"({"git":"0123abc","config_hash":"ü"})";
+  ASSERT_OK_AND_ASSIGN(auto b, ImageBuilder::Create(meta, o.sources, ""));
+  auto image = Build(*b);
+  ASSERT_OK_AND_ASSIGN(auto r, ImageReader::Parse(image, "img"));
+  EXPECT_EQ(r.meta().lineage, meta.lineage);
+  EXPECT_EQ(r.meta().attempt, meta.attempt);
+
+  // Only metadata, no parent (a fresh run with metadata); and the largest sizes.
+  meta.lineage = {};
+  meta.lineage.metadata = "{\"k\":\"" + std::string(kMaxLineageMetadataLength - 8, 'x') + "\"}";
+  meta.lineage.has_parent = true;
+  meta.lineage.parent_step = ~uint64_t{0};
+  meta.lineage.parent_location = std::string(kMaxParentLocationLength, 'p');
+  ASSERT_OK_AND_ASSIGN(b, ImageBuilder::Create(meta, o.sources, ""));
+  image = Build(*b);
+  ASSERT_OK_AND_ASSIGN(r, ImageReader::Parse(image, "img"));
+  EXPECT_EQ(r.meta().lineage, meta.lineage);
+}
+
+// A fresh run without metadata writes the header that builds before lineage wrote (every byte
+// after the attempt zero), so readers that predate lineage read it; with a lineage those readers
+// reject the image (unknown flag, non-zero reserved bytes) rather than misread it.
+TEST(ImageLineageTest, AFreshRunsHeaderIsTheOldHeader) {
+  Owned o;
+  o.Add("w", DType::kFloat32, {16}, 3);
+  ASSERT_OK_AND_ASSIGN(auto b, ImageBuilder::Create(Meta(), o.sources, ""));
+  auto image = Build(*b);
+  EXPECT_EQ(internal::LoadLE<uint32_t>(&image[140]), 0u);
+  for (size_t i = 224; i < kImageHeaderSize - 4; ++i) ASSERT_EQ(image[i], std::byte{0}) << i;
+  ASSERT_OK_AND_ASSIGN(auto r, ImageReader::Parse(image, "img"));
+  EXPECT_EQ(r.meta().lineage, Lineage{});
+}
+
+TEST(ImageLineageTest, BadLineageIsRefusedAndCorruptLineageDetected) {
+  Owned o;
+  o.Add("w", DType::kFloat32, {16}, 3);
+  auto create = [&](Lineage l) {
+    ImageMeta m = Meta();
+    m.lineage = std::move(l);
+    return ImageBuilder::Create(m, o.sources, "").status();
+  };
+  EXPECT_EQ(create({true, 1, std::string(kMaxParentLocationLength + 1, 'p'), ""}).code(),
+            StatusCode::kInvalidArgument);
+  Status s =
+      create({false, 0, "", "{\"k\":\"" + std::string(kMaxLineageMetadataLength, 'x') + "\"}"});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("metadata"), std::string::npos) << s.ToString();
+  EXPECT_EQ(create({false, 0, "", "[1, 2]"}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(create({false, 0, "", "{\"k\":\"\xff\"}"}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(create({false, 5, "", ""}).code(), StatusCode::kInvalidArgument);
+
+  ImageMeta m = Meta();
+  m.lineage = {true, 9, "/runs/base", R"({"a":"b"})"};
+  ASSERT_OK_AND_ASSIGN(auto b, ImageBuilder::Create(m, o.sources, ""));
+  const auto good = Build(*b);
+  auto reseal = [](std::vector<std::byte>& img) {
+    internal::StoreLE<uint32_t>(&img[kImageHeaderSize - 4],
+                                Crc32c(0, img.data(), kImageHeaderSize - 4));
+  };
+  auto expect_corrupt = [&](const std::function<void(std::vector<std::byte>&)>& edit) {
+    auto img = good;
+    edit(img);
+    reseal(img);
+    auto r = ImageReader::Parse(img, "img");
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
+  };
+  expect_corrupt([](auto& img) { internal::StoreLE<uint16_t>(&img[512], 1025); });
+  expect_corrupt([](auto& img) { internal::StoreLE<uint16_t>(&img[514], 2049); });
+  expect_corrupt([](auto& img) { internal::StoreLE<uint16_t>(&img[512], 3); });  // cut short
+  expect_corrupt([](auto& img) { img[528 + 1000] = std::byte{1}; });  // past the location
+  expect_corrupt([](auto& img) { img[3600] = std::byte{1}; });        // after the lineage
+  expect_corrupt([](auto& img) { img[300] = std::byte{1}; });         // reserved
+  expect_corrupt([](auto& img) {  // a parent step without the flag
+    internal::StoreLE<uint32_t>(&img[140], 0);
+    internal::StoreLE<uint16_t>(&img[512], 0);
+    std::memset(&img[528], 0, 10);
+  });
+  expect_corrupt([](auto& img) { internal::StoreLE<uint32_t>(&img[140], 4); });  // unknown flag
 }
 
 }  // namespace

@@ -1,0 +1,266 @@
+"""Interchange with inference tools: export a step's tensors to safetensors or torch files, and
+import safetensors files (a Hugging Face model directory) as a committed step.
+
+``safepoint export`` and ``safepoint import`` (the C++ CLI) run this module
+(``python -m safepoint.interchange``): the torch format needs PyTorch, and safetensors files are
+read and written by the ``safetensors`` package itself, the format's reference implementation,
+so no second writer of either format exists (docs/guide.md, "Export and import").
+
+Export reads the step from storage with every chunk verified and assembles each tensor whole
+from the shards of every rank (the resharding reader of ``restore``), so a step saved by N ranks
+exports full tensors. It holds the exported tensors in memory once (both formats' writers take
+the whole dict); ``select`` exports a subtree (``"model"``) to keep that small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from safepoint._api import save as safepoint_save
+from safepoint._shards import StepReader
+from safepoint._versions import resolve
+from safepoint.errors import Error, InvalidArgumentError, NotFoundError
+
+FORMATS = ("safetensors", "torch")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+
+        return safetensors
+    except ImportError:
+        raise InvalidArgumentError("safetensors files need the safetensors package "
+                                   "(pip install safetensors)") from None
+
+
+class _Progress:
+    """A progress bar on stderr over bytes (done, rate, time left), redrawn at most 10 times a
+    second, shown only on a terminal (as ``safepoint cp``'s)."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.what, self.done = max(total, 1), what, 0
+        self.start = self.last = time.monotonic()
+        self.shown = sys.stderr.isatty()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.shown and (now - self.last >= 0.1 or self.done >= self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            left = (self.total - self.done) / rate if rate > 0 else 0.0
+            width = 30
+            filled = int(width * min(self.done / self.total, 1.0))
+            sys.stderr.write(f"\r{self.what} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB "
+                             f"{rate / 2**20:.1f} MiB/s {left:.0f}s left ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _selected(names: list[str], select: Optional[str]) -> dict[str, str]:
+    """name in the step -> name in the output (without the ``select`` prefix)."""
+    if not select:
+        return {n: n for n in names}
+    prefix = select.rstrip(".")
+    out = {}
+    for n in names:
+        if n == prefix:
+            out[n] = n.rsplit(".", 1)[-1]
+        elif n.startswith(prefix + "."):
+            out[n] = n[len(prefix) + 1:]
+    return out
+
+
+def _atomic_write(out: str, write) -> None:
+    tmp = f"{out}.tmp.{os.getpid()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def export_step(path: str, out: str, *, format: str, step: Optional[int] = None,
+                tag: Optional[str] = None, select: Optional[str] = None) -> dict:
+    """Writes the tensors of a committed step of ``path`` (``step``, the step ``tag`` names, or
+    the newest) to ``out`` as full tensors: a safetensors file or a torch file of a flat dict
+    (``torch.load(out, weights_only=True)``). ``select`` keeps only the tensors under that
+    prefix of the state (``"model"``), named without it. Returns a report."""
+    if format not in FORMATS:
+        raise InvalidArgumentError(f"format must be one of {FORMATS}, got {format!r}")
+    if step is not None and tag is not None:
+        raise InvalidArgumentError("pass step or tag, not both")
+    step = resolve(path, tag) if step is None else resolve(path, str(step))
+    t0 = time.perf_counter()
+    sr = StepReader(path, step)
+    chosen = _selected(sorted(sr.pieces), select)
+    if not chosen:
+        what = f"under '{select}'" if select else "at all"
+        raise NotFoundError(f"{path}: step {step} has no tensors {what}")
+    if len(set(chosen.values())) != len(chosen):
+        raise InvalidArgumentError(f"{path}: the selected tensors' names collide once the "
+                                   f"prefix '{select}' is removed")
+    shapes = {}
+    for name in chosen:
+        piece = next(iter(sr.pieces[name].values()))[0]
+        shapes[name] = (piece.global_shape, getattr(torch, piece.dtype))
+    total = sum(math.prod(s) * torch.empty((), dtype=d).element_size()
+                for s, d in shapes.values())
+    progress = _Progress(total, f"export step {step}")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        # Read in batches of about 64 MiB: one batched read per image each (small tensors share
+        # their checksum chunks), and a progress bar that moves.
+        batch: list = []
+        pending = 0
+        for i, (name, out_name) in enumerate(chosen.items()):
+            gshape, dtype = shapes[name]
+            t = torch.empty(gshape, dtype=dtype)
+            tensors[out_name] = t
+            batch.append((name, t, tuple(gshape), (0,) * len(gshape)))
+            pending += t.numel() * t.element_size()
+            if pending >= 64 << 20 or i == len(chosen) - 1:
+                sr.fill(batch, rank=0)
+                progress.update(pending)
+                batch, pending = [], 0
+    finally:
+        progress.close()
+    meta = {"safepoint_source": str(path), "safepoint_step": str(step)}
+    if format == "safetensors":
+        save_file = _safetensors().torch.save_file
+
+        def write(tmp: str) -> None:
+            try:
+                save_file(tensors, tmp, metadata=meta)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise InvalidArgumentError(f"{out}: safetensors cannot hold these tensors: "
+                                           f"{e}") from None
+    else:
+        def write(tmp: str) -> None:
+            torch.save(tensors, tmp)
+    _atomic_write(out, write)
+    return {"source": str(path), "step": step, "format": format, "out": out,
+            "tensors": len(tensors), "bytes": total, "seconds": time.perf_counter() - t0}
+
+
+def _safetensors_files(src: str) -> list[str]:
+    if os.path.isfile(src):
+        return [src]
+    if not os.path.isdir(src):
+        raise NotFoundError(f"{src}: no such file or directory")
+    index = os.path.join(src, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise InvalidArgumentError(f"{index}: no weight_map")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if os.path.basename(name) != name:
+                raise InvalidArgumentError(f"{index}: '{name}' is not a file of {src}")
+        return [os.path.join(src, name) for name in files]
+    files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not files:
+        raise NotFoundError(f"{src}: no *.safetensors files (and no model.safetensors.index.json)")
+    return [os.path.join(src, n) for n in files]
+
+
+def import_safetensors(src: str, dst: str, step: int, *, prefix: str = "model",
+                       overwrite: bool = False) -> dict:
+    """Commits the tensors of a safetensors file, or of a directory of them (a Hugging Face
+    model: ``model.safetensors.index.json`` and its shards, or every ``*.safetensors``), as step
+    ``step`` of ``dst``, under the key ``prefix`` of the state (``{"model": {...}}``; '' for the
+    top level), so that ``Checkpointer.restore({"model": model})`` or ``safepoint.load`` restores
+    it. Returns a report."""
+    safe_open = _safetensors().safe_open
+    t0 = time.perf_counter()
+    files = _safetensors_files(src)
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    total = sum(os.path.getsize(f) for f in files)
+    progress = _Progress(total, f"import {os.path.basename(src.rstrip('/'))}")
+    try:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise InvalidArgumentError(
+                            f"{src}: tensor '{name}' is in both {origin[name]} and {path}")
+                    t = f.get_tensor(name)
+                    tensors[name] = t
+                    origin[name] = path
+                    progress.update(t.numel() * t.element_size())
+    except Error:
+        raise
+    except Exception as e:  # the safetensors package's own errors: a damaged or foreign file
+        raise InvalidArgumentError(f"{src}: not a readable safetensors file: {e}") from None
+    finally:
+        progress.close()
+    state: Any = {prefix: tensors} if prefix else tensors
+    metadata = {"imported_from": os.path.abspath(src)[-1000:], "format": "safetensors"}
+    r = safepoint_save(dst, step, state, overwrite=overwrite, metadata=metadata)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"source": src, "destination": dst, "step": step, "files": len(files),
+            "tensors": len(tensors), "bytes": nbytes, "committed": r["committed"],
+            "seconds": time.perf_counter() - t0}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="safepoint", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("path")
+    e.add_argument("out")
+    e.add_argument("--format", required=True, choices=FORMATS)
+    e.add_argument("--step", type=int)
+    e.add_argument("--tag")
+    e.add_argument("--select")
+    e.add_argument("--json", action="store_true")
+    i = sub.add_parser("import")
+    i.add_argument("src")
+    i.add_argument("dst")
+    i.add_argument("--step", type=int, required=True)
+    i.add_argument("--prefix", default="model")
+    i.add_argument("--overwrite", action="store_true")
+    i.add_argument("--json", action="store_true")
+    a = parser.parse_args(argv)
+    try:
+        if a.command == "export":
+            report = export_step(a.path, a.out, format=a.format, step=a.step, tag=a.tag,
+                                 select=a.select)
+            text = (f"exported step {report['step']} of {report['source']}: "
+                    f"{report['tensors']} tensors, {report['bytes']} bytes to {report['out']} "
+                    f"({report['format']})")
+        else:
+            report = import_safetensors(a.src, a.dst, a.step, prefix=a.prefix,
+                                        overwrite=a.overwrite)
+            text = (f"imported {report['tensors']} tensors ({report['bytes']} bytes) from "
+                    f"{report['files']} file(s) as step {report['step']} of "
+                    f"{report['destination']}")
+    except Error as err:
+        print(f"safepoint: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if a.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
