@@ -17,6 +17,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "advisor_bindings.h"
 #include "format_bindings.h"
 #include "replica/redundancy.h"
 #include "safepoint/build_config.h"
@@ -675,6 +676,7 @@ NB_MODULE(_core, m) {
       "Validates a redundancy spec for a job of `nodes` nodes: (normalized spec, nodes holding "
       "parts of each snapshot, node losses survived, memory on other nodes per snapshot byte)");
   python::BindFormat(m);
+  python::BindAdvisor(m);
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("VERSION") = SAFEPOINT_VERSION;  // __version__ for type checkers (stubs omit dunders)
   m.attr("FORMAT_VERSION") = kImageFormatVersion;
