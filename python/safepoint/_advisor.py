@@ -46,12 +46,14 @@ class Advisor:
 
     def __init__(self, path: str, job: str, rank: int, run: int,
                  persist_every: Union[int, str], mtbf: Optional[float],
-                 tier_uris: list[str]) -> None:
+                 tiers: list[Any]) -> None:
         self.path, self.rank = path, rank
         self.auto = persist_every == "auto"
         self.every = 1 if self.auto else int(persist_every)
         self.mtbf = mtbf
-        self._levels = {path: "path", **{u: f"tier {i}" for i, u in enumerate(tier_uris, 1)}}
+        self._levels = {path: "path", **{t.uri: f"tier {i}" for i, t in enumerate(tiers, 1)}}
+        self._auto_tiers = [f"tier {i}" for i, t in enumerate(tiers, 1) if t.every == "auto"]
+        self._tier_copy: dict[str, float] = {}
         self.history: Optional[Any] = None
         self.past: Optional[Any] = None  # the history as it was when this process started
         hp = _core.history_path(path, job)
@@ -124,6 +126,8 @@ class Advisor:
         for t in st.get("tiers") or []:
             level, newest = f"tier {t.get('tier')}", t.get("newest_step")
             copy = t.get("last_copy_seconds")
+            if copy:
+                self._tier_copy[level] = float(copy)
             if newest is not None and copy and self._seen.get(level) != newest:
                 self._seen[level] = newest
                 self._record("persist", level, float(copy), 0)
@@ -203,4 +207,10 @@ class Advisor:
             "expected_goodput": a.expected_goodput if a is not None else None,
             "changes": self._controller.changes,
             "reason": self._why,
+            "tiers": {level: "auto: every step committed on the tier above, the newest whenever "
+                      "the previous copy is done, so as fast as the tier copies"
+                      + (f" (last copy {self._tier_copy[level]:.3g} s)"
+                         if level in self._tier_copy else "")
+                      + "; a copy costs training nothing, so the goodput-optimal interval is as "
+                      "often as the tier accepts steps" for level in self._auto_tiers},
         }

@@ -214,7 +214,7 @@ class Checkpointer:
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
             _agent_binary(), self.attempt, core_tiers(self.tiers))
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
-                                mtbf_seconds, [t.uri for t in self.tiers])
+                                mtbf_seconds, self.tiers)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,

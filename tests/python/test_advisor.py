@@ -206,3 +206,18 @@ def test_history_dir_for_non_local_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("SAFEPOINT_HISTORY_DIR", str(tmp_path))
     assert safepoint._core.history_path("s3://b/run", "j") == os.path.join(tmp_path,
                                                                             "j.history.jsonl")
+
+
+def test_tier_every_auto_takes_steps_as_fast_as_it_copies_and_says_why(tmp_path, ckpt, shm):
+    tier = tmp_path / "tier"
+    with safepoint.Checkpointer(ckpt, shm_dir=shm, job="tauto",
+                                tiers=[safepoint.Tier(str(tier), every="auto")]) as c:
+        for step in range(3):
+            c.save(step, state())
+        c.wait()
+        why = c.status()["persist_interval"]["tiers"]["tier 1"]
+        assert why.startswith("auto:") and "as fast as" in why
+    assert safepoint.steps(tier)  # the tier received steps
+    with pytest.raises(safepoint.errors.InvalidArgumentError, match="every"):
+        safepoint.Checkpointer(ckpt, shm_dir=shm, tiers=[safepoint.Tier(str(tier),
+                                                                         every="sometimes")])
