@@ -4,6 +4,7 @@
 //   safepoint advise PATH [--job JOB] [--mtbf D] [--save-seconds S] [--restore-seconds S]
 //                         [--restart-seconds S] [--json]
 //   safepoint simulate [--from PATH] [--mtbf D | --node-mtbf D] [cluster and cost flags]
+//                      [--state-per-gpu SIZE --memory-bandwidth R --storage-bandwidth R ...]
 //                      [--interval D] [--monte-carlo] [--seed N] [--csv FILE] [--plot FILE.png]
 //                      [--json]
 //
@@ -88,12 +89,13 @@ struct AdvisorCommands::Options {
   uint32_t gpus = 8, gpus_per_node = 8;
   double node_loss_fraction = 0.2;
   bool no_peers = false;
-  std::optional<double> snapshot, persist, restore_memory, restore_peer, restore_storage,
-      sync_save, dcp_blocking;
+  std::optional<double> snapshot, persist, restore_memory, restore_peer, restore_storage, sync_save,
+      dcp_blocking;
   bool monte_carlo = false;
   uint64_t seed = 1;
   double horizon_hours = 0;
   std::string csv, plot;
+  std::string state_per_gpu, memory_bw, storage_bw, storage_read_bw, network_bw;
 };
 
 AdvisorCommands::AdvisorCommands(CLI::App& app) : o_(std::make_unique<Options>()) {
@@ -128,10 +130,10 @@ AdvisorCommands::AdvisorCommands(CLI::App& app) : o_(std::make_unique<Options>()
   auto& s = *simulate_;
   s.add_option("--from", o.from, "read the measured costs and MTBF from this job's history")
       ->type_name("PATH");
-  s.add_option("--job", o.job, "the job (for the history of a non-local --from)")
-      ->type_name("JOB");
-  s.add_option("--gpus", o.gpus, "GPUs of the job")->capture_default_str()->check(
-      CLI::PositiveNumber);
+  s.add_option("--job", o.job, "the job (for the history of a non-local --from)")->type_name("JOB");
+  s.add_option("--gpus", o.gpus, "GPUs of the job")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   s.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -146,6 +148,23 @@ AdvisorCommands::AdvisorCommands(CLI::App& app) : o_(std::make_unique<Options>()
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
   s.add_flag("--no-peers", o.no_peers, "no peer copies: a lost node restores from storage");
+  auto size = [&](const char* name, std::string& v, const char* help) {
+    s.add_option(name, v, help)
+        ->type_name("SIZE")
+        ->check(CLI::Validator(
+            [](std::string& x) {
+              auto b = ParseBytes(x);
+              return b.ok() ? std::string() : b.status().message();
+            },
+            "SIZE"));
+  };
+  size("--state-per-gpu", o.state_per_gpu,
+       "checkpointed state per GPU (16GiB, 25G); with the speeds below, sets the costs");
+  size("--memory-bandwidth", o.memory_bw, "per GPU: snapshot copy and hot reload (B/s)");
+  size("--storage-bandwidth", o.storage_bw, "aggregate storage write speed (B/s)");
+  size("--storage-read-bandwidth", o.storage_read_bw,
+       "aggregate storage read speed (B/s; default: the write speed)");
+  size("--network-bandwidth", o.network_bw, "per node: restoring a lost node from peers (B/s)");
   auto secs = [&](const char* name, std::optional<double>& v, const char* help) {
     s.add_option(name, v, help)->type_name("S")->check(CLI::NonNegativeNumber);
   };
@@ -156,8 +175,7 @@ AdvisorCommands::AdvisorCommands(CLI::App& app) : o_(std::make_unique<Options>()
   secs("--restore-peer-seconds", o.restore_peer, "restore from a peer's copy");
   secs("--restore-storage-seconds", o.restore_storage, "restore from storage");
   secs("--sync-save-seconds", o.sync_save, "a synchronous save (default: the persist time)");
-  secs("--dcp-blocking-seconds", o.dcp_blocking,
-       "DCP async staging (default: the snapshot time)");
+  secs("--dcp-blocking-seconds", o.dcp_blocking, "DCP async staging (default: the snapshot time)");
   s.add_option("--interval", o.interval,
                "evaluate at this checkpoint interval (default: each strategy's optimum)")
       ->type_name("DURATION")
@@ -219,8 +237,8 @@ std::optional<HistorySummary> LoadHistory(const std::string& path, const std::st
 
 std::string SamplesNote(uint64_t n, const char* what) {
   if (n == 0) return "given on the command line";
-  std::string s = "median of " + std::to_string(n) + (n == 1 ? " sample (" : " samples (") +
-                  what + ")";
+  std::string s =
+      "median of " + std::to_string(n) + (n == 1 ? " sample (" : " samples (") + what + ")";
   if (n < 5) s += " (few samples: low confidence)";
   return s;
 }
@@ -242,12 +260,12 @@ int RunAdvise(const AdvisorCommands::Options& o) {
   std::string where;
   const auto h = LoadHistory(o.path, o.job, &where);
   if (!h && !(o.save_seconds && o.restore_seconds)) {
-    return Fail(NotFound(
-        (where.empty() ? o.path + ": no measurement history for a non-local path (set "
-                                  "$SAFEPOINT_HISTORY_DIR and --job)"
-                       : where + ": no measurement history (run the job with a Checkpointer "
-                                 "first)") +
-        "; or give --save-seconds and --restore-seconds"));
+    return Fail(NotFound((where.empty()
+                              ? o.path + ": no measurement history for a non-local path (set "
+                                         "$SAFEPOINT_HISTORY_DIR and --job)"
+                              : where + ": no measurement history (run the job with a Checkpointer "
+                                        "first)") +
+                         "; or give --save-seconds and --restore-seconds"));
   }
   auto mtbf = PickMtbf(o.mtbf, h);
   if (!mtbf.ok()) return Fail(mtbf.status());
@@ -347,14 +365,14 @@ int RunAdvise(const AdvisorCommands::Options& o) {
     std::cout << json{{"path", o.path}, {"history", where}, {"levels", out}}.dump(2) << "\n";
     return any ? kExitOk : kExitError;
   }
-  std::cout << "Checkpoint intervals for " << o.path << " (history: "
-            << (h ? where : std::string("none")) << ")\n"
+  std::cout << "Checkpoint intervals for " << o.path
+            << " (history: " << (h ? where : std::string("none")) << ")\n"
             << "Failures: every " << FormatDuration(mtbf->seconds) << " on average, "
             << mtbf->source << ".\n\n";
   for (const json& j : out) {
     if (j.contains("error")) {
-      std::cout << j["level"].get<std::string>()
-                << ": no advice: " << j["error"].get<std::string>() << "\n\n";
+      std::cout << j["level"].get<std::string>() << ": no advice: " << j["error"].get<std::string>()
+                << "\n\n";
       continue;
     }
     std::cout << j["explanation"].get<std::string>() << "\n  measured:";
@@ -429,6 +447,16 @@ int RunSimulate(const AdvisorCommands::Options& o) {
     if (h->restart) in.restart_seconds = h->restart->seconds;
     if (h->learned_mtbf_seconds) in.mtbf_seconds = *h->learned_mtbf_seconds;
   }
+  if (!o.state_per_gpu.empty()) {
+    auto bytes = [](const std::string& v) { return v.empty() ? 0.0 : *ParseBytes(v); };
+    ClusterSpeeds sp;
+    sp.state_bytes_per_gpu = bytes(o.state_per_gpu);
+    sp.memory_bytes_per_second = bytes(o.memory_bw);
+    sp.storage_write_bytes_per_second = bytes(o.storage_bw);
+    sp.storage_read_bytes_per_second = bytes(o.storage_read_bw);
+    sp.network_bytes_per_second = bytes(o.network_bw);
+    DeriveCosts(sp, &in);
+  }
   if (!o.mtbf.empty()) in.mtbf_seconds = *ParseDuration(o.mtbf);
   if (!o.node_mtbf.empty()) {
     const double nodes = std::ceil(static_cast<double>(o.gpus) / o.gpus_per_node);
@@ -452,12 +480,11 @@ int RunSimulate(const AdvisorCommands::Options& o) {
   const double lo = 0.01;
   const double hi = std::max(100 * in.mtbf_seconds, 10.0);
   const auto names = Strategies(in, 1);
-  const double horizon =
-      o.horizon_hours > 0 ? o.horizon_hours * 3600 : 20000 * in.mtbf_seconds;
+  const double horizon = o.horizon_hours > 0 ? o.horizon_hours * 3600 : 20000 * in.mtbf_seconds;
   json results = json::array();
   for (size_t i = 0; i < names.size(); ++i) {
-    const double period = o.interval.empty() ? OptimalPeriod(in, i, lo, hi)
-                                             : *ParseDuration(o.interval);
+    const double period =
+        o.interval.empty() ? OptimalPeriod(in, i, lo, hi) : *ParseDuration(o.interval);
     const StrategyAtInterval s = Strategies(in, period)[i];
     json j = {{"strategy", s.name},
               {"interval_seconds", period},
@@ -529,13 +556,11 @@ int RunSimulate(const AdvisorCommands::Options& o) {
   }
   std::cout << "Goodput (analytic" << (o.monte_carlo ? "; Monte-Carlo beside it" : "")
             << "), failures every " << FormatDuration(in.mtbf_seconds) << " ("
-            << Pct(1 - in.node_loss_fraction) << " process crashes, "
-            << Pct(in.node_loss_fraction) << " node losses)"
-            << (h ? ", costs from " + where : std::string()) << ":\n";
+            << Pct(1 - in.node_loss_fraction) << " process crashes, " << Pct(in.node_loss_fraction)
+            << " node losses)" << (h ? ", costs from " + where : std::string()) << ":\n";
   for (const json& j : results) {
-    std::cout << "  " << j["strategy"].get<std::string>() << ": "
-              << Pct(j["goodput"].get<double>()) << " at an interval of "
-              << FormatDuration(j["interval_seconds"].get<double>())
+    std::cout << "  " << j["strategy"].get<std::string>() << ": " << Pct(j["goodput"].get<double>())
+              << " at an interval of " << FormatDuration(j["interval_seconds"].get<double>())
               << (o.interval.empty() ? " (its optimum)" : "") << ", blocking "
               << FormatDuration(j["blocking_seconds"].get<double>()) << " per save";
     if (j.contains("monte_carlo")) {

@@ -40,8 +40,9 @@ int Watch(const std::function<int()>& render, double interval_seconds) {
   const bool tty = ::isatty(STDOUT_FILENO) == 1;
   while (!g_stop.load()) {
     if (tty) {
-      std::cout << "\033[H\033[2J" << "safepoint status, every " << interval_seconds
-                << " s (Ctrl-C to quit)  " << UtcNow() << "\n\n";
+      std::cout << "\033[H\033[2J"
+                << "safepoint status, every " << interval_seconds << " s (Ctrl-C to quit)  "
+                << UtcNow() << "\n\n";
     } else {
       std::cout << "--- " << UtcNow() << " ---\n";
     }

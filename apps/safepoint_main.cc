@@ -38,12 +38,12 @@
 
 #include "agent/protocol.h"
 #include "agent/status.h"
-#include "cli_advisor.h"
-#include "cli_watch.h"
-#include "progress_bar.h"
 #include "base/bytes.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
+#include "cli_advisor.h"
+#include "cli_watch.h"
+#include "progress_bar.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/build_config.h"
@@ -604,8 +604,8 @@ int CmdStatus(const Args& a) {
           std::cout << "; newest step " << t["newest_step"].dump() << ", " << t["copies"]
                     << " copies, " << t["failures"] << " failures";
           if (t["last_copy_time"].is_number())
-            std::cout << " (copied " << cli::Ago(cli::NowSeconds() - t["last_copy_time"].get<double>())
-                      << ")";
+            std::cout << " (copied "
+                      << cli::Ago(cli::NowSeconds() - t["last_copy_time"].get<double>()) << ")";
           if (!t["in_flight_step"].is_null()) std::cout << ", copying " << t["in_flight_step"];
           if (!t["pending_step"].is_null()) std::cout << ", next " << t["pending_step"];
           const std::string error = t.value("last_error", "");
@@ -881,8 +881,8 @@ int Main(int argc, char** argv) {
   if (cp->parsed()) return CmdCp(a);
   if (rm->parsed()) return CmdRm(a);
   if (agent->parsed()) return CmdAgent(a);
-  if (status->parsed()) return watch ? cli::Watch([&] { return CmdStatus(a); }, watch_interval)
-                                     : CmdStatus(a);
+  if (status->parsed())
+    return watch ? cli::Watch([&] { return CmdStatus(a); }, watch_interval) : CmdStatus(a);
   if (gc->parsed()) return CmdGc(a);
   if (auto rc = advisor_commands.Run()) return *rc;
   std::cerr << app.help();  // no command

@@ -39,20 +39,21 @@ void BindAdvisor(nb::module_& m) {
   using namespace safepoint::advisor;
   m.def("history_path", &HistoryPath, "checkpoint_path"_a, "job"_a,
         "The job's measurement history file, or '' when it has none (src/advisor/history.h)");
-  m.def("parse_duration", [](const std::string& s) { return Unwrap(ParseDuration(s)); },
-        "text"_a, "Seconds of '90', '5m', '3.1h', '2d'");
+  m.def(
+      "parse_duration", [](const std::string& s) { return Unwrap(ParseDuration(s)); }, "text"_a,
+      "Seconds of '90', '5m', '3.1h', '2d'");
 
   nb::class_<HistoryWriter>(m, "HistoryWriter", "Appends measurements to a history file")
       .def_static(
           "open",
-          [](const std::string& path, double gap) { return Unwrap(HistoryWriter::Open(path, gap)); },
+          [](const std::string& path, double gap) {
+            return Unwrap(HistoryWriter::Open(path, gap));
+          },
           "path"_a, "save_line_gap"_a = 10.0)
       .def("start", [](HistoryWriter& w, uint64_t run) { Check(w.RecordStart(run)); })
       .def("save", [](HistoryWriter& w, double s) { Check(w.RecordSave(s)); })
-      .def("persist",
-           [](HistoryWriter& w, const std::string& level, double s, uint64_t bytes) {
-             Check(w.RecordPersist(level, s, bytes));
-           })
+      .def("persist", [](HistoryWriter& w, const std::string& level, double s,
+                         uint64_t bytes) { Check(w.RecordPersist(level, s, bytes)); })
       .def("restore", [](HistoryWriter& w, const std::string& source,
                          double s) { Check(w.RecordRestore(source, s)); })
       .def("flush", [](HistoryWriter& w) { Check(w.Flush()); })
@@ -72,8 +73,8 @@ void BindAdvisor(nb::module_& m) {
       .def_ro("interruptions", &HistorySummary::interruptions)
       .def_ro("uptime_seconds", &HistorySummary::uptime_seconds)
       .def_ro("learned_mtbf_seconds", &HistorySummary::learned_mtbf_seconds);
-  m.def("read_history", [](const std::string& path) { return Unwrap(ReadHistory(path)); },
-        "path"_a);
+  m.def(
+      "read_history", [](const std::string& path) { return Unwrap(ReadHistory(path)); }, "path"_a);
 
   nb::class_<IntervalAdvice>(m, "IntervalAdvice", "The advisor's recommendation for one level")
       .def_ro("level", &IntervalAdvice::level)
@@ -105,8 +106,8 @@ void BindAdvisor(nb::module_& m) {
           "__init__",
           [](IntervalController* c, double initial, double min_seconds, double max_seconds,
              double hysteresis) {
-            new (c) IntervalController(initial, IntervalBounds{min_seconds, max_seconds},
-                                       hysteresis);
+            new (c)
+                IntervalController(initial, IntervalBounds{min_seconds, max_seconds}, hysteresis);
           },
           "initial"_a, "min_seconds"_a, "max_seconds"_a, "hysteresis"_a = 0.25)
       .def("update", &IntervalController::Update, "recommended"_a, "why"_a)

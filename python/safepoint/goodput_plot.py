@@ -35,12 +35,12 @@ def plot(csv_path: str, png_path: str, measured: list[float] | None = None,
 
     xs, curves = read_curves(csv_path)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for name, ys in curves.items():
+    for i, (name, ys) in enumerate(curves.items()):
         (line,) = ax.plot(xs, [100 * y for y in ys], label=name)
         best = max(range(len(ys)), key=ys.__getitem__)
         ax.plot([xs[best]], [100 * ys[best]], "o", color=line.get_color())
         ax.annotate(f"{100 * ys[best]:.1f}% at {xs[best]:.3g} s", (xs[best], 100 * ys[best]),
-                    textcoords="offset points", xytext=(4, 6), fontsize=8,
+                    textcoords="offset points", xytext=(6, -14 - 12 * i), fontsize=8,
                     color=line.get_color())
     if measured:
         ax.plot([measured[0]], [100 * measured[1]], "k*", markersize=12, label="measured")

@@ -2,7 +2,9 @@
 #include "advisor/goodput.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <random>
 
 namespace safepoint::advisor {
@@ -105,6 +107,55 @@ MonteCarloResult MonteCarloGoodput(const StrategyAtInterval& s, double horizon_s
   return r;
 }
 
+void DeriveCosts(const ClusterSpeeds& sp, SimulationInputs* in) {
+  const double state = sp.state_bytes_per_gpu;
+  if (state <= 0) return;
+  const double gpus = in->gpus;
+  if (sp.memory_bytes_per_second > 0) {
+    in->snapshot_seconds = state / sp.memory_bytes_per_second;
+    in->restore_memory_seconds = in->snapshot_seconds;
+  }
+  if (sp.storage_write_bytes_per_second > 0) {
+    in->persist_seconds = gpus * state / sp.storage_write_bytes_per_second;
+    const double read = sp.storage_read_bytes_per_second > 0 ? sp.storage_read_bytes_per_second
+                                                             : sp.storage_write_bytes_per_second;
+    in->restore_storage_seconds = gpus * state / read;
+  }
+  if (sp.network_bytes_per_second > 0) {
+    in->restore_peer_seconds = in->gpus_per_node * state / sp.network_bytes_per_second;
+  }
+}
+
+Result<double> ParseBytes(const std::string& text) {
+  const auto bad = [&] {
+    return InvalidArgument("'" + text + "' is not a size (a number with K, M, G, T or Ki, Mi, " +
+                           "Gi, Ti, optionally B or B/s)");
+  };
+  if (text.empty()) return bad();
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || !std::isfinite(v) || v < 0) return bad();
+  std::string unit(end);
+  if (unit.size() >= 2 && unit.compare(unit.size() - 2, 2, "/s") == 0) unit.resize(unit.size() - 2);
+  if (!unit.empty() && unit.back() == 'B') unit.pop_back();
+  double scale = 1;
+  bool binary = false;
+  if (!unit.empty() && unit.back() == 'i') {
+    binary = true;
+    unit.pop_back();
+  }
+  if (unit.size() > 1) return bad();
+  const std::string prefixes = "KMGT";
+  if (!unit.empty()) {
+    const size_t i = prefixes.find(static_cast<char>(std::toupper(unit[0])));
+    if (i == std::string::npos) return bad();
+    scale = std::pow(binary ? 1024.0 : 1000.0, static_cast<double>(i + 1));
+  } else if (binary) {
+    return bad();
+  }
+  return v * scale;
+}
+
 Result<SimulationInputs> CompleteInputs(SimulationInputs in) {
   auto check = [](const char* what, double v) -> Status {
     if (!std::isfinite(v) || v < 0) {
@@ -143,8 +194,7 @@ std::vector<StrategyAtInterval> Strategies(const SimulationInputs& in, double pe
   std::vector<StrategyAtInterval> out;
 
   StrategyAtInterval sp{"safepoint", period, in.snapshot_seconds, {}};
-  sp.modes.push_back(
-      {"process crash", crash_rate, in.restart_seconds + in.restore_memory_seconds});
+  sp.modes.push_back({"process crash", crash_rate, in.restart_seconds + in.restore_memory_seconds});
   if (in.peer_copies) {
     sp.modes.push_back({"node loss", node_rate, in.restart_seconds + in.restore_peer_seconds});
   } else {
@@ -164,16 +214,13 @@ std::vector<StrategyAtInterval> Strategies(const SimulationInputs& in, double pe
   const double lag = period > dcp.blocking_seconds ? std::min(in.persist_seconds, period) *
                                                          (period - dcp.blocking_seconds) / period
                                                    : 0;
-  dcp.modes.push_back(
-      {"any failure", rate, in.restart_seconds + in.restore_storage_seconds + lag});
+  dcp.modes.push_back({"any failure", rate, in.restart_seconds + in.restore_storage_seconds + lag});
   out.push_back(std::move(dcp));
   return out;
 }
 
 double OptimalPeriod(const SimulationInputs& in, size_t index, double lo, double hi) {
-  auto g = [&](double log_p) {
-    return AnalyticGoodput(Strategies(in, std::exp(log_p)).at(index));
-  };
+  auto g = [&](double log_p) { return AnalyticGoodput(Strategies(in, std::exp(log_p)).at(index)); };
   // A coarse scan first (the goodput is 0 below the blocking time), then golden section.
   double a = std::log(lo);
   double b = std::log(hi);

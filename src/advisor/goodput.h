@@ -26,16 +26,16 @@
 namespace safepoint::advisor {
 
 struct FailureMode {
-  std::string name;                 // "process crash", "node loss"
-  double rate_per_second = 0;       // lambda_k
-  double recovery_seconds = 0;      // D_k at the strategy's interval
+  std::string name;             // "process crash", "node loss"
+  double rate_per_second = 0;   // lambda_k
+  double recovery_seconds = 0;  // D_k at the strategy's interval
 };
 
 // A checkpointing strategy at one interval, reduced to the model above.
 struct StrategyAtInterval {
   std::string name;
-  double period_seconds = 0;     // P
-  double blocking_seconds = 0;   // C (< P)
+  double period_seconds = 0;    // P
+  double blocking_seconds = 0;  // C (< P)
   std::vector<FailureMode> modes;
 };
 
@@ -58,19 +58,40 @@ struct SimulationInputs {
   // Cluster.
   uint32_t gpus = 8;
   uint32_t gpus_per_node = 8;
-  double mtbf_seconds = 0;         // of the whole job (any node's failure stops it)
+  double mtbf_seconds = 0;          // of the whole job (any node's failure stops it)
   double node_loss_fraction = 0.2;  // of the failures, the share that loses a node's memory
   bool peer_copies = true;          // safepoint keeps copies of each node's snapshot on peers
   // Costs, seconds (per save of the whole job; ranks save in parallel).
-  double snapshot_seconds = 0;       // safepoint: blocking time of a snapshot into memory
-  double persist_seconds = 0;        // writing one step to durable storage in the background
-  double restart_seconds = 0;        // detecting a failure and restarting the processes
+  double snapshot_seconds = 0;         // safepoint: blocking time of a snapshot into memory
+  double persist_seconds = 0;          // writing one step to durable storage in the background
+  double restart_seconds = 0;          // detecting a failure and restarting the processes
   double restore_memory_seconds = 0;   // hot reload from this node's memory
   double restore_peer_seconds = 0;     // from a peer's copy
   double restore_storage_seconds = 0;  // from durable storage
   double sync_save_seconds = 0;        // a synchronous save (default: persist_seconds)
   double dcp_blocking_seconds = 0;     // DCP async: staging to host memory (default: snapshot)
 };
+
+// A cluster described by sizes and speeds instead of measured seconds (what-if runs for another
+// scale). Zero means not given.
+struct ClusterSpeeds {
+  double state_bytes_per_gpu = 0;
+  double memory_bytes_per_second = 0;         // per GPU: the snapshot copy and a hot reload
+  double storage_write_bytes_per_second = 0;  // aggregate: every GPU's state shares it
+  double storage_read_bytes_per_second = 0;   // aggregate (default: the write speed)
+  double network_bytes_per_second = 0;        // per node: a lost node's state from its peers
+};
+
+// Sets the costs that the speeds determine: snapshot = restore from memory = state / memory
+// speed; persist = restore from storage = gpus x state / storage speed (read speed for the
+// restore); restore from a peer = gpus per node x state / network speed. Costs whose speed is
+// not given are left as they are.
+void DeriveCosts(const ClusterSpeeds& speeds, SimulationInputs* in);
+
+// Parses a byte count or a rate in bytes per second: a number with an optional K, M, G, T
+// (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024), and an optional trailing B or B/s
+// ("16GiB", "25G", "1.5TB/s").
+Result<double> ParseBytes(const std::string& text);
 
 // Fills the defaults (sync save = persist, DCP blocking = snapshot, peer restore = storage
 // restore when not given) and checks: InvalidArgument naming the value otherwise.

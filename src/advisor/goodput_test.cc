@@ -133,5 +133,44 @@ TEST(CompleteInputsTest, DefaultsAndChecks) {
   EXPECT_FALSE(CompleteInputs(in).ok());
 }
 
+TEST(DeriveCostsTest, SecondsFromSizesAndSpeeds) {
+  SimulationInputs in;
+  in.gpus = 16;
+  in.gpus_per_node = 8;
+  in.restart_seconds = 30;
+  ClusterSpeeds sp;
+  sp.state_bytes_per_gpu = 10e9;
+  sp.memory_bytes_per_second = 20e9;
+  sp.storage_write_bytes_per_second = 8e9;  // shared by 16 GPUs: 160 GB in 20 s
+  sp.network_bytes_per_second = 40e9;       // a node's 80 GB from peers in 2 s
+  DeriveCosts(sp, &in);
+  EXPECT_DOUBLE_EQ(in.snapshot_seconds, 0.5);
+  EXPECT_DOUBLE_EQ(in.restore_memory_seconds, 0.5);
+  EXPECT_DOUBLE_EQ(in.persist_seconds, 20);
+  EXPECT_DOUBLE_EQ(in.restore_storage_seconds, 20);  // read speed defaults to the write speed
+  EXPECT_DOUBLE_EQ(in.restore_peer_seconds, 2);
+  EXPECT_DOUBLE_EQ(in.restart_seconds, 30);  // not a matter of speeds
+  // More GPUs on the same storage: saving to it takes longer, the snapshot does not.
+  in.gpus = 64;
+  DeriveCosts(sp, &in);
+  EXPECT_DOUBLE_EQ(in.persist_seconds, 80);
+  EXPECT_DOUBLE_EQ(in.snapshot_seconds, 0.5);
+}
+
+TEST(ParseBytesTest, DecimalAndBinaryUnits) {
+  ASSERT_OK_AND_ASSIGN(double b, ParseBytes("16GiB"));
+  EXPECT_DOUBLE_EQ(b, 16.0 * (1 << 30));
+  ASSERT_OK_AND_ASSIGN(b, ParseBytes("25G"));
+  EXPECT_DOUBLE_EQ(b, 25e9);
+  ASSERT_OK_AND_ASSIGN(b, ParseBytes("1.5TB/s"));
+  EXPECT_DOUBLE_EQ(b, 1.5e12);
+  ASSERT_OK_AND_ASSIGN(b, ParseBytes("4096"));
+  EXPECT_DOUBLE_EQ(b, 4096);
+  EXPECT_FALSE(ParseBytes("").ok());
+  EXPECT_FALSE(ParseBytes("12X").ok());
+  EXPECT_FALSE(ParseBytes("3i").ok());
+  EXPECT_FALSE(ParseBytes("-1G").ok());
+}
+
 }  // namespace
 }  // namespace safepoint::advisor

@@ -40,8 +40,7 @@ std::optional<std::string> LocalDirectory(std::string path) {
 }  // namespace
 
 double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 std::string HistoryPath(const std::string& checkpoint_path, const std::string& job) {
@@ -125,12 +124,13 @@ Status HistoryWriter::Flush() {
 }
 
 Status HistoryWriter::RecordPersist(const std::string& level, double seconds, uint64_t bytes) {
-  return Append(json{{"t", NowSeconds()},
-                     {"ev", "persist"},
-                     {"level", level},
-                     {"seconds", seconds},
-                     {"bytes", bytes}}
-                    .dump());
+  return Append(json{
+      {"t", NowSeconds()},
+      {"ev", "persist"},
+      {"level", level},
+      {"seconds", seconds},
+      {"bytes",
+       bytes}}.dump());
 }
 
 Status HistoryWriter::RecordRestore(const std::string& source, double seconds) {

@@ -39,7 +39,8 @@ std::string HistoryPath(const std::string& checkpoint_path, const std::string& j
 
 class HistoryWriter {
  public:
-  // Appends to `path` (created if missing, with its directory). `save_line_gap`: seconds between "save" lines.
+  // Appends to `path` (created if missing, with its directory). `save_line_gap`: seconds between
+  // "save" lines.
   static Result<HistoryWriter> Open(const std::string& path, double save_line_gap = 10);
   HistoryWriter(HistoryWriter&&) noexcept;
   HistoryWriter& operator=(HistoryWriter&&) noexcept;
@@ -74,10 +75,10 @@ struct Measured {
 
 struct HistorySummary {
   std::string path;
-  std::optional<Measured> save;                      // blocking seconds of a save
-  std::map<std::string, Measured> persist;           // by level
-  std::map<std::string, Measured> restore;           // by source
-  std::optional<Measured> restart;                   // gap from an interruption to the restart
+  std::optional<Measured> save;             // blocking seconds of a save
+  std::map<std::string, Measured> persist;  // by level
+  std::map<std::string, Measured> restore;  // by source
+  std::optional<Measured> restart;          // gap from an interruption to the restart
   uint64_t runs = 0;
   uint64_t interruptions = 0;
   double uptime_seconds = 0;                   // summed over runs (start to last line)

@@ -78,16 +78,16 @@ TEST(HistoryTest, RestartsWithoutCloseAreInterruptionsAndGiveTheMtbf) {
   // Three runs: the first two end without "close" (killed), the third closes. Uptime 100 + 200
   // + 50 s, two interruptions: MTBF 175 s; restarts took 10 and 20 s.
   ASSERT_TRUE(WriteStringToFile(path,
-                              "{\"t\":1000,\"ev\":\"start\",\"run\":1}\n"
-                              "{\"t\":1100,\"ev\":\"save\",\"n\":5,\"seconds\":0.2}\n"
-                              "not json\n"
-                              "{\"t\":1110,\"ev\":\"start\",\"run\":2}\n"
-                              "{\"t\":1310,\"ev\":\"save\",\"n\":5,\"seconds\":0.4}\n"
-                              "{\"t\":1330,\"ev\":\"start\",\"run\":3}\n"
-                              "{\"t\":1340,\"ev\":\"restore\",\"source\":\"memory\","
-                              "\"seconds\":1.5}\n"
-                              "{\"t\":1380,\"ev\":\"close\"}\n"
-                              "{\"t\":1390,\"ev\":\"future-event\",\"x\":1}\n"));
+                                "{\"t\":1000,\"ev\":\"start\",\"run\":1}\n"
+                                "{\"t\":1100,\"ev\":\"save\",\"n\":5,\"seconds\":0.2}\n"
+                                "not json\n"
+                                "{\"t\":1110,\"ev\":\"start\",\"run\":2}\n"
+                                "{\"t\":1310,\"ev\":\"save\",\"n\":5,\"seconds\":0.4}\n"
+                                "{\"t\":1330,\"ev\":\"start\",\"run\":3}\n"
+                                "{\"t\":1340,\"ev\":\"restore\",\"source\":\"memory\","
+                                "\"seconds\":1.5}\n"
+                                "{\"t\":1380,\"ev\":\"close\"}\n"
+                                "{\"t\":1390,\"ev\":\"future-event\",\"x\":1}\n"));
   uint64_t skipped = 0;
   ASSERT_OK_AND_ASSIGN(auto h, ReadHistory(path, &skipped));
   EXPECT_EQ(skipped, 1u);

@@ -34,8 +34,8 @@ double AvailabilityOptimalInterval(double save_seconds, double recovery_seconds,
   return ts + std::sqrt(2 * (mtbf_seconds + recovery_seconds) * ts + ts * ts);
 }
 
-double FirstOrderAvailability(double interval_seconds, double save_seconds,
-                              double recovery_seconds, double mtbf_seconds) {
+double FirstOrderAvailability(double interval_seconds, double save_seconds, double recovery_seconds,
+                              double mtbf_seconds) {
   if (interval_seconds <= save_seconds) return 0;
   if (mtbf_seconds <= 0) return 0;
   const double useful = 1 - save_seconds / interval_seconds;
@@ -149,8 +149,8 @@ std::string IntervalAdvice::Explain() const {
        " (restart + restore), and failures come every Tf = " + FormatDuration(mtbf_seconds) +
        " on average.";
   s += " The availability-optimal interval Ts + sqrt(2 (Tf + Tr) Ts + Ts^2) is " +
-       FormatDuration(availability_seconds) + " (Young's sqrt(2 Tf Ts): " +
-       FormatDuration(young_seconds) + ")";
+       FormatDuration(availability_seconds) +
+       " (Young's sqrt(2 Tf Ts): " + FormatDuration(young_seconds) + ")";
   if (bound == "persist time") {
     s += "; the level needs longer than that to write one step, so every " +
          FormatDuration(interval_seconds) + " is as often as it can take them";

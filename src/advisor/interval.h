@@ -35,8 +35,8 @@ double AvailabilityOptimalInterval(double save_seconds, double recovery_seconds,
 // period of Tc holds Ts of saving and a failure (every Tf on average) costs Tr plus half a
 // period of lost work: (1 - Ts/Tc) / (1 + (Tr + Tc/2) / Tf). Maximized by
 // AvailabilityOptimalInterval.
-double FirstOrderAvailability(double interval_seconds, double save_seconds,
-                              double recovery_seconds, double mtbf_seconds);
+double FirstOrderAvailability(double interval_seconds, double save_seconds, double recovery_seconds,
+                              double mtbf_seconds);
 
 // What the advisor knows about one level (memory snapshots, the checkpoint path, a tier).
 // A missing value is not measured (and not configured).
@@ -56,9 +56,9 @@ struct IntervalBounds {
 
 struct IntervalAdvice {
   std::string level;
-  double interval_seconds = 0;      // the recommendation (bounded)
-  double young_seconds = 0;         // sqrt(2 Tf Ts)
-  double availability_seconds = 0;  // the paper's optimum, before bounds
+  double interval_seconds = 0;       // the recommendation (bounded)
+  double young_seconds = 0;          // sqrt(2 Tf Ts)
+  double availability_seconds = 0;   // the paper's optimum, before bounds
   double expected_availability = 0;  // FirstOrderAvailability at the recommendation
   double save_seconds = 0, recovery_seconds = 0, mtbf_seconds = 0;
   std::string bound;                  // "", "persist time", "minimum", "maximum"

@@ -221,3 +221,24 @@ def test_tier_every_auto_takes_steps_as_fast_as_it_copies_and_says_why(tmp_path,
     with pytest.raises(safepoint.errors.InvalidArgumentError, match="every"):
         safepoint.Checkpointer(ckpt, shm_dir=shm, tiers=[safepoint.Tier(str(tier),
                                                                          every="sometimes")])
+
+
+def test_simulate_what_if_from_sizes_and_speeds(cli):
+    base = ["simulate", "--mtbf", "3h", "--restart-seconds", "30", "--state-per-gpu", "10G",
+            "--memory-bandwidth", "20G", "--storage-bandwidth", "8G", "--network-bandwidth",
+            "40G", "--gpus-per-node", "8", "--interval", "10m", "--json"]
+    small = json.loads(cli(*base, "--gpus", "16", check=0).stdout)
+    assert small["inputs"]["snapshot_seconds"] == pytest.approx(0.5)
+    assert small["inputs"]["persist_seconds"] == pytest.approx(20)
+    assert small["inputs"]["restore_peer_seconds"] == pytest.approx(2)
+    big = json.loads(cli(*base, "--gpus", "64", check=0).stdout)
+    assert big["inputs"]["persist_seconds"] == pytest.approx(80)  # one storage, 4x the state
+
+    def goodput(out, name):
+        return next(s["goodput"] for s in out["strategies"] if s["strategy"] == name)
+
+    # Synchronous saves suffer from the larger job; memory snapshots do not.
+    assert goodput(big, "sync") < goodput(small, "sync")
+    assert goodput(big, "safepoint") == pytest.approx(goodput(small, "safepoint"))
+    r = cli("simulate", "--mtbf", "3h", "--state-per-gpu", "lots", check=2)
+    assert "not a size" in r.stderr
