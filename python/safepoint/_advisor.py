@@ -146,9 +146,9 @@ class Advisor:
     def _mtbf(self) -> tuple[Optional[float], str]:
         if self.mtbf is not None:
             return self.mtbf, "configured"
-        learned = self.past.learned_mtbf_seconds if self.past is not None else None
-        if learned:
-            return learned, f"learned from {self.past.interruptions} restarts"
+        past = self.past
+        if past is not None and past.learned_mtbf_seconds:
+            return past.learned_mtbf_seconds, f"learned from {past.interruptions} restarts"
         return None, ""
 
     def _reevaluate(self) -> int:
