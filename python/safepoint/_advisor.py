@@ -2,7 +2,8 @@
 interval advisor").
 
 Rank 0 appends what it measures (save blocking time, persist and tier-copy times the agent
-reports, restore times, its own start and clean end) to the job's history file
+reports, at most every POLL_SECONDS, restore times, its own start and clean end: a few lines a
+minute however fast it saves) to the job's history file
 (``_core.history_path``; the format and the file are C++'s, src/advisor/history.h). With
 ``persist_every="auto"`` the schedule follows the C++ advisor's interval for the checkpoint path
 (``_core.advise_interval``) through a ``_core.IntervalController`` (bounded, with hysteresis),
@@ -23,6 +24,7 @@ from safepoint import _core
 from safepoint.errors import Error, InvalidArgumentError, NotFoundError
 
 ADVISE_EVERY_SAVES = 10
+POLL_SECONDS = 5.0
 _WINDOW = 64  # recent samples kept for the medians
 
 
@@ -75,6 +77,7 @@ class Advisor:
         self._step_seconds: collections.deque[float] = collections.deque(maxlen=_WINDOW)
         self._restores: dict[str, float] = {}
         self._last: Optional[tuple[int, float]] = None  # (step, time) of the previous save
+        self._last_poll = 0.0
         self._seen: dict[str, Any] = {}  # newest step seen persisted per level
         self._advice: Optional[Any] = None
         self._controller = _core.IntervalController(0.0, 0.0, 86400.0, 0.25)
@@ -101,7 +104,9 @@ class Advisor:
         self._saves += 1
         if self._saves % ADVISE_EVERY_SAVES:
             return
-        if self.rank == 0:
+        # The agent is asked at most every POLL_SECONDS (each answer may add a history line).
+        if self.rank == 0 and (not self._persist or now - self._last_poll >= POLL_SECONDS):
+            self._last_poll = now
             self._poll_agent(ckpt)
         if self.auto:
             every = self._reevaluate() if self.rank == 0 else self.every

@@ -227,7 +227,13 @@ Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped) {
   for (auto& [level, v] : persist) h.persist[level] = Measured{Median(v), v.size()};
   for (auto& [source, v] : restore) h.restore[source] = Measured{Median(v), v.size()};
   if (!restarts.empty()) h.restart = Measured{Median(restarts), restarts.size()};
-  if (h.interruptions > 0) h.learned_mtbf_seconds = h.uptime_seconds / h.interruptions;
+  // Failures strike restarts too (the goodput model counts them over wall time): the time
+  // covered is the running time plus the restarts.
+  double restarting = 0;
+  for (double r : restarts) restarting += r;
+  if (h.interruptions > 0) {
+    h.learned_mtbf_seconds = (h.uptime_seconds + restarting) / h.interruptions;
+  }
   if (skipped) *skipped = bad;
   return h;
 }

@@ -19,7 +19,8 @@
 //   {"ev":"close"}                                   the process ended cleanly
 // A run that has no "close" and is followed by a "start" was interrupted: its end is taken to
 // be its last line (heartbeats bound the error by `save_line_gap`), and the gap to the next
-// start is its restart time. Unknown lines are skipped, so later versions may add events.
+// start is its restart time. The learned MTBF is the wall time covered (running plus
+// restarting) over the interruptions. Unknown lines are skipped, so later versions may add events.
 //
 // HistoryWriter is not thread-safe (one per Checkpointer, called from the training thread).
 #pragma once
@@ -81,9 +82,10 @@ struct HistorySummary {
   std::optional<Measured> restart;          // gap from an interruption to the restart
   uint64_t runs = 0;
   uint64_t interruptions = 0;
-  double uptime_seconds = 0;                   // summed over runs (start to last line)
-  std::optional<double> learned_mtbf_seconds;  // uptime / interruptions, when >= 1
-  std::vector<double> interruption_times;      // Unix seconds
+  double uptime_seconds = 0;  // summed over runs (start to last line)
+  // (uptime + the restarts' time) / interruptions, when there was one
+  std::optional<double> learned_mtbf_seconds;
+  std::vector<double> interruption_times;  // Unix seconds
 };
 
 // Reads and summarizes a history file. NotFound naming the path when it does not exist;

@@ -76,7 +76,7 @@ TEST(HistoryTest, RestartsWithoutCloseAreInterruptionsAndGiveTheMtbf) {
   TempDir dir;
   const std::string path = dir.path() + "/h.jsonl";
   // Three runs: the first two end without "close" (killed), the third closes. Uptime 100 + 200
-  // + 50 s, two interruptions: MTBF 175 s; restarts took 10 and 20 s.
+  // + 60 s, two interruptions; restarts took 10 and 20 s.
   ASSERT_TRUE(WriteStringToFile(path,
                                 "{\"t\":1000,\"ev\":\"start\",\"run\":1}\n"
                                 "{\"t\":1100,\"ev\":\"save\",\"n\":5,\"seconds\":0.2}\n"
@@ -95,7 +95,7 @@ TEST(HistoryTest, RestartsWithoutCloseAreInterruptionsAndGiveTheMtbf) {
   EXPECT_EQ(h.interruptions, 2u);
   EXPECT_DOUBLE_EQ(h.uptime_seconds, 100 + 200 + 60);
   ASSERT_TRUE(h.learned_mtbf_seconds.has_value());
-  EXPECT_DOUBLE_EQ(*h.learned_mtbf_seconds, 180);
+  EXPECT_DOUBLE_EQ(*h.learned_mtbf_seconds, (360 + 10 + 20) / 2.0);  // restarts count too
   ASSERT_TRUE(h.restart.has_value());
   EXPECT_DOUBLE_EQ(h.restart->seconds, 15);
   EXPECT_EQ(h.interruption_times, (std::vector<double>{1100, 1310}));
