@@ -242,3 +242,22 @@ def test_simulate_what_if_from_sizes_and_speeds(cli):
     assert goodput(big, "safepoint") == pytest.approx(goodput(small, "safepoint"))
     r = cli("simulate", "--mtbf", "3h", "--state-per-gpu", "lots", check=2)
     assert "not a size" in r.stderr
+
+
+def test_status_watch_redraws_in_place_on_a_terminal(shm):
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([cli_path(), "status", "--watch", "--interval", "0.2", "--shm-dir", shm],
+                         stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    out = b""
+    while out.count(b"\033[H\033[2J") < 2:  # two redraws from the top of a cleared screen
+        chunk = os.read(master, 4096)
+        assert chunk, out
+        out += chunk
+    p.send_signal(signal.SIGINT)
+    assert p.wait() == 0
+    os.close(master)
+    assert b"safepoint status, every 0.2 s (Ctrl-C to quit)" in out
+    assert b"no safepoint jobs in" in out and b"--- " not in out
