@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -183,7 +184,7 @@ AdvisorCommands::AdvisorCommands(CLI::App& app) : o_(std::make_unique<Options>()
   s.add_flag("--monte-carlo", o.monte_carlo, "also a seeded Monte-Carlo run of the same model");
   s.add_option("--seed", o.seed, "Monte-Carlo seed")->capture_default_str();
   s.add_option("--horizon-hours", o.horizon_hours,
-               "Monte-Carlo wall time to simulate (default: 20000 MTBFs)")
+               "Monte-Carlo wall time to simulate (default: 20000 MTBFs, at most 10^7 periods)")
       ->check(CLI::NonNegativeNumber);
   s.add_option("--csv", o.csv, "write goodput against interval as CSV")->type_name("FILE");
   s.add_option("--plot", o.plot, "write goodput against interval as a PNG (matplotlib)")
@@ -498,7 +499,9 @@ int RunSimulate(const AdvisorCommands::Options& o) {
     }
     j["failure_modes"] = modes;
     if (o.monte_carlo) {
-      const auto mc = MonteCarloGoodput(s, horizon, o.seed + i);
+      // By default about 20000 failures, but at most 10^7 periods (short periods, rare failures).
+      const double h = o.horizon_hours > 0 ? horizon : std::min(horizon, 1e7 * period);
+      const auto mc = MonteCarloGoodput(s, h, o.seed + i);
       j["monte_carlo"] = {{"goodput", mc.goodput},
                           {"standard_error", mc.standard_error},
                           {"failures", mc.failures},

@@ -261,3 +261,12 @@ def test_status_watch_redraws_in_place_on_a_terminal(shm):
     os.close(master)
     assert b"safepoint status, every 0.2 s (Ctrl-C to quit)" in out
     assert b"no safepoint jobs in" in out and b"--- " not in out
+
+
+def test_simulate_monte_carlo_is_bounded_for_short_intervals_and_rare_failures(cli):
+    # 20000 MTBFs of 30 days in periods of 10 ms would be 5 * 10^12 periods: capped at 10^7.
+    out = json.loads(cli("simulate", "--mtbf", "30d", "--snapshot-seconds", "0.001",
+                         "--restore-memory-seconds", "1", "--interval", "0.01", "--monte-carlo",
+                         "--json", check=0).stdout)
+    for s in out["strategies"]:
+        assert s["monte_carlo"]["wall_seconds"] <= 1e7 * 0.01 * 1.001
