@@ -7,7 +7,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-multirank bench-replication bench-tiers bench-compress clean crash-build test-crash crashtest crashtest-nodes lint
+        bench-multirank bench-replication bench-tiers bench-compress bench-goodput clean crash-build test-crash crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh
@@ -113,6 +113,11 @@ bench: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/flash.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/versions.py
 	$(MAKE) bench-multirank
+
+# The goodput simulator against a real run with random SIGKILLs (docs/benchmarks.md, "Goodput
+# simulator"; about 11 minutes): exits 1 when the prediction is more than 10% off.
+bench-goodput: build
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/goodput.py
 
 # 2-rank DDP and FSDP2 against DCP, torch.save and DLRover (which imports grpc undeclared).
 bench-multirank: build

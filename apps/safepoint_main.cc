@@ -3,11 +3,12 @@
 //
 //   safepoint ls PATH [--json]
 //   safepoint inspect PATH [--step N] [--rank R] [--json]
-//   safepoint verify PATH [--step N | --all] [--json]
-//   safepoint cp SRC DST [--step N | --all] [--json]
+//   safepoint verify PATH [--step N | --all] [--json] [--progress]
+//   safepoint cp SRC DST [--step N | --all] [--json] [--progress]
 //   safepoint rm PATH --step N [--force] [--json]
 //   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush]
-//   safepoint status [--shm-dir DIR] [--json]
+//   safepoint status [--shm-dir DIR] [--json] [--watch [--interval S]]
+//   safepoint advise PATH ..., safepoint simulate ... (apps/cli_advisor.cc)
 //   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
 //   safepoint --version
 //   safepoint log | tag | diff | export | import ...   (apps/cli_versions.h)
@@ -43,6 +44,9 @@
 #include "base/unique_fd.h"
 #include "checkpoint/versions.h"
 #include "cli_versions.h"
+#include "cli_advisor.h"
+#include "cli_watch.h"
+#include "progress_bar.h"
 #include "safepoint/agent.h"
 #include "safepoint/arena.h"
 #include "safepoint/build_config.h"
@@ -74,6 +78,7 @@ struct Args {
   uint32_t rank = 0;
   bool all = false;
   bool json = false;
+  bool progress = false;  // verify, cp: progress bars on stderr even when it is not a terminal
   std::string log_level;  // empty: $SAFEPOINT_LOG_LEVEL or info
 };
 
@@ -279,6 +284,11 @@ int CmdVerify(const Args& a) {
   }
   json results = json::array();
   bool damaged = !problems.empty();
+  // A progress bar over the images' bytes on stderr (a terminal, or --progress; never --json).
+  const bool show_progress = (a.progress || ::isatty(STDERR_FILENO) == 1) && !a.json;
+  CopyProgress done;
+  for (const auto& c : targets) done.bytes_total += c.total_bytes();
+  ProgressBar bar("verify");
   for (const auto& p : problems) {
     results.push_back({{"ok", false}, {"error", p}});
     if (!a.json) std::cout << "DAMAGED  " << p << "\n";
@@ -300,6 +310,9 @@ int CmdVerify(const Args& a) {
       }
       const std::string file = (*store)->storage().Describe(ImageObjectName(c, r));
       if (!s.ok()) damaged = true;
+      done.bytes_done = std::min(done.bytes_total, done.bytes_done + bytes);
+      if (show_progress) bar.Update(done);
+      if (show_progress) bar.Finish();
       if (a.json) {
         json j = {{"step", c.step}, {"rank", r}, {"file", file}, {"ok", s.ok()}, {"bytes", bytes}};
         if (!s.ok()) j["error"] = s.ToString();
@@ -324,54 +337,6 @@ int CmdVerify(const Args& a) {
 // it becomes visible on the destination.
 std::atomic<bool> g_cancel{false};
 void CancelCopy(int) { g_cancel.store(true); }
-
-// A progress bar on stderr (a terminal): bytes, rate and time left, redrawn at most 10 times a
-// second. CopyStep calls it serialized.
-class ProgressBar {
- public:
-  explicit ProgressBar(std::string label)
-      : label_(std::move(label)), start_(std::chrono::steady_clock::now()) {}
-
-  void Update(const CopyProgress& p) {
-    const auto now = std::chrono::steady_clock::now();
-    if (p.bytes_done < p.bytes_total && now - last_ < std::chrono::milliseconds(100)) return;
-    last_ = now;
-    const double elapsed = std::chrono::duration<double>(now - start_).count();
-    const double rate = elapsed > 0 ? static_cast<double>(p.bytes_done) / elapsed : 0;
-    const double fraction =
-        p.bytes_total > 0 ? static_cast<double>(p.bytes_done) / static_cast<double>(p.bytes_total)
-                          : 1;
-    constexpr int kWidth = 30;
-    const int filled = static_cast<int>(fraction * kWidth);
-    std::string bar =
-        "\r" + label_ + " [" + std::string(filled, '#') + std::string(kWidth - filled, '.') + "] ";
-    char pct[16];
-    std::snprintf(pct, sizeof(pct), "%3d%% ", static_cast<int>(fraction * 100));
-    bar += pct + HumanBytes(p.bytes_done) + "/" + HumanBytes(p.bytes_total);
-    if (rate > 0) {
-      bar += "  " + HumanBytes(static_cast<uint64_t>(rate)) + "/s";
-      const double left = static_cast<double>(p.bytes_total - p.bytes_done) / rate;
-      char eta[32];
-      std::snprintf(eta, sizeof(eta), "  ETA %dm%02ds", static_cast<int>(left) / 60,
-                    static_cast<int>(left) % 60);
-      bar += eta;
-    }
-    bar += "\033[K";  // clear the rest of the line
-    std::fputs(bar.c_str(), stderr);
-    std::fflush(stderr);
-    drawn_ = true;
-  }
-
-  void Finish() {
-    if (drawn_) std::fputs("\r\033[K", stderr);
-  }
-
- private:
-  const std::string label_;
-  const std::chrono::steady_clock::time_point start_;
-  std::chrono::steady_clock::time_point last_{};
-  bool drawn_ = false;
-};
 
 std::string Rate(uint64_t bytes, double seconds) {
   return seconds > 0
@@ -404,7 +369,7 @@ int CmdCp(const Args& a) {
     if (!c.ok()) return Fail(c.status());
     steps.push_back(c->step);
   }
-  const bool tty = ::isatty(STDERR_FILENO) == 1 && !a.json;
+  const bool tty = (a.progress || ::isatty(STDERR_FILENO) == 1) && !a.json;
   std::signal(SIGINT, CancelCopy);
   std::signal(SIGTERM, CancelCopy);
   json results = json::array();
@@ -592,6 +557,10 @@ int CmdStatus(const Args& a) {
         j["storage"] = (*st)["storage"];
         j["world_size"] = (*st)["world_size"];
         j["newest_committed"] = (*st)["newest_committed"];
+        if (j["newest_committed"].is_number_unsigned() && j["storage"].is_string()) {
+          if (auto age = cli::CommitAgeSeconds(j["storage"], j["newest_committed"]))
+            j["newest_committed_age_seconds"] = *age;  // staleness of the newest durable step
+        }
         j["queued"] = (*st)["queued"];
         j["in_flight"] = (*st)["in_flight"];
         j["ranks"] = (*st)["ranks"];
@@ -616,8 +585,11 @@ int CmdStatus(const Args& a) {
       std::cout << "  agent pid " << j["agent_pid"] << ", storage "
                 << (j.contains("storage") ? j["storage"].dump() : "?") << ", newest committed step "
                 << (j.contains("newest_committed") ? j["newest_committed"].dump() : "?")
+                << (j.contains("newest_committed_age_seconds")
+                        ? " (" + cli::Ago(j["newest_committed_age_seconds"].get<double>()) + ")"
+                        : std::string())
                 << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
-                << "\n";
+                << (j.contains("in_flight") ? ", in flight " + j["in_flight"].dump() : "") << "\n";
       if (j.contains("replication") && j["replication"].is_object()) {
         const json& r = j["replication"];
         std::cout << "  replication " << r.value("redundancy", "?") << ": node "
@@ -647,6 +619,9 @@ int CmdStatus(const Args& a) {
           }
           std::cout << "; newest step " << t["newest_step"].dump() << ", " << t["copies"]
                     << " copies, " << t["failures"] << " failures";
+          if (t["last_copy_time"].is_number())
+            std::cout << " (copied "
+                      << cli::Ago(cli::NowSeconds() - t["last_copy_time"].get<double>()) << ")";
           if (!t["in_flight_step"].is_null()) std::cout << ", copying " << t["in_flight_step"];
           if (!t["pending_step"].is_null()) std::cout << ", next " << t["pending_step"];
           const std::string error = t.value("last_error", "");
@@ -838,6 +813,7 @@ int Main(int argc, char** argv) {
   CLI::Option* verify_step = add_step(verify);
   verify->add_flag("--all", a.all, "every committed step")->excludes(verify_step);
   add_json(verify, "a JSON report: ok, and a result per image");
+  verify->add_flag("--progress", a.progress, "a progress bar on stderr even when not a terminal");
 
   CLI::App* cp = app.add_subcommand(
       "cp", "copy committed steps to another checkpoint directory (verified, committed there)");
@@ -854,6 +830,7 @@ int Main(int argc, char** argv) {
   cp->add_flag("--all", a.all, "every committed step that DST has not committed")
       ->excludes(cp_step);
   add_json(cp, "a JSON report: ok, and a result per step");
+  cp->add_flag("--progress", a.progress, "a progress bar on stderr even when not a terminal");
 
   CLI::App* rm = app.add_subcommand("rm", "delete one step (its COMMIT record first)");
   add_path(rm);
@@ -876,6 +853,13 @@ int Main(int argc, char** argv) {
   CLI::App* status = app.add_subcommand("status", "this node's jobs: agents, snapshots, work");
   add_shm_dir(status);
   add_json(status, "a JSON array of the jobs instead of a report");
+  bool watch = false;
+  double watch_interval = 2;
+  status->add_flag("--watch", watch, "redraw the report every --interval seconds until Ctrl-C");
+  status->add_option("--interval", watch_interval, "seconds between refreshes of --watch")
+      ->type_name("S")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
 
   CLI::App* gc = app.add_subcommand("gc", "remove snapshots of jobs whose processes are gone");
   add_shm_dir(gc);
@@ -884,6 +868,7 @@ int Main(int argc, char** argv) {
 
   for (CLI::App* cmd : {ls, inspect, verify, cp, rm, agent, status, gc}) cmd->group("Commands");
   auto run_version_command = AddVersionCommands(app);  // log, tag, diff, export, import
+  const cli::AdvisorCommands advisor_commands(app);  // advise, simulate
   app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
 
   try {
@@ -913,9 +898,11 @@ int Main(int argc, char** argv) {
   if (cp->parsed()) return CmdCp(a);
   if (rm->parsed()) return CmdRm(a);
   if (agent->parsed()) return CmdAgent(a);
-  if (status->parsed()) return CmdStatus(a);
+  if (status->parsed())
+    return watch ? cli::Watch([&] { return CmdStatus(a); }, watch_interval) : CmdStatus(a);
   if (gc->parsed()) return CmdGc(a);
   if (std::optional<int> rc = run_version_command()) return *rc;
+  if (auto rc = advisor_commands.Run()) return *rc;
   std::cerr << app.help();  // no command
   return kExitUsage;
 }

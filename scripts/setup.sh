@@ -27,14 +27,14 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-STAMP=.venv/.safepoint-deps-v5
+STAMP=.venv/.safepoint-deps-v6
 if [ ! -f "$STAMP" ]; then
   echo "setup: installing Python packages into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" \
       "cmake>=3.24" ninja pytest safetensors "ruff==0.17.5" "mypy==2.4.1" \
       "pytorch-lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0" "dlrover==0.6.1" \
-      "zipnn==0.5.4" "zstandard==0.25.0"
+      "zipnn==0.5.4" "zstandard==0.25.0" "matplotlib==3.11.2"
   # DLRover pulls the deprecated `pynvml` shim, which makes every `import torch.cuda` warn; the
   # module it wraps comes from nvidia-ml-py, so keep that one alone.
   .venv/bin/python -m pip uninstall -q -y pynvml

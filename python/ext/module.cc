@@ -18,6 +18,7 @@
 #include <unordered_map>
 
 #include "codec_bindings.h"
+#include "advisor_bindings.h"
 #include "format_bindings.h"
 #include "replica/redundancy.h"
 #include "safepoint/build_config.h"
@@ -701,6 +702,7 @@ NB_MODULE(_core, m) {
   python::BindFormat(m);
   python::BindCodec(m);
   python::BindVersions(m);
+  python::BindAdvisor(m);
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("VERSION") = SAFEPOINT_VERSION;  // __version__ for type checkers (stubs omit dunders)
   m.attr("FORMAT_VERSION") = kImageFormatVersion;

@@ -18,9 +18,10 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 from safepoint import _core
+from safepoint._advisor import Advisor, parse_mtbf
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._pickle import AllowPickle, pickler, unpickler
@@ -114,7 +115,12 @@ class Checkpointer:
     ``path`` is the checkpoint directory (the same one ``safepoint.load`` and ``safepoint ls``
     read). ``job`` names the job's snapshots and agent on this node (default: derived from the
     path, or ``$SAFEPOINT_JOB``). ``rank``/``world_size`` default to torch.distributed's, then to
-    ``$RANK``/``$WORLD_SIZE``, then 0/1. Every ``persist_every``-th step is persisted; the newest
+    ``$RANK``/``$WORLD_SIZE``, then 0/1. Every ``persist_every``-th step is persisted;
+    ``persist_every="auto"`` persists on the interval advisor's schedule instead, from the save,
+    persist, restore and restart times measured for the job and its MTBF (``mtbf``: seconds or
+    ``"3h"``; default: learned from the job's restarts), bounded and with hysteresis;
+    ``status()["persist_interval"]`` says what it does and why (docs/guide.md, "Choosing the
+    checkpoint interval"). Rank 0 records its measurements in the job's history file. The newest
     ``keep`` committed steps are kept. ``on_busy`` says what ``save`` does when no slot is free
     because the agent still persists it: ``"wait"`` or ``"skip"`` (counted in ``status()``).
 
@@ -156,14 +162,15 @@ class Checkpointer:
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
-                 persist_every: int = 1, keep: int = 3, on_busy: str = "wait",
+                 persist_every: Union[int, str] = 1, keep: int = 3, on_busy: str = "wait",
                  shm_dir: Optional[str] = None, allow_pickle: AllowPickle = False,
                  dedupe: bool = True, share_reads: bool = True,
                  redundancy: Optional[str] = None,
                  replication_bandwidth: Optional[float] = None,
                  peer_timeout: float = 30.0,
                  tiers: Optional[list[TierLike]] = None,
-                 metadata: Optional[dict[str, Any]] = None) -> None:
+                 metadata: Optional[dict[str, Any]] = None,
+                 mtbf: Union[None, float, str] = None) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -174,8 +181,10 @@ class Checkpointer:
             rank = drank if drank is not None else int(os.environ.get("RANK", 0))
         if world_size is None:
             world_size = dworld if dworld is not None else int(os.environ.get("WORLD_SIZE", 1))
-        if type(persist_every) is not int or persist_every < 1:
-            raise InvalidArgumentError(f"{self.path}: persist_every must be a positive int")
+        if persist_every != "auto" and (type(persist_every) is not int or persist_every < 1):
+            raise InvalidArgumentError(
+                f"{self.path}: persist_every must be a positive int or 'auto'")
+        mtbf_seconds = parse_mtbf(self.path, mtbf)
         if type(keep) is not int or keep < 1:
             raise InvalidArgumentError(f"{self.path}: keep must be a positive int")
         if on_busy not in ("wait", "skip"):
@@ -211,6 +220,8 @@ class Checkpointer:
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
             _agent_binary(), self.attempt, core_tiers(self.tiers))
+        self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
+                                mtbf_seconds, self.tiers)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,
@@ -255,7 +266,7 @@ class Checkpointer:
                 f"{self.path}: step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         state = to_saveable(state, include_rng)
-        do_persist = persist if persist is not None else step % self.persist_every == 0
+        do_persist = persist if persist is not None else self._advisor.due(step)
         snap = self._live.save(step, state, bool(do_persist), self._pickler,
                                notify=not self.dedupe)
         res = _fields(snap)
@@ -273,6 +284,7 @@ class Checkpointer:
             res["agent_error"] = self._live.notify(skip)
         res["blocking_seconds"] = time.perf_counter() - t0
         res["step"] = step
+        self._advisor.saved(self, step, res["blocking_seconds"])
         self._stats["saves"] += 1
         self._stats["last_save"] = res
         if not res["saved"]:
@@ -341,6 +353,7 @@ class Checkpointer:
         # The steps saved from now on descend from this one (of this checkpoint, wherever the
         # copy was read: memory, a peer, path or a tier).
         self._live.set_lineage(result[0], "", self._metadata)
+        self._advisor.restored(source, uri, seconds)
         return result
 
     def _memory_steps(self) -> list[int]:
@@ -642,6 +655,7 @@ class Checkpointer:
             "replication": agent.get("replication"),
             "tiers": agent.get("tiers", []),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
+            "persist_interval": self._advisor.status(),
         }
 
     @contextlib.contextmanager
@@ -663,6 +677,7 @@ class Checkpointer:
         if self._client is not None:
             client, self._client = self._client, None
             client.close(-1.0 if timeout is None else float(timeout))
+            self._advisor.close(clean=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -681,6 +696,7 @@ class Checkpointer:
         if self._client is not None:
             client, self._client = self._client, None
             client.abandon()
+            self._advisor.close(clean=False)
 
     def __del__(self) -> None:  # no clean close: the agent treats it like a death and flushes
         client = getattr(self, "_client", None)

@@ -24,9 +24,12 @@ class Tier:
     ``rados://pool/run1``, or a plain path), how often it receives a step (``every`` N steps:
     a step that is a multiple of N, or N steps after the last one it received; and/or
     ``every_seconds``; neither: every step committed on the tier above), and how many committed
-    steps it keeps."""
+    steps it keeps. ``every="auto"``: the interval advisor's schedule; copies to a tier cost
+    training nothing (the agent makes them), so its goodput-optimal interval is as often as the
+    tier accepts steps: every step committed above, the newest one whenever the previous copy is
+    done (docs/guide.md, "Choosing the checkpoint interval")."""
     uri: str
-    every: Optional[int] = None
+    every: Optional[Union[int, str]] = None
     every_seconds: Optional[float] = None
     keep: int = 3
 
@@ -63,8 +66,10 @@ def normalize_tiers(path: str, tiers: Optional[Sequence[TierLike]]) -> list[Tier
             raise InvalidArgumentError(f"{path}: tier {i} ({uri}) repeats a storage the job "
                                        "already uses")
         seen.add(uri)
-        if t.every is not None and (type(t.every) is not int or t.every < 1):
-            raise InvalidArgumentError(f"{path}: tier {i} ({uri}): every must be a positive int")
+        if t.every is not None and t.every != "auto" and (type(t.every) is not int
+                                                           or t.every < 1):
+            raise InvalidArgumentError(
+                f"{path}: tier {i} ({uri}): every must be a positive int or 'auto'")
         if t.every_seconds is not None and (
                 not isinstance(t.every_seconds, (int, float)) or isinstance(t.every_seconds, bool)
                 or not math.isfinite(t.every_seconds) or t.every_seconds <= 0):
@@ -79,4 +84,5 @@ def normalize_tiers(path: str, tiers: Optional[Sequence[TierLike]]) -> list[Tier
 
 def core_tiers(tiers: Sequence[Tier]) -> list[tuple[str, int, float, int]]:
     """The tiers as the extension module takes them: (uri, every, every_seconds, keep)."""
-    return [(t.uri, t.every or 0, float(t.every_seconds or 0.0), t.keep) for t in tiers]
+    return [(t.uri, t.every if isinstance(t.every, int) else 0, float(t.every_seconds or 0.0),
+             t.keep) for t in tiers]

@@ -1,0 +1,221 @@
+"""A Checkpointer's measurements and its ``persist_every="auto"`` schedule (docs/guide.md, "The
+interval advisor").
+
+Rank 0 appends what it measures (save blocking time, persist and tier-copy times the agent
+reports, at most every POLL_SECONDS, restore times, its own start and clean end: a few lines a
+minute however fast it saves) to the job's history file
+(``_core.history_path``; the format and the file are C++'s, src/advisor/history.h). With
+``persist_every="auto"`` the schedule follows the C++ advisor's interval for the checkpoint path
+(``_core.advise_interval``) through a ``_core.IntervalController`` (bounded, with hysteresis),
+converted to steps with the measured time per step. Every rank must persist the same steps, so
+the schedule is re-evaluated every ``ADVISE_EVERY_SAVES`` saves (all ranks save equally often)
+and, under torch.distributed, rank 0's result is broadcast.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+import warnings
+from typing import Any, Optional, Union
+
+from safepoint import _core
+from safepoint.errors import Error, InvalidArgumentError, NotFoundError
+
+ADVISE_EVERY_SAVES = 10
+POLL_SECONDS = 5.0
+_WINDOW = 64  # recent samples kept for the medians
+
+
+def parse_mtbf(path: str, mtbf: Union[None, int, float, str]) -> Optional[float]:
+    if mtbf is None:
+        return None
+    if isinstance(mtbf, str):
+        try:
+            return _core.parse_duration(mtbf)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{path}: mtbf: {e}") from None
+    if isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not mtbf > 0 \
+            or mtbf == float("inf"):
+        raise InvalidArgumentError(f"{path}: mtbf must be a positive number of seconds or a "
+                                   f"duration like '3h', got {mtbf!r}")
+    return float(mtbf)
+
+
+class Advisor:
+    """The history writer and the persist schedule of one Checkpointer."""
+
+    def __init__(self, path: str, job: str, rank: int, run: int,
+                 persist_every: Union[int, str], mtbf: Optional[float],
+                 tiers: list[Any]) -> None:
+        self.path, self.rank = path, rank
+        self.auto = persist_every == "auto"
+        self.every = 1 if self.auto else int(persist_every)
+        self.mtbf = mtbf
+        self._levels = {path: "path", **{t.uri: f"tier {i}" for i, t in enumerate(tiers, 1)}}
+        self._auto_tiers = [f"tier {i}" for i, t in enumerate(tiers, 1) if t.every == "auto"]
+        self._tier_copy: dict[str, float] = {}
+        self.history: Optional[Any] = None
+        self.past: Optional[Any] = None  # the history as it was when this process started
+        hp = _core.history_path(path, job)
+        if rank == 0 and hp:
+            try:
+                try:
+                    self.past = _core.read_history(hp)
+                except NotFoundError:
+                    pass
+                self.history = _core.HistoryWriter.open(hp)
+                self.history.start(run)
+            except Error as e:
+                warnings.warn(f"safepoint: no measurement history ({e})", RuntimeWarning,
+                              stacklevel=3)
+                self.history = None
+        self._saves = 0
+        self._blocking: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._persist: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._step_seconds: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._restores: dict[str, float] = {}
+        self._last: Optional[tuple[int, float]] = None  # (step, time) of the previous save
+        self._last_poll = 0.0
+        self._seen: dict[str, Any] = {}  # newest step seen persisted per level
+        self._advice: Optional[Any] = None
+        self._controller = _core.IntervalController(0.0, 0.0, 86400.0, 0.25)
+        self._why = ("no measurements yet: persisting every step until the advisor has them"
+                     if self.auto else f"persist_every={self.every}")
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def saved(self, ckpt: Any, step: int, blocking: float) -> None:
+        """After each save: record the sample; every ADVISE_EVERY_SAVES saves, poll the agent
+        for persist times and (auto) re-evaluate the schedule."""
+        now = time.monotonic()
+        if self._last is not None and step > self._last[0]:
+            self._step_seconds.append((now - self._last[1]) / (step - self._last[0]))
+        self._last = (step, now)
+        self._blocking.append(blocking)
+        if self.history is not None:
+            try:
+                self.history.save(blocking)
+            except Error:
+                pass
+        self._saves += 1
+        if self._saves % ADVISE_EVERY_SAVES:
+            return
+        # The agent is asked at most every POLL_SECONDS (each answer may add a history line).
+        if self.rank == 0 and (not self._persist or now - self._last_poll >= POLL_SECONDS):
+            self._last_poll = now
+            self._poll_agent(ckpt)
+        if self.auto:
+            every = self._reevaluate() if self.rank == 0 else self.every
+            if ckpt._group is not None:
+                import torch.distributed as dist
+
+                box = [every]
+                dist.broadcast_object_list(box, src=0, group=ckpt._group)
+                every = box[0]
+            self.every = max(1, int(every))
+
+    def _poll_agent(self, ckpt: Any) -> None:
+        try:
+            st = ckpt.status()
+        except Exception:  # the agent is restarting: try again at the next evaluation
+            return
+        step, seconds = st.get("last_persisted_step"), st.get("last_persist_seconds")
+        if step is not None and seconds and self._seen.get("path") != step:
+            self._seen["path"] = step
+            self._persist.append(float(seconds))
+            self._record("persist", "path", float(seconds), int(st.get("last_persist_bytes") or 0))
+        for t in st.get("tiers") or []:
+            level, newest = f"tier {t.get('tier')}", t.get("newest_step")
+            copy = t.get("last_copy_seconds")
+            if copy:
+                self._tier_copy[level] = float(copy)
+            if newest is not None and copy and self._seen.get(level) != newest:
+                self._seen[level] = newest
+                self._record("persist", level, float(copy), 0)
+
+    def _record(self, what: str, level: str, seconds: float, nbytes: int = 0) -> None:
+        if self.history is None:
+            return
+        try:
+            if what == "persist":
+                self.history.persist(level, seconds, nbytes)
+            else:
+                self.history.restore(level, seconds)
+        except Error:
+            pass
+
+    def _mtbf(self) -> tuple[Optional[float], str]:
+        if self.mtbf is not None:
+            return self.mtbf, "configured"
+        past = self.past
+        if past is not None and past.learned_mtbf_seconds:
+            return past.learned_mtbf_seconds, f"learned from {past.interruptions} restarts"
+        return None, ""
+
+    def _reevaluate(self) -> int:
+        mtbf, mtbf_source = self._mtbf()
+        if mtbf is None:
+            self._why = ("no failure rate: pass mtbf= (or it is learned after the job's first "
+                         "restart); persisting every step")
+            return self.every
+        if not self._blocking or not self._step_seconds:
+            return self.every
+        save = statistics.median(self._blocking)
+        persist = statistics.median(self._persist) if self._persist else None
+        restore = self._restores.get("path")
+        if restore is None and self.past is not None and "path" in self.past.restore:
+            restore = self.past.restore["path"].seconds
+        restore_note = "measured"
+        if restore is None:  # reading back costs about what writing did, until measured
+            restore, restore_note = (persist or 0.0), "estimated as the persist time"
+        restart = self.past.restart.seconds if self.past is not None and self.past.restart \
+            else None
+        try:
+            advice = _core.advise_interval("path", save, persist, restore, restart, mtbf)
+        except Error as e:
+            self._why = f"no advice: {e}"
+            return self.every
+        self._advice = advice
+        why = (f"{advice.explain()} (MTBF {mtbf_source}; restore time {restore_note}; "
+               f"{statistics.median(self._step_seconds):.3g} s per step)")
+        self._controller.update(advice.interval_seconds, why)
+        self._why = self._controller.reason
+        per_step = statistics.median(self._step_seconds)
+        return max(1, round(self._controller.interval_seconds / per_step)) if per_step > 0 else 1
+
+    # -- restores and the end -------------------------------------------------------------------
+    def restored(self, source: str, uri: Optional[str], seconds: float) -> None:
+        level = source if source != "storage" else self._levels.get(uri or self.path, "path")
+        self._restores[level] = seconds
+        self._record("restore", level, seconds)
+
+    def close(self, clean: bool) -> None:
+        h, self.history = self.history, None
+        if h is None:
+            return
+        try:
+            h.close() if clean else h.flush()
+        except Error:
+            pass
+
+    def status(self) -> dict[str, Any]:
+        a = self._advice
+        return {
+            "mode": "auto" if self.auto else "steps",
+            "every_steps": self.every,
+            "seconds": self._controller.interval_seconds if self.auto else None,
+            "recommended_seconds": a.interval_seconds if a is not None else None,
+            "expected_goodput": a.expected_goodput if a is not None else None,
+            "changes": self._controller.changes,
+            "reason": self._why,
+            "tiers": {level: "auto: every step committed on the tier above, the newest whenever "
+                      "the previous copy is done, so as fast as the tier copies"
+                      + (f" (last copy {self._tier_copy[level]:.3g} s)"
+                         if level in self._tier_copy else "")
+                      + "; a copy costs training nothing, so the goodput-optimal interval is as "
+                      "often as the tier accepts steps" for level in self._auto_tiers},
+        }

@@ -1,0 +1,97 @@
+// A job's measurement history: what the interval advisor and `safepoint simulate --from` learn
+// from, kept where it survives restarts of the job.
+//
+// Where: `safepoint-history.jsonl` in the checkpoint directory when it is a local directory
+// (a plain path or file://), else `$SAFEPOINT_HISTORY_DIR/<job>.history.jsonl` when that is set,
+// else nowhere (HistoryPath returns ""). The file lives beside the `step-*` directories and is
+// never read as a checkpoint (stores list only `step-` names).
+//
+// Format: JSON lines, appended with one write(2) each (O_APPEND; no fsync: a power cut may drop
+// the last lines, which only loses samples). Every line has "t" (Unix seconds) and "ev":
+//   {"ev":"start","run":R}                           a process started (Checkpointer created)
+//   {"ev":"save","n":N,"seconds":S,"max":M}          N saves since the last such line, median
+//                                                    blocking seconds S (at most one line per
+//                                                    `save_line_gap` seconds: also a heartbeat)
+//   {"ev":"persist","level":L,"seconds":S,"bytes":B} one step written to level L ("path",
+//                                                    "tier 1", ...)
+//   {"ev":"restore","source":L,"seconds":S}          one restore from L ("memory", "peer",
+//                                                    "path", "tier 1", ...)
+//   {"ev":"close"}                                   the process ended cleanly
+// A run that has no "close" and is followed by a "start" was interrupted: its end is taken to
+// be its last line (heartbeats bound the error by `save_line_gap`), and the gap to the next
+// start is its restart time. The learned MTBF is the wall time covered (running plus
+// restarting) over the interruptions. Unknown lines are skipped, so later versions may add events.
+//
+// HistoryWriter is not thread-safe (one per Checkpointer, called from the training thread).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "safepoint/status.h"
+
+namespace safepoint::advisor {
+
+// The history file of a checkpoint path and job (see above), or "" when there is none.
+std::string HistoryPath(const std::string& checkpoint_path, const std::string& job);
+
+class HistoryWriter {
+ public:
+  // Appends to `path` (created if missing, with its directory). `save_line_gap`: seconds between
+  // "save" lines.
+  static Result<HistoryWriter> Open(const std::string& path, double save_line_gap = 10);
+  HistoryWriter(HistoryWriter&&) noexcept;
+  HistoryWriter& operator=(HistoryWriter&&) noexcept;
+  ~HistoryWriter();
+
+  Status RecordStart(uint64_t run);
+  // Buffers the sample; writes a "save" line when `save_line_gap` passed since the last one.
+  Status RecordSave(double blocking_seconds);
+  Status RecordPersist(const std::string& level, double seconds, uint64_t bytes);
+  Status RecordRestore(const std::string& source, double seconds);
+  // Writes the buffered save samples and a "close" line.
+  Status RecordClose();
+  Status Flush();  // writes the buffered save samples now
+
+  const std::string& path() const { return path_; }
+
+ private:
+  HistoryWriter(int fd, std::string path, double gap);
+  Status Append(const std::string& line);
+  int fd_ = -1;
+  std::string path_;
+  double gap_ = 10;
+  double last_save_line_ = 0;
+  std::vector<double> pending_saves_;
+};
+
+// Robust summaries of samples: the median and how many there were.
+struct Measured {
+  double seconds = 0;
+  uint64_t samples = 0;
+};
+
+struct HistorySummary {
+  std::string path;
+  std::optional<Measured> save;             // blocking seconds of a save
+  std::map<std::string, Measured> persist;  // by level
+  std::map<std::string, Measured> restore;  // by source
+  std::optional<Measured> restart;          // gap from an interruption to the restart
+  uint64_t runs = 0;
+  uint64_t interruptions = 0;
+  double uptime_seconds = 0;  // summed over runs (start to last line)
+  // (uptime + the restarts' time) / interruptions, when there was one
+  std::optional<double> learned_mtbf_seconds;
+  std::vector<double> interruption_times;  // Unix seconds
+};
+
+// Reads and summarizes a history file. NotFound naming the path when it does not exist;
+// malformed lines are skipped and counted in `*skipped` when given.
+Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped = nullptr);
+
+double NowSeconds();  // Unix time
+
+}  // namespace safepoint::advisor

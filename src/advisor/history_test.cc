@@ -1,0 +1,105 @@
+// The measurement history: where it lives, what is written, what is learned from it.
+#include "advisor/history.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "testing/test_util.h"
+
+namespace safepoint::advisor {
+namespace {
+
+using test::ReadFileToString;
+using test::TempDir;
+using test::WriteStringToFile;
+
+TEST(HistoryPathTest, LocalCheckpointDirectoryElseTheEnvironmentElseNone) {
+  EXPECT_EQ(HistoryPath("/ckpt/run1/", "j"), "/ckpt/run1/safepoint-history.jsonl");
+  EXPECT_EQ(HistoryPath("file:///ckpt/run1", "j"), "/ckpt/run1/safepoint-history.jsonl");
+  ::unsetenv("SAFEPOINT_HISTORY_DIR");
+  EXPECT_EQ(HistoryPath("s3://bucket/run1", "j"), "");
+  ::setenv("SAFEPOINT_HISTORY_DIR", "/var/lib/sp", 1);
+  EXPECT_EQ(HistoryPath("s3://bucket/run1", "j"), "/var/lib/sp/j.history.jsonl");
+  ::unsetenv("SAFEPOINT_HISTORY_DIR");
+}
+
+TEST(HistoryTest, MissingFileIsNotFoundNamingIt) {
+  auto h = ReadHistory("/nonexistent/safepoint-history.jsonl");
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(h.status().message().find("/nonexistent/safepoint-history.jsonl"), std::string::npos);
+}
+
+TEST(HistoryTest, WritesAndSummarizesMeasurements) {
+  TempDir dir;
+  const std::string path = dir.path() + "/safepoint-history.jsonl";
+  {
+    ASSERT_OK_AND_ASSIGN(auto w, HistoryWriter::Open(path, /*save_line_gap=*/0));
+    ASSERT_OK(w.RecordStart(1));
+    for (double s : {0.1, 0.3, 0.2}) ASSERT_OK(w.RecordSave(s));
+    ASSERT_OK(w.RecordPersist("path", 4, 1000));
+    ASSERT_OK(w.RecordPersist("path", 6, 1000));
+    ASSERT_OK(w.RecordPersist("tier 1", 30, 1000));
+    ASSERT_OK(w.RecordRestore("memory", 0.5));
+    ASSERT_OK(w.RecordClose());
+  }
+  uint64_t skipped = 0;
+  ASSERT_OK_AND_ASSIGN(auto h, ReadHistory(path, &skipped));
+  EXPECT_EQ(skipped, 0u);
+  ASSERT_TRUE(h.save.has_value());
+  EXPECT_DOUBLE_EQ(h.save->seconds, 0.2);
+  EXPECT_EQ(h.save->samples, 3u);
+  EXPECT_DOUBLE_EQ(h.persist.at("path").seconds, 5);
+  EXPECT_EQ(h.persist.at("path").samples, 2u);
+  EXPECT_DOUBLE_EQ(h.persist.at("tier 1").seconds, 30);
+  EXPECT_DOUBLE_EQ(h.restore.at("memory").seconds, 0.5);
+  EXPECT_EQ(h.runs, 1u);
+  EXPECT_EQ(h.interruptions, 0u);  // closed cleanly
+  EXPECT_FALSE(h.learned_mtbf_seconds.has_value());
+}
+
+TEST(HistoryTest, SaveLinesAreRateLimited) {
+  TempDir dir;
+  const std::string path = dir.path() + "/h.jsonl";
+  ASSERT_OK_AND_ASSIGN(auto w, HistoryWriter::Open(path, /*save_line_gap=*/3600));
+  ASSERT_OK(w.RecordStart(1));
+  for (int i = 0; i < 100; ++i) ASSERT_OK(w.RecordSave(0.01 * (i % 7)));
+  auto text = ReadFileToString(path).value_or("");
+  EXPECT_EQ(text.find("\"save\""), std::string::npos);  // buffered
+  ASSERT_OK(w.RecordClose());
+  text = ReadFileToString(path).value_or("");
+  EXPECT_NE(text.find("\"n\":100"), std::string::npos) << text;
+}
+
+TEST(HistoryTest, RestartsWithoutCloseAreInterruptionsAndGiveTheMtbf) {
+  TempDir dir;
+  const std::string path = dir.path() + "/h.jsonl";
+  // Three runs: the first two end without "close" (killed), the third closes. Uptime 100 + 200
+  // + 60 s, two interruptions; restarts took 10 and 20 s.
+  ASSERT_TRUE(WriteStringToFile(path,
+                                "{\"t\":1000,\"ev\":\"start\",\"run\":1}\n"
+                                "{\"t\":1100,\"ev\":\"save\",\"n\":5,\"seconds\":0.2}\n"
+                                "not json\n"
+                                "{\"t\":1110,\"ev\":\"start\",\"run\":2}\n"
+                                "{\"t\":1310,\"ev\":\"save\",\"n\":5,\"seconds\":0.4}\n"
+                                "{\"t\":1330,\"ev\":\"start\",\"run\":3}\n"
+                                "{\"t\":1340,\"ev\":\"restore\",\"source\":\"memory\","
+                                "\"seconds\":1.5}\n"
+                                "{\"t\":1380,\"ev\":\"close\"}\n"
+                                "{\"t\":1390,\"ev\":\"future-event\",\"x\":1}\n"));
+  uint64_t skipped = 0;
+  ASSERT_OK_AND_ASSIGN(auto h, ReadHistory(path, &skipped));
+  EXPECT_EQ(skipped, 1u);
+  EXPECT_EQ(h.runs, 3u);
+  EXPECT_EQ(h.interruptions, 2u);
+  EXPECT_DOUBLE_EQ(h.uptime_seconds, 100 + 200 + 60);
+  ASSERT_TRUE(h.learned_mtbf_seconds.has_value());
+  EXPECT_DOUBLE_EQ(*h.learned_mtbf_seconds, (360 + 10 + 20) / 2.0);  // restarts count too
+  ASSERT_TRUE(h.restart.has_value());
+  EXPECT_DOUBLE_EQ(h.restart->seconds, 15);
+  EXPECT_EQ(h.interruption_times, (std::vector<double>{1100, 1310}));
+}
+
+}  // namespace
+}  // namespace safepoint::advisor

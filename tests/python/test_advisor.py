@@ -1,0 +1,272 @@
+"""The interval advisor, the goodput simulator and the terminal views (issue 13, parts 4-6):
+`safepoint advise`, `safepoint simulate`, persist_every="auto", the measurement history,
+`status --watch` and the progress bars."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+import safepoint
+from conftest import cli_path
+
+HISTORY = "safepoint-history.jsonl"
+
+
+def state(n=64):
+    return {"w": torch.arange(n, dtype=torch.float32)}
+
+
+def run_job(ckpt, shm, saves=12, crash=False, **kw):
+    """A short job: `saves` saves, a restore, then a clean close or a crash (abandon)."""
+    c = safepoint.Checkpointer(ckpt, shm_dir=shm, job="adv", **kw)
+    for step in range(saves):
+        c.save(step, state())
+    c.wait()
+    c.load()
+    if crash:
+        c.abandon()
+    else:
+        c.close()
+
+
+def history_events(ckpt):
+    return [json.loads(line)["ev"] for line in open(ckpt / HISTORY)]
+
+
+def test_history_records_saves_persists_restores_and_a_clean_end(ckpt, shm):
+    run_job(ckpt, shm)
+    ev = history_events(ckpt)
+    assert ev[0] == "start" and ev[-1] == "close"
+    assert "save" in ev and "persist" in ev and "restore" in ev
+    h = safepoint._core.read_history(str(ckpt / HISTORY))
+    assert h.runs == 1 and h.interruptions == 0 and h.save.samples == 12
+    assert h.persist["path"].samples >= 1 and "memory" in h.restore
+    # The history is no checkpoint: ls and verify see only the steps.
+    assert safepoint.steps(ckpt)
+
+
+def test_advise_explains_with_a_learned_mtbf(ckpt, shm, cli):
+    run_job(ckpt, shm, crash=True)  # an interruption...
+    run_job(ckpt, shm)              # ...and the restart after it
+    out = json.loads(cli("advise", ckpt, "--json", check=0).stdout)
+    levels = {lv["level"]: lv for lv in out["levels"]}
+    assert set(levels) >= {"memory", "path"}
+    mem = levels["memory"]
+    assert "learned from 1 interruption" in mem["mtbf_source"]
+    assert mem["interval_seconds"] > 0 and mem["save_seconds"] > 0
+    assert "median of" in mem["measured"]["save"]
+    p = levels["path"]
+    assert p["persist_seconds"] is not None and p["interval_seconds"] >= p["persist_seconds"]
+    text = cli("advise", ckpt, "--mtbf", "2h", check=0).stdout
+    assert "checkpoint every" in text and "Young" in text and "configured (--mtbf)" in text
+
+
+def test_advise_without_history_or_failure_rate_says_what_is_missing(tmp_path, ckpt, shm, cli):
+    r = cli("advise", tmp_path / "nothing", check=1)
+    assert "no measurement history" in r.stderr and "--save-seconds" in r.stderr
+    run_job(ckpt, shm)  # measured, but never interrupted: no failure rate to learn
+    r = cli("advise", ckpt, check=1)
+    assert "no failure rate" in r.stderr and "--mtbf" in r.stderr
+    r = cli("advise", tmp_path / "nothing", "--save-seconds", "2", "--restore-seconds", "30",
+            "--mtbf", "1h", "--json", check=0)
+    lv = json.loads(r.stdout)["levels"][0]
+    # 2 + sqrt(2 (3600 + 30) 2 + 4) = 122.5 s
+    assert lv["interval_seconds"] == pytest.approx(2 + (2 * 3630 * 2 + 4) ** 0.5)
+    r = cli("advise", ckpt, "--mtbf", "soon", check=2)
+    assert "duration" in r.stderr
+
+
+SIM = ["simulate", "--mtbf", "3h", "--node-loss-fraction", "0.2", "--snapshot-seconds", "0.5",
+       "--persist-seconds", "60", "--restart-seconds", "120", "--restore-memory-seconds", "2",
+       "--restore-peer-seconds", "10", "--restore-storage-seconds", "60"]
+
+
+def test_simulate_orders_strategies_and_monte_carlo_agrees(cli):
+    out = json.loads(cli(*SIM, "--monte-carlo", "--seed", "7", "--json", check=0).stdout)
+    assert out["reported"] == "analytic"
+    g = {s["strategy"]: s for s in out["strategies"]}
+    assert g["safepoint"]["goodput"] > g["dcp-async"]["goodput"] > g["sync"]["goodput"]
+    for s in g.values():
+        mc = s["monte_carlo"]
+        assert mc["failures"] > 1000
+        # The Monte-Carlo run of the same model: within 4 standard errors of the analytic value.
+        assert abs(mc["goodput"] - s["goodput"]) <= 4 * mc["standard_error"], s
+    text = cli(*SIM, "--interval", "10m", check=0).stdout
+    assert "safepoint:" in text and "at an interval of 10 min" in text
+
+
+def test_simulate_plot_and_csv(tmp_path, cli):
+    pytest.importorskip("matplotlib")
+    png, csv = tmp_path / "g.png", tmp_path / "g.csv"
+    cli(*SIM, "--plot", png, "--csv", csv, check=0)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = csv.read_text().splitlines()
+    assert rows[0] == "interval_seconds,safepoint,sync,dcp-async" and len(rows) > 100
+
+
+def test_simulate_reads_costs_from_a_jobs_history(ckpt, shm, cli):
+    run_job(ckpt, shm, crash=True)
+    run_job(ckpt, shm)
+    out = json.loads(cli("simulate", "--from", ckpt, "--json", check=0).stdout)
+    inp = out["inputs"]
+    assert inp["history"].endswith(HISTORY)
+    assert inp["snapshot_seconds"] > 0 and inp["persist_seconds"] > 0
+    assert inp["restore_memory_seconds"] > 0 and inp["mtbf_seconds"] > 0
+    r = cli("simulate", "--snapshot-seconds", "1", check=1)
+    assert "MTBF" in r.stderr
+
+
+def test_persist_every_auto_follows_the_advice_and_says_why(ckpt, shm):
+    c = safepoint.Checkpointer(ckpt, shm_dir=shm, job="auto", persist_every="auto", mtbf=1e7)
+    try:
+        st = c.status()["persist_interval"]
+        assert st["mode"] == "auto" and st["every_steps"] == 1
+        assert "no measurements yet" in st["reason"]
+        step = 0
+        for _ in range(20):  # two evaluations
+            c.save(step, state())
+            step += 1
+        c.wait()
+        rare = c.status()["persist_interval"]
+        # Failures every 10^7 s: persisting rarely is best.
+        assert rare["every_steps"] > 1 and rare["changes"] >= 1
+        assert "checkpoint every" in rare["reason"] and "MTBF configured" in rare["reason"]
+        # The failure rate changes (as a learned one would): failures every second make
+        # persisting (nearly) every step best; the schedule follows and says why.
+        c._advisor.mtbf = 1.0
+        for _ in range(20):
+            c.save(step, state())
+            step += 1
+        often = c.status()["persist_interval"]
+        assert often["every_steps"] * 10 < rare["every_steps"], (rare, often)
+        assert often["changes"] > rare["changes"] and often["reason"] != rare["reason"]
+    finally:
+        c.close()
+
+
+def test_persist_every_auto_without_a_failure_rate_keeps_every_step(ckpt, shm):
+    with safepoint.Checkpointer(ckpt, shm_dir=shm, job="auto2", persist_every="auto") as c:
+        for step in range(10):
+            c.save(step, state())
+        st = c.status()["persist_interval"]
+        assert st["every_steps"] == 1 and "no failure rate" in st["reason"]
+
+
+def test_bad_persist_every_and_mtbf_are_refused(ckpt, shm):
+    with pytest.raises(safepoint.errors.InvalidArgumentError, match="persist_every"):
+        safepoint.Checkpointer(ckpt, shm_dir=shm, persist_every="sometimes")
+    with pytest.raises(safepoint.errors.InvalidArgumentError, match="mtbf"):
+        safepoint.Checkpointer(ckpt, shm_dir=shm, mtbf=-5)
+    with pytest.raises(safepoint.errors.InvalidArgumentError, match="mtbf"):
+        safepoint.Checkpointer(ckpt, shm_dir=shm, mtbf="often")
+
+
+def test_status_watch_refreshes_and_exits_zero_on_ctrl_c(ckpt, shm):
+    with safepoint.Checkpointer(ckpt, shm_dir=shm, job="watched") as c:
+        c.save(1, state())
+        c.wait()
+        p = subprocess.Popen([cli_path(), "status", "--watch", "--interval", "0.2",
+                              "--shm-dir", shm], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        blocks, lines = 0, []
+        while blocks < 3:
+            line = p.stdout.readline()
+            assert line, (lines, p.stderr.read())
+            lines.append(line)
+            blocks += line.startswith("--- ")
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate()
+        assert p.returncode == 0, err
+    text = "".join(lines)
+    assert "\033[" not in text  # not a terminal: plain blocks, no redraw
+    assert "job watched" in text and "newest committed step 1 (" in text and "ago)" in text
+
+
+def test_verify_progress_bar_on_stderr_never_in_json(ckpt, cli):
+    safepoint.save(ckpt, 3, state(1 << 16))
+    r = cli("verify", ckpt, "--progress", check=0)
+    assert "verify [" in r.stderr and "100%" in r.stderr and "OK" in r.stdout
+    r = cli("verify", ckpt, "--progress", "--json", check=0)
+    assert "verify [" not in r.stderr and json.loads(r.stdout)["ok"]
+    r = cli("verify", ckpt, check=0)  # not a terminal, no --progress: no bar
+    assert "verify [" not in r.stderr
+
+
+def test_cp_progress_bar_has_rate_and_eta(tmp_path, ckpt, cli):
+    safepoint.save(ckpt, 3, state(1 << 16))
+    r = cli("cp", ckpt, tmp_path / "copy", "--progress", check=0)
+    assert "step 3 [" in r.stderr and "100%" in r.stderr and "/s" in r.stderr and "ETA" in r.stderr
+
+
+def test_history_dir_for_non_local_paths(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAFEPOINT_HISTORY_DIR", str(tmp_path))
+    assert safepoint._core.history_path("s3://b/run", "j") == os.path.join(tmp_path,
+                                                                            "j.history.jsonl")
+
+
+def test_tier_every_auto_takes_steps_as_fast_as_it_copies_and_says_why(tmp_path, ckpt, shm):
+    tier = tmp_path / "tier"
+    with safepoint.Checkpointer(ckpt, shm_dir=shm, job="tauto",
+                                tiers=[safepoint.Tier(str(tier), every="auto")]) as c:
+        for step in range(3):
+            c.save(step, state())
+        c.wait()
+        why = c.status()["persist_interval"]["tiers"]["tier 1"]
+        assert why.startswith("auto:") and "as fast as" in why
+    assert safepoint.steps(tier)  # the tier received steps
+    with pytest.raises(safepoint.errors.InvalidArgumentError, match="every"):
+        safepoint.Checkpointer(ckpt, shm_dir=shm, tiers=[safepoint.Tier(str(tier),
+                                                                         every="sometimes")])
+
+
+def test_simulate_what_if_from_sizes_and_speeds(cli):
+    base = ["simulate", "--mtbf", "3h", "--restart-seconds", "30", "--state-per-gpu", "10G",
+            "--memory-bandwidth", "20G", "--storage-bandwidth", "8G", "--network-bandwidth",
+            "40G", "--gpus-per-node", "8", "--interval", "10m", "--json"]
+    small = json.loads(cli(*base, "--gpus", "16", check=0).stdout)
+    assert small["inputs"]["snapshot_seconds"] == pytest.approx(0.5)
+    assert small["inputs"]["persist_seconds"] == pytest.approx(20)
+    assert small["inputs"]["restore_peer_seconds"] == pytest.approx(2)
+    big = json.loads(cli(*base, "--gpus", "64", check=0).stdout)
+    assert big["inputs"]["persist_seconds"] == pytest.approx(80)  # one storage, 4x the state
+
+    def goodput(out, name):
+        return next(s["goodput"] for s in out["strategies"] if s["strategy"] == name)
+
+    # Synchronous saves suffer from the larger job; memory snapshots do not.
+    assert goodput(big, "sync") < goodput(small, "sync")
+    assert goodput(big, "safepoint") == pytest.approx(goodput(small, "safepoint"))
+    r = cli("simulate", "--mtbf", "3h", "--state-per-gpu", "lots", check=2)
+    assert "not a size" in r.stderr
+
+
+def test_status_watch_redraws_in_place_on_a_terminal(shm):
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([cli_path(), "status", "--watch", "--interval", "0.2", "--shm-dir", shm],
+                         stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    out = b""
+    while out.count(b"\033[H\033[2J") < 2:  # two redraws from the top of a cleared screen
+        chunk = os.read(master, 4096)
+        assert chunk, out
+        out += chunk
+    p.send_signal(signal.SIGINT)
+    assert p.wait() == 0
+    os.close(master)
+    assert b"safepoint status, every 0.2 s (Ctrl-C to quit)" in out
+    assert b"no safepoint jobs in" in out and b"--- " not in out
+
+
+def test_simulate_monte_carlo_is_bounded_for_short_intervals_and_rare_failures(cli):
+    # 20000 MTBFs of 30 days in periods of 10 ms would be 5 * 10^12 periods: capped at 10^7.
+    out = json.loads(cli("simulate", "--mtbf", "30d", "--snapshot-seconds", "0.001",
+                         "--restore-memory-seconds", "1", "--interval", "0.01", "--monte-carlo",
+                         "--json", check=0).stdout)
+    for s in out["strategies"]:
+        assert s["monte_carlo"]["wall_seconds"] <= 1e7 * 0.01 * 1.001
