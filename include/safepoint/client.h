@@ -45,6 +45,10 @@ struct ClientOptions {
   uint32_t copy_threads = 0;  // 0: all cores
   uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
   std::vector<TierSpec> tiers;  // storage tiers below `storage` that the agent fills
+  // The most shared memory the job's slot files on this node may take (every rank's); 0: no
+  // cap beyond the free space of shm_dir. A save that could exceed it fails (ResourceExhausted)
+  // before it takes or grows a slot.
+  uint64_t max_shm_bytes = 0;
 };
 
 struct SnapshotResult {
@@ -107,6 +111,16 @@ class SnapshotClient {
   using StageFn = std::function<Status(std::span<std::byte> slot, const ImageBuilder& builder)>;
   Result<SnapshotResult> Save(uint64_t step, std::vector<TensorSource> tensors, std::string extras,
                               bool persist, bool notify = true, const StageFn& stage = {});
+  // Snapshots `step` of a state whose structure is that of the previous Save (the same tensor
+  // specs, the same extras: the caller checked), tensor i's bytes now at data[i]: the previous
+  // save's image plan (index, layout, extras) is reused, so the per-tensor cost of a save is
+  // one pointer (issue 14). InvalidArgument when there is no plan for that many tensors.
+  Result<SnapshotResult> SaveLike(uint64_t step, std::span<const void* const> data, bool persist,
+                                  bool notify = true);
+  // Whether SaveLike can reuse a plan, and for how many tensors.
+  std::optional<size_t> plan_tensors() const {
+    return plan_ ? std::optional<size_t>(plan_->tensors().size()) : std::nullopt;
+  }
   // Tells the agent about the last snapshot saved with notify=false; `skip`: the tensors its
   // persisted image leaves to other ranks. Returns the error text when the agent could not be
   // told (the snapshot is safe in memory either way).
@@ -160,6 +174,12 @@ class SnapshotClient {
   Status StartAgent();
   Status Hello();
   Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place);
+  // Writes plan_ into a slot: the common part of Save and SaveLike.
+  Result<SnapshotResult> WriteSnapshot(uint64_t step, bool persist, bool notify,
+                                       const StageFn& stage);
+  // ResourceExhausted when a snapshot of `image_bytes` could take the job's shared memory on
+  // this node beyond ClientOptions::max_shm_bytes.
+  Status CheckShmCap(uint64_t image_bytes);
   void NoteResumedFrom(const SlotInfo& slot);
   Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
                                const std::string& source) const;
@@ -181,6 +201,8 @@ class SnapshotClient {
   Status SendPeerState();
   bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)
   std::vector<TensorSpec> last_specs_;
+  std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
+  std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it
   std::unique_ptr<agent::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
 };
 

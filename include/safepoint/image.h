@@ -159,6 +159,12 @@ class ImageBuilder {
   // included. Used for snapshots into memory.
   void FillAll(std::span<std::byte> dst, size_t threads) const;
 
+  // Reuses this plan for the next image of a state with the same structure (the same tensor
+  // specs and extras; a save checks that before): a new step and creation time in the header,
+  // and the bytes of tensor i now at data[i]. Costs one pointer store per tensor instead of
+  // validating and indexing every tensor again (Create). data.size() must be tensors().size().
+  void Rebind(uint64_t step, std::span<const void* const> data);
+
  private:
   ImageBuilder() = default;
   ImageMeta meta_;

@@ -297,28 +297,51 @@ Result<std::string> SnapshotClient::Request(MessageType type, const std::string&
 Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSource> tensors,
                                             std::string extras, bool persist, bool notify,
                                             const StageFn& stage) {
-  pending_note_.reset();
-  last_specs_.clear();
-  // The structure hash and the specs serve only a caller that agrees on replicas before
-  // notifying (notify=false); a plain save does not pay for them.
-  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
-  for (const TensorSource& t : notify ? std::span<const TensorSource>() : tensors) {
-    last_specs_.push_back(t.spec);
-    const std::string key = ReplicaKey(t.spec);
-    for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
-    hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
-  }
+  plan_.reset();
+  plan_hash_.reset();
   ImageMeta meta;
   meta.job = opt_.job;
   meta.attempt = opt_.attempt;
   meta.step = step;
   meta.rank = opt_.rank;
   meta.world_size = opt_.world_size;
-  SP_ASSIGN_OR_RETURN(auto builder,
+  SP_ASSIGN_OR_RETURN(plan_,
                       ImageBuilder::Create(std::move(meta), std::move(tensors), std::move(extras)));
+  return WriteSnapshot(step, persist, notify, stage);
+}
+
+Result<SnapshotResult> SnapshotClient::SaveLike(uint64_t step,
+                                                std::span<const void* const> data, bool persist,
+                                                bool notify) {
+  if (!plan_ || data.size() != plan_->tensors().size()) {
+    return InvalidArgument(job_dir_ + ": no save plan for " + std::to_string(data.size()) +
+                           " tensors to reuse");
+  }
+  plan_->Rebind(step, data);
+  return WriteSnapshot(step, persist, notify, {});
+}
+
+Result<SnapshotResult> SnapshotClient::WriteSnapshot(uint64_t step, bool persist, bool notify,
+                                                     const StageFn& stage) {
+  pending_note_.reset();
+  ImageBuilder* builder = plan_.get();
+  // The structure hash and the specs serve only a caller that agrees on replicas before
+  // notifying (notify=false); a plain save does not pay for them, a reused plan pays once.
+  if (!notify && !plan_hash_) {
+    last_specs_.clear();
+    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
+    for (const TensorSource& t : builder->tensors()) {
+      last_specs_.push_back(t.spec);
+      const std::string key = ReplicaKey(t.spec);
+      for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+      hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
+    }
+    plan_hash_ = hash;
+  }
   SnapshotResult result;
   result.image_bytes = builder->size();
   result.persist_requested = persist;
+  SP_RETURN_IF_ERROR(CheckShmCap(builder->size()));
 
   const auto t_wait = Clock::now();
   Arena::WriteTicket ticket;
@@ -362,12 +385,31 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   if (persist) last_persist_step_ = step;
   last_saved_step_ = step;
 
-  result.structure_hash = hash;
+  result.structure_hash = notify ? 0 : *plan_hash_;
   // Tell the agent; the snapshot is safe in memory whatever happens here.
   pending_note_ = std::make_unique<agent::SnapshotNote>(
       agent::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
   if (notify) result.agent_error = Notify({});
   return result;
+}
+
+Status SnapshotClient::CheckShmCap(uint64_t image_bytes) {
+  if (opt_.max_shm_bytes == 0) return Status::OK();
+  SP_RETURN_IF_ERROR(arena_->Refresh());
+  SP_ASSIGN_OR_RETURN(const uint64_t others, JobShmBytes(job_dir_, opt_.rank));
+  // This rank's slots once each can hold the image: those too small are laid out again.
+  uint64_t mine = 0;
+  const std::vector<SlotInfo> slots = arena_->Slots();
+  for (const SlotInfo& s : slots) {
+    mine += s.capacity >= image_bytes ? kSlotHeaderBytes + s.capacity : SlotFileBytes(image_bytes);
+  }
+  if (others + mine <= opt_.max_shm_bytes) return Status::OK();
+  return ResourceExhausted(
+      job_dir_ + ": a snapshot of rank " + std::to_string(opt_.rank) + " (" +
+      std::to_string(image_bytes) + " bytes) needs " + std::to_string(mine) + " bytes in its " +
+      std::to_string(slots.size()) + " slots, and the job's other ranks on this node hold " +
+      std::to_string(others) + " bytes: more than max_shm_bytes=" +
+      std::to_string(opt_.max_shm_bytes) + "; raise the cap or save less per rank");
 }
 
 std::string SnapshotClient::Notify(const SkipRanges& skip) {
