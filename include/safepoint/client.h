@@ -117,6 +117,22 @@ class SnapshotClient {
   // one pointer (issue 14). InvalidArgument when there is no plan for that many tensors.
   Result<SnapshotResult> SaveLike(uint64_t step, std::span<const void* const> data, bool persist,
                                   bool notify = true);
+  // SaveLike with the walk overlapping the copy (issue 14): BeginStreamed reserves a slot for
+  // the plan's image and starts copy threads that fill and checksum each chunk as soon as the
+  // addresses of its tensors are published (StreamedSave::Publish, in tensor order, by the
+  // caller while it walks the state). StreamedSave::Finish(true) completes the snapshot like
+  // SaveLike; Finish(false) (the state turned out not to have the plan's structure) gives the
+  // slot back and saves nothing. Nothing else may use the client in between.
+  class StreamedSave {
+   public:
+    virtual ~StreamedSave() = default;
+    virtual void Publish(size_t i, const void* data) = 0;
+    virtual Result<SnapshotResult> Finish(bool structure_matched) = 0;
+  };
+  // InvalidArgument when there is no plan; a result with saved=false (no StreamedSave) when
+  // no slot is free and the client does not wait.
+  Result<std::pair<std::unique_ptr<StreamedSave>, SnapshotResult>> BeginStreamed(
+      uint64_t step, bool persist, bool notify = true);
   // Whether SaveLike can reuse a plan, and for how many tensors.
   std::optional<size_t> plan_tensors() const {
     return plan_ ? std::optional<size_t>(plan_->tensors().size()) : std::nullopt;
@@ -177,6 +193,12 @@ class SnapshotClient {
   // Writes plan_ into a slot: the common part of Save and SaveLike.
   Result<SnapshotResult> WriteSnapshot(uint64_t step, bool persist, bool notify,
                                        const StageFn& stage);
+  // The parts of WriteSnapshot before and after the copy.
+  Status PrepareWrite(bool notify, SnapshotResult* result);
+  Result<bool> AcquireSlot(SnapshotResult* result, Arena::WriteTicket* ticket);
+  void CompleteWrite(uint64_t step, bool persist, bool notify, const Arena::WriteTicket& ticket,
+                     SnapshotResult* result);
+  class Streamed;
   // ResourceExhausted when a snapshot of `image_bytes` could take the job's shared memory on
   // this node beyond ClientOptions::max_shm_bytes.
   Status CheckShmCap(uint64_t image_bytes);

@@ -164,6 +164,10 @@ class ImageBuilder {
   // and the bytes of tensor i now at data[i]. Costs one pointer store per tensor instead of
   // validating and indexing every tensor again (Create). data.size() must be tensors().size().
   void Rebind(uint64_t step, std::span<const void* const> data);
+  // The same in two parts, for a caller that fills the image while it learns the addresses:
+  // the header for `step` first, then each tensor's address before any Fill reads it.
+  void Rebind(uint64_t step);
+  void SetTensorData(size_t i, const void* data) { tensors_[i].data = data; }
 
  private:
   ImageBuilder() = default;

@@ -400,7 +400,15 @@ class PyClient {
   // asynchronous copies on a side stream), 2 = every tensor is (tests of that path on CPUs).
   SnapshotResult Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler,
                       bool notify, int stage) {
-    std::unique_ptr<Pending> p = Prepare(step, state, persist, pickler, notify, stage);
+    python::PlanWalk walked;
+    bool have_walk = false;
+    if (stage != 2 && !pending_ && !plan_signature_.empty() && Get().plan_tensors()) {
+      std::optional<SnapshotResult> r = SaveStreamed(step, state, persist, notify, &walked,
+                                                     &have_walk);
+      if (r) return *r;
+    }
+    std::unique_ptr<Pending> p =
+        Prepare(step, state, persist, pickler, notify, stage, have_walk ? &walked : nullptr);
     Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
@@ -609,10 +617,56 @@ class PyClient {
     Result<SnapshotResult> result = Status(StatusCode::kCancelled, "");
   };
 
+  // A save that reuses the plan with the walk overlapping the copy: the copy threads start on
+  // the first chunks while the walk goes on (SnapshotClient::BeginStreamed). nullopt: the state
+  // has another structure, nothing was saved; `walked` then holds the walk when it completed
+  // (*have_walk), for the full save to reuse its signature.
+  std::optional<SnapshotResult> SaveStreamed(uint64_t step, nb::handle state, bool persist,
+                                             bool notify, python::PlanWalk* walked,
+                                             bool* have_walk) {
+    SnapshotClient& c = Get();
+    const size_t n = *c.plan_tensors();
+    using Begun = std::pair<std::unique_ptr<SnapshotClient::StreamedSave>, SnapshotResult>;
+    Result<Begun> begun = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      begun = c.BeginStreamed(step, persist, notify);
+    }
+    Begun b = Unwrap(std::move(begun));
+    if (!b.first) {  // skipped: no free slot
+      reused_plan_ = true;
+      return b.second;
+    }
+    SnapshotClient::StreamedSave* stream = b.first.get();
+    walked->expect = &plan_signature_;
+    walked->publish = [stream](size_t i, const void* data) { stream->Publish(i, data); };
+    walked->signature.reserve(plan_signature_.size());
+    *have_walk = python::WalkForPlan(state, n, walked);
+    walked->expect = nullptr;
+    walked->publish = nullptr;
+    const bool matched =
+        *have_walk && walked->data.size() == n && walked->signature == plan_signature_;
+    Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      r = stream->Finish(matched);
+      b.first.reset();
+    }
+    if (!matched) {
+      Check(r.status());
+      return std::nullopt;
+    }
+    reused_plan_ = true;
+    if (!r.ok()) plan_signature_.clear();
+    return Unwrap(std::move(r));
+  }
+
   // The part of a save that needs the GIL: the walk. A state with the previous save's structure
-  // (equal plan signatures) reuses its plan: only the data pointers are new.
+  // (equal plan signatures) reuses its plan: only the data pointers are new. `prewalked`: the
+  // state's plan walk, already made.
   std::unique_ptr<Pending> Prepare(uint64_t step, nb::handle state, bool persist,
-                                   nb::handle pickler, bool notify, int stage) {
+                                   nb::handle pickler, bool notify, int stage,
+                                   python::PlanWalk* prewalked = nullptr) {
     if (stage < 0 || stage > 2) Check(InvalidArgument("stage must be 0, 1 or 2"));
     if (pending_) Check(InvalidArgument("a save is still copying; finish it first"));
     SnapshotClient& c = Get();
@@ -621,7 +675,10 @@ class PyClient {
     p->persist = persist;
     p->notify = notify;
     bool walked = false;
-    if (stage != 2) {  // stage 2 tests the staged path: every tensor through Flattener
+    if (prewalked != nullptr) {
+      p->walk = std::move(*prewalked);
+      walked = true;
+    } else if (stage != 2) {  // stage 2 tests the staged path: every tensor through Flattener
       p->walk.signature.reserve(plan_signature_.size());
       walked = python::WalkForPlan(state, c.plan_tensors().value_or(0), &p->walk);
     }

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -432,6 +433,7 @@ class PlanWalker {
 
   bool Run(nb::handle state, PlanWalk* out) {
     out_ = out;
+    streaming_ = out->expect != nullptr && out->publish;
     // The walk allocates only short-lived objects (shapes, results), yet enough of them to
     // start the cyclic collector several times over a large state, each time traversing it all.
     const int gc_was_enabled = PyGC_Disable();
@@ -443,6 +445,21 @@ class PlanWalker {
   }
 
  private:
+  // Hands the newest tensor's address to out_->publish while the signature so far is a prefix
+  // of the expected one (its dtype and shape included: the copy reads the plan's byte count).
+  void Publish() {
+    if (!streaming_) return;
+    const std::string& sig = out_->signature;
+    const std::string& want = *out_->expect;
+    if (sig.size() > want.size() ||
+        std::memcmp(sig.data() + checked_, want.data() + checked_, sig.size() - checked_) != 0) {
+      streaming_ = false;  // another structure: the caller gives the streamed save up
+      return;
+    }
+    checked_ = sig.size();
+    out_->publish(out_->data.size() - 1, out_->data.back());
+  }
+
   void Put(char tag) { out_->signature.push_back(tag); }
   template <typename T>
   void PutRaw(T x) {
@@ -539,8 +556,9 @@ class PlanWalker {
     nb::object ptr = nb::steal(Call(src.ptr(), t.s_data_ptr.ptr()));
     if (!ptr.is_valid()) return false;
     out_->data.push_back(reinterpret_cast<const void*>(PyLong_AsUnsignedLongLong(ptr.ptr())));
-    if (PyList_Append(out_->keepalive.ptr(), src.ptr()) != 0) return false;
-    return !PyErr_Occurred();
+    if (PyList_Append(out_->keepalive.ptr(), src.ptr()) != 0 || PyErr_Occurred()) return false;
+    Publish();
+    return true;
   }
 
   bool Array(PyObject* o) {
@@ -574,7 +592,9 @@ class PlanWalker {
       return false;  // the error is cleared when the python_error object goes
     }
     out_->keepalive.append(src);  // as Flattener: a copy made here must outlive the write
-    return !PyErr_Occurred();
+    if (PyErr_Occurred()) return false;
+    Publish();
+    return true;
   }
 
   bool Key(PyObject* k) {
@@ -661,6 +681,8 @@ class PlanWalker {
   }
 
   PlanWalk* out_ = nullptr;
+  bool streaming_ = false;
+  size_t checked_ = 0;  // signature bytes known to match out_->expect
   std::vector<PyObject*> keys_;
   std::vector<size_t> vals_;
   int shift_ = 58;  // 64 - log2(keys_.size())

@@ -10,6 +10,8 @@
 
 #include <nanobind/nanobind.h>
 
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "safepoint/checkpoint.h"
@@ -46,6 +48,10 @@ struct PlanWalk {
   std::string signature;
   std::vector<const void*> data;  // tensor i's bytes, in FlattenState's tensor order
   nb::list keepalive;             // every tensor written; hold until written
+  // Optional: the signature expected (the plan's), and where each tensor's address goes as
+  // soon as everything up to its shape matched it (a copy may then start on it).
+  const std::string* expect = nullptr;
+  std::function<void(size_t, const void*)> publish;
 };
 
 // False when the state holds something only FlattenState handles (GPU or meta tensors, tensor

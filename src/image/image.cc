@@ -283,6 +283,12 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
 }
 
 void ImageBuilder::Rebind(uint64_t step, std::span<const void* const> data) {
+  Rebind(step);
+  const size_t n = std::min(data.size(), tensors_.size());
+  for (size_t i = 0; i < n; ++i) tensors_[i].data = data[i];
+}
+
+void ImageBuilder::Rebind(uint64_t step) {
   meta_.step = step;
   meta_.create_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::system_clock::now().time_since_epoch())
@@ -292,8 +298,6 @@ void ImageBuilder::Rebind(uint64_t step, std::span<const void* const> data) {
   StoreLE<int64_t>(&h[32], meta_.create_time_ns);
   layout_.header_crc = Crc32c(0, h.data(), kHeaderCrcOffset);
   StoreLE<uint32_t>(&h[kHeaderCrcOffset], layout_.header_crc);
-  const size_t n = std::min(data.size(), tensors_.size());
-  for (size_t i = 0; i < n; ++i) tensors_[i].data = data[i];
 }
 
 void ImageBuilder::Fill(uint64_t offset, std::span<std::byte> dst) const {
