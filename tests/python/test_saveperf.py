@@ -334,3 +334,41 @@ def test_invalid_max_shm_bytes(tmp_path, shm):
     with pytest.raises(safepoint.InvalidArgumentError, match="max_shm_bytes"):
         safepoint.Checkpointer(tmp_path / "c", shm_dir=shm, max_shm_bytes=0)
 
+
+
+def _memory() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_save_allocates_no_private_copy_of_the_state(make, overlap):
+    """A save copies tensors straight into the slot: the process's peak memory grows by its
+    plan (per tensor, not per byte), never by the state's size (64 MiB here), not even for a
+    moment (VmHWM, reset after the slots exist)."""
+    ck = make(keep=1)
+    state = {"m": {f"t{i}": torch.randn(16 << 10) for i in range(1000)}}  # 64 MiB
+    ck.save(1, state)
+    ck.save(2, state)  # both slots exist and are mapped: one-time costs
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pytest.skip("cannot reset the peak RSS here")
+    before = _memory()
+    for step in range(3, 6):
+        state["m"]["t0"] = torch.randn(16 << 10)
+        ck.save(step, state, overlap=overlap)
+        if step == 4:  # the next save takes the full walk
+            state["extra"] = step
+    ck.before_update()
+    after = _memory()
+    assert after["VmHWM"] - before["VmRSS"] < 24 << 20, (before, after)
+    assert after["RssAnon"] - before["RssAnon"] < 16 << 20, (before, after)
+    assert same(loaded(ck, 5), state)
+    ck.close()
