@@ -80,7 +80,9 @@ _pack_buffers: dict = {}  # device index -> a pinned host buffer of _PACK_BYTES
 
 def _batches(items: list) -> list:
     """`items` ((tensor, offset, nbytes), ...) in batches of at most _PACK_BYTES."""
-    out, cur, n = [], [], 0
+    out: list = []
+    cur: list = []
+    n = 0
     for it in items:
         if cur and n + it[2] > _PACK_BYTES:
             out.append(cur)
