@@ -192,9 +192,14 @@ class Flattener {
       }
     }
     if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu))
-      return Staged(obj, d->second);
+      return Staged(obj, d->second, on_cpu);
     if (!on_cpu) src = Call(src, t.s_cpu);
-    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
+    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) {
+      // A snapshot copies a strided CPU tensor straight into the slot (safepoint._staging):
+      // no temporary contiguous copy of its size (issue 14, host memory).
+      if (stage_ == Stage::kDevice) return Staged(obj, d->second, on_cpu);
+      src = Call(src, t.s_contiguous);
+    }
     nb::object ptr_obj = Call(src, t.s_data_ptr);
     const uintptr_t ptr = PyLong_AsUnsignedLongLong(ptr_obj.ptr());
     nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
@@ -252,10 +257,14 @@ class Flattener {
 
   // A tensor the caller copies into the slot itself (GPU: asynchronous device-to-host copies);
   // listed in `staged_` with its index.
-  Value Staged(nb::handle obj, DType dtype) {
+  // A strided CPU tensor is copied as it is (into a typed view of its slot range); one on a
+  // GPU is made contiguous there first.
+  Value Staged(nb::handle obj, DType dtype, bool on_cpu) {
     Types& t = T();
     nb::object src = nb::borrow(obj);
-    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
+    if (!on_cpu && !Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) {
+      src = Call(src, t.s_contiguous);
+    }
     nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
     if (!shape_obj.is_valid()) throw nb::python_error();
     std::vector<uint64_t> shape = Dims(shape_obj);
@@ -547,11 +556,8 @@ class PlanWalker {
     if (!Dims(shape.ptr())) return false;
     nb::object src = nb::borrow(o);
     nb::object contiguous = nb::steal(Call(o, t.s_is_contiguous.ptr()));
-    if (!contiguous.is_valid()) return false;
-    if (!contiguous.is(nb::handle(Py_True))) {
-      src = nb::steal(Call(o, t.s_contiguous.ptr()));
-      if (!src.is_valid()) return false;
-    }
+    // A strided tensor: Flattener stages it (copied into the slot as it is, no temporary).
+    if (!contiguous.is(nb::handle(Py_True))) return false;
     // Held until the image is written (as Flattener does): the copy runs without the GIL.
     nb::object ptr = nb::steal(Call(src.ptr(), t.s_data_ptr.ptr()));
     if (!ptr.is_valid()) return false;

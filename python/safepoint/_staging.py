@@ -139,10 +139,18 @@ def stage(address: int, size: int, copies: list) -> None:
     pending = []
     for device, items in groups.items():
         dsts = _destinations(address, size, tuple((o, n) for _, o, n in items))
-        srcs = [_bytes(t) for t, _, _ in items]
         if device is None:
-            torch._foreach_copy_(dsts, srcs)
+            # Strided CPU tensors are copied as they are into typed views of their ranges (a
+            # temporary contiguous copy would cost their size in private memory).
+            flat = [i for i, (t, _, _) in enumerate(items) if t.is_contiguous()]
+            if flat:
+                torch._foreach_copy_([dsts[i] for i in flat],
+                                     [_bytes(items[i][0]) for i in flat])
+            for (t, _, _), dst in zip(items, dsts):
+                if not t.is_contiguous():
+                    dst.view(t.dtype).view(t.shape).copy_(t)
             continue
+        srcs = [_bytes(t) for t, _, _ in items]
         stream = _streams.get(device.index)
         if stream is None:
             stream = _streams[device.index] = torch.cuda.Stream(device=device)

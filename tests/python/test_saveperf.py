@@ -156,19 +156,25 @@ def test_any_change_of_structure_or_non_tensor_values_is_saved(make, change):
     ck.close()
 
 
-def test_non_contiguous_and_parameter_tensors_reuse_the_plan(make):
+def test_parameters_reuse_the_plan_and_strided_tensors_are_copied_as_they_are(make):
+    """nn.Parameter tensors take the plan; a strided (non-contiguous) tensor makes the save take
+    the full walk, which copies it straight into the slot (no temporary contiguous copy)."""
     ck = make(keep=1)
     model = torch.nn.Linear(8, 4)
-    state = {"model": model, "t": torch.arange(12.0).reshape(3, 4).t()}
+    state = {"model": model}
     assert ck.save(1, state)
     with torch.no_grad():
         model.weight.mul_(3)
-        state["t"].add_(1)
     assert ck.save(2, state)
     assert ck.status()["last_save"]["reused_plan"] is True
-    got = loaded(ck, 2)
-    assert same(got["model"], {k: v for k, v in model.state_dict().items()})
-    assert same(got["t"], state["t"].contiguous())
+    assert same(loaded(ck, 2)["model"], dict(model.state_dict()))
+    state["t"] = torch.arange(12.0).reshape(3, 4).t()
+    for step in (3, 4):
+        state["t"].add_(1)
+        assert ck.save(step, state)
+        assert ck.status()["last_save"]["reused_plan"] is False
+        got = loaded(ck, step)
+        assert same(got["t"], state["t"].contiguous()) and same(got["model"], model.state_dict())
     ck.close()
 
 
@@ -346,13 +352,15 @@ def _memory() -> dict:
     return out
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_save_allocates_no_private_copy_of_the_state(make, overlap):
+@pytest.mark.parametrize("overlap,strided", [(False, False), (True, False), (False, True)])
+def test_a_save_allocates_no_private_copy_of_the_state(make, overlap, strided):
     """A save copies tensors straight into the slot: the process's peak memory grows by its
     plan (per tensor, not per byte), never by the state's size (64 MiB here), not even for a
     moment (VmHWM, reset after the slots exist)."""
     ck = make(keep=1)
     state = {"m": {f"t{i}": torch.randn(16 << 10) for i in range(1000)}}  # 64 MiB
+    if strided:  # one 64 MiB tensor that is not contiguous (a transposed view)
+        state = {"t": torch.randn(4096, 4096).t(), "m": {"a": torch.ones(3)}}
     ck.save(1, state)
     ck.save(2, state)  # both slots exist and are mapped: one-time costs
     try:
@@ -363,6 +371,8 @@ def test_a_save_allocates_no_private_copy_of_the_state(make, overlap):
     before = _memory()
     for step in range(3, 6):
         state["m"]["t0"] = torch.randn(16 << 10)
+        if strided:
+            state["t"].mul_(2)
         ck.save(step, state, overlap=overlap)
         if step == 4:  # the next save takes the full walk
             state["extra"] = step
