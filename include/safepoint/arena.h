@@ -82,6 +82,13 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir);
 // (a rank saved the step again after resuming from an older one): loads, the restore agreement
 // and persists take that other snapshot, never `s`.
 bool HasLaterCopy(const std::vector<SlotInfo>& slots, const SlotInfo& s);
+// Shared memory the slot files of a job directory take (allocated pages, every rank's; with
+// `except_rank`, every rank's but that one's).
+Result<uint64_t> JobShmBytes(const std::string& job_dir,
+                             std::optional<uint32_t> except_rank = std::nullopt);
+// The size of the slot file (control block and capacity) a slot laid out for images of
+// `image_size` bytes gets.
+uint64_t SlotFileBytes(uint64_t image_size);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
 

@@ -45,6 +45,10 @@ struct ClientOptions {
   uint32_t copy_threads = 0;  // 0: all cores
   uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
   std::vector<TierSpec> tiers;  // storage tiers below `storage` that the agent fills
+  // The most shared memory the job's slot files on this node may take (every rank's); 0: no
+  // cap beyond the free space of shm_dir. A save that could exceed it fails (ResourceExhausted)
+  // before it takes or grows a slot.
+  uint64_t max_shm_bytes = 0;
 };
 
 struct SnapshotResult {
@@ -107,6 +111,32 @@ class SnapshotClient {
   using StageFn = std::function<Status(std::span<std::byte> slot, const ImageBuilder& builder)>;
   Result<SnapshotResult> Save(uint64_t step, std::vector<TensorSource> tensors, std::string extras,
                               bool persist, bool notify = true, const StageFn& stage = {});
+  // Snapshots `step` of a state whose structure is that of the previous Save (the same tensor
+  // specs, the same extras: the caller checked), tensor i's bytes now at data[i]: the previous
+  // save's image plan (index, layout, extras) is reused, so the per-tensor cost of a save is
+  // one pointer (issue 14). InvalidArgument when there is no plan for that many tensors.
+  Result<SnapshotResult> SaveLike(uint64_t step, std::span<const void* const> data, bool persist,
+                                  bool notify = true);
+  // SaveLike with the walk overlapping the copy (issue 14): BeginStreamed reserves a slot for
+  // the plan's image and starts copy threads that fill and checksum each chunk as soon as the
+  // addresses of its tensors are published (StreamedSave::Publish, in tensor order, by the
+  // caller while it walks the state). StreamedSave::Finish(true) completes the snapshot like
+  // SaveLike; Finish(false) (the state turned out not to have the plan's structure) gives the
+  // slot back and saves nothing. Nothing else may use the client in between.
+  class StreamedSave {
+   public:
+    virtual ~StreamedSave() = default;
+    virtual void Publish(size_t i, const void* data) = 0;
+    virtual Result<SnapshotResult> Finish(bool structure_matched) = 0;
+  };
+  // InvalidArgument when there is no plan; a result with saved=false (no StreamedSave) when
+  // no slot is free and the client does not wait.
+  Result<std::pair<std::unique_ptr<StreamedSave>, SnapshotResult>> BeginStreamed(
+      uint64_t step, bool persist, bool notify = true);
+  // Whether SaveLike can reuse a plan, and for how many tensors.
+  std::optional<size_t> plan_tensors() const {
+    return plan_ ? std::optional<size_t>(plan_->tensors().size()) : std::nullopt;
+  }
   // Tells the agent about the last snapshot saved with notify=false; `skip`: the tensors its
   // persisted image leaves to other ranks. Returns the error text when the agent could not be
   // told (the snapshot is safe in memory either way).
@@ -165,6 +195,18 @@ class SnapshotClient {
   Status StartAgent();
   Status Hello();
   Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place);
+  // Writes plan_ into a slot: the common part of Save and SaveLike.
+  Result<SnapshotResult> WriteSnapshot(uint64_t step, bool persist, bool notify,
+                                       const StageFn& stage);
+  // The parts of WriteSnapshot before and after the copy.
+  Status PrepareWrite(bool notify, SnapshotResult* result);
+  Result<bool> AcquireSlot(SnapshotResult* result, Arena::WriteTicket* ticket);
+  void CompleteWrite(uint64_t step, bool persist, bool notify, const Arena::WriteTicket& ticket,
+                     SnapshotResult* result);
+  class Streamed;
+  // ResourceExhausted when a snapshot of `image_bytes` could take the job's shared memory on
+  // this node beyond ClientOptions::max_shm_bytes.
+  Status CheckShmCap(uint64_t image_bytes);
   void NoteResumedFrom(const SlotInfo& slot);
   Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
                                const std::string& source) const;
@@ -187,6 +229,8 @@ class SnapshotClient {
   bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)
   std::vector<TensorSpec> last_specs_;
   Lineage lineage_;
+  std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
+  std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it
   std::unique_ptr<agent::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
 };
 

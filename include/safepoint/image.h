@@ -182,6 +182,16 @@ class ImageBuilder {
   // included. Used for snapshots into memory.
   void FillAll(std::span<std::byte> dst, size_t threads) const;
 
+  // Reuses this plan for the next image of a state with the same structure (the same tensor
+  // specs and extras; a save checks that before): a new step and creation time in the header,
+  // and the bytes of tensor i now at data[i]. Costs one pointer store per tensor instead of
+  // validating and indexing every tensor again (Create). data.size() must be tensors().size().
+  void Rebind(uint64_t step, std::span<const void* const> data);
+  // The same in two parts, for a caller that fills the image while it learns the addresses:
+  // the header for `step` first, then each tensor's address before any Fill reads it.
+  void Rebind(uint64_t step);
+  void SetTensorData(size_t i, const void* data) { tensors_[i].data = data; }
+
  private:
   ImageBuilder() = default;
   ImageMeta meta_;

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 #include "codec_bindings.h"
@@ -388,8 +389,10 @@ class PyClient {
   PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
            uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
            const std::string& agent_binary, uint64_t attempt,
-           const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>& tiers) {
+           const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>& tiers,
+           uint64_t max_shm_bytes) {
     ClientOptions o;
+    o.max_shm_bytes = max_shm_bytes;
     for (const auto& [uri, every, every_seconds, keep] : tiers) {
       o.tiers.push_back(TierSpec{uri, every, every_seconds, keep});
     }
@@ -414,42 +417,56 @@ class PyClient {
   // asynchronous copies on a side stream), 2 = every tensor is (tests of that path on CPUs).
   SnapshotResult Save(uint64_t step, nb::handle state, bool persist, nb::handle pickler,
                       bool notify, int stage) {
-    if (stage < 0 || stage > 2) Check(InvalidArgument("stage must be 0, 1 or 2"));
-    python::FlatState flat =
-        python::FlattenState(state, pickler, static_cast<python::Stage>(stage));
-    std::string extras = Unwrap(EncodeExtras(flat.skeleton));
-    std::vector<TensorSource> sources = std::move(flat.tensors);
-    SnapshotClient::StageFn stage_fn;
-    if (flat.staged.size() > 0) {
-      stage_fn = [&flat](std::span<std::byte> slot, const ImageBuilder& b) -> Status {
-        nb::gil_scoped_acquire acquire;
-        try {
-          nb::list copies;
-          for (nb::handle item : flat.staged) {
-            auto idx = nb::cast<size_t>(item[0]);
-            copies.append(nb::make_tuple(item[1], b.tensor_offset(idx)));
-          }
-          nb::module_::import_("safepoint._staging")
-              .attr("stage")(reinterpret_cast<uintptr_t>(slot.data()), slot.size(), copies);
-        } catch (nb::python_error& e) {
-          return Status(StatusCode::kIOError,
-                        std::string("copying tensors into the snapshot failed: ") + e.what());
-        }
-        return Status::OK();
-      };
+    python::PlanWalk walked;
+    bool have_walk = false;
+    if (stage != 2 && !pending_ && !plan_signature_.empty() && Get().plan_tensors()) {
+      std::optional<SnapshotResult> r = SaveStreamed(step, state, persist, notify, &walked,
+                                                     &have_walk);
+      if (r) return *r;
     }
+    std::unique_ptr<Pending> p =
+        Prepare(step, state, persist, pickler, notify, stage, have_walk ? &walked : nullptr);
     Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
     {
       nb::gil_scoped_release release;
-      r = Get().Save(step, std::move(sources), std::move(extras), persist, notify, stage_fn);
+      r = Run(*p);
     }
-    return Unwrap(std::move(r));
+    return Finish(std::move(p), std::move(r));
   }
 
   void SetLineage(std::optional<uint64_t> parent_step, const std::string& parent_location,
                   const std::string& metadata) {
     Check(Get().SetLineage(MakeLineage(parent_step, parent_location, metadata)));
   }
+
+  // save(overlap=True): walks the state now and copies it into the slot on a background thread
+  // while the caller goes on (forward and backward); save_finish() waits for the copy. Nothing
+  // else may use the client in between (safepoint.Checkpointer sees to it).
+  void SaveBegin(uint64_t step, nb::handle state, bool persist, nb::handle pickler, bool notify,
+                 int stage) {
+    std::unique_ptr<Pending> p = Prepare(step, state, persist, pickler, notify, stage);
+    Pending* raw = p.get();
+    pending_ = std::move(p);
+    raw->thread = std::thread([this, raw] { raw->result = Run(*raw); });
+  }
+
+  // The result of the save begun by save_begin (None when none is running), once its copy is
+  // done; raises its error.
+  std::optional<SnapshotResult> SaveFinish() {
+    if (!pending_) return std::nullopt;
+    std::unique_ptr<Pending> p = std::move(pending_);
+    {
+      nb::gil_scoped_release release;
+      p->thread.join();
+    }
+    Result<SnapshotResult> r = std::move(p->result);
+    return Finish(std::move(p), std::move(r));
+  }
+
+  bool SavePending() const { return pending_ != nullptr; }
+
+  // Whether the last save reused the previous save's plan (the state's structure was the same).
+  bool LastSaveReusedPlan() const { return reused_plan_; }
 
   // skip: [(first, last), ...] tensor index ranges other ranks write. Returns the agent error
   // text ("" when told).
@@ -548,8 +565,17 @@ class PyClient {
 
   std::optional<uint64_t> LastPersistStep() { return Get().last_persist_step(); }
 
+  // Shared memory of the snapshot slots: (this rank's mapped slot files, the job's slot files on
+  // this node, every rank's), in bytes.
+  std::pair<uint64_t, uint64_t> ShmBytes() {
+    SnapshotClient& c = Get();
+    Check(c.arena().Refresh());
+    return {c.arena().mapped_bytes(), Unwrap(JobShmBytes(c.arena().job_dir()))};
+  }
+
   void Close(double timeout_s) {
     if (!client_) return;
+    Drain();
     Status s;
     {
       nb::gil_scoped_release release;
@@ -559,7 +585,21 @@ class PyClient {
     Check(s);
   }
 
-  void Abandon() { client_.reset(); }  // drop the connection without a clean close
+  void Abandon() {  // drop the connection without a clean close
+    Drain();
+    client_.reset();
+  }
+
+  ~PyClient() {
+    if (pending_ && pending_->thread.joinable()) {
+      if (PyGILState_Check()) {
+        nb::gil_scoped_release release;
+        pending_->thread.join();
+      } else {
+        pending_->thread.join();
+      }
+    }
+  }
 
  private:
   // A memory snapshot as load() returns it; None when there is none.
@@ -573,7 +613,154 @@ class PyClient {
     if (!client_) Check(InvalidArgument("the checkpointer is closed"));
     return *client_;
   }
+
+  // Waits for a save begun by SaveBegin; its outcome is dropped (closing or abandoning: the
+  // snapshot is in its slot when it completed, and the agent handles it like any other).
+  void Drain() {
+    if (!pending_) return;
+    try {
+      SaveFinish();
+    } catch (nb::python_error&) {
+    }
+  }
+
+  // A save between its walk (with the GIL) and the end of its copy (without).
+  struct Pending {
+    uint64_t step = 0;
+    bool persist = false, notify = true;
+    bool reuse = false;          // SaveLike with walk.data; else Save with sources/extras
+    python::PlanWalk walk;       // the plan check's walk (its keepalive holds the tensors)
+    python::FlatState flat;      // the full walk, when the plan could not be reused
+    std::vector<TensorSource> sources;
+    std::string extras;
+    SnapshotClient::StageFn stage_fn;
+    std::string signature;       // the plan signature to keep after a full save ("" : none)
+    std::thread thread;
+    Result<SnapshotResult> result = Status(StatusCode::kCancelled, "");
+  };
+
+  // A save that reuses the plan with the walk overlapping the copy: the copy threads start on
+  // the first chunks while the walk goes on (SnapshotClient::BeginStreamed). nullopt: the state
+  // has another structure, nothing was saved; `walked` then holds the walk when it completed
+  // (*have_walk), for the full save to reuse its signature.
+  std::optional<SnapshotResult> SaveStreamed(uint64_t step, nb::handle state, bool persist,
+                                             bool notify, python::PlanWalk* walked,
+                                             bool* have_walk) {
+    SnapshotClient& c = Get();
+    const size_t n = *c.plan_tensors();
+    using Begun = std::pair<std::unique_ptr<SnapshotClient::StreamedSave>, SnapshotResult>;
+    Result<Begun> begun = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      begun = c.BeginStreamed(step, persist, notify);
+    }
+    Begun b = Unwrap(std::move(begun));
+    if (!b.first) {  // skipped: no free slot
+      reused_plan_ = true;
+      return b.second;
+    }
+    SnapshotClient::StreamedSave* stream = b.first.get();
+    walked->expect = &plan_signature_;
+    walked->publish = [stream](size_t i, const void* data) { stream->Publish(i, data); };
+    walked->signature.reserve(plan_signature_.size());
+    *have_walk = python::WalkForPlan(state, n, walked);
+    walked->expect = nullptr;
+    walked->publish = nullptr;
+    const bool matched =
+        *have_walk && walked->data.size() == n && walked->signature == plan_signature_;
+    Result<SnapshotResult> r = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      r = stream->Finish(matched);
+      b.first.reset();
+    }
+    if (!matched) {
+      Check(r.status());
+      return std::nullopt;
+    }
+    reused_plan_ = true;
+    if (!r.ok()) plan_signature_.clear();
+    return Unwrap(std::move(r));
+  }
+
+  // The part of a save that needs the GIL: the walk. A state with the previous save's structure
+  // (equal plan signatures) reuses its plan: only the data pointers are new. `prewalked`: the
+  // state's plan walk, already made.
+  std::unique_ptr<Pending> Prepare(uint64_t step, nb::handle state, bool persist,
+                                   nb::handle pickler, bool notify, int stage,
+                                   python::PlanWalk* prewalked = nullptr) {
+    if (stage < 0 || stage > 2) Check(InvalidArgument("stage must be 0, 1 or 2"));
+    if (pending_) Check(InvalidArgument("a save is still copying; finish it first"));
+    SnapshotClient& c = Get();
+    auto p = std::make_unique<Pending>();
+    p->step = step;
+    p->persist = persist;
+    p->notify = notify;
+    bool walked = false;
+    if (prewalked != nullptr) {
+      p->walk = std::move(*prewalked);
+      walked = true;
+    } else if (stage != 2) {  // stage 2 tests the staged path: every tensor through Flattener
+      p->walk.signature.reserve(plan_signature_.size());
+      walked = python::WalkForPlan(state, c.plan_tensors().value_or(0), &p->walk);
+    }
+    if (walked && !plan_signature_.empty() && p->walk.signature == plan_signature_ &&
+        c.plan_tensors() == p->walk.data.size()) {
+      p->reuse = true;
+      return p;
+    }
+    plan_signature_.clear();  // a full save replaces the plan
+    if (walked) p->signature = std::move(p->walk.signature);
+    p->walk.data.clear();
+    p->flat = python::FlattenState(state, pickler, static_cast<python::Stage>(stage));
+    p->extras = Unwrap(EncodeExtras(p->flat.skeleton));
+    p->sources = std::move(p->flat.tensors);
+    if (p->flat.staged.size() > 0) {
+      p->signature.clear();  // never reused: the fast walk takes CPU tensors only
+      python::FlatState* flat = &p->flat;
+      p->stage_fn = [flat](std::span<std::byte> slot, const ImageBuilder& b) -> Status {
+        nb::gil_scoped_acquire acquire;
+        try {
+          nb::list copies;
+          for (nb::handle item : flat->staged) {
+            auto idx = nb::cast<size_t>(item[0]);
+            copies.append(nb::make_tuple(item[1], b.tensor_offset(idx)));
+          }
+          nb::module_::import_("safepoint._staging")
+              .attr("stage")(reinterpret_cast<uintptr_t>(slot.data()), slot.size(), copies);
+        } catch (nb::python_error& e) {
+          return Status(StatusCode::kIOError,
+                        std::string("copying tensors into the snapshot failed: ") + e.what());
+        }
+        return Status::OK();
+      };
+    }
+    return p;
+  }
+
+  // The part without the GIL: the slot, the copy, the checksums (any thread).
+  Result<SnapshotResult> Run(Pending& p) {
+    if (p.reuse) return client_->SaveLike(p.step, p.walk.data, p.persist, p.notify);
+    return client_->Save(p.step, std::move(p.sources), std::move(p.extras), p.persist, p.notify,
+                         p.stage_fn);
+  }
+
+  // Back with the GIL: keeps the new plan's signature, drops the references, raises an error.
+  SnapshotResult Finish(std::unique_ptr<Pending> p, Result<SnapshotResult> r) {
+    reused_plan_ = p->reuse;
+    if (!r.ok()) {
+      plan_signature_.clear();
+    } else if (!p->reuse) {
+      plan_signature_ = std::move(p->signature);
+    }
+    p.reset();  // releases the tensors (with the GIL)
+    return Unwrap(std::move(r));
+  }
+
   std::unique_ptr<SnapshotClient> client_;
+  std::string plan_signature_;  // of the state of the save whose plan the client keeps
+  bool reused_plan_ = false;
+  std::unique_ptr<Pending> pending_;  // a save begun by SaveBegin
 };
 
 }  // namespace
@@ -662,15 +849,23 @@ NB_MODULE(_core, m) {
   nb::class_<PyClient>(m, "Client")
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
                     uint32_t, bool, const std::string&, uint64_t,
-                    const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>&>(),
+                    const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>&,
+                    uint64_t>(),
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
            "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0,
            "tiers"_a = std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>{},
-           "tiers: (uri, every, every_seconds, keep) of each storage tier below `storage`")
+           "max_shm_bytes"_a = 0,
+           "tiers: (uri, every, every_seconds, keep) of each storage tier below `storage`; "
+           "max_shm_bytes: cap on the job's snapshot slots on this node (0: none)")
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
            "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
       .def("set_lineage", &PyClient::SetLineage, "parent_step"_a.none(), "parent_location"_a,
            "metadata"_a)
+      .def("save_begin", &PyClient::SaveBegin, "step"_a, "state"_a, "persist"_a,
+           "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
+      .def("save_finish", &PyClient::SaveFinish)
+      .def("save_pending", &PyClient::SavePending)
+      .def("last_save_reused_plan", &PyClient::LastSaveReusedPlan)
       .def("notify", &PyClient::Notify, "skip"_a)
       .def("last_entries", &PyClient::LastEntries)
       .def("wait", &PyClient::Wait, "timeout"_a)
@@ -687,6 +882,7 @@ NB_MODULE(_core, m) {
       .def("fetch_from_peers", &PyClient::FetchFromPeers, "step"_a, "attempt"_a, "timeout"_a)
       .def("pause_replication", &PyClient::PauseReplication, "paused"_a)
       .def("last_persist_step", &PyClient::LastPersistStep)
+      .def("shm_bytes", &PyClient::ShmBytes)
       .def("close", &PyClient::Close, "timeout"_a)
       .def("abandon", &PyClient::Abandon);
   m.def(

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -16,7 +17,7 @@ namespace {
 
 // Torch and numpy objects looked up once per process.
 struct Types {
-  nb::object torch, tensor_type, strided, as_strided, from_numpy;
+  nb::object torch, tensor_type, parameter_type, strided, as_strided, from_numpy;
   nb::object np, ndarray_type, generic_type, ascontiguousarray, asarray, np_ndarray;
   nb::object mapping_type;
   std::unordered_map<PyObject*, DType> torch_dtypes;  // torch.dtype singletons
@@ -28,6 +29,7 @@ struct Types {
   Types() {
     torch = nb::module_::import_("torch");
     tensor_type = torch.attr("Tensor");
+    parameter_type = torch.attr("nn").attr("Parameter");
     strided = torch.attr("strided");
     as_strided = torch.attr("as_strided");
     from_numpy = torch.attr("from_numpy");
@@ -190,9 +192,14 @@ class Flattener {
       }
     }
     if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu))
-      return Staged(obj, d->second);
+      return Staged(obj, d->second, on_cpu);
     if (!on_cpu) src = Call(src, t.s_cpu);
-    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
+    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) {
+      // A snapshot copies a strided CPU tensor straight into the slot (safepoint._staging):
+      // no temporary contiguous copy of its size (issue 14, host memory).
+      if (stage_ == Stage::kDevice) return Staged(obj, d->second, on_cpu);
+      src = Call(src, t.s_contiguous);
+    }
     nb::object ptr_obj = Call(src, t.s_data_ptr);
     const uintptr_t ptr = PyLong_AsUnsignedLongLong(ptr_obj.ptr());
     nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
@@ -250,10 +257,14 @@ class Flattener {
 
   // A tensor the caller copies into the slot itself (GPU: asynchronous device-to-host copies);
   // listed in `staged_` with its index.
-  Value Staged(nb::handle obj, DType dtype) {
+  // A strided CPU tensor is copied as it is (into a typed view of its slot range); one on a
+  // GPU is made contiguous there first.
+  Value Staged(nb::handle obj, DType dtype, bool on_cpu) {
     Types& t = T();
     nb::object src = nb::borrow(obj);
-    if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) src = Call(src, t.s_contiguous);
+    if (!on_cpu && !Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) {
+      src = Call(src, t.s_contiguous);
+    }
     nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
     if (!shape_obj.is_valid()) throw nb::python_error();
     std::vector<uint64_t> shape = Dims(shape_obj);
@@ -416,6 +427,276 @@ class Flattener {
   std::vector<TensorSource>* tensors_ = nullptr;
 };
 
+// PlanWalk (state.h): the same traversal as Flattener, in the same order, recording a signature
+// instead of building the skeleton. Any value it does not handle, and any Python error, ends it
+// with false (the error cleared): Flattener then handles the state and reports what is wrong.
+class PlanWalker {
+ public:
+  explicit PlanWalker(size_t hint) {
+    size_t cap = 64;
+    shift_ = 58;
+    while (cap < 2 * hint + 16) cap <<= 1, --shift_;
+    keys_.assign(cap, nullptr);
+    vals_.resize(cap);
+  }
+
+  bool Run(nb::handle state, PlanWalk* out) {
+    out_ = out;
+    streaming_ = out->expect != nullptr && out->publish;
+    // The walk allocates only short-lived objects (shapes, results), yet enough of them to
+    // start the cyclic collector several times over a large state, each time traversing it all.
+    const int gc_was_enabled = PyGC_Disable();
+    const bool ok = Walk(state.ptr(), 0);
+    if (gc_was_enabled) PyGC_Enable();
+    if (ok) return true;
+    if (PyErr_Occurred()) PyErr_Clear();
+    return false;
+  }
+
+ private:
+  // Hands the newest tensor's address to out_->publish while the signature so far is a prefix
+  // of the expected one (its dtype and shape included: the copy reads the plan's byte count).
+  void Publish() {
+    if (!streaming_) return;
+    const std::string& sig = out_->signature;
+    const std::string& want = *out_->expect;
+    if (sig.size() > want.size() ||
+        std::memcmp(sig.data() + checked_, want.data() + checked_, sig.size() - checked_) != 0) {
+      streaming_ = false;  // another structure: the caller gives the streamed save up
+      return;
+    }
+    checked_ = sig.size();
+    out_->publish(out_->data.size() - 1, out_->data.back());
+  }
+
+  void Put(char tag) { out_->signature.push_back(tag); }
+  template <typename T>
+  void PutRaw(T x) {
+    out_->signature.append(reinterpret_cast<const char*>(&x), sizeof(x));
+  }
+  void PutText(char tag, const char* p, Py_ssize_t n) {
+    Put(tag);
+    PutRaw<uint64_t>(static_cast<uint64_t>(n));
+    out_->signature.append(p, static_cast<size_t>(n));
+  }
+
+  // The index of the tensor object `o` if an earlier position held it, else registers it as
+  // tensor `next` and returns SIZE_MAX (open addressing; the state keeps `o` alive meanwhile).
+  size_t Seen(PyObject* o, size_t next) {
+    if (2 * (count_ + 1) > keys_.size()) Grow();
+    const size_t mask = keys_.size() - 1;
+    size_t i = (reinterpret_cast<uintptr_t>(o) * 0x9E3779B97F4A7C15ull) >> shift_;  // Fibonacci
+    while (keys_[i] != nullptr) {
+      if (keys_[i] == o) return vals_[i];
+      i = (i + 1) & mask;
+    }
+    keys_[i] = o;
+    vals_[i] = next;
+    ++count_;
+    return SIZE_MAX;
+  }
+  void Grow() {
+    std::vector<PyObject*> keys = std::move(keys_);
+    std::vector<size_t> vals = std::move(vals_);
+    keys_.assign(keys.size() * 2, nullptr);
+    vals_.assign(keys.size() * 2, 0);
+    --shift_;
+    count_ = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i] != nullptr) Seen(keys[i], vals[i]);
+    }
+  }
+
+  static PyObject* Call(PyObject* self, PyObject* method) {
+    PyObject* args[1] = {self};
+    return PyObject_VectorcallMethod(method, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  }
+
+  bool Dims(PyObject* shape) {
+    if (shape == nullptr || !PyTuple_Check(shape)) return false;
+    const Py_ssize_t n = PyTuple_GET_SIZE(shape);
+    PutRaw<uint8_t>(static_cast<uint8_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PutRaw<uint64_t>(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(shape, i)));
+    }
+    return !PyErr_Occurred();
+  }
+
+  bool Tensor(PyObject* o) {
+    Types& t = T();
+    PyTypeObject* type = Py_TYPE(o);
+    if (type != reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr()) &&
+        type != reinterpret_cast<PyTypeObject*>(t.parameter_type.ptr())) {
+      return false;  // DTensor and other subclasses: Flattener
+    }
+    const size_t seen = Seen(o, out_->data.size());
+    if (seen != SIZE_MAX) {
+      Put('R');
+      PutRaw<uint64_t>(seen);
+      return true;
+    }
+    nb::object layout = nb::steal(PyObject_GetAttr(o, t.s_layout.ptr()));
+    if (!layout.is(t.strided)) return false;
+    nb::object is_cpu = nb::steal(PyObject_GetAttr(o, t.s_is_cpu.ptr()));
+    if (!is_cpu.is(nb::handle(Py_True))) return false;  // staged or moved: Flattener
+    nb::object dt = nb::steal(PyObject_GetAttr(o, t.s_dtype.ptr()));
+    if (!dt.is_valid()) return false;
+    DType d;
+    if (dt.ptr() == last_dtype_) {
+      d = last_code_;
+    } else {
+      auto it = t.torch_dtypes.find(dt.ptr());
+      if (it == t.torch_dtypes.end()) return false;
+      last_dtype_ = dt.ptr();  // a process-lifetime singleton (Types keeps a reference)
+      d = last_code_ = it->second;
+    }
+    Put('X');
+    PutRaw<uint8_t>(static_cast<uint8_t>(d));
+    nb::object shape = nb::steal(PyObject_GetAttr(o, t.s_shape.ptr()));
+    if (!Dims(shape.ptr())) return false;
+    nb::object src = nb::borrow(o);
+    nb::object contiguous = nb::steal(Call(o, t.s_is_contiguous.ptr()));
+    // A strided tensor: Flattener stages it (copied into the slot as it is, no temporary).
+    if (!contiguous.is(nb::handle(Py_True))) return false;
+    // Held until the image is written (as Flattener does): the copy runs without the GIL.
+    nb::object ptr = nb::steal(Call(src.ptr(), t.s_data_ptr.ptr()));
+    if (!ptr.is_valid()) return false;
+    out_->data.push_back(reinterpret_cast<const void*>(PyLong_AsUnsignedLongLong(ptr.ptr())));
+    if (PyList_Append(out_->keepalive.ptr(), src.ptr()) != 0 || PyErr_Occurred()) return false;
+    Publish();
+    return true;
+  }
+
+  bool Array(PyObject* o) {
+    Types& t = T();
+    nb::handle arr(o);
+    nb::object dt = nb::steal(PyObject_GetAttr(o, t.s_dtype.ptr()));
+    if (!dt.is_valid()) return false;
+    nb::object name = nb::steal(PyObject_GetAttr(dt.ptr(), t.s_name.ptr()));
+    nb::object native = nb::steal(PyObject_GetAttr(dt.ptr(), t.s_isnative.ptr()));
+    if (!name.is_valid() || !PyUnicode_Check(name.ptr()) || !native.is(nb::handle(Py_True))) {
+      return false;
+    }
+    Py_ssize_t n = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(name.ptr(), &n);
+    DType d;
+    if (s == nullptr || !NumpyDTypeOk(std::string(s, n), &d)) return false;
+    Put('A');
+    PutRaw<uint8_t>(static_cast<uint8_t>(d));
+    nb::object shape = nb::steal(PyObject_GetAttr(o, t.s_shape.ptr()));
+    if (!Dims(shape.ptr())) return false;
+    nb::object src = nb::borrow(arr);
+    try {
+      if (!PyObject_IsTrue(src.attr(t.s_flags).attr(t.s_c_contiguous).ptr())) {
+        src = t.ascontiguousarray(src);
+      }
+      nb::object iface = src.attr(t.s_array_interface);
+      nb::object data = iface["data"];
+      const uintptr_t ptr = PyLong_AsUnsignedLongLong(nb::object(data[0]).ptr());
+      out_->data.push_back(reinterpret_cast<const void*>(ptr));
+    } catch (nb::python_error&) {
+      return false;  // the error is cleared when the python_error object goes
+    }
+    out_->keepalive.append(src);  // as Flattener: a copy made here must outlive the write
+    if (PyErr_Occurred()) return false;
+    Publish();
+    return true;
+  }
+
+  bool Key(PyObject* k) {
+    if (PyUnicode_CheckExact(k)) {
+      Py_ssize_t n = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(k, &n);
+      if (s == nullptr) return false;
+      PutText('S', s, n);
+      return true;
+    }
+    if (PyLong_CheckExact(k)) return Walk(k, 0);
+    return false;
+  }
+
+  bool Items(PyObject* seq, size_t depth) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PutRaw<uint64_t>(static_cast<uint64_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!Walk(PySequence_Fast_GET_ITEM(seq, i), depth + 1)) return false;
+    }
+    return true;
+  }
+
+  bool Walk(PyObject* o, size_t depth) {
+    if (depth > kMaxExtrasDepth) return false;
+    if (o == Py_None) {
+      Put('N');
+      return true;
+    }
+    if (PyBool_Check(o)) {
+      Put(o == Py_True ? 'T' : 'F');
+      return true;
+    }
+    if (PyLong_CheckExact(o)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (overflow || (v == -1 && PyErr_Occurred())) return false;
+      Put('I');
+      PutRaw<int64_t>(v);
+      return true;
+    }
+    if (PyFloat_CheckExact(o)) {
+      Put('D');
+      PutRaw<double>(PyFloat_AS_DOUBLE(o));
+      return true;
+    }
+    if (PyUnicode_CheckExact(o)) {
+      Py_ssize_t n = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(o, &n);
+      if (s == nullptr) return false;
+      PutText('S', s, n);
+      return true;
+    }
+    if (PyBytes_CheckExact(o)) {
+      PutText('B', PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o));
+      return true;
+    }
+    Types& t = T();
+    if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr()))) {
+      return Tensor(o);
+    }
+    if (PyDict_Check(o)) {
+      Put('M');
+      PutRaw<uint64_t>(static_cast<uint64_t>(PyDict_Size(o)));
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(o, &pos, &k, &v)) {
+        if (!Key(k) || !Walk(v, depth + 1)) return false;
+      }
+      return true;
+    }
+    if (PyList_Check(o)) {
+      Put('L');
+      return Items(o, depth);
+    }
+    if (PyTuple_Check(o)) {
+      Put('U');
+      return Items(o, depth);
+    }
+    if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.ndarray_type.ptr()))) {
+      return Array(o);
+    }
+    return false;  // numpy scalars, other mappings, objects to pickle: Flattener
+  }
+
+  PlanWalk* out_ = nullptr;
+  bool streaming_ = false;
+  size_t checked_ = 0;  // signature bytes known to match out_->expect
+  std::vector<PyObject*> keys_;
+  std::vector<size_t> vals_;
+  int shift_ = 58;  // 64 - log2(keys_.size())
+  size_t count_ = 0;
+  PyObject* last_dtype_ = nullptr;
+  DType last_code_{};
+};
+
 class Rebuilder {
  public:
   // With a reader, tensors become views into `buffer`; without, each tensor reference becomes
@@ -547,6 +828,10 @@ class Rebuilder {
 
 FlatState FlattenState(nb::handle state, nb::handle pickler, Stage stage) {
   return Flattener(pickler, stage).Run(state);
+}
+
+bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out) {
+  return PlanWalker(hint).Run(state, out);
 }
 
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,

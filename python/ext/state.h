@@ -10,6 +10,8 @@
 
 #include <nanobind/nanobind.h>
 
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "safepoint/checkpoint.h"
@@ -35,6 +37,27 @@ enum class Stage { kNone = 0, kDevice = 1, kAll = 2 };
 // Raises InvalidArgumentError (a Python exception) naming the key of an unsupported value, unless
 // `pickler` is a callable (allow_pickle), which then turns such a value into bytes.
 FlatState FlattenState(nb::handle state, nb::handle pickler, Stage stage = Stage::kNone);
+
+// The save plan's check (issue 14): a walk of the state that records, instead of the skeleton,
+// a signature (every key, every non-tensor value, every tensor's dtype and shape, which tensor
+// positions are the same object) and each tensor's data pointer. Two states with equal
+// signatures flatten to the same tensor specs and the same extras, so a save whose signature
+// equals the previous save's reuses its image plan and only rebinds the data pointers. The walk
+// makes no per-tensor allocation beyond the signature's bytes.
+struct PlanWalk {
+  std::string signature;
+  std::vector<const void*> data;  // tensor i's bytes, in FlattenState's tensor order
+  nb::list keepalive;             // every tensor written; hold until written
+  // Optional: the signature expected (the plan's), and where each tensor's address goes as
+  // soon as everything up to its shape matched it (a copy may then start on it).
+  const std::string* expect = nullptr;
+  std::function<void(size_t, const void*)> publish;
+};
+
+// False when the state holds something only FlattenState handles (GPU or meta tensors, tensor
+// subclasses other than nn.Parameter, DTensors, numpy scalars, big ints, objects to pickle, ...):
+// the caller then flattens it as before. `hint`: the tensor count expected (the previous save's).
+bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out);
 
 // `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes. Pickled
 // values are passed to `unpickler`; when it is None they are refused with an error.

@@ -17,7 +17,8 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Optional, Union
 
 from safepoint import _core
@@ -101,6 +102,22 @@ class RestoreInfo(NamedTuple):
     uri: Optional[str] = None
 
 
+def _proc_memory(pid: str) -> dict[str, int]:
+    """The memory lines of /proc/<pid>/status in bytes (VmRSS, VmHWM, RssAnon, RssShmem, ...);
+    empty when it cannot be read."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                parts = value.split()
+                if len(parts) == 2 and parts[1] == "kB" and (key.startswith(("Vm", "Rss"))):
+                    out[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def _agent_binary() -> str:
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "safepointd")
     if os.access(here, os.X_OK):
@@ -170,7 +187,8 @@ class Checkpointer:
                  peer_timeout: float = 30.0,
                  tiers: Optional[list[TierLike]] = None,
                  metadata: Optional[dict[str, Any]] = None,
-                 mtbf: Union[None, float, str] = None) -> None:
+                 mtbf: Union[None, float, str] = None,
+                 max_shm_bytes: Optional[int] = None) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -217,9 +235,16 @@ class Checkpointer:
         self.share_reads = bool(share_reads) and self._group is not None
         self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
+        if max_shm_bytes is not None and (type(max_shm_bytes) is not int or max_shm_bytes < 1):
+            raise InvalidArgumentError(
+                f"{self.path}: max_shm_bytes must be a positive int, got {max_shm_bytes!r}")
+        self.max_shm_bytes = max_shm_bytes
+        self._pending: Optional[tuple[int, float, float]] = None  # an overlapped save copying
+        # optimizer -> the handle of its step pre-hook (before_update)
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
-            _agent_binary(), self.attempt, core_tiers(self.tiers))
+            _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0)
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
                                 mtbf_seconds, self.tiers)
         self._stats: dict[str, Any] = {
@@ -248,11 +273,13 @@ class Checkpointer:
     def _live(self):
         if self._client is None:
             raise InvalidArgumentError(f"{self.path}: the checkpointer is closed")
+        if self._pending is not None:
+            self.before_update()  # an overlapped save finishes before anything else
         return self._client
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, persist: Optional[bool] = None,
-             include_rng: bool = False) -> bool:
+             include_rng: bool = False, overlap: bool = False) -> bool:
         """Snapshots ``state`` for ``step`` into shared memory and returns.
 
         Values of a top-level mapping that have ``state_dict()``/``load_state_dict()`` (modules,
@@ -260,15 +287,82 @@ class Checkpointer:
         process's torch/CUDA/numpy/``random`` generator states. Returns False when the snapshot
         was skipped (``on_busy="skip"`` and no free slot). ``persist`` overrides
         ``persist_every`` for this step.
+
+        ``overlap=True`` returns as soon as the state is walked (its structure, non-tensor
+        values and tensor addresses taken) and copies the tensors into shared memory on a
+        background thread while training goes on (forward and backward do not change the
+        state). The copy must be done before anything changes the state: ``before_update()``
+        waits for it, and is called on its own before ``step()`` of every optimizer that is a
+        value of ``state``'s top-level mapping (``register_step_pre_hook``); any other call on
+        the Checkpointer waits for it too. The snapshot is then, bit for bit, the state at the
+        time of ``save``, provided nothing but the optimizer changes it before ``before_update``
+        (not so for module buffers that forward updates, such as BatchNorm's running
+        statistics in training mode: call ``before_update()`` before such a forward). Returns
+        True; whether the snapshot was skipped is what ``before_update()`` returns.
         """
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(
                 f"{self.path}: step must be a non-negative int, got {step!r}")
+        client = self._live  # waits for an overlapped save still copying
         t0 = time.perf_counter()
-        state = to_saveable(state, include_rng)
+        saveable = to_saveable(state, include_rng)
         do_persist = persist if persist is not None else self._advisor.due(step)
-        snap = self._live.save(step, state, bool(do_persist), self._pickler,
-                               notify=not self.dedupe)
+        if overlap:
+            self._hook_optimizers(state)
+            client.save_begin(step, saveable, bool(do_persist), self._pickler,
+                              notify=not self.dedupe)
+            self._pending = (step, t0, time.perf_counter() - t0)
+            return True
+        snap = client.save(step, saveable, bool(do_persist), self._pickler,
+                           notify=not self.dedupe)
+        return self._saved(step, snap, t0)
+
+    def before_update(self) -> Optional[bool]:
+        """Waits until the copy of an overlapped save (``save(..., overlap=True)``) is done, so
+        that the state may change. Returns whether that snapshot was taken (False: skipped;
+        None: no overlapped save was running). Called on its own before ``step()`` of the
+        optimizers in the saved state."""
+        if self._pending is None or self._client is None:
+            return None
+        step, t0, call_seconds = self._pending
+        self._pending = None
+        t1 = time.perf_counter()
+        snap = self._client.save_finish()
+        if snap is None:
+            return None
+        return self._saved(step, snap, t0, (t1, call_seconds))
+
+    def _hook_optimizers(self, state: Any) -> None:
+        """Registers before_update() as a step pre-hook of each optimizer among the values of
+        `state`'s top-level mapping (once per optimizer)."""
+        values = state.values() if isinstance(state, Mapping) else [state]
+        for v in values:
+            hook = getattr(v, "register_step_pre_hook", None)
+            if hook is None or not callable(hook):
+                continue
+            try:
+                if v in self._hooks:
+                    continue
+            except TypeError:  # not weakly referenceable: no hook, before_update() by hand
+                continue
+            me = weakref.ref(self)
+
+            def pre_step(_opt: Any, _args: Any, _kwargs: Any, me: Any = me) -> None:
+                ckpt = me()
+                if ckpt is not None:
+                    ckpt.before_update()
+            self._hooks[v] = hook(pre_step)
+
+    def _unhook(self) -> None:
+        for handle in list(self._hooks.values()):
+            handle.remove()
+        self._hooks.clear()
+
+    def _saved(self, step: int, snap: Any, t0: float,
+               overlapped: Optional[tuple[float, float]] = None) -> bool:
+        """Records a save's result (after its copy); with dedupe, agrees on the replicas and
+        tells the agent. `overlapped`: (when before_update began waiting, how long the save
+        call took) of an overlapped save."""
         res = _fields(snap)
         if self.dedupe:
             # Every rank calls save for the step: agree on who writes which replica, then tell
@@ -278,11 +372,18 @@ class Checkpointer:
             except Exception as e:  # a peer is gone or out of step: write every tensor
                 warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
                               f"the replicas ({e}); this rank writes all of its tensors",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
                 self._plan = ((), [])
                 skip = []
             res["agent_error"] = self._live.notify(skip)
-        res["blocking_seconds"] = time.perf_counter() - t0
+        now = time.perf_counter()
+        if overlapped is None:
+            res["blocking_seconds"] = now - t0
+            res["overlap_wait_seconds"] = None
+        else:  # training stalled in save() and in before_update(), not in between
+            res["blocking_seconds"] = overlapped[1] + now - overlapped[0]
+            res["overlap_wait_seconds"] = now - overlapped[0]
+        res["reused_plan"] = self._live.last_save_reused_plan()
         res["step"] = step
         self._advisor.saved(self, step, res["blocking_seconds"])
         self._stats["saves"] += 1
@@ -292,7 +393,7 @@ class Checkpointer:
         if res["agent_error"]:
             self._stats["agent_errors"] += 1
             warnings.warn(f"safepoint: step {step} is snapshotted in memory but the agent could "
-                          f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=2)
+                          f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=3)
         return bool(res["saved"])
 
     def _skip_ranges(self, res: _core.SnapshotResult) -> list:
@@ -656,6 +757,26 @@ class Checkpointer:
             "tiers": agent.get("tiers", []),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
             "persist_interval": self._advisor.status(),
+            "memory": self._memory(agent.get("agent_pid")),
+        }
+
+    def _memory(self, agent_pid: Optional[int]) -> dict[str, Any]:
+        """Host memory of the job (docs/operations.md, "Host memory"): the shared memory of
+        this rank's snapshot slots and of every rank's of the job on this node, the cap, and the
+        resident memory of this process and of the node's agent (from /proc)."""
+        rank_shm, node_shm = self._live.shm_bytes()
+        me = _proc_memory("self")
+        agent = _proc_memory(str(agent_pid)) if agent_pid else {}
+        return {
+            "shm_rank_bytes": rank_shm,
+            "shm_node_bytes": node_shm,
+            "max_shm_bytes": self.max_shm_bytes,
+            "rss_bytes": me.get("VmRSS"),
+            "peak_rss_bytes": me.get("VmHWM"),
+            "private_bytes": me.get("RssAnon"),
+            "shared_rss_bytes": me.get("RssShmem"),
+            "agent_rss_bytes": agent.get("VmRSS"),
+            "agent_private_bytes": agent.get("RssAnon"),
         }
 
     @contextlib.contextmanager
@@ -675,9 +796,13 @@ class Checkpointer:
         """Persists the newest snapshot if it is not yet, then removes this rank's snapshots from
         memory (the job is done). Idempotent."""
         if self._client is not None:
-            client, self._client = self._client, None
-            client.close(-1.0 if timeout is None else float(timeout))
-            self._advisor.close(clean=True)
+            self._unhook()
+            try:
+                self.before_update()  # an overlapped save still copying completes first
+            finally:
+                client, self._client = self._client, None
+                client.close(-1.0 if timeout is None else float(timeout))
+                self._advisor.close(clean=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -694,6 +819,8 @@ class Checkpointer:
         """Drops the connection like a dying process would: the agent persists the newest
         snapshot and keeps the snapshots in memory for a restarted process. Idempotent."""
         if self._client is not None:
+            self._unhook()
+            self._pending = None  # the client lets its copy finish, then drops the connection
             client, self._client = self._client, None
             client.abandon()
             self._advisor.close(clean=False)

@@ -71,10 +71,61 @@ def _destinations(address: int, size: int, layout: tuple) -> list:
     return views
 
 
+# GPU tensors smaller than this are packed into few large transfers (issue 14: thousands of
+# small tensors cost one DMA launch each otherwise); the packed batches are at most _PACK_BYTES.
+_SMALL_BYTES = 1 << 20
+_PACK_BYTES = 64 << 20
+_pack_buffers: dict = {}  # device index -> a pinned host buffer of _PACK_BYTES
+
+
+def _batches(items: list) -> list:
+    """`items` ((tensor, offset, nbytes), ...) in batches of at most _PACK_BYTES."""
+    out: list = []
+    cur: list = []
+    n = 0
+    for it in items:
+        if cur and n + it[2] > _PACK_BYTES:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(it)
+        n += it[2]
+    if cur:
+        out.append(cur)
+    return out
+
+
+def copy_packed(items: list, dsts: list, host: torch.Tensor, stream: Any = None) -> None:
+    """Copies small tensors into their destinations (`dsts`, uint8 views of the slot) through
+    one packed transfer per batch: the tensors are concatenated where they are (one kernel on a
+    GPU), the packed bytes copied to `host` (pinned) in one transfer, then scattered into the
+    slot on the CPU. `stream`: the side stream the GPU work runs on (None: the CPU)."""
+    start = 0
+    for batch in _batches(items):
+        k = sum(n for _, _, n in batch)
+        packed = torch.cat([_bytes(t) for t, _, _ in batch])
+        staging = host[:k]
+        staging.copy_(packed, non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()  # the packed bytes are in host memory
+        del packed
+        torch._foreach_copy_(dsts[start:start + len(batch)],
+                             list(staging.split([n for _, _, n in batch])))
+        start += len(batch)
+
+
+def _pack_buffer(device: Any) -> torch.Tensor:
+    buf = _pack_buffers.get(device.index)
+    if buf is None:
+        buf = _pack_buffers[device.index] = torch.empty(_PACK_BYTES, dtype=torch.uint8,
+                                                        pin_memory=True)
+    return buf
+
+
 def stage(address: int, size: int, copies: list) -> None:
     """Copies each (tensor, offset) of `copies` into the slot at `address` (`size` bytes) and
     returns when all bytes are there. One batched copy per device (torch._foreach_copy_);
-    the copies from a GPU run on a side stream that first waits for the current one."""
+    the copies from a GPU run on a side stream that first waits for the current one, and small
+    GPU tensors go through few packed transfers (copy_packed) instead of one each."""
     groups: dict = {}
     for t, offset in copies:
         n = t.numel() * t.element_size()
@@ -88,18 +139,35 @@ def stage(address: int, size: int, copies: list) -> None:
     pending = []
     for device, items in groups.items():
         dsts = _destinations(address, size, tuple((o, n) for _, o, n in items))
-        srcs = [_bytes(t) for t, _, _ in items]
         if device is None:
-            torch._foreach_copy_(dsts, srcs)
+            # Strided CPU tensors are copied as they are into typed views of their ranges (a
+            # temporary contiguous copy would cost their size in private memory).
+            flat = [i for i, (t, _, _) in enumerate(items) if t.is_contiguous()]
+            if flat:
+                torch._foreach_copy_([dsts[i] for i in flat],
+                                     [_bytes(items[i][0]) for i in flat])
+            for (t, _, _), dst in zip(items, dsts):
+                if not t.is_contiguous():
+                    dst.view(t.dtype).view(t.shape).copy_(t)
             continue
+        srcs = [_bytes(t) for t, _, _ in items]
         stream = _streams.get(device.index)
         if stream is None:
             stream = _streams[device.index] = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        small = [i for i, (_, _, n) in enumerate(items) if n < _SMALL_BYTES]
+        large = [i for i, (_, _, n) in enumerate(items) if n >= _SMALL_BYTES]
         with torch.cuda.stream(stream):
             # No record_stream: the sources stay referenced until the stream is synchronized
             # below, before this returns.
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            if large:
+                torch._foreach_copy_([dsts[i] for i in large], [srcs[i] for i in large],
+                                     non_blocking=True)
+            if len(small) > 1:  # overlaps the large copies already queued
+                copy_packed([items[i] for i in small], [dsts[i] for i in small],
+                            _pack_buffer(device), stream)
+            elif small:
+                torch._foreach_copy_([dsts[small[0]]], [srcs[small[0]]], non_blocking=True)
         pending.append(stream)
     for stream in pending:
         stream.synchronize()

@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -303,17 +305,8 @@ Status SnapshotClient::SetLineage(Lineage lineage) {
 Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSource> tensors,
                                             std::string extras, bool persist, bool notify,
                                             const StageFn& stage) {
-  pending_note_.reset();
-  last_specs_.clear();
-  // The structure hash and the specs serve only a caller that agrees on replicas before
-  // notifying (notify=false); a plain save does not pay for them.
-  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
-  for (const TensorSource& t : notify ? std::span<const TensorSource>() : tensors) {
-    last_specs_.push_back(t.spec);
-    const std::string key = ReplicaKey(t.spec);
-    for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
-    hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
-  }
+  plan_.reset();
+  plan_hash_.reset();
   ImageMeta meta;
   meta.job = opt_.job;
   meta.attempt = opt_.attempt;
@@ -321,23 +314,53 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   meta.step = step;
   meta.rank = opt_.rank;
   meta.world_size = opt_.world_size;
-  SP_ASSIGN_OR_RETURN(auto builder,
+  SP_ASSIGN_OR_RETURN(plan_,
                       ImageBuilder::Create(std::move(meta), std::move(tensors), std::move(extras)));
-  SnapshotResult result;
-  result.image_bytes = builder->size();
-  result.persist_requested = persist;
+  return WriteSnapshot(step, persist, notify, stage);
+}
 
+Result<SnapshotResult> SnapshotClient::SaveLike(uint64_t step,
+                                                std::span<const void* const> data, bool persist,
+                                                bool notify) {
+  if (!plan_ || data.size() != plan_->tensors().size()) {
+    return InvalidArgument(job_dir_ + ": no save plan for " + std::to_string(data.size()) +
+                           " tensors to reuse");
+  }
+  plan_->Rebind(step, data);
+  return WriteSnapshot(step, persist, notify, {});
+}
+
+Status SnapshotClient::PrepareWrite(bool notify, SnapshotResult* result) {
+  pending_note_.reset();
+  // The structure hash and the specs serve only a caller that agrees on replicas before
+  // notifying (notify=false); a plain save does not pay for them, a reused plan pays once.
+  if (!notify && !plan_hash_) {
+    last_specs_.clear();
+    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
+    for (const TensorSource& t : plan_->tensors()) {
+      last_specs_.push_back(t.spec);
+      const std::string key = ReplicaKey(t.spec);
+      for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+      hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
+    }
+    plan_hash_ = hash;
+  }
+  result->image_bytes = plan_->size();
+  return CheckShmCap(plan_->size());
+}
+
+// False: skipped (no slot may be overwritten and the client does not wait).
+Result<bool> SnapshotClient::AcquireSlot(SnapshotResult* result, Arena::WriteTicket* ticket) {
   const auto t_wait = Clock::now();
-  Arena::WriteTicket ticket;
   for (int spins = 0;; ++spins) {
-    SP_ASSIGN_OR_RETURN(auto acquired, arena_->BeginWrite(builder->size()));
+    SP_ASSIGN_OR_RETURN(auto acquired, arena_->BeginWrite(plan_->size()));
     if (acquired.first == Arena::Acquire::kAcquired) {
-      ticket = acquired.second;
+      *ticket = acquired.second;
       break;
     }
     if (!opt_.wait_when_busy) {
-      result.wait_seconds = Since(t_wait);
-      return result;  // skipped: every slot that could be overwritten is still being persisted
+      result->wait_seconds = Since(t_wait);
+      return false;  // every slot that could be overwritten is still being persisted
     }
     // The agent holds the slot while it persists it. If it died, a new one clears its leases.
     if (spins % 500 == 499 && !agent::AgentAlive(job_dir_)) {
@@ -346,35 +369,186 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(spins < 100 ? 1 : 2));
   }
-  result.wait_seconds = Since(t_wait);
-  result.create_seconds = ticket.create_seconds;
-  result.slot = ticket.slot;
+  result->wait_seconds = Since(t_wait);
+  result->create_seconds = ticket->create_seconds;
+  result->slot = ticket->slot;
+  return true;
+}
+
+void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
+                                   const Arena::WriteTicket& ticket, SnapshotResult* result) {
+  SP_KILL_POINT("client.save.before_complete");
+  arena_->FinishWrite(ticket, step, plan_->size(), /*leased=*/persist);
+  saved_ = true;
+  SP_KILL_POINT("client.save.after_complete");
+  result->saved = true;
+  if (persist) last_persist_step_ = step;
+  last_saved_step_ = step;
+  result->structure_hash = notify ? 0 : *plan_hash_;
+  // Tell the agent; the snapshot is safe in memory whatever happens here.
+  pending_note_ = std::make_unique<agent::SnapshotNote>(
+      agent::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
+  if (notify) result->agent_error = Notify({});
+}
+
+Result<SnapshotResult> SnapshotClient::WriteSnapshot(uint64_t step, bool persist, bool notify,
+                                                     const StageFn& stage) {
+  SnapshotResult result;
+  result.persist_requested = persist;
+  SP_RETURN_IF_ERROR(PrepareWrite(notify, &result));
+  Arena::WriteTicket ticket;
+  SP_ASSIGN_OR_RETURN(const bool acquired, AcquireSlot(&result, &ticket));
+  if (!acquired) return result;
 
   const auto t_copy = Clock::now();
   const size_t threads = opt_.copy_threads ? opt_.copy_threads : internal::DefaultCpuThreads();
   if (stage) {
-    Status staged = stage(ticket.data, *builder);
+    Status staged = stage(ticket.data, *plan_);
     if (!staged.ok()) {
       arena_->AbortWrite(ticket);
       return staged;
     }
   }
-  builder->FillAll(ticket.data, threads);
-  SP_KILL_POINT("client.save.before_complete");
-  arena_->FinishWrite(ticket, step, builder->size(), /*leased=*/persist);
-  saved_ = true;
-  SP_KILL_POINT("client.save.after_complete");
+  plan_->FillAll(ticket.data, threads);
   result.copy_seconds = Since(t_copy);
-  result.saved = true;
-  if (persist) last_persist_step_ = step;
-  last_saved_step_ = step;
-
-  result.structure_hash = hash;
-  // Tell the agent; the snapshot is safe in memory whatever happens here.
-  pending_note_ = std::make_unique<agent::SnapshotNote>(
-      agent::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
-  if (notify) result.agent_error = Notify({});
+  CompleteWrite(step, persist, notify, ticket, &result);
   return result;
+}
+
+// BeginStreamed's copy: threads take chunks in order; a chunk is filled once every tensor that
+// starts in it or before has been published.
+class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
+ public:
+  Streamed(SnapshotClient* client, uint64_t step, bool persist, bool notify,
+           Arena::WriteTicket ticket, SnapshotResult result, size_t threads)
+      : c_(client), step_(step), persist_(persist), notify_(notify), ticket_(ticket),
+        result_(result), t0_(Clock::now()) {
+    const ImageBuilder& b = *c_->plan_;
+    const uint64_t chunks = b.chunk_count();
+    const uint64_t chunk = b.layout().chunk_size;
+    const size_t n = b.tensors().size();
+    need_.resize(chunks);
+    crcs_.resize(chunks);
+    size_t t = 0;
+    for (uint64_t i = 0; i < chunks; ++i) {
+      const uint64_t end = std::min((i + 1) * chunk, b.layout().checksums_offset);
+      while (t < n && b.tensor_offset(t) < end) ++t;
+      need_[i] = t;  // tensors [0, t) must be known to fill chunk i
+    }
+    threads = std::max<size_t>(1, std::min<size_t>(threads, chunks));
+    for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+  }
+  ~Streamed() override {  // without Finish (the walk failed): nothing is saved
+    if (finished_) return;
+    abort_.store(true, std::memory_order_relaxed);
+    Stop();
+    c_->arena_->AbortWrite(ticket_);
+  }
+
+  void Publish(size_t i, const void* data) override {
+    c_->plan_->SetTensorData(i, data);
+    published_.store(i + 1, std::memory_order_release);
+  }
+
+  Result<SnapshotResult> Finish(bool matched) override {
+    finished_ = true;
+    if (!matched) abort_.store(true, std::memory_order_relaxed);
+    Stop();
+    if (!matched) {
+      c_->arena_->AbortWrite(ticket_);
+      return SnapshotResult{};
+    }
+    auto section = c_->plan_->ChecksumSection(crcs_);
+    std::memcpy(ticket_.data.data() + c_->plan_->layout().checksums_offset, section.data(),
+                section.size());
+    result_.copy_seconds = Since(t0_);
+    c_->CompleteWrite(step_, persist_, notify_, ticket_, &result_);
+    return result_;
+  }
+
+ private:
+  void Stop() {
+    for (std::thread& w : workers_) w.join();
+    workers_.clear();
+  }
+
+  void Work() {
+    const ImageBuilder& b = *c_->plan_;
+    const uint64_t chunk = b.layout().chunk_size;
+    for (;;) {
+      const uint64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+      if (i >= need_.size()) return;
+      // Wait for the walk: the first chunks are ready early, later ones as it goes.
+      for (int polls = 0; published_.load(std::memory_order_acquire) < need_[i]; ++polls) {
+        if (abort_.load(std::memory_order_relaxed)) return;
+        if (polls < 64) {
+          std::this_thread::yield();
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+      }
+      const uint64_t off = i * chunk;
+      const uint64_t len = std::min(chunk, b.layout().checksums_offset - off);
+      constexpr uint64_t kPiece = 256 << 10;  // as ImageBuilder::FillAll
+      uint32_t crc = 0;
+      for (uint64_t p = 0; p < len; p += kPiece) {
+        auto piece = ticket_.data.subspan(off + p, std::min(kPiece, len - p));
+        b.Fill(off + p, piece);
+        crc = internal::Crc32c(crc, piece.data(), piece.size());
+        SP_KILL_POINT("client.copy.piece");
+      }
+      crcs_[i] = crc;
+    }
+  }
+
+  SnapshotClient* c_;
+  uint64_t step_;
+  bool persist_, notify_;
+  Arena::WriteTicket ticket_;
+  SnapshotResult result_;
+  Clock::time_point t0_;
+  std::vector<size_t> need_;
+  std::vector<uint32_t> crcs_;
+  std::atomic<size_t> published_{0};
+  std::atomic<uint64_t> next_{0};
+  std::atomic<bool> abort_{false};
+  bool finished_ = false;
+  std::vector<std::thread> workers_;
+};
+
+Result<std::pair<std::unique_ptr<SnapshotClient::StreamedSave>, SnapshotResult>>
+SnapshotClient::BeginStreamed(uint64_t step, bool persist, bool notify) {
+  if (!plan_) return InvalidArgument(job_dir_ + ": no save plan to reuse");
+  SnapshotResult result;
+  result.persist_requested = persist;
+  SP_RETURN_IF_ERROR(PrepareWrite(notify, &result));
+  Arena::WriteTicket ticket;
+  SP_ASSIGN_OR_RETURN(const bool acquired, AcquireSlot(&result, &ticket));
+  if (!acquired) return std::make_pair(std::unique_ptr<StreamedSave>(), result);
+  plan_->Rebind(step);
+  const size_t threads = opt_.copy_threads ? opt_.copy_threads : internal::DefaultCpuThreads();
+  return std::make_pair(std::unique_ptr<StreamedSave>(std::make_unique<Streamed>(
+                            this, step, persist, notify, ticket, result, threads)),
+                        result);
+}
+
+Status SnapshotClient::CheckShmCap(uint64_t image_bytes) {
+  if (opt_.max_shm_bytes == 0) return Status::OK();
+  SP_RETURN_IF_ERROR(arena_->Refresh());
+  SP_ASSIGN_OR_RETURN(const uint64_t others, JobShmBytes(job_dir_, opt_.rank));
+  // This rank's slots once each can hold the image: those too small are laid out again.
+  uint64_t mine = 0;
+  const std::vector<SlotInfo> slots = arena_->Slots();
+  for (const SlotInfo& s : slots) {
+    mine += s.capacity >= image_bytes ? kSlotHeaderBytes + s.capacity : SlotFileBytes(image_bytes);
+  }
+  if (others + mine <= opt_.max_shm_bytes) return Status::OK();
+  return ResourceExhausted(
+      job_dir_ + ": a snapshot of rank " + std::to_string(opt_.rank) + " (" +
+      std::to_string(image_bytes) + " bytes) needs " + std::to_string(mine) + " bytes in its " +
+      std::to_string(slots.size()) + " slots, and the job's other ranks on this node hold " +
+      std::to_string(others) + " bytes: more than max_shm_bytes=" +
+      std::to_string(opt_.max_shm_bytes) + "; raise the cap or save less per rank");
 }
 
 std::string SnapshotClient::Notify(const SkipRanges& skip) {

@@ -327,6 +327,24 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
   return b;
 }
 
+void ImageBuilder::Rebind(uint64_t step, std::span<const void* const> data) {
+  Rebind(step);
+  const size_t n = std::min(data.size(), tensors_.size());
+  for (size_t i = 0; i < n; ++i) tensors_[i].data = data[i];
+}
+
+void ImageBuilder::Rebind(uint64_t step) {
+  meta_.step = step;
+  meta_.create_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  std::vector<std::byte>& h = header_;
+  StoreLE<uint64_t>(&h[16], meta_.step);
+  StoreLE<int64_t>(&h[32], meta_.create_time_ns);
+  layout_.header_crc = Crc32c(0, h.data(), kHeaderCrcOffset);
+  StoreLE<uint32_t>(&h[kHeaderCrcOffset], layout_.header_crc);
+}
+
 void ImageBuilder::Fill(uint64_t offset, std::span<std::byte> dst) const {
   // The image below checksums_offset is a sequence of segments (header, index, tensors, extras)
   // separated by zero padding. Copy the overlapping part of each segment, zero the gaps.

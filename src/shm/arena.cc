@@ -340,6 +340,31 @@ Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir) {
   return ranks;
 }
 
+Result<uint64_t> JobShmBytes(const std::string& job_dir, std::optional<uint32_t> except_rank) {
+  const internal::UniqueDir d(::opendir(job_dir.c_str()));
+  if (!d) return ErrnoStatus("opendir", job_dir, errno);
+  uint64_t total = 0;
+  while (dirent* e = ::readdir(d.get())) {
+    unsigned rank, slot;
+    int consumed = 0;
+    if (std::sscanf(e->d_name, "rank-%u.slot-%u%n", &rank, &slot, &consumed) != 2 ||
+        e->d_name[consumed] != '\0' || (except_rank && rank == *except_rank)) {
+      continue;
+    }
+    struct stat st;
+    if (::fstatat(::dirfd(d.get()), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      total += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
+  }
+  return total;
+}
+
+uint64_t SlotFileBytes(uint64_t image_size) {
+  uint64_t capacity = image_size + image_size / 64 + (64 << 10);
+  capacity = (capacity + kCapacityQuantum - 1) / kCapacityQuantum * kCapacityQuantum;
+  return kSlotHeaderBytes + capacity;
+}
+
 Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir) {
   internal::UniqueDir d(::opendir(job_dir.c_str()));
   if (!d) return ErrnoStatus("opendir", job_dir, errno);
@@ -550,8 +575,7 @@ Status Arena::EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds
   if (slots_[slot] && slots_[slot]->capacity() >= image_size) return Status::OK();
   const auto t0 = std::chrono::steady_clock::now();
   // Headroom so that small changes of the non-tensor state do not re-lay the slot out.
-  uint64_t capacity = image_size + image_size / 64 + (64 << 10);
-  capacity = (capacity + kCapacityQuantum - 1) / kCapacityQuantum * kCapacityQuantum;
+  const uint64_t capacity = SlotFileBytes(image_size) - kSlotHeaderBytes;
   uint64_t word = Word(0, SlotState::kWriting);
   if (slots_[slot]) word = slots_[slot]->header()->word.load(std::memory_order_acquire);
   SP_ASSIGN_OR_RETURN(slots_[slot],

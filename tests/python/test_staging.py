@@ -64,3 +64,30 @@ def test_gpu_tensors_are_copied_asynchronously_into_pinned_slots(ck):
     target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in gpu.items()}
     assert ck.restore(target) == 1
     assert all(torch.equal(target[k].cpu(), state()[k]) for k in ("big", "small", "t", "bf"))
+
+
+def test_small_tensors_are_copied_through_packed_batches(monkeypatch):
+    """The packing that GPU saves use for many small tensors (issue 14), run on the CPU: every
+    tensor lands at its own offset, over several batches, and the padding is left alone."""
+    from safepoint import _staging
+
+    monkeypatch.setattr(_staging, "_PACK_BYTES", 400)
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(n, generator=g).to(dt) for n, dt in
+               [(5, torch.float32), (100, torch.bfloat16), (1, torch.int64), (60, torch.float32),
+                (0, torch.float32), (200, torch.float16), (7, torch.float64)]]
+    slot = torch.full((4096,), 0xAB, dtype=torch.uint8)
+    items, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        items.append((t, off, n))
+        off = (off + n + 63) // 64 * 64
+    dsts = [slot[o:o + n] for _, o, n in items]
+    assert len(_staging._batches(items)) > 1
+    _staging.copy_packed(items, dsts, torch.empty(1000, dtype=torch.uint8))
+    for t, o, n in items:
+        assert torch.equal(slot[o:o + n], t.reshape(-1).view(torch.uint8)), (o, n)
+    covered = torch.zeros(4096, dtype=torch.bool)
+    for _, o, n in items:
+        covered[o:o + n] = True
+    assert bool((slot[~covered] == 0xAB).all())
