@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "safepoint/arena.h"
@@ -45,6 +46,8 @@ struct ClientOptions {
   uint32_t copy_threads = 0;  // 0: all cores
   uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
   std::vector<TierSpec> tiers;  // storage tiers below `storage` that the agent fills
+  std::string metrics;          // ask the agent to serve Prometheus metrics on "HOST:PORT"
+  std::string event_log;        // the agent's event log path (empty: in the job directory)
 };
 
 struct SnapshotResult {
@@ -145,6 +148,13 @@ class SnapshotClient {
   Result<PeerFetchResult> FetchFromPeers(uint64_t step, uint64_t attempt, double timeout_s);
   // Pauses (or resumes) the agent's replication sends, e.g. around the training's collectives.
   Status PauseReplication(bool paused);
+
+  // Tells the agent what this process saw, for its metrics and event log (docs/operations.md):
+  // `event` "save" (`saved` false: skipped), "restore" (from `source`) or "checksum" (damaged
+  // bytes in `source`, `error` says which). Best effort: nothing is sent while no agent is
+  // connected, and a failure to send is ignored (the next request reconnects).
+  void Report(std::string_view event, uint64_t step, bool saved, double seconds, uint64_t bytes,
+              std::string_view source = {}, std::string_view error = {});
 
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
