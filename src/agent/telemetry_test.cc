@@ -135,5 +135,38 @@ TEST(TelemetryTest, PersistResultsByOutcome) {
   EXPECT_EQ(ev[2]["error"], "/ckpt/step-8/rank-2.img: no space");
 }
 
+TEST(TelemetryTest, ClientReportsAndReplicationOutcomes) {
+  Telemetry t("j");
+  t.Saved(1, 5, /*saved=*/true, 0.002, 1000);
+  t.Saved(1, 6, /*saved=*/false, 0.0, 0);
+  t.Restored(1, 5, "peer", 1.5, 0);
+  t.ChecksumFailure(1, 5, "memory", "slot 0: chunk 3 checksum mismatch");
+  PushOutcome pushed;
+  pushed.task.rank = 1;
+  pushed.task.step = 5;
+  pushed.is_protected = true;
+  pushed.seconds = 0.75;
+  t.Replicated(pushed);
+  PushOutcome lost = pushed;
+  lost.task.rank = 2;
+  lost.is_protected = false;
+  lost.status = Unavailable("node b: peer timed out");
+  t.Replicated(lost);
+  MetricsRegistry& r = t.registry();
+  EXPECT_EQ(r.Value("safepoint_saves_total", {{"rank", "1"}}), 1);
+  EXPECT_EQ(r.Value("safepoint_saves_skipped_total", {{"rank", "1"}}), 1);
+  EXPECT_EQ(r.Value("safepoint_snapshot_bytes_total", {{"rank", "1"}}), 1000);
+  EXPECT_EQ(r.Value("safepoint_save_blocking_seconds", {{"rank", "1"}}), 1);  // observations
+  EXPECT_EQ(r.Value("safepoint_restores_total", {{"source", "peer"}}), 1);
+  EXPECT_EQ(r.Value("safepoint_checksum_failures_total", {{"where", "memory"}}), 1);
+  EXPECT_EQ(r.Value("safepoint_replication_protected", {{"rank", "1"}}), 1);
+  EXPECT_EQ(r.Value("safepoint_replication_protected", {{"rank", "2"}}), 0);
+  EXPECT_EQ(r.Value("safepoint_replication_lag_seconds", {{"rank", "1"}}), 0.75);
+  EXPECT_EQ(r.Value("safepoint_replication_pushes_total", {{"result", "ok"}}), 1);
+  EXPECT_EQ(r.Value("safepoint_replication_pushes_total", {{"result", "failed"}}), 1);
+  EXPECT_EQ(r.Value("safepoint_failures_total", {{"kind", "replication"}, {"code", "Unavailable"}}),
+            1);
+}
+
 }  // namespace
 }  // namespace safepoint::agent
