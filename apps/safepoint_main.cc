@@ -6,7 +6,8 @@
 //   safepoint verify PATH [--step N | --all] [--json] [--progress]
 //   safepoint cp SRC DST [--step N | --all] [--json] [--progress]
 //   safepoint rm PATH --step N [--force] [--json]
-//   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush]
+//   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush] [--metrics HOST:PORT]
+//                   [--event-log PATH]
 //   safepoint status [--shm-dir DIR] [--json] [--watch [--interval S]]
 //   safepoint advise PATH ..., safepoint simulate ... (apps/cli_advisor.cc)
 //   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
@@ -80,6 +81,8 @@ struct Args {
   bool json = false;
   bool progress = false;  // verify, cp: progress bars on stderr even when it is not a terminal
   std::string log_level;  // empty: $SAFEPOINT_LOG_LEVEL or info
+  std::string metrics;    // agent: serve Prometheus metrics on HOST:PORT
+  std::string event_log;  // agent: the event log's path
 };
 
 int Fail(const Status& s) {
@@ -534,6 +537,8 @@ int CmdAgent(const Args& a) {
   o.emergency_flush = !a.no_emergency_flush;
   o.exit_when_idle = false;  // a sidecar runs until it is told to stop
   o.log_level = a.log_level;
+  o.metrics_address = a.metrics;
+  o.event_log = a.event_log;
   return RunAgent(o);
 }
 
@@ -566,6 +571,9 @@ int CmdStatus(const Args& a) {
         j["ranks"] = (*st)["ranks"];
         if (st->contains("replication")) j["replication"] = (*st)["replication"];
         if (st->contains("tiers")) j["tiers"] = (*st)["tiers"];
+        for (const char* key : {"metrics_url", "metrics_error", "event_log"}) {
+          if (st->contains(key)) j[key] = (*st)[key];
+        }
       }
     }
     out.push_back(j);
@@ -590,6 +598,11 @@ int CmdStatus(const Args& a) {
                         : std::string())
                 << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
                 << (j.contains("in_flight") ? ", in flight " + j["in_flight"].dump() : "") << "\n";
+      if (j.contains("metrics_url") && j["metrics_url"].is_string()) {
+        std::cout << "  metrics " << j["metrics_url"].get<std::string>() << "\n";
+      } else if (j.contains("metrics_error") && j["metrics_error"].is_string()) {
+        std::cout << "  metrics not served: " << j["metrics_error"].get<std::string>() << "\n";
+      }
       if (j.contains("replication") && j["replication"].is_object()) {
         const json& r = j["replication"];
         std::cout << "  replication " << r.value("redundancy", "?") << ": node "
@@ -849,6 +862,18 @@ int Main(int argc, char** argv) {
   add_shm_dir(agent);
   agent->add_flag("--no-emergency-flush", a.no_emergency_flush,
                   "do not persist the snapshot of a process that dies");
+  agent
+      ->add_option("--metrics", a.metrics,
+                   "serve Prometheus metrics on HOST:PORT (port 0: a free one; default: "
+                   "$SAFEPOINT_METRICS_ADDR)")
+      ->type_name("HOST:PORT")
+      ->envname("SAFEPOINT_METRICS_ADDR");
+  agent
+      ->add_option("--event-log", a.event_log,
+                   "the JSON-lines event log (default: $SAFEPOINT_EVENT_LOG, else events.jsonl "
+                   "in the job directory)")
+      ->type_name("PATH")
+      ->envname("SAFEPOINT_EVENT_LOG");
 
   CLI::App* status = app.add_subcommand("status", "this node's jobs: agents, snapshots, work");
   add_shm_dir(status);

@@ -1,7 +1,7 @@
 // safepointd: the node agent of one job (include/safepoint/agent.h).
 //
 //   safepointd --job JOB [--shm-dir DIR] [--no-emergency-flush] [--sidecar] [--idle-exit SECONDS]
-//              [--log-level LEVEL]
+//              [--log-level LEVEL] [--metrics HOST:PORT] [--event-log PATH]
 //
 // Training processes start it on demand; `safepoint agent` runs the same code in the
 // foreground as a sidecar. Arguments are parsed by CLI11 (`safepointd --help`). Exit status: that
@@ -69,6 +69,12 @@ int main(int argc, char** argv) {
                  "(default: $SAFEPOINT_LOG_LEVEL, else info)")
       ->type_name("LEVEL")
       ->check(CLI::IsMember(safepoint::internal::kLogLevels));
+  app.add_option("--metrics", o.metrics_address,
+                 "serve Prometheus metrics on HOST:PORT from the start (port 0: a free one)")
+      ->type_name("HOST:PORT");
+  app.add_option("--event-log", o.event_log,
+                 "the JSON-lines event log (default: events.jsonl in the job directory)")
+      ->type_name("PATH");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

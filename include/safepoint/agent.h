@@ -29,6 +29,12 @@ struct AgentOptions {
   // else info. The log is the agent's stderr (agent.log in the job directory when started on
   // demand).
   std::string log_level;
+  // Serve Prometheus metrics on "HOST:PORT" (port 0: a free one) from the start; empty: only
+  // once a training process asks for it (Checkpointer(metrics=...), $SAFEPOINT_METRICS_ADDR).
+  std::string metrics_address;
+  // The JSON-lines event log; empty: events.jsonl in the job directory, unless a training
+  // process names another (Checkpointer(event_log=...), $SAFEPOINT_EVENT_LOG).
+  std::string event_log;
 };
 
 // Runs the agent in this process until it is told to stop (SIGTERM, SIGINT, a shutdown message,

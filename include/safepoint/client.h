@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "safepoint/arena.h"
@@ -49,6 +50,8 @@ struct ClientOptions {
   // cap beyond the free space of shm_dir. A save that could exceed it fails (ResourceExhausted)
   // before it takes or grows a slot.
   uint64_t max_shm_bytes = 0;
+  std::string metrics;          // ask the agent to serve Prometheus metrics on "HOST:PORT"
+  std::string event_log;        // the agent's event log path (empty: in the job directory)
 };
 
 struct SnapshotResult {
@@ -180,6 +183,12 @@ class SnapshotClient {
   // restored from, and the user's metadata. InvalidArgument (ValidateLineage) leaves it as it was.
   Status SetLineage(Lineage lineage);
   const Lineage& lineage() const { return lineage_; }
+  // Tells the agent what this process saw, for its metrics and event log (docs/operations.md):
+  // `event` "save" (`saved` false: skipped), "restore" (from `source`) or "checksum" (damaged
+  // bytes in `source`, `error` says which). Best effort: nothing is sent while no agent is
+  // connected, and a failure to send is ignored (the next request reconnects).
+  void Report(std::string_view event, uint64_t step, bool saved, double seconds, uint64_t bytes,
+              std::string_view source = {}, std::string_view error = {});
 
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);

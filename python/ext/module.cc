@@ -390,9 +390,11 @@ class PyClient {
            uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
            const std::string& agent_binary, uint64_t attempt,
            const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>& tiers,
-           uint64_t max_shm_bytes) {
+           uint64_t max_shm_bytes, const std::string& metrics, const std::string& event_log) {
     ClientOptions o;
     o.max_shm_bytes = max_shm_bytes;
+    o.metrics = metrics;
+    o.event_log = event_log;
     for (const auto& [uri, every, every_seconds, keep] : tiers) {
       o.tiers.push_back(TierSpec{uri, every, every_seconds, keep});
     }
@@ -528,6 +530,12 @@ class PyClient {
 
   void PauseReplication(bool paused) {
     Check(WithoutGil([&] { return Get().PauseReplication(paused); }));
+  }
+
+  void Report(const std::string& event, uint64_t step, bool saved, double seconds, uint64_t bytes,
+              const std::string& source, const std::string& error) {
+    nb::gil_scoped_release release;
+    Get().Report(event, step, saved, seconds, bytes, source, error);
   }
 
   std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
@@ -850,13 +858,15 @@ NB_MODULE(_core, m) {
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
                     uint32_t, bool, const std::string&, uint64_t,
                     const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>&,
-                    uint64_t>(),
+                    uint64_t, const std::string&, const std::string&>(),
            "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
            "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0,
            "tiers"_a = std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>{},
-           "max_shm_bytes"_a = 0,
+           "max_shm_bytes"_a = 0, "metrics"_a = "", "event_log"_a = "",
            "tiers: (uri, every, every_seconds, keep) of each storage tier below `storage`; "
-           "max_shm_bytes: cap on the job's snapshot slots on this node (0: none)")
+           "max_shm_bytes: cap on the job's snapshot slots on this node (0: none); "
+           "metrics: have the agent serve Prometheus metrics on HOST:PORT; event_log: the "
+           "agent's event log path")
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
            "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
       .def("set_lineage", &PyClient::SetLineage, "parent_step"_a.none(), "parent_location"_a,
@@ -881,6 +891,9 @@ NB_MODULE(_core, m) {
       .def("peer_copies", &PyClient::PeerCopies)
       .def("fetch_from_peers", &PyClient::FetchFromPeers, "step"_a, "attempt"_a, "timeout"_a)
       .def("pause_replication", &PyClient::PauseReplication, "paused"_a)
+      .def("report", &PyClient::Report, "event"_a, "step"_a, "saved"_a, "seconds"_a, "bytes"_a,
+           "source"_a = "", "error"_a = "",
+           "tells the agent what this process saw (save, restore, checksum), for its metrics")
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("shm_bytes", &PyClient::ShmBytes)
       .def("close", &PyClient::Close, "timeout"_a)

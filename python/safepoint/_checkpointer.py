@@ -175,6 +175,15 @@ class Checkpointer:
     or stalled tier never holds up the ones above it (``status()["tiers"]``). ``load`` and
     ``restore`` read the fastest copy of the step all ranks agree on: memory, peer memory, then
     ``path``, then the tiers in order, falling back to the next tier when a copy is damaged.
+
+    ``metrics="HOST:PORT"`` (default ``$SAFEPOINT_METRICS_ADDR``) has the node agent serve
+    Prometheus metrics at ``http://HOST:PORT/metrics`` (port 0 picks a free port;
+    ``status()["metrics_url"]`` names it). The agent is one per job and node, so each node's
+    agent serves its own endpoint, every series labelled ``safepoint_job``
+    (docs/operations.md, "Metrics"). The agent also appends one JSON line per save, persist,
+    commit, flush, restore and failure to its event log: ``event_log`` (default
+    ``$SAFEPOINT_EVENT_LOG``, else ``events.jsonl`` in the job's shared-memory directory, removed
+    when the job finishes), bounded by rotation.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
@@ -188,7 +197,9 @@ class Checkpointer:
                  tiers: Optional[list[TierLike]] = None,
                  metadata: Optional[dict[str, Any]] = None,
                  mtbf: Union[None, float, str] = None,
-                 max_shm_bytes: Optional[int] = None) -> None:
+                 max_shm_bytes: Optional[int] = None,
+                 metrics: Optional[str] = None,
+                 event_log: Optional[str | os.PathLike[str]] = None) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -242,14 +253,21 @@ class Checkpointer:
         self._pending: Optional[tuple[int, float, float]] = None  # an overlapped save copying
         # optimizer -> the handle of its step pre-hook (before_update)
         self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.metrics = metrics if metrics is not None else os.environ.get(
+            "SAFEPOINT_METRICS_ADDR", "")
+        if not isinstance(self.metrics, str):
+            raise InvalidArgumentError(f"{self.path}: metrics must be 'HOST:PORT', got {metrics!r}")
+        log = event_log if event_log is not None else os.environ.get("SAFEPOINT_EVENT_LOG", "")
+        self.event_log = os.path.abspath(os.fspath(log)) if log else ""
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
-            _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0)
+            _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0,
+            self.metrics, self.event_log)
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
                                 mtbf_seconds, self.tiers)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
-            "agent_errors": 0,
+            "agent_errors": 0, "blocking_seconds_sum": 0.0, "restores": {},
         }
         self.last_restore: Optional[RestoreInfo] = None
         if self._metadata:
@@ -386,7 +404,10 @@ class Checkpointer:
         res["reused_plan"] = self._live.last_save_reused_plan()
         res["step"] = step
         self._advisor.saved(self, step, res["blocking_seconds"])
+        self._live.report("save", step, bool(res["saved"]), res["blocking_seconds"],
+                          int(res["image_bytes"]) if res["saved"] else 0)
         self._stats["saves"] += 1
+        self._stats["blocking_seconds_sum"] += res["blocking_seconds"]
         self._stats["last_save"] = res
         if not res["saved"]:
             self._stats["skipped_saves"] += 1
@@ -455,6 +476,9 @@ class Checkpointer:
         # copy was read: memory, a peer, path or a tier).
         self._live.set_lineage(result[0], "", self._metadata)
         self._advisor.restored(source, uri, seconds)
+        self._stats["restores"][source] = self._stats["restores"].get(source, 0) + 1
+        self._live.report("restore", result[0], True, seconds,
+                          int(self._io.get("storage_bytes_read") or 0), source)
         return result
 
     def _memory_steps(self) -> list[int]:
@@ -510,6 +534,8 @@ class Checkpointer:
                 try:
                     return self._read_storage(uri, s, targets)
                 except Error as e:
+                    if isinstance(e, CorruptionError):
+                        self._live.report("checksum", s, False, 0.0, 0, "storage", str(e))
                     warnings.warn(f"safepoint: step {s} cannot be read from {uri}, trying the "
                                   f"next copy: {e}", RuntimeWarning, stacklevel=4)
                     error = e
@@ -535,6 +561,7 @@ class Checkpointer:
             snap = (self._live.load_newest(want, self._unpickler, in_place) if step is None
                     else self._live.load_step(step, self._unpickler, in_place))
         except CorruptionError as e:
+            self._live.report("checksum", want or 0, False, 0.0, 0, "memory", str(e))
             warnings.warn(
                 f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                 RuntimeWarning, stacklevel=3)
@@ -589,6 +616,7 @@ class Checkpointer:
                 got = self._usable(self._live.load_step(step, self._unpickler,
                                                         targets is not None))
             except CorruptionError as e:
+                self._live.report("checksum", step, False, 0.0, 0, "memory", str(e))
                 warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
                               RuntimeWarning, stacklevel=3)
         if got is None and peers and step in peers and peers[step] is not None:
@@ -755,6 +783,9 @@ class Checkpointer:
                       "queued": agent.get("queued")},
             "replication": agent.get("replication"),
             "tiers": agent.get("tiers", []),
+            "metrics_url": agent.get("metrics_url"),
+            "metrics_error": agent.get("metrics_error"),
+            "event_log": agent.get("event_log"),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
             "persist_interval": self._advisor.status(),
             "memory": self._memory(agent.get("agent_pid")),

@@ -53,6 +53,7 @@ void NodeAgent::Adopt() {
         continue;
       }
       Enqueue({rank, s.index, s.generation, s.step, /*leased=*/false, FlushReason::kAdopted, {}});
+      telemetry_.FlushQueued(rank, s.step, FlushReason::kAdopted);
     }
   }
 }

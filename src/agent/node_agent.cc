@@ -45,6 +45,7 @@ double MonotonicSeconds() {
 
 NodeAgent::NodeAgent(AgentOptions options)
     : opt_(std::move(options)),
+      telemetry_(opt_.job),
       last_busy_(MonotonicSeconds()),
       queue_([this] { Wake(); }),
       replicator_(opt_.job, [this] { Wake(); }),
@@ -134,8 +135,15 @@ Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointS
   auto committed = store_->ListCommitted();
   if (committed.ok()) {
     for (const auto& c : *committed) committed_cache_.insert(c.step);
-    if (!committed->empty()) newest_committed_ = committed->back().step;
+    if (!committed->empty()) {
+      newest_committed_ = committed->back().step;
+      telemetry_.KnownCommit(0, committed->back().step,
+                             static_cast<double>(committed->back().commit_time_ns) / 1e9);
+    }
   }
+  std::vector<std::string> uris = {config.storage};
+  for (const TierSpec& t : config.tiers) uris.push_back(t.uri);
+  telemetry_.SetTierUris(uris);
   return Status::OK();
 }
 
@@ -174,6 +182,7 @@ void NodeAgent::DrainResults() {
   for (PersistResult& r : queue_.TakeResults()) {
     const uint32_t rank = r.task.rank;
     const uint64_t step = r.task.step;
+    telemetry_.Persisted(r);
     RankState& rs = ranks_[rank];
     if (auto it = rs.pending.find(step); it != rs.pending.end()) rs.pending.erase(it);
     auto prior = rs.outcomes.find(step);
@@ -379,6 +388,13 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
       AnswerWaits();
       return Status::OK();
     }
+    case MessageType::kReport: {
+      SP_RETURN_IF_ERROR(require_hello("report"));
+      ReportNote note;
+      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      HandleReport(c, note);
+      return Status::OK();
+    }
     case MessageType::kShutdown:
       spdlog::info("shutdown requested by pid {}", c.pid);
       stopping_ = true;
@@ -470,6 +486,7 @@ Status NodeAgent::HandlePeerMessage(Client& c, const Message& m) {
 
 void NodeAgent::DrainReplication() {
   for (PushOutcome& o : replicator_.TakeOutcomes()) {
+    telemetry_.Replicated(o);
     if (o.superseded) {
       spdlog::info("rank {} step {}: replication superseded by a newer snapshot", o.task.rank,
                    o.task.step);
@@ -541,6 +558,7 @@ Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
   rs.closed = false;
   rs.pid = c.pid;
   saw_client_ = true;
+  ConfigureTelemetry(hello);
   spdlog::info("rank {} connected (pid {})", hello.rank, c.pid);
   Reply(c, MessageType::kHelloReply,
         Encode(HelloReply{static_cast<uint32_t>(::getpid()), job_dir_}));
@@ -621,7 +639,10 @@ void NodeAgent::EmergencyFlush(uint32_t rank, FlushReason reason) {
     if (newest_todo) todo.push_back(*newest);
   }
   for (const SlotInfo& s : todo) {
-    if (reason != FlushReason::kClose) ++rs.emergency_flushes;
+    if (reason != FlushReason::kClose) {
+      ++rs.emergency_flushes;
+      telemetry_.FlushQueued(rank, s.step, reason);
+    }
     Enqueue({rank, s.index, s.generation, s.step, /*leased=*/s.leased, reason, {}});
   }
 }
@@ -715,6 +736,7 @@ void NodeAgent::Loop() {
     DrainResults();
     DrainReplication();
     PollCommitsForTiers();
+    RefreshTelemetry();
     replicator_.ReleaseSparesWhenMemoryIsLow();
     // Torn down here (every local rank died): after the ranks' own emergency flushes had a
     // moment, persist what this node keeps of other nodes' snapshots whose step did not commit.
@@ -782,16 +804,21 @@ int NodeAgent::Run() {
     return 1;
   }
   spdlog::info("serving job {} in {}", opt_.job, job_dir_);
+  StartTelemetry();
   Adopt();
   Loop();
   Shutdown();
+  RefreshTelemetry(/*now=*/true);
+  telemetry_.StopMetrics();
   const bool all_closed = AllClosed();
   clients_.clear();
   ::unlink(AgentSocketPath(job_dir_).c_str());
   if (all_closed) {
-    // The job finished: nothing is left to keep.
+    // The job finished: nothing is left to keep (an event log the user placed elsewhere stays).
     ::unlink(JobConfigPath(job_dir_).c_str());
     ::unlink(AgentLogPath(job_dir_).c_str());
+    ::unlink(EventLogPath(job_dir_).c_str());
+    ::unlink((EventLogPath(job_dir_) + ".1").c_str());
     ::unlink(AgentLockPath(job_dir_).c_str());
     replicator_.RemoveReplicas();
     ::rmdir(job_dir_.c_str());

@@ -6,6 +6,8 @@
 //                     flushes, answering waits and closes; start and exit
 //   adoption.cc       taking over a job that an earlier agent left (job.json, leases, snapshots)
 //   status.cc         the status document (`safepoint status`, ckpt.status())
+//   telemetry.*       Prometheus metrics (metrics.*, metrics_server.*) and the event log
+//                     (event_log.*): one call where each event happens, gauges sampled
 //   persist_queue.*   the worker that writes snapshots to storage, commits and prunes
 //   replicator.*      peer replication: pushes snapshots to other nodes, rebuilds from them
 //   tier_copier.*     copies committed steps down the job's storage tiers
@@ -34,6 +36,7 @@
 #include "agent/persist_queue.h"
 #include "agent/protocol.h"
 #include "agent/replicator.h"
+#include "agent/telemetry.h"
 #include "agent/tier_copier.h"
 #include "base/unique_fd.h"
 #include "safepoint/agent.h"
@@ -117,7 +120,14 @@ class NodeAgent {
   // status.cc
   json StatusJson();
 
+  // telemetry.cc
+  void RefreshTelemetry(bool now = false);
+  void HandleReport(Client& c, const ReportNote& note);
+  void ConfigureTelemetry(const HelloRequest& hello);
+  void StartTelemetry();
+
   AgentOptions opt_;
+  Telemetry telemetry_;  // metrics and the event log (constructed before the workers that report)
   std::string job_dir_;
   internal::UniqueFd lock_fd_, listen_fd_, signal_fd_, event_fd_;
   std::optional<JobConfig> config_;
@@ -141,6 +151,7 @@ class NodeAgent {
   Replicator replicator_;
   TierChain tiers_;  // fills the job's lower storage tiers (on the node that runs rank 0)
   double last_tier_poll_ = 0;
+  double last_telemetry_ = 0;
 };
 
 double MonotonicSeconds();

@@ -138,6 +138,8 @@ std::string Encode(const HelloRequest& m) {
             {"keep", m.keep},
             {"pid", m.pid}};
   if (!m.tiers.empty()) j["tiers"] = EncodeTiers(m.tiers);
+  if (!m.metrics.empty()) j["metrics"] = m.metrics;
+  if (!m.event_log.empty()) j["event_log"] = m.event_log;
   return j.dump();
 }
 std::string Encode(const HelloReply& m) {
@@ -165,11 +167,15 @@ std::string Encode(const ErrorReply& m) { return json{{"error", m.error}}.dump()
 
 Status Decode(std::string_view payload, EmptyRequest*) { return Parse(payload, {}).status(); }
 Status Decode(std::string_view payload, HelloRequest* out) {
+  out->metrics.clear();
+  out->event_log.clear();
   SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"rank", &out->rank},
                                               {"world_size", &out->world_size},
                                               {"storage", &out->storage},
                                               {"keep", &out->keep},
-                                              {"pid", &out->pid, /*optional=*/true}}));
+                                              {"pid", &out->pid, /*optional=*/true},
+                                              {"metrics", &out->metrics, /*optional=*/true},
+                                              {"event_log", &out->event_log, /*optional=*/true}}));
   out->tiers.clear();
   if (auto it = j.find("tiers"); it != j.end()) SP_RETURN_IF_ERROR(DecodeTiers(*it, &out->tiers));
   return Status::OK();
@@ -240,6 +246,16 @@ std::string Encode(const PeerFetchReply& m) {
   return j.dump();
 }
 std::string Encode(const PauseNote& m) { return json{{"paused", m.paused}}.dump(); }
+std::string Encode(const ReportNote& m) {
+  json j = {{"event", m.event},
+            {"step", m.step},
+            {"saved", m.saved},
+            {"nanos", m.nanos},
+            {"bytes", m.bytes}};
+  if (!m.source.empty()) j["source"] = m.source;
+  if (!m.error.empty()) j["error"] = m.error;
+  return j.dump();
+}
 
 Status Decode(std::string_view payload, PeerSetupRequest* out) {
   return Parse(payload, {{"node", &out->node},
@@ -308,6 +324,18 @@ Status Decode(std::string_view payload, PeerFetchReply* out) {
 }
 Status Decode(std::string_view payload, PauseNote* out) {
   return Parse(payload, {{"paused", &out->paused}}).status();
+}
+Status Decode(std::string_view payload, ReportNote* out) {
+  out->source.clear();
+  out->error.clear();
+  return Parse(payload, {{"event", &out->event},
+                         {"step", &out->step},
+                         {"saved", &out->saved},
+                         {"nanos", &out->nanos},
+                         {"bytes", &out->bytes},
+                         {"source", &out->source, /*optional=*/true},
+                         {"error", &out->error, /*optional=*/true}})
+      .status();
 }
 
 std::string EncodeFrame(MessageType type, std::string_view payload) {
@@ -422,6 +450,7 @@ std::string AgentSocketPath(const std::string& job_dir) { return job_dir + "/age
 std::string AgentLockPath(const std::string& job_dir) { return job_dir + "/agent.lock"; }
 std::string AgentLogPath(const std::string& job_dir) { return job_dir + "/agent.log"; }
 std::string JobConfigPath(const std::string& job_dir) { return job_dir + "/job.json"; }
+std::string EventLogPath(const std::string& job_dir) { return job_dir + "/events.jsonl"; }
 
 bool AgentAlive(const std::string& job_dir, uint32_t* pid) {
   const std::string path = AgentLockPath(job_dir);

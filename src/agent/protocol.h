@@ -55,9 +55,10 @@ enum class MessageType : uint16_t {
   kPeerListReply = 17,
   kPeerFetch = 18,  // client -> agent: PeerFetchRequest; PeerFetchReply once fetched or failed
   kPeerFetchReply = 19,
-  kPause = 20,  // client -> agent: PauseNote (no reply)
+  kPause = 20,   // client -> agent: PauseNote (no reply)
+  kReport = 21,  // client -> agent: ReportNote, what the client saw (no reply)
 };
-inline constexpr MessageType kLastMessageType = MessageType::kPause;
+inline constexpr MessageType kLastMessageType = MessageType::kReport;
 
 struct Message {
   MessageType type = MessageType::kError;
@@ -76,6 +77,8 @@ struct HelloRequest {
   uint32_t keep = 3;    // committed steps to keep
   uint32_t pid = 0;
   std::vector<TierSpec> tiers;  // the storage tiers below `storage`, in order
+  std::string metrics;          // serve Prometheus metrics on "HOST:PORT" (empty: not asked)
+  std::string event_log;        // the event log's path (empty: events.jsonl in the job directory)
 };
 
 struct HelloReply {
@@ -178,6 +181,19 @@ struct PauseNote {
   bool paused = false;
 };
 
+// What a training process saw, for the agent's metrics and event log (docs/operations.md):
+// event "save" (a snapshot taken; `saved` false: skipped, no slot free), "restore" (from
+// `source`: memory, peer or storage) or "checksum" (damaged bytes found in `source`).
+struct ReportNote {
+  std::string event;
+  uint64_t step = 0;
+  bool saved = true;
+  uint64_t nanos = 0;  // the time it took (a save: the time it blocked training)
+  uint64_t bytes = 0;
+  std::string source;
+  std::string error;
+};
+
 // Tiers as JSON (in the hello and in job.json): [{"uri", "every", "every_seconds", "keep"}].
 nlohmann::json EncodeTiers(const std::vector<TierSpec>& tiers);
 Status DecodeTiers(const nlohmann::json& j, std::vector<TierSpec>* out);
@@ -198,6 +214,7 @@ std::string Encode(const PeerListReply& m);
 std::string Encode(const PeerFetchRequest& m);
 std::string Encode(const PeerFetchReply& m);
 std::string Encode(const PauseNote& m);
+std::string Encode(const ReportNote& m);
 
 // Each returns InvalidArgument ("protocol error: ...") for a payload that is not a JSON object,
 // lacks a field or has one of the wrong type. Unknown fields are ignored (newer peers).
@@ -218,6 +235,7 @@ Status Decode(std::string_view payload, PeerListReply* out);
 Status Decode(std::string_view payload, PeerFetchRequest* out);
 Status Decode(std::string_view payload, PeerFetchReply* out);
 Status Decode(std::string_view payload, PauseNote* out);
+Status Decode(std::string_view payload, ReportNote* out);
 
 // --- framing -----------------------------------------------------------------------------------
 
@@ -249,6 +267,7 @@ std::string AgentSocketPath(const std::string& job_dir);
 std::string AgentLockPath(const std::string& job_dir);
 std::string AgentLogPath(const std::string& job_dir);
 std::string JobConfigPath(const std::string& job_dir);
+std::string EventLogPath(const std::string& job_dir);  // the default event log (events.jsonl)
 
 // True when an agent holds the job directory's lock (a live agent); `pid` gets its pid.
 bool AgentAlive(const std::string& job_dir, uint32_t* pid = nullptr);

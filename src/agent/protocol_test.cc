@@ -40,7 +40,7 @@ constexpr MessageType kAllTypes[] = {
     MessageType::kError,          MessageType::kShutdown,      MessageType::kPeerSetup,
     MessageType::kPeerSetupReply, MessageType::kMembership,    MessageType::kAck,
     MessageType::kPeerList,       MessageType::kPeerListReply, MessageType::kPeerFetch,
-    MessageType::kPeerFetchReply, MessageType::kPause};
+    MessageType::kPeerFetchReply, MessageType::kPause,         MessageType::kReport};
 
 TEST(ProtocolTest, EncodeFrameLayout) {
   const std::string frame = EncodeFrame(MessageType::kStatus, R"({"a":1})");
@@ -374,6 +374,12 @@ TEST(MessageTest, EveryMessageRoundTrips) {
   EXPECT_EQ(hello_out.storage, "/ckpt/run");
   EXPECT_EQ(hello_out.keep, 5u);
   EXPECT_EQ(hello_out.pid, 4242u);
+  EXPECT_EQ(hello_out.metrics, "");
+  hello.metrics = "127.0.0.1:0";
+  hello.event_log = "/var/log/job.jsonl";
+  ASSERT_OK(Decode(Encode(hello), &hello_out));
+  EXPECT_EQ(hello_out.metrics, "127.0.0.1:0");
+  EXPECT_EQ(hello_out.event_log, "/var/log/job.jsonl");
 
   SnapshotNote note{1, (uint64_t{1} << 40) + 7, 99, true, false, {{0, 2}, {5, 9}}}, note_out;
   ASSERT_OK(Decode(Encode(note), &note_out));
@@ -452,6 +458,20 @@ TEST(MessageTest, PeerReplicationMessagesRoundTrip) {
   PauseNote pause{true}, pause_out;
   ASSERT_OK(Decode(Encode(pause), &pause_out));
   EXPECT_TRUE(pause_out.paused);
+
+  ReportNote report{"restore", 7, true, 1500000000, 4096, "memory", ""}, report_out;
+  report_out.error = "left from before";
+  ASSERT_OK(Decode(Encode(report), &report_out));
+  EXPECT_EQ(report_out.event, "restore");
+  EXPECT_EQ(report_out.step, 7u);
+  EXPECT_EQ(report_out.nanos, 1500000000u);
+  EXPECT_EQ(report_out.bytes, 4096u);
+  EXPECT_EQ(report_out.source, "memory");
+  EXPECT_EQ(report_out.error, "");
+  EXPECT_NE(Decode(R"({"event":"save","step":1,"saved":true,"nanos":-1,"bytes":0})", &report_out)
+                .message()
+                .find("'nanos'"),
+            std::string::npos);
 
   // A wait for replication only; an older client's wait (no field) is for a persisted step.
   WaitRequest wait{4, false}, wait_out;

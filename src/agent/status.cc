@@ -2,7 +2,8 @@
 // ckpt.status() returns under "agent". One JSON object: the job, its configuration, the newest
 // committed step, the persist queue, the lower storage tiers (newest step, copies, failures, last
 // error), and per rank its slots, pending persists, counters and last
-// error. `job_config_error` is set while job.json could not be written (a later agent could not
+// error; `metrics_url` (null unless metrics are served) and `event_log` (its path).
+// `job_config_error` is set while job.json could not be written (a later agent could not
 // adopt the job).
 #include "agent/status.h"
 
@@ -90,7 +91,13 @@ nlohmann::json NodeAgent::StatusJson() {
           {"in_flight", in_flight},
           {"ranks", ranks},
           {"tiers", tiers},
-          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)}};
+          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)},
+          {"metrics_url",
+           telemetry_.metrics_url().empty() ? json(nullptr) : json(telemetry_.metrics_url())},
+          {"metrics_error",
+           telemetry_.metrics_error().empty() ? json(nullptr) : json(telemetry_.metrics_error())},
+          {"event_log", telemetry_.event_log_path().empty() ? json(nullptr)
+                                                            : json(telemetry_.event_log_path())}};
 }
 
 }  // namespace safepoint::agent

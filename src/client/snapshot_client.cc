@@ -88,8 +88,8 @@ Status SnapshotClient::ConnectOnce() {
 
 Status SnapshotClient::Hello() {
   const agent::HelloRequest hello{
-      opt_.rank, opt_.world_size, opt_.storage, opt_.keep, static_cast<uint32_t>(::getpid()),
-      opt_.tiers};
+      opt_.rank,  opt_.world_size, opt_.storage,  opt_.keep, static_cast<uint32_t>(::getpid()),
+      opt_.tiers, opt_.metrics,    opt_.event_log};
   agent::FrameDecoder decoder;
   SP_RETURN_IF_ERROR(agent::SendMessage(fd_, MessageType::kHello, agent::Encode(hello)));
   SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));
@@ -193,6 +193,21 @@ Result<PeerFetchResult> SnapshotClient::FetchFromPeers(uint64_t step, uint64_t a
 Status SnapshotClient::PauseReplication(bool paused) {
   if (fd_ < 0) SP_RETURN_IF_ERROR(EnsureAgent());
   return agent::SendMessage(fd_, MessageType::kPause, agent::Encode(agent::PauseNote{paused}));
+}
+
+void SnapshotClient::Report(std::string_view event, uint64_t step, bool saved, double seconds,
+                            uint64_t bytes, std::string_view source, std::string_view error) {
+  if (fd_ < 0) return;
+  const agent::ReportNote note{std::string(event),
+                               step,
+                               saved,
+                               static_cast<uint64_t>(std::max(0.0, seconds) * 1e9),
+                               bytes,
+                               std::string(source),
+                               std::string(error)};
+  if (!agent::SendMessage(fd_, MessageType::kReport, agent::Encode(note), /*timeout_s=*/0.5).ok()) {
+    Disconnect();  // the next request reconnects (and starts an agent if none is left)
+  }
 }
 
 Status SnapshotClient::StartAgent() {

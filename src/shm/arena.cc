@@ -421,7 +421,8 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
       continue;
     }
     const bool ours =
-        n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 || n.rfind("job.json", 0) == 0;
+        n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 || n.rfind("job.json", 0) == 0 ||
+        n.rfind("events.jsonl", 0) == 0;  // the agent's default event log (and its rotation)
     if (!ours) {
       return InvalidArgument(job_dir + ": contains '" + n +
                              "', which safepoint did not create; "

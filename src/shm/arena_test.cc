@@ -657,6 +657,16 @@ TEST_F(ArenaTest, RemoveJobDirectoryRemovesTheReplicas) {
   EXPECT_FALSE(fs::exists(job_dir_));
 }
 
+// gc removes a job whose agent kept its default event log (and its rotated part) in the job
+// directory (src/agent/event_log.h).
+TEST_F(ArenaTest, RemoveJobDirectoryRemovesTheAgentsEventLog) {
+  ASSERT_TRUE(test::WriteStringToFile(job_dir_ + "/events.jsonl", "{}\n"));
+  ASSERT_TRUE(test::WriteStringToFile(job_dir_ + "/events.jsonl.1", "{}\n"));
+  auto freed = RemoveJobDirectory(job_dir_);
+  ASSERT_OK(freed);
+  EXPECT_FALSE(fs::exists(job_dir_));
+}
+
 // Growing a slot re-creates its file; what it held before is gone, the other slot is untouched.
 TEST_F(ArenaTest, CapacityGrowthRelaysOutTheSlot) {
   auto arena = Open(2);

@@ -52,6 +52,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       DecodeAs<PeerFetchRequest>(p);
       DecodeAs<PeerFetchReply>(p);
       DecodeAs<PauseNote>(p);
+      DecodeAs<ReportNote>(p);
     }
   }
   return 0;
