@@ -93,3 +93,74 @@ def test_restore_from_storage_refuses_mismatched_targets(tmp_path):
     t["half"] = torch.zeros(4999, dtype=torch.bfloat16)
     with pytest.raises(safepoint.InvalidArgumentError, match=r"half: shape \(5000,\) in the "):
         safepoint.restore(tmp_path, t)
+
+
+def checkpointer(tmp_path, name: str, **kw) -> safepoint.Checkpointer:
+    return safepoint.Checkpointer(tmp_path / "ckpt", job=f"{name}-{id(tmp_path) % 10**8}",
+                                  shm_dir=str(tmp_path), **kw)
+
+
+def flip_in_slot(tmp_path, marker: bytes) -> None:
+    """Flips one byte of the slot file that holds `marker` (the snapshot in memory)."""
+    for slot in glob.glob(os.path.join(str(tmp_path), "**", "rank-00000.slot-*"), recursive=True):
+        data = open(slot, "rb").read()
+        at = data.find(marker)
+        if at >= 0:
+            flip(slot, at + 3)
+            return
+    raise AssertionError("marker not in any slot")
+
+
+def test_hot_restore_fills_targets_in_the_verifying_pass(tmp_path):
+    want = state_of(3)
+    with checkpointer(tmp_path, "hot", persist_every=100) as ckpt:
+        ckpt.save(3, want)
+        t = targets()
+        # The core's load in place copies the tensors straight into the targets and hands the
+        # targets back (restore then has nothing left to copy); a non-contiguous target gets a
+        # filled contiguous copy, which restore copies in.
+        snap = ckpt._live.load_step(3, None, True, t)
+        for k in ("big", "half"):
+            assert snap.state[k] is t[k] and torch.equal(t[k], want[k])
+        assert snap.state["small"][2] is t["small"][2]
+        assert snap.state["mat"] is not t["mat"] and torch.equal(snap.state["mat"], want["mat"])
+        del snap
+        t = targets()
+        keep = t["big"]
+        assert ckpt.restore(t) == 3 and ckpt.last_load_source == "memory"
+        assert t["big"] is keep
+        assert_same(t, want)
+
+
+def test_hot_restore_detects_a_flipped_byte_and_falls_back(tmp_path):
+    want = state_of(4)
+    with checkpointer(tmp_path, "flip", persist_every=100) as ckpt:
+        ckpt.save(4, want, persist=True)
+        ckpt.wait()
+        flip_in_slot(tmp_path, want["big"][BIG // 2:BIG // 2 + 64].numpy().tobytes())
+        t = targets()
+        with pytest.warns(RuntimeWarning, match="damaged"):
+            assert ckpt.restore(t) == 4
+        assert ckpt.last_load_source == "storage"
+        assert_same(t, want)  # the storage copy replaced whatever the damaged slot left
+
+
+def test_hot_restore_of_a_damaged_slot_with_nothing_on_storage_raises(tmp_path):
+    want = state_of(5)
+    with checkpointer(tmp_path, "alone", persist_every=100) as ckpt:
+        ckpt.save(5, want)
+        flip_in_slot(tmp_path, want["half"][1000:1100].view(torch.int16).numpy().tobytes())
+        t = targets()
+        # The targets may hold the damaged bytes now: restore must not say "nothing to load".
+        with pytest.warns(RuntimeWarning, match="damaged"):
+            with pytest.raises(safepoint.CorruptionError, match="may hold damaged bytes"):
+                ckpt.restore(t)
+
+
+def test_hot_restore_keeps_the_shape_error(tmp_path):
+    with checkpointer(tmp_path, "shape", persist_every=100) as ckpt:
+        ckpt.save(1, state_of(1))
+        t = targets()
+        t["big"] = torch.zeros(BIG - 1)
+        with pytest.raises(safepoint.InvalidArgumentError, match=r"big: shape \(3146962,\) in the"):
+            ckpt.restore(t)
