@@ -110,6 +110,7 @@ demo: build
 bench: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/run.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/flash.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/restore.py
 	$(MAKE) bench-multirank
 
 # 2-rank DDP and FSDP2 against DCP, torch.save and DLRover (which imports grpc undeclared).

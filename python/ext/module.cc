@@ -501,8 +501,8 @@ class PyClient {
   std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place,
                                  nb::handle targets) {
     Fills f = MakeFills(in_place, targets);
-    return ToPython(WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills); }),
-                    unpickler, &f);
+    return ToPython(WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills); }), unpickler,
+                    &f);
   }
 
   std::vector<SlotView> Slots() {
@@ -697,8 +697,7 @@ NB_MODULE(_core, m) {
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)
       .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none(),
-           "unpickler"_a.none() = nb::none(), "in_place"_a = false,
-           "targets"_a.none() = nb::none())
+           "unpickler"_a.none() = nb::none(), "in_place"_a = false, "targets"_a.none() = nb::none())
       .def("load_step", &PyClient::LoadStep, "step"_a, "unpickler"_a.none() = nb::none(),
            "in_place"_a = false, "targets"_a.none() = nb::none())
       .def("slots", &PyClient::Slots)
