@@ -26,6 +26,7 @@ import safepoint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run import (  # noqa: E402  (bench/run.py: the storage benchmark's helpers)
     GiB,
+    _same_tree,
     ISSUE14,
     bench_arguments,
     gbps,
@@ -42,8 +43,8 @@ from run import (  # noqa: E402  (bench/run.py: the storage benchmark's helpers)
 def bench_state(label: str, state, runs: int, workdir: str) -> dict:
     n = state_bytes(state)
     flat = list(tensors_of(state).values())
-    target = {k: v.clone() for k, v in tensors_of(state).items()}  # warm: written once
-    target_list = list(target.values())
+    target_list = [t.clone() for t in flat]  # warm: written once
+    target = _same_tree(state, iter(target_list))
     src = torch.empty(n, dtype=torch.uint8).fill_(1)
     dst = torch.empty(n, dtype=torch.uint8).fill_(0)
     res = {"label": label, "bytes": n, "tensors": len(flat),
