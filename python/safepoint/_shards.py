@@ -243,6 +243,17 @@ class StepReader:
                 if p.dtype != want_dtype:
                     raise InvalidArgumentError(f"{name}: dtype {p.dtype} in the checkpoint, "
                                                f"{want_dtype} in the state")
+                if p.offset == goff and p.shape == tuple(local.shape):
+                    # The usual restore: the saved piece is exactly this tensor's box, so the
+                    # range is the whole piece and the destination the whole tensor.
+                    nbytes = math.prod(p.shape) * local.element_size()
+                    if nbytes == 0:
+                        continue
+                    key = (p.image, p.name, 0, nbytes)
+                    reads.setdefault(key, _Read(p, 0, nbytes))
+                    copies.append((local, key, p.shape, row_major_strides(p.shape)))
+                    covered += local.numel()
+                    continue
                 box = overlap(goff, tuple(local.shape), p.offset, p.shape)
                 if box is None:
                     continue
