@@ -638,6 +638,7 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
     return Corruption(md.source + ": checksum section has too few chunks");
   }
   SP_ASSIGN_OR_RETURN(auto obj, OpenImage(md));
+  const bool direct_io = storage_->capabilities().direct_io;
   FirstError error;
   internal::ParallelFor(chunks.size(), internal::DefaultIoThreads(), [&](size_t k) {
     if (error.failed()) return;
@@ -645,11 +646,16 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
     const uint64_t off = c * layout.chunk_size;
     const uint64_t len = std::min(layout.chunk_size, covered - off);
     // A chunk that lies wholly inside one range is read straight into that range's destination
-    // (a restore's target tensor: memory that is already faulted in) and verified there; the
-    // others go through a reused staging buffer, verified before any byte is copied out.
+    // (a restore's target tensor: memory that is already faulted in) and verified there, where
+    // the storage reads it there as well as into a staging buffer: without direct I/O, or with
+    // the destination aligned for it (else the read would fall back to the page cache, slower
+    // than a direct read and one copy). The others go through a reused staging buffer,
+    // verified before any byte is copied out.
     const Range* home = nullptr;
     for (const Range& r : ranges) {
-      if (r.length != 0 && r.offset <= off && off + len <= r.offset + r.length) {
+      if (r.length != 0 && r.offset <= off && off + len <= r.offset + r.length &&
+          (!direct_io ||
+           (reinterpret_cast<uintptr_t>(r.dst) - r.offset) % kDirectIOAlignment == 0)) {
         home = &r;
         break;
       }
