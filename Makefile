@@ -113,6 +113,7 @@ bench: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/flash.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/versions.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/save_path.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/restore.py
 	$(MAKE) bench-multirank
 
 # The goodput simulator against a real run with random SIGKILLs (docs/benchmarks.md, "Goodput

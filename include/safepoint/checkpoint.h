@@ -132,9 +132,14 @@ class CheckpointStore {
 
   // Copies byte ranges of rank's image of a committed step (offsets from the start of the image,
   // e.g. a part of one tensor's data) into caller memory, reading only the checksum chunks that
-  // cover them, each verified against `md` (from ReadMetadata of the same commit and rank) before
-  // any of its bytes is handed out. Ranges may overlap and come in any order. For resharding and
-  // for tensors that another rank wrote: a rank reads what it needs, not whole images.
+  // cover them, each verified against `md` (from ReadMetadata of the same commit and rank).
+  // Ranges may overlap and come in any order. For restores, resharding and tensors that another
+  // rank wrote: a rank reads what it needs, not whole images. A chunk that lies wholly inside one
+  // range is read straight into that range's memory and verified there (no staging copy) where
+  // the storage has no direct I/O or that memory is aligned for it; other chunks go through a
+  // reused staging buffer and are verified before any of their bytes is copied out. On an error the contents of
+  // the destinations are unspecified (they may hold bytes of a chunk that failed its checksum):
+  // the caller must not use them.
   struct Range {
     uint64_t offset = 0;
     uint64_t length = 0;

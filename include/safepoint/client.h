@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -93,6 +94,17 @@ struct PeerFetchResult {
   double seconds = 0;
 };
 
+// A restore's target for one tensor of a memory snapshot (LoadNewest/LoadStep in place): when
+// the snapshot has a tensor with this spec (name, dtype, shape, box), its bytes are copied from
+// the slot straight into `dst` (nbytes) in the pass that verifies the slot, and `entry` is set
+// to that tensor's index in the image (-1: not filled; the caller copies it itself).
+struct TensorFill {
+  TensorSpec spec;
+  std::byte* dst = nullptr;
+  uint64_t nbytes = 0;
+  int64_t entry = -1;
+};
+
 struct MemorySnapshot {
   LoadedImage image;  // a private, verified copy of the slot's image (or the slot: in_place)
   ImageReader reader;
@@ -157,12 +169,16 @@ class SnapshotClient {
   // in_place: verify the slot's bytes where they are and hand out the slot's memory itself
   // instead of a private copy (restore copies from it once, straight into its targets). The
   // bytes stay valid until this client's next Save (only that writes this rank's slots; the
-  // agent only reads them). Not for results a caller keeps.
-  Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step, bool in_place = false);
+  // agent only reads them). Not for results a caller keeps. With `fills`, the tensors they match
+  // are copied into their targets in the same parallel pass that verifies every chunk (one read
+  // of the slot, no intermediate buffer); on Corruption the targets may hold damaged bytes.
+  Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step, bool in_place = false,
+                                    std::span<TensorFill> fills = {});
   // Reads the COMPLETE snapshot of exactly `step`, verified. NotFound when no slot holds it.
   // Either load, before this client's first Save, marks the snapshot it read as the one the run
   // resumes from (Arena::MarkResumed): the next Save keeps it.
-  Result<MemorySnapshot> LoadStep(uint64_t step, bool in_place = false);
+  Result<MemorySnapshot> LoadStep(uint64_t step, bool in_place = false,
+                                  std::span<TensorFill> fills = {});
   // --- peer replication ---
   // Starts the agent's peer service for node `node` on `bind_host` (once per agent; every rank
   // of the node may call it) and returns the address peers reach it at.
@@ -203,7 +219,6 @@ class SnapshotClient {
   Status ConnectOnce();
   Status StartAgent();
   Status Hello();
-  Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place);
   // Writes plan_ into a slot: the common part of Save and SaveLike.
   Result<SnapshotResult> WriteSnapshot(uint64_t step, bool persist, bool notify,
                                        const StageFn& stage);
@@ -216,6 +231,8 @@ class SnapshotClient {
   // ResourceExhausted when a snapshot of `image_bytes` could take the job's shared memory on
   // this node beyond ClientOptions::max_shm_bytes.
   Status CheckShmCap(uint64_t image_bytes);
+  Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place,
+                                  std::span<TensorFill> fills = {});
   void NoteResumedFrom(const SlotInfo& slot);
   Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
                                const std::string& source) const;

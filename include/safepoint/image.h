@@ -222,6 +222,21 @@ Status VerifyChunk(std::span<const std::byte> chunk, uint64_t index, uint32_t ex
 Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> dst,
                          std::string_view source, size_t threads);
 
+// A byte range of an image to copy out: image[offset, offset + length) -> dst.
+struct ImageCopy {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  std::byte* dst = nullptr;
+};
+
+// Verifies every chunk CRC of a complete image held in memory and copies `copies` (ranges of its
+// data that do not overlap each other; dst outside the image) out of it in the same pass, with
+// `threads` threads: each piece is checksummed right after it was copied, while it is in the
+// core's cache. On an error (Corruption naming the chunk) the destinations hold unspecified
+// bytes and must not be used. Restore-in-place from shared memory (hot reload) uses it.
+Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
+                        std::string_view source, size_t threads);
+
 class ImageReader {
  public:
   enum class Verify { kAll, kStructure };

@@ -183,7 +183,7 @@ SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t 
 // What load() returns to Python: the step and the state, whose tensors are views into the loaded
 // image (zero copy, zero parse), kept alive through a numpy array that owns the image.
 Loaded LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras,
-                      nb::handle unpickler) {
+                      nb::handle unpickler, const std::vector<nb::object>* filled = nullptr) {
   auto* keep = new std::shared_ptr<std::byte>(image.buffer);
   nb::capsule owner(keep,
                     [](void* p) noexcept { delete static_cast<std::shared_ptr<std::byte>*>(p); });
@@ -196,7 +196,7 @@ Loaded LoadedToPython(const LoadedImage& image, const ImageReader& reader, const
   out.world_size = reader.meta().world_size;
   out.job = reader.meta().job;
   nb::list elsewhere;
-  out.state = python::RebuildState(extras, buffer, reader, unpickler, &elsewhere);
+  out.state = python::RebuildState(extras, buffer, reader, unpickler, &elsewhere, filled);
   out.elsewhere = elsewhere;
   out.source = image.source;
   return out;
@@ -539,12 +539,17 @@ class PyClient {
   }
 
   std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
-                                   bool in_place) {
-    return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step, in_place); }), unpickler);
+                                   bool in_place, nb::handle targets) {
+    Fills f = MakeFills(in_place, targets);
+    return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step, in_place, f.fills); }),
+                    unpickler, &f);
   }
 
-  std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place) {
-    return ToPython(WithoutGil([&] { return Get().LoadStep(step, in_place); }), unpickler);
+  std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place,
+                                 nb::handle targets) {
+    Fills f = MakeFills(in_place, targets);
+    return ToPython(WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills); }), unpickler,
+                    &f);
   }
 
   std::vector<SlotView> Slots() {
@@ -610,11 +615,52 @@ class PyClient {
   }
 
  private:
-  // A memory snapshot as load() returns it; None when there is none.
-  static std::optional<Loaded> ToPython(Result<MemorySnapshot> r, nb::handle unpickler) {
+  // A restore's targets (the state tree it loads into) for a load in place: its contiguous CPU
+  // tensors, which the load fills straight from the slot (TensorFill). Others (GPU tensors,
+  // values the walker refuses) are left to the caller's copy, as is everything without targets.
+  struct Fills {
+    std::vector<TensorFill> fills;
+    std::vector<nb::object> tensors;  // fills[i]'s tensor, held until the load returned
+  };
+  static Fills MakeFills(bool in_place, nb::handle targets) {
+    Fills out;
+    if (!in_place || !targets.is_valid() || targets.is_none()) return out;
+    python::FlatState flat;
+    try {
+      flat = python::FlattenState(targets, nb::none(), python::Stage::kAll);
+    } catch (nb::python_error&) {
+      return out;  // a value no snapshot could hold: the caller's copy reports what is wrong
+    }
+    for (nb::handle item : flat.staged) {
+      auto idx = nb::cast<size_t>(item[0]);
+      nb::object t = nb::borrow(item[1]);
+      if (!nb::cast<bool>(t.attr("is_cpu"))) continue;
+      TensorFill f;
+      f.spec = flat.tensors[idx].spec;
+      f.nbytes = flat.tensors[idx].nbytes;
+      f.dst = reinterpret_cast<std::byte*>(nb::cast<uintptr_t>(t.attr("data_ptr")()));
+      if (f.nbytes == 0) continue;
+      out.fills.push_back(std::move(f));
+      out.tensors.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  // A memory snapshot as load() returns it; None when there is none. Tensors the load filled in
+  // place come back as their targets (restore then finds nothing to copy for them).
+  static std::optional<Loaded> ToPython(Result<MemorySnapshot> r, nb::handle unpickler,
+                                        const Fills* fills = nullptr) {
     if (!r.ok() && r.status().code() == StatusCode::kNotFound) return std::nullopt;
     MemorySnapshot s = Unwrap(std::move(r));
-    return LoadedToPython(s.image, s.reader, s.extras, unpickler);
+    std::vector<nb::object> filled;
+    if (fills != nullptr && !fills->fills.empty()) {
+      filled.resize(s.reader.tensors().size());
+      for (size_t i = 0; i < fills->fills.size(); ++i) {
+        const int64_t e = fills->fills[i].entry;
+        if (e >= 0 && static_cast<size_t>(e) < filled.size()) filled[e] = fills->tensors[i];
+      }
+    }
+    return LoadedToPython(s.image, s.reader, s.extras, unpickler, &filled);
   }
 
   SnapshotClient& Get() {
@@ -881,9 +927,9 @@ NB_MODULE(_core, m) {
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)
       .def("load_newest", &PyClient::LoadNewest, "min_step"_a.none(),
-           "unpickler"_a.none() = nb::none(), "in_place"_a = false)
+           "unpickler"_a.none() = nb::none(), "in_place"_a = false, "targets"_a.none() = nb::none())
       .def("load_step", &PyClient::LoadStep, "step"_a, "unpickler"_a.none() = nb::none(),
-           "in_place"_a = false)
+           "in_place"_a = false, "targets"_a.none() = nb::none())
       .def("slots", &PyClient::Slots)
       .def("peer_setup", &PyClient::PeerSetup, "node"_a, "bind_host"_a, "timeout"_a)
       .def("set_membership", &PyClient::SetMembership, "epoch"_a, "node_index"_a, "nodes"_a,

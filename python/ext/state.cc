@@ -707,6 +707,9 @@ class Rebuilder {
     made_.resize(tensor_count * 3);
   }
 
+  // Tensor `index` (as a torch tensor) is `t` rather than a view into the buffer.
+  void Preset(size_t index, nb::object t) { made_[index * 3] = std::move(t); }
+
   nb::object Build(const Value& v) {
     struct V {
       Rebuilder& r;
@@ -835,8 +838,14 @@ bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out) {
 }
 
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
-                        nb::handle unpickler, nb::list* elsewhere) {
+                        nb::handle unpickler, nb::list* elsewhere,
+                        const std::vector<nb::object>* filled) {
   Rebuilder r(buffer, &reader, reader.tensors().size(), unpickler, nb::none());
+  if (filled != nullptr) {
+    for (size_t i = 0; i < filled->size() && i < reader.tensors().size(); ++i) {
+      if ((*filled)[i].is_valid()) r.Preset(i, (*filled)[i]);
+    }
+  }
   nb::object out = r.Build(skeleton);
   if (elsewhere != nullptr) *elsewhere = r.elsewhere_;
   return out;

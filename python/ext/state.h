@@ -63,8 +63,11 @@ bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out);
 // values are passed to `unpickler`; when it is None they are refused with an error.
 // Tensors held by another rank's image (TensorSpec::elsewhere) come back as fresh tensors,
 // listed in `elsewhere` as (name, tensor, global shape, global offset) for the caller to fill.
+// `filled` (optional, one entry per image tensor): tensors already copied into their targets
+// (a restore in place); a valid object is used as that tensor instead of a view.
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,
-                        nb::handle unpickler, nb::list* elsewhere = nullptr);
+                        nb::handle unpickler, nb::list* elsewhere = nullptr,
+                        const std::vector<nb::object>* filled = nullptr);
 
 // The state tree of an image whose tensors were not read: each tensor reference becomes
 // slot_factory(index of its index entry).

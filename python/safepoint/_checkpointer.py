@@ -555,13 +555,17 @@ class Checkpointer:
         newest_storage = max(committed) if committed else None
         want = step if step is not None else newest_storage
         snap = None
+        damaged: Optional[CorruptionError] = None
         try:
-            # restore (targets) copies from the slot itself, once, straight into its targets
+            # restore (targets) reads the slot itself, once: its tensors are copied straight
+            # into their targets in the pass that verifies every chunk
             in_place = targets is not None
-            snap = (self._live.load_newest(want, self._unpickler, in_place) if step is None
-                    else self._live.load_step(step, self._unpickler, in_place))
+            snap = (self._live.load_newest(want, self._unpickler, in_place, targets)
+                    if step is None
+                    else self._live.load_step(step, self._unpickler, in_place, targets))
         except CorruptionError as e:
             self._live.report("checksum", want or 0, False, 0.0, 0, "memory", str(e))
+            damaged = e
             warnings.warn(
                 f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                 RuntimeWarning, stacklevel=3)
@@ -569,6 +573,10 @@ class Checkpointer:
             return self._usable(snap)
         if step is not None or committed:
             return self._from_storage(step, targets, committed), "storage"
+        if damaged is not None and targets is not None:
+            # The targets may hold bytes of the damaged snapshot: never report "nothing".
+            raise CorruptionError(f"{damaged}; nothing on storage to restore from, so the "
+                                  "state's tensors may hold damaged bytes")
         return None
 
     def _peer_attempts(self) -> dict[int, Any]:
@@ -593,7 +601,8 @@ class Checkpointer:
         loads it from there like a hot reload (verified). None when that fails."""
         try:
             fetched = self._live.fetch_from_peers(step, attempt, -1.0)
-            got = self._usable(self._live.load_step(step, self._unpickler, targets is not None))
+            got = self._usable(self._live.load_step(step, self._unpickler, targets is not None,
+                                                    targets))
         except Error as e:
             warnings.warn(f"safepoint: step {step} cannot be rebuilt from peer memory: {e}",
                           RuntimeWarning, stacklevel=4)
@@ -614,7 +623,7 @@ class Checkpointer:
         if step in memory:
             try:
                 got = self._usable(self._live.load_step(step, self._unpickler,
-                                                        targets is not None))
+                                                        targets is not None, targets))
             except CorruptionError as e:
                 self._live.report("checksum", step, False, 0.0, 0, "memory", str(e))
                 warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",

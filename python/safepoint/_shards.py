@@ -11,6 +11,7 @@ step, the saved pieces that overlap the box the target needs, and reads just tho
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 import time
@@ -242,6 +243,17 @@ class StepReader:
                 if p.dtype != want_dtype:
                     raise InvalidArgumentError(f"{name}: dtype {p.dtype} in the checkpoint, "
                                                f"{want_dtype} in the state")
+                if p.offset == goff and p.shape == tuple(local.shape):
+                    # The usual restore: the saved piece is exactly this tensor's box, so the
+                    # range is the whole piece and the destination the whole tensor.
+                    nbytes = math.prod(p.shape) * local.element_size()
+                    if nbytes == 0:
+                        continue
+                    key = (p.image, p.name, 0, nbytes)
+                    reads.setdefault(key, _Read(p, 0, nbytes))
+                    copies.append((local, key, p.shape, row_major_strides(p.shape)))
+                    covered += local.numel()
+                    continue
                 box = overlap(goff, tuple(local.shape), p.offset, p.shape)
                 if box is None:
                     continue
@@ -290,10 +302,24 @@ class StepReader:
         """For each (name, local tensor, global shape, global offset of the local tensor),
         assembles that box from the saved pieces into the local tensor (see needs())."""
         reads, copies = self.needs(requests, rank)
-        bufs = {k: torch.empty(r.nbytes, dtype=torch.uint8) for k, r in reads.items()}
+        # A range that is the whole of one contiguous CPU destination, in its layout (the usual
+        # restore: same tensor, same shape), is read straight into it: no buffer to fault in,
+        # no second copy. Everything else goes through a buffer and a (strided) copy.
+        users = collections.Counter(key for _, key, _, _ in copies)
+        bufs: dict[ReadKey, torch.Tensor] = {}
+        rest = []
+        for dst, key, lengths, strides in copies:
+            if (users[key] == 1 and dst.device.type == "cpu" and dst.is_contiguous()
+                    and dst.numel() * dst.element_size() == reads[key].nbytes > 0):
+                bufs[key] = dst.detach().reshape(-1).view(torch.uint8)
+            else:
+                rest.append((dst, key, lengths, strides))
+        for k, r in reads.items():
+            if k not in bufs:
+                bufs[k] = torch.empty(r.nbytes, dtype=torch.uint8)
         self.read([(r.reader, r.name, r.first, r.nbytes, bufs[k]) for k, r in reads.items()],
                   stats)
-        self.copy_out(copies, bufs)
+        self.copy_out(rest, bufs)
 
 
 def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,

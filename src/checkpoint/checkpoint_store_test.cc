@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -601,6 +602,92 @@ class CountingStorage : public test::ForwardingStorage {
     std::atomic<uint64_t>* count;
   };
 };
+
+// Records where each read of an object landed in memory.
+class LandingStorage : public test::ForwardingStorage {
+ public:
+  using ForwardingStorage::ForwardingStorage;
+  Result<std::unique_ptr<ReadableObject>> Open(std::string_view name) override {
+    SP_ASSIGN_OR_RETURN(auto obj, inner_->Open(name));
+    return std::unique_ptr<ReadableObject>(new Recorded(std::move(obj), this));
+  }
+  std::vector<std::pair<uint64_t, const std::byte*>> Landings() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return landings_;
+  }
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    landings_.clear();
+  }
+
+ private:
+  struct Recorded : ReadableObject {
+    Recorded(std::unique_ptr<ReadableObject> o, LandingStorage* s) : obj(std::move(o)), owner(s) {}
+    uint64_t size() const override { return obj->size(); }
+    Status ReadAt(uint64_t offset, std::span<std::byte> dst) const override {
+      {
+        std::lock_guard<std::mutex> lock(owner->mu_);
+        owner->landings_.emplace_back(offset, dst.data());
+      }
+      return obj->ReadAt(offset, dst);
+    }
+    std::unique_ptr<ReadableObject> obj;
+    LandingStorage* owner;
+  };
+  std::mutex mu_;
+  std::vector<std::pair<uint64_t, const std::byte*>> landings_;
+};
+
+// A restore reads whole chunks of a tensor straight into the target (memory already faulted
+// in), with no staging copy, and still verifies each of them; partial chunks at the ends are
+// staged. A flipped byte in a chunk read in place is an error naming the chunk.
+TEST(CheckpointStoreTest, RangeReadsLandWholeChunksInTheirDestination) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  auto landing = std::make_shared<LandingStorage>(mem);
+  CheckpointStore store(landing);
+  // "big" has 3 Mi + 1234 floats: it starts inside chunk 0 and ends inside chunk 3, so chunks
+  // 1 and 2 lie wholly inside it and the ends are partial.
+  const size_t elems = (3 << 20) + 1234;
+  {
+    Shard s(5, 0, elems);
+    ASSERT_OK(SaveShard(store, Meta(5, 0, 1), s.sources, s.extras).status());
+  }
+  Shard want(5, 0, elems);
+  auto commit = store.ReadCommit(5);
+  ASSERT_OK(commit);
+  auto md = store.ReadMetadata(*commit, 0);
+  ASSERT_OK(md);
+  const TensorEntry& big = md->tensors[0];
+  const uint64_t chunk = md->layout.chunk_size;
+  ASSERT_LT(big.offset, chunk);
+  ASSERT_GT(big.offset + big.nbytes, 3 * chunk);
+  std::vector<float> dst(elems);
+  auto* d = reinterpret_cast<std::byte*>(dst.data());
+  std::vector<CheckpointStore::Range> ranges = {{big.offset, big.nbytes, d}};
+  landing->Clear();
+  ASSERT_OK(store.ReadRanges(*md, ranges));
+  EXPECT_EQ(std::memcmp(dst.data(), want.big.data(), big.nbytes), 0);
+  std::set<uint64_t> in_place;
+  for (auto [offset, where] : landing->Landings()) {
+    if (where >= d && where < d + big.nbytes) {
+      EXPECT_EQ(where, d + (offset - big.offset));
+      in_place.insert(offset);
+    }
+  }
+  EXPECT_EQ(in_place, (std::set<uint64_t>{chunk, 2 * chunk}));
+
+  // Corrupt chunk 2 (read in place): the read fails and names it.
+  auto obj = mem->Open(ImageObjectName(5, 0));
+  std::vector<std::byte> bytes((*obj)->size());
+  ASSERT_OK((*obj)->ReadAt(0, bytes));
+  bytes[2 * chunk + 4096] ^= std::byte{0x10};
+  auto w = mem->Create(ImageObjectName(5, 0), bytes.size());
+  ASSERT_OK((*w)->WriteAt(0, bytes));
+  ASSERT_OK((*w)->Publish());
+  Status s = store.ReadRanges(*md, ranges);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_NE(s.message().find("chunk 2"), std::string::npos) << s.message();
+}
 
 TEST(CheckpointStoreTest, RangeReadsReadOnlyTheirChunksAndVerifyThem) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());

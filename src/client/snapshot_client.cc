@@ -10,7 +10,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <string_view>
 #include <thread>
+#include <unordered_map>
 
 #include "agent/protocol.h"
 #include "base/aligned_buffer.h"
@@ -603,17 +605,19 @@ Result<std::string> SnapshotClient::AgentStatus() {
   return Request(MessageType::kStatus, "{}", MessageType::kStatusReply, 30);
 }
 
-Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_step, bool in_place) {
+Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_step, bool in_place,
+                                                  std::span<TensorFill> fills) {
   SP_RETURN_IF_ERROR(arena_->Refresh());
   const std::optional<SlotInfo> newest = arena_->NewestComplete();
   if (!newest || (min_step && newest->step < *min_step)) {
     return NotFound(job_dir_ + ": no snapshot of rank " + std::to_string(opt_.rank) + " in memory" +
                     (min_step ? " at step " + std::to_string(*min_step) + " or newer" : ""));
   }
-  return LoadSlot(*newest, in_place);
+  return LoadSlot(*newest, in_place, fills);
 }
 
-Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step, bool in_place) {
+Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step, bool in_place,
+                                                std::span<TensorFill> fills) {
   SP_RETURN_IF_ERROR(arena_->Refresh());
   // Two slots may hold the step (saved again after the ranks resumed from an older one): the
   // snapshot completed last is the current run's.
@@ -624,7 +628,7 @@ Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step, bool in_place) {
       found = s;
     }
   }
-  if (found) return LoadSlot(*found, in_place);
+  if (found) return LoadSlot(*found, in_place, fills);
   return NotFound(job_dir_ + ": no snapshot of step " + std::to_string(step) + " of rank " +
                   std::to_string(opt_.rank) + " in memory");
 }
@@ -641,7 +645,8 @@ Status SnapshotClient::CheckSnapshotIdentity(const ImageReader& reader, const Sl
   return Status::OK();
 }
 
-Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_place) {
+Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_place,
+                                                std::span<TensorFill> fills) {
   const SlotInfo* newest = &slot;
   const std::string source = job_dir_ + "/rank-" + std::to_string(opt_.rank) + ".slot-" +
                              std::to_string(newest->index) + " (step " +
@@ -650,10 +655,37 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
   if (in_place) {
     auto src = arena_->SlotData(newest->index).subspan(0, size);
     std::shared_ptr<std::byte> view(src.data(), [](std::byte*) {});  // the arena owns it
-    SP_ASSIGN_OR_RETURN(
-        ImageReader reader,
-        ImageReader::Parse(src, source, ImageReader::Verify::kAll, internal::DefaultCpuThreads()));
+    for (TensorFill& f : fills) f.entry = -1;
+    SP_ASSIGN_OR_RETURN(ImageReader reader,
+                        ImageReader::Parse(src, source,
+                                           fills.empty() ? ImageReader::Verify::kAll
+                                                         : ImageReader::Verify::kStructure,
+                                           internal::DefaultCpuThreads()));
     SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
+    if (!fills.empty()) {
+      // Restore in place: verify every chunk and copy the targets' tensors out in one pass.
+      std::unordered_map<std::string_view, size_t> by_name;
+      for (size_t i = 0; i < reader.tensors().size(); ++i) {
+        by_name.emplace(reader.tensors()[i].spec.name, i);
+      }
+      std::vector<ImageCopy> copies;
+      std::vector<bool> taken(reader.tensors().size());
+      for (TensorFill& f : fills) {
+        auto it = by_name.find(f.spec.name);
+        if (it == by_name.end() || taken[it->second]) continue;
+        const TensorEntry& e = reader.tensors()[it->second];
+        const TensorSpec& a = e.spec;
+        if (a.elsewhere || a.dtype != f.spec.dtype || a.shape != f.spec.shape ||
+            a.global_shape != f.spec.global_shape || a.global_offset != f.spec.global_offset ||
+            e.nbytes != f.nbytes || f.dst == nullptr) {
+          continue;  // the caller copies (or refuses) it with its own checks
+        }
+        taken[it->second] = true;
+        f.entry = static_cast<int64_t>(it->second);
+        copies.push_back({e.offset, e.nbytes, f.dst});
+      }
+      SP_RETURN_IF_ERROR(VerifyAndCopyOut(src, copies, source, internal::DefaultCpuThreads()));
+    }
     SP_ASSIGN_OR_RETURN(Value extras,
                         DecodeExtras(reader.extras(), reader.tensors().size(), source));
     NoteResumedFrom(*newest);

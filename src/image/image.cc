@@ -679,6 +679,55 @@ Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> ds
   return Status::OK();
 }
 
+Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
+                        std::string_view source, size_t threads) {
+  SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(image, source));
+  const ImageLayout& l = hdr.second;
+  if (l.image_size != image.size()) return Bad(source, "size does not match the header");
+  const uint64_t covered = l.checksums_offset;
+  std::vector<ImageCopy> sorted(copies.begin(), copies.end());
+  for (const ImageCopy& c : sorted) {
+    if (c.offset > covered || c.length > covered - c.offset) {
+      return InvalidArgument(std::string(source) + ": copy out of [" + std::to_string(c.offset) +
+                             ", +" + std::to_string(c.length) + ") lies outside the image data");
+    }
+  }
+  std::sort(sorted.begin(), sorted.end(),
+            [](const ImageCopy& a, const ImageCopy& b) { return a.offset < b.offset; });
+  SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(image.subspan(covered), l, source));
+  std::vector<uint32_t> got(crcs.size());
+  internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
+    const uint64_t off = i * l.chunk_size;
+    const uint64_t len = std::min(l.chunk_size, covered - off);
+    constexpr uint64_t kPiece = 256 << 10;
+    // The first copy that may reach into this chunk (copies do not overlap: sorted by offset,
+    // their ends are sorted too).
+    auto next = std::partition_point(sorted.begin(), sorted.end(), [&](const ImageCopy& c) {
+      return c.offset + c.length <= off;
+    });
+    uint32_t crc = 0;
+    for (uint64_t p = off; p < off + len; p += kPiece) {
+      const uint64_t end = std::min(p + kPiece, off + len);
+      while (next != sorted.end() && next->offset + next->length <= p) ++next;
+      for (auto c = next; c != sorted.end() && c->offset < end; ++c) {
+        const uint64_t lo = std::max(c->offset, p), hi = std::min(c->offset + c->length, end);
+        if (lo < hi) std::memcpy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
+      }
+      crc = Crc32c(crc, image.data() + p, end - p);
+    }
+    got[i] = crc;
+  });
+  for (size_t i = 0; i < crcs.size(); ++i) {
+    if (got[i] != crcs[i]) {
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), "checksum mismatch in chunk %zu (expected %08x, got %08x)", i,
+                    crcs[i], got[i]);
+      return Bad(source, buf);
+    }
+  }
+  return Status::OK();
+}
+
 Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::string_view source,
                                        Verify verify, size_t threads) {
   SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(image, source));

@@ -145,6 +145,43 @@ TEST(ImageTest, RebindIsCreateWithANewStepAndNewData) {
   ASSERT_OK(back);
   EXPECT_EQ(std::memcmp(back->tensor_data(5).data(), first.sources[5].data, first.sources[5].nbytes),
             0);
+// Restore in place from memory: one pass verifies every chunk and copies tensors out, with
+// pieces and chunks that cut through tensors; every flipped byte is detected, inside a copied
+// tensor or elsewhere.
+TEST(ImageTest, VerifyAndCopyOutCopiesTensorsAndDetectsEveryFlip) {
+  Owned o;
+  o.Add("big", DType::kFloat32, {(1u << 20) + 333}, 1);  // not a multiple of a chunk or piece
+  for (int i = 0; i < 20; ++i) o.Add("s" + std::to_string(i), DType::kBFloat16, {77u + i}, i);
+  o.Add("tail", DType::kUInt8, {100'001}, 9);
+  auto b = ImageBuilder::Create(Meta(), o.sources, "x", 64 << 10);  // 64 KiB chunks
+  ASSERT_OK(b);
+  auto image = Build(**b);
+  auto reader = ImageReader::Parse(image, "img", ImageReader::Verify::kAll);
+  ASSERT_OK(reader);
+  std::vector<std::vector<std::byte>> out;
+  std::vector<ImageCopy> copies;
+  for (size_t i : {size_t{0}, size_t{3}, size_t{21}, size_t{7}}) {  // any order, not all
+    const TensorEntry& e = reader->tensors()[i];
+    out.emplace_back(e.nbytes);
+    copies.push_back({e.offset, e.nbytes, out.back().data()});
+  }
+  ASSERT_OK(VerifyAndCopyOut(image, copies, "img", 3));
+  for (size_t k = 0; k < copies.size(); ++k) {
+    EXPECT_EQ(std::memcmp(out[k].data(), image.data() + copies[k].offset, copies[k].length), 0);
+  }
+  const uint64_t chunk = reader->layout().chunk_size;
+  for (uint64_t pos : {uint64_t{4099}, copies[0].offset + 3 * chunk + 17, copies[2].offset + 1,
+                       reader->layout().checksums_offset - 1}) {
+    auto bad = image;
+    bad[pos] ^= std::byte{0x08};
+    Status s = VerifyAndCopyOut(bad, copies, "img", 2);
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << pos;
+    EXPECT_NE(s.message().find("chunk " + std::to_string(pos / chunk)), std::string::npos)
+        << s.message();
+  }
+  // A copy outside the image's data is refused.
+  std::vector<ImageCopy> outside = {{reader->layout().checksums_offset, 1, out[0].data()}};
+  EXPECT_EQ(VerifyAndCopyOut(image, outside, "img", 1).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ImageTest, TensorsHeldElsewhereTakeNoSpaceAndRoundTrip) {
