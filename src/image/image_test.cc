@@ -145,6 +145,8 @@ TEST(ImageTest, RebindIsCreateWithANewStepAndNewData) {
   ASSERT_OK(back);
   EXPECT_EQ(std::memcmp(back->tensor_data(5).data(), first.sources[5].data, first.sources[5].nbytes),
             0);
+}
+
 // Restore in place from memory: one pass verifies every chunk and copies tensors out, with
 // pieces and chunks that cut through tensors; every flipped byte is detected, inside a copied
 // tensor or elsewhere.
