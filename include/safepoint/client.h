@@ -45,6 +45,8 @@ struct ClientOptions {
   uint32_t copy_threads = 0;  // 0: all cores
   uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
   std::vector<TierSpec> tiers;  // storage tiers below `storage` that the agent fills
+  std::string compression = "none";  // how the agent stores steps in `storage` (TierSpec's)
+  bool incremental = false;
 };
 
 struct SnapshotResult {

@@ -10,6 +10,7 @@ from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._shards import fill_elsewhere, read_newest_into
 from safepoint._stateful import apply_loaded, to_saveable
+from safepoint._tiers import check_layout
 from safepoint.errors import InvalidArgumentError, NotFoundError
 
 
@@ -22,7 +23,8 @@ def _path(path: str | os.PathLike[str]) -> str:
 
 def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
          world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False,
-         attempt: Optional[int] = None, overwrite: bool = False) -> dict:
+         attempt: Optional[int] = None, overwrite: bool = False, compression: str = "none",
+         incremental: bool = False) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
 
     ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
@@ -36,7 +38,13 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
     old step or the new one, never a mix or nothing). Every rank of a replacing save must pass
     the same ``attempt``, one that differs from the attempt that committed the step (a single
     rank draws one).
-    Returns ``{"bytes", "write_seconds", "committed"}``.
+    ``compression`` (``"none"``, ``"auto"``, ``"zstd"``, ``"planes"``) and ``incremental``
+    choose how the image is stored (docs/guide.md, "Compression and incremental checkpoints"):
+    the defaults write today's plain image; anything else a packed image whose chunks are
+    encoded in parallel on the way to storage and, with ``incremental=True``, shared with the
+    steps that stored them before (only new chunks are written).
+    Returns ``{"bytes", "write_seconds", "committed", "stored_bytes"}`` (``stored_bytes``: what a
+    packed image wrote, new chunks and manifest; 0 for a plain image).
     """
     p = _path(path)
     if type(step) is not int or step < 0:
@@ -57,9 +65,11 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
                 f"this save share) or $SAFEPOINT_ATTEMPT")
     if type(attempt) is not int or not 0 <= attempt < 2**64:
         raise InvalidArgumentError(f"{p}: attempt must be an int in [0, 2**64), got {attempt!r}")
+    check_layout(p, compression, incremental)
     r = _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
-                   attempt, bool(overwrite))
-    return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed}
+                   attempt, bool(overwrite), compression, bool(incremental))
+    return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed,
+            "stored_bytes": r.stored_bytes}
 
 
 def load(path: str | os.PathLike[str], step: Optional[int] = None, *,

@@ -28,7 +28,7 @@ from safepoint._replication import exchange_membership
 from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
-from safepoint._tiers import Tier, TierLike, core_tiers, normalize_tiers
+from safepoint._tiers import Tier, TierLike, check_layout, core_tiers, normalize_tiers
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -161,7 +161,8 @@ class Checkpointer:
                  redundancy: Optional[str] = None,
                  replication_bandwidth: Optional[float] = None,
                  peer_timeout: float = 30.0,
-                 tiers: Optional[list[TierLike]] = None) -> None:
+                 tiers: Optional[list[TierLike]] = None, compression: str = "none",
+                 incremental: bool = False) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -182,6 +183,8 @@ class Checkpointer:
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"{self.path}: rank {rank} is not in [0, {world_size})")
         self.tiers: list[Tier] = normalize_tiers(self.path, tiers)
+        check_layout(self.path, compression, incremental)
+        self.compression, self.incremental = compression, incremental
         # Where committed steps may be, fastest first: path, then the tiers in order.
         self._stores = [self.path] + [t.uri for t in self.tiers]
         self.job = job or _default_job(self.path)
@@ -203,7 +206,7 @@ class Checkpointer:
         self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
-            _agent_binary(), self.attempt, core_tiers(self.tiers))
+            _agent_binary(), self.attempt, core_tiers(self.tiers), compression, incremental)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
             "agent_errors": 0,
@@ -595,6 +598,7 @@ class Checkpointer:
                       "queued": agent.get("queued")},
             "replication": agent.get("replication"),
             "tiers": agent.get("tiers", []),
+            "storage_layout": agent.get("storage_layout"),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
         }
 

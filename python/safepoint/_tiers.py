@@ -24,14 +24,28 @@ class Tier:
     ``rados://pool/run1``, or a plain path), how often it receives a step (``every`` N steps:
     a step that is a multiple of N, or N steps after the last one it received; and/or
     ``every_seconds``; neither: every step committed on the tier above), and how many committed
-    steps it keeps."""
+    steps it keeps. ``compression`` and ``incremental`` choose how the tier stores steps, as
+    on ``safepoint.save`` (the agent compresses while it copies a step down)."""
     uri: str
     every: Optional[int] = None
     every_seconds: Optional[float] = None
     keep: int = 3
+    compression: str = "none"
+    incremental: bool = False
 
 
 TierLike = Union[Tier, str, os.PathLike, Mapping[str, Any]]
+
+COMPRESSIONS = ("auto", "none", "zstd", "planes")
+
+
+def check_layout(where: str, compression: Any, incremental: Any) -> None:
+    """InvalidArgumentError unless ``compression`` is a known mode and ``incremental`` a bool."""
+    if compression not in COMPRESSIONS:
+        raise InvalidArgumentError(f"{where}: compression must be one of "
+                                   f"{', '.join(COMPRESSIONS)}, got {compression!r}")
+    if not isinstance(incremental, bool):
+        raise InvalidArgumentError(f"{where}: incremental must be a bool, got {incremental!r}")
 
 
 def normalize_tiers(path: str, tiers: Optional[Sequence[TierLike]]) -> list[Tier]:
@@ -72,11 +86,14 @@ def normalize_tiers(path: str, tiers: Optional[Sequence[TierLike]]) -> list[Tier
                 f"{path}: tier {i} ({uri}): every_seconds must be a positive number")
         if type(t.keep) is not int or t.keep < 1:
             raise InvalidArgumentError(f"{path}: tier {i} ({uri}): keep must be a positive int")
+        check_layout(f"{path}: tier {i} ({uri})", t.compression, t.incremental)
         out.append(Tier(uri, t.every, None if t.every_seconds is None else float(t.every_seconds),
-                        t.keep))
+                        t.keep, t.compression, t.incremental))
     return out
 
 
-def core_tiers(tiers: Sequence[Tier]) -> list[tuple[str, int, float, int]]:
-    """The tiers as the extension module takes them: (uri, every, every_seconds, keep)."""
-    return [(t.uri, t.every or 0, float(t.every_seconds or 0.0), t.keep) for t in tiers]
+def core_tiers(tiers: Sequence[Tier]) -> list[tuple[str, int, float, int, str, bool]]:
+    """The tiers as the extension module takes them: (uri, every, every_seconds, keep,
+    compression, incremental)."""
+    return [(t.uri, t.every or 0, float(t.every_seconds or 0.0), t.keep, t.compression,
+             t.incremental) for t in tiers]

@@ -76,6 +76,9 @@ struct HelloRequest {
   uint32_t keep = 3;    // committed steps to keep
   uint32_t pid = 0;
   std::vector<TierSpec> tiers;  // the storage tiers below `storage`, in order
+  // How `storage` stores steps (TierSpec's fields of the same names).
+  std::string compression = "none";
+  bool incremental = false;
 };
 
 struct HelloReply {

@@ -1,6 +1,8 @@
 // Storage tier schedules (include/safepoint/tiers.h).
 #include "safepoint/tiers.h"
 
+#include "safepoint/checkpoint.h"
+
 #include <cmath>
 #include <set>
 
@@ -19,6 +21,7 @@ Status ValidateTiers(std::string_view primary, std::span<const TierSpec> tiers) 
     if (!std::isfinite(t.every_seconds) || t.every_seconds < 0) {
       return InvalidArgument(which + ": every_seconds must be a finite number >= 0");
     }
+    if (Status s = ParseCompression(t.compression).status(); !s.ok()) return s.WithContext(which);
   }
   return Status::OK();
 }
