@@ -504,6 +504,57 @@ int CmdRm(const Args& a) {
   return kExitOk;
 }
 
+// Removes the chunk objects of packed steps that no manifest references any more
+// (CheckpointStore::CollectGarbage; docs/operations.md, "Chunk garbage collection").
+int CmdChunkGc(const Args& a) {
+  auto store = OpenExistingStore(a.path);
+  if (!store.ok()) return Fail(store.status());
+  auto gc = (*store)->CollectGarbage();
+  if (!gc.ok()) return Fail(gc.status());
+  const std::string uri = (*store)->storage().uri();
+  if (a.json) {
+    std::cout << json{{"uri", uri},
+                      {"deferred", gc->deferred},
+                      {"reason", gc->reason},
+                      {"manifests", gc->manifests},
+                      {"chunks", gc->chunks},
+                      {"referenced", gc->referenced},
+                      {"removed", gc->removed},
+                      {"removed_bytes", gc->removed_bytes},
+                      {"stale_intents", gc->stale_intents}}
+                     .dump(2)
+              << "\n";
+  } else if (gc->deferred) {
+    std::cout << uri << ": nothing removed: " << gc->reason << " (run it again later)\n";
+  } else {
+    std::cout << uri << ": " << gc->chunks << " chunks, " << gc->referenced << " referenced by "
+              << gc->manifests << " manifests; removed " << gc->removed << " ("
+              << gc->removed_bytes << " bytes)\n";
+  }
+  return kExitOk;
+}
+
+// ", compression auto (in use: auto:none, ratio 1.41), incremental" for a storage's status
+// fields (PackJson in src/agent/status.cc); "" for the default plain layout.
+std::string LayoutText(const json& j) {
+  if (!j.is_object()) return "";
+  const std::string compression = j.value("compression", "none");
+  const bool incremental = j.value("incremental", false);
+  if (compression == "none" && !incremental) return "";
+  std::string out = ", compression " + compression;
+  if (j.contains("compression_in_use") && j["compression_in_use"].is_string()) {
+    out += " (in use: " + j["compression_in_use"].get<std::string>();
+    if (j.contains("compression_ratio") && j["compression_ratio"].is_number()) {
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), "%.2f", j["compression_ratio"].get<double>());
+      out += std::string(", ratio ") + buf;
+    }
+    out += ")";
+  }
+  if (incremental) out += ", incremental";
+  return out;
+}
+
 // Asks a live agent for its status (JSON), or nullopt.
 std::optional<json> QueryAgent(const std::string& job_dir) {
   const std::string path = AgentSocketPath(job_dir);
@@ -581,6 +632,7 @@ int CmdStatus(const Args& a) {
         j["ranks"] = (*st)["ranks"];
         if (st->contains("replication")) j["replication"] = (*st)["replication"];
         if (st->contains("tiers")) j["tiers"] = (*st)["tiers"];
+        if (st->contains("storage_layout")) j["storage_layout"] = (*st)["storage_layout"];
       }
     }
     out.push_back(j);
@@ -601,7 +653,7 @@ int CmdStatus(const Args& a) {
                 << (j.contains("storage") ? j["storage"].dump() : "?") << ", newest committed step "
                 << (j.contains("newest_committed") ? j["newest_committed"].dump() : "?")
                 << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
-                << "\n";
+                << LayoutText(j.value("storage_layout", json())) << "\n";
       if (j.contains("replication") && j["replication"].is_object()) {
         const json& r = j["replication"];
         std::cout << "  replication " << r.value("redundancy", "?") << ": node "
@@ -624,7 +676,7 @@ int CmdStatus(const Args& a) {
                     << (t["every_seconds"].get<double>() > 0
                             ? " or " + t["every_seconds"].dump() + " s"
                             : std::string())
-                    << ", keeps " << t["keep"];
+                    << ", keeps " << t["keep"] << LayoutText(t);
           if (!t.value("filled_here", false)) {
             std::cout << " (filled by the agent of rank 0's node)\n";
             continue;
@@ -866,7 +918,14 @@ int Main(int argc, char** argv) {
   gc->add_flag("--dry-run", a.dry_run, "only say what would be removed");
   add_json(gc, "each job's action and why, as JSON");
 
-  for (CLI::App* cmd : {ls, inspect, verify, cp, rm, agent, status, gc}) cmd->group("Commands");
+  CLI::App* chunk_gc = app.add_subcommand(
+      "chunk-gc", "remove chunks of packed steps that no step references any more");
+  add_path(chunk_gc);
+  add_json(chunk_gc, "a JSON report instead of a line");
+
+  for (CLI::App* cmd : {ls, inspect, verify, cp, rm, agent, status, gc, chunk_gc}) {
+    cmd->group("Commands");
+  }
   app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
 
   try {
@@ -898,6 +957,7 @@ int Main(int argc, char** argv) {
   if (agent->parsed()) return CmdAgent(a);
   if (status->parsed()) return CmdStatus(a);
   if (gc->parsed()) return CmdGc(a);
+  if (chunk_gc->parsed()) return CmdChunkGc(a);
   std::cerr << app.help();  // no command
   return kExitUsage;
 }
