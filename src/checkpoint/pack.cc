@@ -227,18 +227,18 @@ class Advisor {
   std::map<std::string, TierLearning> tiers_;
 };
 
-// Element size of the tensor that holds the middle of each chunk (1 where none does).
-std::vector<int> ElementSizes(const ImageLayout& layout, const std::vector<TensorEntry>& tensors) {
-  const uint64_t chunks = layout.chunk_count();
-  std::vector<int> out(chunks, 1);
+// Element size of the tensor that holds the middle of each content chunk (1 where none does).
+std::vector<int> ElementSizes(const std::vector<PackedManifest::Chunk>& chunks,
+                              const std::vector<TensorEntry>& tensors) {
+  std::vector<int> out(chunks.size(), 1);
   std::vector<const TensorEntry*> held;
   for (const auto& t : tensors) {
     if (!t.spec.elsewhere && t.nbytes > 0) held.push_back(&t);
   }
   std::sort(held.begin(), held.end(),
             [](const TensorEntry* a, const TensorEntry* b) { return a->offset < b->offset; });
-  for (uint64_t c = 0; c < chunks; ++c) {
-    const uint64_t mid = c * layout.chunk_size + layout.chunk_size / 2;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const uint64_t mid = chunks[c].offset + chunks[c].raw_size / 2;
     auto it = std::upper_bound(held.begin(), held.end(), mid,
                                [](uint64_t v, const TensorEntry* t) { return v < t->offset; });
     if (it == held.begin()) continue;
@@ -249,6 +249,24 @@ std::vector<int> ElementSizes(const ImageLayout& layout, const std::vector<Tenso
     }
   }
   return out;
+}
+
+// Per checksum chunk, the index of its first content chunk, plus a sentinel (chunks.size()).
+// False when the content chunks do not partition [0, checksums_offset) within checksum chunks.
+bool IndexContentChunks(const ImageLayout& l, std::vector<PackedManifest::Chunk>& chunks,
+                        std::vector<size_t>* first) {
+  first->assign(l.chunk_count() + 1, chunks.size());
+  uint64_t at = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    chunks[i].offset = at;
+    const uint64_t size = chunks[i].raw_size;
+    if (size == 0 || at >= l.checksums_offset || size > l.checksums_offset - at) return false;
+    const uint64_t c = at / l.chunk_size;
+    if ((at + size - 1) / l.chunk_size != c) return false;  // crosses a checksum chunk
+    if (at % l.chunk_size == 0) (*first)[c] = i;
+    at += size;
+  }
+  return at == l.checksums_offset;
 }
 
 // Copies the part of `data` (image bytes from `at`) that lies in [begin, begin + dst.size())
@@ -316,13 +334,29 @@ class PackedImageObject final : public ReadableObject {
     return lo >= begin && hi <= begin + size;
   }
 
-  // Decodes chunk `c` into `raw` (its whole length) and checks it against the image's CRC.
+  // Decodes checksum chunk `c` into `raw` (its whole length) from its content chunks and checks
+  // it against the image's CRC.
   Status Decode(uint64_t c, std::span<std::byte> raw) const {
-    const PackedManifest::Chunk& ref = m_.chunks[c];
+    const uint64_t at = c * m_.layout.chunk_size;
+    for (size_t i = m_.first_chunk[c]; i < m_.first_chunk[c + 1]; ++i) {
+      const PackedManifest::Chunk& ref = m_.chunks[i];
+      SP_RETURN_IF_ERROR(DecodePiece(i, raw.subspan(ref.offset - at, ref.raw_size)));
+    }
+    if (Crc32c(raw) != m_.chunk_crcs[c]) {
+      return Corruption(storage_->Describe(name_) + " (step " + std::to_string(m_.meta.step) +
+                        ", rank " + std::to_string(m_.meta.rank) + "): checksum chunk " +
+                        std::to_string(c) + " decoded from its chunks does not match its CRC");
+    }
+    return Status::OK();
+  }
+
+  // Fetches and decodes content chunk `i` into `raw` (its size).
+  Status DecodePiece(size_t i, std::span<std::byte> raw) const {
+    const PackedManifest::Chunk& ref = m_.chunks[i];
     const std::string object = ChunkObjectName(ref.sha256);
     auto where = [&] {
       return storage_->Describe(name_) + " (step " + std::to_string(m_.meta.step) + ", rank " +
-             std::to_string(m_.meta.rank) + "): chunk " + std::to_string(c) + " (" +
+             std::to_string(m_.meta.rank) + "): chunk " + std::to_string(i) + " (" +
              storage_->Describe(object) + ")";
     };
     auto obj = storage_->Open(object);
@@ -350,9 +384,6 @@ class PackedImageObject final : public ReadableObject {
     }
     if (Status s = codec::DecodeChunk(frame.span(), raw); !s.ok()) {
       return Corruption(where() + ": " + s.message());
-    }
-    if (Crc32c(raw) != m_.chunk_crcs[c]) {
-      return Corruption(where() + ": decoded bytes do not match the image's checksum");
     }
     return Status::OK();
   }
@@ -386,6 +417,39 @@ PackOptions MakePackOptions(std::string_view compression, bool incremental) {
 }
 
 PackReport PackReportFor(const std::string& uri) { return Advisor::Get().Report(uri); }
+
+std::vector<std::pair<uint64_t, uint64_t>> PlanContentChunks(
+    const ImageLayout& l, const std::vector<TensorEntry>& tensors) {
+  // Where a content chunk may end: checksum-chunk boundaries and the start of the data and the
+  // extras sections (always: the header, index and extras change with every step), tensors.
+  std::vector<uint64_t> cuts = {l.data_offset, l.extras_offset};
+  for (const auto& t : tensors) {
+    if (!t.spec.elsewhere && t.nbytes > 0) cuts.push_back(t.offset);
+  }
+  for (uint64_t b = l.chunk_size; b < l.checksums_offset; b += l.chunk_size) cuts.push_back(b);
+  cuts.push_back(l.checksums_offset);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  while (!cuts.empty() && cuts.back() > l.checksums_offset) cuts.pop_back();
+  auto hard = [&](uint64_t cut) {
+    return cut % l.chunk_size == 0 || cut == l.checksums_offset || cut == l.data_offset ||
+           cut == l.extras_offset;
+  };
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  uint64_t start = 0;
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    const uint64_t cut = cuts[i];
+    if (cut <= start) continue;
+    // Small tensors next to each other share a content chunk (never with a large one).
+    if (!hard(cut) && i + 1 < cuts.size() && cut - start < PackedManifest::kMinPiece &&
+        cuts[i + 1] - cut < PackedManifest::kMinPiece) {
+      continue;
+    }
+    out.emplace_back(start, cut - start);
+    start = cut;
+  }
+  return out;
+}
 
 // --- Manifest ------------------------------------------------------------------------------------
 
@@ -441,7 +505,8 @@ Result<PackedManifest> DecodePackedManifest(std::span<const std::byte> d, std::s
   const ImageLayout& l = m.layout;
   const uint64_t chunks = LoadLE<uint64_t>(&d[32]);
   if (LoadLE<uint64_t>(&d[16]) != l.image_size || LoadLE<uint64_t>(&d[24]) != l.chunk_size ||
-      LoadLE<uint32_t>(&d[40]) != l.header_crc || chunks != l.chunk_count()) {
+      LoadLE<uint32_t>(&d[40]) != l.header_crc || chunks < l.chunk_count() ||
+      chunks > l.checksums_offset / 64 + l.chunk_count()) {
     return bad("fields disagree with the image header");
   }
   const uint64_t tail = l.image_size - l.checksums_offset;
@@ -463,7 +528,6 @@ Result<PackedManifest> DecodePackedManifest(std::span<const std::byte> d, std::s
   if (Crc32c(m.index) != l.index_crc) return bad("index checksum mismatch");
   if (Crc32c(m.extras) != l.extras_crc) return bad("extras checksum mismatch");
   SP_ASSIGN_OR_RETURN(m.chunk_crcs, ParseChecksumSection(m.checksums, l, source));
-  if (m.chunk_crcs.size() != chunks) return bad("checksum section disagrees with the chunks");
   m.chunks.resize(chunks);
   for (uint64_t i = 0; i < chunks; ++i, at += PackedManifest::kEntrySize) {
     PackedManifest::Chunk& c = m.chunks[i];
@@ -474,13 +538,13 @@ Result<PackedManifest> DecodePackedManifest(std::span<const std::byte> d, std::s
     if (d[at + 45] != std::byte{0} || d[at + 46] != std::byte{0} || d[at + 47] != std::byte{0}) {
       return bad("reserved bytes of chunk " + std::to_string(i) + " are not zero");
     }
-    if (c.raw_size != std::min(l.chunk_size, l.checksums_offset - i * l.chunk_size)) {
-      return bad("chunk " + std::to_string(i) + " has the wrong size");
-    }
     if (c.method > static_cast<uint8_t>(codec::Method::kPlanes) &&
         c.method != PackedManifest::kMethodStoredBefore) {
       return bad("chunk " + std::to_string(i) + " has unknown method " + std::to_string(c.method));
     }
+  }
+  if (!IndexContentChunks(l, m.chunks, &m.first_chunk)) {
+    return bad("its chunks do not partition the image within its checksum chunks");
   }
   return m;
 }
@@ -528,7 +592,6 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   if (lock.status().code() != StatusCode::kNotFound) return lock.status();
 
   const codec::Mode mode = Advisor::Get().Choose(uri, options.compression);
-  const std::vector<int> element_sizes = ElementSizes(l, src.tensors);
 
   PackedManifest m;
   m.meta = src.meta;
@@ -536,14 +599,57 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   m.header.resize(kImageHeaderSize);
   m.index.resize(l.index_size);
   m.extras.resize(l.extras_size);
-  m.chunks.resize(chunks);
+  for (const auto& [offset, size] : PlanContentChunks(l, src.tensors)) {
+    PackedManifest::Chunk c;
+    c.raw_size = static_cast<uint32_t>(size);
+    m.chunks.push_back(c);
+  }
+  if (!IndexContentChunks(l, m.chunks, &m.first_chunk)) {
+    return InvalidArgument(storage.Describe(src.manifest_name) + ": bad content chunk plan");
+  }
+  const std::vector<int> element_sizes = ElementSizes(m.chunks, src.tensors);
   std::vector<uint32_t> crcs(chunks);
   std::atomic<uint64_t> stored{0}, new_raw{0}, new_chunks{0}, encode_ns{0}, encoded_raw{0};
   FirstError error;
   const size_t threads = std::max<size_t>(
       1, storage.capabilities().io_parallelism > 0 ? storage.capabilities().io_parallelism
                                                    : internal::DefaultIoThreads());
-  // W3: every chunk, in parallel.
+  // Stores content chunk `i` (raw bytes `raw`) unless incremental and it is there.
+  auto store_chunk = [&](size_t i, std::span<const std::byte> raw) -> Status {
+    PackedManifest::Chunk& ref = m.chunks[i];
+    const internal::Sha256Digest digest = internal::Sha256(raw);
+    std::copy(digest.begin(), digest.end(), ref.sha256.begin());
+    const std::string name = ChunkObjectName(ref.sha256);
+    if (options.incremental) {
+      auto there = storage.Open(name);
+      if (there.ok()) {
+        ref.stored_size = (*there)->size();
+        ref.method = PackedManifest::kMethodStoredBefore;
+        return Status::OK();
+      }
+      if (there.status().code() != StatusCode::kNotFound) return there.status();
+    }
+    std::vector<std::byte> frame;
+    frame.reserve(raw.size() + 64);
+    const auto e0 = std::chrono::steady_clock::now();
+    auto method = codec::EncodeChunk(raw, element_sizes[i], mode, &frame);
+    encode_ns += static_cast<uint64_t>(SecondsSince(e0) * 1e9);
+    if (!method.ok()) return method.status();
+    encoded_raw += raw.size();
+    ref.method = static_cast<uint8_t>(*method);
+    ref.stored_size = frame.size();
+    SP_ASSIGN_OR_RETURN(auto w, storage.Create(name, frame.size()));
+    Status s = w->WriteAt(0, frame);
+    if (s.ok()) s = w->PublishIfAbsent();
+    if (s.code() == StatusCode::kAlreadyExists) return Status::OK();  // an equal chunk is there
+    if (!s.ok()) return s.WithContext("writing " + storage.Describe(name));
+    stored += frame.size();
+    new_raw += raw.size();
+    ++new_chunks;
+    SP_KILL_POINT("pack.write.after_chunk");
+    return Status::OK();
+  };
+  // W3: every checksum chunk in parallel, its content chunks one after another.
   internal::ParallelFor(chunks, threads, [&](size_t c) {
     if (error.failed()) return;
     const uint64_t at = c * l.chunk_size;
@@ -557,39 +663,9 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
     CopyOverlap(*raw, at, 0, m.header);
     CopyOverlap(*raw, at, l.index_offset, m.index);
     CopyOverlap(*raw, at, l.extras_offset, m.extras);
-    PackedManifest::Chunk& ref = m.chunks[c];
-    const internal::Sha256Digest digest = internal::Sha256(*raw);
-    std::copy(digest.begin(), digest.end(), ref.sha256.begin());
-    ref.raw_size = static_cast<uint32_t>(len);
-    const std::string name = ChunkObjectName(ref.sha256);
-    if (options.incremental) {
-      auto there = storage.Open(name);
-      if (there.ok()) {
-        ref.stored_size = (*there)->size();
-        ref.method = PackedManifest::kMethodStoredBefore;
-        return;
-      }
-      if (there.status().code() != StatusCode::kNotFound) return error.Set(there.status());
+    for (size_t i = m.first_chunk[c]; i < m.first_chunk[c + 1] && !error.failed(); ++i) {
+      error.Set(store_chunk(i, raw->subspan(m.chunks[i].offset - at, m.chunks[i].raw_size)));
     }
-    std::vector<std::byte> frame;
-    frame.reserve(len + 64);
-    const auto e0 = std::chrono::steady_clock::now();
-    auto method = codec::EncodeChunk(*raw, element_sizes[c], mode, &frame);
-    encode_ns += static_cast<uint64_t>(SecondsSince(e0) * 1e9);
-    if (!method.ok()) return error.Set(method.status());
-    encoded_raw += len;
-    ref.method = static_cast<uint8_t>(*method);
-    ref.stored_size = frame.size();
-    auto w = storage.Create(name, frame.size());
-    if (!w.ok()) return error.Set(w.status());
-    Status s = (*w)->WriteAt(0, frame);
-    if (s.ok()) s = (*w)->PublishIfAbsent();
-    if (s.code() == StatusCode::kAlreadyExists) return;  // an equal chunk is there
-    if (!s.ok()) return error.Set(s.WithContext("writing " + storage.Describe(name)));
-    stored += frame.size();
-    new_raw += len;
-    ++new_chunks;
-    SP_KILL_POINT("pack.write.after_chunk");
   });
   SP_RETURN_IF_ERROR(error.status());
   SP_ASSIGN_OR_RETURN(m.checksums, src.checksums(crcs));
@@ -606,7 +682,7 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   stats.packed = true;
   stats.stored_bytes = stored + manifest.size();
   stats.new_raw_bytes = new_raw;
-  stats.chunks = chunks;
+  stats.chunks = m.chunks.size();
   stats.new_chunks = new_chunks;
   stats.compression = std::string(codec::ModeName(mode));
   // What the tier took, with the encoders' time (spread over the threads) taken out.

@@ -28,12 +28,18 @@ struct PackedManifest {
   // Method recorded for a chunk that an earlier write stored (its frame was not made here).
   static constexpr uint8_t kMethodStoredBefore = 0xFF;
 
+  // One content chunk: a piece of the image that lies within one checksum chunk. The pieces
+  // partition [0, checksums_offset) in order; they are cut at checksum-chunk boundaries, at the
+  // data and extras sections and at tensors (small neighbours merged up to kMinPiece), so that
+  // a tensor that did not change is stored in chunks of its own that the next step shares.
   struct Chunk {
     std::array<uint8_t, 32> sha256{};  // of the chunk's raw bytes
     uint64_t stored_size = 0;          // of its frame, as this writer found or wrote it
     uint32_t raw_size = 0;
-    uint8_t method = 0;  // codec::Method of the frame written, or kMethodStoredBefore
+    uint8_t method = 0;   // codec::Method of the frame written, or kMethodStoredBefore
+    uint64_t offset = 0;  // in the image (not stored: the sum of the raw sizes before it)
   };
+  static constexpr uint64_t kMinPiece = 64 << 10;
 
   ImageMeta meta;      // parsed from `header`
   ImageLayout layout;  // parsed from `header`
@@ -42,8 +48,13 @@ struct PackedManifest {
   std::vector<std::byte> extras;     // [extras_offset, +extras_size)
   std::vector<std::byte> checksums;  // [checksums_offset, image_size)
   std::vector<uint32_t> chunk_crcs;  // parsed from `checksums`
-  std::vector<Chunk> chunks;         // one per image chunk
+  std::vector<Chunk> chunks;         // the content chunks, in image order
+  std::vector<size_t> first_chunk;   // per checksum chunk: its first content chunk (and a sentinel)
 };
+
+// The content chunks' (offset, size) for an image: see PackedManifest::Chunk.
+std::vector<std::pair<uint64_t, uint64_t>> PlanContentChunks(const ImageLayout& layout,
+                                                             const std::vector<TensorEntry>& tensors);
 
 std::string EncodePackedManifest(const PackedManifest& manifest);
 // Validates every field (CRC, sizes, the image header and its sections' CRCs, one entry per
