@@ -7,7 +7,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-multirank bench-replication bench-tiers clean crash-build test-crash crashtest crashtest-nodes lint
+        bench-multirank bench-replication bench-tiers bench-incremental clean crash-build test-crash crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh
@@ -130,6 +130,11 @@ bench-replication: build
 bench-tiers: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH scripts/with-ceph.sh $(PY) bench/tiers.py \
 	  $(if $(SIZES),--sizes $(SIZES)) $(if $(RUNS),--runs $(RUNS))
+
+# Incremental checkpoints (issue 12): a LoRA fine-tune of a frozen small GPT base on the CPU,
+# bytes written per checkpoint and persist/load throughput, plain vs packed; XOR-delta measured.
+bench-incremental: build
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/incremental.py
 
 clean:
 	rm -rf build
