@@ -172,6 +172,8 @@ std::string Encode(const ErrorReply& m) { return json{{"error", m.error}}.dump()
 
 Status Decode(std::string_view payload, EmptyRequest*) { return Parse(payload, {}).status(); }
 Status Decode(std::string_view payload, HelloRequest* out) {
+  out->compression = "none";  // optional: a hello without them asks for the plain layout
+  out->incremental = false;
   SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"rank", &out->rank},
                                               {"world_size", &out->world_size},
                                               {"storage", &out->storage},
