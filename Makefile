@@ -86,10 +86,11 @@ test-tsan: setup
 
 test-sanitize: test-asan test-tsan
 
-# libFuzzer targets (image reader, extras decoder, COMMIT record, agent protocol), each run for
+# libFuzzer targets (image reader, extras decoder, COMMIT record, agent protocol, packed-image
+# manifest), each run for
 # FUZZ_SECONDS from the seed corpus in tests/fuzz/corpus; new inputs go to build/fuzz/corpus.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := image extras commit protocol
+FUZZ_TARGETS := image extras commit protocol manifest
 fuzz: setup
 	@command -v clang++ >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null)
 	cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
