@@ -35,6 +35,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_set>
 
 #include "base/aligned_buffer.h"
@@ -269,6 +270,34 @@ bool IndexContentChunks(const ImageLayout& l, std::vector<PackedManifest::Chunk>
   return at == l.checksums_offset;
 }
 
+// Runs fn(i) for i in [begin, end) on up to `threads` threads of its own (the caller one of
+// them). For the content chunks of one checksum chunk, whose objects are written or read one
+// request each: ParallelFor runs nested calls inline, and a checksum chunk may hold many.
+void ForEachContentChunk(size_t begin, size_t end, size_t threads,
+                         const std::function<void(size_t)>& fn) {
+  const size_t n = end - begin;
+  threads = std::max<size_t>(1, std::min(threads, n));
+  if (threads == 1) {
+    for (size_t i = begin; i < end; ++i) fn(i);
+    return;
+  }
+  std::atomic<size_t> next{begin};
+  auto run = [&] {
+    for (size_t i = next++; i < end; i = next++) fn(i);
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(run);
+  run();
+  for (auto& t : pool) t.join();
+}
+
+// Threads per checksum chunk for its content chunks: the I/O threads spread over the checksum
+// chunks that are worked on at once.
+size_t InnerThreads(uint64_t checksum_chunks) {
+  const size_t io = internal::DefaultIoThreads();
+  return std::max<size_t>(1, io / std::max<size_t>(1, std::min<uint64_t>(checksum_chunks, io)));
+}
+
 // Copies the part of `data` (image bytes from `at`) that lies in [begin, begin + dst.size())
 // into dst.
 void CopyOverlap(std::span<const std::byte> data, uint64_t at, uint64_t begin,
@@ -338,10 +367,14 @@ class PackedImageObject final : public ReadableObject {
   // it against the image's CRC.
   Status Decode(uint64_t c, std::span<std::byte> raw) const {
     const uint64_t at = c * m_.layout.chunk_size;
-    for (size_t i = m_.first_chunk[c]; i < m_.first_chunk[c + 1]; ++i) {
-      const PackedManifest::Chunk& ref = m_.chunks[i];
-      SP_RETURN_IF_ERROR(DecodePiece(i, raw.subspan(ref.offset - at, ref.raw_size)));
-    }
+    FirstError error;
+    ForEachContentChunk(m_.first_chunk[c], m_.first_chunk[c + 1],
+                        InnerThreads(m_.layout.chunk_count()), [&](size_t i) {
+                          if (error.failed()) return;
+                          const PackedManifest::Chunk& ref = m_.chunks[i];
+                          error.Set(DecodePiece(i, raw.subspan(ref.offset - at, ref.raw_size)));
+                        });
+    SP_RETURN_IF_ERROR(error.status());
     if (Crc32c(raw) != m_.chunk_crcs[c]) {
       return Corruption(storage_->Describe(name_) + " (step " + std::to_string(m_.meta.step) +
                         ", rank " + std::to_string(m_.meta.rank) + "): checksum chunk " +
@@ -663,9 +696,12 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
     CopyOverlap(*raw, at, 0, m.header);
     CopyOverlap(*raw, at, l.index_offset, m.index);
     CopyOverlap(*raw, at, l.extras_offset, m.extras);
-    for (size_t i = m.first_chunk[c]; i < m.first_chunk[c + 1] && !error.failed(); ++i) {
-      error.Set(store_chunk(i, raw->subspan(m.chunks[i].offset - at, m.chunks[i].raw_size)));
-    }
+    ForEachContentChunk(m.first_chunk[c], m.first_chunk[c + 1], InnerThreads(chunks),
+                        [&](size_t i) {
+                          if (error.failed()) return;
+                          error.Set(store_chunk(
+                              i, raw->subspan(m.chunks[i].offset - at, m.chunks[i].raw_size)));
+                        });
   });
   SP_RETURN_IF_ERROR(error.status());
   SP_ASSIGN_OR_RETURN(m.checksums, src.checksums(crcs));
