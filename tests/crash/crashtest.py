@@ -1162,7 +1162,8 @@ class Campaign:
               f"over (never listed or read), {self.decoys} decoy temporaries planted")
         print("  bit-exact loads by store: " + ", ".join(
             f"{'path' if k == 0 else f'tier {k}'} {n}" for k, n in sorted(self.tier_loads.items()))
-            + f"; tiers caught up with the agent idle: {self.caught_up_checks} checks")
+            + f"; tiers caught up with the agent idle: {self.caught_up_checks} checks"
+            + f"; chunk stores collected and checked after the final run: {self.chunk_gcs}")
         print(f"  safepoint cp: {self.cp_runs} runs, killed at " + ", ".join(
             f"{k} {n}" for k, n in sorted(self.cp_kills.items())) +
             "; each then copied again, bit-exact")
