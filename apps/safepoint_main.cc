@@ -528,8 +528,8 @@ int CmdChunkGc(const Args& a) {
     std::cout << uri << ": nothing removed: " << gc->reason << " (run it again later)\n";
   } else {
     std::cout << uri << ": " << gc->chunks << " chunks, " << gc->referenced << " referenced by "
-              << gc->manifests << " manifests; removed " << gc->removed << " ("
-              << gc->removed_bytes << " bytes)\n";
+              << gc->manifests << " manifests; removed " << gc->removed << " (" << gc->removed_bytes
+              << " bytes)\n";
   }
   return kExitOk;
 }

@@ -124,9 +124,9 @@ struct GcStats {
   bool deferred = false;  // a save was in flight or another GC held the lock: nothing removed
   std::string reason;     // why it deferred
   uint64_t manifests = 0;
-  uint64_t chunks = 0;       // chunk objects listed
-  uint64_t referenced = 0;   // of them, referenced by some manifest
-  uint64_t removed = 0;      // removed (unreferenced)
+  uint64_t chunks = 0;      // chunk objects listed
+  uint64_t referenced = 0;  // of them, referenced by some manifest
+  uint64_t removed = 0;     // removed (unreferenced)
   uint64_t removed_bytes = 0;
   uint64_t stale_intents = 0;  // records of crashed saves removed
 };
@@ -161,8 +161,8 @@ class CheckpointStore {
   // packed write that finds the chunk store's GC running writes the plain image instead.
   Result<WriteStats> WriteImage(const ImageBuilder& image, uint64_t generation,
                                 const PackOptions& options);
-  Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step,
-                                     uint32_t rank, const PackOptions& options);
+  Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step, uint32_t rank,
+                                     const PackOptions& options);
 
   // Removes chunk objects that no manifest in this directory references (committed or not,
   // any job), unless a save is in flight (it defers: GcStats::deferred). Crash-safe at every
@@ -290,7 +290,7 @@ struct SaveResult {
   uint64_t bytes = 0;
   double write_seconds = 0;
   uint64_t stored_bytes = 0;  // packed: what was written (new chunk frames and the manifest)
-  bool committed = false;  // this call committed the step (or found it committed)
+  bool committed = false;     // this call committed the step (or found it committed)
 };
 
 // Builds rank's image of `meta.step` from the tensors and encoded extras, writes it with the

@@ -44,7 +44,7 @@ struct ClientOptions {
   double agent_start_timeout_s = 30;
   uint32_t copy_threads = 0;  // 0: all cores
   uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
-  std::vector<TierSpec> tiers;  // storage tiers below `storage` that the agent fills
+  std::vector<TierSpec> tiers;       // storage tiers below `storage` that the agent fills
   std::string compression = "none";  // how the agent stores steps in `storage` (TierSpec's)
   bool incremental = false;
 };

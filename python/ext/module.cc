@@ -150,8 +150,7 @@ SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t 
     nb::gil_scoped_release release;
     auto store = OpenCheckpointStore(path);
     if (store.ok()) {
-      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras),
-                         options);
+      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras), options);
       if (r.ok()) {
         result = *r;
       } else {
@@ -372,11 +371,13 @@ void ReadRanges(const std::string& path, uint64_t step, uint32_t rank, nb::list 
 
 class PyClient {
  public:
-  PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
-           uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
-           const std::string& agent_binary, uint64_t attempt,
-           const std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>& tiers,
-           const std::string& compression, bool incremental) {
+  PyClient(
+      const std::string& storage, const std::string& job, const std::string& shm_dir, uint32_t rank,
+      uint32_t world_size, uint32_t keep, bool wait_when_busy, const std::string& agent_binary,
+      uint64_t attempt,
+      const std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>&
+          tiers,
+      const std::string& compression, bool incremental) {
     ClientOptions o;
     for (const auto& [uri, every, every_seconds, keep, compression, incremental] : tiers) {
       o.tiers.push_back(TierSpec{uri, every, every_seconds, keep, compression, incremental});
@@ -646,15 +647,19 @@ NB_MODULE(_core, m) {
       .def_ro("source", &PeerFetchResult::source)
       .def_ro("seconds", &PeerFetchResult::seconds);
   nb::class_<PyClient>(m, "Client")
-      .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
-                    uint32_t, bool, const std::string&, uint64_t,
-                    const std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>&, const std::string&, bool>(),
-           "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
-           "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0,
-           "tiers"_a = std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>{},
-           "compression"_a = "none", "incremental"_a = false,
-           "tiers: (uri, every, every_seconds, keep, compression, incremental) of each storage "
-           "tier below `storage`; compression, incremental: how `storage` stores steps")
+      .def(
+          nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
+                   uint32_t, bool, const std::string&, uint64_t,
+                   const std::vector<
+                       std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>&,
+                   const std::string&, bool>(),
+          "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a, "wait_when_busy"_a,
+          "agent_binary"_a, "attempt"_a = 0,
+          "tiers"_a =
+              std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>{},
+          "compression"_a = "none", "incremental"_a = false,
+          "tiers: (uri, every, every_seconds, keep, compression, incremental) of each storage "
+          "tier below `storage`; compression, incremental: how `storage` stores steps")
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
            "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
       .def("notify", &PyClient::Notify, "skip"_a)

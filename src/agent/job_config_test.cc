@@ -70,8 +70,8 @@ TEST(HelloTiersTest, TiersTravelInTheHelloAndBadOnesAreProtocolErrors) {
 TEST(JobConfigTest, LayoutsOfPathAndTiersRoundTripAndTravelInTheHello) {
   TempDir dir;
   ASSERT_FALSE(dir.path().empty());
-  JobConfig config{"/nvme/run1", 1, 2, {{"file:///shared/run1", 100, 0, 5, "zstd", true}},
-                   "auto", true};
+  JobConfig config{"/nvme/run1", 1,   2, {{"file:///shared/run1", 100, 0, 5, "zstd", true}},
+                   "auto",       true};
   ASSERT_OK(WriteJobConfig(dir.path(), config));
   ASSERT_OK_AND_ASSIGN(auto read, ReadJobConfig(dir.path()));
   ASSERT_TRUE(read.has_value());

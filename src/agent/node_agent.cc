@@ -493,8 +493,8 @@ void NodeAgent::DrainReplication() {
 }
 
 Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
-  const JobConfig want{hello.storage, hello.world_size, hello.keep,       hello.tiers,
-                       hello.compression, hello.incremental};
+  const JobConfig want{hello.storage, hello.world_size,  hello.keep,
+                       hello.tiers,   hello.compression, hello.incremental};
   if (want.world_size == 0 || hello.rank >= want.world_size || want.world_size > kMaxRank) {
     ReplyError(c, "invalid rank " + std::to_string(hello.rank) + " of world size " +
                       std::to_string(want.world_size));
@@ -514,8 +514,8 @@ Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
                       " (use another job name, or let the job's agent exit first)");
     return Status::OK();
   }
-  if (Status s = ValidateTiers(want.storage, want.tiers); !s.ok() ||
-      !(s = ParseCompression(want.compression).status()).ok()) {
+  if (Status s = ValidateTiers(want.storage, want.tiers);
+      !s.ok() || !(s = ParseCompression(want.compression).status()).ok()) {
     ReplyError(c, s.ToString());
     return Status::OK();
   }

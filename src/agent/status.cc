@@ -14,8 +14,7 @@ namespace {
 using json = nlohmann::json;
 // How a storage stores steps and, once it wrote some, what compression chose and achieved.
 json PackJson(const std::string& compression, bool incremental, const std::string& uri) {
-  const PackReport r =
-      PackReportFor(uri.find("://") == std::string::npos ? "file://" + uri : uri);
+  const PackReport r = PackReportFor(uri.find("://") == std::string::npos ? "file://" + uri : uri);
   return {{"compression", compression},
           {"incremental", incremental},
           {"compression_in_use", r.mode.empty() ? json(nullptr) : json(r.mode)},

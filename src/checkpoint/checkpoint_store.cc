@@ -239,7 +239,7 @@ bool AnyPacked(const CommitRecord& r) {
 std::string EncodeCommitRecord(const CommitRecord& r) {
   const bool packed = AnyPacked(r);
   std::string out(kCommitMagic, 8);
-  AppendLE<uint32_t>(out, packed                ? kCommitFormatVersionPacked
+  AppendLE<uint32_t>(out, packed              ? kCommitFormatVersionPacked
                           : r.generation == 0 ? kCommitFormatVersion
                                               : kCommitFormatVersionReplaced);
   AppendLE<uint32_t>(out, r.world_size);
@@ -474,11 +474,10 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
       SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header.span(), source));
       const auto& [meta, layout] = parsed;
       if (meta.step != step || meta.rank != r || meta.world_size != world_size) {
-        return Corruption(source + ": image is of step " + std::to_string(meta.step) +
-                          ", rank " + std::to_string(meta.rank) + " of " +
-                          std::to_string(meta.world_size) + ", expected step " +
-                          std::to_string(step) + ", rank " + std::to_string(r) + " of " +
-                          std::to_string(world_size));
+        return Corruption(source + ": image is of step " + std::to_string(meta.step) + ", rank " +
+                          std::to_string(meta.rank) + " of " + std::to_string(meta.world_size) +
+                          ", expected step " + std::to_string(step) + ", rank " +
+                          std::to_string(r) + " of " + std::to_string(world_size));
       }
       if (layout.image_size != obj->size()) {
         return Corruption(source + ": object has " + std::to_string(obj->size()) +

@@ -318,8 +318,8 @@ class PackedImageObject final : public ReadableObject {
   Status ReadAt(uint64_t offset, std::span<std::byte> dst) const override {
     const ImageLayout& l = m_.layout;
     if (offset > l.image_size || dst.size() > l.image_size - offset) {
-      return Corruption(storage_->Describe(name_) + ": read of [" + std::to_string(offset) +
-                        ", +" + std::to_string(dst.size()) + ") past the end of the image (" +
+      return Corruption(storage_->Describe(name_) + ": read of [" + std::to_string(offset) + ", +" +
+                        std::to_string(dst.size()) + ") past the end of the image (" +
                         std::to_string(l.image_size) + " bytes): truncated");
     }
     const uint64_t end = offset + dst.size();
@@ -403,8 +403,8 @@ class PackedImageObject final : public ReadableObject {
     }
     const uint64_t max = uint64_t{ref.raw_size} + ref.raw_size / 8 + 65536;
     if ((*obj)->size() > max) {
-      return Corruption(where() + ": frame of " + std::to_string((*obj)->size()) +
-                        " bytes for a " + std::to_string(ref.raw_size) + "-byte chunk");
+      return Corruption(where() + ": frame of " + std::to_string((*obj)->size()) + " bytes for a " +
+                        std::to_string(ref.raw_size) + "-byte chunk");
     }
     AlignedBuffer frame((*obj)->size());
     if (!frame.ok()) return ResourceExhausted("out of memory for a chunk frame");
@@ -644,9 +644,9 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   std::vector<uint32_t> crcs(chunks);
   std::atomic<uint64_t> stored{0}, new_raw{0}, new_chunks{0}, encode_ns{0}, encoded_raw{0};
   FirstError error;
-  const size_t threads = std::max<size_t>(
-      1, storage.capabilities().io_parallelism > 0 ? storage.capabilities().io_parallelism
-                                                   : internal::DefaultIoThreads());
+  const size_t threads = std::max<size_t>(1, storage.capabilities().io_parallelism > 0
+                                                 ? storage.capabilities().io_parallelism
+                                                 : internal::DefaultIoThreads());
   // Stores content chunk `i` (raw bytes `raw`) unless incremental and it is there.
   auto store_chunk = [&](size_t i, std::span<const std::byte> raw) -> Status {
     PackedManifest::Chunk& ref = m.chunks[i];
@@ -696,12 +696,11 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
     CopyOverlap(*raw, at, 0, m.header);
     CopyOverlap(*raw, at, l.index_offset, m.index);
     CopyOverlap(*raw, at, l.extras_offset, m.extras);
-    ForEachContentChunk(m.first_chunk[c], m.first_chunk[c + 1], InnerThreads(chunks),
-                        [&](size_t i) {
-                          if (error.failed()) return;
-                          error.Set(store_chunk(
-                              i, raw->subspan(m.chunks[i].offset - at, m.chunks[i].raw_size)));
-                        });
+    ForEachContentChunk(
+        m.first_chunk[c], m.first_chunk[c + 1], InnerThreads(chunks), [&](size_t i) {
+          if (error.failed()) return;
+          error.Set(store_chunk(i, raw->subspan(m.chunks[i].offset - at, m.chunks[i].raw_size)));
+        });
   });
   SP_RETURN_IF_ERROR(error.status());
   SP_ASSIGN_OR_RETURN(m.checksums, src.checksums(crcs));
@@ -798,8 +797,7 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
     src.layout = image.layout();
     src.tensors = std::move(entries);
     const ImageLayout& l = image.layout();
-    src.chunk = [&](uint64_t c,
-                    std::span<std::byte> dst) -> Result<std::span<const std::byte>> {
+    src.chunk = [&](uint64_t c, std::span<std::byte> dst) -> Result<std::span<const std::byte>> {
       const uint64_t at = c * l.chunk_size;
       auto out = dst.first(std::min(l.chunk_size, l.checksums_offset - at));
       image.Fill(at, out);
@@ -821,9 +819,8 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   return stats;
 }
 
-Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image,
-                                                    uint64_t step, uint32_t rank,
-                                                    const PackOptions& options) {
+Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image, uint64_t step,
+                                                    uint32_t rank, const PackOptions& options) {
   const std::string& uri = storage_->uri();
   if (options.packed()) {
     const std::string source = "the image of step " + std::to_string(step) + ", rank " +
@@ -834,9 +831,8 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
     if (l.image_size != image.size() || parsed.first.step != step || parsed.first.rank != rank) {
       return InvalidArgument(source + ": its header names another step, rank or size");
     }
-    SP_ASSIGN_OR_RETURN(
-        auto tensors,
-        ParseIndex(image.subspan(l.index_offset, l.index_size), l, source));
+    SP_ASSIGN_OR_RETURN(auto tensors,
+                        ParseIndex(image.subspan(l.index_offset, l.index_size), l, source));
     auto [sample, element] = SampleOf(tensors, image);
     if (WantPacked(uri, options, sample, element)) {
       PackSource src;

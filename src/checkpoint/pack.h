@@ -41,8 +41,8 @@ struct PackedManifest {
   };
   static constexpr uint64_t kMinPiece = 64 << 10;
 
-  ImageMeta meta;      // parsed from `header`
-  ImageLayout layout;  // parsed from `header`
+  ImageMeta meta;                    // parsed from `header`
+  ImageLayout layout;                // parsed from `header`
   std::vector<std::byte> header;     // the image's bytes [0, 4096)
   std::vector<std::byte> index;      // [index_offset, +index_size)
   std::vector<std::byte> extras;     // [extras_offset, +extras_size)
@@ -53,8 +53,8 @@ struct PackedManifest {
 };
 
 // The content chunks' (offset, size) for an image: see PackedManifest::Chunk.
-std::vector<std::pair<uint64_t, uint64_t>> PlanContentChunks(const ImageLayout& layout,
-                                                             const std::vector<TensorEntry>& tensors);
+std::vector<std::pair<uint64_t, uint64_t>> PlanContentChunks(
+    const ImageLayout& layout, const std::vector<TensorEntry>& tensors);
 
 std::string EncodePackedManifest(const PackedManifest& manifest);
 // Validates every field (CRC, sizes, the image header and its sections' CRCs, one entry per
@@ -78,8 +78,7 @@ struct CheckpointStore::PackSource {
   std::vector<TensorEntry> tensors;  // for each chunk's element size (compression)
   // Fills image chunk `chunk` (its whole length) into `dst`, or returns a view of it (an image
   // already in memory) and leaves `dst` alone.
-  std::function<Result<std::span<const std::byte>>(uint64_t chunk, std::span<std::byte> dst)>
-      chunk;
+  std::function<Result<std::span<const std::byte>>(uint64_t chunk, std::span<std::byte> dst)> chunk;
   // The checksum section for the chunks' CRCs, to store in the manifest.
   std::function<Result<std::vector<std::byte>>(std::span<const uint32_t> crcs)> checksums;
 };

@@ -326,8 +326,10 @@ TEST(PackTest, MissingOrCorruptChunksAreErrorsNamingTheStepAndTheChunk) {
   ASSERT_OK(mem->Delete(missing));
   auto shard = LoadShard(store, 2, 0);
   ASSERT_EQ(shard.status().code(), StatusCode::kCorruption);
-  EXPECT_NE(shard.status().message().find("step 2"), std::string::npos) << shard.status().ToString();
-  EXPECT_NE(shard.status().message().find("chunk 1"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("step 2"), std::string::npos)
+      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("chunk 1"), std::string::npos)
+      << shard.status().ToString();
   EXPECT_NE(shard.status().message().find(missing), std::string::npos) << shard.status().ToString();
   EXPECT_NE(shard.status().message().find("behind safepoint's back"), std::string::npos);
   // The newest step that reads back intact is loaded instead.

@@ -158,8 +158,8 @@ class StepCopier {
       ps.tensors = md.tensors;
       ps.chunk = [&](uint64_t c, std::span<std::byte> dst) -> Result<std::span<const std::byte>> {
         SP_RETURN_IF_ERROR(CheckCancelled());
-        auto chunk = dst.first(std::min(layout.chunk_size, layout.checksums_offset -
-                                                               c * layout.chunk_size));
+        auto chunk =
+            dst.first(std::min(layout.chunk_size, layout.checksums_offset - c * layout.chunk_size));
         SP_RETURN_IF_ERROR(CheckpointStore::ReadChunk(md, *in, c, chunk));
         if (c == 0) SP_RETURN_IF_ERROR(CheckHeader(chunk, rank, md.source));
         SP_KILL_POINT("tier_copy.mid_image");

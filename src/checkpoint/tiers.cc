@@ -1,10 +1,10 @@
 // Storage tier schedules (include/safepoint/tiers.h).
 #include "safepoint/tiers.h"
 
-#include "safepoint/checkpoint.h"
-
 #include <cmath>
 #include <set>
+
+#include "safepoint/checkpoint.h"
 
 namespace safepoint {
 

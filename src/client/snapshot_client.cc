@@ -86,7 +86,7 @@ Status SnapshotClient::ConnectOnce() {
 
 Status SnapshotClient::Hello() {
   const agent::HelloRequest hello{
-      opt_.rank, opt_.world_size, opt_.storage, opt_.keep, static_cast<uint32_t>(::getpid()),
+      opt_.rank,  opt_.world_size,  opt_.storage,    opt_.keep, static_cast<uint32_t>(::getpid()),
       opt_.tiers, opt_.compression, opt_.incremental};
   agent::FrameDecoder decoder;
   SP_RETURN_IF_ERROR(agent::SendMessage(fd_, MessageType::kHello, agent::Encode(hello)));
