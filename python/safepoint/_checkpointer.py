@@ -151,6 +151,12 @@ class Checkpointer:
     or stalled tier never holds up the ones above it (``status()["tiers"]``). ``load`` and
     ``restore`` read the fastest copy of the step all ranks agree on: memory, peer memory, then
     ``path``, then the tiers in order, falling back to the next tier when a copy is damaged.
+
+    ``compression`` (``"none"``, ``"auto"``, ``"zstd"``, ``"planes"``) and ``incremental`` say how
+    the agent stores steps in ``path`` (each ``Tier`` has its own): the defaults keep the plain
+    layout; otherwise packed steps, whose chunks the agent encodes while it persists (never in
+    shared memory, never in ``save()``) and which steps share (docs/guide.md, "Compression and
+    incremental checkpoints"). ``status()["storage_layout"]`` shows the mode in use and its ratio.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
