@@ -61,8 +61,10 @@ constexpr int kExitUsage = 2;
 
 struct Args {
   std::string path;
-  std::string destination;  // cp
-  bool force = false;       // rm
+  std::string destination;           // cp
+  std::string compression = "none";  // cp: how DST stores the steps
+  bool incremental = false;          // cp
+  bool force = false;                // rm
   std::string job;
   std::string shm_dir = "/dev/shm";
   bool dry_run = false;
@@ -414,6 +416,7 @@ int CmdCp(const Args& a) {
     ProgressBar bar(label);
     CopyOptions options;
     options.cancel = &g_cancel;
+    options.layout = MakePackOptions(a.compression, a.incremental);
     if (tty) options.progress = [&bar](const CopyProgress& p) { bar.Update(p); };
     auto copied = CopyStep(**src, **dst, step, options);
     bar.Finish();
@@ -889,6 +892,12 @@ int Main(int argc, char** argv) {
   CLI::Option* cp_step = add_step(cp);
   cp->add_flag("--all", a.all, "every committed step that DST has not committed")
       ->excludes(cp_step);
+  cp->add_option("--compression", a.compression,
+                 "how DST stores the steps: none (default), auto, zstd, planes")
+      ->type_name("MODE")
+      ->check(CLI::IsMember({"none", "auto", "zstd", "planes"}));
+  cp->add_flag("--incremental", a.incremental,
+               "store steps in DST as content-addressed chunks that its steps share");
   add_json(cp, "a JSON report: ok, and a result per step");
 
   CLI::App* rm = app.add_subcommand("rm", "delete one step (its COMMIT record first)");

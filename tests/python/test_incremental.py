@@ -211,3 +211,20 @@ def test_packed_round_trips_through_s3(ceph, compression, incremental, cli):
     for step in (2, 3):
         assert same(safepoint.load(uri, step)[1], state(step))
     assert cli("verify", uri, "--all", check=0).returncode == 0
+
+
+def test_safepoint_cp_stores_steps_in_the_destinations_layout(tmp_path, cli):
+    src, dst = tmp_path / "plain", tmp_path / "packed"
+    for step in (1, 2):
+        safepoint.save(src, step, state(step))
+    cli("cp", src, dst, "--all", "--incremental", "--compression", "zstd", check=0)
+    assert (dst / "step-00000000000000000002" / "rank-00000.pack").exists()
+    assert referenced_chunks(dst) == chunk_files(dst)
+    for step in (1, 2):
+        assert same(safepoint.load(dst, step)[1], state(step))
+    # Back to the plain layout, and the same step is recognised whatever its layout.
+    back = tmp_path / "back"
+    cli("cp", dst, back, "--all", check=0)
+    assert (back / "step-00000000000000000002" / "rank-00000.img").exists()
+    assert "nothing to copy" in cli("cp", dst, back, "--all", check=0).stdout
+    assert cli("cp", src, dst, "--step", 2, check=0).returncode == 0
