@@ -163,6 +163,8 @@ def test_retention_prunes_only_unreferenced_chunks(dirs):
     assert safepoint.steps(path) == [4, 5]
     status = ck.status()["storage_layout"]
     assert status["incremental"] is True and status["compression"] == "none"
+    # What the agent's persists used and achieved (raw frames: a ratio just under 1).
+    assert status["compression_in_use"] == "none" and 0.99 < status["compression_ratio"] <= 1.0
     ck.close()
     # The agent collected after pruning: only chunks steps 4 and 5 reference are left.
     assert wait_until(lambda: chunk_files(path) == referenced_chunks(path))
@@ -170,7 +172,7 @@ def test_retention_prunes_only_unreferenced_chunks(dirs):
         assert same(safepoint.load(path, step)[1], state(step, base_seed=step // 3))
 
 
-def test_a_corrupt_chunk_falls_back_to_another_tier(dirs):
+def test_a_corrupt_chunk_falls_back_to_another_tier(dirs, cli):
     tmp, shm = dirs
     p0, p1 = tmp / "nvme", tmp / "shared"
     tiers = [Tier(str(p1), keep=3, compression="zstd", incremental=True)]
@@ -181,6 +183,9 @@ def test_a_corrupt_chunk_falls_back_to_another_tier(dirs):
     assert wait_until(lambda: safepoint.steps(p1) == [1, 2])
     t1 = ck.status()["tiers"][0]
     assert t1["compression"] == "zstd" and t1["incremental"] is True
+    assert t1["compression_in_use"] == "zstd" and t1["compression_ratio"] > 0
+    text = cli("status", "--shm-dir", shm, check=0).stdout
+    assert "compression zstd (in use: zstd, ratio" in text and ", incremental" in text, text
     ck.close()
     assert (p1 / "step-00000000000000000002" / "rank-00000.pack").exists()
     # Damage every chunk of step 2 on `path`: restore says so and reads the tier's copy.
