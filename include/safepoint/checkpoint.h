@@ -158,7 +158,8 @@ class CheckpointStore {
 
   // The same writes with a layout: options.packed() writes a packed image (manifest plus
   // content-addressed chunks, encoded in parallel; pack.cc), else the plain image as above. A
-  // packed write that finds the chunk store's GC running writes the plain image instead.
+  // packed write that finds the chunk store's GC running (after a short wait) writes the plain
+  // image instead.
   Result<WriteStats> WriteImage(const ImageBuilder& image, uint64_t generation,
                                 const PackOptions& options);
   Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step, uint32_t rank,
@@ -170,7 +171,8 @@ class CheckpointStore {
   Result<GcStats> CollectGarbage();
 
   // Writes a packed image from `source` (src/checkpoint/pack.h). Unavailable when the chunk
-  // store's GC is running (nothing relied on; the caller writes the plain image instead).
+  // store's GC still runs after a short wait (nothing relied on; the caller writes the plain
+  // image instead).
   struct PackSource;
   Result<WriteStats> WritePacked(const PackSource& source, const PackOptions& options);
 

@@ -2,8 +2,10 @@
 //
 // Writing a packed image of step s, rank r (CheckpointStore::WritePacked):
 //   W1. Publish an intent record "chunks/inflight/<step>.r<rank>.<random>": a save is in flight.
-//   W2. If "chunks/gc-lock" exists, a GC may be deleting chunks: delete the intent and write the
-//       plain image instead (the caller does); nothing of the chunk store is relied on.
+//   W2. If "chunks/gc-lock" exists, a GC may be deleting chunks: wait for it to go (a GC is
+//       short; up to kGcWait), then go on (that GC has ended, and any later one finds the
+//       intent). If it is still there, delete the intent and write the plain image instead (the
+//       caller does); nothing of the chunk store is relied on.
 //   W3. For every image chunk, in parallel: take its raw bytes, CRC-32C and SHA-256 them; unless
 //       incremental and "chunks/<hh>/<sha256>" exists, encode it (codec::EncodeChunk) and
 //       publish it with PublishIfAbsent (an equal chunk another writer published is as good).
@@ -65,6 +67,8 @@ constexpr char kManifestMagic[8] = {'S', 'P', 'P', 'A', 'C', 'K', '\0', '\1'};
 constexpr int64_t kIntentStaleNs = 3600LL * 1000000000;  // a save's intent outlives no save
 constexpr int64_t kGcLockStaleNs = 600LL * 1000000000;   // a GC's lock, twice its budget
 constexpr int64_t kGcBudgetNs = 300LL * 1000000000;      // a GC stops deleting after this
+// How long a packed save waits for a running GC before it writes the plain image instead.
+constexpr std::chrono::milliseconds kGcWait(2000);
 
 int64_t WallNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -619,8 +623,14 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
     ~IntentGuard() { s.Delete(name).IgnoreError(); }
   } guard{storage, intent};
   SP_KILL_POINT("pack.write.after_intent");
-  // W2: a GC that may be deleting chunks: the caller writes the plain image.
+  // W2: a GC that may be deleting chunks: wait a little for it to end, else the caller writes
+  // the plain image.
   auto lock = storage.Open(kGcLockName);
+  for (auto pause = std::chrono::milliseconds(10), waited = std::chrono::milliseconds(0);
+       lock.ok() && waited < kGcWait; waited += pause, pause = std::min(pause * 2, kGcWait / 8)) {
+    std::this_thread::sleep_for(pause);
+    lock = storage.Open(kGcLockName);
+  }
   if (lock.ok()) return Unavailable(uri + ": the chunk store's garbage collector is running");
   if (lock.status().code() != StatusCode::kNotFound) return lock.status();
 
