@@ -7,7 +7,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-multirank bench-replication bench-tiers bench-compress bench-goodput clean crash-build test-crash crashtest crashtest-nodes lint
+        bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh
@@ -87,10 +87,10 @@ test-tsan: setup
 test-sanitize: test-asan test-tsan
 
 # libFuzzer targets (image reader, extras decoder, COMMIT record, agent protocol, compressed-chunk
-# decoder), each run for FUZZ_SECONDS from the seed corpus in tests/fuzz/corpus; new inputs go to
-# build/fuzz/corpus.
+# decoder, packed-image manifest), each run for FUZZ_SECONDS from the seed corpus in
+# tests/fuzz/corpus; new inputs go to build/fuzz/corpus.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := image extras commit protocol codec
+FUZZ_TARGETS := image extras commit protocol codec manifest
 fuzz: setup
 	@command -v clang++ >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null)
 	cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
@@ -144,6 +144,11 @@ bench-tiers: build
 # first time) against zstd alone, zipnn and DCP's zstd extension, beside the disk's write speed.
 bench-compress: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/compress.py
+
+# Incremental checkpoints (issue 12): a LoRA fine-tune of a frozen small GPT base on the CPU,
+# bytes written per checkpoint and persist/load throughput, plain vs packed; XOR-delta measured.
+bench-incremental: build
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/incremental.py
 
 clean:
 	rm -rf build

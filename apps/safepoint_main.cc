@@ -69,8 +69,10 @@ constexpr int kExitUsage = 2;
 
 struct Args {
   std::string path;
-  std::string destination;  // cp
-  bool force = false;       // rm
+  std::string destination;           // cp
+  std::string compression = "none";  // cp: how DST stores the steps
+  bool incremental = false;          // cp
+  bool force = false;                // rm
   std::string job;
   std::string shm_dir = "/dev/shm";
   bool dry_run = false;
@@ -385,6 +387,7 @@ int CmdCp(const Args& a) {
     ProgressBar bar(label);
     CopyOptions options;
     options.cancel = &g_cancel;
+    options.layout = MakePackOptions(a.compression, a.incremental);
     if (tty) options.progress = [&bar](const CopyProgress& p) { bar.Update(p); };
     auto copied = CopyStep(**src, **dst, step, options);
     bar.Finish();
@@ -488,6 +491,57 @@ int CmdRm(const Args& a) {
   return kExitOk;
 }
 
+// Removes the chunk objects of packed steps that no manifest references any more
+// (CheckpointStore::CollectGarbage; docs/operations.md, "Chunk garbage collection").
+int CmdChunkGc(const Args& a) {
+  auto store = OpenExistingStore(a.path);
+  if (!store.ok()) return Fail(store.status());
+  auto gc = (*store)->CollectGarbage();
+  if (!gc.ok()) return Fail(gc.status());
+  const std::string uri = (*store)->storage().uri();
+  if (a.json) {
+    std::cout << json{{"uri", uri},
+                      {"deferred", gc->deferred},
+                      {"reason", gc->reason},
+                      {"manifests", gc->manifests},
+                      {"chunks", gc->chunks},
+                      {"referenced", gc->referenced},
+                      {"removed", gc->removed},
+                      {"removed_bytes", gc->removed_bytes},
+                      {"stale_intents", gc->stale_intents}}
+                     .dump(2)
+              << "\n";
+  } else if (gc->deferred) {
+    std::cout << uri << ": nothing removed: " << gc->reason << " (run it again later)\n";
+  } else {
+    std::cout << uri << ": " << gc->chunks << " chunks, " << gc->referenced << " referenced by "
+              << gc->manifests << " manifests; removed " << gc->removed << " (" << gc->removed_bytes
+              << " bytes)\n";
+  }
+  return kExitOk;
+}
+
+// ", compression auto (in use: auto:none, ratio 1.41), incremental" for a storage's status
+// fields (PackJson in src/agent/status.cc); "" for the default plain layout.
+std::string LayoutText(const json& j) {
+  if (!j.is_object()) return "";
+  const std::string compression = j.value("compression", "none");
+  const bool incremental = j.value("incremental", false);
+  if (compression == "none" && !incremental) return "";
+  std::string out = ", compression " + compression;
+  if (j.contains("compression_in_use") && j["compression_in_use"].is_string()) {
+    out += " (in use: " + j["compression_in_use"].get<std::string>();
+    if (j.contains("compression_ratio") && j["compression_ratio"].is_number()) {
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), "%.2f", j["compression_ratio"].get<double>());
+      out += std::string(", ratio ") + buf;
+    }
+    out += ")";
+  }
+  if (incremental) out += ", incremental";
+  return out;
+}
+
 // Asks a live agent for its status (JSON), or nullopt.
 std::optional<json> QueryAgent(const std::string& job_dir) {
   const std::string path = AgentSocketPath(job_dir);
@@ -574,6 +628,7 @@ int CmdStatus(const Args& a) {
         for (const char* key : {"metrics_url", "metrics_error", "event_log"}) {
           if (st->contains(key)) j[key] = (*st)[key];
         }
+        if (st->contains("storage_layout")) j["storage_layout"] = (*st)["storage_layout"];
       }
     }
     out.push_back(j);
@@ -597,7 +652,8 @@ int CmdStatus(const Args& a) {
                         ? " (" + cli::Ago(j["newest_committed_age_seconds"].get<double>()) + ")"
                         : std::string())
                 << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
-                << (j.contains("in_flight") ? ", in flight " + j["in_flight"].dump() : "") << "\n";
+                << (j.contains("in_flight") ? ", in flight " + j["in_flight"].dump() : "")
+                << LayoutText(j.value("storage_layout", json())) << "\n";
       if (j.contains("metrics_url") && j["metrics_url"].is_string()) {
         std::cout << "  metrics " << j["metrics_url"].get<std::string>() << "\n";
       } else if (j.contains("metrics_error") && j["metrics_error"].is_string()) {
@@ -625,7 +681,7 @@ int CmdStatus(const Args& a) {
                     << (t["every_seconds"].get<double>() > 0
                             ? " or " + t["every_seconds"].dump() + " s"
                             : std::string())
-                    << ", keeps " << t["keep"];
+                    << ", keeps " << t["keep"] << LayoutText(t);
           if (!t.value("filled_here", false)) {
             std::cout << " (filled by the agent of rank 0's node)\n";
             continue;
@@ -842,6 +898,12 @@ int Main(int argc, char** argv) {
   CLI::Option* cp_step = add_step(cp);
   cp->add_flag("--all", a.all, "every committed step that DST has not committed")
       ->excludes(cp_step);
+  cp->add_option("--compression", a.compression,
+                 "how DST stores the steps: none (default), auto, zstd, planes")
+      ->type_name("MODE")
+      ->check(CLI::IsMember({"none", "auto", "zstd", "planes"}));
+  cp->add_flag("--incremental", a.incremental,
+               "store steps in DST as content-addressed chunks that its steps share");
   add_json(cp, "a JSON report: ok, and a result per step");
   cp->add_flag("--progress", a.progress, "a progress bar on stderr even when not a terminal");
 
@@ -891,7 +953,14 @@ int Main(int argc, char** argv) {
   gc->add_flag("--dry-run", a.dry_run, "only say what would be removed");
   add_json(gc, "each job's action and why, as JSON");
 
-  for (CLI::App* cmd : {ls, inspect, verify, cp, rm, agent, status, gc}) cmd->group("Commands");
+  CLI::App* chunk_gc = app.add_subcommand(
+      "chunk-gc", "remove chunks of packed steps that no step references any more");
+  add_path(chunk_gc);
+  add_json(chunk_gc, "a JSON report instead of a line");
+
+  for (CLI::App* cmd : {ls, inspect, verify, cp, rm, agent, status, gc, chunk_gc}) {
+    cmd->group("Commands");
+  }
   auto run_version_command = AddVersionCommands(app);  // log, tag, diff, export, import
   const cli::AdvisorCommands advisor_commands(app);  // advise, simulate
   app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
@@ -928,6 +997,7 @@ int Main(int argc, char** argv) {
   if (gc->parsed()) return CmdGc(a);
   if (std::optional<int> rc = run_version_command()) return *rc;
   if (auto rc = advisor_commands.Run()) return *rc;
+  if (chunk_gc->parsed()) return CmdChunkGc(a);
   std::cerr << app.help();  // no command
   return kExitUsage;
 }

@@ -34,6 +34,9 @@ namespace safepoint {
 inline constexpr uint32_t kCommitFormatVersion = 1;
 // A record of a replaced step (CommitRecord::generation != 0); plain records stay version 1.
 inline constexpr uint32_t kCommitFormatVersionReplaced = 2;
+// A record with a packed image (Image::packed; docs/format.md "Packed steps"). Readers that
+// predate it skip the step as one with a corrupt record, never misreading it.
+inline constexpr uint32_t kCommitFormatVersionPacked = 3;
 
 struct CommitRecord {
   uint64_t step = 0;
@@ -43,6 +46,9 @@ struct CommitRecord {
   struct Image {
     uint64_t size = 0;
     uint32_t header_crc = 0;  // identifies the exact image that was committed
+    // The image is stored packed: a manifest (rank-R.pack) and shared content-addressed chunk
+    // objects (chunks/..), not one image object. The image's bytes are the same either way.
+    bool packed = false;
   };
   std::vector<Image> images;  // by rank
   // Which images: 0 for rank-R.img (every step that was never replaced); otherwise the attempt
@@ -53,6 +59,9 @@ struct CommitRecord {
 };
 
 std::string EncodeCommitRecord(const CommitRecord& record);
+// The same step: equal records apart from how each image is stored (Image::packed). A step
+// copied to a tier with another layout is the same step there.
+bool SameStep(const CommitRecord& a, const CommitRecord& b);
 Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> data, std::string_view source);
 
 // Object names.
@@ -60,12 +69,66 @@ std::string StepPrefix(uint64_t step);  // "step-00000000000000000042/"
 std::string ImageObjectName(uint64_t step, uint32_t rank, uint64_t generation = 0);
 std::string ImageObjectName(const CommitRecord& commit, uint32_t rank);  // the one it names
 std::string CommitObjectName(uint64_t step);
+// The manifest of a packed image: "step-.../rank-00000.pack" (or rank-R.g<16 hex>.pack).
+std::string PackedObjectName(uint64_t step, uint32_t rank, uint64_t generation = 0);
+// The object of one content-addressed chunk: "chunks/<first 2 hex digits>/<64 hex digits>".
+std::string ChunkObjectName(std::span<const uint8_t, 32> sha256);
 // Parses "step-<digits>/..." and returns the step; nullopt for other names.
 std::optional<uint64_t> StepFromObjectName(std::string_view name);
 
 struct WriteStats {
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;  // the image's size
   double seconds = 0;
+  // Packed writes (zero for a plain image): what went to storage, chunk frames and manifest;
+  // the raw bytes of the chunks that were new (not stored before); chunks in all and written.
+  bool packed = false;
+  uint64_t stored_bytes = 0;
+  uint64_t new_raw_bytes = 0;
+  uint64_t chunks = 0;
+  uint64_t new_chunks = 0;
+  std::string compression;  // the codec mode the chunks were encoded with ("none", "zstd", ..)
+};
+
+// How a step is stored on a tier (docs/guide.md, "Compression and incremental checkpoints").
+// Values are codec::Mode's.
+enum class Compression : uint8_t { kAuto = 0, kNone = 1, kZstd = 2, kPlanes = 3 };
+Result<Compression> ParseCompression(std::string_view text);  // "auto" | "none" | "zstd" | ..
+std::string_view CompressionName(Compression c);
+
+struct PackOptions {
+  // Compress chunks on the way to storage. kAuto compresses where the encoder keeps up with the
+  // tier's measured write bandwidth (and then per chunk only what shrinks).
+  Compression compression = Compression::kNone;
+  // Store chunks content-addressed and write only those no earlier step stored.
+  bool incremental = false;
+  // The default (none, not incremental) is the plain layout: one aligned image object per rank.
+  bool packed() const { return incremental || compression != Compression::kNone; }
+};
+// The options for a compression name that was validated (ParseCompression; kNone otherwise).
+PackOptions MakePackOptions(std::string_view compression, bool incremental);
+
+// What a tier's writes achieved and chose: the compression in use and its ratio, for status().
+struct PackReport {
+  std::string mode;           // "none", "zstd", "planes", "auto:zstd", "auto:none", ...
+  double ratio = 1.0;         // raw bytes / stored bytes of the chunks written
+  double write_bps = 0;       // measured write bandwidth of the tier
+  double encode_bps = 0;      // measured encoder throughput (all threads)
+  uint64_t raw_bytes = 0;     // chunks encoded
+  uint64_t stored_bytes = 0;  // their frames
+};
+// The report for the tier at `uri` in this process (empty mode when it wrote nothing packed).
+PackReport PackReportFor(const std::string& uri);
+
+// Garbage collection of a tier's chunk store (docs/operations.md).
+struct GcStats {
+  bool deferred = false;  // a save was in flight or another GC held the lock: nothing removed
+  std::string reason;     // why it deferred
+  uint64_t manifests = 0;
+  uint64_t chunks = 0;      // chunk objects listed
+  uint64_t referenced = 0;  // of them, referenced by some manifest
+  uint64_t removed = 0;     // removed (unreferenced)
+  uint64_t removed_bytes = 0;
+  uint64_t stale_intents = 0;  // records of crashed saves removed
 };
 
 // An image read from storage into memory owned by `buffer`, checksums verified.
@@ -92,6 +155,26 @@ class CheckpointStore {
   // large aligned writes straight from `image`.
   Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step,
                                      uint32_t rank);
+
+  // The same writes with a layout: options.packed() writes a packed image (manifest plus
+  // content-addressed chunks, encoded in parallel; pack.cc), else the plain image as above. A
+  // packed write that finds the chunk store's GC running (after a short wait) writes the plain
+  // image instead.
+  Result<WriteStats> WriteImage(const ImageBuilder& image, uint64_t generation,
+                                const PackOptions& options);
+  Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step, uint32_t rank,
+                                     const PackOptions& options);
+
+  // Removes chunk objects that no manifest in this directory references (committed or not,
+  // any job), unless a save is in flight (it defers: GcStats::deferred). Crash-safe at every
+  // moment (docs/operations.md, "Chunk garbage collection").
+  Result<GcStats> CollectGarbage();
+
+  // Writes a packed image from `source` (src/checkpoint/pack.h). Unavailable when the chunk
+  // store's GC still runs after a short wait (nothing relied on; the caller writes the plain
+  // image instead).
+  struct PackSource;
+  Result<WriteStats> WritePacked(const PackSource& source, const PackOptions& options);
 
   // If every rank of `world_size` has a published, valid-header image for `step`, all of save
   // attempt `attempt` (ImageMeta::attempt), writes the COMMIT record (idempotent: any rank may
@@ -163,7 +246,9 @@ class CheckpointStore {
   Result<size_t> CleanUp();
 
  private:
-  Status CheckReplicasHeld(uint64_t step, uint32_t world_size, uint64_t generation);
+  Status CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names);
+  // The image object of `name`: a plain image, or the image a manifest (.pack) describes.
+  Result<std::unique_ptr<ReadableObject>> OpenImageObject(const std::string& name);
   std::shared_ptr<Storage> storage_;
 };
 
@@ -180,6 +265,7 @@ struct CopyOptions {
   std::function<void(const CopyProgress&)> progress;  // optional; called serialized
   size_t parallelism = 4;                             // chunks in flight
   const std::atomic<bool>* cancel = nullptr;          // optional; Cancelled status when set
+  PackOptions layout;  // how the destination stores the step (its images may differ in layout)
 };
 struct CopyResult {
   uint64_t bytes = 0;
@@ -204,12 +290,14 @@ struct SaveOptions {
   // by the ranks and not the one that committed the step) has saved: readers see the old step
   // or the new one, never a mix and never nothing.
   bool overwrite = false;
+  PackOptions pack;  // the layout of the image (plain by default)
 };
 
 struct SaveResult {
   uint64_t bytes = 0;
   double write_seconds = 0;
-  bool committed = false;  // this call committed the step (or found it committed)
+  uint64_t stored_bytes = 0;  // packed: what was written (new chunk frames and the manifest)
+  bool committed = false;     // this call committed the step (or found it committed)
 };
 
 // Builds rank's image of `meta.step` from the tensors and encoded extras, writes it with the

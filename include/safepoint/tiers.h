@@ -27,11 +27,16 @@ struct TierSpec {
   // 0: not by time. With neither `every` nor `every_seconds`, every step committed above is due.
   double every_seconds = 0;
   uint32_t keep = 3;  // committed steps kept on the tier (at least 1)
+  // How the tier stores steps (PackOptions, include/safepoint/checkpoint.h): "auto" | "none" |
+  // "zstd" | "planes", and content-addressed chunks shared between steps.
+  std::string compression = "none";
+  bool incremental = false;
   bool operator==(const TierSpec&) const = default;
 };
 
 // Checks a job's tiers: URIs non-empty, distinct from each other and from `primary`, keep >= 1,
-// every_seconds finite and >= 0. InvalidArgument naming the tier otherwise.
+// every_seconds finite and >= 0, compression a known mode. InvalidArgument naming the tier
+// otherwise.
 Status ValidateTiers(std::string_view primary, std::span<const TierSpec> tiers);
 
 // Whether `step` (committed on the tier above) is due for `tier`, which received `last` last

@@ -148,7 +148,12 @@ Lineage MakeLineage(std::optional<uint64_t> parent_step, const std::string& pare
 SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
                 const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt,
                 bool overwrite, std::optional<uint64_t> parent_step,
-                const std::string& parent_location, const std::string& metadata) {
+                const std::string& parent_location, const std::string& metadata,
+                const std::string& compression, bool incremental) {
+  SaveOptions options;
+  options.overwrite = overwrite;
+  options.pack.compression = Unwrap(ParseCompression(compression));
+  options.pack.incremental = incremental;
   ImageMeta meta;
   meta.job = job;
   meta.attempt = attempt;
@@ -164,8 +169,7 @@ SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t 
     nb::gil_scoped_release release;
     auto store = OpenCheckpointStore(path);
     if (store.ok()) {
-      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras),
-                         SaveOptions{overwrite});
+      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras), options);
       if (r.ok()) {
         result = *r;
       } else {
@@ -389,15 +393,19 @@ class PyClient {
   PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
            uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
            const std::string& agent_binary, uint64_t attempt,
-           const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>& tiers,
-           uint64_t max_shm_bytes, const std::string& metrics, const std::string& event_log) {
+           const std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>&
+               tiers,
+           uint64_t max_shm_bytes, const std::string& metrics, const std::string& event_log,
+           const std::string& compression, bool incremental) {
     ClientOptions o;
     o.max_shm_bytes = max_shm_bytes;
     o.metrics = metrics;
     o.event_log = event_log;
-    for (const auto& [uri, every, every_seconds, keep] : tiers) {
-      o.tiers.push_back(TierSpec{uri, every, every_seconds, keep});
+    for (const auto& [uri, every, every_seconds, keep, compression, incremental] : tiers) {
+      o.tiers.push_back(TierSpec{uri, every, every_seconds, keep, compression, incremental});
     }
+    o.compression = compression;
+    o.incremental = incremental;
     o.storage = storage;
     o.job = job;
     o.shm_dir = shm_dir;
@@ -826,6 +834,7 @@ NB_MODULE(_core, m) {
   nb::class_<SaveResult>(m, "SaveResult", "What save() wrote; committed: the step is committed now")
       .def_ro("bytes", &SaveResult::bytes)
       .def_ro("write_seconds", &SaveResult::write_seconds)
+      .def_ro("stored_bytes", &SaveResult::stored_bytes)
       .def_ro("committed", &SaveResult::committed);
   nb::class_<Loaded>(m, "Loaded", "A loaded shard: its state tree, whose tensors view the image")
       .def_ro("step", &Loaded::step)
@@ -870,7 +879,8 @@ NB_MODULE(_core, m) {
       .def_ro("attempt", &SlotView::attempt);
   m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a,
         "pickler"_a.none() = nb::none(), "attempt"_a = 0, "overwrite"_a = false,
-        "parent_step"_a.none() = nb::none(), "parent_location"_a = "", "metadata"_a = "");
+        "parent_step"_a.none() = nb::none(), "parent_location"_a = "", "metadata"_a = "",
+        "compression"_a = "none", "incremental"_a = false);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
   nb::class_<TensorSlot>(m, "TensorSlot")
@@ -901,18 +911,22 @@ NB_MODULE(_core, m) {
       .def_ro("source", &PeerFetchResult::source)
       .def_ro("seconds", &PeerFetchResult::seconds);
   nb::class_<PyClient>(m, "Client")
-      .def(nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
-                    uint32_t, bool, const std::string&, uint64_t,
-                    const std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>&,
-                    uint64_t, const std::string&, const std::string&>(),
-           "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a,
-           "wait_when_busy"_a, "agent_binary"_a, "attempt"_a = 0,
-           "tiers"_a = std::vector<std::tuple<std::string, uint64_t, double, uint32_t>>{},
-           "max_shm_bytes"_a = 0, "metrics"_a = "", "event_log"_a = "",
-           "tiers: (uri, every, every_seconds, keep) of each storage tier below `storage`; "
-           "max_shm_bytes: cap on the job's snapshot slots on this node (0: none); "
-           "metrics: have the agent serve Prometheus metrics on HOST:PORT; event_log: the "
-           "agent's event log path")
+      .def(
+          nb::init<const std::string&, const std::string&, const std::string&, uint32_t, uint32_t,
+                   uint32_t, bool, const std::string&, uint64_t,
+                   const std::vector<
+                       std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>&,
+                   uint64_t, const std::string&, const std::string&, const std::string&, bool>(),
+          "storage"_a, "job"_a, "shm_dir"_a, "rank"_a, "world_size"_a, "keep"_a, "wait_when_busy"_a,
+          "agent_binary"_a, "attempt"_a = 0,
+          "tiers"_a =
+              std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>{},
+          "max_shm_bytes"_a = 0, "metrics"_a = "", "event_log"_a = "", "compression"_a = "none",
+          "incremental"_a = false,
+          "tiers: (uri, every, every_seconds, keep, compression, incremental) of each storage "
+          "tier below `storage`; max_shm_bytes: cap on the job's snapshot slots on this node (0: "
+          "none); metrics: have the agent serve Prometheus metrics on HOST:PORT; event_log: the "
+          "agent's event log path; compression, incremental: how `storage` stores steps")
       .def("save", &PyClient::Save, "step"_a, "state"_a, "persist"_a,
            "pickler"_a.none() = nb::none(), "notify"_a = true, "stage"_a = 1)
       .def("set_lineage", &PyClient::SetLineage, "parent_step"_a.none(), "parent_location"_a,

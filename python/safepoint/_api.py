@@ -10,6 +10,7 @@ from safepoint import _core
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._shards import fill_elsewhere, read_newest_into
 from safepoint._stateful import apply_loaded, to_saveable
+from safepoint._tiers import check_layout
 from safepoint.errors import InvalidArgumentError, NotFoundError
 
 
@@ -23,7 +24,8 @@ def _path(path: str | os.PathLike[str]) -> str:
 def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
          world_size: int = 1, job: str = "", allow_pickle: AllowPickle = False,
          attempt: Optional[int] = None, overwrite: bool = False,
-         metadata: Optional[dict[str, Any]] = None, parent: Optional[str] = None) -> dict:
+         metadata: Optional[dict[str, Any]] = None, parent: Optional[str] = None,
+         compression: str = "none", incremental: bool = False) -> dict:
     """Saves ``state`` as ``rank``'s shard of ``step`` in the checkpoint directory ``path``.
 
     ``state`` is a nested mapping (dicts, lists, tuples) whose leaves are torch tensors, numpy
@@ -40,7 +42,13 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
     ``metadata`` (a small dict of str to str/int/float/bool/None, at most 2 KiB as JSON) and
     ``parent`` (the step this state descends from: ``"PATH@TAG"``, ``"PATH@step-N"``, or
     ``"step-N"``/``N`` of ``path`` itself) are recorded in the step's lineage (``safepoint log``).
-    Returns ``{"bytes", "write_seconds", "committed"}``.
+    ``compression`` (``"none"``, ``"auto"``, ``"zstd"``, ``"planes"``) and ``incremental``
+    choose how the image is stored (docs/guide.md, "Compression and incremental checkpoints"):
+    the defaults write today's plain image; anything else a packed image whose chunks are
+    encoded in parallel on the way to storage and, with ``incremental=True``, shared with the
+    steps that stored them before (only new chunks are written).
+    Returns ``{"bytes", "write_seconds", "committed", "stored_bytes"}`` (``stored_bytes``: what a
+    packed image wrote, new chunks and manifest; 0 for a plain image).
     """
     p = _path(path)
     if type(step) is not int or step < 0:
@@ -74,9 +82,12 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
                 parent_location = ""
         else:
             parent_step = resolve(p, text)
+    check_layout(p, compression, incremental)
     r = _core.save(p, step, rank, world_size, job, to_saveable(state), pickler(allow_pickle),
-                   attempt, bool(overwrite), parent_step, parent_location, meta)
-    return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed}
+                   attempt, bool(overwrite), parent_step, parent_location, meta, compression,
+                   bool(incremental))
+    return {"bytes": r.bytes, "write_seconds": r.write_seconds, "committed": r.committed,
+            "stored_bytes": r.stored_bytes}
 
 
 def load(path: str | os.PathLike[str], step: Optional[int] = None, *,

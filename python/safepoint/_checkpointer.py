@@ -30,7 +30,7 @@ from safepoint._replication import exchange_membership
 from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
-from safepoint._tiers import Tier, TierLike, core_tiers, normalize_tiers
+from safepoint._tiers import Tier, TierLike, check_layout, core_tiers, normalize_tiers
 from safepoint._versions import encode_metadata, resolve, same_location, split_ref
 from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
@@ -184,6 +184,11 @@ class Checkpointer:
     commit, flush, restore and failure to its event log: ``event_log`` (default
     ``$SAFEPOINT_EVENT_LOG``, else ``events.jsonl`` in the job's shared-memory directory, removed
     when the job finishes), bounded by rotation.
+    ``compression`` (``"none"``, ``"auto"``, ``"zstd"``, ``"planes"``) and ``incremental`` say how
+    the agent stores steps in ``path`` (each ``Tier`` has its own): the defaults keep the plain
+    layout; otherwise packed steps, whose chunks the agent encodes while it persists (never in
+    shared memory, never in ``save()``) and which steps share (docs/guide.md, "Compression and
+    incremental checkpoints"). ``status()["storage_layout"]`` shows the mode in use and its ratio.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
@@ -199,7 +204,8 @@ class Checkpointer:
                  mtbf: Union[None, float, str] = None,
                  max_shm_bytes: Optional[int] = None,
                  metrics: Optional[str] = None,
-                 event_log: Optional[str | os.PathLike[str]] = None) -> None:
+                 event_log: Optional[str | os.PathLike[str]] = None,
+                 compression: str = "none", incremental: bool = False) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -225,6 +231,8 @@ class Checkpointer:
         # restored from (none for a fresh run) and this metadata.
         self._metadata = encode_metadata(self.path, metadata)
         self.tiers: list[Tier] = normalize_tiers(self.path, tiers)
+        check_layout(self.path, compression, incremental)
+        self.compression, self.incremental = compression, incremental
         # Where committed steps may be, fastest first: path, then the tiers in order.
         self._stores = [self.path] + [t.uri for t in self.tiers]
         self.job = job or _default_job(self.path)
@@ -262,7 +270,7 @@ class Checkpointer:
         self._client: Optional[_core.Client] = _core.Client(
             self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
             _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0,
-            self.metrics, self.event_log)
+            self.metrics, self.event_log, compression, incremental)
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
                                 mtbf_seconds, self.tiers)
         self._stats: dict[str, Any] = {
@@ -795,6 +803,7 @@ class Checkpointer:
             "metrics_url": agent.get("metrics_url"),
             "metrics_error": agent.get("metrics_error"),
             "event_log": agent.get("event_log"),
+            "storage_layout": agent.get("storage_layout"),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
             "persist_interval": self._advisor.status(),
             "memory": self._memory(agent.get("agent_pid")),

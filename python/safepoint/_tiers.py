@@ -27,14 +27,28 @@ class Tier:
     steps it keeps. ``every="auto"``: the interval advisor's schedule; copies to a tier cost
     training nothing (the agent makes them), so its goodput-optimal interval is as often as the
     tier accepts steps: every step committed above, the newest one whenever the previous copy is
-    done (docs/guide.md, "Choosing the checkpoint interval")."""
+    done (docs/guide.md, "Choosing the checkpoint interval"). ``compression`` and ``incremental`` choose how the tier stores steps, as
+    on ``safepoint.save`` (the agent compresses while it copies a step down)."""
     uri: str
     every: Optional[Union[int, str]] = None
     every_seconds: Optional[float] = None
     keep: int = 3
+    compression: str = "none"
+    incremental: bool = False
 
 
 TierLike = Union[Tier, str, os.PathLike, Mapping[str, Any]]
+
+COMPRESSIONS = ("auto", "none", "zstd", "planes")
+
+
+def check_layout(where: str, compression: Any, incremental: Any) -> None:
+    """InvalidArgumentError unless ``compression`` is a known mode and ``incremental`` a bool."""
+    if compression not in COMPRESSIONS:
+        raise InvalidArgumentError(f"{where}: compression must be one of "
+                                   f"{', '.join(COMPRESSIONS)}, got {compression!r}")
+    if not isinstance(incremental, bool):
+        raise InvalidArgumentError(f"{where}: incremental must be a bool, got {incremental!r}")
 
 
 def normalize_tiers(path: str, tiers: Optional[Sequence[TierLike]]) -> list[Tier]:
@@ -77,12 +91,15 @@ def normalize_tiers(path: str, tiers: Optional[Sequence[TierLike]]) -> list[Tier
                 f"{path}: tier {i} ({uri}): every_seconds must be a positive number")
         if type(t.keep) is not int or t.keep < 1:
             raise InvalidArgumentError(f"{path}: tier {i} ({uri}): keep must be a positive int")
+        check_layout(f"{path}: tier {i} ({uri})", t.compression, t.incremental)
         out.append(Tier(uri, t.every, None if t.every_seconds is None else float(t.every_seconds),
-                        t.keep))
+                        t.keep, t.compression, t.incremental))
     return out
 
 
-def core_tiers(tiers: Sequence[Tier]) -> list[tuple[str, int, float, int]]:
-    """The tiers as the extension module takes them: (uri, every, every_seconds, keep)."""
+def core_tiers(tiers: Sequence[Tier]) -> list[tuple[str, int, float, int, str, bool]]:
+    """The tiers as the extension module takes them: (uri, every, every_seconds, keep,
+    compression, incremental)."""
     return [(t.uri, t.every if isinstance(t.every, int) else 0, float(t.every_seconds or 0.0),
-             t.keep) for t in tiers]
+             t.keep, t.compression,
+             t.incremental) for t in tiers]

@@ -43,6 +43,12 @@ Result<std::optional<JobConfig>> ReadJobConfig(const std::string& job_dir) {
   c.storage = j["storage"].get<std::string>();
   c.world_size = j["world_size"].get<uint32_t>();
   c.keep = j["keep"].get<uint32_t>();
+  if (auto it = j.find("compression"); it != j.end() && it->is_string()) {
+    c.compression = it->get<std::string>();
+  }
+  if (auto it = j.find("incremental"); it != j.end() && it->is_boolean()) {
+    c.incremental = it->get<bool>();
+  }
   if (auto it = j.find("tiers"); it != j.end()) {
     if (Status s = DecodeTiers(*it, &c.tiers); !s.ok()) {
       return Corruption(path + ": its storage tiers do not parse: " + s.message());
@@ -57,6 +63,8 @@ Status WriteJobConfig(const std::string& job_dir, const JobConfig& config) {
   json doc = {
       {"storage", config.storage}, {"world_size", config.world_size}, {"keep", config.keep}};
   if (!config.tiers.empty()) doc["tiers"] = EncodeTiers(config.tiers);
+  if (config.compression != "none") doc["compression"] = config.compression;
+  if (config.incremental) doc["incremental"] = true;
   const std::string text = doc.dump();
   ::unlink(tmp.c_str());  // a leftover of an agent that died while writing
   internal::UniqueFd fd(

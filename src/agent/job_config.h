@@ -22,7 +22,9 @@ struct JobConfig {
   std::string storage;
   uint32_t world_size = 1;
   uint32_t keep = 3;
-  std::vector<TierSpec> tiers;  // the storage tiers below `storage`, in order
+  std::vector<TierSpec> tiers;       // the storage tiers below `storage`, in order
+  std::string compression = "none";  // how `storage` stores steps (TierSpec's fields)
+  bool incremental = false;
   bool operator==(const JobConfig&) const = default;
 };
 

@@ -67,5 +67,31 @@ TEST(HelloTiersTest, TiersTravelInTheHelloAndBadOnesAreProtocolErrors) {
   EXPECT_NE(s.message().find("every"), std::string::npos) << s.ToString();
 }
 
+TEST(JobConfigTest, LayoutsOfPathAndTiersRoundTripAndTravelInTheHello) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  JobConfig config{"/nvme/run1", 1,   2, {{"file:///shared/run1", 100, 0, 5, "zstd", true}},
+                   "auto",       true};
+  ASSERT_OK(WriteJobConfig(dir.path(), config));
+  ASSERT_OK_AND_ASSIGN(auto read, ReadJobConfig(dir.path()));
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(*read, config);
+  HelloRequest hello;
+  hello.storage = "/p";
+  hello.compression = "planes";
+  hello.incremental = true;
+  hello.tiers = {{"s3://b/run", 10, 0, 4, "auto", true}};
+  HelloRequest back;
+  ASSERT_OK(Decode(Encode(hello), &back));
+  EXPECT_EQ(back.tiers, hello.tiers);
+  EXPECT_EQ(back.compression, "planes");
+  EXPECT_TRUE(back.incremental);
+  // A hello or job.json of a version without layouts: the plain layout.
+  ASSERT_OK(Decode(R"({"rank": 0, "world_size": 1, "storage": "/p", "keep": 1})", &back));
+  EXPECT_EQ(back.compression, "none");
+  EXPECT_FALSE(back.incremental);
+  EXPECT_FALSE(ValidateTiers("/p", std::vector<TierSpec>{{"/t", 0, 0, 1, "gzip", false}}).ok());
+}
+
 }  // namespace
 }  // namespace safepoint::agent

@@ -130,7 +130,8 @@ Status NodeAgent::EnsureRank(uint32_t rank) {
 Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointStore> store) {
   config_ = config;
   store_ = std::move(store);
-  queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep, pins_});
+  queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep, pins_,
+                          MakePackOptions(config.compression, config.incremental)});
   replicator_.SetStorage(store_, config.world_size);
   auto committed = store_->ListCommitted();
   if (committed.ok()) {
@@ -509,7 +510,8 @@ void NodeAgent::DrainReplication() {
 }
 
 Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
-  const JobConfig want{hello.storage, hello.world_size, hello.keep, hello.tiers};
+  const JobConfig want{hello.storage, hello.world_size,  hello.keep,
+                       hello.tiers,   hello.compression, hello.incremental};
   if (want.world_size == 0 || hello.rank >= want.world_size || want.world_size > kMaxRank) {
     ReplyError(c, "invalid rank " + std::to_string(hello.rank) + " of world size " +
                       std::to_string(want.world_size));
@@ -529,7 +531,8 @@ Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
                       " (use another job name, or let the job's agent exit first)");
     return Status::OK();
   }
-  if (Status s = ValidateTiers(want.storage, want.tiers); !s.ok()) {
+  if (Status s = ValidateTiers(want.storage, want.tiers);
+      !s.ok() || !(s = ParseCompression(want.compression).status()).ok()) {
     ReplyError(c, s.ToString());
     return Status::OK();
   }

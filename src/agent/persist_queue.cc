@@ -198,8 +198,8 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     }
     relaid = std::move(*b);
   }
-  auto stats = relaid ? target_.store->WriteImage(*relaid)
-                      : target_.store->WriteImageBytes(image, t.step, t.rank);
+  auto stats = relaid ? target_.store->WriteImage(*relaid, 0, target_.pack)
+                      : target_.store->WriteImageBytes(image, t.step, t.rank, target_.pack);
   if (!stats.ok()) {
     r.status = stats.status();
     return r;

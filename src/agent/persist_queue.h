@@ -72,6 +72,7 @@ struct PersistTarget {
   uint32_t world_size = 1;
   uint32_t keep = 3;
   std::shared_ptr<StepPins> pins;  // steps the first lower tier copies (retention keeps them)
+  PackOptions pack;                // how images are stored (compression, incremental)
 };
 
 class PersistQueue {

@@ -106,8 +106,11 @@ Status DecodeStatus(const json& j, Status* out) {
 json EncodeTiers(const std::vector<TierSpec>& tiers) {
   json out = json::array();
   for (const TierSpec& t : tiers) {
-    out.push_back(
-        {{"uri", t.uri}, {"every", t.every}, {"every_seconds", t.every_seconds}, {"keep", t.keep}});
+    json tier = {
+        {"uri", t.uri}, {"every", t.every}, {"every_seconds", t.every_seconds}, {"keep", t.keep}};
+    if (t.compression != "none") tier["compression"] = t.compression;
+    if (t.incremental) tier["incremental"] = true;
+    out.push_back(std::move(tier));
   }
   return out;
 }
@@ -126,6 +129,8 @@ Status DecodeTiers(const json& j, std::vector<TierSpec>* out) {
       return ProtocolError("field 'every_seconds' of a tier is missing or not a number");
     }
     spec.every_seconds = it->get<double>();
+    if (t.contains("compression")) SP_RETURN_IF_ERROR(Field(t, "compression", &spec.compression));
+    if (t.contains("incremental")) SP_RETURN_IF_ERROR(Field(t, "incremental", &spec.incremental));
     out->push_back(std::move(spec));
   }
   return Status::OK();
@@ -140,6 +145,8 @@ std::string Encode(const HelloRequest& m) {
   if (!m.tiers.empty()) j["tiers"] = EncodeTiers(m.tiers);
   if (!m.metrics.empty()) j["metrics"] = m.metrics;
   if (!m.event_log.empty()) j["event_log"] = m.event_log;
+  if (m.compression != "none") j["compression"] = m.compression;
+  if (m.incremental) j["incremental"] = true;
   return j.dump();
 }
 std::string Encode(const HelloReply& m) {
@@ -169,6 +176,8 @@ Status Decode(std::string_view payload, EmptyRequest*) { return Parse(payload, {
 Status Decode(std::string_view payload, HelloRequest* out) {
   out->metrics.clear();
   out->event_log.clear();
+  out->compression = "none";  // optional: a hello without them asks for the plain layout
+  out->incremental = false;
   SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"rank", &out->rank},
                                               {"world_size", &out->world_size},
                                               {"storage", &out->storage},
@@ -176,6 +185,8 @@ Status Decode(std::string_view payload, HelloRequest* out) {
                                               {"pid", &out->pid, /*optional=*/true},
                                               {"metrics", &out->metrics, /*optional=*/true},
                                               {"event_log", &out->event_log, /*optional=*/true}}));
+                                              {"compression", &out->compression, true},
+                                              {"incremental", &out->incremental, true}}));
   out->tiers.clear();
   if (auto it = j.find("tiers"); it != j.end()) SP_RETURN_IF_ERROR(DecodeTiers(*it, &out->tiers));
   return Status::OK();

@@ -79,6 +79,9 @@ struct HelloRequest {
   std::vector<TierSpec> tiers;  // the storage tiers below `storage`, in order
   std::string metrics;          // serve Prometheus metrics on "HOST:PORT" (empty: not asked)
   std::string event_log;        // the event log's path (empty: events.jsonl in the job directory)
+  // How `storage` stores steps (TierSpec's fields of the same names).
+  std::string compression = "none";
+  bool incremental = false;
 };
 
 struct HelloReply {

@@ -11,6 +11,18 @@
 
 namespace safepoint::agent {
 
+namespace {
+using json = nlohmann::json;
+// How a storage stores steps and, once it wrote some, what compression chose and achieved.
+json PackJson(const std::string& compression, bool incremental, const std::string& uri) {
+  const PackReport r = PackReportFor(uri.find("://") == std::string::npos ? "file://" + uri : uri);
+  return {{"compression", compression},
+          {"incremental", incremental},
+          {"compression_in_use", r.mode.empty() ? json(nullptr) : json(r.mode)},
+          {"compression_ratio", r.stored_bytes > 0 ? json(r.ratio) : json(nullptr)}};
+}
+}  // namespace
+
 nlohmann::ordered_json SlotsJson(const std::vector<SlotInfo>& slots) {
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
   for (const SlotInfo& s : slots) {
@@ -60,6 +72,7 @@ nlohmann::json NodeAgent::StatusJson() {
     json t = {{"tier", i + 1},       {"uri", spec.uri},
               {"every", spec.every}, {"every_seconds", spec.every_seconds},
               {"keep", spec.keep},   {"filled_here", i < states.size()}};
+    t.update(PackJson(spec.compression, spec.incremental, spec.uri));
     if (i < states.size()) {
       const TierState& st = states[i];
       t.update({{"open", st.open},
@@ -91,13 +104,16 @@ nlohmann::json NodeAgent::StatusJson() {
           {"in_flight", in_flight},
           {"ranks", ranks},
           {"tiers", tiers},
-          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)},
           {"metrics_url",
            telemetry_.metrics_url().empty() ? json(nullptr) : json(telemetry_.metrics_url())},
           {"metrics_error",
            telemetry_.metrics_error().empty() ? json(nullptr) : json(telemetry_.metrics_error())},
           {"event_log", telemetry_.event_log_path().empty() ? json(nullptr)
-                                                            : json(telemetry_.event_log_path())}};
+                                                            : json(telemetry_.event_log_path())},
+          {"storage_layout", config_ ? PackJson(config_->compression, config_->incremental,
+                                                store_ ? store_->storage().uri() : config_->storage)
+                                     : json(nullptr)},
+          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)}};
 }
 
 }  // namespace safepoint::agent

@@ -66,6 +66,8 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
     SP_KILL_POINT("agent.tier.mid_prune");  // before the next step's DeleteStep or the CleanUp
   }
   store.CleanUp().status().IgnoreError();
+  // Chunks only the pruned steps referenced (packed layout); defers while saves are in flight.
+  if (!pruned.empty()) store.CollectGarbage().status().IgnoreError();
   return pruned;
 }
 
@@ -307,6 +309,7 @@ bool TierChain::CopyOne(Worker& w, uint64_t step) {
   }
   CopyOptions options;
   options.cancel = &cancel_;
+  options.layout = MakePackOptions(w.spec.compression, w.spec.incremental);
   auto copied = CopyStep(*upper, *w.store, step, options);
   if (!copied.ok()) return fail(copied.status());
   SP_KILL_POINT("agent.tier.before_prune");

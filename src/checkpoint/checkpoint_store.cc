@@ -189,7 +189,16 @@ std::string ImageObjectName(uint64_t step, uint32_t rank, uint64_t generation) {
 }
 
 std::string ImageObjectName(const CommitRecord& commit, uint32_t rank) {
+  if (rank < commit.images.size() && commit.images[rank].packed) {
+    return PackedObjectName(commit.step, rank, commit.generation);
+  }
   return ImageObjectName(commit.step, rank, commit.generation);
+}
+
+std::string PackedObjectName(uint64_t step, uint32_t rank, uint64_t generation) {
+  std::string name = ImageObjectName(step, rank, generation);
+  name.replace(name.size() - 4, 4, ".pack");
+  return name;
 }
 
 std::string CommitObjectName(uint64_t step) { return StepPrefix(step) + "COMMIT"; }
@@ -218,9 +227,21 @@ uint64_t CommitRecord::total_bytes() const {
   return n;
 }
 
+namespace {
+bool AnyPacked(const CommitRecord& r) {
+  for (const auto& i : r.images) {
+    if (i.packed) return true;
+  }
+  return false;
+}
+}  // namespace
+
 std::string EncodeCommitRecord(const CommitRecord& r) {
+  const bool packed = AnyPacked(r);
   std::string out(kCommitMagic, 8);
-  AppendLE<uint32_t>(out, r.generation == 0 ? kCommitFormatVersion : kCommitFormatVersionReplaced);
+  AppendLE<uint32_t>(out, packed              ? kCommitFormatVersionPacked
+                          : r.generation == 0 ? kCommitFormatVersion
+                                              : kCommitFormatVersionReplaced);
   AppendLE<uint32_t>(out, r.world_size);
   AppendLE<uint64_t>(out, r.step);
   AppendLE<int64_t>(out, r.commit_time_ns);
@@ -231,10 +252,24 @@ std::string EncodeCommitRecord(const CommitRecord& r) {
   for (const auto& i : r.images) {
     AppendLE<uint64_t>(out, i.size);
     AppendLE<uint32_t>(out, i.header_crc);
+    if (packed) AppendLE<uint32_t>(out, i.packed ? 1u : 0u);  // flags
   }
-  if (r.generation != 0) AppendLE<uint64_t>(out, r.generation);
+  if (packed || r.generation != 0) AppendLE<uint64_t>(out, r.generation);
   AppendLE<uint32_t>(out, Crc32c(0, out.data(), out.size()));
   return out;
+}
+
+bool SameStep(const CommitRecord& a, const CommitRecord& b) {
+  if (a.step != b.step || a.world_size != b.world_size || a.commit_time_ns != b.commit_time_ns ||
+      a.job != b.job || a.generation != b.generation || a.images.size() != b.images.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < a.images.size(); ++i) {
+    if (a.images[i].size != b.images[i].size || a.images[i].header_crc != b.images[i].header_crc) {
+      return false;
+    }
+  }
+  return true;
 }
 
 Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::string_view source) {
@@ -244,14 +279,17 @@ Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::strin
   if (d.size() < kCommitFixed + 4) return bad("truncated");
   if (std::memcmp(d.data(), kCommitMagic, 8) != 0) return bad("bad magic");
   const uint32_t version = LoadLE<uint32_t>(&d[8]);
-  if (version != kCommitFormatVersion && version != kCommitFormatVersionReplaced) {
+  if (version != kCommitFormatVersion && version != kCommitFormatVersionReplaced &&
+      version != kCommitFormatVersionPacked) {
     return bad("unsupported format version " + std::to_string(version));
   }
-  const uint64_t generation_size = version == kCommitFormatVersionReplaced ? 8 : 0;
+  const bool packed = version == kCommitFormatVersionPacked;
+  const uint64_t generation_size = version == kCommitFormatVersion ? 0 : 8;
+  const uint64_t per_rank = packed ? 16 : 12;
   CommitRecord r;
   r.world_size = LoadLE<uint32_t>(&d[12]);
   if (r.world_size == 0 || r.world_size > kMaxRank) return bad("invalid world size");
-  if (d.size() != kCommitFixed + 12ull * r.world_size + generation_size + 4) {
+  if (d.size() != kCommitFixed + per_rank * r.world_size + generation_size + 4) {
     return bad("size " + std::to_string(d.size()) + " does not match world size " +
                std::to_string(r.world_size));
   }
@@ -264,15 +302,23 @@ Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::strin
   if (job_len > kMaxJobLength) return bad("job name too long");
   r.job.assign(reinterpret_cast<const char*>(&d[36]), job_len);
   r.images.resize(r.world_size);
+  bool any_packed = false;
   for (uint32_t i = 0; i < r.world_size; ++i) {
-    const std::byte* p = &d[kCommitFixed + 12ull * i];
+    const std::byte* p = &d[kCommitFixed + per_rank * i];
     r.images[i].size = LoadLE<uint64_t>(p);
     r.images[i].header_crc = LoadLE<uint32_t>(p + 8);
+    if (packed) {
+      const uint32_t flags = LoadLE<uint32_t>(p + 12);
+      if (flags > 1) return bad("unknown image flags " + std::to_string(flags));
+      r.images[i].packed = flags == 1;
+      any_packed |= r.images[i].packed;
+    }
   }
   if (generation_size != 0) {
-    r.generation = LoadLE<uint64_t>(&d[kCommitFixed + 12ull * r.world_size]);
-    if (r.generation == 0) return bad("a version 2 record with generation 0");
+    r.generation = LoadLE<uint64_t>(&d[kCommitFixed + per_rank * r.world_size]);
+    if (r.generation == 0 && !packed) return bad("a version 2 record with generation 0");
   }
+  if (packed && !any_packed) return bad("a version 3 record without a packed image");
   return r;
 }
 
@@ -323,7 +369,10 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   std::memcpy(tail.data(), section.data(), section.size());
   SP_RETURN_IF_ERROR(w->WriteAt(l.checksums_offset, tail.span()));
   SP_RETURN_IF_ERROR(w->Publish());
-  return WriteStats{l.image_size, SecondsSince(t0)};
+  WriteStats stats;
+  stats.bytes = l.image_size;
+  stats.seconds = SecondsSince(t0);
+  return stats;
 }
 
 Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image, uint64_t step,
@@ -344,17 +393,20 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   });
   SP_RETURN_IF_ERROR(error.status());
   SP_RETURN_IF_ERROR(w->Publish());
-  return WriteStats{image.size(), SecondsSince(t0)};
+  WriteStats stats;
+  stats.bytes = image.size();
+  stats.seconds = SecondsSince(t0);
+  return stats;
 }
 
 // Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same
 // ReplicaKey, by some image of the step: else the step would commit with a tensor nobody wrote.
-Status CheckpointStore::CheckReplicasHeld(uint64_t step, uint32_t world_size, uint64_t generation) {
+Status CheckpointStore::CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names) {
   std::unordered_set<std::string> held;
   std::vector<std::pair<uint32_t, TensorSpec>> wanted;
-  for (uint32_t r = 0; r < world_size; ++r) {
-    const std::string name = ImageObjectName(step, r, generation);
-    SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
+  for (uint32_t r = 0; r < names.size(); ++r) {
+    const std::string& name = names[r];
+    SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(name));
     std::vector<std::byte> header(kImageHeaderSize);
     SP_RETURN_IF_ERROR(obj->ReadAt(0, header));
     SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header, storage_->Describe(name)));
@@ -401,34 +453,45 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
   record.job = std::string(job);
   record.images.resize(world_size);
   record.generation = generation;
-  for (uint32_t r = 0; r < world_size; ++r) {
-    if (!sizes.contains(ImageObjectName(step, r, generation))) return false;
-  }
+  // Each rank's image is its plain image or its manifest (a packed image), whichever is of this
+  // attempt (a leftover of another attempt in the other layout may lie beside it).
+  std::vector<std::string> names(world_size);
   bool any_elsewhere = false;  // some image leaves tensors to other ranks' images
   for (uint32_t r = 0; r < world_size; ++r) {
-    const std::string name = ImageObjectName(step, r, generation);
-    const std::string source = storage_->Describe(name);
-    SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
-    AlignedBuffer header(kImageHeaderSize);
-    if (!header.ok()) return ResourceExhausted("out of memory");
-    SP_RETURN_IF_ERROR(obj->ReadAt(0, header.span()));
-    SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header.span(), source));
-    const auto& [meta, layout] = parsed;
-    if (meta.step != step || meta.rank != r || meta.world_size != world_size) {
-      return Corruption(source + ": image is of step " + std::to_string(meta.step) + ", rank " +
-                        std::to_string(meta.rank) + " of " + std::to_string(meta.world_size) +
-                        ", expected step " + std::to_string(step) + ", rank " + std::to_string(r) +
-                        " of " + std::to_string(world_size));
-    }
-    if (layout.image_size != obj->size()) {
-      return Corruption(source + ": object has " + std::to_string(obj->size()) +
-                        " bytes, its header says " + std::to_string(layout.image_size));
-    }
-    if (meta.attempt != attempt) return false;  // a leftover of another attempt, to be replaced
-    record.images[r] = {layout.image_size, layout.header_crc};
-    any_elsewhere |= layout.has_elsewhere;
+    const std::string plain = ImageObjectName(step, r, generation);
+    const std::string packed = PackedObjectName(step, r, generation);
+    if (!sizes.contains(plain) && !sizes.contains(packed)) return false;
   }
-  if (any_elsewhere) SP_RETURN_IF_ERROR(CheckReplicasHeld(step, world_size, generation));
+  for (uint32_t r = 0; r < world_size; ++r) {
+    for (const std::string& name :
+         {ImageObjectName(step, r, generation), PackedObjectName(step, r, generation)}) {
+      if (!sizes.contains(name)) continue;
+      const std::string source = storage_->Describe(name);
+      SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(name));
+      AlignedBuffer header(kImageHeaderSize);
+      if (!header.ok()) return ResourceExhausted("out of memory");
+      SP_RETURN_IF_ERROR(obj->ReadAt(0, header.span()));
+      SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header.span(), source));
+      const auto& [meta, layout] = parsed;
+      if (meta.step != step || meta.rank != r || meta.world_size != world_size) {
+        return Corruption(source + ": image is of step " + std::to_string(meta.step) + ", rank " +
+                          std::to_string(meta.rank) + " of " + std::to_string(meta.world_size) +
+                          ", expected step " + std::to_string(step) + ", rank " +
+                          std::to_string(r) + " of " + std::to_string(world_size));
+      }
+      if (layout.image_size != obj->size()) {
+        return Corruption(source + ": object has " + std::to_string(obj->size()) +
+                          " bytes, its header says " + std::to_string(layout.image_size));
+      }
+      if (meta.attempt != attempt) continue;  // a leftover of another attempt, to be replaced
+      record.images[r] = {layout.image_size, layout.header_crc, name.ends_with(".pack")};
+      names[r] = name;
+      any_elsewhere |= layout.has_elsewhere;
+      break;
+    }
+    if (names[r].empty()) return false;
+  }
+  if (any_elsewhere) SP_RETURN_IF_ERROR(CheckReplicasHeld(step, names));
   record.commit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
@@ -456,10 +519,9 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
   if (generation != 0) {
     // Step 8: the images the record no longer names. A failure leaves unused objects only
     // (DeleteStep removes them with the step).
-    std::unordered_set<std::string> named;
-    for (uint32_t r = 0; r < world_size; ++r) named.insert(ImageObjectName(step, r, generation));
+    std::unordered_set<std::string> named(names.begin(), names.end());
     for (const auto& o : objects) {
-      if (o.name.ends_with(".img") && !named.contains(o.name)) {
+      if ((o.name.ends_with(".img") || o.name.ends_with(".pack")) && !named.contains(o.name)) {
         storage_->Delete(o.name).IgnoreError();
       }
     }
@@ -469,7 +531,7 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
 
 Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
   const std::string name = CommitObjectName(step);
-  auto data = ReadSmallObject(*storage_, name, kCommitFixed + 12ull * kMaxRank + 4);
+  auto data = ReadSmallObject(*storage_, name, kCommitFixed + 16ull * kMaxRank + 12);
   if (!data.ok()) {
     if (data.status().code() == StatusCode::kNotFound) {
       return NotFound(storage_->uri() + ": step " + std::to_string(step) + " is not committed");
@@ -518,7 +580,7 @@ Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint3
   }
   const std::string name = ImageObjectName(commit, rank);
   const std::string source = storage_->Describe(name);
-  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
+  SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(name));
   const auto& expected = commit.images[rank];
   if (obj->size() != expected.size) {
     return Corruption(source + ": object has " + std::to_string(obj->size()) +
@@ -587,7 +649,7 @@ Result<CheckpointStore::Metadata> CheckpointStore::ReadMetadata(const CommitReco
   Metadata md;
   md.name = name;
   md.source = storage_->Describe(name);
-  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(name));
+  SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(name));
   if (obj->size() != commit.images[rank].size) {
     return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
                       " bytes, the COMMIT record says " + std::to_string(commit.images[rank].size));
@@ -689,7 +751,7 @@ Status CheckpointStore::ReadRanges(const Metadata& md, std::span<const Range> ra
 
 Result<std::unique_ptr<ReadableObject>> CheckpointStore::OpenImage(const Metadata& md) {
   // Match the object to the metadata: a replaced image must not be read with the old checksums.
-  SP_ASSIGN_OR_RETURN(auto obj, storage_->Open(md.name));
+  SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(md.name));
   if (obj->size() != md.layout.image_size) {
     return Corruption(md.source + ": object has " + std::to_string(obj->size()) +
                       " bytes, its header says " + std::to_string(md.layout.image_size));
@@ -799,8 +861,8 @@ Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
   }
   SP_ASSIGN_OR_RETURN(auto builder,
                       ImageBuilder::Create(std::move(meta), std::move(tensors), std::move(extras)));
-  SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder, generation));
-  SaveResult result{stats.bytes, stats.seconds, false};
+  SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder, generation, options.pack));
+  SaveResult result{stats.bytes, stats.seconds, stats.stored_bytes, false};
   SP_ASSIGN_OR_RETURN(result.committed,
                       store.TryCommit(step, world_size, job, attempt, generation));
   if (result.committed) {

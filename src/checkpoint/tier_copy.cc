@@ -27,6 +27,7 @@
 #include "base/aligned_buffer.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "checkpoint/pack.h"
 #include "safepoint/checkpoint.h"
 
 namespace safepoint {
@@ -45,10 +46,10 @@ std::string Describe(const CommitRecord& r) {
 
 // What the destination holds for the record's step: true when the same record is committed.
 Result<bool> CommittedThere(CheckpointStore& dst, const CommitRecord& record,
-                            const std::string& encoded, const std::string& src_uri) {
+                            const std::string& src_uri) {
   auto existing = dst.ReadCommit(record.step);
   if (existing.ok()) {
-    if (EncodeCommitRecord(*existing) == encoded) return true;
+    if (SameStep(*existing, record)) return true;
     return AlreadyExists(dst.storage().uri() + ": step " + std::to_string(record.step) +
                          " is already committed with another record (" + Describe(*existing) +
                          ") than " + src_uri + "'s (" + Describe(record) + ")");
@@ -120,6 +121,8 @@ class StepCopier {
     progress_.bytes_total = record.total_bytes();
   }
 
+  const CommitRecord& record() const { return record_; }
+
   Status CheckCancelled() const {
     if (options_.cancel != nullptr && options_.cancel->load(std::memory_order_relaxed)) {
       return Cancelled("cancelled");
@@ -146,6 +149,40 @@ class StepCopier {
       return Corruption(md.source + ": checksum section does not cover the image");
     }
 
+    if (options_.layout.packed()) {
+      // A packed image on the destination, its chunks taken from the source, each verified.
+      CheckpointStore::PackSource ps;
+      ps.manifest_name = PackedObjectName(record_.step, rank, record_.generation);
+      ps.meta = md.meta;
+      ps.layout = layout;
+      ps.tensors = md.tensors;
+      ps.chunk = [&](uint64_t c, std::span<std::byte> dst) -> Result<std::span<const std::byte>> {
+        SP_RETURN_IF_ERROR(CheckCancelled());
+        auto chunk =
+            dst.first(std::min(layout.chunk_size, layout.checksums_offset - c * layout.chunk_size));
+        SP_RETURN_IF_ERROR(CheckpointStore::ReadChunk(md, *in, c, chunk));
+        if (c == 0) SP_RETURN_IF_ERROR(CheckHeader(chunk, rank, md.source));
+        SP_KILL_POINT("tier_copy.mid_image");
+        Advance(chunk.size());
+        return std::span<const std::byte>(chunk);
+      };
+      ps.checksums = [&](std::span<const uint32_t> crcs) -> Result<std::vector<std::byte>> {
+        if (!std::equal(crcs.begin(), crcs.end(), md.chunk_crcs.begin(), md.chunk_crcs.end())) {
+          return Corruption(md.source + ": a chunk changed while the image was copied");
+        }
+        return std::vector<std::byte>(tail.span().begin(), tail.span().end());
+      };
+      auto written = dst_.WritePacked(ps, options_.layout);
+      if (written.ok()) {
+        record_.images[rank].packed = true;
+        Advance(tail.size());
+        return Status::OK();
+      }
+      if (written.status().code() != StatusCode::kUnavailable) return written.status();
+      // The destination's chunk GC is running: this image goes plain.
+      progress_.bytes_done -= std::min(progress_.bytes_done, layout.checksums_offset);
+    }
+    record_.images[rank].packed = false;
     const std::string name = ImageObjectName(record_, rank);
     SP_ASSIGN_OR_RETURN(auto out, dst_.storage().Create(name, layout.image_size));
     const std::string target = dst_.storage().Describe(name);
@@ -190,7 +227,7 @@ class StepCopier {
     Status s = out->PublishIfAbsent();
     if (s.code() != StatusCode::kAlreadyExists) return s;
     // Another copy of the step committed it meanwhile: the same record is success.
-    SP_ASSIGN_OR_RETURN(bool same, CommittedThere(dst_, record_, encoded, src_.storage().uri()));
+    SP_ASSIGN_OR_RETURN(bool same, CommittedThere(dst_, record_, src_.storage().uri()));
     if (!same) return s;
     return Status::OK();
   }
@@ -217,7 +254,7 @@ class StepCopier {
 
   CheckpointStore& src_;
   CheckpointStore& dst_;
-  const CommitRecord& record_;
+  CommitRecord record_;  // the source's, with the destination's layout of each image
   const CopyOptions& options_;
   std::unique_ptr<BufferPool> pool_;
   uint64_t pool_size_ = 0;
@@ -234,8 +271,7 @@ Result<CopyResult> CopyStep(CheckpointStore& src, CheckpointStore& dst, uint64_t
   const std::string what =
       "copying step " + std::to_string(step) + " from " + src_uri + " to " + dst.storage().uri();
   SP_ASSIGN_OR_RETURN(CommitRecord record, src.ReadCommit(step));
-  const std::string encoded = EncodeCommitRecord(record);
-  SP_ASSIGN_OR_RETURN(bool there, CommittedThere(dst, record, encoded, src_uri));
+  SP_ASSIGN_OR_RETURN(bool there, CommittedThere(dst, record, src_uri));
   CopyResult result;
   if (!there) {
     StepCopier copier(src, dst, record, options);
@@ -244,7 +280,8 @@ Result<CopyResult> CopyStep(CheckpointStore& src, CheckpointStore& dst, uint64_t
       if (!s.ok()) return s.WithContext(what);
     }
     SP_KILL_POINT("tier_copy.before_commit");
-    Status s = copier.PublishCommit(encoded);
+    // The source's record, with each image's layout as the destination stores it.
+    Status s = copier.PublishCommit(EncodeCommitRecord(copier.record()));
     if (!s.ok()) return s.WithContext(what);
     SP_KILL_POINT("tier_copy.after_commit");
     result.bytes = record.total_bytes();

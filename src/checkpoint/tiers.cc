@@ -4,6 +4,8 @@
 #include <cmath>
 #include <set>
 
+#include "safepoint/checkpoint.h"
+
 namespace safepoint {
 
 Status ValidateTiers(std::string_view primary, std::span<const TierSpec> tiers) {
@@ -19,6 +21,7 @@ Status ValidateTiers(std::string_view primary, std::span<const TierSpec> tiers) 
     if (!std::isfinite(t.every_seconds) || t.every_seconds < 0) {
       return InvalidArgument(which + ": every_seconds must be a finite number >= 0");
     }
+    if (Status s = ParseCompression(t.compression).status(); !s.ok()) return s.WithContext(which);
   }
   return Status::OK();
 }

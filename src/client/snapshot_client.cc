@@ -90,8 +90,8 @@ Status SnapshotClient::ConnectOnce() {
 
 Status SnapshotClient::Hello() {
   const agent::HelloRequest hello{
-      opt_.rank,  opt_.world_size, opt_.storage,  opt_.keep, static_cast<uint32_t>(::getpid()),
-      opt_.tiers, opt_.metrics,    opt_.event_log};
+      opt_.rank,       opt_.world_size,  opt_.storage,   opt_.keep, static_cast<uint32_t>(::getpid()),
+      opt_.tiers,      opt_.metrics,     opt_.event_log, opt_.compression, opt_.incremental};
   agent::FrameDecoder decoder;
   SP_RETURN_IF_ERROR(agent::SendMessage(fd_, MessageType::kHello, agent::Encode(hello)));
   SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));

@@ -499,13 +499,17 @@ class ExpectedState:
 
 class Job:
     def __init__(self, name: str, world: int, persist_every: int, keep: int, root: str,
-                 shm: str, tiers: tuple = ()):
-        """`tiers`: (every, keep) of each storage tier below `path` (file:// directories)."""
+                 shm: str, tiers: tuple = (), layout: Optional[dict] = None):
+        """`tiers`: (every, keep[, layout]) of each storage tier below `path` (file://
+        directories); `layout`: how path stores steps (compression, incremental: packed steps
+        whose chunks steps share, and the chunk GC after every prune)."""
         self.name, self.world = name, world
         self.persist_every, self.keep = persist_every, keep
         self.path = os.path.join(root, name)
-        self.tiers = [{"uri": "file://" + os.path.join(root, f"{name}-tier{i}"), "every": every,
-                       "keep": tkeep} for i, (every, tkeep) in enumerate(tiers, 1)]
+        self.layout = dict(layout or {})
+        self.tiers = [{"uri": "file://" + os.path.join(root, f"{name}-tier{i}"), "every": t[0],
+                       "keep": t[1], **(t[2] if len(t) > 2 else {})}
+                      for i, t in enumerate(tiers, 1)]
         self.stores = [self.path] + [t["uri"] for t in self.tiers]
         self.verified: dict[str, list[int]] = {}  # store -> its listing when last verified
         self.shm = os.path.join(shm, name)  # its own: `safepoint gc` of a lost node is per job
@@ -548,11 +552,14 @@ class Campaign:
                              "build with -DSAFEPOINT_KILL_POINTS=ON (make crash-build)")
         tag = f"{self.seed % 100000}"
         # Each job fills two storage tiers below its path (the agent copies committed steps
-        # down): every 2nd/3rd step keeping 2, then every 4th/5th keeping 2.
+        # down): every 2nd/3rd step keeping 2, then every 4th/5th keeping 2. Job 1 persists
+        # packed, incremental steps to its path and its first tier (the pack.* kill points: its
+        # saves, tier copies and the chunk GC after each prune); job 2's second tier compresses.
+        packed = {"compression": "zstd", "incremental": True}
         self.jobs = [Job(f"c1-{tag}", 1, persist_every=2, keep=2, root=self.root, shm=self.shm,
-                         tiers=((2, 2), (4, 2))),
+                         tiers=((2, 2, {"incremental": True}), (4, 2)), layout=packed),
                      Job(f"c2-{tag}", 2, persist_every=3, keep=3, root=self.root, shm=self.shm,
-                         tiers=((3, 2), (5, 2)))]
+                         tiers=((3, 2), (5, 2, {"compression": "auto", "incremental": True})))]
         self.kills = 0
         self.by_point: Counter = Counter()
         self.planned: Counter = Counter()  # rounds armed at each named point
@@ -567,6 +574,7 @@ class Campaign:
         self.caught_up_checks = 0
         self.paths_lost = 0
         self.cp_runs = 0
+        self.chunk_gcs = 0  # chunk stores collected and checked after the final run
         self.cp_kills: Counter = Counter()
         self.restores_from: Counter = Counter()
         self.round_seconds: list[float] = []
@@ -706,7 +714,7 @@ class Campaign:
                     "rank": rank, "world_size": job.world, "persist_every": job.persist_every,
                     "keep": job.keep, "steps": p["steps"], "p_wait": p["p_wait"],
                     "p_status": p["p_status"], "rng": f"{p['rng']}-{rank}", "rdzv": rdzv,
-                    "env": env, "tiers": job.tiers}
+                    "env": env, "tiers": job.tiers, "layout": job.layout}
             ranks.append(Rank(self.zygote, args, os.path.join(self.root, f"r{self.round}-{rank}.err"),
                               events))
         self.current = (job, ranks)
@@ -1040,7 +1048,7 @@ class Campaign:
                     "keep": job.keep, "steps": job.persist_every * 2, "p_wait": 1.0,
                     "p_status": 0.0, "rng": f"final-{rank}",
                     "rdzv": os.path.join(self.root, "rdzv-final"), "env": {},
-                    "tiers": job.tiers}
+                    "tiers": job.tiers, "layout": job.layout}
             ranks.append(Rank(self.zygote, args, os.path.join(self.root, f"final-{rank}.err"),
                               events))
         sent = False
@@ -1067,6 +1075,37 @@ class Campaign:
         if left:
             raise Violation(f"temporaries below the newest committed step {newest} survived a "
                             f"commit's clean-up: {left}")
+        self.check_chunk_stores(job)
+
+    def check_chunk_stores(self, job: Job) -> None:
+        """Kills left at most garbage: on every store with packed steps, once stale intents and
+        locks of killed processes are gone (a later GC removes them once old; here by hand),
+        `safepoint chunk-gc` leaves exactly the chunks that manifests reference, and every
+        listed step still loads bit-exact (check_storage)."""
+        roots = [job.path] + [t["uri"][len("file://"):] for t in job.tiers]
+        for root in roots:
+            if not os.path.isdir(os.path.join(root, "chunks")):
+                continue
+            for f in glob.glob(os.path.join(root, "chunks", "inflight", "*")):
+                os.unlink(f)
+            if os.path.exists(os.path.join(root, "chunks", "gc-lock")):
+                os.unlink(os.path.join(root, "chunks", "gc-lock"))
+            subprocess.run([self.cli, "chunk-gc", root], check=True, capture_output=True,
+                           timeout=HANG)
+            referenced = set()
+            for m in glob.glob(os.path.join(root, "step-*", "*.pack")):
+                data = open(m, "rb").read()
+                count = int.from_bytes(data[32:40], "little")
+                table = data[len(data) - 4 - 48 * count:len(data) - 4]
+                referenced |= {table[i * 48:i * 48 + 32].hex() for i in range(count)}
+            there = {os.path.basename(c) for c in glob.glob(os.path.join(root, "chunks", "??", "*"))
+                     if ".tmp." not in c}
+            if there != referenced:
+                raise Violation(f"{root}: after chunk-gc, {len(there - referenced)} chunks no "
+                                f"manifest references remain and {len(referenced - there)} "
+                                "referenced chunks are missing")
+            self.chunk_gcs += 1
+        self.check_storage(job)
 
     # -- the whole campaign ---------------------------------------------------------------------
     def run(self) -> int:
@@ -1123,7 +1162,8 @@ class Campaign:
               f"over (never listed or read), {self.decoys} decoy temporaries planted")
         print("  bit-exact loads by store: " + ", ".join(
             f"{'path' if k == 0 else f'tier {k}'} {n}" for k, n in sorted(self.tier_loads.items()))
-            + f"; tiers caught up with the agent idle: {self.caught_up_checks} checks")
+            + f"; tiers caught up with the agent idle: {self.caught_up_checks} checks"
+            + f"; chunk stores collected and checked after the final run: {self.chunk_gcs}")
         print(f"  safepoint cp: {self.cp_runs} runs, killed at " + ", ".join(
             f"{k} {n}" for k, n in sorted(self.cp_kills.items())) +
             "; each then copied again, bit-exact")

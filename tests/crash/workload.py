@@ -99,6 +99,7 @@ def child_main(a: dict) -> int:
                  "replication_bandwidth": a.get("bandwidth")}
     if a.get("tiers"):
         extra["tiers"] = [safepoint.Tier(**t) for t in a["tiers"]]
+    extra.update(a.get("layout") or {})  # compression, incremental of path
     ckpt = safepoint.Checkpointer(a["path"], job=a["job"], shm_dir=a["shm_dir"], rank=rank,
                                   world_size=world, persist_every=a["persist_every"],
                                   keep=a["keep"], **extra)

@@ -1,0 +1,497 @@
+// Packed images: the manifest, the chunk store, reading packed steps through every read path,
+// and the chunk store's garbage collector (refcounts by marking, in-flight saves, crashes).
+#include "checkpoint/pack.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <thread>
+
+#include "base/bytes.h"
+#include "base/digest.h"
+#include "safepoint/checkpoint.h"
+#include "testing/test_util.h"
+
+namespace safepoint {
+namespace {
+
+using test::AsBytes;
+
+// A shard whose big tensor is a function of `seed` and whose small tensor and extras change
+// with `step`: steps with one seed share the big tensor's middle chunks.
+struct Shard {
+  std::vector<float> big, small;
+  std::vector<TensorSource> sources;
+  std::string extras;
+
+  Shard(uint64_t step, uint32_t rank, uint64_t seed) : big(3 << 20), small(17) {
+    for (size_t i = 0; i < big.size(); ++i) big[i] = float(seed * 1000 + rank + i);
+    for (size_t i = 0; i < small.size(); ++i) small[i] = float(step - i);
+    sources.push_back({{"big", DType::kFloat32, {big.size()}, {}, {}}, big.data(), big.size() * 4});
+    sources.push_back({{"small", DType::kFloat32, {small.size()}, {}, {}}, small.data(), 68});
+    Dict d;
+    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
+    d.items.emplace_back(Value(std::string("big")), Value(TensorRef{0, 0}));
+    extras = *EncodeExtras(Value(std::move(d)));
+  }
+};
+
+PackOptions Incremental() { return {Compression::kNone, true}; }
+
+Result<SaveResult> Save(CheckpointStore& store, uint64_t step, uint64_t seed,
+                        PackOptions pack = Incremental(), uint32_t rank = 0, uint32_t world = 1,
+                        std::string job = "test") {
+  Shard s(step, rank, seed);
+  SaveOptions options;
+  options.pack = pack;
+  return SaveShard(store, test::TestImageMeta(job, step, rank, world), s.sources, s.extras,
+                   options);
+}
+
+void ExpectShard(CheckpointStore& store, uint64_t step, uint64_t seed, uint32_t rank = 0) {
+  auto shard = LoadShard(store, step, rank);
+  ASSERT_OK(shard);
+  Shard want(step, rank, seed);
+  auto big = shard->reader.tensor_data(0);
+  ASSERT_EQ(big.size(), want.big.size() * 4);
+  EXPECT_EQ(std::memcmp(big.data(), want.big.data(), big.size()), 0) << "step " << step;
+  auto small = shard->reader.tensor_data(1);
+  ASSERT_EQ(small.size(), 68u);
+  EXPECT_EQ(std::memcmp(small.data(), want.small.data(), 68), 0) << "step " << step;
+  EXPECT_EQ(*EncodeExtras(shard->extras), want.extras);
+}
+
+std::vector<std::string> Names(Storage& storage, std::string_view prefix) {
+  std::vector<std::string> out;
+  auto objects = storage.List(prefix);
+  EXPECT_OK(objects);
+  if (!objects.ok()) return out;
+  for (auto& o : *objects) out.push_back(o.name);
+  return out;
+}
+
+std::vector<std::string> ChunkNames(Storage& storage) {
+  std::vector<std::string> out;
+  for (auto& n : Names(storage, "chunks/")) {
+    if (!n.starts_with(kIntentPrefix) && n != kGcLockName) out.push_back(n);
+  }
+  return out;
+}
+
+// The chunk objects step `step`'s manifest (rank 0) references.
+std::set<std::string> ChunksOf(Storage& storage, uint64_t step) {
+  std::set<std::string> out;
+  auto m = ReadPackedManifest(storage, PackedObjectName(step, 0));
+  EXPECT_OK(m);
+  if (!m.ok()) return out;
+  for (auto& c : m->chunks) out.insert(ChunkObjectName(c.sha256));
+  return out;
+}
+
+std::set<std::string> Minus(std::set<std::string> a, const std::set<std::string>& b) {
+  for (auto& x : b) a.erase(x);
+  return a;
+}
+
+TEST(PackTest, CommitRecordOfAPackedStepIsVersion3AndRoundTrips) {
+  CommitRecord r;
+  r.step = 7;
+  r.world_size = 2;
+  r.job = "j";
+  r.commit_time_ns = 5;
+  r.images = {{4096, 1, true}, {8192, 2, false}};
+  const std::string enc = EncodeCommitRecord(r);
+  EXPECT_EQ(internal::LoadLE<uint32_t>(AsBytes(enc).data() + 8), kCommitFormatVersionPacked);
+  ASSERT_OK_AND_ASSIGN(auto dec, DecodeCommitRecord(AsBytes(enc), "c"));
+  EXPECT_TRUE(dec.images[0].packed);
+  EXPECT_FALSE(dec.images[1].packed);
+  EXPECT_EQ(EncodeCommitRecord(dec), enc);
+  EXPECT_EQ(ImageObjectName(dec, 0), "step-00000000000000000007/rank-00000.pack");
+  EXPECT_EQ(ImageObjectName(dec, 1), "step-00000000000000000007/rank-00001.img");
+  for (size_t i = 0; i < enc.size(); ++i) {
+    std::string bad = enc;
+    bad[i] ^= 0x04;
+    EXPECT_EQ(DecodeCommitRecord(AsBytes(bad), "c").status().code(), StatusCode::kCorruption) << i;
+  }
+  // Without a packed image the record stays what it was (version 1).
+  r.images[0].packed = false;
+  EXPECT_EQ(internal::LoadLE<uint32_t>(AsBytes(EncodeCommitRecord(r)).data() + 8),
+            kCommitFormatVersion);
+  CommitRecord other = dec;
+  other.images[0].packed = false;
+  EXPECT_TRUE(SameStep(dec, other));
+  other.images[0].header_crc = 9;
+  EXPECT_FALSE(SameStep(dec, other));
+}
+
+TEST(PackTest, ManifestRoundTripsAndEveryFlippedBitIsCorruption) {
+  CheckpointStore store(NewMemoryStorage());
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(1));
+  ASSERT_TRUE(commit.images[0].packed);
+  const std::string name = PackedObjectName(1, 0);
+  const auto bytes = test::ReadWholeObject(store.storage(), name);
+  ASSERT_OK_AND_ASSIGN(auto m, DecodePackedManifest(bytes, name));
+  EXPECT_EQ(m.layout.image_size, commit.images[0].size);
+  EXPECT_EQ(m.layout.header_crc, commit.images[0].header_crc);
+  EXPECT_GT(m.chunks.size(), m.layout.chunk_count());  // the header and big's tail apart
+  const std::string enc = EncodePackedManifest(m);
+  ASSERT_EQ(enc.size(), bytes.size());
+  EXPECT_EQ(std::memcmp(enc.data(), bytes.data(), enc.size()), 0);
+  for (size_t i = 0; i < enc.size(); i += 3) {
+    std::string bad = enc;
+    bad[i] ^= 0x10;
+    EXPECT_EQ(DecodePackedManifest(AsBytes(bad), "m").status().code(), StatusCode::kCorruption)
+        << i;
+  }
+  for (size_t n = 0; n < enc.size(); n += 101) {
+    EXPECT_FALSE(DecodePackedManifest(AsBytes(enc.substr(0, n)), "m").ok());
+  }
+  // Every chunk object is named by the SHA-256 of the chunk's raw bytes.
+  ASSERT_OK_AND_ASSIGN(auto shard, LoadShard(store, 1, 0));
+  uint64_t at = 0;
+  for (size_t c = 0; c < m.chunks.size(); ++c) {
+    EXPECT_EQ(m.chunks[c].offset, at);
+    const auto digest = internal::Sha256(shard.image.bytes().subspan(at, m.chunks[c].raw_size));
+    EXPECT_TRUE(std::equal(digest.begin(), digest.end(), m.chunks[c].sha256.begin())) << c;
+    at += m.chunks[c].raw_size;
+  }
+  EXPECT_EQ(at, m.layout.checksums_offset);
+}
+
+TEST(PackTest, PackedStepsReadThroughEveryReadPath) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK(Save(store, 2, 1, PackOptions{Compression::kAuto, false}));  // plain or packed
+  ASSERT_OK(Save(store, 3, 1, PackOptions{Compression::kZstd, false}));  // packed, not shared
+  for (uint64_t step : {1, 2, 3}) ExpectShard(store, step, 1);
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(3));
+  EXPECT_TRUE(commit.images[0].packed);
+  // Newest without a step.
+  ASSERT_OK_AND_ASSIGN(auto newest, LoadShard(store, std::nullopt, 0));
+  EXPECT_EQ(newest.commit.step, 3u);
+  // Metadata and range reads.
+  ASSERT_OK_AND_ASSIGN(auto md, store.ReadMetadata(commit, 0));
+  ASSERT_EQ(md.tensors.size(), 2u);
+  EXPECT_EQ(md.name, PackedObjectName(3, 0));
+  Shard want(3, 0, 1);
+  std::vector<float> part(1000), small(17);
+  std::vector<CheckpointStore::Range> ranges = {
+      {md.tensors[0].offset + 4 * 1048000, 4000, reinterpret_cast<std::byte*>(part.data())},
+      {md.tensors[1].offset, 68, reinterpret_cast<std::byte*>(small.data())}};
+  ASSERT_OK(store.ReadRanges(md, ranges));
+  EXPECT_EQ(std::memcmp(part.data(), want.big.data() + 1048000, 4000), 0);
+  EXPECT_EQ(std::memcmp(small.data(), want.small.data(), 68), 0);
+  // Tier copies: packed to plain, plain to packed, packed to packed.
+  CheckpointStore plain(NewMemoryStorage());
+  ASSERT_OK(CopyStep(store, plain, 3));
+  ASSERT_OK_AND_ASSIGN(auto plain_commit, plain.ReadCommit(3));
+  EXPECT_FALSE(plain_commit.images[0].packed);
+  EXPECT_TRUE(SameStep(plain_commit, commit));
+  ExpectShard(plain, 3, 1);
+  CopyOptions packed_copy;
+  packed_copy.layout = Incremental();
+  CheckpointStore packed(NewMemoryStorage());
+  ASSERT_OK(CopyStep(plain, packed, 3, packed_copy));
+  ASSERT_OK(CopyStep(store, packed, 1, packed_copy));
+  ASSERT_OK_AND_ASSIGN(auto packed_commit, packed.ReadCommit(3));
+  EXPECT_TRUE(packed_commit.images[0].packed);
+  ExpectShard(packed, 3, 1);
+  ExpectShard(packed, 1, 1);
+  // Copying again finds the same step there, whatever its layout.
+  ASSERT_OK_AND_ASSIGN(auto again, CopyStep(store, packed, 3, packed_copy));
+  EXPECT_TRUE(again.already_there);
+}
+
+TEST(PackTest, AnIncrementalStepWritesOnlyTheChunksThatChanged) {
+  CheckpointStore store(NewMemoryStorage());
+  ASSERT_OK_AND_ASSIGN(auto first, Save(store, 1, 1));
+  ASSERT_OK_AND_ASSIGN(auto second, Save(store, 2, 1));  // same big tensor, new small and extras
+  ASSERT_OK_AND_ASSIGN(auto m, ReadPackedManifest(store.storage(), PackedObjectName(2, 0)));
+  // The big tensor's chunks were stored by step 1 and are not written again; the header's, and
+  // big's last bytes with small, and the extras, are new.
+  ASSERT_OK_AND_ASSIGN(auto md, store.ReadMetadata(*store.ReadCommit(2), 0));
+  const uint64_t big_begin = md.tensors[0].offset, big_end = big_begin + md.tensors[0].nbytes;
+  size_t fresh = 0;
+  for (const auto& c : m.chunks) {
+    const bool only_big = c.offset >= big_begin && c.offset + c.raw_size <= big_end;
+    EXPECT_EQ(c.method == PackedManifest::kMethodStoredBefore, only_big) << c.offset;
+    fresh += !only_big;
+  }
+  EXPECT_EQ(fresh, 3u);  // the header, big's tail with small, the extras
+  EXPECT_GT(first.stored_bytes, 12u << 20);
+  EXPECT_LT(second.stored_bytes, 200u << 10);  // two small chunks and the manifest
+  EXPECT_EQ(ChunkNames(store.storage()).size(), m.chunks.size() + 3);
+  ExpectShard(store, 1, 1);
+  ExpectShard(store, 2, 1);
+  // Not incremental: every chunk is encoded and written (equal ones are kept as they are).
+  ASSERT_OK(Save(store, 3, 1, PackOptions{Compression::kZstd, false}));
+  ASSERT_OK_AND_ASSIGN(auto m3, ReadPackedManifest(store.storage(), PackedObjectName(3, 0)));
+  for (const auto& c : m3.chunks) EXPECT_NE(c.method, PackedManifest::kMethodStoredBefore);
+  ExpectShard(store, 3, 1);
+}
+
+TEST(PackTest, GcRemovesOnlyChunksNoManifestReferences) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK(Save(store, 2, 2));
+  ASSERT_OK(Save(store, 3, 2));
+  // Another run sharing the directory, with its own steps and data.
+  ASSERT_OK(Save(store, 100, 7, Incremental(), 0, 1, "other"));
+  const size_t before = ChunkNames(*mem).size();
+  const auto only_1 = Minus(Minus(Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2)), ChunksOf(*mem, 3)),
+                            ChunksOf(*mem, 100));
+  ASSERT_GT(only_1.size(), 3u);
+  ASSERT_OK_AND_ASSIGN(auto nothing, store.CollectGarbage());
+  EXPECT_FALSE(nothing.deferred) << nothing.reason;
+  EXPECT_EQ(nothing.removed, 0u);
+  EXPECT_EQ(nothing.manifests, 4u);
+  ASSERT_OK(store.DeleteStep(1));  // its big tensor's chunks are now referenced by nothing
+  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  EXPECT_FALSE(gc.deferred) << gc.reason;
+  EXPECT_EQ(gc.removed, only_1.size());  // step 1's chunks, which no later step shares
+  EXPECT_GT(gc.removed_bytes, 12u << 20);
+  EXPECT_EQ(ChunkNames(*mem).size(), before - only_1.size());
+  ExpectShard(store, 2, 2);
+  ExpectShard(store, 3, 2);
+  ExpectShard(store, 100, 7);
+  // Every chunk a remaining manifest names is there.
+  std::set<std::string> chunks;
+  for (auto& n : ChunkNames(*mem)) chunks.insert(n);
+  for (uint64_t step : {2, 3, 100}) {
+    ASSERT_OK_AND_ASSIGN(auto m, ReadPackedManifest(*mem, PackedObjectName(step, 0)));
+    for (auto& c : m.chunks) EXPECT_TRUE(chunks.contains(ChunkObjectName(c.sha256)));
+  }
+  EXPECT_TRUE(Names(*mem, std::string(kIntentPrefix)).empty());
+  EXPECT_TRUE(Names(*mem, std::string(kGcLockName)).empty());
+}
+
+TEST(PackTest, GcDefersWhileASaveIsInFlightAndRemovesStaleIntents) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK(Save(store, 2, 2));
+  const auto only_1 = Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2));
+  const size_t all = ChunkNames(*mem).size();
+  ASSERT_OK(store.DeleteStep(1));
+  // A save in flight (its intent, written now): nothing is removed.
+  const std::string now = std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             std::chrono::system_clock::now().time_since_epoch())
+                                             .count());
+  const std::string live = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000001";
+  ASSERT_OK(test::PutObject(*mem, live, AsBytes(now + " 3 0 1 host\n")));
+  ASSERT_OK_AND_ASSIGN(auto deferred, store.CollectGarbage());
+  EXPECT_TRUE(deferred.deferred);
+  EXPECT_EQ(deferred.removed, 0u);
+  EXPECT_EQ(ChunkNames(*mem).size(), all);
+  // A crashed save's intent, hours old, no longer holds the GC back.
+  ASSERT_OK(mem->Delete(live));
+  const std::string stale = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000002";
+  ASSERT_OK(test::PutObject(*mem, stale, AsBytes("1000 3 0 1 host\n")));
+  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  EXPECT_FALSE(gc.deferred) << gc.reason;
+  EXPECT_EQ(gc.stale_intents, 1u);
+  EXPECT_EQ(gc.removed, only_1.size());
+  ExpectShard(store, 2, 2);
+  // Another GC holding a fresh lock: this one defers.
+  ASSERT_OK(test::PutObject(*mem, std::string(kGcLockName), AsBytes(now + " 0 0 1 host\n")));
+  ASSERT_OK_AND_ASSIGN(auto locked, store.CollectGarbage());
+  EXPECT_TRUE(locked.deferred);
+}
+
+TEST(PackTest, ASaveThatFindsTheGcLockWritesThePlainImage) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(test::PutObject(*mem, std::string(kGcLockName), AsBytes("1 0 0 1 host\n")));
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(1));
+  EXPECT_FALSE(commit.images[0].packed);
+  EXPECT_TRUE(ChunkNames(*mem).empty());
+  EXPECT_TRUE(Names(*mem, std::string(kIntentPrefix)).empty());
+  ExpectShard(store, 1, 1);
+}
+
+TEST(PackTest, MissingOrCorruptChunksAreErrorsNamingTheStepAndTheChunk) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK(Save(store, 2, 2));
+  ASSERT_OK_AND_ASSIGN(auto m, ReadPackedManifest(*mem, PackedObjectName(2, 0)));
+  const std::string missing = ChunkObjectName(m.chunks[1].sha256);
+  ASSERT_OK(mem->Delete(missing));
+  auto shard = LoadShard(store, 2, 0);
+  ASSERT_EQ(shard.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(shard.status().message().find("step 2"), std::string::npos)
+      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("chunk 1"), std::string::npos)
+      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find(missing), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("behind safepoint's back"), std::string::npos);
+  // The newest step that reads back intact is loaded instead.
+  ASSERT_OK_AND_ASSIGN(auto fallback, LoadShard(store, std::nullopt, 0));
+  EXPECT_EQ(fallback.commit.step, 1u);
+  EXPECT_EQ(fallback.skipped.size(), 1u);
+  // A chunk whose bytes changed is never handed out.
+  ASSERT_EQ(m.chunks[3].offset, 2 * m.layout.chunk_size);  // header, then big's chunks
+  const std::string changed = ChunkObjectName(m.chunks[3].sha256);
+  auto frame = test::ReadWholeObject(*mem, changed);
+  frame[frame.size() / 2] ^= std::byte{1};
+  ASSERT_OK(test::PutObject(*mem, changed, frame));
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(2));
+  ASSERT_OK_AND_ASSIGN(auto md, store.ReadMetadata(commit, 0));
+  std::vector<std::byte> dst(16);
+  std::vector<CheckpointStore::Range> ranges = {{2 * md.layout.chunk_size + 8, 16, dst.data()}};
+  auto read = store.ReadRanges(md, ranges);
+  EXPECT_EQ(read.code(), StatusCode::kCorruption);
+  EXPECT_NE(read.message().find("chunk 3"), std::string::npos) << read.ToString();
+}
+
+// Saves, prunes and collections running at once (two threads, one shared directory): whatever
+// the interleaving, no committed step loses a chunk, and once quiet a GC leaves only what
+// manifests reference.
+TEST(PackTest, GcRunningBesideSavesAndPrunesNeverRemovesAChunkACommittedStepNeeds) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  std::atomic<bool> done{false};
+  std::atomic<int> collections{0}, deferred{0};
+  std::thread gc([&] {
+    while (!done.load()) {
+      auto r = store.CollectGarbage();
+      EXPECT_OK(r);
+      ++collections;
+      if (r.ok() && r->deferred) ++deferred;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  int packed = 0;  // saves that found the GC's lock write plain images (both kinds happen)
+  for (uint64_t step = 1; step <= 24; ++step) {
+    ASSERT_OK_AND_ASSIGN(auto r, Save(store, step, step / 4));  // big changes every 4 steps
+    packed += r.stored_bytes > 0;
+    if (step > 3) ASSERT_OK(store.DeleteStep(step - 3));
+  }
+  done = true;
+  gc.join();
+  EXPECT_GT(collections.load(), 0);
+  EXPECT_GT(packed, 0);
+  ASSERT_OK_AND_ASSIGN(auto committed, store.ListCommitted());
+  ASSERT_EQ(committed.size(), 3u);
+  for (auto& c : committed) ExpectShard(store, c.step, c.step / 4);
+  ASSERT_OK_AND_ASSIGN(auto last, store.CollectGarbage());
+  EXPECT_FALSE(last.deferred) << last.reason;
+  std::set<std::string> wanted;
+  for (auto& c : committed) {
+    if (c.images[0].packed) {
+      for (auto& n : ChunksOf(*mem, c.step)) wanted.insert(n);
+    }
+  }
+  std::set<std::string> there;
+  for (auto& n : ChunkNames(*mem)) there.insert(n);
+  EXPECT_EQ(there, wanted);
+}
+
+// A storage that "dies" after `budget` durable mutations (publishes and deletes): every later one
+// fails, as if the process had been killed just then; what it had published stays.
+class DyingStorage : public test::ForwardingStorage {
+ public:
+  DyingStorage(std::shared_ptr<Storage> inner, int budget)
+      : ForwardingStorage(std::move(inner)), budget_(budget) {}
+
+  bool Spend() { return budget_.fetch_sub(1) > 0; }
+  bool dead() const { return budget_.load() <= 0; }
+
+  Result<std::unique_ptr<WritableObject>> Create(std::string_view name, uint64_t size) override {
+    if (dead()) return IOError("killed");
+    SP_ASSIGN_OR_RETURN(auto w, ForwardingStorage::Create(name, size));
+    return std::unique_ptr<WritableObject>(new Writable(std::move(w), this));
+  }
+  Status Delete(std::string_view name) override {
+    if (!Spend()) return IOError("killed");
+    return ForwardingStorage::Delete(name);
+  }
+  Result<size_t> RemoveLeftovers(std::string_view prefix, const LeftoverFilter& f) override {
+    if (dead()) return IOError("killed");
+    return ForwardingStorage::RemoveLeftovers(prefix, f);
+  }
+
+ private:
+  class Writable : public WritableObject {
+   public:
+    Writable(std::unique_ptr<WritableObject> inner, DyingStorage* s)
+        : inner_(std::move(inner)), s_(s) {}
+    Status WriteAt(uint64_t o, std::span<const std::byte> d) override {
+      return inner_->WriteAt(o, d);
+    }
+    Status Publish() override {
+      if (!s_->Spend()) return IOError("killed");
+      return inner_->Publish();
+    }
+    Status PublishIfAbsent() override {
+      if (!s_->Spend()) return IOError("killed");
+      return inner_->PublishIfAbsent();
+    }
+    void Abort() override { inner_->Abort(); }
+
+   private:
+    std::unique_ptr<WritableObject> inner_;
+    DyingStorage* s_;
+  };
+  std::atomic<int> budget_;
+};
+
+// Kills a packed save, a retention prune and a GC after every number of durable operations;
+// after each, with the crashed GC's lock and the crashed save's intent gone stale (removed, as
+// a later GC does once they are old), a GC and every committed step must load.
+TEST(PackTest, AKillAtAnyMomentOfASavePruneOrGcLeavesEveryCommittedStepLoadable) {
+  for (int budget = 0; budget < 40; ++budget) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+    {
+      CheckpointStore store(mem);
+      ASSERT_OK(Save(store, 1, 1));
+      ASSERT_OK(Save(store, 2, 2));
+    }
+    auto dying = std::make_shared<DyingStorage>(mem, budget);
+    CheckpointStore doomed(dying);
+    // A save of step 3 sharing step 2's big tensor, the prune of step 1, a GC.
+    Status s = Save(doomed, 3, 2).status();
+    if (s.ok()) s = doomed.DeleteStep(1);
+    if (s.ok()) s = doomed.CollectGarbage().status();
+    // What a later GC does with what the dead process left once it is stale.
+    for (auto& n : Names(*mem, std::string(kIntentPrefix))) ASSERT_OK(mem->Delete(n));
+    ASSERT_OK(mem->Delete(kGcLockName));
+    CheckpointStore store(mem);
+    ASSERT_OK(store.CleanUp());
+    ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+    EXPECT_FALSE(gc.deferred) << gc.reason;
+    ASSERT_OK_AND_ASSIGN(auto committed, store.ListCommitted());
+    for (auto& c : committed) ExpectShard(store, c.step, c.step == 1 ? 1 : 2);
+    std::set<uint64_t> steps;
+    for (auto& c : committed) steps.insert(c.step);
+    EXPECT_TRUE(steps.contains(2));
+    // Nothing but what manifests reference is left (an uncommitted newer step's manifest
+    // stays until a newer step commits and CleanUp removes it).
+    std::set<std::string> wanted;
+    for (auto& n : Names(*mem, "step-")) {
+      if (!n.ends_with(".pack")) continue;
+      ASSERT_OK_AND_ASSIGN(auto m, ReadPackedManifest(*mem, n));
+      for (auto& ch : m.chunks) wanted.insert(ChunkObjectName(ch.sha256));
+    }
+    std::set<std::string> there;
+    for (auto& n : ChunkNames(*mem)) there.insert(n);
+    EXPECT_EQ(there, wanted);
+    if (s.ok()) {
+      EXPECT_EQ(steps, (std::set<uint64_t>{2, 3}));
+      break;  // the budget covered everything
+    }
+  }
+}
+
+}  // namespace
+}  // namespace safepoint
