@@ -184,7 +184,7 @@ Status Decode(std::string_view payload, HelloRequest* out) {
                                               {"keep", &out->keep},
                                               {"pid", &out->pid, /*optional=*/true},
                                               {"metrics", &out->metrics, /*optional=*/true},
-                                              {"event_log", &out->event_log, /*optional=*/true}}));
+                                              {"event_log", &out->event_log, /*optional=*/true},
                                               {"compression", &out->compression, true},
                                               {"incremental", &out->incremental, true}}));
   out->tiers.clear();
