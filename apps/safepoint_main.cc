@@ -44,8 +44,8 @@
 #include "base/log.h"
 #include "base/unique_fd.h"
 #include "checkpoint/versions.h"
-#include "cli_versions.h"
 #include "cli_advisor.h"
+#include "cli_versions.h"
 #include "cli_watch.h"
 #include "progress_bar.h"
 #include "safepoint/agent.h"
@@ -962,7 +962,7 @@ int Main(int argc, char** argv) {
     cmd->group("Commands");
   }
   auto run_version_command = AddVersionCommands(app);  // log, tag, diff, export, import
-  const cli::AdvisorCommands advisor_commands(app);  // advise, simulate
+  const cli::AdvisorCommands advisor_commands(app);    // advise, simulate
   app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
 
   try {

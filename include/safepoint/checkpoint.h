@@ -220,9 +220,9 @@ class CheckpointStore {
   // rank wrote: a rank reads what it needs, not whole images. A chunk that lies wholly inside one
   // range is read straight into that range's memory and verified there (no staging copy) where
   // the storage has no direct I/O or that memory is aligned for it; other chunks go through a
-  // reused staging buffer and are verified before any of their bytes is copied out. On an error the contents of
-  // the destinations are unspecified (they may hold bytes of a chunk that failed its checksum):
-  // the caller must not use them.
+  // reused staging buffer and are verified before any of their bytes is copied out. On an error the
+  // contents of the destinations are unspecified (they may hold bytes of a chunk that failed its
+  // checksum): the caller must not use them.
   struct Range {
     uint64_t offset = 0;
     uint64_t length = 0;

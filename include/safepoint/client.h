@@ -51,8 +51,8 @@ struct ClientOptions {
   // cap beyond the free space of shm_dir. A save that could exceed it fails (ResourceExhausted)
   // before it takes or grows a slot.
   uint64_t max_shm_bytes = 0;
-  std::string metrics;          // ask the agent to serve Prometheus metrics on "HOST:PORT"
-  std::string event_log;        // the agent's event log path (empty: in the job directory)
+  std::string metrics;               // ask the agent to serve Prometheus metrics on "HOST:PORT"
+  std::string event_log;             // the agent's event log path (empty: in the job directory)
   std::string compression = "none";  // how the agent stores steps in `storage` (TierSpec's)
   bool incremental = false;
 };

@@ -18,8 +18,8 @@
 #include <thread>
 #include <unordered_map>
 
-#include "codec_bindings.h"
 #include "advisor_bindings.h"
+#include "codec_bindings.h"
 #include "format_bindings.h"
 #include "replica/redundancy.h"
 #include "safepoint/build_config.h"
@@ -390,13 +390,14 @@ void ReadRanges(const std::string& path, uint64_t step, uint32_t rank, nb::list 
 
 class PyClient {
  public:
-  PyClient(const std::string& storage, const std::string& job, const std::string& shm_dir,
-           uint32_t rank, uint32_t world_size, uint32_t keep, bool wait_when_busy,
-           const std::string& agent_binary, uint64_t attempt,
-           const std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>&
-               tiers,
-           uint64_t max_shm_bytes, const std::string& metrics, const std::string& event_log,
-           const std::string& compression, bool incremental) {
+  PyClient(
+      const std::string& storage, const std::string& job, const std::string& shm_dir, uint32_t rank,
+      uint32_t world_size, uint32_t keep, bool wait_when_busy, const std::string& agent_binary,
+      uint64_t attempt,
+      const std::vector<std::tuple<std::string, uint64_t, double, uint32_t, std::string, bool>>&
+          tiers,
+      uint64_t max_shm_bytes, const std::string& metrics, const std::string& event_log,
+      const std::string& compression, bool incremental) {
     ClientOptions o;
     o.max_shm_bytes = max_shm_bytes;
     o.metrics = metrics;
@@ -430,8 +431,8 @@ class PyClient {
     python::PlanWalk walked;
     bool have_walk = false;
     if (stage != 2 && !pending_ && !plan_signature_.empty() && Get().plan_tensors()) {
-      std::optional<SnapshotResult> r = SaveStreamed(step, state, persist, notify, &walked,
-                                                     &have_walk);
+      std::optional<SnapshotResult> r =
+          SaveStreamed(step, state, persist, notify, &walked, &have_walk);
       if (r) return *r;
     }
     std::unique_ptr<Pending> p =
@@ -690,13 +691,13 @@ class PyClient {
   struct Pending {
     uint64_t step = 0;
     bool persist = false, notify = true;
-    bool reuse = false;          // SaveLike with walk.data; else Save with sources/extras
-    python::PlanWalk walk;       // the plan check's walk (its keepalive holds the tensors)
-    python::FlatState flat;      // the full walk, when the plan could not be reused
+    bool reuse = false;      // SaveLike with walk.data; else Save with sources/extras
+    python::PlanWalk walk;   // the plan check's walk (its keepalive holds the tensors)
+    python::FlatState flat;  // the full walk, when the plan could not be reused
     std::vector<TensorSource> sources;
     std::string extras;
     SnapshotClient::StageFn stage_fn;
-    std::string signature;       // the plan signature to keep after a full save ("" : none)
+    std::string signature;  // the plan signature to keep after a full save ("" : none)
     std::thread thread;
     Result<SnapshotResult> result = Status(StatusCode::kCancelled, "");
   };

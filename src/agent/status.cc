@@ -108,8 +108,8 @@ nlohmann::json NodeAgent::StatusJson() {
            telemetry_.metrics_url().empty() ? json(nullptr) : json(telemetry_.metrics_url())},
           {"metrics_error",
            telemetry_.metrics_error().empty() ? json(nullptr) : json(telemetry_.metrics_error())},
-          {"event_log", telemetry_.event_log_path().empty() ? json(nullptr)
-                                                            : json(telemetry_.event_log_path())},
+          {"event_log",
+           telemetry_.event_log_path().empty() ? json(nullptr) : json(telemetry_.event_log_path())},
           {"storage_layout", config_ ? PackJson(config_->compression, config_->incremental,
                                                 store_ ? store_->storage().uri() : config_->storage)
                                      : json(nullptr)},

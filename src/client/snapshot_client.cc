@@ -89,9 +89,16 @@ Status SnapshotClient::ConnectOnce() {
 }
 
 Status SnapshotClient::Hello() {
-  const agent::HelloRequest hello{
-      opt_.rank,       opt_.world_size,  opt_.storage,   opt_.keep, static_cast<uint32_t>(::getpid()),
-      opt_.tiers,      opt_.metrics,     opt_.event_log, opt_.compression, opt_.incremental};
+  const agent::HelloRequest hello{opt_.rank,
+                                  opt_.world_size,
+                                  opt_.storage,
+                                  opt_.keep,
+                                  static_cast<uint32_t>(::getpid()),
+                                  opt_.tiers,
+                                  opt_.metrics,
+                                  opt_.event_log,
+                                  opt_.compression,
+                                  opt_.incremental};
   agent::FrameDecoder decoder;
   SP_RETURN_IF_ERROR(agent::SendMessage(fd_, MessageType::kHello, agent::Encode(hello)));
   SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));
@@ -336,9 +343,8 @@ Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSou
   return WriteSnapshot(step, persist, notify, stage);
 }
 
-Result<SnapshotResult> SnapshotClient::SaveLike(uint64_t step,
-                                                std::span<const void* const> data, bool persist,
-                                                bool notify) {
+Result<SnapshotResult> SnapshotClient::SaveLike(uint64_t step, std::span<const void* const> data,
+                                                bool persist, bool notify) {
   if (!plan_ || data.size() != plan_->tensors().size()) {
     return InvalidArgument(job_dir_ + ": no save plan for " + std::to_string(data.size()) +
                            " tensors to reuse");
@@ -438,8 +444,13 @@ class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
  public:
   Streamed(SnapshotClient* client, uint64_t step, bool persist, bool notify,
            Arena::WriteTicket ticket, SnapshotResult result, size_t threads)
-      : c_(client), step_(step), persist_(persist), notify_(notify), ticket_(ticket),
-        result_(result), t0_(Clock::now()) {
+      : c_(client),
+        step_(step),
+        persist_(persist),
+        notify_(notify),
+        ticket_(ticket),
+        result_(result),
+        t0_(Clock::now()) {
     const ImageBuilder& b = *c_->plan_;
     const uint64_t chunks = b.chunk_count();
     const uint64_t chunk = b.layout().chunk_size;
@@ -560,12 +571,13 @@ Status SnapshotClient::CheckShmCap(uint64_t image_bytes) {
     mine += s.capacity >= image_bytes ? kSlotHeaderBytes + s.capacity : SlotFileBytes(image_bytes);
   }
   if (others + mine <= opt_.max_shm_bytes) return Status::OK();
-  return ResourceExhausted(
-      job_dir_ + ": a snapshot of rank " + std::to_string(opt_.rank) + " (" +
-      std::to_string(image_bytes) + " bytes) needs " + std::to_string(mine) + " bytes in its " +
-      std::to_string(slots.size()) + " slots, and the job's other ranks on this node hold " +
-      std::to_string(others) + " bytes: more than max_shm_bytes=" +
-      std::to_string(opt_.max_shm_bytes) + "; raise the cap or save less per rank");
+  return ResourceExhausted(job_dir_ + ": a snapshot of rank " + std::to_string(opt_.rank) + " (" +
+                           std::to_string(image_bytes) + " bytes) needs " + std::to_string(mine) +
+                           " bytes in its " + std::to_string(slots.size()) +
+                           " slots, and the job's other ranks on this node hold " +
+                           std::to_string(others) +
+                           " bytes: more than max_shm_bytes=" + std::to_string(opt_.max_shm_bytes) +
+                           "; raise the cap or save less per rank");
 }
 
 std::string SnapshotClient::Notify(const SkipRanges& skip) {

@@ -127,9 +127,8 @@ TEST(ImageTest, RebindIsCreateWithANewStepAndNewData) {
   ASSERT_OK(r);
   EXPECT_EQ(r->meta().step, 9u);
   for (size_t i = 0; i < second.sources.size(); ++i) {
-    ASSERT_EQ(std::memcmp(r->tensor_data(i).data(), second.sources[i].data,
-                          second.sources[i].nbytes),
-              0)
+    ASSERT_EQ(
+        std::memcmp(r->tensor_data(i).data(), second.sources[i].data, second.sources[i].nbytes), 0)
         << i;
   }
   ImageMeta meta = Meta(9);
@@ -143,8 +142,8 @@ TEST(ImageTest, RebindIsCreateWithANewStepAndNewData) {
   auto again = Build(**b);
   auto back = ImageReader::Parse(again, "back", ImageReader::Verify::kAll, 2);
   ASSERT_OK(back);
-  EXPECT_EQ(std::memcmp(back->tensor_data(5).data(), first.sources[5].data, first.sources[5].nbytes),
-            0);
+  EXPECT_EQ(
+      std::memcmp(back->tensor_data(5).data(), first.sources[5].data, first.sources[5].nbytes), 0);
 }
 
 // Restore in place from memory: one pass verifies every chunk and copies tensors out, with

@@ -14,8 +14,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   auto again = safepoint::EncodeExtras(*v);
-  if (!again.ok() || again->size() != size ||
-      std::memcmp(again->data(), data, size) != 0) {
+  if (!again.ok() || again->size() != size || std::memcmp(again->data(), data, size) != 0) {
     __builtin_trap();  // the encoding is canonical: decode(x) must encode back to x
   }
   (void)safepoint::FormatValue(*v, 256);
