@@ -27,8 +27,9 @@ class Tier:
     steps it keeps. ``every="auto"``: the interval advisor's schedule; copies to a tier cost
     training nothing (the agent makes them), so its goodput-optimal interval is as often as the
     tier accepts steps: every step committed above, the newest one whenever the previous copy is
-    done (docs/guide.md, "Choosing the checkpoint interval"). ``compression`` and ``incremental`` choose how the tier stores steps, as
-    on ``safepoint.save`` (the agent compresses while it copies a step down)."""
+    done (docs/guide.md, "Choosing the checkpoint interval"). ``compression`` and
+    ``incremental`` choose how the tier stores steps, as on ``safepoint.save`` (the agent
+    compresses while it copies a step down)."""
     uri: str
     every: Optional[Union[int, str]] = None
     every_seconds: Optional[float] = None
