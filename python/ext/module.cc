@@ -643,7 +643,9 @@ class PyClient {
     for (nb::handle item : flat.staged) {
       auto idx = nb::cast<size_t>(item[0]);
       nb::object t = nb::borrow(item[1]);
-      if (!nb::cast<bool>(t.attr("is_cpu"))) continue;
+      // Only contiguous CPU tensors take the slot's bytes as they are; the walker stages strided
+      // ones as themselves (a save copies them element by element), so check here.
+      if (!nb::cast<bool>(t.attr("is_cpu")) || !nb::cast<bool>(t.attr("is_contiguous")())) continue;
       TensorFill f;
       f.spec = flat.tensors[idx].spec;
       f.nbytes = flat.tensors[idx].nbytes;
