@@ -804,7 +804,6 @@ TEST_F(AgentTest, JobConfigWriteFailureIsReportedAndRetried) {
   fd2.Reset();
 }
 
-
 // A wait for a step that retention prunes as soon as it is committed (the storage already holds
 // `keep` newer steps, e.g. from an earlier run) is answered: the step was committed. It used to
 // hang: its outcome was OK, but it was no longer in the committed cache and its COMMIT was gone.
@@ -850,6 +849,33 @@ TEST_F(AgentTest, SnapshotNoteSentJustBeforeExitIsHandled) {
   // The deadline only turns a lost note into a failure.
   EXPECT_TRUE(WaitUntil([&] { return !Committed().empty(); })) << "step 7 was never persisted";
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{7}));
+  ExpectServes();
+}
+
+// The reported case: a training process's last report (metrics of its final save) arrives
+// together with the end of its connection. It reaches the event log. The agent is stopped while
+// the report is sent and the connection closed, so that both are read in the same turn.
+TEST_F(AgentTest, ReportSentJustBeforeClosingIsHandled) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  UniqueFd fd = ConnectAndHello();
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(::kill(agent_, SIGSTOP), 0);
+  ReportNote note;
+  note.event = "save";
+  note.step = 424242;
+  note.nanos = 1000;
+  note.bytes = 4096;
+  const Status sent = SendMessage(fd.get(), MessageType::kReport, Encode(note));
+  fd.Reset();
+  ASSERT_EQ(::kill(agent_, SIGCONT), 0);
+  ASSERT_OK(sent);
+  const std::string events = EventLogPath(job_dir_);
+  // The deadline only turns a lost report into a failure.
+  EXPECT_TRUE(WaitUntil([&] {
+    auto text = test::ReadFileToString(events);
+    return text && text->find("424242") != std::string::npos;
+  })) << "the report never reached "
+      << events;
   ExpectServes();
 }
 
