@@ -162,11 +162,12 @@ class AgentTest : public ::testing::Test {
     }
   }
 
-  // Starts safepointd for the job as a child process (not waiting for it).
-  pid_t Spawn() {
+  // Starts safepointd for the job as a child process (not waiting for it), with `extra_args`.
+  pid_t Spawn(const std::vector<std::string>& extra_args = {}) {
     const std::string log = tmp_ + "/agent-" + std::to_string(logs_.size()) + ".log";
     logs_.push_back(log);
     std::vector<std::string> args = {SAFEPOINTD_PATH, "--job", job_, "--shm-dir", shm_};
+    args.insert(args.end(), extra_args.begin(), extra_args.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -188,8 +189,8 @@ class AgentTest : public ::testing::Test {
 
   // Starts the agent (agent_) and waits until its socket accepts connections; a fatal failure
   // when it exits or does not listen within the deadline.
-  void StartAgent() {
-    agent_ = Spawn();
+  void StartAgent(const std::vector<std::string>& extra_args = {}) {
+    agent_ = Spawn(extra_args);
     ASSERT_GT(agent_, 0);
     ASSERT_TRUE(WaitUntil([&] { return !Running(agent_) || TryConnect().valid(); }))
         << "the agent did not listen within the deadline";
@@ -801,6 +802,81 @@ TEST_F(AgentTest, JobConfigWriteFailureIsReportedAndRetried) {
   EXPECT_TRUE((*status2)["job_config_error"].is_null()) << status2->dump();
   EXPECT_TRUE(fs::exists(job_dir_ + "/job.json"));
   fd2.Reset();
+}
+
+// A wait for a step that retention prunes as soon as it is committed (the storage already holds
+// `keep` newer steps, e.g. from an earlier run) is answered: the step was committed. It used to
+// hang: its outcome was OK, but it was no longer in the committed cache and its COMMIT was gone.
+TEST_F(AgentTest, WaitForAStepPrunedRightAfterItsCommitIsAnswered) {
+  ClientOptions o = Options();
+  o.keep = 2;
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(o));
+  SaveStep(*client, 59, /*persist=*/true);
+  SaveStep(*client, 60, /*persist=*/true);
+  ASSERT_OK(client->Wait(kDeadlineSeconds));
+  ASSERT_EQ(Committed(), (std::vector<uint64_t>{59, 60}));
+
+  // A new run starts over from step 0 into the same path.
+  SaveStep(*client, 0, /*persist=*/true);
+  EXPECT_OK(client->Wait(kDeadlineSeconds));  // the deadline only turns a hang into a failure
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{59, 60}));
+  auto status = client->AgentStatus();
+  ASSERT_OK(status);
+  json j = json::parse(*status, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << *status;
+  EXPECT_EQ(j["ranks"][0]["persists_ok"], 3);
+  EXPECT_EQ(j["ranks"][0]["persists_failed"], 0);
+}
+
+// The frames a client sent just before it exited arrive together with the end of its
+// connection: each complete frame is handled before the disconnect. Here the snapshot note that
+// asks to persist step 7 (with the emergency flush off, nothing else would persist it); the
+// agent is stopped while the child saves and exits, so that the note and the EOF are read in
+// the same turn.
+TEST_F(AgentTest, SnapshotNoteSentJustBeforeExitIsHandled) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent({"--no-emergency-flush"}));
+  const pid_t agent = agent_;
+  const int exit_code = test::RunInChild([&] {
+    auto c = SnapshotClient::Connect(Options());
+    if (!c.ok()) return 2;
+    if (::kill(agent, SIGSTOP) != 0) return 4;
+    Shard s(7);
+    auto r = (*c)->Save(7, s.sources, s.extras, /*persist=*/true);
+    return r.ok() && r->saved ? 0 : 3;  // exits without Close, the agent still stopped
+  });
+  ASSERT_EQ(::kill(agent_, SIGCONT), 0);
+  ASSERT_EQ(exit_code, 0) << "the child failed to save";
+  // The deadline only turns a lost note into a failure.
+  EXPECT_TRUE(WaitUntil([&] { return !Committed().empty(); })) << "step 7 was never persisted";
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{7}));
+  ExpectServes();
+}
+
+// The reported case: a training process's last report (metrics of its final save) arrives
+// together with the end of its connection. It reaches the event log. The agent is stopped while
+// the report is sent and the connection closed, so that both are read in the same turn.
+TEST_F(AgentTest, ReportSentJustBeforeClosingIsHandled) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  UniqueFd fd = ConnectAndHello();
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(::kill(agent_, SIGSTOP), 0);
+  ReportNote note;
+  note.event = "save";
+  note.step = 424242;
+  note.nanos = 1000;
+  note.bytes = 4096;
+  const Status sent = SendMessage(fd.get(), MessageType::kReport, Encode(note));
+  fd.Reset();
+  ASSERT_EQ(::kill(agent_, SIGCONT), 0);
+  ASSERT_OK(sent);
+  const std::string events = EventLogPath(job_dir_);
+  // The deadline only turns a lost report into a failure.
+  EXPECT_TRUE(WaitUntil([&] {
+    auto text = test::ReadFileToString(events);
+    return text && text->find("424242") != std::string::npos;
+  })) << "the report never reached "
+      << events;
+  ExpectServes();
 }
 
 }  // namespace

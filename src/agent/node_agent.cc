@@ -163,6 +163,7 @@ void NodeAgent::SaveJobConfig() {
 }
 
 void NodeAgent::Enqueue(PersistTask t) {
+  std::erase(pruned_, t.step);
   ranks_[t.rank].pending.insert(t.step);
   queue_.Enqueue(std::move(t));
 }
@@ -215,9 +216,22 @@ void NodeAgent::DrainResults() {
         newest_committed_ = std::max(newest_committed_.value_or(0), step);
         tiers_.Committed(step);
       }
-      for (uint64_t p : r.pruned) committed_cache_.erase(p);
       spdlog::info("rank {} step {}: persisted {} bytes in {:.3f} s ({}){}", rank, step, r.bytes,
                    r.seconds, FlushReasonName(r.task.reason), r.committed ? ", committed" : "");
+      for (uint64_t p : r.pruned) {
+        committed_cache_.erase(p);
+        pruned_.push_back(p);
+        if (p == step) {
+          // Not a failure of the save: the checkpoint path holds `keep` newer committed steps
+          // (e.g. of an earlier run), which retention keeps instead. Its waits are answered OK.
+          spdlog::warn(
+              "step {} was committed and then removed at once by retention (keep {}): the "
+              "storage holds newer committed steps, the newest is {} (left by an earlier run?); "
+              "a restore loads that one",
+              step, config_ ? config_->keep : 0, newest_committed_.value_or(step));
+        }
+      }
+      while (pruned_.size() > 256) pruned_.pop_front();
     }
     // Keep the outcome table small.
     while (rs.outcomes.size() > 64) rs.outcomes.erase(rs.outcomes.begin());
@@ -250,7 +264,9 @@ void NodeAgent::AnswerWaits() {
         Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, it->second}));
         continue;
       }
-      if (committed_cache_.contains(step) ||
+      // A step committed and then pruned by retention was saved all the same.
+      const bool pruned = std::find(pruned_.begin(), pruned_.end(), step) != pruned_.end();
+      if (committed_cache_.contains(step) || pruned ||
           (poll_commits && it != rs.outcomes.end() && StepCommitted(step))) {
         Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, Status::OK()}));
         continue;
@@ -320,20 +336,26 @@ void NodeAgent::Accept() {
   }
 }
 
+// Reads what the client sent and handles every complete frame. A client's last frames (a
+// snapshot note, a close, a report sent just before it exited) often arrive together with the
+// end of its connection: they are handled first, and only then is the disconnect processed.
 void NodeAgent::HandleClientData(size_t idx) {
   Client& c = *clients_[idx];
   char buf[64 << 10];
+  bool gone = false;  // EOF or a broken connection
   for (;;) {
     const ssize_t n = ::recv(c.fd.get(), buf, sizeof(buf), 0);
-    if (n == 0) return DropClient(idx, !c.closing);
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EINTR) break;
-      return DropClient(idx, !c.closing);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) break;
+    if (n <= 0) {
+      gone = true;
+      break;
     }
     c.decoder.Feed({reinterpret_cast<const std::byte*>(buf), static_cast<size_t>(n)});
     if (c.decoder.buffered() > 2 * kMaxMessageBytes) break;
   }
-  while (!c.broken) {
+  // A reply to a client that is gone fails (and marks it broken); its notes still count.
+  while (!c.broken || gone) {
     auto m = c.decoder.Next();
     Status s = m.ok() ? Status::OK() : m.status();
     if (s.ok()) {
@@ -342,10 +364,11 @@ void NodeAgent::HandleClientData(size_t idx) {
     }
     if (!s.ok()) {
       spdlog::warn("pid {}: {}; closing its connection", c.pid, s.message());
-      ReplyError(c, s.message());
-      return DropClient(idx, false);
+      if (!c.broken) ReplyError(c, s.message());
+      return DropClient(idx, gone && !c.closing);
     }
   }
+  if (gone) DropClient(idx, !c.closing);
 }
 
 Status NodeAgent::HandleMessage(Client& c, const Message& m) {

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -137,6 +138,9 @@ class NodeAgent {
   std::map<uint32_t, RankState> ranks_;
   std::vector<std::unique_ptr<Client>> clients_;
   std::set<uint64_t> committed_cache_;
+  // The steps this agent committed and its retention then removed, newest last (bounded): a
+  // wait for one of them is answered OK, the save did not fail. A step saved again leaves it.
+  std::deque<uint64_t> pruned_;
   std::optional<uint64_t> newest_committed_;
   double last_commit_poll_ = 0;
   bool stopping_ = false;

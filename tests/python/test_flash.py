@@ -747,6 +747,30 @@ def test_status_retention_persist_overrides_and_close(env):
     ck.close()  # idempotent
 
 
+def test_wait_returns_when_retention_prunes_the_step_at_once(env):
+    """An earlier run left steps 59 and 60 in the path (keep=2); a new run saves step 0 there,
+    which retention removes as soon as it is committed. wait() returns (the save did not fail)
+    and the agent's log says why the step is not on storage. wait() used to hang."""
+    numel = 1 << 12
+    ck = env.checkpointer(keep=2)
+    for step in (59, 60):
+        assert ck.save(step, make_state(SEED, step, numel), persist=True)
+    ck.wait()
+    agent = ck.status()["agent"]["pid"]
+    ck.close()
+    assert safepoint.steps(env.path) == [59, 60]
+    assert wait_until(lambda: not is_agent_of(agent, env.shm)), f"agent {agent} did not exit"
+
+    ck = env.checkpointer(keep=2)
+    assert ck.save(0, make_state(SEED, 0, numel), persist=True)
+    ck.wait(timeout=60)  # the timeout only turns a hang into a failure
+    assert safepoint.steps(env.path) == [59, 60]
+    st = ck.status()
+    assert st["persists_ok"] == 1 and st["persists_failed"] == 0
+    assert "step 0 was committed and then removed at once by retention" in env.agent_log()
+    ck.close()
+
+
 def test_use_after_close_raises_a_safepoint_error(env):
     """Regression test for a fixed bug (minor; python/safepoint/_checkpointer.py, Checkpointer.close): close() sets _client to
     None, so save()/wait()/load()/status() afterwards raise AttributeError ("'NoneType' object has
