@@ -88,4 +88,12 @@ inline constexpr std::string_view kChunkPrefix = "chunks/";
 inline constexpr std::string_view kGcLockName = "chunks/gc-lock";
 inline constexpr std::string_view kIntentPrefix = "chunks/inflight/";
 
+namespace internal {
+// Tests only: sets what compression="auto" has learned about the tier at `uri` (its write
+// bandwidth and one encoder thread's speed, bytes/s, 0 = not measured yet; the probe's stored /
+// raw), so that a test of the per-tier choice does not depend on timing.
+void SetTierLearningForTest(const std::string& uri, double write_bps, double encode_bps_thread,
+                            double probe_ratio);
+}  // namespace internal
+
 }  // namespace safepoint
