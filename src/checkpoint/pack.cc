@@ -157,6 +157,8 @@ struct TierLearning {
   double encode_bps_thread = 0;  // raw bytes/s one encoder thread made frames of
   double probe_ratio = 1;        // stored / raw of the probe
   uint64_t raw = 0, stored = 0;  // chunks this process encoded for the tier
+  // Raw (image) bytes/s of auto's plain writes and of its compressed, non-incremental ones.
+  double plain_bps = 0, compressed_bps = 0;
   std::string mode;
 };
 
@@ -172,7 +174,12 @@ class Advisor {
     std::lock_guard<std::mutex> lock(mu_);
     const TierLearning& t = tiers_[uri];
     const double threads = static_cast<double>(internal::DefaultCpuThreads());
-    if (t.write_bps > 0 && t.encode_bps_thread > 0 && t.probe_ratio < 0.95 &&
+    // What was measured beats what was predicted: compressed writes that moved the image
+    // slower than plain ones did (the encoder shares the cores with SHA-256 and the other
+    // processes, and the packed layout writes an object per chunk) mean plain.
+    const bool measured_slower =
+        t.plain_bps > 0 && t.compressed_bps > 0 && t.compressed_bps < t.plain_bps;
+    if (!measured_slower && t.write_bps > 0 && t.encode_bps_thread > 0 && t.probe_ratio < 0.95 &&
         t.encode_bps_thread * threads >= t.write_bps) {
       return codec::Mode::kAuto;
     }
@@ -202,6 +209,20 @@ class Advisor {
     t.write_bps = write_bps;
     t.encode_bps_thread = encode_bps_thread;
     t.probe_ratio = probe_ratio;
+  }
+  void SetRatesForTest(const std::string& uri, double plain_bps, double compressed_bps) {
+    std::lock_guard<std::mutex> lock(mu_);
+    TierLearning& t = tiers_[uri];
+    t.plain_bps = plain_bps;
+    t.compressed_bps = compressed_bps;
+  }
+  // Raw bytes/s of one of auto's plain (`compressed` false) or compressed image writes.
+  void Moved(const std::string& uri, bool compressed, uint64_t bytes, double seconds) {
+    if (bytes < (1 << 20) || seconds <= 0) return;  // too small to say anything
+    std::lock_guard<std::mutex> lock(mu_);
+    double& bps = compressed ? tiers_[uri].compressed_bps : tiers_[uri].plain_bps;
+    const double now = static_cast<double>(bytes) / seconds;
+    bps = bps == 0 ? now : 0.5 * bps + 0.5 * now;
   }
   void Wrote(const std::string& uri, uint64_t bytes, double seconds) {
     if (bytes < (1 << 20) || seconds <= 0) return;  // too small to say anything
@@ -468,6 +489,9 @@ namespace internal {
 void SetTierLearningForTest(const std::string& uri, double write_bps, double encode_bps_thread,
                             double probe_ratio) {
   Advisor::Get().SetForTest(uri, write_bps, encode_bps_thread, probe_ratio);
+}
+void SetTierRatesForTest(const std::string& uri, double plain_bps, double compressed_bps) {
+  Advisor::Get().SetRatesForTest(uri, plain_bps, compressed_bps);
 }
 }  // namespace internal
 
@@ -763,6 +787,10 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   const double encode_s = static_cast<double>(encode_ns.load()) * 1e-9 /
                           static_cast<double>(std::min(threads, internal::DefaultCpuThreads()));
   Advisor::Get().Wrote(uri, stats.stored_bytes, stats.seconds - encode_s);
+  if (options.compression == Compression::kAuto && !options.incremental &&
+      mode.load() != codec::Mode::kNone) {
+    Advisor::Get().Moved(uri, /*compressed=*/true, l.image_size, stats.seconds);
+  }
   Advisor::Get().Encoded(uri, encoded_raw, stored,
                          options.compression == Compression::kAuto
                              ? "auto:" + std::string(codec::ModeName(mode.load()))
@@ -853,7 +881,9 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   const auto t0 = std::chrono::steady_clock::now();
   auto stats = WriteImage(image, generation);
   if (stats.ok() && options.compression == Compression::kAuto) {
-    Advisor::Get().Wrote(uri, stats->bytes, SecondsSince(t0));
+    const double seconds = SecondsSince(t0);
+    Advisor::Get().Wrote(uri, stats->bytes, seconds);
+    Advisor::Get().Moved(uri, /*compressed=*/false, stats->bytes, seconds);
     Advisor::Get().Plain(uri, "auto:none");
   }
   return stats;
@@ -900,7 +930,9 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   const auto t0 = std::chrono::steady_clock::now();
   auto stats = WriteImageBytes(image, step, rank);
   if (stats.ok() && options.compression == Compression::kAuto) {
-    Advisor::Get().Wrote(uri, stats->bytes, SecondsSince(t0));
+    const double seconds = SecondsSince(t0);
+    Advisor::Get().Wrote(uri, stats->bytes, seconds);
+    Advisor::Get().Moved(uri, /*compressed=*/false, stats->bytes, seconds);
     Advisor::Get().Plain(uri, "auto:none");
   }
   return stats;

@@ -94,6 +94,9 @@ namespace internal {
 // raw), so that a test of the per-tier choice does not depend on timing.
 void SetTierLearningForTest(const std::string& uri, double write_bps, double encode_bps_thread,
                             double probe_ratio);
+// Tests only: the raw bytes per second that auto's plain writes and its compressed
+// (non-incremental) writes to `uri` achieved; 0 = not measured yet.
+void SetTierRatesForTest(const std::string& uri, double plain_bps, double compressed_bps);
 }  // namespace internal
 
 }  // namespace safepoint

@@ -429,6 +429,30 @@ TEST(PackTest, AutoCompressesOnASlowTierAndNotOnAFastOne) {
   ExpectTrained(fast_store, 2);
 }
 
+// compression="auto" (not incremental) that measured its compressed writes to a tier slower, in
+// raw bytes per second, than its plain writes there goes back to the plain image, whatever the
+// probe said: the probe times the encoder alone, not beside the packed layout's hashing on the
+// same cores and its per-chunk objects.
+TEST(PackTest, AutoWritesPlainWhereItsCompressedWritesWereSlowerThanPlainOnes) {
+  auto tier = std::shared_ptr<Storage>(NewMemoryStorage("auto-measured-slower"));
+  internal::SetTierLearningForTest(tier->uri(), /*write_bps=*/1e6, /*encode_bps_thread=*/1e10,
+                                   /*probe_ratio=*/0.7);
+  internal::SetTierRatesForTest(tier->uri(), /*plain_bps=*/1e9, /*compressed_bps=*/1e8);
+  CheckpointStore store(tier);
+  ASSERT_OK(SaveTrained(store, 1, {Compression::kAuto, false}));
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(1));
+  EXPECT_FALSE(commit.images[0].packed);
+  EXPECT_EQ(PackReportFor(tier->uri()).mode, "auto:none");
+  ExpectTrained(store, 1);
+  // Where the compressed writes were the faster, it compresses.
+  internal::SetTierLearningForTest(tier->uri(), 1e6, 1e10, 0.7);
+  internal::SetTierRatesForTest(tier->uri(), /*plain_bps=*/1e8, /*compressed_bps=*/1e9);
+  ASSERT_OK(SaveTrained(store, 2, {Compression::kAuto, false}));
+  ASSERT_OK_AND_ASSIGN(auto second, store.ReadCommit(2));
+  EXPECT_TRUE(second.images[0].packed);
+  ExpectTrained(store, 2);
+}
+
 // Incremental with compression="auto" on a slow tier whose encoder speed was never measured (no
 // plain auto save probed it): the write probes the encoder and compresses. It used to take the
 // unmeasured encoder as "too slow" and store every chunk raw, on every tier, forever.
