@@ -7,11 +7,15 @@
    state_dict, "optim": optimizer state, "step"} every few steps
    to two directories on the same disk: plain (the default layout) and packed incremental.
 3. Reports bytes written per checkpoint after the first as a fraction of the state's bytes,
-   persist and load throughput of both layouts in the same run, and the same for compression
-   "zstd" (whatever the codec of this build does).
+   persist and load throughput of every layout in the same run (plain; packed incremental with
+   compression none, zstd, planes and auto), and the first save's compression ratio.
 4. XOR-delta against the previous step (ZipLLM's idea), measured on consecutive steps of the
    base's own training (where every weight changes): zstd(level 3) of the raw bytes of step t+1
    against zstd of (step t+1 XOR step t), per kind of tensor (fp32 weights, Adam moments).
+5. The whole training state of bench/workloads/trained_gpt.py's model (cached under
+   bench/.cache): plain, packed none/zstd/planes, auto, packed incremental auto, and DCP plain
+   and with its ZStandard extension, on the same disk in one run: bytes on disk, ratio, persist
+   and load throughput (--full-runs saves per layout, medians).
 
     python bench/incremental.py [--dir DIR] [--steps N] [--json OUT]
 """
@@ -165,6 +169,108 @@ def drop_caches(path: str) -> None:
                 pass
 
 
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def dcp_layouts(state: dict, root: str, runs: int) -> dict:
+    """torch.distributed.checkpoint (FileSystemWriter, one process) plain and with its zstd
+    extension: bytes on disk, save and load time of the same state."""
+    try:
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._extension import ZStandard
+    except Exception as e:  # noqa: BLE001
+        return {"DCP": {"error": f"import failed: {type(e).__name__}: {e}"}}
+    out = {}
+    sb = state_bytes(state)
+    for label, ext in (("DCP", None), ("DCP + ZStandard", [ZStandard()])):
+        saves, loads, sizes = [], [], []
+        try:
+            for i in range(runs):
+                path = os.path.join(root, f"{label.replace(' ', '')}-{i}")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    t = time.perf_counter()
+                    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, _extensions=ext),
+                             no_dist=True)
+                    saves.append(time.perf_counter() - t)
+                    sizes.append(dir_bytes(path))
+                    back = {k: {n: torch.empty_like(v) for n, v in d.items()}
+                            for k, d in state.items()}
+                    drop_caches(path)
+                    t = time.perf_counter()
+                    dcp.load(back, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+                    loads.append(time.perf_counter() - t)
+                assert all(torch.equal(back[k][n], v) for k, d in state.items()
+                           for n, v in d.items())
+                shutil.rmtree(path, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001
+            out[label] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        out[label] = {"bytes_per_step": median(sizes), "ratio": sb / median(sizes),
+                      "persist_MBps": sb / median(saves) / 1e6,
+                      "load_MBps": sb / median(loads) / 1e6}
+    return out
+
+
+def full_state(root: str, runs: int) -> dict:
+    """The trained GPT's whole training state (bf16 weights, fp32 master weights, Adam moments;
+    every byte changes between steps, so incremental saves nothing) saved `runs` times per layout,
+    the layouts in turn, into directories on the same disk; each step loaded back after dropping
+    its files from the page cache."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads"))
+    import trained_gpt
+
+    cached = trained_gpt.load()
+    state = {k: v for k, v in cached.items() if k != "meta"}
+    sb = state_bytes(state)
+    layouts = {"plain": {}, "packed": {"compression": "none", "incremental": True},
+               "packed zstd": {"compression": "zstd"}, "packed planes": {"compression": "planes"},
+               "auto": {"compression": "auto"},
+               "packed incremental auto": {"compression": "auto", "incremental": True}}
+    res = {name: {"save": [], "load": [], "bytes": [], "stored": []} for name in layouts}
+    names = list(layouts)
+    ints = {2: torch.int16, 4: torch.int32}
+    for i in range(runs):
+        # Each step's bytes differ from the last one's (the lowest mantissa bits XOR i), as a
+        # trained state's do, so that no layout finds a chunk stored before.
+        step_state = {k: {n: (v.view(ints[v.element_size()]) ^ i).view(v.dtype)
+                          for n, v in d.items()} for k, d in state.items()}
+        for name in names[i % len(names):] + names[: i % len(names)]:  # rotate the order
+            path = os.path.join(root, "full-" + name.replace(" ", "-"))
+            before = dir_bytes(path) if os.path.exists(path) else 0
+            t = time.perf_counter()
+            r = safepoint.save(path, i + 1, step_state, **layouts[name])
+            res[name]["save"].append(time.perf_counter() - t)
+            res[name]["bytes"].append(dir_bytes(path) - before)
+            res[name]["stored"].append(r["stored_bytes"])
+            drop_caches(path)
+            t = time.perf_counter()
+            step, back = safepoint.load(path, i + 1)
+            res[name]["load"].append(time.perf_counter() - t)
+            assert all(torch.equal(back[k][n].view(ints[v.element_size()]),
+                               v.view(ints[v.element_size()]))
+                       for k, d in step_state.items() for n, v in d.items())
+            del back
+    out = {"state_bytes": sb, "runs": runs, "meta": cached["meta"], "layouts": {}}
+    for name in layouts:
+        r = res[name]
+        row = {"bytes_per_step": median(r["bytes"]), "ratio": sb / median(r["bytes"]),
+               "persist_MBps": sb / median(r["save"]) / 1e6,
+               "load_MBps": sb / median(r["load"]) / 1e6}
+        if "auto" in name:
+            row["chose"] = ", ".join("plain" if s == 0 else f"packed ({sb / s:.2f}x)"
+                                     for s in r["stored"])
+        out["layouts"][name] = row
+    out["layouts"].update(dcp_layouts(state, root, runs))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
@@ -172,6 +278,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="LoRA fine-tune steps")
     ap.add_argument("--every", type=int, default=5, help="save every N fine-tune steps")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--full-runs", type=int, default=3,
+                    help="saves per layout of the trained GPT state (0: skip that part)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -222,7 +330,9 @@ def main() -> int:
         opt = torch.optim.AdamW(lora, lr=1e-3)
         data = batches(vocab, ctx, 8, seed=2)  # another "task"
         layouts = {"plain": {}, "packed incremental": {"incremental": True},
-                   "packed incremental zstd": {"incremental": True, "compression": "zstd"}}
+                   "packed incremental zstd": {"incremental": True, "compression": "zstd"},
+                   "packed incremental planes": {"incremental": True, "compression": "planes"},
+                   "packed incremental auto": {"incremental": True, "compression": "auto"}}
         results = {name: {"writes": [], "write_s": [], "image": []} for name in layouts}
         saves = 0
         for i in range(1, args.steps + 1):
@@ -239,6 +349,7 @@ def main() -> int:
                 results[name]["write_s"].append(time.perf_counter() - t)
                 results[name]["writes"].append(dir_bytes(path) - before)
                 results[name]["image"].append(r["bytes"])
+                results[name].setdefault("stored", []).append(r["stored_bytes"])
         sb = state_bytes(state)
         out["lora"] = {"state_bytes": sb, "trainable_params": sum(p.numel() for p in lora),
                        "saves": saves, "every": args.every}
@@ -261,7 +372,12 @@ def main() -> int:
                 "persist_MBps_later": sum(r["image"][1:]) / max(1e-9, sum(r["write_s"][1:])) / 1e6,
                 "load_MBps": r["image"][-1] / load_s / 1e6,
                 "dir_bytes": dir_bytes(path),
+                # The first save writes every chunk: its image bytes over what it stored.
+                "first_ratio": (r["image"][0] / r["stored"][0]) if r["stored"][0] else 1.0,
             }
+        # 4. The trained GPT's whole state, every layout and DCP, the same disk, the same run.
+        if args.full_runs > 0:
+            out["full"] = full_state(root, args.full_runs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -272,12 +388,22 @@ def main() -> int:
           f"{out['lora']['state_bytes'] / 1e6:.1f} MB, {out['lora']['saves']} saves")
     print(f"{'layout':26} {'first MB':>9} {'later MB':>9} {'later/state':>12} "
           f"{'persist 1st MB/s':>17} {'later MB/s':>11} {'load MB/s':>10}")
-    for name in ("plain", "packed incremental", "packed incremental zstd"):
+    for name in layouts:
         r = out[name]
         print(f"{name:26} {r['first_write_bytes'] / 1e6:9.2f} "
-              f"{r['later_write_bytes_mean'] / 1e6:9.3f} {100 * r['later_fraction_of_state']:11.2f}%"
+              f"{r['later_write_bytes_mean'] / 1e6:9.3f} "
+              f"{100 * r['later_fraction_of_state']:11.2f}%"
               f" {r['persist_MBps_first']:17.0f} {r['persist_MBps_later']:11.0f}"
-              f" {r['load_MBps']:10.0f}")
+              f" {r['load_MBps']:10.0f}  first-save ratio {r['first_ratio']:.3f}x")
+    if "full" in out:
+        f = out["full"]
+        print(f"trained GPT state (bench/workloads/trained_gpt.py): {f['state_bytes'] / 2**20:.1f} "
+              f"MiB, {f['runs']} saves per layout (median), same directory tree, same run:")
+        print(f"{'layout':26} {'MB on disk/step':>16} {'ratio':>7} {'persist MB/s':>13} "
+              f"{'load MB/s':>10}  auto chose")
+        for name, r in f["layouts"].items():
+            print(f"{name:26} {r['bytes_per_step'] / 1e6:16.2f} {r['ratio']:7.3f} "
+                  f"{r['persist_MBps']:13.0f} {r['load_MBps']:10.0f}  {r.get('chose', '')}")
     print("XOR-delta vs raw, zstd level 3, steps of the base's training:")
     for row in out["xor_delta"]:
         print(f"  {row['kind']:18} {row['bytes'] / 1e6:6.1f} MB, {row['apart']} step(s) apart: "

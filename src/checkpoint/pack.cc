@@ -69,6 +69,7 @@ constexpr int64_t kGcLockStaleNs = 600LL * 1000000000;   // a GC's lock, twice i
 constexpr int64_t kGcBudgetNs = 300LL * 1000000000;      // a GC stops deleting after this
 // How long a packed save waits for a running GC before it writes the plain image instead.
 constexpr std::chrono::milliseconds kGcWait(2000);
+constexpr size_t kMinProbe = 256 << 10;  // bytes: a chunk large enough to time the encoder on
 
 int64_t WallNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -156,6 +157,8 @@ struct TierLearning {
   double encode_bps_thread = 0;  // raw bytes/s one encoder thread made frames of
   double probe_ratio = 1;        // stored / raw of the probe
   uint64_t raw = 0, stored = 0;  // chunks this process encoded for the tier
+  // Raw (image) bytes/s of auto's plain writes and of its compressed, non-incremental ones.
+  double plain_bps = 0, compressed_bps = 0;
   std::string mode;
 };
 
@@ -171,7 +174,12 @@ class Advisor {
     std::lock_guard<std::mutex> lock(mu_);
     const TierLearning& t = tiers_[uri];
     const double threads = static_cast<double>(internal::DefaultCpuThreads());
-    if (t.write_bps > 0 && t.encode_bps_thread > 0 && t.probe_ratio < 0.95 &&
+    // What was measured beats what was predicted: compressed writes that moved the image
+    // slower than plain ones did (the encoder shares the cores with SHA-256 and the other
+    // processes, and the packed layout writes an object per chunk) mean plain.
+    const bool measured_slower =
+        t.plain_bps > 0 && t.compressed_bps > 0 && t.compressed_bps < t.plain_bps;
+    if (!measured_slower && t.write_bps > 0 && t.encode_bps_thread > 0 && t.probe_ratio < 0.95 &&
         t.encode_bps_thread * threads >= t.write_bps) {
       return codec::Mode::kAuto;
     }
@@ -193,6 +201,28 @@ class Advisor {
     TierLearning& t = tiers_[uri];
     t.encode_bps_thread = static_cast<double>(sample.size()) / s;
     t.probe_ratio = static_cast<double>(frame.size()) / static_cast<double>(sample.size());
+  }
+  void SetForTest(const std::string& uri, double write_bps, double encode_bps_thread,
+                  double probe_ratio) {
+    std::lock_guard<std::mutex> lock(mu_);
+    TierLearning& t = tiers_[uri];
+    t.write_bps = write_bps;
+    t.encode_bps_thread = encode_bps_thread;
+    t.probe_ratio = probe_ratio;
+  }
+  void SetRatesForTest(const std::string& uri, double plain_bps, double compressed_bps) {
+    std::lock_guard<std::mutex> lock(mu_);
+    TierLearning& t = tiers_[uri];
+    t.plain_bps = plain_bps;
+    t.compressed_bps = compressed_bps;
+  }
+  // Raw bytes/s of one of auto's plain (`compressed` false) or compressed image writes.
+  void Moved(const std::string& uri, bool compressed, uint64_t bytes, double seconds) {
+    if (bytes < (1 << 20) || seconds <= 0) return;  // too small to say anything
+    std::lock_guard<std::mutex> lock(mu_);
+    double& bps = compressed ? tiers_[uri].compressed_bps : tiers_[uri].plain_bps;
+    const double now = static_cast<double>(bytes) / seconds;
+    bps = bps == 0 ? now : 0.5 * bps + 0.5 * now;
   }
   void Wrote(const std::string& uri, uint64_t bytes, double seconds) {
     if (bytes < (1 << 20) || seconds <= 0) return;  // too small to say anything
@@ -455,6 +485,16 @@ PackOptions MakePackOptions(std::string_view compression, bool incremental) {
 
 PackReport PackReportFor(const std::string& uri) { return Advisor::Get().Report(uri); }
 
+namespace internal {
+void SetTierLearningForTest(const std::string& uri, double write_bps, double encode_bps_thread,
+                            double probe_ratio) {
+  Advisor::Get().SetForTest(uri, write_bps, encode_bps_thread, probe_ratio);
+}
+void SetTierRatesForTest(const std::string& uri, double plain_bps, double compressed_bps) {
+  Advisor::Get().SetRatesForTest(uri, plain_bps, compressed_bps);
+}
+}  // namespace internal
+
 std::vector<std::pair<uint64_t, uint64_t>> PlanContentChunks(
     const ImageLayout& l, const std::vector<TensorEntry>& tensors) {
   // Where a content chunk may end: checksum-chunk boundaries and the start of the data and the
@@ -634,7 +674,13 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   if (lock.ok()) return Unavailable(uri + ": the chunk store's garbage collector is running");
   if (lock.status().code() != StatusCode::kNotFound) return lock.status();
 
-  const codec::Mode mode = Advisor::Get().Choose(uri, options.compression);
+  // With auto, a tier whose encoder speed this process never measured (a tier copy: no sample
+  // in memory) is probed on the first large chunk of 2-, 4- or 8-byte values that this write
+  // encodes; chunks encoded before that one are stored raw.
+  std::atomic<codec::Mode> mode{Advisor::Get().Choose(uri, options.compression)};
+  std::atomic<bool> probe{options.compression == Compression::kAuto &&
+                          Advisor::Get().NeedsProbe(uri)};
+  std::once_flag probed;
 
   PackedManifest m;
   m.meta = src.meta;
@@ -674,8 +720,15 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
     }
     std::vector<std::byte> frame;
     frame.reserve(raw.size() + 64);
+    if (probe.load() && element_sizes[i] > 1 && raw.size() >= kMinProbe) {
+      std::call_once(probed, [&] {
+        Advisor::Get().Probe(uri, raw, element_sizes[i]);
+        mode = Advisor::Get().Choose(uri, options.compression);
+        probe = false;
+      });
+    }
     const auto e0 = std::chrono::steady_clock::now();
-    auto method = codec::EncodeChunk(raw, element_sizes[i], mode, &frame);
+    auto method = codec::EncodeChunk(raw, element_sizes[i], mode.load(), &frame);
     encode_ns += static_cast<uint64_t>(SecondsSince(e0) * 1e9);
     if (!method.ok()) return method.status();
     encoded_raw += raw.size();
@@ -729,15 +782,19 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   stats.new_raw_bytes = new_raw;
   stats.chunks = m.chunks.size();
   stats.new_chunks = new_chunks;
-  stats.compression = std::string(codec::ModeName(mode));
+  stats.compression = std::string(codec::ModeName(mode.load()));
   // What the tier took, with the encoders' time (spread over the threads) taken out.
   const double encode_s = static_cast<double>(encode_ns.load()) * 1e-9 /
                           static_cast<double>(std::min(threads, internal::DefaultCpuThreads()));
   Advisor::Get().Wrote(uri, stats.stored_bytes, stats.seconds - encode_s);
+  if (options.compression == Compression::kAuto && !options.incremental &&
+      mode.load() != codec::Mode::kNone) {
+    Advisor::Get().Moved(uri, /*compressed=*/true, l.image_size, stats.seconds);
+  }
   Advisor::Get().Encoded(uri, encoded_raw, stored,
                          options.compression == Compression::kAuto
-                             ? "auto:" + std::string(codec::ModeName(mode))
-                             : std::string(codec::ModeName(mode)));
+                             ? "auto:" + std::string(codec::ModeName(mode.load()))
+                             : std::string(codec::ModeName(mode.load())));
   return stats;
 }
 
@@ -747,10 +804,11 @@ namespace {
 bool WantPacked(const std::string& uri, const PackOptions& options,
                 std::span<const std::byte> sample, int element_size) {
   if (!options.packed()) return false;
-  if (options.incremental || options.compression != Compression::kAuto) return true;
+  if (options.compression != Compression::kAuto) return true;
+  // Incremental too: WritePacked's choice needs the encoder's speed.
   Advisor& a = Advisor::Get();
   if (a.NeedsProbe(uri)) a.Probe(uri, sample, element_size);
-  return a.Choose(uri, Compression::kAuto) != codec::Mode::kNone;
+  return options.incremental || a.Choose(uri, Compression::kAuto) != codec::Mode::kNone;
 }
 
 // A sample of tensor bytes for probing the encoder: up to 4 MiB of the largest tensor.
@@ -781,7 +839,7 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   const std::string& uri = storage_->uri();
   std::vector<TensorEntry> entries = EntriesOf(image);
   bool packed = options.packed();
-  if (packed && !options.incremental && options.compression == Compression::kAuto) {
+  if (packed && options.compression == Compression::kAuto) {
     // A sample straight from the largest tensor's memory (not staged: the builder has it).
     const TensorSource* best = nullptr;
     for (const auto& t : image.tensors()) {
@@ -823,7 +881,9 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   const auto t0 = std::chrono::steady_clock::now();
   auto stats = WriteImage(image, generation);
   if (stats.ok() && options.compression == Compression::kAuto) {
-    Advisor::Get().Wrote(uri, stats->bytes, SecondsSince(t0));
+    const double seconds = SecondsSince(t0);
+    Advisor::Get().Wrote(uri, stats->bytes, seconds);
+    Advisor::Get().Moved(uri, /*compressed=*/false, stats->bytes, seconds);
     Advisor::Get().Plain(uri, "auto:none");
   }
   return stats;
@@ -870,7 +930,9 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   const auto t0 = std::chrono::steady_clock::now();
   auto stats = WriteImageBytes(image, step, rank);
   if (stats.ok() && options.compression == Compression::kAuto) {
-    Advisor::Get().Wrote(uri, stats->bytes, SecondsSince(t0));
+    const double seconds = SecondsSince(t0);
+    Advisor::Get().Wrote(uri, stats->bytes, seconds);
+    Advisor::Get().Moved(uri, /*compressed=*/false, stats->bytes, seconds);
     Advisor::Get().Plain(uri, "auto:none");
   }
   return stats;

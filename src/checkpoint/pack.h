@@ -88,4 +88,15 @@ inline constexpr std::string_view kChunkPrefix = "chunks/";
 inline constexpr std::string_view kGcLockName = "chunks/gc-lock";
 inline constexpr std::string_view kIntentPrefix = "chunks/inflight/";
 
+namespace internal {
+// Tests only: sets what compression="auto" has learned about the tier at `uri` (its write
+// bandwidth and one encoder thread's speed, bytes/s, 0 = not measured yet; the probe's stored /
+// raw), so that a test of the per-tier choice does not depend on timing.
+void SetTierLearningForTest(const std::string& uri, double write_bps, double encode_bps_thread,
+                            double probe_ratio);
+// Tests only: the raw bytes per second that auto's plain writes and its compressed
+// (non-incremental) writes to `uri` achieved; 0 = not measured yet.
+void SetTierRatesForTest(const std::string& uri, double plain_bps, double compressed_bps);
+}  // namespace internal
+
 }  // namespace safepoint

@@ -9,11 +9,13 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <set>
 #include <thread>
 
 #include "base/bytes.h"
 #include "base/digest.h"
+#include "codec/codec.h"
 #include "safepoint/checkpoint.h"
 #include "testing/test_util.h"
 
@@ -316,6 +318,176 @@ TEST(PackTest, ASaveThatFindsTheGcLockWritesThePlainImage) {
   EXPECT_TRUE(ChunkNames(*mem).empty());
   EXPECT_TRUE(Names(*mem, std::string(kIntentPrefix)).empty());
   ExpectShard(store, 1, 1);
+}
+
+// Trained-like weights: fp32 values of a narrow normal distribution (as weights and Adam moments
+// are after training) and the same values rounded to bf16, whose high bytes compress and low
+// mantissa bytes barely do.
+struct TrainedShard {
+  std::vector<float> fp32;
+  std::vector<uint16_t> bf16;
+  std::vector<TensorSource> sources;
+  std::string extras;
+
+  explicit TrainedShard(uint64_t step) : fp32(1 << 20), bf16(3 << 20) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    for (auto& v : fp32) v = normal(rng);
+    for (auto& v : bf16) {
+      const float f = normal(rng);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      v = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);  // round to even
+    }
+    sources.push_back(
+        {{"w.bf16", DType::kBFloat16, {bf16.size()}, {}, {}}, bf16.data(), bf16.size() * 2});
+    sources.push_back(
+        {{"m.fp32", DType::kFloat32, {fp32.size()}, {}, {}}, fp32.data(), fp32.size() * 4});
+    Dict d;
+    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
+    extras = *EncodeExtras(Value(std::move(d)));
+  }
+};
+
+Result<SaveResult> SaveTrained(CheckpointStore& store, uint64_t step, PackOptions pack) {
+  TrainedShard s(step);
+  SaveOptions options;
+  options.pack = pack;
+  return SaveShard(store, test::TestImageMeta("trained", step, 0, 1), s.sources, s.extras, options);
+}
+
+void ExpectTrained(CheckpointStore& store, uint64_t step) {
+  ASSERT_OK_AND_ASSIGN(auto shard, LoadShard(store, step, 0));
+  TrainedShard want(step);
+  auto bf16 = shard.reader.tensor_data(0);
+  auto fp32 = shard.reader.tensor_data(1);
+  ASSERT_EQ(bf16.size(), want.bf16.size() * 2);
+  ASSERT_EQ(fp32.size(), want.fp32.size() * 4);
+  EXPECT_EQ(std::memcmp(bf16.data(), want.bf16.data(), bf16.size()), 0);
+  EXPECT_EQ(std::memcmp(fp32.data(), want.fp32.data(), fp32.size()), 0);
+}
+
+// For each tensor of `step`'s manifest: raw and stored bytes of the chunks written for it.
+std::vector<std::pair<uint64_t, uint64_t>> TensorBytes(Storage& storage, uint64_t step,
+                                                       CheckpointStore& store) {
+  auto m = ReadPackedManifest(storage, PackedObjectName(step, 0));
+  EXPECT_OK(m);
+  auto md = store.ReadMetadata(*store.ReadCommit(step), 0);
+  EXPECT_OK(md);
+  std::vector<std::pair<uint64_t, uint64_t>> out(md->tensors.size());
+  for (const auto& c : m->chunks) {
+    for (size_t t = 0; t < md->tensors.size(); ++t) {
+      const auto& e = md->tensors[t];
+      if (c.offset >= e.offset && c.offset < e.offset + e.nbytes) {
+        out[t].first += c.raw_size;
+        out[t].second += c.stored_size;
+      }
+    }
+  }
+  return out;
+}
+
+// compression="auto" chooses per tier from what it measured (injected here, not timed): where
+// one encoder thread is slower than the tier takes bytes it writes the plain image (and packed
+// chunks raw when incremental); where the tier is slower than the encoder it compresses, and the
+// step reads back bit-exact with a ratio above 1 on bf16 and fp32 alike.
+TEST(PackTest, AutoCompressesOnASlowTierAndNotOnAFastOne) {
+  auto fast = std::shared_ptr<Storage>(NewMemoryStorage("auto-fast-tier"));
+  auto slow = std::shared_ptr<Storage>(NewMemoryStorage("auto-slow-tier"));
+  internal::SetTierLearningForTest(fast->uri(), /*write_bps=*/1e12, /*encode_bps_thread=*/1e6,
+                                   /*probe_ratio=*/0.7);
+  internal::SetTierLearningForTest(slow->uri(), /*write_bps=*/1e6, /*encode_bps_thread=*/1e10,
+                                   /*probe_ratio=*/0.7);
+  CheckpointStore fast_store(fast), slow_store(slow);
+
+  ASSERT_OK(SaveTrained(fast_store, 1, {Compression::kAuto, false}));
+  ASSERT_OK_AND_ASSIGN(auto fast_commit, fast_store.ReadCommit(1));
+  EXPECT_FALSE(fast_commit.images[0].packed);
+  EXPECT_EQ(PackReportFor(fast->uri()).mode, "auto:none");
+  ExpectTrained(fast_store, 1);
+
+  ASSERT_OK(SaveTrained(slow_store, 1, {Compression::kAuto, false}));
+  ASSERT_OK_AND_ASSIGN(auto slow_commit, slow_store.ReadCommit(1));
+  EXPECT_TRUE(slow_commit.images[0].packed);
+  EXPECT_EQ(PackReportFor(slow->uri()).mode, "auto:auto");
+  EXPECT_GT(PackReportFor(slow->uri()).ratio, 1.05);
+  ExpectTrained(slow_store, 1);
+  const auto bytes = TensorBytes(*slow, 1, slow_store);
+  ASSERT_EQ(bytes.size(), 2u);
+  for (size_t t = 0; t < 2; ++t) {
+    EXPECT_LT(bytes[t].second, bytes[t].first) << "tensor " << t << " not compressed";
+  }
+  // bf16 compresses more than fp32 (its exponent-bearing byte is half the bytes, not a quarter).
+  EXPECT_LT(double(bytes[0].second) / double(bytes[0].first),
+            double(bytes[1].second) / double(bytes[1].first));
+
+  // Incremental on the fast tier: packed, chunks raw.
+  ASSERT_OK(SaveTrained(fast_store, 2, {Compression::kAuto, true}));
+  for (const auto& [raw, stored] : TensorBytes(*fast, 2, fast_store)) {
+    EXPECT_GE(stored, raw);
+  }
+  ExpectTrained(fast_store, 2);
+}
+
+// compression="auto" (not incremental) that measured its compressed writes to a tier slower, in
+// raw bytes per second, than its plain writes there goes back to the plain image, whatever the
+// probe said: the probe times the encoder alone, not beside the packed layout's hashing on the
+// same cores and its per-chunk objects.
+TEST(PackTest, AutoWritesPlainWhereItsCompressedWritesWereSlowerThanPlainOnes) {
+  auto tier = std::shared_ptr<Storage>(NewMemoryStorage("auto-measured-slower"));
+  internal::SetTierLearningForTest(tier->uri(), /*write_bps=*/1e6, /*encode_bps_thread=*/1e10,
+                                   /*probe_ratio=*/0.7);
+  internal::SetTierRatesForTest(tier->uri(), /*plain_bps=*/1e9, /*compressed_bps=*/1e8);
+  CheckpointStore store(tier);
+  ASSERT_OK(SaveTrained(store, 1, {Compression::kAuto, false}));
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(1));
+  EXPECT_FALSE(commit.images[0].packed);
+  EXPECT_EQ(PackReportFor(tier->uri()).mode, "auto:none");
+  ExpectTrained(store, 1);
+  // Where the compressed writes were the faster, it compresses.
+  internal::SetTierLearningForTest(tier->uri(), 1e6, 1e10, 0.7);
+  internal::SetTierRatesForTest(tier->uri(), /*plain_bps=*/1e8, /*compressed_bps=*/1e9);
+  ASSERT_OK(SaveTrained(store, 2, {Compression::kAuto, false}));
+  ASSERT_OK_AND_ASSIGN(auto second, store.ReadCommit(2));
+  EXPECT_TRUE(second.images[0].packed);
+  ExpectTrained(store, 2);
+}
+
+// Incremental with compression="auto" on a slow tier whose encoder speed was never measured (no
+// plain auto save probed it): the write probes the encoder and compresses. It used to take the
+// unmeasured encoder as "too slow" and store every chunk raw, on every tier, forever.
+TEST(PackTest, IncrementalAutoProbesTheEncoderAndCompressesOnASlowTier) {
+  auto slow = std::shared_ptr<Storage>(NewMemoryStorage("auto-slow-incremental"));
+  internal::SetTierLearningForTest(slow->uri(), /*write_bps=*/1e3, /*encode_bps_thread=*/0,
+                                   /*probe_ratio=*/1);
+  CheckpointStore store(slow);
+  ASSERT_OK(SaveTrained(store, 1, {Compression::kAuto, true}));
+  EXPECT_EQ(PackReportFor(slow->uri()).mode, "auto:auto");
+  EXPECT_GT(PackReportFor(slow->uri()).ratio, 1.05);
+  for (const auto& [raw, stored] : TensorBytes(*slow, 1, store)) EXPECT_LT(stored, raw);
+  ExpectTrained(store, 1);
+}
+
+// The same for a tier copy (an s3:// tier with compression="auto" is filled this way, by a process
+// that never saved to it): the copy probes the encoder on the step's chunks and compresses.
+TEST(PackTest, TierCopyWithAutoProbesTheEncoderAndCompressesOnASlowTier) {
+  CheckpointStore src(NewMemoryStorage());
+  ASSERT_OK(SaveTrained(src, 1, PackOptions{}));
+  for (bool incremental : {false, true}) {
+    auto slow = std::shared_ptr<Storage>(
+        NewMemoryStorage(std::string("auto-slow-copy-") + (incremental ? "incremental" : "full")));
+    internal::SetTierLearningForTest(slow->uri(), /*write_bps=*/1e3, /*encode_bps_thread=*/0,
+                                     /*probe_ratio=*/1);
+    CheckpointStore dst(slow);
+    CopyOptions copy;
+    copy.layout = {Compression::kAuto, incremental};
+    ASSERT_OK(CopyStep(src, dst, 1, copy));
+    ASSERT_OK_AND_ASSIGN(auto commit, dst.ReadCommit(1));
+    EXPECT_TRUE(commit.images[0].packed);
+    for (const auto& [raw, stored] : TensorBytes(*slow, 1, dst)) EXPECT_LT(stored, raw);
+    EXPECT_EQ(PackReportFor(slow->uri()).mode, "auto:auto");
+    ExpectTrained(dst, 1);
+  }
 }
 
 TEST(PackTest, MissingOrCorruptChunksAreErrorsNamingTheStepAndTheChunk) {
