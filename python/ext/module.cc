@@ -551,16 +551,18 @@ class PyClient {
                                    bool in_place, nb::handle targets) {
     Fills f = MakeFills(in_place, targets);
     auto r = WithoutGil([&] { return Get().LoadNewest(min_step, in_place, f.fills); });
-    KeepRestorePlan(&f, r.ok());
-    return ToPython(std::move(r), unpickler, &f);
+    std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
+    KeepRestorePlan(&f);
+    return out;
   }
 
   std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place,
                                  nb::handle targets) {
     Fills f = MakeFills(in_place, targets);
     auto r = WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills); });
-    KeepRestorePlan(&f, r.ok());
-    return ToPython(std::move(r), unpickler, &f);
+    std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
+    KeepRestorePlan(&f);
+    return out;
   }
 
   // Whether the last load in place took its targets from the previous one's plan (the state's
@@ -659,19 +661,21 @@ class PyClient {
     if (!in_place || !targets.is_valid() || targets.is_none()) return out;
     out.planned = true;
     python::PlanWalk walk;
-    const bool walked = python::WalkForPlan(
-        targets, restore_plan_ ? restore_plan_->walk_index.size() : 0, &walk);
+    const bool walked =
+        python::WalkForPlan(targets, restore_plan_ ? restore_plan_->walk_index.size() : 0, &walk);
     if (walked && restore_plan_ && walk.signature == restore_plan_->signature) {
-      const RestorePlan& plan = *restore_plan_;
-      out.fills = plan.fills;
-      out.tensors.reserve(plan.fills.size());
-      for (size_t i = 0; i < plan.fills.size(); ++i) {
-        const size_t w = plan.walk_index[i];
+      // The plan's fills are lent to this load (moved, not copied: a spec per tensor) and
+      // taken back by KeepRestorePlan.
+      out.fills = std::move(restore_plan_->fills);
+      out.walk_index = std::move(restore_plan_->walk_index);
+      restore_plan_.reset();
+      out.tensors.reserve(out.fills.size());
+      for (size_t i = 0; i < out.fills.size(); ++i) {
+        const size_t w = out.walk_index[i];
         out.fills[i].dst = static_cast<std::byte*>(const_cast<void*>(walk.data[w]));
         out.tensors.push_back(nb::borrow(PyList_GET_ITEM(walk.keepalive.ptr(), w)));
       }
       out.signature = std::move(walk.signature);
-      out.walk_index = plan.walk_index;
       restore_reused_plan_ = true;
       return out;
     }
@@ -713,19 +717,19 @@ class PyClient {
     return out;
   }
 
-  // After a load in place: its fills (with the image index each took, the next one's hint)
-  // become the plan, when they can be one; else there is none.
-  void KeepRestorePlan(Fills* f, bool loaded) {
+  // After a load in place: its fills (with the image index each took, the next one's hint;
+  // a fill not filled keeps its hint) become the plan, when they can be one; else there is
+  // none. Moves them out of `f`.
+  void KeepRestorePlan(Fills* f) {
     if (!f->planned) return;  // a load without targets: the plan stays
     if (f->signature.empty()) {
       restore_plan_.reset();
       return;
     }
-    if (!loaded) return;  // nothing learned: the plan (if any) stays
     RestorePlan plan;
-    plan.signature = f->signature;
-    plan.walk_index = f->walk_index;
-    plan.fills = f->fills;
+    plan.signature = std::move(f->signature);
+    plan.walk_index = std::move(f->walk_index);
+    plan.fills = std::move(f->fills);
     for (TensorFill& x : plan.fills) {
       x.hint = x.entry >= 0 ? x.entry : x.hint;
       x.entry = -1;
@@ -900,7 +904,7 @@ class PyClient {
   }
 
   std::unique_ptr<SnapshotClient> client_;
-  std::string plan_signature_;  // of the state of the save whose plan the client keeps
+  std::string plan_signature_;               // of the state of the save whose plan the client keeps
   std::optional<RestorePlan> restore_plan_;  // of the last load in place (MakeFills)
   bool restore_reused_plan_ = false;
   bool reused_plan_ = false;

@@ -685,8 +685,7 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
         const TensorSpec& a = e.spec;
         return !a.elsewhere && a.name == f.spec.name && a.dtype == f.spec.dtype &&
                a.shape == f.spec.shape && a.global_shape == f.spec.global_shape &&
-               a.global_offset == f.spec.global_offset && e.nbytes == f.nbytes &&
-               f.dst != nullptr;
+               a.global_offset == f.spec.global_offset && e.nbytes == f.nbytes && f.dst != nullptr;
       };
       std::unordered_map<std::string_view, size_t> by_name;
       std::vector<ImageCopy> copies;
