@@ -99,12 +99,15 @@ struct PeerFetchResult {
 // A restore's target for one tensor of a memory snapshot (LoadNewest/LoadStep in place): when
 // the snapshot has a tensor with this spec (name, dtype, shape, box), its bytes are copied from
 // the slot straight into `dst` (nbytes) in the pass that verifies the slot, and `entry` is set
-// to that tensor's index in the image (-1: not filled; the caller copies it itself).
+// to that tensor's index in the image (-1: not filled; the caller copies it itself). `hint`:
+// the index it had in the previous restore's image (-1: none); it is tried first and used only
+// when that entry matches as a lookup by name would (name, dtype, shape, box, size).
 struct TensorFill {
   TensorSpec spec;
   std::byte* dst = nullptr;
   uint64_t nbytes = 0;
   int64_t entry = -1;
+  int64_t hint = -1;
 };
 
 struct MemorySnapshot {

@@ -550,16 +550,24 @@ class PyClient {
   std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
                                    bool in_place, nb::handle targets) {
     Fills f = MakeFills(in_place, targets);
-    return ToPython(WithoutGil([&] { return Get().LoadNewest(min_step, in_place, f.fills); }),
-                    unpickler, &f);
+    auto r = WithoutGil([&] { return Get().LoadNewest(min_step, in_place, f.fills); });
+    std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
+    KeepRestorePlan(&f);
+    return out;
   }
 
   std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place,
                                  nb::handle targets) {
     Fills f = MakeFills(in_place, targets);
-    return ToPython(WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills); }), unpickler,
-                    &f);
+    auto r = WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills); });
+    std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
+    KeepRestorePlan(&f);
+    return out;
   }
+
+  // Whether the last load in place took its targets from the previous one's plan (the state's
+  // structure was the same: no full flattening, each target tried at its previous image index).
+  bool LastRestoreReusedPlan() const { return restore_reused_plan_; }
 
   std::vector<SlotView> Slots() {
     std::vector<SlotView> out;
@@ -630,31 +638,104 @@ class PyClient {
   struct Fills {
     std::vector<TensorFill> fills;
     std::vector<nb::object> tensors;  // fills[i]'s tensor, held until the load returned
+    // The plan walk's signature and, per fill, its tensor's index in the walk; set when the
+    // fills can be kept as the next restore's plan (every target is the walk's own object).
+    std::string signature;
+    std::vector<size_t> walk_index;
+    bool planned = false;  // targets were given (a load in place)
   };
-  static Fills MakeFills(bool in_place, nb::handle targets) {
+
+  // The restore plan (issue 14): the previous restore's targets (specs, sizes, image indexes)
+  // for a state of one structure (its plan walk's signature, as the save side's plan). A state
+  // with the same signature flattens to the same specs, so only the data pointers are taken
+  // from a new walk; the image indexes are hints the load checks (TensorFill::hint).
+  struct RestorePlan {
+    std::string signature;
+    std::vector<TensorFill> fills;  // dst unset
+    std::vector<size_t> walk_index;
+  };
+
+  Fills MakeFills(bool in_place, nb::handle targets) {
     Fills out;
+    restore_reused_plan_ = false;
     if (!in_place || !targets.is_valid() || targets.is_none()) return out;
+    out.planned = true;
+    python::PlanWalk walk;
+    const bool walked =
+        python::WalkForPlan(targets, restore_plan_ ? restore_plan_->walk_index.size() : 0, &walk);
+    if (walked && restore_plan_ && walk.signature == restore_plan_->signature) {
+      // The plan's fills are lent to this load (moved, not copied: a spec per tensor) and
+      // taken back by KeepRestorePlan.
+      out.fills = std::move(restore_plan_->fills);
+      out.walk_index = std::move(restore_plan_->walk_index);
+      restore_plan_.reset();
+      out.tensors.reserve(out.fills.size());
+      for (size_t i = 0; i < out.fills.size(); ++i) {
+        const size_t w = out.walk_index[i];
+        out.fills[i].dst = static_cast<std::byte*>(const_cast<void*>(walk.data[w]));
+        out.tensors.push_back(nb::borrow(PyList_GET_ITEM(walk.keepalive.ptr(), w)));
+      }
+      out.signature = std::move(walk.signature);
+      restore_reused_plan_ = true;
+      return out;
+    }
     python::FlatState flat;
     try {
       flat = python::FlattenState(targets, nb::none(), python::Stage::kAll);
     } catch (nb::python_error&) {
       return out;  // a value no snapshot could hold: the caller's copy reports what is wrong
     }
+    // Kept as a plan only when each filled tensor is the walk's object at its index.
+    bool keep = walked && walk.data.size() == flat.tensors.size();
     for (nb::handle item : flat.staged) {
       auto idx = nb::cast<size_t>(item[0]);
       nb::object t = nb::borrow(item[1]);
-      // Only contiguous CPU tensors take the slot's bytes as they are; the walker stages strided
-      // ones as themselves (a save copies them element by element), so check here.
-      if (!nb::cast<bool>(t.attr("is_cpu")) || !nb::cast<bool>(t.attr("is_contiguous")())) continue;
+      if (!nb::cast<bool>(t.attr("is_cpu"))) continue;
+      // The fill writes nbytes from data_ptr on: a strided view (a transpose, a slice with a
+      // step) is left to the caller's copy_, which honours its strides.
+      if (!nb::cast<bool>(t.attr("is_contiguous")())) {
+        keep = false;
+        continue;
+      }
       TensorFill f;
       f.spec = flat.tensors[idx].spec;
       f.nbytes = flat.tensors[idx].nbytes;
       f.dst = reinterpret_cast<std::byte*>(nb::cast<uintptr_t>(t.attr("data_ptr")()));
       if (f.nbytes == 0) continue;
+      keep = keep && idx < walk.data.size() &&
+             PyList_GET_ITEM(walk.keepalive.ptr(), idx) == t.ptr() &&
+             walk.data[idx] == static_cast<const void*>(f.dst);
       out.fills.push_back(std::move(f));
       out.tensors.push_back(std::move(t));
+      out.walk_index.push_back(idx);
+    }
+    if (keep) {
+      out.signature = std::move(walk.signature);
+    } else {
+      out.walk_index.clear();
     }
     return out;
+  }
+
+  // After a load in place: its fills (with the image index each took, the next one's hint;
+  // a fill not filled keeps its hint) become the plan, when they can be one; else there is
+  // none. Moves them out of `f`.
+  void KeepRestorePlan(Fills* f) {
+    if (!f->planned) return;  // a load without targets: the plan stays
+    if (f->signature.empty()) {
+      restore_plan_.reset();
+      return;
+    }
+    RestorePlan plan;
+    plan.signature = std::move(f->signature);
+    plan.walk_index = std::move(f->walk_index);
+    plan.fills = std::move(f->fills);
+    for (TensorFill& x : plan.fills) {
+      x.hint = x.entry >= 0 ? x.entry : x.hint;
+      x.entry = -1;
+      x.dst = nullptr;
+    }
+    restore_plan_ = std::move(plan);
   }
 
   // A memory snapshot as load() returns it; None when there is none. Tensors the load filled in
@@ -823,7 +904,9 @@ class PyClient {
   }
 
   std::unique_ptr<SnapshotClient> client_;
-  std::string plan_signature_;  // of the state of the save whose plan the client keeps
+  std::string plan_signature_;               // of the state of the save whose plan the client keeps
+  std::optional<RestorePlan> restore_plan_;  // of the last load in place (MakeFills)
+  bool restore_reused_plan_ = false;
   bool reused_plan_ = false;
   std::unique_ptr<Pending> pending_;  // a save begun by SaveBegin
 };
@@ -939,6 +1022,7 @@ NB_MODULE(_core, m) {
       .def("save_finish", &PyClient::SaveFinish)
       .def("save_pending", &PyClient::SavePending)
       .def("last_save_reused_plan", &PyClient::LastSaveReusedPlan)
+      .def("last_restore_reused_plan", &PyClient::LastRestoreReusedPlan)
       .def("notify", &PyClient::Notify, "skip"_a)
       .def("last_entries", &PyClient::LastEntries)
       .def("wait", &PyClient::Wait, "timeout"_a)

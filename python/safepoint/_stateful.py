@@ -102,6 +102,9 @@ def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False
                 continue
             if k not in loaded:
                 raise InvalidArgumentError(f"{where}: key {k!r} is not in the checkpoint")
+            current = state[k]
+            if loaded[k] is current and isinstance(current, torch.Tensor):
+                continue  # filled in place by the load (a restore from memory): nothing to do
             state[k] = restore_into(state[k], loaded[k], f"{path}.{k}" if path else str(k),
                                     borrowed)
         return state

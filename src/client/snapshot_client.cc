@@ -676,25 +676,38 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
     SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
     if (!fills.empty()) {
       // Restore in place: verify every chunk and copy the targets' tensors out in one pass.
-      std::unordered_map<std::string_view, size_t> by_name;
-      for (size_t i = 0; i < reader.tensors().size(); ++i) {
-        by_name.emplace(reader.tensors()[i].spec.name, i);
-      }
-      std::vector<ImageCopy> copies;
-      std::vector<bool> taken(reader.tensors().size());
-      for (TensorFill& f : fills) {
-        auto it = by_name.find(f.spec.name);
-        if (it == by_name.end() || taken[it->second]) continue;
-        const TensorEntry& e = reader.tensors()[it->second];
+      // Each target is matched to the image's tensor of its name; a target's hint (its index
+      // in the previous restore's image, same state structure) is checked first, and the
+      // name index is built only when some hint does not match.
+      const std::vector<TensorEntry>& entries = reader.tensors();
+      auto matches = [&](const TensorFill& f, size_t i) {
+        const TensorEntry& e = entries[i];
         const TensorSpec& a = e.spec;
-        if (a.elsewhere || a.dtype != f.spec.dtype || a.shape != f.spec.shape ||
-            a.global_shape != f.spec.global_shape || a.global_offset != f.spec.global_offset ||
-            e.nbytes != f.nbytes || f.dst == nullptr) {
-          continue;  // the caller copies (or refuses) it with its own checks
+        return !a.elsewhere && a.name == f.spec.name && a.dtype == f.spec.dtype &&
+               a.shape == f.spec.shape && a.global_shape == f.spec.global_shape &&
+               a.global_offset == f.spec.global_offset && e.nbytes == f.nbytes && f.dst != nullptr;
+      };
+      std::unordered_map<std::string_view, size_t> by_name;
+      std::vector<ImageCopy> copies;
+      copies.reserve(fills.size());
+      std::vector<bool> taken(entries.size());
+      for (TensorFill& f : fills) {
+        size_t i = entries.size();
+        if (f.hint >= 0 && static_cast<size_t>(f.hint) < entries.size() &&
+            entries[f.hint].spec.name == f.spec.name) {
+          i = static_cast<size_t>(f.hint);
+        } else {
+          if (by_name.empty()) {
+            for (size_t j = 0; j < entries.size(); ++j) by_name.emplace(entries[j].spec.name, j);
+          }
+          auto it = by_name.find(f.spec.name);
+          if (it != by_name.end()) i = it->second;
         }
-        taken[it->second] = true;
-        f.entry = static_cast<int64_t>(it->second);
-        copies.push_back({e.offset, e.nbytes, f.dst});
+        // Otherwise the caller copies (or refuses) it with its own checks.
+        if (i == entries.size() || taken[i] || !matches(f, i)) continue;
+        taken[i] = true;
+        f.entry = static_cast<int64_t>(i);
+        copies.push_back({entries[i].offset, entries[i].nbytes, f.dst});
       }
       SP_RETURN_IF_ERROR(VerifyAndCopyOut(src, copies, source, internal::DefaultCpuThreads()));
     }

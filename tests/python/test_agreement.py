@@ -55,3 +55,14 @@ def test_all_ranks_fall_back_together(tmp_path, job):
     assert [o["step"] for o in outs] == [2, 2]
     assert all(o["ok"] for o in outs)
     assert any("fall back" in w for w in outs[0]["warnings"] + outs[1]["warnings"])
+
+
+def test_hot_reload_agrees_in_one_collective(tmp_path, job):
+    outs = run_phase(tmp_path, job, "hot", "a")
+    assert [o["step"] for o in outs] == [3, 3]
+    assert all(o["ok"] for o in outs)
+    assert [o["source"] for o in outs] == ["memory", "memory"]
+    # Every rank has the newest step in memory: one all-gather of fixed-size tensors agrees on
+    # it (no pickled all_gather_object, no confirming all_reduce).
+    assert [o["calls"] for o in outs] == [
+        {"all_gather_object": 0, "all_reduce": 0, "all_gather": 1}] * 2

@@ -164,3 +164,59 @@ def test_hot_restore_keeps_the_shape_error(tmp_path):
         t["big"] = torch.zeros(BIG - 1)
         with pytest.raises(safepoint.InvalidArgumentError, match=r"big: shape \(3146962,\) in the"):
             ckpt.restore(t)
+
+
+def test_hot_restore_into_strided_views(tmp_path):
+    # A restore from memory copies the slot's bytes straight into contiguous targets only: a
+    # transposed target and a view with a step get theirs through their strides, and the
+    # memory between a strided view's elements is left alone.
+    want = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "v": torch.arange(4.0)}
+    base = torch.full((8,), -1.0)
+    with checkpointer(tmp_path, "strided", persist_every=100) as ckpt:
+        ckpt.save(1, want)
+        t = {"w": torch.zeros(3, 4).t(), "v": base[::2]}
+        assert ckpt.restore(t) == 1 and ckpt.last_load_source == "memory"
+        assert torch.equal(t["w"], want["w"])
+        assert torch.equal(base, torch.tensor([0.0, -1, 1, -1, 2, -1, 3, -1]))
+
+
+def pair(step: int, order: str = "ab") -> dict:
+    g = torch.Generator().manual_seed(step)
+    made = {"a": torch.randn(1000, generator=g), "b": torch.randn(1000, generator=g)}
+    return {"model": {k: made[k] for k in order}, "step": step}
+
+
+def test_hot_restore_plan_is_kept_only_for_the_same_structure(tmp_path):
+    with checkpointer(tmp_path, "plan", persist_every=100) as ckpt:
+        ckpt.save(1, pair(1))
+        # The plan is the structure's, non-tensor values included (as the save's plan): the
+        # targets hold the step value the snapshot has, as after a first restore.
+        t = pair(0)
+        t["step"] = 1
+        assert ckpt.restore(t) == 1 and not ckpt._live.last_restore_reused_plan()
+        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_reused_plan()
+        assert_pair(t, pair(1))
+        # The same keys in another order: another structure, so another plan (a stale one would
+        # fill "b" with "a"'s bytes: the same shapes, the same tensor count).
+        t = pair(0, "ba")
+        t["step"] = 1
+        assert ckpt.restore(t) == 1 and not ckpt._live.last_restore_reused_plan()
+        assert_pair(t, pair(1))
+        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_reused_plan()
+        assert_pair(t, pair(1))
+        # The targets' structure unchanged, the snapshot's changed (its tensors in another
+        # order): the plan's image indexes are hints, checked by name.
+        ckpt.save(2, pair(2, "ba"))
+        assert ckpt.restore(t) == 2 and ckpt._live.last_restore_reused_plan()
+        assert_pair(t, pair(2))
+        # Another tensor shape in the targets: no plan, and the shape error of the slow path.
+        t["model"]["a"] = torch.zeros(999)
+        with pytest.raises(safepoint.InvalidArgumentError, match="shape"):
+            ckpt.restore(t)
+        assert not ckpt._live.last_restore_reused_plan()
+
+
+def assert_pair(got: dict, want: dict) -> None:
+    assert got["step"] == want["step"]
+    for k in ("a", "b"):
+        assert torch.equal(got["model"][k], want["model"][k]), k

@@ -32,6 +32,29 @@ if phase == "save":
         ck.save(4, state(4), persist=False)  # only rank 0 reaches step 4 (in memory)
     ck._client.abandon()  # die without a clean close: snapshots stay in memory
     print(json.dumps({"rank": rank}), flush=True)
+elif phase == "hot":
+    # A hot reload in the process that saved: every rank holds step 3 in memory, newer than
+    # the committed step 2. Counts the collectives the restore runs.
+    ck.save(2, state(2), persist=True)
+    ck.wait()
+    ck.save(3, state(3), persist=False)
+    calls = {"all_gather_object": 0, "all_reduce": 0, "all_gather": 0}
+
+    def counted(name):
+        real = getattr(dist, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+    for name in calls:
+        setattr(dist, name, counted(name))
+    target = {"w": torch.zeros(1000), "step": 0}
+    step = ck.restore(target)
+    ok = bool(torch.equal(target["w"], state(3)["w"])) and target["step"] == 3
+    print(json.dumps({"rank": rank, "step": step, "source": ck.last_load_source, "ok": ok,
+                      "calls": calls}), flush=True)
+    ck.close()
 else:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
