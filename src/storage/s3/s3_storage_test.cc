@@ -733,10 +733,14 @@ TEST(S3StorageFaultTest, StalledGatewayFailsUploadAndDownloadAfterTheTimeout) {
   PrivateGateway gw;
   START_PRIVATE_GATEWAY(gw, env);
   TempDir dir;
-  auto s = OpenStorage(TestUri(dir) + "?timeout=1&retries=1&part_size=5M");
+  // The object read later is written through a handle with a generous timeout: on a loaded
+  // machine a fresh gateway can take more than the stalled handle's few seconds to answer.
+  auto setup = OpenStorage(TestUri(dir) + "?timeout=60");
+  ASSERT_OK(setup);
+  ASSERT_OK(test::PutObject(**setup, "before", PatternBytes(1 << 20, 1)));
+  auto s = OpenStorage(TestUri(dir) + "?timeout=3&retries=1&part_size=5M");
   ASSERT_OK(s);
   Storage& st = **s;
-  ASSERT_OK(test::PutObject(st, "before", PatternBytes(1 << 20, 1)));
   auto r = st.Open("before");
   ASSERT_OK(r);
 
