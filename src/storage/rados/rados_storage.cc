@@ -63,6 +63,7 @@
 #include "storage/rados/rados_storage.h"
 
 #include <rados/librados.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -227,14 +228,38 @@ std::vector<std::string> SplitWords(const char* s) {
 
 std::string RadosError(int rv) { return std::strerror(rv < 0 ? -rv : rv); }
 
+// The connected clusters, one per configuration, kept for the life of the process.
+std::mutex& ClustersMu() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::map<std::string, std::shared_ptr<Cluster>>& Clusters() {
+  static auto* clusters = new std::map<std::string, std::shared_ptr<Cluster>>();
+  return *clusters;
+}
+pid_t clusters_pid = 0;  // the process that connected them (a forked child must not shut down)
+
+// Runs at exit: shuts every connected cluster down before libceph's own static objects are
+// destroyed (it is registered after the first rados_connect, so it runs before their
+// destructors). A process that exits with a connected cluster lets librados' threads run into
+// destroyed globals: a segfault at exit, seen in `make test` (and by Ceph's own tools, which
+// shut down before exit for the same reason). Open pools keep their client alive until they are
+// destroyed, so a Pool destroyed later still releases cleanly.
+void ShutdownClustersAtExit() {
+  if (::getpid() != clusters_pid) return;
+  std::lock_guard<std::mutex> lock(ClustersMu());
+  for (auto& [key, cluster] : Clusters()) {
+    if (cluster->handle != nullptr) rados_shutdown(cluster->handle);
+  }
+}
+
 Result<std::shared_ptr<Cluster>> ConnectCluster(int timeout_s) {
   const char* conf_env = std::getenv("CEPH_CONF");
   const char* args_env = std::getenv("CEPH_ARGS");
   const std::string key = std::string(conf_env ? conf_env : "") + '\0' +
                           (args_env ? args_env : "") + '\0' + std::to_string(timeout_s);
-  static std::mutex* mu = new std::mutex();
-  static auto* clusters = new std::map<std::string, std::shared_ptr<Cluster>>();
-  std::lock_guard<std::mutex> lock(*mu);
+  std::lock_guard<std::mutex> lock(ClustersMu());
+  auto* clusters = &Clusters();
   auto it = clusters->find(key);
   if (it != clusters->end()) return it->second;
 
@@ -284,7 +309,11 @@ Result<std::shared_ptr<Cluster>> ConnectCluster(int timeout_s) {
   auto cluster = std::make_shared<Cluster>();
   cluster->handle = h;
   cluster->description = std::move(desc);
-  (*clusters)[key] = cluster;  // kept for the life of the process: never shut down
+  (*clusters)[key] = cluster;  // kept for the life of the process, shut down at its exit
+  if (clusters_pid == 0) {
+    clusters_pid = ::getpid();
+    std::atexit(ShutdownClustersAtExit);
+  }
   return cluster;
 }
 
