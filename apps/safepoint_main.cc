@@ -45,6 +45,7 @@
 #include "base/unique_fd.h"
 #include "checkpoint/versions.h"
 #include "cli_advisor.h"
+#include "cli_format.h"
 #include "cli_versions.h"
 #include "cli_watch.h"
 #include "progress_bar.h"
@@ -92,36 +93,9 @@ int Fail(const Status& s) {
   return kExitError;
 }
 
-std::string FormatTime(int64_t ns) {
-  const std::time_t t = static_cast<std::time_t>(ns / 1000000000);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-std::string Dims(const std::vector<uint64_t>& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-void PrintTable(const std::vector<std::vector<std::string>>& rows) {
-  if (rows.empty()) return;
-  std::vector<size_t> width(rows[0].size(), 0);
-  for (const auto& r : rows) {
-    for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
-  }
-  for (const auto& r : rows) {
-    std::string line;
-    for (size_t i = 0; i < r.size(); ++i) {
-      line += r[i];
-      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 2, ' ');
-    }
-    std::cout << line << "\n";
-  }
-}
+using cli::Dims;
+using cli::FormatTime;
+using cli::PrintTable;
 
 void ReportProblems(const std::vector<std::string>& problems) {
   for (const auto& p : problems) spdlog::warn("skipping {}", p);

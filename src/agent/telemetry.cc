@@ -27,21 +27,10 @@ double UnixNow() {
 
 std::string Str(uint64_t v) { return std::to_string(v); }
 
-// A flush reason as a label value and event field (FlushReasonName is for log sentences).
+// A flush reason as a label value and event field: FlushReasonName's first word ("emergency").
 std::string ReasonToken(FlushReason reason) {
-  switch (reason) {
-    case FlushReason::kRequested:
-      return "requested";
-    case FlushReason::kEmergency:
-      return "emergency";
-    case FlushReason::kClose:
-      return "close";
-    case FlushReason::kAdopted:
-      return "adopted";
-    case FlushReason::kShutdown:
-      return "shutdown";
-  }
-  return "unknown";
+  std::string_view name = FlushReasonName(reason);
+  return std::string(name.substr(0, name.find(' ')));
 }
 
 // A URI as a label value: without its query (options, possibly credentials) and user info.

@@ -8,8 +8,12 @@
 // runs inline on the calling thread.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <functional>
+#include <mutex>
+
+#include "safepoint/status.h"
 
 namespace safepoint::internal {
 
@@ -22,5 +26,26 @@ size_t DefaultIoThreads();
 size_t DefaultCpuThreads();
 
 void ParallelFor(size_t n, size_t threads, const std::function<void(size_t)>& fn);
+
+// Keeps the first error of a parallel loop; failed() lets the other iterations stop early.
+class FirstError {
+ public:
+  void Set(Status s) {
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = std::move(s);
+    failed_.store(true, std::memory_order_relaxed);
+  }
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  Status status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  Status status_;
+  std::atomic<bool> failed_{false};
+};
 
 }  // namespace safepoint::internal

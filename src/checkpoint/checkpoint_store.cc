@@ -55,6 +55,7 @@
 namespace safepoint {
 
 using internal::AlignedBuffer;
+using internal::FirstError;
 using internal::AppendLE;
 using internal::Crc32c;
 using internal::LoadLE;
@@ -124,27 +125,6 @@ IoShape ShapeFor(const Storage& storage, uint64_t chunk) {
 void Prefault(std::byte* p, size_t n) {
   for (size_t i = 0; i < n; i += 4096) reinterpret_cast<volatile std::byte*>(p)[i] = std::byte{0};
 }
-
-// Keeps the first error of a parallel loop.
-class FirstError {
- public:
-  void Set(Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok()) status_ = std::move(s);
-    failed_.store(true, std::memory_order_relaxed);
-  }
-  bool failed() const { return failed_.load(std::memory_order_relaxed); }
-  Status status() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  std::mutex mu_;
-  Status status_;
-  std::atomic<bool> failed_{false};
-};
 
 // Publishes `data` as `name`: replacing what is there, or when `exclusive` only where nothing is
 // (AlreadyExists otherwise).

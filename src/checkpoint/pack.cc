@@ -52,6 +52,7 @@
 namespace safepoint {
 
 using internal::AlignedBuffer;
+using internal::FirstError;
 using internal::AppendLE;
 using internal::Crc32c;
 using internal::LoadLE;
@@ -86,26 +87,6 @@ std::string HostName() {
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "?";
   return buf;
 }
-
-class FirstError {
- public:
-  void Set(Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok()) status_ = std::move(s);
-    failed_.store(true, std::memory_order_relaxed);
-  }
-  bool failed() const { return failed_.load(std::memory_order_relaxed); }
-  Status status() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  std::mutex mu_;
-  Status status_;
-  std::atomic<bool> failed_{false};
-};
 
 Status WriteSmall(Storage& storage, std::string_view name, const std::string& data,
                   bool exclusive) {

@@ -35,6 +35,7 @@ namespace safepoint {
 namespace {
 
 using internal::AlignedBuffer;
+using internal::FirstError;
 
 std::string Describe(const CommitRecord& r) {
   std::string out = "generation " + std::to_string(r.generation) + ", " +
@@ -62,30 +63,6 @@ Result<bool> CommittedThere(CheckpointStore& dst, const CommitRecord& record,
   }
   return existing.status();
 }
-
-// Keeps the first error of a parallel loop.
-class FirstError {
- public:
-  void Set(Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok()) status_ = std::move(s);
-    failed_ = true;
-  }
-  bool failed() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return failed_;
-  }
-  Status status() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  std::mutex mu_;
-  Status status_;
-  bool failed_ = false;
-};
 
 // Chunk-sized buffers for the chunks in flight, reused across the chunks and images of a copy.
 class BufferPool {
