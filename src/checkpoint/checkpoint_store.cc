@@ -55,9 +55,9 @@
 namespace safepoint {
 
 using internal::AlignedBuffer;
-using internal::FirstError;
 using internal::AppendLE;
 using internal::Crc32c;
+using internal::FirstError;
 using internal::LoadLE;
 
 namespace {

@@ -52,9 +52,9 @@
 namespace safepoint {
 
 using internal::AlignedBuffer;
-using internal::FirstError;
 using internal::AppendLE;
 using internal::Crc32c;
+using internal::FirstError;
 using internal::LoadLE;
 
 static_assert(static_cast<int>(Compression::kAuto) == static_cast<int>(codec::Mode::kAuto));
