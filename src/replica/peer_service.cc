@@ -1,9 +1,16 @@
 // PeerService over UCX (UCP active messages). See peer_service.h for the contract and ucx_wire.h
 // for the messages.
 //
-// One progress thread owns the UCP context, worker and listener (UCS_THREAD_MODE_SINGLE: no other
-// thread calls UCX). Other threads hand it work through a task queue and wake it through an
-// eventfd; it sleeps in poll() on that eventfd and the worker's event fd. Every connection is a
+// One UCP context and worker per process (UcpHub), shared by every PeerService in it, and driven
+// by one progress thread (UCS_THREAD_MODE_SINGLE: no other thread calls UCX). Each service has its
+// own listener. Other threads hand the progress thread work through a task queue and wake it
+// through an eventfd; it sleeps in poll() on that eventfd and the worker's event fd.
+// Why one worker per process: UCX keys its async event handlers by file descriptor in one
+// process-wide table, and UCX before 1.17 (Debian 12 ships 1.13) keeps a "missed" event of a
+// handler that was removed meanwhile (openucx/ucx#9942). With two workers in one process, a socket
+// that one closes and the other reuses the number of gets the stale event dispatched to the wrong
+// worker, and UCX aborts (`handler->async == async`). With one worker there is one async context.
+// Every connection is a
 // Conn: one UCP endpoint (UCP_ERR_HANDLING_MODE_PEER, so that a dead peer fails its requests
 // instead of hanging them). A client connection lives for one request (a push to one target, a
 // list, a fetch of one replica): connect, authenticate, one exchange, close. The server side of a
@@ -29,6 +36,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -293,6 +301,53 @@ struct RecvCtx {
   std::shared_ptr<void> keep;
 };
 
+// The process's UCP context, worker and progress thread (see the top of this file). Acquire()
+// returns the one hub of the process, creating it on first use; the last service to release it
+// (Release) tears it down.
+class UcpHub {
+ public:
+  static Result<std::shared_ptr<UcpHub>> Acquire();
+  static void Release(std::shared_ptr<UcpHub>& hub);
+  ~UcpHub();
+
+  ucp_worker_h worker() const { return worker_; }
+  // Runs `task` on the progress thread; tasks of `owner` still queued when it unregisters are
+  // dropped.
+  void Submit(PeerServiceImpl* owner, std::function<void()> task);
+  void Register(PeerServiceImpl* svc);
+  // On the progress thread: no more callbacks or tasks for `svc` after this returns.
+  void Unregister(PeerServiceImpl* svc);
+  // Progress thread: an endpoint close request of `svc` to free once it completes.
+  void AddClose(PeerServiceImpl* svc, void* request) { closing_.emplace_back(svc, request); }
+
+  ucs_status_t OnAm(const void* header, size_t header_length, void* data, size_t length,
+                    const ucp_am_recv_param_t* param);
+
+ private:
+  UcpHub() = default;
+  Status Init();
+  void Run();
+  void RunTasks();
+  void ReapCloses();
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int worker_fd_ = -1;
+  internal::UniqueFd wake_fd_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+
+  std::mutex task_mu_;
+  std::vector<std::pair<PeerServiceImpl*, std::function<void()>>> tasks_;
+
+  std::mutex services_mu_;
+  std::vector<PeerServiceImpl*> services_;                    // guarded by services_mu_
+  std::vector<std::pair<PeerServiceImpl*, void*>> closing_;  // progress thread
+
+  static std::mutex instance_mu_;
+  static std::weak_ptr<UcpHub> instance_;  // guarded by instance_mu_
+};
+
 class PeerServiceImpl final : public PeerService {
  public:
   PeerServiceImpl(const PeerServiceOptions& options, ReplicaStore* store)
@@ -338,8 +393,12 @@ class PeerServiceImpl final : public PeerService {
   // UCX callbacks (progress thread).
   void OnConnRequest(ucp_conn_request_h request);
   void OnEpError(ucp_ep_h ep, ucs_status_t status);
-  ucs_status_t OnAm(const void* header, size_t header_length, void* data, size_t length,
-                    const ucp_am_recv_param_t* param);
+  // Nothing when the message did not come over one of this service's endpoints.
+  std::optional<ucs_status_t> OnAm(const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param);
+  // Progress thread, from the hub.
+  void CheckIdle();
+  void CloseReaped();
   void OnSendDone(SendCtx* ctx, ucs_status_t status);
   void OnRecvDone(RecvCtx* ctx, ucs_status_t status);
 
@@ -347,11 +406,9 @@ class PeerServiceImpl final : public PeerService {
   using Lock = std::unique_lock<std::recursive_mutex>;
 
   // Progress thread.
-  void Run();
-  void Submit(std::function<void()> task);
-  void RunTasks();
-  void CheckIdle();
-  void ReapCloses();
+  void Submit(std::function<void()> task) { hub_->Submit(this, std::move(task)); }
+  // Runs `task` on the progress thread and waits for it.
+  void RunOnProgressThread(const std::function<void()>& task);
   void SendNow(const ConnPtr& c, const WireHeader& h, std::string body, const void* data,
                size_t len, std::shared_ptr<const void> keep);
   void SendCtxNow(SendCtx* ctx);
@@ -405,16 +462,10 @@ class PeerServiceImpl final : public PeerService {
   ReplicaStore* const store_;
   std::string address_;
 
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
-  ucp_listener_h listener_ = nullptr;
-  int worker_fd_ = -1;
-  internal::UniqueFd wake_fd_;
-  std::thread thread_;
+  std::shared_ptr<UcpHub> hub_;
+  ucp_worker_h worker_ = nullptr;      // the hub's
+  ucp_listener_h listener_ = nullptr;  // progress thread
   std::atomic<bool> stop_{false};
-
-  std::mutex task_mu_;
-  std::vector<std::function<void()>> tasks_;
 
   // Store operations that take long (reserve, commit, read) run on their own thread, in order.
   std::thread store_thread_;
@@ -427,7 +478,8 @@ class PeerServiceImpl final : public PeerService {
   std::condition_variable_any cv_;
   std::string secret_;                         // guarded by mu_
   std::unordered_map<ucp_ep_h, ConnPtr> eps_;  // guarded by mu_
-  std::vector<void*> closing_;                 // progress thread: ep close requests
+  size_t closes_pending_ = 0;                  // guarded by mu_: ep closes the hub still reaps
+  size_t requests_pending_ = 0;                // guarded by mu_: SendCtx and RecvCtx alive
 
   std::mutex valid_mu_;
   std::mutex pause_mu_;
@@ -451,7 +503,7 @@ void EpErrorCb(void* arg, ucp_ep_h ep, ucs_status_t status) {
 }
 ucs_status_t AmCb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                   const ucp_am_recv_param_t* param) {
-  return static_cast<PeerServiceImpl*>(arg)->OnAm(header, header_length, data, length, param);
+  return static_cast<UcpHub*>(arg)->OnAm(header, header_length, data, length, param);
 }
 void SendCb(void* request, ucs_status_t status, void* user_data) {
   auto* ctx = static_cast<SendCtx*>(user_data);
@@ -464,21 +516,27 @@ void RecvCb(void* request, ucs_status_t status, size_t length, void* user_data) 
   ucp_request_free(request);
 }
 
-// ---- Start and stop ----
+// ---- The hub ----
 
-Status PeerServiceImpl::Init() {
-  if (options_.secret.size() < kMinSecretBytes)
-    return InvalidArgument("peer service: the job's secret must be at least " +
-                           std::to_string(kMinSecretBytes) + " bytes");
-  if (options_.chunk_bytes < kMinChunkBytes || options_.chunk_bytes > kMaxChunkBytes)
-    return InvalidArgument("peer service: chunk_bytes " + std::to_string(options_.chunk_bytes) +
-                           " outside [" + std::to_string(kMinChunkBytes) + ", " +
-                           std::to_string(kMaxChunkBytes) + "]");
-  if (options_.chunk_bytes % 64 != 0)
-    return InvalidArgument(
-        "peer service: chunk_bytes must be a multiple of 64 (it is also the "
-        "erasure code's piece size)");
-  if (!(options_.timeout_s > 0)) return InvalidArgument("peer service: timeout_s must be > 0");
+std::mutex UcpHub::instance_mu_;
+std::weak_ptr<UcpHub> UcpHub::instance_;
+
+Result<std::shared_ptr<UcpHub>> UcpHub::Acquire() {
+  std::lock_guard lk(instance_mu_);
+  if (auto hub = instance_.lock()) return hub;
+  std::shared_ptr<UcpHub> hub(new UcpHub());
+  SP_RETURN_IF_ERROR(hub->Init());
+  instance_ = hub;
+  return hub;
+}
+
+// Under instance_mu_: a hub being torn down and a new one never exist at once.
+void UcpHub::Release(std::shared_ptr<UcpHub>& hub) {
+  std::lock_guard lk(instance_mu_);
+  hub.reset();
+}
+
+Status UcpHub::Init() {
   int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (efd < 0) return ErrnoStatus("eventfd", "peer service", errno);
   wake_fd_ = internal::UniqueFd(efd);
@@ -512,88 +570,68 @@ Status PeerServiceImpl::Init() {
   hp.arg = this;
   if (s = ucp_worker_set_am_recv_handler(worker_, &hp); s != UCS_OK)
     return Unavailable("UCX: ucp_worker_set_am_recv_handler: " + UcsError(s));
-
-  socklen_t len = 0;
-  SP_ASSIGN_OR_RETURN(sockaddr_storage bind_addr,
-                      ResolveAddress(options_.bind_host, options_.port, &len));
-  ucp_listener_params_t lp{};
-  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&bind_addr);
-  lp.sockaddr.addrlen = len;
-  lp.conn_handler.cb = ConnRequestCb;
-  lp.conn_handler.arg = this;
-  if (s = ucp_listener_create(worker_, &lp, &listener_); s != UCS_OK)
-    return Unavailable("UCX: cannot listen on " + options_.bind_host + ":" +
-                       std::to_string(options_.port) + ": " + UcsError(s));
-  ucp_listener_attr_t la{};
-  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  if (s = ucp_listener_query(listener_, &la); s != UCS_OK)
-    return Unavailable("UCX: ucp_listener_query: " + UcsError(s));
-  address_ = FormatAddress(la.sockaddr);
   thread_ = std::thread([this] { Run(); });
-  store_thread_ = std::thread([this] { RunStore(); });
-  spdlog::info("peer service of node {} listening on {}", options_.node, address_);
   return Status::OK();
 }
 
-void PeerServiceImpl::Stop() {
-  if (store_thread_.joinable()) {
-    {
-      std::lock_guard lk(store_mu_);
-      store_stop_ = true;
-    }
-    store_cv_.notify_all();
-    store_thread_.join();
-  }
+UcpHub::~UcpHub() {
   if (thread_.joinable()) {
     stop_ = true;
     uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof one);
     thread_.join();
   }
-  if (worker_) {
-    // Force-close what is left and let the closes finish (bounded: force closes are local).
-    std::vector<ConnPtr> conns;
-    {
-      Lock lk(mu_);
-      for (auto& [ep, c] : eps_) conns.push_back(c);
-    }
-    for (auto& c : conns) CloseNow(c, Cancelled("peer service stopped"));
-    const auto deadline = Clock::now() + std::chrono::seconds(2);
-    while (!closing_.empty() && Clock::now() < deadline) {
-      ucp_worker_progress(worker_);
-      ReapCloses();
-    }
-  }
-  if (listener_) ucp_listener_destroy(listener_);
-  listener_ = nullptr;
+  // Every service waited for its closes before it unregistered: nothing is left to reap.
   if (worker_) ucp_worker_destroy(worker_);
-  worker_ = nullptr;
   if (context_) ucp_cleanup(context_);
-  context_ = nullptr;
 }
 
-// ---- The progress thread ----
-
-void PeerServiceImpl::Submit(std::function<void()> task) {
+void UcpHub::Submit(PeerServiceImpl* owner, std::function<void()> task) {
   {
     std::lock_guard lk(task_mu_);
-    tasks_.push_back(std::move(task));
+    tasks_.emplace_back(owner, std::move(task));
   }
   uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof one);
 }
 
-void PeerServiceImpl::RunTasks() {
-  std::vector<std::function<void()>> tasks;
+void UcpHub::Register(PeerServiceImpl* svc) {
+  std::lock_guard lk(services_mu_);
+  services_.push_back(svc);
+}
+
+void UcpHub::Unregister(PeerServiceImpl* svc) {
+  {
+    std::lock_guard lk(services_mu_);
+    std::erase(services_, svc);
+  }
+  std::lock_guard lk(task_mu_);
+  std::erase_if(tasks_, [svc](const auto& t) { return t.first == svc; });
+}
+
+ucs_status_t UcpHub::OnAm(const void* header, size_t header_length, void* data, size_t length,
+                          const ucp_am_recv_param_t* param) {
+  const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  // Not one of ours (a reply endpoint is always sent), or for an endpoint closed meanwhile.
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
+    return rndv ? UCS_ERR_CANCELED : UCS_OK;
+  std::lock_guard lk(services_mu_);
+  for (PeerServiceImpl* svc : services_) {
+    if (auto handled = svc->OnAm(header, header_length, data, length, param)) return *handled;
+  }
+  return rndv ? UCS_ERR_CANCELED : UCS_OK;
+}
+
+void UcpHub::RunTasks() {
+  std::vector<std::pair<PeerServiceImpl*, std::function<void()>>> tasks;
   {
     std::lock_guard lk(task_mu_);
     tasks.swap(tasks_);
   }
-  for (auto& t : tasks) t();
+  for (auto& [owner, task] : tasks) task();
 }
 
-void PeerServiceImpl::Run() {
+void UcpHub::Run() {
   auto last_check = Clock::now();
   while (!stop_) {
     RunTasks();
@@ -601,7 +639,13 @@ void PeerServiceImpl::Run() {
     }
     ReapCloses();
     if (Clock::now() - last_check > std::chrono::milliseconds(100)) {
-      CheckIdle();
+      std::vector<PeerServiceImpl*> services;
+      {
+        std::lock_guard lk(services_mu_);
+        services = services_;
+      }
+      // Only this thread unregisters a service, so none of these goes away meanwhile.
+      for (PeerServiceImpl* svc : services) svc->CheckIdle();
       last_check = Clock::now();
     }
     {
@@ -619,16 +663,119 @@ void PeerServiceImpl::Run() {
   }
 }
 
-void PeerServiceImpl::ReapCloses() {
+void UcpHub::ReapCloses() {
   for (size_t i = 0; i < closing_.size();) {
-    if (ucp_request_check_status(closing_[i]) != UCS_INPROGRESS) {
-      ucp_request_free(closing_[i]);
+    if (ucp_request_check_status(closing_[i].second) != UCS_INPROGRESS) {
+      ucp_request_free(closing_[i].second);
+      closing_[i].first->CloseReaped();
       closing_[i] = closing_.back();
       closing_.pop_back();
     } else {
       ++i;
     }
   }
+}
+
+// ---- Start and stop ----
+
+Status PeerServiceImpl::Init() {
+  if (options_.secret.size() < kMinSecretBytes)
+    return InvalidArgument("peer service: the job's secret must be at least " +
+                           std::to_string(kMinSecretBytes) + " bytes");
+  if (options_.chunk_bytes < kMinChunkBytes || options_.chunk_bytes > kMaxChunkBytes)
+    return InvalidArgument("peer service: chunk_bytes " + std::to_string(options_.chunk_bytes) +
+                           " outside [" + std::to_string(kMinChunkBytes) + ", " +
+                           std::to_string(kMaxChunkBytes) + "]");
+  if (options_.chunk_bytes % 64 != 0)
+    return InvalidArgument(
+        "peer service: chunk_bytes must be a multiple of 64 (it is also the "
+        "erasure code's piece size)");
+  if (!(options_.timeout_s > 0)) return InvalidArgument("peer service: timeout_s must be > 0");
+  socklen_t len = 0;
+  SP_ASSIGN_OR_RETURN(sockaddr_storage bind_addr,
+                      ResolveAddress(options_.bind_host, options_.port, &len));
+  SP_ASSIGN_OR_RETURN(hub_, UcpHub::Acquire());
+  worker_ = hub_->worker();
+  hub_->Register(this);
+
+  Status listening;
+  RunOnProgressThread([&] {
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&bind_addr);
+    lp.sockaddr.addrlen = len;
+    lp.conn_handler.cb = ConnRequestCb;
+    lp.conn_handler.arg = this;
+    if (ucs_status_t s = ucp_listener_create(worker_, &lp, &listener_); s != UCS_OK) {
+      listener_ = nullptr;
+      listening = Unavailable("UCX: cannot listen on " + options_.bind_host + ":" +
+                              std::to_string(options_.port) + ": " + UcsError(s));
+      return;
+    }
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucs_status_t s = ucp_listener_query(listener_, &la); s != UCS_OK) {
+      listening = Unavailable("UCX: ucp_listener_query: " + UcsError(s));
+      return;
+    }
+    address_ = FormatAddress(la.sockaddr);
+  });
+  SP_RETURN_IF_ERROR(listening);  // Stop (from the destructor) destroys a listener made
+  store_thread_ = std::thread([this] { RunStore(); });
+  spdlog::info("peer service of node {} listening on {}", options_.node, address_);
+  return Status::OK();
+}
+
+void PeerServiceImpl::RunOnProgressThread(const std::function<void()>& task) {
+  std::promise<void> done;
+  hub_->Submit(this, [&] {
+    task();
+    done.set_value();
+  });
+  done.get_future().wait();
+}
+
+void PeerServiceImpl::Stop() {
+  if (store_thread_.joinable()) {
+    {
+      std::lock_guard lk(store_mu_);
+      store_stop_ = true;
+    }
+    store_cv_.notify_all();
+    store_thread_.join();
+  }
+  if (!hub_) return;
+  stop_ = true;
+  pause_cv_.notify_all();
+  // Stop listening and force-close what is left, then wait until UCX no longer holds a request
+  // or an endpoint that calls back into this service (force closes are local: quick).
+  RunOnProgressThread([this] {
+    if (listener_) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
+    std::vector<ConnPtr> conns;
+    {
+      Lock lk(mu_);
+      for (auto& [ep, c] : eps_) conns.push_back(c);
+    }
+    for (auto& c : conns) CloseNow(c, Cancelled("peer service stopped"));
+  });
+  {
+    Lock lk(mu_);
+    while (!cv_.wait_for(lk, std::chrono::seconds(10),
+                         [&] { return closes_pending_ == 0 && requests_pending_ == 0; })) {
+      spdlog::warn("peer service of node {}: still waiting for {} closes and {} requests of UCX",
+                   options_.node, closes_pending_, requests_pending_);
+    }
+  }
+  RunOnProgressThread([this] { hub_->Unregister(this); });
+  worker_ = nullptr;
+  UcpHub::Release(hub_);
+}
+
+void PeerServiceImpl::CloseReaped() {
+  Lock lk(mu_);
+  --closes_pending_;
+  cv_.notify_all();
 }
 
 // Server connections that made no progress for timeout_s are dropped (a client that stalls or
@@ -655,6 +802,10 @@ void PeerServiceImpl::CheckIdle() {
 void PeerServiceImpl::SendNow(const ConnPtr& c, const WireHeader& h, std::string body,
                               const void* data, size_t len, std::shared_ptr<const void> keep) {
   auto* ctx = new SendCtx{this, c, h, std::move(body), std::move(keep)};
+  {
+    Lock lk(mu_);
+    ++requests_pending_;
+  }
   if (static_cast<MsgType>(h.type) == MsgType::kChunk) {
     ctx->data = data;
     ctx->len = len;
@@ -703,6 +854,7 @@ void PeerServiceImpl::SendControlNow(const ConnPtr& c, MsgType type, const json&
 void PeerServiceImpl::OnSendDone(SendCtx* ctx, ucs_status_t status) {
   std::unique_ptr<SendCtx> owned(ctx);
   Lock lk(mu_);
+  --requests_pending_;
   Conn& c = *ctx->conn;
   if (c.outstanding > 0) --c.outstanding;
   if (status == UCS_OK) {
@@ -728,7 +880,10 @@ void PeerServiceImpl::CloseNow(const ConnPtr& c, const Status& why) {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      hub_->AddClose(this, r);
+      ++closes_pending_;
+    }
     c->ep = nullptr;
   }
   c->closed = true;
@@ -752,6 +907,7 @@ void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) 
     std::string text = StatusToJson(why).dump();
     const WireHeader h = ControlHeader(MsgType::kError, text.size());
     ++c->outstanding;
+    ++requests_pending_;
     SendCtxNow(new SendCtx{this, c, h, std::move(text), nullptr});
   } else {
     Submit([this, c, why] { CloseNow(c, why); });
@@ -804,13 +960,13 @@ void PeerServiceImpl::OnEpError(ucp_ep_h ep, ucs_status_t status) {
   Submit([this, c, why] { CloseNow(c, why); });
 }
 
-ucs_status_t PeerServiceImpl::OnAm(const void* header, size_t header_length, void* data,
-                                   size_t length, const ucp_am_recv_param_t* param) {
-  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
-    return UCS_OK;  // not one of ours: a reply endpoint is always sent
+std::optional<ucs_status_t> PeerServiceImpl::OnAm(const void* header, size_t header_length,
+                                                  void* data, size_t length,
+                                                  const ucp_am_recv_param_t* param) {
   Lock lk(mu_);
   auto it = eps_.find(param->reply_ep);
-  if (it == eps_.end() || it->second->closing || it->second->dropping)
+  if (it == eps_.end()) return std::nullopt;  // another service's, or closed meanwhile
+  if (it->second->closing || it->second->dropping)
     return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_CANCELED : UCS_OK;
   ConnPtr c = it->second;
   const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
@@ -1112,6 +1268,7 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
     return;
   }
   auto* ctx = new RecvCtx{this, c, h, c->sink_owner};
+  ++requests_pending_;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = RecvCb;
@@ -1128,6 +1285,7 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
 void PeerServiceImpl::OnRecvDone(RecvCtx* ctx, ucs_status_t status) {
   std::unique_ptr<RecvCtx> owned(ctx);
   Lock lk(mu_);
+  --requests_pending_;
   ConnPtr c = ctx->conn;
   if (c->receiving > 0) --c->receiving;
   cv_.notify_all();
