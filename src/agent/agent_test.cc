@@ -828,6 +828,36 @@ TEST_F(AgentTest, WaitForAStepPrunedRightAfterItsCommitIsAnswered) {
   EXPECT_EQ(j["ranks"][0]["persists_failed"], 0);
 }
 
+// The same with two nodes: the agent of the node whose rank writes the step's last image commits
+// it and prunes it at once; the other node's agent never sees its COMMIT. Here rank 1 is on the
+// other node and never reaches this agent. Rank 0's wait hung: its step neither committed nor
+// failed here. It is answered once `keep` newer steps are committed.
+TEST_F(AgentTest, WaitForAStepAnotherNodePrunesRightAfterItsCommitIsAnswered) {
+  auto options = [&](uint32_t rank) {
+    ClientOptions o = Options();
+    o.rank = rank;
+    o.world_size = 2;
+    o.keep = 2;
+    return o;
+  };
+  ASSERT_OK_AND_ASSIGN(auto r0, SnapshotClient::Connect(options(0)));
+  {
+    ASSERT_OK_AND_ASSIGN(auto r1, SnapshotClient::Connect(options(1)));
+    for (uint64_t step : {59, 60}) {
+      SaveStep(*r0, step, /*persist=*/true);
+      SaveStep(*r1, step, /*persist=*/true);
+    }
+    ASSERT_OK(r1->Wait(kDeadlineSeconds));
+  }
+  ASSERT_OK(r0->Wait(kDeadlineSeconds));
+  ASSERT_EQ(Committed(), (std::vector<uint64_t>{59, 60}));
+
+  // A new run starts over from step 0; rank 1 saves it on the other node.
+  SaveStep(*r0, 0, /*persist=*/true);
+  EXPECT_OK(r0->Wait(kDeadlineSeconds));  // the deadline only turns a hang into a failure
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{59, 60}));
+}
+
 // The frames a client sent just before it exited arrive together with the end of its
 // connection: each complete frame is handled before the disconnect. Here the snapshot note that
 // asks to persist step 7 (with the emergency flush off, nothing else would persist it); the

@@ -180,6 +180,33 @@ bool NodeAgent::StepCommitted(uint64_t step) {
   return false;
 }
 
+// With several nodes, the agent that writes a step's last image commits it and runs retention:
+// when the storage already holds `keep` newer committed steps (an earlier run's), the step is
+// removed right after its commit, and the other nodes' agents never see its COMMIT. Their waits
+// for it are answered once this agent persisted its share and `keep` newer steps are committed:
+// retention would remove the step the moment it commits, so no restore can ever load it.
+bool NodeAgent::SupersededOnStorage(uint64_t step) {
+  if (!store_ || !config_) return false;
+  if (!polled_steps_) {  // one listing per poll
+    auto all = store_->ListCommitted();
+    if (!all.ok()) return false;
+    polled_steps_.emplace();
+    for (const auto& c : *all) polled_steps_->push_back(c.step);
+  }
+  const size_t newer = std::count_if(polled_steps_->begin(), polled_steps_->end(),
+                                     [step](uint64_t s) { return s > step; });
+  if (newer < std::max<uint32_t>(config_->keep, 1)) return false;
+  if (std::find(pruned_.begin(), pruned_.end(), step) == pruned_.end()) {
+    pruned_.push_back(step);
+    while (pruned_.size() > 256) pruned_.pop_front();
+    spdlog::warn(
+        "step {} is not committed and the storage holds {} newer committed steps (keep {}): "
+        "retention removes it when it commits (left by an earlier run?); its waits are answered",
+        step, newer, config_->keep);
+  }
+  return true;
+}
+
 void NodeAgent::DrainResults() {
   for (PersistResult& r : queue_.TakeResults()) {
     const uint32_t rank = r.task.rank;
@@ -244,7 +271,10 @@ void NodeAgent::DrainResults() {
 void NodeAgent::AnswerWaits() {
   const double now = MonotonicSeconds();
   const bool poll_commits = now - last_commit_poll_ > 0.2;
-  if (poll_commits) last_commit_poll_ = now;
+  if (poll_commits) {
+    last_commit_poll_ = now;
+    polled_steps_.reset();
+  }
   for (auto& c : clients_) {
     if (c->waits.empty()) continue;
     std::vector<std::pair<uint64_t, bool>> still;
@@ -267,7 +297,8 @@ void NodeAgent::AnswerWaits() {
       // A step committed and then pruned by retention was saved all the same.
       const bool pruned = std::find(pruned_.begin(), pruned_.end(), step) != pruned_.end();
       if (committed_cache_.contains(step) || pruned ||
-          (poll_commits && it != rs.outcomes.end() && StepCommitted(step))) {
+          (poll_commits && it != rs.outcomes.end() &&
+           (StepCommitted(step) || SupersededOnStorage(step)))) {
         Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, Status::OK()}));
         continue;
       }

@@ -108,6 +108,8 @@ class NodeAgent {
   Status HandlePeerMessage(Client& c, const Message& m);
   void AnswerWaits();
   bool StepCommitted(uint64_t step);
+  // The storage holds `keep` committed steps newer than `step`: retention removes it at commit.
+  bool SupersededOnStorage(uint64_t step);
   void Reply(Client& c, MessageType type, const std::string& payload);
   void ReplyError(Client& c, const std::string& msg);
   bool Idle();
@@ -132,6 +134,7 @@ class NodeAgent {
   std::string job_dir_;
   internal::UniqueFd lock_fd_, listen_fd_, signal_fd_, event_fd_;
   std::optional<JobConfig> config_;
+  std::optional<std::vector<uint64_t>> polled_steps_;  // committed steps, listed once per poll
   bool config_written_ = false;  // job.json holds config_ (written, or read by Adopt)
   Status config_saved_;          // the last attempt to write job.json (reported in status)
   std::shared_ptr<CheckpointStore> store_;
