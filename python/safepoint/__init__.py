@@ -9,7 +9,7 @@ Synchronous API (durable when it returns)::
 """
 
 from safepoint import _core, errors
-from safepoint._api import load, restore, save, steps
+from safepoint._api import load, restore, save, steps, tag, tags, untag
 from safepoint._checkpointer import Checkpointer
 from safepoint._stateful import capture_rng, restore_rng
 from safepoint._tiers import Tier
@@ -25,6 +25,9 @@ __all__ = [
     "load",
     "steps",
     "restore",
+    "tag",
+    "tags",
+    "untag",
     "capture_rng",
     "restore_rng",
 ]

@@ -90,17 +90,30 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
             "stored_bytes": r.stored_bytes}
 
 
-def load(path: str | os.PathLike[str], step: Optional[int] = None, *,
+def _step(p: str, step: Optional[int | str]) -> Optional[int]:
+    """A step argument: None (the newest), an int, or a str naming a committed step (a tag,
+    ``"step-N"`` or ``"N"``)."""
+    if isinstance(step, str):
+        from safepoint._versions import resolve
+
+        return resolve(p, step)
+    if step is not None and (type(step) is not int or step < 0):
+        raise InvalidArgumentError(
+            f"{p}: step must be a non-negative int, a tag or None, got {step!r}")
+    return step
+
+
+def load(path: str | os.PathLike[str], step: Optional[int | str] = None, *,
          rank: int = 0, allow_pickle: AllowPickle = False) -> tuple[int, Any]:
     """Loads ``rank``'s shard; returns ``(step, state)``.
 
     With ``step=None`` the newest committed step that reads back intact (older steps are tried
-    when a newer one is corrupt, with a warning). Tensors come back as torch tensors (numpy arrays
+    when a newer one is corrupt, with a warning); ``step`` may also name a step by its tag
+    (``safepoint.tag``) or as ``"step-N"``. Tensors come back as torch tensors (numpy arrays
     as numpy arrays) with their saved dtype and shape; the structure is the one saved.
     """
     p = _path(path)
-    if step is not None and (type(step) is not int or step < 0):
-        raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
+    step = _step(p, step)
     out = _core.load(p, step, rank, unpickler(allow_pickle))
     for _ in range(3):  # the step was replaced between reading this rank's and another's image
         if fill_elsewhere(p, out.step, rank, out.elsewhere, out.generation):
@@ -114,7 +127,7 @@ def load(path: str | os.PathLike[str], step: Optional[int] = None, *,
     return out.step, out.state
 
 
-def restore(path: str | os.PathLike[str], state: Any, step: Optional[int] = None, *,
+def restore(path: str | os.PathLike[str], state: Any, step: Optional[int | str] = None, *,
             rank: int = 0, allow_pickle: AllowPickle = False) -> int:
     """Loads the newest (or the given) step into ``state`` in place, as ``rank`` of the loading
     world: tensors are copied into the existing tensors (a DTensor gets its own shard), objects
@@ -122,10 +135,10 @@ def restore(path: str | os.PathLike[str], state: Any, step: Optional[int] = None
 
     Only the byte ranges the state's tensors need are read, from whichever ranks' images hold
     them, so a step saved by N ranks restores into M ranks with any sharding (resharding).
-    With ``step=None`` a newer step that cannot be read is skipped with a warning."""
+    With ``step=None`` a newer step that cannot be read is skipped with a warning; a str
+    ``step`` names a step by its tag or as ``"step-N"``."""
     p = _path(path)
-    if step is not None and (type(step) is not int or step < 0):
-        raise InvalidArgumentError(f"{p}: step must be a non-negative int or None, got {step!r}")
+    step = _step(p, step)
     got_step, got = read_newest_into(p, step, rank, to_saveable(state), unpickler(allow_pickle))
     apply_loaded(state, got)
     return got_step
@@ -134,3 +147,26 @@ def restore(path: str | os.PathLike[str], state: Any, step: Optional[int] = None
 def steps(path: str | os.PathLike[str]) -> list[int]:
     """The committed steps of the checkpoint directory, ascending."""
     return list(_core.steps(_path(path)))
+
+
+def tag(path: str | os.PathLike[str], step: int | str, name: str, *,
+        replace: bool = False) -> None:
+    """Names committed ``step`` of ``path`` ``name`` (``safepoint tag``): a tagged step is kept
+    past every retention (``keep``) until the tag is removed, and ``load``/``restore``/
+    ``Checkpointer.restore(from_="PATH@NAME")`` accept the name. ``replace=True`` moves an
+    existing tag; without it a tag that names another step raises ``AlreadyExistsError``."""
+    p = _path(path)
+    resolved = _step(p, step)
+    if resolved is None:
+        raise InvalidArgumentError(f"{p}: tag needs a step (an int, 'step-N' or a tag)")
+    _core.set_tag(p, resolved, name, bool(replace))
+
+
+def untag(path: str | os.PathLike[str], name: str) -> None:
+    """Removes tag ``name`` of ``path`` (its step is then subject to retention again)."""
+    _core.delete_tag(_path(path), name)
+
+
+def tags(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The tags of ``path``: name -> step."""
+    return dict(_core.tags(_path(path)))

@@ -265,6 +265,31 @@ def test_tagged_steps_survive_the_checkpointers_and_the_tiers_keep(tmp_path, shm
     assert torch.equal(got["model"]["w"], state(1)["model"]["w"])
 
 
+def test_tags_from_python_and_loading_by_tag(tmp_path):
+    p = str(tmp_path / "ckpt")
+    for step in (1, 2, 3):
+        safepoint.save(p, step, state(step))
+    safepoint.tag(p, 2, "best")
+    safepoint.tag(p, "step-1", "first")
+    assert safepoint.tags(p) == {"best": 2, "first": 1}
+    got_step, got = safepoint.load(p, "best")
+    assert got_step == 2 and torch.equal(bits(got["model"]["h"]), bits(state(2)["model"]["h"]))
+    target = state(0)
+    assert safepoint.restore(p, target, step="first") == 1
+    assert torch.equal(target["model"]["w"], state(1)["model"]["w"])
+    assert safepoint.load(p, "step-3")[0] == 3
+    with pytest.raises(NotFoundError, match=r"no tag 'nope'"):
+        safepoint.load(p, "nope")
+    with pytest.raises(safepoint.AlreadyExistsError, match="already names step 2"):
+        safepoint.tag(p, 3, "best")
+    safepoint.tag(p, 3, "best", replace=True)
+    assert safepoint.load(p, "best")[0] == 3
+    safepoint.untag(p, "first")
+    assert safepoint.tags(p) == {"best": 3}
+    with pytest.raises(InvalidArgumentError, match="step must be"):
+        safepoint.load(p, -1)
+
+
 # --- export and import ---------------------------------------------------------------------------
 
 def test_export_round_trips_through_safetensors_and_torch(tmp_path, cli):
