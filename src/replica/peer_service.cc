@@ -341,7 +341,7 @@ class UcpHub {
   std::vector<std::pair<PeerServiceImpl*, std::function<void()>>> tasks_;
 
   std::mutex services_mu_;
-  std::vector<PeerServiceImpl*> services_;                    // guarded by services_mu_
+  std::vector<PeerServiceImpl*> services_;                   // guarded by services_mu_
   std::vector<std::pair<PeerServiceImpl*, void*>> closing_;  // progress thread
 
   static std::mutex instance_mu_;

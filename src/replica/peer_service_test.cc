@@ -847,7 +847,6 @@ TEST_F(PeerServiceTest, NewSecretDropsOpenConnections) {
   EXPECT_EQ(Stored(b), 0u);
 }
 
-
 // Services in one process share one UCX worker. With one worker each, UCX 1.13 aborted now and
 // then (`handler->async == async` in ucs_async_poll_missed) when one service closed a socket while
 // an event of it was pending and another reused the descriptor's number: churn connections on
