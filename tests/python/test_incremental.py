@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "common"))
 from processes import wait_until  # noqa: E402
 
 MODES = ["none", "auto", "zstd", "planes"]
-S3 = os.environ.get("SAFEPOINT_TEST_S3_URI")
 
 
 def state(step: int, base_seed: int = 0) -> dict:
@@ -202,11 +201,12 @@ def test_a_corrupt_chunk_falls_back_to_another_tier(dirs, cli):
     ck.close()
 
 
-@pytest.mark.skipif(not S3, reason="$SAFEPOINT_TEST_S3_URI is not set (make test sets it)")
+@pytest.mark.parametrize("backend", ["s3", "rados"])
 @pytest.mark.parametrize("compression,incremental",
                          [("none", True), ("auto", False), ("zstd", True), ("planes", False)])
-def test_packed_round_trips_through_s3(ceph, compression, incremental, cli):
-    uri = S3.rstrip("/") + "/pack-" + uuid.uuid4().hex[:12]
+def test_packed_round_trips_through_ceph(ceph, backend, compression, incremental, cli):
+    base = ceph["SAFEPOINT_TEST_S3_URI" if backend == "s3" else "SAFEPOINT_TEST_RADOS_URI"]
+    uri = base.rstrip("/") + "/pack-" + uuid.uuid4().hex[:12]
     for step in (1, 2, 3):
         safepoint.save(uri, step, state(step), compression=compression, incremental=incremental)
     for step in (1, 2, 3):
@@ -216,6 +216,7 @@ def test_packed_round_trips_through_s3(ceph, compression, incremental, cli):
     for step in (2, 3):
         assert same(safepoint.load(uri, step)[1], state(step))
     assert cli("verify", uri, "--all", check=0).returncode == 0
+    assert safepoint.steps(uri) == [2, 3]
 
 
 def test_safepoint_cp_stores_steps_in_the_destinations_layout(tmp_path, cli):
