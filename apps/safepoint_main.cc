@@ -393,11 +393,23 @@ int CmdCp(const Args& a) {
     }
     results.push_back(std::move(j));
   }
+  // The source's tags that name steps the destination now holds travel with them.
+  json tags_copied = json::array();
+  if (auto tags = MirrorTags(**src, **dst); tags.ok()) {
+    for (const std::string& name : *tags) {
+      tags_copied.push_back(name);
+      if (!a.json) std::cout << "copied tag '" << name << "'\n";
+    }
+  } else {
+    failed = true;
+    spdlog::error("copying the tags: {}", tags.status().ToString());
+  }
   if (a.json) {
     std::cout << json{{"source", (*src)->storage().uri()},
                       {"destination", (*dst)->storage().uri()},
                       {"ok", !failed},
-                      {"steps", results}}
+                      {"steps", results},
+                      {"tags", tags_copied}}
                      .dump(2)
               << "\n";
   } else if (steps.empty()) {

@@ -312,6 +312,16 @@ bool TierChain::CopyOne(Worker& w, uint64_t step) {
   options.layout = MakePackOptions(w.spec.compression, w.spec.incremental);
   auto copied = CopyStep(*upper, *w.store, step, options);
   if (!copied.ok()) return fail(copied.status());
+  // The tags of the tier above that name steps this tier holds, so that they protect those
+  // steps here also when the tier above is lost. Not a reason to fail the copy: retention on
+  // this tier also honours the tags of the job's path.
+  if (auto tags = MirrorTags(*upper, *w.store); !tags.ok()) {
+    spdlog::warn("tier {} ({}): copying the tags of the tier above failed: {}", w.index, w.spec.uri,
+                 tags.status().ToString());
+  } else {
+    for (const std::string& name : *tags)
+      spdlog::info("tier {} ({}): tag '{}' copied from the tier above", w.index, w.spec.uri, name);
+  }
   SP_KILL_POINT("agent.tier.before_prune");
   const std::vector<uint64_t> pruned =
       PruneSteps(*w.store, w.spec.keep, pins_.get(), w.index, primary_.get());

@@ -182,6 +182,26 @@ Status WriteTag(CheckpointStore& store, Tag tag, bool replace) {
                        std::to_string(existing.step) + " (delete it first, or replace it)");
 }
 
+Result<std::vector<std::string>> MirrorTags(CheckpointStore& from, CheckpointStore& to) {
+  std::vector<std::string> skipped;
+  SP_ASSIGN_OR_RETURN(std::vector<Tag> tags, ListTags(from, &skipped));
+  std::vector<std::string> written;
+  if (tags.empty()) return written;
+  std::vector<std::string> damaged;  // damaged tags of `to` are overwritten by `from`'s
+  SP_ASSIGN_OR_RETURN(std::vector<Tag> there, ListTags(to, &damaged));
+  for (const Tag& t : tags) {
+    const bool same = std::any_of(there.begin(), there.end(), [&](const Tag& d) {
+      return d.name == t.name && d.step == t.step;
+    });
+    if (same) continue;
+    Status s = WriteTag(to, t, /*replace=*/true);
+    if (s.code() == StatusCode::kNotFound) continue;  // its step is not committed in `to`
+    SP_RETURN_IF_ERROR(s);
+    written.push_back(t.name);
+  }
+  return written;
+}
+
 Status DeleteTag(CheckpointStore& store, std::string_view name) {
   SP_ASSIGN_OR_RETURN(Tag tag, ReadTag(store, name));  // NotFound naming the tags there are
   return store.storage().Delete(TagObjectName(tag.name));

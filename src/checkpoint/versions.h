@@ -54,6 +54,11 @@ Status DeleteTag(CheckpointStore& store, std::string_view name);
 // left out) when given, else it is an error.
 Result<std::vector<Tag>> ListTags(CheckpointStore& store,
                                   std::vector<std::string>* problems = nullptr);
+// Copies the tags of `from` that name steps committed in `to`: tags `to` lacks, and tags that
+// name another step there (`from`'s win). Never deletes a tag of `to`: a location that lost its
+// tags (a replaced disk) must not take the copies' protection from retention with it. Tags of
+// `from` that cannot be read are skipped. Returns the names written.
+Result<std::vector<std::string>> MirrorTags(CheckpointStore& from, CheckpointStore& to);
 // The steps tags name. An error when a tag cannot be read: retention then deletes nothing
 // rather than a step that a damaged tag might name.
 Result<std::set<uint64_t>> TaggedSteps(CheckpointStore& store);

@@ -108,6 +108,48 @@ TEST(TagTest, WriteReadListDeleteAndResolve) {
   EXPECT_EQ(ResolveStep(*store, "v1.0_best-x").status().code(), StatusCode::kNotFound);
 }
 
+// Tags travel with copies of their steps (tier copies, safepoint cp), so that a tier keeps a
+// tagged step also when the location above it is lost.
+TEST(TagTest, MirrorCopiesTagsOfStepsTheDestinationHoldsAndDeletesNone) {
+  auto from = MemoryStore();
+  auto to = MemoryStore();
+  for (uint64_t step : {1, 2, 3}) {
+    ASSERT_OK(SaveStep(*from, step, {{"w", DType::kFloat32, {4}, Floats(Iota(4, step))}}));
+  }
+  for (uint64_t step : {1, 2}) {
+    ASSERT_OK(SaveStep(*to, step, {{"w", DType::kFloat32, {4}, Floats(Iota(4, step))}}));
+  }
+  ASSERT_OK(WriteTag(*from, {"base", 1, 111}, false));
+  ASSERT_OK(WriteTag(*from, {"best", 3, 0}, false));  // step 3 is not in `to` (yet)
+  ASSERT_OK(WriteTag(*to, {"mine", 2, 0}, false));    // the destination's own
+  ASSERT_OK_AND_ASSIGN(auto written, MirrorTags(*from, *to));
+  EXPECT_EQ(written, (std::vector<std::string>{"base"}));
+  ASSERT_OK_AND_ASSIGN(Tag base, ReadTag(*to, "base"));
+  EXPECT_EQ(base.step, 1u);
+  EXPECT_EQ(base.create_time_ns, 111);  // the tag as it was made, not a new one
+  EXPECT_EQ(ReadTag(*to, "best").status().code(), StatusCode::kNotFound);
+
+  // Step 3 arrives; "base" moved to step 2 above; "mine" and nothing else stays.
+  ASSERT_OK(SaveStep(*to, 3, {{"w", DType::kFloat32, {4}, Floats(Iota(4, 3))}}));
+  ASSERT_OK(WriteTag(*from, {"base", 2, 0}, true));
+  ASSERT_OK_AND_ASSIGN(written, MirrorTags(*from, *to));
+  EXPECT_EQ(written, (std::vector<std::string>{"base", "best"}));
+  ASSERT_OK_AND_ASSIGN(auto tags, ListTags(*to));
+  std::vector<std::pair<std::string, uint64_t>> got;
+  for (const Tag& t : tags) got.emplace_back(t.name, t.step);
+  EXPECT_EQ(got,
+            (std::vector<std::pair<std::string, uint64_t>>{{"base", 2}, {"best", 3}, {"mine", 2}}));
+  ASSERT_OK_AND_ASSIGN(written, MirrorTags(*from, *to));  // nothing left to do
+  EXPECT_TRUE(written.empty());
+
+  // The location above lost its tags (a replaced disk): the copies stay.
+  ASSERT_OK(DeleteTag(*from, "base"));
+  ASSERT_OK(DeleteTag(*from, "best"));
+  ASSERT_OK(MirrorTags(*from, *to).status());
+  ASSERT_OK_AND_ASSIGN(tags, ListTags(*to));
+  EXPECT_EQ(tags.size(), 3u);
+}
+
 TEST(TagTest, BadNamesAreRefused) {
   for (const char* bad :
        {"", ".hidden", "-x", "a/b", "a b", "123", "step-5", "x.tmp.y", "ü", "a@b"}) {

@@ -66,9 +66,13 @@ def test_cp_between_file_uris_is_bit_exact_and_verifies(tmp_path, cli):
 def test_cp_all_copies_only_what_is_missing_and_json_reports_it(tmp_path, cli):
     src, dst = tmp_path / "src", tmp_path / "dst"
     make(src, [1, 2, 5])
+    cli("tag", src, "5", "release", check=0)
+    cli("tag", src, "1", "base", check=0)
+    # Tags travel with their steps: "release" not yet (step 5 is not copied), "base" not at all.
     cli("cp", src, dst, "--step", "2", check=0)
+    assert json.loads(cli("tag", dst, "--json", check=0).stdout) == []
     report = json.loads(cli("cp", src, f"file://{dst}", "--all", "--json", check=0).stdout)
-    assert report["ok"] is True
+    assert report["ok"] is True and report["tags"] == ["base", "release"]
     assert report["source"] == f"file://{src}" and report["destination"] == f"file://{dst}"
     assert [s["step"] for s in report["steps"]] == [1, 5]
     assert all(s["ok"] and not s["already_there"] and s["bytes"] > 0 for s in report["steps"])
@@ -78,6 +82,7 @@ def test_cp_all_copies_only_what_is_missing_and_json_reports_it(tmp_path, cli):
     # Nothing left to copy; copying a step that is there writes nothing.
     assert "nothing to copy" in cli("cp", src, dst, "--all", check=0).stdout
     again = json.loads(cli("cp", src, dst, "--step", "5", "--json", check=0).stdout)
+    assert again["tags"] == []
     assert again["steps"] == [{"step": 5, "ok": True, "bytes": 0, "seconds": again["steps"][0]["seconds"],
                                "already_there": True}]
     assert "already in" in cli("cp", src, dst, "--step", "5", check=0).stdout

@@ -257,6 +257,8 @@ def test_tagged_steps_survive_the_checkpointers_and_the_tiers_keep(tmp_path, shm
         ck.save(step, state(step))
         ck.wait()
     assert wait_until(lambda: safepoint.steps(p1) == [1, 4]), safepoint.steps(p1)
+    # The tag travelled with the copies: the tier keeps step 1 also without the path's tags.
+    assert _core.tags(str(p1)) == [("golden", 1)]
     # Retention ran on path (a step the tier copied at that moment may still be pinned there).
     on_path = safepoint.steps(p0)
     assert on_path[0] == 1 and on_path[-1] == 4 and len(on_path) < 4, on_path
