@@ -969,6 +969,10 @@ NB_MODULE(_core, m) {
         "compression"_a = "none", "incremental"_a = false);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
+  m.def("set_torch_probe", &python::SetTorchProbe, "enabled"_a,
+        "Whether saves and restores read tensors through safepoint._torchprobe (one C++ call "
+        "a tensor) or through torch's Python API; returns whether the probe is now in use "
+        "(False where it is not built or is for another torch).");
   nb::class_<TensorSlot>(m, "TensorSlot")
       .def(nb::init<size_t>(), "index"_a)
       .def_ro("index", &TensorSlot::index)

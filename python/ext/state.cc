@@ -4,10 +4,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+
+#include "torch_probe.h"
 
 namespace safepoint::python {
 
@@ -24,7 +28,12 @@ struct Types {
   std::unordered_map<int, nb::object> torch_by_dtype;
   std::string supported;  // the torch dtypes above, for messages
   nb::str s_layout, s_dtype, s_is_cpu, s_cpu, s_is_contiguous, s_contiguous, s_data_ptr, s_nbytes,
-      s_shape, s_name, s_isnative, s_flags, s_c_contiguous, s_array_interface, s_view, s_is_meta;
+      s_shape, s_name, s_isnative, s_flags, s_c_contiguous, s_array_interface, s_view, s_is_meta,
+      s_is_conj, s_is_neg, s_resolve_conj, s_resolve_neg;
+  // safepoint._torchprobe's probe (torch_probe.h) when it loads and is not turned off
+  // ($SAFEPOINT_TORCH_PROBE=0, or SetTorchProbe); `probe_loaded` whether it loaded at all.
+  const TorchProbeApi* probe = nullptr;
+  const TorchProbeApi* probe_loaded = nullptr;
 
   Types() {
     torch = nb::module_::import_("torch");
@@ -68,6 +77,22 @@ struct Types {
     s_array_interface = nb::str("__array_interface__");
     s_view = nb::str("view");
     s_is_meta = nb::str("is_meta");
+    s_is_conj = nb::str("is_conj");
+    s_is_neg = nb::str("is_neg");
+    s_resolve_conj = nb::str("resolve_conj");
+    s_resolve_neg = nb::str("resolve_neg");
+    if (PyObject* m = PyImport_ImportModule("safepoint._torchprobe")) {
+      PyObject* capsule = PyObject_GetAttrString(m, "probe");
+      if (capsule != nullptr) {
+        probe_loaded =
+            static_cast<const TorchProbeApi*>(PyCapsule_GetPointer(capsule, kTorchProbeCapsule));
+        Py_DECREF(capsule);
+      }
+      Py_DECREF(m);
+    }
+    if (PyErr_Occurred()) PyErr_Clear();  // not built, or for another torch: the Python route
+    const char* env = std::getenv("SAFEPOINT_TORCH_PROBE");
+    probe = env != nullptr && std::string_view(env) == "0" ? nullptr : probe_loaded;
   }
 };
 
@@ -194,6 +219,14 @@ class Flattener {
     if (stage_ == Stage::kAll || (stage_ == Stage::kDevice && !on_cpu))
       return Staged(obj, d->second, on_cpu);
     if (!on_cpu) src = Call(src, t.s_cpu);
+    // A conjugate or negative view (x.conj(), x.conj().imag) holds the values before the
+    // conjugation or negation: its raw bytes are not its values. A snapshot copies it into the
+    // slot (torch's copy resolves it); a save resolves it into a temporary.
+    if (Call(src, t.s_is_conj).is(nb::handle(Py_True)) ||
+        Call(src, t.s_is_neg).is(nb::handle(Py_True))) {
+      if (stage_ == Stage::kDevice) return Staged(obj, d->second, on_cpu);
+      src = Call(Call(src, t.s_resolve_conj), t.s_resolve_neg);
+    }
     if (!Call(src, t.s_is_contiguous).is(nb::handle(Py_True))) {
       // A snapshot copies a strided CPU tensor straight into the slot (safepoint._staging):
       // no temporary contiguous copy of its size (issue 14, host memory).
@@ -535,6 +568,7 @@ class PlanWalker {
       PutRaw<uint64_t>(seen);
       return true;
     }
+    if (t.probe != nullptr) return ProbedTensor(o);
     nb::object layout = nb::steal(PyObject_GetAttr(o, t.s_layout.ptr()));
     if (!layout.is(t.strided)) return false;
     nb::object is_cpu = nb::steal(PyObject_GetAttr(o, t.s_is_cpu.ptr()));
@@ -542,14 +576,7 @@ class PlanWalker {
     nb::object dt = nb::steal(PyObject_GetAttr(o, t.s_dtype.ptr()));
     if (!dt.is_valid()) return false;
     DType d;
-    if (dt.ptr() == last_dtype_) {
-      d = last_code_;
-    } else {
-      auto it = t.torch_dtypes.find(dt.ptr());
-      if (it == t.torch_dtypes.end()) return false;
-      last_dtype_ = dt.ptr();  // a process-lifetime singleton (Types keeps a reference)
-      d = last_code_ = it->second;
-    }
+    if (!Code(dt.ptr(), &d)) return false;
     Put('X');
     PutRaw<uint8_t>(static_cast<uint8_t>(d));
     nb::object shape = nb::steal(PyObject_GetAttr(o, t.s_shape.ptr()));
@@ -558,11 +585,43 @@ class PlanWalker {
     nb::object contiguous = nb::steal(Call(o, t.s_is_contiguous.ptr()));
     // A strided tensor: Flattener stages it (copied into the slot as it is, no temporary).
     if (!contiguous.is(nb::handle(Py_True))) return false;
+    // A conjugate or negative view: its bytes are not its values (Flattener resolves it).
+    nb::object conj = nb::steal(Call(o, t.s_is_conj.ptr()));
+    nb::object neg = nb::steal(Call(o, t.s_is_neg.ptr()));
+    if (!conj.is(nb::handle(Py_False)) || !neg.is(nb::handle(Py_False))) return false;
     // Held until the image is written (as Flattener does): the copy runs without the GIL.
     nb::object ptr = nb::steal(Call(src.ptr(), t.s_data_ptr.ptr()));
     if (!ptr.is_valid()) return false;
     out_->data.push_back(reinterpret_cast<const void*>(PyLong_AsUnsignedLongLong(ptr.ptr())));
     if (PyList_Append(out_->keepalive.ptr(), src.ptr()) != 0 || PyErr_Occurred()) return false;
+    Publish();
+    return true;
+  }
+
+  // The image dtype of torch.dtype `dt` (a process-lifetime singleton: Types keeps a reference).
+  bool Code(PyObject* dt, DType* d) {
+    if (dt != last_dtype_) {
+      auto it = T().torch_dtypes.find(dt);
+      if (it == T().torch_dtypes.end()) return false;
+      last_dtype_ = dt;
+      last_code_ = it->second;
+    }
+    *d = last_code_;
+    return true;
+  }
+
+  // Tensor() with safepoint._torchprobe: the same signature and checks from one call.
+  bool ProbedTensor(PyObject* o) {
+    TorchTensorFacts f;
+    DType d;
+    if (T().probe->probe(o, &f) == 0 || !Code(f.dtype, &d)) return false;  // Flattener
+    Put('X');
+    PutRaw<uint8_t>(static_cast<uint8_t>(d));
+    PutRaw<uint8_t>(static_cast<uint8_t>(f.ndim));
+    for (int i = 0; i < f.ndim; ++i) PutRaw<uint64_t>(static_cast<uint64_t>(f.sizes[i]));
+    if (!f.contiguous) return false;  // Flattener stages it
+    out_->data.push_back(f.data);
+    if (PyList_Append(out_->keepalive.ptr(), o) != 0) return false;
     Publish();
     return true;
   }
@@ -667,7 +726,27 @@ class PlanWalker {
       PutRaw<uint64_t>(static_cast<uint64_t>(PyDict_Size(o)));
       PyObject *k, *v;
       Py_ssize_t pos = 0;
+      const TorchProbeApi* probe = t.probe;
+      if (probe == nullptr || PyDict_Size(o) < 64) {
+        while (PyDict_Next(o, &pos, &k, &v)) {
+          if (!Key(k) || !Walk(v, depth + 1)) return false;
+        }
+        return true;
+      }
+      // Large dicts (a model's parameters): prefetch the values ahead of the walk, stage s
+      // kAhead[s] values ahead (torch_probe.h).
+      constexpr int kAhead[3] = {12, 8, 4};
+      Py_ssize_t ahead[3] = {0, 0, 0};
+      PyObject *ak, *av;
+      for (int s = 0; s < 3; ++s) {
+        for (int i = 0; i < kAhead[s] && PyDict_Next(o, &ahead[s], &ak, &av); ++i) {
+          probe->prefetch(av, s);
+        }
+      }
       while (PyDict_Next(o, &pos, &k, &v)) {
+        for (int s = 0; s < 3; ++s) {
+          if (PyDict_Next(o, &ahead[s], &ak, &av)) probe->prefetch(av, s);
+        }
         if (!Key(k) || !Walk(v, depth + 1)) return false;
       }
       return true;
@@ -835,6 +914,12 @@ FlatState FlattenState(nb::handle state, nb::handle pickler, Stage stage) {
 
 bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out) {
   return PlanWalker(hint).Run(state, out);
+}
+
+bool SetTorchProbe(bool enabled) {
+  Types& t = T();
+  t.probe = enabled ? t.probe_loaded : nullptr;
+  return t.probe != nullptr;
 }
 
 nb::object RebuildState(const Value& skeleton, nb::handle buffer, const ImageReader& reader,

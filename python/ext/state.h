@@ -59,6 +59,10 @@ struct PlanWalk {
 // the caller then flattens it as before. `hint`: the tensor count expected (the previous save's).
 bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out);
 
+// Whether WalkForPlan reads tensors through safepoint._torchprobe (torch_probe.h): turns it on
+// (when it loaded) or off, and returns whether it is now in use.
+bool SetTorchProbe(bool enabled);
+
 // `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes. Pickled
 // values are passed to `unpickler`; when it is None they are refused with an error.
 // Tensors held by another rank's image (TensorSpec::elsewhere) come back as fresh tensors,

@@ -52,6 +52,10 @@ def _pin(address: int, size: int) -> None:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as bytes: a conjugate or negative view (x.conj(), x.conj().imag)
+    holds the values before the conjugation or negation, so it is resolved first."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     return t.reshape(-1).view(torch.uint8)
 
 

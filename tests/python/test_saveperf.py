@@ -19,6 +19,19 @@ import safepoint
 _jobs = iter(range(1 << 30))
 
 
+@pytest.fixture(autouse=True, params=["probe", "python"])
+def tensor_reads(request):
+    """Every test runs twice: tensors read through safepoint._torchprobe (one C++ call a
+    tensor; the default, built wherever torch's headers are, as here) and through torch's
+    Python API (where the probe is not built, or is for another torch)."""
+    from safepoint import _core
+
+    probe = request.param == "probe"
+    assert _core.set_torch_probe(probe) == probe, "safepoint._torchprobe was not built"
+    yield request.param
+    _core.set_torch_probe(True)
+
+
 @pytest.fixture
 def make(tmp_path, shm):
     made = []
@@ -191,6 +204,26 @@ def test_states_the_plan_does_not_cover_are_saved_as_before(make):
         got = loaded(ck, step)
         assert torch.equal(got["w"], state["w"]) and got["big"] == 1 << 80 and got["obj"] == {1, 2}
     ck.close()
+
+
+def test_conjugate_and_negative_views_are_saved_as_their_values(make, tmp_path):
+    """x.conj() and x.conj().imag hold the values before the conjugation or negation: their raw
+    bytes are not their values (both were saved wrong before)."""
+    g = torch.Generator().manual_seed(3)
+    conj = torch.randn(6, dtype=torch.complex64, generator=g).conj()
+    neg = torch.randn(6, dtype=torch.complex64, generator=g).conj().imag
+    assert conj.is_conj() and neg.is_neg()
+    state = {"conj": conj, "neg": neg, "model": small_state(100)["model"]}
+    ck = make(keep=1)
+    for step in (1, 2):
+        assert ck.save(step, state)
+        got = loaded(ck, step)
+        assert torch.equal(got["conj"], conj) and torch.equal(got["neg"], neg)
+        assert not got["conj"].is_conj() and same(got["model"], state["model"])
+    ck.close()
+    safepoint.save(tmp_path / "sync", 1, state)
+    got = safepoint.load(tmp_path / "sync")[1]
+    assert torch.equal(got["conj"], conj) and torch.equal(got["neg"], neg)
 
 
 def test_plan_reuse_with_include_rng(make):
