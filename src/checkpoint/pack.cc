@@ -51,6 +51,7 @@
 #include "checkpoint/pack.h"
 
 #include <dirent.h>
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -64,8 +65,6 @@
 #include <mutex>
 #include <thread>
 #include <unordered_set>
-
-#include <spdlog/spdlog.h>
 
 #include "base/aligned_buffer.h"
 #include "base/bytes.h"
@@ -611,12 +610,12 @@ ChunkStoreHolder ChunkStoreHolderOf(int64_t pid, uint64_t step, uint32_t rank, i
 
 std::string EncodeChunkStoreHolder(const ChunkStoreHolder& h) {
   std::string host = h.host.empty() ? "?" : h.host;
-  std::replace_if(host.begin(), host.end(), [](char c) { return c <= ' ' || c > '~'; }, '?');
+  std::replace_if(
+      host.begin(), host.end(), [](char c) { return c <= ' ' || c > '~'; }, '?');
   std::string out = std::to_string(h.time_ns) + " " + std::to_string(h.step) + " " +
                     std::to_string(h.rank) + " " + std::to_string(h.pid) + " " + host;
   if (h.version >= 2) {
-    out += " 2 " + h.boot_id + " " + std::to_string(h.pid_ns) + " " +
-           std::to_string(h.start_ticks);
+    out += " 2 " + h.boot_id + " " + std::to_string(h.pid_ns) + " " + std::to_string(h.start_ticks);
     char crc[16];
     std::snprintf(crc, sizeof(crc), " %08x", Crc32c(0, out.data(), out.size()));
     out += crc;
@@ -1180,8 +1179,8 @@ Result<GcStats> CheckpointStore::CollectGarbage() {
         why = "older than 10 minutes: its garbage collection crashed or overran";
       }
       if (why.empty()) break;
-      SP_ASSIGN_OR_RETURN(bool gone, DeleteIfUnchanged(storage, kGcLockName, *held,
-                                                       "a chunk GC's lock: " + why));
+      SP_ASSIGN_OR_RETURN(
+          bool gone, DeleteIfUnchanged(storage, kGcLockName, *held, "a chunk GC's lock: " + why));
       if (!gone) continue;  // another took it meanwhile: judge that one
     }
     locked = WriteSmall(storage, kGcLockName, mine, /*exclusive=*/true);
@@ -1195,8 +1194,8 @@ Result<GcStats> CheckpointStore::CollectGarbage() {
   // Removes the lock at the end (G6) if it is still this one's.
   auto still_mine = [&] {
     auto held = ReadWhole(storage, kGcLockName, 4096);
-    return held.ok() && std::string_view(reinterpret_cast<const char*>(held->data()),
-                                         held->size()) == mine;
+    return held.ok() &&
+           std::string_view(reinterpret_cast<const char*>(held->data()), held->size()) == mine;
   };
   struct LockGuard {
     Storage& s;
