@@ -668,7 +668,6 @@ HolderLiveness LivenessOf(const ChunkStoreHolder& h) {
       PidNamespaceOf(getpid()) != h.pid_ns) {
     return HolderLiveness::kUnknown;  // another host, boot or namespace: its pids are not ours
   }
-  if (h.pid == getpid()) return HolderLiveness::kAlive;
   const std::string dir = "/proc/" + std::to_string(h.pid);
   const std::string line = FirstLine((dir + "/stat").c_str());
   if (line.empty()) {

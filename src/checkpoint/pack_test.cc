@@ -427,6 +427,12 @@ TEST(PackTest, AKilledGcsLockIsBrokenAtOnceByTheNextSaveAndTheNextGc) {
   EXPECT_FALSE(again.deferred) << again.reason;
   int status = 0;
   EXPECT_EQ(waitpid(zombie, &status, 0), zombie);
+  // A holder whose pid is now another process's (here this one's, which started later).
+  Identity reused = IdentityOf(getpid());
+  reused.start_ticks -= 1;
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(reused, NowNs()))));
+  ASSERT_OK_AND_ASSIGN(auto reused_gc, store.CollectGarbage());
+  EXPECT_FALSE(reused_gc.deferred) << reused_gc.reason;
 }
 
 TEST(PackTest, AKilledSavesIntentDoesNotHoldTheGcBack) {
