@@ -85,6 +85,11 @@ struct StorageCapabilities {
   bool atomic_rename = true;  // Publish replaces atomically (POSIX); object stores: single PUT
   bool direct_io = false;     // O_DIRECT is used for aligned requests
   bool durable = true;        // data survives a process crash (false: in-memory)
+  // No request of a process takes effect after the process is gone (a POSIX syscall has
+  // finished or never happened; in-memory). False for object stores, where a request a killed
+  // client had sent may still be carried out later: the chunk GC (pack.cc) breaks a dead
+  // holder's lock at once only where this is true.
+  bool requests_end_with_process = false;
   // The request shape the backend serves best, for readers and writers of large objects: spans
   // of preferred_io_size bytes aligned to it (an object store's part or chunk size; 0: no
   // preference, the caller's own request size), at most io_parallelism of them at a time (0:

@@ -2,38 +2,64 @@
 //
 // Writing a packed image of step s, rank r (CheckpointStore::WritePacked):
 //   W1. Publish an intent record "chunks/inflight/<step>.r<rank>.<random>": a save is in flight.
-//   W2. If "chunks/gc-lock" exists, a GC may be deleting chunks: wait for it to go (a GC is
-//       short; up to kGcWait), then go on (that GC has ended, and any later one finds the
-//       intent). If it is still there, delete the intent and write the plain image instead (the
-//       caller does); nothing of the chunk store is relied on.
+//   W2. If "chunks/gc-lock" exists, a GC may be deleting chunks: break it if its holder is
+//       provably dead (below), else wait for it to go (a GC is short; up to kGcWait), then go
+//       on (that GC has ended, and any later one finds the intent). If it is still there,
+//       delete the intent and write the plain image instead (the caller does); nothing of the
+//       chunk store is relied on.
 //   W3. For every image chunk, in parallel: take its raw bytes, CRC-32C and SHA-256 them; unless
 //       incremental and "chunks/<hh>/<sha256>" exists, encode it (codec::EncodeChunk) and
 //       publish it with PublishIfAbsent (an equal chunk another writer published is as good).
 //   W4. Publish the manifest "step-S/rank-R.pack" (or rank-R.g<gen>.pack).
 //   W5. Delete the intent. The step commits later (TryCommit) like a plain one.
 // Garbage collection (CollectGarbage): mark and sweep, every manifest is a root.
-//   G1. Publish "chunks/gc-lock" with PublishIfAbsent (a lock older than kGcLockStale is broken
-//       first: its GC crashed or overran; a GC stops deleting after kGcBudget).
-//   G2. List the intents: stale ones (older than kIntentStale: crashed saves) are removed; any
-//       other means a save is in flight: release the lock and defer (nothing removed).
+//   G1. Publish "chunks/gc-lock" with PublishIfAbsent (a lock older than kGcLockStale, or one
+//       whose holder is provably dead, is broken first: its GC crashed or overran; a GC stops
+//       deleting after kGcBudget).
+//   G2. List the intents: those of crashed saves (older than kIntentStale, or of a provably
+//       dead holder) are removed; any other means a save is in flight: release the lock and
+//       defer (nothing removed).
 //   G3. List the chunk objects; G4. read every manifest (committed or not, any job) and mark the
-//       chunks they reference; G5. delete the unmarked chunks; G6. delete the lock.
+//       chunks they reference; G4b. check that the lock still holds this GC's record (else
+//       defer); G5. delete the unmarked chunks; G6. delete the lock if it is still this one's.
 // Why no save can lose a chunk: a writer whose intent (W1) precedes G2 makes the GC defer; one
 // whose intent follows G2 also follows G1, so its W2 finds the lock and it writes no manifest
 // that references existing chunks. A manifest published before G4 is read at G4. The storage
 // must be linearizable for single objects and List (POSIX, RADOS, S3 since 2020 are).
-// Kills: a killed writer leaves an intent (GC defers until it is stale), published chunks and
-// perhaps a manifest (an uncommitted step's: CleanUp removes it, then GC its chunks): garbage
-// only. A killed GC leaves its lock (writers write plain images until it is broken) and chunks
-// that it had not yet deleted. Committed steps only ever reference chunks of manifests, which
-// G4 marks.
+// Kills: a killed writer leaves an intent (GC defers until it is stale or its holder is seen
+// dead), published chunks and perhaps a manifest (an uncommitted step's: CleanUp removes it,
+// then GC its chunks): garbage only. A killed GC leaves its lock (writers write plain images
+// until it is broken) and chunks that it had not yet deleted. Committed steps only ever
+// reference chunks of manifests, which G4 marks.
+// Dead holders. Intent and lock records name their process exactly (boot id, pid namespace,
+// pid, start time: docs/format.md). A holder is provably dead when it ran on this boot in this
+// process's pid namespace and its pid is gone or names a process that started at another time
+// (or an exited zombie). Its lock or intent is removed at once, but only on storage where no
+// request of a dead process still lands later (requests_end_with_process: POSIX, memory; on an
+// object store a killed client's request may still be carried out, so only the age rules apply
+// there). That keeps the argument above: a dead GC deletes nothing more, and a dead writer
+// publishes nothing more (a manifest it published is read at G4). A holder on another host,
+// boot or namespace, or a record without the identity (version 1), is judged by age only.
+// Breaking a lock (stale or dead) races with other breakers: B1 and B2 both judge the record R
+// dead, B1 deletes it, a GC C publishes its lock L, and B2's delete must not remove L. Storage
+// has no conditional delete, so a breaker reads the lock again just before its Delete and
+// deletes only if it still holds R (records are unique: time in ns, pid, start time); left is
+// the window between that read and the Delete. Should B2 remove L in it, C finds its lock gone
+// at G4b and defers before deleting anything (and G6 removes no lock but its own); the
+// remaining hazard needs B2 to stall between two adjacent calls for all of C's G1-G4 and a
+// writer to start in exactly that time.
 #include "checkpoint/pack.h"
 
+#include <dirent.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -46,6 +72,7 @@
 #include "base/digest.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "base/process.h"
 #include "base/random.h"
 #include "codec/codec.h"
 
@@ -106,12 +133,8 @@ Result<std::vector<std::byte>> ReadWhole(Storage& storage, std::string_view name
   return data;
 }
 
-// "<time ns> <step> <rank> <pid> <host>": who holds an intent or the GC lock since when.
-std::string HolderRecord(uint64_t step, uint32_t rank) {
-  return std::to_string(WallNs()) + " " + std::to_string(step) + " " + std::to_string(rank) + " " +
-         std::to_string(getpid()) + " " + HostName() + "\n";
-}
-int64_t HolderTime(std::span<const std::byte> data) {
+// The leading decimal digits of a holder record: its time (0 where there are none).
+int64_t HolderTimePrefix(std::span<const std::byte> data) {
   int64_t t = 0;
   for (std::byte b : data) {
     const char c = static_cast<char>(b);
@@ -120,6 +143,48 @@ int64_t HolderTime(std::span<const std::byte> data) {
     t = t * 10 + (c - '0');
   }
   return t;
+}
+
+std::string HolderRecord(uint64_t step, uint32_t rank) {
+  return internal::EncodeChunkStoreHolder(
+      internal::ChunkStoreHolderOf(getpid(), step, rank, WallNs()));
+}
+
+// Deletes `name` (the GC lock or an intent, whose record `data` the caller read and judged
+// dead or stale) if it still holds exactly `data`: true when it is gone (deleted here or by
+// another). Every record is unique (its time in ns, pid and host), so a record read again
+// equal to `data` is the same lock, not a new one; the remaining window, between that read and
+// the Delete, is argued at the top of this file ("Breaking a lock").
+Result<bool> DeleteIfUnchanged(Storage& storage, std::string_view name,
+                               std::span<const std::byte> data, const std::string& why) {
+  auto again = ReadWhole(storage, name, 4096);
+  if (!again.ok()) {
+    if (again.status().code() == StatusCode::kNotFound) return true;
+    return again.status();
+  }
+  if (!std::equal(again->begin(), again->end(), data.begin(), data.end())) return false;
+  SP_RETURN_IF_ERROR(storage.Delete(name));
+  spdlog::warn("{}: removed ({})", storage.Describe(name), why);
+  return true;
+}
+
+// "pid 4711 on host (started at tick 123, boot 0f3e...)" for messages.
+std::string DescribeHolder(const internal::ChunkStoreHolder& h) {
+  std::string out = "pid " + std::to_string(h.pid) + " on " + h.host;
+  if (h.version >= 2) {
+    out += " (started at tick " + std::to_string(h.start_ticks) + ", boot " + h.boot_id +
+           ", pid namespace " + std::to_string(h.pid_ns) + ")";
+  }
+  return out;
+}
+
+// Why the record `data` may be removed now ("" when it may not): its holder is provably dead,
+// where the storage carries out no request of a dead process.
+std::string DeadHolder(Storage& storage, std::span<const std::byte> data) {
+  if (!storage.capabilities().requests_end_with_process) return "";
+  auto h = internal::DecodeChunkStoreHolder(data);
+  if (!h || internal::LivenessOf(*h) != internal::HolderLiveness::kDead) return "";
+  return "its holder, " + DescribeHolder(*h) + ", is dead";
 }
 
 // The checksum section bytes of `crcs` for `layout` (docs/format.md "Checksums").
@@ -467,6 +532,169 @@ PackOptions MakePackOptions(std::string_view compression, bool incremental) {
 PackReport PackReportFor(const std::string& uri) { return Advisor::Get().Report(uri); }
 
 namespace internal {
+
+namespace {
+// The first line of a small file, or "" when it cannot be read.
+std::string FirstLine(const char* path) {
+  std::FILE* f = std::fopen(path, "re");
+  if (f == nullptr) return "";
+  char buf[256] = {};
+  const bool ok = std::fgets(buf, sizeof(buf), f) != nullptr;
+  std::fclose(f);
+  if (!ok) return "";
+  std::string line(buf);
+  while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+  return line;
+}
+
+// A boot id as the kernel writes it: 36 characters of lower-case hex and '-'.
+bool ValidBootId(std::string_view id) {
+  return id.size() == 36 && std::all_of(id.begin(), id.end(), [](char c) {
+           return c == '-' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
+}
+
+// The inode of `pid`'s pid namespace ("pid:[4026531836]"), or 0.
+uint64_t PidNamespaceOf(int64_t pid) {
+  const std::string path =
+      pid == getpid() ? "/proc/self/ns/pid" : "/proc/" + std::to_string(pid) + "/ns/pid";
+  char buf[64] = {};
+  const ssize_t n = readlink(path.c_str(), buf, sizeof(buf) - 1);
+  if (n <= 0) return 0;
+  unsigned long long inode = 0;
+  if (std::sscanf(buf, "pid:[%llu]", &inode) != 1) return 0;
+  return inode;
+}
+
+// Whether this process's /proc is of its own pid namespace, so that /proc/<pid> names the pids
+// getpid() gives (a /proc mounted from another namespace names others).
+bool ProcIsOurs() {
+  char buf[32] = {};
+  const ssize_t n = readlink("/proc/self", buf, sizeof(buf) - 1);
+  return n > 0 && std::string_view(buf, n) == std::to_string(getpid());
+}
+
+// Parses unsigned decimal `text` (no sign, no spaces) into `out`.
+bool ParseU64(std::string_view text, uint64_t* out) {
+  if (text.empty() || text.size() > 19) return false;
+  uint64_t v = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  *out = v;
+  return true;
+}
+}  // namespace
+
+ChunkStoreHolder ChunkStoreHolderOf(int64_t pid, uint64_t step, uint32_t rank, int64_t time_ns) {
+  ChunkStoreHolder h;
+  h.time_ns = time_ns;
+  h.step = step;
+  h.rank = rank;
+  h.pid = pid;
+  h.host = HostName();
+  const std::string boot = FirstLine("/proc/sys/kernel/random/boot_id");
+  const uint64_t ns = PidNamespaceOf(pid);
+  const auto start = pid > 0 && pid <= INT32_MAX && ProcIsOurs()
+                         ? ProcessStartTicks(static_cast<uint32_t>(pid))
+                         : std::nullopt;
+  if (ValidBootId(boot) && ns != 0 && start && *start != 0) {
+    h.version = 2;
+    h.boot_id = boot;
+    h.pid_ns = ns;
+    h.start_ticks = *start;
+  }
+  return h;
+}
+
+std::string EncodeChunkStoreHolder(const ChunkStoreHolder& h) {
+  std::string host = h.host.empty() ? "?" : h.host;
+  std::replace_if(
+      host.begin(), host.end(), [](char c) { return c <= ' ' || c > '~'; }, '?');
+  std::string out = std::to_string(h.time_ns) + " " + std::to_string(h.step) + " " +
+                    std::to_string(h.rank) + " " + std::to_string(h.pid) + " " + host;
+  if (h.version >= 2) {
+    out += " 2 " + h.boot_id + " " + std::to_string(h.pid_ns) + " " + std::to_string(h.start_ticks);
+    char crc[16];
+    std::snprintf(crc, sizeof(crc), " %08x", Crc32c(0, out.data(), out.size()));
+    out += crc;
+  }
+  return out + "\n";
+}
+
+std::optional<ChunkStoreHolder> DecodeChunkStoreHolder(std::span<const std::byte> data) {
+  std::string_view text(reinterpret_cast<const char*>(data.data()), data.size());
+  if (text.ends_with('\n')) text.remove_suffix(1);
+  std::vector<std::string_view> f;
+  for (size_t at = 0; at <= text.size() && f.size() < 16;) {
+    const size_t end = std::min(text.find(' ', at), text.size());
+    f.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  // The time as readers before version 2 take it: the leading digits (none: no record).
+  const int64_t t = HolderTimePrefix(data);
+  if (t == 0) return std::nullopt;
+  ChunkStoreHolder h;
+  h.time_ns = t;
+  uint64_t step = 0, rank = 0, pid = 0;
+  if (f.size() >= 5 && ParseU64(f[1], &step) && ParseU64(f[2], &rank) && ParseU64(f[3], &pid) &&
+      rank <= UINT32_MAX && pid <= INT32_MAX) {
+    h.step = step;
+    h.rank = static_cast<uint32_t>(rank);
+    h.pid = static_cast<int64_t>(pid);
+    h.host = std::string(f[4]);
+  }
+  // Version 2: ten fields, the last the CRC-32C (8 hex digits) of the bytes before its space.
+  uint64_t ns = 0, start = 0;
+  if (f.size() == 10 && f[5] == "2" && ValidBootId(f[6]) && ParseU64(f[7], &ns) &&
+      ParseU64(f[8], &start) && f[9].size() == 8 && h.pid != 0 && ns != 0 && start != 0) {
+    const size_t body = text.size() - 9;
+    char want[9];
+    std::snprintf(want, sizeof(want), "%08x", Crc32c(0, text.data(), body));
+    if (f[9] == want) {
+      h.version = 2;
+      h.boot_id = std::string(f[6]);
+      h.pid_ns = ns;
+      h.start_ticks = start;
+    }
+  }
+  return h;
+}
+
+HolderLiveness LivenessOf(const ChunkStoreHolder& h) {
+  if (h.version < 2 || h.pid <= 0 || h.pid > INT32_MAX) return HolderLiveness::kUnknown;
+  if (!ProcIsOurs() || FirstLine("/proc/sys/kernel/random/boot_id") != h.boot_id ||
+      PidNamespaceOf(getpid()) != h.pid_ns) {
+    return HolderLiveness::kUnknown;  // another host, boot or namespace: its pids are not ours
+  }
+  const std::string dir = "/proc/" + std::to_string(h.pid);
+  const std::string line = FirstLine((dir + "/stat").c_str());
+  if (line.empty()) {
+    // No such process (ENOENT), or /proc would not say: only a missing directory proves it.
+    struct stat st;
+    return ::stat(dir.c_str(), &st) != 0 && errno == ENOENT ? HolderLiveness::kDead
+                                                            : HolderLiveness::kUnknown;
+  }
+  const auto start = ProcessStartTicks(static_cast<uint32_t>(h.pid));
+  if (!start) return HolderLiveness::kUnknown;
+  if (*start != h.start_ticks) return HolderLiveness::kDead;  // the pid was reused
+  // The holder itself: alive unless a zombie whose every thread has exited (a zombie leader
+  // whose other threads run still lists them in task/).
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z') {
+    return HolderLiveness::kAlive;
+  }
+  DIR* tasks = opendir((dir + "/task").c_str());
+  if (tasks == nullptr) return HolderLiveness::kUnknown;
+  size_t threads = 0;
+  while (const dirent* e = readdir(tasks)) {
+    if (e->d_name[0] != '.') ++threads;
+  }
+  closedir(tasks);
+  return threads <= 1 ? HolderLiveness::kDead : HolderLiveness::kAlive;
+}
+
 void SetTierLearningForTest(const std::string& uri, double write_bps, double encode_bps_thread,
                             double probe_ratio) {
   Advisor::Get().SetForTest(uri, write_bps, encode_bps_thread, probe_ratio);
@@ -645,15 +873,25 @@ Result<WriteStats> CheckpointStore::WritePacked(const PackSource& src, const Pac
   } guard{storage, intent};
   SP_KILL_POINT("pack.write.after_intent");
   // W2: a GC that may be deleting chunks: wait a little for it to end, else the caller writes
-  // the plain image.
-  auto lock = storage.Open(kGcLockName);
-  for (auto pause = std::chrono::milliseconds(10), waited = std::chrono::milliseconds(0);
-       lock.ok() && waited < kGcWait; waited += pause, pause = std::min(pause * 2, kGcWait / 8)) {
+  // the plain image. The lock of a GC that is provably dead is broken at once.
+  for (auto pause = std::chrono::milliseconds(10), waited = std::chrono::milliseconds(0);;) {
+    auto held = ReadWhole(storage, kGcLockName, 4096);
+    if (!held.ok() && held.status().code() == StatusCode::kNotFound) break;
+    if (!held.ok() && held.status().code() != StatusCode::kCorruption) return held.status();
+    if (held.ok()) {
+      if (std::string why = DeadHolder(storage, *held); !why.empty()) {
+        SP_ASSIGN_OR_RETURN(bool gone, DeleteIfUnchanged(storage, kGcLockName, *held,
+                                                         "a killed chunk GC's lock: " + why));
+        if (gone) continue;  // look again: another GC may hold it by now
+      }
+    }
+    if (waited >= kGcWait) {
+      return Unavailable(uri + ": the chunk store's garbage collector is running");
+    }
     std::this_thread::sleep_for(pause);
-    lock = storage.Open(kGcLockName);
+    waited += pause;
+    pause = std::min(pause * 2, kGcWait / 8);
   }
-  if (lock.ok()) return Unavailable(uri + ": the chunk store's garbage collector is running");
-  if (lock.status().code() != StatusCode::kNotFound) return lock.status();
 
   // With auto, a tier whose encoder speed this process never measured (a tier copy: no sample
   // in memory) is probed on the first large chunk of 2-, 4- or 8-byte values that this write
@@ -928,14 +1166,23 @@ Result<GcStats> CheckpointStore::CollectGarbage() {
   // A directory without a chunk store (plain steps only) has nothing to collect.
   SP_ASSIGN_OR_RETURN(auto any, storage.List(kChunkPrefix));
   if (any.empty()) return stats;
-  // G1: the lock; a stale one (its GC crashed or overran) is broken.
-  Status locked = WriteSmall(storage, kGcLockName, HolderRecord(0, 0), /*exclusive=*/true);
-  if (locked.code() == StatusCode::kAlreadyExists) {
+  // G1: the lock; a stale one (its GC crashed or overran) or a dead holder's is broken.
+  const std::string mine = HolderRecord(0, 0);
+  Status locked = WriteSmall(storage, kGcLockName, mine, /*exclusive=*/true);
+  for (int attempt = 0; locked.code() == StatusCode::kAlreadyExists && attempt < 4; ++attempt) {
     auto held = ReadWhole(storage, kGcLockName, 4096);
-    if (held.ok() && start - HolderTime(*held) > kGcLockStaleNs) {
-      SP_RETURN_IF_ERROR(storage.Delete(kGcLockName));
-      locked = WriteSmall(storage, kGcLockName, HolderRecord(0, 0), /*exclusive=*/true);
+    if (!held.ok() && held.status().code() != StatusCode::kNotFound) break;
+    if (held.ok()) {
+      std::string why = DeadHolder(storage, *held);
+      if (why.empty() && start - HolderTimePrefix(*held) > kGcLockStaleNs) {
+        why = "older than 10 minutes: its garbage collection crashed or overran";
+      }
+      if (why.empty()) break;
+      SP_ASSIGN_OR_RETURN(
+          bool gone, DeleteIfUnchanged(storage, kGcLockName, *held, "a chunk GC's lock: " + why));
+      if (!gone) continue;  // another took it meanwhile: judge that one
     }
+    locked = WriteSmall(storage, kGcLockName, mine, /*exclusive=*/true);
   }
   if (locked.code() == StatusCode::kAlreadyExists) {
     stats.deferred = true;
@@ -943,13 +1190,22 @@ Result<GcStats> CheckpointStore::CollectGarbage() {
     return stats;
   }
   SP_RETURN_IF_ERROR(locked);
+  // Removes the lock at the end (G6) if it is still this one's.
+  auto still_mine = [&] {
+    auto held = ReadWhole(storage, kGcLockName, 4096);
+    return held.ok() &&
+           std::string_view(reinterpret_cast<const char*>(held->data()), held->size()) == mine;
+  };
   struct LockGuard {
     Storage& s;
-    ~LockGuard() { s.Delete(kGcLockName).IgnoreError(); }
-  } guard{storage};
+    const std::function<bool()> mine;
+    ~LockGuard() {
+      if (mine()) s.Delete(kGcLockName).IgnoreError();
+    }
+  } guard{storage, still_mine};
   SP_KILL_POINT("pack.gc.after_lock");
 
-  // G2: saves in flight.
+  // G2: saves in flight; those of crashed saves (dead or stale) are removed.
   SP_ASSIGN_OR_RETURN(auto intents, storage.List(kIntentPrefix));
   size_t live = 0;
   for (const auto& o : intents) {
@@ -958,13 +1214,17 @@ Result<GcStats> CheckpointStore::CollectGarbage() {
       if (data.status().code() == StatusCode::kNotFound) continue;  // that save finished
       return data.status();
     }
-    const int64_t t = HolderTime(*data);
-    if (t != 0 && start - t > kIntentStaleNs) {
-      SP_RETURN_IF_ERROR(storage.Delete(o.name));
-      ++stats.stale_intents;
-    } else {
+    const int64_t t = HolderTimePrefix(*data);
+    std::string why = DeadHolder(storage, *data);
+    if (why.empty() && t != 0 && start - t > kIntentStaleNs) why = "older than an hour";
+    if (why.empty()) {
       ++live;
+      continue;
     }
+    // An intent's name is never reused (a random part), so deleting it removes no other.
+    SP_RETURN_IF_ERROR(storage.Delete(o.name));
+    spdlog::warn("{}: removed (a killed save's intent: {})", storage.Describe(o.name), why);
+    ++stats.stale_intents;
   }
   if (live > 0) {
     stats.deferred = true;
@@ -999,6 +1259,12 @@ Result<GcStats> CheckpointStore::CollectGarbage() {
     }
     ++stats.manifests;
     for (const auto& c : m->chunks) referenced.insert(ChunkObjectName(c.sha256));
+  }
+  // The lock must still be this one's before anything goes (see "Breaking a lock" above).
+  if (!still_mine()) {
+    stats.deferred = true;
+    stats.reason = storage.Describe(kGcLockName) + " was removed by another process meanwhile";
+    return stats;
   }
   // G5: the rest goes.
   for (const auto& o : chunks) {

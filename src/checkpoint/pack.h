@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -89,6 +90,32 @@ inline constexpr std::string_view kGcLockName = "chunks/gc-lock";
 inline constexpr std::string_view kIntentPrefix = "chunks/inflight/";
 
 namespace internal {
+// Who holds an intent or the GC lock: the record docs/format.md ("Packed steps") specifies.
+struct ChunkStoreHolder {
+  int64_t time_ns = 0;  // wall clock when published
+  uint64_t step = 0;
+  uint32_t rank = 0;
+  int64_t pid = 0;
+  std::string host;
+  // Version 2 records name the process exactly; a version 1 record (written by safepoint
+  // before them, or where /proc could not tell) leaves these empty: its holder is unknown.
+  int version = 1;
+  std::string boot_id;       // /proc/sys/kernel/random/boot_id
+  uint64_t pid_ns = 0;       // the inode of the holder's pid namespace (/proc/<pid>/ns/pid)
+  uint64_t start_ticks = 0;  // field 22 of /proc/<pid>/stat
+};
+// The record of the live process `pid` of this host (version 2), or a version 1 record where
+// /proc cannot name it exactly.
+ChunkStoreHolder ChunkStoreHolderOf(int64_t pid, uint64_t step, uint32_t rank, int64_t time_ns);
+std::string EncodeChunkStoreHolder(const ChunkStoreHolder& holder);
+// nullopt when `data` does not start with a time; a version 1 holder where the rest is not a
+// valid version 2 record.
+std::optional<ChunkStoreHolder> DecodeChunkStoreHolder(std::span<const std::byte> data);
+enum class HolderLiveness { kAlive, kDead, kUnknown };
+// kDead only when provably dead: a version 2 record of this boot and this process's pid
+// namespace, and no process with its pid or one that started at another time (or a zombie).
+HolderLiveness LivenessOf(const ChunkStoreHolder& holder);
+
 // Tests only: sets what compression="auto" has learned about the tier at `uri` (its write
 // bandwidth and one encoder thread's speed, bytes/s, 0 = not measured yet; the probe's stored /
 // raw), so that a test of the per-tier choice does not depend on timing.

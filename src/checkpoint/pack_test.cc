@@ -3,17 +3,24 @@
 #include "checkpoint/pack.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "base/bytes.h"
+#include "base/crc32c.h"
 #include "base/digest.h"
 #include "codec/codec.h"
 #include "safepoint/checkpoint.h"
@@ -318,6 +325,174 @@ TEST(PackTest, ASaveThatFindsTheGcLockWritesThePlainImage) {
   EXPECT_TRUE(ChunkNames(*mem).empty());
   EXPECT_TRUE(Names(*mem, std::string(kIntentPrefix)).empty());
   ExpectShard(store, 1, 1);
+}
+
+// --- Locks and intents of dead holders ---------------------------------------------------------
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// The identity docs/format.md records for process `pid` of this host.
+struct Identity {
+  int64_t pid = 0;
+  std::string boot_id;
+  uint64_t pid_ns = 0;
+  uint64_t start_ticks = 0;
+};
+
+Identity IdentityOf(pid_t pid) {
+  Identity id;
+  id.pid = pid;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> id.boot_id;
+  char link[64] = {};
+  const std::string ns = "/proc/" + std::to_string(pid) + "/ns/pid";
+  EXPECT_GT(readlink(ns.c_str(), link, sizeof(link) - 1), 0) << ns;
+  unsigned long long inode = 0;
+  EXPECT_EQ(std::sscanf(link, "pid:[%llu]", &inode), 1) << link;
+  id.pid_ns = inode;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  std::string rest = line.substr(line.rfind(')') + 2);  // field 3 onwards
+  std::istringstream fields(rest);
+  std::string f;
+  for (int field = 3; field <= 22; ++field) fields >> f;
+  id.start_ticks = std::stoull(f);
+  EXPECT_EQ(id.boot_id.size(), 36u);
+  return id;
+}
+
+// A version 2 holder record (docs/format.md "Packed steps"), written byte by byte here.
+std::string RecordOf(const Identity& id, int64_t time_ns, uint64_t step = 0) {
+  std::string out = std::to_string(time_ns) + " " + std::to_string(step) + " 0 " +
+                    std::to_string(id.pid) + " host 2 " + id.boot_id + " " +
+                    std::to_string(id.pid_ns) + " " + std::to_string(id.start_ticks);
+  char crc[16];
+  std::snprintf(crc, sizeof(crc), " %08x", internal::Crc32c(0, out.data(), out.size()));
+  return out + crc + "\n";
+}
+
+// A process that is gone: forked, named while it runs, then killed (SIGKILL, as the crash
+// campaign kills) and, unless `reap` is false, reaped. `zombie` receives the pid to reap later.
+Identity KilledProcess(bool reap = true, pid_t* zombie = nullptr) {
+  const pid_t child = fork();
+  if (child == 0) {
+    for (;;) pause();
+  }
+  EXPECT_GT(child, 0);
+  Identity id = IdentityOf(child);
+  EXPECT_EQ(kill(child, SIGKILL), 0);
+  if (reap) {
+    int status = 0;
+    EXPECT_EQ(waitpid(child, &status, 0), child);
+  } else {
+    // Wait until it is a zombie (killed, not reaped).
+    siginfo_t info{};
+    EXPECT_EQ(waitid(P_PID, child, &info, WEXITED | WNOWAIT), 0);
+    *zombie = child;
+  }
+  return id;
+}
+
+TEST(PackTest, AKilledGcsLockIsBrokenAtOnceByTheNextSaveAndTheNextGc) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  const std::string lock(kGcLockName);
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(KilledProcess(), NowNs()))));
+  // The next packed save writes packed (not the plain image after waiting for the lock).
+  ASSERT_OK_AND_ASSIGN(auto saved, Save(store, 1, 1));
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(1));
+  EXPECT_TRUE(commit.images[0].packed);
+  EXPECT_FALSE(ChunkNames(*mem).empty());
+  EXPECT_TRUE(Names(*mem, lock).empty());
+  ExpectShard(store, 1, 1);
+  // The next GC runs (and removes step 1's chunks once step 1 is gone).
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(KilledProcess(), NowNs()))));
+  ASSERT_OK(Save(store, 2, 2));  // breaks that lock too
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(KilledProcess(), NowNs()))));
+  const auto only_1 = Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2));
+  ASSERT_OK(store.DeleteStep(1));
+  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  EXPECT_FALSE(gc.deferred) << gc.reason;
+  EXPECT_EQ(gc.removed, only_1.size());
+  EXPECT_TRUE(Names(*mem, lock).empty());
+  ExpectShard(store, 2, 2);
+  // A killed GC that its parent has not reaped yet (a zombie) is dead too.
+  pid_t zombie = 0;
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(KilledProcess(false, &zombie), NowNs()))));
+  ASSERT_OK_AND_ASSIGN(auto again, store.CollectGarbage());
+  EXPECT_FALSE(again.deferred) << again.reason;
+  int status = 0;
+  EXPECT_EQ(waitpid(zombie, &status, 0), zombie);
+  // A holder whose pid is now another process's (here this one's, which started later).
+  Identity reused = IdentityOf(getpid());
+  reused.start_ticks -= 1;
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(reused, NowNs()))));
+  ASSERT_OK_AND_ASSIGN(auto reused_gc, store.CollectGarbage());
+  EXPECT_FALSE(reused_gc.deferred) << reused_gc.reason;
+}
+
+TEST(PackTest, AKilledSavesIntentDoesNotHoldTheGcBack) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK(Save(store, 2, 2));
+  const auto only_1 = Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2));
+  ASSERT_OK(store.DeleteStep(1));
+  const std::string dead = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000001";
+  ASSERT_OK(test::PutObject(*mem, dead, AsBytes(RecordOf(KilledProcess(), NowNs(), 3))));
+  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  EXPECT_FALSE(gc.deferred) << gc.reason;
+  EXPECT_EQ(gc.stale_intents, 1u);
+  EXPECT_EQ(gc.removed, only_1.size());
+  EXPECT_TRUE(Names(*mem, std::string(kIntentPrefix)).empty());
+  ExpectShard(store, 2, 2);
+}
+
+TEST(PackTest, ALiveForeignOrOldFormatHoldersLockIsNotBrokenBeforeItIsStale) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(Save(store, 1, 1));
+  const std::string lock(kGcLockName);
+  const Identity dead = KilledProcess();
+  Identity other_boot = dead;
+  other_boot.boot_id[0] = other_boot.boot_id[0] == '0' ? '1' : '0';
+  Identity other_ns = dead;
+  other_ns.pid_ns += 1;
+  std::string bad_crc = RecordOf(dead, NowNs());
+  bad_crc[bad_crc.size() - 2] = bad_crc[bad_crc.size() - 2] == '0' ? '1' : '0';
+  const std::vector<std::pair<std::string, std::string>> held = {
+      {"this process", RecordOf(IdentityOf(getpid()), NowNs())},
+      {"another boot", RecordOf(other_boot, NowNs())},
+      {"another pid namespace", RecordOf(other_ns, NowNs())},
+      {"a damaged record", bad_crc},
+      {"the old format", std::to_string(NowNs()) + " 0 0 " + std::to_string(dead.pid) + " host\n"},
+  };
+  for (const auto& [what, record] : held) {
+    SCOPED_TRACE(what);
+    ASSERT_OK(test::PutObject(*mem, lock, AsBytes(record)));
+    ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+    EXPECT_TRUE(gc.deferred);
+    const auto there = test::ReadWholeObject(*mem, lock);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(there.data()), there.size()), record);
+  }
+  // A save waits for this process's lock, then writes the plain image.
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(held[0].second)));
+  ASSERT_OK(Save(store, 2, 2));
+  ASSERT_OK_AND_ASSIGN(auto commit, store.ReadCommit(2));
+  EXPECT_FALSE(commit.images[0].packed);
+  // The age rule still breaks a foreign holder's stale lock (and an old record's).
+  ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(other_boot, 1000))));
+  ASSERT_OK_AND_ASSIGN(auto stale, store.CollectGarbage());
+  EXPECT_FALSE(stale.deferred) << stale.reason;
+  // An intent of this (live) process holds the GC back however the record was made.
+  const std::string live = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000002";
+  ASSERT_OK(test::PutObject(*mem, live, AsBytes(RecordOf(IdentityOf(getpid()), NowNs(), 3))));
+  ASSERT_OK_AND_ASSIGN(auto deferred, store.CollectGarbage());
+  EXPECT_TRUE(deferred.deferred);
 }
 
 // Trained-like weights: fp32 values of a narrow normal distribution (as weights and Adam moments

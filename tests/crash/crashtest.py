@@ -186,6 +186,10 @@ class Zygote:
                 return
             m = json.loads(msg)
             if "spawned" in m:
+                # The pid may be one an earlier process had (pid_max 32768 wraps within a long
+                # campaign): its exit status is not this one's (seed 3149345724, round 561).
+                with self.cv:
+                    self.exits.pop(m["spawned"], None)
                 self.spawned.put(m["spawned"])
             elif "exited" in m:
                 with self.cv:

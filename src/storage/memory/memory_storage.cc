@@ -177,6 +177,7 @@ class MemoryStorage final : public Storage {
     caps.atomic_rename = true;
     caps.direct_io = false;
     caps.durable = false;
+    caps.requests_end_with_process = true;
     return caps;
   }
 

@@ -556,6 +556,7 @@ class PosixStorage final : public Storage {
     caps.atomic_rename = true;
     caps.direct_io = options_.use_direct_io && !direct_refused_.load(std::memory_order_relaxed);
     caps.durable = true;
+    caps.requests_end_with_process = true;
     return caps;
   }
 
