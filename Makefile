@@ -7,7 +7,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh
@@ -108,7 +108,7 @@ fuzz: setup
 demo: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) examples/demo.py
 
-bench: build
+bench: build bench-deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/run.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/flash.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/versions.py
@@ -121,10 +121,14 @@ bench: build
 bench-goodput: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/goodput.py
 
-# 2-rank DDP and FSDP2 against DCP, torch.save and DLRover (which imports grpc undeclared).
-bench-multirank: build
+# DLRover imports grpc without declaring it: bench/save_path.py and bench/multirank.py put
+# build/bench/dlrover-deps on its path.
+bench-deps: setup
 	@$(PY) -c 'import grpc' 2>/dev/null || test -d build/bench/dlrover-deps || \
 	  $(PY) -m pip install -q --target build/bench/dlrover-deps grpcio
+
+# 2-rank DDP and FSDP2 against DCP, torch.save and DLRover.
+bench-multirank: build bench-deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/multirank.py
 
 # Peer replication on network-namespace nodes (needs root; not part of `make bench`: it takes
