@@ -187,15 +187,6 @@ std::string DeadHolder(Storage& storage, std::span<const std::byte> data) {
   return "its holder, " + DescribeHolder(*h) + ", is dead";
 }
 
-// The checksum section bytes of `crcs` for `layout` (docs/format.md "Checksums").
-std::vector<std::byte> ChecksumSectionOf(const ImageLayout& layout,
-                                         std::span<const uint32_t> crcs) {
-  std::vector<std::byte> out(layout.image_size - layout.checksums_offset);
-  for (size_t i = 0; i < crcs.size(); ++i) internal::StoreLE<uint32_t>(&out[4 * i], crcs[i]);
-  internal::StoreLE<uint32_t>(&out[4 * crcs.size()], Crc32c(0, out.data(), 4 * crcs.size()));
-  return out;
-}
-
 // --- What compression pays on each tier (PackOptions::compression == kAuto) ------------------
 
 struct TierLearning {
@@ -596,14 +587,14 @@ ChunkStoreHolder ChunkStoreHolderOf(int64_t pid, uint64_t step, uint32_t rank, i
   h.host = HostName();
   const std::string boot = FirstLine("/proc/sys/kernel/random/boot_id");
   const uint64_t ns = PidNamespaceOf(pid);
-  const auto start = pid > 0 && pid <= INT32_MAX && ProcIsOurs()
-                         ? ProcessStartTicks(static_cast<uint32_t>(pid))
-                         : std::nullopt;
-  if (ValidBootId(boot) && ns != 0 && start && *start != 0) {
+  const uint64_t start = pid > 0 && pid <= INT32_MAX && ProcIsOurs()
+                             ? ProcessStartTicks(static_cast<uint32_t>(pid)).value_or(0)
+                             : 0;
+  if (ValidBootId(boot) && ns != 0 && start != 0) {
     h.version = 2;
     h.boot_id = boot;
     h.pid_ns = ns;
-    h.start_ticks = *start;
+    h.start_ticks = start;
   }
   return h;
 }
