@@ -183,11 +183,34 @@ class Flattener {
     Types& t = T();
     auto seen = seen_.find(obj.ptr());
     if (seen != seen_.end()) return Value(seen->second);
-    if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr())) {
+    PyTypeObject* type = Py_TYPE(obj.ptr());
+    if (type != reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr())) {
       nb::handle dtensor = DTensorType();
       if (dtensor.is_valid() &&
           PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(dtensor.ptr()))) {
         return ShardOf(obj);
+      }
+    }
+    // The common case in one call (torch_probe.h): a plain contiguous CPU tensor of a dtype
+    // the format has, not staged. Anything else takes the route below, which handles or
+    // reports it.
+    if (t.probe != nullptr && stage_ != Stage::kAll &&
+        (type == reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr()) ||
+         type == reinterpret_cast<PyTypeObject*>(t.parameter_type.ptr()))) {
+      TorchTensorFacts f;
+      if (t.probe->probe(obj.ptr(), &f) == 1 && f.contiguous) {
+        auto d = t.torch_dtypes.find(f.dtype);
+        if (d != t.torch_dtypes.end()) {
+          std::vector<uint64_t> shape(f.sizes, f.sizes + f.ndim);
+          uint64_t nbytes = DTypeSize(d->second);
+          for (uint64_t x : shape) nbytes *= x;
+          const size_t idx =
+              Add(d->second, std::move(shape), reinterpret_cast<uintptr_t>(f.data), nbytes);
+          keepalive_->append(obj);  // as below: held until the image is written
+          TensorRef ref{idx, 0};
+          seen_.emplace(obj.ptr(), ref);
+          return Value(ref);
+        }
       }
     }
     nb::object layout = nb::steal(PyObject_GetAttr(obj.ptr(), t.s_layout.ptr()));
