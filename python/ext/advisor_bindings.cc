@@ -13,27 +13,12 @@
 
 #include "advisor/history.h"
 #include "advisor/interval.h"
+#include "errors.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace safepoint::python {
-
-[[noreturn]] void ThrowStatus(const Status& s);  // module.cc
-
-namespace {
-
-template <typename T>
-T Unwrap(Result<T> r) {
-  if (!r.ok()) ThrowStatus(r.status());
-  return std::move(r).value();
-}
-
-void Check(const Status& s) {
-  if (!s.ok()) ThrowStatus(s);
-}
-
-}  // namespace
 
 void BindAdvisor(nb::module_& m) {
   using namespace safepoint::advisor;

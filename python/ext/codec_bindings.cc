@@ -13,13 +13,12 @@
 #include <vector>
 
 #include "codec/codec.h"
+#include "errors.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace safepoint::python {
-
-[[noreturn]] void ThrowStatus(const Status& s);  // module.cc
 
 namespace {
 

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "errors.h"
 #include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
@@ -28,15 +29,7 @@ using namespace nb::literals;
 
 namespace safepoint::python {
 
-[[noreturn]] void ThrowStatus(const Status& s);  // module.cc
-
 namespace {
-
-template <typename T>
-T Unwrap(Result<T> r) {
-  if (!r.ok()) ThrowStatus(r.status());
-  return std::move(r).value();
-}
 
 // Runs f(store) on the checkpoint directory at `path` with the GIL released.
 template <typename F>

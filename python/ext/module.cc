@@ -20,6 +20,7 @@
 
 #include "advisor_bindings.h"
 #include "codec_bindings.h"
+#include "errors.h"
 #include "format_bindings.h"
 #include "replica/redundancy.h"
 #include "safepoint/build_config.h"
@@ -72,17 +73,9 @@ const char* ExceptionName(StatusCode code) {
 
 namespace {
 
+using python::Check;
 using python::ThrowStatus;
-
-template <typename T>
-T Unwrap(Result<T> r) {
-  if (!r.ok()) ThrowStatus(r.status());
-  return std::move(r).value();
-}
-
-void Check(const Status& s) {
-  if (!s.ok()) ThrowStatus(s);
-}
+using python::Unwrap;
 
 // --- save / load -----------------------------------------------------------------------------
 

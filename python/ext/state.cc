@@ -11,11 +11,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "errors.h"
 #include "torch_probe.h"
 
 namespace safepoint::python {
-
-[[noreturn]] void ThrowStatus(const Status& s);  // module.cc
 
 namespace {
 

@@ -13,14 +13,13 @@
 #include <vector>
 
 #include "checkpoint/versions.h"
+#include "errors.h"
 #include "safepoint/checkpoint.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace safepoint::python {
-
-[[noreturn]] void ThrowStatus(const Status& s);  // module.cc
 
 namespace {
 
