@@ -35,6 +35,7 @@
 #include "advisor/history.h"
 #include "advisor/interval.h"
 #include "base/log.h"
+#include "cli_format.h"
 
 extern char** environ;
 
@@ -44,14 +45,6 @@ using json = nlohmann::ordered_json;
 using namespace safepoint::advisor;
 
 namespace {
-
-constexpr int kExitOk = 0;
-constexpr int kExitError = 1;
-
-int Fail(const Status& s) {
-  spdlog::error("{}", s.ToString());
-  return kExitError;
-}
 
 std::string Pct(double g) {
   char buf[32];

@@ -1,5 +1,7 @@
-// Small formatting helpers shared by the CLI's commands (apps/*.cc).
+// Small helpers shared by the CLI's commands (apps/*.cc): exit codes, the error exit, formatting.
 #pragma once
+
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -8,7 +10,19 @@
 #include <string>
 #include <vector>
 
+#include "safepoint/status.h"
+
 namespace safepoint::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitError = 1;  // the command failed (the error is logged)
+inline constexpr int kExitUsage = 2;  // bad arguments
+
+// Logs `s` and returns kExitError.
+inline int Fail(const Status& s) {
+  spdlog::error("{}", s.ToString());
+  return kExitError;
+}
 
 // "2026-12-01T13:05:00Z" from Unix nanoseconds (UTC).
 inline std::string FormatTime(int64_t ns) {

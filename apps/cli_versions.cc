@@ -30,17 +30,13 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-constexpr int kExitOk = 0;
-constexpr int kExitError = 1;
 constexpr size_t kMaxLogLocations = 16;  // locations followed through parents
 
-int Fail(const Status& s) {
-  spdlog::error("{}", s.ToString());
-  return kExitError;
-}
-
 using cli::Dims;
+using cli::Fail;
 using cli::FormatTime;
+using cli::kExitError;
+using cli::kExitOk;
 using cli::PrintTable;
 
 std::string Hex16(uint64_t v) {

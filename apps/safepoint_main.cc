@@ -64,9 +64,10 @@ using json = nlohmann::ordered_json;
 using internal::HumanBytes;
 using namespace safepoint::agent;  // the protocol: status requests, the agent's lock
 
-constexpr int kExitOk = 0;
-constexpr int kExitError = 1;
-constexpr int kExitUsage = 2;
+using cli::Fail;
+using cli::kExitError;
+using cli::kExitOk;
+using cli::kExitUsage;
 
 struct Args {
   std::string path;
@@ -87,11 +88,6 @@ struct Args {
   std::string metrics;    // agent: serve Prometheus metrics on HOST:PORT
   std::string event_log;  // agent: the event log's path
 };
-
-int Fail(const Status& s) {
-  spdlog::error("{}", s.ToString());
-  return kExitError;
-}
 
 using cli::Dims;
 using cli::FormatTime;
