@@ -1044,6 +1044,25 @@ std::vector<TensorEntry> EntriesOf(const ImageBuilder& image) {
 }
 }  // namespace
 
+namespace {
+
+// Writes a plain image with `write`; with auto, its time teaches the advisor the tier's write
+// speed and that plain was chosen.
+template <typename F>
+Result<WriteStats> WritePlain(const std::string& uri, const PackOptions& options, F&& write) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<WriteStats> stats = write();
+  if (stats.ok() && options.compression == Compression::kAuto) {
+    const double seconds = SecondsSince(t0);
+    Advisor::Get().Wrote(uri, stats->bytes, seconds);
+    Advisor::Get().Moved(uri, /*compressed=*/false, stats->bytes, seconds);
+    Advisor::Get().Plain(uri, "auto:none");
+  }
+  return stats;
+}
+
+}  // namespace
+
 Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64_t generation,
                                                const PackOptions& options) {
   const std::string& uri = storage_->uri();
@@ -1088,15 +1107,7 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
     if (stats.ok() || stats.status().code() != StatusCode::kUnavailable) return stats;
     // The chunk store's GC is running: this image is written plain.
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  auto stats = WriteImage(image, generation);
-  if (stats.ok() && options.compression == Compression::kAuto) {
-    const double seconds = SecondsSince(t0);
-    Advisor::Get().Wrote(uri, stats->bytes, seconds);
-    Advisor::Get().Moved(uri, /*compressed=*/false, stats->bytes, seconds);
-    Advisor::Get().Plain(uri, "auto:none");
-  }
-  return stats;
+  return WritePlain(uri, options, [&] { return WriteImage(image, generation); });
 }
 
 Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image, uint64_t step,
@@ -1137,15 +1148,7 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
       if (stats.ok() || stats.status().code() != StatusCode::kUnavailable) return stats;
     }
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  auto stats = WriteImageBytes(image, step, rank);
-  if (stats.ok() && options.compression == Compression::kAuto) {
-    const double seconds = SecondsSince(t0);
-    Advisor::Get().Wrote(uri, stats->bytes, seconds);
-    Advisor::Get().Moved(uri, /*compressed=*/false, stats->bytes, seconds);
-    Advisor::Get().Plain(uri, "auto:none");
-  }
-  return stats;
+  return WritePlain(uri, options, [&] { return WriteImageBytes(image, step, rank); });
 }
 
 // --- Garbage collection --------------------------------------------------------------------------
