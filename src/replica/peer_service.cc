@@ -463,7 +463,6 @@ class PeerServiceImpl final : public PeerService {
   std::string address_;
 
   std::shared_ptr<UcpHub> hub_;
-  ucp_worker_h worker_ = nullptr;      // the hub's
   ucp_listener_h listener_ = nullptr;  // progress thread
   std::atomic<bool> stop_{false};
 
@@ -695,7 +694,6 @@ Status PeerServiceImpl::Init() {
   SP_ASSIGN_OR_RETURN(sockaddr_storage bind_addr,
                       ResolveAddress(options_.bind_host, options_.port, &len));
   SP_ASSIGN_OR_RETURN(hub_, UcpHub::Acquire());
-  worker_ = hub_->worker();
   hub_->Register(this);
 
   Status listening;
@@ -706,7 +704,7 @@ Status PeerServiceImpl::Init() {
     lp.sockaddr.addrlen = len;
     lp.conn_handler.cb = ConnRequestCb;
     lp.conn_handler.arg = this;
-    if (ucs_status_t s = ucp_listener_create(worker_, &lp, &listener_); s != UCS_OK) {
+    if (ucs_status_t s = ucp_listener_create(hub_->worker(), &lp, &listener_); s != UCS_OK) {
       listener_ = nullptr;
       listening = Unavailable("UCX: cannot listen on " + options_.bind_host + ":" +
                               std::to_string(options_.port) + ": " + UcsError(s));
@@ -768,7 +766,6 @@ void PeerServiceImpl::Stop() {
     }
   }
   RunOnProgressThread([this] { hub_->Unregister(this); });
-  worker_ = nullptr;
   UcpHub::Release(hub_);
 }
 
@@ -939,7 +936,7 @@ void PeerServiceImpl::OnConnRequest(ucp_conn_request_h request) {
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   ep.err_handler.cb = EpErrorCb;
   ep.err_handler.arg = this;
-  if (ucs_status_t s = ucp_ep_create(worker_, &ep, &c->ep); s != UCS_OK) {
+  if (ucs_status_t s = ucp_ep_create(hub_->worker(), &ep, &c->ep); s != UCS_OK) {
     spdlog::warn("peer service: cannot accept {}: {}", from, UcsError(s));
     return;
   }
@@ -1274,7 +1271,7 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
   p.cb.recv_am = RecvCb;
   p.user_data = ctx;
   ++c->receiving;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, data, dest, h.len, &p);
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(hub_->worker(), data, dest, h.len, &p);
   if (r == nullptr) {
     OnRecvDone(ctx, UCS_OK);
   } else if (UCS_PTR_IS_ERR(r)) {
@@ -1362,7 +1359,7 @@ Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer) {
     ep.err_handler.cb = EpErrorCb;
     ep.err_handler.arg = this;
     Lock lk(mu_);
-    if (ucs_status_t s = ucp_ep_create(worker_, &ep, &c->ep); s != UCS_OK) {
+    if (ucs_status_t s = ucp_ep_create(hub_->worker(), &ep, &c->ep); s != UCS_OK) {
       c->ep = nullptr;
       c->error = Unavailable(c->name + ": cannot connect: " + UcsError(s));
       c->outstanding = 0;
