@@ -150,6 +150,33 @@ TEST(TagTest, MirrorCopiesTagsOfStepsTheDestinationHoldsAndDeletesNone) {
   EXPECT_EQ(tags.size(), 3u);
 }
 
+// A damaged tag of the source is skipped (the others still travel); a damaged tag of the
+// destination that the source has is replaced by the source's, which protects the step again.
+TEST(TagTest, MirrorSkipsDamagedSourceTagsAndRepairsDamagedCopies) {
+  auto from = MemoryStore();
+  auto to = MemoryStore();
+  for (auto* store : {from.get(), to.get()}) {
+    ASSERT_OK(SaveStep(*store, 1, {{"w", DType::kFloat32, {1}, Floats({1})}}));
+  }
+  auto put = [](CheckpointStore& store, const std::string& name) {
+    const std::string junk = "abc";
+    auto w = store.storage().Create(name, junk.size());
+    ASSERT_OK(w.status());
+    ASSERT_OK((*w)->WriteAt(
+        0, std::span<const std::byte>(reinterpret_cast<const std::byte*>(junk.data()), 3)));
+    ASSERT_OK((*w)->Publish());
+  };
+  put(*from, "tags/broken");
+  ASSERT_OK(WriteTag(*from, {"base", 1, 5}, false));
+  put(*to, "tags/base");
+  EXPECT_EQ(TaggedSteps(*to).status().code(), StatusCode::kCorruption);
+  ASSERT_OK_AND_ASSIGN(auto written, MirrorTags(*from, *to));
+  EXPECT_EQ(written, (std::vector<std::string>{"base"}));
+  ASSERT_OK_AND_ASSIGN(auto tagged, TaggedSteps(*to));
+  EXPECT_EQ(tagged, (std::set<uint64_t>{1}));
+  EXPECT_EQ(ReadTag(*to, "broken").status().code(), StatusCode::kNotFound);
+}
+
 TEST(TagTest, BadNamesAreRefused) {
   for (const char* bad :
        {"", ".hidden", "-x", "a/b", "a b", "123", "step-5", "x.tmp.y", "ü", "a@b"}) {

@@ -100,6 +100,19 @@ def test_cp_of_a_missing_step_fails_naming_it(tmp_path, cli):
     assert "DST is required" in cli("cp", src, check=2).stderr
 
 
+def test_cp_whose_tags_cannot_be_written_fails_naming_them_and_keeps_the_steps(tmp_path, cli):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make(src, [1, 2])
+    cli("tag", src, "2", "best", check=0)
+    dst.mkdir()
+    (dst / "tags").write_text("")  # tags/ cannot be a directory there
+    proc = cli("cp", src, dst, "--all", check=1)
+    assert "copying the tags" in proc.stderr and str(dst / "tags") in proc.stderr
+    assert steps_of(cli, dst) == [1, 2]  # the copied steps stay committed
+    for step in (1, 2):
+        assert files_of(dst, step) == files_of(src, step)
+
+
 def test_cp_of_a_damaged_step_commits_nothing(tmp_path, cli):
     src, dst = tmp_path / "src", tmp_path / "dst"
     make(src, [3])

@@ -290,6 +290,12 @@ def test_tags_from_python_and_loading_by_tag(tmp_path):
     assert safepoint.tags(p) == {"best": 3}
     with pytest.raises(InvalidArgumentError, match="step must be"):
         safepoint.load(p, -1)
+    with pytest.raises(InvalidArgumentError, match="tag needs a step"):
+        safepoint.tag(p, None, "x")  # type: ignore[arg-type]
+    with pytest.raises(NotFoundError, match="step 9"):
+        safepoint.tag(p, 9, "later")  # only committed steps
+    with pytest.raises(NotFoundError, match="no tag 'gone'"):
+        safepoint.untag(p, "gone")
 
 
 # --- export and import ---------------------------------------------------------------------------
