@@ -25,21 +25,10 @@ using test::AsBytes;
 using test::TempDir;
 
 // A shard whose bytes are a pure function of (step, rank).
-struct Shard {
-  std::vector<float> big, small;
-  std::vector<TensorSource> sources;
-  std::string extras;
-
-  Shard(uint64_t step, uint32_t rank, size_t big_elems = 3 << 20) : big(big_elems), small(17) {
-    for (size_t i = 0; i < big.size(); ++i) big[i] = float(step * 1000 + rank + i);
-    for (size_t i = 0; i < small.size(); ++i) small[i] = float(step - i);
-    sources.push_back({{"big", DType::kFloat32, {big.size()}, {}, {}}, big.data(), big.size() * 4});
-    sources.push_back({{"small", DType::kFloat32, {small.size()}, {}, {}}, small.data(), 68});
-    Dict d;
-    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
-    d.items.emplace_back(Value(std::string("big")), Value(TensorRef{0, 0}));
-    extras = *EncodeExtras(Value(std::move(d)));
-  }
+// "big" depends on the step (and the rank).
+struct Shard : test::TwoTensorShard {
+  Shard(uint64_t step, uint32_t rank, size_t big_elems = 3 << 20)
+      : TwoTensorShard(step, rank, /*seed=*/step, big_elems) {}
 };
 
 ImageMeta Meta(uint64_t step, uint32_t rank, uint32_t world) {

@@ -33,22 +33,7 @@ using test::AsBytes;
 
 // A shard whose big tensor is a function of `seed` and whose small tensor and extras change
 // with `step`: steps with one seed share the big tensor's middle chunks.
-struct Shard {
-  std::vector<float> big, small;
-  std::vector<TensorSource> sources;
-  std::string extras;
-
-  Shard(uint64_t step, uint32_t rank, uint64_t seed) : big(3 << 20), small(17) {
-    for (size_t i = 0; i < big.size(); ++i) big[i] = float(seed * 1000 + rank + i);
-    for (size_t i = 0; i < small.size(); ++i) small[i] = float(step - i);
-    sources.push_back({{"big", DType::kFloat32, {big.size()}, {}, {}}, big.data(), big.size() * 4});
-    sources.push_back({{"small", DType::kFloat32, {small.size()}, {}, {}}, small.data(), 68});
-    Dict d;
-    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
-    d.items.emplace_back(Value(std::string("big")), Value(TensorRef{0, 0}));
-    extras = *EncodeExtras(Value(std::move(d)));
-  }
-};
+using Shard = test::TwoTensorShard;  // (step, rank, seed): "big" from the seed
 
 PackOptions Incremental() { return {Compression::kNone, true}; }
 

@@ -158,17 +158,14 @@ TEST(TagTest, MirrorSkipsDamagedSourceTagsAndRepairsDamagedCopies) {
   for (auto* store : {from.get(), to.get()}) {
     ASSERT_OK(SaveStep(*store, 1, {{"w", DType::kFloat32, {1}, Floats({1})}}));
   }
-  auto put = [](CheckpointStore& store, const std::string& name) {
-    const std::string junk = "abc";
-    auto w = store.storage().Create(name, junk.size());
-    ASSERT_OK(w.status());
-    ASSERT_OK((*w)->WriteAt(
-        0, std::span<const std::byte>(reinterpret_cast<const std::byte*>(junk.data()), 3)));
-    ASSERT_OK((*w)->Publish());
+  const std::string junk = "abc";
+  auto put = [&](CheckpointStore& store, const std::string& name) {
+    return test::PutObject(store.storage(), name,
+                           {reinterpret_cast<const std::byte*>(junk.data()), junk.size()});
   };
-  put(*from, "tags/broken");
+  ASSERT_OK(put(*from, "tags/broken"));
   ASSERT_OK(WriteTag(*from, {"base", 1, 5}, false));
-  put(*to, "tags/base");
+  ASSERT_OK(put(*to, "tags/base"));
   EXPECT_EQ(TaggedSteps(*to).status().code(), StatusCode::kCorruption);
   ASSERT_OK_AND_ASSIGN(auto written, MirrorTags(*from, *to));
   EXPECT_EQ(written, (std::vector<std::string>{"base"}));

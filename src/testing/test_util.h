@@ -11,7 +11,7 @@
 //   or lost blocks show up (PatternBytes, FillPattern, FirstMismatch).
 // - AlignedTestBuffer: a zeroed buffer aligned for O_DIRECT, optionally misaligned on purpose.
 // - PutObject / ReadWholeObject: one object written and published, or read back, in one call;
-//   TestImageMeta: image metadata.
+//   TestImageMeta: image metadata; TwoTensorShard: a small shard to save (two float32 tensors).
 // - ForwardingStorage: a Storage that passes every call to another one; test wrappers derive
 //   from it and override only what they observe or change.
 #pragma once
@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "base/unique_fd.h"
+#include "safepoint/extras.h"
 #include "safepoint/image.h"
 #include "safepoint/status.h"
 #include "safepoint/storage.h"
@@ -232,6 +233,26 @@ inline Status PutObject(Storage& storage, std::string_view name, std::span<const
   SP_RETURN_IF_ERROR(w->WriteAt(0, data));
   return w->Publish();
 }
+
+// A shard as the checkpoint tests save it: "big" (big_elems float32 values from `seed` and the
+// rank), "small" (17 float32 values from the step), and extras {"step": step, "big": tensor 0}.
+struct TwoTensorShard {
+  std::vector<float> big, small;
+  std::vector<TensorSource> sources;
+  std::string extras;
+
+  TwoTensorShard(uint64_t step, uint32_t rank, uint64_t seed, size_t big_elems = 3 << 20)
+      : big(big_elems), small(17) {
+    for (size_t i = 0; i < big.size(); ++i) big[i] = float(seed * 1000 + rank + i);
+    for (size_t i = 0; i < small.size(); ++i) small[i] = float(step - i);
+    sources.push_back({{"big", DType::kFloat32, {big.size()}, {}, {}}, big.data(), big.size() * 4});
+    sources.push_back({{"small", DType::kFloat32, {small.size()}, {}, {}}, small.data(), 68});
+    Dict d;
+    d.items.emplace_back(Value(std::string("step")), Value(int64_t(step)));
+    d.items.emplace_back(Value(std::string("big")), Value(TensorRef{0, 0}));
+    extras = *EncodeExtras(Value(std::move(d)));
+  }
+};
 
 // Image metadata for tests: job `job`, rank `rank` of `world_size`, at `step`.
 inline ImageMeta TestImageMeta(std::string job, uint64_t step, uint32_t rank, uint32_t world_size) {
