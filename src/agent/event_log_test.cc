@@ -12,16 +12,8 @@
 namespace safepoint::agent {
 namespace {
 
+using test::ReadJsonLines;
 using test::TempDir;
-
-std::vector<nlohmann::json> Lines(const std::string& path) {
-  std::vector<nlohmann::json> out;
-  const auto text = test::ReadFileToString(path);
-  if (!text) return out;
-  std::istringstream in(*text);
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
 
 TEST(EventLogTest, WritesOneJsonObjectPerLineWithTheCommonFieldsFirst) {
   TempDir dir;
@@ -30,7 +22,7 @@ TEST(EventLogTest, WritesOneJsonObjectPerLineWithTheCommonFieldsFirst) {
   ASSERT_OK(log.Open(path));
   log.Write("persist", "run1", {{"rank", 1}, {"step", 7}, {"bytes", 4096}, {"seconds", 0.5}});
   log.Write("failure", "run1", {{"error", "line one\nline \"two\" \xff"}});  // not valid UTF-8
-  const auto lines = Lines(path);
+  const auto lines = ReadJsonLines(path);
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_EQ(lines[0]["event"], "persist");
   EXPECT_EQ(lines[0]["job"], "run1");
@@ -60,7 +52,7 @@ TEST(EventLogTest, AppendsToAnExistingLog) {
   EventLog log;
   ASSERT_OK(log.Open(path));
   log.Write("save", "j", {{"step", 2}});
-  const auto lines = Lines(path);
+  const auto lines = ReadJsonLines(path);
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_EQ(lines[1]["step"], 2);
 }
@@ -78,8 +70,8 @@ TEST(EventLogTest, RotatesAtTheLimitSoThatItStaysBounded) {
   EXPECT_LE(now.st_size, 2000);
   EXPECT_LE(old.st_size, 2000);
   // Both files hold whole lines, and the newest event is in the current file.
-  const auto current = Lines(path);
-  const auto previous = Lines(path + ".1");
+  const auto current = ReadJsonLines(path);
+  const auto previous = ReadJsonLines(path + ".1");
   ASSERT_FALSE(current.empty());
   ASSERT_FALSE(previous.empty());
   EXPECT_EQ(current.back()["step"], 199);

@@ -10,16 +10,8 @@
 namespace safepoint::agent {
 namespace {
 
+using test::ReadJsonLines;
 using test::TempDir;
-
-std::vector<nlohmann::json> Events(const std::string& path) {
-  std::vector<nlohmann::json> out;
-  const auto text = test::ReadFileToString(path);
-  if (!text) return out;
-  std::istringstream in(*text);
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
 
 TEST(TelemetryTest, FailureCountersExistAtZeroFromTheStart) {
   Telemetry t("j");
@@ -86,7 +78,7 @@ TEST(TelemetryTest, TierCopiesAndFailuresBecomeMetricsAndEvents) {
   EXPECT_EQ(r.Value("safepoint_last_commit_timestamp_seconds", {{"tier", "1"}}), 2e9);
   EXPECT_EQ(r.Value("safepoint_tier_pending_steps", {{"tier", "1"}}), 1);
   EXPECT_EQ(r.Value("safepoint_failures_total", {{"kind", "tier_copy"}, {"code", "IOError"}}), 1);
-  const auto ev = Events(log);
+  const auto ev = ReadJsonLines(log);
   ASSERT_EQ(ev.size(), 2u);
   EXPECT_EQ(ev[0]["event"], "commit");
   EXPECT_EQ(ev[0]["tier"], 1);
@@ -124,7 +116,7 @@ TEST(TelemetryTest, PersistResultsByOutcome) {
       r.Value("safepoint_failures_total", {{"kind", "persist"}, {"code", "ResourceExhausted"}}), 1);
   EXPECT_EQ(r.Value("safepoint_checksum_failures_total", {{"where", "persist"}}), 1);
   EXPECT_EQ(r.Value("safepoint_commits_total", {{"tier", "0"}}), 1);
-  const auto ev = Events(log);
+  const auto ev = ReadJsonLines(log);
   ASSERT_EQ(ev.size(), 4u);  // persist, commit, failure, failure
   EXPECT_EQ(ev[0]["event"], "persist");
   EXPECT_EQ(ev[0]["rank"], 2);

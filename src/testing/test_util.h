@@ -5,7 +5,8 @@
 // - ASSERT_OK_AND_ASSIGN(lhs, expr): expr is a Result<T>; asserts it is OK and moves its value
 //   into lhs (a declaration like `auto w` or an existing variable).
 // - TempDir: a fresh directory, removed with everything below it when destroyed.
-// - Files: ReadFileToString, WriteStringToFile, FillFileSystem (write until ENOSPC).
+// - Files: ReadFileToString, WriteStringToFile, FillFileSystem (write until ENOSPC),
+//   ReadJsonLines (a JSON-lines file, one object a line).
 // - RunInChild: runs a function in a forked child process and returns its exit code.
 // - Byte patterns: every position of every seed has its own value, so that misplaced, duplicated
 //   or lost blocks show up (PatternBytes, FillPattern, FirstMismatch).
@@ -32,8 +33,10 @@
 #include <functional>
 #include <iterator>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -111,6 +114,16 @@ inline std::optional<std::string> ReadFileToString(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return std::nullopt;
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Each line of the JSON-lines file at `path` parsed (none when it cannot be read).
+inline std::vector<nlohmann::json> ReadJsonLines(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  const auto text = ReadFileToString(path);
+  if (!text) return out;
+  std::istringstream in(*text);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
 }
 
 // Creates or replaces the file at `path` with `content`; false when that failed.
