@@ -533,6 +533,12 @@ def worker(cfg: dict) -> None:
         with open(cfg["result"], "w") as f:
             json.dump(out, f)
     r.dist.destroy_process_group()
+    # FSDP2's DeviceMesh keeps torch's gloo worker threads alive past destroy_process_group; one
+    # that frees a finished collective's tensors during interpreter shutdown aborts the process
+    # (pytorch/pytorch#190489). The results are written: leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------------

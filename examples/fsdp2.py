@@ -65,6 +65,11 @@ def rank_main(rank: int, args, port: int) -> None:
         with open(os.path.join(args.ckpt, "weights.sha256"), "w") as f:
             f.write(digest(full))
     dist.destroy_process_group()
+    # Once a DeviceMesh exists, torch's gloo worker threads outlive destroy_process_group, and
+    # one that frees a finished collective's tensors while the interpreter shuts down aborts the
+    # process after its work is done (pytorch/pytorch#190489). Leave without that teardown.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ def main() -> None:
 
     import safepoint
     import safepoint.dcp as sdcp
+    from gloo_exit import leave
 
     store_file, ckpt, world, rank, phase = sys.argv[1:6]
     world, rank = int(world), int(rank)
@@ -119,8 +120,8 @@ def main() -> None:
     else:
         report["load"] = load_and_check(1)
     dist.barrier()
-    dist.destroy_process_group()
     print(json.dumps(report), flush=True)
+    leave()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import safepoint
+from gloo_exit import leave
 
 ckpt, mode, mesh_spec, port, rank = sys.argv[1:6]
 dims = tuple(int(x) for x in mesh_spec.split("x"))
@@ -84,4 +85,4 @@ else:
         bad.append("meta")
     print(json.dumps({"rank": rank, "ok": got == 7 and not bad, "step": got, "mismatches": bad}))
 dist.barrier()
-dist.destroy_process_group()
+leave()
