@@ -221,6 +221,8 @@ class SnapshotClient {
  private:
   SnapshotClient() = default;
   Status EnsureAgent();
+  // EnsureAgent when the connection shows the agent gone (hung up); one poll otherwise.
+  Status ReviveAgentIfGone();
   Status ConnectOnce();
   Status StartAgent();
   Status Hello();

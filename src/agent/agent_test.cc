@@ -766,6 +766,37 @@ TEST_F(AgentTest, ClientRestartsAnAgentThatDiedWhileStarting) {
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{3}));
 }
 
+// Found by the node-loss campaign (seed 1005935286, round 30): with dedupe or redundancy a save
+// tells the agent only after a collective of the ranks. A rank whose agent had been killed
+// copied its next snapshot and entered that collective without restarting it, while another
+// rank waited for the commit of the previous step, which needed this node's image: neither
+// went on. A save that does not notify now restarts a dead agent first, and the new agent
+// persists the snapshot the dead one left, with nobody telling it.
+TEST_F(AgentTest, SaveWithoutNotifyRestartsADeadAgentWhichPersistsWhatItLeft) {
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+  uint32_t first = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &first));
+  Shard one(1);
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r1, client->Save(1, one.sources, one.extras,
+                                                       /*persist=*/true, /*notify=*/false));
+  ASSERT_TRUE(r1.saved);
+  ASSERT_EQ(::kill(static_cast<pid_t>(first), SIGKILL), 0);
+  ASSERT_TRUE(WaitUntil([&] { return !AgentAlive(job_dir_); })) << "the agent did not die";
+
+  Shard two(2);
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r2, client->Save(2, two.sources, two.extras,
+                                                       /*persist=*/false, /*notify=*/false));
+  EXPECT_TRUE(r2.saved);
+  uint32_t second = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &second)) << "the save did not restart the dead agent";
+  EXPECT_NE(second, first);
+  // Nobody tells the new agent about step 1: it adopted the arena and persists it.
+  EXPECT_TRUE(WaitUntil([&] { return Committed() == std::vector<uint64_t>{1}; }))
+      << "step 1 was not committed";
+  ExpectOnStorage(1, 1);
+  EXPECT_EQ(client->Notify({}), "");
+}
+
 // Issue 9, defect 6: an agent that cannot write job.json (here: a full tmpfs) keeps serving, but
 // says so in its status and log, and writes the file at a later hello once there is room again;
 // before, the error was ignored and a later agent could not adopt the job without a word.

@@ -1,5 +1,6 @@
 // SnapshotClient (include/safepoint/client.h).
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -290,6 +291,19 @@ Status SnapshotClient::EnsureAgent() {
   }
 }
 
+Status SnapshotClient::ReviveAgentIfGone() {
+  if (fd_ >= 0) {
+    pollfd p{fd_, POLLRDHUP, 0};
+    const int n = ::poll(&p, 1, 0);
+    if (n == 0 || (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) == 0)) {
+      return Status::OK();  // connected, or only data to read (a reply the next request reads)
+    }
+    if (n < 0 && errno == EINTR) return Status::OK();  // the next request finds out
+    Disconnect();
+  }
+  return EnsureAgent();
+}
+
 Result<std::string> SnapshotClient::Request(MessageType type, const std::string& payload,
                                             MessageType reply_type, double timeout_s) {
   for (int attempt = 0; attempt < 2; ++attempt) {
@@ -355,6 +369,14 @@ Result<SnapshotResult> SnapshotClient::SaveLike(uint64_t step, std::span<const v
 
 Status SnapshotClient::PrepareWrite(bool notify, SnapshotResult* result) {
   pending_note_.reset();
+  if (!notify) {
+    // The caller tells the agent only after a collective of the ranks (they agree on who
+    // writes which replica first). A rank whose agent died must restart it now: the ranks
+    // that wait for a step's commit wait for this node's images, which only an agent writes,
+    // and would never reach the collective (the node-loss campaign's hang, seed 1005935286).
+    // The new agent adopts the arena and persists what the dead one left.
+    SP_RETURN_IF_ERROR(ReviveAgentIfGone());
+  }
   // The structure hash and the specs serve only a caller that agrees on replicas before
   // notifying (notify=false); a plain save does not pay for them, a reused plan pays once.
   if (!notify && !plan_hash_) {
