@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "advisor/goodput.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
 #include "checkpoint/versions.h"
@@ -391,7 +392,7 @@ int RunInterchange(const std::vector<std::string>& args) {
 }
 
 struct ExportOptions {
-  std::string path, out, format, select, tag;
+  std::string path, out, format, select, tag, max_shard_size;
   std::optional<uint64_t> step;
   bool json = false;
 };
@@ -454,6 +455,11 @@ std::function<std::optional<int>()> AddVersionCommands(CLI::App& app) {
       ->add_option("--select", exp->select,
                    "only the tensors under PREFIX (e.g. model), named without it")
       ->type_name("PREFIX");
+  export_cmd
+      ->add_option("--max-shard-size", exp->max_shard_size,
+                   "safetensors only: OUT is a new directory of Hugging Face shards of at most "
+                   "SIZE (e.g. 5GB, 512MiB) each, with model.safetensors.index.json")
+      ->type_name("SIZE");
   export_cmd->add_flag("--json", exp->json, "a JSON report instead of text");
 
   CLI::App* import_cmd = app.add_subcommand(
@@ -484,6 +490,15 @@ std::function<std::optional<int>()> AddVersionCommands(CLI::App& app) {
       if (exp->step) args.insert(args.end(), {"--step", std::to_string(*exp->step)});
       if (!exp->tag.empty()) args.insert(args.end(), {"--tag", exp->tag});
       if (!exp->select.empty()) args.insert(args.end(), {"--select", exp->select});
+      if (!exp->max_shard_size.empty()) {
+        Result<double> bytes = advisor::ParseBytes(exp->max_shard_size);
+        if (!bytes.ok() || *bytes < 1 || *bytes > 1e18) {
+          return Fail(InvalidArgument("--max-shard-size: '" + exp->max_shard_size +
+                                      "' is not a size such as 5GB or 512MiB"));
+        }
+        args.insert(args.end(),
+                    {"--max-shard-bytes", std::to_string(static_cast<uint64_t>(*bytes))});
+      }
       if (exp->json) args.push_back("--json");
       return RunInterchange(args);
     }

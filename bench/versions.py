@@ -6,6 +6,8 @@ diff (reads and verifies two steps) against `safepoint.load` of one step (reads 
 one); export (reads, assembles full tensors, writes) against `safepoint.load` + the safetensors
 package's own `save_file` of the loaded tensors; import against the safetensors package's
 `load_file` + `safepoint.save`. Page cache dropped before each read where the machine allows.
+The peak memory (max RSS) of `safepoint export` to one file and to shards of 1/8 of the state
+is measured against the interpreter with torch and safetensors imported and nothing done.
 
     python bench/versions.py [--size 256M] [--runs 3] [--no-doc]
 """
@@ -47,6 +49,25 @@ def timed(f) -> float:
     t0 = time.perf_counter()
     f()
     return time.perf_counter() - t0
+
+
+def peak_rss(argv: list) -> int:
+    """The peak RSS in bytes of running argv (which must succeed): its VmHWM, polled until it
+    exits. (getrusage's maxrss of a child counts the RSS of this process at the fork.)"""
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    peak = 0
+    while p.poll() is None:
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        peak = max(peak, int(line.split()[1]) * 1024)
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    if p.returncode != 0:
+        raise SystemExit(f"{argv} failed with {p.returncode}")
+    return peak
 
 
 def main() -> None:
@@ -91,6 +112,14 @@ def main() -> None:
     def export() -> None:
         export_step(ckpt, st_out, format="safetensors", step=2, select="model")
 
+    shards_out = os.path.join(a.dir, "shards")
+    shard = max(nbytes // 8, 1)
+
+    def export_shards() -> None:
+        shutil.rmtree(shards_out, ignore_errors=True)
+        export_step(ckpt, shards_out, format="safetensors", step=2, select="model",
+                    max_shard_bytes=shard)
+
     def load_and_save_file() -> None:
         _, s = safepoint.load(ckpt, 2)
         save_file({k: v for k, v in s["model"].items() if isinstance(v, torch.Tensor)}, ref_out)
@@ -111,6 +140,8 @@ def main() -> None:
               load, 2),
              ("export --format safetensors", export, "safepoint.load + safetensors save_file",
               load_and_save_file, 1),
+             (f"export --max-shard-size {shard / MiB:.0f}MiB (8 files)", export_shards,
+              "safepoint.load + safetensors save_file", load_and_save_file, 1),
              ("import (safetensors file)", do_import, "safetensors load_file + safepoint.save",
               load_file_and_save, 1)]
     rows = []
@@ -132,14 +163,30 @@ def main() -> None:
              "reference |", "|---|---:|---:|---|---:|---:|"]
     for name, t, gbps, ref_name, r, ratio in rows:
         lines.append(f"| {name} | {t:.2f} | {gbps:.2f} | {ref_name} | {r:.2f} | {ratio:.2f}x |")
+    base = peak_rss([sys.executable, "-c", "import torch, safetensors.torch, safepoint"])
+    one = peak_rss([CLI, "export", ckpt, "--step", "2", "--format", "safetensors", "--select",
+                    "model", st_out])
+    shutil.rmtree(shards_out, ignore_errors=True)
+    many = peak_rss([CLI, "export", ckpt, "--step", "2", "--format", "safetensors", "--select",
+                     "model", "--max-shard-size", str(shard), shards_out])
+    lines += ["", "Peak memory (max RSS) of `safepoint export`, the state being "
+              f"{nbytes / MiB:.0f} MiB:", "",
+              "| export | max RSS MiB | above the bare interpreter, MiB | of the state |",
+              "|---|---:|---:|---:|",
+              f"| interpreter with torch, safetensors and safepoint imported | {base / MiB:.0f} "
+              "| 0 | 0.00x |"]
+    for name, rss in (("one file", one), (f"shards of {shard / MiB:.0f} MiB", many)):
+        lines.append(f"| {name} | {rss / MiB:.0f} | {(rss - base) / MiB:.0f} | "
+                     f"{(rss - base) / nbytes:.2f}x |")
     lines += ["", "GB/s counts the bytes read (diff: both steps; each `diff` row includes "
               "starting the CLI). Diff reads both steps verified, in 32 MiB windows, both at "
               "once; then it compares element by element on one core: where every element "
               "changed (each converted and subtracted for the largest difference) that compare, "
               "not the reads, sets its speed, as the gap between the two diff rows shows. "
-              "Export and import hold the tensors in memory once, as the safetensors writer "
-              "needs them whole; their reference does the same work with the library calls "
-              "directly."]
+              "Export to one file and import hold the tensors in memory once, as the "
+              "safetensors writer needs them whole; their reference does the same work with "
+              "the library calls directly. A sharded export holds one shard's tensors (and the "
+              "writer's copy of them) at a time."]
     section = "\n".join(lines) + "\n"
     print(section)
     if not a.no_doc:

@@ -8,8 +8,10 @@ so no second writer of either format exists (docs/guide.md, "Export and import")
 
 Export reads the step from storage with every chunk verified and assembles each tensor whole
 from the shards of every rank (the resharding reader of ``restore``), so a step saved by N ranks
-exports full tensors. It holds the exported tensors in memory once (both formats' writers take
-the whole dict); ``select`` exports a subtree (``"model"``) to keep that small.
+exports full tensors. Both formats' writers take a whole dict of tensors, so a single file holds
+the exported tensors in memory once; ``max_shard_bytes`` (safetensors) writes a Hugging Face
+sharded directory instead, one shard in memory at a time, and ``select`` exports a subtree
+(``"model"``).
 """
 
 from __future__ import annotations
@@ -98,16 +100,31 @@ def _atomic_write(out: str, write) -> None:
         raise
 
 
+SHARD_INDEX = "model.safetensors.index.json"
+
+
 def export_step(path: str, out: str, *, format: str, step: Optional[int] = None,
-                tag: Optional[str] = None, select: Optional[str] = None) -> dict:
+                tag: Optional[str] = None, select: Optional[str] = None,
+                max_shard_bytes: Optional[int] = None) -> dict:
     """Writes the tensors of a committed step of ``path`` (``step``, the step ``tag`` names, or
     the newest) to ``out`` as full tensors: a safetensors file or a torch file of a flat dict
     (``torch.load(out, weights_only=True)``). ``select`` keeps only the tensors under that
-    prefix of the state (``"model"``), named without it. Returns a report."""
+    prefix of the state (``"model"``), named without it. With ``max_shard_bytes``
+    (safetensors only), ``out`` is a new or empty directory that receives a Hugging Face sharded
+    model: ``model-00001-of-0000N.safetensors`` files of at most that many bytes of tensors each
+    (a larger tensor gets a file of its own) and ``model.safetensors.index.json``, written last;
+    only one shard's tensors are in memory at a time. Returns a report."""
     if format not in FORMATS:
         raise InvalidArgumentError(f"format must be one of {FORMATS}, got {format!r}")
     if step is not None and tag is not None:
         raise InvalidArgumentError("pass step or tag, not both")
+    if max_shard_bytes is not None:
+        if format != "safetensors":
+            raise InvalidArgumentError("shards (max_shard_bytes) are written as safetensors only")
+        if max_shard_bytes <= 0:
+            raise InvalidArgumentError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise InvalidArgumentError(f"{out}: the shards need a new or empty directory")
     step = resolve(path, tag) if step is None else resolve(path, str(step))
     t0 = time.perf_counter()
     sr = StepReader(path, step)
@@ -121,29 +138,49 @@ def export_step(path: str, out: str, *, format: str, step: Optional[int] = None,
     shapes = {}
     for name in chosen:
         piece = next(iter(sr.pieces[name].values()))[0]
-        shapes[name] = (piece.global_shape, getattr(torch, piece.dtype))
-    total = sum(math.prod(s) * torch.empty((), dtype=d).element_size()
-                for s, d in shapes.values())
+        gshape, dtype = piece.global_shape, getattr(torch, piece.dtype)
+        shapes[name] = (gshape, dtype, math.prod(gshape) * dtype.itemsize)
+    total = sum(n for _, _, n in shapes.values())
+    # "format": "pt" as Hugging Face writes it (transformers 4.x refuses a file without it).
+    meta = {"format": "pt", "safepoint_source": str(path), "safepoint_step": str(step)}
     progress = _Progress(total, f"export step {step}")
-    tensors: dict[str, torch.Tensor] = {}
     try:
-        # Read in batches of about 64 MiB: one batched read per image each (small tensors share
-        # their checksum chunks), and a progress bar that moves.
-        batch: list = []
-        pending = 0
-        for i, (name, out_name) in enumerate(chosen.items()):
-            gshape, dtype = shapes[name]
-            t = torch.empty(gshape, dtype=dtype)
-            tensors[out_name] = t
-            batch.append((name, t, tuple(gshape), (0,) * len(gshape)))
-            pending += t.numel() * t.element_size()
-            if pending >= 64 << 20 or i == len(chosen) - 1:
-                sr.fill(batch, rank=0)
-                progress.update(pending)
-                batch, pending = [], 0
+        if max_shard_bytes is None:
+            tensors = _read_full(sr, list(chosen.items()), shapes, progress)
+            _write_file(out, format, tensors, meta)
+            files = 1
+        else:
+            files = _write_shards(sr, out, chosen, shapes, max_shard_bytes, total, meta, progress)
     finally:
         progress.close()
-    meta = {"safepoint_source": str(path), "safepoint_step": str(step)}
+    return {"source": str(path), "step": step, "format": format, "out": out,
+            "tensors": len(chosen), "bytes": total, "files": files,
+            "seconds": time.perf_counter() - t0}
+
+
+def _read_full(sr: StepReader, names: list[tuple[str, str]], shapes: dict,
+               progress: _Progress) -> dict[str, torch.Tensor]:
+    """The full tensors ``names`` ((name in the step, name in the output)) of the step, read in
+    batches of about 64 MiB: one batched read per image each (small tensors share their checksum
+    chunks), and a progress bar that moves."""
+    tensors: dict[str, torch.Tensor] = {}
+    batch: list = []
+    pending = 0
+    for i, (name, out_name) in enumerate(names):
+        gshape, dtype, nbytes = shapes[name]
+        t = torch.empty(gshape, dtype=dtype)
+        tensors[out_name] = t
+        batch.append((name, t, tuple(gshape), (0,) * len(gshape)))
+        pending += nbytes
+        if pending >= 64 << 20 or i == len(names) - 1:
+            sr.fill(batch, rank=0)
+            progress.update(pending)
+            batch, pending = [], 0
+    return tensors
+
+
+def _write_file(out: str, format: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Writes ``tensors`` to ``out`` under a temporary name, fsynced, then renamed."""
     if format == "safetensors":
         save_file = _safetensors().torch.save_file
 
@@ -157,8 +194,37 @@ def export_step(path: str, out: str, *, format: str, step: Optional[int] = None,
         def write(tmp: str) -> None:
             torch.save(tensors, tmp)
     _atomic_write(out, write)
-    return {"source": str(path), "step": step, "format": format, "out": out,
-            "tensors": len(tensors), "bytes": total, "seconds": time.perf_counter() - t0}
+
+
+def _write_shards(sr: StepReader, out: str, chosen: dict[str, str], shapes: dict,
+                  max_shard_bytes: int, total: int, meta: dict, progress: _Progress) -> int:
+    """A Hugging Face sharded model in the directory ``out``: the tensors in name order, packed
+    into files of at most ``max_shard_bytes`` of tensor bytes, then the index. Returns the number
+    of files."""
+    shards: list[list[tuple[str, str]]] = [[]]
+    size = 0
+    for name, out_name in chosen.items():
+        nbytes = shapes[name][2]
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, out_name))
+        size += nbytes
+    os.makedirs(out, exist_ok=True)
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = _read_full(sr, names, shapes, progress)
+        _write_file(os.path.join(out, file), "safetensors", tensors, meta)
+        del tensors
+        weight_map.update({out_name: file for _, out_name in names})
+    index = {"metadata": {"total_size": total, **meta}, "weight_map": weight_map}
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(index, f, indent=2)
+    _atomic_write(os.path.join(out, SHARD_INDEX), write)
+    return len(shards)
 
 
 def _safetensors_files(src: str) -> list[str]:
@@ -166,7 +232,7 @@ def _safetensors_files(src: str) -> list[str]:
         return [src]
     if not os.path.isdir(src):
         raise NotFoundError(f"{src}: no such file or directory")
-    index = os.path.join(src, "model.safetensors.index.json")
+    index = os.path.join(src, SHARD_INDEX)
     if os.path.exists(index):
         with open(index) as f:
             weight_map = json.load(f).get("weight_map")
@@ -233,6 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     e.add_argument("--step", type=int)
     e.add_argument("--tag")
     e.add_argument("--select")
+    e.add_argument("--max-shard-bytes", type=int)
     e.add_argument("--json", action="store_true")
     i = sub.add_parser("import")
     i.add_argument("src")
@@ -245,10 +312,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if a.command == "export":
             report = export_step(a.path, a.out, format=a.format, step=a.step, tag=a.tag,
-                                 select=a.select)
+                                 select=a.select, max_shard_bytes=a.max_shard_bytes)
+            files = f", {report['files']} files" if a.max_shard_bytes is not None else ""
             text = (f"exported step {report['step']} of {report['source']}: "
                     f"{report['tensors']} tensors, {report['bytes']} bytes to {report['out']} "
-                    f"({report['format']})")
+                    f"({report['format']}{files})")
         else:
             report = import_safetensors(a.src, a.dst, a.step, prefix=a.prefix,
                                         overwrite=a.overwrite)

@@ -355,6 +355,54 @@ def test_a_sharded_step_exports_as_full_tensors(tmp_path, cli):
     assert torch.equal(torch.load(pt, weights_only=True)["w0"], got["w0"])
 
 
+def test_sharded_export_is_a_hugging_face_model_directory(tmp_path, cli):
+    """--max-shard-size: files of at most that many tensor bytes (a larger tensor alone), the
+    index written last, one shard in memory at a time; transformers loads the directory, and
+    safepoint import reads it back bit-exact."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    ckpt = tmp_path / "ckpt"
+    safepoint.save(ckpt, 7, {"model": model.state_dict(), "optim": {"m": torch.ones(3)}})
+    out = tmp_path / "hf"
+    report = json.loads(cli("export", ckpt, "--format", "safetensors", "--select", "model",
+                            "--max-shard-size", "4KiB", out, "--json", check=0).stdout)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert report["files"] == len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    from safetensors import safe_open
+
+    sizes = {}
+    for f in files:
+        with safe_open(out / f, framework="pt") as st:
+            assert st.metadata()["format"] == "pt"
+            sizes[f] = [st.get_tensor(k).numel() * st.get_tensor(k).element_size()
+                        for k in st.keys()]
+    for f, parts in sizes.items():
+        assert sum(parts) <= 4096 or len(parts) == 1, (f, parts)  # wte is 4 KiB alone
+    assert index["metadata"]["total_size"] == sum(map(sum, sizes.values())) == report["bytes"]
+    config.save_pretrained(out)
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    want = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    # Back in: the directory imports as a step with the same tensors.
+    cli("import", out, tmp_path / "back", "--step", "1", check=0)
+    _, got = safepoint.load(tmp_path / "back", 1)
+    assert sorted(got["model"]) == sorted(index["weight_map"])
+    assert all(torch.equal(got["model"][k], want[k]) for k in got["model"])
+    # Errors: a non-empty directory, the torch format, a size that is not one.
+    assert "new or empty directory" in cli("export", ckpt, "--format", "safetensors",
+                                           "--max-shard-size", "1GB", out, check=1).stderr
+    assert "safetensors only" in cli("export", ckpt, "--format", "torch", "--max-shard-size",
+                                     "1GB", tmp_path / "x", check=1).stderr
+    assert "not a size" in cli("export", ckpt, "--format", "safetensors", "--max-shard-size",
+                               "lots", tmp_path / "y", check=1).stderr
+
+
 def test_import_of_a_safetensors_file_and_a_hugging_face_directory(tmp_path, cli, shm):
     from safetensors.torch import save_file
 
