@@ -693,7 +693,16 @@ Status PeerServiceImpl::Init() {
   socklen_t len = 0;
   SP_ASSIGN_OR_RETURN(sockaddr_storage bind_addr,
                       ResolveAddress(options_.bind_host, options_.port, &len));
-  SP_ASSIGN_OR_RETURN(hub_, UcpHub::Acquire());
+  Result<std::shared_ptr<UcpHub>> hub = UcpHub::Acquire();
+  if (!hub.ok()) {
+    const char* tls = std::getenv("UCX_TLS");
+    return Status(
+        hub.status().code(),
+        "peer service of node " + options_.node + ": " + hub.status().message() +
+            " (UCX_TLS=" + (tls ? tls : std::string("unset, safepoint asks for ") + kDefaultTls) +
+            "; UCX_NET_DEVICES chooses the interfaces)");
+  }
+  hub_ = std::move(*hub);
   hub_->Register(this);
 
   Status listening;

@@ -886,5 +886,36 @@ TEST_F(PeerServiceTest, ServicesInOneProcessSurviveConnectionChurn) {
   EXPECT_EQ(failures.load(), 0);
 }
 
+// UCX that cannot start (here: told to use a transport it does not have) is a clear error
+// naming UCX, and leaves no half-made hub behind: the next service in the process starts.
+TEST_F(PeerServiceTest, UcxThatCannotStartIsAClearErrorAndTheNextServiceStarts) {
+  test::TempDir dir{"peer-service-test"};
+  auto store = ReplicaStore::Open(dir.path());
+  ASSERT_OK(store);
+  const char* before = std::getenv("UCX_TLS");
+  const std::string saved = before ? before : "";
+  ASSERT_EQ(::setenv("UCX_TLS", "no_such_transport", 1), 0);
+  auto svc = PeerService::Start(Options("a"), store->get());
+  if (before) {
+    ::setenv("UCX_TLS", saved.c_str(), 1);
+  } else {
+    ::unsetenv("UCX_TLS");
+  }
+  ASSERT_FALSE(svc.ok()) << "a peer service started without a transport";
+  EXPECT_EQ(svc.status().code(), StatusCode::kUnavailable) << svc.status().ToString();
+  // Which service, what UCX said, and the setting that made it fail.
+  for (const char* part :
+       {"peer service of node a", "UCX: ucp_init", "UCX_TLS=no_such_transport"}) {
+    EXPECT_NE(svc.status().message().find(part), std::string::npos) << svc.status().ToString();
+  }
+  Node* b = StartNode("b");
+  ASSERT_TRUE(b);
+  Node* c = StartNode("c");
+  ASSERT_TRUE(c);
+  std::vector<Status> errors;
+  b->svc->List({c->peer()}, kId.rank, &errors);
+  for (const Status& s : errors) EXPECT_OK(s);
+}
+
 }  // namespace
 }  // namespace safepoint::replica
