@@ -415,3 +415,41 @@ def test_a_save_allocates_no_private_copy_of_the_state(make, overlap, strided):
     assert after["RssAnon"] - before["RssAnon"] < 16 << 20, (before, after)
     assert same(loaded(ck, 5), state)
     ck.close()
+
+
+_OTHER_TORCH = """
+import sys
+import torch
+torch.__version__ = "0.0.0+other"  # what another torch install would say
+try:
+    import safepoint._torchprobe  # noqa: F401
+    print("loaded")
+except ImportError as e:
+    print("refused:", e)
+import safepoint
+from safepoint import _core
+print("probe", _core.set_torch_probe(True))
+st = {"w": torch.arange(10.0), "b": torch.ones(3, dtype=torch.bfloat16), "n": 5}
+safepoint.save(sys.argv[1], 1, st)
+step, got = safepoint.load(sys.argv[1])
+print("equal", step == 1 and got["n"] == 5 and all(torch.equal(got[k], st[k]) for k in "wb"))
+"""
+
+
+def test_a_probe_built_for_another_torch_is_refused_and_saves_take_the_python_route(
+        tmp_path, tensor_reads):
+    import importlib.util
+    import subprocess
+    import sys
+
+    if tensor_reads != "probe":
+        pytest.skip("the subprocess chooses its own route: one run is enough")
+    if importlib.util.find_spec("safepoint._torchprobe") is None:
+        pytest.skip("safepoint._torchprobe is not built here")
+    r = subprocess.run([sys.executable, "-c", _OTHER_TORCH, str(tmp_path / "ckpt")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("refused: safepoint._torchprobe was built for torch "), lines
+    assert lines[0].endswith("this is torch 0.0.0+other"), lines
+    assert lines[1:] == ["probe False", "equal True"], lines
