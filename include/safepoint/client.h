@@ -161,6 +161,11 @@ class SnapshotClient {
   // persisted image leaves to other ranks. Returns the error text when the agent could not be
   // told (the snapshot is safe in memory either way).
   std::string Notify(const SkipRanges& skip);
+  // Restarts the agent when the connection shows it gone (hung up); one poll otherwise. A save
+  // with notify=false calls it, and a caller calls it again right before the collective that
+  // precedes Notify: a rank must not wait in a collective while its node has no agent to
+  // persist what other ranks' commits need. The new agent adopts the slots and persists them.
+  Status ReviveAgentIfGone();
   // The tensors of the last snapshot saved with notify=false (specs only).
   const std::vector<TensorSpec>& last_specs() const { return last_specs_; }
   // Waits until the newest step whose persist was asked is committed (or its persist failed);
@@ -221,8 +226,6 @@ class SnapshotClient {
  private:
   SnapshotClient() = default;
   Status EnsureAgent();
-  // EnsureAgent when the connection shows the agent gone (hung up); one poll otherwise.
-  Status ReviveAgentIfGone();
   Status ConnectOnce();
   Status StartAgent();
   Status Hello();

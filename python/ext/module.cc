@@ -478,6 +478,14 @@ class PyClient {
     return WithoutGil([&] { return Get().Notify(skip); });
   }
 
+  // "" when the agent lives (one poll) or was restarted; else why none could be started.
+  std::string ReviveAgent() {
+    return WithoutGil([&] {
+      const Status s = Get().ReviveAgentIfGone();
+      return s.ok() ? std::string() : s.ToString();
+    });
+  }
+
   // The tensors of the last snapshot: (name, dtype, shape, global_shape, global_offset, nbytes).
   nb::list LastEntries() {
     nb::list out;
@@ -1021,6 +1029,9 @@ NB_MODULE(_core, m) {
       .def("last_save_reused_plan", &PyClient::LastSaveReusedPlan)
       .def("last_restore_reused_plan", &PyClient::LastRestoreReusedPlan)
       .def("notify", &PyClient::Notify, "skip"_a)
+      .def("revive_agent", &PyClient::ReviveAgent,
+           "Restarts this node's agent if it died (one poll when it lives); returns '' or why "
+           "none could be started.")
       .def("last_entries", &PyClient::LastEntries)
       .def("wait", &PyClient::Wait, "timeout"_a)
       .def("agent_status", &PyClient::AgentStatus)

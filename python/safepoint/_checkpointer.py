@@ -444,6 +444,10 @@ class Checkpointer:
         import torch
         import torch.distributed as dist
 
+        # Never wait in the collective without an agent: ranks in wait() for the previous
+        # step need this node's images, which only an agent persists (a dead one is restarted
+        # and its successor persists them). Its error, if any, comes again from notify().
+        self._live.revive_agent()
         mine = res.structure_hash if res.saved else 0
         h = torch.tensor([mine - (1 << 63)], dtype=torch.int64)  # u64 -> i64
         hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]

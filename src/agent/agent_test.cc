@@ -797,6 +797,26 @@ TEST_F(AgentTest, SaveWithoutNotifyRestartsADeadAgentWhichPersistsWhatItLeft) {
   EXPECT_EQ(client->Notify({}), "");
 }
 
+// When no agent can be started (here: this client may start none), the save still goes into
+// memory: failing it would leave the other ranks in the collective that comes before Notify.
+// Notify then says why the agent could not be told.
+TEST_F(AgentTest, SaveWithoutNotifyWhoseAgentCannotBeRestartedStillSnapshots) {
+  StartAgent();
+  ClientOptions options = Options();
+  options.agent_binary.clear();  // this client may start no agent
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(options));
+  ASSERT_EQ(::kill(agent_, SIGKILL), 0);
+  ASSERT_TRUE(WaitExit(agent_));
+  ASSERT_TRUE(WaitUntil([&] { return !AgentAlive(job_dir_); }));
+  Shard one(1);
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r, client->Save(1, one.sources, one.extras,
+                                                      /*persist=*/true, /*notify=*/false));
+  EXPECT_TRUE(r.saved);
+  EXPECT_EQ(client->ReviveAgentIfGone().code(), StatusCode::kUnavailable);
+  const std::string error = client->Notify({});
+  EXPECT_NE(error.find("none may be started here"), std::string::npos) << error;
+}
+
 // Issue 9, defect 6: an agent that cannot write job.json (here: a full tmpfs) keeps serving, but
 // says so in its status and log, and writes the file at a later hello once there is room again;
 // before, the error was ignored and a later agent could not adopt the job without a word.

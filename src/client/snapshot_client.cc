@@ -371,11 +371,13 @@ Status SnapshotClient::PrepareWrite(bool notify, SnapshotResult* result) {
   pending_note_.reset();
   if (!notify) {
     // The caller tells the agent only after a collective of the ranks (they agree on who
-    // writes which replica first). A rank whose agent died must restart it now: the ranks
-    // that wait for a step's commit wait for this node's images, which only an agent writes,
-    // and would never reach the collective (the node-loss campaign's hang, seed 1005935286).
-    // The new agent adopts the arena and persists what the dead one left.
-    SP_RETURN_IF_ERROR(ReviveAgentIfGone());
+    // writes which replica first). A rank whose agent died restarts it now: the ranks that
+    // wait for a step's commit wait for this node's images, which only an agent writes, and
+    // would never reach the collective (the node-loss campaign's hang, seed 1005935286). The
+    // new agent adopts the arena and persists what the dead one left. When no agent can be
+    // started the save still goes on into memory (failing it here would leave the other ranks
+    // in the collective): Notify tries again and returns the error.
+    [[maybe_unused]] const Status revived = ReviveAgentIfGone();
   }
   // The structure hash and the specs serve only a caller that agrees on replicas before
   // notifying (notify=false); a plain save does not pay for them, a reused plan pays once.

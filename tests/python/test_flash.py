@@ -809,3 +809,30 @@ def test_on_busy_skip_when_no_slot_is_free(env):
     assert step == 5 and ck.last_load_source == "memory"
     assert first_difference(state, make_state(SEED, 5, numel)) is None
     ck.close()
+
+
+def test_revive_agent_restarts_a_killed_agent_before_a_collective(tmp_path, shm):
+    """With replicas, a save's collective comes before the agent hears of the snapshot; the
+    Checkpointer calls revive_agent() right before it, so that no rank waits there while its
+    node has no agent (the node-loss campaign's hang, seed 1005935286)."""
+    import torch
+
+    job = f"revive-{os.getpid()}"
+    path = tmp_path / "ckpt"
+    ck = safepoint.Checkpointer(path, job=job, shm_dir=shm, persist_every=1)
+    try:
+        ck.save(1, {"w": torch.arange(8.0)})
+        ck.wait()
+        first = lock_agent_pid(shm, job)
+        assert first is not None
+        assert ck._live.revive_agent() == ""  # alive: one poll, nothing restarted
+        assert lock_agent_pid(shm, job) == first
+        kill_and_wait(first)
+        assert ck._live.revive_agent() == ""
+        second = lock_agent_pid(shm, job)
+        assert second is not None and second != first
+        ck.save(2, {"w": torch.arange(8.0) + 1})
+        ck.wait()
+        assert safepoint.steps(path) == [1, 2]
+    finally:
+        ck.close()
