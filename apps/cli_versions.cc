@@ -456,9 +456,10 @@ std::function<std::optional<int>()> AddVersionCommands(CLI::App& app) {
                    "only the tensors under PREFIX (e.g. model), named without it")
       ->type_name("PREFIX");
   export_cmd
-      ->add_option("--max-shard-size", exp->max_shard_size,
-                   "safetensors only: OUT is a new directory of Hugging Face shards of at most "
-                   "SIZE (e.g. 5GB, 512MiB) each, with model.safetensors.index.json")
+      ->add_option(
+          "--max-shard-size", exp->max_shard_size,
+          "safetensors only: OUT is a new or empty directory of Hugging Face shards of at most "
+          "SIZE (e.g. 5GB, 512MiB) each, with model.safetensors.index.json")
       ->type_name("SIZE");
   export_cmd->add_flag("--json", exp->json, "a JSON report instead of text");
 

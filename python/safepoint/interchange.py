@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Optional
@@ -223,8 +224,18 @@ def _write_shards(sr: StepReader, out: str, chosen: dict[str, str], shapes: dict
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(index, f, indent=2)
+    _fsync_dir(out)  # the shards' names are durable before the index that names them
     _atomic_write(os.path.join(out, SHARD_INDEX), write)
+    _fsync_dir(out)
     return len(shards)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _safetensors_files(src: str) -> list[str]:
@@ -246,6 +257,20 @@ def _safetensors_files(src: str) -> list[str]:
     files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if not files:
         raise NotFoundError(f"{src}: no *.safetensors files (and no model.safetensors.index.json)")
+    # Shards named model-0000i-of-0000N without their index: an export or a download that did
+    # not finish (the index comes last). Import them only when every shard is there.
+    shards: dict[int, set[int]] = {}
+    for n in files:
+        m = re.search(r"-(\d+)-of-(\d+)\.safetensors$", n)
+        if m:
+            shards.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    for total, have in shards.items():
+        missing = sorted(set(range(1, total + 1)) - have)
+        if missing:
+            raise InvalidArgumentError(
+                f"{src}: shards of {total} without {SHARD_INDEX}, and shard(s) "
+                f"{', '.join(map(str, missing[:5]))} of them missing: an export or download "
+                "that did not finish?")
     return [os.path.join(src, n) for n in files]
 
 

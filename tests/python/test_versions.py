@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -356,10 +357,11 @@ def test_a_sharded_step_exports_as_full_tensors(tmp_path, cli):
 
 
 def test_sharded_export_is_a_hugging_face_model_directory(tmp_path, cli):
-    """--max-shard-size: files of at most that many tensor bytes (a larger tensor alone), the
-    index written last, one shard in memory at a time; transformers loads the directory, and
-    safepoint import reads it back bit-exact."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """--max-shard-size: files of at most that many tensor bytes (a larger tensor alone) and
+    the index; transformers loads the directory, and safepoint import reads it back bit-exact,
+    but refuses shards without their index when some are missing."""
+    transformers = pytest.importorskip("transformers")
+    GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
@@ -394,6 +396,13 @@ def test_sharded_export_is_a_hugging_face_model_directory(tmp_path, cli):
     _, got = safepoint.load(tmp_path / "back", 1)
     assert sorted(got["model"]) == sorted(index["weight_map"])
     assert all(torch.equal(got["model"][k], want[k]) for k in got["model"])
+    # An export that did not finish (no index yet, a shard missing) is not imported as a model.
+    partial = tmp_path / "partial"
+    shutil.copytree(out, partial)
+    (partial / "model.safetensors.index.json").unlink()
+    (partial / files[1]).unlink()
+    r = cli("import", partial, tmp_path / "nope", "--step", "1", check=1)
+    assert "shard(s) 2 of them missing" in r.stderr, r.stderr
     # Errors: a non-empty directory, the torch format, a size that is not one.
     assert "new or empty directory" in cli("export", ckpt, "--format", "safetensors",
                                            "--max-shard-size", "1GB", out, check=1).stderr
