@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from safepoint._api import save as safepoint_save
+from safepoint._files import fsync_dir
 from safepoint._shards import StepReader
 from safepoint._versions import resolve
 from safepoint.errors import Error, InvalidArgumentError, NotFoundError
@@ -224,18 +225,11 @@ def _write_shards(sr: StepReader, out: str, chosen: dict[str, str], shapes: dict
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(index, f, indent=2)
-    _fsync_dir(out)  # the shards' names are durable before the index that names them
+    fsync_dir(out)  # the shards' names are durable before the index that names them
     _atomic_write(os.path.join(out, SHARD_INDEX), write)
-    _fsync_dir(out)
+    fsync_dir(out)
     return len(shards)
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _safetensors_files(src: str) -> list[str]:

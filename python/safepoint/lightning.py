@@ -68,6 +68,7 @@ import torch
 
 import safepoint
 from safepoint import _core
+from safepoint._files import fsync_dir
 from safepoint._pickle import AllowPickle
 from safepoint._stateful import RNG_KEY, capture_rng, restore_rng
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
@@ -133,14 +134,6 @@ def read_pointer(path: str | os.PathLike[str]) -> Optional[dict]:
     return doc
 
 
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_pointer(path: str, doc: dict, durable: bool) -> None:
     """Atomically replaces ``path`` with the pointer (temporary file + rename)."""
     d = os.path.dirname(path) or "."
@@ -161,7 +154,7 @@ def _write_pointer(path: str, doc: dict, durable: bool) -> None:
             pass
         raise
     if durable:
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
 def delete_step(root: str, step: int) -> None:
