@@ -26,9 +26,9 @@ struct Types {
   std::unordered_map<PyObject*, DType> torch_dtypes;  // torch.dtype singletons
   std::unordered_map<int, nb::object> torch_by_dtype;
   std::string supported;  // the torch dtypes above, for messages
-  nb::str s_layout, s_dtype, s_is_cpu, s_cpu, s_is_contiguous, s_contiguous, s_data_ptr, s_nbytes,
-      s_shape, s_name, s_isnative, s_flags, s_c_contiguous, s_array_interface, s_view, s_is_meta,
-      s_is_conj, s_is_neg, s_resolve_conj, s_resolve_neg;
+  nb::str s_layout, s_dtype, s_is_cpu, s_cpu, s_is_contiguous, s_contiguous, s_data_ptr, s_shape,
+      s_name, s_isnative, s_flags, s_c_contiguous, s_array_interface, s_view, s_is_meta, s_is_conj,
+      s_is_neg, s_resolve_conj, s_resolve_neg;
   // safepoint._torchprobe's probe (torch_probe.h) when it loads and is not turned off
   // ($SAFEPOINT_TORCH_PROBE=0, or SetTorchProbe); `probe_loaded` whether it loaded at all.
   const TorchProbeApi* probe = nullptr;
@@ -67,7 +67,6 @@ struct Types {
     s_is_contiguous = nb::str("is_contiguous");
     s_contiguous = nb::str("contiguous");
     s_data_ptr = nb::str("data_ptr");
-    s_nbytes = nb::str("nbytes");
     s_shape = nb::str("shape");
     s_name = nb::str("name");
     s_isnative = nb::str("isnative");
@@ -165,7 +164,9 @@ class Flattener {
     }
   }
 
-  size_t Add(DType dtype, std::vector<uint64_t> shape, uintptr_t ptr, uint64_t nbytes) {
+  size_t Add(DType dtype, std::vector<uint64_t> shape, uintptr_t ptr) {
+    uint64_t nbytes = DTypeSize(dtype);
+    for (uint64_t x : shape) nbytes *= x;
     TensorSource s;
     s.spec.name = UniqueName();
     s.spec.dtype = dtype;
@@ -174,6 +175,19 @@ class Flattener {
     s.nbytes = nbytes;
     tensors_->push_back(std::move(s));
     return tensors_->size() - 1;
+  }
+
+  // A contiguous CPU tensor of `obj`'s whose bytes are at `ptr` (those of `keep`: obj, or the
+  // contiguous copy made of it). `keep` is held until the image is written: the write runs
+  // with the GIL released, and another thread could drop the caller's last reference (e.g.
+  // replace the tensor in the state dict).
+  Value Plain(nb::handle obj, nb::handle keep, DType dtype, std::vector<uint64_t> shape,
+              uintptr_t ptr) {
+    const size_t idx = Add(dtype, std::move(shape), ptr);
+    keepalive_->append(keep);
+    TensorRef ref{idx, 0};
+    seen_.emplace(obj.ptr(), ref);  // the caller's state keeps obj alive while we run
+    return Value(ref);
   }
 
   // One tensor, through the raw C API: this runs 10,000+ times per save, so every call counts
@@ -200,15 +214,8 @@ class Flattener {
       if (t.probe->probe(obj.ptr(), &f) == 1 && f.contiguous) {
         auto d = t.torch_dtypes.find(f.dtype);
         if (d != t.torch_dtypes.end()) {
-          std::vector<uint64_t> shape(f.sizes, f.sizes + f.ndim);
-          uint64_t nbytes = DTypeSize(d->second);
-          for (uint64_t x : shape) nbytes *= x;
-          const size_t idx =
-              Add(d->second, std::move(shape), reinterpret_cast<uintptr_t>(f.data), nbytes);
-          keepalive_->append(obj);  // as below: held until the image is written
-          TensorRef ref{idx, 0};
-          seen_.emplace(obj.ptr(), ref);
-          return Value(ref);
+          return Plain(obj, obj, d->second, std::vector<uint64_t>(f.sizes, f.sizes + f.ndim),
+                       reinterpret_cast<uintptr_t>(f.data));
         }
       }
     }
@@ -260,16 +267,8 @@ class Flattener {
     nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
     if (!shape_obj.is_valid()) throw nb::python_error();
     std::vector<uint64_t> shape = Dims(shape_obj);
-    uint64_t nbytes = DTypeSize(d->second);
-    for (uint64_t x : shape) nbytes *= x;
     if (PyErr_Occurred()) throw nb::python_error();
-    const size_t idx = Add(d->second, std::move(shape), ptr, nbytes);
-    // Held until the image is written: the write runs with the GIL released, and another thread
-    // could drop the caller's last reference (e.g. replace the tensor in the state dict).
-    keepalive_->append(src);
-    TensorRef ref{idx, 0};
-    seen_.emplace(obj.ptr(), ref);  // the caller's state keeps obj alive while we run
-    return Value(ref);
+    return Plain(obj, src, d->second, std::move(shape), ptr);
   }
 
   // torch.distributed.tensor.DTensor if that module is loaded (a DTensor cannot exist before
@@ -322,10 +321,7 @@ class Flattener {
     }
     nb::object shape_obj = nb::steal(PyObject_GetAttr(src.ptr(), t.s_shape.ptr()));
     if (!shape_obj.is_valid()) throw nb::python_error();
-    std::vector<uint64_t> shape = Dims(shape_obj);
-    uint64_t nbytes = DTypeSize(dtype);
-    for (uint64_t x : shape) nbytes *= x;
-    const size_t idx = Add(dtype, std::move(shape), 0, nbytes);
+    const size_t idx = Add(dtype, Dims(shape_obj), 0);
     (*tensors_)[idx].staged = true;
     staged_->append(nb::make_tuple(idx, src));
     TensorRef ref{idx, 0};
@@ -358,9 +354,8 @@ class Flattener {
     nb::object iface = arr.attr(t.s_array_interface);
     nb::object data = iface["data"];
     const uintptr_t ptr = PyLong_AsUnsignedLongLong(nb::object(data[0]).ptr());
-    const uint64_t nbytes = PyLong_AsUnsignedLongLong(arr.attr(t.s_nbytes).ptr());
     if (PyErr_Occurred()) throw nb::python_error();
-    const size_t idx = Add(d, Dims(arr.attr(t.s_shape)), ptr, nbytes);
+    const size_t idx = Add(d, Dims(arr.attr(t.s_shape)), ptr);
     keepalive_->append(arr);
     return Value(TensorRef{idx, kind});
   }
