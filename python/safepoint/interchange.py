@@ -17,6 +17,7 @@ sharded directory instead, one shard in memory at a time, and ``select`` exports
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -31,7 +32,13 @@ from safepoint._api import save as safepoint_save
 from safepoint._files import fsync_dir
 from safepoint._shards import StepReader
 from safepoint._versions import resolve
-from safepoint.errors import Error, InvalidArgumentError, NotFoundError
+from safepoint.errors import (
+    Error,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    StorageError,
+)
 
 FORMATS = ("safetensors", "torch")
 
@@ -90,15 +97,24 @@ def _selected(names: list[str], select: Optional[str]) -> dict[str, str]:
 
 
 def _atomic_write(out: str, write) -> None:
+    """``write(tmp)``, then fsync, rename to ``out`` and fsync the directory: ``out`` is whole
+    and durable, or absent."""
     tmp = f"{out}.tmp.{os.getpid()}"
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    except BaseException:
+        fsync_dir(os.path.dirname(os.path.abspath(out)))
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        # A full disk or an I/O error (the safetensors package reports them as "I/O error: ...
+        # (os error N)" in its own exception type) is a storage error naming the file.
+        if not isinstance(e, Error) and (isinstance(e, OSError) or "I/O error" in str(e)):
+            full = getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e)
+            kind = ResourceExhaustedError if full else StorageError
+            raise kind(f"{out}: cannot write: {e}") from None
         raise
 
 
@@ -217,7 +233,11 @@ def _write_shards(sr: StepReader, out: str, chosen: dict[str, str], shapes: dict
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = _read_full(sr, names, shapes, progress)
-        _write_file(os.path.join(out, file), "safetensors", tensors, meta)
+        try:
+            _write_file(os.path.join(out, file), "safetensors", tensors, meta)
+        except Error as e:
+            raise type(e)(f"{e}; {out} has {i} of {len(shards)} shards and no index (import "
+                          "refuses it): remove the directory before exporting again") from None
         del tensors
         weight_map.update({out_name: file for _, out_name in names})
     index = {"metadata": {"total_size": total, **meta}, "weight_map": weight_map}
@@ -225,9 +245,8 @@ def _write_shards(sr: StepReader, out: str, chosen: dict[str, str], shapes: dict
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(index, f, indent=2)
-    fsync_dir(out)  # the shards' names are durable before the index that names them
+    # Every shard's name is durable (_atomic_write) before the index that names them.
     _atomic_write(os.path.join(out, SHARD_INDEX), write)
-    fsync_dir(out)
     return len(shards)
 
 

@@ -412,6 +412,33 @@ def test_sharded_export_is_a_hugging_face_model_directory(tmp_path, cli):
                                "lots", tmp_path / "y", check=1).stderr
 
 
+def test_export_to_a_full_disk_is_a_clear_error_and_leaves_no_temporary(tmp_path, cli):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {m.stderr.strip()}")
+    try:
+        ckpt = tmp_path / "ckpt"
+        safepoint.save(ckpt, 1, {"model": {f"l{i}": torch.randn(16384) for i in range(4)}})
+        r = cli("export", ckpt, "--format", "safetensors", mnt / "one.safetensors", check=1)
+        assert "one.safetensors: cannot write" in r.stderr, r.stderr
+        assert "No space left on device" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        r = cli("export", ckpt, "--format", "safetensors", "--max-shard-size", "64KiB",
+                mnt / "shards", check=1)
+        assert "cannot write" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "remove the directory before exporting again" in r.stderr, r.stderr
+        left = sorted(p.name for p in mnt.rglob("*") if p.is_file())
+        assert not [n for n in left if ".tmp." in n], left  # no temporary stays
+        assert "model.safetensors.index.json" not in left, left
+        assert safepoint.steps(ckpt) == [1]  # the source is untouched
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
 def test_import_of_a_safetensors_file_and_a_hugging_face_directory(tmp_path, cli, shm):
     from safetensors.torch import save_file
 
