@@ -32,7 +32,19 @@ PersistQueue::~PersistQueue() { Stop(); }
 void PersistQueue::Start(std::string job_dir, PersistTarget target) {
   job_dir_ = std::move(job_dir);
   target_ = std::move(target);
-  worker_ = std::thread([this] { Work(); });
+  // Tasks run in the order queued; on stop, what is queued still runs.
+  worker_.Start({.take = [this] { return Loop::TakeFront(queue_, &in_flight_); },
+                 .run = [this](PersistTask& t) { Run(t); }});
+}
+
+void PersistQueue::Run(const PersistTask& t) {
+  PersistResult r = Persist(t);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_.reset();
+    results_.push_back(std::move(r));
+  }
+  notify_();
 }
 
 void PersistQueue::Enqueue(PersistTask task) {
@@ -40,7 +52,7 @@ void PersistQueue::Enqueue(PersistTask task) {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(task));
   }
-  cv_.notify_one();
+  worker_.Wake();
 }
 
 bool PersistQueue::Contains(uint32_t rank, uint32_t slot, uint64_t generation) const {
@@ -72,35 +84,7 @@ bool PersistQueue::Busy() const {
   return !queue_.empty() || in_flight_.has_value();
 }
 
-void PersistQueue::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
-}
-
-void PersistQueue::Work() {
-  for (;;) {
-    PersistTask t;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything queued is done
-      t = queue_.front();
-      queue_.pop_front();
-      in_flight_ = t;
-    }
-    PersistResult r = Persist(t);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      in_flight_.reset();
-      results_.push_back(std::move(r));
-    }
-    notify_();
-  }
-}
+void PersistQueue::Stop() { worker_.Stop(); }
 
 // The stored image of a snapshot whose replicas other ranks write: the same tensors, extras and
 // identity, with the skipped tensors marked "elsewhere" (no bytes). Every chunk of the snapshot

@@ -14,10 +14,10 @@
 //
 // Threads: Enqueue, Contains, TakeResults, progress() and Stop() are called from the agent's main
 // thread; the worker thread runs the tasks and calls `notify` after each result (the main loop's
-// eventfd). The worker maps slots through an Arena of its own.
+// eventfd). The worker maps slots through an Arena of its own. Its loop is a WorkerLoop that
+// drains on stop.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -25,10 +25,10 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "agent/tier_copier.h"
+#include "base/worker_loop.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
 #include "safepoint/status.h"
@@ -85,7 +85,7 @@ class PersistQueue {
   // Starts the worker for the snapshots in `job_dir`, persisting to `target`. Called once,
   // before the first Enqueue.
   void Start(std::string job_dir, PersistTarget target);
-  bool started() const { return worker_.joinable(); }
+  bool started() const { return worker_.started(); }
 
   void Enqueue(PersistTask task);
   // True while the snapshot (rank, slot, generation) is queued, in flight, or finished but its
@@ -105,7 +105,8 @@ class PersistQueue {
   void Stop();
 
  private:
-  void Work();
+  using Loop = internal::WorkerLoop<PersistTask>;
+  void Run(const PersistTask& t);  // on the worker: Persist, then the result
   PersistResult Persist(const PersistTask& t);
   Result<std::unique_ptr<ImageBuilder>> WithoutReplicas(std::span<const std::byte> image,
                                                         const std::string& source,
@@ -118,12 +119,10 @@ class PersistQueue {
   PersistTarget target_;
 
   mutable std::mutex mu_;  // guards everything below
-  std::condition_variable cv_;
   std::deque<PersistTask> queue_;
   std::optional<PersistTask> in_flight_;
   std::vector<PersistResult> results_;
-  bool stop_ = false;
-  std::thread worker_;
+  Loop worker_{mu_, Loop::OnStop::kDrain};
 };
 
 }  // namespace safepoint::agent

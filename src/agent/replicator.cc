@@ -97,8 +97,7 @@ Result<std::string> Replicator::Setup(const std::string& job_dir, const PeerSetu
   job_dir_ = job_dir;
   node_ = request.node;
   bind_host_ = request.bind_host;
-  push_worker_ = std::thread([this] { PushWork(); });
-  request_worker_ = std::thread([this] { RequestWork(); });
+  StartWorkers();
   spdlog::info("peer service of node '{}' listens on {}", node_, service_->address());
   return service_->address();
 }
@@ -170,7 +169,7 @@ void Replicator::EnqueuePush(PushTask task) {
     std::erase_if(pushes_, [&](const PushTask& q) { return q.rank == task.rank; });
     pushes_.push_back(task);
   }
-  push_cv_.notify_one();
+  push_worker_.Wake();
 }
 
 void Replicator::EnqueueRequest(PeerRequest request) {
@@ -178,7 +177,7 @@ void Replicator::EnqueueRequest(PeerRequest request) {
     std::lock_guard<std::mutex> lock(mu_);
     requests_.push_back(request);
   }
-  request_cv_.notify_one();
+  request_worker_.Wake();
 }
 
 bool Replicator::Busy(uint32_t rank) const {
@@ -234,14 +233,11 @@ std::vector<PeerAnswer> Replicator::TakeAnswers() {
 }
 
 void Replicator::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  push_cv_.notify_all();
-  request_cv_.notify_all();
-  if (push_worker_.joinable()) push_worker_.join();
-  if (request_worker_.joinable()) request_worker_.join();
+  // Both stop before either is joined: no request runs while the push worker is joined.
+  push_worker_.RequestStop();
+  request_worker_.RequestStop();
+  push_worker_.Join();
+  request_worker_.Join();
   service_.reset();
 }
 
@@ -253,33 +249,44 @@ std::vector<Peer> Replicator::OtherPeersLocked() const {
   return out;
 }
 
-void Replicator::PushWork() {
-  for (;;) {
-    PushTask t;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      push_cv_.wait(lock, [&] { return stop_ || !pushes_.empty(); });
-      if (stop_) return;  // replicas are a cache: nothing to finish on the way out
-      t = pushes_.front();
-      pushes_.pop_front();
-      push_in_flight_ = t;
+void Replicator::StartWorkers() {
+  push_worker_.Start({.take = [this] { return PushLoop::TakeFront(pushes_, &push_in_flight_); },
+                      .run = [this](PushTask& t) { RunPush(t); }});
+  request_worker_.Start({.take = [this] { return RequestLoop::TakeFront(requests_); },
+                         .run = [this](PeerRequest& r) { RunRequest(r); }});
+}
+
+void Replicator::RunPush(const PushTask& t) {
+  PushOutcome o = Push(t);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    push_in_flight_.reset();
+    if (o.superseded) {
+      ++pushes_superseded_;
+    } else if (o.status.ok()) {
+      ++pushes_ok_;
+    } else {
+      ++pushes_failed_;
     }
-    PushOutcome o = Push(t);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      push_in_flight_.reset();
-      if (o.superseded) {
-        ++pushes_superseded_;
-      } else if (o.status.ok()) {
-        ++pushes_ok_;
-      } else {
-        ++pushes_failed_;
-      }
-      if (!o.superseded) last_push_[t.rank] = o;
-      outcomes_.push_back(std::move(o));
-    }
-    notify_();
+    if (!o.superseded) last_push_[t.rank] = o;
+    outcomes_.push_back(std::move(o));
   }
+  notify_();
+}
+
+void Replicator::RunRequest(const PeerRequest& r) {
+  if (r.type == MessageType::kShutdown) {
+    FlushHeld();
+    return;
+  }
+  PeerAnswer a = r.type == MessageType::kPeerFetch ? Fetch(r) : List(r);
+  a.client_fd = r.client_fd;
+  a.client_pid = r.client_pid;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    answers_.push_back(std::move(a));
+  }
+  notify_();
 }
 
 PushOutcome Replicator::Push(const PushTask& t) {
@@ -348,31 +355,6 @@ PushOutcome Replicator::Push(const PushTask& t) {
     }
   }
   return o;
-}
-
-void Replicator::RequestWork() {
-  for (;;) {
-    PeerRequest r;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      request_cv_.wait(lock, [&] { return stop_ || !requests_.empty(); });
-      if (stop_) return;
-      r = requests_.front();
-      requests_.pop_front();
-    }
-    if (r.type == MessageType::kShutdown) {
-      FlushHeld();
-      continue;
-    }
-    PeerAnswer a = r.type == MessageType::kPeerFetch ? Fetch(r) : List(r);
-    a.client_fd = r.client_fd;
-    a.client_pid = r.client_pid;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      answers_.push_back(std::move(a));
-    }
-    notify_();
-  }
 }
 
 PeerAnswer Replicator::List(const PeerRequest& r) {

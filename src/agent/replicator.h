@@ -16,10 +16,10 @@
 //
 // Threads: Configure, Enqueue*, TakeResults, Status and Stop are called from the agent's main
 // thread; one worker thread runs pushes, another runs list and fetch requests (a restore never
-// waits behind a long push). `notify` wakes the main loop after each result.
+// waits behind a long push). `notify` wakes the main loop after each result. Both are WorkerLoops
+// that drop what is queued on stop (replicas are a cache).
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -29,10 +29,10 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "agent/protocol.h"
+#include "base/worker_loop.h"
 #include "replica/peer_service.h"
 #include "replica/redundancy.h"
 #include "replica/replica_store.h"
@@ -120,8 +120,12 @@ class Replicator {
   void Stop();
 
  private:
-  void PushWork();
-  void RequestWork();
+  using PushLoop = internal::WorkerLoop<PushTask>;
+  using RequestLoop = internal::WorkerLoop<PeerRequest>;
+  void StartWorkers();  // under mu_
+  // On the workers: one task, then its result and `notify`.
+  void RunPush(const PushTask& t);
+  void RunRequest(const PeerRequest& r);
   PushOutcome Push(const PushTask& t);
   PeerAnswer List(const PeerRequest& r);
   PeerAnswer Fetch(const PeerRequest& r);
@@ -139,7 +143,6 @@ class Replicator {
   uint32_t world_size_ = 0;
 
   mutable std::mutex mu_;  // guards everything below
-  std::condition_variable push_cv_, request_cv_;
   std::string epoch_;
   uint32_t node_index_ = 0;
   std::vector<replica::Peer> nodes_;
@@ -153,8 +156,8 @@ class Replicator {
   std::map<uint32_t, PushOutcome> last_push_;  // rank -> its latest finished push
   uint64_t pushes_ok_ = 0, pushes_failed_ = 0, pushes_superseded_ = 0;
   uint64_t held_flushed_ = 0, held_flush_failed_ = 0;
-  bool stop_ = false;
-  std::thread push_worker_, request_worker_;
+  PushLoop push_worker_{mu_, PushLoop::OnStop::kDrop};
+  RequestLoop request_worker_{mu_, RequestLoop::OnStop::kDrop};
 };
 
 }  // namespace safepoint::agent

@@ -74,18 +74,15 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
 struct TierChain::Worker {
   size_t index = 0;  // 1-based
   TierSpec spec;
-  mutable std::mutex mu;  // guards everything below
-  std::condition_variable cv;
+  mutable std::mutex mu;                   // guards everything below
   std::shared_ptr<CheckpointStore> store;  // once opened
   std::optional<uint64_t> candidate;       // the newest step offered and not yet copied
   int attempts = 0;                        // failed attempts of `candidate`
   Clock::time_point retry_at{};
-  bool draining = false;
-  bool stop = false;
   std::optional<uint64_t> last;  // the step it received last
   int64_t last_ns = 0;           // when that step committed (wall clock)
   TierState state;
-  std::thread thread;
+  internal::WorkerLoop<uint64_t> loop{mu, internal::WorkerLoop<uint64_t>::OnStop::kDrop};
 };
 
 TierChain::TierChain(std::function<void()> notify, double retry_base_seconds)
@@ -109,7 +106,9 @@ void TierChain::Start(std::string job, std::shared_ptr<CheckpointStore> primary,
   }
   for (auto& w : workers_) {
     Worker* raw = w.get();
-    w->thread = std::thread([this, raw] { Work(*raw); });
+    w->loop.Start({.prepare = [this, raw] { return Open(*raw); },
+                   .take = [this, raw] { return Take(*raw); },
+                   .run = [this, raw](uint64_t& step) { Run(*raw, step); }});
   }
 }
 
@@ -126,7 +125,7 @@ void TierChain::Offer(size_t index, uint64_t step) {
     w.retry_at = Clock::time_point{};
     w.state.pending = step;
   }
-  w.cv.notify_all();
+  w.loop.Wake();
 }
 
 bool TierChain::Busy() const {
@@ -148,35 +147,23 @@ std::vector<TierState> TierChain::States() const {
 
 void TierChain::Stop(double grace_seconds) {
   if (workers_.empty()) return;
-  for (auto& w : workers_) {
-    std::lock_guard<std::mutex> lock(w->mu);
-    w->draining = true;
-  }
   const auto deadline = Clock::now() + std::chrono::duration<double>(grace_seconds);
   while (Busy() && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   cancel_ = true;
-  for (auto& w : workers_) {
-    {
-      std::lock_guard<std::mutex> lock(w->mu);
-      w->stop = true;
-    }
-    w->cv.notify_all();
-  }
-  for (auto& w : workers_) {
-    if (w->thread.joinable()) w->thread.join();
-  }
+  for (auto& w : workers_) w->loop.RequestStop();
+  for (auto& w : workers_) w->loop.Join();
 }
 
-void TierChain::Work(Worker& w) {
+bool TierChain::Open(Worker& w) {
   // Open the tier's storage; an unreachable tier is retried with backoff (and reported).
   double backoff = retry_base_seconds_;
   std::shared_ptr<CheckpointStore> store;
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(w.mu);
-      if (w.stop) return;
+      if (w.loop.stopping()) return false;
     }
     auto opened = OpenCheckpointStore(w.spec.uri);
     if (opened.ok()) {
@@ -191,7 +178,8 @@ void TierChain::Work(Worker& w) {
     // A step waiting for an unreachable tier counts its attempts too: after kMaxAttempts the
     // tier no longer keeps the agent busy (it still retries, and reports the error).
     if (w.candidate) ++w.attempts;
-    w.cv.wait_for(lock, std::chrono::duration<double>(backoff), [&] { return w.stop; });
+    w.loop.SleepUnlessStopping(
+        lock, std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(backoff)));
     backoff = std::min(backoff * 2, 60.0);
   }
   std::optional<uint64_t> newest;
@@ -230,46 +218,44 @@ void TierChain::Work(Worker& w) {
       Offer(w.index, list->back().step);
     }
   }
-  for (;;) {
-    uint64_t step;
-    {
-      std::unique_lock<std::mutex> lock(w.mu);
-      for (;;) {
-        if (w.stop) return;
-        if (w.candidate && w.attempts < TierChain::kMaxAttempts) {
-          if (Clock::now() >= w.retry_at) break;
-          w.cv.wait_until(lock, w.retry_at);
-        } else {
-          w.cv.wait(lock);
-        }
-      }
-      step = *w.candidate;
-      const double since = w.last_ns > 0 ? static_cast<double>(WallNs() - w.last_ns) / 1e9 : 1e18;
-      if (!TierDue(w.spec, step, w.last, since)) {
-        ++w.state.skipped;
-        w.candidate.reset();
-        w.state.pending.reset();
-        continue;
-      }
-      w.state.in_flight = step;
-      w.state.pending.reset();
-    }
-    const bool done = CopyOne(w, step);
-    {
-      std::lock_guard<std::mutex> lock(w.mu);
-      w.state.in_flight.reset();
-      if (done && w.candidate == step) w.candidate.reset();
-      if (!done && w.candidate == step) {
-        ++w.attempts;
-        const double delay = std::min(retry_base_seconds_ * (1 << w.attempts), 60.0);
-        w.retry_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(delay));
-        if (w.attempts < TierChain::kMaxAttempts) w.state.pending = step;
-      }
-      if (w.candidate) w.state.pending = w.candidate;
-    }
-    if (notify_) notify_();
+  return true;
+}
+
+// The next step to copy: the candidate, once its retry is due and when the tier's schedule wants
+// it (else it is skipped).
+internal::WorkerLoop<uint64_t>::Next TierChain::Take(Worker& w) {
+  using Loop = internal::WorkerLoop<uint64_t>;
+  if (!w.candidate || w.attempts >= TierChain::kMaxAttempts) return Loop::Wait();
+  if (Clock::now() < w.retry_at) return Loop::Wait(w.retry_at);
+  const uint64_t step = *w.candidate;
+  const double since = w.last_ns > 0 ? static_cast<double>(WallNs() - w.last_ns) / 1e9 : 1e18;
+  if (!TierDue(w.spec, step, w.last, since)) {
+    ++w.state.skipped;
+    w.candidate.reset();
+    w.state.pending.reset();
+    return Loop::Wait();
   }
+  w.state.in_flight = step;
+  w.state.pending.reset();
+  return Loop::Run(step);
+}
+
+void TierChain::Run(Worker& w, uint64_t step) {
+  const bool done = CopyOne(w, step);
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.state.in_flight.reset();
+    if (done && w.candidate == step) w.candidate.reset();
+    if (!done && w.candidate == step) {
+      ++w.attempts;
+      const double delay = std::min(retry_base_seconds_ * (1 << w.attempts), 60.0);
+      w.retry_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(delay));
+      if (w.attempts < TierChain::kMaxAttempts) w.state.pending = step;
+    }
+    if (w.candidate) w.state.pending = w.candidate;
+  }
+  if (notify_) notify_();
 }
 
 // Copies `step` from the tier above into w's tier. True when done with it (copied, or gone from

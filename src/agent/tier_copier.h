@@ -15,11 +15,11 @@
 // from tier 0, which is shared by the job's nodes), so a multi-node job copies each step once.
 //
 // Threads: Start, Committed, Busy, States and Stop are called from the agent's main thread;
-// each worker touches only its own Worker (under its mutex), the shared StepPins and the stores.
+// each worker (a WorkerLoop that drops its candidate on stop) touches only its own Worker (under
+// its mutex), the shared StepPins and the stores.
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,10 +27,10 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
+#include "base/worker_loop.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/tiers.h"
 
@@ -100,7 +100,9 @@ class TierChain {
  private:
   struct Worker;
   void Offer(size_t index, uint64_t step);
-  void Work(Worker& w);
+  bool Open(Worker& w);  // the worker's `prepare`: false when stopped first
+  internal::WorkerLoop<uint64_t>::Next Take(Worker& w);  // under w.mu
+  void Run(Worker& w, uint64_t step);
   bool CopyOne(Worker& w, uint64_t step);
 
   const std::function<void()> notify_;
