@@ -328,6 +328,37 @@ class Rank:
             return ""
 
 
+def take_event(events: queue.Queue, timeout: float, deadline: float, ranks: list,
+               round_no: int) -> None:
+    """Hands the next line a rank said within `timeout` (if any) to that rank. A rank that
+    loaded bytes other than those saved, or a round past its `deadline`, is a violation."""
+    if time.monotonic() > deadline:
+        raise Violation(f"round {round_no} hung; ranks said: "
+                        + " | ".join(" ".join(rk.lines[-5:]) for rk in ranks))
+    try:
+        rk, fields = events.get(timeout=timeout)
+    except queue.Empty:
+        return
+    if fields is None:
+        rk.eof = True
+        return
+    rk.handle(fields)
+    if fields and fields[0] == "LOADED" and fields[3] != "EXACT":
+        raise Violation(f"rank {rk.rank} loaded step {fields[1]} from {fields[2]} "
+                        f"and it differs from what was saved: {rk.lines}")
+
+
+def reap_ranks(ranks: list, events: queue.Queue) -> None:
+    """After a round: reaps the ranks not reaped yet and hands each the lines still queued."""
+    for rk in ranks:
+        if rk.status is None:
+            rk.reap()
+    while not events.empty():
+        rk, fields = events.get()
+        if fields is not None:
+            rk.handle(fields)
+
+
 # --- the expected state: what must have survived ----------------------------------------------
 
 class ExpectedState:
@@ -352,7 +383,7 @@ class ExpectedState:
 
     def newest_anywhere(self) -> Optional[int]:
         """The newest step committed on any store (path or a tier) at the last check."""
-        return max((ls[-1] for ls in self.store_listed if ls), default=None)
+        return max((ls[-1] for ls in [self.listed, *self.store_listed] if ls), default=None)
 
     def path_lost(self) -> None:
         """The job's path (tier 0: the node's own storage) is gone with the node: what it held
@@ -369,6 +400,31 @@ class ExpectedState:
         self.mem_lb = [None] * self.world
         self.mem_ub = [None] * self.world
 
+    # What a subclass (the node campaign's) changes of check_resume: how it words memory that
+    # survived, and whether a restore may find a snapshot elsewhere than this node's memory.
+    MEMORY_KEPT = "the snapshots stayed in memory"
+    PEERS_HOLD_SNAPSHOTS = False  # with memory lost, a resume is at the newest committed step
+
+    def check_fresh(self) -> None:
+        """More reasons a fresh start (no rank loaded anything) is wrong (none here)."""
+
+    def check_resumed_step(self, s: int) -> None:
+        """More bounds on the step `s` all ranks resumed from (none here)."""
+
+    def begun_elsewhere(self) -> list[int]:
+        """Steps begun that memory bounds do not cover, which a resume may reach (none here)."""
+        return []
+
+    def check_sources(self, ranks: list, s: int, newest: Optional[int]) -> None:
+        """Where each rank loaded step `s` from: a step newer than the newest committed one
+        only from memory."""
+        for rk in ranks:
+            if rk.loaded is None:
+                continue
+            source = rk.loaded[1]
+            if newest is not None and s > newest and source != "memory":
+                raise Violation(f"step {s} is not committed but was loaded from {source}")
+
     def check_resume(self, ranks: list) -> None:
         """How the ranks of a round resumed (`loaded` (step, source, verdict) or `fresh`)."""
         loaded = [rk.loaded for rk in ranks if rk.loaded is not None]
@@ -384,6 +440,7 @@ class ExpectedState:
             if all(lb is not None for lb in self.mem_lb):
                 raise Violation(f"the ranks started fresh although every rank's save returned "
                                 f"(steps {self.mem_lb}) and memory was kept")
+            self.check_fresh()
             return
         steps = {s for s, _, _ in loaded}
         if len(steps) != 1:
@@ -397,19 +454,18 @@ class ExpectedState:
         lbs = [lb for lb in self.mem_lb if lb is not None]
         if len(lbs) == self.world and s < min(lbs):
             raise Violation(f"resumed at step {s}, but every rank's save() of step {min(lbs)} "
-                            f"returned and the snapshots stayed in memory (ranks: {self.mem_lb})")
+                            f"returned and {self.MEMORY_KEPT} (ranks: {self.mem_lb})")
+        self.check_resumed_step(s)
         ubs = [ub for ub in self.mem_ub if ub is not None]
-        top = max(ubs + ([newest] if newest is not None else []))
+        top = max(ubs + ([newest] if newest is not None else []) + self.begun_elsewhere())
         if s > top:
             raise Violation(f"resumed at step {s}, newer than any step begun ({top})")
-        if not ubs and s != newest:
+        if not ubs and s != newest and not self.PEERS_HOLD_SNAPSHOTS:
             raise Violation(f"memory was lost; resumed at step {s}, not at the newest committed "
                             f"step {newest}")
         if self.closed_at is not None and not ubs and s != self.closed_at:
             raise Violation(f"every rank closed after step {self.closed_at}, resumed at {s}")
-        for _, source, _ in loaded:
-            if newest is not None and s > newest and source != "memory":
-                raise Violation(f"step {s} is not committed but was loaded from {source}")
+        self.check_sources(ranks, s, newest)
 
     def record_round(self, ranks: list, end_sent: Optional[str]) -> None:
         """What the ranks of a round said: begun, returned and reported steps, and a clean close
@@ -756,20 +812,7 @@ class Campaign:
         random_done = p["point"] is not None
         armed = p["point"]
         while True:
-            if time.monotonic() > deadline:
-                raise Violation(f"round {self.round} hung; ranks said: "
-                                + " | ".join(" ".join(rk.lines[-5:]) for rk in ranks))
-            try:
-                rk, fields = events.get(timeout=0.005)
-                if fields is None:
-                    rk.eof = True
-                else:
-                    rk.handle(fields)
-                    if fields and fields[0] == "LOADED" and fields[3] != "EXACT":
-                        raise Violation(f"rank {rk.rank} loaded step {fields[1]} from {fields[2]} "
-                                        f"and it differs from what was saved: {rk.lines}")
-            except queue.Empty:
-                pass
+            take_event(events, 0.005, deadline, ranks, self.round)
             pid = job.agent_pid()
             if pid is not None:
                 agents_seen.add(pid)
@@ -853,13 +896,7 @@ class Campaign:
                 p["end_sent"] = end
             if ended and all(rk.status is not None or (rk.eof and not rk.alive()) for rk in ranks):
                 break
-        for rk in ranks:
-            if rk.status is None:
-                rk.reap()
-            while not events.empty():
-                r2, fields = events.get()
-                if fields is not None:
-                    r2.handle(fields)
+        reap_ranks(ranks, events)
         # Whatever was killed, make sure an armed agent does not outlive the round.
         if agent_point and not point_fired:
             self.kill_agent(job, "armed, kill point not reached")

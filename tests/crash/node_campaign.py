@@ -119,6 +119,8 @@ class NodeExpected(ct.ExpectedState):
         self.lost_ranks: set[int] = set()   # their node was lost; they have not loaded since
         self.promises_checked = 0
         self.committed_late: set[int] = set()  # loaded from storage, committed after a check
+        self.rebuilt = lambda rank, step: False  # check_resume's arguments, for its checks
+        self.listed_now = lambda: []
 
     def promise(self) -> Optional[int]:
         if any(p is None for p in self.prot) or any(n > self.tolerated for n in self.losses):
@@ -128,42 +130,27 @@ class NodeExpected(ct.ExpectedState):
             return None
         return p
 
+    # Memory is per node, and a restore may rebuild a snapshot from peers' replicas.
+    MEMORY_KEPT = "every node's memory lived"
+    PEERS_HOLD_SNAPSHOTS = True
+
     def check_resume(self, ranks: list, rebuilt=lambda rank, step: False,
                      listed_now=lambda: []) -> None:
-        """`rebuilt(rank, step)`: whether the agent of the rank's node says it rebuilt that
-        snapshot from peers into the rank's slot (then it is in memory, also when the rank was
-        killed before it said LOADED)."""
-        loaded = [rk.loaded for rk in ranks if rk.loaded is not None]
-        fresh = [rk for rk in ranks if rk.fresh]
-        if not loaded and not fresh:
-            return
-        newest = self.listed[-1] if self.listed else None
+        """ExpectedState.check_resume, with the replication promise. `rebuilt(rank, step)`:
+        whether the agent of the rank's node says it rebuilt that snapshot from peers into the
+        rank's slot (then it is in memory, also when the rank was killed before it said
+        LOADED); `listed_now()`: the committed steps storage lists now."""
+        self.rebuilt, self.listed_now = rebuilt, listed_now
+        super().check_resume(ranks)
+
+    def check_fresh(self) -> None:
         promise = self.promise()
-        if fresh:
-            if loaded:
-                raise Violation(f"some ranks loaded {loaded}, others nothing")
-            if newest is not None:
-                raise Violation(f"a rank started fresh although step {newest} is committed")
-            if all(lb is not None for lb in self.mem_lb):
-                raise Violation(f"the ranks started fresh although every rank's save returned "
-                                f"(steps {self.mem_lb}) and memory was kept")
-            if promise is not None:
-                raise Violation(f"the ranks started fresh although step {promise} was protected "
-                                f"on every rank ({self.prot}, nodes lost since {self.losses})")
-            return
-        steps = {s for s, _, _ in loaded}
-        if len(steps) != 1:
-            raise Violation(f"ranks resumed from different steps: {loaded}")
-        s = steps.pop()
-        if newest is not None and s < newest:
-            raise Violation(f"resumed at step {s}, older than the newest committed step {newest}")
-        if self.reported and s < max(self.reported):
-            raise Violation(f"resumed at step {s}; the agent had reported step "
-                            f"{max(self.reported)} committed")
-        lbs = [lb for lb in self.mem_lb if lb is not None]
-        if len(lbs) == self.world and s < min(lbs):
-            raise Violation(f"resumed at step {s}, but every rank's save() of step {min(lbs)} "
-                            f"returned and every node's memory lived (ranks: {self.mem_lb})")
+        if promise is not None:
+            raise Violation(f"the ranks started fresh although step {promise} was protected "
+                            f"on every rank ({self.prot}, nodes lost since {self.losses})")
+
+    def check_resumed_step(self, s: int) -> None:
+        promise = self.promise()
         if promise is not None:
             self.promises_checked += 1
             if s < promise:
@@ -172,17 +159,18 @@ class NodeExpected(ct.ExpectedState):
                     f"rank (newest protected per rank {self.prot}, nodes lost since "
                     f"{self.losses}, tolerated {self.tolerated}; newest step begun since "
                     f"{self.after})")
-        ubs = [ub for ub in self.mem_ub if ub is not None]
-        top = max(ubs + ([newest] if newest is not None else []) + [max(self.after)])
-        if s > top:
-            raise Violation(f"resumed at step {s}, newer than any step begun ({top})")
-        if self.closed_at is not None and not ubs and s != self.closed_at:
-            raise Violation(f"every rank closed after step {self.closed_at}, resumed at {s}")
+
+    def begun_elsewhere(self) -> list[int]:
+        return [max(self.after)]  # peers may hold up to the newest step begun since a report
+
+    def check_sources(self, ranks: list, s: int, newest: Optional[int]) -> None:
+        """A lost node's rank loads from memory only what its agent rebuilt from peers; a step
+        not committed at the last check loads from memory or peers, or committed since."""
         for rk in ranks:
             if rk.loaded is None:
                 continue
             _, source, _ = rk.loaded
-            if rk.rank in self.lost_ranks and source == "memory" and not rebuilt(rk.rank, s):
+            if rk.rank in self.lost_ranks and source == "memory" and not self.rebuilt(rk.rank, s):
                 raise Violation(f"rank {rk.rank}'s node was lost, yet it loaded step {s} from "
                                 f"memory, and its agent never rebuilt that step from peers")
             if (newest is None or s > newest) and source not in ("memory", "peer"):
@@ -190,7 +178,7 @@ class NodeExpected(ct.ExpectedState):
                 # killed one left and persists them when the next round starts, which may
                 # complete a step's commit before the restore. Then it is listed now, or was
                 # pruned since (older than the newest listed now).
-                now = listed_now()
+                now = self.listed_now()
                 if s not in now and not (now and s < now[-1]):
                     raise Violation(f"step {s} is not committed (listed: {now}) but rank "
                                     f"{rk.rank} loaded it from {source}")
@@ -431,21 +419,7 @@ class NodeCampaign:
                 kill_workloads("a peer's node died")
 
         while True:
-            if time.monotonic() > deadline:
-                raise Violation(f"round {self.round} hung; ranks said: "
-                                + " | ".join(" ".join(rk.lines[-5:]) for rk in ranks))
-            try:
-                rk, fields = events.get(timeout=0.01)
-                if fields is None:
-                    rk.eof = True
-                else:
-                    rk.handle(fields)
-                    if fields and fields[0] == "LOADED" and fields[3] != "EXACT":
-                        raise Violation(f"rank {rk.rank} loaded step {fields[1]} from "
-                                        f"{fields[2]} and it differs from what was saved: "
-                                        f"{rk.lines}")
-            except queue.Empty:
-                pass
+            ct.take_event(events, 0.01, deadline, ranks, self.round)
             if time.monotonic() >= next_look:
                 next_look = time.monotonic() + 0.5
                 look_at_agents()
@@ -474,13 +448,7 @@ class NodeCampaign:
             if ended and all(rk.status is not None or (rk.eof and not rk.alive())
                              for rk in ranks):
                 break
-        for rk in ranks:
-            if rk.status is None:
-                rk.reap()
-        while not events.empty():
-            r2, fields = events.get()
-            if fields is not None:
-                r2.handle(fields)
+        ct.reap_ranks(ranks, events)
         look_at_agents()
         self.round_seconds.append(time.monotonic() - t0)
         # Lost nodes: replace them (same name and address, empty /dev/shm), new zygotes.
