@@ -59,19 +59,20 @@
 // this process owns. Like PosixStorage it cannot see writers
 // of other processes: callers use it only where none is live.
 //
+// Files: the cluster connections are rados_cluster.cc's, the parallel aio with retries and the
+// striping of a range over data chunks rados_aio.cc's; this file holds the head format and the
+// protocols above (write, publish, read, list, delete, cleanup) and the factory.
+//
 // Thread safety: every method may be called from many threads (librados handles are).
 #include "storage/rados/rados_storage.h"
 
 #include <rados/librados.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -79,7 +80,6 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -88,9 +88,13 @@
 #include "base/crc32c.h"
 #include "base/random.h"
 #include "safepoint/storage.h"
+#include "storage/rados/rados_aio.h"
+#include "storage/rados/rados_cluster.h"
 #include "storage/uri_options.h"
 
 namespace safepoint::internal {
+
+using namespace rados;  // NOLINT: this backend's cluster and aio layers
 
 namespace {
 
@@ -100,7 +104,6 @@ constexpr uint32_t kHeadVersion = 1;
 constexpr size_t kHeadSize = 64;
 constexpr size_t kWindow = 16;         // aio ops in flight per call
 constexpr size_t kListWindow = 64;     // head reads in flight per List
-constexpr int kBackstopSlackS = 10;    // our own bound beyond librados's op timeout
 constexpr int kMaxTimeoutS = 1 << 20;  // larger timeouts are clamped (int arithmetic stays safe)
 constexpr uint64_t kMinChunkSize = 4 << 10;
 constexpr uint64_t kMaxChunkSize = 1 << 30;
@@ -117,23 +120,6 @@ bool IsHex16(std::string_view s) {
   return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) {
            return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
          });
-}
-
-bool Transient(int rv) {
-  switch (-rv) {
-    case ETIMEDOUT:
-    case EAGAIN:
-    case ENOTCONN:
-    case ECONNRESET:
-    case ECONNREFUSED:
-    case ESHUTDOWN:
-    case EBUSY:
-    case EIO:
-    case EINTR:
-      return true;
-    default:
-      return false;
-  }
 }
 
 // The head of a published object (docs/format.md).
@@ -203,309 +189,6 @@ bool IsLive(const std::string& id) {
   return LiveIds().count(id) != 0;
 }
 
-// ---- the cluster handle -----------------------------------------------------------------------
-
-struct Cluster {
-  rados_t handle = nullptr;
-  std::string description;  // "cluster ceph as client.admin (config /etc/ceph/ceph.conf)"
-};
-
-std::vector<std::string> SplitWords(const char* s) {
-  std::vector<std::string> out;
-  if (s == nullptr) return out;
-  std::string cur;
-  for (const char* p = s; *p; ++p) {
-    if (*p == ' ' || *p == '\t' || *p == '\n') {
-      if (!cur.empty()) out.push_back(std::move(cur));
-      cur.clear();
-    } else {
-      cur += *p;
-    }
-  }
-  if (!cur.empty()) out.push_back(std::move(cur));
-  return out;
-}
-
-std::string RadosError(int rv) { return std::strerror(rv < 0 ? -rv : rv); }
-
-// The connected clusters, one per configuration, kept for the life of the process.
-std::mutex& ClustersMu() {
-  static auto* mu = new std::mutex();
-  return *mu;
-}
-std::map<std::string, std::shared_ptr<Cluster>>& Clusters() {
-  static auto* clusters = new std::map<std::string, std::shared_ptr<Cluster>>();
-  return *clusters;
-}
-pid_t clusters_pid = 0;  // the process that connected them (a forked child must not shut down)
-
-// Runs at exit: shuts every connected cluster down before libceph's own static objects are
-// destroyed (it is registered after the first rados_connect, so it runs before their
-// destructors). A process that exits with a connected cluster lets librados' threads run into
-// destroyed globals: a segfault at exit, seen in `make test` (and by Ceph's own tools, which
-// shut down before exit for the same reason). Open pools keep their client alive until they are
-// destroyed, so a Pool destroyed later still releases cleanly.
-void ShutdownClustersAtExit() {
-  if (::getpid() != clusters_pid) return;
-  std::lock_guard<std::mutex> lock(ClustersMu());
-  for (auto& [key, cluster] : Clusters()) {
-    if (cluster->handle != nullptr) rados_shutdown(cluster->handle);
-  }
-}
-
-Result<std::shared_ptr<Cluster>> ConnectCluster(int timeout_s) {
-  const char* conf_env = std::getenv("CEPH_CONF");
-  const char* args_env = std::getenv("CEPH_ARGS");
-  const std::string key = std::string(conf_env ? conf_env : "") + '\0' +
-                          (args_env ? args_env : "") + '\0' + std::to_string(timeout_s);
-  std::lock_guard<std::mutex> lock(ClustersMu());
-  auto* clusters = &Clusters();
-  auto it = clusters->find(key);
-  if (it != clusters->end()) return it->second;
-
-  // The client name and the cluster name as Ceph's tools take them from $CEPH_ARGS.
-  std::string name = "client.admin";
-  std::string cluster_name = "ceph";
-  const std::vector<std::string> words = SplitWords(args_env);
-  for (size_t i = 0; i < words.size(); ++i) {
-    const std::string& w = words[i];
-    auto value = [&](std::string_view flag) -> std::string {
-      if (w == flag && i + 1 < words.size()) return words[++i];
-      if (w.starts_with(std::string(flag) + "=")) return w.substr(flag.size() + 1);
-      return {};
-    };
-    std::string v;
-    if (!(v = value("--id")).empty() || !(v = value("--user")).empty() ||
-        !(v = value("-i")).empty()) {
-      name = "client." + v;
-    } else if (!(v = value("--name")).empty() || !(v = value("-n")).empty()) {
-      name = v;
-    } else if (!(v = value("--cluster")).empty()) {
-      cluster_name = v;
-    }
-  }
-  std::string desc = "Ceph cluster \"" + cluster_name + "\" as " + name + " (config " +
-                     (conf_env ? std::string("$CEPH_CONF=") + conf_env
-                               : std::string("/etc/ceph/" + cluster_name + ".conf")) +
-                     ")";
-  rados_t h = nullptr;
-  int rv = rados_create2(&h, cluster_name.c_str(), name.c_str(), 0);
-  if (rv < 0) return Unavailable(desc + ": rados_create2: " + RadosError(rv));
-  auto fail = [&](std::string what, int r) -> Status {
-    rados_shutdown(h);
-    return Unavailable(desc + ": " + what + ": " + RadosError(r));
-  };
-  rv = rados_conf_read_file(h, nullptr);
-  if (rv < 0 && rv != -ENOENT) return fail("reading the configuration", rv);
-  rv = rados_conf_parse_env(h, "CEPH_ARGS");
-  if (rv < 0) return fail("parsing $CEPH_ARGS", rv);
-  const std::string t = std::to_string(timeout_s);
-  for (const char* opt : {"rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"}) {
-    rv = rados_conf_set(h, opt, t.c_str());
-    if (rv < 0) return fail(std::string("setting ") + opt, rv);
-  }
-  rv = rados_connect(h);
-  if (rv < 0) return fail("connecting (timeout " + t + " s)", rv);
-  auto cluster = std::make_shared<Cluster>();
-  cluster->handle = h;
-  cluster->description = std::move(desc);
-  (*clusters)[key] = cluster;  // kept for the life of the process, shut down at its exit
-  if (clusters_pid == 0) {
-    clusters_pid = ::getpid();
-    std::atexit(ShutdownClustersAtExit);
-  }
-  return cluster;
-}
-
-// ---- parallel aio with retries ----------------------------------------------------------------
-
-struct AioOp {
-  enum Kind { kWrite, kRead, kRemove, kTouch, kWriteFull, kCreateExclusive } kind;
-  rados_ioctx_t io = nullptr;
-  std::string oid;
-  const char* wbuf = nullptr;
-  char* rbuf = nullptr;
-  size_t len = 0;
-  uint64_t off = 0;
-  int rv = 0;  // result: bytes read (kRead) or 0, or -errno
-  int attempts = 0;
-  rados_write_op_t wop = nullptr;
-};
-
-// Runs `ops` with up to `window` in flight; transient failures are retried with backoff.
-// Returns after every op finished; each op's rv holds its final result.
-class AioBatch {
- public:
-  AioBatch(rados_t cluster, int timeout_s, int retries)
-      : cluster_(cluster), timeout_s_(timeout_s), retries_(retries) {}
-
-  void Run(std::vector<AioOp>& ops, size_t window) {
-    std::vector<size_t> pending(ops.size());
-    for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
-    for (int attempt = 0; !pending.empty(); ++attempt) {
-      if (attempt > 0) {
-        std::this_thread::sleep_for(std::chrono::duration<double>(RetryBackoffSeconds(attempt)));
-        // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
-        // learns the new address only from a newer OSD map, which it does not always ask for on
-        // its own (a lone OSD killed and restarted: every retry would go to the dead address).
-        (void)rados_wait_for_latest_osdmap(cluster_);
-      }
-      RunRound(ops, pending, window);
-      std::vector<size_t> again;
-      for (size_t i : pending) {
-        if (Transient(ops[i].rv) && attempt < retries_) again.push_back(i);
-      }
-      pending = std::move(again);
-    }
-  }
-
- private:
-  struct Slot {
-    AioBatch* batch;
-    size_t index;
-  };
-
-  static void OnComplete(rados_completion_t, void* arg) {
-    auto* slot = static_cast<Slot*>(arg);
-    AioBatch* b = slot->batch;
-    std::lock_guard<std::mutex> lock(b->mu_);
-    b->done_.push_back(slot->index);
-    b->cv_.notify_all();
-  }
-
-  static int Submit(AioOp& op, rados_completion_t c) {
-    ++op.attempts;
-    switch (op.kind) {
-      case AioOp::kRead:
-        return rados_aio_read(op.io, op.oid.c_str(), c, op.rbuf, op.len, op.off);
-      case AioOp::kWrite:
-      case AioOp::kWriteFull:
-      case AioOp::kCreateExclusive:
-      case AioOp::kTouch:
-      case AioOp::kRemove: {
-        op.wop = rados_create_write_op();
-        int flags = LIBRADOS_OPERATION_FULL_TRY;
-        if (op.kind == AioOp::kWrite) {
-          rados_write_op_write(op.wop, op.wbuf, op.len, op.off);
-        } else if (op.kind == AioOp::kWriteFull) {
-          rados_write_op_write_full(op.wop, op.wbuf, op.len);
-        } else if (op.kind == AioOp::kCreateExclusive) {
-          rados_write_op_create(op.wop, LIBRADOS_CREATE_EXCLUSIVE, nullptr);
-          rados_write_op_write_full(op.wop, op.wbuf, op.len);
-        } else if (op.kind == AioOp::kTouch) {
-          rados_write_op_create(op.wop, LIBRADOS_CREATE_IDEMPOTENT, nullptr);
-        } else {
-          rados_write_op_remove(op.wop);
-          flags = LIBRADOS_OPERATION_FULL_FORCE;
-        }
-        return rados_aio_write_op_operate(op.wop, op.io, c, op.oid.c_str(), nullptr, flags);
-      }
-    }
-    return -EINVAL;
-  }
-
-  void RunRound(std::vector<AioOp>& ops, const std::vector<size_t>& pending, size_t window) {
-    std::vector<Slot> slots(ops.size());
-    std::vector<rados_completion_t> comps(ops.size(), nullptr);
-    size_t next = 0, inflight = 0;
-    done_.clear();
-    auto finish = [&](size_t i) {
-      ops[i].rv = rados_aio_get_return_value(comps[i]);
-      rados_aio_release(comps[i]);
-      comps[i] = nullptr;
-      if (ops[i].wop) {
-        rados_release_write_op(ops[i].wop);
-        ops[i].wop = nullptr;
-      }
-    };
-    while (next < pending.size() || inflight > 0) {
-      while (next < pending.size() && inflight < window) {
-        const size_t i = pending[next++];
-        slots[i] = Slot{this, i};
-        int rv = rados_aio_create_completion2(&slots[i], &AioBatch::OnComplete, &comps[i]);
-        if (rv < 0) {
-          ops[i].rv = rv;
-          comps[i] = nullptr;
-          continue;
-        }
-        rv = Submit(ops[i], comps[i]);
-        if (rv < 0) {
-          ops[i].rv = rv;
-          rados_aio_release(comps[i]);
-          comps[i] = nullptr;
-          if (ops[i].wop) {
-            rados_release_write_op(ops[i].wop);
-            ops[i].wop = nullptr;
-          }
-          continue;
-        }
-        ++inflight;
-      }
-      if (inflight == 0) continue;
-      std::vector<size_t> finished;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        const auto bound = std::chrono::seconds(timeout_s_ + kBackstopSlackS);
-        if (!cv_.wait_for(lock, bound, [&] { return !done_.empty(); })) {
-          // librados did not time the ops out itself: cancel what is in flight, then wait for
-          // the cancellations (each completes promptly with ECANCELED).
-          lock.unlock();
-          for (size_t j = 0; j < ops.size(); ++j) {
-            if (comps[j] != nullptr && !rados_aio_is_complete(comps[j])) {
-              rados_aio_cancel(ops[j].io, comps[j]);
-            }
-          }
-          lock.lock();
-          cv_.wait(lock, [&] { return !done_.empty(); });
-        }
-        finished.swap(done_);
-      }
-      for (size_t i : finished) {
-        // The callback may run before rados_aio_get_return_value is ready: wait for it.
-        rados_aio_wait_for_complete(comps[i]);
-        finish(i);
-        --inflight;
-      }
-    }
-  }
-
-  const rados_t cluster_;
-  const int timeout_s_;
-  const int retries_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<size_t> done_;
-};
-
-// The data object of chunk `chunk` of the write `id` of the head object `head_oid`.
-std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
-  return head_oid + "@" + id + "." + std::to_string(chunk);
-}
-
-// The range [offset, offset + len) of the write `id` of `head_oid`, split at chunk boundaries:
-// one copy of `proto` per chunk the range touches, aimed at that chunk's data object, with the
-// piece's offset in the chunk and its length, and its buffer pointer (proto's wbuf or rbuf: the
-// range's first byte) advanced to the piece.
-std::vector<AioOp> SplitAtChunks(const AioOp& proto, const std::string& head_oid,
-                                 const std::string& id, uint64_t chunk_size, uint64_t offset,
-                                 uint64_t len) {
-  std::vector<AioOp> ops;
-  ops.reserve((offset % chunk_size + len + chunk_size - 1) / chunk_size);
-  const uint64_t end = offset + len;
-  for (uint64_t pos = offset; pos < end;) {
-    const uint64_t chunk = pos / chunk_size;
-    const uint64_t in_chunk = pos - chunk * chunk_size;
-    AioOp& op = ops.emplace_back(proto);
-    op.oid = DataOid(head_oid, id, chunk);
-    op.off = in_chunk;
-    op.len = std::min(end - pos, chunk_size - in_chunk);
-    if (op.wbuf != nullptr) op.wbuf += pos - offset;
-    if (op.rbuf != nullptr) op.rbuf += pos - offset;
-    pos += op.len;
-  }
-  return ops;
-}
-
 // ---- the storage ------------------------------------------------------------------------------
 
 struct Pool {
@@ -518,39 +201,6 @@ struct Pool {
     if (data) rados_ioctx_destroy(data);
   }
 };
-
-class RadosStorage;
-
-Status OpStatus(const std::string& what, const AioOp& op, const std::string& pool, int timeout_s) {
-  const int rv = op.rv;
-  if (rv >= 0) return Status::OK();
-  std::string m = what + ": " + RadosError(rv);
-  if (op.attempts > 1) m += " (after " + std::to_string(op.attempts) + " attempts)";
-  switch (-rv) {
-    case ENOENT:
-      return NotFound(std::move(m));
-    case EDQUOT:
-    case ENOSPC:
-      return ResourceExhausted(what + ": pool \"" + pool +
-                               "\" is full (quota or space: " + RadosError(rv) + ")");
-    case EEXIST:
-      return AlreadyExists(std::move(m));
-    case ETIMEDOUT:
-    case ECANCELED:
-      return Unavailable(what + ": no answer within the " + std::to_string(timeout_s) +
-                         " s timeout (" + RadosError(rv) + ", " + std::to_string(op.attempts) +
-                         " attempts)");
-    case ENOTCONN:
-    case ECONNREFUSED:
-    case ECONNRESET:
-    case ESHUTDOWN:
-    case EAGAIN:
-    case EBUSY:
-      return Unavailable(std::move(m));
-    default:
-      return IOError(std::move(m));
-  }
-}
 
 class RadosStorage final : public Storage {
  public:
@@ -588,8 +238,8 @@ class RadosStorage final : public Storage {
   // ---- used by the objects ----
   std::string HeadOid(std::string_view name) const { return prefix_ + std::string(name); }
   void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
-    AioBatch(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries)
-        .Run(ops, window);
+    RunAio(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries,
+           ops, window);
   }
   Status Check(const std::string& what, const AioOp& op) const {
     return OpStatus(what, op, pool_->name, options_.timeout_s);

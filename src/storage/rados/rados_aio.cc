@@ -1,0 +1,242 @@
+// Parallel librados aio of RadosStorage, with retries and time bounds (rados_aio.h).
+#include "storage/rados/rados_aio.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "storage/rados/rados_cluster.h"
+#include "storage/uri_options.h"
+
+namespace safepoint::internal::rados {
+
+namespace {
+
+constexpr int kBackstopSlackS = 10;  // our own bound beyond librados's op timeout
+
+class AioBatch {
+ public:
+  AioBatch(rados_t cluster, int timeout_s, int retries)
+      : cluster_(cluster), timeout_s_(timeout_s), retries_(retries) {}
+
+  void Run(std::vector<AioOp>& ops, size_t window) {
+    std::vector<size_t> pending(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
+    for (int attempt = 0; !pending.empty(); ++attempt) {
+      if (attempt > 0) {
+        std::this_thread::sleep_for(std::chrono::duration<double>(RetryBackoffSeconds(attempt)));
+        // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
+        // learns the new address only from a newer OSD map, which it does not always ask for on
+        // its own (a lone OSD killed and restarted: every retry would go to the dead address).
+        (void)rados_wait_for_latest_osdmap(cluster_);
+      }
+      RunRound(ops, pending, window);
+      std::vector<size_t> again;
+      for (size_t i : pending) {
+        if (Transient(ops[i].rv) && attempt < retries_) again.push_back(i);
+      }
+      pending = std::move(again);
+    }
+  }
+
+ private:
+  struct Slot {
+    AioBatch* batch;
+    size_t index;
+  };
+
+  static void OnComplete(rados_completion_t, void* arg) {
+    auto* slot = static_cast<Slot*>(arg);
+    AioBatch* b = slot->batch;
+    std::lock_guard<std::mutex> lock(b->mu_);
+    b->done_.push_back(slot->index);
+    b->cv_.notify_all();
+  }
+
+  static int Submit(AioOp& op, rados_completion_t c) {
+    ++op.attempts;
+    switch (op.kind) {
+      case AioOp::kRead:
+        return rados_aio_read(op.io, op.oid.c_str(), c, op.rbuf, op.len, op.off);
+      case AioOp::kWrite:
+      case AioOp::kWriteFull:
+      case AioOp::kCreateExclusive:
+      case AioOp::kTouch:
+      case AioOp::kRemove: {
+        op.wop = rados_create_write_op();
+        int flags = LIBRADOS_OPERATION_FULL_TRY;
+        if (op.kind == AioOp::kWrite) {
+          rados_write_op_write(op.wop, op.wbuf, op.len, op.off);
+        } else if (op.kind == AioOp::kWriteFull) {
+          rados_write_op_write_full(op.wop, op.wbuf, op.len);
+        } else if (op.kind == AioOp::kCreateExclusive) {
+          rados_write_op_create(op.wop, LIBRADOS_CREATE_EXCLUSIVE, nullptr);
+          rados_write_op_write_full(op.wop, op.wbuf, op.len);
+        } else if (op.kind == AioOp::kTouch) {
+          rados_write_op_create(op.wop, LIBRADOS_CREATE_IDEMPOTENT, nullptr);
+        } else {
+          rados_write_op_remove(op.wop);
+          flags = LIBRADOS_OPERATION_FULL_FORCE;
+        }
+        return rados_aio_write_op_operate(op.wop, op.io, c, op.oid.c_str(), nullptr, flags);
+      }
+    }
+    return -EINVAL;
+  }
+
+  void RunRound(std::vector<AioOp>& ops, const std::vector<size_t>& pending, size_t window) {
+    std::vector<Slot> slots(ops.size());
+    std::vector<rados_completion_t> comps(ops.size(), nullptr);
+    size_t next = 0, inflight = 0;
+    done_.clear();
+    auto finish = [&](size_t i) {
+      ops[i].rv = rados_aio_get_return_value(comps[i]);
+      rados_aio_release(comps[i]);
+      comps[i] = nullptr;
+      if (ops[i].wop) {
+        rados_release_write_op(ops[i].wop);
+        ops[i].wop = nullptr;
+      }
+    };
+    while (next < pending.size() || inflight > 0) {
+      while (next < pending.size() && inflight < window) {
+        const size_t i = pending[next++];
+        slots[i] = Slot{this, i};
+        int rv = rados_aio_create_completion2(&slots[i], &AioBatch::OnComplete, &comps[i]);
+        if (rv < 0) {
+          ops[i].rv = rv;
+          comps[i] = nullptr;
+          continue;
+        }
+        rv = Submit(ops[i], comps[i]);
+        if (rv < 0) {
+          ops[i].rv = rv;
+          rados_aio_release(comps[i]);
+          comps[i] = nullptr;
+          if (ops[i].wop) {
+            rados_release_write_op(ops[i].wop);
+            ops[i].wop = nullptr;
+          }
+          continue;
+        }
+        ++inflight;
+      }
+      if (inflight == 0) continue;
+      std::vector<size_t> finished;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        const auto bound = std::chrono::seconds(timeout_s_ + kBackstopSlackS);
+        if (!cv_.wait_for(lock, bound, [&] { return !done_.empty(); })) {
+          // librados did not time the ops out itself: cancel what is in flight, then wait for
+          // the cancellations (each completes promptly with ECANCELED).
+          lock.unlock();
+          for (size_t j = 0; j < ops.size(); ++j) {
+            if (comps[j] != nullptr && !rados_aio_is_complete(comps[j])) {
+              rados_aio_cancel(ops[j].io, comps[j]);
+            }
+          }
+          lock.lock();
+          cv_.wait(lock, [&] { return !done_.empty(); });
+        }
+        finished.swap(done_);
+      }
+      for (size_t i : finished) {
+        // The callback may run before rados_aio_get_return_value is ready: wait for it.
+        rados_aio_wait_for_complete(comps[i]);
+        finish(i);
+        --inflight;
+      }
+    }
+  }
+
+  const rados_t cluster_;
+  const int timeout_s_;
+  const int retries_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<size_t> done_;
+};
+
+}  // namespace
+
+void RunAio(rados_t cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window) {
+  AioBatch(cluster, timeout_s, retries).Run(ops, window);
+}
+
+bool Transient(int rv) {
+  switch (-rv) {
+    case ETIMEDOUT:
+    case EAGAIN:
+    case ENOTCONN:
+    case ECONNRESET:
+    case ECONNREFUSED:
+    case ESHUTDOWN:
+    case EBUSY:
+    case EIO:
+    case EINTR:
+      return true;
+    default:
+      return false;
+  }
+}
+
+Status OpStatus(const std::string& what, const AioOp& op, const std::string& pool, int timeout_s) {
+  const int rv = op.rv;
+  if (rv >= 0) return Status::OK();
+  std::string m = what + ": " + RadosError(rv);
+  if (op.attempts > 1) m += " (after " + std::to_string(op.attempts) + " attempts)";
+  switch (-rv) {
+    case ENOENT:
+      return NotFound(std::move(m));
+    case EDQUOT:
+    case ENOSPC:
+      return ResourceExhausted(what + ": pool \"" + pool +
+                               "\" is full (quota or space: " + RadosError(rv) + ")");
+    case EEXIST:
+      return AlreadyExists(std::move(m));
+    case ETIMEDOUT:
+    case ECANCELED:
+      return Unavailable(what + ": no answer within the " + std::to_string(timeout_s) +
+                         " s timeout (" + RadosError(rv) + ", " + std::to_string(op.attempts) +
+                         " attempts)");
+    case ENOTCONN:
+    case ECONNREFUSED:
+    case ECONNRESET:
+    case ESHUTDOWN:
+    case EAGAIN:
+    case EBUSY:
+      return Unavailable(std::move(m));
+    default:
+      return IOError(std::move(m));
+  }
+}
+
+std::string DataOid(const std::string& head_oid, const std::string& id, uint64_t chunk) {
+  return head_oid + "@" + id + "." + std::to_string(chunk);
+}
+
+std::vector<AioOp> SplitAtChunks(const AioOp& proto, const std::string& head_oid,
+                                 const std::string& id, uint64_t chunk_size, uint64_t offset,
+                                 uint64_t len) {
+  std::vector<AioOp> ops;
+  ops.reserve((offset % chunk_size + len + chunk_size - 1) / chunk_size);
+  const uint64_t end = offset + len;
+  for (uint64_t pos = offset; pos < end;) {
+    const uint64_t chunk = pos / chunk_size;
+    const uint64_t in_chunk = pos - chunk * chunk_size;
+    AioOp& op = ops.emplace_back(proto);
+    op.oid = DataOid(head_oid, id, chunk);
+    op.off = in_chunk;
+    op.len = std::min(end - pos, chunk_size - in_chunk);
+    if (op.wbuf != nullptr) op.wbuf += pos - offset;
+    if (op.rbuf != nullptr) op.rbuf += pos - offset;
+    pos += op.len;
+  }
+  return ops;
+}
+
+}  // namespace safepoint::internal::rados
