@@ -93,10 +93,15 @@ void DecompressChunkInto(nb::handle frame, nb::handle out) {
 
 void BindCodec(nb::module_& m) {
   m.attr("FRAME_HEADER_SIZE") = codec::kFrameHeaderSize;
+  // The compression names (codec::kModes), for the package to check arguments against.
+  nb::list names;
+  for (codec::Mode mode : codec::kModes)
+    names.append(nb::str(codec::ModeName(mode).data(), codec::ModeName(mode).size()));
+  m.attr("COMPRESSIONS") = nb::tuple(names);
   m.def("compress_chunk", &CompressChunk, "data"_a, "element_size"_a = 1, "mode"_a = "auto",
         "The frame of one chunk (any C-contiguous buffer) and the method used ('raw', 'zstd' or "
-        "'planes'). element_size: the width of its values (1, 2, 4 or 8); mode: 'auto', 'none', "
-        "'zstd' or 'planes'.");
+        "'planes'). element_size: the width of its values (1, 2, 4 or 8); mode: one of "
+        "COMPRESSIONS.");
   m.def("decompress_chunk", &DecompressChunk, "frame"_a, "size"_a.none() = nb::none(),
         "The bytes of a frame; CorruptionError for a malformed frame, another size than `size`, "
         "or decoded bytes that fail the frame's CRC-32C.");

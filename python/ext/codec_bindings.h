@@ -6,7 +6,8 @@
 
 namespace safepoint::python {
 
-// Adds compress_chunk, decompress_chunk, decompress_chunk_into and FRAME_HEADER_SIZE to `m`.
+// Adds compress_chunk, decompress_chunk, decompress_chunk_into, FRAME_HEADER_SIZE and
+// COMPRESSIONS (the compression names, codec::kModes) to `m`.
 void BindCodec(nanobind::module_& m);
 
 }  // namespace safepoint::python

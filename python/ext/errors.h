@@ -1,5 +1,5 @@
 // Status to Python exception, for every binding file of _core (safepoint.errors: one exception
-// class per StatusCode; ThrowStatus is defined in module.cc).
+// class per StatusCode; ThrowStatus is defined in error_bindings.cc).
 #pragma once
 
 #include <utility>

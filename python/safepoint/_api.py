@@ -7,6 +7,7 @@ import warnings
 from typing import Any, Optional
 
 from safepoint import _core
+from safepoint._attempt import new_attempt, run_attempt
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._shards import fill_elsewhere, read_newest_into
 from safepoint._stateful import apply_loaded, to_saveable
@@ -42,11 +43,12 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
     ``metadata`` (a small dict of str to str/int/float/bool/None, at most 2 KiB as JSON) and
     ``parent`` (the step this state descends from: ``"PATH@TAG"``, ``"PATH@step-N"``, or
     ``"step-N"``/``N`` of ``path`` itself) are recorded in the step's lineage (``safepoint log``).
-    ``compression`` (``"none"``, ``"auto"``, ``"zstd"``, ``"planes"``) and ``incremental``
-    choose how the image is stored (docs/guide.md, "Compression and incremental checkpoints"):
-    the defaults write today's plain image; anything else a packed image whose chunks are
-    encoded in parallel on the way to storage and, with ``incremental=True``, shared with the
-    steps that stored them before (only new chunks are written).
+    ``compression`` (``"none"`` or another of the codec's modes, ``_core.COMPRESSIONS``) and
+    ``incremental`` choose how the image is stored (docs/guide.md, "Compression and
+    incremental checkpoints"): the defaults write today's plain image; anything else a packed
+    image whose chunks are encoded in parallel on the way to storage and, with
+    ``incremental=True``, shared with the steps that stored them before (only new chunks are
+    written).
     Returns ``{"bytes", "write_seconds", "committed", "stored_bytes"}`` (``stored_bytes``: what a
     packed image wrote, new chunks and manifest; 0 for a plain image).
     """
@@ -58,11 +60,9 @@ def save(path: str | os.PathLike[str], step: int, state: Any, *, rank: int = 0,
     if type(rank) is not int or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"{p}: rank {rank!r} is not in [0, {world_size})")
     if attempt is None:
-        from safepoint._checkpointer import run_attempt
-
         attempt = run_attempt() if world_size > 1 else 0
         if overwrite and world_size == 1:
-            attempt = int.from_bytes(os.urandom(7), "little") + 1  # names the new images
+            attempt = new_attempt()  # names the new images
         elif overwrite and attempt == 0:
             raise InvalidArgumentError(
                 f"{p}: overwrite=True with several ranks needs attempt= (an int all ranks of "

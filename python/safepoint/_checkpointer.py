@@ -5,6 +5,9 @@ separate, detached process) persists snapshots to the checkpoint directory in th
 commits them, prunes old steps, and, when the training process dies, persists its newest
 snapshot (emergency flush) and keeps it for hot reload: ``load()`` in a restarted process reads
 it from memory instead of from storage.
+
+Across ranks, a Checkpointer agrees on the step to resume from (``_agreement``), tags its images
+with the run's save attempt (``_attempt``) and writes replicated tensors once (``_dedupe``).
 """
 
 from __future__ import annotations
@@ -24,11 +27,19 @@ from typing import Any, NamedTuple, Optional, Union
 
 from safepoint import _core
 from safepoint._advisor import Advisor, parse_mtbf
+from safepoint._agreement import (
+    agree_on_step,
+    gather_candidates,
+    hot_reload_agreed,
+    load_newest_agreed,
+)
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
+from safepoint._attempt import new_attempt, newest_attempts, run_attempt
+from safepoint._dedupe import ReplicaPlan
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._replication import exchange_membership
-from safepoint._shards import plan_replicas, read_newest_into, read_shared_into
+from safepoint._shards import read_into, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import RNG_KEY, apply_loaded, to_saveable
 from safepoint._tiers import Tier, TierLike, check_layout, core_tiers, normalize_tiers
@@ -58,37 +69,9 @@ def _default_job(storage: str) -> str:
     return f"{base}-{digest}"
 
 
-def new_attempt() -> int:
-    """A fresh save attempt id: random, never 0 (0 means "none given")."""
-    return int.from_bytes(os.urandom(7), "little") + 1
-
-
 def _fields(result: Any) -> dict[str, Any]:
     """A bound result of _core (SnapshotResult, SlotInfo) as the plain dict status() reports."""
     return {k: getattr(result, k) for k in dir(result) if not k.startswith("_")}
-
-
-def run_attempt(group: Any = None) -> int:
-    """The id every image of this run carries (docs/format.md, "attempt"): a step commits only
-    from images of one attempt, so what a crashed or earlier incarnation of the job left on
-    storage is never committed beside this one's images. All ranks must share it: with a
-    process group, rank 0 draws it and broadcasts it; else $SAFEPOINT_ATTEMPT, or torchrun's
-    run id and restart count; else 0 (no check: single-rank runs need none)."""
-    if group is not None:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([new_attempt()], dtype=torch.int64)
-        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
-        return int(t.item())
-    env = os.environ.get("SAFEPOINT_ATTEMPT")
-    if env:
-        return int(hashlib.sha1(env.encode()).hexdigest()[:14], 16) + 1
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is not None and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        key = f"{run_id}/{os.environ['TORCHELASTIC_RESTART_COUNT']}"
-        return int(hashlib.sha1(key.encode()).hexdigest()[:14], 16) + 1
-    return 0
 
 
 class RestoreInfo(NamedTuple):
@@ -197,11 +180,12 @@ class Checkpointer:
     commit, flush, restore and failure to its event log: ``event_log`` (default
     ``$SAFEPOINT_EVENT_LOG``, else ``events.jsonl`` in the job's shared-memory directory, removed
     when the job finishes), bounded by rotation.
-    ``compression`` (``"none"``, ``"auto"``, ``"zstd"``, ``"planes"``) and ``incremental`` say how
-    the agent stores steps in ``path`` (each ``Tier`` has its own): the defaults keep the plain
-    layout; otherwise packed steps, whose chunks the agent encodes while it persists (never in
-    shared memory, never in ``save()``) and which steps share (docs/guide.md, "Compression and
-    incremental checkpoints"). ``status()["storage_layout"]`` shows the mode in use and its ratio.
+    ``compression`` (``"none"`` or another of the codec's modes, ``_core.COMPRESSIONS``) and
+    ``incremental`` say how the agent stores steps in ``path`` (each ``Tier`` has its own): the
+    defaults keep the plain layout; otherwise packed steps, whose chunks the agent encodes while
+    it persists (never in shared memory, never in ``save()``) and which steps share
+    (docs/guide.md, "Compression and incremental checkpoints"). ``status()["storage_layout"]``
+    shows the mode in use and its ratio.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
@@ -266,7 +250,7 @@ class Checkpointer:
         self.dedupe = bool(dedupe) and self._group is not None
         self.share_reads = bool(share_reads) and self._group is not None
         self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
-        self._plan: tuple = ((), [])  # (every rank's structure hash, this rank's skip ranges)
+        self._replicas = ReplicaPlan(self._group, rank, world_size, RNG_KEY + ".")
         if max_shm_bytes is not None and (type(max_shm_bytes) is not int or max_shm_bytes < 1):
             raise InvalidArgumentError(
                 f"{self.path}: max_shm_bytes must be a positive int, got {max_shm_bytes!r}")
@@ -407,12 +391,12 @@ class Checkpointer:
             # Every rank calls save for the step: agree on who writes which replica, then tell
             # the agent. A rank that dies before this is flushed without skipping (correct).
             try:
-                skip = self._skip_ranges(snap)
+                skip = self._replicas.skip_ranges(self._live, snap)
             except Exception as e:  # a peer is gone or out of step: write every tensor
                 warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
                               f"the replicas ({e}); this rank writes all of its tensors",
                               RuntimeWarning, stacklevel=3)
-                self._plan = ((), [])
+                self._replicas.reset()
                 skip = []
             res["agent_error"] = self._live.notify(skip)
         now = time.perf_counter()
@@ -437,30 +421,6 @@ class Checkpointer:
             warnings.warn(f"safepoint: step {step} is snapshotted in memory but the agent could "
                           f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=3)
         return bool(res["saved"])
-
-    def _skip_ranges(self, res: _core.SnapshotResult) -> list:
-        """This rank's replicas that other ranks write. One all-gather of a structure hash per
-        save; the full plan is recomputed only when some rank's tensors changed."""
-        import torch
-        import torch.distributed as dist
-
-        # Never wait in the collective without an agent: ranks in wait() for the previous
-        # step need this node's images, which only an agent persists (a dead one is restarted
-        # and its successor persists them). Its error, if any, comes again from notify().
-        self._live.revive_agent()
-        mine = res.structure_hash if res.saved else 0
-        h = torch.tensor([mine - (1 << 63)], dtype=torch.int64)  # u64 -> i64
-        hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(hashes, h, group=self._group)
-        key = tuple(int(x.item()) for x in hashes)
-        if key != self._plan[0]:
-            entries = self._live.last_entries() if res.saved else []
-            everyone: list = [None] * self.world_size
-            dist.all_gather_object(everyone, entries, group=self._group)
-            if any(not e for e in everyone):  # a rank skipped its snapshot: write everything
-                return []
-            self._plan = (key, plan_replicas(everyone, self.rank, RNG_KEY + "."))
-        return self._plan[1] if res.saved else []
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every step persisted so far is committed, and with ``redundancy`` until
@@ -514,12 +474,8 @@ class Checkpointer:
     def _memory_attempts(self) -> dict[int, Any]:
         """step -> save attempt of the snapshot of it a load would read (of two snapshots of one
         step, the one completed last, as load_step picks)."""
-        newest: dict[int, _core.SlotInfo] = {}
-        for s in self._live.slots():
-            if s.state == "COMPLETE":
-                if s.step not in newest or s.complete_time_ns > newest[s.step].complete_time_ns:
-                    newest[s.step] = s
-        return {step: s.attempt for step, s in newest.items()}
+        return newest_attempts((s for s in self._live.slots() if s.state == "COMPLETE"),
+                               lambda s: s.complete_time_ns)
 
     def _committed(self) -> dict[int, list[str]]:
         """step -> the storages that hold it committed, fastest first (``path``, then the tiers
@@ -617,11 +573,7 @@ class Checkpointer:
             warnings.warn(f"safepoint: cannot ask the peers for copies: {e}", RuntimeWarning,
                           stacklevel=4)
             return {}
-        newest: dict[int, Any] = {}
-        for c in copies:
-            if c.step not in newest or c.complete_ns > newest[c.step].complete_ns:
-                newest[c.step] = c
-        return {step: c.attempt for step, c in newest.items()}
+        return newest_attempts(copies, lambda c: c.complete_ns)
 
     def _from_peers(self, step: int, attempt: int, targets: Any):
         """Has the agent rebuild this rank's snapshot of `step` from peers into a slot, then
@@ -632,7 +584,7 @@ class Checkpointer:
                                                     targets))
         except Error as e:
             warnings.warn(f"safepoint: step {step} cannot be rebuilt from peer memory: {e}",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=6)
             return None
         if got is None:
             return None
@@ -654,7 +606,7 @@ class Checkpointer:
             except CorruptionError as e:
                 self._live.report("checksum", step, False, 0.0, 0, "memory", str(e))
                 warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=5)
         if got is None and peers and step in peers and peers[step] is not None:
             got = self._from_peers(step, peers[step], targets)
         if share:
@@ -674,23 +626,17 @@ class Checkpointer:
                 return self._from_storage(step, targets, committed), "storage"
             except Error as e:
                 warnings.warn(f"safepoint: step {step} cannot be read from storage: {e}",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=5)
         return None
 
     def _load_memory_agreed(self, step: Optional[int], targets: Any):
-        """The hot reload's agreement in one collective (the usual case after a restart in
-        place): each rank loads its newest snapshot in memory (or the given step), verified,
-        then one all-gather of (loaded, step, save attempt, newest committed step) per rank.
-        When every rank loaded the same step of the same attempt and no rank has a newer step
-        committed on storage, that step is the one the full agreement would choose, and it is
-        the result; otherwise None, and every rank runs the full agreement (_load_agreed),
-        which loads again. The decision is taken from the gathered values alone, so every
-        rank takes the same one. Not with replication: peers' copies may hold newer steps."""
+        """The hot reload: each rank loads its newest snapshot in memory (or the given step),
+        verified, and the ranks check in one collective that they loaded the same one
+        (_agreement.hot_reload_agreed). The result when they did; otherwise None, and every
+        rank runs the full agreement (_load_agreed), which loads again. Not with replication:
+        peers' copies may hold newer steps."""
         if self.replication is not None:
             return None
-        import torch
-        import torch.distributed as dist
-
         attempts = self._memory_attempts()
         committed = self._committed()
         newest_committed = max(committed) if committed else -1
@@ -704,70 +650,32 @@ class Checkpointer:
             except CorruptionError:
                 pass  # the full agreement reads it again, reports it and falls back
         attempt = attempts.get(s) if s is not None else None
-        mine = torch.tensor([1 if got is not None else 0, s if s is not None else -1,
-                             attempt if attempt is not None else -1, newest_committed],
-                            dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self._group)
-        rows = [e.tolist() for e in everyone]
-        agreed = all(r[0] == 1 and r[1] == rows[0][1] and r[2] == rows[0][2] for r in rows)
-        if not agreed or (step is None and rows[0][1] < max(r[3] for r in rows)):
+        if not hot_reload_agreed(self._group, self.world_size, got is not None, s, attempt,
+                                 newest_committed, step is None):
             return None
         return got
 
     def _load_agreed(self, step: Optional[int], targets: Any):
-        import torch
-        import torch.distributed as dist
-
+        """The full agreement (_agreement): every rank's committed steps and the attempt of
+        each snapshot in its memory are gathered; all load the newest step every rank can, and
+        fall back together. With replication, a snapshot that peers can rebuild counts like one
+        in memory: per rank, a step's attempt comes from its own memory, else from its peers'
+        copies."""
         committed = self._committed()
         memory = self._memory_steps()
-        # One all-gather: every rank's committed steps and the attempt of each snapshot in its
-        # memory. A step is loaded from memory only where every rank's snapshot of it is of one
-        # save attempt: snapshots that two runs (before and after a restart) left of the same
-        # step are never combined; such a step comes from storage, where a commit is one attempt.
-        #
-        # With replication, a snapshot that peers can rebuild counts like one in memory: per
-        # rank, a step's attempt comes from its own memory, else from its peers' copies.
         mine = self._memory_attempts()
         peers = {s: a for s, a in self._peer_attempts().items() if s not in mine}
-        everyone: list = [None] * self.world_size
         share = self.share_reads and targets is not None  # restore's shared storage reads
-        dist.all_gather_object(everyone, (committed, {**peers, **mine}, share),
-                               group=self._group)
-        share = all(e[2] for e in everyone)
-        first = everyone[0][1]
-        in_memory = {s for s, a in first.items()
-                     if a is not None and all(other.get(s) == a for _, other, _ in everyone[1:])}
-        common = in_memory | set(everyone[0][0]).intersection(
-            *(set(c) for c, _, _ in everyone[1:]))
-
-        def shared_uri(s: int) -> Optional[str]:
-            """The fastest storage every rank sees step `s` committed on (the ranks' shared
-            reads are a collective over one storage); None: no sharing for it."""
-            if not share:
-                return None
-            for uri in self._stores:
-                if all(uri in c.get(s, ()) for c, _, _ in everyone):
-                    return uri
-            return None
-        if step is not None:
-            common &= {step}
-        memory = [s for s in memory if s in in_memory]
-        peers = {s: a for s, a in peers.items() if s in in_memory}
-        while common:
-            candidate = max(common)
-            got = self._load_one(candidate, memory, committed, targets, peers,
-                                 shared_uri(candidate))
-            failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
-            if int(failed.item()) == 0:
-                return got
-            warnings.warn(f"safepoint: a rank could not read step {candidate}; all ranks fall "
-                          "back to an older step", RuntimeWarning, stacklevel=3)
-            common.discard(candidate)
-        if step is not None:
+        agreed = gather_candidates(self._group, self.world_size, committed, {**peers, **mine},
+                                   share, self._stores, step)
+        memory = [s for s in memory if s in agreed.in_memory]
+        peers = {s: a for s, a in peers.items() if s in agreed.in_memory}
+        got = load_newest_agreed(
+            self._group, agreed.steps,
+            lambda s: self._load_one(s, memory, committed, targets, peers, agreed.shared_uri(s)))
+        if got is None and step is not None:
             raise NotFoundError(f"{self.path}: step {step} cannot be loaded by every rank")
-        return None
+        return got
 
     def restore(self, state: Any, step: Optional[int] = None, *,
                 from_: Optional[str] = None) -> Optional[int]:
@@ -809,14 +717,8 @@ class Checkpointer:
         location, ref = split_ref(from_)
         got_step = resolve(location, ref)
         if self._group is not None:  # every rank branches from the same step
-            import torch.distributed as dist
-
-            agreed = [got_step]
-            dist.broadcast_object_list(agreed, src=0, group=self._group)
-            got_step = int(agreed[0])
+            got_step = agree_on_step(self._group, got_step)
         targets = to_saveable(state)
-        from safepoint._shards import read_into
-
         self._io = {"storage_bytes_read": 0}
         tree = read_into(location, got_step, self.rank, targets, self._unpickler, stats=self._io)
         apply_loaded(state, tree)

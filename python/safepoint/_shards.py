@@ -587,44 +587,6 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     return out
 
 
-def replica_key(entry: tuple, rank: int, rank_local_prefix: str) -> Any:
-    """What makes two ranks' tensors replicas of each other: the core's ReplicaKey (the same
-    name, dtype, shape and box; DCP's convention for data parallelism). Tensors under
-    `rank_local_prefix` (the generator states) are never replicas."""
-    name, dtype, shape, gshape, goff, _ = entry
-    if name.startswith(rank_local_prefix):
-        return (name, rank)
-    return _core.replica_key(name, dtype, shape, gshape or None, goff or None)
-
-
-def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str) -> list:
-    """Which of this rank's tensors other ranks write to storage: of every group of replicas one
-    rank writes, chosen greedily so that each rank writes about as many bytes (largest first,
-    ties by rank). `everyone[r]` is rank r's list of entries (name, dtype, shape, global_shape,
-    global_offset, nbytes). Returns this rank's skipped tensors as index ranges [first, last)."""
-    holders: dict[tuple, list[int]] = {}
-    size: dict[tuple, int] = {}
-    for r, entries in enumerate(everyone):
-        for e in entries:
-            k = replica_key(e, r, rank_local_prefix)
-            holders.setdefault(k, []).append(r)
-            size[k] = e[5]
-    load = [0] * len(everyone)
-    owner: dict[tuple, int] = {}
-    for k in sorted(holders, key=lambda k: (-size[k], repr(k))):
-        o = min(holders[k], key=lambda r: (load[r], r))
-        owner[k] = o
-        load[o] += size[k]
-    ranges: list[list[int]] = []
-    for i, e in enumerate(everyone[rank]):
-        if owner[replica_key(e, rank, rank_local_prefix)] != rank:
-            if ranges and ranges[-1][1] == i:
-                ranges[-1][1] = i + 1
-            else:
-                ranges.append([i, i + 1])
-    return [tuple(x) for x in ranges]
-
-
 def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list,
                    generation: Optional[int] = None) -> bool:
     """Fills the tensors a loaded image left to other ranks' images (replicas written once).

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from safepoint import _core
 from safepoint.errors import InvalidArgumentError
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -40,14 +41,14 @@ class Tier:
 
 TierLike = Union[Tier, str, os.PathLike, Mapping[str, Any]]
 
-COMPRESSIONS = ("auto", "none", "zstd", "planes")
 
 
 def check_layout(where: str, compression: Any, incremental: Any) -> None:
-    """InvalidArgumentError unless ``compression`` is a known mode and ``incremental`` a bool."""
-    if compression not in COMPRESSIONS:
+    """InvalidArgumentError unless ``compression`` is one of the codec's modes
+    (``_core.COMPRESSIONS``) and ``incremental`` a bool."""
+    if compression not in _core.COMPRESSIONS:
         raise InvalidArgumentError(f"{where}: compression must be one of "
-                                   f"{', '.join(COMPRESSIONS)}, got {compression!r}")
+                                   f"{', '.join(_core.COMPRESSIONS)}, got {compression!r}")
     if not isinstance(incremental, bool):
         raise InvalidArgumentError(f"{where}: incremental must be a bool, got {incremental!r}")
 

@@ -389,12 +389,12 @@ Status DecodePlanes(const Header& hd, std::span<const std::byte> payload,
 }  // namespace
 
 Result<Mode> ParseMode(std::string_view text) {
-  if (text == "auto") return Mode::kAuto;
-  if (text == "none") return Mode::kNone;
-  if (text == "zstd") return Mode::kZstd;
-  if (text == "planes") return Mode::kPlanes;
-  return InvalidArgument("compression '" + std::string(text) +
-                         "' is not one of auto, none, zstd, planes");
+  std::string names;
+  for (Mode m : kModes) {
+    if (text == ModeName(m)) return m;
+    names += (names.empty() ? "" : ", ") + std::string(ModeName(m));
+  }
+  return InvalidArgument("compression '" + std::string(text) + "' is not one of " + names);
 }
 
 std::string_view ModeName(Mode mode) {

@@ -7,6 +7,7 @@
 // step layout on storage tiers (src/checkpoint) and the CLI. Keep it small.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -27,6 +28,11 @@ enum class Method : uint8_t {
 // What a caller asks for. kAuto lets the codec pick per chunk what pays (and the writer per tier
 // whether compressing pays at all); kNone never compresses.
 enum class Mode : uint8_t { kAuto = 0, kNone = 1, kZstd = 2, kPlanes = 3 };
+
+// Every mode, in the order their names are listed to users: the one list of compression names
+// (the Python package takes it from _core.COMPRESSIONS).
+inline constexpr std::array<Mode, 4> kModes = {Mode::kAuto, Mode::kNone, Mode::kZstd,
+                                               Mode::kPlanes};
 
 // "auto" | "none" | "zstd" | "planes"; InvalidArgument naming the accepted values otherwise.
 Result<Mode> ParseMode(std::string_view text);

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from safepoint import _core
-from safepoint._checkpointer import new_attempt
+from safepoint._attempt import new_attempt
 from safepoint._pickle import pickler
 from safepoint._shards import _DTYPES
 from safepoint.errors import AlreadyExistsError, InvalidArgumentError, StorageError
@@ -147,7 +147,7 @@ class Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator only; DCP hands every rank its plan, so all ranks share the
-        # attempt, like the Checkpointer's rank 0 broadcasts its (safepoint._checkpointer).
+        # attempt, like the Checkpointer's rank 0 broadcasts its (safepoint._attempt).
         world = len(plans)
         attempt = new_attempt()
         return [dataclasses.replace(p, storage_data=_RankPlan(i, world, attempt))

@@ -1,0 +1,351 @@
+// safepoint._core: checkpoints on storage (store_bindings.h): save and load of one rank's image,
+// the committed steps, and partial reads of images (resharding, tensors other ranks wrote, DCP).
+// The state tree is walked in C++ (state.cc); the core runs with the GIL released.
+#include "store_bindings.h"
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "errors.h"
+#include "state.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace safepoint::python {
+
+Lineage MakeLineage(std::optional<uint64_t> parent_step, const std::string& parent_location,
+                    const std::string& metadata) {
+  Lineage l;
+  l.has_parent = parent_step.has_value();
+  l.parent_step = parent_step.value_or(0);
+  l.parent_location = parent_location;
+  l.metadata = metadata;
+  Check(ValidateLineage(l));
+  return l;
+}
+
+Loaded LoadedToPython(const LoadedImage& image, const ImageReader& reader, const Value& extras,
+                      nb::handle unpickler, const std::vector<nb::object>* filled) {
+  auto* keep = new std::shared_ptr<std::byte>(image.buffer);
+  nb::capsule owner(keep,
+                    [](void* p) noexcept { delete static_cast<std::shared_ptr<std::byte>*>(p); });
+  size_t shape[1] = {image.size};
+  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> array(reinterpret_cast<uint8_t*>(image.buffer.get()),
+                                                     1, shape, owner);
+  nb::object buffer = array.cast();
+  Loaded out;
+  out.step = reader.meta().step;
+  out.world_size = reader.meta().world_size;
+  out.job = reader.meta().job;
+  nb::list elsewhere;
+  out.state = python::RebuildState(extras, buffer, reader, unpickler, &elsewhere, filled);
+  out.elsewhere = elsewhere;
+  out.source = image.source;
+  return out;
+}
+
+namespace {
+
+// --- results: small bound classes (typed in the generated _core.pyi) ------------------------
+
+// A tensor of an image's index.
+struct TensorInfo {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  std::optional<std::vector<uint64_t>> global_shape;  // None: a whole tensor, not a shard
+  std::optional<std::vector<uint64_t>> global_offset;
+  uint64_t nbytes = 0;
+  bool elsewhere = false;  // held by another rank's image
+};
+
+// read_metadata(): one rank's image of a step without its tensor data.
+struct ShardMetadata {
+  uint64_t step = 0;
+  uint32_t world_size = 0;
+  std::vector<TensorInfo> tensors;
+  nb::object extras;  // the state tree, each tensor a TensorSlot
+};
+
+// --- save / load -----------------------------------------------------------------------------
+
+SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
+                const std::string& job, nb::handle state, nb::handle pickler, uint64_t attempt,
+                bool overwrite, std::optional<uint64_t> parent_step,
+                const std::string& parent_location, const std::string& metadata,
+                const std::string& compression, bool incremental) {
+  SaveOptions options;
+  options.overwrite = overwrite;
+  options.pack.compression = Unwrap(ParseCompression(compression));
+  options.pack.incremental = incremental;
+  ImageMeta meta;
+  meta.job = job;
+  meta.attempt = attempt;
+  meta.lineage = MakeLineage(parent_step, parent_location, metadata);
+  meta.step = step;
+  meta.rank = rank;
+  meta.world_size = world_size;
+  python::FlatState flat = python::FlattenState(state, pickler);
+  std::string extras = Unwrap(EncodeExtras(flat.skeleton));
+  std::vector<TensorSource> sources = std::move(flat.tensors);
+  SaveResult result;
+  {
+    nb::gil_scoped_release release;
+    auto store = OpenCheckpointStore(path);
+    if (store.ok()) {
+      auto r = SaveShard(**store, std::move(meta), std::move(sources), std::move(extras), options);
+      if (r.ok()) {
+        result = *r;
+      } else {
+        nb::gil_scoped_acquire acquire;
+        ThrowStatus(r.status());
+      }
+    } else {
+      nb::gil_scoped_acquire acquire;
+      ThrowStatus(store.status());
+    }
+  }
+  return result;
+}
+
+Loaded Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank,
+            nb::handle unpickler) {
+  Result<LoadedShard> shard = Status(StatusCode::kCancelled, "not loaded");
+  {
+    nb::gil_scoped_release release;
+    auto store = OpenCheckpointStore(path);
+    shard = store.ok() ? LoadShard(**store, step, rank) : Result<LoadedShard>(store.status());
+  }
+  LoadedShard s = Unwrap(std::move(shard));
+  Loaded out = LoadedToPython(s.image, s.reader, s.extras, unpickler);
+  out.skipped = s.skipped;
+  out.generation = s.commit.generation;
+  return out;
+}
+
+std::vector<uint64_t> Steps(const std::string& path) {
+  Result<std::vector<CommitRecord>> committed = Status(StatusCode::kCancelled, "not listed");
+  {
+    nb::gil_scoped_release release;
+    auto store = OpenCheckpointStore(path);
+    committed =
+        store.ok() ? (*store)->ListCommitted() : Result<std::vector<CommitRecord>>(store.status());
+  }
+  std::vector<uint64_t> out;
+  for (const auto& c : Unwrap(std::move(committed))) out.push_back(c.step);
+  return out;
+}
+
+// --- reading parts of images (resharding, tensors other ranks wrote, DCP) ----------------------
+
+// A tensor reference in a state tree read without its tensors (ShardReader.state()).
+struct TensorSlot {
+  size_t index;
+};
+
+// The writable destination memory of a read, held until the read has ended (the read runs with
+// the GIL released, so other threads may run meanwhile): a contiguous CPU torch tensor, kept
+// alive by a reference, or any writable buffer, held through its buffer export, which also keeps
+// it from being resized (a bytearray raises BufferError). Torch has no export lock: resizing a
+// destination tensor during the read (tensor.resize_) is the caller's error. Create and destroy
+// with the GIL held.
+class HeldDestination {
+ public:
+  HeldDestination(nb::handle dest, const std::string& what) : object_(nb::borrow(dest)) {
+    if (nb::hasattr(dest, "data_ptr")) {
+      if (!nb::cast<bool>(dest.attr("is_contiguous")()) || !nb::cast<bool>(dest.attr("is_cpu"))) {
+        Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor"));
+      }
+      auto ptr = nb::cast<uintptr_t>(dest.attr("data_ptr")());
+      auto n = nb::cast<size_t>(dest.attr("nbytes"));
+      span_ = {reinterpret_cast<std::byte*>(ptr), n};
+      return;
+    }
+    if (PyObject_GetBuffer(dest.ptr(), &view_, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      Check(InvalidArgument(what + ": the destination must be a contiguous CPU tensor or a "
+                                   "writable buffer"));
+    }
+    exported_ = true;
+    span_ = {static_cast<std::byte*>(view_.buf), static_cast<size_t>(view_.len)};
+  }
+  ~HeldDestination() {
+    if (exported_) PyBuffer_Release(&view_);
+  }
+  HeldDestination(const HeldDestination&) = delete;
+  HeldDestination& operator=(const HeldDestination&) = delete;
+
+  std::span<std::byte> span() const { return span_; }
+
+ private:
+  nb::object object_;  // the requests list may change while the GIL is released
+  Py_buffer view_{};
+  bool exported_ = false;
+  std::span<std::byte> span_;
+};
+
+// One rank's image of one committed step, opened for partial reads: its index, its state tree
+// and byte ranges of its tensors, each covering checksum chunk verified. Nothing else is read.
+class ShardReader {
+ public:
+  ShardReader(const std::string& path, uint64_t step, uint32_t rank) {
+    Status s = WithoutGil([&]() -> Status {
+      SP_ASSIGN_OR_RETURN(store_, OpenCheckpointStore(path));
+      SP_ASSIGN_OR_RETURN(commit_, store_->ReadCommit(step));
+      SP_ASSIGN_OR_RETURN(md_, store_->ReadMetadata(commit_, rank));
+      return Status::OK();
+    });
+    Check(s);
+    for (size_t i = 0; i < md_.tensors.size(); ++i) by_name_.emplace(md_.tensors[i].spec.name, i);
+  }
+
+  uint64_t step() const { return commit_.step; }
+  uint32_t rank() const { return md_.meta.rank; }
+  uint32_t world_size() const { return commit_.world_size; }
+  // Which images the COMMIT record read names (CommitRecord::generation): readers of several
+  // ranks of one step check that they read one version of a step that may be replaced.
+  uint64_t generation() const { return commit_.generation; }
+
+  std::vector<TensorInfo> Tensors() const {
+    std::vector<TensorInfo> out;
+    out.reserve(md_.tensors.size());
+    for (const TensorEntry& e : md_.tensors) {
+      TensorInfo t;
+      t.name = e.spec.name;
+      t.dtype = std::string(DTypeName(e.spec.dtype));
+      t.shape = e.spec.shape;
+      if (!e.spec.global_shape.empty()) t.global_shape = e.spec.global_shape;
+      if (!e.spec.global_offset.empty()) t.global_offset = e.spec.global_offset;
+      t.nbytes = e.nbytes;
+      t.elsewhere = e.spec.elsewhere;
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  nb::object State(nb::handle unpickler) const {
+    return python::RebuildSkeleton(md_.extras, md_.tensors.size(), unpickler,
+                                   nb::type<TensorSlot>());
+  }
+
+  // requests: (tensor name, byte offset in its data, byte count, destination) tuples.
+  void Read(nb::list requests) {
+    std::vector<CheckpointStore::Range> ranges;
+    ranges.reserve(requests.size());
+    // Released (with the GIL held) only when this call returns or throws, after the read.
+    std::vector<std::unique_ptr<HeldDestination>> held;
+    held.reserve(requests.size());
+    for (nb::handle item : requests) {
+      auto [name, offset, length, dest] =
+          nb::cast<std::tuple<std::string, uint64_t, uint64_t, nb::handle>>(item);
+      auto it = by_name_.find(name);
+      if (it == by_name_.end()) {
+        Check(NotFound(md_.source + ": no tensor named '" + name + "'"));
+      }
+      const TensorEntry& e = md_.tensors[it->second];
+      if (e.spec.elsewhere) {
+        Check(NotFound(md_.source + ": tensor '" + name + "' is held by another rank's image"));
+      }
+      if (offset > e.nbytes || length > e.nbytes - offset) {
+        Check(InvalidArgument(md_.source + ": tensor '" + name + "' has " +
+                              std::to_string(e.nbytes) + " bytes; cannot read [" +
+                              std::to_string(offset) + ", +" + std::to_string(length) + ")"));
+      }
+      held.push_back(
+          std::make_unique<HeldDestination>(dest, md_.source + ": tensor '" + name + "'"));
+      const std::span<std::byte> dst = held.back()->span();
+      if (dst.size() < length) {
+        Check(InvalidArgument(md_.source + ": tensor '" + name + "': destination holds " +
+                              std::to_string(dst.size()) + " bytes, " + std::to_string(length) +
+                              " requested"));
+      }
+      ranges.push_back({e.offset + offset, length, dst.data()});
+    }
+    Check(WithoutGil([&] { return store_->ReadRanges(md_, ranges); }));
+  }
+
+ private:
+  std::unique_ptr<CheckpointStore> store_;
+  CommitRecord commit_;
+  CheckpointStore::Metadata md_;
+  std::unordered_map<std::string, size_t> by_name_;
+};
+
+ShardMetadata ReadMetadata(const std::string& path, uint64_t step, uint32_t rank,
+                           nb::handle unpickler) {
+  ShardReader r(path, step, rank);
+  return ShardMetadata{r.step(), r.world_size(), r.Tensors(), r.State(unpickler)};
+}
+
+void ReadRanges(const std::string& path, uint64_t step, uint32_t rank, nb::list requests) {
+  ShardReader(path, step, rank).Read(requests);
+}
+
+}  // namespace
+
+void BindStore(nb::module_& m) {
+  nb::class_<SaveResult>(m, "SaveResult", "What save() wrote; committed: the step is committed now")
+      .def_ro("bytes", &SaveResult::bytes)
+      .def_ro("write_seconds", &SaveResult::write_seconds)
+      .def_ro("stored_bytes", &SaveResult::stored_bytes)
+      .def_ro("committed", &SaveResult::committed);
+  nb::class_<Loaded>(m, "Loaded", "A loaded shard: its state tree, whose tensors view the image")
+      .def_ro("step", &Loaded::step)
+      .def_ro("world_size", &Loaded::world_size)
+      .def_ro("job", &Loaded::job)
+      .def_ro("state", &Loaded::state)
+      .def_ro("elsewhere", &Loaded::elsewhere)
+      .def_ro("source", &Loaded::source)
+      .def_ro("generation", &Loaded::generation)
+      .def_ro("skipped", &Loaded::skipped);
+  nb::class_<TensorInfo>(m, "TensorInfo", "A tensor of an image's index (no data)")
+      .def_ro("name", &TensorInfo::name)
+      .def_ro("dtype", &TensorInfo::dtype)
+      .def_ro("shape", &TensorInfo::shape)
+      .def_ro("global_shape", &TensorInfo::global_shape)
+      .def_ro("global_offset", &TensorInfo::global_offset)
+      .def_ro("nbytes", &TensorInfo::nbytes)
+      .def_ro("elsewhere", &TensorInfo::elsewhere);
+  nb::class_<ShardMetadata>(m, "ShardMetadata", "One rank's image of a step, without tensor data")
+      .def_ro("step", &ShardMetadata::step)
+      .def_ro("world_size", &ShardMetadata::world_size)
+      .def_ro("tensors", &ShardMetadata::tensors)
+      .def_ro("extras", &ShardMetadata::extras);
+  m.def("save", &Save, "path"_a, "step"_a, "rank"_a, "world_size"_a, "job"_a, "state"_a,
+        "pickler"_a.none() = nb::none(), "attempt"_a = 0, "overwrite"_a = false,
+        "parent_step"_a.none() = nb::none(), "parent_location"_a = "", "metadata"_a = "",
+        "compression"_a = "none", "incremental"_a = false);
+  m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
+  m.def("steps", &Steps, "path"_a);
+  nb::class_<TensorSlot>(m, "TensorSlot")
+      .def(nb::init<size_t>(), "index"_a)
+      .def_ro("index", &TensorSlot::index)
+      .def("__repr__",
+           [](const TensorSlot& t) { return "TensorSlot(" + std::to_string(t.index) + ")"; });
+  nb::class_<ShardReader>(m, "ShardReader")
+      .def(nb::init<const std::string&, uint64_t, uint32_t>(), "path"_a, "step"_a, "rank"_a)
+      .def_prop_ro("step", &ShardReader::step)
+      .def_prop_ro("rank", &ShardReader::rank)
+      .def_prop_ro("world_size", &ShardReader::world_size)
+      .def_prop_ro("generation", &ShardReader::generation)
+      .def("tensors", &ShardReader::Tensors)
+      .def("state", &ShardReader::State, "unpickler"_a.none() = nb::none())
+      .def("read", &ShardReader::Read, "requests"_a);
+  m.def("read_metadata", &ReadMetadata, "path"_a, "step"_a, "rank"_a,
+        "unpickler"_a.none() = nb::none());
+  m.def("read_ranges", &ReadRanges, "path"_a, "step"_a, "rank"_a, "requests"_a);
+}
+
+}  // namespace safepoint::python
