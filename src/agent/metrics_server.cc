@@ -5,36 +5,22 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <climits>
 #include <cstring>
 
 #include "agent/metrics.h"
+#include "base/host_port.h"
 
 namespace safepoint::agent {
 
 Status ParseListenAddress(const std::string& address, std::string* host, int* port) {
-  auto bad = [&](const std::string& why) {
-    return InvalidArgument("metrics address '" + address + "': " + why +
-                           " (expected HOST:PORT, [IPV6]:PORT or :PORT; port 0 picks a free one)");
-  };
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return bad("no port");
-  std::string h = address.substr(0, colon);
-  const std::string p = address.substr(colon + 1);
-  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') {
-    h = h.substr(1, h.size() - 2);
-  } else if (h.find(':') != std::string::npos) {
-    return bad("an IPv6 host must be in brackets");
-  }
-  int n = -1;
-  const auto [ptr, ec] = std::from_chars(p.data(), p.data() + p.size(), n);
-  if (p.empty() || ec != std::errc() || ptr != p.data() + p.size() || n < 0 || n > 65535) {
-    return bad("the port is not a number in [0, 65535]");
-  }
-  *host = h.empty() ? "0.0.0.0" : h;
-  *port = n;
+  Result<internal::HostPort> hp = internal::ParseHostPort(address);
+  if (!hp.ok())
+    return InvalidArgument("metrics " + hp.status().message() +
+                           "; :PORT listens on every interface, port 0 picks a free one");
+  *host = hp->host.empty() ? "0.0.0.0" : hp->host;
+  *port = hp->port;
   return Status::OK();
 }
 
@@ -90,9 +76,8 @@ Status MetricsServer::Start(const std::string& address, const MetricsRegistry* r
     char name[HOST_NAME_MAX + 1] = {};
     url_host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
   }
-  if (url_host.find(':') != std::string::npos) url_host = "[" + url_host + "]";
   address_ = address;
-  url_ = "http://" + url_host + ":" + std::to_string(bound) + "/metrics";
+  url_ = "http://" + internal::FormatHostPort(url_host, static_cast<uint16_t>(bound)) + "/metrics";
   return Status::OK();
 }
 

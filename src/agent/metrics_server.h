@@ -26,7 +26,8 @@ namespace safepoint::agent {
 
 class MetricsRegistry;
 
-// Splits "HOST:PORT" ("[::1]:PORT", ":PORT": host "0.0.0.0"). InvalidArgument naming `address`.
+// Splits "HOST:PORT" ("[::1]:PORT", ":PORT": host "0.0.0.0") with internal::ParseHostPort
+// (src/base/host_port.h). InvalidArgument naming `address`.
 Status ParseListenAddress(const std::string& address, std::string* host, int* port);
 
 class MetricsServer {

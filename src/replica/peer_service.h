@@ -22,6 +22,9 @@
 // Threads: the service runs one progress thread that owns the UCX worker; the public methods are
 // thread-safe, block their caller and are meant for the agent's replication worker (never its
 // poll loop). Destroy the service only when none of its calls is in flight.
+//
+// Implementation: peer_service_impl.h says how peer_service_hub.cc (UCX), peer_service_server.cc
+// and peer_service_client.cc share the work.
 #pragma once
 
 #include <cstdint>

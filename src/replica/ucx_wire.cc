@@ -1,3 +1,5 @@
+// The peer service's wire format (src/replica/ucx_wire.h): message headers, replica metas as
+// JSON and their validation, chunk layouts, and folding chunk CRCs into a payload's CRC.
 #include "replica/ucx_wire.h"
 
 #include <array>
@@ -5,24 +7,14 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "base/json_fields.h"
+
 namespace safepoint::replica {
 namespace {
 
+using internal::GetU32;
+using internal::GetU64;
 using nlohmann::json;
-
-bool GetU64(const json& j, const char* key, uint64_t* out) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_number_unsigned()) return false;
-  *out = it->get<uint64_t>();
-  return true;
-}
-
-bool GetU32(const json& j, const char* key, uint32_t* out) {
-  uint64_t v = 0;
-  if (!GetU64(j, key, &v) || v > UINT32_MAX) return false;
-  *out = static_cast<uint32_t>(v);
-  return true;
-}
 
 bool ValidNodeName(std::string_view s) {
   if (s.empty() || s.size() > 64 || s.front() == '.') return false;

@@ -1,0 +1,648 @@
+// PeerService over UCX, the hub (see peer_service_impl.h for how the three files divide the
+// work): the process's one UCP context, worker and progress thread; each service's listener, its
+// start and stop; and the connection plumbing both sides use: sending control messages and
+// chunks, closing and dropping connections, dispatching what arrives (control messages to the
+// server side or a waiting client, chunks into the transfer's buffer) and timing out idle ones.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <future>
+
+#include "base/host_port.h"
+#include "base/log.h"
+#include "replica/peer_service_impl.h"
+
+namespace safepoint::replica {
+namespace ucx {
+namespace {
+
+constexpr uint16_t kAmId = 17;
+constexpr auto kDropGrace = std::chrono::seconds(1);  // for the error message of a dropped peer
+// No shared-memory transport ("sm": posix, sysv, cma, knem, xpmem): peers are other hosts (in
+// tests, other network namespaces, which shared memory would cross). $UCX_TLS overrides.
+constexpr const char* kDefaultTls = "^sm";
+
+}  // namespace
+
+Result<sockaddr_storage> ResolveAddress(const std::string& host, uint16_t port, socklen_t* len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0 || !res)
+    return Unavailable("cannot resolve " + host + ": " + gai_strerror(rc));
+  sockaddr_storage ss{};
+  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return ss;
+}
+
+std::string FormatAddress(const sockaddr_storage& ss) {
+  if (ss.ss_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
+    char ip[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &in->sin_addr, ip, sizeof ip);
+    return internal::FormatHostPort(ip, ntohs(in->sin_port));
+  }
+  auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+  char ip[INET6_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET6, &in6->sin6_addr, ip, sizeof ip);
+  return internal::FormatHostPort(ip, ntohs(in6->sin6_port));
+}
+
+// ---- UCX trampolines ----
+
+void EpErrorCb(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  static_cast<PeerServiceImpl*>(arg)->OnEpError(ep, status);
+}
+
+namespace {
+
+void ConnRequestCb(ucp_conn_request_h request, void* arg) {
+  static_cast<PeerServiceImpl*>(arg)->OnConnRequest(request);
+}
+ucs_status_t AmCb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                  const ucp_am_recv_param_t* param) {
+  return static_cast<UcpHub*>(arg)->OnAm(header, header_length, data, length, param);
+}
+void SendCb(void* request, ucs_status_t status, void* user_data) {
+  auto* ctx = static_cast<SendCtx*>(user_data);
+  ctx->svc->OnSendDone(ctx, status);
+  ucp_request_free(request);
+}
+void RecvCb(void* request, ucs_status_t status, size_t length, void* user_data) {
+  auto* ctx = static_cast<RecvCtx*>(user_data);
+  ctx->svc->OnRecvDone(ctx, status);
+  ucp_request_free(request);
+}
+
+}  // namespace
+
+// ---- The hub ----
+
+std::mutex UcpHub::instance_mu_;
+std::weak_ptr<UcpHub> UcpHub::instance_;
+
+Result<std::shared_ptr<UcpHub>> UcpHub::Acquire() {
+  std::lock_guard lk(instance_mu_);
+  if (auto hub = instance_.lock()) return hub;
+  std::shared_ptr<UcpHub> hub(new UcpHub());
+  SP_RETURN_IF_ERROR(hub->Init());
+  instance_ = hub;
+  return hub;
+}
+
+// Under instance_mu_: a hub being torn down and a new one never exist at once.
+void UcpHub::Release(std::shared_ptr<UcpHub>& hub) {
+  std::lock_guard lk(instance_mu_);
+  hub.reset();
+}
+
+Status UcpHub::Init() {
+  int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (efd < 0) return ErrnoStatus("eventfd", "peer service", errno);
+  wake_fd_ = internal::UniqueFd(efd);
+
+  ucp_config_t* config = nullptr;
+  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
+    return Unavailable("UCX: ucp_config_read: " + UcsError(s));
+  if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", kDefaultTls);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.name = "safepoint-peer";
+  ucs_status_t s = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  if (s != UCS_OK) return Unavailable("UCX: ucp_init: " + UcsError(s));
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  if (s = ucp_worker_create(context_, &wp, &worker_); s != UCS_OK)
+    return Unavailable("UCX: ucp_worker_create: " + UcsError(s));
+  if (s = ucp_worker_get_efd(worker_, &worker_fd_); s != UCS_OK)
+    return Unavailable("UCX: ucp_worker_get_efd: " + UcsError(s));
+
+  ucp_am_handler_param_t hp{};
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                  UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  hp.id = kAmId;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+  hp.cb = AmCb;
+  hp.arg = this;
+  if (s = ucp_worker_set_am_recv_handler(worker_, &hp); s != UCS_OK)
+    return Unavailable("UCX: ucp_worker_set_am_recv_handler: " + UcsError(s));
+  thread_ = std::thread([this] { Run(); });
+  return Status::OK();
+}
+
+UcpHub::~UcpHub() {
+  if (thread_.joinable()) {
+    stop_ = true;
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof one);
+    thread_.join();
+  }
+  // Every service waited for its closes before it unregistered: nothing is left to reap.
+  if (worker_) ucp_worker_destroy(worker_);
+  if (context_) ucp_cleanup(context_);
+}
+
+void UcpHub::Submit(PeerServiceImpl* owner, std::function<void()> task) {
+  {
+    std::lock_guard lk(task_mu_);
+    tasks_.emplace_back(owner, std::move(task));
+  }
+  uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof one);
+}
+
+void UcpHub::Register(PeerServiceImpl* svc) {
+  std::lock_guard lk(services_mu_);
+  services_.push_back(svc);
+}
+
+void UcpHub::Unregister(PeerServiceImpl* svc) {
+  {
+    std::lock_guard lk(services_mu_);
+    std::erase(services_, svc);
+  }
+  std::lock_guard lk(task_mu_);
+  std::erase_if(tasks_, [svc](const auto& t) { return t.first == svc; });
+}
+
+ucs_status_t UcpHub::OnAm(const void* header, size_t header_length, void* data, size_t length,
+                          const ucp_am_recv_param_t* param) {
+  const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  // Not one of ours (a reply endpoint is always sent), or for an endpoint closed meanwhile.
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
+    return rndv ? UCS_ERR_CANCELED : UCS_OK;
+  std::lock_guard lk(services_mu_);
+  for (PeerServiceImpl* svc : services_) {
+    if (auto handled = svc->OnAm(header, header_length, data, length, param)) return *handled;
+  }
+  return rndv ? UCS_ERR_CANCELED : UCS_OK;
+}
+
+void UcpHub::RunTasks() {
+  std::vector<std::pair<PeerServiceImpl*, std::function<void()>>> tasks;
+  {
+    std::lock_guard lk(task_mu_);
+    tasks.swap(tasks_);
+  }
+  for (auto& [owner, task] : tasks) task();
+}
+
+void UcpHub::Run() {
+  auto last_check = Clock::now();
+  while (!stop_) {
+    RunTasks();
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    ReapCloses();
+    if (Clock::now() - last_check > std::chrono::milliseconds(100)) {
+      std::vector<PeerServiceImpl*> services;
+      {
+        std::lock_guard lk(services_mu_);
+        services = services_;
+      }
+      // Only this thread unregisters a service, so none of these goes away meanwhile.
+      for (PeerServiceImpl* svc : services) svc->CheckIdle();
+      last_check = Clock::now();
+    }
+    {
+      std::lock_guard lk(task_mu_);
+      if (!tasks_.empty()) continue;
+    }
+    const ucs_status_t s = ucp_worker_arm(worker_);
+    if (s == UCS_ERR_BUSY) continue;
+    pollfd fds[2] = {{wake_fd_.get(), POLLIN, 0}, {worker_fd_, POLLIN, 0}};
+    ::poll(fds, 2, closing_.empty() ? 100 : 1);
+    if (fds[0].revents & POLLIN) {
+      uint64_t v;
+      [[maybe_unused]] ssize_t n = ::read(wake_fd_.get(), &v, sizeof v);
+    }
+  }
+}
+
+void UcpHub::ReapCloses() {
+  for (size_t i = 0; i < closing_.size();) {
+    if (ucp_request_check_status(closing_[i].second) != UCS_INPROGRESS) {
+      ucp_request_free(closing_[i].second);
+      closing_[i].first->CloseReaped();
+      closing_[i] = closing_.back();
+      closing_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+// ---- Start and stop ----
+
+Status PeerServiceImpl::Init() {
+  if (options_.secret.size() < kMinSecretBytes)
+    return InvalidArgument("peer service: the job's secret must be at least " +
+                           std::to_string(kMinSecretBytes) + " bytes");
+  if (options_.chunk_bytes < kMinChunkBytes || options_.chunk_bytes > kMaxChunkBytes)
+    return InvalidArgument("peer service: chunk_bytes " + std::to_string(options_.chunk_bytes) +
+                           " outside [" + std::to_string(kMinChunkBytes) + ", " +
+                           std::to_string(kMaxChunkBytes) + "]");
+  if (options_.chunk_bytes % 64 != 0)
+    return InvalidArgument(
+        "peer service: chunk_bytes must be a multiple of 64 (it is also the "
+        "erasure code's piece size)");
+  if (!(options_.timeout_s > 0)) return InvalidArgument("peer service: timeout_s must be > 0");
+  socklen_t len = 0;
+  SP_ASSIGN_OR_RETURN(sockaddr_storage bind_addr,
+                      ResolveAddress(options_.bind_host, options_.port, &len));
+  Result<std::shared_ptr<UcpHub>> hub = UcpHub::Acquire();
+  if (!hub.ok()) {
+    const char* tls = std::getenv("UCX_TLS");
+    return Status(
+        hub.status().code(),
+        "peer service of node " + options_.node + ": " + hub.status().message() +
+            " (UCX_TLS=" + (tls ? tls : std::string("unset, safepoint asks for ") + kDefaultTls) +
+            "; UCX_NET_DEVICES chooses the interfaces)");
+  }
+  hub_ = std::move(*hub);
+  hub_->Register(this);
+
+  Status listening;
+  RunOnProgressThread([&] {
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&bind_addr);
+    lp.sockaddr.addrlen = len;
+    lp.conn_handler.cb = ConnRequestCb;
+    lp.conn_handler.arg = this;
+    if (ucs_status_t s = ucp_listener_create(hub_->worker(), &lp, &listener_); s != UCS_OK) {
+      listener_ = nullptr;
+      listening = Unavailable("UCX: cannot listen on " + options_.bind_host + ":" +
+                              std::to_string(options_.port) + ": " + UcsError(s));
+      return;
+    }
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucs_status_t s = ucp_listener_query(listener_, &la); s != UCS_OK) {
+      listening = Unavailable("UCX: ucp_listener_query: " + UcsError(s));
+      return;
+    }
+    address_ = FormatAddress(la.sockaddr);
+  });
+  SP_RETURN_IF_ERROR(listening);  // Stop (from the destructor) destroys a listener made
+  store_thread_ = std::thread([this] { RunStore(); });
+  spdlog::info("peer service of node {} listening on {}", options_.node, address_);
+  return Status::OK();
+}
+
+void PeerServiceImpl::RunOnProgressThread(const std::function<void()>& task) {
+  std::promise<void> done;
+  hub_->Submit(this, [&] {
+    task();
+    done.set_value();
+  });
+  done.get_future().wait();
+}
+
+void PeerServiceImpl::Stop() {
+  if (store_thread_.joinable()) {
+    {
+      std::lock_guard lk(store_mu_);
+      store_stop_ = true;
+    }
+    store_cv_.notify_all();
+    store_thread_.join();
+  }
+  if (!hub_) return;
+  stop_ = true;
+  pause_cv_.notify_all();
+  // Stop listening and force-close what is left, then wait until UCX no longer holds a request
+  // or an endpoint that calls back into this service (force closes are local: quick).
+  RunOnProgressThread([this] {
+    if (listener_) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
+    std::vector<ConnPtr> conns;
+    {
+      Lock lk(mu_);
+      for (auto& [ep, c] : eps_) conns.push_back(c);
+    }
+    for (auto& c : conns) CloseNow(c, Cancelled("peer service stopped"));
+  });
+  {
+    Lock lk(mu_);
+    while (!cv_.wait_for(lk, std::chrono::seconds(10),
+                         [&] { return closes_pending_ == 0 && requests_pending_ == 0; })) {
+      spdlog::warn("peer service of node {}: still waiting for {} closes and {} requests of UCX",
+                   options_.node, closes_pending_, requests_pending_);
+    }
+  }
+  RunOnProgressThread([this] { hub_->Unregister(this); });
+  UcpHub::Release(hub_);
+}
+
+void PeerServiceImpl::CloseReaped() {
+  Lock lk(mu_);
+  --closes_pending_;
+  cv_.notify_all();
+}
+
+// Server connections that made no progress for timeout_s are dropped (a client that stalls or
+// never authenticates cannot hold a connection or a reserved replica file).
+void PeerServiceImpl::CheckIdle() {
+  Lock lk(mu_);
+  std::vector<ConnPtr> idle;
+  const auto now = Clock::now();
+  std::vector<ConnPtr> late;
+  for (auto& [ep, c] : eps_) {
+    if (c->dropping && now - c->dropped_at > kDropGrace)
+      late.push_back(c);
+    else if (!c->client && !c->dropping && !c->busy && now - c->last_progress > timeout())
+      idle.push_back(c);
+  }
+  for (auto& c : late) CloseNow(c, c->error);
+  for (auto& c : idle) {
+    if (c->writer) ++transfers_failed_;
+    Drop(c, Unavailable(c->name + ": no progress for " + Seconds(options_.timeout_s) + " s"),
+         /*tell_peer=*/false);
+  }
+}
+
+void PeerServiceImpl::SendNow(const ConnPtr& c, const WireHeader& h, std::string body,
+                              const void* data, size_t len, std::shared_ptr<const void> keep) {
+  auto* ctx = new SendCtx{this, c, h, std::move(body), std::move(keep)};
+  {
+    Lock lk(mu_);
+    ++requests_pending_;
+  }
+  if (static_cast<MsgType>(h.type) == MsgType::kChunk) {
+    ctx->data = data;
+    ctx->len = len;
+  }
+  SendCtxNow(ctx);
+}
+
+void PeerServiceImpl::SendCtxNow(SendCtx* ctx) {
+  Lock lk(mu_);
+  Conn& c = *ctx->conn;
+  if (c.ep == nullptr || c.closing) {
+    lk.unlock();
+    OnSendDone(ctx, UCS_ERR_CANCELED);
+    return;
+  }
+  const bool control = static_cast<MsgType>(ctx->header.type) != MsgType::kChunk;
+  if (control) {
+    ctx->data = ctx->body.data();
+    ctx->len = ctx->body.size();
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | (control ? UCP_AM_SEND_FLAG_EAGER : 0);
+  p.cb.send = SendCb;
+  p.user_data = ctx;
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(c.ep, kAmId, &ctx->header, sizeof ctx->header, ctx->data, ctx->len, &p);
+  if (r == nullptr) {
+    OnSendDone(ctx, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    OnSendDone(ctx, UCS_PTR_STATUS(r));
+  }  // else the callback frees the request (freeing it now would cancel the callback)
+}
+
+void PeerServiceImpl::SendControlNow(const ConnPtr& c, MsgType type, const json& body) {
+  std::string text = body.dump();
+  {
+    Lock lk(mu_);
+    ++c->outstanding;
+  }
+  const WireHeader h = ControlHeader(type, text.size());
+  SendNow(c, h, std::move(text), nullptr, 0, nullptr);
+}
+
+void PeerServiceImpl::OnSendDone(SendCtx* ctx, ucs_status_t status) {
+  std::unique_ptr<SendCtx> owned(ctx);
+  Lock lk(mu_);
+  --requests_pending_;
+  Conn& c = *ctx->conn;
+  if (c.outstanding > 0) --c.outstanding;
+  if (status == UCS_OK) {
+    c.last_progress = Clock::now();
+    if (!c.client && c.view) PumpFetch(ctx->conn);
+  } else if (c.error.ok()) {
+    c.error = Unavailable(c.name + ": send failed: " + UcsError(status));
+  }
+  cv_.notify_all();
+}
+
+void PeerServiceImpl::CloseNow(const ConnPtr& c, const Status& why) {
+  Lock lk(mu_);
+  if (c->error.ok()) c->error = why;
+  if (c->closing) return;
+  c->closing = true;
+  c->writer.reset();  // an uncommitted replica file is removed
+  c->view.reset();
+  ucp_ep_h ep = c->ep;
+  if (ep != nullptr) {
+    eps_.erase(ep);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      hub_->AddClose(this, r);
+      ++closes_pending_;
+    }
+    c->ep = nullptr;
+  }
+  c->closed = true;
+  cv_.notify_all();
+}
+
+void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) {
+  Lock lk(mu_);
+  if (c->dropping || c->closing) return;
+  spdlog::warn("peer service: dropping {}: {}", c->name, why.ToString());
+  c->dropping = true;
+  c->dropped_at = Clock::now();
+  if (c->error.ok()) c->error = why;
+  c->writer.reset();  // an unfinished replica file is removed
+  c->view.reset();
+  c->sink = {};
+  cv_.notify_all();
+  if (tell_peer && c->ep != nullptr) {
+    // Not closed yet: closing could overtake the error (UCX signals the disconnect on another
+    // channel than the data). The peer closes when it has read it, or CheckIdle after kDropGrace.
+    std::string text = StatusToJson(why).dump();
+    const WireHeader h = ControlHeader(MsgType::kError, text.size());
+    ++c->outstanding;
+    ++requests_pending_;
+    SendCtxNow(new SendCtx{this, c, h, std::move(text), nullptr});
+  } else {
+    Submit([this, c, why] { CloseNow(c, why); });
+  }
+}
+
+// ---- What arrives ----
+
+void PeerServiceImpl::OnEpError(ucp_ep_h ep, ucs_status_t status) {
+  Lock lk(mu_);
+  auto it = eps_.find(ep);
+  if (it == eps_.end()) return;
+  ConnPtr c = it->second;
+  if (!c->client && c->writer) ++transfers_failed_;
+  Status why = Unavailable(c->name + ": connection failed: " + UcsError(status));
+  if (c->error.ok()) c->error = why;
+  c->writer.reset();
+  c->view.reset();
+  cv_.notify_all();
+  Submit([this, c, why] { CloseNow(c, why); });
+}
+
+std::optional<ucs_status_t> PeerServiceImpl::OnAm(const void* header, size_t header_length,
+                                                  void* data, size_t length,
+                                                  const ucp_am_recv_param_t* param) {
+  Lock lk(mu_);
+  auto it = eps_.find(param->reply_ep);
+  if (it == eps_.end()) return std::nullopt;  // another service's, or closed meanwhile
+  if (it->second->closing || it->second->dropping)
+    return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_CANCELED : UCS_OK;
+  ConnPtr c = it->second;
+  const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  Result<WireHeader> h = ParseHeader(header, header_length, length);
+  if (!h.ok()) {
+    ++peers_rejected_;
+    Drop(c, h.status().WithContext(c->name), /*tell_peer=*/true);
+    return rndv ? UCS_ERR_CANCELED : UCS_OK;
+  }
+  const MsgType type = static_cast<MsgType>(h->type);
+  if (type == MsgType::kChunk) {
+    HandleChunk(c, *h, data, param);
+    return UCS_OK;
+  }
+  if (rndv) {
+    ++peers_rejected_;
+    Drop(c, Corruption(c->name + ": control message not sent eagerly"), true);
+    return UCS_ERR_CANCELED;
+  }
+  json body = json::parse(static_cast<const char*>(data), static_cast<const char*>(data) + length,
+                          nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) {
+    ++peers_rejected_;
+    Drop(c, Corruption(c->name + ": " + MsgTypeName(type) + " message is not a JSON object"), true);
+    return UCS_OK;
+  }
+  c->last_progress = Clock::now();
+  if (c->client) {
+    c->inbox.push_back({type, std::move(body)});
+    cv_.notify_all();
+  } else {
+    HandleServer(c, type, body);
+  }
+  return UCS_OK;
+}
+
+void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* data,
+                                  const ucp_am_recv_param_t* param) {
+  const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  if ((!c->client && c->auth != Conn::Auth::kReady) || c->sink.empty()) {
+    ++peers_rejected_;
+    return Drop(c, Corruption(c->name + ": chunk without a transfer"), true);
+  }
+  const int64_t idx = c->layout.IndexOf(h.offset, h.len);
+  if (idx < 0 || c->got[idx] != 0) {
+    ++peers_rejected_;
+    ++transfers_failed_;
+    return Drop(c,
+                Corruption(c->name + ": chunk at offset " + std::to_string(h.offset) + " of " +
+                           std::to_string(h.len) + " bytes is not one the transfer of " +
+                           std::to_string(c->layout.total) + " bytes still expects"),
+                true);
+  }
+  c->got[idx] = 2;
+  c->last_progress = Clock::now();
+  std::byte* dest = c->sink.data() + h.offset;
+  if (!rndv) {
+    std::memcpy(dest, data, h.len);
+    ChunkArrived(c, h);
+    return;
+  }
+  auto* ctx = new RecvCtx{this, c, h, c->sink_owner};
+  ++requests_pending_;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = RecvCb;
+  p.user_data = ctx;
+  ++c->receiving;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(hub_->worker(), data, dest, h.len, &p);
+  if (r == nullptr) {
+    OnRecvDone(ctx, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    OnRecvDone(ctx, UCS_PTR_STATUS(r));
+  }  // else the callback frees the request
+}
+
+void PeerServiceImpl::OnRecvDone(RecvCtx* ctx, ucs_status_t status) {
+  std::unique_ptr<RecvCtx> owned(ctx);
+  Lock lk(mu_);
+  --requests_pending_;
+  ConnPtr c = ctx->conn;
+  if (c->receiving > 0) --c->receiving;
+  cv_.notify_all();
+  if (c->closing || c->sink.empty()) return;
+  if (status != UCS_OK) {
+    ++transfers_failed_;
+    return Drop(c, Unavailable(c->name + ": receiving a chunk failed: " + UcsError(status)), false);
+  }
+  ChunkArrived(c, ctx->header);
+}
+
+void PeerServiceImpl::ChunkArrived(const ConnPtr& c, const WireHeader& h) {
+  const uint32_t crc = Crc32c(0, c->sink.data() + h.offset, h.len);
+  if (crc != h.crc) {
+    ++transfers_failed_;
+    return Drop(c,
+                Corruption(c->name + ": chunk at offset " + std::to_string(h.offset) + " (" +
+                           std::to_string(h.len) + " bytes) fails its CRC32C"),
+                true);
+  }
+  c->got[h.offset / c->layout.chunk_bytes] = 1;
+  if (!c->chunk_crcs.empty()) c->chunk_crcs[h.offset / c->layout.chunk_bytes] = crc;
+  c->received += h.len;
+  c->last_progress = Clock::now();
+  cv_.notify_all();
+  if (c->received == c->layout.total && !c->client && c->writer) {
+    c->all_received = true;
+    SendControlNow(c, MsgType::kPutDone, json::object());
+  }
+}
+
+void PeerServiceImpl::SetSecret(const std::string& secret) {
+  Lock lk(mu_);
+  secret_ = secret;
+  std::vector<ConnPtr> conns;
+  for (auto& [ep, c] : eps_) conns.push_back(c);
+  for (auto& c : conns) {
+    if (c->error.ok()) c->error = Unavailable(c->name + ": connection dropped: the secret changed");
+    Submit([this, c] { CloseNow(c, Unavailable("the secret changed")); });
+  }
+  cv_.notify_all();
+}
+
+}  // namespace ucx
+
+Result<std::unique_ptr<PeerService>> PeerService::Start(const PeerServiceOptions& options,
+                                                        ReplicaStore* store) {
+  auto svc = std::make_unique<ucx::PeerServiceImpl>(options, store);
+  SP_RETURN_IF_ERROR(svc->Init());
+  return std::unique_ptr<PeerService>(std::move(svc));
+}
+
+}  // namespace safepoint::replica
