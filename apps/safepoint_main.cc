@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "agent/protocol.h"
+#include "agent/agent.h"
 #include "agent/status.h"
 #include "base/bytes.h"
 #include "base/log.h"
@@ -49,20 +49,21 @@
 #include "cli_versions.h"
 #include "cli_watch.h"
 #include "progress_bar.h"
-#include "safepoint/agent.h"
-#include "safepoint/arena.h"
+#include "protocol/protocol.h"
 #include "safepoint/build_config.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
+#include "shm/arena.h"
 #include "shm/stage_file.h"
 
 namespace safepoint {
 namespace {
 
 using json = nlohmann::ordered_json;
+using agent::SlotsJson;
 using internal::HumanBytes;
-using namespace safepoint::agent;  // the protocol: status requests, the agent's lock
+using namespace safepoint::protocol;  // the protocol: status requests, the agent's lock
 
 using cli::Fail;
 using cli::kExitError;

@@ -1,4 +1,4 @@
-// safepointd: the node agent of one job (include/safepoint/agent.h).
+// safepointd: the node agent of one job (src/agent/agent.h).
 //
 //   safepointd --job JOB [--shm-dir DIR] [--no-emergency-flush] [--sidecar] [--idle-exit SECONDS]
 //              [--log-level LEVEL] [--metrics HOST:PORT] [--event-log PATH]
@@ -13,8 +13,8 @@
 #include <iostream>
 #include <string>
 
+#include "agent/agent.h"
 #include "base/log.h"
-#include "safepoint/agent.h"
 
 namespace {
 

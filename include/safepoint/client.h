@@ -21,18 +21,22 @@
 #include <string_view>
 #include <vector>
 
-#include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
+#include "safepoint/replication.h"
 #include "safepoint/status.h"
 #include "safepoint/tiers.h"
 
 namespace safepoint {
 
-namespace agent {  // the agent protocol (src/agent/protocol.h)
+// Private to the library, named here only by SnapshotClient's members.
+class Arena;  // a rank's snapshot slots (src/shm/arena.h)
+struct SlotInfo;
+struct SlotWriteTicket;
+namespace protocol {  // what the client and the agent say to each other (src/protocol/protocol.h)
 enum class MessageType : uint16_t;
 struct SnapshotNote;
-}  // namespace agent
+}  // namespace protocol
 
 struct ClientOptions {
   std::string storage;  // the checkpoint directory (path or URI)
@@ -67,33 +71,6 @@ struct SnapshotResult {
   double create_seconds = 0;    // creating and pre-faulting a slot (first save, or a new layout)
   std::string agent_error;      // the agent could not be told (the snapshot is safe in memory)
   uint64_t structure_hash = 0;  // of the tensors' names, dtypes, shapes and boxes (notify=false)
-};
-
-// Peer replication (docs/replication.md).
-struct PeerNode {
-  std::string node;
-  std::string address;  // "host:port" of its agent's peer service
-};
-struct Membership {
-  std::string epoch;        // names one Checkpointer start of the job; the same on every rank
-  uint32_t node_index = 0;  // this node's place in `nodes`
-  std::vector<PeerNode> nodes;
-  std::string redundancy;  // "mirror", "mirror:N", "ec:K+P"
-  std::string secret_hex;  // the job's secret for this epoch
-  uint64_t bandwidth = 0;  // bytes/s cap on replication sends; 0: none
-};
-// A snapshot of this rank that the peers can rebuild.
-struct PeerCopy {
-  uint64_t step = 0;
-  uint64_t attempt = 0;
-  uint64_t complete_ns = 0;
-  uint64_t image_bytes = 0;
-};
-struct PeerFetchResult {
-  uint32_t slot = 0;
-  uint64_t bytes = 0;
-  std::string source;  // the nodes it came from
-  double seconds = 0;
 };
 
 // A restore's target for one tensor of a memory snapshot (LoadNewest/LoadStep in place): when
@@ -219,6 +196,7 @@ class SnapshotClient {
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
 
+  // The rank's slots (src/shm/arena.h, inside the library: the Python binding and tests read them).
   Arena& arena() { return *arena_; }
   const ClientOptions& options() const { return opt_; }
   std::optional<uint64_t> last_persist_step() const { return last_persist_step_; }
@@ -234,8 +212,8 @@ class SnapshotClient {
                                        const StageFn& stage);
   // The parts of WriteSnapshot before and after the copy.
   Status PrepareWrite(bool notify, SnapshotResult* result);
-  Result<bool> AcquireSlot(SnapshotResult* result, Arena::WriteTicket* ticket);
-  void CompleteWrite(uint64_t step, bool persist, bool notify, const Arena::WriteTicket& ticket,
+  Result<bool> AcquireSlot(SnapshotResult* result, SlotWriteTicket* ticket);
+  void CompleteWrite(uint64_t step, bool persist, bool notify, const SlotWriteTicket& ticket,
                      SnapshotResult* result);
   class Streamed;
   // ResourceExhausted when a snapshot of `image_bytes` could take the job's shared memory on
@@ -249,8 +227,8 @@ class SnapshotClient {
   void Disconnect();
   // Sends a request and returns the payload of its reply of type `reply_type`; reconnects (and
   // starts a new agent) once when the agent is gone.
-  Result<std::string> Request(agent::MessageType type, const std::string& payload,
-                              agent::MessageType reply_type, double timeout_s);
+  Result<std::string> Request(protocol::MessageType type, const std::string& payload,
+                              protocol::MessageType reply_type, double timeout_s);
 
   ClientOptions opt_;
   std::string job_dir_;
@@ -267,7 +245,7 @@ class SnapshotClient {
   Lineage lineage_;
   std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
   std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it
-  std::unique_ptr<agent::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
+  std::unique_ptr<protocol::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
 };
 
 }  // namespace safepoint

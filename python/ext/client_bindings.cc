@@ -20,9 +20,10 @@
 #include <vector>
 
 #include "errors.h"
-#include "replica/redundancy.h"
+#include "protocol/redundancy.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
+#include "shm/arena.h"
 #include "state.h"
 #include "store_bindings.h"
 

@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "errors.h"
-#include "safepoint/arena.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/image.h"
+#include "shm/arena.h"
 #include "shm/stage_file.h"
 
 namespace nb = nanobind;

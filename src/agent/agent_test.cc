@@ -1,6 +1,6 @@
 // Tests of the real agent binary (safepointd) as a child process: its protocol robustness, its
 // single-instance lock, and persisting / flushing / closing with a SnapshotClient.
-#include "safepoint/agent.h"
+#include "agent/agent.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -23,11 +23,11 @@
 #include <random>
 #include <thread>
 
-#include "agent/protocol.h"
 #include "base/unique_fd.h"
-#include "safepoint/arena.h"
+#include "protocol/protocol.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
+#include "shm/arena.h"
 #include "testing/protocol_util.h"
 #include "testing/test_util.h"
 
@@ -38,7 +38,7 @@
 namespace safepoint {
 namespace {
 
-using namespace safepoint::agent;  // NOLINT: the protocol under test
+using namespace safepoint::protocol;  // NOLINT: the protocol under test
 
 namespace fs = std::filesystem;
 using internal::UniqueFd;

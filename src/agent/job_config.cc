@@ -7,15 +7,15 @@
 #include <cerrno>
 #include <nlohmann/json.hpp>
 
-#include "agent/protocol.h"
 #include "base/unique_fd.h"
+#include "protocol/protocol.h"
 
 namespace safepoint::agent {
 
 using json = nlohmann::json;
 
 Result<std::optional<JobConfig>> ReadJobConfig(const std::string& job_dir) {
-  const std::string path = JobConfigPath(job_dir);
+  const std::string path = protocol::JobConfigPath(job_dir);
   internal::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd) {
     if (errno == ENOENT) return std::optional<JobConfig>();
@@ -50,7 +50,7 @@ Result<std::optional<JobConfig>> ReadJobConfig(const std::string& job_dir) {
     c.incremental = it->get<bool>();
   }
   if (auto it = j.find("tiers"); it != j.end()) {
-    if (Status s = DecodeTiers(*it, &c.tiers); !s.ok()) {
+    if (Status s = protocol::DecodeTiers(*it, &c.tiers); !s.ok()) {
       return Corruption(path + ": its storage tiers do not parse: " + s.message());
     }
   }
@@ -58,11 +58,11 @@ Result<std::optional<JobConfig>> ReadJobConfig(const std::string& job_dir) {
 }
 
 Status WriteJobConfig(const std::string& job_dir, const JobConfig& config) {
-  const std::string path = JobConfigPath(job_dir);
+  const std::string path = protocol::JobConfigPath(job_dir);
   const std::string tmp = path + ".tmp";
   json doc = {
       {"storage", config.storage}, {"world_size", config.world_size}, {"keep", config.keep}};
-  if (!config.tiers.empty()) doc["tiers"] = EncodeTiers(config.tiers);
+  if (!config.tiers.empty()) doc["tiers"] = protocol::EncodeTiers(config.tiers);
   if (config.compression != "none") doc["compression"] = config.compression;
   if (config.incremental) doc["incremental"] = true;
   const std::string text = doc.dump();

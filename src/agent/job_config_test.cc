@@ -3,12 +3,14 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/protocol.h"
+#include "protocol/protocol.h"
 #include "testing/test_util.h"
 
 namespace safepoint::agent {
 namespace {
 
+using protocol::HelloRequest;
+using protocol::JobConfigPath;
 using test::TempDir;
 
 TEST(JobConfigTest, TiersRoundTrip) {

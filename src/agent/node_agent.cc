@@ -35,6 +35,8 @@
 
 namespace safepoint::agent {
 
+using protocol::MessageType;
+
 // How long after a teardown the agent waits before it persists other nodes' snapshots from
 // their replicas: the source nodes' own emergency flushes, if they are alive, come first.
 constexpr double kHeldFlushDelaySeconds = 3;
@@ -70,7 +72,7 @@ void NodeAgent::Wake() {
 
 Status NodeAgent::Setup() {
   SP_ASSIGN_OR_RETURN(job_dir_, JobDirectory(opt_.shm_dir, opt_.job, /*create=*/true));
-  const std::string lock = AgentLockPath(job_dir_);
+  const std::string lock = protocol::AgentLockPath(job_dir_);
   lock_fd_.Reset(::open(lock.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
   if (!lock_fd_) return ErrnoStatus("open", lock, errno);
   if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) {
@@ -83,7 +85,7 @@ Status NodeAgent::Setup() {
     return ErrnoStatus("write", lock, errno);
   }
 
-  const std::string sock = AgentSocketPath(job_dir_);
+  const std::string sock = protocol::AgentSocketPath(job_dir_);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (sock.size() >= sizeof(addr.sun_path)) {
@@ -286,12 +288,12 @@ void NodeAgent::AnswerWaits() {
         continue;
       }
       if (!persisted) {  // only replication was asked for
-        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, Status::OK()}));
+        Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, Status::OK()}));
         continue;
       }
       auto it = rs.outcomes.find(step);
       if (it != rs.outcomes.end() && !it->second.ok()) {
-        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, it->second}));
+        Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, it->second}));
         continue;
       }
       // A step committed and then pruned by retention was saved all the same.
@@ -299,7 +301,7 @@ void NodeAgent::AnswerWaits() {
       if (committed_cache_.contains(step) || pruned ||
           (poll_commits && it != rs.outcomes.end() &&
            (StepCommitted(step) || SupersededOnStorage(step)))) {
-        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, Status::OK()}));
+        Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, Status::OK()}));
         continue;
       }
       if (it == rs.outcomes.end() && !rs.pending.contains(step)) {
@@ -308,7 +310,7 @@ void NodeAgent::AnswerWaits() {
                 ? Status::OK()
                 : NotFound("step " + std::to_string(step) + " of rank " + std::to_string(c->rank) +
                            " is not being persisted by this agent (was it restarted?)");
-        Reply(*c, MessageType::kWaitReply, Encode(WaitReply{step, s}));
+        Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, s}));
         continue;
       }
       still.emplace_back(step, persisted);
@@ -323,7 +325,7 @@ void NodeAgent::AnswerWaits() {
       Status removed = rs.arena ? rs.arena->Remove() : Status::OK();
       rs.arena.reset();
       rs.closed = true;
-      Reply(*c, MessageType::kCloseReply, Encode(CloseReply{removed}));
+      Reply(*c, MessageType::kCloseReply, Encode(protocol::CloseReply{removed}));
       spdlog::info("rank {} closed cleanly; its snapshots were removed", rank);
     }
     rs.close_client = -1;
@@ -333,7 +335,7 @@ void NodeAgent::AnswerWaits() {
 void NodeAgent::Reply(Client& c, MessageType type, const std::string& payload) {
   // A client that does not read its replies must not wedge the agent: give up after a second
   // and drop it (the loop removes broken clients).
-  Status s = SendMessage(c.fd.get(), type, payload, /*timeout_s=*/1.0);
+  Status s = protocol::SendMessage(c.fd.get(), type, payload, /*timeout_s=*/1.0);
   if (!s.ok()) {
     spdlog::warn("reply to pid {} failed: {}; dropping it", c.pid, s.ToString());
     c.broken = true;
@@ -341,7 +343,7 @@ void NodeAgent::Reply(Client& c, MessageType type, const std::string& payload) {
 }
 
 void NodeAgent::ReplyError(Client& c, const std::string& msg) {
-  Reply(c, MessageType::kError, Encode(ErrorReply{msg}));
+  Reply(c, MessageType::kError, Encode(protocol::ErrorReply{msg}));
 }
 
 void NodeAgent::Accept() {
@@ -383,7 +385,7 @@ void NodeAgent::HandleClientData(size_t idx) {
       break;
     }
     c.decoder.Feed({reinterpret_cast<const std::byte*>(buf), static_cast<size_t>(n)});
-    if (c.decoder.buffered() > 2 * kMaxMessageBytes) break;
+    if (c.decoder.buffered() > 2 * protocol::kMaxMessageBytes) break;
   }
   // A reply to a client that is gone fails (and marks it broken); its notes still count.
   while (!c.broken || gone) {
@@ -402,10 +404,10 @@ void NodeAgent::HandleClientData(size_t idx) {
   if (gone) DropClient(idx, !c.closing);
 }
 
-Status NodeAgent::HandleMessage(Client& c, const Message& m) {
+Status NodeAgent::HandleMessage(Client& c, const protocol::Message& m) {
   if (m.type == MessageType::kStatus || m.type == MessageType::kClose ||
       m.type == MessageType::kShutdown) {
-    EmptyRequest empty;
+    protocol::EmptyRequest empty;
     SP_RETURN_IF_ERROR(Decode(m.payload, &empty));
   }
   auto require_hello = [&](const char* what) {
@@ -414,13 +416,13 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
   };
   switch (m.type) {
     case MessageType::kHello: {
-      HelloRequest hello;
+      protocol::HelloRequest hello;
       SP_RETURN_IF_ERROR(Decode(m.payload, &hello));
       return HandleHello(c, hello);
     }
     case MessageType::kSnapshot: {
       SP_RETURN_IF_ERROR(require_hello("snapshot"));
-      SnapshotNote note;
+      protocol::SnapshotNote note;
       SP_RETURN_IF_ERROR(Decode(m.payload, &note));
       return HandleSnapshot(c, std::move(note));
     }
@@ -429,7 +431,7 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
       return Status::OK();
     case MessageType::kWait: {
       SP_RETURN_IF_ERROR(require_hello("wait"));
-      WaitRequest wait;
+      protocol::WaitRequest wait;
       SP_RETURN_IF_ERROR(Decode(m.payload, &wait));
       c.waits.emplace_back(wait.step, wait.persisted);
       AnswerWaits();
@@ -445,7 +447,7 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
     }
     case MessageType::kReport: {
       SP_RETURN_IF_ERROR(require_hello("report"));
-      ReportNote note;
+      protocol::ReportNote note;
       SP_RETURN_IF_ERROR(Decode(m.payload, &note));
       HandleReport(c, note);
       return Status::OK();
@@ -453,7 +455,7 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
     case MessageType::kShutdown:
       spdlog::info("shutdown requested by pid {}", c.pid);
       stopping_ = true;
-      Reply(c, MessageType::kCloseReply, Encode(CloseReply{Status::OK()}));
+      Reply(c, MessageType::kCloseReply, Encode(protocol::CloseReply{Status::OK()}));
       return Status::OK();
     case MessageType::kPeerSetup:
     case MessageType::kMembership:
@@ -477,34 +479,34 @@ Status NodeAgent::HandleMessage(Client& c, const Message& m) {
                          std::to_string(static_cast<int>(m.type)) + ", which only the agent sends");
 }
 
-Status NodeAgent::HandlePeerMessage(Client& c, const Message& m) {
+Status NodeAgent::HandlePeerMessage(Client& c, const protocol::Message& m) {
   switch (m.type) {
     case MessageType::kPeerSetup: {
-      PeerSetupRequest req;
+      protocol::PeerSetupRequest req;
       SP_RETURN_IF_ERROR(Decode(m.payload, &req));
       auto address = replicator_.Setup(job_dir_, req);
       if (!address.ok()) {
         ReplyError(c, address.status().message());
       } else {
-        Reply(c, MessageType::kPeerSetupReply, Encode(PeerSetupReply{*address}));
+        Reply(c, MessageType::kPeerSetupReply, Encode(protocol::PeerSetupReply{*address}));
       }
       return Status::OK();
     }
     case MessageType::kMembership: {
-      MembershipNote note;
+      protocol::MembershipNote note;
       SP_RETURN_IF_ERROR(Decode(m.payload, &note));
-      Reply(c, MessageType::kAck, Encode(AckReply{replicator_.Configure(note)}));
+      Reply(c, MessageType::kAck, Encode(protocol::AckReply{replicator_.Configure(note)}));
       return Status::OK();
     }
     case MessageType::kPeerList:
     case MessageType::kPeerFetch: {
       PeerRequest r{c.fd.get(), c.pid, m.type};
       if (m.type == MessageType::kPeerList) {
-        PeerListRequest req;
+        protocol::PeerListRequest req;
         SP_RETURN_IF_ERROR(Decode(m.payload, &req));
         r.rank = req.rank;
       } else {
-        PeerFetchRequest req;
+        protocol::PeerFetchRequest req;
         SP_RETURN_IF_ERROR(Decode(m.payload, &req));
         r.rank = req.rank;
         r.step = req.step;
@@ -517,9 +519,9 @@ Status NodeAgent::HandlePeerMessage(Client& c, const Message& m) {
       }
       if (!replicator_.enabled()) {
         if (m.type == MessageType::kPeerList) {
-          Reply(c, MessageType::kPeerListReply, Encode(PeerListReply{}));
+          Reply(c, MessageType::kPeerListReply, Encode(protocol::PeerListReply{}));
         } else {
-          PeerFetchReply none;
+          protocol::PeerFetchReply none;
           none.status = NotFound("peer replication is not configured");
           Reply(c, MessageType::kPeerFetchReply, Encode(none));
         }
@@ -529,7 +531,7 @@ Status NodeAgent::HandlePeerMessage(Client& c, const Message& m) {
       return Status::OK();
     }
     case MessageType::kPause: {
-      PauseNote note;
+      protocol::PauseNote note;
       SP_RETURN_IF_ERROR(Decode(m.payload, &note));
       replicator_.SetPaused(note.paused);
       return Status::OK();
@@ -563,7 +565,7 @@ void NodeAgent::DrainReplication() {
   }
 }
 
-Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
+Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
   const JobConfig want{hello.storage, hello.world_size,  hello.keep,
                        hello.tiers,   hello.compression, hello.incremental};
   if (want.world_size == 0 || hello.rank >= want.world_size || want.world_size > kMaxRank) {
@@ -580,8 +582,8 @@ Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
   }
   if (config_ && config_->tiers != want.tiers) {
     ReplyError(c, "job " + opt_.job + " already fills the storage tiers " +
-                      EncodeTiers(config_->tiers).dump() + "; this process asked for " +
-                      EncodeTiers(want.tiers).dump() +
+                      protocol::EncodeTiers(config_->tiers).dump() + "; this process asked for " +
+                      protocol::EncodeTiers(want.tiers).dump() +
                       " (use another job name, or let the job's agent exit first)");
     return Status::OK();
   }
@@ -618,11 +620,11 @@ Status NodeAgent::HandleHello(Client& c, const HelloRequest& hello) {
   ConfigureTelemetry(hello);
   spdlog::info("rank {} connected (pid {})", hello.rank, c.pid);
   Reply(c, MessageType::kHelloReply,
-        Encode(HelloReply{static_cast<uint32_t>(::getpid()), job_dir_}));
+        Encode(protocol::HelloReply{static_cast<uint32_t>(::getpid()), job_dir_}));
   return Status::OK();
 }
 
-Status NodeAgent::HandleSnapshot(Client& c, SnapshotNote note) {
+Status NodeAgent::HandleSnapshot(Client& c, protocol::SnapshotNote note) {
   RankState& rs = ranks_[c.rank];
   if (!rs.arena || note.slot >= rs.arena->slot_count()) {
     return InvalidArgument("protocol error: slot " + std::to_string(note.slot) + " does not exist");
@@ -869,14 +871,14 @@ int NodeAgent::Run() {
   telemetry_.StopMetrics();
   const bool all_closed = AllClosed();
   clients_.clear();
-  ::unlink(AgentSocketPath(job_dir_).c_str());
+  ::unlink(protocol::AgentSocketPath(job_dir_).c_str());
   if (all_closed) {
     // The job finished: nothing is left to keep (an event log the user placed elsewhere stays).
-    ::unlink(JobConfigPath(job_dir_).c_str());
-    ::unlink(AgentLogPath(job_dir_).c_str());
-    ::unlink(EventLogPath(job_dir_).c_str());
-    ::unlink((EventLogPath(job_dir_) + ".1").c_str());
-    ::unlink(AgentLockPath(job_dir_).c_str());
+    ::unlink(protocol::JobConfigPath(job_dir_).c_str());
+    ::unlink(protocol::AgentLogPath(job_dir_).c_str());
+    ::unlink(protocol::EventLogPath(job_dir_).c_str());
+    ::unlink((protocol::EventLogPath(job_dir_) + ".1").c_str());
+    ::unlink(protocol::AgentLockPath(job_dir_).c_str());
     replicator_.RemoveReplicas();
     ::rmdir(job_dir_.c_str());
   }

@@ -1,4 +1,4 @@
-// NodeAgent: the agent process of one job on one node (safepointd; include/safepoint/agent.h).
+// NodeAgent: the agent process of one job on one node (safepointd; src/agent/agent.h).
 //
 // Files of the agent, each with one job:
 //   node_agent.cc     the poll loop, client connections and message dispatch; the rank
@@ -12,7 +12,8 @@
 //   replicator.*      peer replication: pushes snapshots to other nodes, rebuilds from them
 //   tier_copier.*     copies committed steps down the job's storage tiers
 //   job_config.*      job.json: what a job persists to
-//   protocol.*        the messages and frames between clients and the agent
+//   agent.h           AgentOptions and RunAgent, what safepointd and `safepoint agent` call
+// The messages and frames between clients and the agent are src/protocol/protocol.h.
 //
 // Threads: everything in NodeAgent runs on the main thread, except the PersistQueue's worker, the
 // Replicator's workers and the TierChain's workers, which touch only their own state and wake the
@@ -33,16 +34,16 @@
 #include <string>
 #include <vector>
 
+#include "agent/agent.h"
 #include "agent/job_config.h"
 #include "agent/persist_queue.h"
-#include "agent/protocol.h"
 #include "agent/replicator.h"
 #include "agent/telemetry.h"
 #include "agent/tier_copier.h"
 #include "base/unique_fd.h"
-#include "safepoint/agent.h"
-#include "safepoint/arena.h"
+#include "protocol/protocol.h"
 #include "safepoint/checkpoint.h"
+#include "shm/arena.h"
 
 namespace safepoint::agent {
 
@@ -71,7 +72,7 @@ struct Client {
   internal::UniqueFd fd;
   internal::UniqueFd pidfd;  // invalid when pidfd_open failed
   uint32_t pid = 0;
-  FrameDecoder decoder;
+  protocol::FrameDecoder decoder;
   bool hello = false;
   uint32_t rank = 0;
   bool closing = false;
@@ -82,7 +83,7 @@ struct Client {
 class NodeAgent {
  public:
   explicit NodeAgent(AgentOptions options);
-  // Serves until told to stop; returns the process exit status (include/safepoint/agent.h).
+  // Serves until told to stop; returns the process exit status (src/agent/agent.h).
   int Run();
 
  private:
@@ -93,9 +94,9 @@ class NodeAgent {
   void Loop();
   void Accept();
   void HandleClientData(size_t idx);
-  Status HandleMessage(Client& c, const Message& m);
-  Status HandleHello(Client& c, const HelloRequest& hello);
-  Status HandleSnapshot(Client& c, SnapshotNote note);
+  Status HandleMessage(Client& c, const protocol::Message& m);
+  Status HandleHello(Client& c, const protocol::HelloRequest& hello);
+  Status HandleSnapshot(Client& c, protocol::SnapshotNote note);
   void DropClient(size_t idx, bool died);
   void EmergencyFlush(uint32_t rank, FlushReason reason);
   Status EnsureRank(uint32_t rank);
@@ -105,12 +106,12 @@ class NodeAgent {
   void DrainResults();
   void DrainReplication();
   void PollCommitsForTiers();
-  Status HandlePeerMessage(Client& c, const Message& m);
+  Status HandlePeerMessage(Client& c, const protocol::Message& m);
   void AnswerWaits();
   bool StepCommitted(uint64_t step);
   // The storage holds `keep` committed steps newer than `step`: retention removes it at commit.
   bool SupersededOnStorage(uint64_t step);
-  void Reply(Client& c, MessageType type, const std::string& payload);
+  void Reply(Client& c, protocol::MessageType type, const std::string& payload);
   void ReplyError(Client& c, const std::string& msg);
   bool Idle();
   bool AllClosed();
@@ -125,8 +126,8 @@ class NodeAgent {
 
   // telemetry.cc
   void RefreshTelemetry(bool now = false);
-  void HandleReport(Client& c, const ReportNote& note);
-  void ConfigureTelemetry(const HelloRequest& hello);
+  void HandleReport(Client& c, const protocol::ReportNote& note);
+  void ConfigureTelemetry(const protocol::HelloRequest& hello);
   void StartTelemetry();
 
   AgentOptions opt_;

@@ -5,7 +5,7 @@
 
 #include "base/kill_point.h"
 #include "base/parallel.h"
-#include "safepoint/arena.h"
+#include "shm/arena.h"
 
 namespace safepoint::agent {
 

@@ -12,12 +12,13 @@
 #include "base/crc32c.h"
 #include "base/log.h"
 #include "replica/auth.h"
-#include "safepoint/arena.h"
 #include "safepoint/image.h"
+#include "shm/arena.h"
 
 namespace safepoint::agent {
 
 using json = nlohmann::json;
+using protocol::MessageType;
 using replica::Holding;
 using replica::Peer;
 using replica::ReplicaMeta;
@@ -71,7 +72,8 @@ Replicator::Replicator(std::string job, std::function<void()> notify)
 
 Replicator::~Replicator() { Stop(); }
 
-Result<std::string> Replicator::Setup(const std::string& job_dir, const PeerSetupRequest& request) {
+Result<std::string> Replicator::Setup(const std::string& job_dir,
+                                      const protocol::PeerSetupRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
   if (service_) {
     if (request.node != node_ || request.bind_host != bind_host_) {
@@ -102,7 +104,7 @@ Result<std::string> Replicator::Setup(const std::string& job_dir, const PeerSetu
   return service_->address();
 }
 
-Status Replicator::Configure(const MembershipNote& note) {
+Status Replicator::Configure(const protocol::MembershipNote& note) {
   SP_ASSIGN_OR_RETURN(replica::Redundancy r, replica::ParseRedundancy(note.redundancy));
   std::string secret(note.secret.size() / 2, '\0');
   if (!replica::FromHex(note.secret, reinterpret_cast<uint8_t*>(secret.data()), secret.size())) {
@@ -117,7 +119,7 @@ Status Replicator::Configure(const MembershipNote& note) {
   }
   SP_RETURN_IF_ERROR(replica::CheckPlacement(r, static_cast<uint32_t>(note.nodes.size())));
   std::set<std::string> names;
-  for (const PeerAddress& n : note.nodes) {
+  for (const PeerNode& n : note.nodes) {
     if (!names.insert(n.node).second) {
       return InvalidArgument("node '" + n.node + "' appears twice in the membership");
     }
@@ -127,7 +129,7 @@ Status Replicator::Configure(const MembershipNote& note) {
   epoch_ = note.epoch;
   node_index_ = note.node_index;
   nodes_.clear();
-  for (const PeerAddress& n : note.nodes) nodes_.push_back(Peer{n.node, n.address});
+  for (const PeerNode& n : note.nodes) nodes_.push_back(Peer{n.node, n.address});
   redundancy_ = r;
   spdlog::info("replication {} over {} nodes (this is node {} '{}'), epoch {}", r.ToString(),
                nodes_.size(), node_index_, node_, epoch_);
@@ -365,7 +367,7 @@ PeerAnswer Replicator::List(const PeerRequest& r) {
     std::lock_guard<std::mutex> lock(mu_);
     peers = OtherPeersLocked();
   }
-  PeerListReply reply;
+  protocol::PeerListReply reply;
   if (!peers.empty()) {
     std::vector<Status> errors;
     const std::vector<Holding> holdings = service_->List(peers, r.rank, &errors);
@@ -374,7 +376,7 @@ PeerAnswer Replicator::List(const PeerRequest& r) {
     }
     for (const auto& [key, rb] : RebuildableSnapshots(holdings)) {
       const auto& [step, attempt, complete_ns] = key;
-      reply.snapshots.push_back(PeerSnapshot{step, attempt, complete_ns, rb.image_bytes});
+      reply.snapshots.push_back(PeerCopy{step, attempt, complete_ns, rb.image_bytes});
     }
   }
   a.payload = Encode(reply);
@@ -384,7 +386,7 @@ PeerAnswer Replicator::List(const PeerRequest& r) {
 PeerAnswer Replicator::Fetch(const PeerRequest& r) {
   PeerAnswer a;
   a.reply_type = MessageType::kPeerFetchReply;
-  PeerFetchReply reply;
+  protocol::PeerFetchReply reply;
   const auto t0 = std::chrono::steady_clock::now();
   auto fail = [&](Status s) {
     reply.status = std::move(s);
@@ -429,7 +431,7 @@ PeerAnswer Replicator::Fetch(const PeerRequest& r) {
   if (begun->first != Arena::Acquire::kAcquired) {
     return fail(Unavailable("no slot of rank " + std::to_string(r.rank) + " is free"));
   }
-  const Arena::WriteTicket ticket = begun->second;
+  const SlotWriteTicket ticket = begun->second;
   const replica::SnapshotId id{r.rank, r.step, best_ns, r.attempt};
   std::span<std::byte> image = ticket.data.subspan(0, best->image_bytes);
   Status s = service_->FetchImage(parts, id, image);

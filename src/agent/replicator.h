@@ -3,7 +3,7 @@
 // its own, and the server drains its results on the poll loop.
 //
 // - Pushes: each snapshot of a local rank is sent, straight from its slot, to the nodes that
-//   placement names (src/replica/redundancy.h) as whole copies or erasure-coded fragments. The
+//   placement names (src/protocol/redundancy.h) as whole copies or erasure-coded fragments. The
 //   slot is not leased: training never waits for replication. The push checks between chunks and
 //   at the end that the slot still holds that snapshot; when the rank's writer has started to
 //   overwrite it, the push is *superseded* (receivers drop what they got) and the newest snapshot
@@ -31,10 +31,10 @@
 #include <string>
 #include <vector>
 
-#include "agent/protocol.h"
 #include "base/worker_loop.h"
+#include "protocol/protocol.h"
+#include "protocol/redundancy.h"
 #include "replica/peer_service.h"
-#include "replica/redundancy.h"
 #include "replica/replica_store.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/status.h"
@@ -63,14 +63,15 @@ struct PushOutcome {
 struct PeerRequest {
   int client_fd = -1;  // -1: the agent's own request (FlushHeld), not answered
   uint32_t client_pid = 0;
-  MessageType type = MessageType::kPeerList;  // kPeerList, kPeerFetch, or kShutdown: FlushHeld
+  protocol::MessageType type =
+      protocol::MessageType::kPeerList;  // kPeerList, kPeerFetch, or kShutdown: FlushHeld
   uint32_t rank = 0;
   uint64_t step = 0, attempt = 0;
 };
 struct PeerAnswer {
   int client_fd = -1;
   uint32_t client_pid = 0;
-  MessageType reply_type = MessageType::kPeerListReply;
+  protocol::MessageType reply_type = protocol::MessageType::kPeerListReply;
   std::string payload;
 };
 
@@ -83,9 +84,9 @@ class Replicator {
 
   // Starts the peer service (once) on `bind_host` for `node`; returns its address. A later call
   // with another node or host is refused (an agent serves one node).
-  Result<std::string> Setup(const std::string& job_dir, const PeerSetupRequest& request);
+  Result<std::string> Setup(const std::string& job_dir, const protocol::PeerSetupRequest& request);
   // Applies a membership note (a new epoch replaces the peers, the secret and the limits).
-  Status Configure(const MembershipNote& note);
+  Status Configure(const protocol::MembershipNote& note);
   bool enabled() const;     // configured with a redundancy
   bool configured() const;  // the peer service runs
   void SetPaused(bool paused);

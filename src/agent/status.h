@@ -4,7 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "safepoint/arena.h"
+#include "shm/arena.h"
 
 namespace safepoint::agent {
 

@@ -346,7 +346,8 @@ void Telemetry::SetRanksConnected(size_t n) {
 }
 
 void NodeAgent::StartTelemetry() {
-  const std::string events = opt_.event_log.empty() ? EventLogPath(job_dir_) : opt_.event_log;
+  const std::string events =
+      opt_.event_log.empty() ? protocol::EventLogPath(job_dir_) : opt_.event_log;
   (void)telemetry_.OpenEventLog(events);  // a failure is logged and shown in the status
   if (!opt_.metrics_address.empty()) (void)telemetry_.StartMetrics(opt_.metrics_address);
 }
@@ -354,14 +355,14 @@ void NodeAgent::StartTelemetry() {
 // A training process's hello may ask for metrics and name the event log. The first address
 // asked for is served for the agent's lifetime; an event log named by the process replaces the
 // default one (but not one given to the agent on its command line).
-void NodeAgent::ConfigureTelemetry(const HelloRequest& hello) {
+void NodeAgent::ConfigureTelemetry(const protocol::HelloRequest& hello) {
   if (!hello.metrics.empty()) (void)telemetry_.StartMetrics(hello.metrics);
   if (!hello.event_log.empty() && opt_.event_log.empty()) {
     (void)telemetry_.OpenEventLog(hello.event_log);
   }
 }
 
-void NodeAgent::HandleReport(Client& c, const ReportNote& note) {
+void NodeAgent::HandleReport(Client& c, const protocol::ReportNote& note) {
   const double seconds = static_cast<double>(note.nanos) / 1e9;
   // Label values stay bounded whatever a client sends.
   const std::string source =

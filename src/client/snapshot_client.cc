@@ -15,19 +15,20 @@
 #include <thread>
 #include <unordered_map>
 
-#include "agent/protocol.h"
 #include "base/aligned_buffer.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
 #include "base/unique_fd.h"
+#include "protocol/protocol.h"
 #include "safepoint/client.h"
+#include "shm/arena.h"
 
 namespace safepoint {
 
 namespace {
 
-using agent::MessageType;
+using protocol::MessageType;
 using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t0) {
@@ -45,8 +46,8 @@ namespace {
 
 // The text of an error reply (or the raw payload if even that does not decode).
 std::string ErrorText(const std::string& payload) {
-  agent::ErrorReply e;
-  return agent::Decode(payload, &e).ok() ? e.error : payload;
+  protocol::ErrorReply e;
+  return protocol::Decode(payload, &e).ok() ? e.error : payload;
 }
 
 }  // namespace
@@ -73,7 +74,7 @@ void SnapshotClient::Disconnect() {
 
 Status SnapshotClient::ConnectOnce() {
   Disconnect();
-  const std::string path = agent::AgentSocketPath(job_dir_);
+  const std::string path = protocol::AgentSocketPath(job_dir_);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -90,19 +91,19 @@ Status SnapshotClient::ConnectOnce() {
 }
 
 Status SnapshotClient::Hello() {
-  const agent::HelloRequest hello{opt_.rank,
-                                  opt_.world_size,
-                                  opt_.storage,
-                                  opt_.keep,
-                                  static_cast<uint32_t>(::getpid()),
-                                  opt_.tiers,
-                                  opt_.metrics,
-                                  opt_.event_log,
-                                  opt_.compression,
-                                  opt_.incremental};
-  agent::FrameDecoder decoder;
-  SP_RETURN_IF_ERROR(agent::SendMessage(fd_, MessageType::kHello, agent::Encode(hello)));
-  SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));
+  const protocol::HelloRequest hello{opt_.rank,
+                                     opt_.world_size,
+                                     opt_.storage,
+                                     opt_.keep,
+                                     static_cast<uint32_t>(::getpid()),
+                                     opt_.tiers,
+                                     opt_.metrics,
+                                     opt_.event_log,
+                                     opt_.compression,
+                                     opt_.incremental};
+  protocol::FrameDecoder decoder;
+  SP_RETURN_IF_ERROR(protocol::SendMessage(fd_, MessageType::kHello, protocol::Encode(hello)));
+  SP_ASSIGN_OR_RETURN(protocol::Message reply, protocol::ReceiveMessage(fd_, decoder, 30));
   if (reply.type == MessageType::kError) {
     Disconnect();
     return InvalidArgument("the safepoint agent refused this process: " + ErrorText(reply.payload));
@@ -116,10 +117,9 @@ Status SnapshotClient::Hello() {
 
 namespace {
 
-agent::MembershipNote ToNote(const Membership& m) {
-  agent::MembershipNote note{m.epoch, m.node_index, {}, m.redundancy, m.secret_hex, m.bandwidth};
-  for (const PeerNode& n : m.nodes) note.nodes.push_back({n.node, n.address});
-  return note;
+protocol::MembershipNote ToNote(const Membership& m) {
+  return protocol::MembershipNote{m.epoch,      m.node_index, m.nodes,
+                                  m.redundancy, m.secret_hex, m.bandwidth};
 }
 
 }  // namespace
@@ -127,22 +127,22 @@ agent::MembershipNote ToNote(const Membership& m) {
 // A new agent (the previous one died) learns the peer setup and membership again. Failures are
 // not fatal to the connection: replication is a cache, saves and loads go on without it.
 Status SnapshotClient::SendPeerState() {
-  agent::FrameDecoder decoder;
+  protocol::FrameDecoder decoder;
   auto exchange = [&](MessageType type, const std::string& payload) -> Status {
-    SP_RETURN_IF_ERROR(agent::SendMessage(fd_, type, payload));
-    SP_ASSIGN_OR_RETURN(agent::Message reply, agent::ReceiveMessage(fd_, decoder, 30));
+    SP_RETURN_IF_ERROR(protocol::SendMessage(fd_, type, payload));
+    SP_ASSIGN_OR_RETURN(protocol::Message reply, protocol::ReceiveMessage(fd_, decoder, 30));
     if (reply.type == MessageType::kError) return InvalidArgument(ErrorText(reply.payload));
     return Status::OK();
   };
   if (peer_setup_) {
     const auto& [node, host, timeout] = *peer_setup_;
-    Status s = exchange(
-        MessageType::kPeerSetup,
-        agent::Encode(agent::PeerSetupRequest{node, host, static_cast<uint32_t>(timeout * 1000)}));
+    Status s =
+        exchange(MessageType::kPeerSetup, protocol::Encode(protocol::PeerSetupRequest{
+                                              node, host, static_cast<uint32_t>(timeout * 1000)}));
     if (!s.ok()) return Status::OK();
   }
   if (membership_) {
-    exchange(MessageType::kMembership, agent::Encode(ToNote(*membership_))).IgnoreError();
+    exchange(MessageType::kMembership, protocol::Encode(ToNote(*membership_))).IgnoreError();
   }
   return Status::OK();
 }
@@ -151,11 +151,11 @@ Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std
                                               double timeout_s) {
   SP_ASSIGN_OR_RETURN(std::string payload,
                       Request(MessageType::kPeerSetup,
-                              agent::Encode(agent::PeerSetupRequest{
+                              protocol::Encode(protocol::PeerSetupRequest{
                                   node, bind_host, static_cast<uint32_t>(timeout_s * 1000)}),
                               MessageType::kPeerSetupReply, 60));
-  agent::PeerSetupReply reply;
-  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
+  protocol::PeerSetupReply reply;
+  SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   peer_setup_.emplace(node, bind_host, timeout_s);
   return reply.address;
 }
@@ -163,36 +163,34 @@ Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std
 Status SnapshotClient::SetMembership(const Membership& m) {
   SP_ASSIGN_OR_RETURN(
       std::string payload,
-      Request(MessageType::kMembership, agent::Encode(ToNote(m)), MessageType::kAck, 60));
-  agent::AckReply reply;
-  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
+      Request(MessageType::kMembership, protocol::Encode(ToNote(m)), MessageType::kAck, 60));
+  protocol::AckReply reply;
+  SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   if (!reply.status.ok()) return reply.status;
   membership_ = m;
   return Status::OK();
 }
 
 Result<std::vector<PeerCopy>> SnapshotClient::PeerCopies() {
-  SP_ASSIGN_OR_RETURN(std::string payload, Request(MessageType::kPeerList,
-                                                   agent::Encode(agent::PeerListRequest{opt_.rank}),
-                                                   MessageType::kPeerListReply, 120));
-  agent::PeerListReply reply;
-  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
-  std::vector<PeerCopy> out;
-  for (const agent::PeerSnapshot& s : reply.snapshots) {
-    out.push_back({s.step, s.attempt, s.complete_ns, s.image_bytes});
-  }
-  return out;
+  SP_ASSIGN_OR_RETURN(
+      std::string payload,
+      Request(MessageType::kPeerList, protocol::Encode(protocol::PeerListRequest{opt_.rank}),
+              MessageType::kPeerListReply, 120));
+  protocol::PeerListReply reply;
+  SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
+  return std::move(reply.snapshots);
 }
 
 Result<PeerFetchResult> SnapshotClient::FetchFromPeers(uint64_t step, uint64_t attempt,
                                                        double timeout_s) {
   const auto t0 = std::chrono::steady_clock::now();
-  SP_ASSIGN_OR_RETURN(std::string payload,
-                      Request(MessageType::kPeerFetch,
-                              agent::Encode(agent::PeerFetchRequest{opt_.rank, step, attempt}),
-                              MessageType::kPeerFetchReply, timeout_s));
-  agent::PeerFetchReply reply;
-  SP_RETURN_IF_ERROR(agent::Decode(payload, &reply));
+  SP_ASSIGN_OR_RETURN(
+      std::string payload,
+      Request(MessageType::kPeerFetch,
+              protocol::Encode(protocol::PeerFetchRequest{opt_.rank, step, attempt}),
+              MessageType::kPeerFetchReply, timeout_s));
+  protocol::PeerFetchReply reply;
+  SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   if (!reply.status.ok()) return reply.status;
   SP_RETURN_IF_ERROR(arena_->Refresh());  // the agent may have created the slot file
   return PeerFetchResult{
@@ -202,20 +200,22 @@ Result<PeerFetchResult> SnapshotClient::FetchFromPeers(uint64_t step, uint64_t a
 
 Status SnapshotClient::PauseReplication(bool paused) {
   if (fd_ < 0) SP_RETURN_IF_ERROR(EnsureAgent());
-  return agent::SendMessage(fd_, MessageType::kPause, agent::Encode(agent::PauseNote{paused}));
+  return protocol::SendMessage(fd_, MessageType::kPause,
+                               protocol::Encode(protocol::PauseNote{paused}));
 }
 
 void SnapshotClient::Report(std::string_view event, uint64_t step, bool saved, double seconds,
                             uint64_t bytes, std::string_view source, std::string_view error) {
   if (fd_ < 0) return;
-  const agent::ReportNote note{std::string(event),
-                               step,
-                               saved,
-                               static_cast<uint64_t>(std::max(0.0, seconds) * 1e9),
-                               bytes,
-                               std::string(source),
-                               std::string(error)};
-  if (!agent::SendMessage(fd_, MessageType::kReport, agent::Encode(note), /*timeout_s=*/0.5).ok()) {
+  const protocol::ReportNote note{std::string(event),
+                                  step,
+                                  saved,
+                                  static_cast<uint64_t>(std::max(0.0, seconds) * 1e9),
+                                  bytes,
+                                  std::string(source),
+                                  std::string(error)};
+  if (!protocol::SendMessage(fd_, MessageType::kReport, protocol::Encode(note), /*timeout_s=*/0.5)
+           .ok()) {
     Disconnect();  // the next request reconnects (and starts an agent if none is left)
   }
 }
@@ -229,7 +229,7 @@ Status SnapshotClient::StartAgent() {
   if (::access(opt_.agent_binary.c_str(), X_OK) != 0) {
     return ErrnoStatus("exec", opt_.agent_binary, errno);
   }
-  const std::string log = agent::AgentLogPath(job_dir_);
+  const std::string log = protocol::AgentLogPath(job_dir_);
   std::vector<std::string> args = {opt_.agent_binary, "--job", opt_.job, "--shm-dir", opt_.shm_dir};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -275,7 +275,7 @@ Status SnapshotClient::EnsureAgent() {
     // An agent that died while starting (after taking the job's lock, or before: it holds the
     // lock within milliseconds when it lives) is started again, instead of waiting out the
     // timeout for one that is gone. A redundant start is harmless: the lock lets one agent in.
-    const bool alive = agent::AgentAlive(job_dir_);
+    const bool alive = protocol::AgentAlive(job_dir_);
     seen_alive |= alive;
     if (!alive && (seen_alive || Since(started) > kAgentRestartSeconds)) {
       SP_RETURN_IF_ERROR(StartAgent());
@@ -285,7 +285,7 @@ Status SnapshotClient::EnsureAgent() {
     if (Since(t0) > opt_.agent_start_timeout_s) {
       return Unavailable(job_dir_ + ": the safepoint agent did not start within " +
                          std::to_string(static_cast<int>(opt_.agent_start_timeout_s)) + " s; see " +
-                         agent::AgentLogPath(job_dir_) + " (" + s.message() + ")");
+                         protocol::AgentLogPath(job_dir_) + " (" + s.message() + ")");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -308,10 +308,10 @@ Result<std::string> SnapshotClient::Request(MessageType type, const std::string&
                                             MessageType reply_type, double timeout_s) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (fd_ < 0) SP_RETURN_IF_ERROR(EnsureAgent());
-    Status s = agent::SendMessage(fd_, type, payload);
+    Status s = protocol::SendMessage(fd_, type, payload);
     if (s.ok()) {
-      agent::FrameDecoder decoder;
-      auto reply = agent::ReceiveMessage(fd_, decoder, timeout_s);
+      protocol::FrameDecoder decoder;
+      auto reply = protocol::ReceiveMessage(fd_, decoder, timeout_s);
       if (reply.ok()) {
         if (reply->type == MessageType::kError) {
           return InvalidArgument("the safepoint agent refused the request: " +
@@ -397,7 +397,7 @@ Status SnapshotClient::PrepareWrite(bool notify, SnapshotResult* result) {
 }
 
 // False: skipped (no slot may be overwritten and the client does not wait).
-Result<bool> SnapshotClient::AcquireSlot(SnapshotResult* result, Arena::WriteTicket* ticket) {
+Result<bool> SnapshotClient::AcquireSlot(SnapshotResult* result, SlotWriteTicket* ticket) {
   const auto t_wait = Clock::now();
   for (int spins = 0;; ++spins) {
     SP_ASSIGN_OR_RETURN(auto acquired, arena_->BeginWrite(plan_->size()));
@@ -410,7 +410,7 @@ Result<bool> SnapshotClient::AcquireSlot(SnapshotResult* result, Arena::WriteTic
       return false;  // every slot that could be overwritten is still being persisted
     }
     // The agent holds the slot while it persists it. If it died, a new one clears its leases.
-    if (spins % 500 == 499 && !agent::AgentAlive(job_dir_)) {
+    if (spins % 500 == 499 && !protocol::AgentAlive(job_dir_)) {
       Disconnect();
       SP_RETURN_IF_ERROR(EnsureAgent());
     }
@@ -423,7 +423,7 @@ Result<bool> SnapshotClient::AcquireSlot(SnapshotResult* result, Arena::WriteTic
 }
 
 void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
-                                   const Arena::WriteTicket& ticket, SnapshotResult* result) {
+                                   const SlotWriteTicket& ticket, SnapshotResult* result) {
   SP_KILL_POINT("client.save.before_complete");
   arena_->FinishWrite(ticket, step, plan_->size(), /*leased=*/persist);
   saved_ = true;
@@ -433,8 +433,8 @@ void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
   last_saved_step_ = step;
   result->structure_hash = notify ? 0 : *plan_hash_;
   // Tell the agent; the snapshot is safe in memory whatever happens here.
-  pending_note_ = std::make_unique<agent::SnapshotNote>(
-      agent::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
+  pending_note_ = std::make_unique<protocol::SnapshotNote>(
+      protocol::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
   if (notify) result->agent_error = Notify({});
 }
 
@@ -443,7 +443,7 @@ Result<SnapshotResult> SnapshotClient::WriteSnapshot(uint64_t step, bool persist
   SnapshotResult result;
   result.persist_requested = persist;
   SP_RETURN_IF_ERROR(PrepareWrite(notify, &result));
-  Arena::WriteTicket ticket;
+  SlotWriteTicket ticket;
   SP_ASSIGN_OR_RETURN(const bool acquired, AcquireSlot(&result, &ticket));
   if (!acquired) return result;
 
@@ -466,8 +466,8 @@ Result<SnapshotResult> SnapshotClient::WriteSnapshot(uint64_t step, bool persist
 // starts in it or before has been published.
 class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
  public:
-  Streamed(SnapshotClient* client, uint64_t step, bool persist, bool notify,
-           Arena::WriteTicket ticket, SnapshotResult result, size_t threads)
+  Streamed(SnapshotClient* client, uint64_t step, bool persist, bool notify, SlotWriteTicket ticket,
+           SnapshotResult result, size_t threads)
       : c_(client),
         step_(step),
         persist_(persist),
@@ -556,7 +556,7 @@ class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
   SnapshotClient* c_;
   uint64_t step_;
   bool persist_, notify_;
-  Arena::WriteTicket ticket_;
+  SlotWriteTicket ticket_;
   SnapshotResult result_;
   Clock::time_point t0_;
   std::vector<size_t> need_;
@@ -574,7 +574,7 @@ SnapshotClient::BeginStreamed(uint64_t step, bool persist, bool notify) {
   SnapshotResult result;
   result.persist_requested = persist;
   SP_RETURN_IF_ERROR(PrepareWrite(notify, &result));
-  Arena::WriteTicket ticket;
+  SlotWriteTicket ticket;
   SP_ASSIGN_OR_RETURN(const bool acquired, AcquireSlot(&result, &ticket));
   if (!acquired) return std::make_pair(std::unique_ptr<StreamedSave>(), result);
   plan_->Rebind(step);
@@ -607,14 +607,14 @@ Status SnapshotClient::CheckShmCap(uint64_t image_bytes) {
 std::string SnapshotClient::Notify(const SkipRanges& skip) {
   if (!pending_note_) return "";
   pending_note_->skip = skip;
-  const std::string note = agent::Encode(*pending_note_);
+  const std::string note = protocol::Encode(*pending_note_);
   pending_note_.reset();
-  Status s = fd_ >= 0 ? agent::SendMessage(fd_, MessageType::kSnapshot, note)
+  Status s = fd_ >= 0 ? protocol::SendMessage(fd_, MessageType::kSnapshot, note)
                       : Unavailable("not connected");
   if (!s.ok()) {
     Disconnect();
     s = EnsureAgent();  // a new agent adopts the arena and persists what is not yet committed
-    if (s.ok()) s = agent::SendMessage(fd_, MessageType::kSnapshot, note);
+    if (s.ok()) s = protocol::SendMessage(fd_, MessageType::kSnapshot, note);
   }
   return s.ok() ? "" : s.ToString();
 }
@@ -626,10 +626,10 @@ Status SnapshotClient::Wait(double timeout_s) {
   const uint64_t step = replication_only ? *last_saved_step_ : *last_persist_step_;
   SP_ASSIGN_OR_RETURN(
       std::string payload,
-      Request(MessageType::kWait, agent::Encode(agent::WaitRequest{step, !replication_only}),
+      Request(MessageType::kWait, protocol::Encode(protocol::WaitRequest{step, !replication_only}),
               MessageType::kWaitReply, timeout_s));
-  agent::WaitReply reply;
-  if (Status s = agent::Decode(payload, &reply); !s.ok()) {
+  protocol::WaitReply reply;
+  if (Status s = protocol::Decode(payload, &reply); !s.ok()) {
     return Unavailable("the safepoint agent sent a malformed reply: " + s.message());
   }
   if (reply.status.ok()) return Status::OK();
@@ -779,8 +779,8 @@ Status SnapshotClient::Close(double timeout_s) {
   auto payload = Request(MessageType::kClose, "{}", MessageType::kCloseReply, timeout_s);
   Disconnect();
   if (!payload.ok()) return payload.status();
-  agent::CloseReply reply;
-  if (Status s = agent::Decode(*payload, &reply); !s.ok()) {
+  protocol::CloseReply reply;
+  if (Status s = protocol::Decode(*payload, &reply); !s.ok()) {
     return IOError(job_dir_ + ": closing failed: the agent sent a malformed reply: " + s.message());
   }
   if (!reply.status.ok()) return IOError(job_dir_ + ": closing failed: " + reply.status.message());

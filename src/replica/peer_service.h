@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "replica/redundancy.h"
+#include "protocol/redundancy.h"
 #include "replica/replica_store.h"
 #include "safepoint/status.h"
 

@@ -20,8 +20,8 @@
 
 #include "base/crc32c.h"
 #include "base/unique_fd.h"
+#include "protocol/redundancy.h"
 #include "replica/auth.h"
-#include "replica/redundancy.h"
 #include "replica/replica_store.h"
 #include "replica/ucx_wire.h"
 #include "testing/test_util.h"

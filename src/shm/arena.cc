@@ -1,5 +1,5 @@
-// Arenas of snapshot slots in shared memory (include/safepoint/arena.h).
-#include "safepoint/arena.h"
+// Arenas of snapshot slots in shared memory (src/shm/arena.h).
+#include "shm/arena.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -589,7 +589,7 @@ Status Arena::Reserve(uint64_t image_size) {
   SP_RETURN_IF_ERROR(Refresh());
   // Take every slot this writer may overwrite now (FREE, torn, or an older COMPLETE one) at
   // once, growing each as it is taken, then give them all back.
-  std::vector<WriteTicket> taken;
+  std::vector<SlotWriteTicket> taken;
   Status status;
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     auto ticket = BeginWrite(image_size);
@@ -600,11 +600,11 @@ Status Arena::Reserve(uint64_t image_size) {
     if (ticket->first == Acquire::kBusy) break;
     taken.push_back(ticket->second);
   }
-  for (const WriteTicket& t : taken) AbortWrite(t);
+  for (const SlotWriteTicket& t : taken) AbortWrite(t);
   return status;
 }
 
-Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t image_size) {
+Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::BeginWrite(uint64_t image_size) {
   SP_RETURN_IF_ERROR(Refresh());
   const ProcessId self = Self();
   for (int attempt = 0; attempt < 100; ++attempt) {
@@ -645,9 +645,9 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
       return a->complete_time_ns != b->complete_time_ns ? a->complete_time_ns < b->complete_time_ns
                                                         : a->step < b->step;
     });
-    if (order.empty()) return std::make_pair(Acquire::kBusy, WriteTicket{});
+    if (order.empty()) return std::make_pair(Acquire::kBusy, SlotWriteTicket{});
     const SlotInfo& s = *order.front();
-    WriteTicket t;
+    SlotWriteTicket t;
     t.slot = s.index;
     t.generation = s.generation + 1;
     if (slots_[s.index]) {
@@ -670,7 +670,7 @@ Result<std::pair<Arena::Acquire, Arena::WriteTicket>> Arena::BeginWrite(uint64_t
     t.data = slots_[s.index]->data().subspan(0, image_size);
     return std::make_pair(Acquire::kAcquired, t);
   }
-  return std::make_pair(Acquire::kBusy, WriteTicket{});
+  return std::make_pair(Acquire::kBusy, SlotWriteTicket{});
 }
 
 // The time a snapshot becomes current: now, and later than every other slot's (only the rank's
@@ -683,7 +683,7 @@ int64_t Arena::NextCompletionNs() const {
   return t;
 }
 
-void Arena::FinishWrite(const WriteTicket& t, uint64_t step, uint64_t image_size, bool leased) {
+void Arena::FinishWrite(const SlotWriteTicket& t, uint64_t step, uint64_t image_size, bool leased) {
   SlotHeader* h = slots_[t.slot]->header();
   h->step.store(step, std::memory_order_relaxed);
   h->image_size.store(image_size, std::memory_order_relaxed);
@@ -691,7 +691,7 @@ void Arena::FinishWrite(const WriteTicket& t, uint64_t step, uint64_t image_size
   h->word.store(Word(t.generation, SlotState::kComplete, leased), std::memory_order_release);
 }
 
-void Arena::AbortWrite(const WriteTicket& t) {
+void Arena::AbortWrite(const SlotWriteTicket& t) {
   if (!slots_[t.slot]) return;
   slots_[t.slot]->header()->word.store(Word(t.generation, SlotState::kFree),
                                        std::memory_order_release);

@@ -1,4 +1,4 @@
-#include "safepoint/arena.h"
+#include "shm/arena.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -66,7 +66,7 @@ void ExpectImage(std::span<const std::byte> image, uint64_t step, size_t elems =
 }
 
 // Takes a slot, fills it with Shard(step) and marks it COMPLETE.
-Arena::WriteTicket Save(Arena& arena, uint64_t step, bool leased = false, size_t elems = 16 << 10) {
+SlotWriteTicket Save(Arena& arena, uint64_t step, bool leased = false, size_t elems = 16 << 10) {
   Shard s(step, elems);
   auto t = arena.BeginWrite(s.size());
   EXPECT_OK(t);

@@ -7,7 +7,7 @@
 #include <filesystem>
 
 #include "base/process.h"
-#include "safepoint/arena.h"
+#include "shm/arena.h"
 #include "testing/test_util.h"
 
 namespace safepoint::internal {

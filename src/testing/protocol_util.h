@@ -1,4 +1,4 @@
-// Helpers for the tests of the agent's wire protocol (src/agent/protocol.h) and of the agent.
+// Helpers for the tests of the agent's wire protocol (src/protocol/protocol.h) and of the agent.
 #pragma once
 
 #include <cstdint>

@@ -1,14 +1,14 @@
 // libFuzzer target: the agent protocol's frame decoder fed in arbitrary pieces, and every message
-// payload decoded as each typed message the agent and the client parse (src/agent/protocol.h).
+// payload decoded as each typed message the agent and the client parse (src/protocol/protocol.h).
 // Errors are fine; crashes, exceptions, hangs and unbounded buffering are not.
 #include <cstddef>
 #include <cstdint>
 
-#include "agent/protocol.h"
+#include "protocol/protocol.h"
 
 namespace {
 
-using namespace safepoint::agent;  // NOLINT: the protocol under test
+using namespace safepoint::protocol;  // NOLINT: the protocol under test
 
 // Decodes `payload` as every message type; a decoded message must encode and decode again.
 template <typename T>

@@ -1,5 +1,5 @@
-// The agent protocol (src/agent/protocol.h): typed messages, framing, the job directory's files.
-#include "agent/protocol.h"
+// The agent protocol (src/protocol/protocol.h): typed messages, framing, the job directory's files.
+#include "protocol/protocol.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -18,7 +18,7 @@
 #include "base/bytes.h"
 #include "base/unique_fd.h"
 
-namespace safepoint::agent {
+namespace safepoint::protocol {
 
 using internal::AppendLE;
 using internal::LoadLE;
@@ -227,7 +227,7 @@ std::string Encode(const PeerSetupRequest& m) {
 std::string Encode(const PeerSetupReply& m) { return json{{"address", m.address}}.dump(); }
 std::string Encode(const MembershipNote& m) {
   json nodes = json::array();
-  for (const PeerAddress& n : m.nodes) nodes.push_back({{"node", n.node}, {"address", n.address}});
+  for (const PeerNode& n : m.nodes) nodes.push_back({{"node", n.node}, {"address", n.address}});
   return json{{"epoch", m.epoch},   {"node_index", m.node_index},
               {"nodes", nodes},     {"redundancy", m.redundancy},
               {"secret", m.secret}, {"bandwidth", m.bandwidth}}
@@ -237,7 +237,7 @@ std::string Encode(const AckReply& m) { return StatusFields(m.status).dump(); }
 std::string Encode(const PeerListRequest& m) { return json{{"rank", m.rank}}.dump(); }
 std::string Encode(const PeerListReply& m) {
   json list = json::array();
-  for (const PeerSnapshot& s : m.snapshots) {
+  for (const PeerCopy& s : m.snapshots) {
     list.push_back({{"step", s.step},
                     {"attempt", s.attempt},
                     {"complete_ns", s.complete_ns},
@@ -288,7 +288,7 @@ Status Decode(std::string_view payload, MembershipNote* out) {
   out->nodes.clear();
   for (const json& n : *it) {
     if (!n.is_object()) return ProtocolError("an element of 'nodes' is not an object");
-    PeerAddress a;
+    PeerNode a;
     SP_RETURN_IF_ERROR(Field(n, "node", &a.node));
     SP_RETURN_IF_ERROR(Field(n, "address", &a.address));
     out->nodes.push_back(std::move(a));
@@ -313,7 +313,7 @@ Status Decode(std::string_view payload, PeerListReply* out) {
   out->snapshots.clear();
   for (const json& e : *it) {
     if (!e.is_object()) return ProtocolError("an element of 'snapshots' is not an object");
-    PeerSnapshot s;
+    PeerCopy s;
     SP_RETURN_IF_ERROR(Field(e, "step", &s.step));
     SP_RETURN_IF_ERROR(Field(e, "attempt", &s.attempt));
     SP_RETURN_IF_ERROR(Field(e, "complete_ns", &s.complete_ns));
@@ -481,4 +481,4 @@ bool AgentAlive(const std::string& job_dir, uint32_t* pid) {
   return alive;
 }
 
-}  // namespace safepoint::agent
+}  // namespace safepoint::protocol

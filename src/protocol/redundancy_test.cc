@@ -1,4 +1,4 @@
-#include "replica/redundancy.h"
+#include "protocol/redundancy.h"
 
 #include <gtest/gtest.h>
 

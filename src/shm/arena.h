@@ -94,6 +94,15 @@ Status ValidateJobName(const std::string& job);
 
 class SlotFile;  // a mapped slot file (src/shm/arena.cc)
 
+// A slot taken for writing (Arena::BeginWrite), until FinishWrite or AbortWrite.
+struct SlotWriteTicket {
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  std::span<std::byte> data;  // image_size bytes of the slot
+  bool relaid_out = false;    // the slot file was (re)created for this size
+  double create_seconds = 0;  // time spent creating and pre-faulting it
+};
+
 // One rank's slots.
 class Arena {
  public:
@@ -117,24 +126,17 @@ class Arena {
 
   // --- writer side (the training process of this rank) ----------------------------------------
   enum class Acquire { kAcquired, kBusy };
-  struct WriteTicket {
-    uint32_t slot = 0;
-    uint64_t generation = 0;
-    std::span<std::byte> data;  // image_size bytes of the slot
-    bool relaid_out = false;    // the slot file was (re)created for this size
-    double create_seconds = 0;  // time spent creating and pre-faulting it
-  };
   // Takes a slot that may be overwritten (never the newest COMPLETE one, never a leased one) and
   // marks it WRITING. Grows the slot file when it is smaller than image_size (checking the free
   // space first: ResourceExhausted with the bytes needed and free). kBusy when no slot may be
   // overwritten right now (the agent still reads it).
-  Result<std::pair<Acquire, WriteTicket>> BeginWrite(uint64_t image_size);
+  Result<std::pair<Acquire, SlotWriteTicket>> BeginWrite(uint64_t image_size);
   // Marks the slot COMPLETE with the step; its bytes must be a whole, checksummed image.
   // `leased`: hand it over leased, for the agent to persist (it releases the lease when done).
-  void FinishWrite(const WriteTicket& ticket, uint64_t step, uint64_t image_size,
+  void FinishWrite(const SlotWriteTicket& ticket, uint64_t step, uint64_t image_size,
                    bool leased = false);
   // Marks a slot FREE again after a failed write.
-  void AbortWrite(const WriteTicket& ticket);
+  void AbortWrite(const SlotWriteTicket& ticket);
   // The run resumes from this COMPLETE snapshot (the writer loaded it before saving anything):
   // it becomes the newest, as if it had completed now, so that the next BeginWrite keeps it
   // and overwrites a snapshot that an abandoned run completed later. False when the slot no

@@ -1,5 +1,10 @@
 // Redundancy of snapshots in other nodes' memory, and where the copies go (docs/replication.md).
 //
+// Both sides of the agent protocol apply these rules: the training process checks a redundancy
+// against the job's nodes before it sends the membership (python/ext), the agent's replicator
+// and peer service place copies with them. Namespace replica: the rules are peer replication's
+// (src/replica), kept here so that the client needs nothing of the agent's.
+//
 // A node is a failure domain (a host). Each node's snapshots (every rank's image of the node) are
 // kept either as N full copies on N other nodes ("mirror:N") or as K data + P parity fragments
 // (Reed-Solomon) on K+P other nodes ("ec:K+P"), any K of which rebuild the image.

@@ -1,4 +1,4 @@
-#include "agent/protocol.h"
+#include "protocol/protocol.h"
 
 #include <gtest/gtest.h>
 #include <sys/socket.h>
@@ -16,7 +16,7 @@
 namespace safepoint {
 namespace {
 
-using namespace safepoint::agent;  // NOLINT: the protocol under test
+using namespace safepoint::protocol;  // NOLINT: the protocol under test
 
 using internal::AppendLE;
 using test::AsBytes;

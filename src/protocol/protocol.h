@@ -1,7 +1,8 @@
 // The control protocol between training processes (src/client) and the node agent (src/agent).
 //
-// The two meet only here and in shared memory (src/shm). A connection carries versioned,
-// length-prefixed frames over a Unix domain socket in the job directory:
+// The two meet only in src/protocol (this file, and the placement rules of peer replication in
+// redundancy.h) and in shared memory (src/shm); neither includes the other. A connection carries
+// versioned, length-prefixed frames over a Unix domain socket in the job directory:
 //
 //   u32 length of the rest | u16 protocol version | u16 message type | payload (a JSON object)
 //
@@ -25,10 +26,11 @@
 #include <vector>
 
 #include "safepoint/image.h"
+#include "safepoint/replication.h"
 #include "safepoint/status.h"
 #include "safepoint/tiers.h"
 
-namespace safepoint::agent {
+namespace safepoint::protocol {
 
 inline constexpr uint16_t kProtocolVersion = 1;
 inline constexpr uint32_t kMaxMessageBytes = 1 << 20;
@@ -132,20 +134,15 @@ struct PeerSetupReply {
   std::string address;  // "host:port" peers connect to
 };
 
-struct PeerAddress {
-  std::string node;
-  std::string address;
-};
-
 // The job's nodes, as the ranks all-gathered them at a Checkpointer start. `epoch` names that
 // start (every rank of it sends the same note; the agent applies a new epoch once).
 struct MembershipNote {
   std::string epoch;
-  uint32_t node_index = 0;         // this node's place in `nodes`
-  std::vector<PeerAddress> nodes;  // every node of the job, by node index
-  std::string redundancy;          // "mirror:N", "ec:K+P" (src/replica/redundancy.h)
-  std::string secret;              // hex; authenticates the peers of this epoch
-  uint64_t bandwidth = 0;          // bytes/s cap on replication sends; 0: none
+  uint32_t node_index = 0;      // this node's place in `nodes`
+  std::vector<PeerNode> nodes;  // every node of the job, by node index
+  std::string redundancy;       // "mirror:N", "ec:K+P" (src/protocol/redundancy.h)
+  std::string secret;           // hex; authenticates the peers of this epoch
+  uint64_t bandwidth = 0;       // bytes/s cap on replication sends; 0: none
 };
 
 struct AckReply {
@@ -155,15 +152,8 @@ struct AckReply {
 struct PeerListRequest {
   uint32_t rank = 0;
 };
-// A snapshot of the rank that the peers can rebuild (a whole copy, or K fragments).
-struct PeerSnapshot {
-  uint64_t step = 0;
-  uint64_t attempt = 0;
-  uint64_t complete_ns = 0;
-  uint64_t image_bytes = 0;
-};
 struct PeerListReply {
-  std::vector<PeerSnapshot> snapshots;
+  std::vector<PeerCopy> snapshots;  // of the rank, that the peers can rebuild
 };
 
 // Rebuild the rank's snapshot of `step` (of `attempt`) from peers into one of its slots.
@@ -275,4 +265,4 @@ std::string EventLogPath(const std::string& job_dir);  // the default event log 
 // True when an agent holds the job directory's lock (a live agent); `pid` gets its pid.
 bool AgentAlive(const std::string& job_dir, uint32_t* pid = nullptr);
 
-}  // namespace safepoint::agent
+}  // namespace safepoint::protocol

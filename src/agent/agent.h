@@ -1,12 +1,12 @@
-// The node agent (safepointd) and the control protocol between training processes and it.
+// The node agent (safepointd): how safepointd and `safepoint agent` (apps/) start one.
 //
 // One agent per node and job owns the job's snapshots in shared memory: it persists COMPLETE
 // snapshots to the storage tier with the commit protocol, commits steps, prunes by retention,
 // flushes the newest snapshot of a training process that dies (emergency flush), and keeps the
 // snapshots for hot reload. Training processes talk to it over a Unix domain socket in the job
-// directory (the protocol is private to the library: src/agent/protocol.h); bulk data never goes
-// through the socket. Only processes of the same user are accepted (SO_PEERCRED). A malformed or
-// oversized message closes that connection, never the agent.
+// directory (src/protocol/protocol.h); bulk data never goes through the socket. Only processes
+// of the same user are accepted (SO_PEERCRED). A malformed or oversized message closes that
+// connection, never the agent.
 #pragma once
 
 #include <cstdint>
