@@ -43,6 +43,7 @@
 #include "base/bytes.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
+#include "checkpoint/chunk_gc.h"
 #include "checkpoint/versions.h"
 #include "cli_advisor.h"
 #include "cli_format.h"
@@ -475,11 +476,11 @@ int CmdRm(const Args& a) {
 }
 
 // Removes the chunk objects of packed steps that no manifest references any more
-// (CheckpointStore::CollectGarbage; docs/operations.md, "Chunk garbage collection").
+// (CollectChunkGarbage; docs/operations.md, "Chunk garbage collection").
 int CmdChunkGc(const Args& a) {
   auto store = OpenExistingStore(a.path);
   if (!store.ok()) return Fail(store.status());
-  auto gc = (*store)->CollectGarbage();
+  auto gc = CollectChunkGarbage((*store)->storage());
   if (!gc.ok()) return Fail(gc.status());
   const std::string uri = (*store)->storage().uri();
   if (a.json) {

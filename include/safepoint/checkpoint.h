@@ -71,8 +71,6 @@ std::string ImageObjectName(const CommitRecord& commit, uint32_t rank);  // the 
 std::string CommitObjectName(uint64_t step);
 // The manifest of a packed image: "step-.../rank-00000.pack" (or rank-R.g<16 hex>.pack).
 std::string PackedObjectName(uint64_t step, uint32_t rank, uint64_t generation = 0);
-// The object of one content-addressed chunk: "chunks/<first 2 hex digits>/<64 hex digits>".
-std::string ChunkObjectName(std::span<const uint8_t, 32> sha256);
 // Parses "step-<digits>/..." and returns the step; nullopt for other names.
 std::optional<uint64_t> StepFromObjectName(std::string_view name);
 
@@ -107,30 +105,6 @@ struct PackOptions {
 // The options for a compression name that was validated (ParseCompression; kNone otherwise).
 PackOptions MakePackOptions(std::string_view compression, bool incremental);
 
-// What a tier's writes achieved and chose: the compression in use and its ratio, for status().
-struct PackReport {
-  std::string mode;           // "none", "zstd", "planes", "auto:zstd", "auto:none", ...
-  double ratio = 1.0;         // raw bytes / stored bytes of the chunks written
-  double write_bps = 0;       // measured write bandwidth of the tier
-  double encode_bps = 0;      // measured encoder throughput (all threads)
-  uint64_t raw_bytes = 0;     // chunks encoded
-  uint64_t stored_bytes = 0;  // their frames
-};
-// The report for the tier at `uri` in this process (empty mode when it wrote nothing packed).
-PackReport PackReportFor(const std::string& uri);
-
-// Garbage collection of a tier's chunk store (docs/operations.md).
-struct GcStats {
-  bool deferred = false;  // a save was in flight or another GC held the lock: nothing removed
-  std::string reason;     // why it deferred
-  uint64_t manifests = 0;
-  uint64_t chunks = 0;      // chunk objects listed
-  uint64_t referenced = 0;  // of them, referenced by some manifest
-  uint64_t removed = 0;     // removed (unreferenced)
-  uint64_t removed_bytes = 0;
-  uint64_t stale_intents = 0;  // records of crashed saves removed
-};
-
 // An image read from storage into memory owned by `buffer`, checksums verified.
 struct LoadedImage {
   std::shared_ptr<std::byte> buffer;  // aligned, owns the bytes
@@ -157,24 +131,15 @@ class CheckpointStore {
                                      uint32_t rank);
 
   // The same writes with a layout: options.packed() writes a packed image (manifest plus
-  // content-addressed chunks, encoded in parallel; pack.cc), else the plain image as above. A
+  // content-addressed chunks, encoded in parallel), else the plain image as above; with
+  // compression "auto" without incremental, packed only where compressing pays on this tier. A
   // packed write that finds the chunk store's GC running (after a short wait) writes the plain
-  // image instead.
+  // image instead. The chunk store's garbage collector is private to the library (the agent
+  // and the CLI run it).
   Result<WriteStats> WriteImage(const ImageBuilder& image, uint64_t generation,
                                 const PackOptions& options);
   Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step, uint32_t rank,
                                      const PackOptions& options);
-
-  // Removes chunk objects that no manifest in this directory references (committed or not,
-  // any job), unless a save is in flight (it defers: GcStats::deferred). Crash-safe at every
-  // moment (docs/operations.md, "Chunk garbage collection").
-  Result<GcStats> CollectGarbage();
-
-  // Writes a packed image from `source` (src/checkpoint/pack.h). Unavailable when the chunk
-  // store's GC still runs after a short wait (nothing relied on; the caller writes the plain
-  // image instead).
-  struct PackSource;
-  Result<WriteStats> WritePacked(const PackSource& source, const PackOptions& options);
 
   // If every rank of `world_size` has a published, valid-header image for `step`, all of save
   // attempt `attempt` (ImageMeta::attempt), writes the COMMIT record (idempotent: any rank may

@@ -8,6 +8,7 @@
 #include "agent/status.h"
 
 #include "agent/node_agent.h"
+#include "checkpoint/compression_policy.h"
 
 namespace safepoint::agent {
 

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "base/kill_point.h"
+#include "checkpoint/chunk_gc.h"
 #include "checkpoint/versions.h"
 
 namespace safepoint::agent {
@@ -67,7 +68,7 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
   }
   store.CleanUp().status().IgnoreError();
   // Chunks only the pruned steps referenced (packed layout); defers while saves are in flight.
-  if (!pruned.empty()) store.CollectGarbage().status().IgnoreError();
+  if (!pruned.empty()) CollectChunkGarbage(store.storage()).status().IgnoreError();
   return pruned;
 }
 

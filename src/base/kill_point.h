@@ -49,7 +49,7 @@ inline constexpr std::string_view kKillPoints[] = {
     "tier_copy.after_commit",          // COMMIT published on the lower tier, nothing after it
     "agent.tier.before_prune",         // a step copied down, the lower tier not pruned yet
     "agent.tier.mid_prune",            // (each) pruning a lower tier: a step deleted, not the next
-    // Packed images and the chunk store's garbage collector (src/checkpoint/pack.cc)
+    // Packed images and the chunk store's GC (src/checkpoint/packed_writer.cc, chunk_gc.cc)
     "pack.write.after_intent",     // the save's intent published, no chunk written yet
     "pack.write.after_chunk",      // (each) one more new chunk object published
     "pack.write.before_manifest",  // every chunk stored, the manifest not published

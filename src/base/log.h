@@ -5,7 +5,7 @@
 // from $SAFEPOINT_LOG_LEVEL (trace, debug, info, warn, error, critical, off; default info) unless
 // a program sets one. Code logs with spdlog's functions (spdlog::info("...{}...", x)); the
 // library itself logs nothing on a training process's behalf, but for one warning: a packed save
-// that removes the chunk-store lock or intent of a process that died (checkpoint/pack.cc).
+// that removes the chunk-store lock or intent of a dead process (chunk_store_holder.cc).
 #pragma once
 
 #include <spdlog/spdlog.h>

@@ -50,6 +50,10 @@
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "checkpoint/compression_policy.h"
+#include "checkpoint/packed_reader.h"
+#include "checkpoint/packed_writer.h"
+#include "checkpoint/small_object.h"
 #include "safepoint/checkpoint.h"
 
 namespace safepoint {
@@ -59,6 +63,8 @@ using internal::AppendLE;
 using internal::Crc32c;
 using internal::FirstError;
 using internal::LoadLE;
+using internal::ReadSmallObject;
+using internal::WriteSmallObject;
 
 namespace {
 
@@ -126,24 +132,28 @@ void Prefault(std::byte* p, size_t n) {
   for (size_t i = 0; i < n; i += 4096) reinterpret_cast<volatile std::byte*>(p)[i] = std::byte{0};
 }
 
-// Publishes `data` as `name`: replacing what is there, or when `exclusive` only where nothing is
-// (AlreadyExists otherwise).
-Status WriteSmallObject(Storage& storage, const std::string& name, const std::string& data,
-                        bool exclusive = false) {
-  SP_ASSIGN_OR_RETURN(auto w, storage.Create(name, data.size()));
-  SP_RETURN_IF_ERROR(w->WriteAt(0, {reinterpret_cast<const std::byte*>(data.data()), data.size()}));
-  return exclusive ? w->PublishIfAbsent() : w->Publish();
-}
-
-Result<std::string> ReadSmallObject(Storage& storage, const std::string& name, uint64_t max) {
-  SP_ASSIGN_OR_RETURN(auto r, storage.Open(name));
-  if (r->size() > max) {
-    return Corruption(storage.Describe(name) + ": unexpectedly large (" +
-                      std::to_string(r->size()) + " bytes)");
+// The one choice between the layouts (CheckpointStore::WriteImage / WriteImageBytes with
+// PackOptions): where `options` asks for packed and the compression policy agrees, the packed
+// writer writes the image from packed() (its source); else, or when the chunk store's GC is
+// running, plain() writes the plain image, whose time teaches the policy (auto) the tier's
+// plain write speed.
+template <typename PackedSource, typename PlainWrite>
+Result<WriteStats> WriteWithLayout(Storage& storage, const PackOptions& options,
+                                   PackedSource&& packed, PlainWrite&& plain) {
+  const std::string& uri = storage.uri();
+  internal::CompressionPolicy& policy = internal::CompressionPolicy::Get();
+  if (options.packed()) {
+    SP_ASSIGN_OR_RETURN(PackSource src, packed());
+    if (policy.WantPacked(uri, options, src.sample, src.sample_element_size)) {
+      auto stats = WritePackedImage(storage, src, options);
+      if (stats.ok() || stats.status().code() != StatusCode::kUnavailable) return stats;
+      // The chunk store's GC is running: this image is written plain.
+    }
   }
-  std::string data(r->size(), '\0');
-  SP_RETURN_IF_ERROR(r->ReadAt(0, {reinterpret_cast<std::byte*>(data.data()), data.size()}));
-  return data;
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<WriteStats> stats = plain();
+  if (stats.ok()) policy.WrotePlain(uri, options, stats->bytes, SecondsSince(t0));
+  return stats;
 }
 
 }  // namespace
@@ -379,6 +389,25 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
   return stats;
 }
 
+Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64_t generation,
+                                               const PackOptions& options) {
+  return WriteWithLayout(
+      *storage_, options, [&]() -> Result<PackSource> { return PackSourceOf(image, generation); },
+      [&] { return WriteImage(image, generation); });
+}
+
+Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image, uint64_t step,
+                                                    uint32_t rank, const PackOptions& options) {
+  return WriteWithLayout(
+      *storage_, options, [&] { return PackSourceOf(image, step, rank); },
+      [&] { return WriteImageBytes(image, step, rank); });
+}
+
+Result<std::unique_ptr<ReadableObject>> CheckpointStore::OpenImageObject(const std::string& name) {
+  if (name.ends_with(".pack")) return OpenPackedImage(storage_, name);
+  return storage_->Open(name);
+}
+
 // Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same
 // ReplicaKey, by some image of the step: else the step would commit with a tensor nobody wrote.
 Status CheckpointStore::CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names) {
@@ -518,10 +547,7 @@ Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
     }
     return data.status();
   }
-  SP_ASSIGN_OR_RETURN(
-      auto record,
-      DecodeCommitRecord({reinterpret_cast<const std::byte*>(data->data()), data->size()},
-                         storage_->Describe(name)));
+  SP_ASSIGN_OR_RETURN(auto record, DecodeCommitRecord(*data, storage_->Describe(name)));
   if (record.step != step) {
     return Corruption(storage_->Describe(name) + ": COMMIT record names step " +
                       std::to_string(record.step));

@@ -1,7 +1,5 @@
 // Packed images: the manifest, the chunk store, reading packed steps through every read path,
 // and the chunk store's garbage collector (refcounts by marking, in-flight saves, crashes).
-#include "checkpoint/pack.h"
-
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -22,6 +20,10 @@
 #include "base/bytes.h"
 #include "base/crc32c.h"
 #include "base/digest.h"
+#include "checkpoint/chunk_gc.h"
+#include "checkpoint/chunk_store_holder.h"
+#include "checkpoint/compression_policy.h"
+#include "checkpoint/pack_manifest.h"
 #include "codec/codec.h"
 #include "safepoint/checkpoint.h"
 #include "testing/test_util.h"
@@ -243,12 +245,12 @@ TEST(PackTest, GcRemovesOnlyChunksNoManifestReferences) {
   const auto only_1 = Minus(Minus(Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2)), ChunksOf(*mem, 3)),
                             ChunksOf(*mem, 100));
   ASSERT_GT(only_1.size(), 3u);
-  ASSERT_OK_AND_ASSIGN(auto nothing, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto nothing, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(nothing.deferred) << nothing.reason;
   EXPECT_EQ(nothing.removed, 0u);
   EXPECT_EQ(nothing.manifests, 4u);
   ASSERT_OK(store.DeleteStep(1));  // its big tensor's chunks are now referenced by nothing
-  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto gc, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(gc.deferred) << gc.reason;
   EXPECT_EQ(gc.removed, only_1.size());  // step 1's chunks, which no later step shares
   EXPECT_GT(gc.removed_bytes, 12u << 20);
@@ -281,7 +283,7 @@ TEST(PackTest, GcDefersWhileASaveIsInFlightAndRemovesStaleIntents) {
                                              .count());
   const std::string live = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000001";
   ASSERT_OK(test::PutObject(*mem, live, AsBytes(now + " 3 0 1 host\n")));
-  ASSERT_OK_AND_ASSIGN(auto deferred, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto deferred, CollectChunkGarbage(store.storage()));
   EXPECT_TRUE(deferred.deferred);
   EXPECT_EQ(deferred.removed, 0u);
   EXPECT_EQ(ChunkNames(*mem).size(), all);
@@ -289,14 +291,14 @@ TEST(PackTest, GcDefersWhileASaveIsInFlightAndRemovesStaleIntents) {
   ASSERT_OK(mem->Delete(live));
   const std::string stale = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000002";
   ASSERT_OK(test::PutObject(*mem, stale, AsBytes("1000 3 0 1 host\n")));
-  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto gc, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(gc.deferred) << gc.reason;
   EXPECT_EQ(gc.stale_intents, 1u);
   EXPECT_EQ(gc.removed, only_1.size());
   ExpectShard(store, 2, 2);
   // Another GC holding a fresh lock: this one defers.
   ASSERT_OK(test::PutObject(*mem, std::string(kGcLockName), AsBytes(now + " 0 0 1 host\n")));
-  ASSERT_OK_AND_ASSIGN(auto locked, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto locked, CollectChunkGarbage(store.storage()));
   EXPECT_TRUE(locked.deferred);
 }
 
@@ -400,7 +402,7 @@ TEST(PackTest, AKilledGcsLockIsBrokenAtOnceByTheNextSaveAndTheNextGc) {
   ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(KilledProcess(), NowNs()))));
   const auto only_1 = Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2));
   ASSERT_OK(store.DeleteStep(1));
-  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto gc, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(gc.deferred) << gc.reason;
   EXPECT_EQ(gc.removed, only_1.size());
   EXPECT_TRUE(Names(*mem, lock).empty());
@@ -408,7 +410,7 @@ TEST(PackTest, AKilledGcsLockIsBrokenAtOnceByTheNextSaveAndTheNextGc) {
   // A killed GC that its parent has not reaped yet (a zombie) is dead too.
   pid_t zombie = 0;
   ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(KilledProcess(false, &zombie), NowNs()))));
-  ASSERT_OK_AND_ASSIGN(auto again, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto again, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(again.deferred) << again.reason;
   int status = 0;
   EXPECT_EQ(waitpid(zombie, &status, 0), zombie);
@@ -416,7 +418,7 @@ TEST(PackTest, AKilledGcsLockIsBrokenAtOnceByTheNextSaveAndTheNextGc) {
   Identity reused = IdentityOf(getpid());
   reused.start_ticks -= 1;
   ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(reused, NowNs()))));
-  ASSERT_OK_AND_ASSIGN(auto reused_gc, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto reused_gc, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(reused_gc.deferred) << reused_gc.reason;
 }
 
@@ -429,7 +431,7 @@ TEST(PackTest, AKilledSavesIntentDoesNotHoldTheGcBack) {
   ASSERT_OK(store.DeleteStep(1));
   const std::string dead = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000001";
   ASSERT_OK(test::PutObject(*mem, dead, AsBytes(RecordOf(KilledProcess(), NowNs(), 3))));
-  ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto gc, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(gc.deferred) << gc.reason;
   EXPECT_EQ(gc.stale_intents, 1u);
   EXPECT_EQ(gc.removed, only_1.size());
@@ -459,7 +461,7 @@ TEST(PackTest, ALiveForeignOrOldFormatHoldersLockIsNotBrokenBeforeItIsStale) {
   for (const auto& [what, record] : held) {
     SCOPED_TRACE(what);
     ASSERT_OK(test::PutObject(*mem, lock, AsBytes(record)));
-    ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+    ASSERT_OK_AND_ASSIGN(auto gc, CollectChunkGarbage(store.storage()));
     EXPECT_TRUE(gc.deferred);
     const auto there = test::ReadWholeObject(*mem, lock);
     EXPECT_EQ(std::string(reinterpret_cast<const char*>(there.data()), there.size()), record);
@@ -471,12 +473,12 @@ TEST(PackTest, ALiveForeignOrOldFormatHoldersLockIsNotBrokenBeforeItIsStale) {
   EXPECT_FALSE(commit.images[0].packed);
   // The age rule still breaks a foreign holder's stale lock (and an old record's).
   ASSERT_OK(test::PutObject(*mem, lock, AsBytes(RecordOf(other_boot, 1000))));
-  ASSERT_OK_AND_ASSIGN(auto stale, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto stale, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(stale.deferred) << stale.reason;
   // An intent of this (live) process holds the GC back however the record was made.
   const std::string live = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000002";
   ASSERT_OK(test::PutObject(*mem, live, AsBytes(RecordOf(IdentityOf(getpid()), NowNs(), 3))));
-  ASSERT_OK_AND_ASSIGN(auto deferred, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto deferred, CollectChunkGarbage(store.storage()));
   EXPECT_TRUE(deferred.deferred);
 }
 
@@ -695,7 +697,7 @@ TEST(PackTest, GcRunningBesideSavesAndPrunesNeverRemovesAChunkACommittedStepNeed
   std::atomic<int> collections{0}, deferred{0};
   std::thread gc([&] {
     while (!done.load()) {
-      auto r = store.CollectGarbage();
+      auto r = CollectChunkGarbage(store.storage());
       EXPECT_OK(r);
       ++collections;
       if (r.ok() && r->deferred) ++deferred;
@@ -715,7 +717,7 @@ TEST(PackTest, GcRunningBesideSavesAndPrunesNeverRemovesAChunkACommittedStepNeed
   ASSERT_OK_AND_ASSIGN(auto committed, store.ListCommitted());
   ASSERT_EQ(committed.size(), 3u);
   for (auto& c : committed) ExpectShard(store, c.step, c.step / 4);
-  ASSERT_OK_AND_ASSIGN(auto last, store.CollectGarbage());
+  ASSERT_OK_AND_ASSIGN(auto last, CollectChunkGarbage(store.storage()));
   EXPECT_FALSE(last.deferred) << last.reason;
   std::set<std::string> wanted;
   for (auto& c : committed) {
@@ -794,13 +796,13 @@ TEST(PackTest, AKillAtAnyMomentOfASavePruneOrGcLeavesEveryCommittedStepLoadable)
     // A save of step 3 sharing step 2's big tensor, the prune of step 1, a GC.
     Status s = Save(doomed, 3, 2).status();
     if (s.ok()) s = doomed.DeleteStep(1);
-    if (s.ok()) s = doomed.CollectGarbage().status();
+    if (s.ok()) s = CollectChunkGarbage(doomed.storage()).status();
     // What a later GC does with what the dead process left once it is stale.
     for (auto& n : Names(*mem, std::string(kIntentPrefix))) ASSERT_OK(mem->Delete(n));
     ASSERT_OK(mem->Delete(kGcLockName));
     CheckpointStore store(mem);
     ASSERT_OK(store.CleanUp());
-    ASSERT_OK_AND_ASSIGN(auto gc, store.CollectGarbage());
+    ASSERT_OK_AND_ASSIGN(auto gc, CollectChunkGarbage(store.storage()));
     EXPECT_FALSE(gc.deferred) << gc.reason;
     ASSERT_OK_AND_ASSIGN(auto committed, store.ListCommitted());
     for (auto& c : committed) ExpectShard(store, c.step, c.step == 1 ? 1 : 2);

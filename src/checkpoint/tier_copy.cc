@@ -27,7 +27,7 @@
 #include "base/aligned_buffer.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
-#include "checkpoint/pack.h"
+#include "checkpoint/packed_writer.h"
 #include "safepoint/checkpoint.h"
 
 namespace safepoint {
@@ -128,7 +128,7 @@ class StepCopier {
 
     if (options_.layout.packed()) {
       // A packed image on the destination, its chunks taken from the source, each verified.
-      CheckpointStore::PackSource ps;
+      PackSource ps;
       ps.manifest_name = PackedObjectName(record_.step, rank, record_.generation);
       ps.meta = md.meta;
       ps.layout = layout;
@@ -149,7 +149,7 @@ class StepCopier {
         }
         return std::vector<std::byte>(tail.span().begin(), tail.span().end());
       };
-      auto written = dst_.WritePacked(ps, options_.layout);
+      auto written = WritePackedImage(dst_.storage(), ps, options_.layout);
       if (written.ok()) {
         record_.images[rank].packed = true;
         Advance(tail.size());

@@ -1,10 +1,11 @@
-// libFuzzer target: the manifest decoder of packed images (src/checkpoint/pack.h); a manifest
-// that decodes must re-encode to the input, and nothing but Corruption may come out otherwise.
+// libFuzzer target: the manifest decoder of packed images (src/checkpoint/pack_manifest.h); a
+// manifest that decodes must re-encode to the input, and nothing but Corruption may come out
+// otherwise.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
-#include "checkpoint/pack.h"
+#include "checkpoint/pack_manifest.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::span<const std::byte> in(reinterpret_cast<const std::byte*>(data), size);
