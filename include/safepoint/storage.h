@@ -87,8 +87,8 @@ struct StorageCapabilities {
   bool durable = true;        // data survives a process crash (false: in-memory)
   // No request of a process takes effect after the process is gone (a POSIX syscall has
   // finished or never happened; in-memory). False for object stores, where a request a killed
-  // client had sent may still be carried out later: the chunk GC (pack.cc) breaks a dead
-  // holder's lock at once only where this is true.
+  // client had sent may still be carried out later: the chunk GC (src/checkpoint/chunk_gc.cc)
+  // breaks a dead holder's lock at once only where this is true.
   bool requests_end_with_process = false;
   // The request shape the backend serves best, for readers and writers of large objects: spans
   // of preferred_io_size bytes aligned to it (an object store's part or chunk size; 0: no
