@@ -1,40 +1,57 @@
 SHELL := /bin/bash
 # The two commands: `make demo` (the main job) and `make test` (every test). Both set up what they
-# need on their own (scripts/setup.sh) and are idempotent.
+# need on their own and are idempotent: scripts/setup.sh installs by level, `demo` only the
+# build's libraries and torch, `test` the test servers and integrations, `bench` and `lint` the
+# rest.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 BUILD  := build/py
 JOBS   ?= 2
 
-.PHONY: setup build test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
+.PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
         bench-deps bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash crashtest crashtest-nodes lint
 
 setup:
-	@scripts/setup.sh
+	@scripts/setup.sh demo
+setup-test:
+	@scripts/setup.sh test
+setup-bench:
+	@scripts/setup.sh bench
+setup-lint:
+	@scripts/setup.sh lint
 
-# One CMake build (scikit-build-core, persistent build dir) gives the Python package, the CLI and
-# the C++ unit tests.
+# One CMake build (scikit-build-core, persistent build dir build/py): `build` gives the Python
+# package, the CLI and safepointd (what the demo uses); `build-tests` the C++ unit tests too, in
+# the same build dir (switching between them reconfigures, it recompiles nothing).
+PIP_BUILD = $(PY) -m pip install -q --no-build-isolation --no-deps -Cbuild-dir=$(BUILD) \
+	    -Cbuild.tool-args=-j$(JOBS)
 build: setup
-	@$(PY) -m pip install -q --no-build-isolation --no-deps \
-	    -Cbuild-dir=$(BUILD) -Ccmake.define.SAFEPOINT_BUILD_TESTS=ON \
-	    -Cbuild.tool-args=-j$(JOBS) .
+	@$(PIP_BUILD) -Ccmake.define.SAFEPOINT_BUILD_TESTS=OFF .
+build-tests: setup-test
+	@$(PIP_BUILD) -Ccmake.define.SAFEPOINT_BUILD_TESTS=ON .
 
-test-cpp: build
+test-cpp: build-tests
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
-test-python: build
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests/python
+# pytest-xdist: PYTEST_JOBS workers (the tests wait on agents and subprocesses more than they
+# compute, so more workers than cores); tests marked `serial` (a whole-machine resource: network
+# namespaces, timing-sensitive measurements) run afterwards, alone.
+PYTEST_JOBS ?= 4
+test-python: build-tests
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not serial" tests/python
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m serial tests/python
 
 # One throwaway Ceph cluster (scripts/with-ceph.sh) for the C++ and the Python tests: the rados://
 # and s3:// tests run against it, and skip where it cannot run (not root, Ceph not installed).
-test: build
+# The crash campaign builds its own tree (build/crash) while the Ceph tests run.
+test: build-tests
 	scripts/with-ceph.sh $(MAKE) --no-print-directory test-cpp test-python
 	$(MAKE) --no-print-directory test-crash
 
 # Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
 # the Python package (configured in pyproject.toml). mypy reads the _core.pyi the build generates.
 LINT_CXX_DIRS := src include apps python/ext
-lint: build
+lint: build setup-lint
 	find $(LINT_CXX_DIRS) \( -name '*.cc' -o -name '*.h' \) -print0 | \
 	    xargs -0 clang-format --dry-run --Werror
 	$(VENV)/bin/ruff check python/safepoint
@@ -71,13 +88,13 @@ crashtest-nodes: crash-build
 # Sanitizer builds of the C++ tests (the agent binary they start is sanitized too).
 SAN_CMAKE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSAFEPOINT_BUILD_PYTHON=OFF
 
-test-asan: setup
+test-asan: setup-test
 	$(SAN_CMAKE) -B build/asan -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -D_GLIBCXX_ASSERTIONS" >/dev/null
 	cmake --build build/asan -j$(JOBS) --target safepoint_tests safepointd safepoint_cli
 	cd build/asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	    ctest --output-on-failure -j$(JOBS)
 
-test-tsan: setup
+test-tsan: setup-test
 	$(SAN_CMAKE) -B build/tsan -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" >/dev/null
 	cmake --build build/tsan -j$(JOBS) --target safepoint_tests safepointd safepoint_cli
 	# UCX_MEM_EVENTS=no: UCX patches mmap/madvise at load for its RDMA registration cache, and those
@@ -108,7 +125,7 @@ fuzz: setup
 demo: build
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) examples/demo.py
 
-bench: build bench-deps
+bench: build setup-bench bench-deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/run.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/flash.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/versions.py
@@ -118,12 +135,12 @@ bench: build bench-deps
 
 # The goodput simulator against a real run with random SIGKILLs (docs/benchmarks.md, "Goodput
 # simulator"; about 11 minutes): exits 1 when the prediction is more than 10% off.
-bench-goodput: build
+bench-goodput: build setup-bench
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/goodput.py
 
 # DLRover imports grpc without declaring it: bench/save_path.py and bench/multirank.py put
 # build/bench/dlrover-deps on its path.
-bench-deps: setup
+bench-deps: setup-bench
 	@$(PY) -c 'import grpc' 2>/dev/null || test -d build/bench/dlrover-deps || \
 	  $(PY) -m pip install -q --target build/bench/dlrover-deps grpcio
 
@@ -133,25 +150,25 @@ bench-multirank: build bench-deps
 
 # Peer replication on network-namespace nodes (needs root; not part of `make bench`: it takes
 # several minutes). lm-resiliency 0.2.0 is measured beside it when installed.
-bench-replication: build
+bench-replication: build setup-bench
 	@$(PY) -c 'import lm_resiliency' 2>/dev/null || test -d build/bench/lmres-deps || \
 	  $(PY) -m pip install -q --no-deps --target build/bench/lmres-deps lm-resiliency==0.2.0
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/replication.py
 
 # Lag from a step's commit on `path` to its commit on each lower tier (file://, and s3:// and
 # rados:// on a throwaway single-host Ceph when this machine can run one). SIZES/RUNS override.
-bench-tiers: build
+bench-tiers: build setup-bench
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH scripts/with-ceph.sh $(PY) bench/tiers.py \
 	  $(if $(SIZES),--sizes $(SIZES)) $(if $(RUNS),--runs $(RUNS))
 
 # The chunk codec on a small GPT trained on the CPU (cached in bench/.cache; a few minutes the
 # first time) against zstd alone, zipnn and DCP's zstd extension, beside the disk's write speed.
-bench-compress: build
+bench-compress: build setup-bench
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/compress.py
 
 # Incremental checkpoints (issue 12): a LoRA fine-tune of a frozen small GPT base on the CPU,
 # bytes written per checkpoint and persist/load throughput, plain vs packed; XOR-delta measured.
-bench-incremental: build
+bench-incremental: build setup-bench
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/incremental.py
 
 clean:

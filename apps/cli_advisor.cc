@@ -10,7 +10,10 @@
 //
 // advise reads the job's measurement history (src/advisor/history.h) and prints, for each level
 // (memory snapshots, the checkpoint path, each tier), the goodput-optimal interval and the costs
-// it used, where they were measured and from how many samples. simulate reports the expected
+// it used, where they were measured and from how many samples. A restore never measured is
+// estimated from the state's size and the measured copy or persist bandwidth (EstimateRestore),
+// and says so; with no failure rate (no interruption recorded, no --mtbf) it shows the intervals
+// for typical MTBFs (kTypicalMtbfSeconds) and says so. simulate reports the expected
 // goodput of safepoint's strategy, periodic synchronous saves and DCP async saves; --plot
 // writes goodput against the checkpoint interval as a PNG through the package's plotting module
 // (`python -m safepoint.goodput_plot CSV PNG`; the Python next to this binary, or
@@ -195,23 +198,41 @@ struct Mtbf {
   std::string source;  // "configured", "learned from N interruptions over ..."
 };
 
-Result<Mtbf> PickMtbf(const std::string& flag, const std::optional<HistorySummary>& h) {
+// The configured or learned MTBF; nullopt when there is neither (the advice then shows the
+// intervals for kTypicalMtbfSeconds).
+Result<std::optional<Mtbf>> PickMtbf(const std::string& flag,
+                                     const std::optional<HistorySummary>& h) {
   if (!flag.empty()) {
     SP_ASSIGN_OR_RETURN(double s, ParseDuration(flag));
     if (s <= 0) return InvalidArgument("--mtbf must be positive");
-    return Mtbf{s, "configured (--mtbf)"};
+    return std::optional<Mtbf>(Mtbf{s, "configured (--mtbf)"});
   }
   if (h && h->learned_mtbf_seconds) {
     const double rel = 1 / std::sqrt(static_cast<double>(h->interruptions));
-    return Mtbf{*h->learned_mtbf_seconds,
-                "learned from " + std::to_string(h->interruptions) + " interruption" +
-                    (h->interruptions == 1 ? "" : "s") + " in " +
-                    FormatDuration(h->uptime_seconds) + " of running (about +-" +
-                    std::to_string(static_cast<int>(std::round(100 * rel))) + "%)"};
+    return std::optional<Mtbf>(
+        Mtbf{*h->learned_mtbf_seconds,
+             "learned from " + std::to_string(h->interruptions) + " interruption" +
+                 (h->interruptions == 1 ? "" : "s") + " in " + FormatDuration(h->uptime_seconds) +
+                 " of running (about +-" + std::to_string(static_cast<int>(std::round(100 * rel))) +
+                 "%)"});
   }
-  return InvalidArgument(
-      "no failure rate: the job's history records no interruption yet; give --mtbf (e.g. "
-      "--mtbf 3h)");
+  return std::optional<Mtbf>();
+}
+
+std::string TypicalMtbfs() {
+  std::string s;
+  for (double m : kTypicalMtbfSeconds) s += (s.empty() ? "" : ", ") + FormatDuration(m);
+  return s;
+}
+
+// The advice's fields in advise's JSON.
+void AdviceJson(const IntervalAdvice& a, json& j) {
+  j["interval_seconds"] = a.interval_seconds;
+  j["young_seconds"] = a.young_seconds;
+  j["availability_optimal_seconds"] = a.availability_seconds;
+  j["expected_goodput"] = a.expected_availability;
+  j["bound"] = a.bound.empty() ? json(nullptr) : json(a.bound);
+  j["warnings"] = a.warnings;
 }
 
 std::optional<HistorySummary> LoadHistory(const std::string& path, const std::string& job,
@@ -261,8 +282,13 @@ int RunAdvise(const AdvisorCommands::Options& o) {
                                         "first)") +
                          "; or give --save-seconds and --restore-seconds"));
   }
-  auto mtbf = PickMtbf(o.mtbf, h);
-  if (!mtbf.ok()) return Fail(mtbf.status());
+  auto picked = PickMtbf(o.mtbf, h);
+  if (!picked.ok()) return Fail(picked.status());
+  const std::optional<Mtbf>& mtbf = *picked;
+  const std::string no_mtbf =
+      "not known yet: the job's history records no interruption and no --mtbf was given; "
+      "intervals shown for typical MTBFs (" +
+      TypicalMtbfs() + "): give --mtbf (e.g. --mtbf 3h) for yours";
 
   // The levels: memory snapshots, the checkpoint path, and every tier seen in the history.
   std::vector<LevelCosts> levels;
@@ -311,9 +337,12 @@ int RunAdvise(const AdvisorCommands::Options& o) {
     } else if (auto r = measured(h ? h->restore : std::map<std::string, Measured>{}, name)) {
       c.restore_seconds = r->seconds;
       note["restore"] = SamplesNote(r->samples, "restores");
-    } else if (c.persist_seconds) {
-      c.restore_seconds = c.persist_seconds;  // reading back costs about what writing did
-      note["restore"] = "not measured: estimated as the persist time";
+    } else if (auto e = h ? EstimateRestore(*h, name) : std::nullopt) {
+      c.restore_seconds = e->seconds;
+      note["restore"] = e->how;
+    } else if (c.save_seconds && name == "memory") {
+      c.restore_seconds = c.save_seconds;  // a reload copies back what a save copied in
+      note["restore"] = "estimated: the save time (a reload copies the same bytes back)";
     }
     if (o.restart_seconds) {
       c.restart_seconds = *o.restart_seconds;
@@ -332,26 +361,43 @@ int RunAdvise(const AdvisorCommands::Options& o) {
   bool any = false;
   for (size_t i = 0; i < levels.size(); ++i) {
     const LevelCosts& c = levels[i];
-    auto a = AdviseInterval(c, mtbf->seconds);
     json j = {{"level", c.name},
               {"save_seconds", Opt(c.save_seconds)},
               {"persist_seconds", Opt(c.persist_seconds)},
               {"restore_seconds", Opt(c.restore_seconds)},
+              {"restore_estimated",
+               notes[i].contains("restore") &&
+                   notes[i]["restore"].get<std::string>().rfind("estimated", 0) == 0},
               {"restart_seconds", Opt(c.restart_seconds)},
-              {"mtbf_seconds", mtbf->seconds},
-              {"mtbf_source", mtbf->source},
+              {"mtbf_seconds", mtbf ? json(mtbf->seconds) : json(nullptr)},
+              {"mtbf_source", mtbf ? mtbf->source : no_mtbf},
               {"measured", notes[i]}};
-    if (a.ok()) {
-      any = true;
-      j["interval_seconds"] = a->interval_seconds;
-      j["young_seconds"] = a->young_seconds;
-      j["availability_optimal_seconds"] = a->availability_seconds;
-      j["expected_goodput"] = a->expected_availability;
-      j["bound"] = a->bound.empty() ? json(nullptr) : json(a->bound);
-      j["warnings"] = a->warnings;
-      j["explanation"] = a->Explain();
+    if (mtbf) {
+      auto a = AdviseInterval(c, mtbf->seconds);
+      if (a.ok()) {
+        any = true;
+        AdviceJson(*a, j);
+        j["explanation"] = a->Explain();
+      } else {
+        j["error"] = a.status().message();
+      }
     } else {
-      j["error"] = a.status().message();
+      json by = json::array();
+      for (double m : kTypicalMtbfSeconds) {
+        auto a = AdviseInterval(c, m);
+        if (!a.ok()) {
+          j["error"] = a.status().message();
+          break;
+        }
+        json t = {{"mtbf_seconds", m}};
+        AdviceJson(*a, t);
+        by.push_back(t);
+      }
+      if (!j.contains("error")) {
+        any = true;
+        j["interval_seconds"] = nullptr;
+        j["typical_mtbf"] = by;
+      }
     }
     out.push_back(j);
   }
@@ -360,16 +406,36 @@ int RunAdvise(const AdvisorCommands::Options& o) {
     return any ? kExitOk : kExitError;
   }
   std::cout << "Checkpoint intervals for " << o.path
-            << " (history: " << (h ? where : std::string("none")) << ")\n"
-            << "Failures: every " << FormatDuration(mtbf->seconds) << " on average, "
-            << mtbf->source << ".\n\n";
+            << " (history: " << (h ? where : std::string("none")) << ")\n";
+  if (mtbf) {
+    std::cout << "Failures: every " << FormatDuration(mtbf->seconds) << " on average, "
+              << mtbf->source << ".\n\n";
+  } else {
+    std::cout << "Failures: the failure rate is " << no_mtbf << ".\n\n";
+  }
   for (const json& j : out) {
+    const std::string level = j["level"].get<std::string>();
     if (j.contains("error")) {
-      std::cout << j["level"].get<std::string>() << ": no advice: " << j["error"].get<std::string>()
-                << "\n\n";
+      std::cout << level << ": no advice: " << j["error"].get<std::string>() << "\n\n";
       continue;
     }
-    std::cout << j["explanation"].get<std::string>() << "\n  measured:";
+    if (j.contains("explanation")) {
+      std::cout << j["explanation"].get<std::string>();
+    } else {
+      std::cout << level << ": Ts = " << FormatDuration(j["save_seconds"].get<double>())
+                << " per save, Tr = "
+                << FormatDuration(
+                       j["restore_seconds"].get<double>() +
+                       (j["restart_seconds"].is_null() ? 0 : j["restart_seconds"].get<double>()))
+                << " per recovery (restart + restore)";
+      for (const json& t : j["typical_mtbf"]) {
+        std::cout << "\n  if failures came every "
+                  << FormatDuration(t["mtbf_seconds"].get<double>()) << ": checkpoint every "
+                  << FormatDuration(t["interval_seconds"].get<double>()) << " (expected goodput "
+                  << Pct(t["expected_goodput"].get<double>()) << ")";
+      }
+    }
+    std::cout << "\n  measured:";
     for (const auto& [k, v] : j["measured"].items()) {
       std::cout << " " << k << " " << v.get<std::string>() << ";";
     }

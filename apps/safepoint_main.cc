@@ -46,6 +46,7 @@
 #include "checkpoint/chunk_gc.h"
 #include "checkpoint/versions.h"
 #include "cli_advisor.h"
+#include "cli_examples.h"
 #include "cli_format.h"
 #include "cli_versions.h"
 #include "cli_watch.h"
@@ -947,6 +948,7 @@ int Main(int argc, char** argv) {
   }
   auto run_version_command = AddVersionCommands(app);  // log, tag, diff, export, import
   const cli::AdvisorCommands advisor_commands(app);    // advise, simulate
+  cli::AddExamples(app, exit_status);
   app.footer("Run 'safepoint COMMAND --help' for the options of a command.\n" + exit_status);
 
   try {

@@ -1,19 +1,53 @@
 #!/usr/bin/env bash
-# Installs everything safepoint's build, tests and demo need; idempotent and quiet when done.
-#  - Debian packages (apt-get) only when missing.
-#  - A local virtual environment .venv with pinned Python packages. torch is pinned to the CPU
-#    build 2.13.0: an unpinned torch pulls a multi-GB CUDA build.
+# Installs what one level of safepoint's work needs; idempotent and quiet when done.
+#
+#   scripts/setup.sh [demo|test|bench|lint]...      (default: demo)
+#
+#   demo   the build and the demo: the Debian libraries the CMake build requires (UCX, librados,
+#          libcurl, cpp-httplib, ...: libraries, not servers) and, in a local virtual environment
+#          .venv, torch (pinned to the CPU build 2.13.0: an unpinned torch pulls a multi-GB CUDA
+#          build), numpy and the build tools (nanobind, scikit-build-core, cmake, ninja).
+#   test   demo's, plus what `make test` runs against: GoogleTest, the single-host Ceph
+#          (monitor, OSD, manager, gateway), promtool, iproute2 (network namespaces), pytest with
+#          pytest-xdist, and the integrations the tests cover (Lightning, transformers, accelerate,
+#          safetensors, prometheus_client, matplotlib).
+#   bench  test's, plus what only the benchmarks compare against or measure with (DLRover, zipnn,
+#          zstandard, iperf3, ucx_perftest).
+#   lint   demo's, plus clang-format, ruff and mypy.
+#
+# Debian packages are installed (apt-get) only when missing; each level's Python packages once,
+# recorded by a stamp in .venv (bump a level's stamp when its list changes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PKGS=(g++ cmake ninja-build pkg-config libisal-dev libgtest-dev libgmock-dev libzstd-dev liburing-dev
-          nlohmann-json3-dev libspdlog-dev libcli11-dev clang-format
-          libucx-dev ucx-utils libssl-dev iperf3 iproute2
-          python3-venv python3-dev
-          ceph-mon ceph-osd ceph-mgr radosgw ceph-common librados-dev curl libcurl4-openssl-dev
-          libcpp-httplib-dev prometheus)
+APT_DEMO=(g++ cmake ninja-build pkg-config libisal-dev libzstd-dev liburing-dev nlohmann-json3-dev
+          libspdlog-dev libcli11-dev libucx-dev libssl-dev librados-dev libcurl4-openssl-dev
+          libcpp-httplib-dev python3-venv python3-dev)
+APT_TEST=(libgtest-dev libgmock-dev iproute2 curl ceph-mon ceph-osd ceph-mgr radosgw ceph-common
+          prometheus)
+APT_BENCH=(iperf3 ucx-utils)
+APT_LINT=(clang-format)
+
+PIP_DEMO=("torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" "cmake>=3.24" ninja)
+PIP_TEST=(pytest "pytest-xdist==3.8.0" safetensors "pytorch-lightning==2.6.6" "transformers==5.24.0"
+          "accelerate==1.15.0" "matplotlib==3.11.2" "prometheus_client==0.26.0")
+PIP_BENCH=("dlrover==0.6.1" "zipnn==0.5.4" "zstandard==0.25.0")
+PIP_LINT=("ruff==0.17.5" "mypy==2.4.1")
+
+levels=("${@:-demo}")
+apt_pkgs=("${APT_DEMO[@]}")
+for level in "${levels[@]}"; do
+  case "$level" in
+    demo) ;;
+    test) apt_pkgs+=("${APT_TEST[@]}") ;;
+    bench) apt_pkgs+=("${APT_TEST[@]}" "${APT_BENCH[@]}") ;;
+    lint) apt_pkgs+=("${APT_LINT[@]}") ;;
+    *) echo "setup: unknown level '$level' (demo, test, bench or lint)" >&2; exit 2 ;;
+  esac
+done
+
 missing=()
-for p in "${APT_PKGS[@]}"; do
+for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -28,18 +62,33 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-STAMP=.venv/.safepoint-deps-v7
-if [ ! -f "$STAMP" ]; then
-  echo "setup: installing Python packages into .venv"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" \
-      "cmake>=3.24" ninja pytest safetensors "ruff==0.17.5" "mypy==2.4.1" \
-      "pytorch-lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0" "dlrover==0.6.1" \
-      "zipnn==0.5.4" "zstandard==0.25.0" "matplotlib==3.11.2" \
-      "prometheus_client==0.26.0"
-  # DLRover pulls the deprecated `pynvml` shim, which makes every `import torch.cuda` warn; the
-  # module it wraps comes from nvidia-ml-py, so keep that one alone.
-  .venv/bin/python -m pip uninstall -q -y pynvml
-  .venv/bin/python -m pip install -q --force-reinstall --no-deps "nvidia-ml-py==13.615.71"
-  touch "$STAMP"
-fi
+
+# pip_level NAME STAMP_VERSION PACKAGES...: installs the level's packages once.
+pip_level() {
+  local name=$1 stamp=.venv/.safepoint-$1-$2
+  shift 2
+  [ -f "$stamp" ] && return 0
+  echo "setup: installing the $name level's Python packages into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@"
+  touch "$stamp"
+}
+
+pip_level demo v8 "${PIP_DEMO[@]}"
+for level in "${levels[@]}"; do
+  case "$level" in
+    test) pip_level test v8 "${PIP_TEST[@]}" ;;
+    bench)
+      pip_level test v8 "${PIP_TEST[@]}"
+      if [ ! -f .venv/.safepoint-bench-v8 ]; then
+        echo "setup: installing the bench level's Python packages into .venv"
+        .venv/bin/python -m pip install -q --disable-pip-version-check "${PIP_BENCH[@]}"
+        # DLRover pulls the deprecated `pynvml` shim, which makes every `import torch.cuda` warn;
+        # the module it wraps comes from nvidia-ml-py, so keep that one alone.
+        .venv/bin/python -m pip uninstall -q -y pynvml
+        .venv/bin/python -m pip install -q --force-reinstall --no-deps "nvidia-ml-py==13.615.71"
+        touch .venv/.safepoint-bench-v8
+      fi
+      ;;
+    lint) pip_level lint v8 "${PIP_LINT[@]}" ;;
+  esac
+done

@@ -12,6 +12,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "base/bytes.h"
+
 namespace safepoint::advisor {
 namespace {
 
@@ -154,7 +156,7 @@ Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped) {
   h.path = path;
   // Save lines carry a median of n samples: the weighted median of medians is close enough.
   std::vector<std::pair<double, uint64_t>> saves;
-  std::map<std::string, std::vector<double>> persist, restore;
+  std::map<std::string, std::vector<double>> persist, persist_bytes, restore;
   std::vector<double> restarts;
   bool in_run = false;
   bool clean = false;
@@ -198,7 +200,11 @@ Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped) {
     } else if (ev == "persist") {
       auto s = seconds();
       if (s && j.contains("level") && j["level"].is_string()) {
-        persist[j["level"].get<std::string>()].push_back(*s);
+        const std::string level = j["level"].get<std::string>();
+        persist[level].push_back(*s);
+        if (j.contains("bytes") && j["bytes"].is_number() && j["bytes"].get<double>() > 0) {
+          persist_bytes[level].push_back(j["bytes"].get<double>());
+        }
       }
     } else if (ev == "restore") {
       auto s = seconds();
@@ -224,7 +230,9 @@ Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped) {
     }
     h.save = Measured{median, total};
   }
-  for (auto& [level, v] : persist) h.persist[level] = Measured{Median(v), v.size()};
+  for (auto& [level, v] : persist) {
+    h.persist[level] = Measured{Median(v), v.size(), Median(persist_bytes[level])};
+  }
   for (auto& [source, v] : restore) h.restore[source] = Measured{Median(v), v.size()};
   if (!restarts.empty()) h.restart = Measured{Median(restarts), restarts.size()};
   // Failures strike restarts too (the goodput model counts them over wall time): the time
@@ -236,6 +244,40 @@ Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped) {
   }
   if (skipped) *skipped = bad;
   return h;
+}
+
+std::optional<RestoreEstimate> EstimateRestore(const HistorySummary& h, const std::string& level) {
+  auto rate = [](double bytes, double seconds) {
+    return internal::HumanBytes(static_cast<uint64_t>(bytes / seconds)) + "/s";
+  };
+  auto size = [](double bytes) { return internal::HumanBytes(static_cast<uint64_t>(bytes)); };
+  const auto path = h.persist.find("path");
+  const double state = path != h.persist.end() ? path->second.bytes : 0;
+  if (level == "memory") {
+    if (!h.save || h.save->seconds <= 0) return std::nullopt;
+    if (state <= 0) {
+      return RestoreEstimate{h.save->seconds,
+                             "estimated: a save's blocking time (a reload copies the same bytes "
+                             "back; not restored yet)"};
+    }
+    return RestoreEstimate{h.save->seconds,
+                           "estimated: the state (" + size(state) +
+                               ") copied back at the save's measured copy bandwidth (" +
+                               rate(state, h.save->seconds) + "; not restored yet)"};
+  }
+  const auto p = h.persist.find(level);
+  if (p == h.persist.end() || p->second.seconds <= 0) return std::nullopt;
+  const Measured& m = p->second;
+  const double written = m.bytes > 0 ? m.bytes : state;
+  if (written <= 0 || state <= 0) {
+    return RestoreEstimate{m.seconds,
+                           "estimated: the persist time (reading back costs about what writing "
+                           "did; not restored yet)"};
+  }
+  const double bandwidth = written / m.seconds;
+  return RestoreEstimate{state / bandwidth, "estimated: the state (" + size(state) +
+                                                ") read at the measured persist bandwidth (" +
+                                                rate(written, m.seconds) + "; not restored yet)"};
 }
 
 }  // namespace safepoint::advisor

@@ -72,6 +72,7 @@ class HistoryWriter {
 struct Measured {
   double seconds = 0;
   uint64_t samples = 0;
+  double bytes = 0;  // persists: the median size of the samples that recorded one, else 0
 };
 
 struct HistorySummary {
@@ -91,6 +92,18 @@ struct HistorySummary {
 // Reads and summarizes a history file. NotFound naming the path when it does not exist;
 // malformed lines are skipped and counted in `*skipped` when given.
 Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped = nullptr);
+
+// A restore time for `level` that was never measured, estimated from the state's size (the
+// median bytes of the checkpoint path's persists) and a measured bandwidth: for "memory", the
+// save's copy into shared memory (a reload copies the same bytes back, so about a save's blocking
+// time); for the path and the tiers, the level's persist bandwidth (reading back costs about what
+// writing did). `how` says so in words, with the size and bandwidth when they were recorded.
+// nullopt when the history has no measurement to estimate from.
+struct RestoreEstimate {
+  double seconds = 0;
+  std::string how;  // "estimated: ..."
+};
+std::optional<RestoreEstimate> EstimateRestore(const HistorySummary& h, const std::string& level);
 
 double NowSeconds();  // Unix time
 

@@ -101,5 +101,37 @@ TEST(HistoryTest, RestartsWithoutCloseAreInterruptionsAndGiveTheMtbf) {
   EXPECT_EQ(h.interruption_times, (std::vector<double>{1100, 1310}));
 }
 
+TEST(HistoryTest, UnmeasuredRestoresAreEstimatedFromSizeAndBandwidth) {
+  TempDir dir;
+  const std::string path = dir.path() + "/h.jsonl";
+  {
+    ASSERT_OK_AND_ASSIGN(auto w, HistoryWriter::Open(path, /*save_line_gap=*/0));
+    ASSERT_OK(w.RecordStart(1));
+    ASSERT_OK(w.RecordSave(0.5));
+    // The path writes 4 GB in 8 s (0.5 GB/s); tier 1 records no size and took 20 s.
+    ASSERT_OK(w.RecordPersist("path", 8, 4'000'000'000));
+    ASSERT_OK(w.RecordPersist("tier 1", 20, 0));
+    ASSERT_OK(w.RecordClose());
+  }
+  ASSERT_OK_AND_ASSIGN(auto h, ReadHistory(path));
+  EXPECT_DOUBLE_EQ(h.persist.at("path").bytes, 4e9);
+  EXPECT_DOUBLE_EQ(h.persist.at("tier 1").bytes, 0);
+  auto mem = EstimateRestore(h, "memory");
+  ASSERT_TRUE(mem.has_value());
+  EXPECT_DOUBLE_EQ(mem->seconds, 0.5);  // the same bytes copied back at the save's bandwidth
+  EXPECT_EQ(mem->how.rfind("estimated", 0), 0u) << mem->how;
+  EXPECT_NE(mem->how.find("copy bandwidth"), std::string::npos) << mem->how;
+  auto p = EstimateRestore(h, "path");
+  ASSERT_TRUE(p.has_value());
+  EXPECT_DOUBLE_EQ(p->seconds, 8);
+  EXPECT_NE(p->how.find("persist bandwidth"), std::string::npos) << p->how;
+  auto t = EstimateRestore(h, "tier 1");  // no size of its own: the state over its bandwidth
+  ASSERT_TRUE(t.has_value());
+  EXPECT_DOUBLE_EQ(t->seconds, 20);
+  EXPECT_FALSE(EstimateRestore(h, "tier 2").has_value());  // never written: nothing to go on
+  HistorySummary empty;
+  EXPECT_FALSE(EstimateRestore(empty, "memory").has_value());
+}
+
 }  // namespace
 }  // namespace safepoint::advisor

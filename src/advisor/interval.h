@@ -94,6 +94,10 @@ class IntervalController {
   uint64_t changes_ = 0;
 };
 
+// The MTBFs `safepoint advise` shows intervals for when the job's failure rate is not known yet
+// (no interruption recorded, no --mtbf): 1 h, 3 h and 12 h.
+inline constexpr double kTypicalMtbfSeconds[] = {3600, 3 * 3600, 12 * 3600};
+
 // Parses a duration: a number of seconds, or a number with s, m, h or d ("90", "5m", "3.1h").
 Result<double> ParseDuration(const std::string& text);
 

@@ -26,6 +26,22 @@ def pytest_configure(config):
         config.option.basetemp = _SHORT_BASETEMP
 
 
+# Modules whose tests must run alone (`make test` runs them after the parallel run, without
+# pytest-xdist; the marker `serial`): they measure time, throughput or memory of this machine,
+# which other tests running beside them would distort. Every other module runs under
+# `pytest -n N --dist loadfile` (one worker per module, so a module-scoped fixture such as
+# test_tier_faults' own gateway is started once): tests there use tmp_path, their own shm
+# directory (the `shm` fixture), free ports, their own subnet lock for node clusters
+# (tests/common/nodes.py) and their own pools, buckets and prefixes on the shared Ceph.
+SERIAL_MODULES = {"test_saveperf", "test_loadperf", "test_restore_at_scale"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
+
 def pytest_unconfigure(config):
     if _SHORT_BASETEMP:
         shutil.rmtree(_SHORT_BASETEMP, ignore_errors=True)

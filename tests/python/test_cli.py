@@ -104,6 +104,29 @@ def test_help(cli):
     assert "--shm-dir DIR=/dev/shm" in cli("gc", "--help", check=0).stdout
 
 
+EVERY_COMMAND = ("ls", "inspect", "verify", "cp", "rm", "agent", "status", "gc", "chunk-gc", "log",
+            "tag", "diff", "export", "import", "advise", "simulate")
+
+
+def test_help_lists_every_command_in_one_line_and_each_has_an_example(cli):
+    out = cli("--help", check=0).stdout
+    commands = out[out.index("Commands:"):].splitlines()[1:]
+    listed = {}
+    for line in commands:
+        words = line.split()
+        if not line.startswith("  ") or not words:
+            break
+        listed[words[0]] = " ".join(words[1:])
+    assert set(listed) == set(EVERY_COMMAND), listed
+    assert all(listed.values()), listed  # a line that says what the command does
+    for command in EVERY_COMMAND:
+        out = cli(command, "--help", check=0).stdout
+        assert "Example" in out, (command, out)
+        example = out[out.index("Example"):].splitlines()[1].split()
+        assert example[:2] == ["safepoint", command], (command, out)
+        assert "Exit status" in out, (command, out)
+
+
 def safepointd(*args):
     binary = os.path.join(os.path.dirname(safepoint.__file__), "safepointd")
     return subprocess.run([binary, *map(str, args)], capture_output=True, text=True, timeout=120)

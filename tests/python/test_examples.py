@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+from conftest import free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLES_DIR = os.path.join(REPO, "examples")
@@ -40,6 +41,8 @@ class Example:
     source: Optional[str] = None   # "memory" or "storage", when the example fixes it
     resumes: int = 1               # how many resume lines (one per rank that resumes)
     timeout: float = 600.0         # a guard against a hang, not a performance limit
+    needs: tuple[str, ...] = ()    # optional modules it imports (skipped without them, e.g.
+    #                                under scripts/other-torch.sh; `make test` installs them)
 
 
 EXAMPLES = [
@@ -52,8 +55,8 @@ EXAMPLES = [
                                       r"bit-identical: True"),
     # Saved by 2 FSDP2 ranks, resumed by one process: resharding reads from storage.
     Example("fsdp2.py", step=6, source="storage"),
-    Example("lightning_example.py", step=16, source="memory"),
-    Example("hf_example.py", step=6, source="memory"),
+    Example("lightning_example.py", step=16, source="memory", needs=("pytorch_lightning",)),
+    Example("hf_example.py", step=6, source="memory", needs=("transformers", "accelerate")),
 ]
 
 
@@ -73,11 +76,24 @@ def _agents_of(shm: str) -> list[int]:
     return out
 
 
+def _remove_with_agents(shm: str) -> None:
+    """SIGKILLs the agents of `shm` and of its subdirectories (one per "node"), removes it."""
+    for d in [shm, *(os.path.join(shm, n) for n in os.listdir(shm))]:
+        for pid in _agents_of(d):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shutil.rmtree(shm, ignore_errors=True)
+
+
 @pytest.mark.parametrize("ex", EXAMPLES, ids=[e.file for e in EXAMPLES])
 def test_example_runs_and_resumes(ex: Example):
     path = os.path.join(EXAMPLES_DIR, ex.file)
     if not os.path.exists(path):
         pytest.skip(f"examples/{ex.file} does not exist yet")
+    for module in ex.needs:
+        pytest.importorskip(module)
     # The examples' snapshots go to a private directory instead of /dev/shm.
     own = tempfile.mkdtemp(prefix="spx-")
     env = dict(os.environ, SAFEPOINT_SHM_DIR=own)
@@ -95,9 +111,91 @@ def test_example_runs_and_resumes(ex: Example):
         if ex.source is not None:
             assert {src for _, src in found} == {ex.source}, out
     finally:
-        for pid in _agents_of(own):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(own, ignore_errors=True)
+        _remove_with_agents(own)
+
+
+# --- docs/guide.md, "Getting started": its shell blocks, run as they stand ------------------------
+# Each block follows a `<!-- getting-started: NAME -->` line. They run in bash with the paths a
+# newcomer would use moved to this test's own: /tmp/gs-* under tmp_path, /dev/shm/gs-* under a
+# private directory, `.venv/bin/` to this Python's bin directory and `make demo` to the demo the
+# target runs once it has built (this test runs on a built tree). A `--watch` line runs for a few
+# seconds and is stopped with Ctrl-C (SIGINT), as its reader would.
+GUIDE = os.path.join(REPO, "docs", "guide.md")
+
+
+def guide_block(name: str) -> str:
+    text = open(GUIDE).read()
+    m = re.search(rf"<!-- getting-started: {name} -->\n```sh\n(.*?)```", text, re.S)
+    assert m, f"docs/guide.md has no getting-started block {name!r}"
+    return m.group(1)
+
+
+def localize(block: str, tmp: str, shm: str) -> str:
+    bindir = os.path.dirname(sys.executable)
+    return (block.replace("$PWD/.venv/bin", bindir).replace(".venv/bin/", bindir + "/")
+            .replace("make demo", f"{sys.executable} examples/demo.py")
+            .replace("/dev/shm/gs-", shm + "/gs-").replace("/tmp/gs-", tmp + "/gs-"))
+
+
+def run_guide_line(line: str, env: dict) -> subprocess.CompletedProcess:
+    if "--watch" not in line:
+        return subprocess.run(["bash", "-c", line], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+    proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=3)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture
+def guide_env(tmp_path):
+    shm = tempfile.mkdtemp(prefix="spg-")
+    env = dict(os.environ, SAFEPOINT_SHM_DIR=shm,
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    yield str(tmp_path), shm, env
+    _remove_with_agents(shm)
+
+
+def test_getting_started_one_node_then_what_to_watch(guide_env):
+    tmp, shm, env = guide_env
+    for line in localize(guide_block("one-node"), tmp, shm).strip().splitlines():
+        proc = run_guide_line(line, env)
+        out = f"{line}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, out
+        if "demo.py" in line:
+            assert "bit-identical to an uninterrupted run" in proc.stdout, out
+        if "plain_pytorch.py" in line:
+            assert re.search(RESUMED, proc.stdout), out
+    assert os.path.isdir(os.path.join(tmp, "gs-run0"))
+    for line in localize(guide_block("watch"), tmp, shm).strip().splitlines():
+        line = line.split("#")[0].strip()
+        proc = run_guide_line(line, env)
+        out = f"{line}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, out
+        if " advise " in line:
+            assert "checkpoint every" in proc.stdout and "no advice" not in proc.stdout, out
+
+
+def test_getting_started_several_nodes(guide_env):
+    """Two torchrun "nodes" on this machine, redundancy="mirror", and the S3 tier when the test
+    Ceph runs (`make test` starts it; without it the block runs without the tier)."""
+    tmp, shm, env = guide_env
+    block = localize(guide_block("nodes"), tmp, shm)
+    # A free rendezvous port instead of the guide's fixed one (tests run side by side), and the
+    # Ceph `make test` already runs under (scripts/with-ceph.sh) instead of a second one.
+    block = block.replace("--master-port 29531", f"--master-port {free_port()}")
+    assert block.startswith("scripts/with-ceph.sh bash -c"), block
+    block = block.replace("scripts/with-ceph.sh bash -c", "bash -c", 1)
+    proc = subprocess.run(["bash", "-c", block], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, out
+    assert len(re.findall(r"\[rank \d\] fresh start", proc.stdout)) == 2, out
+    assert {int(s) for s in re.findall(r"resumed from step (\d+)", proc.stdout)} == {20}, out
+    assert len(re.findall(r"in a peer's memory: True", proc.stdout)) == 4, out
+    if os.environ.get("SAFEPOINT_TEST_S3_URI"):
+        assert re.search(r"on s3://\S+: steps \[.*30\]", proc.stdout), out
