@@ -54,6 +54,8 @@ EXAMPLES = [
     Example("fsdp2.py", step=6, source="storage"),
     Example("lightning_example.py", step=16, source="memory"),
     Example("hf_example.py", step=6, source="memory"),
+    # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
+    Example("preemptible.py", step=13, source="storage", resumes=2),
 ]
 
 
