@@ -109,17 +109,17 @@ def launch(ckpt_dir: str, steps: int, preempt_at: Optional[int] = None,
 
 
 def main() -> None:
+    torchrun = "LOCAL_RANK" in os.environ  # started by torchrun: this process is one rank
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", help="checkpoint directory (default: a temporary one)")
+    ap.add_argument("--ckpt", required=torchrun,
+                    help="checkpoint directory, the same for every rank (default: a temporary "
+                         "one; required under torchrun)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--preempt-at", type=int, default=12, help="0: no preemption")
     args = ap.parse_args()
-    if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
-        if not args.ckpt:
-            ap.error("under torchrun, --ckpt DIR is needed (the same directory for every rank)")
-        torch.set_num_threads(1)
-        train(args.ckpt, args.steps)
-        return
+    if torchrun:
+        torch.set_num_threads(1)  # a small model, several ranks on one CPU: one thread each
+        return train(args.ckpt, args.steps)
     tmp = None if args.ckpt else tempfile.mkdtemp(prefix="safepoint-example-")
     ckpt_dir = args.ckpt or os.path.join(tmp, "ckpt")
     try:
