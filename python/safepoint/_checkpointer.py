@@ -38,6 +38,7 @@ from safepoint._api import steps as storage_steps
 from safepoint._attempt import new_attempt, newest_attempts, run_attempt
 from safepoint._dedupe import ReplicaPlan
 from safepoint._pickle import AllowPickle, pickler, unpickler
+from safepoint._preemption import DEFAULT_SIGNALS, PreemptionWatch, agreed
 from safepoint._replication import exchange_membership
 from safepoint._shards import read_into, read_newest_into, read_shared_into
 from safepoint._staging import pin_for_gpu_copies
@@ -186,6 +187,26 @@ class Checkpointer:
     it persists (never in shared memory, never in ``save()``) and which steps share
     (docs/guide.md, "Compression and incremental checkpoints"). ``status()["storage_layout"]``
     shows the mode in use and its ratio.
+
+    ``snapshot_every`` lets a loop call ``save`` every step while only every
+    ``snapshot_every``-th step (``step % snapshot_every == 0``) is copied into shared memory;
+    the other calls return False at once (``status()["saves_not_due"]`` counts them). A
+    snapshot is persisted when a step due under ``persist_every`` fell since the previous
+    scheduled snapshot (``persist_every=10, snapshot_every=5``: steps 10, 20, ...).
+
+    ``preemption`` (docs/guide.md, "Preemption"): once SIGTERM or SIGUSR1 (``preemption_signals``)
+    has reached the process, or ``notify_preemption()`` was called, the next ``save`` copies and
+    persists its step whatever the schedule and returns once the step is committed;
+    ``preempted`` is True from then on, so that the loop can stop, and a restart resumes from
+    that step. With several ranks every rank preempts at the same step: each ``save`` is then a
+    collective (one all-reduce of one int on the Checkpointer's gloo group) until the notice.
+    Default (None): on for one process, and for several ranks when ``save`` is a collective
+    anyway (``dedupe``); True turns it on for ``dedupe=False`` too (every rank must then call
+    ``save`` for the same steps), False off. The handlers are installed only when the
+    Checkpointer is made in the main thread, chain to the handlers installed before, and are
+    put back by ``close``. A second signal, or ``preemption_grace_s`` seconds after the first
+    (default: no limit), ends the process as the signal's default action would (the agent
+    persists the newest snapshot, as for any dying process).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
@@ -202,7 +223,10 @@ class Checkpointer:
                  max_shm_bytes: Optional[int] = None,
                  metrics: Optional[str] = None,
                  event_log: Optional[str | os.PathLike[str]] = None,
-                 compression: str = "none", incremental: bool = False) -> None:
+                 compression: str = "none", incremental: bool = False,
+                 snapshot_every: int = 1, preemption: Optional[bool] = None,
+                 preemption_grace_s: Optional[float] = None,
+                 preemption_signals: tuple[int, ...] = DEFAULT_SIGNALS) -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -219,6 +243,10 @@ class Checkpointer:
         mtbf_seconds = parse_mtbf(self.path, mtbf)
         if type(keep) is not int or keep < 1:
             raise InvalidArgumentError(f"{self.path}: keep must be a positive int")
+        if type(snapshot_every) is not int or snapshot_every < 1:
+            raise InvalidArgumentError(f"{self.path}: snapshot_every must be a positive int")
+        if preemption_grace_s is not None and not preemption_grace_s > 0:
+            raise InvalidArgumentError(f"{self.path}: preemption_grace_s must be > 0 or None")
         if on_busy not in ("wait", "skip"):
             raise InvalidArgumentError(
                 f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
@@ -271,12 +299,15 @@ class Checkpointer:
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
                                 mtbf_seconds, self.tiers)
         self._stats: dict[str, Any] = {
-            "saves": 0, "skipped_saves": 0, "last_save": None, "last_load": None,
-            "agent_errors": 0, "blocking_seconds_sum": 0.0, "restores": {},
+            "saves": 0, "skipped_saves": 0, "saves_not_due": 0, "last_save": None,
+            "last_load": None, "agent_errors": 0, "blocking_seconds_sum": 0.0, "restores": {},
         }
         self.last_restore: Optional[RestoreInfo] = None
         if self._metadata:
             self._client.set_lineage(None, "", self._metadata)
+        self.snapshot_every = snapshot_every
+        self.preempted = False
+        self._watch = self._watch_preemption(preemption, preemption_grace_s, preemption_signals)
         self.replication: Optional[dict[str, Any]] = None
         if redundancy not in (None, "", "none"):
             if self._group is None:
@@ -290,7 +321,41 @@ class Checkpointer:
             except BaseException:
                 self._client.abandon()
                 self._client = None
+                self._stop_watching()
                 raise
+
+    def _watch_preemption(self, on: Optional[bool], grace_s: Optional[float],
+                          signals: tuple[int, ...]) -> Optional[PreemptionWatch]:
+        """The preemption watch (None: off), its handlers installed from the main thread."""
+        if on is None:
+            on = self.world_size == 1 or self.dedupe
+        if not on:
+            return None
+        if self.world_size > 1 and self._group is None:
+            raise InvalidArgumentError(
+                f"{self.path}: preemption=True with {self.world_size} ranks needs "
+                "torch.distributed initialized (the ranks agree on the step to preempt at)")
+        watch = PreemptionWatch(signals, grace_s)
+        watch.install()
+        return watch
+
+    def _stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+
+    @property
+    def preemption_handlers_installed(self) -> bool:
+        """Whether the preemption signal handlers are installed (only from the main thread)."""
+        return self._watch is not None and self._watch.installed
+
+    def notify_preemption(self) -> None:
+        """Gives the preemption notice without a signal (from any thread, e.g. one that polls a
+        cloud provider's spot-interruption notice): the next ``save`` persists its step. Raises
+        when preemption handling is off."""
+        if self._watch is None:
+            raise InvalidArgumentError(f"{self.path}: preemption handling is off "
+                                       "(Checkpointer(..., preemption=False))")
+        self._watch.notify()
 
     @property
     def _live(self):
@@ -308,8 +373,14 @@ class Checkpointer:
         Values of a top-level mapping that have ``state_dict()``/``load_state_dict()`` (modules,
         optimizers, schedulers, ...) are saved as their state dicts. ``include_rng`` adds this
         process's torch/CUDA/numpy/``random`` generator states. Returns False when the snapshot
-        was skipped (``on_busy="skip"`` and no free slot). ``persist`` overrides
-        ``persist_every`` for this step.
+        was skipped (``on_busy="skip"`` and no free slot) or the step is not due under
+        ``snapshot_every`` (nothing copied). ``persist`` overrides ``persist_every`` for this
+        step (``persist=True`` snapshots a step that is not due, too).
+
+        After a preemption notice (a signal, ``notify_preemption()``; on any rank), the save
+        copies and persists its step whatever the schedule (``overlap`` and ``persist`` aside),
+        sets ``preempted``, and returns once the step is committed: it raises as ``wait()``
+        would when it cannot be.
 
         ``overlap=True`` returns as soon as the state is walked (its structure, non-tensor
         values and tensor addresses taken) and copies the tensors into shared memory on a
@@ -328,8 +399,14 @@ class Checkpointer:
                 f"{self.path}: step must be a non-negative int, got {step!r}")
         client = self._live  # waits for an overlapped save still copying
         t0 = time.perf_counter()
+        preempt = self._preemption_now()
+        if not preempt and not persist and step % self.snapshot_every:
+            self._stats["saves_not_due"] += 1
+            return False
         saveable = to_saveable(state, include_rng)
-        do_persist = persist if persist is not None else self._advisor.due(step)
+        if preempt:
+            return self._save_preempted(client, step, saveable, t0)
+        do_persist = persist if persist is not None else self._persist_due(step)
         if overlap:
             self._hook_optimizers(state)
             client.save_begin(step, saveable, bool(do_persist), self._pickler,
@@ -339,6 +416,36 @@ class Checkpointer:
         snap = client.save(step, saveable, bool(do_persist), self._pickler,
                            notify=not self.dedupe)
         return self._saved(step, snap, t0)
+
+    def _persist_due(self, step: int) -> bool:
+        """Whether the snapshot of `step` is persisted: a step due under persist_every fell
+        in (step - snapshot_every, step]."""
+        if self.snapshot_every == 1:
+            return self._advisor.due(step)
+        every = self._advisor.every
+        return step // every > (step - self.snapshot_every) // every
+
+    def _preemption_now(self) -> bool:
+        """Whether this save is the preemption save: a notice reached some rank (with several
+        ranks, a collective while no save has preempted yet). Sets ``preempted``."""
+        if self._watch is None or self.preempted:
+            return False
+        if not agreed(self._group, self._watch.noticed):
+            return False
+        self.preempted = True
+        return True
+
+    def _save_preempted(self, client: Any, step: int, saveable: Any, t0: float) -> bool:
+        """The preemption save: copied (never skipped: with on_busy="skip", the persists in
+        flight are waited for first), persisted, and waited for until committed."""
+        grace = self._watch.grace_s if self._watch is not None else None
+        timeout = -1.0 if grace is None else float(grace)
+        if self.on_busy == "skip":
+            client.wait(timeout)
+        snap = client.save(step, saveable, True, self._pickler, notify=not self.dedupe)
+        saved = self._saved(step, snap, t0)
+        client.wait(timeout)
+        return saved
 
     def before_update(self) -> Optional[bool]:
         """Waits until the copy of an overlapped save (``save(..., overlap=True)``) is done, so
@@ -757,6 +864,8 @@ class Checkpointer:
             "last_persist_error": mine.get("last_error") or None,
             "saves": self._stats["saves"],
             "skipped_saves": self._stats["skipped_saves"],
+            "saves_not_due": self._stats["saves_not_due"],
+            "preempted": self.preempted,
             "last_save": self._stats["last_save"],
             "last_load": self._stats["last_load"],
             "agent": {"pid": agent.get("agent_pid"), "job_dir": agent.get("job_dir"),
@@ -807,6 +916,7 @@ class Checkpointer:
     def close(self, timeout: Optional[float] = None) -> None:
         """Persists the newest snapshot if it is not yet, then removes this rank's snapshots from
         memory (the job is done). Idempotent."""
+        self._stop_watching()
         if self._client is not None:
             self._unhook()
             try:
@@ -830,6 +940,7 @@ class Checkpointer:
     def abandon(self) -> None:
         """Drops the connection like a dying process would: the agent persists the newest
         snapshot and keeps the snapshots in memory for a restarted process. Idempotent."""
+        self._stop_watching()
         if self._client is not None:
             self._unhook()
             self._pending = None  # the client lets its copy finish, then drops the connection
@@ -838,6 +949,9 @@ class Checkpointer:
             self._advisor.close(clean=False)
 
     def __del__(self) -> None:  # no clean close: the agent treats it like a death and flushes
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.close()
         client = getattr(self, "_client", None)
         if client is not None:
             client.abandon()

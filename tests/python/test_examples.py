@@ -57,6 +57,8 @@ EXAMPLES = [
     Example("fsdp2.py", step=6, source="storage"),
     Example("lightning_example.py", step=16, source="memory", needs=("pytorch_lightning",)),
     Example("hf_example.py", step=6, source="memory", needs=("transformers", "accelerate")),
+    # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
+    Example("preemptible.py", step=13, source="storage", resumes=2),
 ]
 
 
