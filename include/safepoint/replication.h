@@ -1,7 +1,7 @@
 // Peer replication as a training process sees it (docs/replication.md): the job's nodes and
 // redundancy it tells the agent, and the snapshots of its rank that other nodes can rebuild.
 // SnapshotClient (safepoint/client.h) takes and returns these; the agent protocol
-// (src/protocol/protocol.h) carries PeerNode and PeerCopy as they are.
+// (src/protocol/protocol.h) carries PeerNode, Membership and PeerCopy as they are.
 #pragma once
 
 #include <cstdint>
@@ -15,13 +15,14 @@ struct PeerNode {
   std::string node;
   std::string address;  // "host:port" of its agent's peer service
 };
-// The job's nodes and redundancy, as the ranks agreed on them at a Checkpointer start.
+// The job's nodes and redundancy, as the ranks all-gathered them at a Checkpointer start. Every
+// rank of that start sends the same membership; the agent applies a new epoch once.
 struct Membership {
-  std::string epoch;        // names one Checkpointer start of the job; the same on every rank
-  uint32_t node_index = 0;  // this node's place in `nodes`
-  std::vector<PeerNode> nodes;
-  std::string redundancy;  // "mirror", "mirror:N", "ec:K+P"
-  std::string secret_hex;  // the job's secret for this epoch
+  std::string epoch;            // names one Checkpointer start of the job; the same on every rank
+  uint32_t node_index = 0;      // this node's place in `nodes`
+  std::vector<PeerNode> nodes;  // every node of the job, by node index
+  std::string redundancy;       // "mirror", "mirror:N", "ec:K+P" (src/protocol/redundancy.h)
+  std::string secret_hex;  // the job's secret for this epoch, lowercase hex; authenticates peers
   uint64_t bandwidth = 0;  // bytes/s cap on replication sends; 0: none
 };
 // A snapshot of a rank that the peers can rebuild (a whole copy, or K fragments).

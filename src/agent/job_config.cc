@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <nlohmann/json.hpp>
 
+#include "base/json_fields.h"
 #include "base/unique_fd.h"
 #include "protocol/protocol.h"
 
@@ -33,19 +34,13 @@ Result<std::optional<JobConfig>> ReadJobConfig(const std::string& job_dir) {
   }
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   JobConfig c;
-  const bool ok = j.is_object() && j.contains("storage") && j["storage"].is_string() &&
-                  j.contains("world_size") && j["world_size"].is_number_unsigned() &&
-                  j.contains("keep") && j["keep"].is_number_unsigned();
-  if (!ok || j["world_size"].get<uint64_t>() == 0 || j["world_size"].get<uint64_t>() > UINT32_MAX ||
-      j["keep"].get<uint64_t>() > UINT32_MAX) {
+  if (!j.is_object() || !internal::GetString(j, "storage", &c.storage, text.size()) ||
+      !internal::GetU32(j, "world_size", &c.world_size) || c.world_size == 0 ||
+      !internal::GetU32(j, "keep", &c.keep)) {
     return Corruption(path + ": not a job configuration (storage, world_size, keep)");
   }
-  c.storage = j["storage"].get<std::string>();
-  c.world_size = j["world_size"].get<uint32_t>();
-  c.keep = j["keep"].get<uint32_t>();
-  if (auto it = j.find("compression"); it != j.end() && it->is_string()) {
-    c.compression = it->get<std::string>();
-  }
+  // Optional: a missing or mistyped compression leaves the default.
+  (void)internal::GetString(j, "compression", &c.compression, text.size());
   if (auto it = j.find("incremental"); it != j.end() && it->is_boolean()) {
     c.incremental = it->get<bool>();
   }

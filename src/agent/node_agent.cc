@@ -423,7 +423,7 @@ Status NodeAgent::HandleMessage(Client& c, const protocol::Message& m) {
     case MessageType::kSnapshot: {
       SP_RETURN_IF_ERROR(require_hello("snapshot"));
       protocol::SnapshotNote note;
-      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      SP_RETURN_IF_ERROR(protocol::Decode(m.payload, &note));
       return HandleSnapshot(c, std::move(note));
     }
     case MessageType::kStatus:
@@ -448,7 +448,7 @@ Status NodeAgent::HandleMessage(Client& c, const protocol::Message& m) {
     case MessageType::kReport: {
       SP_RETURN_IF_ERROR(require_hello("report"));
       protocol::ReportNote note;
-      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      SP_RETURN_IF_ERROR(protocol::Decode(m.payload, &note));
       HandleReport(c, note);
       return Status::OK();
     }
@@ -493,8 +493,8 @@ Status NodeAgent::HandlePeerMessage(Client& c, const protocol::Message& m) {
       return Status::OK();
     }
     case MessageType::kMembership: {
-      protocol::MembershipNote note;
-      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      Membership note;
+      SP_RETURN_IF_ERROR(protocol::Decode(m.payload, &note));
       Reply(c, MessageType::kAck, Encode(protocol::AckReply{replicator_.Configure(note)}));
       return Status::OK();
     }
@@ -532,7 +532,7 @@ Status NodeAgent::HandlePeerMessage(Client& c, const protocol::Message& m) {
     }
     case MessageType::kPause: {
       protocol::PauseNote note;
-      SP_RETURN_IF_ERROR(Decode(m.payload, &note));
+      SP_RETURN_IF_ERROR(protocol::Decode(m.payload, &note));
       replicator_.SetPaused(note.paused);
       return Status::OK();
     }

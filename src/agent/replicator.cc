@@ -104,10 +104,11 @@ Result<std::string> Replicator::Setup(const std::string& job_dir,
   return service_->address();
 }
 
-Status Replicator::Configure(const protocol::MembershipNote& note) {
+Status Replicator::Configure(const Membership& note) {
   SP_ASSIGN_OR_RETURN(replica::Redundancy r, replica::ParseRedundancy(note.redundancy));
-  std::string secret(note.secret.size() / 2, '\0');
-  if (!replica::FromHex(note.secret, reinterpret_cast<uint8_t*>(secret.data()), secret.size())) {
+  std::string secret(note.secret_hex.size() / 2, '\0');
+  if (!replica::FromHex(note.secret_hex, reinterpret_cast<uint8_t*>(secret.data()),
+                        secret.size())) {
     return InvalidArgument("the job secret is not lowercase hex");
   }
   if (secret.size() < 16) return InvalidArgument("the job secret is shorter than 16 bytes");

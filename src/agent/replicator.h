@@ -86,7 +86,7 @@ class Replicator {
   // with another node or host is refused (an agent serves one node).
   Result<std::string> Setup(const std::string& job_dir, const protocol::PeerSetupRequest& request);
   // Applies a membership note (a new epoch replaces the peers, the secret and the limits).
-  Status Configure(const protocol::MembershipNote& note);
+  Status Configure(const Membership& note);
   bool enabled() const;     // configured with a redundancy
   bool configured() const;  // the peer service runs
   void SetPaused(bool paused);

@@ -13,8 +13,14 @@ namespace {
 using test::ReadJsonLines;
 using test::TempDir;
 
-TEST(TelemetryTest, FailureCountersExistAtZeroFromTheStart) {
-  Telemetry t("j");
+class TelemetryTest : public ::testing::Test {
+ protected:
+  TempDir dir_;
+  const std::string log_ = dir_.path() + "/events.jsonl";  // for tests that open an event log
+  Telemetry t{"j"};
+};
+
+TEST_F(TelemetryTest, FailureCountersExistAtZeroFromTheStart) {
   const std::string text = t.registry().Render();
   EXPECT_NE(
       text.find("safepoint_persists_total{safepoint_job=\"j\",tier=\"0\",result=\"failed\"} 0"),
@@ -32,8 +38,7 @@ TEST(TelemetryTest, FailureCountersExistAtZeroFromTheStart) {
   EXPECT_EQ(tiers.find("secret"), std::string::npos);
 }
 
-TEST(TelemetryTest, CountsEachCommitOnceAndLearnsTheInterval) {
-  Telemetry t("j");
+TEST_F(TelemetryTest, CountsEachCommitOnceAndLearnsTheInterval) {
   const Labels tier0 = {{"tier", "0"}};
   t.KnownCommit(0, 10, 1000);  // found at start: no count
   EXPECT_EQ(t.registry().Value("safepoint_commits_total", tier0), 0);
@@ -49,11 +54,8 @@ TEST(TelemetryTest, CountsEachCommitOnceAndLearnsTheInterval) {
   EXPECT_EQ(t.registry().Value("safepoint_newest_committed_step", tier0), 12);
 }
 
-TEST(TelemetryTest, TierCopiesAndFailuresBecomeMetricsAndEvents) {
-  TempDir dir;
-  const std::string log = dir.path() + "/events.jsonl";
-  Telemetry t("j");
-  ASSERT_OK(t.OpenEventLog(log));
+TEST_F(TelemetryTest, TierCopiesAndFailuresBecomeMetricsAndEvents) {
+  ASSERT_OK(t.OpenEventLog(log_));
   TierState st;
   st.index = 1;
   st.open = true;
@@ -78,7 +80,7 @@ TEST(TelemetryTest, TierCopiesAndFailuresBecomeMetricsAndEvents) {
   EXPECT_EQ(r.Value("safepoint_last_commit_timestamp_seconds", {{"tier", "1"}}), 2e9);
   EXPECT_EQ(r.Value("safepoint_tier_pending_steps", {{"tier", "1"}}), 1);
   EXPECT_EQ(r.Value("safepoint_failures_total", {{"kind", "tier_copy"}, {"code", "IOError"}}), 1);
-  const auto ev = ReadJsonLines(log);
+  const auto ev = ReadJsonLines(log_);
   ASSERT_EQ(ev.size(), 2u);
   EXPECT_EQ(ev[0]["event"], "commit");
   EXPECT_EQ(ev[0]["tier"], 1);
@@ -89,11 +91,8 @@ TEST(TelemetryTest, TierCopiesAndFailuresBecomeMetricsAndEvents) {
   EXPECT_EQ(ev[1]["error"], st.last_error);
 }
 
-TEST(TelemetryTest, PersistResultsByOutcome) {
-  TempDir dir;
-  const std::string log = dir.path() + "/events.jsonl";
-  Telemetry t("j");
-  ASSERT_OK(t.OpenEventLog(log));
+TEST_F(TelemetryTest, PersistResultsByOutcome) {
+  ASSERT_OK(t.OpenEventLog(log_));
   PersistResult ok;
   ok.task.rank = 2;
   ok.task.step = 7;
@@ -116,7 +115,7 @@ TEST(TelemetryTest, PersistResultsByOutcome) {
       r.Value("safepoint_failures_total", {{"kind", "persist"}, {"code", "ResourceExhausted"}}), 1);
   EXPECT_EQ(r.Value("safepoint_checksum_failures_total", {{"where", "persist"}}), 1);
   EXPECT_EQ(r.Value("safepoint_commits_total", {{"tier", "0"}}), 1);
-  const auto ev = ReadJsonLines(log);
+  const auto ev = ReadJsonLines(log_);
   ASSERT_EQ(ev.size(), 4u);  // persist, commit, failure, failure
   EXPECT_EQ(ev[0]["event"], "persist");
   EXPECT_EQ(ev[0]["rank"], 2);
@@ -127,8 +126,7 @@ TEST(TelemetryTest, PersistResultsByOutcome) {
   EXPECT_EQ(ev[2]["error"], "/ckpt/step-8/rank-2.img: no space");
 }
 
-TEST(TelemetryTest, ClientReportsAndReplicationOutcomes) {
-  Telemetry t("j");
+TEST_F(TelemetryTest, ClientReportsAndReplicationOutcomes) {
   t.Saved(1, 5, /*saved=*/true, 0.002, 1000);
   t.Saved(1, 6, /*saved=*/false, 0.0, 0);
   t.Restored(1, 5, "peer", 1.5, 0);

@@ -115,15 +115,6 @@ Status SnapshotClient::Hello() {
   return SendPeerState();
 }
 
-namespace {
-
-protocol::MembershipNote ToNote(const Membership& m) {
-  return protocol::MembershipNote{m.epoch,      m.node_index, m.nodes,
-                                  m.redundancy, m.secret_hex, m.bandwidth};
-}
-
-}  // namespace
-
 // A new agent (the previous one died) learns the peer setup and membership again. Failures are
 // not fatal to the connection: replication is a cache, saves and loads go on without it.
 Status SnapshotClient::SendPeerState() {
@@ -142,7 +133,7 @@ Status SnapshotClient::SendPeerState() {
     if (!s.ok()) return Status::OK();
   }
   if (membership_) {
-    exchange(MessageType::kMembership, protocol::Encode(ToNote(*membership_))).IgnoreError();
+    exchange(MessageType::kMembership, protocol::Encode(*membership_)).IgnoreError();
   }
   return Status::OK();
 }
@@ -161,9 +152,8 @@ Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std
 }
 
 Status SnapshotClient::SetMembership(const Membership& m) {
-  SP_ASSIGN_OR_RETURN(
-      std::string payload,
-      Request(MessageType::kMembership, protocol::Encode(ToNote(m)), MessageType::kAck, 60));
+  SP_ASSIGN_OR_RETURN(std::string payload, Request(MessageType::kMembership, protocol::Encode(m),
+                                                   MessageType::kAck, 60));
   protocol::AckReply reply;
   SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   if (!reply.status.ok()) return reply.status;

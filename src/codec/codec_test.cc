@@ -334,6 +334,12 @@ class MalformedFrameTest : public ::testing::Test {
     Reseal(f);
     ExpectCorruption(f, raw_.size(), what);
   }
+  // The frame with byte `at` set to `value`.
+  void ExpectRejectedWith(size_t at, uint8_t value, const std::string& what) {
+    Bytes f = frame_;
+    f[at] = std::byte{value};
+    ExpectRejected(std::move(f), what);
+  }
   Bytes raw_, frame_;
 };
 
@@ -341,43 +347,24 @@ TEST_F(MalformedFrameTest, HeaderFields) {
   Bytes back(raw_.size());
   ASSERT_OK(DecodeChunk(frame_, back));  // sealed as written
   EXPECT_TRUE(back == raw_);
+  ExpectRejectedWith(4, 3, "unknown method");
+  ExpectRejectedWith(5, 3, "element size 3");
+  ExpectRejectedWith(5, 2, "another element size");
+  ExpectRejectedWith(6, 0, "planes without their transform");
+  ExpectRejectedWith(7, 1, "reserved byte");
+  ExpectRejectedWith(39, 1, "reserved header word");
   Bytes f = frame_;
-  f[4] = std::byte{3};
-  ExpectRejected(f, "unknown method");
-  f = frame_;
-  f[5] = std::byte{3};
-  ExpectRejected(f, "element size 3");
-  f = frame_;
-  f[5] = std::byte{2};
-  ExpectRejected(f, "another element size");
-  f = frame_;
-  f[6] = std::byte{0};
-  ExpectRejected(f, "planes without their transform");
-  f = frame_;
-  f[7] = std::byte{1};
-  ExpectRejected(f, "reserved byte");
-  f = frame_;
-  f[39] = std::byte{1};
-  ExpectRejected(f, "reserved header word");
-  f = frame_;
   internal::StoreLE<uint64_t>(f.data() + 16, ~uint64_t{0});
   ExpectRejected(f, "payload size 2^64-1");
-  f = frame_;
-  f[4] = std::byte{0};  // raw, but the payload is not the raw size
-  ExpectRejected(f, "raw method with a coded payload");
-  f = frame_;
-  f[4] = std::byte{1};  // zstd over a planes payload
-  ExpectRejected(f, "zstd method with a planes payload");
+  ExpectRejectedWith(4, 0, "raw method with a coded payload");  // the payload is not the raw size
+  ExpectRejectedWith(4, 1, "zstd method with a planes payload");
 }
 
 TEST_F(MalformedFrameTest, PlaneTable) {
   constexpr size_t kTable = kFrameHeaderSize;  // the plane table follows the header
-  Bytes f = frame_;
-  f[kTable] = std::byte{2};
-  ExpectRejected(f, "unknown plane coding");
-  f = frame_;
-  f[kTable + 3] = std::byte{1};
-  ExpectRejected(f, "plane entry reserved byte");
+  ExpectRejectedWith(kTable, 2, "unknown plane coding");
+  ExpectRejectedWith(kTable + 3, 1, "plane entry reserved byte");
+  Bytes f;
   for (uint64_t v :
        {uint64_t{0}, uint64_t{1}, ~uint64_t{0}, ~uint64_t{0} - 100, uint64_t{1} << 63}) {
     for (int k = 0; k < 4; ++k) {

@@ -77,6 +77,13 @@ Status Bad(std::string_view source, const std::string& what) {
   return Corruption(std::move(m));
 }
 
+Status ChunkMismatch(std::string_view source, uint64_t index, uint32_t expected, uint32_t got) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "checksum mismatch in chunk %llu (expected %08x, got %08x)",
+                static_cast<unsigned long long>(index), expected, got);
+  return Bad(source, buf);
+}
+
 // Computes the canonical layout from the section sizes; false on overflow or absurd sizes.
 bool CanonicalLayout(ImageLayout* l) {
   l->index_offset = kImageHeaderSize;
@@ -541,10 +548,7 @@ Status VerifyChunk(std::span<const std::byte> chunk, uint64_t index, uint32_t ex
                    std::string_view source) {
   const uint32_t got = Crc32c(0, chunk.data(), chunk.size());
   if (got == expected) return Status::OK();
-  char buf[96];
-  std::snprintf(buf, sizeof(buf), "checksum mismatch in chunk %llu (expected %08x, got %08x)",
-                static_cast<unsigned long long>(index), expected, got);
-  return Bad(source, buf);
+  return ChunkMismatch(source, index, expected, got);
 }
 
 Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index, const ImageLayout& l,
@@ -639,6 +643,38 @@ Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index, co
   return out;
 }
 
+namespace {
+
+// Checksums the chunks of [0, covered) of an image in parallel, in pieces of 256 KiB that stay in
+// cache: `copier(off)` makes the piece function of the chunk at `off`, called with each piece's
+// [lo, hi) before that piece is summed from `summed`. An error names the first chunk whose sum is
+// not `crcs`'.
+template <typename MakeCopier>
+Status SumChunksCopying(std::span<const uint32_t> crcs, const ImageLayout& l, uint64_t covered,
+                        const std::byte* summed, std::string_view source, size_t threads,
+                        MakeCopier copier) {
+  std::vector<uint32_t> got(crcs.size());
+  internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
+    const uint64_t off = i * l.chunk_size;
+    const uint64_t len = std::min(l.chunk_size, covered - off);
+    constexpr uint64_t kPiece = 256 << 10;
+    auto copy_piece = copier(off);
+    uint32_t crc = 0;
+    for (uint64_t p = off; p < off + len; p += kPiece) {
+      const uint64_t end = std::min(p + kPiece, off + len);
+      copy_piece(p, end);
+      crc = Crc32c(crc, summed + p, end - p);
+    }
+    got[i] = crc;
+  });
+  for (size_t i = 0; i < crcs.size(); ++i) {
+    if (got[i] != crcs[i]) return ChunkMismatch(source, i, crcs[i], got[i]);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> dst,
                          std::string_view source, size_t threads) {
   if (dst.size() != src.size()) return InvalidArgument("CopyVerifiedImage: size mismatch");
@@ -650,33 +686,13 @@ Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> ds
   const uint64_t tail = l.checksums_offset;
   std::memcpy(dst.data() + tail, src.data() + tail, src.size() - tail);
   SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(dst.subspan(tail), l, source));
-  std::vector<uint32_t> got(crcs.size());
-  internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
-    const uint64_t off = i * l.chunk_size;
-    const uint64_t len = std::min(l.chunk_size, tail - off);
-    constexpr uint64_t kPiece = 256 << 10;
-    uint32_t crc = 0;
-    for (uint64_t p = 0; p < len; p += kPiece) {
-      const uint64_t n = std::min(kPiece, len - p);
-      if (off + p >= kImageHeaderSize) {
-        std::memcpy(dst.data() + off + p, src.data() + off + p, n);
-      } else if (off + p + n > kImageHeaderSize) {
-        std::memcpy(dst.data() + kImageHeaderSize, src.data() + kImageHeaderSize,
-                    off + p + n - kImageHeaderSize);
-      }
-      crc = Crc32c(crc, dst.data() + off + p, n);
-    }
-    got[i] = crc;
+  // The header is in `dst` already: copy what lies past it.
+  return SumChunksCopying(crcs, l, tail, dst.data(), source, threads, [&](uint64_t) {
+    return [&](uint64_t lo, uint64_t hi) {
+      lo = std::max<uint64_t>(lo, kImageHeaderSize);
+      if (lo < hi) std::memcpy(dst.data() + lo, src.data() + lo, hi - lo);
+    };
   });
-  for (size_t i = 0; i < crcs.size(); ++i) {
-    if (got[i] != crcs[i]) {
-      char buf[96];
-      std::snprintf(buf, sizeof(buf), "checksum mismatch in chunk %zu (expected %08x, got %08x)", i,
-                    crcs[i], got[i]);
-      return Bad(source, buf);
-    }
-  }
-  return Status::OK();
 }
 
 Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
@@ -695,37 +711,20 @@ Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageC
   std::sort(sorted.begin(), sorted.end(),
             [](const ImageCopy& a, const ImageCopy& b) { return a.offset < b.offset; });
   SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(image.subspan(covered), l, source));
-  std::vector<uint32_t> got(crcs.size());
-  internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
-    const uint64_t off = i * l.chunk_size;
-    const uint64_t len = std::min(l.chunk_size, covered - off);
-    constexpr uint64_t kPiece = 256 << 10;
+  return SumChunksCopying(crcs, l, covered, image.data(), source, threads, [&](uint64_t off) {
     // The first copy that may reach into this chunk (copies do not overlap: sorted by offset,
     // their ends are sorted too).
     auto next = std::partition_point(sorted.begin(), sorted.end(), [&](const ImageCopy& c) {
       return c.offset + c.length <= off;
     });
-    uint32_t crc = 0;
-    for (uint64_t p = off; p < off + len; p += kPiece) {
-      const uint64_t end = std::min(p + kPiece, off + len);
+    return [&, next](uint64_t p, uint64_t end) mutable {
       while (next != sorted.end() && next->offset + next->length <= p) ++next;
       for (auto c = next; c != sorted.end() && c->offset < end; ++c) {
         const uint64_t lo = std::max(c->offset, p), hi = std::min(c->offset + c->length, end);
         if (lo < hi) std::memcpy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
       }
-      crc = Crc32c(crc, image.data() + p, end - p);
-    }
-    got[i] = crc;
+    };
   });
-  for (size_t i = 0; i < crcs.size(); ++i) {
-    if (got[i] != crcs[i]) {
-      char buf[96];
-      std::snprintf(buf, sizeof(buf), "checksum mismatch in chunk %zu (expected %08x, got %08x)", i,
-                    crcs[i], got[i]);
-      return Bad(source, buf);
-    }
-  }
-  return Status::OK();
 }
 
 Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::string_view source,

@@ -225,12 +225,12 @@ std::string Encode(const PeerSetupRequest& m) {
   return json{{"node", m.node}, {"bind_host", m.bind_host}, {"timeout_ms", m.timeout_ms}}.dump();
 }
 std::string Encode(const PeerSetupReply& m) { return json{{"address", m.address}}.dump(); }
-std::string Encode(const MembershipNote& m) {
+std::string Encode(const Membership& m) {
   json nodes = json::array();
   for (const PeerNode& n : m.nodes) nodes.push_back({{"node", n.node}, {"address", n.address}});
-  return json{{"epoch", m.epoch},   {"node_index", m.node_index},
-              {"nodes", nodes},     {"redundancy", m.redundancy},
-              {"secret", m.secret}, {"bandwidth", m.bandwidth}}
+  return json{{"epoch", m.epoch},       {"node_index", m.node_index},
+              {"nodes", nodes},         {"redundancy", m.redundancy},
+              {"secret", m.secret_hex}, {"bandwidth", m.bandwidth}}
       .dump();
 }
 std::string Encode(const AckReply& m) { return StatusFields(m.status).dump(); }
@@ -277,11 +277,11 @@ Status Decode(std::string_view payload, PeerSetupRequest* out) {
 Status Decode(std::string_view payload, PeerSetupReply* out) {
   return Parse(payload, {{"address", &out->address}}).status();
 }
-Status Decode(std::string_view payload, MembershipNote* out) {
+Status Decode(std::string_view payload, Membership* out) {
   SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"epoch", &out->epoch},
                                               {"node_index", &out->node_index},
                                               {"redundancy", &out->redundancy},
-                                              {"secret", &out->secret},
+                                              {"secret", &out->secret_hex},
                                               {"bandwidth", &out->bandwidth}}));
   auto it = j.find("nodes");
   if (it == j.end() || !it->is_array()) return ProtocolError("field 'nodes' is not a list");

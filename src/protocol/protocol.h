@@ -51,7 +51,7 @@ enum class MessageType : uint16_t {
   // Peer replication (docs/replication.md):
   kPeerSetup = 12,  // client -> agent: PeerSetupRequest; PeerSetupReply
   kPeerSetupReply = 13,
-  kMembership = 14,  // client -> agent: MembershipNote; AckReply
+  kMembership = 14,  // client -> agent: Membership (safepoint/replication.h); AckReply
   kAck = 15,
   kPeerList = 16,  // client -> agent: PeerListRequest; PeerListReply
   kPeerListReply = 17,
@@ -134,17 +134,6 @@ struct PeerSetupReply {
   std::string address;  // "host:port" peers connect to
 };
 
-// The job's nodes, as the ranks all-gathered them at a Checkpointer start. `epoch` names that
-// start (every rank of it sends the same note; the agent applies a new epoch once).
-struct MembershipNote {
-  std::string epoch;
-  uint32_t node_index = 0;      // this node's place in `nodes`
-  std::vector<PeerNode> nodes;  // every node of the job, by node index
-  std::string redundancy;       // "mirror:N", "ec:K+P" (src/protocol/redundancy.h)
-  std::string secret;           // hex; authenticates the peers of this epoch
-  uint64_t bandwidth = 0;       // bytes/s cap on replication sends; 0: none
-};
-
 struct AckReply {
   Status status;
 };
@@ -200,7 +189,7 @@ std::string Encode(const CloseReply& m);
 std::string Encode(const ErrorReply& m);
 std::string Encode(const PeerSetupRequest& m);
 std::string Encode(const PeerSetupReply& m);
-std::string Encode(const MembershipNote& m);
+std::string Encode(const Membership& m);
 std::string Encode(const AckReply& m);
 std::string Encode(const PeerListRequest& m);
 std::string Encode(const PeerListReply& m);
@@ -221,7 +210,7 @@ Status Decode(std::string_view payload, CloseReply* out);
 Status Decode(std::string_view payload, ErrorReply* out);
 Status Decode(std::string_view payload, PeerSetupRequest* out);
 Status Decode(std::string_view payload, PeerSetupReply* out);
-Status Decode(std::string_view payload, MembershipNote* out);
+Status Decode(std::string_view payload, Membership* out);
 Status Decode(std::string_view payload, AckReply* out);
 Status Decode(std::string_view payload, PeerListRequest* out);
 Status Decode(std::string_view payload, PeerListReply* out);

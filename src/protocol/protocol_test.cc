@@ -417,7 +417,7 @@ TEST(MessageTest, PeerReplicationMessagesRoundTrip) {
   EXPECT_EQ(setup_out.bind_host, "10.1.2.3");
   EXPECT_EQ(setup_out.timeout_ms, 2500u);
 
-  MembershipNote note{"e1", 1, {{"a", "10.0.0.1:1"}, {"b", "10.0.0.2:2"}}, "ec:2+1", "00ff", 7},
+  Membership note{"e1", 1, {{"a", "10.0.0.1:1"}, {"b", "10.0.0.2:2"}}, "ec:2+1", "00ff", 7},
       note_out;
   ASSERT_OK(Decode(Encode(note), &note_out));
   EXPECT_EQ(note_out.epoch, "e1");
@@ -426,7 +426,7 @@ TEST(MessageTest, PeerReplicationMessagesRoundTrip) {
   EXPECT_EQ(note_out.nodes[1].node, "b");
   EXPECT_EQ(note_out.nodes[1].address, "10.0.0.2:2");
   EXPECT_EQ(note_out.redundancy, "ec:2+1");
-  EXPECT_EQ(note_out.secret, "00ff");
+  EXPECT_EQ(note_out.secret_hex, "00ff");
   EXPECT_EQ(note_out.bandwidth, 7u);
 
   PeerListReply list{{{5, 9, 11, 4096}, {6, 9, 12, 8192}}}, list_out;
@@ -482,7 +482,7 @@ TEST(MessageTest, PeerReplicationMessagesRoundTrip) {
 }
 
 TEST(MessageTest, MembershipIsCheckedBeforeUse) {
-  MembershipNote out;
+  Membership out;
   // node_index outside the list of nodes
   EXPECT_NE(Decode(R"({"epoch":"e","node_index":2,"nodes":[{"node":"a","address":"x:1"}],)"
                    R"("redundancy":"mirror","secret":"00","bandwidth":0})",

@@ -556,6 +556,15 @@ class RawPeer {
   }
   bool failed() const { return failed_; }
 
+  // Connect, then the handshake as node "x" to node "b" with the job's secret.
+  bool ConnectAuthenticated(const std::string& address) {
+    return Connect(address) && Authenticate("x", "b", kSecret);
+  }
+  // A put of `m` in chunks of `chunk_bytes`.
+  void PutBegin(const ReplicaMeta& m, uint64_t chunk_bytes) {
+    SendControl(MsgType::kPutBegin, {{"meta", MetaToJson(m)}, {"chunk_bytes", chunk_bytes}});
+  }
+
   // The client side of the handshake, as node `node` with `secret`.
   bool Authenticate(const std::string& node, const std::string& server, const std::string& secret) {
     auto nc = NewNonce();
@@ -581,6 +590,18 @@ class RawPeer {
   std::vector<std::pair<MsgType, std::string>> received_;
 };
 
+// `reply` came and is of `type`.
+::testing::AssertionResult IsReply(const std::optional<std::pair<MsgType, std::string>>& reply,
+                                   MsgType type) {
+  if (!reply) return ::testing::AssertionFailure() << "no reply";
+  if (reply->first != type) {
+    return ::testing::AssertionFailure()
+           << "reply of type " << static_cast<int>(reply->first) << ", not "
+           << static_cast<int>(type) << ": " << reply->second;
+  }
+  return ::testing::AssertionSuccess();
+}
+
 ReplicaMeta CopyMetaOf(const std::string& node, uint64_t bytes) {
   ReplicaMeta m;
   m.source_node = node;
@@ -594,21 +615,19 @@ TEST_F(PeerServiceTest, GarbageMessagesAreDroppedBeforeAuthentication) {
   Node* src = StartNode("a");
   Node* b = StartNode("b");
   ASSERT_TRUE(src && b);
-  {
+  const char junk[5] = {1, 2, 3, 4, 5};
+  const WireHeader chunk = ChunkHeader(0, 4, 0);  // well-formed, but before any authentication
+  struct Garbage {
+    const void* header;
+    size_t header_bytes;
+    std::string data;
+  };
+  for (const Garbage& g :
+       {Garbage{junk, sizeof junk, "garbage"}, Garbage{&chunk, sizeof chunk, "abcd"}}) {
+    SCOPED_TRACE(g.data);
     RawPeer raw;
     ASSERT_TRUE(raw.Connect(b->svc->address()));
-    const char junk[5] = {1, 2, 3, 4, 5};
-    raw.Send(junk, sizeof junk, "garbage");
-    auto reply = raw.Next();
-    ASSERT_TRUE(reply.has_value() || raw.failed());
-    if (reply) EXPECT_EQ(reply->first, MsgType::kError);
-  }
-  {
-    // A well-formed chunk, but before any authentication.
-    RawPeer raw;
-    ASSERT_TRUE(raw.Connect(b->svc->address()));
-    const WireHeader h = ChunkHeader(0, 4, 0);
-    raw.Send(&h, sizeof h, "abcd");
+    raw.Send(g.header, g.header_bytes, g.data);
     auto reply = raw.Next();
     ASSERT_TRUE(reply.has_value() || raw.failed());
     if (reply) EXPECT_EQ(reply->first, MsgType::kError);
@@ -627,57 +646,40 @@ TEST_F(PeerServiceTest, AuthenticatedPeerLyingAboutSizesIsDropped) {
   {
     // A copy whose payload is not the image.
     RawPeer raw;
-    ASSERT_TRUE(raw.Connect(b->svc->address()));
-    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
+    ASSERT_TRUE(raw.ConnectAuthenticated(b->svc->address()));
     ReplicaMeta m = CopyMetaOf("x", 1 << 20);
     m.payload_bytes = 100;
-    raw.SendControl(MsgType::kPutBegin, {{"meta", MetaToJson(m)}, {"chunk_bytes", 65536}});
-    auto reply = raw.Next();
-    ASSERT_TRUE(reply.has_value());
-    EXPECT_EQ(reply->first, MsgType::kError);
+    raw.PutBegin(m, 65536);
+    EXPECT_TRUE(IsReply(raw.Next(), MsgType::kError));
   }
   {
     // Another node's snapshot.
     RawPeer raw;
-    ASSERT_TRUE(raw.Connect(b->svc->address()));
-    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
-    raw.SendControl(MsgType::kPutBegin,
-                    {{"meta", MetaToJson(CopyMetaOf("y", 65536))}, {"chunk_bytes", 65536}});
-    auto reply = raw.Next();
-    ASSERT_TRUE(reply.has_value());
-    EXPECT_EQ(reply->first, MsgType::kError);
+    ASSERT_TRUE(raw.ConnectAuthenticated(b->svc->address()));
+    raw.PutBegin(CopyMetaOf("y", 65536), 65536);
+    EXPECT_TRUE(IsReply(raw.Next(), MsgType::kError));
   }
   {
     // A chunk outside what was declared, after a valid put-begin.
     RawPeer raw;
-    ASSERT_TRUE(raw.Connect(b->svc->address()));
-    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
-    raw.SendControl(MsgType::kPutBegin,
-                    {{"meta", MetaToJson(CopyMetaOf("x", 65536))}, {"chunk_bytes", 65536}});
-    auto ready = raw.Next();
-    ASSERT_TRUE(ready.has_value());
-    ASSERT_EQ(ready->first, MsgType::kPutReady);
+    ASSERT_TRUE(raw.ConnectAuthenticated(b->svc->address()));
+    raw.PutBegin(CopyMetaOf("x", 65536), 65536);
+    ASSERT_TRUE(IsReply(raw.Next(), MsgType::kPutReady));
     const std::string bytes(4096, 'z');
     const WireHeader h = ChunkHeader(65536, bytes.size(), 0);
     raw.Send(&h, sizeof h, bytes);
     auto reply = raw.Next();
-    ASSERT_TRUE(reply.has_value());
-    EXPECT_EQ(reply->first, MsgType::kError);
+    ASSERT_TRUE(IsReply(reply, MsgType::kError));
     EXPECT_NE(reply->second.find("still expects"), std::string::npos) << reply->second;
   }
   {
     // A commit before the chunks.
     RawPeer raw;
-    ASSERT_TRUE(raw.Connect(b->svc->address()));
-    ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
-    raw.SendControl(MsgType::kPutBegin,
-                    {{"meta", MetaToJson(CopyMetaOf("x", 65536))}, {"chunk_bytes", 65536}});
-    auto ready = raw.Next();
-    ASSERT_TRUE(ready.has_value());
+    ASSERT_TRUE(raw.ConnectAuthenticated(b->svc->address()));
+    raw.PutBegin(CopyMetaOf("x", 65536), 65536);
+    ASSERT_TRUE(IsReply(raw.Next(), MsgType::kPutReady));
     raw.SendControl(MsgType::kCommit, nlohmann::json::object());
-    auto reply = raw.Next();
-    ASSERT_TRUE(reply.has_value());
-    EXPECT_EQ(reply->first, MsgType::kError);
+    EXPECT_TRUE(IsReply(raw.Next(), MsgType::kError));
   }
   EXPECT_EQ(Stored(b), 0u);
   EXPECT_GE(b->svc->stats().peers_rejected, 4u);
@@ -794,13 +796,9 @@ TEST_F(PeerServiceTest, SenderStallingMidTransferIsDroppedAndItsFileRemoved) {
   Node* b = StartNode("b", [](PeerServiceOptions& o) { o.timeout_s = 0.5; });
   ASSERT_TRUE(b);
   RawPeer raw;
-  ASSERT_TRUE(raw.Connect(b->svc->address()));
-  ASSERT_TRUE(raw.Authenticate("x", "b", kSecret));
-  raw.SendControl(MsgType::kPutBegin,
-                  {{"meta", MetaToJson(CopyMetaOf("x", 4 << 20))}, {"chunk_bytes", 1 << 20}});
-  auto ready = raw.Next();
-  ASSERT_TRUE(ready.has_value());
-  ASSERT_EQ(ready->first, MsgType::kPutReady);
+  ASSERT_TRUE(raw.ConnectAuthenticated(b->svc->address()));
+  raw.PutBegin(CopyMetaOf("x", 4 << 20), 1 << 20);
+  ASSERT_TRUE(IsReply(raw.Next(), MsgType::kPutReady));
   EXPECT_GE(b->store->bytes(), uint64_t{4} << 20);  // reserved
   const std::string bytes(1 << 20, 'q');
   const WireHeader h =

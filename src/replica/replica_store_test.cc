@@ -592,17 +592,30 @@ TEST(ReplicaStoreOpenTest, OpenFailsNamingTheDirectory) {
   EXPECT_NE(file.status().message().find("replicas"), std::string::npos);
 }
 
-TEST(ReplicaStoreFullTest, AFullTmpfsIsResourceExhaustedNotSigbus) {
-  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs needs root";
-  test::TempDir tmp("replica-store-full");
-  ASSERT_TRUE(tmp.ok());
-  if (::mount("tmpfs", tmp.path().c_str(), "tmpfs", 0, "size=1m,mode=0700") != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs: " << std::strerror(errno);
+// A small tmpfs on a temporary directory, unmounted when the test ends.
+struct SmallTmpfs {
+  explicit SmallTmpfs(const std::string& name) : tmp(name) {}
+  ~SmallTmpfs() {
+    if (mounted) ::umount2(tmp.path().c_str(), MNT_DETACH);
   }
-  struct Unmount {
-    std::string dir;
-    ~Unmount() { ::umount2(dir.c_str(), MNT_DETACH); }
-  } unmount{tmp.path()};
+  // Mounts it with `options`: empty when mounted, or why it could not be (a reason to skip).
+  std::string Mount(const char* options) {
+    if (::geteuid() != 0) return "mounting a small tmpfs needs root";
+    if (::mount("tmpfs", tmp.path().c_str(), "tmpfs", 0, options) != 0) {
+      return std::string("cannot mount a tmpfs: ") + std::strerror(errno);
+    }
+    mounted = true;
+    return "";
+  }
+  test::TempDir tmp;
+  bool mounted = false;
+};
+
+TEST(ReplicaStoreFullTest, AFullTmpfsIsResourceExhaustedNotSigbus) {
+  SmallTmpfs fs("replica-store-full");
+  ASSERT_TRUE(fs.tmp.ok());
+  if (std::string why = fs.Mount("size=1m,mode=0700"); !why.empty()) GTEST_SKIP() << why;
+  const test::TempDir& tmp = fs.tmp;
   ASSERT_OK_AND_ASSIGN(auto store, ReplicaStore::Open(tmp.path()));
 
   const auto big = test::PatternBytes(600 << 10, 13);
@@ -649,16 +662,10 @@ namespace {
 // Spares hold shared memory; a Begin that needs it removes them first, and a replica that does
 // not fit even then is still ResourceExhausted (never a SIGBUS), leaving no file behind.
 TEST(ReplicaStoreFullTest, SparesGiveWayWhenMemoryIsNeeded) {
-  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs needs root";
-  test::TempDir tmp("replica-store-spares");
-  ASSERT_TRUE(tmp.ok());
-  if (::mount("tmpfs", tmp.path().c_str(), "tmpfs", 0, "size=8m,mode=0700") != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs: " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string dir;
-    ~Unmount() { ::umount2(dir.c_str(), MNT_DETACH); }
-  } unmount{tmp.path()};
+  SmallTmpfs fs("replica-store-spares");
+  ASSERT_TRUE(fs.tmp.ok());
+  if (std::string why = fs.Mount("size=8m,mode=0700"); !why.empty()) GTEST_SKIP() << why;
+  const test::TempDir& tmp = fs.tmp;
   ASSERT_OK_AND_ASSIGN(auto store, ReplicaStore::Open(tmp.path()));
   const auto mid = test::PatternBytes(3 << 19, 31);  // 1.5 MiB
   for (uint32_t rank : {0, 1})

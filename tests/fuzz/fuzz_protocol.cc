@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       DecodeAs<ErrorReply>(p);
       DecodeAs<PeerSetupRequest>(p);
       DecodeAs<PeerSetupReply>(p);
-      DecodeAs<MembershipNote>(p);
+      DecodeAs<Membership>(p);
       DecodeAs<AckReply>(p);
       DecodeAs<PeerListRequest>(p);
       DecodeAs<PeerListReply>(p);
