@@ -589,23 +589,30 @@ class Job:
 
 # --- the campaign --------------------------------------------------------------------------------
 
+def start_campaign(campaign, args, env: dict, prefix: str) -> None:
+    """What every campaign (this one and node_campaign's) sets first: its arguments, the rng
+    seeded from them, the environment, a fresh root folder (named by prefix) with its log, and
+    the CLI of the build."""
+    campaign.args = args
+    campaign.seed = args.seed
+    campaign.rng = random.Random(campaign.seed)
+    campaign.env = env
+    campaign.root = tempfile.mkdtemp(prefix=prefix, dir=args.dir)
+    campaign.cli = os.path.join(args.build_dir, "safepoint")
+    campaign.log = open(os.path.join(campaign.root, "log.txt"), "w", buffering=1)
+
+
 MODES = ["workload"] * 4 + ["agent"] * 3 + ["both"] * 2 + ["node"]
 
 
 class Campaign:
     def __init__(self, args, env: dict):
-        self.args = args
-        self.seed = args.seed
-        self.rng = random.Random(self.seed)
-        self.env = env
         self.points = read_kill_points()
         self.client_points = [p for p in self.points if p.startswith("client.")]
         self.agent_points = [p for p in self.points if not p.startswith("client.")]
         self.copy_points = [p for p in self.points if p.startswith("tier_copy.")]
-        self.root = tempfile.mkdtemp(prefix="safepoint-crash-", dir=args.dir)
+        start_campaign(self, args, env, "safepoint-crash-")
         self.shm = tempfile.mkdtemp(prefix="spc-", dir=args.shm_parent)
-        self.cli = os.path.join(args.build_dir, "safepoint")
-        self.log = open(os.path.join(self.root, "log.txt"), "w", buffering=1)
         self.zygote = Zygote(env, os.path.join(self.root, "zygote.err"))
         if not self.zygote.info.get("kill_points"):
             raise SystemExit(f"{self.zygote.info.get('core')} was built without kill points; "

@@ -42,12 +42,10 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from typing import Optional
@@ -264,14 +262,8 @@ class NodeJob:
 
 class NodeCampaign:
     def __init__(self, args, env: dict):
-        self.args = args
-        self.seed = args.seed
-        self.rng = random.Random(self.seed)
-        self.env = env
-        self.root = tempfile.mkdtemp(prefix="safepoint-nodecrash-", dir=args.dir)
+        ct.start_campaign(self, args, env, "safepoint-nodecrash-")
         os.chmod(self.root, 0o755)
-        self.cli = os.path.join(args.build_dir, "safepoint")
-        self.log = open(os.path.join(self.root, "log.txt"), "w", buffering=1)
         tag = f"{self.seed % 100000}"
         self.jobs: list[NodeJob] = []
         specs = [("mirror", 3, "mirror", 1, 2, 2), ("ec", 4, "ec:2+1", 1, 3, 3)]

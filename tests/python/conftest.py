@@ -101,6 +101,15 @@ def run_script(path: str, *args, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def flip_byte(path, offset: int, mask: int) -> None:
+    """Corrupts a file in place: the byte at offset, xor mask."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def free_port() -> int:
     """A free TCP port on the loopback (for MASTER_PORT)."""
     import socket

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import flip_byte
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -236,14 +237,6 @@ def test_a_stager_never_overwrites_a_staged_state_still_in_use(tmp_path):
     assert os.listdir(os.path.dirname(stager_files[0])) == []
 
 
-def _flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_corruption_is_detected_and_only_needed_chunks_are_read(ckpt):
     # Two 5 MiB tensors: each lies in checksum chunks of its own (chunks are 4 MiB).
     g = torch.Generator().manual_seed(7)
@@ -252,7 +245,7 @@ def test_corruption_is_detected_and_only_needed_chunks_are_read(ckpt):
     last = _core.read_metadata(str(ckpt), 3, 0).tensors[-1].name
     bad, good = ("b", "a") if last.startswith("tensors.b@") else ("a", "b")
     img, offset, nbytes = _core.tensor_extent(str(ckpt), 3, 0, last)
-    _flip_byte(img, offset + nbytes - 1)  # the last byte of the last tensor
+    flip_byte(img, offset + nbytes - 1, 0xFF)  # the last byte of the last tensor
 
     # The other tensor's chunks are intact: it loads bit-exact without reading the damaged one.
     ok = {good: torch.zeros_like(state[good])}

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from conftest import flip_byte
 
 import safepoint
 
@@ -42,14 +43,6 @@ def image(path, step: int) -> str:
     return img
 
 
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x20]))
-
-
 def test_restore_from_storage_in_place_every_layout(tmp_path):
     want = state_of(1)
     safepoint.save(tmp_path, 1, want)
@@ -72,7 +65,7 @@ def test_restore_from_storage_detects_a_flip_in_a_chunk_read_in_place(tmp_path):
     data = open(img, "rb").read()
     at = data.find(two["big"][BIG // 2:BIG // 2 + 64].numpy().tobytes())
     assert at > CHUNK and (at // CHUNK + 1) * CHUNK < at + (BIG // 2) * 4
-    flip(img, at + 5)
+    flip_byte(img, at + 5, 0x20)
     t = targets()
     with pytest.raises(safepoint.CorruptionError, match="chunk"):
         safepoint.restore(tmp_path, t, step=2)
@@ -106,7 +99,7 @@ def flip_in_slot(tmp_path, marker: bytes) -> None:
         data = open(slot, "rb").read()
         at = data.find(marker)
         if at >= 0:
-            flip(slot, at + 3)
+            flip_byte(slot, at + 3, 0x20)
             return
     raise AssertionError("marker not in any slot")
 

@@ -22,6 +22,21 @@ def _save(c, ckpt, name, redundancy, k, persisted):
     return job, saved
 
 
+def _lose(c, *nodes):
+    """Nodes die at once (their ranks, agents and /dev/shm are gone); replacements join."""
+    for i in nodes:
+        c[i].kill()
+    for i in nodes:
+        c.replace(i)
+
+
+def _reload(job, ckpt, name, redundancy):
+    job = job.restart(["load", ckpt, name, redundancy])
+    loaded = job.expect_all("loaded")
+    job.check()
+    return job, loaded
+
+
 def _digest(st):
     sys.path.insert(0, os.path.dirname(WORKER))
     from replica_worker import digest  # noqa: E402  (the worker's own digest)
@@ -51,12 +66,9 @@ def test_mirror_restores_a_lost_node_from_peer_memory(cluster, tmp_path):
     assert "replication mirror:1: node node2 (3 nodes)" in out, out
     assert "keeps 1 replicas of other nodes" in out and "rank 2 step 5 protected" in out, out
 
-    c[1].kill()  # node loss: its rank, its agent and its /dev/shm are gone
-    c.replace(1)
+    _lose(c, 1)  # node loss: its rank, its agent and its /dev/shm are gone
     assert safepoint.steps(ckpt)[-1] == 2  # storage has only step 2: step 5 must come from RAM
-    job = job.restart(["load", ckpt, name, "mirror"])
-    loaded = job.expect_all("loaded")
-    job.check()
+    job, loaded = _reload(job, ckpt, name, "mirror")
     assert [o["step"] for o in loaded] == [5, 5, 5]
     assert [o["source"] for o in loaded] == ["memory", "peer", "memory"]
     assert loaded[1]["peers"] == "node2"
@@ -74,13 +86,8 @@ def test_erasure_code_survives_two_node_losses(cluster, tmp_path):
     ckpt, name = tmp_path / "ckpt", f"ec-{os.getpid()}"
     job, saved = _save(c, ckpt, name, "ec:2+2", 3, 1)
     assert all(o["replication"][0]["protected"] for o in saved), saved
-    c[1].kill()
-    c[2].kill()
-    c.replace(1)
-    c.replace(2)
-    job = job.restart(["load", ckpt, name, "ec:2+2"])
-    loaded = job.expect_all("loaded")
-    job.check()
+    _lose(c, 1, 2)
+    job, loaded = _reload(job, ckpt, name, "ec:2+2")
     assert [o["step"] for o in loaded] == [3] * 5, "\n".join(
         [job[i].stderr() for i in range(5)] + [_agent_logs(c)])
     assert [o["source"] for o in loaded] == ["memory", "peer", "peer", "memory", "memory"]
@@ -94,13 +101,8 @@ def test_losing_every_copy_falls_back_to_storage(cluster, tmp_path):
     c = cluster(3, shm_size="64m")
     ckpt, name = tmp_path / "ckpt", f"lost-{os.getpid()}"
     job, saved = _save(c, ckpt, name, "mirror", 5, 2)
-    c[1].kill()
-    c[2].kill()
-    c.replace(1)
-    c.replace(2)
-    job = job.restart(["load", ckpt, name, "mirror"])
-    loaded = job.expect_all("loaded")
-    job.check()
+    _lose(c, 1, 2)
+    job, loaded = _reload(job, ckpt, name, "mirror")
     assert [o["step"] for o in loaded] == [2, 2, 2]
     assert [o["source"] for o in loaded] == ["storage"] * 3
     assert all(o["equal"] for o in loaded)

@@ -50,6 +50,16 @@ def tier_idle(ck: Checkpointer, i: int = 0) -> bool:
     return t.get("pending_step") is None and t.get("in_flight_step") is None
 
 
+def step_1_on_its_tier(path, job: str, shm, tier: str) -> Checkpointer:
+    """A Checkpointer on path with one tier (both keep 10) once its step 1 is on the tier."""
+    ck = Checkpointer(path, job=job, shm_dir=shm, keep=10, tiers=[Tier(tier, keep=10)])
+    ck.save(1, state(1))
+    ck.wait()
+    assert wait_until(lambda: tier_state(ck)["newest_step"] == 1 and tier_idle(ck)), \
+        tier_state(ck)
+    return ck
+
+
 def steps_or_none(uri: str):
     try:
         return safepoint.steps(uri)
@@ -167,12 +177,7 @@ def test_a_stalled_s3_tier_fails_in_status_and_catches_up_once_it_resumes(ceph, 
     tmp, shm = dirs
     path = tmp / "nvme"
     tier = s3_uri(ceph, "stalled-tier")
-    ck = Checkpointer(path, job="tf-stall", shm_dir=shm, keep=10,
-                      tiers=[Tier(f"{tier}?{FAST_FAIL}", keep=10)])
-    ck.save(1, state(1))
-    ck.wait()
-    assert wait_until(lambda: tier_state(ck)["newest_step"] == 1 and tier_idle(ck)), \
-        tier_state(ck)
+    ck = step_1_on_its_tier(path, "tf-stall", shm, f"{tier}?{FAST_FAIL}")
 
     gw.signal(signal.SIGSTOP)
     for step in (2, 3):
@@ -263,12 +268,7 @@ def test_a_rados_tier_over_its_quota_reports_it_and_resumes_when_it_is_lifted(
     tmp, shm = dirs
     path = tmp / "nvme"
     tier = f"rados://{quota_pool}/run"
-    ck = Checkpointer(path, job="tf-quota", shm_dir=shm, keep=10,
-                      tiers=[Tier(f"{tier}?timeout=20&retries=1", keep=10)])
-    ck.save(1, state(1))
-    ck.wait()
-    assert wait_until(lambda: tier_state(ck)["newest_step"] == 1 and tier_idle(ck)), \
-        tier_state(ck)
+    ck = step_1_on_its_tier(path, "tf-quota", shm, f"{tier}?timeout=20&retries=1")
 
     # A quota below what the pool holds already: the monitor flags it full at its next
     # statistics, and every write to it is refused.

@@ -8,7 +8,6 @@ Job inside a node (torchrun's environment: RANK, WORLD_SIZE, GROUP_RANK, MASTER_
 Each prints "KIND {json}" lines on stdout.
 """
 
-import hashlib
 import json
 import os
 import socket
@@ -17,6 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from replica_worker import digest  # its neighbour's: a state's bytes, name by name
 
 
 def say(kind, **fields):
@@ -32,15 +32,6 @@ def state(step, rank):
             "model.b": torch.randint(0, 1 << 40, (1024,), generator=g),
             f"rank{rank}.x": torch.randn(16 * 1024, generator=mine),
             "step": step}
-
-
-def digest(st):
-    h = hashlib.sha256()
-    for name in sorted(st):
-        v = st[name]
-        h.update(name.encode())
-        h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-    return h.hexdigest()
 
 
 mode = sys.argv[1]
