@@ -168,6 +168,20 @@ def fmt(x, spec=".0f"):
     return "n/a" if x is None else format(x, spec)
 
 
+def wrong_note(z: dict) -> str:
+    return f" (decodes {z['wrong_bytes']:.0%} of the bytes wrong)" if z["wrong_bytes"] else ""
+
+
+def contender_row(k: dict, key: str, contender: str, cells) -> str:
+    """A kind's row for another contender (its result k[key]): cells(result), from the
+    contender column on, when it ran, else that it failed."""
+    r = k[key]
+    head = f"| {k['label']} | {k['bytes'] / MiB:.1f} | "
+    if "error" in r:
+        return head + f"{contender} | failed: {r['error']} | | | |"
+    return head + cells(r)
+
+
 def render(results: dict) -> str:
     meta, disk = results["meta"], results["disk"]
     L = []
@@ -194,20 +208,11 @@ def render(results: dict) -> str:
             r = k[name]
             L.append(f"| {k['label']} | {mib:.1f} | safepoint {name} | {r['ratio']:.3f} | "
                      f"{r['enc']:.0f} | {r['enc2']:.0f} | {r['dec']:.0f} |")
-        z = k["zipnn"]
-        if "error" in z:
-            L.append(f"| {k['label']} | {mib:.1f} | zipnn | failed: {z['error']} | | | |")
-        else:
-            note = (f" (decodes {z['wrong_bytes']:.0%} of the bytes wrong)" if z["wrong_bytes"]
-                    else "")
-            L.append(f"| {k['label']} | {mib:.1f} | zipnn (threads=1){note} | {z['ratio']:.3f} | "
-                     f"{z['enc']:.0f} | | {z['dec']:.0f} |")
-        d = k["dcp"]
-        if "error" in d:
-            L.append(f"| {k['label']} | {mib:.1f} | DCP + ZStandard | failed: {d['error']} | | | |")
-        else:
-            L.append(f"| {k['label']} | {mib:.1f} | DCP + ZStandard (bytes on disk) | "
-                     f"{d['ratio']:.3f} | | | |")
+        L.append(contender_row(k, "zipnn", "zipnn", lambda z: (
+            f"zipnn (threads=1){wrong_note(z)} | {z['ratio']:.3f} | {z['enc']:.0f} | | "
+            f"{z['dec']:.0f} |")))
+        L.append(contender_row(k, "dcp", "DCP + ZStandard", lambda d: (
+            f"DCP + ZStandard (bytes on disk) | {d['ratio']:.3f} | | | |")))
     L.append("")
     tot = results["total"]
     L.append(f"All four kinds together ({tot['bytes'] / MiB:.0f} MiB): planes "

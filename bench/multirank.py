@@ -62,6 +62,7 @@ from run import (  # noqa: E402  (bench/run.py: helpers and the disk limit)
     rm,
     tensors_of,
     publish,
+    run_took,
 )
 
 # DLRover 0.6.1 imports grpc without declaring it: `make bench-multirank` installs grpcio here
@@ -802,8 +803,7 @@ def main() -> None:
         results = [run_setup(s, args, workdir) for s in args.setups.split(",")]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    conditions += (f" The run took {time.perf_counter() - t0:.0f} s; load average at the end "
-                   f"{os.getloadavg()[0]:.2f}.")
+    conditions += run_took(t0)
     section = render(results, args, conditions)
     publish(args, "multirank", "Multi-rank checkpoints (DDP, FSDP2)", section, results)
 

@@ -46,7 +46,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "common"))
 
-from run import MiB, drop_caches, machine, parse_size, publish  # noqa: E402
+from run import MiB, drop_caches, machine, parse_size, publish, run_took  # noqa: E402
 from nodes import Cluster, Job, unavailable  # noqa: E402
 
 WORKER = os.path.join(HERE, "workloads", "repl_worker.py")
@@ -243,6 +243,23 @@ def shm_usage(c: Cluster) -> list[dict]:
 
 # --- save / restore with a redundancy ----------------------------------------------------------
 
+def expect_all(job: Job, kind: str, what: str) -> list[dict]:
+    """Every rank's `kind` line; when that fails, the job is killed and the ranks' stderr raised."""
+    try:
+        return job.expect_all(kind)
+    except BaseException:
+        job.kill()
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+
+
+def restart_loading(job: Job, args, a: dict, name: str, redundancy, what: str):
+    """The job again, loading its newest step (with `redundancy`): the job and what each rank
+    loaded."""
+    job = job.restart(["load", json.dumps({"size": args.size, "ckpt": a["ckpt_on"],
+                                           "job": name, "redundancy": redundancy})])
+    return job, expect_all(job, "loaded", what)
+
+
 def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
                  restore: bool) -> dict:
     tag = redundancy.replace(":", "").replace("+", "p") + f"-{len(c)}n"
@@ -254,11 +271,7 @@ def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
     out: dict = {"redundancy": redundancy, "nodes": len(c)}
     log(f"{redundancy}: save job on {len(c)} nodes")
     job = Job(c, WORKER, ["save", json.dumps(a)])
-    try:
-        saved = job.expect_all("saved")
-    except BaseException:
-        job.kill()
-        raise RuntimeError("save job failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    saved = expect_all(job, "saved", "save job")
     out["saved"] = saved
     out["shm"] = shm_usage(c)
     out["agents"] = agent_cpu(c)
@@ -269,26 +282,14 @@ def save_restore(c: Cluster, redundancy: str, args, work: str, with_off: bool,
     log(f"{redundancy}: node 1 lost; restore from peers")
     c[1].kill()
     c.replace(1)
-    job = job.restart(["load", json.dumps({"size": args.size, "ckpt": a["ckpt_on"],
-                                           "job": name, "redundancy": redundancy})])
-    try:
-        out["peer"] = job.expect_all("loaded")
-    except BaseException:
-        job.kill()
-        raise RuntimeError("peer restore failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    job, out["peer"] = restart_loading(job, args, a, name, redundancy, "peer restore")
     out["rebuilt"] = agent_rebuilds(c[1])
     log(f"{redundancy}: node 1 lost again; restore without redundancy (storage for node 1)")
     job.kill()
     c[1].kill()
     c.replace(1)
     out["cache"] = drop_caches([a["ckpt_on"]])
-    job = job.restart(["load", json.dumps({"size": args.size, "ckpt": a["ckpt_on"],
-                                           "job": name, "redundancy": None})])
-    try:
-        out["storage"] = job.expect_all("loaded")
-    except BaseException:
-        job.kill()
-        raise RuntimeError("storage restore failed:\n" + "\n".join(r.stderr() for r in job.ranks))
+    job, out["storage"] = restart_loading(job, args, a, name, None, "storage restore")
     job.kill()
     out["step"] = step
     return out
@@ -785,8 +786,7 @@ def main() -> None:
     finally:
         subprocess.run(["rm", "-rf", work], check=False)
     res["iperf_cpu"] = iperf_cpu
-    conditions += (f" The run took {time.perf_counter() - t0:.0f} s; load average at the end "
-                   f"{os.getloadavg()[0]:.2f}.")
+    conditions += run_took(t0)
     section = render(res, args, conditions)
     publish(args, "replication", "Peer replication", section, res)
 

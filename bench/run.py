@@ -536,6 +536,13 @@ def publish(args: argparse.Namespace, name: str, title: str, section: str, resul
         print(f"wrote {DOC}")
 
 
+def run_took(t0: float) -> str:
+    """The closing words of a benchmark's conditions: how long it ran (since t0) and the load
+    average at the end."""
+    return (f" The run took {time.perf_counter() - t0:.0f} s; load average at the end "
+            f"{os.getloadavg()[0]:.2f}.")
+
+
 def parse_size(s: str) -> int:
     m = re.fullmatch(r"(\d+)([MG])", s.strip())
     if not m:
