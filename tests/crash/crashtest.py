@@ -68,7 +68,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from typing import Optional
+from typing import Any, Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -603,6 +603,21 @@ def start_campaign(campaign, args, env: dict, prefix: str) -> None:
 
 
 MODES = ["workload"] * 4 + ["agent"] * 3 + ["both"] * 2 + ["node"]
+
+
+def note_violation(campaign: Any, v: Violation, rank_detail: Callable[[Rank], str],
+                   job_notes: Callable[[Any], list[str]]) -> None:
+    """Prints a violation and writes what the round's ranks said and `job_notes(job)` (agent
+    logs, status) to the campaign's log, for the single-node and the node-loss campaigns."""
+    print(f"VIOLATION in round {campaign.round}: {v}", flush=True)
+    campaign.note(f"VIOLATION: {v}")
+    if campaign.current is None:
+        return
+    job, ranks = campaign.current
+    for rk in ranks:
+        campaign.note(f"rank {rk.rank} pid {rk.pid} said: {' | '.join(rk.lines)}" + rank_detail(rk))
+    for text in job_notes(job):
+        campaign.note(text)
 
 
 class Campaign:
@@ -1170,14 +1185,9 @@ class Campaign:
             for job in self.jobs:
                 self.final_round(job)
         except Violation as v:
-            print(f"VIOLATION in round {self.round}: {v}", flush=True)
-            self.note(f"VIOLATION: {v}")
-            if self.current is not None:
-                job, ranks = self.current
-                for rk in ranks:
-                    self.note(f"rank {rk.rank} pid {rk.pid} said: {' | '.join(rk.lines)}")
-                self.note("status: " + self.cli_run("status", "--shm-dir", job.shm, "--json").stdout)
-                self.note("agent log:\n" + job.agent_log()[-5000:])
+            note_violation(self, v, lambda rk: "", lambda job: [
+                "status: " + self.cli_run("status", "--shm-dir", job.shm, "--json").stdout,
+                "agent log:\n" + job.agent_log()[-5000:]])
             print(f"kept for inspection: {self.root} (log.txt); replay: "
                   f"{sys.argv[0]} --seed {self.seed} --kills {self.args.kills}", flush=True)
             self.cleanup(keep=True)

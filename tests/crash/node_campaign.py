@@ -580,16 +580,10 @@ class NodeCampaign:
                                      "p_wait": 1.0, "p_status": 0.0, "p_final_wait": 1.0,
                                      "rng": "final"})
         except Violation as v:
-            print(f"VIOLATION in round {self.round}: {v}", flush=True)
-            self.note(f"VIOLATION: {v}")
-            if self.current is not None:
-                job, ranks = self.current
-                for rk in ranks:
-                    self.note(f"rank {rk.rank} pid {rk.pid} said: {' | '.join(rk.lines)}\n"
-                              f"{rk.stderr()}")
-                for i in range(job.world):
-                    log = job.logs_of_lost.get(i, "") or job.agent_log(i)
-                    self.note(f"agent log of {job.cluster[i].name}:\n{log[-5000:]}")
+            ct.note_violation(self, v, lambda rk: "\n" + rk.stderr(), lambda job: [
+                f"agent log of {job.cluster[i].name}:\n"
+                f"{(job.logs_of_lost.get(i, '') or job.agent_log(i))[-5000:]}"
+                for i in range(job.world)])
             print(f"kept for inspection: {self.root} (log.txt); replay: {sys.argv[0]} --nodes "
                   f"--rounds {self.args.rounds} --seed {self.seed}", flush=True)
             self.cleanup(keep=True)
