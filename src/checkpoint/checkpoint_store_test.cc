@@ -156,12 +156,11 @@ TEST(CheckpointStoreTest, StepCommitsOnlyWhenEveryReplicaLeftElsewhereIsHeld) {
 }
 
 TEST(CheckpointStoreTest, CommitRecordRoundTripAndCorruption) {
-  CommitRecord r;
-  r.step = 42;
-  r.world_size = 3;
-  r.job = "j";
-  r.commit_time_ns = 123;
-  r.images = {{4096, 1}, {8192, 2}, {12288, 3}};
+  const CommitRecord r{.step = 42,
+                       .world_size = 3,
+                       .commit_time_ns = 123,
+                       .job = "j",
+                       .images = {{4096, 1}, {8192, 2}, {12288, 3}}};
   std::string enc = EncodeCommitRecord(r);
   auto dec = DecodeCommitRecord(AsBytes(enc), "c");
   ASSERT_OK(dec);

@@ -94,13 +94,20 @@ std::set<std::string> Minus(std::set<std::string> a, const std::set<std::string>
   return a;
 }
 
+// Saves steps 1 and 2 into `store` (over `storage`) and sets `*only_1` to the chunks only step 1's
+// manifest names.
+void SaveOneAndTwo(CheckpointStore& store, Storage& storage, std::set<std::string>* only_1) {
+  ASSERT_OK(Save(store, 1, 1));
+  ASSERT_OK(Save(store, 2, 2));
+  *only_1 = Minus(ChunksOf(storage, 1), ChunksOf(storage, 2));
+}
+
 TEST(PackTest, CommitRecordOfAPackedStepIsVersion3AndRoundTrips) {
-  CommitRecord r;
-  r.step = 7;
-  r.world_size = 2;
-  r.job = "j";
-  r.commit_time_ns = 5;
-  r.images = {{4096, 1, true}, {8192, 2, false}};
+  CommitRecord r{.step = 7,
+                 .world_size = 2,
+                 .commit_time_ns = 5,
+                 .job = "j",
+                 .images = {{4096, 1, true}, {8192, 2, false}}};
   const std::string enc = EncodeCommitRecord(r);
   EXPECT_EQ(internal::LoadLE<uint32_t>(AsBytes(enc).data() + 8), kCommitFormatVersionPacked);
   ASSERT_OK_AND_ASSIGN(auto dec, DecodeCommitRecord(AsBytes(enc), "c"));
@@ -272,9 +279,8 @@ TEST(PackTest, GcRemovesOnlyChunksNoManifestReferences) {
 TEST(PackTest, GcDefersWhileASaveIsInFlightAndRemovesStaleIntents) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
   CheckpointStore store(mem);
-  ASSERT_OK(Save(store, 1, 1));
-  ASSERT_OK(Save(store, 2, 2));
-  const auto only_1 = Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2));
+  std::set<std::string> only_1;
+  ASSERT_NO_FATAL_FAILURE(SaveOneAndTwo(store, *mem, &only_1));
   const size_t all = ChunkNames(*mem).size();
   ASSERT_OK(store.DeleteStep(1));
   // A save in flight (its intent, written now): nothing is removed.
@@ -425,9 +431,8 @@ TEST(PackTest, AKilledGcsLockIsBrokenAtOnceByTheNextSaveAndTheNextGc) {
 TEST(PackTest, AKilledSavesIntentDoesNotHoldTheGcBack) {
   auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
   CheckpointStore store(mem);
-  ASSERT_OK(Save(store, 1, 1));
-  ASSERT_OK(Save(store, 2, 2));
-  const auto only_1 = Minus(ChunksOf(*mem, 1), ChunksOf(*mem, 2));
+  std::set<std::string> only_1;
+  ASSERT_NO_FATAL_FAILURE(SaveOneAndTwo(store, *mem, &only_1));
   ASSERT_OK(store.DeleteStep(1));
   const std::string dead = std::string(kIntentPrefix) + "00000000000000000003.r0.0000000000000001";
   ASSERT_OK(test::PutObject(*mem, dead, AsBytes(RecordOf(KilledProcess(), NowNs(), 3))));
