@@ -148,6 +148,16 @@ void ExpectEverySubsetRebuilds(uint32_t k, uint32_t p) {
   }
 }
 
+// Each of `picks` (fragment indices, in that order) rebuilds the image of pattern `seed`.
+void ExpectRebuildsFrom(const EcCodec& codec, const EcLayout& layout, const Fragments& frags,
+                        const std::vector<std::vector<uint32_t>>& picks, uint64_t seed) {
+  for (const auto& which : picks) {
+    std::vector<std::byte> out;
+    ASSERT_OK(DecodeFrom(codec, layout, frags, which, &out));
+    EXPECT_EQ(test::FirstMismatch(out, seed), -1) << ::testing::PrintToString(which);
+  }
+}
+
 TEST(EcCodecTest, EveryTwoOfFourFragmentsRebuildTheImage) { ExpectEverySubsetRebuilds(2, 2); }
 TEST(EcCodecTest, EveryFourOfSixFragmentsRebuildTheImage) { ExpectEverySubsetRebuilds(4, 2); }
 TEST(EcCodecTest, EveryThreeOfFourFragmentsRebuildTheImage) { ExpectEverySubsetRebuilds(3, 1); }
@@ -165,11 +175,7 @@ TEST(EcCodecTest, WideCodeRebuildsFromParityOnlyAndFromMixes) {
     std::shuffle(all.begin(), all.end(), rng);
     picks.emplace_back(all.begin(), all.begin() + 16);
   }
-  for (const auto& which : picks) {
-    std::vector<std::byte> out;
-    ASSERT_OK(DecodeFrom(*codec, l, frags, which, &out));
-    ASSERT_EQ(test::FirstMismatch(out, 99), -1) << ::testing::PrintToString(which);
-  }
+  ExpectRebuildsFrom(*codec, l, frags, picks, 99);
 }
 
 TEST(EcCodecTest, MoreThanKFragmentsAreAccepted) {
@@ -177,12 +183,7 @@ TEST(EcCodecTest, MoreThanKFragmentsAreAccepted) {
   const EcLayout l = Layout(4, 2, 5000, 64);
   const auto image = test::PatternBytes(l.image_bytes, 3);
   const Fragments frags = EncodeAll(*codec, l, image);
-  for (const std::vector<uint32_t>& which :
-       {std::vector<uint32_t>{5, 4, 3, 2, 1, 0}, {5, 0, 2, 4, 1}, {4, 5, 1, 3, 2}}) {
-    std::vector<std::byte> out;
-    ASSERT_OK(DecodeFrom(*codec, l, frags, which, &out));
-    EXPECT_EQ(test::FirstMismatch(out, 3), -1) << ::testing::PrintToString(which);
-  }
+  ExpectRebuildsFrom(*codec, l, frags, {{5, 4, 3, 2, 1, 0}, {5, 0, 2, 4, 1}, {4, 5, 1, 3, 2}}, 3);
 }
 
 TEST(EcCodecTest, ADamagedParityFragmentChangesTheRebuiltImage) {

@@ -320,33 +320,20 @@ TEST_F(ReplicaStoreTest, BeginRefusesMetasThatCannotBeRight) {
     m.source_node = name;
     cases.emplace_back("source '" + name + "'", m);
   }
-  ReplicaMeta m = ok;
-  m.payload_bytes = 99;
-  cases.emplace_back("copy payload != image", m);
-  m = ok;
-  m.index = 1;
-  cases.emplace_back("copy index 1", m);
-  m = ok;
-  m.kind = static_cast<ReplicaMeta::Kind>(7);
-  cases.emplace_back("kind 7", m);
-  m = ok;
-  m.image_bytes = m.payload_bytes = ~uint64_t{0};
-  cases.emplace_back("payload 2^64-1", m);
-  m = frag;
-  m.index = 4;
-  cases.emplace_back("fragment index k+p", m);
-  m = frag;
-  m.payload_bytes = uint64_t{1} << 50;
-  cases.emplace_back("fragment payload lies", m);
-  m = frag;
-  m.k = 0;
-  cases.emplace_back("k 0", m);
-  m = frag;
-  m.p = 40;
-  cases.emplace_back("p 40", m);
-  m = frag;
-  m.piece_bytes = 0;
-  cases.emplace_back("piece 0", m);
+  // `base` with `change` applied, named `what`.
+  auto add = [&](const std::string& what, ReplicaMeta base, auto change) {
+    change(base);
+    cases.emplace_back(what, base);
+  };
+  add("copy payload != image", ok, [](ReplicaMeta& m) { m.payload_bytes = 99; });
+  add("copy index 1", ok, [](ReplicaMeta& m) { m.index = 1; });
+  add("kind 7", ok, [](ReplicaMeta& m) { m.kind = static_cast<ReplicaMeta::Kind>(7); });
+  add("payload 2^64-1", ok, [](ReplicaMeta& m) { m.image_bytes = m.payload_bytes = ~uint64_t{0}; });
+  add("fragment index k+p", frag, [](ReplicaMeta& m) { m.index = 4; });
+  add("fragment payload lies", frag, [](ReplicaMeta& m) { m.payload_bytes = uint64_t{1} << 50; });
+  add("k 0", frag, [](ReplicaMeta& m) { m.k = 0; });
+  add("p 40", frag, [](ReplicaMeta& m) { m.p = 40; });
+  add("piece 0", frag, [](ReplicaMeta& m) { m.piece_bytes = 0; });
   for (const auto& [what, meta] : cases) {
     auto w = store_->Begin(meta);
     EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument)
