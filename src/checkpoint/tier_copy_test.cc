@@ -117,15 +117,15 @@ TEST(TierCopyTest, MultiRankStepCopiesFromMemoryToFileAndBackBitExact) {
 }
 
 TEST(TierCopyTest, ReplacedStepKeepsItsGeneration) {
-  TempDir dir;
-  ASSERT_TRUE(dir.ok());
   CheckpointStore mem(NewMemoryStorage());
-  auto file = PosixStore(dir);
   ASSERT_OK(SaveStep(mem, 4, 2));
   for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(SaveTestShard(mem, 4, r, 2, 0.5f, 9, true));
   auto commit = mem.ReadCommit(4);
   ASSERT_OK(commit);
   ASSERT_EQ(commit->generation, 9u);
+  TempDir dir;  // the file tier it is copied to
+  ASSERT_TRUE(dir.ok());
+  auto file = PosixStore(dir);
   ASSERT_OK(CopyStep(mem, *file, 4));
   auto copied = file->ReadCommit(4);
   ASSERT_OK(copied);
