@@ -39,6 +39,8 @@ struct Node {
   Peer peer() const { return {name, svc->address()}; }
 };
 
+const SnapshotId kId{/*rank=*/1, /*step=*/7, /*complete_ns=*/123456};
+
 class PeerServiceTest : public ::testing::Test {
  protected:
   PeerServiceOptions Options(const std::string& name) {
@@ -72,6 +74,23 @@ class PeerServiceTest : public ::testing::Test {
     return nodes_.back().get();
   }
 
+  // A source "s" and four targets "t0".."t3" that the source pushed an image to as ec:2+2.
+  struct ErasurePush {
+    Node* src = nullptr;
+    std::vector<Node*> t;
+    std::vector<Peer> targets;
+    PushResult pushed;
+  };
+  void PushErasureToFour(const std::vector<std::byte>& image, ErasurePush* out) {
+    out->src = StartNode("s");
+    for (int i = 0; i < 4; ++i) out->t.push_back(StartNode("t" + std::to_string(i)));
+    ASSERT_TRUE(out->src);
+    for (Node* n : out->t) ASSERT_TRUE(n);
+    ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("ec:2+2"));
+    for (Node* n : out->t) out->targets.push_back(n->peer());
+    ASSERT_OK_AND_ASSIGN(out->pushed, out->src->svc->Push(kId, image, r, out->targets, nullptr));
+  }
+
   static size_t Stored(Node* n) {
     auto list = n->store->List();
     EXPECT_TRUE(list.ok()) << list.status().ToString();
@@ -80,8 +99,6 @@ class PeerServiceTest : public ::testing::Test {
 
   std::vector<std::unique_ptr<Node>> nodes_;
 };
-
-const SnapshotId kId{/*rank=*/1, /*step=*/7, /*complete_ns=*/123456};
 
 TEST_F(PeerServiceTest, MirrorPushToTwoThenListAndFetchBitExact) {
   Node* src = StartNode("a");
@@ -126,17 +143,11 @@ TEST_F(PeerServiceTest, MirrorPushToTwoThenListAndFetchBitExact) {
 }
 
 TEST_F(PeerServiceTest, ErasurePushToFourThenFetchWithTwoHoldersStopped) {
-  Node* src = StartNode("s");
-  std::vector<Node*> t;
-  for (int i = 0; i < 4; ++i) t.push_back(StartNode("t" + std::to_string(i)));
-  ASSERT_TRUE(src);
-  for (Node* n : t) ASSERT_TRUE(n);
   // Not a multiple of the stripe: the last stripe is padded.
   const std::vector<std::byte> image = test::PatternBytes((5 << 20) + 4321, 2);
-  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("ec:2+2"));
-  std::vector<Peer> targets;
-  for (Node* n : t) targets.push_back(n->peer());
-  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, targets, nullptr));
+  ErasurePush e;
+  ASSERT_NO_FATAL_FAILURE(PushErasureToFour(image, &e));
+  auto& [src, t, targets, pushed] = e;
   for (const Status& s : pushed.targets) EXPECT_OK(s);
   for (Node* n : t) EXPECT_EQ(Stored(n), 1u);
 
@@ -419,16 +430,10 @@ namespace {
 
 // A holder whose fragment file went bad is refused (its CRC) and another holder's fragment used.
 TEST_F(PeerServiceTest, FetchSkipsAHolderWhoseReplicaIsDamaged) {
-  Node* src = StartNode("s");
-  std::vector<Node*> t;
-  for (int i = 0; i < 4; ++i) t.push_back(StartNode("t" + std::to_string(i)));
-  ASSERT_TRUE(src);
-  for (Node* n : t) ASSERT_TRUE(n);
   const std::vector<std::byte> image = test::PatternBytes((2 << 20) + 99, 13);
-  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("ec:2+2"));
-  std::vector<Peer> targets;
-  for (Node* n : t) targets.push_back(n->peer());
-  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, targets, nullptr));
+  ErasurePush e;
+  ASSERT_NO_FATAL_FAILURE(PushErasureToFour(image, &e));
+  auto& [src, t, targets, pushed] = e;
   for (const Status& s : pushed.targets) ASSERT_OK(s);
   // Damage the payload of t0's fragment (the last byte of its only replica file).
   int damaged = 0;
