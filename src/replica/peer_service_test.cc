@@ -389,12 +389,6 @@ TEST_F(PeerServiceTest, RefusesShortSecretsAndDeclaredImagesOverTheLimit) {
   EXPECT_EQ(Stored(b), 0u);
 }
 
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
-
 // Not a test: a throughput figure (run with --gtest_also_run_disabled_tests; TMPDIR=/dev/shm puts
 // the receiver's replica store in shared memory as the agent's is).
 TEST_F(PeerServiceTest, DISABLED_MirrorPush512MiBThroughput) {
@@ -421,12 +415,6 @@ TEST_F(PeerServiceTest, DISABLED_MirrorPush512MiBThroughput) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("fetch of 512 MiB: %.3f s, %.1f MB/s\n", s, out.size() / s / 1e6);
 }
-
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
 
 // A holder whose fragment file went bad is refused (its CRC) and another holder's fragment used.
 TEST_F(PeerServiceTest, FetchSkipsAHolderWhoseReplicaIsDamaged) {
@@ -461,12 +449,6 @@ TEST_F(PeerServiceTest, FetchSkipsAHolderWhoseReplicaIsDamaged) {
   EXPECT_TRUE(s.code() == StatusCode::kCorruption || s.code() == StatusCode::kUnavailable)
       << s.ToString();
 }
-
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
 
 // A hand-driven UCX peer speaking (or abusing) the wire format.
 class RawPeer {
@@ -690,12 +672,6 @@ TEST_F(PeerServiceTest, AuthenticatedPeerLyingAboutSizesIsDropped) {
   EXPECT_GE(b->svc->stats().peers_rejected, 4u);
 }
 
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
-
 // A listed meta is not trusted to size anything: a forged fragment size is refused up front.
 TEST_F(PeerServiceTest, FetchRefusesForgedHoldings) {
   Node* a = StartNode("a");
@@ -722,12 +698,6 @@ TEST_F(PeerServiceTest, FetchRefusesForgedHoldings) {
   EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
 }
 
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
-
 TEST_F(PeerServiceTest, ReceiverKeepsTheNewestSnapshots) {
   Node* src = StartNode("a");
   Node* b = StartNode("b", [](PeerServiceOptions& o) { o.keep = 2; });
@@ -744,12 +714,6 @@ TEST_F(PeerServiceTest, ReceiverKeepsTheNewestSnapshots) {
   EXPECT_EQ(kept[0].step, 3u);
   EXPECT_EQ(kept[1].step, 4u);
 }
-
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
 
 // Not tests: two halves of a manual check across network namespaces (docs: run the server half
 // in one namespace, the client half in another).
@@ -789,12 +753,6 @@ TEST_F(PeerServiceTest, DISABLED_ManualClient) {
   EXPECT_EQ(test::FirstMismatch(out, 16), -1);
 }
 
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
-
 // An authenticated sender that stops in the middle of a transfer is dropped after timeout_s and
 // its reserved replica file removed.
 TEST_F(PeerServiceTest, SenderStallingMidTransferIsDroppedAndItsFileRemoved) {
@@ -818,12 +776,6 @@ TEST_F(PeerServiceTest, SenderStallingMidTransferIsDroppedAndItsFileRemoved) {
   EXPECT_GE(b->svc->stats().transfers_failed, 1u);
   EXPECT_EQ(Stored(b), 0u);
 }
-
-}  // namespace
-}  // namespace safepoint::replica
-
-namespace safepoint::replica {
-namespace {
 
 // A new secret drops the connections authenticated with the old one, mid-transfer included.
 TEST_F(PeerServiceTest, NewSecretDropsOpenConnections) {
