@@ -348,17 +348,26 @@ std::string HeadAnswer(const std::string& status_line, const std::string& header
   return "HTTP/1.1 " + status_line + "\r\n" + headers + "Connection: close\r\n\r\n";
 }
 
+// The S3 storage at `uri` served by `server`, with test credentials set in `env` (which must
+// outlive it).
+void OpenOnServer(const CannedHttpServer& server, ScopedEnv& env, const std::string& uri,
+                  std::unique_ptr<Storage>* storage) {
+  ASSERT_NE(server.port(), 0);
+  UseTestCredentials(env, server.endpoint());
+  auto s = OpenStorage(uri);
+  ASSERT_OK(s);
+  *storage = std::move(*s);
+}
+
 TEST(S3ClientTest, ServerErrorsAndThrottlingAreRetriedUntilAnAnswerComes) {
   CannedHttpServer server({HeadAnswer("503 Slow Down", "Content-Length: 0\r\n"),
                            HeadAnswer("500 Internal Server Error", "Content-Length: 0\r\n"),
                            HeadAnswer("429 Too Many Requests", "Content-Length: 0\r\n"),
                            HeadAnswer("200 OK", "Content-Length: 1234\r\nETag: \"e1\"\r\n")});
-  ASSERT_NE(server.port(), 0);
   ScopedEnv env;
-  UseTestCredentials(env, server.endpoint());
-  auto s = OpenStorage("s3://bucket/p?retries=3&timeout=5");
-  ASSERT_OK(s);
-  auto r = (*s)->Open("obj");
+  std::unique_ptr<Storage> s;
+  ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=3&timeout=5", &s));
+  auto r = s->Open("obj");
   ASSERT_OK(r);
   EXPECT_EQ((*r)->size(), 1234u);
   EXPECT_EQ(server.requests(), 4);
@@ -367,12 +376,10 @@ TEST(S3ClientTest, ServerErrorsAndThrottlingAreRetriedUntilAnAnswerComes) {
 TEST(S3ClientTest, ServerErrorsPastTheRetriesAreUnavailable) {
   CannedHttpServer server({HeadAnswer("500 Internal Server Error", "Content-Length: 0\r\n"),
                            HeadAnswer("503 Service Unavailable", "Content-Length: 0\r\n")});
-  ASSERT_NE(server.port(), 0);
   ScopedEnv env;
-  UseTestCredentials(env, server.endpoint());
-  auto s = OpenStorage("s3://bucket/p?retries=1&timeout=5");
-  ASSERT_OK(s);
-  auto r = (*s)->Open("obj");
+  std::unique_ptr<Storage> s;
+  ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=1&timeout=5", &s));
+  auto r = s->Open("obj");
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(IsError(r.status(), StatusCode::kUnavailable,
                       {"s3://bucket/p/obj", "HTTP 503", "after 2 attempts"}));
@@ -387,14 +394,12 @@ TEST(S3ClientTest, TruncatedListingsWithoutAContinuationAreErrors) {
            "\r\nConnection: close\r\n\r\n" + body;
   };
   CannedHttpServer server({truncated("ListBucketResult"), truncated("ListMultipartUploadsResult")});
-  ASSERT_NE(server.port(), 0);
   ScopedEnv env;
-  UseTestCredentials(env, server.endpoint());
-  auto s = OpenStorage("s3://bucket/p?retries=0&timeout=5");
-  ASSERT_OK(s);
-  EXPECT_TRUE(IsError((*s)->List("").status(), StatusCode::kIOError,
+  std::unique_ptr<Storage> s;
+  ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=0&timeout=5", &s));
+  EXPECT_TRUE(IsError(s->List("").status(), StatusCode::kIOError,
                       {"ListObjectsV2 s3://bucket/p/", "truncated"}));
-  EXPECT_TRUE(IsError((*s)->RemoveLeftovers("").status(), StatusCode::kIOError,
+  EXPECT_TRUE(IsError(s->RemoveLeftovers("").status(), StatusCode::kIOError,
                       {"ListMultipartUploads s3://bucket/p/", "truncated"}));
 }
 
