@@ -16,12 +16,7 @@ namespace {
 using Fragments = std::vector<std::vector<std::byte>>;
 
 EcLayout Layout(uint32_t k, uint32_t p, uint64_t image_bytes, uint64_t piece_bytes) {
-  EcLayout l;
-  l.k = k;
-  l.p = p;
-  l.image_bytes = image_bytes;
-  l.piece_bytes = piece_bytes;
-  return l;
+  return {.k = k, .p = p, .image_bytes = image_bytes, .piece_bytes = piece_bytes};
 }
 
 // Every fragment of `image`, encoded stripe by stripe.
