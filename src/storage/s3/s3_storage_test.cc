@@ -450,12 +450,23 @@ std::vector<std::string> PendingUploads(s3::S3Client& client, const std::string&
   return ids;
 }
 
-TEST(S3StorageTest, PublishIfAbsentRefusesAnExistingObject) {
-  SKIP_WITHOUT_S3();
-  TempDir dir;
-  auto s = OpenStorage(TestUri(dir) + "?part_size=5M");
-  ASSERT_OK(s);
-  Storage& st = **s;
+// The bucket under a prefix of this test's own, opened with 5 MiB parts so that a few MiB make
+// a multipart upload. Skips without $SAFEPOINT_TEST_S3_URI.
+class S3MultipartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_S3();
+    auto s = OpenStorage(TestUri(dir_) + "?part_size=5M");
+    ASSERT_OK(s);
+    storage_ = std::move(*s);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Storage> storage_;
+};
+
+TEST_F(S3MultipartTest, PublishIfAbsentRefusesAnExistingObject) {
+  Storage& st = *storage_;
   auto first = st.Create("step-1/COMMIT", 0);
   ASSERT_OK(first);
   ASSERT_OK((*first)->WriteAt(0, PatternBytes(100, 1)));
@@ -532,12 +543,8 @@ TEST(S3StorageTest, WrongSecretIsPermissionDeniedWithoutRetries) {
   EXPECT_FALSE(test::PutObject(**s, "obj", PatternBytes(10, 1)).ok());
 }
 
-TEST(S3StorageTest, AbortedUploadsLeaveNothingAndLeftoversOfGoneWritersAreAborted) {
-  SKIP_WITHOUT_S3();
-  TempDir dir;
-  auto s = OpenStorage(TestUri(dir) + "?part_size=5M");
-  ASSERT_OK(s);
-  Storage& st = **s;
+TEST_F(S3MultipartTest, AbortedUploadsLeaveNothingAndLeftoversOfGoneWritersAreAborted) {
+  Storage& st = *storage_;
   auto [client, root] = RawClient(st.uri());
 
   // An aborted multipart upload: no object, no upload left.
@@ -588,12 +595,8 @@ TEST(S3StorageTest, AbortedUploadsLeaveNothingAndLeftoversOfGoneWritersAreAborte
   EXPECT_EQ(test::ReadWholeObject(st, "step-2/live.img"), PatternBytes(6 << 20, 2));
 }
 
-TEST(S3StorageTest, SparseObjectsReadZerosInTheirGapsAfterPartBuffersWereReused) {
-  SKIP_WITHOUT_S3();
-  TempDir dir;
-  auto s = OpenStorage(TestUri(dir) + "?part_size=5M");
-  ASSERT_OK(s);
-  Storage& st = **s;
+TEST_F(S3MultipartTest, SparseObjectsReadZerosInTheirGapsAfterPartBuffersWereReused) {
+  Storage& st = *storage_;
   // A multipart object first: its part buffers (full of 0x.. pattern bytes) go back for reuse.
   ASSERT_OK(test::PutObject(st, "dense", PatternBytes(20 << 20, 1)));
   // A small sparse object (one PUT) and a large one (multipart): the gaps read as zeros.
