@@ -52,8 +52,9 @@ struct ClientOptions {
   uint64_t attempt = 0;       // ImageMeta::attempt of every snapshot: shared by all ranks of a run
   std::vector<TierSpec> tiers;  // storage tiers below `storage` that the agent fills
   // The most shared memory the job's slot files on this node may take (every rank's); 0: no
-  // cap beyond the free space of shm_dir. A save that could exceed it fails (ResourceExhausted)
-  // before it takes or grows a slot.
+  // cap beyond the free space of shm_dir. Where two slots of the rank would exceed it but one
+  // fits, the rank saves into one slot (Arena::set_usable_slots); a save that could exceed it
+  // even so fails (ResourceExhausted) before it takes or grows a slot.
   uint64_t max_shm_bytes = 0;
   std::string metrics;               // ask the agent to serve Prometheus metrics on "HOST:PORT"
   std::string event_log;             // the agent's event log path (empty: in the job directory)

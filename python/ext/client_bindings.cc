@@ -269,6 +269,10 @@ class PyClient {
     return {c.arena().mapped_bytes(), Unwrap(JobShmBytes(c.arena().job_dir()))};
   }
 
+  // The snapshot slots this rank saves into: 1 in budget mode (max_shm_bytes below two
+  // snapshots), else the arena's slot count.
+  uint32_t UsableSlots() { return Get().arena().usable_slots(); }
+
   void Close(double timeout_s) {
     if (!client_) return;
     Drain();
@@ -659,6 +663,7 @@ void BindClient(nb::module_& m) {
            "tells the agent what this process saw (save, restore, checksum), for its metrics")
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("shm_bytes", &PyClient::ShmBytes)
+      .def("usable_slots", &PyClient::UsableSlots)
       .def("close", &PyClient::Close, "timeout"_a)
       .def("abandon", &PyClient::Abandon);
   m.def(

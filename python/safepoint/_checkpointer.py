@@ -883,14 +883,16 @@ class Checkpointer:
 
     def _memory(self, agent_pid: Optional[int]) -> dict[str, Any]:
         """Host memory of the job (docs/operations.md, "Host memory"): the shared memory of
-        this rank's snapshot slots and of every rank's of the job on this node, the cap, and the
-        resident memory of this process and of the node's agent (from /proc)."""
+        this rank's snapshot slots and of every rank's of the job on this node, the slots this
+        rank saves into (1 when ``max_shm_bytes`` holds fewer than two snapshots), the cap, and
+        the resident memory of this process and of the node's agent (from /proc)."""
         rank_shm, node_shm = self._live.shm_bytes()
         me = _proc_memory("self")
         agent = _proc_memory(str(agent_pid)) if agent_pid else {}
         return {
             "shm_rank_bytes": rank_shm,
             "shm_node_bytes": node_shm,
+            "slots": self._live.usable_slots(),
             "max_shm_bytes": self.max_shm_bytes,
             "rss_bytes": me.get("VmRSS"),
             "peak_rss_bytes": me.get("VmHWM"),

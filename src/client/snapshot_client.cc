@@ -417,6 +417,7 @@ void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
   SP_KILL_POINT("client.save.before_complete");
   arena_->FinishWrite(ticket, step, plan_->size(), /*leased=*/persist);
   saved_ = true;
+  if (arena_->usable_slots() < arena_->slot_count()) arena_->DropUnusableSlots();
   SP_KILL_POINT("client.save.after_complete");
   result->saved = true;
   if (persist) last_persist_step_ = step;
@@ -578,17 +579,40 @@ Status SnapshotClient::CheckShmCap(uint64_t image_bytes) {
   if (opt_.max_shm_bytes == 0) return Status::OK();
   SP_RETURN_IF_ERROR(arena_->Refresh());
   SP_ASSIGN_OR_RETURN(const uint64_t others, JobShmBytes(job_dir_, opt_.rank));
-  // This rank's slots once each can hold the image: those too small are laid out again.
-  uint64_t mine = 0;
+  // What this rank's first n slots take once each can hold the image (those too small are laid
+  // out again); the slots past them are dropped after the next save.
   const std::vector<SlotInfo> slots = arena_->Slots();
-  for (const SlotInfo& s : slots) {
-    mine += s.capacity >= image_bytes ? kSlotHeaderBytes + s.capacity : SlotFileBytes(image_bytes);
+  auto need = [&](size_t n) {
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n && i < slots.size(); ++i) {
+      const SlotInfo& s = slots[i];
+      bytes +=
+          s.capacity >= image_bytes ? kSlotHeaderBytes + s.capacity : SlotFileBytes(image_bytes);
+    }
+    return bytes;
+  };
+  // Two slots or more keep the newest snapshot while the next one is copied; below that, one
+  // slot that the next save overwrites (budget mode: never more than the cap, never an OOM).
+  const uint32_t all = arena_->slot_count();
+  if (others + need(all) <= opt_.max_shm_bytes) {
+    arena_->set_usable_slots(all);
+    return Status::OK();
   }
-  if (others + mine <= opt_.max_shm_bytes) return Status::OK();
+  // One slot: the others are dropped before the copy, except one the agent still reads.
+  uint64_t held = 0;
+  for (size_t i = 1; i < slots.size(); ++i) {
+    if (slots[i].leased) held += kSlotHeaderBytes + slots[i].capacity;
+  }
+  if (others + need(1) + held <= opt_.max_shm_bytes) {
+    arena_->set_usable_slots(1);
+    arena_->DropUnusableSlots();
+    return Status::OK();
+  }
   return ResourceExhausted(job_dir_ + ": a snapshot of rank " + std::to_string(opt_.rank) + " (" +
-                           std::to_string(image_bytes) + " bytes) needs " + std::to_string(mine) +
-                           " bytes in its " + std::to_string(slots.size()) +
-                           " slots, and the job's other ranks on this node hold " +
+                           std::to_string(image_bytes) + " bytes) needs " +
+                           std::to_string(need(1)) +
+                           " bytes of shared memory in one slot, and the job's other ranks on "
+                           "this node hold " +
                            std::to_string(others) +
                            " bytes: more than max_shm_bytes=" + std::to_string(opt_.max_shm_bytes) +
                            "; raise the cap or save less per rank");

@@ -498,6 +498,7 @@ Result<std::unique_ptr<Arena>> Arena::Open(const std::string& job_dir, uint32_t 
   a->job_dir_ = job_dir;
   a->rank_ = rank;
   a->slots_.resize(slots);
+  a->usable_slots_ = slots;
   SP_RETURN_IF_ERROR(a->Refresh());
   return a;
 }
@@ -591,8 +592,8 @@ Status Arena::Reserve(uint64_t image_size) {
   // once, growing each as it is taken, then give them all back.
   std::vector<SlotWriteTicket> taken;
   Status status;
-  for (uint32_t i = 0; i < slots_.size(); ++i) {
-    auto ticket = BeginWrite(image_size);
+  for (uint32_t i = 0; i < usable_slots_; ++i) {
+    auto ticket = Take(image_size, /*keep_newest=*/true);
     if (!ticket.ok()) {
       status = ticket.status();
       break;
@@ -605,6 +606,31 @@ Status Arena::Reserve(uint64_t image_size) {
 }
 
 Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::BeginWrite(uint64_t image_size) {
+  return Take(image_size, /*keep_newest=*/usable_slots_ > 1);
+}
+
+void Arena::set_usable_slots(uint32_t n) {
+  usable_slots_ = std::clamp<uint32_t>(n, 1, slot_count());
+}
+
+uint64_t Arena::DropUnusableSlots() {
+  uint64_t freed = 0;
+  const std::vector<SlotInfo> info = Slots();
+  for (uint32_t i = usable_slots_; i < slots_.size(); ++i) {
+    if (!slots_[i] || info[i].leased) continue;
+    const ProcessId writer{info[i].writer_pid, info[i].writer_start_ticks};
+    if (info[i].state == SlotState::kWriting && writer.pid != Self().pid && ProcessAlive(writer)) {
+      continue;
+    }
+    // Unlinked, the file's pages go back when the last process that maps it lets go.
+    if (::unlink(SlotPath(i).c_str()) == 0) freed += slots_[i]->map_size();
+    slots_[i].reset();
+  }
+  return freed;
+}
+
+Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::Take(uint64_t image_size,
+                                                               bool keep_newest) {
   SP_RETURN_IF_ERROR(Refresh());
   const ProcessId self = Self();
   for (int attempt = 0; attempt < 100; ++attempt) {
@@ -626,7 +652,8 @@ Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::BeginWrite(uint64_t im
     // writer, or by this process after a failed save), then the COMPLETE one completed first.
     std::vector<const SlotInfo*> order;
     for (const SlotInfo& s : info) {
-      if (newest && s.index == *newest) continue;
+      if (s.index >= usable_slots_) continue;
+      if (keep_newest && newest && s.index == *newest) continue;
       if (s.leased) continue;
       const ProcessId writer{s.writer_pid, s.writer_start_ticks};
       if (s.state == SlotState::kWriting && writer.pid != self.pid && ProcessAlive(writer) &&

@@ -113,6 +113,16 @@ class Arena {
 
   uint32_t rank() const { return rank_; }
   uint32_t slot_count() const { return static_cast<uint32_t>(slots_.size()); }
+  // The slots this writer saves into: the first `n` (1..slot_count()). With one (a host-memory
+  // budget below two snapshots, ClientOptions::max_shm_bytes), the next save overwrites the
+  // rank's only snapshot once nobody leases it (the agent persisted it): while that copy runs,
+  // no snapshot of the rank is in memory and a restart reads the newest persisted step.
+  void set_usable_slots(uint32_t n);
+  uint32_t usable_slots() const { return usable_slots_; }
+  // Removes the slot files past usable_slots() that nobody leases or writes (call it after a
+  // FinishWrite: their snapshots are older than the one just completed); returns the bytes of
+  // shared memory freed (once every process that maps them refreshed).
+  uint64_t DropUnusableSlots();
   const std::string& job_dir() const { return job_dir_; }
 
   // Control blocks of the slots (a slot file that does not exist reads as FREE, capacity 0).
@@ -126,10 +136,10 @@ class Arena {
 
   // --- writer side (the training process of this rank) ----------------------------------------
   enum class Acquire { kAcquired, kBusy };
-  // Takes a slot that may be overwritten (never the newest COMPLETE one, never a leased one) and
-  // marks it WRITING. Grows the slot file when it is smaller than image_size (checking the free
-  // space first: ResourceExhausted with the bytes needed and free). kBusy when no slot may be
-  // overwritten right now (the agent still reads it).
+  // Takes a slot that may be overwritten (never a leased one, and never the newest COMPLETE one
+  // unless usable_slots() is 1) and marks it WRITING. Grows the slot file when it is smaller than
+  // image_size (checking the free space first: ResourceExhausted with the bytes needed and free).
+  // kBusy when no slot may be overwritten right now (the agent still reads it).
   Result<std::pair<Acquire, SlotWriteTicket>> BeginWrite(uint64_t image_size);
   // Marks the slot COMPLETE with the step; its bytes must be a whole, checksummed image.
   // `leased`: hand it over leased, for the agent to persist (it releases the lease when done).
@@ -158,13 +168,15 @@ class Arena {
   // Removes the rank's slot files.
   Status Remove();
 
-  // Preallocates and pre-faults the slot files for images up to `image_size` now, off the save
-  // path (a no-op for slots that are large enough).
+  // Preallocates and pre-faults the usable slot files for images up to `image_size` now, off the
+  // save path (a no-op for slots that are large enough; never the slot of the newest snapshot).
   Status Reserve(uint64_t image_size);
 
  private:
   Arena() = default;
   Status EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds);
+  // BeginWrite; `keep_newest`: never take the slot of the newest COMPLETE snapshot.
+  Result<std::pair<Acquire, SlotWriteTicket>> Take(uint64_t image_size, bool keep_newest);
   int64_t NextCompletionNs() const;
   std::string SlotPath(uint32_t slot) const;
   // This process as the slot writer it records.
@@ -174,6 +186,7 @@ class Arena {
   uint32_t self_pid_ = 0;
   uint64_t self_start_ticks_ = 0;
   std::vector<std::unique_ptr<SlotFile>> slots_;
+  uint32_t usable_slots_ = 0;  // set by Open to slot_count()
 };
 
 }  // namespace safepoint

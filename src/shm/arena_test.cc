@@ -791,6 +791,60 @@ TEST_F(ArenaTest, ReserveKeepsSnapshotsAndIsANoOpWhenLargeEnough) {
   EXPECT_EQ(arena->NewestComplete()->step, 1u);
 }
 
+// Budget mode (ClientOptions::max_shm_bytes below two snapshots): one usable slot, which the
+// next save overwrites once it is not leased; the other slot files are given back.
+TEST_F(ArenaTest, OneUsableSlotIsOverwrittenOnceNotLeasedAndTheOthersAreDropped) {
+  auto arena = Open(2);
+  auto agent = Open(2);
+  ASSERT_TRUE(arena && agent);
+  Save(*arena, 1);
+  Save(*arena, 2);  // slot 1: the newest
+  arena->set_usable_slots(1);
+  EXPECT_EQ(arena->usable_slots(), 1u);
+  // Slot 0 is taken (never slot 1, which is past the usable ones), then slot 0 again although
+  // it holds the newest snapshot.
+  const auto t3 = Save(*arena, 3, /*leased=*/true);
+  EXPECT_EQ(t3.slot, 0u);
+  // Slot 1's file is given back, except while it is leased: here it is not.
+  EXPECT_GT(arena->DropUnusableSlots(), 0u);
+  EXPECT_FALSE(fs::exists(SlotPathOf(job_dir_, 0, 1)));
+  EXPECT_EQ(arena->Slots()[1].state, SlotState::kFree);
+  // The only slot is leased (the agent persists step 3): a save is busy, and step 3 intact.
+  Shard s(4);
+  auto busy = arena->BeginWrite(s.size());
+  ASSERT_OK(busy);
+  EXPECT_EQ(busy->first, Arena::Acquire::kBusy);
+  ExpectImage(arena->SlotData(0).subspan(0, arena->Slots()[0].image_size), 3);
+  ASSERT_OK(agent->Refresh());
+  agent->Release(t3.slot, t3.generation);
+  const auto t4 = Save(*arena, 4);
+  EXPECT_EQ(t4.slot, 0u);
+  EXPECT_EQ(arena->NewestComplete()->step, 4u);
+  // Reserve never takes the slot of the newest snapshot, even with one usable slot.
+  ASSERT_OK(arena->Reserve(Shard(5, 64 << 10).size()));
+  EXPECT_EQ(arena->NewestComplete()->step, 4u);
+  ExpectImage(arena->SlotData(0).subspan(0, arena->Slots()[0].image_size), 4);
+  EXPECT_FALSE(fs::exists(SlotPathOf(job_dir_, 0, 1)));
+  // Back to two slots: the next save keeps step 4 and writes slot 1 again.
+  arena->set_usable_slots(2);
+  EXPECT_EQ(Save(*arena, 5).slot, 1u);
+  ExpectImage(arena->SlotData(0).subspan(0, arena->Slots()[0].image_size), 4);
+}
+
+TEST_F(ArenaTest, DropUnusableSlotsKeepsALeasedSlot) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  Save(*arena, 1);
+  const auto t2 = Save(*arena, 2, /*leased=*/true);  // slot 1, being persisted
+  arena->set_usable_slots(1);
+  EXPECT_EQ(arena->DropUnusableSlots(), 0u);
+  EXPECT_TRUE(fs::exists(SlotPathOf(job_dir_, 0, 1)));
+  ExpectImage(arena->SlotData(1).subspan(0, arena->Slots()[1].image_size), 2);
+  arena->Release(t2.slot, t2.generation);
+  EXPECT_GT(arena->DropUnusableSlots(), 0u);
+  EXPECT_FALSE(fs::exists(SlotPathOf(job_dir_, 0, 1)));
+}
+
 TEST_F(ArenaTest, SlotFilesArePrivateAndNoTemporariesRemain) {
   auto arena = Open(2, /*rank=*/7);
   ASSERT_TRUE(arena);

@@ -322,7 +322,7 @@ def test_max_shm_bytes_refuses_a_save_beyond_the_cap_with_a_clear_error(make, sh
     small = {"w": torch.ones(1 << 20)}  # 4 MiB: two slots fit under 24 MiB
     assert ck.save(1, small) and ck.save(2, small)
     with pytest.raises(safepoint.ResourceExhaustedError) as e:
-        ck.save(3, {"w": torch.ones(4 << 20)})  # 16 MiB: two slots would not
+        ck.save(3, {"w": torch.ones(7 << 20)})  # 28 MiB: not even one slot would fit
     msg = str(e.value)
     assert "max_shm_bytes=25165824" in msg and "rank 0" in msg and "needs" in msg, msg
     mem = ck.status()["memory"]
@@ -336,19 +336,66 @@ def test_max_shm_bytes_refuses_a_save_beyond_the_cap_with_a_clear_error(make, sh
     ck.close()
 
 
+def test_max_shm_bytes_below_two_snapshots_runs_with_one_slot(make, shm):
+    from processes import job_dir as job_directory
+
+    # Slot files are laid out in 2 MiB steps with headroom: a 4 MiB state takes 6 MiB, 16 MiB 18.
+    ck = make(keep=2, max_shm_bytes=26 << 20)
+    small, big = {"w": torch.ones(1 << 20)}, {"w": torch.arange(4 << 20, dtype=torch.float32)}
+    assert ck.save(1, small) and ck.save(2, small)
+    assert ck.status()["memory"]["slots"] == 2
+    slots_dir = job_directory(shm, ck.job)
+    assert len(list(slots_dir.glob("rank-*.slot-*"))) == 2
+    # 16 MiB: two slots would not fit under 26 MiB, one does (beside a small one still leased). Each save overwrites the only slot
+    # once the agent persisted it (on_busy="wait"), and the other slot file is given back.
+    for step in (3, 4, 5):
+        big["w"][0] = step
+        assert ck.save(step, big)
+        mem = ck.status()["memory"]
+        assert mem["slots"] == 1, mem
+        assert mem["shm_node_bytes"] <= 26 << 20, mem
+        assert len(list(slots_dir.glob("rank-*.slot-*"))) == 1
+        assert same(loaded(ck, step), big)  # hot reload of the newest step, from memory
+    ck.wait()
+    assert safepoint.steps(ck.path)[-2:] == [4, 5]  # every step was persisted before reuse
+    # A smaller state fits twice again: the second slot comes back.
+    assert ck.save(6, small) and ck.save(7, small)
+    assert ck.status()["memory"]["slots"] == 2
+    assert len(list(slots_dir.glob("rank-*.slot-*"))) == 2
+    ck.close()
+
+
+def test_max_shm_bytes_one_slot_with_on_busy_skip_skips_while_the_agent_persists(make, shm):
+    ck = make(keep=1, max_shm_bytes=24 << 20, on_busy="skip", persist_every=1)
+    big = {"w": torch.ones(4 << 20)}
+    saved = [bool(ck.save(step, big)) for step in range(1, 30)]
+    # The first save always has a slot; a save that finds the only slot still being persisted is
+    # skipped (counted), never blocked and never over the cap.
+    assert saved[0]
+    st = ck.status()
+    assert st["memory"]["slots"] == 1
+    assert st["skipped_saves"] == saved.count(False)
+    assert st["memory"]["shm_node_bytes"] <= 24 << 20
+    ck.close()
+
+
 def test_max_shm_bytes_counts_the_other_ranks_of_the_job(make, tmp_path, shm):
     job = f"cap{os.getpid() % 10000}-{next(_jobs)}"
-    cap = 26 << 20
+    cap = 30 << 20
     r0 = make(job=job, rank=0, world_size=2, max_shm_bytes=cap)
     r1 = make(job=job, rank=1, world_size=2, max_shm_bytes=cap)
-    state = {"w": torch.ones(1 << 20)}  # two 4 MiB slots: ~8.1 MiB per rank
+    state = {"w": torch.ones(1 << 20)}  # 4 MiB states: two 6 MiB slot files per rank
     assert r0.save(1, state) and r0.save(2, state)
     assert r1.save(1, state)
     with pytest.raises(safepoint.ResourceExhaustedError, match="other ranks on this node hold"):
-        r1.save(2, {"w": torch.ones(3 << 20)})  # 2 x 12 MiB beside rank 0's ~8 MiB
+        r1.save(2, {"w": torch.ones(5 << 20)})  # one 22 MiB slot beside rank 0's 12 MiB
+    # 12 MiB (a 14 MiB slot) fits once beside rank 0's slots, not twice: rank 1 goes on with one.
+    assert r1.save(3, {"w": torch.ones(3 << 20)})
     mem0, mem1 = r0.status()["memory"], r1.status()["memory"]
+    assert (mem0["slots"], mem1["slots"]) == (2, 1)
     assert mem0["shm_node_bytes"] == mem1["shm_node_bytes"] == (
         mem0["shm_rank_bytes"] + mem1["shm_rank_bytes"]), (mem0, mem1)
+    assert mem1["shm_node_bytes"] <= cap
 
 
 def test_status_reports_the_shared_memory_of_the_rank_and_of_the_node(make, shm):
