@@ -28,6 +28,8 @@ import torch  # noqa: E402
 from conftest import free_port, start_script  # noqa: E402
 from workloads.bitexact import assert_bit_identical as tensors_equal  # noqa: E402
 
+import test_lightning as single  # noqa: E402  (its module and loader: 32 samples, batches of 4)
+
 import safepoint  # noqa: E402
 from safepoint.lightning import SafepointCheckpointIO, read_pointer  # noqa: E402
 
@@ -35,29 +37,12 @@ BATCHES, EPOCHS, KILL_EPOCH = 4, 4, 2  # batches per epoch and rank; the kill fo
 HANG = 240  # seconds: only a guard against a hung process
 
 
-class Tiny(pl.LightningModule):
-    def __init__(self, hidden: int = 16, lr: float = 0.01):
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(),
-                                       torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
-
-    def training_step(self, batch, _):
+class Tiny(single.Tiny):
+    def training_step(self, batch, _):  # the loss ModelCheckpoint monitors: the same on all ranks
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
-
-    def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)}
-
-
-def loader():
-    g = torch.Generator().manual_seed(7)
-    data = torch.utils.data.TensorDataset(torch.randn(BATCHES * 8, 6, generator=g),
-                                          torch.randn(BATCHES * 8, 1, generator=g))
-    return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
 
 
 class KillAtEpoch(pl.Callback):
@@ -101,7 +86,7 @@ def worker(argv) -> None:
                                                 save_last=True),
                    KillAtEpoch(a.kill_epoch), Report()])
     module = Tiny()
-    trainer.fit(module, loader(), ckpt_path="last" if a.resume else None)
+    trainer.fit(module, single.loader(), ckpt_path="last" if a.resume else None)
     torch.save({"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
                 "optimizer": trainer.optimizers[0].state_dict(),
                 "global_step": trainer.global_step}, f"{a.out}.{trainer.global_rank}.pt")
