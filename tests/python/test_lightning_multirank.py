@@ -149,5 +149,33 @@ def test_fsdp_strategy_is_refused_naming_the_way_out(tmp_path):
     assert not os.path.exists(tmp_path / "a.ckpt")
 
 
+def test_other_ranks_wait_until_the_step_rank_0_resumes_is_committed(tmp_path, monkeypatch):
+    """Rank 0 may resume a step from memory while the agent still persists it: a rank reading
+    from storage waits for the commit (and says so when it never comes)."""
+    import threading
+
+    root = tmp_path / "sp"
+    writer = SafepointCheckpointIO(root, mode="sync", include_rng=False)
+    writer.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, tmp_path / "a.ckpt")
+    doc = read_pointer(tmp_path / "a.ckpt")
+    (tmp_path / "b.ckpt").write_text((tmp_path / "a.ckpt").read_text().replace(
+        f'"step": {doc["step"]}', f'"step": {doc["step"] + 1}'))
+    reader = SafepointCheckpointIO(root, mode="sync", include_rng=False, commit_timeout=60)
+    monkeypatch.setattr(reader, "_global_rank", lambda: 1)
+    later = threading.Timer(0.5, safepoint.save,
+                            (root, doc["step"] + 1, {"global_step": 2, "w": torch.full((3,), 2.)}))
+    later.start()
+    try:
+        got = reader.load_checkpoint(tmp_path / "b.ckpt")  # not committed yet when called
+    finally:
+        later.join()
+    assert got["global_step"] == 2 and torch.equal(got["w"], torch.full((3,), 2.))
+    (tmp_path / "c.ckpt").write_text((tmp_path / "a.ckpt").read_text().replace(
+        f'"step": {doc["step"]}', f'"step": {doc["step"] + 5}'))
+    reader.commit_timeout = 0.2
+    with pytest.raises(safepoint.NotFoundError, match="commit_timeout"):
+        reader.load_checkpoint(tmp_path / "c.ckpt")
+
+
 if __name__ == "__main__":
     worker(sys.argv[1:])
