@@ -103,6 +103,7 @@ class SafepointCallback(TrainerCallback):
         self.allow_pickle = allow_pickle
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._last_saved: Optional[int] = None
+        self._checked_model: Any = None
         self._resume_dir: Optional[str] = None
         self._resume_state: Optional[dict] = None
         self.resumed_step: Optional[int] = None
@@ -138,10 +139,12 @@ class SafepointCallback(TrainerCallback):
             raise InvalidArgumentError(
                 f"{self.path}: the Trainer runs {world} processes but torch.distributed is not "
                 "initialized here; launch with torchrun or accelerate launch")
-        if model is not None and _fsdp1(model):
-            raise InvalidArgumentError(
-                f"{self.path}: SafepointCallback saves FSDP2 (fully_shard) models, not FSDP1 "
-                "(FullyShardedDataParallel); set fsdp_config={'fsdp_version': 2}")
+        if model is not None and model is not self._checked_model:
+            if _fsdp1(model):
+                raise InvalidArgumentError(
+                    f"{self.path}: SafepointCallback saves FSDP2 (fully_shard) models, not "
+                    "FSDP1 (FullyShardedDataParallel); set fsdp_config={'fsdp_version': 2}")
+            self._checked_model = model  # its modules are walked once, not at every save
 
     def save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None) -> None:
         """Saves the current training state as step ``state.global_step`` (once per step)."""
@@ -224,7 +227,8 @@ class SafepointCallback(TrainerCallback):
         """Loads the newest (or the given) step and sets ``trainer`` up to resume from it.
 
         Returns the directory to pass as ``trainer.train(resume_from_checkpoint=...)``, or None
-        when nothing was saved yet (then train from scratch)."""
+        when nothing was saved yet (then train from scratch). With several ranks every rank calls
+        it: the ranks agree on one step (a collective over the Checkpointer's gloo group)."""
         missing = [h for h in _HOOKS if not callable(getattr(trainer, h, None))]
         if missing:
             raise InvalidArgumentError(f"this Trainer has no {missing}: prepare_resume needs the "
