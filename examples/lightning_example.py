@@ -1,6 +1,6 @@
 """Lightning with safepoint flash checkpoints: the SafepointCheckpointIO plugin.
 
-    python examples/lightning_example.py [--dir DIR] [--epochs 4] [--crash-epoch 2]
+    python examples/lightning_example.py [--dir DIR] [--epochs 4] [--crash-epoch 2] [--devices 1]
 
 A small LightningModule trains with an ordinary ModelCheckpoint (a checkpoint every epoch plus
 ``last.ckpt``). The plugin saves each one as a flash checkpoint: ``save_checkpoint`` returns once
@@ -13,6 +13,12 @@ SIGKILL at the start of epoch ``--crash-epoch``; the second run calls
 ``trainer.fit(..., ckpt_path="last")`` as a restarted job would and prints
 ``resumed from step 16 (memory)``: the agent still holds the dead run's snapshot in shared memory
 (after a reboot it would come from storage).
+
+Several processes: ``--devices 2`` trains with ``Trainer(accelerator="cpu", devices=2,
+strategy="ddp")`` (Lightning's launcher starts the second rank by running the same command
+again). Lightning saves on rank 0; on ``fit(ckpt_path="last")`` rank 0 resumes from memory and
+rank 1 from storage once the agent has committed that step: ``[rank 0] resumed from step 8
+(memory)``, ``[rank 1] resumed from step 8 (storage)``.
 """
 
 from __future__ import annotations
@@ -61,25 +67,29 @@ class Report(pl.Callback):
         self.crash_epoch = crash_epoch
 
     def on_train_start(self, trainer, module):
+        tag = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         if trainer.ckpt_path is None:
-            print("fresh start", flush=True)
+            print(f"{tag}fresh start", flush=True)
             return
         ckpt = trainer.strategy.checkpoint_io.checkpointer  # the plugin's safepoint.Checkpointer
-        print(f"resumed from step {trainer.global_step} ({ckpt.last_load_source})", flush=True)
+        source = ckpt.last_load_source if ckpt is not None else "storage"  # None: not rank 0
+        print(f"{tag}resumed from step {trainer.global_step} ({source})", flush=True)
 
     def on_train_epoch_start(self, trainer, module):
-        if trainer.current_epoch == self.crash_epoch:
+        if trainer.current_epoch == self.crash_epoch:  # every rank: the job crashes
             print(f"epoch {trainer.current_epoch}: crashing (SIGKILL)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no teardown: a crash
 
 
-def train(workdir: str, epochs: int, crash_epoch: int, resume: bool) -> None:
-    pl.seed_everything(0, verbose=False)
+def train(workdir: str, epochs: int, crash_epoch: int, resume: bool, devices: int = 1) -> None:
+    pl.seed_everything(0, verbose=False)  # the same seed on every rank
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(BATCHES * 16, 8, generator=g),
                                           torch.randn(BATCHES * 16, 1, generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
     trainer = pl.Trainer(
+        accelerator="cpu" if devices > 1 else "auto", devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
         max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=workdir,
         # Flash checkpoints into DIR/safepoint; Lightning's paths hold pointers to them.
@@ -90,6 +100,8 @@ def train(workdir: str, epochs: int, crash_epoch: int, resume: bool) -> None:
                    Report(crash_epoch)])
     model = Regressor()
     trainer.fit(model, loader, ckpt_path="last" if resume else None)  # "last": a pointer file
+    if trainer.global_rank != 0:
+        return
     # fit's teardown waited until every checkpoint was committed.
     print(f"done: global step {trainer.global_step}, checkpoints "
           f"{sorted(os.listdir(os.path.join(workdir, 'checkpoints')))}, safepoint steps "
@@ -101,20 +113,27 @@ def main() -> None:
     ap.add_argument("--dir", help="working directory (default: a temporary one)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--crash-epoch", type=int, default=2, help="0: no crash")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--devices", type=int, default=1, help="processes (DDP when > 1)")
+    ap.add_argument("--child", choices=("crash", "resume"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:  # the first run, which crashes
-        train(args.dir, args.epochs, args.crash_epoch, resume=False)
+    if args.child:  # a run in a child process (Lightning's launcher runs it again per rank)
+        crash = args.child == "crash"
+        train(args.dir, args.epochs, args.crash_epoch if crash else -1, resume=not crash,
+              devices=args.devices)
         return
     tmp = None if args.dir else tempfile.mkdtemp(prefix="safepoint-lightning-")
     workdir = args.dir or tmp
     try:
+        child = [sys.executable, os.path.abspath(__file__), "--dir", workdir, "--epochs",
+                 str(args.epochs), "--crash-epoch", str(args.crash_epoch), "--devices",
+                 str(args.devices), "--child"]
         if args.crash_epoch:
-            child = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                                    "--dir", workdir, "--epochs", str(args.epochs),
-                                    "--crash-epoch", str(args.crash_epoch)])
-            print(f"first run ended by signal {-child.returncode}; restarting", flush=True)
-        train(workdir, args.epochs, crash_epoch=-1, resume=bool(args.crash_epoch))
+            first = subprocess.run(child + ["crash"])
+            print(f"first run ended by signal {-first.returncode}; restarting", flush=True)
+        if args.devices == 1:
+            train(workdir, args.epochs, crash_epoch=-1, resume=bool(args.crash_epoch))
+        elif subprocess.run(child + ["resume"]).returncode != 0:
+            sys.exit(1)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

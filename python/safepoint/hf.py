@@ -34,11 +34,20 @@ that, ``prepare_resume`` routes the Trainer's checkpoint-reading hooks (``_load_
 other directory still goes to the Trainer's own code. The generator states are restored where the
 Trainer restores them (after skipping batches), so a resumed run continues bit for bit.
 
-Limits: single-process training (``world_size`` 1); DDP/FSDP/DeepSpeed runs are refused with an
-error. The mixed-precision ``GradScaler`` state is not saved (the callback cannot reach the
+Several processes (``torchrun``/``accelerate launch``, DDP or FSDP2): every rank saves its own
+part of each step (with DDP the replicated model and optimizer are written to storage once in
+total; with FSDP2, ``fsdp_config={"fsdp_version": 2}``, each rank saves its DTensor shards and
+its own generator states), and ``prepare_resume`` is a collective: all ranks agree on the newest
+step every rank can load (from memory or storage) and load that one, so they never resume from
+different steps. Resuming needs the same number of ranks (the Checkpointer's ``restore`` or
+``safepoint.restore`` reshards outside the Trainer). Refused with an error naming the way out:
+FSDP1 (``fsdp_version`` 1; use 2), DeepSpeed (use FSDP2, or DeepSpeed's own checkpoints with
+``save_strategy``), and ``mode="sync"`` with several ranks (use ``"flash"``).
+
+Limits: the mixed-precision ``GradScaler`` state is not saved (the callback cannot reach the
 Trainer's accelerator; its scale re-adapts). With ``every_n_steps``, the states of other
 stateful callbacks (e.g. ``EarlyStoppingCallback``) are those of the Trainer's last own save.
-Tested with transformers 5.24.
+Tested with transformers 5.24 and accelerate 1.15 (1 process; 2 processes on CPU/gloo).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from transformers import TrainerCallback
 
 import safepoint
 from safepoint._pickle import AllowPickle
-from safepoint._stateful import RNG_KEY, capture_rng, restore_rng, to_saveable
+from safepoint._stateful import RNG_KEY, capture_rng, restore_into, restore_rng, to_saveable
 from safepoint.errors import CorruptionError, InvalidArgumentError
 
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -94,6 +103,7 @@ class SafepointCallback(TrainerCallback):
         self.allow_pickle = allow_pickle
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._last_saved: Optional[int] = None
+        self._checked_model: Any = None
         self._resume_dir: Optional[str] = None
         self._resume_state: Optional[dict] = None
         self.resumed_step: Optional[int] = None
@@ -102,25 +112,46 @@ class SafepointCallback(TrainerCallback):
     # -- plumbing -------------------------------------------------------------------------------
     @property
     def checkpointer(self) -> safepoint.Checkpointer:
-        """The flash ``Checkpointer`` (opened on first use), e.g. for ``status()`` or ``wait()``."""
+        """The flash ``Checkpointer`` (opened on first use), e.g. for ``status()`` or ``wait()``.
+        With torch.distributed initialized it is this rank's (every rank opens one)."""
         if self.mode != "flash":
             raise InvalidArgumentError(f"{self.path}: mode='sync' has no Checkpointer")
         if self._ckpt is None:
-            self._ckpt = safepoint.Checkpointer(self.path, rank=0, world_size=1, **self._ckpt_kw)
+            rank, world = _world()
+            self._ckpt = safepoint.Checkpointer(self.path, rank=rank, world_size=world,
+                                                **self._ckpt_kw)
         return self._ckpt
 
-    @staticmethod
-    def _single_process(args) -> None:
-        if getattr(args, "world_size", 1) > 1:
+    def _check_setup(self, args, model=None) -> None:
+        """Refuses the setups the callback cannot checkpoint, naming the way out."""
+        if _deepspeed(args):
             raise InvalidArgumentError(
-                f"SafepointCallback supports single-process training; this run has world_size "
-                f"{args.world_size}")
+                f"{self.path}: SafepointCallback does not checkpoint DeepSpeed-backed Trainer runs "
+                "(DeepSpeed's engine owns the model and optimizer state); train with FSDP2 "
+                "(fsdp_config={'fsdp_version': 2}) or DDP instead, or keep DeepSpeed and its own "
+                "checkpoints (save_strategy='steps') without this callback")
+        world = max(int(getattr(args, "world_size", 1) or 1), _world()[1])
+        if world > 1 and self.mode == "sync":
+            raise InvalidArgumentError(
+                f"{self.path}: mode='sync' supports one process; this run has {world} ranks: "
+                "use mode='flash' (the default), whose steps every rank saves and agrees on")
+        if world > 1 and _world()[1] != world:
+            raise InvalidArgumentError(
+                f"{self.path}: the Trainer runs {world} processes but torch.distributed is not "
+                "initialized here; launch with torchrun or accelerate launch")
+        if model is not None and model is not self._checked_model:
+            if _fsdp1(model):
+                raise InvalidArgumentError(
+                    f"{self.path}: SafepointCallback saves FSDP2 (fully_shard) models, not "
+                    "FSDP1 (FullyShardedDataParallel); set fsdp_config={'fsdp_version': 2}")
+            self._checked_model = model  # its modules are walked once, not at every save
 
     def save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None) -> None:
         """Saves the current training state as step ``state.global_step`` (once per step)."""
-        self._single_process(args)
+        self._check_setup(args, model)
         step = int(state.global_step)
-        if step == self._last_saved or not args.should_save:
+        # With several ranks every rank saves its own part (should_save is rank 0's alone).
+        if step == self._last_saved or (_world()[1] == 1 and not args.should_save):
             return
         if model is None or optimizer is None:
             raise InvalidArgumentError(f"{self.path}: the Trainer passed no model or optimizer to "
@@ -144,7 +175,7 @@ class SafepointCallback(TrainerCallback):
 
     # -- TrainerCallback ------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
-        self._single_process(args)
+        self._check_setup(args, kwargs.get("model"))
         if self._resume_dir is not None:  # the Trainer has read trainer_state.json by now
             shutil.rmtree(self._resume_dir, ignore_errors=True)
 
@@ -196,7 +227,8 @@ class SafepointCallback(TrainerCallback):
         """Loads the newest (or the given) step and sets ``trainer`` up to resume from it.
 
         Returns the directory to pass as ``trainer.train(resume_from_checkpoint=...)``, or None
-        when nothing was saved yet (then train from scratch)."""
+        when nothing was saved yet (then train from scratch). With several ranks every rank calls
+        it: the ranks agree on one step (a collective over the Checkpointer's gloo group)."""
         missing = [h for h in _HOOKS if not callable(getattr(trainer, h, None))]
         if missing:
             raise InvalidArgumentError(f"this Trainer has no {missing}: prepare_resume needs the "
@@ -230,12 +262,13 @@ class SafepointCallback(TrainerCallback):
             if not ours(resume_from_checkpoint):
                 return originals["_load_from_checkpoint"](trainer, resume_from_checkpoint, model)
             target = model if model is not None else trainer.model
-            target.load_state_dict(resumed()["model"])
+            # Through the module's own state dict: an FSDP2 module's DTensors get their shards.
+            restore_into(target, resumed()["model"], "model")
 
         def load_optimizer_and_scheduler(checkpoint):
             if not ours(checkpoint):
                 return originals["_load_optimizer_and_scheduler"](trainer, checkpoint)
-            trainer.optimizer.load_state_dict(resumed()["optimizer"])
+            _load_optimizer(trainer.optimizer, resumed()["optimizer"])
             if "scheduler" in resumed() and trainer.lr_scheduler is not None:
                 trainer.lr_scheduler.load_state_dict(resumed()["scheduler"])
 
@@ -247,3 +280,45 @@ class SafepointCallback(TrainerCallback):
         trainer._load_from_checkpoint = load_model
         trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
         trainer._load_rng_state = load_rng_state
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of torch.distributed, (0, 1) when it is not initialized."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _deepspeed(args) -> bool:
+    return bool(getattr(args, "deepspeed", None)
+                or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true")
+
+
+def _fsdp1(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _load_optimizer(optimizer, loaded: dict) -> None:
+    """Loads a saved optimizer state dict. An optimizer of DTensor parameters (FSDP2) gets its
+    state created first (DCP's own initialization: a step with zero gradients and lr 0), so
+    that the saved shards are copied into DTensors of the right placement."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    if not inner.state and _has_dtensor_params(inner):
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(inner)
+    restore_into(inner, loaded, "optimizer")
+
+
+def _has_dtensor_params(optimizer) -> bool:
+    from safepoint._shards import _dtensor_type
+
+    dt = _dtensor_type()
+    return dt is not None and any(isinstance(p, dt) for g in optimizer.param_groups
+                                  for p in g["params"])

@@ -48,10 +48,22 @@ Random generators: with ``include_rng=True`` (default) each checkpoint carries t
 torch/CUDA/numpy/``random`` states, and ``load_checkpoint`` restores them, so a run resumed at an
 epoch boundary continues bit for bit like the uninterrupted run.
 
-Processes: Lightning's single-device and DDP strategies save on global rank 0 only, so the plugin
-saves as rank 0 of a world of one. Other ranks load from storage (a step still only in rank 0's
-memory raises ``NotFoundError`` there). Strategies with their own checkpoint IO (FSDP, DeepSpeed)
-are not supported. Only local directories (no ``s3://`` URLs) can hold pointer files.
+Processes: Lightning's single-device and DDP strategies save on global rank 0 only (the state
+is the same on every rank), so the plugin saves as rank 0 of a world of one, and every rank loads
+the checkpoint Lightning resumes from: rank 0 from this node's memory when the step is there,
+else from storage; the other ranks from storage, waiting (up to ``commit_timeout`` seconds,
+default 300) until the node agent has committed the step, so that all ranks resume from the
+same step. The generator states are rank 0's: with ``seed_everything`` (the same seed on every
+rank) the ranks' generators advance alike and a resumed run continues bit for bit; ranks seeded
+differently resume with rank 0's generators. ``ModelCheckpoint``'s ``every_n_train_steps``,
+``every_n_epochs``, ``save_top_k`` (with ``monitor``) and ``save_last`` (also ``"link"``) work
+as with Lightning's own files: each checkpoint is a pointer, and the steps of the pointers top-k
+removes are deleted. The FSDP and model-parallel strategies load full checkpoints with
+``torch.load`` and write sharded ones with DCP, never through a ``CheckpointIO``; the plugin
+refuses them at the first save with an error that names the way out (the DDP strategy, or
+``safepoint.Checkpointer`` with FSDP2 in the training loop, examples/fsdp2.py). DeepSpeed writes
+its own checkpoints and never calls the plugin. Only local directories (no ``s3://`` URLs) can
+hold pointer files.
 """
 
 from __future__ import annotations
@@ -60,7 +72,9 @@ import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 import types
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -175,6 +189,32 @@ def _map_location(obj: Any, device: Any) -> Any:
     return obj
 
 
+_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
+
+
+def _refuse_strategy(target: str) -> None:
+    """Raises when a strategy that reads its checkpoints without the CheckpointIO (FSDP, model
+    parallel) is the one saving: its resume would fail on the pointer file. The strategy is the
+    ``self`` of the frame that called ``save_checkpoint`` (Lightning's ``Strategy``)."""
+    frame: Optional[types.FrameType] = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        names = {c.__name__ for c in type(owner).__mro__} if owner is not None else set()
+        if "Strategy" in names:
+            bad = names.intersection(_UNSUPPORTED_STRATEGIES)
+            if bad:
+                raise InvalidArgumentError(
+                    f"{target}: SafepointCheckpointIO does not support Lightning's "
+                    f"{bad.pop()}: it loads full checkpoints with torch.load and writes sharded "
+                    "ones with DCP, not through the CheckpointIO. Use strategy='ddp' with the "
+                    "plugin, or checkpoint FSDP2 training with safepoint.Checkpointer "
+                    "(examples/fsdp2.py)")
+            return
+        frame = frame.f_back
+
+
 _NO_PRUNE = 2**31 - 1  # the agent's `keep`: retention is Lightning's (pointer removal)
 
 
@@ -186,13 +226,15 @@ class SafepointCheckpointIO(_CheckpointIO):
     persists) or ``"sync"`` (durable on return). ``allow_pickle``: as for ``safepoint.save``.
     ``include_rng``: save this process's generator states and restore them on load. ``job``,
     ``shm_dir``, ``on_busy``, ``tiers``: passed to ``safepoint.Checkpointer`` (flash mode; the
-    storage tiers keep their own retention, Lightning's applies to ``path``).
+    storage tiers keep their own retention, Lightning's applies to ``path``). ``commit_timeout``:
+    how long a rank other than 0 waits for the step it loads to be committed (seconds).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, mode: str = "flash",
                  allow_pickle: AllowPickle = False, include_rng: bool = True,
                  job: Optional[str] = None, shm_dir: Optional[str] = None,
-                 on_busy: str = "wait", tiers: Optional[list[Any]] = None) -> None:
+                 on_busy: str = "wait", tiers: Optional[list[Any]] = None,
+                 commit_timeout: float = 300.0) -> None:
         super().__init__()
         if mode not in ("flash", "sync"):
             raise InvalidArgumentError(f"mode must be 'flash' or 'sync', got {mode!r}")
@@ -206,6 +248,7 @@ class SafepointCheckpointIO(_CheckpointIO):
         self.include_rng = include_rng
         self.job, self.shm_dir, self.on_busy = job, shm_dir, on_busy
         self.tiers = tiers
+        self.commit_timeout = float(commit_timeout)
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._next: Optional[int] = None        # the next safepoint step (save number)
         self._doomed: set[int] = set()          # unreferenced steps, deleted once committed
@@ -280,6 +323,7 @@ class SafepointCheckpointIO(_CheckpointIO):
             raise InvalidArgumentError(
                 f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
         target = self._local_dir(path, "the checkpoint path")
+        _refuse_strategy(target)
         if self._root is None:
             self._root = os.path.join(os.path.dirname(target), "safepoint")
         if target == self._root or target.startswith(self._root + os.sep):
@@ -342,6 +386,8 @@ class SafepointCheckpointIO(_CheckpointIO):
                     raise NotFoundError(f"{root}: nothing to load")
                 _, state = got
             else:
+                if self._global_rank() != 0 and step is not None:
+                    self._wait_committed(root, step, target)
                 _, state = safepoint.load(root, step, allow_pickle=allow)
         except NotFoundError as e:
             raise NotFoundError(f"{target}: names step {step} of {root}, which is neither in "
@@ -354,6 +400,17 @@ class SafepointCheckpointIO(_CheckpointIO):
         if isinstance(map_location, (str, torch.device)):
             state = _map_location(state, map_location)
         return state
+
+    def _wait_committed(self, root: str, step: int, target: str) -> None:
+        """Waits until `step` of `root` is committed: rank 0 may resume it from memory while the
+        node agent still persists it (after a crash, its emergency flush)."""
+        deadline = time.monotonic() + self.commit_timeout
+        while step not in (safepoint.steps(root) if os.path.isdir(root) else []):
+            if time.monotonic() > deadline:
+                raise NotFoundError(f"{target}: step {step} of {root} was not committed within "
+                                    f"{self.commit_timeout:g} s (commit_timeout); this rank "
+                                    "reads it from storage")
+            time.sleep(0.05)
 
     def remove_checkpoint(self, path: Any) -> None:
         target = os.path.abspath(os.fspath(path))

@@ -57,6 +57,12 @@ EXAMPLES = [
     Example("fsdp2.py", step=6, source="storage"),
     Example("lightning_example.py", step=16, source="memory", needs=("pytorch_lightning",)),
     Example("hf_example.py", step=6, source="memory", needs=("transformers", "accelerate")),
+    # 2 DDP ranks (CPU, gloo), both killed after the save of step 6: both resume from memory.
+    Example("hf_example.py", ("--ranks", "2"), step=6, source="memory", resumes=2,
+            needs=("transformers", "accelerate")),
+    # Lightning's DDP saves on rank 0: rank 0 resumes from memory, rank 1 from storage.
+    Example("lightning_example.py", ("--devices", "2"), step=8, resumes=2,
+            needs=("pytorch_lightning",)),
     # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
     Example("preemptible.py", step=13, source="storage", resumes=2),
 ]
@@ -89,7 +95,7 @@ def _remove_with_agents(shm: str) -> None:
     shutil.rmtree(shm, ignore_errors=True)
 
 
-@pytest.mark.parametrize("ex", EXAMPLES, ids=[e.file for e in EXAMPLES])
+@pytest.mark.parametrize("ex", EXAMPLES, ids=[" ".join((e.file, *e.args)) for e in EXAMPLES])
 def test_example_runs_and_resumes(ex: Example):
     path = os.path.join(EXAMPLES_DIR, ex.file)
     if not os.path.exists(path):
