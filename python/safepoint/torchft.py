@@ -36,6 +36,7 @@ from typing import Optional, TypeVar
 from torchft.checkpointing.transport import CheckpointTransport
 
 import safepoint
+from safepoint import _core
 from safepoint._pickle import AllowPickle
 from safepoint.errors import InvalidArgumentError
 
@@ -48,18 +49,23 @@ class SafepointTransport(CheckpointTransport[T]):
     ``location``: where this replica's sent checkpoints go (a directory or a storage URI; its
     ``metadata()``). ``timeout``: the default wait of ``recv_checkpoint``. ``keep``: sent steps
     kept at ``location``. ``job``, ``shm_dir``: as for ``safepoint.Checkpointer`` (default job:
-    one per transport). ``allow_pickle``: as for ``safepoint.save``.
+    one per transport). ``allow_pickle``: as for ``safepoint.save``. ``mode``: ``"flash"``
+    (send returns after the copy into shared memory; the agent writes the step) or ``"sync"``
+    (send writes the step itself: the sender waits longer, the receiver gets it sooner).
     """
 
     def __init__(self, location: str | os.PathLike[str], *,
                  timeout: timedelta = timedelta(seconds=60), keep: int = 2,
                  job: Optional[str] = None, shm_dir: Optional[str] = None,
-                 allow_pickle: AllowPickle = False) -> None:
+                 allow_pickle: AllowPickle = False, mode: str = "flash") -> None:
         loc = os.fspath(location)
         if not isinstance(loc, str) or not loc:
             raise InvalidArgumentError(f"location must be a non-empty path or URI, got "
                                        f"{location!r}")
+        if mode not in ("flash", "sync"):
+            raise InvalidArgumentError(f"mode must be 'flash' or 'sync', got {mode!r}")
         self.location = loc if "://" in loc else os.path.abspath(loc)
+        self.mode = mode
         self.timeout, self.keep, self.allow_pickle = timeout, keep, allow_pickle
         self.job = job or f"torchft-{uuid.uuid4().hex[:12]}"
         self.shm_dir = shm_dir
@@ -85,7 +91,13 @@ class SafepointTransport(CheckpointTransport[T]):
         returns once the copy is done. Sending a step already sent does nothing."""
         if step == self._sent:
             return
-        self._checkpointer().save(step, {"state": state_dict}, persist=True)
+        if self.mode == "flash":
+            self._checkpointer().save(step, {"state": state_dict}, persist=True)
+        else:
+            safepoint.save(self.location, step, {"state": state_dict},
+                           allow_pickle=self.allow_pickle)
+            for old in safepoint.steps(self.location)[:-self.keep]:
+                _core.delete_step(self.location, old)
         self._sent = step
 
     def disallow_checkpoint(self) -> None:

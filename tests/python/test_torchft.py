@@ -71,6 +71,25 @@ def test_send_recv_timeout_disallow_between_two_processes(tmp_path, shm):
     assert sender.returncode == 0, err[-3000:]
 
 
+def test_sync_mode_writes_in_send_and_keeps_the_newest(tmp_path):
+    import safepoint
+    from safepoint.torchft import SafepointTransport
+
+    t = SafepointTransport(tmp_path / "heal", mode="sync", keep=2)
+    for step in (1, 2, 3):
+        state = make_state()
+        t.send_checkpoint([1], step, state, timedelta(seconds=5))
+        t.disallow_checkpoint()
+        assert safepoint.steps(t.metadata())[-1] == step  # durable when send returned
+    assert safepoint.steps(t.metadata()) == [2, 3]
+    got = SafepointTransport(tmp_path / "other").recv_checkpoint(0, t.metadata(), 3,
+                                                                 timedelta(seconds=5))
+    assert torch.equal(got["user"]["model"]["w"], make_state()["user"]["model"]["w"])
+    with pytest.raises(Exception, match="mode must be"):
+        SafepointTransport(tmp_path / "x", mode="async")
+    t.shutdown()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     worker(sys.argv[1:])
