@@ -141,7 +141,8 @@ class SafepointCheckpointEngine(CheckpointEngine):
     def __init__(self, path: str | os.PathLike[str] | None = None, *, mode: str = "flash",
                  keep: int = 3, job: Optional[str] = None, shm_dir: Optional[str] = None,
                  on_busy: str = "wait", tiers: Optional[list[Any]] = None,
-                 allow_pickle: AllowPickle = None, load_timeout: float = 120.0) -> None:
+                 allow_pickle: Optional[AllowPickle] = None,
+                 load_timeout: float = 120.0) -> None:
         super().__init__(None)
         self.name = ENGINE_NAME
         if mode not in ("flash", "sync"):
