@@ -39,7 +39,9 @@ class TrainState:  # what torchtitan's Trainer saves as "train_state"
         self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
 
 
-def train(workdir: str, steps: int, interval: int, resume: bool) -> None:
+def build(workdir: str, steps: int, interval: int, **options):
+    """What torchtitan's Trainer builds: a model, its optimizers and LR schedulers (torchtitan's
+    containers), the train state, and the checkpoint manager from ``config.checkpoint``."""
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
     from safepoint.torchtitan import SafepointCheckpointManager
@@ -50,10 +52,16 @@ def train(workdir: str, steps: int, interval: int, resume: bool) -> None:
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
                                                                    training_steps=steps)
     state = TrainState()
-    checkpoint = SafepointCheckpointManager.Config(enable=True, interval=interval)  # the line
+    checkpoint = SafepointCheckpointManager.Config(enable=True, interval=interval,  # the line
+                                                   **options)
     manager = checkpoint.build(dataloader=None, model_parts=[model], optimizers=optimizers,
                                lr_schedulers=schedulers, states={"train_state": state},
                                sd_adapter=None, base_folder=workdir)
+    return manager, model, optimizers, schedulers, state
+
+
+def train(workdir: str, steps: int, interval: int, resume: bool) -> None:
+    manager, model, optimizers, schedulers, state = build(workdir, steps, interval)
     if manager.load():
         source = manager.checkpointer.last_restore.source
         print(f"resumed from step {state.step} ({source})", flush=True)

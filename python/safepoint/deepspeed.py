@@ -62,13 +62,13 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 import safepoint
+from safepoint import _pointers
 from safepoint._pickle import AllowPickle
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 POINTER_FORMAT = "safepoint-deepspeed-file"
 POINTER_VERSION = 1
 ENGINE_NAME = "SafepointCheckpointEngine"
-_POINTER_MAX_BYTES = 64 * 1024
 # The classes DeepSpeed's own checkpoints hold besides tensors and plain values (pickled, loaded
 # by safepoint's restricted unpickler).
 DEFAULT_TRUSTED = ["torch.Size", "argparse.Namespace", "torch.float16", "torch.bfloat16",
@@ -88,23 +88,7 @@ def _dist() -> tuple[int, int]:
 
 def read_pointer(path: str | os.PathLike[str]) -> Optional[dict]:
     """The pointer at ``path`` as a dict, or None when ``path`` is not one."""
-    p = os.fspath(path)
-    if not os.path.isfile(p):
-        return None
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(_POINTER_MAX_BYTES + 1)
-        if len(raw) > _POINTER_MAX_BYTES or not raw.lstrip().startswith(b"{"):
-            return None
-        doc = json.loads(raw)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
-        return None
-    if doc.get("version") != POINTER_VERSION:
-        raise CorruptionError(f"{p}: safepoint pointer version {doc.get('version')!r} is not "
-                              f"supported (this safepoint reads version {POINTER_VERSION})")
-    return doc
+    return _pointers.read_pointer(path, POINTER_FORMAT, POINTER_VERSION)
 
 
 def _write_pointer(path: str, doc: dict, durable: bool) -> None:

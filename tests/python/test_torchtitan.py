@@ -27,29 +27,16 @@ from conftest import REPO, run_script  # noqa: E402
 from workloads.bitexact import first_difference  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
-from torchtitan_example import TrainState  # noqa: E402  (torchtitan's train_state, as a class)
+from torchtitan_example import build as example_build  # noqa: E402
 
 SAVE_EVERY, END_AT = 4, 6
 HANG = 240
 
 
 def build(folder, job=None, shm=None, **kw):
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-
-    from safepoint.torchtitan import SafepointCheckpointManager
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    opts = default_adamw(lr=1e-2).build(model_parts=[model])
-    scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opts,
-                                                               training_steps=END_AT)
-    ts = TrainState()
-    cfg = SafepointCheckpointManager.Config(enable=True, folder="ckpt", interval=SAVE_EVERY,
-                                            job=job, shm_dir=shm, **kw)
-    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=opts,
-                    lr_schedulers=scheds, states={"train_state": ts}, sd_adapter=None,
-                    base_folder=str(folder))
-    return mgr, model, opts, scheds, ts
+    """The example's model, torchtitan containers, train state and manager (folder "ckpt")."""
+    return example_build(str(folder), END_AT, SAVE_EVERY, job=job, shm_dir=shm, folder="ckpt",
+                         **kw)
 
 
 def step_once(model, opts, scheds, ts) -> None:
