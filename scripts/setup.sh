@@ -10,7 +10,8 @@
 #   test   demo's, plus what `make test` runs against: GoogleTest, the single-host Ceph
 #          (monitor, OSD, manager, gateway), promtool, iproute2 (network namespaces), pytest with
 #          pytest-xdist, and the integrations the tests cover (Lightning, transformers, accelerate,
-#          safetensors, prometheus_client, matplotlib).
+#          safetensors, prometheus_client, matplotlib, and the training frameworks DeepSpeed,
+#          torchtitan and torchft, installed against the pinned torch).
 #   bench  test's, plus what only the benchmarks compare against or measure with (DLRover, zipnn,
 #          zstandard, iperf3, ucx_perftest).
 #   lint   demo's, plus clang-format, ruff and mypy.
@@ -31,6 +32,9 @@ APT_LINT=(clang-format)
 PIP_DEMO=("torch==2.13.0" numpy "nanobind>=2.4" "scikit-build-core>=0.10" "cmake>=3.24" ninja)
 PIP_TEST=(pytest "pytest-xdist==3.8.0" safetensors "pytorch-lightning==2.6.6" "transformers==5.24.0"
           "accelerate==1.15.0" "matplotlib==3.11.2" "prometheus_client==0.26.0")
+# Installed with torch held at the pinned version (a constraint: their own requirements would
+# let pip pick another torch, a multi-GB CUDA build).
+PIP_FRAMEWORKS=("deepspeed==0.19.8" "torchtitan==0.3.0" "torchft==0.2.0")
 PIP_BENCH=("dlrover==0.6.1" "zipnn==0.5.4" "zstandard==0.25.0")
 PIP_LINT=("ruff==0.17.5" "mypy==2.4.1")
 
@@ -73,12 +77,31 @@ pip_level() {
   touch "$stamp"
 }
 
+# pip_frameworks: the training frameworks of the integration tests (issue 23), once. DeepSpeed is
+# an sdist whose setup.py imports torch: it is built without build isolation (against the venv's
+# torch) and with its C++ ops left to load on demand (DS_BUILD_OPS=0).
+pip_frameworks() {
+  local stamp=.venv/.safepoint-frameworks-v1 pin
+  [ -f "$stamp" ] && return 0
+  echo "setup: installing DeepSpeed, torchtitan and torchft into .venv"
+  pin=$(mktemp)
+  echo "torch==2.13.0" >"$pin"
+  .venv/bin/python -m pip install -q --disable-pip-version-check wheel setuptools
+  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check \
+    --no-build-isolation -c "$pin" "${PIP_FRAMEWORKS[0]}"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c "$pin" \
+    "${PIP_FRAMEWORKS[@]:1}"
+  rm -f "$pin"
+  touch "$stamp"
+}
+
 pip_level demo v8 "${PIP_DEMO[@]}"
 for level in "${levels[@]}"; do
   case "$level" in
-    test) pip_level test v8 "${PIP_TEST[@]}" ;;
+    test) pip_level test v8 "${PIP_TEST[@]}"; pip_frameworks ;;
     bench)
       pip_level test v8 "${PIP_TEST[@]}"
+      pip_frameworks
       if [ ! -f .venv/.safepoint-bench-v8 ]; then
         echo "setup: installing the bench level's Python packages into .venv"
         .venv/bin/python -m pip install -q --disable-pip-version-check "${PIP_BENCH[@]}"

@@ -65,6 +65,10 @@ EXAMPLES = [
             needs=("pytorch_lightning",)),
     # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
     Example("preemptible.py", step=13, source="storage", resumes=2),
+    Example("deepspeed_example.py", step=3, source="memory", needs=("deepspeed",)),
+    Example("torchtitan_example.py", step=4, source="memory", needs=("torchtitan",)),
+    Example("torchft_example.py", pattern=r"healed to step (?P<step>\d+) from a live peer: "
+                                          r"bit-identical: True", step=5, needs=("torchft",)),
 ]
 
 

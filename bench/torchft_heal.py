@@ -1,0 +1,145 @@
+"""safepoint benchmark: healing a torchft replica, SafepointTransport against torchft's own
+HTTPTransport and PGTransport (gloo) on the same state.
+
+    python bench/torchft_heal.py [--size 256M] [--tensors 64] [--reps 3]
+
+Two processes on this host: a live replica (sender) and a recovering one (receiver). For each
+transport, ``--reps`` heals of the same state (float32, ``--size`` in ``--tensors`` tensors):
+the sender's ``send_checkpoint`` (its *blocking* time: the live replica's training waits for it;
+``disallow_checkpoint`` follows once the heal is over, as in torchft's Manager), the receiver's
+``recv_checkpoint`` (the *heal* time: from the start of send until the receiver holds the
+state, checked equal). A first heal warms each transport up (the agent's start, the
+shared-memory slots) and is not counted. SafepointTransport's location is a directory in
+/dev/shm (replicas on one node), flash and sync. Prints a markdown table of medians with ratios
+to HTTPTransport, for docs/benchmarks.md ("torchft heal").
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+TIMEOUT = timedelta(seconds=120)
+
+
+def parse_size(s: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
+
+
+def make_state(size: int, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {"user": {f"layer{i}.weight": torch.randn(size // 4 // n, generator=g)
+                     for i in range(n)}, "torchft": {"step": 7, "batches_committed": 70}}
+
+
+def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    state = make_state(args.size, args.tensors)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=TIMEOUT)
+    pg = None
+    if kind == "http":
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        t = HTTPTransport(TIMEOUT, num_chunks=0)
+    elif kind == "pg":
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupGloo
+
+        pg = ProcessGroupGloo(timeout=TIMEOUT)
+        pg.configure(store_addr=f"127.0.0.1:{store_port}/pg", replica_id="0", rank=rank,
+                     world_size=2)
+        t = PGTransport(pg=pg, timeout=TIMEOUT, device=torch.device("cpu"))
+    else:
+        from safepoint.torchft import SafepointTransport
+
+        t = SafepointTransport(os.path.join(shm, f"heal-{kind}"), shm_dir=shm,
+                               mode="sync" if kind == "safepoint-sync" else "flash")
+    if rank == 0:
+        store.set("meta", t.metadata())
+    meta = store.get("meta").decode()
+    for rep in range(args.reps + 1):  # rep 0 warms up (starts the agent, maps the slots)
+        step = 10 + rep
+        store.set(f"go{rep}/{rank}", "1")
+        store.wait([f"go{rep}/0", f"go{rep}/1"])
+        if rank == 0:
+            t0 = time.time()
+            store.set(f"t0/{rep}", repr(t0))
+            t.send_checkpoint([1], step, state, TIMEOUT)
+            q.put((kind, "blocking", time.time() - t0))
+            # As torchft's Manager does: disallow once the heal is over (HTTPTransport's
+            # disallow takes a write lock that would hold off a receiver not yet reading).
+            store.wait([f"done{rep}"])
+            t.disallow_checkpoint()
+        else:
+            got = t.recv_checkpoint(0, meta, step, TIMEOUT)
+            end = time.time()
+            t0 = float(store.get(f"t0/{rep}").decode())
+            ok = all(torch.equal(got["user"][k], v) for k, v in state["user"].items())
+            q.put((kind, "heal", end - t0 if ok else float("nan")))
+            store.set(f"done{rep}", "1")
+    store.set(f"end/{rank}", "1")
+    store.wait(["end/0", "end/1"])
+    t.shutdown(wait=True)
+    if pg is not None:
+        pg.shutdown()
+
+
+def measure(kind: str, args, shm: str) -> dict:
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT,
+                           wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, kind, args, master.port, shm, q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    out: dict = {"blocking": [], "heal": []}
+    for _ in range(2 * (args.reps + 1)):
+        _, what, secs = q.get(timeout=600)
+        out[what].append(secs)
+    out = {k: v[1:] for k, v in out.items()}  # without the warm-up heal
+    for p in procs:
+        p.join(timeout=120)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="256M")
+    ap.add_argument("--tensors", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    args.size = parse_size(args.size)
+    shm = tempfile.mkdtemp(prefix="sp-heal-", dir="/dev/shm")
+    try:
+        res = {k: measure(k, args, shm) for k in ("http", "pg", "safepoint", "safepoint-sync")}
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    ref = res["http"]
+    names = {"http": "torchft HTTPTransport", "pg": "torchft PGTransport (gloo)",
+             "safepoint": "safepoint SafepointTransport, flash (/dev/shm)",
+             "safepoint-sync": "safepoint SafepointTransport, sync (/dev/shm)"}
+    print(f"state: {args.size / 2**20:.0f} MiB float32 in {args.tensors} tensors, "
+          f"{args.reps} heals each, medians; load average {os.getloadavg()[0]:.1f}\n")
+    print("| transport | sender blocking s | × HTTP | heal s | × HTTP |")
+    print("|---|---:|---:|---:|---:|")
+    for k, r in res.items():
+        print(f"| {names[k]} | {r['blocking']:.3f} | {r['blocking'] / ref['blocking']:.2f} | "
+              f"{r['heal']:.3f} | {r['heal'] / ref['heal']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
