@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 import safepoint
-from safepoint import _core
+from safepoint import _core, _pointers
 from safepoint._files import fsync_dir
 from safepoint._pickle import AllowPickle
 from safepoint._stateful import RNG_KEY, capture_rng, restore_rng
@@ -89,7 +89,6 @@ from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundErro
 
 POINTER_FORMAT = "safepoint-lightning-checkpoint"
 POINTER_VERSION = 1
-_POINTER_MAX_BYTES = 64 * 1024  # a pointer is a few hundred bytes; anything larger is not one
 
 
 # Where Lightning's CheckpointIO lives: the unified package (lightning.pytorch), and the
@@ -127,24 +126,11 @@ else:
 def read_pointer(path: str | os.PathLike[str]) -> Optional[dict]:
     """The pointer file at ``path`` (symlinks followed) as a dict, or None when ``path`` is not a
     pointer file (missing, a directory, another kind of file)."""
-    p = os.fspath(path)
-    if not os.path.isfile(p):
-        return None
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(_POINTER_MAX_BYTES + 1)
-        if len(raw) > _POINTER_MAX_BYTES or not raw.lstrip().startswith(b"{"):
-            return None
-        doc = json.loads(raw)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
-        return None
-    if doc.get("version") != POINTER_VERSION:
-        raise CorruptionError(f"{p}: safepoint pointer version {doc.get('version')!r} is not "
-                              f"supported (this safepoint reads version {POINTER_VERSION})")
-    if not isinstance(doc.get("root"), str) or type(doc.get("step")) is not int:
-        raise CorruptionError(f"{p}: a safepoint pointer without a valid root and step: {doc!r}")
+    doc = _pointers.read_pointer(path, POINTER_FORMAT, POINTER_VERSION)
+    if doc is not None and (not isinstance(doc.get("root"), str)
+                            or type(doc.get("step")) is not int):
+        raise CorruptionError(f"{os.fspath(path)}: a safepoint pointer without a valid root and "
+                              f"step: {doc!r}")
     return doc
 
 
