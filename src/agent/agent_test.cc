@@ -797,6 +797,32 @@ TEST_F(AgentTest, SaveWithoutNotifyRestartsADeadAgentWhichPersistsWhatItLeft) {
   EXPECT_EQ(client->Notify({}), "");
 }
 
+// Issue 22, defect 2: an agent that dies after its rank's last poll (the rank then waits in a
+// collective for a rank that waits in wait() for this node's images) was restarted by nobody:
+// the client restarted it only when it next talked to it, after the collective, and the job
+// hung. The client now watches its agent from a thread of its own, so a new agent adopts the
+// slots and persists them while the rank makes no call at all. Before the fix no agent came
+// back and the step was never committed (WaitUntil gave up).
+TEST_F(AgentTest, AgentThatDiesWhileItsRankMakesNoCallIsRestartedAndPersistsWhatItLeft) {
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+  uint32_t first = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &first));
+  Shard one(1);
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r1, client->Save(1, one.sources, one.extras,
+                                                       /*persist=*/true, /*notify=*/false));
+  ASSERT_TRUE(r1.saved);
+  ASSERT_EQ(::kill(static_cast<pid_t>(first), SIGKILL), 0);
+  // No call of the client from here on until the step is committed.
+  EXPECT_TRUE(WaitUntil([&] { return Committed() == std::vector<uint64_t>{1}; }))
+      << "step 1 was not committed: no agent came back";
+  uint32_t second = 0;
+  EXPECT_TRUE(AgentAlive(job_dir_, &second));
+  EXPECT_NE(second, first);
+  ExpectOnStorage(1, 1);
+  EXPECT_EQ(client->Notify({}), "");
+  EXPECT_OK(client->Close(kDeadlineSeconds));
+}
+
 // When no agent can be started (here: this client may start none), the save still goes into
 // memory: failing it would leave the other ranks in the collective that comes before Notify.
 // Notify then says why the agent could not be told.

@@ -241,7 +241,9 @@ void Replicator::Stop() {
   request_worker_.RequestStop();
   push_worker_.Join();
   request_worker_.Join();
-  service_.reset();
+  // No push leaves or lands from here on (RemoveReplicas may follow), and UCX is not torn down:
+  // the service is retired, and RunAgent ends the process with _exit (PeerService::Retire).
+  replica::PeerService::Retire(std::move(service_));
 }
 
 std::vector<Peer> Replicator::OtherPeersLocked() const {
