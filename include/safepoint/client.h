@@ -238,6 +238,7 @@ class SnapshotClient {
   std::optional<uint64_t> last_saved_step_;
   // Peer replication set up by this client, sent again to a new agent.
   std::optional<std::tuple<std::string, std::string, double>> peer_setup_;
+  uint32_t peer_port_ = 0;  // the peer service's port, asked of an agent that replaces it
   std::optional<Membership> membership_;
   Status SendPeerState();
   bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)

@@ -823,6 +823,26 @@ TEST_F(AgentTest, AgentThatDiesWhileItsRankMakesNoCallIsRestartedAndPersistsWhat
   EXPECT_OK(client->Close(kDeadlineSeconds));
 }
 
+// Issue 22: a restarted agent listened for peers on a new port, which its peers learned only at
+// the next Checkpointer start (their pushes to this node failed until then). The client now
+// asks the new agent for the dead one's port, so the address in the peers' membership stays
+// right. Before the fix the new agent took a free port.
+TEST_F(AgentTest, AgentRestartedAfterItDiedListensForPeersOnTheSamePort) {
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+  ASSERT_OK_AND_ASSIGN(const std::string address, client->PeerSetup("n0", "127.0.0.1", 10));
+  uint32_t first = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &first));
+  ASSERT_EQ(::kill(static_cast<pid_t>(first), SIGKILL), 0);
+  uint32_t second = 0;
+  ASSERT_TRUE(WaitUntil([&] { return AgentAlive(job_dir_, &second) && second != first; }));
+  // The next call reconnects and sends the peer setup again; asking again returns the address
+  // the new agent listens on.
+  ASSERT_OK(client->AgentStatus());
+  ASSERT_OK_AND_ASSIGN(const std::string again, client->PeerSetup("n0", "127.0.0.1", 10));
+  EXPECT_EQ(again, address);
+  EXPECT_OK(client->Close(kDeadlineSeconds));
+}
+
 // When no agent can be started (here: this client may start none), the save still goes into
 // memory: failing it would leave the other ranks in the collective that comes before Notify.
 // Notify then says why the agent could not be told.

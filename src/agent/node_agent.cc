@@ -921,6 +921,9 @@ namespace {
 }  // namespace
 
 int RunAgent(const AgentOptions& options) {
+  // The peer listener may take its port again while connections of a dead agent on it linger
+  // in TIME_WAIT (a restarted agent keeps its predecessor's port). Before any thread starts.
+  ::setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
   internal::InitLogging("safepointd");
   if (!options.log_level.empty() && !internal::SetLogLevel(options.log_level)) {
     spdlog::error("unknown log level '{}'", options.log_level);

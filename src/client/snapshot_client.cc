@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -183,9 +184,9 @@ Status SnapshotClient::SendPeerState() {
   };
   if (peer_setup_) {
     const auto& [node, host, timeout] = *peer_setup_;
-    Status s =
-        exchange(MessageType::kPeerSetup, protocol::Encode(protocol::PeerSetupRequest{
-                                              node, host, static_cast<uint32_t>(timeout * 1000)}));
+    Status s = exchange(MessageType::kPeerSetup,
+                        protocol::Encode(protocol::PeerSetupRequest{
+                            node, host, static_cast<uint32_t>(timeout * 1000), peer_port_}));
     if (!s.ok()) return Status::OK();
   }
   if (membership_) {
@@ -196,14 +197,21 @@ Status SnapshotClient::SendPeerState() {
 
 Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std::string& bind_host,
                                               double timeout_s) {
-  SP_ASSIGN_OR_RETURN(std::string payload,
-                      Request(MessageType::kPeerSetup,
-                              protocol::Encode(protocol::PeerSetupRequest{
-                                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000)}),
-                              MessageType::kPeerSetupReply, 60));
+  SP_ASSIGN_OR_RETURN(
+      std::string payload,
+      Request(MessageType::kPeerSetup,
+              protocol::Encode(protocol::PeerSetupRequest{
+                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000), peer_port_}),
+              MessageType::kPeerSetupReply, 60));
   protocol::PeerSetupReply reply;
   SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   peer_setup_.emplace(node, bind_host, timeout_s);
+  // "host:port" or "[ip6]:port": a new agent listens on this port again.
+  const size_t colon = reply.address.rfind(':');
+  if (colon != std::string::npos) {
+    peer_port_ =
+        static_cast<uint32_t>(std::strtoul(reply.address.c_str() + colon + 1, nullptr, 10));
+  }
   return reply.address;
 }
 
