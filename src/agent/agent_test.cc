@@ -337,6 +337,17 @@ class AgentTest : public ::testing::Test {
     EXPECT_TRUE(r->agent_error.empty()) << r->agent_error;
   }
 
+  // Saves step 1 of a Shard(1) with persist but without notify (the agent is not told), then
+  // SIGKILLs the agent; `first`: its pid.
+  void SaveUnnotifiedThenKillAgent(SnapshotClient* client, uint32_t* first) {
+    ASSERT_TRUE(AgentAlive(job_dir_, first));
+    Shard one(1);
+    ASSERT_OK_AND_ASSIGN(SnapshotResult r1, client->Save(1, one.sources, one.extras,
+                                                         /*persist=*/true, /*notify=*/false));
+    ASSERT_TRUE(r1.saved);
+    ASSERT_EQ(::kill(static_cast<pid_t>(*first), SIGKILL), 0);
+  }
+
   std::vector<uint64_t> Committed() {
     std::vector<uint64_t> out;
     auto store = OpenCheckpointStore(storage_);
@@ -775,12 +786,7 @@ TEST_F(AgentTest, ClientRestartsAnAgentThatDiedWhileStarting) {
 TEST_F(AgentTest, SaveWithoutNotifyRestartsADeadAgentWhichPersistsWhatItLeft) {
   ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
   uint32_t first = 0;
-  ASSERT_TRUE(AgentAlive(job_dir_, &first));
-  Shard one(1);
-  ASSERT_OK_AND_ASSIGN(SnapshotResult r1, client->Save(1, one.sources, one.extras,
-                                                       /*persist=*/true, /*notify=*/false));
-  ASSERT_TRUE(r1.saved);
-  ASSERT_EQ(::kill(static_cast<pid_t>(first), SIGKILL), 0);
+  ASSERT_NO_FATAL_FAILURE(SaveUnnotifiedThenKillAgent(client.get(), &first));
   ASSERT_TRUE(WaitUntil([&] { return !AgentAlive(job_dir_); })) << "the agent did not die";
 
   Shard two(2);
@@ -806,12 +812,7 @@ TEST_F(AgentTest, SaveWithoutNotifyRestartsADeadAgentWhichPersistsWhatItLeft) {
 TEST_F(AgentTest, AgentThatDiesWhileItsRankMakesNoCallIsRestartedAndPersistsWhatItLeft) {
   ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
   uint32_t first = 0;
-  ASSERT_TRUE(AgentAlive(job_dir_, &first));
-  Shard one(1);
-  ASSERT_OK_AND_ASSIGN(SnapshotResult r1, client->Save(1, one.sources, one.extras,
-                                                       /*persist=*/true, /*notify=*/false));
-  ASSERT_TRUE(r1.saved);
-  ASSERT_EQ(::kill(static_cast<pid_t>(first), SIGKILL), 0);
+  ASSERT_NO_FATAL_FAILURE(SaveUnnotifiedThenKillAgent(client.get(), &first));
   // No call of the client from here on until the step is committed.
   EXPECT_TRUE(WaitUntil([&] { return Committed() == std::vector<uint64_t>{1}; }))
       << "step 1 was not committed: no agent came back";
