@@ -239,6 +239,7 @@ class SnapshotClient {
   std::optional<uint64_t> last_saved_step_;
   // Peer replication set up by this client, sent again to a new agent.
   std::optional<std::tuple<std::string, std::string, double>> peer_setup_;
+  uint32_t peer_port_ = 0;  // the peer service's port, asked of an agent that replaces it
   std::optional<Membership> membership_;
   Status SendPeerState();
   bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)
@@ -247,6 +248,12 @@ class SnapshotClient {
   std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
   std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it
   std::unique_ptr<protocol::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
+  // Restarts the agent when it dies, from a thread of its own, while this client is open and
+  // may start one (issue 22): a rank that waits in a collective (or anywhere outside this
+  // client) for another rank, which waits for this node's images in wait(), talks to no agent;
+  // nothing else would restart it. Stopped by Close, before the agent is told.
+  class AgentWatch;
+  std::unique_ptr<AgentWatch> watch_;
 };
 
 }  // namespace safepoint

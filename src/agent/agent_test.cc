@@ -337,6 +337,17 @@ class AgentTest : public ::testing::Test {
     EXPECT_TRUE(r->agent_error.empty()) << r->agent_error;
   }
 
+  // Saves step 1 of a Shard(1) with persist but without notify (the agent is not told), then
+  // SIGKILLs the agent; `first`: its pid.
+  void SaveUnnotifiedThenKillAgent(SnapshotClient* client, uint32_t* first) {
+    ASSERT_TRUE(AgentAlive(job_dir_, first));
+    Shard one(1);
+    ASSERT_OK_AND_ASSIGN(SnapshotResult r1, client->Save(1, one.sources, one.extras,
+                                                         /*persist=*/true, /*notify=*/false));
+    ASSERT_TRUE(r1.saved);
+    ASSERT_EQ(::kill(static_cast<pid_t>(*first), SIGKILL), 0);
+  }
+
   std::vector<uint64_t> Committed() {
     std::vector<uint64_t> out;
     auto store = OpenCheckpointStore(storage_);
@@ -775,12 +786,7 @@ TEST_F(AgentTest, ClientRestartsAnAgentThatDiedWhileStarting) {
 TEST_F(AgentTest, SaveWithoutNotifyRestartsADeadAgentWhichPersistsWhatItLeft) {
   ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
   uint32_t first = 0;
-  ASSERT_TRUE(AgentAlive(job_dir_, &first));
-  Shard one(1);
-  ASSERT_OK_AND_ASSIGN(SnapshotResult r1, client->Save(1, one.sources, one.extras,
-                                                       /*persist=*/true, /*notify=*/false));
-  ASSERT_TRUE(r1.saved);
-  ASSERT_EQ(::kill(static_cast<pid_t>(first), SIGKILL), 0);
+  ASSERT_NO_FATAL_FAILURE(SaveUnnotifiedThenKillAgent(client.get(), &first));
   ASSERT_TRUE(WaitUntil([&] { return !AgentAlive(job_dir_); })) << "the agent did not die";
 
   Shard two(2);
@@ -795,6 +801,47 @@ TEST_F(AgentTest, SaveWithoutNotifyRestartsADeadAgentWhichPersistsWhatItLeft) {
       << "step 1 was not committed";
   ExpectOnStorage(1, 1);
   EXPECT_EQ(client->Notify({}), "");
+}
+
+// Issue 22, defect 2: an agent that dies after its rank's last poll (the rank then waits in a
+// collective for a rank that waits in wait() for this node's images) was restarted by nobody:
+// the client restarted it only when it next talked to it, after the collective, and the job
+// hung. The client now watches its agent from a thread of its own, so a new agent adopts the
+// slots and persists them while the rank makes no call at all. Before the fix no agent came
+// back and the step was never committed (WaitUntil gave up).
+TEST_F(AgentTest, AgentThatDiesWhileItsRankMakesNoCallIsRestartedAndPersistsWhatItLeft) {
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+  uint32_t first = 0;
+  ASSERT_NO_FATAL_FAILURE(SaveUnnotifiedThenKillAgent(client.get(), &first));
+  // No call of the client from here on until the step is committed.
+  EXPECT_TRUE(WaitUntil([&] { return Committed() == std::vector<uint64_t>{1}; }))
+      << "step 1 was not committed: no agent came back";
+  uint32_t second = 0;
+  EXPECT_TRUE(AgentAlive(job_dir_, &second));
+  EXPECT_NE(second, first);
+  ExpectOnStorage(1, 1);
+  EXPECT_EQ(client->Notify({}), "");
+  EXPECT_OK(client->Close(kDeadlineSeconds));
+}
+
+// Issue 22: a restarted agent listened for peers on a new port, which its peers learned only at
+// the next Checkpointer start (their pushes to this node failed until then). The client now
+// asks the new agent for the dead one's port, so the address in the peers' membership stays
+// right. Before the fix the new agent took a free port.
+TEST_F(AgentTest, AgentRestartedAfterItDiedListensForPeersOnTheSamePort) {
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+  ASSERT_OK_AND_ASSIGN(const std::string address, client->PeerSetup("n0", "127.0.0.1", 10));
+  uint32_t first = 0;
+  ASSERT_TRUE(AgentAlive(job_dir_, &first));
+  ASSERT_EQ(::kill(static_cast<pid_t>(first), SIGKILL), 0);
+  uint32_t second = 0;
+  ASSERT_TRUE(WaitUntil([&] { return AgentAlive(job_dir_, &second) && second != first; }));
+  // The next call reconnects and sends the peer setup again; asking again returns the address
+  // the new agent listens on.
+  ASSERT_OK(client->AgentStatus());
+  ASSERT_OK_AND_ASSIGN(const std::string again, client->PeerSetup("n0", "127.0.0.1", 10));
+  EXPECT_EQ(again, address);
+  EXPECT_OK(client->Close(kDeadlineSeconds));
 }
 
 // When no agent can be started (here: this client may start none), the save still goes into

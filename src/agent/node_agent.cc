@@ -26,12 +26,25 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#define SAFEPOINT_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SAFEPOINT_ASAN 1
+#endif
+#endif
+#ifdef SAFEPOINT_ASAN
+#include <sanitizer/lsan_interface.h>
+#endif
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
 #include "base/log.h"
+#include "replica/peer_service.h"
 
 namespace safepoint::agent {
 
@@ -889,8 +902,28 @@ int NodeAgent::Run() {
 }  // namespace safepoint::agent
 
 namespace safepoint {
+namespace {
+
+// Ends the process after the agent retired its peer service (Replicator::Stop): UCX stays alive
+// to the end, so no exit handler or static destructor may run (UCX's own library destructors
+// would tear it down under its async thread). The logs are flushed first; a sanitized build
+// checks for leaks first, everything but the retired service having been destroyed (that one is
+// reachable from a global, so not counted), and dies on one as it would at exit.
+[[noreturn]] void ExitKeepingUcx(int rc) {
+  spdlog::apply_all([](const std::shared_ptr<spdlog::logger>& l) { l->flush(); });
+  std::fflush(nullptr);
+#ifdef SAFEPOINT_ASAN
+  __lsan_do_leak_check();
+#endif
+  ::_exit(rc);
+}
+
+}  // namespace
 
 int RunAgent(const AgentOptions& options) {
+  // The peer listener may take its port again while connections of a dead agent on it linger
+  // in TIME_WAIT (a restarted agent keeps its predecessor's port). Before any thread starts.
+  ::setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
   internal::InitLogging("safepointd");
   if (!options.log_level.empty() && !internal::SetLogLevel(options.log_level)) {
     spdlog::error("unknown log level '{}'", options.log_level);
@@ -901,8 +934,13 @@ int RunAgent(const AgentOptions& options) {
     spdlog::error("{}", v.ToString());
     return 1;
   }
-  agent::NodeAgent agent(options);
-  return agent.Run();
+  int rc = 0;
+  {
+    agent::NodeAgent agent(options);
+    rc = agent.Run();
+  }
+  if (replica::PeerService::AnyRetired()) ExitKeepingUcx(rc);
+  return rc;
 }
 
 }  // namespace safepoint

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <set>
 
 #include "base/bytes.h"
@@ -90,7 +91,18 @@ Result<std::string> Replicator::Setup(const std::string& job_dir,
   o.bind_host = request.bind_host;
   o.timeout_s = request.timeout_ms / 1000.0;
   SP_ASSIGN_OR_RETURN(o.secret, RandomSecret());
+  if (request.port > UINT16_MAX) return InvalidArgument("peer setup: port out of range");
+  o.port = static_cast<uint16_t>(request.port);
   auto service = replica::PeerService::Start(o, store_.get());
+  if (!service.ok() && o.port != 0) {
+    // The dead agent's port is taken meanwhile: any port (peers learn it at the next
+    // Checkpointer start).
+    spdlog::warn(
+        "peer service of node '{}': cannot listen on port {} again ({}); taking a free one",
+        request.node, o.port, service.status().ToString());
+    o.port = 0;
+    service = replica::PeerService::Start(o, store_.get());
+  }
   if (!service.ok()) {
     store_.reset();
     return service.status();
@@ -241,7 +253,9 @@ void Replicator::Stop() {
   request_worker_.RequestStop();
   push_worker_.Join();
   request_worker_.Join();
-  service_.reset();
+  // No push leaves or lands from here on (RemoveReplicas may follow), and UCX is not torn down:
+  // the service is retired, and RunAgent ends the process with _exit (PeerService::Retire).
+  replica::PeerService::Retire(std::move(service_));
 }
 
 std::vector<Peer> Replicator::OtherPeersLocked() const {

@@ -18,6 +18,9 @@
 // thread; one worker thread runs pushes, another runs list and fetch requests (a restore never
 // waits behind a long push). `notify` wakes the main loop after each result. Both are WorkerLoops
 // that drop what is queued on stop (replicas are a cache).
+// Stop retires the peer service (PeerService::Retire): it refuses pushes from then on and keeps
+// UCX alive, so a process that stopped a Replicator with a running service ends with _exit
+// (RunAgent does).
 #pragma once
 
 #include <cstdint>

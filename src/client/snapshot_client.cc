@@ -10,7 +10,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
@@ -40,7 +44,55 @@ constexpr double kAgentRestartSeconds = 2.0;
 
 }  // namespace
 
-SnapshotClient::~SnapshotClient() { Disconnect(); }
+// The thread behind SnapshotClient::watch_: every kWatchSeconds it looks whether an agent holds
+// the job's lock, and starts one when none does. A start that finds another agent serving the
+// job exits at once (the lock lets one in), so racing a request's own restart is harmless. The
+// new agent adopts the slots and persists what the dead one left; the client's next request
+// connects to it. After a fork, the child (which has no such thread) only forgets it.
+class SnapshotClient::AgentWatch {
+ public:
+  static constexpr auto kWatchSeconds = std::chrono::seconds(1);
+
+  AgentWatch(std::string job_dir, std::function<Status()> start)
+      : job_dir_(std::move(job_dir)), start_(std::move(start)), owner_(::getpid()) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~AgentWatch() {
+    if (::getpid() != owner_) {
+      thread_.detach();  // forked: the thread is the parent's
+      return;
+    }
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void Run() {
+    std::unique_lock lk(mu_);
+    while (!cv_.wait_for(lk, kWatchSeconds, [&] { return stop_; })) {
+      lk.unlock();
+      if (!protocol::AgentAlive(job_dir_)) start_().IgnoreError();  // tried again next time
+      lk.lock();
+    }
+  }
+
+  const std::string job_dir_;
+  const std::function<Status()> start_;
+  const pid_t owner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+SnapshotClient::~SnapshotClient() {
+  watch_.reset();
+  Disconnect();
+}
 
 namespace {
 
@@ -64,6 +116,11 @@ Result<std::unique_ptr<SnapshotClient>> SnapshotClient::Connect(ClientOptions op
   SP_ASSIGN_OR_RETURN(c->job_dir_, JobDirectory(c->opt_.shm_dir, c->opt_.job, /*create=*/true));
   SP_ASSIGN_OR_RETURN(c->arena_, Arena::Open(c->job_dir_, c->opt_.rank));
   SP_RETURN_IF_ERROR(c->EnsureAgent());
+  if (!c->opt_.agent_binary.empty()) {
+    // StartAgent reads only what Connect set: safe on the watch's thread.
+    c->watch_ = std::make_unique<AgentWatch>(c->job_dir_,
+                                             [client = c.get()] { return client->StartAgent(); });
+  }
   return c;
 }
 
@@ -127,9 +184,9 @@ Status SnapshotClient::SendPeerState() {
   };
   if (peer_setup_) {
     const auto& [node, host, timeout] = *peer_setup_;
-    Status s =
-        exchange(MessageType::kPeerSetup, protocol::Encode(protocol::PeerSetupRequest{
-                                              node, host, static_cast<uint32_t>(timeout * 1000)}));
+    Status s = exchange(MessageType::kPeerSetup,
+                        protocol::Encode(protocol::PeerSetupRequest{
+                            node, host, static_cast<uint32_t>(timeout * 1000), peer_port_}));
     if (!s.ok()) return Status::OK();
   }
   if (membership_) {
@@ -140,14 +197,21 @@ Status SnapshotClient::SendPeerState() {
 
 Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std::string& bind_host,
                                               double timeout_s) {
-  SP_ASSIGN_OR_RETURN(std::string payload,
-                      Request(MessageType::kPeerSetup,
-                              protocol::Encode(protocol::PeerSetupRequest{
-                                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000)}),
-                              MessageType::kPeerSetupReply, 60));
+  SP_ASSIGN_OR_RETURN(
+      std::string payload,
+      Request(MessageType::kPeerSetup,
+              protocol::Encode(protocol::PeerSetupRequest{
+                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000), peer_port_}),
+              MessageType::kPeerSetupReply, 60));
   protocol::PeerSetupReply reply;
   SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   peer_setup_.emplace(node, bind_host, timeout_s);
+  // "host:port" or "[ip6]:port": a new agent listens on this port again.
+  const size_t colon = reply.address.rfind(':');
+  if (colon != std::string::npos) {
+    peer_port_ =
+        static_cast<uint32_t>(std::strtoul(reply.address.c_str() + colon + 1, nullptr, 10));
+  }
   return reply.address;
 }
 
@@ -790,6 +854,7 @@ void SnapshotClient::NoteResumedFrom(const SlotInfo& slot) {
 }
 
 Status SnapshotClient::Close(double timeout_s) {
+  watch_.reset();  // the agent exits once every rank closed: no restart from here on
   auto payload = Request(MessageType::kClose, "{}", MessageType::kCloseReply, timeout_s);
   Disconnect();
   if (!payload.ok()) return payload.status();

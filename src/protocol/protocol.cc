@@ -222,7 +222,9 @@ Status Decode(std::string_view payload, ErrorReply* out) {
 }
 
 std::string Encode(const PeerSetupRequest& m) {
-  return json{{"node", m.node}, {"bind_host", m.bind_host}, {"timeout_ms", m.timeout_ms}}.dump();
+  return json{
+      {"node", m.node}, {"bind_host", m.bind_host}, {"timeout_ms", m.timeout_ms}, {"port", m.port}}
+      .dump();
 }
 std::string Encode(const PeerSetupReply& m) { return json{{"address", m.address}}.dump(); }
 std::string Encode(const Membership& m) {
@@ -271,7 +273,8 @@ std::string Encode(const ReportNote& m) {
 Status Decode(std::string_view payload, PeerSetupRequest* out) {
   return Parse(payload, {{"node", &out->node},
                          {"bind_host", &out->bind_host},
-                         {"timeout_ms", &out->timeout_ms, /*optional=*/true}})
+                         {"timeout_ms", &out->timeout_ms, /*optional=*/true},
+                         {"port", &out->port, /*optional=*/true}})
       .status();
 }
 Status Decode(std::string_view payload, PeerSetupReply* out) {

@@ -129,6 +129,9 @@ struct PeerSetupRequest {
   std::string node;
   std::string bind_host;
   uint32_t timeout_ms = 30000;  // a peer that makes no progress this long is dropped
+  // The port to listen on; 0: a free one. A client asks a new agent for the port the dead one
+  // listened on, so that the address in the peers' membership stays right (issue 22).
+  uint32_t port = 0;
 };
 struct PeerSetupReply {
   std::string address;  // "host:port" peers connect to

@@ -129,6 +129,18 @@ class PeerService {
                             std::span<std::byte> image) = 0;
 
   virtual PeerServiceStats stats() const = 0;
+
+  // Ends `service` for a process about to end with _exit (internal::ExitProcess), without
+  // tearing UCX down: it refuses every connection request from then on, closes its
+  // connections, waits until UCX holds no request of theirs and no longer uses its store, and
+  // is then kept alive, listener and UCX worker included, until the process ends. Its store may
+  // be destroyed once this returns. Why: UCX 1.13 (Debian 12) delivers a connection request
+  // that was being received when its listener was destroyed to the freed listener (a
+  // segmentation fault in UCX's async thread, `ucp_cm_server_conn_request_cb`); no order of
+  // teardown on our side closes that window, since a peer may connect at any moment.
+  static void Retire(std::unique_ptr<PeerService> service);
+  // Whether Retire kept a service alive in this process (which must then end with _exit).
+  static bool AnyRetired();
 };
 
 }  // namespace safepoint::replica

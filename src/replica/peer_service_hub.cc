@@ -312,7 +312,7 @@ void PeerServiceImpl::RunOnProgressThread(const std::function<void()>& task) {
   done.get_future().wait();
 }
 
-void PeerServiceImpl::Stop() {
+void PeerServiceImpl::Quiesce() {
   if (store_thread_.joinable()) {
     {
       std::lock_guard lk(store_mu_);
@@ -321,14 +321,13 @@ void PeerServiceImpl::Stop() {
     store_cv_.notify_all();
     store_thread_.join();
   }
-  if (!hub_) return;
-  stop_ = true;
+  if (!hub_ || stop_.exchange(true)) return;
   pause_cv_.notify_all();
-  // Stop listening and force-close what is left, then wait until UCX no longer holds a request
-  // or an endpoint that calls back into this service (force closes are local: quick).
+  // From here on OnConnRequest rejects (it runs on the progress thread and reads stop_). Force
+  // close what is left, then wait until UCX no longer holds a request or an endpoint that calls
+  // back into this service (force closes are local: quick). Only the progress thread touches the
+  // store outside the store thread, for connections, and none is left.
   RunOnProgressThread([this] {
-    if (listener_) ucp_listener_destroy(listener_);
-    listener_ = nullptr;
     std::vector<ConnPtr> conns;
     {
       Lock lk(mu_);
@@ -336,15 +335,22 @@ void PeerServiceImpl::Stop() {
     }
     for (auto& c : conns) CloseNow(c, Cancelled("peer service stopped"));
   });
-  {
-    Lock lk(mu_);
-    while (!cv_.wait_for(lk, std::chrono::seconds(10),
-                         [&] { return closes_pending_ == 0 && requests_pending_ == 0; })) {
-      spdlog::warn("peer service of node {}: still waiting for {} closes and {} requests of UCX",
-                   options_.node, closes_pending_, requests_pending_);
-    }
+  Lock lk(mu_);
+  while (!cv_.wait_for(lk, std::chrono::seconds(10),
+                       [&] { return closes_pending_ == 0 && requests_pending_ == 0; })) {
+    spdlog::warn("peer service of node {}: still waiting for {} closes and {} requests of UCX",
+                 options_.node, closes_pending_, requests_pending_);
   }
-  RunOnProgressThread([this] { hub_->Unregister(this); });
+}
+
+void PeerServiceImpl::Stop() {
+  Quiesce();
+  if (!hub_) return;
+  RunOnProgressThread([this] {
+    if (listener_) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
+    hub_->Unregister(this);
+  });
   UcpHub::Release(hub_);
 }
 
@@ -637,6 +643,28 @@ void PeerServiceImpl::SetSecret(const std::string& secret) {
 }
 
 }  // namespace ucx
+
+namespace {
+
+// The services Retire keeps, reachable from here until the process ends (so that a leak check
+// before _exit does not count them).
+std::mutex retired_mu;
+std::vector<std::unique_ptr<PeerService>>* retired = nullptr;  // guarded by retired_mu
+
+}  // namespace
+
+void PeerService::Retire(std::unique_ptr<PeerService> service) {
+  if (!service) return;
+  static_cast<ucx::PeerServiceImpl*>(service.get())->Quiesce();
+  std::lock_guard lk(retired_mu);
+  if (retired == nullptr) retired = new std::vector<std::unique_ptr<PeerService>>();
+  retired->push_back(std::move(service));
+}
+
+bool PeerService::AnyRetired() {
+  std::lock_guard lk(retired_mu);
+  return retired != nullptr && !retired->empty();
+}
 
 Result<std::unique_ptr<PeerService>> PeerService::Start(const PeerServiceOptions& options,
                                                         ReplicaStore* store) {

@@ -219,6 +219,10 @@ class PeerServiceImpl final : public PeerService {
   ~PeerServiceImpl() override { Stop(); }
 
   Status Init();
+  // Refuses connection requests, closes every connection and stops the store thread; the
+  // listener and the hub stay (Retire). Idempotent.
+  void Quiesce();
+  // Quiesce, then destroys the listener and releases the hub.
   void Stop();
 
   std::string address() const override { return address_; }

@@ -27,7 +27,9 @@ void PeerServiceImpl::OnConnRequest(ucp_conn_request_h request) {
   if (ucp_conn_request_query(request, &attr) == UCS_OK)
     from = "peer at " + FormatAddress(attr.client_address);
   if (stop_ || servers >= kMaxServerConns) {
-    spdlog::warn("peer service: refusing {}: {} connections open", from, servers);
+    spdlog::warn(
+        "peer service: refusing {}: {}", from,
+        stop_ ? std::string("the service stopped") : std::to_string(servers) + " connections open");
     ucp_listener_reject(listener_, request);
     return;
   }

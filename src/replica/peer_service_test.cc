@@ -41,6 +41,20 @@ struct Node {
 
 const SnapshotId kId{/*rank=*/1, /*step=*/7, /*complete_ns=*/123456};
 
+// A plain TCP connection to a service's "127.0.0.1:port" (-1 when it fails).
+internal::UniqueFd ConnectTcp(const std::string& address) {
+  const auto port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  internal::UniqueFd fd(::socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in sin{};
+  sin.sin_family = AF_INET;
+  sin.sin_port = htons(port);
+  sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (!fd || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&sin), sizeof sin) != 0) {
+    return internal::UniqueFd();
+  }
+  return fd;
+}
+
 class PeerServiceTest : public ::testing::Test {
  protected:
   PeerServiceOptions Options(const std::string& name) {
@@ -212,17 +226,10 @@ TEST_F(PeerServiceTest, GarbageOnTheListenerPortDoesNotStopTheService) {
   Node* src = StartNode("a");
   Node* b = StartNode("b");
   ASSERT_TRUE(src && b);
-  const std::string addr = b->svc->address();
-  const uint16_t port = static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
   std::vector<internal::UniqueFd> socks;
   for (int i = 0; i < 3; ++i) {
-    internal::UniqueFd fd(::socket(AF_INET, SOCK_STREAM, 0));
+    internal::UniqueFd fd = ConnectTcp(b->svc->address());
     ASSERT_GE(fd.get(), 0);
-    sockaddr_in sin{};
-    sin.sin_family = AF_INET;
-    sin.sin_port = htons(port);
-    sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&sin), sizeof sin), 0);
     const std::vector<std::byte> garbage = test::PatternBytes(64 << 10, 100 + i);
     // Short writes are fine: the point is bytes the listener does not expect.
     ASSERT_GT(::send(fd.get(), garbage.data(), garbage.size(), MSG_NOSIGNAL), 0);
@@ -870,6 +877,50 @@ TEST_F(PeerServiceTest, UcxThatCannotStartIsAClearErrorAndTheNextServiceStarts) 
   std::vector<Status> errors;
   b->svc->List({c->peer()}, kId.rank, &errors);
   for (const Status& s : errors) EXPECT_OK(s);
+}
+
+// Issue 22, defect 1 (node-loss seed 1636957366, round 36): an agent died at exit of a
+// segmentation fault in UCX's async thread (`ucp_cm_server_conn_request_cb`): a peer's
+// connection request was still being received when the listener was destroyed, and UCX 1.13
+// hands it to the freed listener. Here plain TCP clients play that peer: each connects (UCX
+// accepts and waits for the connection's header), the service ends the way the agent ends it
+// (Replicator::Stop: PeerService::Retire), and only then the header arrives, as UCX's own client
+// would send it (a zero-length private data header). Another service keeps the process's UCX
+// worker alive meanwhile, as the agent's teardown did while it waited for its closes. Before
+// the fix (the service destroyed: ucp_listener_destroy) the child died of a signal in most
+// rounds; the point is that no round can. In a child process: retired services live until it
+// exits.
+TEST_F(PeerServiceTest, ConnectionRequestsArrivingAsTheServiceEndsDoNotCrashTheProcess) {
+  const int rc = test::RunInChild([this] {
+    test::TempDir dir{"peer-service-retire"};
+    std::filesystem::create_directories(dir.path() + "/keeper");
+    std::filesystem::create_directories(dir.path() + "/victim");
+    auto keeper_store = ReplicaStore::Open(dir.path() + "/keeper");
+    auto victim_store = ReplicaStore::Open(dir.path() + "/victim");
+    if (!keeper_store.ok() || !victim_store.ok()) return 2;
+    auto keeper = PeerService::Start(Options("keeper"), keeper_store->get());
+    if (!keeper.ok()) return 3;
+    for (int round = 0; round < 20; ++round) {
+      auto victim = PeerService::Start(Options("victim"), victim_store->get());
+      if (!victim.ok()) return 4;
+      std::vector<internal::UniqueFd> socks;
+      for (int i = 0; i < 8; ++i) socks.push_back(ConnectTcp((*victim)->address()));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // UCX accepts them
+      PeerService::Retire(std::move(*victim));
+      struct {
+        uint64_t length = 0;
+        uint8_t status = 0;
+        uint8_t pad[7] = {};
+      } header;
+      for (auto& fd : socks) {
+        if (fd) [[maybe_unused]]
+          ssize_t n = ::send(fd.get(), &header, sizeof header, MSG_NOSIGNAL);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // UCX receives them
+    }
+    return 0;
+  });
+  EXPECT_EQ(rc, 0);
 }
 
 }  // namespace
