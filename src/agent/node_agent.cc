@@ -32,6 +32,7 @@
 #include <cstring>
 
 #include "base/log.h"
+#include "base/process.h"
 
 namespace safepoint::agent {
 
@@ -606,7 +607,7 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
     return Status::OK();
   }
   RankState& rs = ranks_[hello.rank];
-  if (rs.connected && rs.pid != c.pid && ::kill(static_cast<pid_t>(rs.pid), 0) == 0) {
+  if (rs.connected && rs.pid != c.pid && internal::ProcessAlive({rs.pid, 0})) {
     ReplyError(c, "rank " + std::to_string(hello.rank) + " is already connected (pid " +
                       std::to_string(rs.pid) + ")");
     return Status::OK();
