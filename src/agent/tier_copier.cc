@@ -63,7 +63,14 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
     const uint64_t step = (*all)[i].step;
     if (pins != nullptr && pins->Pinned(tier, step)) continue;  // a lower tier copies it now
     if (tagged.contains(step)) continue;
-    if (store.DeleteStep(step).ok()) pruned.push_back(step);
+    if (Status s = store.DeleteStep(step); s.ok()) {
+      pruned.push_back(step);
+    } else {
+      // E.g. a removal whose directory sync failed: the step may come back after a power loss,
+      // whole (its COMMIT goes first); the next prune deletes it again.
+      spdlog::warn("retention of {} could not delete step {}: {}", store.storage().uri(), step,
+                   s.ToString());
+    }
     SP_KILL_POINT("agent.tier.mid_prune");  // before the next step's DeleteStep or the CleanUp
   }
   store.CleanUp().status().IgnoreError();
