@@ -174,7 +174,8 @@ void NodeAgent::Enqueue(PersistTask t) {
 bool NodeAgent::StepCommitted(uint64_t step) {
   if (committed_cache_.contains(step)) return true;
   if (!store_) return false;
-  if (store_->ReadCommit(step).ok()) {
+  // Made durable before it is believed (ConfirmCommit): a visible COMMIT may not be yet.
+  if (store_->ConfirmCommit(step).ok()) {
     committed_cache_.insert(step);
     newest_committed_ = std::max(newest_committed_.value_or(0), step);
     tiers_.Committed(step);
