@@ -10,6 +10,7 @@
 #include "base/kill_point.h"
 #include "checkpoint/chunk_gc.h"
 #include "checkpoint/versions.h"
+#include "storage/cancellable.h"
 
 namespace safepoint::agent {
 
@@ -160,6 +161,12 @@ void TierChain::Stop(double grace_seconds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   cancel_ = true;
+  // A copy in flight on a stalled tier would otherwise wait out its request's timeout times its
+  // attempts: its storage's requests end now (S3: the transfer and backoff are cut short).
+  for (auto& w : workers_) {
+    std::lock_guard<std::mutex> lock(w->mu);
+    if (w->store) internal::CancelStorageRequests(w->store->storage());
+  }
   for (auto& w : workers_) w->loop.RequestStop();
   for (auto& w : workers_) w->loop.Join();
 }
