@@ -717,6 +717,19 @@ int CmdGc(const Args& a) {
   for (const auto& [job, dir] : *jobs) {
     json j = {{"job", job}, {"job_dir", dir}};
     std::string line;
+    // Slot files whose creator died before naming them: nobody can take them, live job or not.
+    if (auto orphans = RemoveDeadSlotTemporaries(dir, a.dry_run); !orphans.ok()) {
+      spdlog::error("{}", orphans.status().ToString());
+      ++failures;
+    } else if (orphans->files > 0) {
+      j[a.dry_run ? "would_remove_slot_temporaries" : "removed_slot_temporaries"] = orphans->files;
+      j["slot_temporary_bytes"] = orphans->bytes;
+      if (!a.json) {
+        std::cout << (a.dry_run ? "would remove " : "removed ") << orphans->files
+                  << " slot file(s) of dead creators in " << dir << " ("
+                  << HumanBytes(orphans->bytes) << ")\n";
+      }
+    }
     uint32_t agent_pid = 0;
     if (AgentAlive(dir, &agent_pid)) {
       j["action"] = "keep";

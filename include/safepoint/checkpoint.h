@@ -160,6 +160,12 @@ class CheckpointStore {
   // not exist) and reported through `problems` when given.
   Result<std::vector<CommitRecord>> ListCommitted(std::vector<std::string>* problems = nullptr);
   Result<CommitRecord> ReadCommit(uint64_t step);
+  // The step's COMMIT record, made durable first: a record that can be read may not survive a
+  // power loss yet (its writer's directory sync failed, or the writer died before it). Publishes
+  // the same record again where none exists (PublishIfAbsent): finding the name taken makes it
+  // durable (POSIX: the directory is synced; an object store's PUT is durable once visible).
+  // NotFound when the step is not committed, IOError when its COMMIT cannot be made durable.
+  Result<CommitRecord> ConfirmCommit(uint64_t step);
 
   // Reads rank's image of a committed step with parallel reads and verifies every checksum and
   // that it is the image the commit record names.

@@ -44,6 +44,7 @@
 #include <cstring>
 
 #include "base/log.h"
+#include "base/process.h"
 #include "replica/peer_service.h"
 
 namespace safepoint::agent {
@@ -186,7 +187,8 @@ void NodeAgent::Enqueue(PersistTask t) {
 bool NodeAgent::StepCommitted(uint64_t step) {
   if (committed_cache_.contains(step)) return true;
   if (!store_) return false;
-  if (store_->ReadCommit(step).ok()) {
+  // Made durable before it is believed (ConfirmCommit): a visible COMMIT may not be yet.
+  if (store_->ConfirmCommit(step).ok()) {
     committed_cache_.insert(step);
     newest_committed_ = std::max(newest_committed_.value_or(0), step);
     tiers_.Committed(step);
@@ -619,7 +621,7 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
     return Status::OK();
   }
   RankState& rs = ranks_[hello.rank];
-  if (rs.connected && rs.pid != c.pid && ::kill(static_cast<pid_t>(rs.pid), 0) == 0) {
+  if (rs.connected && rs.pid != c.pid && internal::ProcessAlive({rs.pid, 0})) {
     ReplyError(c, "rank " + std::to_string(hello.rank) + " is already connected (pid " +
                       std::to_string(rs.pid) + ")");
     return Status::OK();

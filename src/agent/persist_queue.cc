@@ -168,8 +168,14 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
   // replacing it would leave the step uncommitted until every rank's new image is there, so a
   // crash in between (or a stale snapshot of the step, adopted after a restart) would lose a step
   // already reported committed. Found by the crash campaign (seed 858721433).
-  if (target_.store->ReadCommit(t.step).ok()) {
+  // A COMMIT that can be read is not yet proof: its writer's directory sync may have failed (or
+  // not run yet), and a power loss would take it back. It is made durable before the step is
+  // reported committed; when that fails the persist fails and nothing is reported.
+  if (auto commit = target_.store->ConfirmCommit(t.step); commit.ok()) {
     r.committed = true;
+    return r;
+  } else if (commit.status().code() == StatusCode::kIOError) {
+    r.status = commit.status();
     return r;
   }
   // With replicas left to other ranks the stored image is laid out anew.

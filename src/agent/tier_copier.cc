@@ -10,6 +10,7 @@
 #include "base/kill_point.h"
 #include "checkpoint/chunk_gc.h"
 #include "checkpoint/versions.h"
+#include "storage/cancellable.h"
 
 namespace safepoint::agent {
 
@@ -63,7 +64,14 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
     const uint64_t step = (*all)[i].step;
     if (pins != nullptr && pins->Pinned(tier, step)) continue;  // a lower tier copies it now
     if (tagged.contains(step)) continue;
-    if (store.DeleteStep(step).ok()) pruned.push_back(step);
+    if (Status s = store.DeleteStep(step); s.ok()) {
+      pruned.push_back(step);
+    } else {
+      // E.g. a removal whose directory sync failed: the step may come back after a power loss,
+      // whole (its COMMIT goes first); the next prune deletes it again.
+      spdlog::warn("retention of {} could not delete step {}: {}", store.storage().uri(), step,
+                   s.ToString());
+    }
     SP_KILL_POINT("agent.tier.mid_prune");  // before the next step's DeleteStep or the CleanUp
   }
   store.CleanUp().status().IgnoreError();
@@ -153,6 +161,12 @@ void TierChain::Stop(double grace_seconds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   cancel_ = true;
+  // A copy in flight on a stalled tier would otherwise wait out its request's timeout times its
+  // attempts: its storage's requests end now (S3: the transfer and backoff are cut short).
+  for (auto& w : workers_) {
+    std::lock_guard<std::mutex> lock(w->mu);
+    if (w->store) internal::CancelStorageRequests(w->store->storage());
+  }
   for (auto& w : workers_) w->loop.RequestStop();
   for (auto& w : workers_) w->loop.Join();
 }

@@ -77,11 +77,25 @@ ProcessId SelfProcessId() {
 
 bool ProcessAlive(const ProcessId& id) {
   if (id.pid == 0) return false;
-  if (id.start_ticks != 0) {
-    const auto ticks = ProcessStartTicks(id.pid);
-    return ticks && *ticks == id.start_ticks;
+  ProcessId judged = id;
+  if (judged.start_ticks == 0) {
+    // No start time recorded: judge whichever process has the pid now (EPERM: it exists).
+    if (::kill(static_cast<pid_t>(id.pid), 0) != 0 && errno != EPERM) return false;
+    judged.start_ticks = ProcessStartTicks(id.pid).value_or(0);
+    if (judged.start_ticks == 0) return true;  // it exists and /proc would not say more
   }
-  return ::kill(static_cast<pid_t>(id.pid), 0) == 0 || errno == EPERM;
+  // One rule for liveness: ProcessStateOf's (a zombie whose every thread has exited is dead).
+  switch (ProcessStateOf(judged)) {
+    case ProcessState::kAlive:
+      return true;
+    case ProcessState::kDead:
+      return false;
+    case ProcessState::kUnknown:
+      break;
+  }
+  // /proc would not say all (e.g. a zombie's task list unreadable): alive while the pid's start
+  // time still matches.
+  return ProcessStartTicks(id.pid) == judged.start_ticks;
 }
 
 ProcessState ProcessStateOf(const ProcessId& id) {

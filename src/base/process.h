@@ -31,8 +31,8 @@ ProcessId SelfProcessId();
 // True while the process `id` names still runs: the pid exists and, when start_ticks is known,
 // started at that time. A pid that exists but belongs to another user counts as alive when the
 // start time is unknown (kill(2) answers EPERM). A zombie (exited, not yet reaped by its parent)
-// counts as alive: its resources (shared memory it mapped, a slot it owns) are gone only once it
-// is reaped. ProcessStateOf says whether it can still act.
+// whose every thread has exited is dead, as for ProcessStateOf: it has already unmapped its
+// memory and released its locks, and acts no more; only its pid is held until it is reaped.
 bool ProcessAlive(const ProcessId& id);
 
 // What /proc can prove about the process `id` names, for records whose holder must be judged

@@ -61,14 +61,17 @@ TEST(ProcessTest, AReapedProcessIsDead) {
   EXPECT_FALSE(ProcessStartTicks(id.pid).has_value());
 }
 
-// A zombie still holds its pid (ProcessAlive: its resources go when it is reaped) but can act no
-// more (ProcessStateOf: dead once its every thread has exited).
+// A zombie still holds its pid but can act no more, and has unmapped its memory: dead once its
+// every thread has exited, for ProcessAlive (gc, slot writers, staging files) as for
+// ProcessStateOf (locks), with or without a recorded start time.
 TEST(ProcessTest, AZombieWhoseThreadsHaveExitedIsDeadButStillHoldsItsPid) {
   const pid_t child = Sleeper();
   const ProcessId id{static_cast<uint32_t>(child), ProcessStartTicks(child).value_or(0)};
   ASSERT_NE(id.start_ticks, 0u);
   KillLeavingZombie(child);
-  EXPECT_TRUE(ProcessAlive(id));
+  EXPECT_EQ(ProcessStartTicks(id.pid), id.start_ticks);  // the pid is still held
+  EXPECT_FALSE(ProcessAlive(id));
+  EXPECT_FALSE(ProcessAlive({id.pid, 0}));
   EXPECT_EQ(ProcessStateOf(id), ProcessState::kDead);
   Reap(child);
 }

@@ -555,6 +555,19 @@ Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
   return record;
 }
 
+Result<CommitRecord> CheckpointStore::ConfirmCommit(uint64_t step) {
+  SP_ASSIGN_OR_RETURN(CommitRecord record, ReadCommit(step));
+  const std::string name = CommitObjectName(step);
+  Status s = WriteSmallObject(*storage_, name, EncodeCommitRecord(record), /*exclusive=*/true);
+  if (s.code() == StatusCode::kAlreadyExists) return record;  // the name is durable now
+  if (s.ok()) {
+    // The step was deleted (retention) since the read: take the record back out.
+    SP_RETURN_IF_ERROR(storage_->Delete(name));
+    return NotFound(storage_->uri() + ": step " + std::to_string(step) + " is not committed");
+  }
+  return s.WithContext("making the COMMIT of step " + std::to_string(step) + " durable");
+}
+
 Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(
     std::vector<std::string>* problems) {
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));

@@ -340,6 +340,40 @@ TEST(CheckpointStoreTest, CommitAgainAfterAFailedDirectorySyncMakesTheStepDurabl
   }
 }
 
+// Deleting a step (retention) on storage whose directory sync fails or lies after a removal:
+// DeleteStep reports the failure, clean-up goes on, and after a power loss every other step is
+// whole and the deleted one is either gone or whole (its COMMIT is removed first).
+TEST(CheckpointStoreTest, DeleteWhoseDirectorySyncFailsLosesNoCommittedStep) {
+  for (const FaultKind kind : {FaultKind::kEIO, FaultKind::kUnsynced}) {
+    for (const uint64_t nth : {1, 2, 3}) {  // #1: the COMMIT, #2 and #3: the ranks' images
+      SCOPED_TRACE(std::string(FaultKindName(kind)) + " at removal #" + std::to_string(nth));
+      auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+      CheckpointStore store(faulty);
+      for (uint64_t step = 1; step <= 3; ++step) {
+        for (uint32_t rank = 0; rank < 2; ++rank) ASSERT_OK(Save(store, step, rank, 2));
+      }
+      faulty->Arm({FaultOp::kDeleteDirSync, nth, kind});
+      const Status deleted = store.DeleteStep(2);
+      faulty->Clear();
+      if (kind == FaultKind::kEIO) {
+        EXPECT_EQ(deleted.code(), StatusCode::kIOError) << deleted.ToString();
+        EXPECT_NE(deleted.message().find("step-"), std::string::npos) << deleted.ToString();
+      } else {
+        EXPECT_OK(deleted);
+      }
+      EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 3}));
+      ASSERT_OK(store.CleanUp());
+      ASSERT_OK(faulty->SimulatePowerLoss());
+      const std::vector<uint64_t> steps = Steps(store);
+      EXPECT_TRUE(steps == (std::vector<uint64_t>{1, 3}) ||
+                  steps == (std::vector<uint64_t>{1, 2, 3}));
+      for (const uint64_t step : steps) {
+        for (uint32_t rank = 0; rank < 2; ++rank) ExpectLoads(store, step, step, rank);
+      }
+    }
+  }
+}
+
 // Storage that lies: a data sync or a directory sync reports success and makes nothing
 // durable. A power loss then tears step 2's image or COMMIT, or takes the COMMIT back (an image
 // whose directory sync lied is saved by the COMMIT's sync of the same directory): a save that was

@@ -13,7 +13,9 @@
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
+#include <optional>
 
 #include "base/bytes.h"
 #include "base/parallel.h"
@@ -102,6 +104,29 @@ ProcessId ReadWriter(const SlotHeader* h) {
   return {};
 }
 
+// A slot file is created under "<final name>.tmp.<pid>-<start ticks>-<random>" and renamed into
+// place: the name says who creates it, so that gc can tell a creator that still runs (the job is
+// live) from one that died before the rename (the file is an orphan nobody else can take).
+std::string SlotTemporaryPath(const std::string& path, const ProcessId& creator) {
+  return path + ".tmp." + std::to_string(creator.pid) + "-" + std::to_string(creator.start_ticks) +
+         "-" + internal::RandomHex16();
+}
+
+// The creator a slot file's temporary name records, or nullopt for any other name (a temporary
+// of an older version, which named no creator, included: nothing proves its creator dead).
+std::optional<ProcessId> SlotTemporaryCreator(const char* name) {
+  unsigned rank, slot, pid;
+  unsigned long long ticks;
+  char random[17] = {};
+  int consumed = 0;
+  if (std::sscanf(name, "rank-%u.slot-%u.tmp.%u-%llu-%16[0-9a-f]%n", &rank, &slot, &pid, &ticks,
+                  random, &consumed) != 5 ||
+      name[consumed] != '\0' || std::strlen(random) != 16 || pid == 0) {
+    return std::nullopt;
+  }
+  return ProcessId{pid, ticks};
+}
+
 }  // namespace
 
 std::string_view SlotStateName(SlotState s) {
@@ -174,7 +199,7 @@ class SlotFile {
             "shm_dir / SAFEPOINT_SHM_DIR at a larger tmpfs or a local disk directory");
       }
     }
-    const std::string tmp = path + ".tmp." + internal::RandomHex16();
+    const std::string tmp = SlotTemporaryPath(path, writer);
     auto f = std::unique_ptr<SlotFile>(new SlotFile());
     f->path_ = path;
     f->fd_.Reset(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
@@ -373,16 +398,19 @@ Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir) {
     unsigned rank, slot;
   };
   std::vector<Named> slots;
+  std::vector<uint32_t> live;
   while (dirent* e = ::readdir(d.get())) {
     unsigned rank, slot;
     int consumed = 0;
     if (std::sscanf(e->d_name, "rank-%u.slot-%u%n", &rank, &slot, &consumed) == 2 &&
         e->d_name[consumed] == '\0') {
       slots.push_back({e->d_name, rank, slot});
+    } else if (const auto creator = SlotTemporaryCreator(e->d_name);
+               creator && ProcessAlive(*creator)) {
+      live.push_back(creator->pid);  // creating its first slot file: it will write into it
     }
   }
   d.Reset();
-  std::vector<uint32_t> live;
   for (const auto& [name, rank, slot] : slots) {
     auto file = SlotFile::Open(job_dir + "/" + name, rank, slot);
     if (!file.ok()) {
@@ -400,6 +428,31 @@ Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir) {
   std::sort(live.begin(), live.end());
   live.erase(std::unique(live.begin(), live.end()), live.end());
   return live;
+}
+
+Result<SlotTemporariesRemoved> RemoveDeadSlotTemporaries(const std::string& job_dir, bool dry_run) {
+  SP_RETURN_IF_ERROR(CheckPrivateDirectory(job_dir));
+  internal::UniqueDir d(::opendir(job_dir.c_str()));
+  if (!d) return ErrnoStatus("opendir", job_dir, errno);
+  std::vector<std::string> dead;
+  while (dirent* e = ::readdir(d.get())) {
+    const auto creator = SlotTemporaryCreator(e->d_name);
+    if (creator && !ProcessAlive(*creator)) dead.emplace_back(e->d_name);
+  }
+  d.Reset();
+  SlotTemporariesRemoved out;
+  for (const std::string& name : dead) {
+    const std::string path = job_dir + "/" + name;
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (!dry_run && ::unlink(path.c_str()) != 0) {
+      if (errno == ENOENT) continue;  // another gc was faster
+      return ErrnoStatus("unlink", path, errno);
+    }
+    ++out.files;
+    out.bytes += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  return out;
 }
 
 Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {

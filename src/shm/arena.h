@@ -69,11 +69,21 @@ Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
     const std::string& shm_dir);
 // Ranks that have slot files in a job directory, ascending.
 Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir);
-// Processes that wrote snapshot slots of the job and still run (pid and start time compared, so
-// a recycled pid does not count), ascending, each once. While one runs, the job is live even
-// without an agent: the process keeps its slots mapped, saves into them again and starts a new
-// agent at its next call.
+// Processes that wrote snapshot slots of the job, or are creating a slot file, and still run (pid
+// and start time compared, so a recycled pid does not count), ascending, each once. While one runs,
+// the job is live even without an agent: the process keeps its slots mapped, saves into them again
+// and starts a new agent at its next call.
 Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir);
+// Slot files whose creator died before renaming them into place (their temporary names record
+// the creator's pid and start time): removed, or with `dry_run` only counted. A temporary of a
+// creator that still runs, or of a name that records none, is kept. Safe beside live writers,
+// agents and other gcs.
+struct SlotTemporariesRemoved {
+  uint64_t files = 0;
+  uint64_t bytes = 0;  // allocated
+};
+Result<SlotTemporariesRemoved> RemoveDeadSlotTemporaries(const std::string& job_dir,
+                                                         bool dry_run = false);
 // Removes a job directory and everything safepoint put in it (slot files, the agent's socket,
 // lock, log and job.json); returns the bytes freed. Refuses a job with live slot writers and a
 // directory with files it does not know (InvalidArgument). The caller checks that no agent runs.

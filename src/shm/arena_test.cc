@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +13,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
 #include "base/unique_fd.h"
@@ -640,6 +643,98 @@ TEST_F(ArenaTest, LiveSlotWritersNamesRunningWritersOnly) {
   ASSERT_OK(freed);
   EXPECT_GT(*freed, 0u);
   EXPECT_FALSE(fs::exists(job_dir_));
+}
+
+// Forks a child that runs `body` and then tells the parent through a pipe, waiting until killed;
+// returns its pid once it has told.
+pid_t ChildThatWaitsAfter(const std::function<void(int ready_fd)>& body) {
+  int ready[2];
+  EXPECT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(ready[0]);
+    body(ready[1]);
+    const char c = 1;
+    (void)!::write(ready[1], &c, 1);
+    for (;;) ::pause();
+  }
+  ::close(ready[1]);
+  char c = 0;
+  EXPECT_EQ(::read(ready[0], &c, 1), 1);
+  ::close(ready[0]);
+  return child;
+}
+
+// Kills `child` and waits until it is a zombie (exited, not yet reaped).
+void KillLeavingZombie(pid_t child) {
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, child, &info, WEXITED | WNOWAIT), 0);
+}
+
+// A writer that was killed and not yet reaped (a zombie) has unmapped its slots and saves no
+// more: gc does not keep its job for it.
+TEST_F(ArenaTest, AZombieSlotWriterIsNotLive) {
+  const uint64_t size = Shard(1).size();
+  const pid_t child = ChildThatWaitsAfter([&](int) {
+    auto a = Arena::Open(job_dir_, 0);
+    if (!a.ok() || !(*a)->BeginWrite(size).ok()) ::_exit(3);
+  });
+  EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{static_cast<uint32_t>(child)});
+  KillLeavingZombie(child);
+  EXPECT_TRUE(LiveSlotWriters(job_dir_)->empty());
+  ASSERT_OK(RemoveJobDirectory(job_dir_));
+  EXPECT_EQ(::waitpid(child, nullptr, 0), child);
+}
+
+// A process killed while creating a slot file (created under a temporary name, not yet renamed
+// into place) leaves a file that no writer takes: gc removes it once its creator is dead (a
+// zombie too), and while the creator runs keeps it and counts the creator as a live writer.
+TEST_F(ArenaTest, GcRemovesASlotFileWhoseCreatorDiedBeforeNamingIt) {
+  static int ready_fd = -1;
+  // The child stops inside the slot file's creation: its fallocate goes past RLIMIT_FSIZE, and
+  // the SIGXFSZ handler tells the parent and waits there until the child is killed.
+  const pid_t child = ChildThatWaitsAfter([&](int fd) {
+    ready_fd = fd;
+    struct sigaction sa = {};
+    sa.sa_handler = [](int) {
+      const char c = 1;
+      (void)!::write(ready_fd, &c, 1);
+      for (;;) ::pause();
+    };
+    ::sigaction(SIGXFSZ, &sa, nullptr);
+    const rlimit limit{1 << 20, 1 << 20};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    auto a = Arena::Open(job_dir_, 0);
+    if (a.ok()) (void)(*a)->BeginWrite(Shard(1, 4 << 20).size());
+    ::_exit(3);  // the creation did not stop where it should
+  });
+  auto temporaries = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(job_dir_)) {
+      const std::string n = e.path().filename();
+      if (n.find(".tmp.") != std::string::npos) names.push_back(n);
+    }
+    return names;
+  };
+  ASSERT_EQ(temporaries().size(), 1u);
+  EXPECT_EQ(*LiveSlotWriters(job_dir_), std::vector<uint32_t>{static_cast<uint32_t>(child)});
+  auto kept = RemoveDeadSlotTemporaries(job_dir_);
+  ASSERT_OK(kept);
+  EXPECT_EQ(kept->files, 0u);
+  EXPECT_EQ(temporaries().size(), 1u);
+
+  KillLeavingZombie(child);
+  EXPECT_TRUE(LiveSlotWriters(job_dir_)->empty());
+  auto listed = RemoveDeadSlotTemporaries(job_dir_, /*dry_run=*/true);
+  ASSERT_OK(listed);
+  EXPECT_EQ(listed->files, 1u);
+  EXPECT_EQ(temporaries().size(), 1u);
+  auto removed = RemoveDeadSlotTemporaries(job_dir_);
+  ASSERT_OK(removed);
+  EXPECT_EQ(removed->files, 1u);
+  EXPECT_TRUE(temporaries().empty());
+  EXPECT_EQ(::waitpid(child, nullptr, 0), child);
 }
 
 // gc removes a job whose agent kept other nodes' replicas (src/replica: <job_dir>/replicas), and

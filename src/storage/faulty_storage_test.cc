@@ -109,6 +109,7 @@ Status RunUnit(FaultyStorage& fs, FaultOp op, int i) {
       return list->size() == 1 ? Status::OK() : Corruption(name + ": not listed");
     }
     case FaultOp::kDelete:
+    case FaultOp::kDeleteDirSync:
       return fs.Delete(name);
     case FaultOp::kCount_:
       break;
@@ -409,6 +410,44 @@ TEST_P(FaultyStorageTest, PowerLossRevertsNamesWhoseDirectorySyncFailed) {
   // Nothing else changes at a second power loss.
   ASSERT_OK(fs.SimulatePowerLoss());
   EXPECT_EQ(ReadWholeObject(fs, "a/replaced"), PatternBytes(300, 1));
+}
+
+// A delete whose directory sync fails removes the object from view and says so (an IOError
+// naming it, whatever the errno); one whose sync lies reports success. A power loss brings such
+// an object back, unless a later successful sync of its directory made the removal durable.
+// Deleting a missing object syncs nothing.
+TEST_P(FaultyStorageTest, PowerLossBringsBackDeletesWhoseDirectorySyncFailed) {
+  FaultyFixture fx(GetParam());
+  ASSERT_TRUE(fx.ok());
+  FaultyStorage& fs = fx.faulty();
+  ASSERT_OK(PutObject(fs, "a/failed", PatternBytes(100, 1)));
+  ASSERT_OK(PutObject(fs, "b/lied", PatternBytes(100, 2)));
+  ASSERT_OK(PutObject(fs, "c/synced_later", PatternBytes(100, 3)));
+  fs.Arm({.op = FaultOp::kDeleteDirSync, .kind = FaultKind::kENOSPC});
+  const Status failed = fs.Delete("a/failed");
+  EXPECT_EQ(failed.code(), StatusCode::kIOError) << failed.ToString();
+  EXPECT_NE(failed.message().find(fs.Describe("a") + ": deletedirsync"), std::string::npos)
+      << failed.ToString();
+  EXPECT_NE(failed.message().find(fs.Describe("a/failed")), std::string::npos) << failed.ToString();
+  EXPECT_EQ(fs.Open("a/failed").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(fs.undurable(), 1u);
+  fs.Arm({.op = FaultOp::kDeleteDirSync, .kind = FaultKind::kUnsynced});
+  ASSERT_OK(fs.Delete("b/lied"));
+  EXPECT_EQ(fs.Open("b/lied").status().code(), StatusCode::kNotFound);
+  fs.Arm({.op = FaultOp::kDeleteDirSync, .kind = FaultKind::kEIO, .sticky = true});
+  EXPECT_EQ(fs.Delete("c/synced_later").code(), StatusCode::kIOError);
+  ASSERT_OK(fs.Delete("c/missing"));
+  EXPECT_EQ(fs.count(FaultOp::kDeleteDirSync), 3u);
+  EXPECT_EQ(fs.undurable(), 3u);
+  fs.Clear();
+  ASSERT_OK(PutObject(fs, "c/other", PatternBytes(10, 4)));  // syncs c/
+  EXPECT_EQ(fs.undurable(), 2u);
+
+  ASSERT_OK(fs.SimulatePowerLoss());
+  EXPECT_EQ(ReadWholeObject(fs, "a/failed"), PatternBytes(100, 1));
+  EXPECT_EQ(ReadWholeObject(fs, "b/lied"), PatternBytes(100, 2));
+  EXPECT_EQ(fs.Open("c/synced_later").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(fs.undurable(), 0u);
 }
 
 // PublishIfAbsent passes the fault points of Publish: a failed sync or rename publishes nothing;

@@ -33,8 +33,9 @@
 namespace safepoint {
 
 std::string_view FaultOpName(FaultOp op) {
-  static constexpr std::string_view kNames[] = {"create", "write", "sync", "publish", "dirsync",
-                                                "open",   "read",  "list", "delete"};
+  static constexpr std::string_view kNames[] = {"create",  "write",        "sync", "publish",
+                                                "dirsync", "open",         "read", "list",
+                                                "delete",  "deletedirsync"};
   static_assert(std::size(kNames) == static_cast<size_t>(FaultOp::kCount_));
   const size_t i = static_cast<size_t>(op);
   return i < std::size(kNames) ? kNames[i] : "unknown";
@@ -130,7 +131,8 @@ struct FaultState {
     const bool applies =
         (spec.kind == FaultKind::kShortWrite && op == FaultOp::kWrite) ||
         (spec.kind == FaultKind::kBitFlip && (op == FaultOp::kRead || op == FaultOp::kWrite)) ||
-        (spec.kind == FaultKind::kUnsynced && (op == FaultOp::kSync || op == FaultOp::kDirSync)) ||
+        (spec.kind == FaultKind::kUnsynced &&
+         (op == FaultOp::kSync || op == FaultOp::kDirSync || op == FaultOp::kDeleteDirSync)) ||
         spec.kind == FaultKind::kEIO || spec.kind == FaultKind::kENOSPC;
     injection.kind = applies ? spec.kind : FaultKind::kEIO;
     const std::string what =
@@ -197,6 +199,21 @@ struct FaultState {
     std::lock_guard<std::mutex> lock(mu);
     DirectorySynced(DirectoryOf(name));
     undurable.erase(std::string(name));
+  }
+
+  // `name` was removed but its directory sync failed or lied: a power loss brings back what the
+  // name showed when it was last durable (`previous`, the object just removed, unless the name
+  // was not durable already).
+  void DeletedUndurably(std::string_view name, std::vector<std::byte> previous) {
+    std::lock_guard<std::mutex> lock(mu);
+    Undurable& u = undurable.try_emplace(std::string(name)).first->second;
+    if (!u.name_pending) {
+      u.name_pending = true;
+      u.directory = std::string(DirectoryOf(name));
+      u.previous = std::move(previous);
+      u.previous_tear = u.tear;
+    }
+    u.tear.reset();
   }
 };
 
@@ -511,10 +528,25 @@ Status FaultyStorage::Delete(std::string_view name) {
   SP_RETURN_IF_ERROR(ValidateObjectName(name));
   if (auto fault = state_->Check(FaultOp::kDelete, base_->Describe(name))) return fault->error;
   // Only the removal of an object syncs its directory (as POSIX storage does).
-  const bool existed = base_->Open(name).ok();
+  if (!base_->Open(name).ok()) return base_->Delete(name);
+  const std::optional<Injection> dir_sync =
+      state_->Check(FaultOp::kDeleteDirSync, base_->Describe(DirectoryOf(name)));
+  if (!dir_sync) {
+    SP_RETURN_IF_ERROR(base_->Delete(name));
+    state_->Deleted(name);
+    return Status::OK();
+  }
+  // The removal will not be durable: keep the object, for a power loss to bring back.
+  SP_ASSIGN_OR_RETURN(std::optional<std::vector<std::byte>> previous, ReadBase(*base_, name));
+  if (!previous) return Status::OK();  // removed meanwhile
   SP_RETURN_IF_ERROR(base_->Delete(name));
-  if (existed) state_->Deleted(name);
-  return Status::OK();
+  state_->DeletedUndurably(name, std::move(*previous));
+  if (dir_sync->kind == FaultKind::kUnsynced) return Status::OK();
+  // As the POSIX driver reports it: the object is gone from view, its removal may not be durable.
+  Status error = dir_sync->error;
+  if (error.code() != StatusCode::kIOError) error = IOError(error.message());
+  return error.WithContext("deleting " + base_->Describe(name) +
+                           " (removed, but it may come back after a power loss)");
 }
 
 Result<size_t> FaultyStorage::RemoveLeftovers(std::string_view prefix,

@@ -16,9 +16,10 @@
 // and SimulatePowerLoss() loses it:
 //   - writers not yet published lose their data; their WriteAt and Publish fail afterwards;
 //   - a name whose directory sync failed (kDirSync with EIO or ENOSPC: Publish fails after the
-//     object became visible) or lied (kDirSync with kUnsynced) reverts to what it named before,
-//     the previous object or nothing, unless a later successful directory sync of the same
-//     directory (another Publish or a Delete there) made it durable first;
+//     object became visible; kDeleteDirSync: Delete fails after the object was removed) or lied
+//     (kDirSync or kDeleteDirSync with kUnsynced) reverts to what it named before, the previous
+//     object or nothing, unless a later successful directory sync of the same directory
+//     (another Publish or a Delete there) made it durable first;
 //   - an object whose data sync lied (kSync with kUnsynced) is torn: from a seeded random offset
 //     on, its data is lost (cut off, or zeros in place), unless it was replaced or deleted.
 // Everything else that was published is durable, as the Storage contract promises.
@@ -47,7 +48,9 @@ enum class FaultOp : int {
   kOpen,        // Storage::Open
   kRead,        // ReadableObject::ReadAt
   kList,        // Storage::List
-  kDelete,      // Storage::Delete
+  kDelete,      // Storage::Delete: on failure nothing is removed
+  kDeleteDirSync,  // Delete: the directory sync after the removal; on failure the object is gone
+                   // from view but a power loss brings it back (POSIX storage reports it)
   kCount_,
 };
 std::string_view FaultOpName(FaultOp op);
@@ -58,7 +61,8 @@ enum class FaultKind : int {
   kShortWrite,  // kWrite: half of the data is written, then IOError (elsewhere: EIO)
   kDelay,       // a latency spike: the operation waits `delay`, then proceeds without error
   kBitFlip,     // kRead, kWrite: succeeds, with one bit of the data flipped (elsewhere: EIO)
-  kUnsynced,    // kSync, kDirSync: reports success, durable nothing (see power loss; else EIO)
+  kUnsynced,    // kSync, kDirSync, kDeleteDirSync: reports success, durable nothing (see power
+                // loss; else EIO)
 };
 std::string_view FaultKindName(FaultKind kind);
 

@@ -16,19 +16,31 @@ namespace safepoint::internal::rados {
 
 namespace {
 
-constexpr int kBackstopSlackS = 10;  // our own bound beyond librados's op timeout
+constexpr int kBackstopSlackS = 10;                    // our own bound beyond librados's op timeout
+constexpr std::chrono::milliseconds kCancelPoll{100};  // how often waits look at `cancelled`
+
+std::chrono::steady_clock::time_point Now() { return std::chrono::steady_clock::now(); }
 
 class AioBatch {
  public:
-  AioBatch(rados_t cluster, int timeout_s, int retries)
-      : cluster_(cluster), timeout_s_(timeout_s), retries_(retries) {}
+  AioBatch(rados_t cluster, int timeout_s, int retries, const std::atomic<bool>* cancelled)
+      : cluster_(cluster), timeout_s_(timeout_s), retries_(retries), cancelled_(cancelled) {}
 
   void Run(std::vector<AioOp>& ops, size_t window) {
     std::vector<size_t> pending(ops.size());
     for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
     for (int attempt = 0; !pending.empty(); ++attempt) {
       if (attempt > 0) {
-        std::this_thread::sleep_for(std::chrono::duration<double>(RetryBackoffSeconds(attempt)));
+        const auto until = Now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                       std::chrono::duration<double>(RetryBackoffSeconds(attempt)));
+        while (!Cancelled() && Now() < until) {
+          std::this_thread::sleep_for(
+              std::min<std::chrono::steady_clock::duration>(kCancelPoll, until - Now()));
+        }
+        if (Cancelled()) {
+          for (size_t i : pending) ops[i].rv = -ECANCELED;
+          return;
+        }
         // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
         // learns the new address only from a newer OSD map, which it does not always ask for on
         // its own (a lone OSD killed and restarted: every retry would go to the dead address).
@@ -44,6 +56,10 @@ class AioBatch {
   }
 
  private:
+  bool Cancelled() const {
+    return cancelled_ != nullptr && cancelled_->load(std::memory_order_acquire);
+  }
+
   struct Slot {
     AioBatch* batch;
     size_t index;
@@ -105,6 +121,10 @@ class AioBatch {
     while (next < pending.size() || inflight > 0) {
       while (next < pending.size() && inflight < window) {
         const size_t i = pending[next++];
+        if (Cancelled()) {
+          ops[i].rv = -ECANCELED;
+          continue;
+        }
         slots[i] = Slot{this, i};
         int rv = rados_aio_create_completion2(&slots[i], &AioBatch::OnComplete, &comps[i]);
         if (rv < 0) {
@@ -129,10 +149,14 @@ class AioBatch {
       std::vector<size_t> finished;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        const auto bound = std::chrono::seconds(timeout_s_ + kBackstopSlackS);
-        if (!cv_.wait_for(lock, bound, [&] { return !done_.empty(); })) {
-          // librados did not time the ops out itself: cancel what is in flight, then wait for
-          // the cancellations (each completes promptly with ECANCELED).
+        const auto bound = Now() + std::chrono::seconds(timeout_s_ + kBackstopSlackS);
+        while (done_.empty() && !Cancelled() && Now() < bound) {
+          cv_.wait_for(lock, kCancelPoll);
+        }
+        if (done_.empty()) {
+          // librados did not time the ops out itself, or the storage is cancelled: cancel what
+          // is in flight, then wait for the cancellations (each completes promptly with
+          // ECANCELED).
           lock.unlock();
           for (size_t j = 0; j < ops.size(); ++j) {
             if (comps[j] != nullptr && !rados_aio_is_complete(comps[j])) {
@@ -156,6 +180,7 @@ class AioBatch {
   const rados_t cluster_;
   const int timeout_s_;
   const int retries_;
+  const std::atomic<bool>* const cancelled_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<size_t> done_;
@@ -163,8 +188,9 @@ class AioBatch {
 
 }  // namespace
 
-void RunAio(rados_t cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window) {
-  AioBatch(cluster, timeout_s, retries).Run(ops, window);
+void RunAio(rados_t cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
+            const std::atomic<bool>* cancelled) {
+  AioBatch(cluster, timeout_s, retries, cancelled).Run(ops, window);
 }
 
 bool Transient(int rv) {

@@ -9,6 +9,7 @@
 
 #include <rados/librados.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -33,8 +34,10 @@ struct AioOp {
 
 // Runs `ops` on `cluster` with up to `window` in flight; transient failures are retried up to
 // `retries` times with backoff. Returns after every op finished; each op's rv holds its final
-// result.
-void RunAio(rados_t cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window);
+// result. Once `*cancelled` is true (checked at least every 100 ms while waiting), the ops in
+// flight are cancelled and the others neither started nor retried: they end with -ECANCELED.
+void RunAio(rados_t cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
+            const std::atomic<bool>* cancelled = nullptr);
 
 // Whether a librados result is worth retrying (a timeout, a lost connection, a busy OSD).
 bool Transient(int rv);

@@ -88,6 +88,7 @@
 #include "base/crc32c.h"
 #include "base/random.h"
 #include "safepoint/storage.h"
+#include "storage/cancellable.h"
 #include "storage/rados/rados_aio.h"
 #include "storage/rados/rados_cluster.h"
 #include "storage/uri_options.h"
@@ -202,7 +203,7 @@ struct Pool {
   }
 };
 
-class RadosStorage final : public Storage {
+class RadosStorage final : public Storage, public internal::CancellableStorage {
  public:
   RadosStorage(std::string uri, std::shared_ptr<Pool> pool, std::string prefix,
                RadosOptions options)
@@ -239,8 +240,11 @@ class RadosStorage final : public Storage {
   std::string HeadOid(std::string_view name) const { return prefix_ + std::string(name); }
   void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
     RunAio(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries,
-           ops, window);
+           ops, window, &cancelled_);
   }
+  // The ops in flight end with ECANCELED, later ones are not sent (the cluster is shared with
+  // other RadosStorage objects and stays connected).
+  void CancelRequests() override { cancelled_.store(true, std::memory_order_release); }
   Status Check(const std::string& what, const AioOp& op) const {
     return OpStatus(what, op, pool_->name, options_.timeout_s);
   }
@@ -265,6 +269,7 @@ class RadosStorage final : public Storage {
   const std::shared_ptr<Pool> pool_;
   const std::string prefix_;  // "" or ends with '/'
   const RadosOptions options_;
+  std::atomic<bool> cancelled_{false};
 };
 
 std::vector<Result<Head>> RadosStorage::ReadHeads(const std::vector<std::string>& names,

@@ -420,9 +420,15 @@ struct Attempt {
   const S3Request* request;
   S3Response* response;
   CURL* curl;
+  const std::atomic<bool>* cancelled;
   size_t sent = 0;
   bool overflow = false;  // more body than receive_into holds
 };
+
+// libcurl calls it at least once a second while a transfer waits: non-zero aborts it.
+int Progress(void* userdata, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  return static_cast<Attempt*>(userdata)->cancelled->load(std::memory_order_acquire) ? 1 : 0;
+}
 
 size_t ReadBody(char* buffer, size_t size, size_t nitems, void* userdata) {
   auto* a = static_cast<Attempt*>(userdata);
@@ -475,7 +481,7 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
   CURL* curl = static_cast<CURL*>(handle);
   curl_easy_reset(curl);
   S3Response resp;
-  Attempt a{&req, &resp, curl};
+  Attempt a{&req, &resp, curl, &cancelled_};
 
   // Canonical query: sorted by encoded key, then value.
   std::vector<std::pair<std::string, std::string>> q;
@@ -531,6 +537,9 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
   curl_easy_setopt(curl, CURLOPT_WRITEDATA, &a);
   curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, HeaderLine);
   curl_easy_setopt(curl, CURLOPT_HEADERDATA, &a);
+  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, Progress);
+  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &a);
   if (req.method == "HEAD") {
     curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
   } else if (req.method == "PUT") {
@@ -557,6 +566,10 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
     return IOError("the server sent more than the " + std::to_string(req.receive_into.size()) +
                    " bytes asked for");
   }
+  if (rc == CURLE_ABORTED_BY_CALLBACK) {
+    *transport_error = "cancelled";
+    return Cancelled("request cancelled");
+  }
   if (rc != CURLE_OK) {
     *transport_error = curl_easy_strerror(rc);
     if (rc == CURLE_OPERATION_TIMEDOUT) {
@@ -568,6 +581,14 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
   return resp;
 }
 
+void S3Client::Cancel() {
+  {
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    cancelled_.store(true, std::memory_order_release);
+  }
+  cancel_cv_.notify_all();
+}
+
 Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view what) {
   const bool conditional =
       std::any_of(request.headers.begin(), request.headers.end(),
@@ -576,8 +597,14 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
   int made = 0;
   for (int attempt = 0; attempt <= config_.retries; ++attempt) {
     if (attempt > 0) {
-      std::this_thread::sleep_for(
-          std::chrono::duration<double>(internal::RetryBackoffSeconds(attempt)));
+      std::unique_lock<std::mutex> lock(cancel_mu_);
+      cancel_cv_.wait_for(lock,
+                          std::chrono::duration<double>(internal::RetryBackoffSeconds(attempt)),
+                          [this] { return cancelled(); });
+    }
+    if (cancelled()) {
+      return Cancelled(std::string(what) + " cancelled (the storage is being shut down)" +
+                       (made > 0 ? " after " + std::to_string(made) + " attempt(s)" : ""));
     }
     ++made;
     void* curl = TakeHandle();
@@ -593,7 +620,7 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
     if (!r.ok()) {
       last = r.status();
       if (transport_error.empty()) break;  // not transient (e.g. an overlong body)
-      continue;
+      continue;                            // cancelled: ends at the check above
     }
     if (Retryable(*r, conditional) && attempt < config_.retries) {
       last = Unavailable("HTTP " + std::to_string(r->http_status) + " " + r->ErrorCode());

@@ -25,6 +25,8 @@
 // Thread safety: S3Client::Execute may be called from many threads at once.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -91,6 +93,11 @@ class S3Client {
   // timeout, stall) after the retries.
   Result<S3Response> Execute(const S3Request& request, std::string_view what);
 
+  // Ends every request in flight promptly (Cancelled: libcurl's transfer is aborted from its
+  // progress callback, a retry backoff is cut short) and fails every later one at once. Final.
+  void Cancel();
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
   // The request's URL (for tests and messages).
   std::string Url(std::string_view key, std::string_view query) const;
 
@@ -106,6 +113,9 @@ class S3Client {
   std::string path_prefix_;  // "/bucket" (path style) or ""
   std::mutex mu_;
   std::vector<void*> idle_handles_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex cancel_mu_;  // with cancel_cv_: wakes backoffs at Cancel
+  std::condition_variable cancel_cv_;
 };
 
 // SigV4 pieces (exposed for the unit test against AWS's published example).

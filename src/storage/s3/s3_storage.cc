@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "storage/cancellable.h"
 #include "storage/s3/s3_client.h"
 #include "storage/uri_options.h"
 
@@ -691,9 +692,12 @@ class S3ReadableObject final : public ReadableObject {
 
 // ---- the storage --------------------------------------------------------------------------------
 
-class S3Storage final : public Storage {
+class S3Storage final : public Storage, public internal::CancellableStorage {
  public:
   explicit S3Storage(std::shared_ptr<S3Context> ctx) : ctx_(std::move(ctx)) {}
+
+  // Objects made by this storage share its client: their requests end too.
+  void CancelRequests() override { ctx_->client->Cancel(); }
 
   const std::string& uri() const override { return ctx_->uri; }
 

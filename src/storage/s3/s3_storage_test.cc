@@ -27,6 +27,7 @@
 #include "safepoint/checkpoint.h"
 #include "safepoint/extras.h"
 #include "safepoint/storage.h"
+#include "storage/cancellable.h"
 #include "storage/s3/s3_client.h"
 #include "testing/test_util.h"
 
@@ -288,7 +289,8 @@ TEST(S3UriTest, ConnectionRefusedIsUnavailableAfterTheRetries) {
 
 // A loopback HTTP server that answers the i-th connection with responses[i] and closes it: for
 // the client's retry policy, which a real gateway cannot be made to exercise on demand (the S3
-// semantics themselves are tested against radosgw below). Requests must have no body.
+// semantics themselves are tested against radosgw below). Requests must have no body. An empty
+// response stalls: the connection is held open, unanswered, until the server is destroyed.
 class CannedHttpServer {
  public:
   explicit CannedHttpServer(std::vector<std::string> responses) : responses_(std::move(responses)) {
@@ -305,6 +307,7 @@ class CannedHttpServer {
     thread_ = std::thread([this] { Serve(); });
   }
   ~CannedHttpServer() {
+    stop_ = true;              // ends a stall
     shutdown(fd_, SHUT_RDWR);  // wakes accept()
     if (thread_.joinable()) thread_.join();
     close(fd_);
@@ -328,6 +331,9 @@ class CannedHttpServer {
         request.append(buf, static_cast<size_t>(n));
       }
       ++requests_;
+      while (response.empty() && !stop_) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
       for (size_t sent = 0; sent < response.size();) {
         const ssize_t n = write(c, response.data() + sent, response.size() - sent);
         if (n <= 0) break;
@@ -341,6 +347,7 @@ class CannedHttpServer {
   int fd_ = -1;
   int port_ = 0;
   std::atomic<int> requests_{0};
+  std::atomic<bool> stop_{false};
   std::thread thread_;
 };
 
@@ -357,6 +364,26 @@ void OpenOnServer(const CannedHttpServer& server, ScopedEnv& env, const std::str
   auto s = OpenStorage(uri);
   ASSERT_OK(s);
   *storage = std::move(*s);
+}
+
+// A request to a gateway that stalls ends as soon as its storage's requests are cancelled (the
+// agent's tier shutdown after its grace period), without waiting out its timeout or retrying;
+// later requests fail at once without being sent.
+TEST(S3ClientTest, CancellingEndsAStalledRequestAtOnceAndFailsLaterOnes) {
+  CannedHttpServer server({""});
+  ScopedEnv env;
+  std::unique_ptr<Storage> s;
+  ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=4&timeout=600", &s));
+  Status stalled;
+  std::thread request([&] { stalled = s->Open("obj").status(); });
+  while (server.requests() < 1) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  internal::CancelStorageRequests(*s);
+  request.join();
+  EXPECT_TRUE(IsError(stalled, StatusCode::kCancelled, {"s3://bucket/p/obj", "cancelled"}))
+      << stalled.ToString();
+  EXPECT_EQ(server.requests(), 1);
+  EXPECT_EQ(s->Open("obj").status().code(), StatusCode::kCancelled);
+  EXPECT_EQ(server.requests(), 1);
 }
 
 TEST(S3ClientTest, ServerErrorsAndThrottlingAreRetriedUntilAnAnswerComes) {
