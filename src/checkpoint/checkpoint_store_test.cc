@@ -236,8 +236,8 @@ TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
   } else {
     // The fault hit clean-up work after the commit (it loses nothing and does not fail the
     // save): the save's promise still holds, step 4 is committed and reads back exactly.
-    EXPECT_TRUE(c.op == FaultOp::kDelete || c.op == FaultOp::kList || c.op == FaultOp::kOpen ||
-                c.op == FaultOp::kRead)
+    EXPECT_TRUE(c.op == FaultOp::kDelete || c.op == FaultOp::kDeleteDirSync ||
+                c.op == FaultOp::kList || c.op == FaultOp::kOpen || c.op == FaultOp::kRead)
         << FaultOpName(c.op);
     ExpectLoads(store, std::nullopt, 4);
   }
