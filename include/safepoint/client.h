@@ -245,6 +245,7 @@ class SnapshotClient {
   Lineage lineage_;
   std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
   std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it
+  ParsedIndex restore_index_;           // the index of the last load in place (ImageReader::Parse)
   std::unique_ptr<protocol::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
 };
 
