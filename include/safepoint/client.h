@@ -247,6 +247,7 @@ class SnapshotClient {
   Lineage lineage_;
   std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
   std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it
+  ParsedIndex restore_index_;           // the index of the last load in place (ImageReader::Parse)
   std::unique_ptr<protocol::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
   // Restarts the agent when it dies, from a thread of its own, while this client is open and
   // may start one (issue 22): a rank that waits in a collective (or anywhere outside this

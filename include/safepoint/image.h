@@ -237,22 +237,38 @@ struct ImageCopy {
 Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
                         std::string_view source, size_t threads);
 
+// The parsed index of an earlier image, kept by a caller that parses images of one structure
+// again and again (hot restores from the snapshot slots): an image whose index section and the
+// layout fields it is checked against are byte-for-byte those of the last parse reuses its
+// entries instead of parsing and allocating them anew (issue 21: at 100,000 tensors the parse
+// was most of a restore's time beside the copy). Snapshots saved with a reused plan have equal
+// index sections. Not thread-safe; one per caller.
+struct ParsedIndex {
+  std::string bytes;  // the index section the entries were parsed from
+  uint64_t data_offset = 0, data_size = 0, tensor_count = 0;
+  bool has_elsewhere = false;
+  std::shared_ptr<const std::vector<TensorEntry>> entries;
+};
+
 class ImageReader {
  public:
   enum class Verify { kAll, kStructure };
   // Parses a complete image held in memory (the bytes must outlive the reader). kAll verifies
   // every chunk CRC (using `threads`); kStructure only the header, index, extras and checksum
-  // section (for callers that verified the chunks while reading them).
+  // section (for callers that verified the chunks while reading them). `cache`: the index of
+  // the caller's last parse (ParsedIndex), reused when equal and replaced otherwise; the index
+  // checksum is verified either way.
   static Result<ImageReader> Parse(std::span<const std::byte> image, std::string_view source,
-                                   Verify verify = Verify::kAll, size_t threads = 1);
+                                   Verify verify = Verify::kAll, size_t threads = 1,
+                                   ParsedIndex* cache = nullptr);
 
   const ImageMeta& meta() const { return meta_; }
   const ImageLayout& layout() const { return layout_; }
-  const std::vector<TensorEntry>& tensors() const { return tensors_; }
+  const std::vector<TensorEntry>& tensors() const { return *tensors_; }
   // Empty for a tensor held elsewhere (TensorSpec::elsewhere).
   std::span<const std::byte> tensor_data(size_t i) const {
-    if (tensors_[i].spec.elsewhere) return {};
-    return image_.subspan(tensors_[i].offset, tensors_[i].nbytes);
+    if (tensors()[i].spec.elsewhere) return {};
+    return image_.subspan(tensors()[i].offset, tensors()[i].nbytes);
   }
   std::span<const std::byte> extras() const {
     return image_.subspan(layout_.extras_offset, layout_.extras_size);
@@ -262,7 +278,9 @@ class ImageReader {
   std::span<const std::byte> image_;
   ImageMeta meta_;
   ImageLayout layout_;
-  std::vector<TensorEntry> tensors_;
+  // Shared with a ParsedIndex when it came from one (never written after the parse).
+  std::shared_ptr<const std::vector<TensorEntry>> tensors_ =
+      std::make_shared<const std::vector<TensorEntry>>();
 };
 
 // Parses and validates the index section (bounds, overlaps, sizes, names).

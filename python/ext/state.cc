@@ -274,6 +274,7 @@ class Flattener {
   // torch.distributed.tensor.DTensor if that module is loaded (a DTensor cannot exist before
   // it is; importing it here would cost seconds), else an invalid handle. Looked up for tensor
   // subclasses only (nn.Parameter, DTensor, ...).
+ public:
   static nb::handle DTensorType() {
     static nb::object* type = nullptr;
     if (type != nullptr) return *type;
@@ -289,6 +290,7 @@ class Flattener {
     return *type;
   }
 
+ private:
   // A DTensor: its local shard, with the box it covers in the global tensor
   // (safepoint._shards.dtensor_box computes it from the mesh and placements).
   Value ShardOf(nb::handle obj) {
@@ -577,7 +579,12 @@ class PlanWalker {
     PyTypeObject* type = Py_TYPE(o);
     if (type != reinterpret_cast<PyTypeObject*>(t.tensor_type.ptr()) &&
         type != reinterpret_cast<PyTypeObject*>(t.parameter_type.ptr())) {
-      return false;  // DTensor and other subclasses: Flattener
+      nb::handle dtensor = Flattener::DTensorType();
+      if (dtensor.is_valid() &&
+          PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(dtensor.ptr()))) {
+        return DTensor(o);
+      }
+      return false;  // other subclasses: Flattener
     }
     const size_t seen = Seen(o, out_->data.size());
     if (seen != SIZE_MAX) {
@@ -613,6 +620,100 @@ class PlanWalker {
     if (PyList_Append(out_->keepalive.ptr(), src.ptr()) != 0 || PyErr_Occurred()) return false;
     Publish();
     return true;
+  }
+
+  // A DTensor (issue 21): its local shard as a tensor of its own, after what fixes the box that
+  // shard covers in the global tensor (safepoint._shards.dtensor_box): the global shape, the
+  // placements (each one's type and hash: Shard's dim, _StridedShard's split too) and the mesh
+  // (its shape and this rank's coordinate in it). Equal signatures therefore give equal
+  // specs, global box included, without calling dtensor_box again. The shard is the DTensor's
+  // own local tensor (what to_local() returns outside autograd, as dtensor_box takes it).
+  bool DTensor(PyObject* o) {
+    const size_t seen = Seen(o, out_->data.size());
+    if (seen != SIZE_MAX) {
+      Put('R');
+      PutRaw<uint64_t>(seen);
+      return true;
+    }
+    DTensorNames& n = Names();
+    nb::object spec = nb::steal(PyObject_GetAttr(o, n.spec.ptr()));
+    if (!spec.is_valid()) return false;
+    nb::object mesh = nb::steal(PyObject_GetAttr(spec.ptr(), n.mesh.ptr()));
+    nb::object placements = nb::steal(PyObject_GetAttr(spec.ptr(), n.placements.ptr()));
+    nb::object shape = nb::steal(PyObject_GetAttr(o, T().s_shape.ptr()));
+    nb::object local = nb::steal(PyObject_GetAttr(o, n.local_tensor.ptr()));
+    if (!mesh.is_valid() || !placements.is_valid() || !local.is_valid() ||
+        !PyTuple_Check(placements.ptr())) {
+      return false;
+    }
+    Put('Q');
+    if (!Dims(shape.ptr()) || !Mesh(mesh.ptr())) return false;
+    const Py_ssize_t np = PyTuple_GET_SIZE(placements.ptr());
+    PutRaw<uint8_t>(static_cast<uint8_t>(np));
+    for (Py_ssize_t i = 0; i < np; ++i) {
+      PyObject* p = PyTuple_GET_ITEM(placements.ptr(), i);
+      // Partial holds unreduced values: Flattener refuses it with the reason.
+      if (!n.partial.is_valid() ||
+          PyObject_TypeCheck(p, reinterpret_cast<PyTypeObject*>(n.partial.ptr()))) {
+        return false;
+      }
+      const Py_hash_t h = PyObject_Hash(p);
+      if (h == -1) return false;
+      PutRaw<uintptr_t>(reinterpret_cast<uintptr_t>(Py_TYPE(p)));
+      PutRaw<int64_t>(static_cast<int64_t>(h));
+    }
+    const size_t before = out_->data.size();
+    // The shard must be a tensor of its own here (as in Flattener, where it is added anew).
+    return Tensor(local.ptr()) && out_->data.size() == before + 1;
+  }
+
+  // A DeviceMesh: its shape and this rank's coordinate (none: -1), read once per mesh object a
+  // walk meets in a row (the state keeps it alive meanwhile).
+  bool Mesh(PyObject* mesh) {
+    if (mesh != last_mesh_) {
+      DTensorNames& n = Names();
+      nb::object shape = nb::steal(PyObject_GetAttr(mesh, n.shape.ptr()));
+      nb::object coord = nb::steal(Call(mesh, n.get_coordinate.ptr()));
+      if (!shape.is_valid() || !coord.is_valid() || !PyTuple_Check(shape.ptr())) return false;
+      std::string enc;
+      for (nb::handle d : nb::borrow<nb::tuple>(shape)) {
+        const int64_t v = PyLong_AsLongLong(d.ptr());
+        enc.append(reinterpret_cast<const char*>(&v), sizeof(v));
+      }
+      enc.push_back('@');
+      if (!coord.is_none()) {
+        for (nb::handle d : coord) {
+          const int64_t v = PyLong_AsLongLong(d.ptr());
+          enc.append(reinterpret_cast<const char*>(&v), sizeof(v));
+        }
+      }
+      if (PyErr_Occurred()) return false;
+      last_mesh_ = mesh;
+      last_mesh_enc_ = std::move(enc);
+    }
+    PutText('G', last_mesh_enc_.data(), static_cast<Py_ssize_t>(last_mesh_enc_.size()));
+    return true;
+  }
+
+  // Names and types the DTensor walk reads (torch.distributed.tensor is loaded by then).
+  struct DTensorNames {
+    nb::str spec{"_spec"}, mesh{"mesh"}, placements{"placements"}, local_tensor{"_local_tensor"},
+        shape{"shape"}, get_coordinate{"get_coordinate"};
+    nb::object partial;
+  };
+  static DTensorNames& Names() {
+    static DTensorNames* n = [] {
+      auto* x = new DTensorNames();  // never destroyed, as Types
+      PyObject* mod = PyImport_ImportModule("torch.distributed.tensor");
+      if (mod != nullptr) {
+        PyObject* p = PyObject_GetAttrString(mod, "Partial");
+        if (p != nullptr) x->partial = nb::steal(p);
+        Py_DECREF(mod);
+      }
+      if (PyErr_Occurred()) PyErr_Clear();
+      return x;
+    }();
+    return *n;
   }
 
   // The image dtype of torch.dtype `dt` (a process-lifetime singleton: Types keeps a reference).
@@ -791,6 +892,8 @@ class PlanWalker {
   size_t count_ = 0;
   PyObject* last_dtype_ = nullptr;
   DType last_code_{};
+  PyObject* last_mesh_ = nullptr;
+  std::string last_mesh_enc_;
 };
 
 class Rebuilder {

@@ -115,7 +115,8 @@ def dtensor_box(t: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]
     if any(isinstance(p, Partial) for p in t.placements):
         raise InvalidArgumentError("a DTensor with Partial placement holds unreduced values; "
                                    "redistribute it to Shard/Replicate before saving")
-    local = t.to_local()
+    with torch.no_grad():  # the DTensor's own local tensor (as the C++ plan walk reads it)
+        local = t.to_local()
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local.shape) != tuple(shape):
         raise InvalidArgumentError(f"local shard shape {tuple(local.shape)} does not match the "

@@ -79,6 +79,13 @@ def _cpu_uint8(t: Any) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.uint8).contiguous().clone()
 
 
+def filled_in_place(current: Any, loaded: Any) -> bool:
+    """Whether a restore from memory already copied `loaded` into `current` (the load filled
+    the target itself): `loaded` is `current`, or `current` is a DTensor and `loaded` its own
+    local shard."""
+    return loaded is current or getattr(current, "_local_tensor", None) is loaded
+
+
 def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False) -> Any:
     """Loads ``loaded`` into ``state`` in place; returns the restored state (the same object
     where it could be updated in place). ``borrowed``: ``loaded`` lives in memory that will be
@@ -93,7 +100,7 @@ def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False
         if not isinstance(loaded, torch.Tensor):
             raise InvalidArgumentError(f"{where}: the checkpoint holds a {type(loaded).__name__} "
                                        "where the state has a tensor")
-        if loaded is not state:
+        if not filled_in_place(state, loaded):
             copy_tensor(state, loaded, where)
         return state
     if isinstance(state, MutableMapping) and isinstance(loaded, Mapping):
@@ -103,7 +110,8 @@ def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False
             if k not in loaded:
                 raise InvalidArgumentError(f"{where}: key {k!r} is not in the checkpoint")
             current = state[k]
-            if loaded[k] is current and isinstance(current, torch.Tensor):
+            got = loaded[k]
+            if isinstance(current, torch.Tensor) and filled_in_place(current, got):
                 continue  # filled in place by the load (a restore from memory): nothing to do
             state[k] = restore_into(state[k], loaded[k], f"{path}.{k}" if path else str(k),
                                     borrowed)
@@ -138,7 +146,7 @@ def _overlay(current: Any, loaded: Any, where: str, borrowed: bool = False) -> A
     `loaded` has (optimizer state before the first step, say) are taken as loaded."""
     if isinstance(loaded, torch.Tensor):
         if isinstance(current, torch.Tensor):
-            if current is not loaded:
+            if not filled_in_place(current, loaded):
                 copy_tensor(current, loaded, where)
             return current
         return loaded.clone() if borrowed else loaded

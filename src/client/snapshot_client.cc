@@ -774,7 +774,7 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
                         ImageReader::Parse(src, source,
                                            fills.empty() ? ImageReader::Verify::kAll
                                                          : ImageReader::Verify::kStructure,
-                                           internal::DefaultCpuThreads()));
+                                           internal::DefaultCpuThreads(), &restore_index_));
     SP_RETURN_IF_ERROR(CheckSnapshotIdentity(reader, *newest, source));
     if (!fills.empty()) {
       // Restore in place: verify every chunk and copy the targets' tensors out in one pass.

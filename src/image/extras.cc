@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "base/bytes.h"
+#include "image/name_set.h"
 
 namespace safepoint {
 
@@ -188,23 +189,25 @@ class Decoder {
         if (n > (d_.size() - pos_) / 2) return Bad("dict count exceeds the data");
         Dict d;
         d.items.reserve(n);
-        std::unordered_set<std::string> str_keys;
+        // String keys are checked as views of the keys in d.items (reserved: they stay put).
+        internal::NameSet str_keys(n);
+        std::unordered_set<std::string> big_keys;
         std::unordered_set<int64_t> int_keys;
         for (uint32_t i = 0; i < n; ++i) {
           SP_ASSIGN_OR_RETURN(Value k, Decode(depth + 1));
+          SP_ASSIGN_OR_RETURN(Value v, Decode(depth + 1));
+          const Value& key = d.items.emplace_back(std::move(k), std::move(v)).first;
           bool fresh;
-          if (auto* s = std::get_if<std::string>(&k.v)) {
-            fresh = str_keys.insert(*s).second;
-          } else if (auto* x = std::get_if<int64_t>(&k.v)) {
+          if (auto* s = std::get_if<std::string>(&key.v)) {
+            fresh = str_keys.Insert(*s);
+          } else if (auto* x = std::get_if<int64_t>(&key.v)) {
             fresh = int_keys.insert(*x).second;
-          } else if (auto* b = std::get_if<BigInt>(&k.v)) {
-            fresh = str_keys.insert("\x01" + b->bytes).second;  // cannot collide: not UTF-8 keys
+          } else if (auto* b = std::get_if<BigInt>(&key.v)) {
+            fresh = big_keys.insert(b->bytes).second;
           } else {
             return Bad("dict key is not str or int");
           }
           if (!fresh) return Bad("duplicate dict key");
-          SP_ASSIGN_OR_RETURN(Value v, Decode(depth + 1));
-          d.items.emplace_back(std::move(k), std::move(v));
         }
         return Value(std::move(d));
       }

@@ -11,6 +11,7 @@
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "image/name_set.h"
 
 namespace safepoint {
 
@@ -205,8 +206,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
   l.tensor_count = tensors.size();
 
   // Index entries; validation of every tensor.
-  std::unordered_set<std::string_view> names;
-  names.reserve(tensors.size());
+  internal::NameSet names(tensors.size());
   std::string index;
   uint64_t data_cursor = 0;  // relative to data_offset, fixed up below
   std::vector<uint64_t> rel_offsets;
@@ -220,7 +220,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
       return fail("name must be 1.." + std::to_string(kMaxNameLength) + " bytes");
     }
     if (!internal::IsValidUtf8(s.name)) return fail("name is not valid UTF-8");
-    if (!names.insert(s.name).second) return fail("duplicate tensor name");
+    if (!names.Insert(s.name)) return fail("duplicate tensor name");
     const size_t esize = DTypeSize(s.dtype);
     if (esize == 0) return fail("unknown dtype");
     if (s.shape.size() > kMaxNdim) return fail("more than 32 dimensions");
@@ -559,8 +559,7 @@ Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index, co
   }
   std::vector<TensorEntry> out;
   out.reserve(l.tensor_count);
-  std::unordered_set<std::string_view> names;
-  names.reserve(l.tensor_count);
+  internal::NameSet names(l.tensor_count);
   uint64_t pos = 0;
   uint64_t prev_end = l.data_offset;
   const uint64_t data_end = l.data_offset + l.data_size;
@@ -617,7 +616,7 @@ Result<std::vector<TensorEntry>> ParseIndex(std::span<const std::byte> index, co
     }
     std::string_view name(reinterpret_cast<const char*>(q), name_len);
     if (!internal::IsValidUtf8(name)) return bad("name is not valid UTF-8");
-    if (!names.insert(name).second) return bad("duplicate name '" + std::string(name) + "'");
+    if (!names.Insert(name)) return bad("duplicate name '" + std::string(name) + "'");
     e.spec.name.assign(name);
     e.spec.elsewhere = flags & 2;
     if (e.spec.elsewhere) {  // no bytes here
@@ -728,7 +727,7 @@ Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageC
 }
 
 Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::string_view source,
-                                       Verify verify, size_t threads) {
+                                       Verify verify, size_t threads, ParsedIndex* cache) {
   SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(image, source));
   ImageReader r;
   r.meta_ = std::move(hdr.first);
@@ -749,8 +748,29 @@ Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::st
     });
     for (auto& s : errors) SP_RETURN_IF_ERROR(s);
   }
-  SP_ASSIGN_OR_RETURN(r.tensors_,
-                      ParseIndex(image.subspan(l.index_offset, l.index_size), l, source));
+  const auto index = image.subspan(l.index_offset, l.index_size);
+  const std::string_view index_bytes(reinterpret_cast<const char*>(index.data()), index.size());
+  if (cache != nullptr && cache->entries != nullptr && cache->bytes == index_bytes &&
+      cache->data_offset == l.data_offset && cache->data_size == l.data_size &&
+      cache->tensor_count == l.tensor_count && cache->has_elsewhere == l.has_elsewhere) {
+    // The entries ParseIndex made of these very bytes against these layout fields; what it
+    // checks besides is the index checksum in the header.
+    if (Crc32c(0, index.data(), index.size()) != l.index_crc) {
+      return Bad(source, "index checksum mismatch");
+    }
+    r.tensors_ = cache->entries;
+  } else {
+    SP_ASSIGN_OR_RETURN(auto entries, ParseIndex(index, l, source));
+    r.tensors_ = std::make_shared<const std::vector<TensorEntry>>(std::move(entries));
+    if (cache != nullptr) {
+      cache->bytes.assign(index_bytes);
+      cache->data_offset = l.data_offset;
+      cache->data_size = l.data_size;
+      cache->tensor_count = l.tensor_count;
+      cache->has_elsewhere = l.has_elsewhere;
+      cache->entries = r.tensors_;
+    }
+  }
   if (Crc32c(0, image.data() + l.extras_offset, l.extras_size) != l.extras_crc) {
     return Bad(source, "extras checksum mismatch");
   }

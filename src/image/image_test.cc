@@ -146,6 +146,44 @@ TEST(ImageTest, RebindIsCreateWithANewStepAndNewData) {
       std::memcmp(back->tensor_data(5).data(), first.sources[5].data, first.sources[5].nbytes), 0);
 }
 
+// Issue 21: a caller's ParsedIndex lets an image whose index is that of the last parse (a
+// snapshot saved with a reused plan) share its entries; any other index is parsed and replaces
+// it, and the index checksum is checked either way.
+TEST(ImageTest, ParsedIndexIsReusedOnlyForTheSameIndex) {
+  Owned first, second, renamed;
+  for (int i = 0; i < 20; ++i) {
+    first.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 13 + 1)}, i);
+    second.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 13 + 1)}, i + 100);
+    renamed.Add("u" + std::to_string(i), DType::kFloat32, {uint64_t(i * 13 + 1)}, i);
+  }
+  auto a = ImageBuilder::Create(Meta(3), first.sources, "extras", 4096);
+  auto b = ImageBuilder::Create(Meta(4), second.sources, "extras", 4096);
+  auto c = ImageBuilder::Create(Meta(5), renamed.sources, "extras", 4096);
+  ASSERT_OK(a);
+  ASSERT_OK(b);
+  ASSERT_OK(c);
+  const auto img_a = Build(**a), img_b = Build(**b), img_c = Build(**c);
+  ParsedIndex cache;
+  ASSERT_OK_AND_ASSIGN(auto ra,
+                       ImageReader::Parse(img_a, "a", ImageReader::Verify::kAll, 2, &cache));
+  ASSERT_OK_AND_ASSIGN(auto rb,
+                       ImageReader::Parse(img_b, "b", ImageReader::Verify::kAll, 2, &cache));
+  EXPECT_EQ(&ra.tensors(), &rb.tensors());  // the same entries, parsed once
+  EXPECT_EQ(rb.meta().step, 4u);
+  EXPECT_EQ(std::memcmp(rb.tensor_data(7).data(), second.sources[7].data, second.sources[7].nbytes),
+            0);
+  ASSERT_OK_AND_ASSIGN(auto rc,
+                       ImageReader::Parse(img_c, "c", ImageReader::Verify::kAll, 2, &cache));
+  EXPECT_NE(&rc.tensors(), &ra.tensors());
+  EXPECT_EQ(rc.tensors()[3].spec.name, "u3");
+  EXPECT_EQ(ra.tensors()[3].spec.name, "t3");  // a reader keeps the entries it was given
+  // The same index bytes under a header whose index checksum disagrees: refused.
+  auto bad = img_c;
+  const uint64_t crc_at = 4092 - 64;  // any header byte: the header CRC catches it first
+  bad[crc_at] ^= std::byte{1};
+  EXPECT_FALSE(ImageReader::Parse(bad, "bad", ImageReader::Verify::kAll, 2, &cache).ok());
+}
+
 // Restore in place from memory: one pass verifies every chunk and copies tensors out, with
 // pieces and chunks that cut through tensors; every flipped byte is detected, inside a copied
 // tensor or elsewhere.

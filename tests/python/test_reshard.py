@@ -48,3 +48,14 @@ def test_flash_checkpoint_of_dtensors_restores_from_memory_then_reshards(tmp_pat
     assert safepoint.steps(ckpt) == [7]
     outs = run(ckpt, "load", "3")
     assert all(o["ok"] for o in outs), outs
+
+
+def test_hot_reload_of_dtensors_reuses_the_save_and_restore_plans(tmp_path):
+    # Issue 21: DTensor shards (FSDP2's parameters) take the plans plain tensors take: the second
+    # save, and each restore after the first (into the same DTensors, then into new ones of the
+    # same structure), reuse them; every restore is bit-exact.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    outs = run(tmp_path / "ckpt", "hot", "2", shm, f"hot-{os.getpid()}")
+    assert all(o["ok"] for o in outs), outs
+    assert [o["plans"] for o in outs] == [[False, True, False, True, True]] * 2, outs

@@ -1,7 +1,7 @@
 """One rank of a resharding run: saves DTensor-sharded state with one world size, or restores it
 into another (torch.distributed with gloo on the CPU).
 
-argv: ckpt_dir mode(save|flash|load) mesh(e.g. "2" or "2x2") port rank [shm_dir job]
+argv: ckpt_dir mode(save|flash|hot|load) mesh(e.g. "2" or "2x2") port rank [shm_dir job]
 Prints one JSON line: {"rank", "ok", "step", "mismatches"}.
 """
 
@@ -71,6 +71,41 @@ elif mode == "flash":
                               full(i, shape, target[f"w{i}"].dtype))]
     print(json.dumps({"rank": rank, "ok": got == 7 and not bad and source == "memory",
                       "step": got, "mismatches": bad, "source": source}))
+elif mode == "hot":
+    # Hot reloads of DTensors (issue 21): the second save and every restore after the first
+    # reuse their plans (the structure is the same), each restore bit-exact.
+    shm_dir, job = sys.argv[6:8]
+
+    def bad_of(target, bump):
+        return [f"w{i}" for i, shape in enumerate(SHAPES)
+                if not torch.equal(target[f"w{i}"].full_tensor(),
+                                   full(i, shape, target[f"w{i}"].dtype) + bump)]
+
+    plans, bad = [], []
+    with safepoint.Checkpointer(ckpt, job=job, shm_dir=shm_dir) as ck:
+        s = state(True)
+        ck.save(7, s)
+        plans.append(ck.status()["last_save"]["reused_plan"])
+        with torch.no_grad():
+            for i in range(len(SHAPES)):
+                s[f"w{i}"].to_local().add_(1)
+        ck.save(8, s)  # other values, the same structure
+        plans.append(ck.status()["last_save"]["reused_plan"])
+        def zeros():  # the saved non-tensor values (the plan's signature holds them too)
+            out = state(False)
+            out["meta"] = {"lr": 0.5, "name": "run"}
+            return out
+
+        target = zeros()
+        for again in (target, target, zeros()):  # the same tensors, then new ones
+            got = ck.restore(again)
+            plans.append(ck._live.last_restore_reused_plan())
+            bad += bad_of(again, 1) + ([] if got == 8 and ck.last_load_source == "memory"
+                                       else [f"step {got} from {ck.last_load_source}"])
+            with torch.no_grad():
+                for i in range(len(SHAPES)):
+                    again[f"w{i}"].to_local().zero_()
+    print(json.dumps({"rank": rank, "ok": not bad, "plans": plans, "mismatches": bad}))
 else:
     target = state(False)
     got = safepoint.restore(ckpt, target, rank=rank)
