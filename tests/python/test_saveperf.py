@@ -346,15 +346,18 @@ def test_max_shm_bytes_below_two_snapshots_runs_with_one_slot(make, shm):
     assert ck.status()["memory"]["slots"] == 2
     slots_dir = job_directory(shm, ck.job)
     assert len(list(slots_dir.glob("rank-*.slot-*"))) == 2
-    # 16 MiB: two slots would not fit under 26 MiB, one does (beside a small one still leased). Each save overwrites the only slot
-    # once the agent persisted it (on_busy="wait"), and the other slot file is given back.
+    # 16 MiB: two slots would not fit under 26 MiB, one does (beside the small one the agent may
+    # still be persisting). Each save overwrites the only slot once the agent persisted it
+    # (on_busy="wait"), and the other slot file is given back once nobody leases it: at the
+    # latest at step 4, whose save waited for step 3's persist (the agent persists in order).
     for step in (3, 4, 5):
         big["w"][0] = step
         assert ck.save(step, big)
         mem = ck.status()["memory"]
         assert mem["slots"] == 1, mem
         assert mem["shm_node_bytes"] <= 26 << 20, mem
-        assert len(list(slots_dir.glob("rank-*.slot-*"))) == 1
+        if step >= 4:
+            assert len(list(slots_dir.glob("rank-*.slot-*"))) == 1
         assert same(loaded(ck, step), big)  # hot reload of the newest step, from memory
     ck.wait()
     assert safepoint.steps(ck.path)[-2:] == [4, 5]  # every step was persisted before reuse
