@@ -12,10 +12,13 @@ import torch
 
 import safepoint
 
-# Complex buffers (Llama's freqs_cis), unsigned ints and every float8 variant torch has.
+# Complex buffers (Llama's freqs_cis), unsigned ints and every float8 variant torch has (older
+# torch versions lack some: scripts/other-torch.sh runs these tests under them).
 NEW_DTYPES = [
-    torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
-    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+    getattr(torch, name) for name in (
+        "complex64", "complex128", "uint16", "uint32", "uint64",
+        "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
 ]
 ALL_DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
