@@ -40,6 +40,13 @@ from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundErro
 _BATCH_BYTES = 256 << 20  # temporary bytes gathered before one read_ranges call
 
 
+def _build(cls: Any, **fields: Any) -> Any:
+    """``cls(**fields)`` with only the fields this torch's dataclass has (DCP's Metadata gained
+    ``version`` and StorageMeta ``load_id`` after torch 2.4)."""
+    have = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in fields.items() if k in have})
+
+
 @dataclasses.dataclass(frozen=True)
 class _Location:
     """``Metadata.storage_data`` entry: where an item's bytes are."""
@@ -130,14 +137,12 @@ class Reader(StorageReader):
             r += 1
         self._loaded_step = step
         self.storage_data = storage
-        return Metadata(
-            state_dict_metadata=md,
-            planner_data=planner_data or None,
-            storage_data=storage,
-            storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id, save_id=save_id,
-                                     load_id=self.load_id),
-            version=version,
-        )
+        # Fields that older torch versions' Metadata and StorageMeta lack are left out.
+        return _build(Metadata, state_dict_metadata=md, planner_data=planner_data or None,
+                      storage_data=storage,
+                      storage_meta=_build(StorageMeta, checkpoint_id=self.checkpoint_id,
+                                          save_id=save_id, load_id=self.load_id),
+                      version=version)
 
     @staticmethod
     def _add_image(img: str, rank: int, meta: _core.ShardMetadata, dcpm: dict, md: dict,
