@@ -90,8 +90,9 @@ def shm():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def run_script(path: str, *args, timeout: float) -> subprocess.CompletedProcess:
-    proc = start_script(path, *args)
+def communicate(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Waits for a started script's output; a script still running when `timeout` expires (or
+    the wait fails) is killed and reaped before the error propagates."""
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -99,6 +100,10 @@ def run_script(path: str, *args, timeout: float) -> subprocess.CompletedProcess:
             proc.kill()
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_script(path: str, *args, timeout: float) -> subprocess.CompletedProcess:
+    return communicate(start_script(path, *args), timeout)
 
 
 def flip_byte(path, offset: int, mask: int) -> None:

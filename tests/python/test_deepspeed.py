@@ -21,7 +21,7 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
 import torch  # noqa: E402
-from conftest import free_port, start_script  # noqa: E402
+from conftest import communicate, free_port, start_script  # noqa: E402
 from workloads.bitexact import first_difference  # noqa: E402
 
 SAVE_AT, END_AT = 3, 6
@@ -107,16 +107,8 @@ def run_world(world: int, args: list, timeout: float = HANG) -> list:
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
         procs.append(start_script(__file__, *args, env=env))
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        out.append((p.returncode, stdout, stderr))
-    return out
+    return [(r.returncode, r.stdout, r.stderr)
+            for r in (communicate(p, timeout) for p in procs)]
 
 
 @pytest.mark.parametrize("world,zero", [(1, 0), (2, 1)])
