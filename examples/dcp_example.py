@@ -62,9 +62,10 @@ def main() -> None:
                 if pending is not None:
                     pending.result()  # the previous save is committed
                 msd, osd = get_state_dict(model, opt)
+                # stager.writer: a safepoint.dcp.Writer that stages through the stager (any
+                # torch; newer ones also take Writer(...) with async_stager=stager).
                 pending = dcp.async_save({"model": msd, "optim": osd, "step": step},
-                                         storage_writer=safepoint.dcp.Writer(ckpt, step=step),
-                                         async_stager=stager)
+                                         storage_writer=stager.writer(ckpt, step=step))
                 print(f"step {step}: loss {loss.item():.4f}, async save started", flush=True)
         if pending is not None:
             pending.result()

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from safepoint import _core
+from safepoint.dcp.writer import Writer
 from safepoint.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # stage() imports it when it runs
@@ -67,6 +68,11 @@ class ShmStager(AsyncStager):
     used. Non-tensor values are deep-copied. ``close()`` (or leaving a ``with`` block) removes
     the files; those of a process killed before it could are removed by ``safepoint gc``. Use it
     with the thread executor (``AsyncCheckpointerType.THREAD``, the default).
+
+    Two ways to hand it to DCP: ``dcp.async_save(state, storage_writer=stager.writer(path, step))``
+    works with every torch; ``dcp.async_save(state, storage_writer=Writer(path, step),
+    async_stager=stager)`` needs a torch whose ``async_save`` has ``async_stager`` (2.8 and older
+    have none).
     """
 
     _synchronize_after_execute = False  # stage() copies synchronously
@@ -141,6 +147,15 @@ class ShmStager(AsyncStager):
         self._slots.append(slot)
         return slot
 
+    def writer(self, path: str | os.PathLike[str], step: Optional[int] = None, *,
+               job: str = "") -> Writer:
+        """A ``safepoint.dcp.Writer`` of ``step`` that stages through this stager.
+
+        DCP's ``async_save`` stages with a storage writer that is itself an ``AsyncStager`` (in
+        every torch version, whether or not its ``async_save`` takes ``async_stager``): pass this
+        as ``storage_writer``."""
+        return _StagingWriter(self, path, step, job=job)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -153,6 +168,26 @@ class ShmStager(AsyncStager):
         slots.clear()
 
     def synchronize_staging(self) -> None:  # stage() is synchronous
+        return None
+
+
+class _StagingWriter(Writer, AsyncStager):
+    """A ``Writer`` that is also an ``AsyncStager``, staging through its ``ShmStager``."""
+
+    _synchronize_after_execute = False  # stage() copies synchronously
+
+    def __init__(self, stager: ShmStager, path: str | os.PathLike[str], step: Optional[int],
+                 *, job: str) -> None:
+        super().__init__(path, step, job=job)
+        self.stager = stager
+
+    def stage(self, state_dict: dict) -> dict:
+        return self.stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:  # the stager outlives the save: its owner closes it
         return None
 
 

@@ -113,8 +113,7 @@ def main() -> None:
         # async_save: the DTensors' local shards are staged into shared memory, then written.
         with sdcp.ShmStager() as stager:
             state["meta"]["step"] = 3
-            dcp.async_save(state, storage_writer=sdcp.Writer(ckpt, step=3),
-                           async_stager=stager).result()
+            dcp.async_save(state, storage_writer=stager.writer(ckpt, step=3)).result()
             report["stager_files"] = len(stager.files)
         report["async"] = load_and_check(3)
     else:
