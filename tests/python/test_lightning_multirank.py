@@ -10,8 +10,10 @@ ranks), rank 0 must resume from memory and rank 1 from storage (the same step), 
 checkpoint directory must hold what Lightning keeps (the same top-2 and ``last.ckpt`` as the
 reference), each naming a step on storage, and no other step.
 
-Lightning's FSDP strategy needs a GPU (``accelerator="cpu"`` is refused by Lightning itself);
-the plugin's refusal of it is tested by calling the plugin through an ``FSDPStrategy``.
+Lightning's own ``FSDPStrategy`` never loads through a CheckpointIO: the plugin's refusal of it
+is tested by calling the plugin through an ``FSDPStrategy``. The sharded strategies the plugin
+works with (``SafepointFSDPStrategy``, ``SafepointModelParallelStrategy``) are tested in
+test_lightning_sharded.py.
 """
 
 from __future__ import annotations
@@ -92,12 +94,13 @@ def worker(argv) -> None:
                 "global_step": trainer.global_step}, f"{a.out}.{trainer.global_rank}.pt")
 
 
-def start_job(*args):
+def start_job(*args, script=__file__):
+    """This file (or `script`, test_lightning_sharded.py's) as a job of 2 ranks."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(k, None)
-    return start_script(__file__, *args, env=env)
+    return start_script(script, *args, env=env)
 
 
 def pointers(dirpath) -> dict:
@@ -143,7 +146,7 @@ def test_fsdp_strategy_is_refused_naming_the_way_out(tmp_path):
     plugin = SafepointCheckpointIO(tmp_path / "sp", mode="sync")
     strategy = FSDPStrategy()
     strategy.checkpoint_io = plugin
-    with pytest.raises(safepoint.InvalidArgumentError, match="FSDPStrategy.*strategy='ddp'"):
+    with pytest.raises(safepoint.InvalidArgumentError, match="FSDPStrategy.*SafepointFSDPStrategy"):
         # What FSDPStrategy.save_checkpoint does with state_dict_type="full" on rank 0.
         Strategy.save_checkpoint(strategy, {"state_dict": {}}, str(tmp_path / "a.ckpt"))
     assert not os.path.exists(tmp_path / "a.ckpt")
