@@ -58,12 +58,25 @@ rank) the ranks' generators advance alike and a resumed run continues bit for bi
 differently resume with rank 0's generators. ``ModelCheckpoint``'s ``every_n_train_steps``,
 ``every_n_epochs``, ``save_top_k`` (with ``monitor``) and ``save_last`` (also ``"link"``) work
 as with Lightning's own files: each checkpoint is a pointer, and the steps of the pointers top-k
-removes are deleted. The FSDP and model-parallel strategies load full checkpoints with
-``torch.load`` and write sharded ones with DCP, never through a ``CheckpointIO``; the plugin
-refuses them at the first save with an error that names the way out (the DDP strategy, or
-``safepoint.Checkpointer`` with FSDP2 in the training loop, examples/fsdp2.py). DeepSpeed writes
-its own checkpoints and never calls the plugin. Only local directories (no ``s3://`` URLs) can
-hold pointer files.
+removes are deleted. DeepSpeed writes its own checkpoints and never calls the plugin. Only
+local directories (no ``s3://`` URLs) can hold pointer files.
+
+Sharded strategies. Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy`` load full
+checkpoints with ``torch.load`` and write sharded ones with DCP, never through a
+``CheckpointIO``: the plugin refuses them at the first save, naming the way out, which is the
+strategies of this module, used in their place with the same arguments and the plugin:
+``SafepointFSDPStrategy`` (FSDP1; given a 1-D device mesh when it has none, so that its sharded
+state dicts are DTensors) and ``SafepointModelParallelStrategy`` (FSDP2 ``fully_shard`` / tensor
+parallel in ``configure_model``). With them every rank saves its own shard of each checkpoint
+(a flash save into its own Checkpointer, rank r of the world) as one step that the ranks number
+alike (rank 0's choice, broadcast), and rank 0 writes the pointer, which records the world size,
+after a barrier. Loading, every rank loads its shard of the pointer's step (the Checkpointer's
+collective: from this node's memory, else storage; the ranks agree or fail together), copies it
+into the model's and optimizers' DTensors through DCP's state-dict API, and restores its own
+generator states; Lightning restores the rest (loops, callbacks, schedulers). A resume needs the
+world size that saved (``safepoint.restore`` reshards outside the Trainer). Full state dicts
+(``state_dict_type="full"``, ``save_distributed_checkpoint=False``) and ``mode="sync"`` are
+refused with the way out.
 """
 
 from __future__ import annotations
