@@ -24,7 +24,6 @@ subclass, so it needs no patch.) FSDP2 (``fully_shard``) runs on the CPU as it i
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -35,7 +34,6 @@ pl = pytest.importorskip("pytorch_lightning")
 import test_lightning as single  # noqa: E402  (its module and loader: 32 samples, batches of 4)
 import test_lightning_multirank as ddp  # noqa: E402  (its job's callbacks)
 import torch  # noqa: E402
-from workloads.bitexact import assert_bit_identical as tensors_equal  # noqa: E402
 
 import safepoint  # noqa: E402
 from safepoint import lightning as spl  # noqa: E402
@@ -109,14 +107,7 @@ def shards(trainer) -> dict:
 
 
 def worker(argv) -> None:
-    ap = argparse.ArgumentParser()
-    for name in ("--root", "--dirpath", "--shm", "--job", "--out", "--strategy"):
-        ap.add_argument(name)
-    ap.add_argument("--kill-epoch", type=int, default=-1)
-    ap.add_argument("--resume", action="store_true")
-    a = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    pl.seed_everything(1, verbose=False)
+    a = ddp.job_args(argv, "--strategy")
     if a.strategy == "fsdp":
         _fsdp1_on_cpu()
         strategy, module = spl.SafepointFSDPStrategy(), ddp.Tiny()
@@ -124,15 +115,7 @@ def worker(argv) -> None:
         strategy = spl.SafepointModelParallelStrategy(data_parallel_size=2,
                                                       tensor_parallel_size=1)
         module = Sharded()
-    plugin = SafepointCheckpointIO(a.root, job=a.job, shm_dir=a.shm)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, plugins=[plugin],
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=a.dirpath, every_n_train_steps=BATCHES,
-                                                save_top_k=2, monitor="train_loss",
-                                                save_last=True),
-                   ddp.KillAtEpoch(a.kill_epoch), ddp.Report(), Wrapped()])
+    trainer = ddp.job_trainer(a, strategy, Wrapped())
     trainer.fit(module, single.loader(), ckpt_path="last" if a.resume else None)
     torch.save({**shards(trainer), "global_step": trainer.global_step},
                f"{a.out}.{trainer.global_rank}.pt")
@@ -170,15 +153,7 @@ def test_sharded_two_ranks_sigkill_then_fit_ckpt_last_is_bit_identical(tmp_path,
     step = BATCHES * KILL_EPOCH
     for rank in range(2):  # every rank resumed the same step, its own shard from memory
         assert f"RESUMED rank {rank} step {step} memory" in out, out
-    for rank in range(2):
-        want = torch.load(f"{tmp_path / 'ref-out'}.{rank}.pt")
-        got = torch.load(f"{tmp_path / 'out'}.{rank}.pt")
-        assert got["global_step"] == want["global_step"] == BATCHES * EPOCHS
-        tensors_equal(got, want, f"rank {rank}")
-    got, want = ddp.pointers(dirpath), ddp.pointers(tmp_path / "ref-ckpts")
-    assert sorted(got) == sorted(want) and len(got) == 3 and "last.ckpt" in got, (got, want)
-    assert sorted(set(got.values())) == safepoint.steps(root), (got, safepoint.steps(root))
-    assert sorted(set(want.values())) == safepoint.steps(tmp_path / "ref"), want
+    ddp.check_like_reference(tmp_path, root, dirpath)
 
 
 class FakeStrategy:
