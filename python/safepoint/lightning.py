@@ -58,12 +58,25 @@ rank) the ranks' generators advance alike and a resumed run continues bit for bi
 differently resume with rank 0's generators. ``ModelCheckpoint``'s ``every_n_train_steps``,
 ``every_n_epochs``, ``save_top_k`` (with ``monitor``) and ``save_last`` (also ``"link"``) work
 as with Lightning's own files: each checkpoint is a pointer, and the steps of the pointers top-k
-removes are deleted. The FSDP and model-parallel strategies load full checkpoints with
-``torch.load`` and write sharded ones with DCP, never through a ``CheckpointIO``; the plugin
-refuses them at the first save with an error that names the way out (the DDP strategy, or
-``safepoint.Checkpointer`` with FSDP2 in the training loop, examples/fsdp2.py). DeepSpeed writes
-its own checkpoints and never calls the plugin. Only local directories (no ``s3://`` URLs) can
-hold pointer files.
+removes are deleted. DeepSpeed writes its own checkpoints and never calls the plugin. Only
+local directories (no ``s3://`` URLs) can hold pointer files.
+
+Sharded strategies. Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy`` load full
+checkpoints with ``torch.load`` and write sharded ones with DCP, never through a
+``CheckpointIO``: the plugin refuses them at the first save, naming the way out, which is the
+strategies of this module, used in their place with the same arguments and the plugin:
+``SafepointFSDPStrategy`` (FSDP1; given a 1-D device mesh when it has none, so that its sharded
+state dicts are DTensors) and ``SafepointModelParallelStrategy`` (FSDP2 ``fully_shard`` / tensor
+parallel in ``configure_model``). With them every rank saves its own shard of each checkpoint
+(a flash save into its own Checkpointer, rank r of the world) as one step that the ranks number
+alike (rank 0's choice, broadcast), and rank 0 writes the pointer, which records the world size,
+after a barrier. Loading, every rank loads its shard of the pointer's step (the Checkpointer's
+collective: from this node's memory, else storage; the ranks agree or fail together), copies it
+into the model's and optimizers' DTensors through DCP's state-dict API, and restores its own
+generator states; Lightning restores the rest (loops, callbacks, schedulers). A resume needs the
+world size that saved (``safepoint.restore`` reshards outside the Trainer). Full state dicts
+(``state_dict_type="full"``, ``save_distributed_checkpoint=False``) and ``mode="sync"`` are
+refused with the way out.
 """
 
 from __future__ import annotations
@@ -84,7 +97,7 @@ import safepoint
 from safepoint import _core, _pointers
 from safepoint._files import fsync_dir
 from safepoint._pickle import AllowPickle
-from safepoint._stateful import RNG_KEY, capture_rng, restore_rng
+from safepoint._stateful import RNG_KEY, capture_rng, restore_into, restore_rng
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 POINTER_FORMAT = "safepoint-lightning-checkpoint"
@@ -191,12 +204,12 @@ def _refuse_strategy(target: str) -> None:
         if "Strategy" in names:
             bad = names.intersection(_UNSUPPORTED_STRATEGIES)
             if bad:
+                kind = bad.pop()
                 raise InvalidArgumentError(
-                    f"{target}: SafepointCheckpointIO does not support Lightning's "
-                    f"{bad.pop()}: it loads full checkpoints with torch.load and writes sharded "
-                    "ones with DCP, not through the CheckpointIO. Use strategy='ddp' with the "
-                    "plugin, or checkpoint FSDP2 training with safepoint.Checkpointer "
-                    "(examples/fsdp2.py)")
+                    f"{target}: Lightning's {kind} loads checkpoints with torch.load and "
+                    "writes sharded ones with DCP, not through the CheckpointIO: use "
+                    f"strategy=safepoint.lightning.Safepoint{kind}(...) (the same arguments) "
+                    "with the plugin, whose ranks each save their shard through it")
             return
         frame = frame.f_back
 
@@ -238,6 +251,9 @@ class SafepointCheckpointIO(_CheckpointIO):
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._next: Optional[int] = None        # the next safepoint step (save number)
         self._doomed: set[int] = set()          # unreferenced steps, deleted once committed
+        # Who saves: rank 0 of a world of one (Lightning's DDP convention), or, under a sharded
+        # strategy (SafepointFSDPStrategy, SafepointModelParallelStrategy), every rank.
+        self._rank, self._world_size = 0, 1
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -271,9 +287,9 @@ class SafepointCheckpointIO(_CheckpointIO):
         if self._ckpt is None:
             assert self._root is not None
             self._ckpt = safepoint.Checkpointer(
-                self._root, job=self.job, rank=0, world_size=1, keep=_NO_PRUNE,
-                on_busy=self.on_busy, shm_dir=self.shm_dir, allow_pickle=self.allow_pickle,
-                tiers=self.tiers)
+                self._root, job=self.job, rank=self._rank, world_size=self._world_size,
+                keep=_NO_PRUNE, on_busy=self.on_busy, shm_dir=self.shm_dir,
+                allow_pickle=self.allow_pickle, tiers=self.tiers)
         return self._ckpt
 
     def _take_step(self, root: str) -> int:
@@ -310,6 +326,11 @@ class SafepointCheckpointIO(_CheckpointIO):
                 f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
         target = self._local_dir(path, "the checkpoint path")
         _refuse_strategy(target)
+        self._save(checkpoint, target, self._take_step(self._root_for(target)))
+
+    def _root_for(self, target: str) -> str:
+        """The safepoint directory (decided by the first save) after checking that ``target``
+        can hold a pointer next to it."""
         if self._root is None:
             self._root = os.path.join(os.path.dirname(target), "safepoint")
         if target == self._root or target.startswith(self._root + os.sep):
@@ -318,10 +339,17 @@ class SafepointCheckpointIO(_CheckpointIO):
         if os.path.isdir(target) and not os.path.islink(target):
             raise InvalidArgumentError(f"{target}: is a directory; a Lightning checkpoint path "
                                        "for SafepointCheckpointIO names a file (its pointer)")
+        return self._root
+
+    def _save(self, checkpoint: dict, target: str, step: int, pointer: bool = True,
+              before_pointer: Any = None) -> None:
+        """Saves ``checkpoint`` (this rank's part) as ``step``; with ``pointer``, then writes the
+        pointer at ``target`` (after ``before_pointer()``, e.g. a barrier) and releases the step
+        the pointer named before."""
+        assert self._root is not None
         state = dict(checkpoint)
         if self.include_rng:
             state[RNG_KEY] = capture_rng()
-        step = self._take_step(self._root)
         try:
             if self.mode == "flash":
                 # Every save is persisted: a pointer must eventually name a step on storage.
@@ -335,10 +363,16 @@ class SafepointCheckpointIO(_CheckpointIO):
                     "states; to store other objects pass SafepointCheckpointIO(allow_pickle=True) "
                     "or a list of trusted classes") from None
             raise
+        if before_pointer is not None:
+            before_pointer()
+        if not pointer:
+            return
         old = read_pointer(target) if not os.path.islink(target) else None
         doc = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "root": self._root,
                "step": step, "mode": self.mode,
                "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+        if self._world_size > 1:
+            doc["world_size"] = self._world_size  # every rank saved its shard of the step
         _write_pointer(target, doc, durable=self.mode == "sync")
         if old is not None:  # e.g. `last.ckpt` saved again: its previous step may be unnamed now
             self._release(os.path.dirname(target), old["root"], old["step"])
@@ -351,6 +385,13 @@ class SafepointCheckpointIO(_CheckpointIO):
         doc = read_pointer(target)
         if doc is not None:
             root, step = doc["root"], doc["step"]
+            if doc.get("world_size", 1) != 1:
+                raise InvalidArgumentError(
+                    f"{target}: names step {step} of {root}, saved in shards by "
+                    f"{doc['world_size']} ranks (a sharded strategy); resume it with "
+                    "SafepointFSDPStrategy or SafepointModelParallelStrategy (as saved) on "
+                    f"{doc['world_size']} ranks, or read it with safepoint.restore, which "
+                    "assembles the shards into any sharding")
         elif os.path.isdir(target) and safepoint.steps(target):
             root, step = target, None  # a safepoint directory itself: its newest step
         elif not os.path.exists(target):
@@ -385,6 +426,78 @@ class SafepointCheckpointIO(_CheckpointIO):
             restore_rng(rng)
         if isinstance(map_location, (str, torch.device)):
             state = _map_location(state, map_location)
+        return state
+
+    # -- sharded strategies: every rank saves and loads its own shard -------------------------
+    def _shard_as(self, strategy: Any, target: str) -> None:
+        """Opens the plugin as ``strategy``'s rank of its world (before the first save or load)."""
+        if self.mode != "flash":
+            raise InvalidArgumentError(
+                f"{target}: {type(strategy).__name__} saves every rank's shard with flash "
+                "checkpoints, whose steps the ranks agree on; mode='sync' saves one process's "
+                "state: use mode='flash' (the default)")
+        rank, world = int(strategy.global_rank), int(strategy.world_size)
+        if self._ckpt is not None and (self._rank, self._world_size) != (rank, world):
+            raise InvalidArgumentError(
+                f"{target}: this SafepointCheckpointIO already saves as rank {self._rank} of "
+                f"{self._world_size}; give every Trainer its own plugin")
+        self._rank, self._world_size = rank, world
+
+    def _save_sharded(self, checkpoint: dict, path: Any, strategy: Any) -> None:
+        """``strategy.save_checkpoint`` on every rank: this rank's shard as one step that all
+        ranks number alike (rank 0's choice); rank 0 writes the pointer once every rank saved."""
+        if not isinstance(checkpoint, dict):
+            raise InvalidArgumentError(
+                f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
+        target = self._local_dir(path, "the checkpoint path")
+        self._shard_as(strategy, target)
+        root = self._root_for(target)
+        step = strategy.broadcast(self._take_step(root))
+        self._next = step + 1
+        self._save(checkpoint, target, step, pointer=self._rank == 0,
+                   before_pointer=strategy.barrier)
+
+    def _load_sharded(self, path: Any, strategy: Any, weights_only: Optional[bool]) -> dict:
+        """``strategy.load_checkpoint`` on every rank: this rank's shard of the step the pointer
+        at ``path`` (the same on every rank) names, from this node's memory or from storage. The
+        ranks load one step or fail together (the Checkpointer's agreement)."""
+        target = os.path.abspath(os.fspath(path))
+        doc = read_pointer(target)
+        if doc is None:
+            if not os.path.exists(target):
+                raise FileNotFoundError(f"Checkpoint file not found: {target}")
+            raise InvalidArgumentError(
+                f"{target}: not a pointer file written by SafepointCheckpointIO; "
+                f"{type(strategy).__name__} resumes only from those (load a DCP checkpoint "
+                "with Lightning's own strategy, without the plugin)")
+        self._shard_as(strategy, target)
+        root, step, saved = doc["root"], doc["step"], doc.get("world_size", 1)
+        if saved != self._world_size:
+            how = "in shards by" if saved > 1 else "as one full state by"
+            raise InvalidArgumentError(
+                f"{target}: step {step} of {root} was saved {how} {saved} rank(s); this run has "
+                f"{self._world_size}. A Lightning resume loads each rank's own shard: resume "
+                f"with {saved} ranks, or load the step into this sharding with "
+                "safepoint.restore(root, state, step), which reshards (docs/guide.md)")
+        if self._root is None:
+            self._root = root
+        allow = False if weights_only else self.allow_pickle
+        try:
+            if root == self._root and allow == self.allow_pickle:
+                got = self._checkpointer().load(step)  # a collective: memory, else storage
+                if got is None:
+                    raise NotFoundError(f"{root}: nothing to load")
+                _, state = got
+            else:
+                _, state = safepoint.load(root, step, rank=self._rank, allow_pickle=allow)
+        except NotFoundError as e:
+            raise NotFoundError(f"{target}: names step {step} of {root}, which not every rank "
+                                f"can load from memory or storage ({e})") from None
+        if not isinstance(state, dict) or "state_dict" not in state:
+            raise CorruptionError(f"{target}: step {step} of {root} is not a Lightning checkpoint")
+        rng = state.pop(RNG_KEY, None)
+        if rng is not None and self.include_rng:
+            restore_rng(rng)
         return state
 
     def _wait_committed(self, root: str, step: int, target: str) -> None:
@@ -434,3 +547,178 @@ class SafepointCheckpointIO(_CheckpointIO):
                 ckpt, self._ckpt = self._ckpt, None
                 ckpt.close()
             self._next = None
+
+
+# -- sharded strategies ---------------------------------------------------------------------------
+
+def _load_into_model_and_optimizers(strategy: Any, state: dict) -> None:
+    """Copies this rank's loaded shards into the strategy's sharded model and optimizers, through
+    DCP's state-dict API (the DTensors of FSDP1 with a device mesh, and of FSDP2/TP)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    module = strategy.lightning_module
+    strict = bool(getattr(module, "strict_loading", True))
+    options = StateDictOptions(full_state_dict=False, strict=strict)
+    model = strategy.model
+    current = get_model_state_dict(model, options=options)
+    loaded = state["state_dict"]
+    if not strict:
+        current = {k: v for k, v in current.items() if k in loaded}
+    restore_into(current, loaded, "state_dict")
+    set_model_state_dict(model, current, options=options)
+    saved = state.get("optimizer_states")
+    fitting = str(getattr(module.trainer.state.fn, "value", "")) == "fit"
+    if saved is None or not fitting or not strategy.optimizers:
+        return
+    if len(saved) != len(strategy.optimizers):
+        raise InvalidArgumentError(
+            f"the run has {len(strategy.optimizers)} optimizers, the checkpoint {len(saved)}")
+    for i, (opt, osd) in enumerate(zip(strategy.optimizers, saved)):
+        inner = getattr(opt, "_optimizer", opt)  # LightningOptimizer
+        # Its state is created first (DCP's zero-gradient step with lr 0), then overwritten.
+        target = get_optimizer_state_dict(model, inner, options=options)
+        restore_into(target, osd, f"optimizer_states.{i}")
+        set_optimizer_state_dict(model, inner, target, options=options)
+
+
+def _sharded_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=False)
+
+
+class _ShardedSaves:
+    """What SafepointFSDPStrategy and SafepointModelParallelStrategy add to Lightning's
+    strategies: checkpoints through the SafepointCheckpointIO on every rank."""
+
+    checkpoint_io: Any
+    broadcast: Any
+
+    def _safepoint_io(self) -> SafepointCheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, SafepointCheckpointIO):
+            raise InvalidArgumentError(
+                f"{type(self).__name__} checkpoints through SafepointCheckpointIO, got "
+                f"{type(io).__name__}: pass Trainer(strategy={type(self).__name__}(...), "
+                "plugins=[SafepointCheckpointIO(dir)]), or use Lightning's own strategy")
+        return io
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any,
+                        storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        self._safepoint_io()._save_sharded(checkpoint, self.broadcast(filepath), self)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        state = self._safepoint_io()._load_sharded(self.broadcast(checkpoint_path), self,
+                                                   weights_only)
+        _load_into_model_and_optimizers(self, state)
+        return state  # the rest (loops, callbacks, schedulers) Lightning restores itself
+
+
+def _strategies_module() -> Any:
+    for name in ("pytorch_lightning.strategies", "lightning.pytorch.strategies"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("the sharded strategies need pytorch_lightning or lightning "
+                      "(pip install pytorch-lightning)")
+
+
+def _make_fsdp_strategy() -> type:
+    base = _strategies_module().FSDPStrategy
+
+    class SafepointFSDPStrategy(_ShardedSaves, base):  # type: ignore[misc, valid-type]
+        """Lightning's ``FSDPStrategy`` (FSDP1) whose checkpoints every rank saves through
+        ``SafepointCheckpointIO`` (its shard, a flash save) and loads from memory or storage.
+        Takes FSDPStrategy's arguments; the state dicts are always sharded (DTensors: without
+        a ``device_mesh``, a 1-D mesh over the ranks is given to FSDP)."""
+
+        def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+            if state_dict_type != "sharded":
+                raise InvalidArgumentError(
+                    f"SafepointFSDPStrategy saves every rank's shard (state_dict_type="
+                    f"'sharded'), got state_dict_type={state_dict_type!r}; a full state dict "
+                    "(e.g. for export) is read from the saved shards with safepoint.load or "
+                    "safepoint.restore into an unsharded model")
+            super().__init__(*args, state_dict_type="sharded", **kwargs)
+
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            if "device_mesh" in self.kwargs:
+                return
+            hybrid = "HYBRID" in str(getattr(self.sharding_strategy, "name", ""))
+            if hybrid:
+                raise InvalidArgumentError(
+                    f"SafepointFSDPStrategy with {self.sharding_strategy.name} needs "
+                    "device_mesh=(nodes, devices per node): the shards are saved as DTensors")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # FSDP1 with a device mesh gives DTensor state dicts (ShardedTensors without one).
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type,
+                                                          (self.world_size,))
+
+        def lightning_module_state_dict(self) -> dict:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(self.model, options=_sharded_options())
+
+        def optimizer_state(self, optimizer: Any) -> dict:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            return get_optimizer_state_dict(self.model, inner, options=_sharded_options())
+
+    SafepointFSDPStrategy.__module__ = __name__
+    return SafepointFSDPStrategy
+
+
+def _make_model_parallel_strategy() -> type:
+    base = _strategies_module().ModelParallelStrategy
+
+    class SafepointModelParallelStrategy(_ShardedSaves, base):  # type: ignore[misc, valid-type]
+        """Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` / tensor parallel in
+        ``configure_model``) whose checkpoints every rank saves through
+        ``SafepointCheckpointIO`` (its DTensor shards, a flash save) and loads from memory or
+        storage. Takes ModelParallelStrategy's arguments."""
+
+        def __init__(self, *args: Any, save_distributed_checkpoint: bool = True,
+                     **kwargs: Any) -> None:
+            if not save_distributed_checkpoint:
+                raise InvalidArgumentError(
+                    "SafepointModelParallelStrategy saves every rank's shard "
+                    "(save_distributed_checkpoint=True); a full state dict (e.g. for export) is "
+                    "read from the saved shards with safepoint.load or safepoint.restore into "
+                    "an unsharded model")
+            super().__init__(*args, save_distributed_checkpoint=True, **kwargs)
+
+        def teardown(self) -> None:
+            try:
+                super().teardown()
+            finally:  # ModelParallelStrategy's teardown leaves the CheckpointIO open
+                self.checkpoint_io.teardown()
+
+    SafepointModelParallelStrategy.__module__ = __name__
+    return SafepointModelParallelStrategy
+
+
+_FACTORIES = {"SafepointFSDPStrategy": _make_fsdp_strategy,
+              "SafepointModelParallelStrategy": _make_model_parallel_strategy}
+_MADE: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """The strategies are made on first use: they derive from Lightning's own classes, whose
+    import (``pytorch_lightning.strategies``) is heavy and not needed by the plugin alone."""
+    if name not in _FACTORIES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _MADE:
+        _MADE[name] = _FACTORIES[name]()
+    return _MADE[name]

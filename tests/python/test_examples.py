@@ -63,6 +63,9 @@ EXAMPLES = [
     # Lightning's DDP saves on rank 0: rank 0 resumes from memory, rank 1 from storage.
     Example("lightning_example.py", ("--devices", "2"), step=8, resumes=2,
             needs=("pytorch_lightning",)),
+    # Lightning's ModelParallelStrategy (FSDP2): each rank saves its shard; both resume from memory.
+    Example("lightning_example.py", ("--strategy", "fsdp2"), step=8, source="memory", resumes=2,
+            needs=("pytorch_lightning",)),
     # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
     Example("preemptible.py", step=13, source="storage", resumes=2),
     Example("deepspeed_example.py", step=3, source="memory", needs=("deepspeed",)),

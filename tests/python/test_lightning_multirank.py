@@ -10,8 +10,10 @@ ranks), rank 0 must resume from memory and rank 1 from storage (the same step), 
 checkpoint directory must hold what Lightning keeps (the same top-2 and ``last.ckpt`` as the
 reference), each naming a step on storage, and no other step.
 
-Lightning's FSDP strategy needs a GPU (``accelerator="cpu"`` is refused by Lightning itself);
-the plugin's refusal of it is tested by calling the plugin through an ``FSDPStrategy``.
+Lightning's own ``FSDPStrategy`` never loads through a CheckpointIO: the plugin's refusal of it
+is tested by calling the plugin through an ``FSDPStrategy``. The sharded strategies the plugin
+works with (``SafepointFSDPStrategy``, ``SafepointModelParallelStrategy``) are tested in
+test_lightning_sharded.py.
 """
 
 from __future__ import annotations
@@ -67,24 +69,35 @@ class Report(pl.Callback):
               flush=True)
 
 
-def worker(argv) -> None:
+def job_args(argv, *extra):
+    """The job's command line (``extra``: more options), after seeding every rank alike."""
     ap = argparse.ArgumentParser()
-    for name in ("--root", "--dirpath", "--shm", "--job", "--out"):
+    for name in ("--root", "--dirpath", "--shm", "--job", "--out", *extra):
         ap.add_argument(name)
     ap.add_argument("--kill-epoch", type=int, default=-1)
     ap.add_argument("--resume", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     pl.seed_everything(1, verbose=False)
+    return a
+
+
+def job_trainer(a, strategy, *callbacks):
+    """The job's Trainer: 2 CPU ranks, the plugin, ModelCheckpoint with every option tested."""
     plugin = SafepointCheckpointIO(a.root, job=a.job, shm_dir=a.shm)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, plugins=[plugin],
+    return pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, plugins=[plugin],
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=a.dirpath, every_n_train_steps=BATCHES,
                                                 save_top_k=2, monitor="train_loss",
                                                 save_last=True),
-                   KillAtEpoch(a.kill_epoch), Report()])
+                   KillAtEpoch(a.kill_epoch), Report(), *callbacks])
+
+
+def worker(argv) -> None:
+    a = job_args(argv)
+    trainer = job_trainer(a, "ddp")
     module = Tiny()
     trainer.fit(module, single.loader(), ckpt_path="last" if a.resume else None)
     torch.save({"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -92,12 +105,13 @@ def worker(argv) -> None:
                 "global_step": trainer.global_step}, f"{a.out}.{trainer.global_rank}.pt")
 
 
-def start_job(*args):
+def start_job(*args, script=__file__):
+    """This file (or `script`, test_lightning_sharded.py's) as a job of 2 ranks."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(k, None)
-    return start_script(__file__, *args, env=env)
+    return start_script(script, *args, env=env)
 
 
 def pointers(dirpath) -> dict:
@@ -124,13 +138,18 @@ def test_ddp_two_ranks_sigkill_then_fit_ckpt_last_is_bit_identical(tmp_path, shm
     step = BATCHES * KILL_EPOCH
     assert f"RESUMED rank 0 step {step} memory" in out, out
     assert f"RESUMED rank 1 step {step} storage" in out, out
+    check_like_reference(tmp_path, root, dirpath)
+
+
+def check_like_reference(tmp_path, root, dirpath) -> None:
+    """The resumed job (`out`) ended bit for bit where the reference (`ref-out`) ended, on both
+    ranks, and ModelCheckpoint kept the same top-2 and last.ckpt as the reference; each pointer
+    names a committed step, and every other step was deleted."""
     for rank in range(2):
         want = torch.load(f"{tmp_path / 'ref-out'}.{rank}.pt")
         got = torch.load(f"{tmp_path / 'out'}.{rank}.pt")
         assert got["global_step"] == want["global_step"] == BATCHES * EPOCHS
         tensors_equal(got, want, f"rank {rank}")
-    # ModelCheckpoint kept the same top-2 and last.ckpt as the reference; each pointer names a
-    # committed step, and every other step was deleted.
     got, want = pointers(dirpath), pointers(tmp_path / "ref-ckpts")
     assert sorted(got) == sorted(want) and len(got) == 3 and "last.ckpt" in got, (got, want)
     assert sorted(set(got.values())) == safepoint.steps(root), (got, safepoint.steps(root))
@@ -143,7 +162,7 @@ def test_fsdp_strategy_is_refused_naming_the_way_out(tmp_path):
     plugin = SafepointCheckpointIO(tmp_path / "sp", mode="sync")
     strategy = FSDPStrategy()
     strategy.checkpoint_io = plugin
-    with pytest.raises(safepoint.InvalidArgumentError, match="FSDPStrategy.*strategy='ddp'"):
+    with pytest.raises(safepoint.InvalidArgumentError, match="FSDPStrategy.*SafepointFSDPStrategy"):
         # What FSDPStrategy.save_checkpoint does with state_dict_type="full" on rank 0.
         Strategy.save_checkpoint(strategy, {"state_dict": {}}, str(tmp_path / "a.ckpt"))
     assert not os.path.exists(tmp_path / "a.ckpt")
