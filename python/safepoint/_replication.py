@@ -41,26 +41,48 @@ def bind_host() -> str:
     the address the hostname resolves to."""
     env = os.environ.get("SAFEPOINT_PEER_HOST")
     if env:
-        return env
+        return _unbracket(env)
     master = os.environ.get("MASTER_ADDR")
     if master:
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-                return str(s.getsockname()[0])
-        except OSError:
+            # IPv4 or IPv6, whichever the master's address is.
+            family, _, _, _, addr = socket.getaddrinfo(
+                _unbracket(master), int(os.environ.get("MASTER_PORT", "29500")),
+                type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(addr)
+                return _host_of(s.getsockname())
+        except (OSError, IndexError, ValueError):
             pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def _unbracket(host: str) -> str:
+    """'[::1]' -> '::1' (an IPv6 address as written in HOST:PORT); other hosts unchanged."""
+    return host[1:-1] if len(host) >= 2 and host[0] == "[" and host[-1] == "]" else host
+
+
+def _host_of(sockname: tuple) -> str:
+    """The address of a socket name; a link-local IPv6 one with its interface ('fe80::1%eth0'),
+    without which peers cannot reach it."""
+    host = str(sockname[0])
+    if len(sockname) >= 4 and sockname[3] and "%" not in host:
+        try:
+            host += "%" + socket.if_indextoname(sockname[3])
+        except OSError:
+            pass
+    return host
 
 
 def link_bytes_per_second(host: str) -> Optional[float]:
     """The speed of the interface that holds `host` (from /sys/class/net/*/speed), or None when
     the kernel does not say (virtual interfaces)."""
     try:
-        out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True,
+        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True,
                              timeout=5, check=True).stdout
+        address = host.split("%", 1)[0]  # a link-local IPv6 address names its interface
         for iface in json.loads(out):
-            if any(a.get("local") == host for a in iface.get("addr_info", [])):
+            if any(a.get("local") == address for a in iface.get("addr_info", [])):
                 with open(f"/sys/class/net/{iface['ifname']}/speed") as f:
                     mbit = int(f.read().strip())
                 return mbit * 1e6 / 8 if mbit > 0 else None

@@ -2,6 +2,7 @@
 // single-instance lock, and persisting / flushing / closing with a SnapshotClient.
 #include "agent/agent.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -14,12 +15,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -1005,6 +1008,183 @@ TEST_F(AgentTest, ReportSentJustBeforeClosingIsHandled) {
   })) << "the report never reached "
       << events;
   ExpectServes();
+}
+
+// wait() over stored images of mixed attempts: rank 1's image of step 5 on storage is of an
+// earlier save attempt (its process then closed), and rank 0 of the next attempt persists step 5
+// and waits. Rank 1 will write no image of step 5 of this attempt, so the step can never commit:
+// wait() says so at once, naming the step and why, instead of waiting until its timeout.
+TEST_F(AgentTest, WaitForAStepWhoseImagesAreOfMixedAttemptsFailsAtOnceNamingWhy) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  auto options = [&](uint32_t rank, uint64_t attempt) {
+    ClientOptions o = Options();
+    o.agent_binary.clear();
+    o.rank = rank;
+    o.world_size = 2;
+    o.attempt = attempt;
+    return o;
+  };
+  // Rank 0 of the new attempt is connected first (else the agent exits once rank 1 closed).
+  ASSERT_OK_AND_ASSIGN(auto rank0, SnapshotClient::Connect(options(0, 22)));
+  {
+    ASSERT_OK_AND_ASSIGN(auto old_rank1, SnapshotClient::Connect(options(1, 11)));
+    SaveStep(*old_rank1, 5, /*persist=*/true);
+    ASSERT_OK(old_rank1->Close(kDeadlineSeconds));  // answered once its image is written
+  }
+  SaveStep(*rank0, 5, /*persist=*/true);
+  const Status w = rank0->Wait(kDeadlineSeconds);
+  EXPECT_EQ(w.code(), StatusCode::kCancelled) << w.ToString();
+  for (const char* part :
+       {"step 5 can never be committed", "attempt 22", "rank 1 closed", "attempt 11"}) {
+    EXPECT_NE(w.message().find(part), std::string::npos) << part << " not in " << w.ToString();
+  }
+  EXPECT_TRUE(Committed().empty());
+  ExpectServes();
+}
+
+// An S3 gateway on loopback that lists nothing, has no objects, and never answers an upload
+// (PUT or POST): a tier 0 that stalled. Each connection gets one answer and is closed; a stalled
+// one is held open until the server is destroyed.
+class StallingS3Server {
+ public:
+  StallingS3Server() {
+    fd_.Reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (::bind(fd_.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+        ::listen(fd_.get(), 16) != 0 ||
+        ::getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      return;
+    }
+    port_ = ntohs(a.sin_port);
+    accept_ = std::thread([this] { Accept(); });
+  }
+  ~StallingS3Server() {
+    stop_ = true;
+    ::shutdown(fd_.get(), SHUT_RDWR);  // wakes accept()
+    if (accept_.joinable()) accept_.join();
+    for (auto& t : connections_) t.join();
+  }
+  std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
+  int stalled() const { return stalled_.load(); }
+
+ private:
+  void Accept() {
+    for (;;) {
+      const int c = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) return;
+      connections_.emplace_back([this, c] { Serve(UniqueFd(c)); });
+    }
+  }
+  void Serve(UniqueFd c) {
+    std::string request;
+    char buf[4096];
+    while (request.find("\r\n\r\n") == std::string::npos) {
+      const ssize_t n = ::read(c.get(), buf, sizeof(buf));
+      if (n <= 0) return;
+      request.append(buf, static_cast<size_t>(n));
+    }
+    const std::string line = request.substr(0, request.find("\r\n"));
+    std::string answer;
+    if (line.rfind("PUT ", 0) == 0 || line.rfind("POST ", 0) == 0) {
+      ++stalled_;
+      while (!stop_) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    } else if (line.find("list-type=2") != std::string::npos) {
+      const std::string body =
+          "<?xml version=\"1.0\"?><ListBucketResult><IsTruncated>false</IsTruncated>"
+          "</ListBucketResult>";
+      answer =
+          "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+    } else if (line.rfind("DELETE ", 0) == 0) {
+      answer = "HTTP/1.1 204 No Content\r\n\r\n";
+    } else if (line.rfind("HEAD ", 0) == 0) {
+      answer = "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+    } else {
+      const std::string body = "<Error><Code>NoSuchKey</Code></Error>";
+      answer = "HTTP/1.1 404 Not Found\r\nContent-Length: " + std::to_string(body.size()) +
+               "\r\n\r\n" + body;
+    }
+    answer.insert(answer.find("\r\n") + 2, "Connection: close\r\n");
+    SendAll(c.get(), answer);
+  }
+
+  UniqueFd fd_;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> stalled_{0};
+  std::thread accept_;
+  std::vector<std::thread> connections_;  // only the accept thread adds, until it is joined
+};
+
+// Sets or unsets environment variables for the scope (the agents started meanwhile inherit them).
+class ScopedSetenv {
+ public:
+  void Set(const char* name, const std::string& value) {
+    const char* old = std::getenv(name);
+    saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+    ::setenv(name, value.c_str(), 1);
+  }
+  void Unset(const char* name) {
+    Set(name, "");
+    ::unsetenv(name);
+  }
+  ~ScopedSetenv() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) {
+        ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      } else {
+        ::unsetenv(it->first.c_str());
+      }
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// SIGTERM while the agent's own storage (tier 0) stalls in the middle of persisting: the agent
+// cancels the upload after its shutdown grace and exits, instead of waiting out the request's
+// timeout for each of its attempts (here 600 s times 5); the snapshot stays in shared memory.
+TEST_F(AgentTest, SigtermWhilePersistingToAStalledStorageEndsAfterTheGraceKeepingTheSnapshot) {
+  StallingS3Server s3;
+  ASSERT_NE(s3.port(), 0);
+  ScopedSetenv env;
+  for (const char* v : {"AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                        "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE",
+                        "AWS_CONFIG_FILE", "SAFEPOINT_STORAGE_TIMEOUT"}) {
+    env.Unset(v);
+  }
+  env.Set("AWS_ENDPOINT_URL", s3.endpoint());
+  env.Set("AWS_ACCESS_KEY_ID", "k");
+  env.Set("AWS_SECRET_ACCESS_KEY", "s");
+  env.Set("SAFEPOINT_SHUTDOWN_GRACE_SECONDS", "1");
+  storage_ = "s3://bucket/p?timeout=600&retries=4";
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ClientOptions o = Options();
+  o.agent_binary.clear();  // no new agent after this one stops
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(o));
+  SaveStep(*client, 3, /*persist=*/true);
+  ASSERT_TRUE(WaitUntil([&] { return s3.stalled() > 0; })) << "the upload never started";
+
+  ASSERT_EQ(::kill(agent_, SIGTERM), 0);
+  ExpectExitsWith(agent_, 0);  // before the fix it still waited on the upload at the deadline
+  auto log = test::ReadFileToString(logs_.back());
+  ASSERT_TRUE(log);
+  EXPECT_NE(log->find("did not finish within the shutdown grace"), std::string::npos) << *log;
+  // The snapshot stays in shared memory, not leased: a later agent adopts and persists it.
+  ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir_, 0));
+  bool kept = false;
+  for (const SlotInfo& slot : arena->Slots()) {
+    if (slot.state == SlotState::kComplete && slot.step == 3) kept = !slot.leased;
+  }
+  EXPECT_TRUE(kept) << "step 3's snapshot is gone from shared memory or still leased";
+  auto mem = client->LoadNewest(std::nullopt);
+  ASSERT_OK(mem);
+  EXPECT_EQ(mem->step, 3u);
 }
 
 }  // namespace

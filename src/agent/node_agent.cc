@@ -77,6 +77,16 @@ double TierRetrySeconds() {
   return (end != nullptr && *end == '\0' && d > 0 && d <= 60) ? d : 1.0;
 }
 
+// How long a stopping agent lets its persists and then its tier copies run before it cancels
+// them ($SAFEPOINT_SHUTDOWN_GRACE_SECONDS, default kShutdownGraceSeconds).
+double ShutdownGraceSeconds() {
+  const char* v = std::getenv("SAFEPOINT_SHUTDOWN_GRACE_SECONDS");
+  if (v == nullptr || *v == '\0') return kShutdownGraceSeconds;
+  char* end = nullptr;
+  const double d = std::strtod(v, &end);
+  return (end != nullptr && *end == '\0' && d >= 0 && d <= 3600) ? d : kShutdownGraceSeconds;
+}
+
 void NodeAgent::Wake() {
   const uint64_t one = 1;
   if (::write(event_fd_.get(), &one, sizeof(one)) < 0) {
@@ -255,6 +265,7 @@ void NodeAgent::DrainResults() {
       rs.last_persist_bytes = r.bytes;
       rs.outcomes[step] = Status::OK();
       rs.persisted_generation[step] = {r.task.slot, r.task.generation};
+      rs.persisted_attempt[step] = r.attempt;
       if (r.committed) {
         committed_cache_.insert(step);
         newest_committed_ = std::max(newest_committed_.value_or(0), step);
@@ -282,7 +293,93 @@ void NodeAgent::DrainResults() {
     while (rs.persisted_generation.size() > 64) {
       rs.persisted_generation.erase(rs.persisted_generation.begin());
     }
+    while (rs.persisted_attempt.size() > 64) {
+      rs.persisted_attempt.erase(rs.persisted_attempt.begin());
+    }
   }
+}
+
+// A rank that will persist nothing more: closed, or no process of it alive (its pid from its
+// hello, else, for a rank only adopted, the slots' writers).
+bool NodeAgent::RankGone(const RankState& rs) const {
+  if (rs.closed) return true;
+  if (rs.connected) return false;
+  if (rs.pid != 0) return !internal::ProcessAlive({rs.pid, 0});
+  if (!rs.arena) return false;
+  for (const SlotInfo& s : rs.arena->Slots()) {
+    if (s.writer_pid != 0 && internal::ProcessAlive({s.writer_pid, s.writer_start_ticks})) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A wait for a step that `rank` persisted, which is not committed: is the step final without a
+// commit? Storage may hold another rank's image of the step of another save attempt (a crashed
+// run's leftover, or the rank re-saved the step after a restart), or none, and the step commits
+// only from images of one attempt. While another node's agent may still write an image, or a rank
+// of this node may still persist the step, nothing is final: decided only where this agent serves
+// every rank of the job and, for every rank, nothing of the step is queued and either its image
+// of this attempt was written here, or its process will persist nothing more of the step (it
+// closed, is gone, or asked for a later step since its hello). Then a last TryCommit (what the
+// worker would have done) commits the step if the images belong together after all (OK), and
+// otherwise the wait gets an error naming the step and why, instead of waiting until its timeout.
+std::optional<Status> NodeAgent::StepNeverCommits(uint64_t step, uint32_t rank) {
+  if (!config_ || !store_) return std::nullopt;
+  const auto own = ranks_[rank].persisted_attempt.find(step);
+  if (own == ranks_[rank].persisted_attempt.end()) return std::nullopt;
+  const uint64_t attempt = own->second;
+  std::vector<std::string> why;
+  for (uint32_t r = 0; r < config_->world_size; ++r) {
+    const auto found = ranks_.find(r);
+    if (found == ranks_.end()) return std::nullopt;  // served elsewhere, or not connected yet
+    const RankState& rs = found->second;
+    if (rs.pending.contains(step)) return std::nullopt;
+    const auto written = rs.persisted_attempt.find(step);
+    const auto outcome = rs.outcomes.find(step);
+    if (written != rs.persisted_attempt.end() && written->second == attempt &&
+        outcome != rs.outcomes.end() && outcome->second.ok()) {
+      continue;  // its image of this attempt is on storage
+    }
+    const std::string who = "rank " + std::to_string(r);
+    if (rs.newest_asked && *rs.newest_asked > step) {
+      why.push_back(who + " went on to step " + std::to_string(*rs.newest_asked) +
+                    " without persisting this one");
+    } else if (RankGone(rs)) {
+      why.push_back(who + (rs.closed ? " closed" : " is gone") + " without persisting it");
+    } else {
+      return std::nullopt;  // that rank may still persist the step
+    }
+    if (written != rs.persisted_attempt.end() && written->second != attempt) {
+      why.back() +=
+          " (its image of the step is of save attempt " + std::to_string(written->second) + ")";
+    } else if (outcome != rs.outcomes.end() && !outcome->second.ok()) {
+      why.back() += " (" + outcome->second.message() + ")";
+    }
+  }
+  auto committed = store_->TryCommit(step, config_->world_size, opt_.job, attempt);
+  if (committed.ok() && *committed) {
+    committed_cache_.insert(step);
+    newest_committed_ = std::max(newest_committed_.value_or(0), step);
+    tiers_.Committed(step);
+    return Status::OK();
+  }
+  if (!committed.ok()) {
+    spdlog::warn("step {}: checking its images failed: {}", step, committed.status().ToString());
+    return std::nullopt;  // looked at again at the next poll
+  }
+  if (why.empty()) return std::nullopt;  // every image was written here: the storage decides
+  std::string reasons;
+  for (const std::string& w : why) reasons += (reasons.empty() ? "" : "; ") + w;
+  Status s = Cancelled(
+      "step " + std::to_string(step) + " can never be committed: not every rank has an image " +
+      "of it of save attempt " + std::to_string(attempt) + " on " + config_->storage +
+      ", and no rank will write one (" + reasons +
+      "); an image of another attempt (a crashed run's, or the step saved again after a " +
+      "restart) is never committed with it. The newest committed step is " +
+      (newest_committed_ ? std::to_string(*newest_committed_) : std::string("none")));
+  spdlog::error("{}", s.message());
+  return s;
 }
 
 void NodeAgent::AnswerWaits() {
@@ -318,6 +415,12 @@ void NodeAgent::AnswerWaits() {
            (StepCommitted(step) || SupersededOnStorage(step)))) {
         Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, Status::OK()}));
         continue;
+      }
+      if (poll_commits && it != rs.outcomes.end()) {
+        if (std::optional<Status> never = StepNeverCommits(step, c->rank)) {
+          Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, *never}));
+          continue;
+        }
       }
       if (it == rs.outcomes.end() && !rs.pending.contains(step)) {
         const Status s =
@@ -631,6 +734,7 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
   rs.connected = true;
   rs.closed = false;
   rs.pid = c.pid;
+  rs.newest_asked.reset();
   saw_client_ = true;
   ConfigureTelemetry(hello);
   spdlog::info("rank {} connected (pid {})", hello.rank, c.pid);
@@ -648,6 +752,7 @@ Status NodeAgent::HandleSnapshot(Client& c, protocol::SnapshotNote note) {
     replicator_.EnqueuePush(PushTask{c.rank, note.slot, note.generation, note.step});
   }
   if (!note.persist) return Status::OK();
+  rs.newest_asked = std::max(rs.newest_asked.value_or(0), note.step);
   // Already queued (e.g. adopted by this agent after a restart). Only this very snapshot counts:
   // the same step may sit in the other slot too (saved before a restart, and again after the
   // ranks resumed from an older step), and skipping this one would leak its lease.
@@ -855,13 +960,26 @@ void NodeAgent::Shutdown() {
     }
   }
   replicator_.Stop();
-  queue_.Stop();
+  // The persists run for up to the grace; a tier 0 that stalls (an S3 gateway or OSD that stopped
+  // answering) is then cancelled instead of holding the agent for its requests' timeout times
+  // their attempts per snapshot. What was not persisted stays in shared memory: the ranks' hot
+  // reload and the next agent of the job (which adopts and persists it) still have it.
+  const double grace = ShutdownGraceSeconds();
+  const double deadline = MonotonicSeconds() + grace;
+  if (!queue_.Stop(grace)) {
+    spdlog::error(
+        "persisting to {} did not finish within the shutdown grace of {:g} s "
+        "($SAFEPOINT_SHUTDOWN_GRACE_SECONDS): cancelled; the snapshots not persisted stay in "
+        "shared memory for the next agent of this job",
+        config_ ? config_->storage : std::string("the storage"), grace);
+  }
   DrainResults();
   AnswerWaits();
-  // The steps just committed go down the tiers too, for a bounded time: a stalled tier must not
-  // keep the agent from exiting (its copy resumes when the next agent adopts the job).
+  // The steps just committed go down the tiers too, for what is left of the grace: a stalled
+  // tier must not keep the agent from exiting (its copy resumes when the next agent adopts the
+  // job).
   PollCommitsForTiers();
-  tiers_.Stop(kTierDrainSeconds);
+  tiers_.Stop(std::max(0.0, deadline - MonotonicSeconds()));
   for (auto& [rank, rs] : ranks_) {
     if (rs.arena) rs.arena->ClearLeases();
   }

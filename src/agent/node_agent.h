@@ -64,6 +64,10 @@ struct RankState {
   // step -> (slot, generation) of the snapshot persisted for it. Generations count per slot, so
   // the same step saved again into the other slot may carry an equal generation: match both.
   std::map<uint64_t, std::pair<uint32_t, uint64_t>> persisted_generation;
+  std::map<uint64_t, uint64_t> persisted_attempt;  // step -> save attempt of the image written
+  // The newest step the rank's connected process asked to persist (reset at its hello): a rank
+  // that asked for a later step never asks for an earlier one.
+  std::optional<uint64_t> newest_asked;
   std::multiset<uint64_t> pending;  // steps queued or in flight, once per task
 };
 
@@ -109,6 +113,10 @@ class NodeAgent {
   Status HandlePeerMessage(Client& c, const protocol::Message& m);
   void AnswerWaits();
   bool StepCommitted(uint64_t step);
+  // Why `step`, which `rank` persisted, can never commit (nullopt: it still may); OK when a last
+  // look committed it after all. See node_agent.cc.
+  std::optional<Status> StepNeverCommits(uint64_t step, uint32_t rank);
+  bool RankGone(const RankState& rs) const;
   // The storage holds `keep` committed steps newer than `step`: retention removes it at commit.
   bool SupersededOnStorage(uint64_t step);
   void Reply(Client& c, protocol::MessageType type, const std::string& payload);
@@ -164,8 +172,10 @@ class NodeAgent {
 
 double MonotonicSeconds();
 double TierRetrySeconds();
+double ShutdownGraceSeconds();
 
-// How long a stopping agent lets its tier copies finish before cancelling them.
-inline constexpr double kTierDrainSeconds = 30;
+// How long a stopping agent lets its persists, then its tier copies, run before it cancels them
+// (one deadline for both; $SAFEPOINT_SHUTDOWN_GRACE_SECONDS overrides).
+inline constexpr double kShutdownGraceSeconds = 30;
 
 }  // namespace safepoint::agent

@@ -2,10 +2,13 @@
 #include "agent/persist_queue.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "base/kill_point.h"
 #include "base/parallel.h"
 #include "shm/arena.h"
+#include "storage/cancellable.h"
 
 namespace safepoint::agent {
 
@@ -86,6 +89,25 @@ bool PersistQueue::Busy() const {
 
 void PersistQueue::Stop() { worker_.Stop(); }
 
+bool PersistQueue::Stop(double grace_seconds) {
+  if (!worker_.started()) return true;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_seconds);
+  while (Busy() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const Progress left = progress();
+  const bool drained = left.queued == 0 && !left.in_flight;
+  if (!drained) {
+    // A stalled storage would otherwise hold the agent for its requests' timeout times their
+    // attempts per task: its requests end now, and the tasks left fail without being sent.
+    cancelled_ = true;
+    internal::CancelStorageRequests(target_.store->storage());
+  }
+  worker_.Stop();
+  return drained;
+}
+
 // The stored image of a snapshot whose replicas other ranks write: the same tensors, extras and
 // identity, with the skipped tensors marked "elsewhere" (no bytes). Every chunk of the snapshot
 // is verified first, so the checksums of the new layout cover bytes that were checked
@@ -124,6 +146,13 @@ std::vector<uint64_t> PersistQueue::Prune() {
 PersistResult PersistQueue::Persist(const PersistTask& t) {
   PersistResult r;
   r.task = t;
+  if (cancelled_) {
+    r.status = Cancelled("the agent stopped before step " + std::to_string(t.step) + " of rank " +
+                         std::to_string(t.rank) +
+                         " was persisted (its storage did not finish "
+                         "within the shutdown grace); the snapshot stays in shared memory");
+    return r;
+  }
   auto arena = Arena::Open(job_dir_, t.rank);
   if (!arena.ok()) {
     r.status = arena.status();
@@ -161,6 +190,7 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     r.status = Corruption(source + ": the snapshot's header does not match its slot");
     return r;
   }
+  r.attempt = header->first.attempt;
   SP_KILL_POINT("agent.persist.leased");
   // A committed step is never replaced. Either this very snapshot is committed already (persisted
   // twice: adopted, flushed), or an earlier run committed the step before the ranks resumed from

@@ -18,6 +18,7 @@
 // drains on stop.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -60,6 +61,7 @@ struct PersistResult {
   Status status;
   bool superseded = false;  // the slot no longer held the snapshot: nothing was written
   bool committed = false;   // the step is committed (by this task or before it)
+  uint64_t attempt = 0;     // the save attempt of the snapshot (from its header)
   uint64_t bytes = 0;
   double seconds = 0;
   std::vector<uint64_t> pruned;  // committed steps removed by retention
@@ -103,6 +105,12 @@ class PersistQueue {
 
   // Runs what is queued to the end, then stops the worker. Idempotent.
   void Stop();
+  // Stop, bounded: lets the queue run for up to `grace_seconds`; what is still queued or in
+  // flight then is cancelled (the storage's requests in flight end at once, e.g. a stalled S3
+  // upload; the tasks left fail with Cancelled without touching the storage) and the worker
+  // stops. The snapshots stay in shared memory for a later agent. True when nothing had to be
+  // cancelled.
+  bool Stop(double grace_seconds);
 
  private:
   using Loop = internal::WorkerLoop<PersistTask>;
@@ -117,6 +125,8 @@ class PersistQueue {
   // Written by Start before the worker exists, then read-only.
   std::string job_dir_;
   PersistTarget target_;
+
+  std::atomic<bool> cancelled_{false};  // Stop(grace) gave up: the tasks left fail at once
 
   mutable std::mutex mu_;  // guards everything below
   std::deque<PersistTask> queue_;

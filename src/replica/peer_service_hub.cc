@@ -4,6 +4,7 @@
 // chunks, closing and dropping connections, dispatching what arrives (control messages to the
 // server side or a waiting client, chunks into the transfer's buffer) and timing out idle ones.
 #include <arpa/inet.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -30,12 +31,18 @@ constexpr const char* kDefaultTls = "^sm";
 }  // namespace
 
 Result<sockaddr_storage> ResolveAddress(const std::string& host, uint16_t port, socklen_t* len) {
+  // An IPv6 address may come in brackets ("[::1]", as in "[::1]:PORT"); a link-local one keeps
+  // its interface ("fe80::1%eth0"), which getaddrinfo turns into the scope id.
+  std::string name = host;
+  if (name.size() >= 2 && name.front() == '[' && name.back() == ']') {
+    name = name.substr(1, name.size() - 2);
+  }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   const std::string service = std::to_string(port);
-  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0 || !res)
+  if (int rc = getaddrinfo(name.c_str(), service.c_str(), &hints, &res); rc != 0 || !res)
     return Unavailable("cannot resolve " + host + ": " + gai_strerror(rc));
   sockaddr_storage ss{};
   std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
@@ -54,7 +61,39 @@ std::string FormatAddress(const sockaddr_storage& ss) {
   auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
   char ip[INET6_ADDRSTRLEN] = {};
   inet_ntop(AF_INET6, &in6->sin6_addr, ip, sizeof ip);
-  return internal::FormatHostPort(ip, ntohs(in6->sin6_port));
+  std::string host = ip;
+  // A link-local address is reachable only through its interface: peers need "%IFACE" too.
+  char ifname[IF_NAMESIZE] = {};
+  if (in6->sin6_scope_id != 0 && if_indextoname(in6->sin6_scope_id, ifname) != nullptr) {
+    host += std::string("%") + ifname;
+  }
+  return internal::FormatHostPort(host, ntohs(in6->sin6_port));
+}
+
+// The IPv6 addresses UCX's TCP transport cannot carry data over, refused with the way out
+// (found with UCX 1.13.1: docs/replication.md).
+Status PeerServiceImpl::CheckIpv6BindAddress(const sockaddr_storage& ss) const {
+  if (ss.ss_family != AF_INET6) return Status::OK();
+  const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+  const std::string what = "peer service of node " + options_.node + ": " + options_.bind_host;
+  if (IN6_IS_ADDR_LINKLOCAL(&in6->sin6_addr)) {
+    return InvalidArgument(
+        what +
+        " is a link-local IPv6 address, which UCX's TCP transport cannot connect to (it drops "
+        "the interface when it connects its data lane: EINVAL); set $SAFEPOINT_PEER_HOST to a "
+        "global or unique-local IPv6 address of the interface, or to an IPv4 one");
+  }
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr) && (major < 1 || (major == 1 && minor < 14))) {
+    return InvalidArgument(
+        what + " is the IPv6 loopback, which UCX " + std::to_string(major) + "." +
+        std::to_string(minor) + "." + std::to_string(release) +
+        "'s TCP transport has no device for (UCX 1.14 added it), so no data could follow a "
+        "connection; use 127.0.0.1, or a global IPv6 address of an interface "
+        "($SAFEPOINT_PEER_HOST)");
+  }
+  return Status::OK();
 }
 
 // ---- UCX trampolines ----
@@ -90,10 +129,19 @@ void RecvCb(void* request, ucs_status_t status, size_t length, void* user_data) 
 std::mutex UcpHub::instance_mu_;
 std::weak_ptr<UcpHub> UcpHub::instance_;
 
-Result<std::shared_ptr<UcpHub>> UcpHub::Acquire() {
+Result<std::shared_ptr<UcpHub>> UcpHub::Acquire(int family) {
   std::lock_guard lk(instance_mu_);
-  if (auto hub = instance_.lock()) return hub;
+  if (auto hub = instance_.lock()) {
+    if (hub->family_ == family) return hub;
+    auto name = [](int f) { return f == AF_INET6 ? "IPv6" : "IPv4"; };
+    return InvalidArgument(
+        std::string("the peer services of this process listen on ") + name(hub->family_) +
+        " addresses; one on an " + name(family) +
+        " address cannot run beside them (UCX's TCP transport carries one address family per "
+        "process, UCX_TCP_AF_PRIO)");
+  }
   std::shared_ptr<UcpHub> hub(new UcpHub());
+  hub->family_ = family;
   SP_RETURN_IF_ERROR(hub->Init());
   instance_ = hub;
   return hub;
@@ -106,6 +154,19 @@ void UcpHub::Release(std::shared_ptr<UcpHub>& hub) {
 }
 
 Status UcpHub::Init() {
+  // IPv6 peers: the data connections listen on the interfaces' IPv6 addresses (UcpHub). UCX
+  // 1.13 takes the TCP transport's options from the environment only (ucp_config_modify's
+  // "TCP_AF_PRIO" is refused as an invalid configuration), read when the worker opens its
+  // interfaces; a value the user set is kept, and ours is taken back for a later IPv4 hub.
+  // Under instance_mu_.
+  static bool af_prio_set_here = false;
+  if (family_ == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) {
+    ::setenv("UCX_TCP_AF_PRIO", "inet6", /*overwrite=*/0);
+    af_prio_set_here = true;
+  } else if (family_ != AF_INET6 && af_prio_set_here) {
+    ::unsetenv("UCX_TCP_AF_PRIO");
+    af_prio_set_here = false;
+  }
   int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (efd < 0) return ErrnoStatus("eventfd", "peer service", errno);
   wake_fd_ = internal::UniqueFd(efd);
@@ -263,7 +324,8 @@ Status PeerServiceImpl::Init() {
   socklen_t len = 0;
   SP_ASSIGN_OR_RETURN(sockaddr_storage bind_addr,
                       ResolveAddress(options_.bind_host, options_.port, &len));
-  Result<std::shared_ptr<UcpHub>> hub = UcpHub::Acquire();
+  SP_RETURN_IF_ERROR(CheckIpv6BindAddress(bind_addr));
+  Result<std::shared_ptr<UcpHub>> hub = UcpHub::Acquire(bind_addr.ss_family);
   if (!hub.ok()) {
     const char* tls = std::getenv("UCX_TLS");
     return Status(
@@ -285,7 +347,7 @@ Status PeerServiceImpl::Init() {
     lp.conn_handler.arg = this;
     if (ucs_status_t s = ucp_listener_create(hub_->worker(), &lp, &listener_); s != UCS_OK) {
       listener_ = nullptr;
-      listening = Unavailable("UCX: cannot listen on " + options_.bind_host + ":" +
+      listening = Unavailable("UCX: cannot listen on " + options_.bind_host + " port " +
                               std::to_string(options_.port) + ": " + UcsError(s));
       return;
     }

@@ -166,9 +166,17 @@ struct RecvCtx {
 // The process's UCP context, worker and progress thread (see the top of this file). Acquire()
 // returns the one hub of the process, creating it on first use; the last service to release it
 // (Release) tears it down.
+//
+// One address family per hub (`family`: AF_INET or AF_INET6, of the services' bind addresses).
+// UCX's TCP transport listens for its data connections on one address per interface, chosen by
+// UCX_TCP_AF_PRIO (default "inet,inet6": the IPv4 one), while the side that accepts a connection
+// connects its data lane to the address the connection came from: with IPv6 peers that is an
+// IPv6 address nobody listens on ("Connection refused", then "Destination is unreachable").
+// An IPv6 hub therefore asks for "inet6" (unless $UCX_TCP_AF_PRIO is set), and a service of the
+// other family is refused while the hub lives.
 class UcpHub {
  public:
-  static Result<std::shared_ptr<UcpHub>> Acquire();
+  static Result<std::shared_ptr<UcpHub>> Acquire(int family);
   static void Release(std::shared_ptr<UcpHub>& hub);
   ~UcpHub();
 
@@ -188,6 +196,7 @@ class UcpHub {
  private:
   UcpHub() = default;
   Status Init();
+  int family_ = AF_INET;
   void Run();
   void RunTasks();
   void ReapCloses();
@@ -219,6 +228,7 @@ class PeerServiceImpl final : public PeerService {
   ~PeerServiceImpl() override { Stop(); }
 
   Status Init();
+  Status CheckIpv6BindAddress(const sockaddr_storage& ss) const;
   // Refuses connection requests, closes every connection and stops the store thread; the
   // listener and the hub stay (Retire). Idempotent.
   void Quiesce();

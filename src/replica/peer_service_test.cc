@@ -4,6 +4,8 @@
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
@@ -720,6 +722,99 @@ TEST_F(PeerServiceTest, ReceiverKeepsTheNewestSnapshots) {
   ASSERT_EQ(kept.size(), 2u);
   EXPECT_EQ(kept[0].step, 3u);
   EXPECT_EQ(kept[1].step, 4u);
+}
+
+// An IPv6 address of an interface that is up: link-local ("fe80::1%eth0", with its interface)
+// or not (a global or unique-local one), or nothing.
+std::optional<std::string> Ipv6InterfaceAddress(bool link_local) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return std::nullopt;
+  std::optional<std::string> found;
+  for (ifaddrs* i = list; i && !found; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET6 || !(i->ifa_flags & IFF_UP) ||
+        (i->ifa_flags & IFF_LOOPBACK)) {
+      continue;
+    }
+    const auto* sin6 = reinterpret_cast<const sockaddr_in6*>(i->ifa_addr);
+    if (IN6_IS_ADDR_LINKLOCAL(&sin6->sin6_addr) != link_local) continue;
+    char ip[INET6_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET6, &sin6->sin6_addr, ip, sizeof ip);
+    found = link_local ? std::string(ip) + "%" + i->ifa_name : std::string(ip);
+  }
+  ::freeifaddrs(list);
+  return found;
+}
+
+// IPv6 peers: services bound to an interface's IPv6 address (given plain or in brackets, as
+// $SAFEPOINT_PEER_HOST may be written) advertise "[ADDR]:PORT", and a mirror push, a list and a
+// fetch go over it (UCX's TCP transport is told to listen on IPv6: without it the accepting side
+// connected its data lane to an IPv6 address nobody listened on).
+TEST_F(PeerServiceTest, MirrorPushListAndFetchBetweenIpv6Peers) {
+  const std::optional<std::string> ip = Ipv6InterfaceAddress(/*link_local=*/false);
+  if (!ip) GTEST_SKIP() << "no interface here has a global or unique-local IPv6 address";
+  Node* a = StartNode("a", [&](PeerServiceOptions& o) { o.bind_host = *ip; });
+  Node* b = StartNode("b", [&](PeerServiceOptions& o) { o.bind_host = "[" + *ip + "]"; });
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(b->svc->address().rfind("[" + *ip + "]:", 0), 0u) << b->svc->address();
+  const std::vector<std::byte> image = test::PatternBytes((1 << 20) + 17, 3);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, a->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  ASSERT_EQ(pushed.targets.size(), 1u);
+  ASSERT_OK(pushed.targets[0]);
+  EXPECT_EQ(Stored(b), 1u);
+  std::vector<Status> errors;
+  std::vector<Holding> holdings = a->svc->List({b->peer()}, kId.rank, &errors);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_OK(errors[0]);
+  ASSERT_EQ(holdings.size(), 1u);
+  std::vector<std::byte> out(image.size());
+  ASSERT_OK(a->svc->FetchImage(holdings, kId, out));
+  EXPECT_EQ(test::FirstMismatch(out, 3), -1);
+  // One address family per process: an IPv4 service is refused beside them, naming why.
+  test::TempDir dir("peer-service-test");
+  auto store = ReplicaStore::Open(dir.path());
+  ASSERT_OK(store);
+  auto v4 = PeerService::Start(Options("v4"), store->get());
+  ASSERT_FALSE(v4.ok());
+  EXPECT_EQ(v4.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v4.status().message().find("one address family per process"), std::string::npos)
+      << v4.status().ToString();
+}
+
+// The IPv6 addresses UCX's TCP transport cannot carry data over are refused when the service
+// starts, naming the way out, instead of failing every push (before: "Destination is
+// unreachable" on the accepting side, and the pusher's "Operation rejected by remote peer").
+TEST_F(PeerServiceTest, Ipv6AddressesUcxCannotCarryAreRefusedNamingTheWayOut) {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (major == 1 && minor < 14) {  // UCX 1.14 lists the IPv6 loopback as a TCP device
+    test::TempDir dir("peer-service-test");
+    auto store = ReplicaStore::Open(dir.path());
+    ASSERT_OK(store);
+    PeerServiceOptions o = Options("lo6");
+    o.bind_host = "::1";
+    auto svc = PeerService::Start(o, store->get());
+    ASSERT_FALSE(svc.ok());
+    EXPECT_EQ(svc.status().code(), StatusCode::kInvalidArgument);
+    for (const char* part : {"::1", "IPv6 loopback", "127.0.0.1", "SAFEPOINT_PEER_HOST"}) {
+      EXPECT_NE(svc.status().message().find(part), std::string::npos)
+          << part << " not in " << svc.status().ToString();
+    }
+  }
+  const std::optional<std::string> link_local = Ipv6InterfaceAddress(/*link_local=*/true);
+  if (!link_local) GTEST_SKIP() << "no interface with a link-local IPv6 address is up";
+  test::TempDir dir("peer-service-test");
+  auto store = ReplicaStore::Open(dir.path());
+  ASSERT_OK(store);
+  PeerServiceOptions o = Options("ll");
+  o.bind_host = *link_local;
+  auto svc = PeerService::Start(o, store->get());
+  ASSERT_FALSE(svc.ok());
+  EXPECT_EQ(svc.status().code(), StatusCode::kInvalidArgument);
+  for (const char* part : {"link-local", "global or unique-local", "SAFEPOINT_PEER_HOST"}) {
+    EXPECT_NE(svc.status().message().find(part), std::string::npos)
+        << part << " not in " << svc.status().ToString();
+  }
 }
 
 // Not tests: two halves of a manual check across network namespaces (docs: run the server half

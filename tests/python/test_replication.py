@@ -151,3 +151,31 @@ def test_a_restarted_agent_gets_the_peer_setup_again(cluster, tmp_path):
     assert again[2]["replication"][0]["protected"], again[2]
     assert not again[0]["replication"][0]["protected"] and again[0]["replication"][0]["error"]
     job.kill()
+
+
+def test_the_peer_host_of_an_ipv6_job_is_an_ipv6_address(monkeypatch):
+    # IPv6 peers: the address a node's peer service binds follows the master's address family
+    # (before: an IPv4-only probe, then the hostname's IPv4 address), and one given in brackets,
+    # as in [::1]:PORT, is taken without them. No cluster needed.
+    import socket
+
+    import pytest
+
+    from safepoint import _replication
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.connect(("::1", 29500))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    monkeypatch.delenv("SAFEPOINT_PEER_HOST", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "::1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert _replication.bind_host() == "::1"
+    monkeypatch.setenv("MASTER_ADDR", "[::1]")
+    assert _replication.bind_host() == "::1"
+    monkeypatch.setenv("SAFEPOINT_PEER_HOST", "[::1]")
+    assert _replication.bind_host() == "::1"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("SAFEPOINT_PEER_HOST")
+    assert _replication.bind_host() == "127.0.0.1"
