@@ -34,12 +34,14 @@ test-cpp: build-tests
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 # pytest-xdist: PYTEST_JOBS workers (the tests wait on agents and subprocesses more than they
-# compute, so more workers than cores); tests marked `serial` (a whole-machine resource: network
+# compute, so more workers than cores), a module's tests on one worker except the examples',
+# which spread one by one (xdist groups and the order the workers take them in:
+# tests/python/conftest.py); tests marked `serial` (a whole-machine resource: network
 # namespaces, timing-sensitive measurements) run afterwards, alone. The slowest tests are listed
 # at the end of each run (--durations), to keep `make test` within its time.
 PYTEST_JOBS ?= 4
 test-python: build-tests
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not serial" --durations=15 tests/python
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial" --durations=15 tests/python
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m serial --durations=10 tests/python
 
 # One throwaway Ceph cluster (scripts/with-ceph.sh) for the C++ and the Python tests: the rados://
