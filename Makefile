@@ -34,20 +34,22 @@ test-cpp: build-tests
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 # pytest-xdist: PYTEST_JOBS workers (the tests wait on agents and subprocesses more than they
-# compute, so more workers than cores); tests marked `serial` (a whole-machine resource: network
+# compute, so more workers than cores), a module's tests on one worker except the examples',
+# which spread one by one (xdist groups and the order the workers take them in:
+# tests/python/conftest.py); tests marked `serial` (a whole-machine resource: network
 # namespaces, timing-sensitive measurements) run afterwards, alone. The slowest tests are listed
 # at the end of each run (--durations), to keep `make test` within its time.
 PYTEST_JOBS ?= 4
 test-python: build-tests
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not serial" --durations=15 tests/python
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial" --durations=15 tests/python
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m serial --durations=10 tests/python
 
 # One throwaway Ceph cluster (scripts/with-ceph.sh) for the C++ and the Python tests: the rados://
 # and s3:// tests run against it, and skip where it cannot run (not root, Ceph not installed).
-# The crash campaign builds its own tree (build/crash) while the Ceph tests run.
+# The short crash campaign runs the same build (build/py) afterwards.
 test: build-tests
 	scripts/with-ceph.sh $(MAKE) --no-print-directory test-cpp test-python
-	$(MAKE) --no-print-directory test-crash
+	$(MAKE) --no-print-directory test-crash CRASH_BUILD_DEP=build-tests
 
 # Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
 # the Python package (configured in pyproject.toml). mypy reads the _core.pyi the build generates.
@@ -60,14 +62,14 @@ lint: build setup-lint
 	$(VENV)/bin/mypy
 
 # The crash campaign (tests/crash, docs/reliability.md): kill -9 at random moments and at named
-# kill points. Kill points exist only in this separate build (build/crash, never installed or
-# shipped); `make test` runs a short campaign, `make crashtest` a long one.
-CRASH_BUILD := build/crash
+# kill points. Every build has the kill points (armed only by SAFEPOINT_KILL_AT), so the campaign
+# runs `make build`'s package, safepointd and CLI from build/py; crash-build is that build
+# (`build-tests` under `make test`, which has built it already with the same configuration).
+# `make test` runs a short campaign, `make crashtest` a long one.
+CRASH_BUILD := $(BUILD)
+CRASH_BUILD_DEP ?= build
 CRASH_KILLS ?= 1000
-crash-build: setup
-	cmake -S . -B $(CRASH_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSAFEPOINT_BUILD_TESTS=OFF \
-	    -DSAFEPOINT_BUILD_PYTHON=ON -DSAFEPOINT_KILL_POINTS=ON -DPython_EXECUTABLE=$(CURDIR)/$(PY) >/dev/null
-	cmake --build $(CRASH_BUILD) -j$(JOBS) --target _core safepointd safepoint_cli
+crash-build: $(CRASH_BUILD_DEP)
 
 # The short run has a fixed seed (the same plan of kill points every time; where random-moment
 # kills land still depends on timing); `make crashtest` draws a new seed each run.

@@ -153,8 +153,6 @@ int CmdVersion() {
             << "crc32c: isa-l\n"
             << "zstd: " << (SAFEPOINT_HAVE_ZSTD ? "yes" : "no") << "\n"
             << "io_uring: " << (SAFEPOINT_HAVE_URING ? "available (not used yet)" : "no") << "\n";
-  // Only test builds for the crash campaign have them (src/base/kill_point.h).
-  if (SAFEPOINT_HAVE_KILL_POINTS) std::cout << "kill points: yes (test build, not for use)\n";
   return kExitOk;
 }
 

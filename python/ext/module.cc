@@ -34,5 +34,4 @@ NB_MODULE(_core, m) {
   m.attr("__version__") = SAFEPOINT_VERSION;
   m.attr("VERSION") = SAFEPOINT_VERSION;  // __version__ for type checkers (stubs omit dunders)
   m.attr("FORMAT_VERSION") = kImageFormatVersion;
-  m.attr("KILL_POINTS") = static_cast<bool>(SAFEPOINT_HAVE_KILL_POINTS);  // crash-test builds only
 }

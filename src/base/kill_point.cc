@@ -1,9 +1,5 @@
-// Kill points (src/base/kill_point.h). Only kill-point builds compile anything here.
+// Kill points (src/base/kill_point.h): compiled into every build, armed by SAFEPOINT_KILL_AT.
 #include "base/kill_point.h"
-
-#include "base/unique_fd.h"
-
-#if defined(SAFEPOINT_KILL_POINTS)
 
 #include <fcntl.h>
 #include <signal.h>
@@ -15,7 +11,13 @@
 #include <cstdlib>
 #include <string>
 
+#include "base/unique_fd.h"
+
 namespace safepoint::internal {
+
+// Constant-initialized: kUnread before any constructor runs, so a hit from another static's
+// constructor reads the environment too.
+constinit std::atomic<KillPointsState> g_kill_points_state{KillPointsState::kUnread};
 
 namespace {
 
@@ -56,7 +58,13 @@ KillSpec& Spec() {
 
 void KillPointHit(std::string_view name) {
   KillSpec& s = Spec();
-  if (s.name.empty() || name != s.name) return;
+  if (s.name.empty()) {
+    // Later hits stop at the caller's check of the state.
+    g_kill_points_state.store(KillPointsState::kDisarmed, std::memory_order_relaxed);
+    return;
+  }
+  g_kill_points_state.store(KillPointsState::kArmed, std::memory_order_relaxed);
+  if (name != s.name) return;
   const uint64_t n = s.hits.fetch_add(1, std::memory_order_relaxed) + 1;
   if (n != s.nth) return;
   if (!s.stamp.empty()) {
@@ -72,5 +80,3 @@ void KillPointHit(std::string_view name) {
 }
 
 }  // namespace safepoint::internal
-
-#endif  // SAFEPOINT_KILL_POINTS

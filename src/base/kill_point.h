@@ -1,20 +1,22 @@
 // Named kill points for the crash campaign (tests/crash/, docs/reliability.md).
 //
-// SP_KILL_POINT("name") marks a moment at which a crash must be survivable. In a normal build
-// (every build unless CMake is given -DSAFEPOINT_KILL_POINTS=ON: the pip package, `make build`,
-// the sanitizer and fuzz builds) it compiles to nothing but a compile-time check that the name is
-// in kKillPoints below. In a kill-point build, the environment variable
+// SP_KILL_POINT("name") marks a moment at which a crash must be survivable. Every build has them
+// (the pip package, `make build`, the sanitizer and fuzz builds: one build serves the tests and
+// the crash campaign), disarmed unless the process was started with the environment variable
 //     SAFEPOINT_KILL_AT=<name>[:<nth>]
-// makes the process raise(SIGKILL) on the nth hit (default 1) of that point, counted per process.
-// With SAFEPOINT_KILL_STAMP=<file> the kill is one-shot across processes: the process that is
+// which makes the process raise(SIGKILL) on the nth hit (default 1) of that point, counted per
+// process; a name that is not in kKillPoints aborts the process at its first hit. With
+// SAFEPOINT_KILL_STAMP=<file> the kill is one-shot across processes: the process that is
 // about to die creates <file> (O_EXCL) and writes "<name> <nth> <pid>"; a process that finds the
 // file already there does not die. The agent inherits its environment from the training process
 // that starts it, so the stamp keeps a restarted agent from dying at the same point again.
+// Disarmed, a hit costs one relaxed load of a global and a branch that is never taken.
 //
 // kKillPoints is the one list of names: a name used anywhere else fails to compile, and the
 // crash driver reads its campaign's points from this list.
 #pragma once
 
+#include <atomic>
 #include <string_view>
 
 namespace safepoint::internal {
@@ -66,25 +68,21 @@ consteval bool IsKillPoint(std::string_view name) {
   return false;
 }
 
-#if defined(SAFEPOINT_KILL_POINTS)
-inline constexpr bool kKillPointsEnabled = true;
-// Counts a hit of `name` and dies if SAFEPOINT_KILL_AT names this hit.
+// What SAFEPOINT_KILL_AT said, read at the first hit: kUnread until then.
+enum class KillPointsState : unsigned char { kUnread, kDisarmed, kArmed };
+extern std::atomic<KillPointsState> g_kill_points_state;
+
+// Reads SAFEPOINT_KILL_AT on the first call, counts a hit of `name` and dies if
+// SAFEPOINT_KILL_AT names this hit.
 void KillPointHit(std::string_view name);
-#else
-inline constexpr bool kKillPointsEnabled = false;
-#endif
 
 }  // namespace safepoint::internal
 
-#if defined(SAFEPOINT_KILL_POINTS)
 #define SP_KILL_POINT(name)                                                              \
   do {                                                                                   \
     static_assert(::safepoint::internal::IsKillPoint(name), "unknown kill point " name); \
-    ::safepoint::internal::KillPointHit(name);                                           \
+    if (::safepoint::internal::g_kill_points_state.load(std::memory_order_relaxed) !=    \
+        ::safepoint::internal::KillPointsState::kDisarmed) [[unlikely]] {                \
+      ::safepoint::internal::KillPointHit(name);                                         \
+    }                                                                                    \
   } while (0)
-#else
-#define SP_KILL_POINT(name)                                                              \
-  do {                                                                                   \
-    static_assert(::safepoint::internal::IsKillPoint(name), "unknown kill point " name); \
-  } while (0)
-#endif

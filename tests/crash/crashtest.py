@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
 """The crash campaign (RocksDB's db_crashtest idea): kill -9 the training processes, the agent or
-both, at random moments and at the named kill points of a kill-point build, restart, and check an
+both, at random moments and at the named kill points (src/base/kill_point.h), restart, and check an
 expected-state record after every round.
 
-    tests/crash/crashtest.py [--kills N] [--seed S] [--build-dir build/crash]
+    tests/crash/crashtest.py [--kills N] [--seed S] [--build-dir build/py]
     tests/crash/crashtest.py --nodes [--rounds N] [--seed S] [--verbose]
 
-It needs a kill-point build (cmake -DSAFEPOINT_KILL_POINTS=ON, `make crash-build`): it runs the
-Python package, `safepointd` and `safepoint` from --build-dir and refuses a build without kill
-points. Two jobs run side by side: one rank, and two ranks (torch.distributed over gloo, lockstep),
+It runs the Python package, `safepointd` and `safepoint` of the build in --build-dir (`make build`'s,
+by default; every build has the kill points, armed by SAFEPOINT_KILL_AT). Two jobs run side by side: one rank, and two ranks (torch.distributed over gloo, lockstep),
 each with persists every k-th step and retention, and two storage tiers below its path (file://
 directories the agent copies committed steps into on their own schedules). Every state a rank
 saves is a pure function of (seed, step, rank) (workload.make_state). A round:
@@ -109,9 +108,7 @@ def zygote_main(fd: int) -> int:
     import safepoint
     import workload
 
-    sock.send(json.dumps({"ready": os.getpid(),
-                          "kill_points": bool(safepoint._core.KILL_POINTS),
-                          "core": safepoint._core.__file__}).encode())
+    sock.send(json.dumps({"ready": os.getpid(), "core": safepoint._core.__file__}).encode())
     while True:
         # Reap by polling (no SIGCHLD handler: nothing to inherit, nothing to miss).
         while True:
@@ -629,9 +626,6 @@ class Campaign:
         start_campaign(self, args, env, "safepoint-crash-")
         self.shm = tempfile.mkdtemp(prefix="spc-", dir=args.shm_parent)
         self.zygote = Zygote(env, os.path.join(self.root, "zygote.err"))
-        if not self.zygote.info.get("kill_points"):
-            raise SystemExit(f"{self.zygote.info.get('core')} was built without kill points; "
-                             "build with -DSAFEPOINT_KILL_POINTS=ON (make crash-build)")
         tag = f"{self.seed % 100000}"
         # Each job fills two storage tiers below its path (the agent copies committed steps
         # down): every 2nd/3rd step keeping 2, then every 4th/5th keeping 2. Job 1 persists
@@ -1253,8 +1247,8 @@ class Campaign:
 
 
 def setup_build(build_dir: str) -> dict:
-    """A package directory over the kill-point build: python/safepoint/*.py, the build's _core
-    and safepointd. Returns the environment that runs it."""
+    """A package directory over the build: python/safepoint/*.py, the build's _core and
+    safepointd. Returns the environment that runs it."""
     build_dir = os.path.abspath(build_dir)
     pkg = os.path.join(build_dir, "crashpkg", "safepoint")
     os.makedirs(pkg, exist_ok=True)
@@ -1266,7 +1260,7 @@ def setup_build(build_dir: str) -> dict:
     cli = os.path.join(build_dir, "safepoint")
     if not cores or not os.path.exists(agent) or not os.path.exists(cli):
         raise SystemExit(f"{build_dir} has no _core module, safepointd or safepoint: "
-                         "run `make crash-build` first")
+                         "run `make build` first")
     wanted[os.path.basename(cores[0])] = cores[0]
     wanted["safepointd"] = agent
     for name in os.listdir(pkg):
@@ -1296,7 +1290,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=1000, help="kill points to execute")
     ap.add_argument("--seed", type=int, default=None, help="replay a run (default: random)")
-    ap.add_argument("--build-dir", default=os.path.join(REPO, "build", "crash"))
+    ap.add_argument("--build-dir", default=os.path.join(REPO, "build", "py"))
     ap.add_argument("--dir", default=None, help="where checkpoint directories go (default: $TMPDIR)")
     ap.add_argument("--shm-parent", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the private shm_dir is made")

@@ -1,3 +1,4 @@
+import collections
 import os
 import shutil
 import subprocess
@@ -29,17 +30,36 @@ def pytest_configure(config):
 # Modules whose tests must run alone (`make test` runs them after the parallel run, without
 # pytest-xdist; the marker `serial`): they measure time, throughput or memory of this machine,
 # which other tests running beside them would distort. Every other module runs under
-# `pytest -n N --dist loadfile` (one worker per module, so a module-scoped fixture such as
-# test_tier_faults' own gateway is started once): tests there use tmp_path, their own shm
-# directory (the `shm` fixture), free ports, their own subnet lock for node clusters
-# (tests/common/nodes.py) and their own pools, buckets and prefixes on the shared Ceph.
+# `pytest -n N --dist loadgroup --no-loadscope-reorder` (Makefile, test-python): tests there use
+# tmp_path, their own shm directory (the `shm` fixture), free ports, their own subnet lock for
+# node clusters (tests/common/nodes.py) and their own pools, buckets and prefixes on the shared
+# Ceph.
 SERIAL_MODULES = {"test_saveperf", "test_loadperf", "test_restore_at_scale"}
+# Modules whose tests are spread over the workers one by one: each runs its own processes with a
+# private shm directory, a fresh temporary directory and free ports, and together they take
+# longer than a worker should spend on one module (the examples: minutes each). Every other
+# module's tests stay on one worker (an xdist_group named after the module, as with --dist
+# loadfile), so that a module-scoped fixture such as test_tier_faults' own gateway starts once.
+SPREAD_MODULES = {"test_examples"}
+
+
+def _module(item) -> str:
+    return item.module.__name__.rpartition(".")[2]
 
 
 def pytest_collection_modifyitems(config, items):
+    sizes = collections.Counter(_module(item) for item in items)
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in SERIAL_MODULES:
+        name = _module(item)
+        if name in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+        elif name not in SPREAD_MODULES:
+            item.add_marker(pytest.mark.xdist_group(name))
+    # The order in which the workers take the work (xdist keeps it with --no-loadscope-reorder):
+    # the spread tests first, in their modules' order (test_examples lists the longest first: one
+    # taken last would be the run's tail), then the modules by their number of tests, largest
+    # first, so that the small ones fill in at the end.
+    items.sort(key=lambda item: (_module(item) not in SPREAD_MODULES, -sizes[_module(item)]))
 
 
 def pytest_unconfigure(config):

@@ -46,32 +46,34 @@ class Example:
 
 
 EXAMPLES = [
-    Example("plain_pytorch.py", step=12, source="memory"),
-    # Either source is correct for ddp.py; since leaving `with` by an exception keeps the
-    # snapshots, both ranks normally resume from memory.
-    Example("ddp.py", step=12, resumes=2),
-    # DCP's example saves and then loads the newest step in one process (no crash to resume).
-    Example("dcp_example.py", pattern=r"loaded step (?P<step>\d+) from \S+: weights "
-                                      r"bit-identical: True"),
-    # Saved by 2 FSDP2 ranks, resumed by one process: resharding reads from storage.
-    Example("fsdp2.py", step=6, source="storage"),
-    Example("lightning_example.py", step=16, source="memory", needs=("pytorch_lightning",)),
-    Example("hf_example.py", step=6, source="memory", needs=("transformers", "accelerate")),
-    # 2 DDP ranks (CPU, gloo), both killed after the save of step 6: both resume from memory.
-    Example("hf_example.py", ("--ranks", "2"), step=6, source="memory", resumes=2,
-            needs=("transformers", "accelerate")),
+    # Longest first (as measured with `--durations`): the workers take them in this order
+    # (tests/python/conftest.py, SPREAD_MODULES), and a long one taken last would be the tail.
     # Lightning's DDP saves on rank 0: rank 0 resumes from memory, rank 1 from storage.
     Example("lightning_example.py", ("--devices", "2"), step=8, resumes=2,
             needs=("pytorch_lightning",)),
     # Lightning's ModelParallelStrategy (FSDP2): each rank saves its shard; both resume from memory.
     Example("lightning_example.py", ("--strategy", "fsdp2"), step=8, source="memory", resumes=2,
             needs=("pytorch_lightning",)),
-    # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
-    Example("preemptible.py", step=13, source="storage", resumes=2),
+    Example("hf_example.py", step=6, source="memory", needs=("transformers", "accelerate")),
+    # 2 DDP ranks (CPU, gloo), both killed after the save of step 6: both resume from memory.
+    Example("hf_example.py", ("--ranks", "2"), step=6, source="memory", resumes=2,
+            needs=("transformers", "accelerate")),
+    Example("lightning_example.py", step=16, source="memory", needs=("pytorch_lightning",)),
+    # Saved by 2 FSDP2 ranks, resumed by one process: resharding reads from storage.
+    Example("fsdp2.py", step=6, source="storage"),
+    # DCP's example saves and then loads the newest step in one process (no crash to resume).
+    Example("dcp_example.py", pattern=r"loaded step (?P<step>\d+) from \S+: weights "
+                                      r"bit-identical: True"),
+    Example("plain_pytorch.py", step=12, source="memory"),
+    # Either source is correct for ddp.py; since leaving `with` by an exception keeps the
+    # snapshots, both ranks normally resume from memory.
+    Example("ddp.py", step=12, resumes=2),
     Example("deepspeed_example.py", step=3, source="memory", needs=("deepspeed",)),
     Example("torchtitan_example.py", step=4, source="memory", needs=("torchtitan",)),
     Example("torchft_example.py", pattern=r"healed to step (?P<step>\d+) from a live peer: "
                                           r"bit-identical: True", step=5, needs=("torchft",)),
+    # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
+    Example("preemptible.py", step=13, source="storage", resumes=2),
 ]
 
 
