@@ -11,6 +11,7 @@
 
 #include "base/bytes.h"
 #include "base/crc32c.h"
+#include "base/kill_point.h"
 #include "base/log.h"
 #include "replica/auth.h"
 #include "safepoint/image.h"
@@ -465,6 +466,7 @@ PeerAnswer Replicator::Fetch(const PeerRequest& r) {
     (*arena)->AbortWrite(ticket);
     return fail(s);
   }
+  SP_KILL_POINT("replica.rebuild.before_finish");
   (*arena)->FinishWrite(ticket, r.step, best->image_bytes);
   reply.slot = ticket.slot;
   reply.generation = ticket.generation;
@@ -568,7 +570,9 @@ Status Replicator::FlushOne(const ReplicaMeta& m, const std::vector<Holding>& pa
       header.first.world_size != world) {
     return Corruption("the replica's image header does not match its rank, step or world size");
   }
+  SP_KILL_POINT("replica.flush.before_write");
   SP_ASSIGN_OR_RETURN(WriteStats written, storage->WriteImageBytes(image, m.step, m.rank));
+  SP_KILL_POINT("replica.flush.before_commit");
   SP_ASSIGN_OR_RETURN(bool committed,
                       storage->TryCommit(m.step, world, job_, header.first.attempt));
   spdlog::info("persisted node '{}' rank {} step {} from its replica ({} bytes{})", m.source_node,
