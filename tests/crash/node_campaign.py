@@ -447,14 +447,19 @@ class NodeCampaign:
                     continue
                 for pid in job.agent_pids(i):
                     agents_seen[pid] = i
-                    if pid not in armed:
+                    if pid not in armed or None in armed[pid]:
                         armed[pid] = (ns_pid(pid), armed_stamp(pid))
             for pid, i in list(agents_seen.items()):
                 if dead(pid):
                     del agents_seen[pid]
                     if pid in killed_agents or i in lost:
                         continue
-                    point = self.died_at_point(*armed.get(pid, (None, None)))
+                    # An agent that died at once (a rebuild is asked for as the rank starts) may
+                    # have been read as a zombie, whose environment is gone: it was started in
+                    # this round, with the round's stamp.
+                    nspid, armed_with = armed.get(pid, (None, None))
+                    point = self.died_at_point(
+                        nspid, armed_with or kill_env.get("SAFEPOINT_KILL_STAMP"))
                     if point is not None:
                         self.note(f"the agent {pid} of {job.cluster[i].name} died at kill "
                                   f"point {point}")
