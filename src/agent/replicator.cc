@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <set>
 
+#include "agent/persist_queue.h"
 #include "base/bytes.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
@@ -571,7 +572,13 @@ Status Replicator::FlushOne(const ReplicaMeta& m, const std::vector<Holding>& pa
     return Corruption("the replica's image header does not match its rank, step or world size");
   }
   SP_KILL_POINT("replica.flush.before_write");
-  SP_ASSIGN_OR_RETURN(WriteStats written, storage->WriteImageBytes(image, m.step, m.rank));
+  // Stored already (its node persisted it before it was lost): only the commit is left to try.
+  SP_ASSIGN_OR_RETURN(bool stored,
+                      StoredImageIsOfAttempt(*storage, m.step, m.rank, header.first.attempt));
+  WriteStats written;
+  if (!stored) {
+    SP_ASSIGN_OR_RETURN(written, storage->WriteImageBytes(image, m.step, m.rank));
+  }
   SP_KILL_POINT("replica.flush.before_commit");
   SP_ASSIGN_OR_RETURN(bool committed,
                       storage->TryCommit(m.step, world, job_, header.first.attempt));
