@@ -7,6 +7,7 @@
 
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "checkpoint/packed_reader.h"
 #include "shm/arena.h"
 #include "storage/cancellable.h"
 
@@ -138,6 +139,27 @@ Result<std::unique_ptr<ImageBuilder>> PersistQueue::WithoutReplicas(
       reader.layout().chunk_size);
 }
 
+Result<bool> StoredImageIsOfAttempt(CheckpointStore& store, uint64_t step, uint32_t rank,
+                                    uint64_t attempt) {
+  for (const std::string& name : {ImageObjectName(step, rank), PackedObjectName(step, rank)}) {
+    // Not owned: the object opened lives only in this call.
+    std::shared_ptr<Storage> storage(&store.storage(), [](Storage*) {});
+    auto obj = name.ends_with(".pack") ? OpenPackedImage(storage, name) : storage->Open(name);
+    if (!obj.ok()) {
+      if (obj.status().code() == StatusCode::kNotFound) continue;
+      return obj.status();
+    }
+    std::vector<std::byte> header(kImageHeaderSize);
+    if (!(*obj)->ReadAt(0, header).ok()) continue;  // torn or unreadable: write it anew
+    auto parsed = ParseImageHeader(header, store.storage().Describe(name));
+    if (parsed.ok() && parsed->first.step == step && parsed->first.rank == rank &&
+        parsed->first.attempt == attempt && parsed->second.image_size == (*obj)->size()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Retention: keep the newest `keep` committed steps (never fewer than one).
 std::vector<uint64_t> PersistQueue::Prune() {
   return PruneSteps(*target_.store, target_.keep, target_.pins.get(), /*tier=*/0);
@@ -208,9 +230,16 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     r.status = commit.status();
     return r;
   }
+  // This snapshot's image stored already (persisted before an agent died, then adopted): only
+  // the commit is left to try.
+  auto stored = StoredImageIsOfAttempt(*target_.store, t.step, t.rank, header->first.attempt);
+  if (!stored.ok()) {
+    r.status = stored.status();
+    return r;
+  }
   // With replicas left to other ranks the stored image is laid out anew.
   std::unique_ptr<ImageBuilder> relaid;
-  if (!t.skip.empty()) {
+  if (!*stored && !t.skip.empty()) {
     auto b = WithoutReplicas(image, source, t.skip);
     if (!b.ok()) {
       r.status = b.status();
@@ -218,14 +247,16 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     }
     relaid = std::move(*b);
   }
-  auto stats = relaid ? target_.store->WriteImage(*relaid, 0, target_.pack)
-                      : target_.store->WriteImageBytes(image, t.step, t.rank, target_.pack);
-  if (!stats.ok()) {
-    r.status = stats.status();
-    return r;
+  if (!*stored) {
+    auto stats = relaid ? target_.store->WriteImage(*relaid, 0, target_.pack)
+                        : target_.store->WriteImageBytes(image, t.step, t.rank, target_.pack);
+    if (!stats.ok()) {
+      r.status = stats.status();
+      return r;
+    }
+    r.bytes = stats->bytes;
+    r.seconds = stats->seconds;
   }
-  r.bytes = stats->bytes;
-  r.seconds = stats->seconds;
   SP_KILL_POINT("agent.persist.before_commit");
   auto committed =
       target_.store->TryCommit(t.step, target_.world_size, target_.job, header->first.attempt);

@@ -84,5 +84,63 @@ TEST_F(PersistQueueTest, AVisibleCommitThatCannotBeMadeDurableIsNotReportedCommi
   EXPECT_FALSE(r.committed);
 }
 
+// Regression (node-loss campaign seed 3141592653, round 25): an agent persisted rank 2's
+// snapshot of step 46 (leaving replicas to other ranks), died, and the agent that adopted the
+// snapshot persisted it again, written whole, just after another node's agent had committed the
+// step with the first image (the check for a COMMIT came before that commit): the committed
+// step no longer loaded ("image header does not match the COMMIT record"). A snapshot whose
+// image of the same attempt is stored already is not written again; the commit is still tried.
+TEST(PersistQueueStoredTest, ASnapshotWhoseImageIsStoredAlreadyIsNotWrittenAgain) {
+  test::TempDir tmp("safepoint-persist-queue-test");
+  ASSERT_TRUE(tmp.ok());
+  ASSERT_OK_AND_ASSIGN(std::string job_dir, JobDirectory(tmp.path(), "pq", true));
+  ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir, 0));
+  test::TwoTensorShard shard{kStep, 0, kStep, 1 << 10};
+  const ImageMeta meta = test::TestImageMeta("pq", kStep, 0, 2);
+  ASSERT_OK_AND_ASSIGN(auto builder, ImageBuilder::Create(meta, shard.sources, shard.extras));
+  ASSERT_OK_AND_ASSIGN(auto ticket, arena->BeginWrite(builder->size()));
+  ASSERT_EQ(ticket.first, Arena::Acquire::kAcquired);
+  builder->FillAll(ticket.second.data, 1);
+  arena->FinishWrite(ticket.second, kStep, builder->size(), /*leased=*/false);
+  const uint32_t slot = ticket.second.slot;
+  const uint64_t generation = arena->Slots()[slot].generation;
+
+  // The same snapshot stored already in another layout (chunk size), and rank 1's image.
+  auto store = std::make_shared<CheckpointStore>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  ASSERT_OK_AND_ASSIGN(auto other,
+                       ImageBuilder::Create(meta, shard.sources, shard.extras, 64 << 10));
+  ASSERT_OK(store->WriteImage(*other).status());
+  test::TwoTensorShard shard1{kStep, 1, kStep, 1 << 10};
+  ASSERT_OK_AND_ASSIGN(auto rank1, ImageBuilder::Create(test::TestImageMeta("pq", kStep, 1, 2),
+                                                        shard1.sources, shard1.extras));
+  ASSERT_OK(store->WriteImage(*rank1).status());
+  auto read_all = [&](const std::string& name) {
+    auto obj = store->storage().Open(name);
+    EXPECT_OK(obj.status());
+    std::vector<std::byte> bytes(obj.ok() ? (*obj)->size() : 0);
+    if (obj.ok()) EXPECT_OK((*obj)->ReadAt(0, bytes));
+    return bytes;
+  };
+  const std::vector<std::byte> before = read_all(ImageObjectName(kStep, 0));
+
+  PersistQueue queue([] {});
+  queue.Start(job_dir, PersistTarget{.job = "pq", .store = store, .world_size = 2});
+  queue.Enqueue({.rank = 0,
+                 .slot = slot,
+                 .generation = generation,
+                 .step = kStep,
+                 .reason = FlushReason::kAdopted});
+  std::vector<PersistResult> results;
+  while (results.empty()) {
+    results = queue.TakeResults();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_OK(results.front().status);
+  EXPECT_TRUE(results.front().committed);
+  EXPECT_EQ(results.front().bytes, 0u);
+  EXPECT_EQ(read_all(ImageObjectName(kStep, 0)), before) << "the stored image was rewritten";
+  ASSERT_OK(LoadShard(*store, kStep, 0));
+}
+
 }  // namespace
 }  // namespace safepoint::agent

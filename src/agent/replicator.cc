@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <set>
 
+#include "agent/persist_queue.h"
 #include "base/bytes.h"
 #include "base/crc32c.h"
+#include "base/kill_point.h"
 #include "base/log.h"
 #include "replica/auth.h"
 #include "safepoint/image.h"
@@ -465,6 +467,7 @@ PeerAnswer Replicator::Fetch(const PeerRequest& r) {
     (*arena)->AbortWrite(ticket);
     return fail(s);
   }
+  SP_KILL_POINT("replica.rebuild.before_finish");
   (*arena)->FinishWrite(ticket, r.step, best->image_bytes);
   reply.slot = ticket.slot;
   reply.generation = ticket.generation;
@@ -568,7 +571,15 @@ Status Replicator::FlushOne(const ReplicaMeta& m, const std::vector<Holding>& pa
       header.first.world_size != world) {
     return Corruption("the replica's image header does not match its rank, step or world size");
   }
-  SP_ASSIGN_OR_RETURN(WriteStats written, storage->WriteImageBytes(image, m.step, m.rank));
+  SP_KILL_POINT("replica.flush.before_write");
+  // Stored already (its node persisted it before it was lost): only the commit is left to try.
+  SP_ASSIGN_OR_RETURN(bool stored,
+                      StoredImageIsOfAttempt(*storage, m.step, m.rank, header.first.attempt));
+  WriteStats written;
+  if (!stored) {
+    SP_ASSIGN_OR_RETURN(written, storage->WriteImageBytes(image, m.step, m.rank));
+  }
+  SP_KILL_POINT("replica.flush.before_commit");
   SP_ASSIGN_OR_RETURN(bool committed,
                       storage->TryCommit(m.step, world, job_, header.first.attempt));
   spdlog::info("persisted node '{}' rank {} step {} from its replica ({} bytes{})", m.source_node,

@@ -59,6 +59,14 @@ inline constexpr std::string_view kKillPoints[] = {
     "pack.gc.after_lock",          // the GC's lock taken, nothing looked at yet
     "pack.gc.before_delete",       // (each) about to delete one unreferenced chunk
     "pack.gc.before_unlock",       // every unreferenced chunk deleted, the lock still held
+    // Peer replication (docs/replication.md; armed by the node-loss rounds, tests/crash/
+    // node_campaign.py): src/replica/peer_service_client.cc, replica_store.cc, src/agent/
+    // replicator.cc
+    "replica.push.after_chunk",        // (each) sender: one more chunk of a replica sent
+    "replica.receive.before_visible",  // receiver: replica received and verified, not renamed
+    "replica.rebuild.before_finish",   // a lost rank's snapshot rebuilt into its slot, not COMPLETE
+    "replica.flush.before_write",      // teardown: a lost node's step read from its replica
+    "replica.flush.before_commit",     // teardown: its image persisted, TryCommit not called yet
 };
 
 consteval bool IsKillPoint(std::string_view name) {

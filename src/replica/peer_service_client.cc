@@ -10,6 +10,7 @@
 #include <string>
 
 #include "base/host_port.h"
+#include "base/kill_point.h"
 #include "base/log.h"
 #include "replica/erasure.h"
 #include "replica/peer_service_impl.h"
@@ -330,6 +331,7 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
     }
     SendChunk(c, offset, bytes, crc, keep);
     bytes_sent_ += len;
+    SP_KILL_POINT("replica.push.after_chunk");
   }
   if (Result<json> r = WaitMessage(c, MsgType::kPutDone); !r.ok()) return finish(r.status());
   if (!StillValid(still_valid)) return finish(cancelled);

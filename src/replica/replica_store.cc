@@ -38,6 +38,7 @@
 
 #include "base/bytes.h"
 #include "base/crc32c.h"
+#include "base/kill_point.h"
 #include "base/log.h"
 #include "base/random.h"
 #include "base/unique_fd.h"
@@ -276,6 +277,7 @@ class PosixReplicaWriter final : public ReplicaWriter {
                         std::to_string(meta_.payload_crc));
     }
     EncodeHeader(meta_, map_->data());
+    SP_KILL_POINT("replica.receive.before_visible");
     if (::rename(tmp_.c_str(), path_.c_str()) != 0) return ErrnoStatus("rename", tmp_, errno);
     committed_ = true;
     // Done with the file: a writer kept around must not keep its pages alive after a Prune.

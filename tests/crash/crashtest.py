@@ -377,6 +377,11 @@ class ExpectedState:
         self.listed: list[int] = []           # committed steps at the last check
         self.store_listed: list[list[int]] = [[] for _ in self.keeps]  # the same, per store
         self.path_behind = False  # path was lost and has no step newer than tier 1's yet
+        # Steps loaded from storage that were committed after the last check, and how storage
+        # is read for that check (set by the driver: the committed steps the store `uri` lists
+        # now, and that store's keep).
+        self.committed_late: set[int] = set()
+        self.listing: Callable[[str], tuple[list[int], int]] = lambda uri: ([], 0)
 
     def newest_anywhere(self) -> Optional[int]:
         """The newest step committed on any store (path or a tier) at the last check."""
@@ -413,14 +418,29 @@ class ExpectedState:
         return []
 
     def check_sources(self, ranks: list, s: int, newest: Optional[int]) -> None:
-        """Where each rank loaded step `s` from: a step newer than the newest committed one
-        only from memory."""
+        """Where each rank loaded step `s` from: a step newer than the newest committed one at
+        the last check from memory, or from a store that holds it committed now."""
         for rk in ranks:
             if rk.loaded is None:
                 continue
-            source = rk.loaded[1]
-            if newest is not None and s > newest and source != "memory":
-                raise Violation(f"step {s} is not committed but was loaded from {source}")
+            if (newest is None or s > newest) and rk.loaded[1] != "memory":
+                self.check_committed_since(rk, s)
+
+    def check_committed_since(self, rk: Any, s: int) -> None:
+        """Rank `rk` loaded step `s` from storage although `s` was not committed at the last
+        check. That is right only if it was committed since: an agent that adopts the snapshots
+        a killed one left persists them as the next round starts (src/agent/adoption.cc), and
+        when the other ranks' images of that step were already written, its TryCommit commits
+        the step before the ranks' restore reads storage (seed 3695189617, round 334). Then the
+        store it was read from lists it now, or retention pruned it since (then at least that
+        store's `keep` newer steps are listed: retention deletes only steps with `keep` newer
+        ones). A step that storage does not hold committed is a violation."""
+        now, keep = self.listing(rk.loaded_uri)
+        newer = [t for t in now if t > s]
+        if s not in now and len(newer) < keep:
+            raise Violation(f"step {s} is not committed (listed on {rk.loaded_uri}: {now}, "
+                            f"keep {keep}) but rank {rk.rank} loaded it from {rk.loaded[1]}")
+        self.committed_late.add(s)
 
     def check_resume(self, ranks: list) -> None:
         """How the ranks of a round resumed (`loaded` (step, source, verdict) or `fresh`)."""
@@ -621,7 +641,8 @@ class Campaign:
     def __init__(self, args, env: dict):
         self.points = read_kill_points()
         self.client_points = [p for p in self.points if p.startswith("client.")]
-        self.agent_points = [p for p in self.points if not p.startswith("client.")]
+        # The replication points (replica.*) are reached only with peers: the node campaign's.
+        self.agent_points = [p for p in self.points if not p.startswith(("client.", "replica."))]
         self.copy_points = [p for p in self.points if p.startswith("tier_copy.")]
         start_campaign(self, args, env, "safepoint-crash-")
         self.shm = tempfile.mkdtemp(prefix="spc-", dir=args.shm_parent)
@@ -1017,7 +1038,21 @@ class Campaign:
                 f.write(os.urandom(self.rng.randrange(1, 20000)))
         self.decoys += 1
 
+    def listing(self, job: Job, uri: str) -> tuple[list[int], int]:
+        """The committed steps the store `uri` of `job` lists now, and its keep."""
+        import safepoint
+
+        stores = [u[len("file://"):] if u.startswith("file://") else u for u in job.stores]
+        plain = uri[len("file://"):] if uri.startswith("file://") else uri
+        if plain == "-":
+            plain = job.path  # a load that did not name its store read the job's path
+        if plain not in stores:
+            raise Violation(f"a rank loaded from {uri}, not one of the job's stores {job.stores}")
+        k = stores.index(plain)
+        return safepoint.steps(job.stores[k]), job.expected.keeps[k]
+
     def check_round(self, job: Job, p: dict, ranks: list) -> None:
+        job.expected.listing = lambda uri: self.listing(job, uri)
         job.expected.check_resume(ranks)
         job.expected.record_round(ranks, p.get("end_sent"))
         job.steps_saved += sum(len(rk.saved) for rk in ranks)
@@ -1198,7 +1233,8 @@ class Campaign:
               f"{self.round} rounds, {wall:.1f} s wall; 0 violations")
         print("  rounds by mode: " + ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items())))
         print("  named kill points (fired/armed): " + ", ".join(
-            f"{p} {self.by_point.get(p, 0)}/{self.planned.get(p, 0)}" for p in self.points))
+            f"{p} {self.by_point.get(p, 0)}/{self.planned.get(p, 0)}"
+            for p in self.client_points + self.agent_points))
         print("  random kills: " + ", ".join(f"{k} {n}" for k, n in sorted(self.by_random.items())))
         print(f"  kill points not reached (killed at the end instead): {self.fallbacks}")
         for job in self.jobs:
@@ -1222,7 +1258,7 @@ class Campaign:
         print("  resumes from: " + ", ".join(f"{k} {n}" for k, n in
                                              sorted(self.restores_from.items()))
               + f" ({self.paths_lost} node losses took the job's path too)")
-        missing = [p for p in self.points if not self.by_point.get(p)]
+        missing = [p for p in self.client_points + self.agent_points if not self.by_point.get(p)]
         if missing and self.args.kills >= 1000:
             print(f"  WARNING: never fired: {missing}")
 

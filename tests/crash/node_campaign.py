@@ -21,6 +21,20 @@ agents run inside the node. A round (the plan is a function of the seed):
      (same name and address, empty /dev/shm) and gets a new zygote;
   4. wait until every node's agent is idle, then check.
 
+Half the rounds also arm one of the replication kill points (src/base/kill_point.h, "replica.*":
+a chunk mid-push on the sender, a received replica before it is made visible, a lost rank's
+snapshot rebuilt into its slot but not finished, a lost node's step persisted from its replica
+by a surviving agent at teardown), drawn from a generator of its own (seeded from the seed, so
+that a seed's rounds stay what they were before the points): the round first kills every agent
+of the job (SIGKILL, as "agent" rounds do) so that the agents its ranks start inherit
+SAFEPOINT_KILL_AT, with a SAFEPOINT_KILL_STAMP of the round (one-shot: the first agent of any node
+that reaches the point dies). A rebuild is armed in rounds after a node loss (the replaced node's
+rank rebuilds then), the teardown persist in rounds that lose a node (it runs 3 s after every
+rank died, often after the round's checks: an armed agent may die in a later round). An agent
+death counts as that point's kill when the stamp in the agent's environment (read from /proc
+while it lived) names its pid in its node. Before the final clean rounds every agent is killed,
+so that none still armed dies in them.
+
 Checks (NodeExpected), besides crashtest's (every rank resumes the same step, bit-exact; never
 older than the newest committed step or a step the agent reported committed; never older than the
 newest step whose save() returned on every rank while every node's memory lived; listed steps
@@ -42,6 +56,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import shutil
 import signal
 import subprocess
@@ -75,6 +90,30 @@ def ns_to_host(node, nspid: int) -> Optional[int]:
                         break
         except (OSError, ValueError):
             continue
+    return None
+
+
+def armed_stamp(pid: int) -> Optional[str]:
+    """The SAFEPOINT_KILL_STAMP in `pid`'s environment (an agent inherits its rank's)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for var in f.read().split(b"\0"):
+                if var.startswith(b"SAFEPOINT_KILL_STAMP="):
+                    return var.split(b"=", 1)[1].decode()
+    except OSError:
+        pass
+    return None
+
+
+def ns_pid(pid: int) -> Optional[int]:
+    """`pid`'s pid in its innermost pid namespace (the one a kill point's stamp names)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
     return None
 
 
@@ -116,9 +155,7 @@ class NodeExpected(ct.ExpectedState):
         self.after: list[int] = [0] * world                # newest step begun since that report
         self.lost_ranks: set[int] = set()   # their node was lost; they have not loaded since
         self.promises_checked = 0
-        self.committed_late: set[int] = set()  # loaded from storage, committed after a check
         self.rebuilt = lambda rank, step: False  # check_resume's arguments, for its checks
-        self.listed_now = lambda: []
 
     def promise(self) -> Optional[int]:
         if any(p is None for p in self.prot) or any(n > self.tolerated for n in self.losses):
@@ -132,13 +169,12 @@ class NodeExpected(ct.ExpectedState):
     MEMORY_KEPT = "every node's memory lived"
     PEERS_HOLD_SNAPSHOTS = True
 
-    def check_resume(self, ranks: list, rebuilt=lambda rank, step: False,
-                     listed_now=lambda: []) -> None:
+    def check_resume(self, ranks: list, rebuilt=lambda rank, step: False) -> None:
         """ExpectedState.check_resume, with the replication promise. `rebuilt(rank, step)`:
         whether the agent of the rank's node says it rebuilt that snapshot from peers into the
         rank's slot (then it is in memory, also when the rank was killed before it said
-        LOADED); `listed_now()`: the committed steps storage lists now."""
-        self.rebuilt, self.listed_now = rebuilt, listed_now
+        LOADED)."""
+        self.rebuilt = rebuilt
         super().check_resume(ranks)
 
     def check_fresh(self) -> None:
@@ -172,15 +208,7 @@ class NodeExpected(ct.ExpectedState):
                 raise Violation(f"rank {rk.rank}'s node was lost, yet it loaded step {s} from "
                                 f"memory, and its agent never rebuilt that step from peers")
             if (newest is None or s > newest) and source not in ("memory", "peer"):
-                # Committed since the last check? A restarted agent adopts the snapshots that a
-                # killed one left and persists them when the next round starts, which may
-                # complete a step's commit before the restore. Then it is listed now, or was
-                # pruned since (older than the newest listed now).
-                now = self.listed_now()
-                if s not in now and not (now and s < now[-1]):
-                    raise Violation(f"step {s} is not committed (listed: {now}) but rank "
-                                    f"{rk.rank} loaded it from {source}")
-                self.committed_late.add(s)
+                self.check_committed_since(rk, s)
 
     def record_round(self, ranks: list, end_sent: Optional[str]) -> None:
         super().record_round(ranks, end_sent)
@@ -225,6 +253,10 @@ class NodeJob:
         self.rounds = 0
         self.steps_saved = 0
         self.logs_of_lost: dict[int, str] = {}  # node -> its agent's log when lost this round
+        # node -> its agent's log as the round started: a rebuild logged in an earlier round is
+        # still known after a clean close of every rank removed the log with the job directory
+        self.logs_at_start: dict[int, str] = {}
+        self.lost_last = False  # the job's previous round lost nodes (its ranks rebuild now)
         self.port = 29400 + (os.getpid() % 1000)
 
     def start_zygote(self, i: int) -> None:
@@ -284,6 +316,15 @@ class NodeCampaign:
         self.loads_checked = 0
         self.verifies = 0
         self.current = None
+        # The replication kill points, armed from a generator of their own.
+        self.points = [n for n in ct.read_kill_points() if n.startswith("replica.")]
+        self.point_rng = random.Random(f"{self.seed}-replica-points")
+        self.planned: Counter = Counter()   # rounds armed at each point
+        self.stamps: dict[str, str] = {}    # stamp file -> the point it arms
+        z = self.jobs[0].zygotes[0] if self.jobs else None
+        if z is not None and not z.info.get("kill_points"):
+            raise SystemExit(f"{z.info.get('core')} was built without kill points; build with "
+                             "-DSAFEPOINT_KILL_POINTS=ON (make crash-build)")
 
     def note(self, msg: str) -> None:
         self.log.write(f"[round {self.round}] {msg}\n")
@@ -305,7 +346,40 @@ class NodeCampaign:
             # in the middle of them (None: no cap, the veth's speed is unknown)
             "bandwidth": r.choice([None, None, 20e6, 4e6]),
             "rng": r.getrandbits(64),
+            **self.plan_point(job, mode),
         }
+
+    def plan_point(self, job: NodeJob, mode: str) -> dict:
+        """Which replication kill point the round arms (None: none), and its nth hit."""
+        r = self.point_rng
+        if r.random() >= 0.5:
+            return {"point": None, "nth": None}
+        if job.lost_last and r.random() < 0.6:
+            point = "replica.rebuild.before_finish"
+        elif mode in LOSSES and r.random() < 0.5:
+            point = r.choice([n for n in self.points if n.startswith("replica.flush.")])
+        else:
+            point = r.choice(["replica.push.after_chunk", "replica.receive.before_visible"])
+        return {"point": point, "nth": r.randint(1, 4) if point.endswith("after_chunk") else 1}
+
+    def kill_agents(self, job: NodeJob, why: str) -> None:
+        """SIGKILL every agent of the job, on every node."""
+        for i in range(job.world):
+            for pid in job.agent_pids(i):
+                kill_and_wait(pid)
+                self.kills[f"agent ({why})"] += 1
+                self.note(f"killed the agent {pid} of {job.cluster[i].name} ({why})")
+
+    def died_at_point(self, nspid: Optional[int], stamp: Optional[str]) -> Optional[str]:
+        """The kill point that a dead process (`nspid` in its node, armed with `stamp`) died
+        at: the point its stamp arms, if the stamp names it."""
+        if nspid is None or stamp is None or ct.stamp_pid(stamp) != nspid:
+            return None
+        return self.stamps.get(stamp)
+
+    def fired(self) -> Counter:
+        """Armed rounds whose point fired (its stamp written), by point."""
+        return Counter(point for stamp, point in self.stamps.items() if os.path.exists(stamp))
 
     # -- a round --------------------------------------------------------------------------------
     def run_round(self, job: NodeJob, p: Optional[dict] = None) -> None:
@@ -316,6 +390,18 @@ class NodeCampaign:
         job.rounds += 1
         self.modes[p["mode"]] += 1
         self.note(f"job {job.name}: {json.dumps(p)}")
+        stamp = os.path.join(self.root, f"stamp-{self.round}")
+        kill_env = {}
+        if final:
+            # An agent armed in an earlier round must not die in the clean final rounds.
+            self.kill_agents(job, "before the final round")
+        elif p.get("point") is not None:
+            # The point must be in the environment of the agents: the ranks start them.
+            self.kill_agents(job, f"arming {p['point']}")
+            self.planned[p["point"]] += 1
+            self.stamps[stamp] = p["point"]
+            kill_env = {"SAFEPOINT_KILL_AT": f"{p['point']}:{p['nth']}",
+                        "SAFEPOINT_KILL_STAMP": stamp}
         t0 = time.monotonic()
         rdzv = os.path.join(self.root, f"rdzv-{self.round}")
         events: "queue.Queue" = queue.Queue()
@@ -325,7 +411,7 @@ class NodeCampaign:
         for rank in range(job.world):
             env = {"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                    "MASTER_ADDR": master, "MASTER_PORT": str(job.port),
-                   "GLOO_SOCKET_IFNAME": "eth0"}
+                   "GLOO_SOCKET_IFNAME": "eth0", **kill_env}
             args = {"path": job.path, "job": job.name, "shm_dir": "/dev/shm", "seed": self.seed,
                     "rank": rank, "world_size": job.world, "persist_every": job.persist_every,
                     "keep": job.keep, "steps": p["steps"], "p_wait": p["p_wait"],
@@ -337,6 +423,7 @@ class NodeCampaign:
                                  os.path.join(self.root, f"r{self.round}-{rank}.err"), events))
         self.current = (job, ranks)
         job.logs_of_lost = {}
+        job.logs_at_start = {i: job.agent_log(i) for i in range(job.world)}
         # A typical round: one that ran to its end (rounds killed early would make it shorter
         # and shorter, and the kills ever earlier).
         typical = (sorted(self.full_seconds)[len(self.full_seconds) // 2]
@@ -349,6 +436,8 @@ class NodeCampaign:
         lost: list[int] = []
         killed_agents: set[int] = set()
         agents_seen: dict[int, int] = {}  # host pid -> node index
+        # host pid -> (its pid in its node, the stamp in its environment)
+        armed: dict[int, tuple[Optional[int], Optional[str]]] = {}
         next_look = 0.0
 
         def look_at_agents() -> None:
@@ -358,10 +447,22 @@ class NodeCampaign:
                     continue
                 for pid in job.agent_pids(i):
                     agents_seen[pid] = i
+                    if pid not in armed or None in armed[pid]:
+                        armed[pid] = (ns_pid(pid), armed_stamp(pid))
             for pid, i in list(agents_seen.items()):
                 if dead(pid):
                     del agents_seen[pid]
                     if pid in killed_agents or i in lost:
+                        continue
+                    # An agent that died at once (a rebuild is asked for as the rank starts) may
+                    # have been read as a zombie, whose environment is gone: it was started in
+                    # this round, with the round's stamp.
+                    nspid, armed_with = armed.get(pid, (None, None))
+                    point = self.died_at_point(
+                        nspid, armed_with or kill_env.get("SAFEPOINT_KILL_STAMP"))
+                    if point is not None:
+                        self.note(f"the agent {pid} of {job.cluster[i].name} died at kill "
+                                  f"point {point}")
                         continue
                     text = job.agent_log(i)
                     lock = (job.cluster[i].shm / f"safepoint-{os.geteuid()}-{job.name}" /
@@ -422,7 +523,11 @@ class NodeCampaign:
                 if rk.eof and rk.status is None and not rk.alive():
                     status = rk.reap()
                     told = ended and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-                    if not (rk.killed or told or rank_down):
+                    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and \
+                            self.died_at_point(rk.zygote.ns_of.get(rk.pid),
+                                               kill_env.get("SAFEPOINT_KILL_STAMP")):
+                        kill_workloads("a peer died at a kill point")
+                    elif not (rk.killed or told or rank_down):
                         raise Violation(f"rank {rk.rank} (pid {rk.pid}) exited with status "
                                         f"{status} without being killed:\n{rk.stderr()}")
             everyone_idle = all(rk.idle or rk.status is not None or not rk.alive()
@@ -442,6 +547,7 @@ class NodeCampaign:
                 break
         ct.reap_ranks(ranks, events)
         look_at_agents()
+        job.lost_last = bool(lost)
         self.round_seconds.append(time.monotonic() - t0)
         # Lost nodes: replace them (same name and address, empty /dev/shm), new zygotes.
         t = time.monotonic()
@@ -525,9 +631,10 @@ class NodeCampaign:
         promise = exp.promise()
         lost_before = sorted(exp.lost_ranks)
         # One rank per node: rank r runs on node r.
+        exp.listing = lambda uri: (safepoint.steps(job.path), job.keep)  # one store: path
         exp.check_resume(ranks, rebuilt=lambda r, s: f"rank {r} step {s}: rebuilt" in
-                         job.logs_of_lost.get(r, "") + job.agent_log(r),
-                         listed_now=lambda: safepoint.steps(job.path))
+                         job.logs_at_start.get(r, "") + job.logs_of_lost.get(r, "") +
+                         job.agent_log(r))
         loaded = [(rk.rank, rk.loaded) for rk in ranks if rk.loaded is not None]
         desc = []
         for r, (s, source, _) in loaded:
@@ -599,6 +706,9 @@ class NodeCampaign:
               f"0 violations")
         print("  rounds by mode: " + ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items())))
         print("  kills: " + ", ".join(f"{k} {n}" for k, n in sorted(self.kills.items())))
+        fired = self.fired()
+        print("  replication kill points (fired/armed): " + ", ".join(
+            f"{n} {fired[n]}/{self.planned[n]}" for n in self.points))
         print("  resumes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.resumes.items())))
         print("  sources: " + ", ".join(f"{a} ranks from {b} {n}"
                                         for (a, b), n in sorted(self.sources.items())))
