@@ -76,6 +76,24 @@ Status PeerServiceImpl::CheckIpv6BindAddress(const sockaddr_storage& ss) const {
   if (ss.ss_family != AF_INET6) return Status::OK();
   const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
   const std::string what = "peer service of node " + options_.node + ": " + options_.bind_host;
+  // A $UCX_TCP_AF_PRIO that puts IPv4 first makes the data lanes IPv4 endpoints, which UCX
+  // 1.13.1 sizes for an IPv4 peer address: the accepting side then copies the IPv6 address the
+  // connection came from into 16 bytes and connects with 28, reading past the endpoint (ASan:
+  // heap-buffer-overflow in ucs_socket_connect), and the process later aborts in glibc ("double
+  // free or corruption"): docs/reliability.md.
+  if (const char* prio = std::getenv("UCX_TCP_AF_PRIO"); prio != nullptr) {
+    std::string first = prio;
+    first = first.substr(0, first.find(','));
+    first.erase(0, first.find_first_not_of(" \t"));
+    first.erase(first.find_last_not_of(" \t") + 1);
+    if (first != "inet6") {
+      return InvalidArgument(what + " is an IPv6 address, and $UCX_TCP_AF_PRIO='" + prio +
+                             "' does not put inet6 first: UCX's TCP transport would carry the "
+                             "data over IPv4 endpoints that cannot hold an IPv6 peer's address "
+                             "(memory corruption with UCX 1.13); unset UCX_TCP_AF_PRIO (safepoint "
+                             "then sets inet6), set it to inet6, or use an IPv4 address");
+    }
+  }
   if (IN6_IS_ADDR_LINKLOCAL(&in6->sin6_addr)) {
     return InvalidArgument(
         what +

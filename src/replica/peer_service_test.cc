@@ -817,6 +817,53 @@ TEST_F(PeerServiceTest, Ipv6AddressesUcxCannotCarryAreRefusedNamingTheWayOut) {
   }
 }
 
+// A $UCX_TCP_AF_PRIO that puts IPv4 first is refused for IPv6 peers: UCX 1.13.1's TCP transport
+// then connects the accepting side's data lane to the IPv6 address the connection came from
+// through an endpoint sized for an IPv4 one (before: ASan's heap-buffer-overflow in
+// ucs_socket_connect on the first push, and glibc's "double free or corruption" at exit).
+TEST_F(PeerServiceTest, Ipv6PeersRefuseAUcxTcpAfPrioThatPutsIpv4First) {
+  const std::optional<std::string> ip = Ipv6InterfaceAddress(/*link_local=*/false);
+  if (!ip) GTEST_SKIP() << "no interface here has a global or unique-local IPv6 address";
+  // Put back as found (an earlier IPv6 hub of this process may have left its "inet6").
+  struct Restore {
+    const char* was = std::getenv("UCX_TCP_AF_PRIO");
+    std::string value = was ? was : "";
+    ~Restore() {
+      if (was) {
+        ::setenv("UCX_TCP_AF_PRIO", value.c_str(), /*overwrite=*/1);
+      } else {
+        ::unsetenv("UCX_TCP_AF_PRIO");
+      }
+    }
+  } restore;
+  test::TempDir dir("peer-service-test");
+  auto store = ReplicaStore::Open(dir.path());
+  ASSERT_OK(store);
+  PeerServiceOptions o = Options("v6");
+  o.bind_host = *ip;
+  for (const char* prio : {"inet,inet6", "inet", " inet , inet6"}) {
+    ::setenv("UCX_TCP_AF_PRIO", prio, /*overwrite=*/1);
+    auto svc = PeerService::Start(o, store->get());
+    ASSERT_FALSE(svc.ok()) << prio;
+    EXPECT_EQ(svc.status().code(), StatusCode::kInvalidArgument);
+    for (const char* part : {"UCX_TCP_AF_PRIO", "inet6 first", "IPv4 address"}) {
+      EXPECT_NE(svc.status().message().find(part), std::string::npos)
+          << part << " not in " << svc.status().ToString();
+    }
+  }
+  // One that puts inet6 first is kept, and a push goes over it.
+  ::setenv("UCX_TCP_AF_PRIO", "inet6,inet", /*overwrite=*/1);
+  Node* a = StartNode("a", [&](PeerServiceOptions& po) { po.bind_host = *ip; });
+  Node* b = StartNode("b", [&](PeerServiceOptions& po) { po.bind_host = *ip; });
+  ASSERT_TRUE(a && b);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed,
+                       a->svc->Push(kId, test::PatternBytes(1 << 20, 5), r, {b->peer()}, nullptr));
+  ASSERT_EQ(pushed.targets.size(), 1u);
+  EXPECT_OK(pushed.targets[0]);
+  nodes_.clear();  // the hub (which read the variable) goes before it is put back
+}
+
 // Not tests: two halves of a manual check across network namespaces (docs: run the server half
 // in one namespace, the client half in another).
 //   SP_PEER_BIND=10.0.0.1 safepoint_tests --gtest_also_run_disabled_tests \
