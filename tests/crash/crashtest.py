@@ -945,6 +945,10 @@ class Campaign:
                 raise Violation(f"safepoint gc left {job.job_dir}")
             if p["lose_path"]:
                 # The node's local storage (path) is lost with it: the job resumes from a tier.
+                # What it listed when it was lost is what this round's loads are checked against.
+                import safepoint
+
+                p["path_listing"] = safepoint.steps(job.path)
                 shutil.rmtree(job.path)
                 self.paths_lost += 1
         self.round_seconds.append(time.monotonic() - t0)
@@ -1038,8 +1042,10 @@ class Campaign:
                 f.write(os.urandom(self.rng.randrange(1, 20000)))
         self.decoys += 1
 
-    def listing(self, job: Job, uri: str) -> tuple[list[int], int]:
-        """The committed steps the store `uri` of `job` lists now, and its keep."""
+    def listing(self, job: Job, uri: str,
+                lost: Optional[list[int]] = None) -> tuple[list[int], int]:
+        """The committed steps the store `uri` of `job` lists now, and its keep. `lost`: what the
+        job's path listed when this round's node loss took it (the path is gone now)."""
         import safepoint
 
         stores = [u[len("file://"):] if u.startswith("file://") else u for u in job.stores]
@@ -1049,10 +1055,12 @@ class Campaign:
         if plain not in stores:
             raise Violation(f"a rank loaded from {uri}, not one of the job's stores {job.stores}")
         k = stores.index(plain)
+        if k == 0 and lost is not None:
+            return lost, job.expected.keeps[k]
         return safepoint.steps(job.stores[k]), job.expected.keeps[k]
 
     def check_round(self, job: Job, p: dict, ranks: list) -> None:
-        job.expected.listing = lambda uri: self.listing(job, uri)
+        job.expected.listing = lambda uri: self.listing(job, uri, p.get("path_listing"))
         job.expected.check_resume(ranks)
         job.expected.record_round(ranks, p.get("end_sent"))
         job.steps_saved += sum(len(rk.saved) for rk in ranks)

@@ -101,3 +101,20 @@ def test_a_step_loaded_from_storage_with_nothing_committed_at_the_last_check():
     exp.listing = lambda u: ([], 3)
     with pytest.raises(ct.Violation, match="step 3 is not committed"):
         exp.check_resume([rank(r, loaded=(3, "storage", "EXACT"), uri="/p") for r in (0, 1)])
+
+
+def test_a_load_from_a_path_that_the_node_loss_then_took_is_checked_against_its_last_listing(
+        tmp_path):
+    """A node round that loses the path removes it before the round is checked, so the loads
+    are checked against what the path listed when it was lost (crash campaign seed 3977695246,
+    round 892, flagged "step 1121 is not committed (listed: [])"), and still against storage."""
+    path = str(tmp_path / "gone")
+    exp = ct.ExpectedState(world=2, keep=3)
+    job = SimpleNamespace(path=path, stores=[path, "file:///tier1"], expected=exp)
+    exp.keeps = [3, 2]
+    listing = ct.Campaign.listing
+    assert listing(None, job, "-", [1120, 1121]) == ([1120, 1121], 3)
+    assert listing(None, job, "file://" + path, [1121]) == ([1121], 3)
+    assert listing(None, job, path, None) == ([], 3)  # without it: the path's listing now
+    with pytest.raises(ct.Violation):
+        listing(None, job, "/elsewhere", [1121])
