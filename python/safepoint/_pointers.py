@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
-from safepoint.errors import CorruptionError
+from safepoint.errors import CorruptionError, InvalidArgumentError
 
 MAX_BYTES = 64 * 1024  # a pointer is a few hundred bytes; anything larger is not one
 
@@ -33,4 +33,16 @@ def read_pointer(path: str | os.PathLike[str], fmt: str, version: int) -> Option
     if doc.get("version") != version:
         raise CorruptionError(f"{p}: safepoint pointer version {doc.get('version')!r} is not "
                               f"supported (this safepoint reads version {version})")
+    return doc
+
+
+def require_pointer(path: str, read: Callable[[str], Optional[dict]], not_ours: str) -> dict:
+    """``read(path)`` (a module's ``read_pointer``), for a load that needs a pointer:
+    ``FileNotFoundError`` when nothing is at ``path``, ``InvalidArgumentError("<path>:
+    <not_ours>")`` when something else is."""
+    doc = read(path)
+    if doc is None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint file not found: {path}")
+        raise InvalidArgumentError(f"{path}: {not_ours}")
     return doc

@@ -228,13 +228,10 @@ class SafepointCheckpointEngine(CheckpointEngine):
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state dict saved at ``path`` (read through its pointer)."""
-        doc = read_pointer(path)
-        if doc is None:
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"checkpoint file not found: {path}")
-            raise InvalidArgumentError(
-                f"{path}: not written by SafepointCheckpointEngine (no safepoint pointer); load "
-                "torch checkpoints with DeepSpeed's TorchCheckpointEngine")
+        doc = _pointers.require_pointer(
+            path, read_pointer,
+            "not written by SafepointCheckpointEngine (no safepoint pointer); load torch "
+            "checkpoints with DeepSpeed's TorchCheckpointEngine")
         root, step, writer, name = doc["root"], doc["step"], doc["rank"], doc["file"]
         if self.root is None:
             self.root = root

@@ -462,14 +462,11 @@ class SafepointCheckpointIO(_CheckpointIO):
         at ``path`` (the same on every rank) names, from this node's memory or from storage. The
         ranks load one step or fail together (the Checkpointer's agreement)."""
         target = os.path.abspath(os.fspath(path))
-        doc = read_pointer(target)
-        if doc is None:
-            if not os.path.exists(target):
-                raise FileNotFoundError(f"Checkpoint file not found: {target}")
-            raise InvalidArgumentError(
-                f"{target}: not a pointer file written by SafepointCheckpointIO; "
-                f"{type(strategy).__name__} resumes only from those (load a DCP checkpoint "
-                "with Lightning's own strategy, without the plugin)")
+        doc = _pointers.require_pointer(
+            target, read_pointer,
+            f"not a pointer file written by SafepointCheckpointIO; {type(strategy).__name__} "
+            "resumes only from those (load a DCP checkpoint with Lightning's own strategy, "
+            "without the plugin)")
         self._shard_as(strategy, target)
         root, step, saved = doc["root"], doc["step"], doc.get("world_size", 1)
         if saved != self._world_size:

@@ -180,6 +180,11 @@ def test_sharded_pointers_need_the_same_world_and_strategy(tmp_path):
         flash._load_sharded(tmp_path / "a.ckpt", FakeStrategy(0, 2), None)
     with pytest.raises(safepoint.InvalidArgumentError, match="mode='flash'"):
         plugin._load_sharded(tmp_path / "b.ckpt", FakeStrategy(0, 2), None)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        flash._load_sharded(tmp_path / "missing.ckpt", FakeStrategy(0, 2), None)
+    torch.save({"w": torch.ones(2)}, tmp_path / "torch.ckpt")
+    with pytest.raises(safepoint.InvalidArgumentError, match="not a pointer file.*FakeStrategy"):
+        flash._load_sharded(tmp_path / "torch.ckpt", FakeStrategy(0, 2), None)
 
 
 def test_sharded_strategies_refuse_full_state_dicts_and_other_checkpoint_ios():
