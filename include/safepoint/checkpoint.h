@@ -167,6 +167,14 @@ class CheckpointStore {
   // NotFound when the step is not committed, IOError when its COMMIT cannot be made durable.
   Result<CommitRecord> ConfirmCommit(uint64_t step);
 
+  // Whether rank's image of `step` (plain or packed) is stored whole and is of save `attempt`: a
+  // persist of that snapshot then writes nothing, only tries the commit. The same snapshot is
+  // laid out differently by who writes it (a requested persist leaves replicas to other ranks,
+  // an adopted or flushed one writes every tensor), and a rewrite could replace the image that
+  // another node's agent has just committed the step with (node-loss campaign seed 3141592653,
+  // round 25). A torn or unreadable image counts as not stored.
+  Result<bool> HoldsImageOfAttempt(uint64_t step, uint32_t rank, uint64_t attempt);
+
   // Reads rank's image of a committed step with parallel reads and verifies every checksum and
   // that it is the image the commit record names.
   Result<LoadedImage> ReadImage(const CommitRecord& commit, uint32_t rank);

@@ -7,7 +7,6 @@
 
 #include "base/kill_point.h"
 #include "base/parallel.h"
-#include "checkpoint/packed_reader.h"
 #include "shm/arena.h"
 #include "storage/cancellable.h"
 
@@ -139,27 +138,6 @@ Result<std::unique_ptr<ImageBuilder>> PersistQueue::WithoutReplicas(
       reader.layout().chunk_size);
 }
 
-Result<bool> StoredImageIsOfAttempt(CheckpointStore& store, uint64_t step, uint32_t rank,
-                                    uint64_t attempt) {
-  for (const std::string& name : {ImageObjectName(step, rank), PackedObjectName(step, rank)}) {
-    // Not owned: the object opened lives only in this call.
-    std::shared_ptr<Storage> storage(&store.storage(), [](Storage*) {});
-    auto obj = name.ends_with(".pack") ? OpenPackedImage(storage, name) : storage->Open(name);
-    if (!obj.ok()) {
-      if (obj.status().code() == StatusCode::kNotFound) continue;
-      return obj.status();
-    }
-    std::vector<std::byte> header(kImageHeaderSize);
-    if (!(*obj)->ReadAt(0, header).ok()) continue;  // torn or unreadable: write it anew
-    auto parsed = ParseImageHeader(header, store.storage().Describe(name));
-    if (parsed.ok() && parsed->first.step == step && parsed->first.rank == rank &&
-        parsed->first.attempt == attempt && parsed->second.image_size == (*obj)->size()) {
-      return true;
-    }
-  }
-  return false;
-}
-
 // Retention: keep the newest `keep` committed steps (never fewer than one).
 std::vector<uint64_t> PersistQueue::Prune() {
   return PruneSteps(*target_.store, target_.keep, target_.pins.get(), /*tier=*/0);
@@ -232,7 +210,7 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
   }
   // This snapshot's image stored already (persisted before an agent died, then adopted): only
   // the commit is left to try.
-  auto stored = StoredImageIsOfAttempt(*target_.store, t.step, t.rank, header->first.attempt);
+  auto stored = target_.store->HoldsImageOfAttempt(t.step, t.rank, header->first.attempt);
   if (!stored.ok()) {
     r.status = stored.status();
     return r;

@@ -77,16 +77,6 @@ struct PersistTarget {
   PackOptions pack;                // how images are stored (compression, incremental)
 };
 
-// Whether storage holds a published image (plain or packed) of `rank` for `step` whose header
-// names save attempt `attempt`: that snapshot's image is stored already. A persist of it then
-// writes nothing (the persist queue's and the teardown persist of a lost node's step): the
-// same snapshot is stored in another layout depending on who writes it (a requested persist
-// leaves replicas to other ranks, an adopted or flushed one writes every tensor), and a
-// rewrite can replace the image that another node's agent has just committed the step with,
-// after the check for a COMMIT (node-loss campaign seed 3141592653, round 25).
-Result<bool> StoredImageIsOfAttempt(CheckpointStore& store, uint64_t step, uint32_t rank,
-                                    uint64_t attempt);
-
 class PersistQueue {
  public:
   explicit PersistQueue(std::function<void()> notify);

@@ -574,7 +574,7 @@ Status Replicator::FlushOne(const ReplicaMeta& m, const std::vector<Holding>& pa
   SP_KILL_POINT("replica.flush.before_write");
   // Stored already (its node persisted it before it was lost): only the commit is left to try.
   SP_ASSIGN_OR_RETURN(bool stored,
-                      StoredImageIsOfAttempt(*storage, m.step, m.rank, header.first.attempt));
+                      storage->HoldsImageOfAttempt(m.step, m.rank, header.first.attempt));
   WriteStats written;
   if (!stored) {
     SP_ASSIGN_OR_RETURN(written, storage->WriteImageBytes(image, m.step, m.rank));

@@ -408,6 +408,24 @@ Result<std::unique_ptr<ReadableObject>> CheckpointStore::OpenImageObject(const s
   return storage_->Open(name);
 }
 
+Result<bool> CheckpointStore::HoldsImageOfAttempt(uint64_t step, uint32_t rank, uint64_t attempt) {
+  for (const std::string& name : {ImageObjectName(step, rank), PackedObjectName(step, rank)}) {
+    auto obj = OpenImageObject(name);
+    if (!obj.ok()) {
+      if (obj.status().code() == StatusCode::kNotFound) continue;
+      return obj.status();
+    }
+    std::vector<std::byte> header(kImageHeaderSize);
+    if (!(*obj)->ReadAt(0, header).ok()) continue;  // torn or unreadable: write it anew
+    auto parsed = ParseImageHeader(header, storage_->Describe(name));
+    if (parsed.ok() && parsed->first.step == step && parsed->first.rank == rank &&
+        parsed->first.attempt == attempt && parsed->second.image_size == (*obj)->size()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same
 // ReplicaKey, by some image of the step: else the step would commit with a tensor nobody wrote.
 Status CheckpointStore::CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names) {
