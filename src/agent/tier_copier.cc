@@ -7,6 +7,7 @@
 #include <chrono>
 #include <set>
 
+#include "base/clock.h"
 #include "base/kill_point.h"
 #include "checkpoint/chunk_gc.h"
 #include "checkpoint/versions.h"
@@ -15,12 +16,6 @@
 namespace safepoint::agent {
 
 namespace {
-
-int64_t WallNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 using Clock = std::chrono::steady_clock;
 
@@ -243,7 +238,7 @@ internal::WorkerLoop<uint64_t>::Next TierChain::Take(Worker& w) {
   if (!w.candidate || w.attempts >= TierChain::kMaxAttempts) return Loop::Wait();
   if (Clock::now() < w.retry_at) return Loop::Wait(w.retry_at);
   const uint64_t step = *w.candidate;
-  const double since = w.last_ns > 0 ? static_cast<double>(WallNs() - w.last_ns) / 1e9 : 1e18;
+  const double since = w.last_ns > 0 ? static_cast<double>(UnixNanos() - w.last_ns) / 1e9 : 1e18;
   if (!TierDue(w.spec, step, w.last, since)) {
     ++w.state.skipped;
     w.candidate.reset();
@@ -326,7 +321,7 @@ bool TierChain::CopyOne(Worker& w, uint64_t step) {
   SP_KILL_POINT("agent.tier.before_prune");
   const std::vector<uint64_t> pruned =
       PruneSteps(*w.store, w.spec.keep, pins_.get(), w.index, primary_.get());
-  const int64_t now = WallNs();
+  const int64_t now = UnixNanos();
   {
     std::lock_guard<std::mutex> lock(w.mu);
     w.last = std::max(w.last.value_or(0), step);

@@ -18,6 +18,7 @@
 #include <optional>
 
 #include "base/bytes.h"
+#include "base/clock.h"
 #include "base/parallel.h"
 #include "base/process.h"
 #include "base/random.h"
@@ -69,12 +70,6 @@ uint64_t Word(uint64_t gen, SlotState s, bool leased = false) {
 uint64_t GenOf(uint64_t w) { return w >> 8; }
 SlotState StateOf(uint64_t w) { return static_cast<SlotState>(w & kStateMask); }
 bool LeasedOf(uint64_t w) { return w & kLeasedBit; }
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // Records `self` as the slot's writer. Only one process writes a slot at a time (it holds the
 // slot WRITING), so the pair changes only when another process takes the slot over: the pid is
@@ -756,7 +751,7 @@ Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::Take(uint64_t image_si
 // The time a snapshot becomes current: now, and later than every other slot's (only the rank's
 // one writer calls this), so that the order holds even if the wall clock steps back.
 int64_t Arena::NextCompletionNs() const {
-  int64_t t = NowNs();
+  int64_t t = UnixNanos();
   for (const auto& s : slots_) {
     if (s) t = std::max(t, s->header()->complete_time_ns.load(std::memory_order_relaxed) + 1);
   }

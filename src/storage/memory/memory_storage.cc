@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "base/clock.h"
 #include "safepoint/storage.h"
 
 namespace safepoint {
@@ -44,12 +45,6 @@ std::shared_ptr<ObjectMap> SharedObjectMap(const std::string& name) {
   auto& map = (*maps)[name];
   if (!map) map = std::make_shared<ObjectMap>();
   return map;
-}
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
 }
 
 class MemoryWritableObject final : public WritableObject {
@@ -131,7 +126,7 @@ class MemoryWritableObject final : public WritableObject {
     auto published = std::make_shared<const Bytes>(std::move(data_));
     data_ = Bytes();
     state_ = State::kPublished;
-    map_->objects[name_] = StoredObject{std::move(published), NowNs()};
+    map_->objects[name_] = StoredObject{std::move(published), UnixNanos()};
     return Status::OK();
   }
 

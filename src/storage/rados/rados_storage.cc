@@ -85,6 +85,7 @@
 #include <vector>
 
 #include "base/bytes.h"
+#include "base/clock.h"
 #include "base/crc32c.h"
 #include "base/random.h"
 #include "safepoint/storage.h"
@@ -110,12 +111,6 @@ constexpr uint64_t kMinChunkSize = 4 << 10;
 constexpr uint64_t kMaxChunkSize = 1 << 30;
 
 // ---- small helpers ----------------------------------------------------------------------------
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 bool IsHex16(std::string_view s) {
   return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) {
@@ -438,7 +433,7 @@ class RadosWritableObject final : public WritableObject {
     head.size = size_.load();
     head.chunk_size = chunk_size_;
     head.data_id = id_;
-    head.mtime_ns = NowNs();
+    head.mtime_ns = UnixNanos();
     // Every chunk below the size exists, so that a lost one is detected on read.
     std::vector<AioOp> touch;
     {
