@@ -193,6 +193,21 @@ Status UcpHub::Init() {
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
     return Unavailable("UCX: ucp_config_read: " + UcsError(s));
   if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", kDefaultTls);
+  // No peer may write into our memory by itself. UCX's TCP transport carries a rendezvous chunk
+  // as a PUT aimed at the address the receiver announced, and the receiving side copies what
+  // arrives there checking nothing else: TCP's memory keys are bare addresses, and a closed
+  // endpoint's connection stays open for receiving (uct_tcp_ep_destroy keeps its RX side). A
+  // receiver that drops or closes a connection mid-transfer (its receive cancelled, its replica
+  // file unmapped) then had the rest of a PUT under way copied into freed memory: SIGSEGV in
+  // uct_tcp_iface_progress, or another mapping overwritten (docs/reliability.md). Without PUT a
+  // rendezvous sends its data as active messages into UCX's buffers, and UCX copies them into
+  // ours only for a receive still posted. The key names the TCP option without its "TCP_"
+  // prefix (UCX 1.13 applies it to every transport that has it); it overrides
+  // $UCX_TCP_PUT_ENABLE, whose "y" would bring the corruption back.
+  if (ucs_status_t s = ucp_config_modify(config, "PUT_ENABLE", "n"); s != UCS_OK) {
+    ucp_config_release(config);
+    return Unavailable("UCX: ucp_config_modify(PUT_ENABLE=n): " + UcsError(s));
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

@@ -300,6 +300,34 @@ TEST_F(PeerServiceTest, ReceiverDyingMidTransferFailsThePush) {
   EXPECT_EQ(Stored(b), 0u);
 }
 
+// A receiver that goes away mid-transfer cancels its receives and unmaps its replica file; no
+// byte of the transfer may land there afterwards. With UCX's TCP PUT, a rendezvous chunk arrives
+// through a PUT aimed at the address the receiver announced, which the closed endpoint's
+// connection still carried out: the copy hit the unmapped file (SIGSEGV in
+// uct_tcp_iface_progress, a few rounds in a hundred) or whatever was mapped there next.
+TEST_F(PeerServiceTest, ReceiversDyingMidTransferGetNoBytesAfterTheyAreGone) {
+  Node* src = StartNode("a", [](PeerServiceOptions& o) { o.timeout_s = 0.5; });
+  ASSERT_TRUE(src);
+  const std::vector<std::byte> image = test::PatternBytes(2 << 20, 6);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  for (int round = 0; round < 300; ++round) {
+    Node* b = StartNode("b" + std::to_string(round));
+    ASSERT_TRUE(b);
+    // Before the second or the third chunk: one or two are in flight.
+    const int kill_at = 2 + round % 2;
+    std::atomic<int> calls{0};
+    auto kill_receiver = [&] {
+      if (++calls == kill_at) b->svc.reset();
+      return true;
+    };
+    ASSERT_OK_AND_ASSIGN(PushResult pushed,
+                         src->svc->Push(kId, image, r, {b->peer()}, kill_receiver));
+    EXPECT_EQ(pushed.targets[0].code(), StatusCode::kUnavailable) << pushed.targets[0].ToString();
+    EXPECT_EQ(Stored(b), 0u);
+    nodes_.pop_back();  // b's store and directory
+  }
+}
+
 TEST_F(PeerServiceTest, StillValidTurningFalseCancelsAndLeavesNoReplica) {
   Node* src = StartNode("a");
   Node* b = StartNode("b");
