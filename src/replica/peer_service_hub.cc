@@ -172,19 +172,6 @@ void UcpHub::Release(std::shared_ptr<UcpHub>& hub) {
 }
 
 Status UcpHub::Init() {
-  // IPv6 peers: the data connections listen on the interfaces' IPv6 addresses (UcpHub). UCX
-  // 1.13 takes the TCP transport's options from the environment only (ucp_config_modify's
-  // "TCP_AF_PRIO" is refused as an invalid configuration), read when the worker opens its
-  // interfaces; a value the user set is kept, and ours is taken back for a later IPv4 hub.
-  // Under instance_mu_.
-  static bool af_prio_set_here = false;
-  if (family_ == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) {
-    ::setenv("UCX_TCP_AF_PRIO", "inet6", /*overwrite=*/0);
-    af_prio_set_here = true;
-  } else if (family_ != AF_INET6 && af_prio_set_here) {
-    ::unsetenv("UCX_TCP_AF_PRIO");
-    af_prio_set_here = false;
-  }
   int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (efd < 0) return ErrnoStatus("eventfd", "peer service", errno);
   wake_fd_ = internal::UniqueFd(efd);
@@ -193,6 +180,20 @@ Status UcpHub::Init() {
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
     return Unavailable("UCX: ucp_config_read: " + UcsError(s));
   if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", kDefaultTls);
+  // IPv6 peers: the data connections listen on the interfaces' IPv6 addresses (UcpHub). The key
+  // names the TCP option without its "TCP_" prefix, as PUT_ENABLE below (UCX 1.13 takes
+  // "TCP_AF_PRIO" too, then logs "invalid configuration: TCP_AF_PRIO=inet6" when the worker opens
+  // its interfaces and ignores it). UCX applies the key to the transports' options after reading
+  // the environment, so it would override $UCX_TCP_AF_PRIO: a value the user set is kept
+  // (CheckIpv6BindAddress refused one that does not put inet6 first). This context's
+  // configuration only: the environment is left alone (a setenv is undefined behaviour beside
+  // threads that may read it), and a later IPv4 hub gets UCX's default.
+  if (family_ == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) {
+    if (ucs_status_t s = ucp_config_modify(config, "AF_PRIO", "inet6"); s != UCS_OK) {
+      ucp_config_release(config);
+      return Unavailable("UCX: ucp_config_modify(AF_PRIO=inet6): " + UcsError(s));
+    }
+  }
   // No peer may write into our memory by itself. UCX's TCP transport carries a rendezvous chunk
   // as a PUT aimed at the address the receiver announced, and the receiving side copies what
   // arrives there checking nothing else: TCP's memory keys are bare addresses, and a closed

@@ -776,13 +776,17 @@ std::optional<std::string> Ipv6InterfaceAddress(bool link_local) {
 // IPv6 peers: services bound to an interface's IPv6 address (given plain or in brackets, as
 // $SAFEPOINT_PEER_HOST may be written) advertise "[ADDR]:PORT", and a mirror push, a list and a
 // fetch go over it (UCX's TCP transport is told to listen on IPv6: without it the accepting side
-// connected its data lane to an IPv6 address nobody listened on).
+// connected its data lane to an IPv6 address nobody listened on). It is told in the UCP context's
+// configuration, the environment left as found (before: setenv("UCX_TCP_AF_PRIO") beside
+// threads that may read the environment).
 TEST_F(PeerServiceTest, MirrorPushListAndFetchBetweenIpv6Peers) {
   const std::optional<std::string> ip = Ipv6InterfaceAddress(/*link_local=*/false);
   if (!ip) GTEST_SKIP() << "no interface here has a global or unique-local IPv6 address";
+  const bool af_prio_unset = std::getenv("UCX_TCP_AF_PRIO") == nullptr;
   Node* a = StartNode("a", [&](PeerServiceOptions& o) { o.bind_host = *ip; });
   Node* b = StartNode("b", [&](PeerServiceOptions& o) { o.bind_host = "[" + *ip + "]"; });
   ASSERT_TRUE(a && b);
+  if (af_prio_unset) EXPECT_EQ(std::getenv("UCX_TCP_AF_PRIO"), nullptr);
   EXPECT_EQ(b->svc->address().rfind("[" + *ip + "]:", 0), 0u) << b->svc->address();
   const std::vector<std::byte> image = test::PatternBytes((1 << 20) + 17, 3);
   ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
@@ -852,7 +856,7 @@ TEST_F(PeerServiceTest, Ipv6AddressesUcxCannotCarryAreRefusedNamingTheWayOut) {
 TEST_F(PeerServiceTest, Ipv6PeersRefuseAUcxTcpAfPrioThatPutsIpv4First) {
   const std::optional<std::string> ip = Ipv6InterfaceAddress(/*link_local=*/false);
   if (!ip) GTEST_SKIP() << "no interface here has a global or unique-local IPv6 address";
-  // Put back as found (an earlier IPv6 hub of this process may have left its "inet6").
+  // Put back as found.
   struct Restore {
     const char* was = std::getenv("UCX_TCP_AF_PRIO");
     std::string value = was ? was : "";
