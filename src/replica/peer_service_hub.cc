@@ -172,19 +172,6 @@ void UcpHub::Release(std::shared_ptr<UcpHub>& hub) {
 }
 
 Status UcpHub::Init() {
-  // IPv6 peers: the data connections listen on the interfaces' IPv6 addresses (UcpHub). UCX
-  // 1.13 takes the TCP transport's options from the environment only (ucp_config_modify's
-  // "TCP_AF_PRIO" is refused as an invalid configuration), read when the worker opens its
-  // interfaces; a value the user set is kept, and ours is taken back for a later IPv4 hub.
-  // Under instance_mu_.
-  static bool af_prio_set_here = false;
-  if (family_ == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) {
-    ::setenv("UCX_TCP_AF_PRIO", "inet6", /*overwrite=*/0);
-    af_prio_set_here = true;
-  } else if (family_ != AF_INET6 && af_prio_set_here) {
-    ::unsetenv("UCX_TCP_AF_PRIO");
-    af_prio_set_here = false;
-  }
   int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (efd < 0) return ErrnoStatus("eventfd", "peer service", errno);
   wake_fd_ = internal::UniqueFd(efd);
@@ -193,6 +180,35 @@ Status UcpHub::Init() {
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
     return Unavailable("UCX: ucp_config_read: " + UcsError(s));
   if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", kDefaultTls);
+  // IPv6 peers: the data connections listen on the interfaces' IPv6 addresses (UcpHub). The key
+  // names the TCP option without its "TCP_" prefix, as PUT_ENABLE below (UCX 1.13 takes
+  // "TCP_AF_PRIO" too, then logs "invalid configuration: TCP_AF_PRIO=inet6" when the worker opens
+  // its interfaces and ignores it). UCX applies the key to the transports' options after reading
+  // the environment, so it would override $UCX_TCP_AF_PRIO: a value the user set is kept
+  // (CheckIpv6BindAddress refused one that does not put inet6 first). This context's
+  // configuration only: the environment is left alone (a setenv is undefined behaviour beside
+  // threads that may read it), and a later IPv4 hub gets UCX's default.
+  if (family_ == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) {
+    if (ucs_status_t s = ucp_config_modify(config, "AF_PRIO", "inet6"); s != UCS_OK) {
+      ucp_config_release(config);
+      return Unavailable("UCX: ucp_config_modify(AF_PRIO=inet6): " + UcsError(s));
+    }
+  }
+  // No peer may write into our memory by itself. UCX's TCP transport carries a rendezvous chunk
+  // as a PUT aimed at the address the receiver announced, and the receiving side copies what
+  // arrives there checking nothing else: TCP's memory keys are bare addresses, and a closed
+  // endpoint's connection stays open for receiving (uct_tcp_ep_destroy keeps its RX side). A
+  // receiver that drops or closes a connection mid-transfer (its receive cancelled, its replica
+  // file unmapped) then had the rest of a PUT under way copied into freed memory: SIGSEGV in
+  // uct_tcp_iface_progress, or another mapping overwritten (docs/reliability.md). Without PUT a
+  // rendezvous sends its data as active messages into UCX's buffers, and UCX copies them into
+  // ours only for a receive still posted. The key names the TCP option without its "TCP_"
+  // prefix (UCX 1.13 applies it to every transport that has it); it overrides
+  // $UCX_TCP_PUT_ENABLE, whose "y" would bring the corruption back.
+  if (ucs_status_t s = ucp_config_modify(config, "PUT_ENABLE", "n"); s != UCS_OK) {
+    ucp_config_release(config);
+    return Unavailable("UCX: ucp_config_modify(PUT_ENABLE=n): " + UcsError(s));
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

@@ -172,8 +172,8 @@ struct RecvCtx {
 // UCX_TCP_AF_PRIO (default "inet,inet6": the IPv4 one), while the side that accepts a connection
 // connects its data lane to the address the connection came from: with IPv6 peers that is an
 // IPv6 address nobody listens on ("Connection refused", then "Destination is unreachable").
-// An IPv6 hub therefore asks for "inet6" (unless $UCX_TCP_AF_PRIO is set), and a service of the
-// other family is refused while the hub lives.
+// An IPv6 hub therefore asks for "inet6" in its UCP configuration (unless $UCX_TCP_AF_PRIO is
+// set), and a service of the other family is refused while the hub lives.
 class UcpHub {
  public:
   static Result<std::shared_ptr<UcpHub>> Acquire(int family);
