@@ -6,6 +6,16 @@ import sys
 
 import pytest
 
+# OpenMP threads that wait for work sleep instead of spinning (torch's libgomp spins by default),
+# in this process and in every process a test starts (they inherit the environment). The suite
+# runs more processes than this machine has cores (`make test`: 4 workers on 2, each starting
+# training processes with torch's default of one thread per core), and a spinning thread then
+# burns the cores that the thread it waits for needs: a training step of examples/train.py took
+# 2.3 CPU-seconds instead of 0.17 on the 2-core machine under the suite's load. What runs is the
+# same (the same threads, the same kernels); only how an idle thread waits differs. Set here,
+# before anything imports torch, so that this process's OpenMP runtime reads it too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # tests/common: the helpers that the Python tests share with the crash driver (tests/crash).
 sys.path.insert(0, os.path.join(REPO, "tests", "common"))
