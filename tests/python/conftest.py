@@ -55,10 +55,10 @@ SERIAL_MODULES = {"test_saveperf", "test_loadperf", "test_restore_at_scale"}
 SPREAD_MODULES = {"test_examples", "test_lightning_sharded", "test_lightning_multirank",
                   "test_lightning", "test_hf", "test_hf_multirank", "test_reshard",
                   "test_deepspeed"}
-# Seconds that the longest tests took in `make test` (`--durations`, 4 workers on the 2-core
-# machine), by the test's name within its module, parameters included: the workers take the
-# longest work first (below). Only the order depends on them; a test not named here counts 1 s
-# (one spread 20 s).
+# Seconds that the longest tests took in a `make test` (`--durations`, 4 workers on the 2-core
+# machine, before OMP_WAIT_POLICY above), by the test's name within its module, parameters
+# included: the workers take the longest work first (below). Only the order depends on them, so
+# rough values do; a test not named here counts 1 s (one spread 20 s).
 SLOW_TESTS = {
     "test_getting_started_one_node_then_what_to_watch": 135,
     "test_sharded_two_ranks_sigkill_then_fit_ckpt_last_is_bit_identical[fsdp]": 97,
