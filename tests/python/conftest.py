@@ -6,6 +6,16 @@ import sys
 
 import pytest
 
+# OpenMP threads that wait for work sleep instead of spinning (torch's libgomp spins by default),
+# in this process and in every process a test starts (they inherit the environment). The suite
+# runs more processes than this machine has cores (`make test`: 4 workers on 2, each starting
+# training processes with torch's default of one thread per core), and a spinning thread then
+# burns the cores that the thread it waits for needs: a training step of examples/train.py took
+# 2.3 CPU-seconds instead of 0.17 on the 2-core machine under the suite's load. What runs is the
+# same (the same threads, the same kernels); only how an idle thread waits differs. Set here,
+# before anything imports torch, so that this process's OpenMP runtime reads it too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # tests/common: the helpers that the Python tests share with the crash driver (tests/crash).
 sys.path.insert(0, os.path.join(REPO, "tests", "common"))
@@ -35,12 +45,38 @@ def pytest_configure(config):
 # node clusters (tests/common/nodes.py) and their own pools, buckets and prefixes on the shared
 # Ceph.
 SERIAL_MODULES = {"test_saveperf", "test_loadperf", "test_restore_at_scale"}
-# Modules whose tests are spread over the workers one by one: each runs its own processes with a
-# private shm directory, a fresh temporary directory and free ports, and together they take
-# longer than a worker should spend on one module (the examples: minutes each). Every other
-# module's tests stay on one worker (an xdist_group named after the module, as with --dist
-# loadfile), so that a module-scoped fixture such as test_tier_faults' own gateway starts once.
-SPREAD_MODULES = {"test_examples"}
+# Modules whose tests are spread over the workers one by one: each test runs its own processes
+# with a private shm directory, a fresh temporary directory, its own job names and free ports, and
+# the module has no module-scoped fixture; its tests together take longer than one worker should
+# spend on one module (the examples: minutes; the frameworks' SIGKILL-and-resume tests: a minute
+# each). Every other module's tests stay on one worker (an xdist_group named after the module, as
+# with --dist loadfile), so that a module-scoped fixture such as test_tier_faults' own gateway
+# starts once.
+SPREAD_MODULES = {"test_examples", "test_lightning_sharded", "test_lightning_multirank",
+                  "test_lightning", "test_hf", "test_hf_multirank", "test_reshard",
+                  "test_deepspeed"}
+# Seconds that the longest tests took in a `make test` (`--durations`, 4 workers on the 2-core
+# machine, before OMP_WAIT_POLICY above), by the test's name within its module, parameters
+# included: the workers take the longest work first (below). Only the order depends on them, so
+# rough values do; a test not named here counts 1 s (one spread 20 s).
+SLOW_TESTS = {
+    "test_getting_started_one_node_then_what_to_watch": 135,
+    "test_sharded_two_ranks_sigkill_then_fit_ckpt_last_is_bit_identical[fsdp]": 97,
+    "test_sharded_two_ranks_sigkill_then_fit_ckpt_last_is_bit_identical[fsdp2]": 84,
+    "test_ddp_two_ranks_sigkill_then_fit_ckpt_last_is_bit_identical": 75,
+    "test_two_ranks_sigkill_then_resume_is_bit_identical[fsdp2]": 67,
+    "test_two_ranks_sigkill_then_resume_is_bit_identical[ddp]": 64,
+    "test_example_runs_and_resumes[lightning_example.py --strategy fsdp2]": 64,
+    "test_example_runs_and_resumes[lightning_example.py --devices 2]": 62,
+    "test_flash_sigkill_then_fit_ckpt_last_resumes_bit_identical": 58,
+    "test_flash_sigkill_then_resume_is_bit_identical": 57,
+    "test_example_runs_and_resumes[hf_example.py --ranks 2]": 43,
+    "test_killed_during_copy_resumes_from_memory": 41,
+    "test_getting_started_several_nodes": 40,
+    "test_save_n_ranks_restore_m_ranks[2-load_meshes0]": 39,
+    "test_save_sigkill_load_checkpoint_resumes_bit_identical[2-1]": 37,
+    "test_ceph_cluster_rados_and_s3_round_trip": 36,
+}
 
 
 def _module(item) -> str:
@@ -48,18 +84,21 @@ def _module(item) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    sizes = collections.Counter(_module(item) for item in items)
+    units = collections.defaultdict(float)  # what one worker takes at once -> its seconds
+    unit_of = {}
     for item in items:
         name = _module(item)
+        unit_of[item] = item.nodeid if name in SPREAD_MODULES else name
+        units[unit_of[item]] += SLOW_TESTS.get(item.name, 20 if name in SPREAD_MODULES else 1)
         if name in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
         elif name not in SPREAD_MODULES:
             item.add_marker(pytest.mark.xdist_group(name))
     # The order in which the workers take the work (xdist keeps it with --no-loadscope-reorder):
-    # the spread tests first, in their modules' order (test_examples lists the longest first: one
-    # taken last would be the run's tail), then the modules by their number of tests, largest
-    # first, so that the small ones fill in at the end.
-    items.sort(key=lambda item: (_module(item) not in SPREAD_MODULES, -sizes[_module(item)]))
+    # the longest first, so that the run does not end with one worker still in a long test while
+    # the others are idle; a module's tests stay together, in their order (the sort is stable).
+    order = {unit: i for i, unit in enumerate(sorted(units, key=lambda u: -units[u]))}
+    items.sort(key=lambda item: order[unit_of[item]])
 
 
 def pytest_unconfigure(config):

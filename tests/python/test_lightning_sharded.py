@@ -119,6 +119,7 @@ def worker(argv) -> None:
     trainer.fit(module, single.loader(), ckpt_path="last" if a.resume else None)
     torch.save({**shards(trainer), "global_step": trainer.global_step},
                f"{a.out}.{trainer.global_rank}.pt")
+    ddp.job_exit(trainer)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
