@@ -141,6 +141,16 @@ class CheckpointStore {
   Result<WriteStats> WriteImageBytes(std::span<const std::byte> image, uint64_t step, uint32_t rank,
                                      const PackOptions& options);
 
+  // The agent's writes of a snapshot's image (docs/reliability.md, "Two writers of one rank's
+  // image"): named by the image's save attempt (ImageObjectName(step, rank, attempt); the plain
+  // name for attempt 0) and published only where no object of that name exists
+  // (PublishIfAbsent): AlreadyExists, nothing replaced, when another writer of the same attempt
+  // published first. An image a commit counted is then never replaced: a writer of another
+  // attempt writes another name, one of the same attempt keeps the first image.
+  Result<WriteStats> WriteImageOfAttempt(const ImageBuilder& image, const PackOptions& options);
+  Result<WriteStats> WriteImageBytesOfAttempt(std::span<const std::byte> image, uint64_t step,
+                                              uint32_t rank, const PackOptions& options);
+
   // If every rank of `world_size` has a published, valid-header image for `step`, all of save
   // attempt `attempt` (ImageMeta::attempt), writes the COMMIT record (idempotent: any rank may
   // try; the record is published only where none exists, PublishIfAbsent, and a rank that finds
@@ -155,6 +165,11 @@ class CheckpointStore {
   // checks; it replaces only a corrupt record (the step does not exist).
   Result<bool> TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
                          uint64_t attempt = 0, uint64_t generation = 0);
+  // The agent's commit, of the images its writes name by attempt (WriteImageOfAttempt): a
+  // record of generation `attempt`, published only where no valid record exists (an existing
+  // one means the step is committed: true). It never replaces a record nor removes an image.
+  Result<bool> TryCommitOfAttempt(uint64_t step, uint32_t world_size, std::string_view job,
+                                  uint64_t attempt);
 
   // Valid commit records, ascending by step. A corrupt COMMIT record is skipped (that step does
   // not exist) and reported through `problems` when given.
@@ -167,7 +182,8 @@ class CheckpointStore {
   // NotFound when the step is not committed, IOError when its COMMIT cannot be made durable.
   Result<CommitRecord> ConfirmCommit(uint64_t step);
 
-  // Whether rank's image of `step` (plain or packed) is stored whole and is of save `attempt`: a
+  // Whether rank's image of `step` (plain or packed, named by `attempt` as WriteImageOfAttempt
+  // names it) is stored whole and is of save `attempt`: a
   // persist of that snapshot then writes nothing, only tries the commit. The same snapshot is
   // laid out differently by who writes it (a requested persist leaves replicas to other ranks,
   // an adopted or flushed one writes every tensor), and a rewrite could replace the image that
@@ -225,6 +241,13 @@ class CheckpointStore {
   Result<size_t> CleanUp();
 
  private:
+  // The plain writes, named by `generation`; `exclusive` publishes only where the name is free.
+  Result<WriteStats> WritePlain(const ImageBuilder& image, uint64_t generation, bool exclusive);
+  Result<WriteStats> WritePlainBytes(std::span<const std::byte> image, uint64_t step, uint32_t rank,
+                                     uint64_t generation, bool exclusive);
+  // TryCommit (`replace`: a replacing save's commit) and TryCommitOfAttempt (not `replace`).
+  Result<bool> Commit(uint64_t step, uint32_t world_size, std::string_view job, uint64_t attempt,
+                      uint64_t generation, bool replace);
   Status CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names);
   // The image object of `name`: a plain image, or the image a manifest (.pack) describes.
   Result<std::unique_ptr<ReadableObject>> OpenImageObject(const std::string& name);

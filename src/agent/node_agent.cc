@@ -357,7 +357,7 @@ std::optional<Status> NodeAgent::StepNeverCommits(uint64_t step, uint32_t rank) 
       why.back() += " (" + outcome->second.message() + ")";
     }
   }
-  auto committed = store_->TryCommit(step, config_->world_size, opt_.job, attempt);
+  auto committed = store_->TryCommitOfAttempt(step, config_->world_size, opt_.job, attempt);
   if (committed.ok() && *committed) {
     committed_cache_.insert(step);
     newest_committed_ = std::max(newest_committed_.value_or(0), step);

@@ -225,19 +225,26 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     }
     relaid = std::move(*b);
   }
+  // The image is named by its attempt and published only where that name is free: another
+  // writer of this snapshot (the elected holder of its replica after this node was declared
+  // lost, or this agent's predecessor's last request) may have published it since the check
+  // above, and a commit may have counted that image; AlreadyExists leaves it, and only the
+  // commit is left to try (docs/reliability.md, "Two writers of one rank's image").
   if (!*stored) {
-    auto stats = relaid ? target_.store->WriteImage(*relaid, 0, target_.pack)
-                        : target_.store->WriteImageBytes(image, t.step, t.rank, target_.pack);
-    if (!stats.ok()) {
+    auto stats = relaid
+                     ? target_.store->WriteImageOfAttempt(*relaid, target_.pack)
+                     : target_.store->WriteImageBytesOfAttempt(image, t.step, t.rank, target_.pack);
+    if (stats.ok()) {
+      r.bytes = stats->bytes;
+      r.seconds = stats->seconds;
+    } else if (stats.status().code() != StatusCode::kAlreadyExists) {
       r.status = stats.status();
       return r;
     }
-    r.bytes = stats->bytes;
-    r.seconds = stats->seconds;
   }
   SP_KILL_POINT("agent.persist.before_commit");
-  auto committed =
-      target_.store->TryCommit(t.step, target_.world_size, target_.job, header->first.attempt);
+  auto committed = target_.store->TryCommitOfAttempt(t.step, target_.world_size, target_.job,
+                                                     header->first.attempt);
   if (!committed.ok()) {
     r.status = committed.status();
     return r;

@@ -5,9 +5,10 @@
 // slot and the generation the snapshot had when it was queued; the worker leases the slot (or
 // takes over the lease the client already holds), checks that the slot still holds that very
 // snapshot (else the task is *superseded*: a newer save overwrote it first), verifies the
-// header against the slot, and writes the image with the commit protocol
-// (CheckpointStore::WriteImageBytes, or WriteImage when replicas are left to other ranks). It then
-// tries to commit the step (TryCommit: every rank's image of one attempt is there) and, when the
+// header against the slot, and writes the image with the commit protocol, named by its save
+// attempt and never over another writer's image (CheckpointStore::WriteImageBytesOfAttempt, or
+// WriteImageOfAttempt when replicas are left to other ranks). It then tries to commit the step
+// (TryCommitOfAttempt: every rank's image of one attempt is there) and, when the
 // step committed, prunes to the newest `keep` committed steps (never fewer than one) and removes
 // leftovers. The lease is released whatever happened. A step already committed is never written
 // again: the agent never replaces a committed step.

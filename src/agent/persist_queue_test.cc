@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <thread>
+#include <utility>
 
 #include "safepoint/image.h"
 #include "shm/arena.h"
@@ -140,6 +142,153 @@ TEST(PersistQueueStoredTest, ASnapshotWhoseImageIsStoredAlreadyIsNotWrittenAgain
   EXPECT_EQ(results.front().bytes, 0u);
   EXPECT_EQ(read_all(ImageObjectName(kStep, 0)), before) << "the stored image was rewritten";
   ASSERT_OK(LoadShard(*store, kStep, 0));
+}
+
+// Runs `hook` (once) just before the image of rank 0 of step kStep is published: another
+// writer's work slotted deterministically into the window between a persist's checks (COMMIT,
+// stored image) and its publish.
+class PublishHookStorage : public test::ForwardingStorage {
+ public:
+  using ForwardingStorage::ForwardingStorage;
+  std::function<void()> hook;
+
+  Result<std::unique_ptr<WritableObject>> Create(std::string_view name, uint64_t size) override {
+    SP_ASSIGN_OR_RETURN(auto w, inner_->Create(name, size));
+    if (!hook || !name.starts_with(StepPrefix(kStep) + "rank-00000")) return w;
+    return std::unique_ptr<WritableObject>(new Hooked(std::move(w), std::exchange(hook, {})));
+  }
+
+ private:
+  struct Hooked : WritableObject {
+    Hooked(std::unique_ptr<WritableObject> w, std::function<void()> h)
+        : inner(std::move(w)), hook(std::move(h)) {}
+    Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+      return inner->WriteAt(offset, data);
+    }
+    Status Publish() override {
+      return Run([&] { return inner->Publish(); });
+    }
+    Status PublishIfAbsent() override {
+      return Run([&] { return inner->PublishIfAbsent(); });
+    }
+    void Abort() override { inner->Abort(); }
+    Status Run(const std::function<Status()>& publish) {
+      hook();
+      return publish();
+    }
+    std::unique_ptr<WritableObject> inner;
+    std::function<void()> hook;
+  };
+};
+
+// Two writers of rank 0's image of step kStep racing a commit: the rank's agent, and another
+// writer (the elected holder of its replica after its node was declared lost, or an adopting
+// agent) whose persist publishes and commits the step in between the first one's checks and
+// its publish. The first must not replace the image the commit counted.
+class PersistRaceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(tmp_.ok()); }
+
+  // A snapshot of kStep by `rank` of 2, save `attempt`, in a job directory of its own (as one
+  // agent holds it), with checksum chunks of `chunk_size` bytes (0: the default), so that two
+  // snapshots of one attempt can be stored in two layouts (differing headers).
+  struct Snapshot {
+    std::string job_dir;
+    uint32_t rank = 0, slot = 0;
+    uint64_t generation = 0;
+  };
+  Snapshot Make(const std::string& dir, uint32_t rank, uint64_t attempt, uint64_t chunk_size) {
+    Snapshot s;
+    s.rank = rank;
+    auto job_dir = JobDirectory(tmp_.path(), dir, true);
+    EXPECT_OK(job_dir.status());
+    s.job_dir = *job_dir;
+    auto arena = Arena::Open(s.job_dir, rank);
+    EXPECT_OK(arena.status());
+    ImageMeta meta = test::TestImageMeta("pq", kStep, rank, 2);
+    meta.attempt = attempt;
+    test::TwoTensorShard shard{kStep, rank, attempt, 1 << 10};
+    auto builder = chunk_size ? ImageBuilder::Create(meta, shard.sources, shard.extras, chunk_size)
+                              : ImageBuilder::Create(meta, shard.sources, shard.extras);
+    EXPECT_OK(builder.status());
+    auto ticket = (*arena)->BeginWrite((*builder)->size());
+    EXPECT_OK(ticket.status());
+    EXPECT_EQ(ticket->first, Arena::Acquire::kAcquired);
+    (*builder)->FillAll(ticket->second.data, 1);
+    (*arena)->FinishWrite(ticket->second, kStep, (*builder)->size(), /*leased=*/false);
+    s.slot = ticket->second.slot;
+    s.generation = (*arena)->Slots()[s.slot].generation;
+    return s;
+  }
+
+  // Persists `s` through a PersistQueue of its own (one agent's) and returns its result.
+  PersistResult Persist(const Snapshot& s) {
+    PersistQueue queue([] {});
+    queue.Start(s.job_dir, PersistTarget{.job = "pq", .store = store_, .world_size = 2});
+    queue.Enqueue({.rank = s.rank, .slot = s.slot, .generation = s.generation, .step = kStep});
+    for (;;) {
+      std::vector<PersistResult> results = queue.TakeResults();
+      if (!results.empty()) return results.front();
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  // Persists `first` with `second`'s persist run inside its window; returns first's result.
+  PersistResult Race(const Snapshot& first, const Snapshot& second) {
+    PersistResult inner;
+    bool ran = false;
+    storage_->hook = [&] {
+      inner = Persist(second);
+      ran = true;
+    };
+    PersistResult r = Persist(first);
+    EXPECT_TRUE(ran) << "the hook did not run";
+    EXPECT_OK(inner.status);
+    EXPECT_TRUE(inner.committed) << "the other writer's persist did not commit the step";
+    return r;
+  }
+
+  // `r` (the last persist) reports the step committed; it loads, every rank's image of `attempt`.
+  void ExpectCommittedOf(const PersistResult& r, uint64_t attempt) {
+    ASSERT_OK(r.status);
+    EXPECT_TRUE(r.committed);
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      auto shard = LoadShard(*store_, kStep, rank);
+      ASSERT_OK(shard.status()) << "rank " << rank;
+      EXPECT_EQ(shard->reader.meta().attempt, attempt) << "rank " << rank;
+    }
+  }
+
+  test::TempDir tmp_{"safepoint-persist-race-test"};
+  std::shared_ptr<PublishHookStorage> storage_ =
+      std::make_shared<PublishHookStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  std::shared_ptr<CheckpointStore> store_ = std::make_shared<CheckpointStore>(storage_);
+};
+
+// The same snapshot (one attempt) in two layouts: the second writer's image is committed
+// first; the first writer's publish must not replace it (the COMMIT names its header).
+TEST_F(PersistRaceTest, AnImageOfTheSameAttemptCommittedMeanwhileIsNotReplaced) {
+  constexpr uint64_t kAttempt = 7;
+  ASSERT_OK(Persist(Make("rank1", 1, kAttempt, 0)).status);
+  ExpectCommittedOf(Race(Make("agent", 0, kAttempt, 0), Make("holder", 0, kAttempt, 64 << 10)),
+                    kAttempt);
+}
+
+// A new attempt's persist of a step an old attempt left uncommitted (rank 0's and, meanwhile,
+// rank 1's images of the old attempt): the old attempt commits between the new persist's
+// checks and its publish; the new image must not replace the old one the commit counted.
+TEST_F(PersistRaceTest, AnImageOfAnotherAttemptCommittedMeanwhileIsNotReplaced) {
+  constexpr uint64_t kOld = 7, kNew = 8;
+  ASSERT_OK(Persist(Make("old0", 0, kOld, 0)).status);
+  ExpectCommittedOf(Race(Make("new0", 0, kNew, 0), Make("old1", 1, kOld, 0)), kOld);
+}
+
+// A legitimate re-save: a new attempt's images of a step the old attempt never committed.
+TEST_F(PersistRaceTest, ANewAttemptCommitsAStepAnOldAttemptLeftUncommitted) {
+  constexpr uint64_t kOld = 7, kNew = 8;
+  ASSERT_OK(Persist(Make("old0", 0, kOld, 0)).status);
+  ASSERT_OK(Persist(Make("new1", 1, kNew, 0)).status);
+  ExpectCommittedOf(Persist(Make("new0", 0, kNew, 0)), kNew);
 }
 
 }  // namespace

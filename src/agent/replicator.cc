@@ -575,13 +575,21 @@ Status Replicator::FlushOne(const ReplicaMeta& m, const std::vector<Holding>& pa
   // Stored already (its node persisted it before it was lost): only the commit is left to try.
   SP_ASSIGN_OR_RETURN(bool stored,
                       storage->HoldsImageOfAttempt(m.step, m.rank, header.first.attempt));
+  // Named by its attempt and published only where the name is free: the lost node's agent (if
+  // it still runs) or another holder may have published it since the check, and a commit may
+  // have counted theirs (AlreadyExists: only the commit is left to try).
   WriteStats written;
   if (!stored) {
-    SP_ASSIGN_OR_RETURN(written, storage->WriteImageBytes(image, m.step, m.rank));
+    auto w = storage->WriteImageBytesOfAttempt(image, m.step, m.rank, PackOptions{});
+    if (w.ok()) {
+      written = *w;
+    } else if (w.status().code() != StatusCode::kAlreadyExists) {
+      return w.status();
+    }
   }
   SP_KILL_POINT("replica.flush.before_commit");
   SP_ASSIGN_OR_RETURN(bool committed,
-                      storage->TryCommit(m.step, world, job_, header.first.attempt));
+                      storage->TryCommitOfAttempt(m.step, world, job_, header.first.attempt));
   spdlog::info("persisted node '{}' rank {} step {} from its replica ({} bytes{})", m.source_node,
                m.rank, m.step, written.bytes, committed ? "; the step is committed" : "");
   return Status::OK();

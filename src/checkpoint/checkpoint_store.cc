@@ -34,6 +34,10 @@
 //   old COMMIT: the rename switches readers from every old image to every new one at once.
 //   8. Remove the images the new record does not name. A reader that read the old record and
 //   then misses an old image reads the record again (LoadShard).
+// The agent's images (WriteImageOfAttempt / WriteImageBytesOfAttempt) are named by their attempt
+//   as a replacing save's are, with step 4 exclusive (RENAME_NOREPLACE) like step 7; its commit
+//   (TryCommitOfAttempt) is 6-7 with those names, exclusive, and removes nothing. Two writers of
+//   one rank's image (docs/reliability.md) then never replace an image that a commit counted.
 // Deleting: unlink COMMIT first (the step stops existing), then the images.
 // Clean-up: temporaries and uncommitted images only in step directories older than the newest
 //   committed step, whose writers have all finished.
@@ -318,6 +322,11 @@ Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::strin
 CheckpointStore::CheckpointStore(std::shared_ptr<Storage> storage) : storage_(std::move(storage)) {}
 
 Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64_t generation) {
+  return WritePlain(image, generation, /*exclusive=*/false);
+}
+
+Result<WriteStats> CheckpointStore::WritePlain(const ImageBuilder& image, uint64_t generation,
+                                               bool exclusive) {
   const auto t0 = std::chrono::steady_clock::now();
   const ImageLayout& l = image.layout();
   const std::string name = ImageObjectName(image.meta().step, image.meta().rank, generation);
@@ -358,7 +367,7 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
   if (!tail.ok()) return ResourceExhausted("out of memory for the checksum section");
   std::memcpy(tail.data(), section.data(), section.size());
   SP_RETURN_IF_ERROR(w->WriteAt(l.checksums_offset, tail.span()));
-  SP_RETURN_IF_ERROR(w->Publish());
+  SP_RETURN_IF_ERROR(exclusive ? w->PublishIfAbsent() : w->Publish());
   WriteStats stats;
   stats.bytes = l.image_size;
   stats.seconds = SecondsSince(t0);
@@ -367,8 +376,14 @@ Result<WriteStats> CheckpointStore::WriteImage(const ImageBuilder& image, uint64
 
 Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> image, uint64_t step,
                                                     uint32_t rank) {
+  return WritePlainBytes(image, step, rank, /*generation=*/0, /*exclusive=*/false);
+}
+
+Result<WriteStats> CheckpointStore::WritePlainBytes(std::span<const std::byte> image, uint64_t step,
+                                                    uint32_t rank, uint64_t generation,
+                                                    bool exclusive) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string name = ImageObjectName(step, rank);
+  const std::string name = ImageObjectName(step, rank, generation);
   SP_ASSIGN_OR_RETURN(auto w, storage_->Create(name, image.size()));
   // Pieces of kIoPiece, or of the storage's preferred size where that is a multiple of it.
   const IoShape shape = ShapeFor(*storage_, kIoPiece);
@@ -382,7 +397,7 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
     SP_KILL_POINT("store.write.after_piece");
   });
   SP_RETURN_IF_ERROR(error.status());
-  SP_RETURN_IF_ERROR(w->Publish());
+  SP_RETURN_IF_ERROR(exclusive ? w->PublishIfAbsent() : w->Publish());
   WriteStats stats;
   stats.bytes = image.size();
   stats.seconds = SecondsSince(t0);
@@ -403,13 +418,42 @@ Result<WriteStats> CheckpointStore::WriteImageBytes(std::span<const std::byte> i
       [&] { return WriteImageBytes(image, step, rank); });
 }
 
+Result<WriteStats> CheckpointStore::WriteImageOfAttempt(const ImageBuilder& image,
+                                                        const PackOptions& options) {
+  const uint64_t attempt = image.meta().attempt;
+  return WriteWithLayout(
+      *storage_, options,
+      [&]() -> Result<PackSource> {
+        PackSource src = PackSourceOf(image, attempt);
+        src.exclusive = true;
+        return src;
+      },
+      [&] { return WritePlain(image, attempt, /*exclusive=*/true); });
+}
+
+Result<WriteStats> CheckpointStore::WriteImageBytesOfAttempt(std::span<const std::byte> image,
+                                                             uint64_t step, uint32_t rank,
+                                                             const PackOptions& options) {
+  SP_ASSIGN_OR_RETURN(auto header, ParseImageHeader(image, storage_->Describe(StepPrefix(step))));
+  const uint64_t attempt = header.first.attempt;
+  return WriteWithLayout(
+      *storage_, options,
+      [&]() -> Result<PackSource> {
+        SP_ASSIGN_OR_RETURN(PackSource src, PackSourceOf(image, step, rank, attempt));
+        src.exclusive = true;
+        return src;
+      },
+      [&] { return WritePlainBytes(image, step, rank, attempt, /*exclusive=*/true); });
+}
+
 Result<std::unique_ptr<ReadableObject>> CheckpointStore::OpenImageObject(const std::string& name) {
   if (name.ends_with(".pack")) return OpenPackedImage(storage_, name);
   return storage_->Open(name);
 }
 
 Result<bool> CheckpointStore::HoldsImageOfAttempt(uint64_t step, uint32_t rank, uint64_t attempt) {
-  for (const std::string& name : {ImageObjectName(step, rank), PackedObjectName(step, rank)}) {
+  for (const std::string& name :
+       {ImageObjectName(step, rank, attempt), PackedObjectName(step, rank, attempt)}) {
     auto obj = OpenImageObject(name);
     if (!obj.ok()) {
       if (obj.status().code() == StatusCode::kNotFound) continue;
@@ -460,15 +504,25 @@ Status CheckpointStore::CheckReplicasHeld(uint64_t step, const std::vector<std::
 
 Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
                                         uint64_t attempt, uint64_t generation) {
+  return Commit(step, world_size, job, attempt, generation, /*replace=*/generation != 0);
+}
+
+Result<bool> CheckpointStore::TryCommitOfAttempt(uint64_t step, uint32_t world_size,
+                                                 std::string_view job, uint64_t attempt) {
+  return Commit(step, world_size, job, attempt, /*generation=*/attempt, /*replace=*/false);
+}
+
+Result<bool> CheckpointStore::Commit(uint64_t step, uint32_t world_size, std::string_view job,
+                                     uint64_t attempt, uint64_t generation, bool replace) {
   if (world_size == 0 || world_size > kMaxRank) {
     return InvalidArgument("world size " + std::to_string(world_size) + " is invalid");
   }
   if (generation != 0 && generation != attempt) {
     return InvalidArgument("the images of a replacing save are named by its attempt");
   }
-  if (generation == 0) {  // a plain commit never undoes a replacement
+  if (!replace) {  // a plain commit never undoes a replacement (nor another plain commit)
     auto existing = ReadCommit(step);
-    if (existing.ok() && existing->generation != 0) return true;
+    if (existing.ok() && (existing->generation != 0 || generation != 0)) return true;
   }
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
   std::map<std::string, uint64_t> sizes;
@@ -524,7 +578,7 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
                               .count();
   SP_KILL_POINT("store.commit.before_write");
   const std::string commit_name = CommitObjectName(step);
-  if (generation != 0) {
+  if (replace) {
     SP_RETURN_IF_ERROR(WriteSmallObject(*storage_, commit_name, EncodeCommitRecord(record)));
   } else {
     // Published only where no record exists: a replacement may have committed since the check
@@ -543,7 +597,7 @@ Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std:
     SP_RETURN_IF_ERROR(s);
   }
   SP_KILL_POINT("store.commit.after_write");
-  if (generation != 0) {
+  if (replace) {
     // Step 8: the images the record no longer names. A failure leaves unused objects only
     // (DeleteStep removes them with the step).
     std::unordered_set<std::string> named(names.begin(), names.end());

@@ -1105,6 +1105,57 @@ TEST(CheckpointStoreTest, APlainCommitRacingAReplacementNeverUndoesIt) {
   EXPECT_EQ(LoadedVersion(store, 0), 2000u);
 }
 
+// The agent's writes (docs/reliability.md, "Two writers of one image"): each image is named by
+// its attempt and published only where the name is free, in either layout; the commit names that
+// attempt's images, and a commit of another attempt finds the step committed and changes nothing.
+TEST(CheckpointStoreTest, TheAgentsImagesAreNamedByAttemptAndNeverWrittenOver) {
+  CheckpointStore store(NewMemoryStorage());
+  const PackOptions plain, packed = MakePackOptions("zstd", false);
+  auto image = [](uint32_t rank, uint64_t attempt, uint64_t chunk_size) {
+    Shard s(6, rank, 1 << 12);
+    ImageMeta m = Meta(6, rank, 2);
+    m.attempt = attempt;
+    auto b = ImageBuilder::Create(m, s.sources, s.extras, chunk_size);
+    EXPECT_OK(b.status());
+    std::vector<std::byte> bytes((*b)->size());
+    (*b)->FillAll(bytes, 1);
+    return bytes;
+  };
+  auto write = [&](uint32_t rank, uint64_t attempt, uint64_t chunk_size, const PackOptions& o) {
+    const std::vector<std::byte> bytes = image(rank, attempt, chunk_size);
+    return store.WriteImageBytesOfAttempt(bytes, 6, rank, o).status();
+  };
+  ASSERT_OK(write(0, 7, 1 << 20, plain));
+  EXPECT_EQ(write(0, 7, 64 << 10, plain).code(), StatusCode::kAlreadyExists);
+  ASSERT_OK(write(1, 7, 1 << 20, packed));
+  EXPECT_EQ(write(1, 7, 64 << 10, packed).code(), StatusCode::kAlreadyExists);
+  auto objects = store.storage().List(StepPrefix(6));
+  ASSERT_OK(objects);
+  std::vector<std::string> names;
+  for (const ObjectInfo& o : *objects) names.push_back(o.name);
+  EXPECT_EQ(names, (std::vector<std::string>{ImageObjectName(6, 0, 7), PackedObjectName(6, 1, 7)}));
+  EXPECT_TRUE(*store.HoldsImageOfAttempt(6, 0, 7));
+  EXPECT_FALSE(*store.HoldsImageOfAttempt(6, 0, 8));
+
+  // A later attempt's image of rank 0 lies beside attempt 7's; its commit waits for rank 1's.
+  ASSERT_OK(write(0, 8, 1 << 20, plain));
+  ASSERT_OK_AND_ASSIGN(bool committed, store.TryCommitOfAttempt(6, 2, "test", 8));
+  EXPECT_FALSE(committed);
+  ASSERT_OK_AND_ASSIGN(committed, store.TryCommitOfAttempt(6, 2, "test", 7));
+  EXPECT_TRUE(committed);
+  ASSERT_OK(write(1, 8, 1 << 20, plain));
+  ASSERT_OK_AND_ASSIGN(committed, store.TryCommitOfAttempt(6, 2, "test", 8));
+  EXPECT_TRUE(committed);  // committed already, by attempt 7: its record stays
+  auto commit = store.ReadCommit(6);
+  ASSERT_OK(commit);
+  EXPECT_EQ(commit->generation, 7u);
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    auto shard = LoadShard(store, 6, rank);
+    ASSERT_OK(shard);
+    EXPECT_EQ(shard->reader.meta().attempt, 7u);
+  }
+}
+
 TEST(CheckpointStoreTest, CommitRecordOfAReplacedStepRoundTrips) {
   CommitRecord r;
   r.step = 9;

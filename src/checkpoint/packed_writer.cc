@@ -10,7 +10,8 @@
 //   W3. For every image chunk, in parallel: take its raw bytes, CRC-32C and SHA-256 them; unless
 //       incremental and "chunks/<hh>/<sha256>" exists, encode it (codec::EncodeChunk) and
 //       publish it with PublishIfAbsent (an equal chunk another writer published is as good).
-//   W4. Publish the manifest "step-S/rank-R.pack" (or rank-R.g<gen>.pack).
+//   W4. Publish the manifest "step-S/rank-R.pack" (or rank-R.g<gen>.pack); the agent's writes
+//       (PackSource::exclusive) only where the name is free.
 //   W5. Delete the intent. The step commits later (TryCommit) like a plain one.
 // Why the garbage collector (G1-G6) never removes a chunk such a write relies on: chunk_gc.cc.
 // A killed writer leaves an intent (GC defers until it is stale or its holder is seen dead),
@@ -119,7 +120,8 @@ PackSource PackSourceOf(const ImageBuilder& image, uint64_t generation) {
   return src;
 }
 
-Result<PackSource> PackSourceOf(std::span<const std::byte> image, uint64_t step, uint32_t rank) {
+Result<PackSource> PackSourceOf(std::span<const std::byte> image, uint64_t step, uint32_t rank,
+                                uint64_t generation) {
   const std::string source =
       "the image of step " + std::to_string(step) + ", rank " + std::to_string(rank) + " in memory";
   if (image.size() < kImageHeaderSize) return InvalidArgument(source + ": too small");
@@ -131,7 +133,7 @@ Result<PackSource> PackSourceOf(std::span<const std::byte> image, uint64_t step,
   PackSource src;
   SP_ASSIGN_OR_RETURN(src.tensors,
                       ParseIndex(image.subspan(l.index_offset, l.index_size), l, source));
-  src.manifest_name = PackedObjectName(step, rank);
+  src.manifest_name = PackedObjectName(step, rank, generation);
   src.meta = parsed.first;
   src.layout = l;
   src.chunk = [image, l](uint64_t c, std::span<std::byte>) -> Result<std::span<const std::byte>> {
@@ -299,7 +301,7 @@ Result<WriteStats> WritePackedImage(Storage& storage, const PackSource& src,
   const std::string manifest = EncodePackedManifest(m);
   SP_KILL_POINT("pack.write.before_manifest");
   SP_RETURN_IF_ERROR(
-      internal::WriteSmallObject(storage, src.manifest_name, manifest, /*exclusive=*/false));
+      internal::WriteSmallObject(storage, src.manifest_name, manifest, src.exclusive));
   SP_KILL_POINT("pack.write.after_manifest");
 
   WriteStats stats;

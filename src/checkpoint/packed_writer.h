@@ -20,6 +20,7 @@ namespace safepoint {
 // Where a packed write takes the image's bytes from.
 struct PackSource {
   std::string manifest_name;
+  bool exclusive = false;  // publish the manifest only where the name is free (AlreadyExists)
   ImageMeta meta;
   ImageLayout layout;
   std::vector<TensorEntry> tensors;  // for each chunk's element size (compression)
@@ -38,9 +39,10 @@ struct PackSource {
 // The source of `image`, the image of a save whose generation is `generation` (the builder must
 // outlive the source).
 PackSource PackSourceOf(const ImageBuilder& image, uint64_t generation);
-// The source of an image complete in memory (`image` must outlive it): InvalidArgument when its
-// header does not name (step, rank) and its size.
-Result<PackSource> PackSourceOf(std::span<const std::byte> image, uint64_t step, uint32_t rank);
+// The source of an image complete in memory (`image` must outlive it), its manifest named by
+// `generation`: InvalidArgument when its header does not name (step, rank) and its size.
+Result<PackSource> PackSourceOf(std::span<const std::byte> image, uint64_t step, uint32_t rank,
+                                uint64_t generation = 0);
 
 // Writes the packed image of `source` to `storage` with the compression `options` asks for.
 // Unavailable when the chunk store's GC still runs after a short wait (nothing relied on; the

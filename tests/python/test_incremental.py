@@ -126,7 +126,7 @@ def test_a_chunk_removed_behind_safepoints_back_names_the_step_and_the_chunk(tmp
 
 
 def _chunks_of(path, step: int) -> set:
-    m = path / f"step-{step:020d}" / "rank-00000.pack"
+    (m,) = (path / f"step-{step:020d}").glob("rank-00000*.pack")  # the agent's: .g<attempt>.pack
     data = m.read_bytes()
     count = int.from_bytes(data[32:40], "little")
     table = data[len(data) - 4 - 48 * count:len(data) - 4]
@@ -186,7 +186,8 @@ def test_a_corrupt_chunk_falls_back_to_another_tier(dirs, cli):
     text = cli("status", "--shm-dir", shm, check=0).stdout
     assert "compression zstd (in use: zstd, ratio" in text and ", incremental" in text, text
     ck.close()
-    assert (p1 / "step-00000000000000000002" / "rank-00000.pack").exists()
+    # The agent names its images by the run's save attempt (rank-00000.g<attempt>.pack).
+    assert len(list((p1 / "step-00000000000000000002").glob("rank-00000*.pack"))) == 1
     # Damage every chunk of step 2 on `path`: restore says so and reads the tier's copy.
     for name in _chunks_of(p0, 2):
         f = next((p0 / "chunks").glob(f"??/{name}"))
