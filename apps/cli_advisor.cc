@@ -102,7 +102,7 @@ AdvisorCommands::AdvisorCommands(CLI::App& app) : o_(std::make_unique<Options>()
   advise_->add_option("PATH", o.path, "checkpoint directory: a path or a storage URI")
       ->type_name("")
       ->required();
-  advise_->add_option("--job", o.job, "the job (for the history of a non-local PATH)")
+  advise_->add_option("--job", o.job, "the job (only to read a deprecated $SAFEPOINT_HISTORY_DIR)")
       ->type_name("JOB");
   advise_
       ->add_option("--mtbf", o.mtbf,
@@ -127,7 +127,8 @@ AdvisorCommands::AdvisorCommands(CLI::App& app) : o_(std::make_unique<Options>()
   auto& s = *simulate_;
   s.add_option("--from", o.from, "read the measured costs and MTBF from this job's history")
       ->type_name("PATH");
-  s.add_option("--job", o.job, "the job (for the history of a non-local --from)")->type_name("JOB");
+  s.add_option("--job", o.job, "the job (only to read a deprecated $SAFEPOINT_HISTORY_DIR)")
+      ->type_name("JOB");
   s.add_option("--gpus", o.gpus, "GPUs of the job")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -235,18 +236,26 @@ void AdviceJson(const IntervalAdvice& a, json& j) {
   j["warnings"] = a.warnings;
 }
 
+// The job's history wherever the agent keeps it (src/advisor/history.h); `where` names it, or
+// where it was looked for.
 std::optional<HistorySummary> LoadHistory(const std::string& path, const std::string& job,
                                           std::string* where) {
-  const std::string file = HistoryPath(path, job);
-  *where = file;
-  if (file.empty()) return std::nullopt;
+  *where = HistoryIsLocal(path) ? HistoryPath(path, job)
+                                : path + "/" + std::string(kHistorySegmentPrefix);
+  if (!HistoryIsLocal(path) && !HistoryPath(path, job).empty()) {
+    spdlog::warn(
+        "$SAFEPOINT_HISTORY_DIR is deprecated: the agent keeps the history of {} in {} now; "
+        "{} is still read, never written",
+        path, *where, HistoryPath(path, job));
+  }
   uint64_t skipped = 0;
-  auto h = ReadHistory(file, &skipped);
+  auto h = ReadJobHistory(path, job, &skipped);
   if (!h.ok()) {
     if (h.status().code() != StatusCode::kNotFound) spdlog::warn("{}", h.status().ToString());
     return std::nullopt;
   }
-  if (skipped) spdlog::warn("{}: skipped {} unreadable lines", file, skipped);
+  *where = h->path;
+  if (skipped) spdlog::warn("{}: skipped {} unreadable lines", h->path, skipped);
   return std::move(h).value();
 }
 
@@ -275,12 +284,8 @@ int RunAdvise(const AdvisorCommands::Options& o) {
   std::string where;
   const auto h = LoadHistory(o.path, o.job, &where);
   if (!h && !(o.save_seconds && o.restore_seconds)) {
-    return Fail(NotFound((where.empty()
-                              ? o.path + ": no measurement history for a non-local path (set "
-                                         "$SAFEPOINT_HISTORY_DIR and --job)"
-                              : where + ": no measurement history (run the job with a Checkpointer "
-                                        "first)") +
-                         "; or give --save-seconds and --restore-seconds"));
+    return Fail(NotFound(where + ": no measurement history (run the job with a Checkpointer first)"
+                                 "; or give --save-seconds and --restore-seconds"));
   }
   auto picked = PickMtbf(o.mtbf, h);
   if (!picked.ok()) return Fail(picked.status());
@@ -489,7 +494,7 @@ int RunSimulate(const AdvisorCommands::Options& o) {
   if (!o.from.empty()) {
     h = LoadHistory(o.from, o.job, &where);
     if (!h) {
-      return Fail(NotFound((where.empty() ? o.from : where) + ": no measurement history"));
+      return Fail(NotFound(where + ": no measurement history"));
     }
     if (h->save) in.snapshot_seconds = h->save->seconds;
     if (auto it = h->persist.find("path"); it != h->persist.end()) {

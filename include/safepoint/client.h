@@ -62,16 +62,23 @@ struct ClientOptions {
   bool incremental = false;
 };
 
+// What a save cost training, sent with its snapshot note (Notify) for the agent's metrics,
+// event log and the job's measurement history.
+struct SaveReport {
+  uint64_t step = 0;
+  double blocking_seconds = 0;  // the time the save blocked training
+  uint64_t bytes = 0;           // the snapshot's image bytes
+};
+
 struct SnapshotResult {
   bool saved = false;  // false: skipped because no slot was free (on_busy="skip")
   bool persist_requested = false;
   uint32_t slot = 0;
   uint64_t image_bytes = 0;
-  double copy_seconds = 0;      // filling the slot (the blocking part of a save)
-  double wait_seconds = 0;      // waiting for a free slot (on_busy="wait")
-  double create_seconds = 0;    // creating and pre-faulting a slot (first save, or a new layout)
-  std::string agent_error;      // the agent could not be told (the snapshot is safe in memory)
-  uint64_t structure_hash = 0;  // of the tensors' names, dtypes, shapes and boxes (notify=false)
+  double copy_seconds = 0;    // filling the slot (the blocking part of a save)
+  double wait_seconds = 0;    // waiting for a free slot (on_busy="wait")
+  double create_seconds = 0;  // creating and pre-faulting a slot (first save, or a new layout)
+  std::string agent_error;    // the agent could not be told (the snapshot is safe in memory)
 };
 
 // A restore's target for one tensor of a memory snapshot (LoadNewest/LoadStep in place): when
@@ -135,17 +142,21 @@ class SnapshotClient {
   std::optional<size_t> plan_tensors() const {
     return plan_ ? std::optional<size_t>(plan_->tensors().size()) : std::nullopt;
   }
-  // Tells the agent about the last snapshot saved with notify=false; `skip`: the tensors its
-  // persisted image leaves to other ranks. Returns the error text when the agent could not be
-  // told (the snapshot is safe in memory either way).
-  std::string Notify(const SkipRanges& skip);
+  // Tells the agent about the last snapshot saved with notify=false, in one message; `skip`:
+  // the tensors its persisted image leaves to other ranks; `report`: what the save cost (sent
+  // with the note; for a save that was skipped, alone). Returns the error text when the agent
+  // could not be told (the snapshot is safe in memory either way).
+  std::string Notify(const SkipRanges& skip, std::optional<SaveReport> report = std::nullopt);
+  // The structure hash of the last save's tensors (names, dtypes, shapes and boxes), computed
+  // once per plan: the ranks compare it before agreeing on replicas (notify=false). 0: no plan.
+  uint64_t StructureHash();
   // Restarts the agent when the connection shows it gone (hung up); one poll otherwise. A save
   // with notify=false calls it, and a caller calls it again right before the collective that
   // precedes Notify: a rank must not wait in a collective while its node has no agent to
   // persist what other ranks' commits need. The new agent adopts the slots and persists them.
   Status ReviveAgentIfGone();
-  // The tensors of the last snapshot saved with notify=false (specs only).
-  const std::vector<TensorSpec>& last_specs() const { return last_specs_; }
+  // The tensors of the last snapshot (specs only).
+  std::vector<TensorSpec> last_specs() const;
   // Waits until the newest step whose persist was asked is committed (or its persist failed);
   // `timeout_s` < 0 waits forever. OK right away when no persist was asked.
   Status Wait(double timeout_s);
@@ -187,12 +198,14 @@ class SnapshotClient {
   // restored from, and the user's metadata. InvalidArgument (ValidateLineage) leaves it as it was.
   Status SetLineage(Lineage lineage);
   const Lineage& lineage() const { return lineage_; }
-  // Tells the agent what this process saw, for its metrics and event log (docs/operations.md):
-  // `event` "save" (`saved` false: skipped), "restore" (from `source`) or "checksum" (damaged
-  // bytes in `source`, `error` says which). Best effort: nothing is sent while no agent is
-  // connected, and a failure to send is ignored (the next request reconnects).
+  // Tells the agent what this process saw, for its metrics, event log and the job's history
+  // (docs/operations.md): `event` "save" (`saved` false: skipped), "restore" (from `source`;
+  // `level`: the history's name of it, "path", "tier 1", ...), "checksum" (damaged bytes in
+  // `source`, `error` says which) or "start" (run `step` began). Best effort: nothing is sent
+  // while no agent is connected, and a failure to send is ignored (the next request reconnects).
   void Report(std::string_view event, uint64_t step, bool saved, double seconds, uint64_t bytes,
-              std::string_view source = {}, std::string_view error = {});
+              std::string_view source = {}, std::string_view error = {},
+              std::string_view level = {});
 
   // Clean close: the agent persists the newest snapshot if needed and removes the arena.
   Status Close(double timeout_s);
@@ -243,7 +256,6 @@ class SnapshotClient {
   std::optional<Membership> membership_;
   Status SendPeerState();
   bool saved_ = false;  // a save completed (before that, a load marks the snapshot resumed from)
-  std::vector<TensorSpec> last_specs_;
   Lineage lineage_;
   std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
   std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it

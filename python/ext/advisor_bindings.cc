@@ -23,27 +23,11 @@ namespace safepoint::python {
 void BindAdvisor(nb::module_& m) {
   using namespace safepoint::advisor;
   m.def("history_path", &HistoryPath, "checkpoint_path"_a, "job"_a,
-        "The job's measurement history file, or '' when it has none (src/advisor/history.h)");
+        "The history file of a local checkpoint path; else the deprecated "
+        "$SAFEPOINT_HISTORY_DIR file, or '' (src/advisor/history.h)");
   m.def(
       "parse_duration", [](const std::string& s) { return Unwrap(ParseDuration(s)); }, "text"_a,
       "Seconds of '90', '5m', '3.1h', '2d'");
-
-  nb::class_<HistoryWriter>(m, "HistoryWriter", "Appends measurements to a history file")
-      .def_static(
-          "open",
-          [](const std::string& path, double gap) {
-            return Unwrap(HistoryWriter::Open(path, gap));
-          },
-          "path"_a, "save_line_gap"_a = 10.0)
-      .def("start", [](HistoryWriter& w, uint64_t run) { Check(w.RecordStart(run)); })
-      .def("save", [](HistoryWriter& w, double s) { Check(w.RecordSave(s)); })
-      .def("persist", [](HistoryWriter& w, const std::string& level, double s,
-                         uint64_t bytes) { Check(w.RecordPersist(level, s, bytes)); })
-      .def("restore", [](HistoryWriter& w, const std::string& source,
-                         double s) { Check(w.RecordRestore(source, s)); })
-      .def("flush", [](HistoryWriter& w) { Check(w.Flush()); })
-      .def("close", [](HistoryWriter& w) { Check(w.RecordClose()); })
-      .def_prop_ro("path", &HistoryWriter::path);
 
   nb::class_<Measured>(m, "Measured")
       .def_ro("seconds", &Measured::seconds)
@@ -60,6 +44,14 @@ void BindAdvisor(nb::module_& m) {
       .def_ro("learned_mtbf_seconds", &HistorySummary::learned_mtbf_seconds);
   m.def(
       "read_history", [](const std::string& path) { return Unwrap(ReadHistory(path)); }, "path"_a);
+  m.def(
+      "read_job_history",
+      [](const std::string& checkpoint_path, const std::string& job) {
+        return Unwrap(ReadJobHistory(checkpoint_path, job));
+      },
+      "checkpoint_path"_a, "job"_a = "",
+      "The history the job's agent keeps with its checkpoints, wherever they are "
+      "(src/advisor/history.h); NotFoundError when there is none");
 
   nb::class_<IntervalAdvice>(m, "IntervalAdvice", "The advisor's recommendation for one level")
       .def_ro("level", &IntervalAdvice::level)

@@ -6,7 +6,7 @@
 
 namespace safepoint::python {
 
-// Adds history_path, parse_duration, HistoryWriter, read_history, advise_interval and
+// Adds history_path, parse_duration, read_history, read_job_history, advise_interval and
 // IntervalController to `m`.
 void BindAdvisor(nanobind::module_& m);
 

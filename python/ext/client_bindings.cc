@@ -139,9 +139,14 @@ class PyClient {
 
   // skip: [(first, last), ...] tensor index ranges other ranks write. Returns the agent error
   // text ("" when told).
-  std::string Notify(const SkipRanges& skip) {
-    return WithoutGil([&] { return Get().Notify(skip); });
+  std::string Notify(const SkipRanges& skip, uint64_t step, std::optional<double> seconds,
+                     uint64_t bytes) {
+    std::optional<SaveReport> report;
+    if (seconds) report = SaveReport{step, *seconds, bytes};
+    return WithoutGil([&] { return Get().Notify(skip, report); });
   }
+
+  uint64_t StructureHash() { return Get().StructureHash(); }
 
   // "" when the agent lives (one poll) or was restarted; else why none could be started.
   std::string ReviveAgent() {
@@ -208,9 +213,9 @@ class PyClient {
   }
 
   void Report(const std::string& event, uint64_t step, bool saved, double seconds, uint64_t bytes,
-              const std::string& source, const std::string& error) {
+              const std::string& source, const std::string& error, const std::string& level) {
     nb::gil_scoped_release release;
-    Get().Report(event, step, saved, seconds, bytes, source, error);
+    Get().Report(event, step, saved, seconds, bytes, source, error, level);
   }
 
   std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
@@ -592,8 +597,7 @@ void BindClient(nb::module_& m) {
       .def_ro("copy_seconds", &SnapshotResult::copy_seconds)
       .def_ro("wait_seconds", &SnapshotResult::wait_seconds)
       .def_ro("create_seconds", &SnapshotResult::create_seconds)
-      .def_ro("agent_error", &SnapshotResult::agent_error)
-      .def_ro("structure_hash", &SnapshotResult::structure_hash);
+      .def_ro("agent_error", &SnapshotResult::agent_error);
   nb::class_<SlotView>(m, "SlotInfo", "A snapshot slot in shared memory")
       .def_ro("slot", &SlotView::slot)
       .def_ro("state", &SlotView::state)
@@ -640,7 +644,11 @@ void BindClient(nb::module_& m) {
       .def("save_pending", &PyClient::SavePending)
       .def("last_save_reused_plan", &PyClient::LastSaveReusedPlan)
       .def("last_restore_reused_plan", &PyClient::LastRestoreReusedPlan)
-      .def("notify", &PyClient::Notify, "skip"_a)
+      .def("notify", &PyClient::Notify, "skip"_a, "step"_a = 0, "seconds"_a.none() = nb::none(),
+           "bytes"_a = 0,
+           "tells the agent of the last save made with notify=False, in one message that "
+           "carries the save's report (`seconds` it blocked, its `bytes`) when given")
+      .def("structure_hash", &PyClient::StructureHash)
       .def("revive_agent", &PyClient::ReviveAgent,
            "Restarts this node's agent if it died (one poll when it lives); returns '' or why "
            "none could be started.")
@@ -659,8 +667,9 @@ void BindClient(nb::module_& m) {
       .def("fetch_from_peers", &PyClient::FetchFromPeers, "step"_a, "attempt"_a, "timeout"_a)
       .def("pause_replication", &PyClient::PauseReplication, "paused"_a)
       .def("report", &PyClient::Report, "event"_a, "step"_a, "saved"_a, "seconds"_a, "bytes"_a,
-           "source"_a = "", "error"_a = "",
-           "tells the agent what this process saw (save, restore, checksum), for its metrics")
+           "source"_a = "", "error"_a = "", "level"_a = "",
+           "tells the agent what this process saw (save, restore, checksum, start), for its "
+           "metrics, event log and the job's measurement history")
       .def("last_persist_step", &PyClient::LastPersistStep)
       .def("shm_bytes", &PyClient::ShmBytes)
       .def("usable_slots", &PyClient::UsableSlots)

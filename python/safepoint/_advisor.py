@@ -1,13 +1,16 @@
-"""A Checkpointer's measurements and its ``persist_every="auto"`` schedule (docs/guide.md, "The
-interval advisor").
+"""A Checkpointer's ``persist_every="auto"`` schedule and what it learns from the job's history
+(docs/guide.md, "The interval advisor").
 
-Rank 0 appends what it measures (save blocking time, persist and tier-copy times the agent
-reports, at most every POLL_SECONDS, restore times, its own start and clean end: a few lines a
-minute however fast it saves) to the job's history file
-(``_core.history_path``; the format and the file are C++'s, src/advisor/history.h). With
+The job's measurement history (save blocking times, persists, tier copies, restores, starts and
+clean ends) is kept by the node agent that serves rank 0, next to the job's checkpoints
+(src/advisor/history.h, src/agent/history_recorder.h): each save's report travels with its
+snapshot note (one message per save), a restore's and the run's start as reports. This process
+writes none of it and polls the agent for none of it; it only reads the history once, at start
+(``_core.read_job_history``), for the learned MTBF and restart and restore times. With
 ``persist_every="auto"`` the schedule follows the C++ advisor's interval for the checkpoint path
 (``_core.advise_interval``) through a ``_core.IntervalController`` (bounded, with hysteresis),
-converted to steps with the measured time per step. Every rank must persist the same steps, so
+converted to steps with the measured time per step; the persist time it needs is asked of the
+agent at most every POLL_SECONDS (only in that mode). Every rank must persist the same steps, so
 the schedule is re-evaluated every ``ADVISE_EVERY_SAVES`` saves (all ranks save equally often)
 and, under torch.distributed, rank 0's result is broadcast.
 """
@@ -44,7 +47,7 @@ def parse_mtbf(path: str, mtbf: Union[None, int, float, str]) -> Optional[float]
 
 
 class Advisor:
-    """The history writer and the persist schedule of one Checkpointer."""
+    """The persist schedule of one Checkpointer, and the names of its history's levels."""
 
     def __init__(self, path: str, job: str, rank: int, run: int,
                  persist_every: Union[int, str], mtbf: Optional[float],
@@ -56,21 +59,15 @@ class Advisor:
         self._levels = {path: "path", **{t.uri: f"tier {i}" for i, t in enumerate(tiers, 1)}}
         self._auto_tiers = [f"tier {i}" for i, t in enumerate(tiers, 1) if t.every == "auto"]
         self._tier_copy: dict[str, float] = {}
-        self.history: Optional[Any] = None
         self.past: Optional[Any] = None  # the history as it was when this process started
-        hp = _core.history_path(path, job)
-        if rank == 0 and hp:
+        if rank == 0:
             try:
-                try:
-                    self.past = _core.read_history(hp)
-                except NotFoundError:
-                    pass
-                self.history = _core.HistoryWriter.open(hp)
-                self.history.start(run)
+                self.past = _core.read_job_history(path, job)
+            except NotFoundError:
+                pass
             except Error as e:
-                warnings.warn(f"safepoint: no measurement history ({e})", RuntimeWarning,
-                              stacklevel=3)
-                self.history = None
+                warnings.warn(f"safepoint: cannot read the measurement history ({e})",
+                              RuntimeWarning, stacklevel=3)
         self._saves = 0
         self._blocking: collections.deque[float] = collections.deque(maxlen=_WINDOW)
         self._persist: collections.deque[float] = collections.deque(maxlen=_WINDOW)
@@ -89,34 +86,29 @@ class Advisor:
         return step % self.every == 0
 
     def saved(self, ckpt: Any, step: int, blocking: float) -> None:
-        """After each save: record the sample; every ADVISE_EVERY_SAVES saves, poll the agent
-        for persist times and (auto) re-evaluate the schedule."""
+        """After each save: keep the sample; every ADVISE_EVERY_SAVES saves (auto) re-evaluate
+        the schedule. (The agent records the save in the history: its report went with the
+        snapshot note.)"""
         now = time.monotonic()
         if self._last is not None and step > self._last[0]:
             self._step_seconds.append((now - self._last[1]) / (step - self._last[0]))
         self._last = (step, now)
         self._blocking.append(blocking)
-        if self.history is not None:
-            try:
-                self.history.save(blocking)
-            except Error:
-                pass
         self._saves += 1
-        if self._saves % ADVISE_EVERY_SAVES:
+        if not self.auto or self._saves % ADVISE_EVERY_SAVES:
             return
-        # The agent is asked at most every POLL_SECONDS (each answer may add a history line).
+        # The schedule needs the persist time: asked of the agent at most every POLL_SECONDS.
         if self.rank == 0 and (not self._persist or now - self._last_poll >= POLL_SECONDS):
             self._last_poll = now
             self._poll_agent(ckpt)
-        if self.auto:
-            every = self._reevaluate() if self.rank == 0 else self.every
-            if ckpt._group is not None:
-                import torch.distributed as dist
+        every = self._reevaluate() if self.rank == 0 else self.every
+        if ckpt._group is not None:
+            import torch.distributed as dist
 
-                box = [every]
-                dist.broadcast_object_list(box, src=0, group=ckpt._group)
-                every = box[0]
-            self.every = max(1, int(every))
+            box = [every]
+            dist.broadcast_object_list(box, src=0, group=ckpt._group)
+            every = box[0]
+        self.every = max(1, int(every))
 
     def _poll_agent(self, ckpt: Any) -> None:
         try:
@@ -127,26 +119,10 @@ class Advisor:
         if step is not None and seconds and self._seen.get("path") != step:
             self._seen["path"] = step
             self._persist.append(float(seconds))
-            self._record("persist", "path", float(seconds), int(st.get("last_persist_bytes") or 0))
         for t in st.get("tiers") or []:
-            level, newest = f"tier {t.get('tier')}", t.get("newest_step")
             copy = t.get("last_copy_seconds")
             if copy:
-                self._tier_copy[level] = float(copy)
-            if newest is not None and copy and self._seen.get(level) != newest:
-                self._seen[level] = newest
-                self._record("persist", level, float(copy), 0)
-
-    def _record(self, what: str, level: str, seconds: float, nbytes: int = 0) -> None:
-        if self.history is None:
-            return
-        try:
-            if what == "persist":
-                self.history.persist(level, seconds, nbytes)
-            else:
-                self.history.restore(level, seconds)
-        except Error:
-            pass
+                self._tier_copy[f"tier {t.get('tier')}"] = float(copy)
 
     def _mtbf(self) -> tuple[Optional[float], str]:
         if self.mtbf is not None:
@@ -188,19 +164,12 @@ class Advisor:
         return max(1, round(self._controller.interval_seconds / per_step)) if per_step > 0 else 1
 
     # -- restores and the end -------------------------------------------------------------------
-    def restored(self, source: str, uri: Optional[str], seconds: float) -> None:
+    def restored(self, source: str, uri: Optional[str], seconds: float) -> str:
+        """Keeps a restore's time; returns its level in the history ("memory", "peer", "path",
+        "tier N"), which the restore's report gives the agent."""
         level = source if source != "storage" else self._levels.get(uri or self.path, "path")
         self._restores[level] = seconds
-        self._record("restore", level, seconds)
-
-    def close(self, clean: bool) -> None:
-        h, self.history = self.history, None
-        if h is None:
-            return
-        try:
-            h.close() if clean else h.flush()
-        except Error:
-            pass
+        return level
 
     def status(self) -> dict[str, Any]:
         a = self._advice

@@ -134,7 +134,8 @@ class Checkpointer:
     persist, restore and restart times measured for the job and its MTBF (``mtbf``: seconds or
     ``"3h"``; default: learned from the job's restarts), bounded and with hysteresis;
     ``status()["persist_interval"]`` says what it does and why (docs/guide.md, "Choosing the
-    checkpoint interval"). Rank 0 records its measurements in the job's history file. The newest
+    checkpoint interval"). The agent that serves rank 0 records the job's measurements in its
+    history beside the checkpoints (each save's report goes with its snapshot note). The newest
     ``keep`` committed steps are kept. ``on_busy`` says what ``save`` does when no slot is free
     because the agent still persists it: ``"wait"`` or ``"skip"`` (counted in ``status()``).
 
@@ -298,6 +299,8 @@ class Checkpointer:
             self.metrics, self.event_log, compression, incremental)
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
                                 mtbf_seconds, self.tiers)
+        if rank == 0:  # a run of the job begins (the agent's history: src/advisor/history.h)
+            self._client.report("start", self.attempt, True, 0.0, 0)
         self._stats: dict[str, Any] = {
             "saves": 0, "skipped_saves": 0, "saves_not_due": 0, "last_save": None,
             "last_load": None, "agent_errors": 0, "blocking_seconds_sum": 0.0, "restores": {},
@@ -409,12 +412,10 @@ class Checkpointer:
         do_persist = persist if persist is not None else self._persist_due(step)
         if overlap:
             self._hook_optimizers(state)
-            client.save_begin(step, saveable, bool(do_persist), self._pickler,
-                              notify=not self.dedupe)
+            client.save_begin(step, saveable, bool(do_persist), self._pickler, notify=False)
             self._pending = (step, t0, time.perf_counter() - t0)
             return True
-        snap = client.save(step, saveable, bool(do_persist), self._pickler,
-                           notify=not self.dedupe)
+        snap = client.save(step, saveable, bool(do_persist), self._pickler, notify=False)
         return self._saved(step, snap, t0)
 
     def _persist_due(self, step: int) -> bool:
@@ -442,7 +443,7 @@ class Checkpointer:
         timeout = -1.0 if grace is None else float(grace)
         if self.on_busy == "skip":
             client.wait(timeout)
-        snap = client.save(step, saveable, True, self._pickler, notify=not self.dedupe)
+        snap = client.save(step, saveable, True, self._pickler, notify=False)
         saved = self._saved(step, snap, t0)
         client.wait(timeout)
         return saved
@@ -490,10 +491,12 @@ class Checkpointer:
 
     def _saved(self, step: int, snap: Any, t0: float,
                overlapped: Optional[tuple[float, float]] = None) -> bool:
-        """Records a save's result (after its copy); with dedupe, agrees on the replicas and
-        tells the agent. `overlapped`: (when before_update began waiting, how long the save
-        call took) of an overlapped save."""
+        """Records a save's result (after its copy) and tells the agent, in one message: the
+        snapshot note with the save's report (saves are made with notify=False for that); with
+        dedupe, after the ranks agreed on the replicas. `overlapped`: (when before_update began
+        waiting, how long the save call took) of an overlapped save."""
         res = _fields(snap)
+        skip: list = []
         if self.dedupe:
             # Every rank calls save for the step: agree on who writes which replica, then tell
             # the agent. A rank that dies before this is flushed without skipping (correct).
@@ -505,7 +508,6 @@ class Checkpointer:
                               RuntimeWarning, stacklevel=3)
                 self._replicas.reset()
                 skip = []
-            res["agent_error"] = self._live.notify(skip)
         now = time.perf_counter()
         if overlapped is None:
             res["blocking_seconds"] = now - t0
@@ -513,11 +515,11 @@ class Checkpointer:
         else:  # training stalled in save() and in before_update(), not in between
             res["blocking_seconds"] = overlapped[1] + now - overlapped[0]
             res["overlap_wait_seconds"] = now - overlapped[0]
+        res["agent_error"] = self._live.notify(
+            skip, step, res["blocking_seconds"], int(res["image_bytes"]) if res["saved"] else 0)
         res["reused_plan"] = self._live.last_save_reused_plan()
         res["step"] = step
         self._advisor.saved(self, step, res["blocking_seconds"])
-        self._live.report("save", step, bool(res["saved"]), res["blocking_seconds"],
-                          int(res["image_bytes"]) if res["saved"] else 0)
         self._stats["saves"] += 1
         self._stats["blocking_seconds_sum"] += res["blocking_seconds"]
         self._stats["last_save"] = res
@@ -569,10 +571,10 @@ class Checkpointer:
         # The steps saved from now on descend from this one (of this checkpoint, wherever the
         # copy was read: memory, a peer, path or a tier).
         self._live.set_lineage(result[0], "", self._metadata)
-        self._advisor.restored(source, uri, seconds)
+        level = self._advisor.restored(source, uri, seconds)
         self._stats["restores"][source] = self._stats["restores"].get(source, 0) + 1
         self._live.report("restore", result[0], True, seconds,
-                          int(self._io.get("storage_bytes_read") or 0), source)
+                          int(self._io.get("storage_bytes_read") or 0), source, "", level)
         return result
 
     def _memory_steps(self) -> list[int]:
@@ -869,7 +871,11 @@ class Checkpointer:
             "last_save": self._stats["last_save"],
             "last_load": self._stats["last_load"],
             "agent": {"pid": agent.get("agent_pid"), "job_dir": agent.get("job_dir"),
-                      "queued": agent.get("queued")},
+                      "queued": agent.get("queued"),
+                      # frames from this process (status requests aside): one per save
+                      "messages_received": mine.get("messages_received"),
+                      # where the agent serving rank 0 keeps the job's measurement history
+                      "history": agent.get("history")},
             "replication": agent.get("replication"),
             "tiers": agent.get("tiers", []),
             "metrics_url": agent.get("metrics_url"),
@@ -926,7 +932,6 @@ class Checkpointer:
             finally:
                 client, self._client = self._client, None
                 client.close(-1.0 if timeout is None else float(timeout))
-                self._advisor.close(clean=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -948,7 +953,6 @@ class Checkpointer:
             self._pending = None  # the client lets its copy finish, then drops the connection
             client, self._client = self._client, None
             client.abandon()
-            self._advisor.close(clean=False)
 
     def __del__(self) -> None:  # no clean close: the agent treats it like a death and flushes
         watch = getattr(self, "_watch", None)

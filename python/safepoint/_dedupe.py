@@ -79,7 +79,7 @@ class ReplicaPlan:
         # step need this node's images, which only an agent persists (a dead one is restarted
         # and its successor persists them). Its error, if any, comes again from notify().
         client.revive_agent()
-        mine = res.structure_hash if res.saved else 0
+        mine = client.structure_hash() if res.saved else 0
         h = torch.tensor([mine - (1 << 63)], dtype=torch.int64)  # u64 -> i64
         hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
         dist.all_gather(hashes, h, group=self._group)

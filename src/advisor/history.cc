@@ -11,8 +11,10 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "base/bytes.h"
+#include "safepoint/storage.h"
 
 namespace safepoint::advisor {
 namespace {
@@ -45,6 +47,10 @@ double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
+bool HistoryIsLocal(const std::string& checkpoint_path) {
+  return LocalDirectory(checkpoint_path).has_value();
+}
+
 std::string HistoryPath(const std::string& checkpoint_path, const std::string& job) {
   if (auto dir = LocalDirectory(checkpoint_path)) {
     while (dir->size() > 1 && dir->back() == '/') dir->pop_back();
@@ -60,12 +66,7 @@ std::string HistoryPath(const std::string& checkpoint_path, const std::string& j
 HistoryWriter::HistoryWriter(int fd, std::string path, double gap)
     : fd_(fd), path_(std::move(path)), gap_(gap), last_save_line_(NowSeconds()) {}
 
-HistoryWriter::HistoryWriter(HistoryWriter&& o) noexcept
-    : fd_(std::exchange(o.fd_, -1)),
-      path_(std::move(o.path_)),
-      gap_(o.gap_),
-      last_save_line_(o.last_save_line_),
-      pending_saves_(std::move(o.pending_saves_)) {}
+HistoryWriter::HistoryWriter(HistoryWriter&& o) noexcept { *this = std::move(o); }
 
 HistoryWriter& HistoryWriter::operator=(HistoryWriter&& o) noexcept {
   if (this != &o) {
@@ -75,12 +76,58 @@ HistoryWriter& HistoryWriter::operator=(HistoryWriter&& o) noexcept {
     gap_ = o.gap_;
     last_save_line_ = o.last_save_line_;
     pending_saves_ = std::move(o.pending_saves_);
+    storage_ = std::move(o.storage_);
+    segment_ = std::move(o.segment_);
+    segment_index_ = o.segment_index_;
+    lines_ = std::move(o.lines_);
+    dirty_ = std::exchange(o.dirty_, false);
   }
   return *this;
 }
 
 HistoryWriter::~HistoryWriter() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+HistoryWriter HistoryWriter::InStorage(std::shared_ptr<Storage> storage, std::string segment,
+                                       double save_line_gap) {
+  HistoryWriter w(-1, "", save_line_gap);
+  w.storage_ = std::move(storage);
+  w.segment_ = std::move(segment);
+  w.path_ = w.storage_->Describe(w.SegmentName());
+  return w;
+}
+
+std::string HistoryWriter::SegmentName() const {
+  char n[16];
+  std::snprintf(n, sizeof(n), "%04llu", static_cast<unsigned long long>(segment_index_));
+  return std::string(kHistorySegmentPrefix) + segment_ + "-" + n + ".jsonl";
+}
+
+Status HistoryWriter::PublishSegment(Storage& storage, const Segment& segment) {
+  SP_ASSIGN_OR_RETURN(auto object, storage.Create(segment.name, segment.data.size()));
+  SP_RETURN_IF_ERROR(object->WriteAt(
+      0, std::span(reinterpret_cast<const std::byte*>(segment.data.data()), segment.data.size())));
+  return object->Publish();
+}
+
+std::optional<HistoryWriter::Segment> HistoryWriter::TakeSegment() {
+  if (!storage_ || !dirty_) return std::nullopt;
+  Segment segment{SegmentName(), lines_};
+  dirty_ = false;
+  if (lines_.size() >= kSegmentBytes) {  // the next lines go to a new segment
+    ++segment_index_;
+    lines_.clear();
+    path_ = storage_->Describe(SegmentName());
+  }
+  return segment;
+}
+
+Status HistoryWriter::Sync() {
+  if (!storage_ || !dirty_) return Status::OK();
+  SP_RETURN_IF_ERROR(PublishSegment(*storage_, Segment{SegmentName(), lines_}));
+  TakeSegment();  // published: moves on past a full segment
+  return Status::OK();
 }
 
 Result<HistoryWriter> HistoryWriter::Open(const std::string& path, double save_line_gap) {
@@ -94,6 +141,12 @@ Result<HistoryWriter> HistoryWriter::Open(const std::string& path, double save_l
 }
 
 Status HistoryWriter::Append(const std::string& line) {
+  if (storage_) {
+    lines_ += line;
+    lines_ += '\n';
+    dirty_ = true;
+    return Status::OK();
+  }
   if (fd_ < 0) return InvalidArgument(path_ + ": history writer is closed");
   const std::string data = line + "\n";
   const ssize_t n = ::write(fd_, data.data(), data.size());
@@ -152,17 +205,60 @@ Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped) {
     if (errno == ENOENT) return NotFound(path + ": no measurement history");
     return ErrnoStatus("open history", path, errno);
   }
+  std::stringstream text;
+  text << in.rdbuf();
+  return SummarizeHistory(text.str(), path, skipped);
+}
+
+Result<HistorySummary> ReadJobHistory(const std::string& checkpoint_path, const std::string& job,
+                                      uint64_t* skipped) {
+  if (HistoryIsLocal(checkpoint_path))
+    return ReadHistory(HistoryPath(checkpoint_path, job), skipped);
+  std::string text;
+  std::vector<std::string> where;
+  SP_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, OpenStorage(checkpoint_path));
+  SP_ASSIGN_OR_RETURN(std::vector<ObjectInfo> objects, storage->List(kHistorySegmentPrefix));
+  std::sort(objects.begin(), objects.end(),
+            [](const ObjectInfo& a, const ObjectInfo& b) { return a.name < b.name; });
+  for (const ObjectInfo& o : objects) {
+    SP_ASSIGN_OR_RETURN(auto object, storage->Open(o.name));
+    std::string data(object->size(), '\0');
+    SP_RETURN_IF_ERROR(
+        object->ReadAt(0, std::span(reinterpret_cast<std::byte*>(data.data()), data.size())));
+    text += data;
+    if (!data.empty() && data.back() != '\n') text += '\n';
+  }
+  if (!objects.empty()) {
+    where.push_back(storage->Describe(std::string(kHistorySegmentPrefix)) + " (" +
+                    std::to_string(objects.size()) + " segments)");
+  }
+  // Written by earlier versions for an object store; read, never written.
+  if (const std::string legacy = HistoryPath(checkpoint_path, job); !legacy.empty()) {
+    std::ifstream in(legacy);
+    if (in) {
+      std::stringstream s;
+      s << in.rdbuf();
+      text += s.str();
+      where.push_back(legacy);
+    }
+  }
+  if (where.empty()) {
+    return NotFound(storage->Describe(std::string(kHistorySegmentPrefix)) +
+                    ": no measurement history");
+  }
+  std::string name = where[0];
+  if (where.size() > 1) name += " and " + where[1];
+  return SummarizeHistory(text, name, skipped);
+}
+
+HistorySummary SummarizeHistory(const std::string& text, const std::string& name,
+                                uint64_t* skipped) {
   HistorySummary h;
-  h.path = path;
-  // Save lines carry a median of n samples: the weighted median of medians is close enough.
-  std::vector<std::pair<double, uint64_t>> saves;
-  std::map<std::string, std::vector<double>> persist, persist_bytes, restore;
-  std::vector<double> restarts;
-  bool in_run = false;
-  bool clean = false;
-  double run_start = 0;
-  double last_t = 0;
+  h.path = name;
   uint64_t bad = 0;
+  // Several writers' lines (segments, the legacy file) in the order of their time.
+  std::vector<std::pair<double, json>> events;
+  std::istringstream in(text);
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
@@ -173,6 +269,21 @@ Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped) {
       continue;
     }
     const double t = j["t"].get<double>();
+    events.emplace_back(t, std::move(j));
+  }
+  std::stable_sort(events.begin(), events.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  // Save lines carry a median of n samples: the weighted median of medians is close enough.
+  std::vector<std::pair<double, uint64_t>> saves;
+  std::map<std::string, std::vector<double>> persist, persist_bytes, restore;
+  std::vector<double> restarts;
+  bool in_run = false;
+  bool clean = false;
+  double run_start = 0;
+  double last_t = 0;
+  for (auto& event : events) {
+    const double t = event.first;
+    const json& j = event.second;
     const std::string ev = j["ev"].get<std::string>();
     auto seconds = [&]() -> std::optional<double> {
       if (!j.contains("seconds") || !j["seconds"].is_number()) return std::nullopt;

@@ -1,13 +1,20 @@
 // A job's measurement history: what the interval advisor and `safepoint simulate --from` learn
-// from, kept where it survives restarts of the job.
+// from, kept with the job's checkpoints so that it survives restarts of the job (on any node).
+//
+// Who writes it: the node agent that serves rank 0 (src/agent/history_recorder.h), from the
+// reports that arrive with the ranks' snapshot notes and from the persists and tier copies it
+// does itself. No training process polls for it or writes it (issue 21).
 //
 // Where: `safepoint-history.jsonl` in the checkpoint directory when it is a local directory
-// (a plain path or file://), else `$SAFEPOINT_HISTORY_DIR/<job>.history.jsonl` when that is set,
-// else nowhere (HistoryPath returns ""). The file lives beside the `step-*` directories and is
-// never read as a checkpoint (stores list only `step-` names).
+// (a plain path or file://), appended; in an object store (s3://, rados://, ...), which cannot
+// append, objects `safepoint-history/<agent start, ns>-<pid>-<n>.jsonl` under the checkpoint
+// path, each agent rewriting its newest segment (a new one past kSegmentBytes). Readers
+// concatenate the segments in name order. The files live beside the `step-*` directories and
+// are never read as a checkpoint (stores list only `step-` names). Older versions wrote an
+// object store's history to `$SAFEPOINT_HISTORY_DIR/<job>.history.jsonl` (HistoryPath); that
+// file is still read, merged with the segments, but no longer written.
 //
-// Format: JSON lines, appended with one write(2) each (O_APPEND; no fsync: a power cut may drop
-// the last lines, which only loses samples). Every line has "t" (Unix seconds) and "ev":
+// Format: JSON lines. Every line has "t" (Unix seconds) and "ev":
 //   {"ev":"start","run":R}                           a process started (Checkpointer created)
 //   {"ev":"save","n":N,"seconds":S,"max":M}          N saves since the last such line, median
 //                                                    blocking seconds S (at most one line per
@@ -21,28 +28,46 @@
 // be its last line (heartbeats bound the error by `save_line_gap`), and the gap to the next
 // start is its restart time. The learned MTBF is the wall time covered (running plus
 // restarting) over the interruptions. Unknown lines are skipped, so later versions may add events.
+// A local file is appended with one write(2) per line (O_APPEND; no fsync: a power cut may drop
+// the last lines, which only loses samples); a segment is published whole on Sync().
 //
-// HistoryWriter is not thread-safe (one per Checkpointer, called from the training thread).
+// HistoryWriter is not thread-safe (one per agent, called from its main loop).
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "safepoint/status.h"
 
+namespace safepoint {
+class Storage;
+}
+
 namespace safepoint::advisor {
 
-// The history file of a checkpoint path and job (see above), or "" when there is none.
+// The history file of a local checkpoint path (see above); for another path the deprecated
+// `$SAFEPOINT_HISTORY_DIR/<job>.history.jsonl` when that is set, else "".
 std::string HistoryPath(const std::string& checkpoint_path, const std::string& job);
+// Whether `checkpoint_path` is a local directory (its history is HistoryPath, appended).
+bool HistoryIsLocal(const std::string& checkpoint_path);
+
+inline constexpr std::string_view kHistorySegmentPrefix = "safepoint-history/";
+inline constexpr uint64_t kSegmentBytes = 1 << 20;  // a segment is rewritten whole: kept small
 
 class HistoryWriter {
  public:
   // Appends to `path` (created if missing, with its directory). `save_line_gap`: seconds between
   // "save" lines.
   static Result<HistoryWriter> Open(const std::string& path, double save_line_gap = 10);
+  // Keeps the lines in memory and publishes them to `storage` on Sync() as segments named
+  // kHistorySegmentPrefix + `segment` + "-<n>.jsonl" (see above).
+  static HistoryWriter InStorage(std::shared_ptr<Storage> storage, std::string segment,
+                                 double save_line_gap = 10);
   HistoryWriter(HistoryWriter&&) noexcept;
   HistoryWriter& operator=(HistoryWriter&&) noexcept;
   ~HistoryWriter();
@@ -55,17 +80,40 @@ class HistoryWriter {
   // Writes the buffered save samples and a "close" line.
   Status RecordClose();
   Status Flush();  // writes the buffered save samples now
+  // Publishes the lines not yet in storage (a segment writer; nothing to do for a local file).
+  Status Sync();
+  // Lines are waiting for Sync().
+  bool unsynced() const { return dirty_; }
 
+  // Sync in two halves, for a caller that publishes off its own thread: the current segment
+  // whole when lines wait (nullopt otherwise), counted as published (the writer moves on to a
+  // new segment past kSegmentBytes); PublishSegment writes it (retrying a failure is the
+  // caller's: a newer take of the same name holds all of its lines).
+  struct Segment {
+    std::string name;
+    std::string data;
+  };
+  std::optional<Segment> TakeSegment();
+  static Status PublishSegment(Storage& storage, const Segment& segment);
+
+  // The file, or the storage's description of the current segment.
   const std::string& path() const { return path_; }
 
  private:
   HistoryWriter(int fd, std::string path, double gap);
   Status Append(const std::string& line);
+  std::string SegmentName() const;
   int fd_ = -1;
   std::string path_;
   double gap_ = 10;
   double last_save_line_ = 0;
   std::vector<double> pending_saves_;
+  // A segment writer: the storage, the segment's stem and number, its lines so far.
+  std::shared_ptr<Storage> storage_;
+  std::string segment_;
+  uint64_t segment_index_ = 0;
+  std::string lines_;
+  bool dirty_ = false;
 };
 
 // Robust summaries of samples: the median and how many there were.
@@ -92,6 +140,15 @@ struct HistorySummary {
 // Reads and summarizes a history file. NotFound naming the path when it does not exist;
 // malformed lines are skipped and counted in `*skipped` when given.
 Result<HistorySummary> ReadHistory(const std::string& path, uint64_t* skipped = nullptr);
+// Summarizes history lines (`name`: where they came from, for HistorySummary::path). Lines of
+// several writers (segments, the legacy file) are taken in the order of their "t".
+HistorySummary SummarizeHistory(const std::string& text, const std::string& name,
+                                uint64_t* skipped = nullptr);
+// The history of the job at `checkpoint_path`, wherever it is kept (see above): the local file,
+// or the storage's segments merged with the legacy `$SAFEPOINT_HISTORY_DIR` file. NotFound
+// naming where it looked when there is none.
+Result<HistorySummary> ReadJobHistory(const std::string& checkpoint_path, const std::string& job,
+                                      uint64_t* skipped = nullptr);
 
 // A restore time for `level` that was never measured, estimated from the state's size (the
 // median bytes of the checkpoint path's persists) and a measured bandwidth: for "memory", the

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 
+#include "safepoint/storage.h"
 #include "testing/test_util.h"
 
 namespace safepoint::advisor {
@@ -131,6 +132,90 @@ TEST(HistoryTest, UnmeasuredRestoresAreEstimatedFromSizeAndBandwidth) {
   EXPECT_FALSE(EstimateRestore(h, "tier 2").has_value());  // never written: nothing to go on
   HistorySummary empty;
   EXPECT_FALSE(EstimateRestore(empty, "memory").has_value());
+}
+
+// An object store cannot append: the lines go to segments, published whole on Sync(), and a
+// reader of the checkpoint path finds them with no $SAFEPOINT_HISTORY_DIR (issue 21).
+TEST(HistoryTest, ObjectStoreHistoryIsKeptInSegmentsBesideTheCheckpoints) {
+  ::unsetenv("SAFEPOINT_HISTORY_DIR");
+  const std::string uri = "mem://history-segments";
+  ASSERT_OK_AND_ASSIGN(auto storage, OpenStorage(uri));
+  std::shared_ptr<Storage> shared(std::move(storage));
+  EXPECT_EQ(ReadJobHistory(uri, "j").status().code(), StatusCode::kNotFound);
+
+  auto first = HistoryWriter::InStorage(shared, "00000000000000000001-7", /*save_line_gap=*/0);
+  ASSERT_OK(first.RecordStart(1));
+  ASSERT_OK(first.RecordSave(0.25));
+  EXPECT_TRUE(first.unsynced());
+  EXPECT_EQ(ReadJobHistory(uri, "j").status().code(), StatusCode::kNotFound);  // not yet
+  ASSERT_OK(first.Sync());
+  EXPECT_FALSE(first.unsynced());
+  // Enough lines to fill a segment: the writer goes on in the next one.
+  uint64_t persists = 0;
+  while (first.path().find("-0000.jsonl") != std::string::npos) {
+    ASSERT_OK(first.RecordPersist("path", 2, 1000));
+    ++persists;
+    if (persists % 1000 == 0) ASSERT_OK(first.Sync());
+    ASSERT_LT(persists, kSegmentBytes);  // it must roll over
+  }
+  ASSERT_OK(first.RecordPersist("path", 2, 1000));
+  ++persists;
+  ASSERT_OK(first.Sync());
+  ASSERT_OK_AND_ASSIGN(auto segments, shared->List(kHistorySegmentPrefix));
+  EXPECT_EQ(segments.size(), 2u);
+  // A later agent of the job (no close from the first run: an interruption) in a segment of
+  // its own.
+  auto second = HistoryWriter::InStorage(shared, "00000000000000000002-8", /*save_line_gap=*/0);
+  ASSERT_OK(second.RecordStart(2));
+  ASSERT_OK(second.RecordRestore("path", 3));
+  ASSERT_OK(second.RecordClose());
+  ASSERT_OK(second.Sync());
+
+  uint64_t skipped = 0;
+  ASSERT_OK_AND_ASSIGN(auto h, ReadJobHistory(uri, "j", &skipped));
+  EXPECT_EQ(skipped, 0u);
+  EXPECT_EQ(h.runs, 2u);
+  EXPECT_EQ(h.interruptions, 1u);
+  EXPECT_EQ(h.persist.at("path").samples, persists);
+  EXPECT_EQ(h.save->samples, 1u);
+  EXPECT_DOUBLE_EQ(h.restore.at("path").seconds, 3);
+  EXPECT_NE(h.path.find("safepoint-history/"), std::string::npos) << h.path;
+}
+
+// A history that an earlier version wrote to $SAFEPOINT_HISTORY_DIR for an object store is
+// still read, merged in time order with the segments the agent writes now.
+TEST(HistoryTest, LegacyHistoryDirIsStillReadAndMergedWithTheSegments) {
+  TempDir dir;
+  const std::string uri = "mem://history-legacy";
+  ::setenv("SAFEPOINT_HISTORY_DIR", dir.path().c_str(), 1);
+  ASSERT_TRUE(WriteStringToFile(dir.path() + "/j.history.jsonl",
+                                "{\"t\":1000,\"ev\":\"start\",\"run\":1}\n"
+                                "{\"t\":1100,\"ev\":\"save\",\"n\":4,\"seconds\":0.2}\n"));
+  ASSERT_OK_AND_ASSIGN(auto h0, ReadJobHistory(uri, "j"));  // the legacy file alone
+  EXPECT_EQ(h0.runs, 1u);
+  ASSERT_OK_AND_ASSIGN(auto storage, OpenStorage(uri));
+  auto w = HistoryWriter::InStorage(std::shared_ptr<Storage>(std::move(storage)), "2-1", 0);
+  ASSERT_OK(w.RecordStart(2));
+  ASSERT_OK(w.RecordClose());
+  ASSERT_OK(w.Sync());
+  ASSERT_OK_AND_ASSIGN(auto h, ReadJobHistory(uri, "j"));
+  ::unsetenv("SAFEPOINT_HISTORY_DIR");
+  EXPECT_EQ(h.runs, 2u);
+  EXPECT_EQ(h.interruptions, 1u);  // the legacy run had no close, and came first
+  EXPECT_EQ(h.save->samples, 4u);
+  EXPECT_NE(h.path.find("j.history.jsonl"), std::string::npos) << h.path;
+}
+
+TEST(HistoryTest, LocalJobHistoryIsTheFileInTheCheckpointDirectory) {
+  TempDir dir;
+  {
+    ASSERT_OK_AND_ASSIGN(auto w, HistoryWriter::Open(HistoryPath(dir.path(), "j"), 0));
+    ASSERT_OK(w.RecordStart(1));
+    ASSERT_OK(w.RecordClose());
+  }
+  ASSERT_OK_AND_ASSIGN(auto h, ReadJobHistory("file://" + dir.path(), "j"));
+  EXPECT_EQ(h.runs, 1u);
+  EXPECT_EQ(h.path, dir.path() + "/safepoint-history.jsonl");
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include <random>
 #include <thread>
 
+#include "advisor/history.h"
 #include "base/unique_fd.h"
 #include "protocol/protocol.h"
 #include "safepoint/checkpoint.h"
@@ -1008,6 +1009,74 @@ TEST_F(AgentTest, ReportSentJustBeforeClosingIsHandled) {
   })) << "the report never reached "
       << events;
   ExpectServes();
+}
+
+// One message per save (issue 21): the snapshot note carries the save's report, whether the
+// client sends it from Save (notify) or after measuring the save itself (Notify with a report).
+// Status requests are not counted.
+TEST_F(AgentTest, EachSaveIsOneMessageToTheAgent) {
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+  auto received = [&]() -> uint64_t {
+    auto status = client->AgentStatus();
+    EXPECT_OK(status);
+    if (!status.ok()) return 0;
+    json j = json::parse(*status, nullptr, false);
+    return j["ranks"][0]["messages_received"].get<uint64_t>();
+  };
+  const uint64_t before = received();
+  for (uint64_t step = 1; step <= 3; ++step) SaveStep(*client, step, /*persist=*/step == 3);
+  for (uint64_t step = 4; step <= 5; ++step) {
+    Shard s(step);
+    ASSERT_OK_AND_ASSIGN(SnapshotResult r, client->Save(step, s.sources, s.extras,
+                                                        /*persist=*/true, /*notify=*/false));
+    ASSERT_TRUE(r.saved);
+    EXPECT_EQ(client->Notify({}, SaveReport{step, 0.01, r.image_bytes}), "");
+  }
+  EXPECT_EQ(received() - before, 5u);
+  // The reports arrived with the notes: the event log has each save.
+  const std::string events = EventLogPath(job_dir_);
+  EXPECT_TRUE(WaitUntil([&] {
+    auto text = test::ReadFileToString(events);
+    size_t saves = 0;
+    for (size_t at = 0; text && (at = text->find("\"event\":\"save\"", at)) != std::string::npos;
+         ++at) {
+      ++saves;
+    }
+    return saves >= 5;
+  })) << test::ReadFileToString(events).value_or("no event log");
+}
+
+// The agent that serves rank 0 keeps the job's measurement history from what the ranks send
+// anyway (the start report, the saves' notes, the close) and its own persists: nothing polls
+// it for them. The history is where `safepoint advise PATH` reads it.
+TEST_F(AgentTest, AgentRecordsTheJobsHistoryWithoutBeingPolled) {
+  {
+    ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+    client->Report("start", 42, true, 0, 0);
+    for (uint64_t step = 1; step <= 4; ++step) {
+      Shard s(step);
+      ASSERT_OK_AND_ASSIGN(SnapshotResult r, client->Save(step, s.sources, s.extras,
+                                                          /*persist=*/true, /*notify=*/false));
+      EXPECT_EQ(client->Notify({}, SaveReport{step, 0.125, r.image_bytes}), "");
+    }
+    ASSERT_OK(client->Wait(kDeadlineSeconds));
+    client->Report("restore", 4, true, 0.5, 100, "storage", "", "path");
+    ASSERT_OK(client->Close(kDeadlineSeconds));
+  }
+  uint64_t skipped = 0;
+  ASSERT_OK_AND_ASSIGN(auto h, advisor::ReadJobHistory(storage_, job_, &skipped));
+  EXPECT_EQ(h.path, storage_ + "/safepoint-history.jsonl");
+  EXPECT_EQ(skipped, 0u);
+  EXPECT_EQ(h.runs, 1u);
+  EXPECT_EQ(h.interruptions, 0u);  // closed cleanly
+  ASSERT_TRUE(h.save.has_value());
+  EXPECT_EQ(h.save->samples, 4u);
+  EXPECT_DOUBLE_EQ(h.save->seconds, 0.125);
+  ASSERT_TRUE(h.persist.contains("path"));
+  EXPECT_GE(h.persist.at("path").samples, 1u);
+  EXPECT_GT(h.persist.at("path").bytes, 0);
+  ASSERT_TRUE(h.restore.contains("path"));
+  EXPECT_DOUBLE_EQ(h.restore.at("path").seconds, 0.5);
 }
 
 // wait() over stored images of mixed attempts: rank 1's image of step 5 on storage is of an

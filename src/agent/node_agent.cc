@@ -263,6 +263,7 @@ void NodeAgent::DrainResults() {
       rs.last_persisted_step = std::max(rs.last_persisted_step.value_or(0), step);
       rs.last_persist_seconds = r.seconds;
       rs.last_persist_bytes = r.bytes;
+      if (rank == 0) history_.Persisted("path", r.seconds, r.bytes);
       rs.outcomes[step] = Status::OK();
       rs.persisted_generation[step] = {r.task.slot, r.task.generation};
       rs.persisted_attempt[step] = r.attempt;
@@ -438,6 +439,7 @@ void NodeAgent::AnswerWaits() {
   // Clean closes whose flush is done.
   for (auto& [rank, rs] : ranks_) {
     if (rs.close_client < 0 || !rs.pending.empty()) continue;
+    if (rank == 0 && !history_.Settled()) continue;  // its history's close, where advise reads
     for (auto& c : clients_) {
       if (c->fd.get() != rs.close_client || !c->closing) continue;
       Status removed = rs.arena ? rs.arena->Remove() : Status::OK();
@@ -528,6 +530,7 @@ Status NodeAgent::HandleMessage(Client& c, const protocol::Message& m) {
     protocol::EmptyRequest empty;
     SP_RETURN_IF_ERROR(Decode(m.payload, &empty));
   }
+  if (c.hello && m.type != MessageType::kStatus) ++ranks_[c.rank].messages_received;
   auto require_hello = [&](const char* what) {
     return c.hello ? Status::OK()
                    : InvalidArgument(std::string("protocol error: ") + what + " before hello");
@@ -559,6 +562,7 @@ Status NodeAgent::HandleMessage(Client& c, const protocol::Message& m) {
       SP_RETURN_IF_ERROR(require_hello("close"));
       c.closing = true;
       ranks_[c.rank].close_client = c.fd.get();
+      if (c.rank == 0) history_.Closed();
       EmergencyFlush(c.rank, FlushReason::kClose);
       AnswerWaits();
       return Status::OK();
@@ -731,6 +735,7 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
   }
   c.hello = true;
   c.rank = hello.rank;
+  if (hello.rank == 0) history_.Open(config_->storage, opt_.job, [this] { Wake(); });
   rs.connected = true;
   rs.closed = false;
   rs.pid = c.pid;
@@ -744,6 +749,7 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
 }
 
 Status NodeAgent::HandleSnapshot(Client& c, protocol::SnapshotNote note) {
+  if (note.report) HandleReport(c, *note.report);  // one message per save: its report is here
   RankState& rs = ranks_[c.rank];
   if (!rs.arena || note.slot >= rs.arena->slot_count()) {
     return InvalidArgument("protocol error: slot " + std::to_string(note.slot) + " does not exist");
@@ -833,6 +839,7 @@ void NodeAgent::DropClient(size_t idx, bool died) {
     if (rs.pid == c.pid) rs.connected = false;
     if (rs.close_client == c.fd.get()) rs.close_client = -1;
     if (died && !rs.closed) {
+      if (c.rank == 0) history_.Ended();
       spdlog::warn("rank {} (pid {}) is gone without closing{}", c.rank, c.pid,
                    opt_.emergency_flush ? "; emergency flush" : "");
       if (opt_.emergency_flush) EmergencyFlush(c.rank, FlushReason::kEmergency);
@@ -916,6 +923,8 @@ void NodeAgent::Loop() {
     DrainReplication();
     PollCommitsForTiers();
     RefreshTelemetry();
+    if (tiers_.started()) history_.TierStates(tiers_.States());
+    history_.Sync();
     replicator_.ReleaseSparesWhenMemoryIsLow();
     // Torn down here (every local rank died): after the ranks' own emergency flushes had a
     // moment, persist what this node keeps of other nodes' snapshots whose step did not commit.
@@ -980,6 +989,9 @@ void NodeAgent::Shutdown() {
   // job).
   PollCommitsForTiers();
   tiers_.Stop(std::max(0.0, deadline - MonotonicSeconds()));
+  if (tiers_.started()) history_.TierStates(tiers_.States());
+  history_.Ended();
+  history_.Stop(std::max(0.0, deadline - MonotonicSeconds()));
   for (auto& [rank, rs] : ranks_) {
     if (rs.arena) rs.arena->ClearLeases();
   }

@@ -8,6 +8,7 @@
 //   status.cc         the status document (`safepoint status`, ckpt.status())
 //   telemetry.*       Prometheus metrics (metrics.*, metrics_server.*) and the event log
 //                     (event_log.*): one call where each event happens, gauges sampled
+//   history_recorder.* the job's measurement history (the agent serving rank 0 keeps it)
 //   persist_queue.*   the worker that writes snapshots to storage, commits and prunes
 //   replicator.*      peer replication: pushes snapshots to other nodes, rebuilds from them
 //   tier_copier.*     copies committed steps down the job's storage tiers
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "agent/agent.h"
+#include "agent/history_recorder.h"
 #include "agent/job_config.h"
 #include "agent/persist_queue.h"
 #include "agent/replicator.h"
@@ -59,6 +61,9 @@ struct RankState {
   uint64_t last_persist_bytes = 0;
   uint64_t persists_ok = 0, persists_failed = 0, persists_superseded = 0;
   uint64_t emergency_flushes = 0;
+  // Frames received from the rank's process after its hello, status requests aside: one per
+  // save (its snapshot note, which carries its report), plus waits, restores' reports, ...
+  uint64_t messages_received = 0;
   std::string last_error;
   std::map<uint64_t, Status> outcomes;  // step -> result of persisting this rank's image
   // step -> (slot, generation) of the snapshot persisted for it. Generations count per slot, so
@@ -140,6 +145,7 @@ class NodeAgent {
 
   AgentOptions opt_;
   Telemetry telemetry_;  // metrics and the event log (constructed before the workers that report)
+  HistoryRecorder history_;  // the job's measurement history (when this agent serves rank 0)
   std::string job_dir_;
   internal::UniqueFd lock_fd_, listen_fd_, signal_fd_, event_fd_;
   std::optional<JobConfig> config_;

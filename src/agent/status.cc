@@ -2,7 +2,9 @@
 // ckpt.status() returns under "agent". One JSON object: the job, its configuration, the newest
 // committed step, the persist queue, the lower storage tiers (newest step, copies, failures, last
 // error), and per rank its slots, pending persists, counters and last
-// error; `metrics_url` (null unless metrics are served) and `event_log` (its path).
+// error and the messages received from it; `metrics_url` (null unless metrics are served),
+// `event_log` (its path) and `history` (where this agent records the job's measurement
+// history and its last write error; null unless it serves rank 0).
 // `job_config_error` is set while job.json could not be written (a later agent could not
 // adopt the job).
 #include "agent/status.h"
@@ -56,6 +58,7 @@ nlohmann::json NodeAgent::StatusJson() {
                      {"persists_failed", rs.persists_failed},
                      {"persists_superseded", rs.persists_superseded},
                      {"emergency_flushes", rs.emergency_flushes},
+                     {"messages_received", rs.messages_received},
                      {"last_error", rs.last_error}});
   }
   const PersistQueue::Progress progress = queue_.progress();
@@ -114,7 +117,12 @@ nlohmann::json NodeAgent::StatusJson() {
           {"storage_layout", config_ ? PackJson(config_->compression, config_->incremental,
                                                 store_ ? store_->storage().uri() : config_->storage)
                                      : json(nullptr)},
-          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)}};
+          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)},
+          {"history",
+           history_.open()
+               ? json{{"where", history_.where()},
+                      {"error", history_.error().empty() ? json(nullptr) : json(history_.error())}}
+               : json(nullptr)}};
 }
 
 }  // namespace safepoint::agent

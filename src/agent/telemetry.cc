@@ -368,10 +368,16 @@ void NodeAgent::HandleReport(Client& c, const protocol::ReportNote& note) {
   const std::string source =
       note.source == "memory" || note.source == "peer" || note.source == "storage" ? note.source
                                                                                    : "other";
+  // The job's measurement history is rank 0's (history_recorder.h).
+  const bool history = c.rank == 0;
   if (note.event == "save") {
     telemetry_.Saved(c.rank, note.step, note.saved, seconds, note.bytes);
+    if (history) history_.Saved(seconds);
   } else if (note.event == "restore") {
     telemetry_.Restored(c.rank, note.step, source, seconds, note.bytes);
+    if (history) history_.Restored(note.level.empty() ? note.source : note.level, seconds);
+  } else if (note.event == "start") {
+    if (history) history_.Started(note.step);
   } else if (note.event == "checksum") {
     telemetry_.ChecksumFailure(c.rank, note.step, source, note.error);
   } else {

@@ -259,7 +259,8 @@ Status SnapshotClient::PauseReplication(bool paused) {
 }
 
 void SnapshotClient::Report(std::string_view event, uint64_t step, bool saved, double seconds,
-                            uint64_t bytes, std::string_view source, std::string_view error) {
+                            uint64_t bytes, std::string_view source, std::string_view error,
+                            std::string_view level) {
   if (fd_ < 0) return;
   const protocol::ReportNote note{std::string(event),
                                   step,
@@ -267,7 +268,8 @@ void SnapshotClient::Report(std::string_view event, uint64_t step, bool saved, d
                                   static_cast<uint64_t>(std::max(0.0, seconds) * 1e9),
                                   bytes,
                                   std::string(source),
-                                  std::string(error)};
+                                  std::string(error),
+                                  std::string(level)};
   if (!protocol::SendMessage(fd_, MessageType::kReport, protocol::Encode(note), /*timeout_s=*/0.5)
            .ok()) {
     Disconnect();  // the next request reconnects (and starts an agent if none is left)
@@ -424,27 +426,15 @@ Result<SnapshotResult> SnapshotClient::SaveLike(uint64_t step, std::span<const v
 Status SnapshotClient::PrepareWrite(bool notify, SnapshotResult* result) {
   pending_note_.reset();
   if (!notify) {
-    // The caller tells the agent only after a collective of the ranks (they agree on who
-    // writes which replica first). A rank whose agent died restarts it now: the ranks that
-    // wait for a step's commit wait for this node's images, which only an agent writes, and
-    // would never reach the collective (the node-loss campaign's hang, seed 1005935286). The
-    // new agent adopts the arena and persists what the dead one left. When no agent can be
-    // started the save still goes on into memory (failing it here would leave the other ranks
-    // in the collective): Notify tries again and returns the error.
+    // The caller tells the agent later: after a collective of the ranks (they agree on who
+    // writes which replica first), or once it measured the save, whose report travels with
+    // the note (safepoint.Checkpointer: one message per save). A rank whose agent died restarts it
+    // now: the ranks that wait for a step's commit wait for this node's images, which only an agent
+    // writes, and would never reach the collective (the node-loss campaign's hang, seed
+    // 1005935286). The new agent adopts the arena and persists what the dead one left. When no
+    // agent can be started the save still goes on into memory (failing it here would leave the
+    // other ranks in the collective): Notify tries again and returns the error.
     [[maybe_unused]] const Status revived = ReviveAgentIfGone();
-  }
-  // The structure hash and the specs serve only a caller that agrees on replicas before
-  // notifying (notify=false); a plain save does not pay for them, a reused plan pays once.
-  if (!notify && !plan_hash_) {
-    last_specs_.clear();
-    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
-    for (const TensorSource& t : plan_->tensors()) {
-      last_specs_.push_back(t.spec);
-      const std::string key = ReplicaKey(t.spec);
-      for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
-      hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
-    }
-    plan_hash_ = hash;
   }
   result->image_bytes = plan_->size();
   return CheckShmCap(plan_->size());
@@ -486,11 +476,37 @@ void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
   result->saved = true;
   if (persist) last_persist_step_ = step;
   last_saved_step_ = step;
-  result->structure_hash = notify ? 0 : *plan_hash_;
-  // Tell the agent; the snapshot is safe in memory whatever happens here.
+  // Tell the agent; the snapshot is safe in memory whatever happens here. A note sent here
+  // carries the save's report as this client measured it (waiting for a slot, creating it,
+  // the copy); a caller that notifies later reports its own blocking time.
   pending_note_ = std::make_unique<protocol::SnapshotNote>(
       protocol::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
-  if (notify) result->agent_error = Notify({});
+  if (notify) {
+    const double blocking = result->wait_seconds + result->create_seconds + result->copy_seconds;
+    result->agent_error = Notify({}, SaveReport{step, blocking, plan_->size()});
+  }
+}
+
+uint64_t SnapshotClient::StructureHash() {
+  if (!plan_) return 0;
+  if (!plan_hash_) {
+    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
+    for (const TensorSource& t : plan_->tensors()) {
+      const std::string key = ReplicaKey(t.spec);
+      for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+      hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
+    }
+    plan_hash_ = hash;
+  }
+  return *plan_hash_;
+}
+
+std::vector<TensorSpec> SnapshotClient::last_specs() const {
+  std::vector<TensorSpec> out;
+  if (!plan_) return out;
+  out.reserve(plan_->tensors().size());
+  for (const TensorSource& t : plan_->tensors()) out.push_back(t.spec);
+  return out;
 }
 
 Result<SnapshotResult> SnapshotClient::WriteSnapshot(uint64_t step, bool persist, bool notify,
@@ -682,9 +698,23 @@ Status SnapshotClient::CheckShmCap(uint64_t image_bytes) {
                            "; raise the cap or save less per rank");
 }
 
-std::string SnapshotClient::Notify(const SkipRanges& skip) {
-  if (!pending_note_) return "";
+std::string SnapshotClient::Notify(const SkipRanges& skip, std::optional<SaveReport> report) {
+  if (!pending_note_) {
+    // A skipped save (no slot was free): its report is the one message.
+    if (report) Report("save", report->step, false, report->blocking_seconds, 0);
+    return "";
+  }
   pending_note_->skip = skip;
+  if (report) {
+    pending_note_->report =
+        protocol::ReportNote{"save",
+                             pending_note_->step,
+                             true,
+                             static_cast<uint64_t>(std::max(0.0, report->blocking_seconds) * 1e9),
+                             report->bytes,
+                             "",
+                             ""};
+  }
   const std::string note = protocol::Encode(*pending_note_);
   pending_note_.reset();
   Status s = fd_ >= 0 ? protocol::SendMessage(fd_, MessageType::kSnapshot, note)

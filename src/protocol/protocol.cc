@@ -79,6 +79,18 @@ Result<json> Parse(std::string_view payload, std::initializer_list<FieldRef> fie
   return j;
 }
 
+json ReportJson(const ReportNote& m) {
+  json j = {{"event", m.event},
+            {"step", m.step},
+            {"saved", m.saved},
+            {"nanos", m.nanos},
+            {"bytes", m.bytes}};
+  if (!m.source.empty()) j["source"] = m.source;
+  if (!m.error.empty()) j["error"] = m.error;
+  if (!m.level.empty()) j["level"] = m.level;
+  return j;
+}
+
 json StatusFields(const Status& s) {
   if (s.ok()) return {{"ok", true}};
   return {{"ok", false}, {"code", static_cast<int>(s.code())}, {"error", s.message()}};
@@ -159,6 +171,7 @@ std::string Encode(const SnapshotNote& m) {
             {"persist", m.persist},
             {"leased", m.leased}};
   if (!m.skip.empty()) j["skip"] = m.skip;
+  if (m.report) j["report"] = ReportJson(*m.report);
   return j.dump();
 }
 std::string Encode(const WaitRequest& m) {
@@ -196,13 +209,18 @@ Status Decode(std::string_view payload, HelloReply* out) {
 }
 Status Decode(std::string_view payload, SnapshotNote* out) {
   out->skip.clear();
-  return Parse(payload, {{"slot", &out->slot},
-                         {"generation", &out->generation},
-                         {"step", &out->step},
-                         {"persist", &out->persist},
-                         {"leased", &out->leased},
-                         {"skip", &out->skip, /*optional=*/true}})
-      .status();
+  out->report.reset();
+  SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"slot", &out->slot},
+                                              {"generation", &out->generation},
+                                              {"step", &out->step},
+                                              {"persist", &out->persist},
+                                              {"leased", &out->leased},
+                                              {"skip", &out->skip, /*optional=*/true}}));
+  auto it = j.find("report");
+  if (it == j.end()) return Status::OK();
+  if (!it->is_object()) return ProtocolError("field 'report' has the wrong type");
+  out->report.emplace();
+  return Decode(it->dump(), &*out->report);
 }
 Status Decode(std::string_view payload, WaitRequest* out) {
   out->persisted = true;
@@ -259,16 +277,7 @@ std::string Encode(const PeerFetchReply& m) {
   return j.dump();
 }
 std::string Encode(const PauseNote& m) { return json{{"paused", m.paused}}.dump(); }
-std::string Encode(const ReportNote& m) {
-  json j = {{"event", m.event},
-            {"step", m.step},
-            {"saved", m.saved},
-            {"nanos", m.nanos},
-            {"bytes", m.bytes}};
-  if (!m.source.empty()) j["source"] = m.source;
-  if (!m.error.empty()) j["error"] = m.error;
-  return j.dump();
-}
+std::string Encode(const ReportNote& m) { return ReportJson(m).dump(); }
 
 Status Decode(std::string_view payload, PeerSetupRequest* out) {
   return Parse(payload, {{"node", &out->node},
@@ -342,13 +351,15 @@ Status Decode(std::string_view payload, PauseNote* out) {
 Status Decode(std::string_view payload, ReportNote* out) {
   out->source.clear();
   out->error.clear();
+  out->level.clear();
   return Parse(payload, {{"event", &out->event},
                          {"step", &out->step},
                          {"saved", &out->saved},
                          {"nanos", &out->nanos},
                          {"bytes", &out->bytes},
                          {"source", &out->source, /*optional=*/true},
-                         {"error", &out->error, /*optional=*/true}})
+                         {"error", &out->error, /*optional=*/true},
+                         {"level", &out->level, /*optional=*/true}})
       .status();
 }
 

@@ -58,7 +58,8 @@ enum class MessageType : uint16_t {
   kPeerFetch = 18,  // client -> agent: PeerFetchRequest; PeerFetchReply once fetched or failed
   kPeerFetchReply = 19,
   kPause = 20,   // client -> agent: PauseNote (no reply)
-  kReport = 21,  // client -> agent: ReportNote, what the client saw (no reply)
+  kReport = 21,  // client -> agent: ReportNote, what the client saw (no reply); a save that
+                 // took a snapshot sends its report inside the SnapshotNote instead
 };
 inline constexpr MessageType kLastMessageType = MessageType::kReport;
 
@@ -91,14 +92,35 @@ struct HelloReply {
   std::string job_dir;
 };
 
+// What a training process saw, for the agent's metrics, event log and the job's measurement
+// history (docs/operations.md, src/advisor/history.h): event "save" (a snapshot taken; `saved`
+// false: skipped, no slot free), "restore" (from `source`: memory, peer or storage),
+// "checksum" (damaged bytes found in `source`) or "start" (a Checkpointer of run `step`, the
+// save attempt, started; rank 0 sends it once).
+struct ReportNote {
+  std::string event;
+  uint64_t step = 0;
+  bool saved = true;
+  uint64_t nanos = 0;  // the time it took (a save: the time it blocked training)
+  uint64_t bytes = 0;
+  std::string source;
+  std::string error;
+  // The history's name of where a restore came from ("memory", "peer", "path", "tier 1", ...);
+  // empty: `source`.
+  std::string level;
+};
+
 // Slot `slot` of the sender's rank holds a COMPLETE snapshot of `step` (at `generation`).
+// One save is one message: the note carries the save's report (its blocking time and bytes)
+// when the client sends it after the save returned (issue 21).
 struct SnapshotNote {
   uint32_t slot = 0;
   uint64_t generation = 0;
   uint64_t step = 0;
-  bool persist = false;  // persist it (else the agent only learns of it)
-  bool leased = false;   // the client leased the slot for the persist
-  SkipRanges skip;       // tensors other ranks write (replicas); empty: every tensor
+  bool persist = false;              // persist it (else the agent only learns of it)
+  bool leased = false;               // the client leased the slot for the persist
+  SkipRanges skip;                   // tensors other ranks write (replicas); empty: every tensor
+  std::optional<ReportNote> report;  // the save's report (event "save"); absent: none
 };
 
 struct WaitRequest {
@@ -164,19 +186,6 @@ struct PeerFetchReply {
 
 struct PauseNote {
   bool paused = false;
-};
-
-// What a training process saw, for the agent's metrics and event log (docs/operations.md):
-// event "save" (a snapshot taken; `saved` false: skipped, no slot free), "restore" (from
-// `source`: memory, peer or storage) or "checksum" (damaged bytes found in `source`).
-struct ReportNote {
-  std::string event;
-  uint64_t step = 0;
-  bool saved = true;
-  uint64_t nanos = 0;  // the time it took (a save: the time it blocked training)
-  uint64_t bytes = 0;
-  std::string source;
-  std::string error;
 };
 
 // Tiers as JSON (in the hello and in job.json): [{"uri", "every", "every_seconds", "keep"}].

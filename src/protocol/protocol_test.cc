@@ -389,6 +389,21 @@ TEST(MessageTest, EveryMessageRoundTrips) {
   EXPECT_TRUE(note_out.persist);
   EXPECT_FALSE(note_out.leased);
   EXPECT_EQ(note_out.skip, (SkipRanges{{0, 2}, {5, 9}}));
+  EXPECT_FALSE(note_out.report.has_value());
+
+  // One message per save: the note carries the save's report (issue 21).
+  note.report = ReportNote{"save", 99, true, 2500000, 1 << 20, "", ""};
+  ASSERT_OK(Decode(Encode(note), &note_out));
+  ASSERT_TRUE(note_out.report.has_value());
+  EXPECT_EQ(note_out.report->event, "save");
+  EXPECT_EQ(note_out.report->step, 99u);
+  EXPECT_EQ(note_out.report->nanos, 2500000u);
+  EXPECT_EQ(note_out.report->bytes, uint64_t{1} << 20);
+  EXPECT_EQ(note_out.slot, 1u);
+  // A note without one (an older client) leaves no report from the previous decode behind.
+  note.report.reset();
+  ASSERT_OK(Decode(Encode(note), &note_out));
+  EXPECT_FALSE(note_out.report.has_value());
 
   WaitReply failed{7, Status(StatusCode::kResourceExhausted, "disk full")}, failed_out;
   ASSERT_OK(Decode(Encode(failed), &failed_out));
@@ -468,6 +483,10 @@ TEST(MessageTest, PeerReplicationMessagesRoundTrip) {
   EXPECT_EQ(report_out.bytes, 4096u);
   EXPECT_EQ(report_out.source, "memory");
   EXPECT_EQ(report_out.error, "");
+  EXPECT_EQ(report_out.level, "");
+  report.level = "tier 1";
+  ASSERT_OK(Decode(Encode(report), &report_out));
+  EXPECT_EQ(report_out.level, "tier 1");
   EXPECT_NE(Decode(R"({"event":"save","step":1,"saved":true,"nanos":-1,"bytes":0})", &report_out)
                 .message()
                 .find("'nanos'"),
@@ -533,14 +552,20 @@ TEST(MessageTest, MalformedPayloadsAreErrorsNamingTheField) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find(c.says), std::string::npos) << s.message();
   }
-  const std::string bad_skips[] = {R"([[1]])", R"([[1, 2, 3]])", R"([["a", 2]])", R"({"a": 1})",
-                                   R"([[1, 4294967296]])"};
-  for (const std::string& skip : bad_skips) {
-    SCOPED_TRACE(skip);
+  // A snapshot note's skip ranges and its report (a REPORT's object), each malformed.
+  const std::pair<std::string, std::string> bad_fields[] = {{"skip", R"([[1]])"},
+                                                            {"skip", R"([[1, 2, 3]])"},
+                                                            {"skip", R"([["a", 2]])"},
+                                                            {"skip", R"({"a": 1})"},
+                                                            {"skip", R"([[1, 4294967296]])"},
+                                                            {"report", R"("save")"},
+                                                            {"report", R"({"event": "save"})"}};
+  for (const auto& [field, value] : bad_fields) {
+    SCOPED_TRACE(field + ": " + value);
     SnapshotNote note;
     const std::string payload = R"({"slot": 0, "generation": 1, "step": 2, "persist": true,
-                                    "leased": false, "skip": )" +
-                                skip + "}";
+                                    "leased": false, ")" +
+                                field + "\": " + value + "}";
     EXPECT_EQ(Decode(payload, &note).code(), StatusCode::kInvalidArgument);
   }
   WaitReply reply;

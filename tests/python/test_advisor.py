@@ -236,6 +236,46 @@ def test_cp_progress_bar_has_rate_and_eta(tmp_path, ckpt, cli):
     assert "step 3 [" in r.stderr and "100%" in r.stderr and "/s" in r.stderr and "ETA" in r.stderr
 
 
+def test_each_save_is_one_message_and_the_agent_keeps_the_history(ckpt, shm, cli, monkeypatch):
+    """Issue 21: a save's report travels with its snapshot note (one message per save), and
+    the agent keeps the job's history itself: no $SAFEPOINT_HISTORY_DIR, no status poll."""
+    monkeypatch.delenv("SAFEPOINT_HISTORY_DIR", raising=False)
+    with safepoint.Checkpointer(ckpt, shm_dir=shm, job="one-msg") as c:
+        before = c.status()["agent"]["messages_received"]
+        for step in range(25):  # persists every step, past the old poll's 10-save cadence
+            c.save(step, state())
+        assert c.status()["agent"]["messages_received"] - before == 25
+        assert c.status()["agent"]["history"]["where"] == str(ckpt / HISTORY)
+        c.wait()
+    h = safepoint._core.read_job_history(str(ckpt))
+    assert h.runs == 1 and h.interruptions == 0 and h.save.samples == 25
+    assert h.persist["path"].samples >= 1
+    out = json.loads(cli("advise", ckpt, "--json", check=0).stdout)
+    assert out["history"] == str(ckpt / HISTORY)
+    assert "median of 25 samples" in {lv["level"]: lv for lv in out["levels"]}[
+        "memory"]["measured"]["save"]
+
+
+@pytest.mark.skipif(not os.environ.get("SAFEPOINT_TEST_S3_URI"),
+                    reason="$SAFEPOINT_TEST_S3_URI is not set (make test sets it with a test "
+                    "Ceph cluster)")
+def test_advise_on_an_object_store_job_reads_the_history_the_agent_keeps_there(shm, cli,
+                                                                                monkeypatch):
+    import uuid
+    monkeypatch.delenv("SAFEPOINT_HISTORY_DIR", raising=False)
+    uri = os.environ["SAFEPOINT_TEST_S3_URI"].rstrip("/") + "/adv-" + uuid.uuid4().hex[:12]
+    with safepoint.Checkpointer(uri, shm_dir=shm, job="adv-s3") as c:
+        for step in range(3):
+            c.save(step, state())
+        c.wait()
+    # The agent published its segment when rank 0 closed.
+    h = safepoint._core.read_job_history(uri)
+    assert h.runs == 1 and h.interruptions == 0 and h.save.samples == 3
+    out = json.loads(cli("advise", uri, "--json", check=0).stdout)
+    assert "safepoint-history/" in out["history"]
+    assert {"memory", "path"} <= {lv["level"] for lv in out["levels"]}
+
+
 def test_history_dir_for_non_local_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("SAFEPOINT_HISTORY_DIR", str(tmp_path))
     assert safepoint._core.history_path("s3://b/run", "j") == os.path.join(tmp_path,
