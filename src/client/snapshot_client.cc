@@ -480,7 +480,7 @@ void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
   // carries the save's report as this client measured it (waiting for a slot, creating it,
   // the copy); a caller that notifies later reports its own blocking time.
   pending_note_ = std::make_unique<protocol::SnapshotNote>(
-      protocol::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}});
+      protocol::SnapshotNote{ticket.slot, ticket.generation, step, persist, persist, {}, {}});
   if (notify) {
     const double blocking = result->wait_seconds + result->create_seconds + result->copy_seconds;
     result->agent_error = Notify({}, SaveReport{step, blocking, plan_->size()});
@@ -706,14 +706,11 @@ std::string SnapshotClient::Notify(const SkipRanges& skip, std::optional<SaveRep
   }
   pending_note_->skip = skip;
   if (report) {
-    pending_note_->report =
-        protocol::ReportNote{"save",
-                             pending_note_->step,
-                             true,
-                             static_cast<uint64_t>(std::max(0.0, report->blocking_seconds) * 1e9),
-                             report->bytes,
-                             "",
-                             ""};
+    protocol::ReportNote& r = pending_note_->report.emplace();
+    r.event = "save";
+    r.step = pending_note_->step;
+    r.nanos = static_cast<uint64_t>(std::max(0.0, report->blocking_seconds) * 1e9);
+    r.bytes = report->bytes;
   }
   const std::string note = protocol::Encode(*pending_note_);
   pending_note_.reset();
