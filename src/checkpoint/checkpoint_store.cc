@@ -522,7 +522,15 @@ Result<bool> CheckpointStore::Commit(uint64_t step, uint32_t world_size, std::st
   }
   if (!replace) {  // a plain commit never undoes a replacement (nor another plain commit)
     auto existing = ReadCommit(step);
-    if (existing.ok() && (existing->generation != 0 || generation != 0)) return true;
+    if (existing.ok() && (existing->generation != 0 || generation != 0)) {
+      // Committed by another writer, who may have died before syncing its COMMIT's directory:
+      // made durable before this commit says so (as the exclusive publish below does when it
+      // finds the name taken). NotFound: the step was deleted since (retention).
+      auto confirmed = ConfirmCommit(step);
+      if (confirmed.ok()) return true;
+      if (confirmed.status().code() == StatusCode::kNotFound) return false;
+      return confirmed.status();
+    }
   }
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
   std::map<std::string, uint64_t> sizes;

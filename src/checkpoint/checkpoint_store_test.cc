@@ -1156,6 +1156,36 @@ TEST(CheckpointStoreTest, TheAgentsImagesAreNamedByAttemptAndNeverWrittenOver) {
   }
 }
 
+// An agent's commit that finds the step committed by another writer makes that record durable
+// before it says so: the other writer may have died between publishing its COMMIT and syncing
+// the directory (docs/format.md, step 7), and a step reported committed must survive a power loss.
+TEST(CheckpointStoreTest, AnAttemptsCommitFoundCommittedMakesTheRecordDurable) {
+  auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  CheckpointStore store(faulty);
+  Shard shard(6, 0, 1 << 12);
+  ImageMeta meta = Meta(6, 0, 1);
+  meta.attempt = 7;
+  auto builder = ImageBuilder::Create(meta, shard.sources, shard.extras, 1 << 20);
+  ASSERT_OK(builder);
+  std::vector<std::byte> bytes((*builder)->size());
+  (*builder)->FillAll(bytes, 1);
+  ASSERT_OK(store.WriteImageBytesOfAttempt(bytes, 6, 0, PackOptions{}));
+  // The first writer's COMMIT becomes visible, and its directory sync lies.
+  faulty->Arm({FaultOp::kDirSync, 1, FaultKind::kUnsynced});
+  ASSERT_OK_AND_ASSIGN(bool committed, store.TryCommitOfAttempt(6, 1, "test", 7));
+  EXPECT_TRUE(committed);
+  faulty->Clear();
+  EXPECT_EQ(faulty->undurable(), 1u);
+  // The second writer finds the record: it is committed, and durable now.
+  ASSERT_OK_AND_ASSIGN(committed, store.TryCommitOfAttempt(6, 1, "test", 7));
+  EXPECT_TRUE(committed);
+  EXPECT_EQ(faulty->undurable(), 0u);
+  ASSERT_OK(faulty->SimulatePowerLoss());
+  ASSERT_OK_AND_ASSIGN(CommitRecord record, store.ReadCommit(6));
+  EXPECT_EQ(record.generation, 7u);
+  ASSERT_OK(LoadShard(store, 6, 0));
+}
+
 TEST(CheckpointStoreTest, CommitRecordOfAReplacedStepRoundTrips) {
   CommitRecord r;
   r.step = 9;
