@@ -57,7 +57,9 @@ void HistoryRecorder::Saved(double blocking_seconds) {
 }
 
 void HistoryRecorder::Persisted(const std::string& level, double seconds, uint64_t bytes) {
-  if (!writer_) return;
+  // A persist that wrote nothing (the image stored or the step committed already, e.g. at a
+  // close after a requested persist) is no persist time: it would pull the advisor's median down.
+  if (!writer_ || bytes == 0) return;
   const double now = MonotonicSeconds();
   auto it = last_persist_line_.find(level);
   if (it != last_persist_line_.end() && now - it->second < kLineGapSeconds) return;

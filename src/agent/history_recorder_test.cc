@@ -33,6 +33,7 @@ TEST(HistoryRecorderTest, RecordsInSegmentsOfAnObjectStoreThatAdviseFinds) {
   EXPECT_NE(r.where().find("safepoint-history/"), std::string::npos) << r.where();
   r.Started(3);
   for (double s : {0.1, 0.3, 0.2}) r.Saved(s);
+  r.Persisted("path", 0, 0);  // wrote nothing (stored already): not a persist time
   r.Persisted("path", 4, 1000);
   r.Persisted("path", 5, 1000);  // within kLineGapSeconds of the last line: not a line
   TierState tier;
