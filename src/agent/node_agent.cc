@@ -923,7 +923,7 @@ void NodeAgent::Loop() {
     DrainReplication();
     PollCommitsForTiers();
     RefreshTelemetry();
-    if (tiers_.started()) history_.TierStates(tiers_.States());
+    if (tiers_.started() && history_.open()) history_.TierStates(tiers_.States());
     history_.Sync();
     replicator_.ReleaseSparesWhenMemoryIsLow();
     // Torn down here (every local rank died): after the ranks' own emergency flushes had a
