@@ -51,6 +51,7 @@
 
 #include "base/aligned_buffer.h"
 #include "base/bytes.h"
+#include "base/clock.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
@@ -581,9 +582,7 @@ Result<bool> CheckpointStore::Commit(uint64_t step, uint32_t world_size, std::st
     if (names[r].empty()) return false;
   }
   if (any_elsewhere) SP_RETURN_IF_ERROR(CheckReplicasHeld(step, names));
-  record.commit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                              std::chrono::system_clock::now().time_since_epoch())
-                              .count();
+  record.commit_time_ns = UnixNanos();
   SP_KILL_POINT("store.commit.before_write");
   const std::string commit_name = CommitObjectName(step);
   if (replace) {

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/crc32c.h"
 #include "checkpoint/small_object.h"
 
@@ -129,11 +130,7 @@ ProcessState HolderState(const ChunkStoreHolder& h) {
   return ProcessStateOf({static_cast<uint32_t>(h.pid), h.start_ticks});
 }
 
-int64_t HolderClockNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
+int64_t HolderClockNs() { return UnixNanos(); }
 
 int64_t HolderTimePrefix(std::span<const std::byte> data) {
   int64_t t = 0;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "base/bytes.h"
+#include "base/clock.h"
 #include "base/crc32c.h"
 
 namespace safepoint {
@@ -161,9 +162,7 @@ Status WriteTag(CheckpointStore& store, Tag tag, bool replace) {
     return record.status();
   }
   if (tag.create_time_ns == 0) {
-    tag.create_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::system_clock::now().time_since_epoch())
-                             .count();
+    tag.create_time_ns = UnixNanos();
   }
   const std::string object = TagObjectName(tag.name);
   const std::string bytes = EncodeTag(tag);

@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "base/bytes.h"
+#include "base/clock.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
@@ -193,9 +194,7 @@ Result<std::unique_ptr<ImageBuilder>> ImageBuilder::Create(ImageMeta meta,
                            " must be a power of two between 4 KiB and 1 GiB");
   }
   if (meta.create_time_ns == 0) {
-    meta.create_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                              std::chrono::system_clock::now().time_since_epoch())
-                              .count();
+    meta.create_time_ns = UnixNanos();
   }
 
   std::unique_ptr<ImageBuilder> b(new ImageBuilder());
@@ -342,9 +341,7 @@ void ImageBuilder::Rebind(uint64_t step, std::span<const void* const> data) {
 
 void ImageBuilder::Rebind(uint64_t step) {
   meta_.step = step;
-  meta_.create_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::system_clock::now().time_since_epoch())
-                             .count();
+  meta_.create_time_ns = UnixNanos();
   std::vector<std::byte>& h = header_;
   StoreLE<uint64_t>(&h[16], meta_.step);
   StoreLE<int64_t>(&h[32], meta_.create_time_ns);
