@@ -222,6 +222,11 @@ class LineReader:
             self.eof = True
             return None
         self.lines.append(line.rstrip("\n"))
+        if not line.endswith("\n"):
+            # The last words of a process killed mid-line ("BEGIN" without its step): kept in
+            # `lines` for the record, never parsed as a whole line.
+            self.eof = True
+            return None
         fields = line.split()
         self.observe(fields)
         return fields
