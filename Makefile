@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -30,7 +30,11 @@ build: setup
 build-tests: setup-test
 	@$(PIP_BUILD) -Ccmake.define.SAFEPOINT_BUILD_TESTS=ON .
 
+# Each test target's recipe runs from a run-* target without prerequisites, so that `make test`
+# builds once and then runs them side by side (below).
 test-cpp: build-tests
+	@$(MAKE) --no-print-directory run-cpp
+run-cpp:
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 # pytest-xdist: PYTEST_JOBS workers (the tests wait on agents and subprocesses more than they
@@ -40,16 +44,24 @@ test-cpp: build-tests
 # namespaces, timing-sensitive measurements) run afterwards, alone. The slowest tests are listed
 # at the end of each run (--durations), to keep `make test` within its time.
 PYTEST_JOBS ?= 4
+PYTEST = PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q
 test-python: build-tests
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial" --durations=15 tests/python
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m serial --durations=10 tests/python
+	@$(MAKE) --no-print-directory run-python-workers run-python-serial
+run-python-workers:
+	$(PYTEST) -n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial" --durations=15 tests/python
+run-python-serial:
+	$(PYTEST) -m serial --durations=10 tests/python
 
 # One throwaway Ceph cluster (scripts/with-ceph.sh) for the C++ and the Python tests: the rados://
 # and s3:// tests run against it, and skip where it cannot run (not root, Ceph not installed).
-# The short crash campaign runs the same build (build/py) afterwards.
+# The C++ tests and the short crash campaigns (the same build, build/py) run beside the Python
+# tests' workers: they wait on Ceph, agents and killed processes more than they compute (the C++
+# tests: about 65 CPU-seconds in 2 minutes). Each one's output is printed whole when it ends
+# (--output-sync). The timing-sensitive serial tests run last, alone.
 test: build-tests
-	scripts/with-ceph.sh $(MAKE) --no-print-directory test-cpp test-python
-	$(MAKE) --no-print-directory test-crash CRASH_BUILD_DEP=build-tests
+	scripts/with-ceph.sh $(MAKE) --no-print-directory -j3 --output-sync=target run-cpp \
+	    run-python-workers run-crash
+	$(MAKE) --no-print-directory run-python-serial
 
 # Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
 # the Python package (configured in pyproject.toml). mypy reads the _core.pyi the build generates.
@@ -63,13 +75,12 @@ lint: build setup-lint
 
 # The crash campaign (tests/crash, docs/reliability.md): kill -9 at random moments and at named
 # kill points. Every build has the kill points (armed only by SAFEPOINT_KILL_AT), so the campaign
-# runs `make build`'s package, safepointd and CLI from build/py; crash-build is that build
-# (`build-tests` under `make test`, which has built it already with the same configuration).
-# `make test` runs a short campaign, `make crashtest` a long one.
+# runs `make build`'s package, safepointd and CLI from build/py (`make test` runs the short
+# campaign on the build-tests tree, the same build with the tests added). `make test` runs a
+# short campaign, `make crashtest` a long one.
 CRASH_BUILD := $(BUILD)
-CRASH_BUILD_DEP ?= build
 CRASH_KILLS ?= 1000
-crash-build: $(CRASH_BUILD_DEP)
+crash-build: build
 
 # The short runs have fixed seeds (the same plan of kill points every time; where random-moment
 # kills land still depends on timing); `make crashtest` draws new seeds each run. The short
@@ -79,6 +90,8 @@ CRASH_SEED ?= 20261129
 CRASH_NODE_SEED ?= 20261202
 CRASH_NODE_SHORT ?= 10
 test-crash: crash-build
+	@$(MAKE) --no-print-directory run-crash
+run-crash:
 	$(PY) tests/crash/crashtest.py --kills 50 --seed $(CRASH_SEED) --build-dir $(CRASH_BUILD)
 	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_SHORT) --seed $(CRASH_NODE_SEED) \
 	    --build-dir $(CRASH_BUILD)
