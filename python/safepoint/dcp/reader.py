@@ -42,7 +42,7 @@ _BATCH_BYTES = 256 << 20  # temporary bytes gathered before one read_ranges call
 
 def _build(cls: Any, **fields: Any) -> Any:
     """``cls(**fields)`` with only the fields this torch's dataclass has (DCP's Metadata gained
-    ``version`` and StorageMeta ``load_id`` after torch 2.4)."""
+    ``version`` after torch 2.8, the oldest supported; StorageMeta ``load_id`` after 2.4)."""
     have = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in fields.items() if k in have})
 

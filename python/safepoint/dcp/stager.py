@@ -97,7 +97,7 @@ class ShmStager(AsyncStager):
         return [s.buf.path for s in self._slots]
 
     def stage(self, state_dict: dict) -> dict:
-        DTensor = _dtensor_class()  # noqa: N806
+        from torch.distributed.tensor import DTensor
 
         with self._lock:
             if self._closed:
@@ -169,14 +169,6 @@ class ShmStager(AsyncStager):
 
     def synchronize_staging(self) -> None:  # stage() is synchronous
         return None
-
-
-def _dtensor_class() -> type[DTensor]:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.4: DTensor was not public yet
-        from torch.distributed._tensor import DTensor
-    return DTensor
 
 
 class _StagingWriter(Writer, AsyncStager):
