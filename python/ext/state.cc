@@ -840,6 +840,9 @@ class PlanWalker {
       return Tensor(o);
     }
     if (PyDict_Check(o)) {
+      if (out_->plain && !PyDict_CheckExact(o) && PyObject_HasAttrString(o, "load_state_dict")) {
+        out_->plain = false;
+      }
       Put('M');
       PutRaw<uint64_t>(static_cast<uint64_t>(PyDict_Size(o)));
       PyObject *k, *v;
