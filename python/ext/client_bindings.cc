@@ -354,6 +354,7 @@ class PyClient {
     if (!in_place || !targets.is_valid() || targets.is_none()) return out;
     out.planned = true;
     python::PlanWalk walk;
+    if (restore_plan_) walk.signature.reserve(restore_plan_->signature.size());
     const bool walked =
         python::WalkForPlan(targets, restore_plan_ ? restore_plan_->walk_index.size() : 0, &walk);
     if (walked && restore_plan_ && walk.signature == restore_plan_->signature) {
