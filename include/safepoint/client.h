@@ -98,8 +98,11 @@ struct TensorFill {
 struct MemorySnapshot {
   LoadedImage image;  // a private, verified copy of the slot's image (or the slot: in_place)
   ImageReader reader;
-  Value extras;
+  Value extras;  // empty when extras_known
   uint64_t step = 0;
+  // The image's extras are byte for byte the `known_extras` the load was given (verified by
+  // their checksum like any extras): they were not decoded, `extras` is empty.
+  bool extras_known = false;
 };
 
 class SnapshotClient {
@@ -171,13 +174,17 @@ class SnapshotClient {
   // agent only reads them). Not for results a caller keeps. With `fills`, the tensors they match
   // are copied into their targets in the same parallel pass that verifies every chunk (one read
   // of the slot, no intermediate buffer); on Corruption the targets may hold damaged bytes.
+  // `known_extras` (in place only): extras the caller has already (a restore plan's); when the
+  // snapshot's are these bytes they are not decoded again (MemorySnapshot::extras_known).
   Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step, bool in_place = false,
-                                    std::span<TensorFill> fills = {});
+                                    std::span<TensorFill> fills = {},
+                                    const std::string* known_extras = nullptr);
   // Reads the COMPLETE snapshot of exactly `step`, verified. NotFound when no slot holds it.
   // Either load, before this client's first Save, marks the snapshot it read as the one the run
   // resumes from (Arena::MarkResumed): the next Save keeps it.
   Result<MemorySnapshot> LoadStep(uint64_t step, bool in_place = false,
-                                  std::span<TensorFill> fills = {});
+                                  std::span<TensorFill> fills = {},
+                                  const std::string* known_extras = nullptr);
   // --- peer replication ---
   // Starts the agent's peer service for node `node` on `bind_host` (once per agent; every rank
   // of the node may call it) and returns the address peers reach it at.
@@ -234,7 +241,8 @@ class SnapshotClient {
   // this node beyond ClientOptions::max_shm_bytes.
   Status CheckShmCap(uint64_t image_bytes);
   Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place,
-                                  std::span<TensorFill> fills = {});
+                                  std::span<TensorFill> fills = {},
+                                  const std::string* known_extras = nullptr);
   void NoteResumedFrom(const SlotInfo& slot);
   Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
                                const std::string& source) const;

@@ -221,7 +221,8 @@ class PyClient {
   std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
                                    bool in_place, nb::handle targets) {
     Fills f = MakeFills(in_place, targets);
-    auto r = WithoutGil([&] { return Get().LoadNewest(min_step, in_place, f.fills); });
+    auto r =
+        WithoutGil([&] { return Get().LoadNewest(min_step, in_place, f.fills, KnownExtras(f)); });
     std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
     KeepRestorePlan(&f);
     return out;
@@ -230,7 +231,7 @@ class PyClient {
   std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place,
                                  nb::handle targets) {
     Fills f = MakeFills(in_place, targets);
-    auto r = WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills); });
+    auto r = WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills, KnownExtras(f)); });
     std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
     KeepRestorePlan(&f);
     return out;
@@ -239,6 +240,13 @@ class PyClient {
   // Whether the last load in place took its targets from the previous one's plan (the state's
   // structure was the same: no full flattening, each target tried at its previous image index).
   bool LastRestoreReusedPlan() const { return restore_reused_plan_; }
+
+  // Whether the last load in place filled the whole state where it is: the plan was reused,
+  // the snapshot's extras are byte for byte the ones the targets flatten to (same keys, same
+  // non-tensor values, the same tensor at each place) and every tensor was filled from the
+  // image entry at its own index. The load then returned the targets themselves as the state
+  // (equal to the snapshot's, value for value): no decoding of the extras, no new tree.
+  bool LastRestoreWhole() const { return restore_whole_; }
 
   std::vector<SlotView> Slots() {
     std::vector<SlotView> out;
@@ -318,6 +326,12 @@ class PyClient {
     std::string signature;
     std::vector<size_t> walk_index;
     bool planned = false;  // targets were given (a load in place)
+    // With a reused plan that covers the whole state (RestorePlan::extras): the extras the
+    // targets flatten to, and the targets, which the load returns when the snapshot's extras
+    // are these bytes and every tensor was filled at its own index (LastRestoreWhole).
+    std::string extras;
+    bool whole_candidate = false;
+    nb::object targets;
   };
 
   // The restore plan (issue 14): the previous restore's targets (specs, sizes, image indexes)
@@ -328,6 +342,10 @@ class PyClient {
     std::string signature;
     std::vector<TensorFill> fills;  // dst unset
     std::vector<size_t> walk_index;
+    // EncodeExtras of the targets' skeleton when fills[i] is tensor i of the walk for every
+    // tensor of it (fills in walk order, none left out); "" otherwise. Equal signatures give
+    // equal extras, so it holds for every state the plan is reused for.
+    std::string extras;
   };
 
   Fills MakeFills(bool in_place, nb::handle targets) {
@@ -336,6 +354,7 @@ class PyClient {
     if (!in_place || !targets.is_valid() || targets.is_none()) return out;
     out.planned = true;
     python::PlanWalk walk;
+    if (restore_plan_) walk.signature.reserve(restore_plan_->signature.size());
     const bool walked =
         python::WalkForPlan(targets, restore_plan_ ? restore_plan_->walk_index.size() : 0, &walk);
     if (walked && restore_plan_ && walk.signature == restore_plan_->signature) {
@@ -343,7 +362,11 @@ class PyClient {
       // taken back by KeepRestorePlan.
       out.fills = std::move(restore_plan_->fills);
       out.walk_index = std::move(restore_plan_->walk_index);
+      out.extras = std::move(restore_plan_->extras);
       restore_plan_.reset();
+      // Stateful mappings in the state (not in the signature) need their load_state_dict.
+      out.whole_candidate = !out.extras.empty() && walk.plain;
+      if (out.whole_candidate) out.targets = nb::borrow(targets);
       out.tensors.reserve(out.fills.size());
       for (size_t i = 0; i < out.fills.size(); ++i) {
         const size_t w = out.walk_index[i];
@@ -386,10 +409,23 @@ class PyClient {
     }
     if (keep) {
       out.signature = std::move(walk.signature);
+      // A plan that covers every tensor of the walk, in its order, keeps the extras the targets
+      // flatten to: a later load whose snapshot has the same may return the targets themselves.
+      bool whole = out.fills.size() == walk.data.size();
+      for (size_t i = 0; whole && i < out.walk_index.size(); ++i) whole = out.walk_index[i] == i;
+      if (whole) {
+        Result<std::string> extras = EncodeExtras(flat.skeleton);
+        if (extras.ok()) out.extras = std::move(*extras);
+      }
     } else {
       out.walk_index.clear();
     }
     return out;
+  }
+
+  // The extras a load in place may skip decoding: the reused plan's, when it covers the state.
+  static const std::string* KnownExtras(const Fills& f) {
+    return f.whole_candidate ? &f.extras : nullptr;
   }
 
   // After a load in place: its fills (with the image index each took, the next one's hint;
@@ -405,6 +441,7 @@ class PyClient {
     plan.signature = std::move(f->signature);
     plan.walk_index = std::move(f->walk_index);
     plan.fills = std::move(f->fills);
+    plan.extras = std::move(f->extras);
     for (TensorFill& x : plan.fills) {
       x.hint = x.entry >= 0 ? x.entry : x.hint;
       x.entry = -1;
@@ -414,11 +451,35 @@ class PyClient {
   }
 
   // A memory snapshot as load() returns it; None when there is none. Tensors the load filled in
-  // place come back as their targets (restore then finds nothing to copy for them).
-  static std::optional<Loaded> ToPython(Result<MemorySnapshot> r, nb::handle unpickler,
-                                        const Fills* fills = nullptr) {
+  // place come back as their targets (restore then finds nothing to copy for them); when it
+  // filled the whole state (LastRestoreWhole), the state is the targets themselves.
+  std::optional<Loaded> ToPython(Result<MemorySnapshot> r, nb::handle unpickler,
+                                 const Fills* fills = nullptr) {
+    restore_whole_ = false;
     if (!r.ok() && r.status().code() == StatusCode::kNotFound) return std::nullopt;
     MemorySnapshot s = Unwrap(std::move(r));
+    if (s.extras_known) {
+      // The snapshot's skeleton is the targets' (same bytes): with every tensor filled from the
+      // image entry of its own index, rebuilding it would give the targets' tree back, each
+      // tensor being the target itself and each other value an equal one.
+      const size_t n = s.reader.tensors().size();
+      bool whole = fills != nullptr && fills->whole_candidate && fills->targets.is_valid() &&
+                   fills->fills.size() == n && fills->walk_index.size() == n;
+      for (size_t i = 0; whole && i < n; ++i) {
+        whole = fills->fills[i].entry == static_cast<int64_t>(i) && fills->walk_index[i] == i;
+      }
+      if (whole) {
+        Loaded out;
+        out.step = s.reader.meta().step;
+        out.world_size = s.reader.meta().world_size;
+        out.job = s.reader.meta().job;
+        out.state = fills->targets;
+        out.source = s.image.source;
+        restore_whole_ = true;
+        return out;
+      }
+      s.extras = Unwrap(DecodeExtras(s.reader.extras(), n, s.image.source));
+    }
     std::vector<nb::object> filled;
     if (fills != nullptr && !fills->fills.empty()) {
       filled.resize(s.reader.tensors().size());
@@ -582,6 +643,7 @@ class PyClient {
   std::string plan_signature_;               // of the state of the save whose plan the client keeps
   std::optional<RestorePlan> restore_plan_;  // of the last load in place (MakeFills)
   bool restore_reused_plan_ = false;
+  bool restore_whole_ = false;  // LastRestoreWhole
   bool reused_plan_ = false;
   std::unique_ptr<Pending> pending_;  // a save begun by SaveBegin
 };
@@ -644,6 +706,7 @@ void BindClient(nb::module_& m) {
       .def("save_pending", &PyClient::SavePending)
       .def("last_save_reused_plan", &PyClient::LastSaveReusedPlan)
       .def("last_restore_reused_plan", &PyClient::LastRestoreReusedPlan)
+      .def("last_restore_whole", &PyClient::LastRestoreWhole)
       .def("notify", &PyClient::Notify, "skip"_a, "step"_a = 0, "seconds"_a.none() = nb::none(),
            "bytes"_a = 0,
            "tells the agent of the last save made with notify=False, in one message that "

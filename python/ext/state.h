@@ -48,6 +48,10 @@ struct PlanWalk {
   std::string signature;
   std::vector<const void*> data;  // tensor i's bytes, in FlattenState's tensor order
   nb::list keepalive;             // every tensor written; hold until written
+  // No mapping of the state is Stateful (a dict subclass with load_state_dict): restoring into
+  // such a state needs no call besides the tensors' copies and the values' assignments.
+  // Checked on every walk (the signature does not tell a dict from its subclasses).
+  bool plain = true;
   // Optional: the signature expected (the plan's), and where each tensor's address goes as
   // soon as everything up to its shape matched it (a copy may then start on it).
   const std::string* expect = nullptr;

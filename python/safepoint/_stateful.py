@@ -91,6 +91,10 @@ def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False
     where it could be updated in place). ``borrowed``: ``loaded`` lives in memory that will be
     reused (a snapshot slot read in place), so values taken from it as they are get copied."""
     where = path or "<root>"
+    if loaded is state and not is_stateful(state):
+        # The load filled the state where it is and found the checkpoint's other values equal
+        # to the state's (Client.last_restore_whole): nothing to copy or assign.
+        return state
     if is_stateful(state):
         # Through the object's current state dict, so its tensors (DTensor shards of FSDP2/TP
         # parameters included) are written in place, then load_state_dict with the result.
@@ -113,6 +117,8 @@ def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False
             got = loaded[k]
             if isinstance(current, torch.Tensor) and filled_in_place(current, got):
                 continue  # filled in place by the load (a restore from memory): nothing to do
+            if got is current and not is_stateful(current):
+                continue  # the state's own value (a whole restore in place): nothing to do
             state[k] = restore_into(state[k], loaded[k], f"{path}.{k}" if path else str(k),
                                     borrowed)
         return state

@@ -595,6 +595,18 @@ TEST_F(AgentTest, ClientPersistsStepsThatLoadBitExact) {
   ExpectShard(mem->reader, mem->extras, 4);
   EXPECT_OK(client->LoadNewest(4));
   EXPECT_EQ(client->LoadNewest(5).status().code(), StatusCode::kNotFound);
+  // In place with the extras the caller knows: equal bytes are not decoded again; other bytes
+  // (step 3's) are, as without them.
+  const Shard four(4), three(3);
+  ASSERT_NE(four.extras, three.extras);
+  auto known = client->LoadNewest(std::nullopt, /*in_place=*/true, {}, &four.extras);
+  ASSERT_OK(known);
+  EXPECT_TRUE(known->extras_known);
+  EXPECT_TRUE(std::holds_alternative<std::monostate>(known->extras.v));
+  auto other = client->LoadStep(4, /*in_place=*/true, {}, &three.extras);
+  ASSERT_OK(other);
+  EXPECT_FALSE(other->extras_known);
+  ExpectShard(other->reader, other->extras, 4);
 
   auto status = client->AgentStatus();
   ASSERT_OK(status);

@@ -747,18 +747,20 @@ Result<std::string> SnapshotClient::AgentStatus() {
 }
 
 Result<MemorySnapshot> SnapshotClient::LoadNewest(std::optional<uint64_t> min_step, bool in_place,
-                                                  std::span<TensorFill> fills) {
+                                                  std::span<TensorFill> fills,
+                                                  const std::string* known_extras) {
   SP_RETURN_IF_ERROR(arena_->Refresh());
   const std::optional<SlotInfo> newest = arena_->NewestComplete();
   if (!newest || (min_step && newest->step < *min_step)) {
     return NotFound(job_dir_ + ": no snapshot of rank " + std::to_string(opt_.rank) + " in memory" +
                     (min_step ? " at step " + std::to_string(*min_step) + " or newer" : ""));
   }
-  return LoadSlot(*newest, in_place, fills);
+  return LoadSlot(*newest, in_place, fills, known_extras);
 }
 
 Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step, bool in_place,
-                                                std::span<TensorFill> fills) {
+                                                std::span<TensorFill> fills,
+                                                const std::string* known_extras) {
   SP_RETURN_IF_ERROR(arena_->Refresh());
   // Two slots may hold the step (saved again after the ranks resumed from an older one): the
   // snapshot completed last is the current run's.
@@ -769,7 +771,7 @@ Result<MemorySnapshot> SnapshotClient::LoadStep(uint64_t step, bool in_place,
       found = s;
     }
   }
-  if (found) return LoadSlot(*found, in_place, fills);
+  if (found) return LoadSlot(*found, in_place, fills, known_extras);
   return NotFound(job_dir_ + ": no snapshot of step " + std::to_string(step) + " of rank " +
                   std::to_string(opt_.rank) + " in memory");
 }
@@ -787,7 +789,8 @@ Status SnapshotClient::CheckSnapshotIdentity(const ImageReader& reader, const Sl
 }
 
 Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_place,
-                                                std::span<TensorFill> fills) {
+                                                std::span<TensorFill> fills,
+                                                const std::string* known_extras) {
   const SlotInfo* newest = &slot;
   const std::string source = job_dir_ + "/rank-" + std::to_string(opt_.rank) + ".slot-" +
                              std::to_string(newest->index) + " (step " +
@@ -840,11 +843,20 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
       }
       SP_RETURN_IF_ERROR(VerifyAndCopyOut(src, copies, source, internal::DefaultCpuThreads()));
     }
-    SP_ASSIGN_OR_RETURN(Value extras,
-                        DecodeExtras(reader.extras(), reader.tensors().size(), source));
+    // Extras the caller knows (a restore plan's, checked by their checksum in Parse like any)
+    // are not decoded again: a Value and a string per key of a large state.
+    const std::span<const std::byte> raw_extras = reader.extras();
+    const bool known = known_extras != nullptr && raw_extras.size() == known_extras->size() &&
+                       std::memcmp(raw_extras.data(), known_extras->data(), raw_extras.size()) == 0;
+    Value extras;
+    if (!known) {
+      SP_ASSIGN_OR_RETURN(extras, DecodeExtras(raw_extras, reader.tensors().size(), source));
+    }
     NoteResumedFrom(*newest);
-    return MemorySnapshot{LoadedImage{std::move(view), size, source}, std::move(reader),
-                          std::move(extras), newest->step};
+    MemorySnapshot out{LoadedImage{std::move(view), size, source}, std::move(reader),
+                       std::move(extras), newest->step};
+    out.extras_known = known;
+    return out;
   }
   auto owner = std::make_shared<internal::AlignedBuffer>(size);
   if (!owner->ok()) {

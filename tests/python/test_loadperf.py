@@ -213,3 +213,173 @@ def assert_pair(got: dict, want: dict) -> None:
     assert got["step"] == want["step"]
     for k in ("a", "b"):
         assert torch.equal(got["model"][k], want["model"][k]), k
+
+
+# -- the whole restore in place (issue 21, item 3) -------------------------------------------
+# When the restore plan is reused, the snapshot's extras are the bytes the targets flatten to
+# and every tensor was filled from the image entry of its own index, the load returns the
+# targets themselves: no extras decoded, no tree rebuilt, no Python walk of it.
+
+def rich(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {f"l{i}.weight": torch.randn(64 + i, generator=g) for i in range(20)},
+            "opt": {"state": {0: {"exp_avg": torch.randn(8, generator=g), "step": 3}},
+                    "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99), "params": [0]}]},
+            "pair": (torch.randn(5, generator=g), "tag"),
+            "step": step}
+
+
+def zero_tensors(tree) -> None:
+    """Overwrites every tensor of `tree` in place (its structure and values unchanged)."""
+    if isinstance(tree, torch.Tensor):
+        tree.zero_()
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            zero_tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            zero_tensors(v)
+
+
+def assert_tree_equal(got, want, where="") -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), where
+        for k in want:
+            assert_tree_equal(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_tree_equal(a, b, f"{where}.{i}")
+    else:
+        assert type(got) is type(want) and got == want, where
+
+
+def test_hot_restore_whole_in_place_is_taken_and_fills_every_tensor(tmp_path):
+    want = rich(1)
+    with checkpointer(tmp_path, "whole", persist_every=100) as ckpt:
+        ckpt.save(1, want)
+        t = rich(1)
+        zero_tensors(t)
+        # The first restore builds the plan (the full path), the next ones reuse it whole.
+        assert ckpt.restore(t) == 1 and not ckpt._live.last_restore_whole()
+        assert_tree_equal(t, want)
+        # (the full path replaced the tuple by the loaded one, its tensor a copy)
+        keep = (t["model"], t["model"]["l3.weight"], t["pair"], t["opt"]["state"][0]["exp_avg"])
+        for _ in range(2):
+            zero_tensors(t)
+            assert ckpt.restore(t) == 1 and ckpt.last_load_source == "memory"
+            assert ckpt._live.last_restore_reused_plan() and ckpt._live.last_restore_whole()
+            assert_tree_equal(t, want)  # every tensor, the one in the tuple included
+        assert all(a is b for a, b in zip(keep, (t["model"], t["model"]["l3.weight"], t["pair"],
+                                                 t["opt"]["state"][0]["exp_avg"])))
+        # The load hands back the targets themselves.
+        snap = ckpt._live.load_step(1, None, True, t)
+        assert snap.state is t and ckpt._live.last_restore_whole()
+
+
+def test_hot_restore_whole_falls_back_when_the_snapshot_values_differ(tmp_path):
+    # The targets keep their structure (the plan is reused) but the newer snapshot holds other
+    # non-tensor values: its extras differ, so they are decoded and assigned (the full path).
+    with checkpointer(tmp_path, "values", persist_every=100) as ckpt:
+        ckpt.save(1, rich(1))
+        t = rich(1)
+        ckpt.restore(t)
+        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_whole()
+        newer = rich(1)
+        newer["opt"]["param_groups"][0]["lr"] = 0.25
+        ckpt.save(2, newer)
+        zero_tensors(t)
+        assert ckpt.restore(t) == 2 and ckpt._live.last_restore_reused_plan()
+        assert not ckpt._live.last_restore_whole()
+        assert t["opt"]["param_groups"][0]["lr"] == 0.25
+        assert_tree_equal(t, newer)
+
+
+def test_hot_restore_whole_falls_back_for_a_state_of_another_structure(tmp_path):
+    # A snapshot whose tensors have the targets' names, dtypes and shapes (every one is filled)
+    # but whose tree is another ("a.b" a key of its own, not "b" under "a"): the extras differ,
+    # and the full path reports the missing key as it always did.
+    mine = {"m": {"a": {"b": torch.ones(10)}}, "step": 1}
+    other = {"m": {"a.b": torch.full((10,), 2.0)}, "step": 1}
+    with checkpointer(tmp_path, "other", persist_every=100) as ckpt:
+        ckpt.save(1, mine)
+        t = {"m": {"a": {"b": torch.zeros(10)}}, "step": 1}
+        ckpt.restore(t)
+        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_whole()
+        ckpt.save(2, other)
+        with pytest.raises(safepoint.InvalidArgumentError, match="key 'a' is not in the"):
+            ckpt.restore(t)
+        assert ckpt._live.last_restore_reused_plan() and not ckpt._live.last_restore_whole()
+        # The snapshot's tensors in another order (same structure otherwise): each is filled
+        # from the entry of its name, not its own index, so the tree is rebuilt.
+        ckpt.save(3, {"step": 1, "m": {"a": {"b": torch.full((10,), 3.0)}}})
+        assert ckpt.restore(t) == 3 and not ckpt._live.last_restore_whole()
+        assert torch.equal(t["m"]["a"]["b"], torch.full((10,), 3.0))
+
+
+def test_hot_restore_whole_falls_back_when_the_state_changed(tmp_path):
+    with checkpointer(tmp_path, "changed", persist_every=100) as ckpt:
+        ckpt.save(1, rich(1))
+        t = rich(1)
+        ckpt.restore(t)
+        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_whole()
+        # A value of the state changed since: another signature, no plan; the value is
+        # assigned back from the snapshot.
+        t["step"] = 9
+        assert ckpt.restore(t) == 1 and not ckpt._live.last_restore_reused_plan()
+        assert not ckpt._live.last_restore_whole() and t["step"] == 1
+        # A key the snapshot lacks: the full path's error.
+        t["extra"] = torch.zeros(3)
+        with pytest.raises(safepoint.InvalidArgumentError, match="extra"):
+            ckpt.restore(t)
+        assert not ckpt._live.last_restore_whole()
+
+
+def test_hot_restore_whole_still_calls_load_state_dict(tmp_path):
+    # A module at the top level is restored through load_state_dict either way; a nested
+    # Stateful mapping (not in the plan's signature) keeps the restore off the whole path.
+    class Counted(dict):
+        loads = 0
+
+        def state_dict(self):
+            return dict(self)
+
+        def load_state_dict(self, sd):
+            Counted.loads += 1
+            self.update(sd)
+
+    model = torch.nn.Linear(4, 3)
+    hooked = []
+    model.register_load_state_dict_post_hook(lambda m, keys: hooked.append(1))
+    with checkpointer(tmp_path, "stateful", persist_every=100) as ckpt:
+        ckpt.save(1, {"model": model, "step": 1})
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        state = {"model": model, "step": 1}
+        ckpt.restore(state)
+        with torch.no_grad():
+            model.weight.zero_()
+        assert ckpt.restore(state) == 1 and ckpt._live.last_restore_whole()
+        assert len(hooked) == 2 and torch.equal(model.weight, want["weight"])
+        nested = {"x": {"inner": Counted(w=torch.ones(4))}}
+        ckpt.save(2, nested)
+        t = {"x": {"inner": Counted(w=torch.zeros(4))}}
+        ckpt.restore(t)
+        assert ckpt.restore(t) == 2 and ckpt._live.last_restore_reused_plan()
+        assert not ckpt._live.last_restore_whole()
+        assert Counted.loads == 2 and torch.equal(t["x"]["inner"]["w"], torch.ones(4))
+
+
+def test_hot_restore_whole_detects_a_flipped_byte(tmp_path):
+    want = rich(1)
+    with checkpointer(tmp_path, "wholeflip", persist_every=100) as ckpt:
+        ckpt.save(1, want)
+        t = rich(1)
+        ckpt.restore(t)
+        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_whole()
+        flip_in_slot(tmp_path, want["model"]["l7.weight"][10:30].numpy().tobytes())
+        with pytest.warns(RuntimeWarning, match="damaged"):
+            with pytest.raises(safepoint.CorruptionError, match="may hold damaged bytes"):
+                ckpt.restore(t)
+        assert not ckpt._live.last_restore_whole()
