@@ -8,7 +8,7 @@
 #include "advisor/interval.h"
 #include "testing/test_util.h"
 
-namespace safepoint::advisor {
+namespace safepoint::advisor::goodput_test {
 namespace {
 
 TEST(AnalyticGoodputTest, NoFailuresIsTheShareOfTrainingInAPeriod) {
@@ -173,4 +173,4 @@ TEST(ParseBytesTest, DecimalAndBinaryUnits) {
 }
 
 }  // namespace
-}  // namespace safepoint::advisor
+}  // namespace safepoint::advisor::goodput_test

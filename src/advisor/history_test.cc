@@ -8,7 +8,7 @@
 #include "safepoint/storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint::advisor {
+namespace safepoint::advisor::history_test {
 namespace {
 
 using test::ReadFileToString;
@@ -219,4 +219,4 @@ TEST(HistoryTest, LocalJobHistoryIsTheFileInTheCheckpointDirectory) {
 }
 
 }  // namespace
-}  // namespace safepoint::advisor
+}  // namespace safepoint::advisor::history_test

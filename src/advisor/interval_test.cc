@@ -7,7 +7,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::advisor {
+namespace safepoint::advisor::interval_test {
 namespace {
 
 TEST(IntervalFormulaTest, ClosedFormValues) {
@@ -119,4 +119,4 @@ TEST(DurationTest, ParsesUnits) {
 }
 
 }  // namespace
-}  // namespace safepoint::advisor
+}  // namespace safepoint::advisor::interval_test

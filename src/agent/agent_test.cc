@@ -39,7 +39,7 @@
 #error "SAFEPOINTD_PATH must name the built safepointd binary"
 #endif
 
-namespace safepoint {
+namespace safepoint::agent_test {
 namespace {
 
 using namespace safepoint::protocol;  // NOLINT: the protocol under test
@@ -1269,4 +1269,4 @@ TEST_F(AgentTest, SigtermWhilePersistingToAStalledStorageEndsAfterTheGraceKeepin
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::agent_test

@@ -9,7 +9,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::agent {
+namespace safepoint::agent::event_log_test {
 namespace {
 
 using test::ReadJsonLines;
@@ -90,4 +90,4 @@ TEST(EventLogTest, OpenNamesThePathWhenItCannotBeCreated) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::event_log_test

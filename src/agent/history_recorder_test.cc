@@ -10,7 +10,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::agent {
+namespace safepoint::agent::history_recorder_test {
 namespace {
 
 // Whether the recorder's worker published what it was handed (the deadline only turns a lost
@@ -89,4 +89,4 @@ TEST(HistoryRecorderTest, RankZeroGoneWithoutClosingLeavesAnInterruption) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::history_recorder_test

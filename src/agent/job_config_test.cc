@@ -6,7 +6,7 @@
 #include "protocol/protocol.h"
 #include "testing/test_util.h"
 
-namespace safepoint::agent {
+namespace safepoint::agent::job_config_test {
 namespace {
 
 using protocol::HelloRequest;
@@ -96,4 +96,4 @@ TEST(JobConfigTest, LayoutsOfPathAndTiersRoundTripAndTravelInTheHello) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::job_config_test

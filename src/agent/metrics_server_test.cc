@@ -7,7 +7,7 @@
 #include "agent/metrics.h"
 #include "testing/test_util.h"
 
-namespace safepoint::agent {
+namespace safepoint::agent::metrics_server_test {
 namespace {
 
 TEST(ListenAddressTest, ParsesHostPortForms) {
@@ -71,4 +71,4 @@ TEST(MetricsServerTest, ServesTheRegistryOnAFreePort) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::metrics_server_test

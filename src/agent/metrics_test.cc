@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-namespace safepoint::agent {
+namespace safepoint::agent::metrics_test {
 namespace {
 
 TEST(MetricsTextFormat, EscapesLabelValuesAndHelp) {
@@ -95,4 +95,4 @@ TEST(MetricsRegistry, DropsUpdatesOfUndeclaredOrMistypedMetrics) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::metrics_test

@@ -12,7 +12,7 @@
 #include "storage/faulty/faulty_storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint::agent {
+namespace safepoint::agent::persist_queue_test {
 namespace {
 
 constexpr uint64_t kStep = 5;
@@ -292,4 +292,4 @@ TEST_F(PersistRaceTest, ANewAttemptCommitsAStepAnOldAttemptLeftUncommitted) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::persist_queue_test

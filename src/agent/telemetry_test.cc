@@ -7,7 +7,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::agent {
+namespace safepoint::agent::telemetry_test {
 namespace {
 
 using test::ReadJsonLines;
@@ -159,4 +159,4 @@ TEST_F(TelemetryTest, ClientReportsAndReplicationOutcomes) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::telemetry_test

@@ -13,7 +13,7 @@
 #include "storage/faulty/faulty_storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint::agent {
+namespace safepoint::agent::tier_copier_test {
 namespace {
 
 std::string Unique(const std::string& what) {
@@ -32,12 +32,9 @@ Status Save(CheckpointStore& store, uint64_t step) {
 
 std::vector<uint64_t> Steps(const std::string& uri) {
   auto store = OpenCheckpointStore(uri);
-  EXPECT_TRUE(store.ok());
-  auto list = (*store)->ListCommitted();
-  EXPECT_TRUE(list.ok());
-  std::vector<uint64_t> out;
-  for (const auto& c : *list) out.push_back(c.step);
-  return out;
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
+  if (!store.ok()) return {};
+  return test::CommittedSteps(**store);
 }
 
 void WaitIdle(const TierChain& chain) {
@@ -239,4 +236,4 @@ TEST(PruneStepsTest, KeepsTaggedSteps) {
 }
 
 }  // namespace
-}  // namespace safepoint::agent
+}  // namespace safepoint::agent::tier_copier_test

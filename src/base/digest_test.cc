@@ -4,7 +4,7 @@
 
 #include <string_view>
 
-namespace safepoint::internal {
+namespace safepoint::internal::digest_test {
 namespace {
 
 std::span<const std::byte> Bytes(std::string_view s) { return std::as_bytes(std::span(s)); }
@@ -21,4 +21,4 @@ TEST(DigestTest, HmacSha256MatchesRfc4231TestCase2) {
 }
 
 }  // namespace
-}  // namespace safepoint::internal
+}  // namespace safepoint::internal::digest_test

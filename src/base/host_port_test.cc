@@ -4,7 +4,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::internal {
+namespace safepoint::internal::host_port_test {
 namespace {
 
 TEST(HostPortTest, ParsesEveryForm) {
@@ -48,4 +48,4 @@ TEST(HostPortTest, FormatIsReadBack) {
 }
 
 }  // namespace
-}  // namespace safepoint::internal
+}  // namespace safepoint::internal::host_port_test

@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-namespace safepoint::internal {
+namespace safepoint::internal::json_fields_test {
 namespace {
 
 using nlohmann::json;
@@ -54,4 +54,4 @@ TEST(JsonFieldsTest, MalformedStatusIsCorruptionNamingTheContext) {
 }
 
 }  // namespace
-}  // namespace safepoint::internal
+}  // namespace safepoint::internal::json_fields_test

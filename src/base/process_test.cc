@@ -7,8 +7,12 @@
 
 #include <string>
 
-namespace safepoint::internal {
+#include "testing/test_util.h"
+
+namespace safepoint::internal::process_test {
 namespace {
+
+using test::KillLeavingZombie;
 
 // A child that runs until killed.
 pid_t Sleeper() {
@@ -18,13 +22,6 @@ pid_t Sleeper() {
   }
   EXPECT_GT(child, 0);
   return child;
-}
-
-// Kills `child` and waits until it is a zombie (exited, not reaped).
-void KillLeavingZombie(pid_t child) {
-  ASSERT_EQ(kill(child, SIGKILL), 0);
-  siginfo_t info{};
-  ASSERT_EQ(waitid(P_PID, child, &info, WEXITED | WNOWAIT), 0);
 }
 
 void Reap(pid_t child) {
@@ -94,4 +91,4 @@ TEST(ProcessTest, BootAndPidNamespaceNameWhereAPidMeansSomething) {
 }
 
 }  // namespace
-}  // namespace safepoint::internal
+}  // namespace safepoint::internal::process_test

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-namespace safepoint::internal {
+namespace safepoint::internal::worker_loop_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -209,4 +209,4 @@ TEST(WorkerLoopTest, StopIsIdempotentAndWorksWithoutStart) {
 }
 
 }  // namespace
-}  // namespace safepoint::internal
+}  // namespace safepoint::internal::worker_loop_test

@@ -18,10 +18,11 @@
 #include "storage/posix/posix_storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::checkpoint_store_test {
 namespace {
 
 using test::AsBytes;
+using test::CommittedSteps;
 using test::TempDir;
 
 // A shard whose bytes are a pure function of (step, rank).
@@ -61,21 +62,12 @@ void ExpectLoads(CheckpointStore& store, std::optional<uint64_t> step, uint64_t 
   ExpectShard(*shard, rank);
 }
 
-std::vector<uint64_t> Steps(CheckpointStore& store) {
-  std::vector<uint64_t> out;
-  auto committed = store.ListCommitted();
-  EXPECT_OK(committed);
-  if (!committed.ok()) return out;
-  for (auto& c : *committed) out.push_back(c.step);
-  return out;
-}
-
 TEST(CheckpointStoreTest, SaveLoadAndSteps) {
   CheckpointStore store(NewMemoryStorage());
   EXPECT_EQ(LoadShard(store, std::nullopt, 0).status().code(), StatusCode::kNotFound);
   ASSERT_OK(Save(store, 5));
   ASSERT_OK(Save(store, 10));
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{5, 10}));
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{5, 10}));
   ExpectLoads(store, std::nullopt, 10);
   ExpectLoads(store, 5, 5);
   EXPECT_EQ(LoadShard(store, 7, 0).status().code(), StatusCode::kNotFound);
@@ -86,10 +78,10 @@ TEST(CheckpointStoreTest, StepIsInvisibleUntilEveryRankWrote) {
   CheckpointStore store(NewMemoryStorage());
   for (uint32_t r : {3u, 0u, 2u}) {
     ASSERT_OK(Save(store, 1, r, 4));
-    EXPECT_TRUE(Steps(store).empty());
+    EXPECT_TRUE(CommittedSteps(store).empty());
   }
   ASSERT_OK(Save(store, 1, 1, 4));
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1}));
   for (uint32_t r = 0; r < 4; ++r) ExpectLoads(store, std::nullopt, 1, r);
   auto commit = store.ReadCommit(1);
   ASSERT_OK(commit);
@@ -114,11 +106,11 @@ TEST(CheckpointStoreTest, StepCommitsOnlyFromImagesOfOneAttempt) {
   auto r1 = save(1, 8);
   ASSERT_OK(r1);
   EXPECT_FALSE(r1->committed);
-  EXPECT_TRUE(Steps(store).empty());  // never the mix of attempts 7 and 8
+  EXPECT_TRUE(CommittedSteps(store).empty());  // never the mix of attempts 7 and 8
   auto r0 = save(0, 8);
   ASSERT_OK(r0);
   EXPECT_TRUE(r0->committed);
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1}));
 
   // The committed step is immutable: a plain re-save is refused (CommittedStepIs... below).
   EXPECT_EQ(save(1, 9).status().code(), StatusCode::kAlreadyExists);
@@ -151,7 +143,7 @@ TEST(CheckpointStoreTest, StepCommitsOnlyWhenEveryReplicaLeftElsewhereIsHeld) {
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
     EXPECT_NE(r.status().message().find("'a'"), std::string::npos) << r.status().message();
-    EXPECT_TRUE(Steps(store).empty());
+    EXPECT_TRUE(CommittedSteps(store).empty());
   }
 }
 
@@ -226,12 +218,12 @@ TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
                                 : StatusCode::kIOError;
     EXPECT_EQ(s.code(), want) << s.ToString();
     EXPECT_NE(s.message().find("step-"), std::string::npos) << s.ToString();  // names the object
-    if (c.op == FaultOp::kDirSync && Steps(store).back() == 4) {
+    if (c.op == FaultOp::kDirSync && CommittedSteps(store).back() == 4) {
       // The COMMIT's directory sync failed after it became visible: nothing deleted it.
       EXPECT_NE(s.message().find(CommitObjectName(4)), std::string::npos) << s.ToString();
       ExpectLoads(store, std::nullopt, 4);
     } else {
-      EXPECT_EQ(Steps(store).back(), 2u);
+      EXPECT_EQ(CommittedSteps(store).back(), 2u);
     }
   } else {
     // The fault hit clean-up work after the commit (it loses nothing and does not fail the
@@ -242,15 +234,15 @@ TEST_P(FaultMatrixTest, SaveFailsCleanlyAndCommittedStepsSurvive) {
     ExpectLoads(store, std::nullopt, 4);
   }
   ExpectLoads(store, 2, 2);
-  for (uint64_t step : Steps(store)) ExpectLoads(store, step, step);
+  for (uint64_t step : CommittedSteps(store)) ExpectLoads(store, step, step);
 
   ASSERT_OK(faulty->SimulatePowerLoss());
   ExpectLoads(store, 2, 2);
   ExpectLoads(store, std::nullopt, s.ok() ? 4 : 2);
-  for (uint64_t step : Steps(store)) ExpectLoads(store, step, step);
+  for (uint64_t step : CommittedSteps(store)) ExpectLoads(store, step, step);
   // Once the fault clears, the same save works (a failed one left no commit of step 4 behind).
   if (!s.ok()) {
-    EXPECT_EQ(Steps(store).back(), 2u);
+    EXPECT_EQ(CommittedSteps(store).back(), 2u);
     ASSERT_OK(Save(store, 4));
   }
   ExpectLoads(store, std::nullopt, 4);
@@ -308,7 +300,7 @@ TEST(CheckpointStoreTest, FailedDirectoryFsyncNeverUndoesAnotherRanksCommit) {
       << rank1.ToString();
   ASSERT_OK(rank0_committed);
   ASSERT_TRUE(*rank0_committed);
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1, 2}));
   for (uint32_t r = 0; r < 2; ++r) ExpectLoads(store, std::nullopt, 2, r);
 }
 
@@ -326,7 +318,7 @@ TEST(CheckpointStoreTest, CommitAgainAfterAFailedDirectorySyncMakesTheStepDurabl
     faulty->Clear();
     EXPECT_EQ(s.code(), StatusCode::kIOError) << s.ToString();
     EXPECT_NE(s.message().find(CommitObjectName(2)), std::string::npos) << s.ToString();
-    EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 2}));  // visible
+    EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1, 2}));  // visible
     EXPECT_EQ(faulty->undurable(), 1u);
     if (commit_again) {
       auto again = store.TryCommit(2, 1, "test", 0);
@@ -361,10 +353,10 @@ TEST(CheckpointStoreTest, DeleteWhoseDirectorySyncFailsLosesNoCommittedStep) {
       } else {
         EXPECT_OK(deleted);
       }
-      EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 3}));
+      EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1, 3}));
       ASSERT_OK(store.CleanUp());
       ASSERT_OK(faulty->SimulatePowerLoss());
-      const std::vector<uint64_t> steps = Steps(store);
+      const std::vector<uint64_t> steps = CommittedSteps(store);
       EXPECT_TRUE(steps == (std::vector<uint64_t>{1, 3}) ||
                   steps == (std::vector<uint64_t>{1, 2, 3}));
       for (const uint64_t step : steps) {
@@ -404,7 +396,8 @@ TEST(CheckpointStoreTest, LyingSyncsLoseTheStepButNeverReturnTornData) {
           EXPECT_EQ(newest->commit.step, healed ? 2u : 1u);
         } else if (newest->commit.step == 1) {
           // Torn: the image (found corrupt) or the COMMIT (a corrupt record, skipped).
-          EXPECT_TRUE(!newest->skipped.empty() || Steps(store) == std::vector<uint64_t>{1});
+          EXPECT_TRUE(!newest->skipped.empty() ||
+                      CommittedSteps(store) == std::vector<uint64_t>{1});
         }
         ExpectLoads(store, 1, 1);
       }
@@ -537,7 +530,7 @@ TEST_P(LatencySpikeTest, SaveUnderSpikesCommitsAndNewestStaysLoadable) {
   EXPECT_GT(faulty->fired(), 0u) << "no spike was injected";
   EXPECT_GE(loads.load(), 1);
   faulty->Clear();
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1, 3}));
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1, 3}));
   EXPECT_TRUE(faulty->List(StepPrefix(2))->empty()) << "step 2's images were not cleaned up";
   ExpectLoads(store, std::nullopt, 3);
   ExpectLoads(store, 1, 1);
@@ -570,7 +563,7 @@ TEST(CheckpointStoreTest, PowerLossMidSaveLeavesNoPartialStep) {
   ASSERT_OK((*w)->WriteAt(0, chunk));
   ASSERT_OK(faulty->SimulatePowerLoss());
   EXPECT_FALSE((*w)->Publish().ok());
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1}));
   ExpectLoads(store, std::nullopt, 1);
 }
 
@@ -973,7 +966,7 @@ TEST(CheckpointStoreTest, PosixLeftoversOfAKilledWriterAreIgnoredAndRemoved) {
   fs::create_directories(dir / "step-00000000000000000005");
   const fs::path newer = dir / "step-00000000000000000005" / "rank-00001.img.tmp.0123456789abcdef";
   std::ofstream(newer) << "in progress";
-  EXPECT_EQ(Steps(**store), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(CommittedSteps(**store), (std::vector<uint64_t>{1}));
   ExpectLoads(**store, std::nullopt, 1);
   ASSERT_OK(Save(**store, 3));  // commits 3 and removes step 2's leftovers
   EXPECT_FALSE(fs::exists(tmp));
@@ -1050,7 +1043,7 @@ TEST(CheckpointStoreTest, ReplacingAMultiRankStepShowsTheOldOrTheNewStepNeverAMi
   auto r0 = SaveVersion(store, 3, 0, 2, 8, 2000, true);
   ASSERT_TRUE(r0.ok()) << r0.status().ToString();
   EXPECT_FALSE(r0->committed);
-  EXPECT_EQ(Steps(store), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{3}));
   EXPECT_EQ(LoadedVersion(store, 0), 1000u);
   EXPECT_EQ(LoadedVersion(store, 1), 1000u);
   auto old_commit = store.ReadCommit(3);
@@ -1211,4 +1204,4 @@ TEST(CheckpointStoreTest, CommitRecordOfAReplacedStepRoundTrips) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::checkpoint_store_test

@@ -28,7 +28,7 @@
 #include "safepoint/checkpoint.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::pack_test {
 namespace {
 
 using test::AsBytes;
@@ -833,4 +833,4 @@ TEST(PackTest, AKillAtAnyMomentOfASavePruneOrGcLeavesEveryCommittedStepLoadable)
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::pack_test

@@ -15,9 +15,10 @@
 #include "storage/faulty/faulty_storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::tier_copy_test {
 namespace {
 
+using test::CommittedSteps;
 using test::TempDir;
 
 // A shard of about 8 MiB (three 4 MiB checksum chunks) whose bytes depend on (step, rank, salt).
@@ -39,16 +40,6 @@ Status SaveStep(CheckpointStore& store, uint64_t step, uint32_t world, float sal
   for (uint32_t r = 0; r < world; ++r)
     SP_RETURN_IF_ERROR(SaveTestShard(store, step, r, world, salt));
   return Status::OK();
-}
-
-std::vector<uint64_t> Steps(CheckpointStore& store) {
-  std::vector<uint64_t> out;
-  auto committed = store.ListCommitted();
-  EXPECT_OK(committed);
-  if (committed.ok()) {
-    for (const auto& c : *committed) out.push_back(c.step);
-  }
-  return out;
 }
 
 // The destination holds exactly the source's objects of `step`, byte for byte, and loads.
@@ -100,7 +91,7 @@ TEST(TierCopyTest, MultiRankStepCopiesFromMemoryToFileAndBackBitExact) {
   ASSERT_OK(copied);
   EXPECT_FALSE(copied->already_there);
   EXPECT_EQ(copied->bytes, commit->total_bytes());
-  EXPECT_EQ(Steps(*file), std::vector<uint64_t>{7});  // only the step asked for
+  EXPECT_EQ(CommittedSteps(*file), std::vector<uint64_t>{7});  // only the step asked for
   ExpectSameStep(mem, *file, 7);
   ASSERT_FALSE(seen.empty());
   for (size_t i = 0; i < seen.size(); ++i) {
@@ -162,7 +153,7 @@ TEST(TierCopyTest, CorruptSourceChunkIsCorruptionAndCommitsNothing) {
   ASSERT_EQ(copied.status().code(), StatusCode::kCorruption) << copied.status().ToString();
   EXPECT_NE(copied.status().message().find(path), std::string::npos) << copied.status().ToString();
   EXPECT_NE(copied.status().message().find("copying step 5"), std::string::npos);
-  EXPECT_EQ(Steps(dst), std::vector<uint64_t>{2});
+  EXPECT_EQ(CommittedSteps(dst), std::vector<uint64_t>{2});
   EXPECT_EQ(dst.storage().Open(CommitObjectName(5)).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(dst.storage().Open(ImageObjectName(5, 1)).status().code(), StatusCode::kNotFound);
 }
@@ -185,7 +176,7 @@ TEST(TierCopyTest, DestinationFailuresLeaveItsStepsUnchanged) {
     EXPECT_NE(copied.status().message().find("copying step 6 from " + src.storage().uri()),
               std::string::npos)
         << copied.status().ToString();
-    EXPECT_EQ(Steps(dst), std::vector<uint64_t>{1});
+    EXPECT_EQ(CommittedSteps(dst), std::vector<uint64_t>{1});
     // The step's leftovers are an uncommitted directory that CleanUp removes once it is older
     // than the newest step.
     faulty->Clear();
@@ -264,7 +255,7 @@ TEST(TierCopyTest, CancelledCopyCommitsNothing) {
     };
     auto copied = CopyStep(src, dst, 6, options);
     ASSERT_EQ(copied.status().code(), StatusCode::kCancelled) << copied.status().ToString();
-    EXPECT_TRUE(Steps(dst).empty());
+    EXPECT_TRUE(CommittedSteps(dst).empty());
     EXPECT_EQ(dst.storage().Open(CommitObjectName(6)).status().code(), StatusCode::kNotFound);
     if (before_start) {
       EXPECT_EQ(done, 0u);
@@ -281,8 +272,8 @@ TEST(TierCopyTest, MissingSourceStepIsNotFound) {
   auto copied = CopyStep(src, dst, 2);
   ASSERT_EQ(copied.status().code(), StatusCode::kNotFound) << copied.status().ToString();
   EXPECT_NE(copied.status().message().find("step 2"), std::string::npos);
-  EXPECT_TRUE(Steps(dst).empty());
+  EXPECT_TRUE(CommittedSteps(dst).empty());
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::tier_copy_test

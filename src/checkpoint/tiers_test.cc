@@ -8,7 +8,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::tiers_test {
 namespace {
 
 TEST(TierDueTest, MultiplesOfEveryOrEveryStepsAfterTheLastOne) {
@@ -52,4 +52,4 @@ TEST(ValidateTiersTest, BadTiersAreInvalidArgumentNamingTheTier) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::tiers_test

@@ -15,7 +15,7 @@
 #include "safepoint/extras.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::versions_test {
 namespace {
 
 std::shared_ptr<CheckpointStore> MemoryStore() {
@@ -361,4 +361,4 @@ TEST(DiffTest, DamagedDataIsAnErrorNotADiff) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::versions_test

@@ -15,7 +15,7 @@
 #include "base/crc32c.h"
 #include "testing/test_util.h"
 
-namespace safepoint::codec {
+namespace safepoint::codec::codec_test {
 namespace {
 
 using Bytes = std::vector<std::byte>;
@@ -396,4 +396,4 @@ TEST_F(MalformedFrameTest, HeaderOnlyQueries) {
 }
 
 }  // namespace
-}  // namespace safepoint::codec
+}  // namespace safepoint::codec::codec_test

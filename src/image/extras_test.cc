@@ -8,7 +8,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::extras_test {
 namespace {
 
 using test::AsBytes;
@@ -98,4 +98,4 @@ TEST(ExtrasTest, FormatValueIsPythonLike) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::extras_test

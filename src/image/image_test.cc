@@ -11,7 +11,7 @@
 #include "base/crc32c.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::image_test {
 namespace {
 
 using internal::Crc32c;
@@ -488,4 +488,4 @@ TEST(ImageLineageTest, BadLineageIsRefusedAndCorruptLineageDetected) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::image_test

@@ -13,7 +13,7 @@
 #include "testing/protocol_util.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::protocol_test {
 namespace {
 
 using namespace safepoint::protocol;  // NOLINT: the protocol under test
@@ -577,4 +577,4 @@ TEST(MessageTest, MalformedPayloadsAreErrorsNamingTheField) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::protocol_test

@@ -9,7 +9,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::replica {
+namespace safepoint::replica::redundancy_test {
 namespace {
 
 Redundancy Parse(std::string_view spec) {
@@ -209,4 +209,4 @@ TEST(RedundancyTest, ToleratedLossesIsTight) {
 }
 
 }  // namespace
-}  // namespace safepoint::replica
+}  // namespace safepoint::replica::redundancy_test

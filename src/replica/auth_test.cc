@@ -4,7 +4,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::replica {
+namespace safepoint::replica::auth_test {
 namespace {
 
 constexpr char kSecret[] = "0123456789abcdef0123";
@@ -40,4 +40,4 @@ TEST(AuthTest, HexRoundTripsAndRefusesOtherText) {
 }
 
 }  // namespace
-}  // namespace safepoint::replica
+}  // namespace safepoint::replica::auth_test

@@ -10,7 +10,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::replica {
+namespace safepoint::replica::erasure_test {
 namespace {
 
 using Fragments = std::vector<std::vector<std::byte>>;
@@ -242,4 +242,4 @@ TEST(EcCodecTest, DecodeRejectsBadIndicesSizesAndCodes) {
 }
 
 }  // namespace
-}  // namespace safepoint::replica
+}  // namespace safepoint::replica::erasure_test

@@ -28,7 +28,7 @@
 #include "replica/ucx_wire.h"
 #include "testing/test_util.h"
 
-namespace safepoint::replica {
+namespace safepoint::replica::peer_service_test {
 namespace {
 
 constexpr char kSecret[] = "peer-service-test-secret-0123456789";
@@ -1098,4 +1098,4 @@ TEST_F(PeerServiceTest, ConnectionRequestsArrivingAsTheServiceEndsDoNotCrashTheP
 }
 
 }  // namespace
-}  // namespace safepoint::replica
+}  // namespace safepoint::replica::peer_service_test

@@ -20,7 +20,7 @@
 #include "replica/erasure.h"
 #include "testing/test_util.h"
 
-namespace safepoint::replica {
+namespace safepoint::replica::replica_store_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -641,9 +641,9 @@ TEST(ReplicaStoreFullTest, AFullTmpfsIsResourceExhaustedNotSigbus) {
 }
 
 }  // namespace
-}  // namespace safepoint::replica
+}  // namespace safepoint::replica::replica_store_test
 
-namespace safepoint::replica {
+namespace safepoint::replica::replica_store_test {
 namespace {
 
 // Spares hold shared memory; a Begin that needs it removes them first, and a replica that does
@@ -686,4 +686,4 @@ TEST(ReplicaStoreFullTest, SparesGiveWayWhenMemoryIsNeeded) {
 }
 
 }  // namespace
-}  // namespace safepoint::replica
+}  // namespace safepoint::replica::replica_store_test

@@ -7,7 +7,7 @@
 #include "base/crc32c.h"
 #include "testing/test_util.h"
 
-namespace safepoint::replica {
+namespace safepoint::replica::ucx_wire_test {
 namespace {
 
 ReplicaMeta Copy() {
@@ -159,4 +159,4 @@ TEST(UcxWireTest, ChunkLayoutAcceptsExactlyItsChunks) {
 }
 
 }  // namespace
-}  // namespace safepoint::replica
+}  // namespace safepoint::replica::ucx_wire_test

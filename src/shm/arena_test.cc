@@ -21,11 +21,12 @@
 #include "safepoint/image.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::arena_test {
 namespace {
 
 namespace fs = std::filesystem;
 
+using test::KillLeavingZombie;
 using test::ReadFileToString;
 using test::WriteStringToFile;
 
@@ -665,13 +666,6 @@ pid_t ChildThatWaitsAfter(const std::function<void(int ready_fd)>& body) {
   return child;
 }
 
-// Kills `child` and waits until it is a zombie (exited, not yet reaped).
-void KillLeavingZombie(pid_t child) {
-  ASSERT_EQ(::kill(child, SIGKILL), 0);
-  siginfo_t info{};
-  ASSERT_EQ(::waitid(P_PID, child, &info, WEXITED | WNOWAIT), 0);
-}
-
 // A writer that was killed and not yet reaped (a zombie) has unmapped its slots and saves no
 // more: gc does not keep its job for it.
 TEST_F(ArenaTest, AZombieSlotWriterIsNotLive) {
@@ -1203,4 +1197,4 @@ TEST_F(ArenaTmpfsTest, FullTmpfsAfterCreationDoesNotSigbus) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::arena_test

@@ -10,7 +10,7 @@
 #include "shm/arena.h"
 #include "testing/test_util.h"
 
-namespace safepoint::internal {
+namespace safepoint::internal::stage_file_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -108,4 +108,4 @@ TEST_F(StageFileTest, AMissingShmDirectoryIsNamed) {
 }
 
 }  // namespace
-}  // namespace safepoint::internal
+}  // namespace safepoint::internal::stage_file_test

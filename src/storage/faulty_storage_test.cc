@@ -27,6 +27,7 @@ namespace safepoint {
 void PrintTo(FaultOp op, std::ostream* os) { *os << FaultOpName(op); }
 void PrintTo(FaultKind kind, std::ostream* os) { *os << FaultKindName(kind); }
 
+namespace faulty_storage_test {
 namespace {
 
 using test::PatternBytes;
@@ -583,4 +584,5 @@ INSTANTIATE_TEST_SUITE_P(Bases, FaultyStorageTest,
                          [](const auto& info) { return BaseName(info.param); });
 
 }  // namespace
+}  // namespace faulty_storage_test
 }  // namespace safepoint

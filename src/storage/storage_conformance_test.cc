@@ -23,7 +23,7 @@
 #include "storage/faulty/faulty_storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::storage_conformance_test {
 namespace {
 
 using test::AlignedTestBuffer;
@@ -692,4 +692,4 @@ TEST(StorageRegistryTest, RegisteredSchemesAreUsed) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::storage_conformance_test

@@ -7,7 +7,7 @@
 
 #include "testing/test_util.h"
 
-namespace safepoint::internal {
+namespace safepoint::internal::uri_options_test {
 namespace {
 
 TEST(UriOptionsTest, SplitsAtAmpersandsAndTheFirstEquals) {
@@ -104,4 +104,4 @@ TEST(UriOptionsTest, BadStorageUriNamesTheUri) {
 }
 
 }  // namespace
-}  // namespace safepoint::internal
+}  // namespace safepoint::internal::uri_options_test

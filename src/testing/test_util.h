@@ -7,18 +7,21 @@
 // - TempDir: a fresh directory, removed with everything below it when destroyed.
 // - Files: ReadFileToString, WriteStringToFile, FillFileSystem (write until ENOSPC),
 //   ReadJsonLines (a JSON-lines file, one object a line).
-// - RunInChild: runs a function in a forked child process and returns its exit code.
+// - RunInChild: runs a function in a forked child process and returns its exit code;
+//   KillLeavingZombie: kills a child and waits until it has exited, without reaping it.
 // - Byte patterns: every position of every seed has its own value, so that misplaced, duplicated
 //   or lost blocks show up (PatternBytes, FillPattern, FirstMismatch).
 // - AlignedTestBuffer: a zeroed buffer aligned for O_DIRECT, optionally misaligned on purpose.
 // - PutObject / ReadWholeObject: one object written and published, or read back, in one call;
-//   TestImageMeta: image metadata; TwoTensorShard: a small shard to save (two float32 tensors).
+//   TestImageMeta: image metadata; TwoTensorShard: a small shard to save (two float32 tensors);
+//   CommittedSteps: the steps a checkpoint store lists as committed.
 // - ForwardingStorage: a Storage that passes every call to another one; test wrappers derive
 //   from it and override only what they observe or change.
 #pragma once
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -43,6 +46,7 @@
 #include <vector>
 
 #include "base/unique_fd.h"
+#include "safepoint/checkpoint.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
 #include "safepoint/status.h"
@@ -172,6 +176,13 @@ inline int RunInChild(const std::function<int()>& body, pid_t* child_pid = nullp
   return WEXITSTATUS(status);
 }
 
+// Kills `child` and waits until it is a zombie (exited, not yet reaped).
+inline void KillLeavingZombie(pid_t child) {
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, child, &info, WEXITED | WNOWAIT), 0);
+}
+
 // The byte at `position` of the pattern `seed` (a 64-bit mix, so patterns do not repeat).
 inline std::byte PatternByte(uint64_t position, uint64_t seed) {
   uint64_t x = position + seed * 0x9e3779b97f4a7c15ull;
@@ -275,6 +286,17 @@ inline ImageMeta TestImageMeta(std::string job, uint64_t step, uint32_t rank, ui
   m.rank = rank;
   m.world_size = world_size;
   return m;
+}
+
+// The steps `store` lists as committed, in its order (none, reported as a test failure, when
+// listing fails).
+inline std::vector<uint64_t> CommittedSteps(CheckpointStore& store) {
+  std::vector<uint64_t> out;
+  auto committed = store.ListCommitted();
+  EXPECT_TRUE(committed.ok()) << committed.status().ToString();
+  if (!committed.ok()) return out;
+  for (const auto& c : *committed) out.push_back(c.step);
+  return out;
 }
 
 // A Storage that passes every call to `inner`.

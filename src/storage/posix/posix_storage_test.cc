@@ -26,7 +26,7 @@
 #include "safepoint/storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::posix_storage_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -553,4 +553,4 @@ TEST(PosixStorageTest, NoSpaceOnATinyFilesystem) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::posix_storage_test

@@ -25,7 +25,7 @@
 #include "safepoint/storage.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::rados_storage_test {
 namespace {
 
 using test::AlignedTestBuffer;
@@ -592,4 +592,4 @@ TEST(RadosFaultTest, KilledOrStalledOsdGivesAnErrorOrASuccessfulRetryNeverAParti
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::rados_storage_test

@@ -31,7 +31,7 @@
 #include "storage/s3/s3_client.h"
 #include "testing/test_util.h"
 
-namespace safepoint {
+namespace safepoint::s3_storage_test {
 namespace {
 
 using test::PatternBytes;
@@ -448,7 +448,7 @@ std::string TestUri(const TempDir& dir) {
   }
 
 // For the tests that run radosgw or radosgw-admin on the test cluster themselves.
-#define SKIP_WITHOUT_CEPH_DIR()                                                           \
+#define SKIP_WITHOUT_S3_CEPH_DIR()                                                        \
   SKIP_WITHOUT_S3();                                                                      \
   if (std::getenv("SAFEPOINT_TEST_CEPH_DIR") == nullptr) {                                \
     GTEST_SKIP() << "$SAFEPOINT_TEST_CEPH_DIR is not set (scripts/with-ceph.sh sets it)"; \
@@ -755,7 +755,7 @@ class PrivateGateway {
 };
 
 #define START_PRIVATE_GATEWAY(gw, env)         \
-  SKIP_WITHOUT_CEPH_DIR();                     \
+  SKIP_WITHOUT_S3_CEPH_DIR();                  \
   {                                            \
     std::string error;                         \
     ASSERT_TRUE(gw.Start(0, &error)) << error; \
@@ -814,7 +814,7 @@ TEST(S3StorageFaultTest, StalledGatewayFailsUploadAndDownloadAfterTheTimeout) {
 }
 
 TEST(S3StorageFaultTest, BucketQuotaExceededIsResourceExhaustedAndLeavesNothing) {
-  SKIP_WITHOUT_CEPH_DIR();
+  SKIP_WITHOUT_S3_CEPH_DIR();
   const char* ceph_dir = std::getenv("SAFEPOINT_TEST_CEPH_DIR");
   // A bucket of the test's own with a 1 MiB quota (radosgw-admin on the test cluster).
   const std::string bucket = "sp-quota-" + std::to_string(getpid());
@@ -886,4 +886,4 @@ TEST(S3StorageFaultTest, GatewayKilledAndRestartedMidDownloadIsRetried) {
 }
 
 }  // namespace
-}  // namespace safepoint
+}  // namespace safepoint::s3_storage_test
