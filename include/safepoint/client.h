@@ -175,7 +175,8 @@ class SnapshotClient {
   // are copied into their targets in the same parallel pass that verifies every chunk (one read
   // of the slot, no intermediate buffer); on Corruption the targets may hold damaged bytes.
   // `known_extras` (in place only): extras the caller has already (a restore plan's); when the
-  // snapshot's are these bytes they are not decoded again (MemorySnapshot::extras_known).
+  // snapshot's are these bytes they are not decoded again (MemorySnapshot::extras_known), and
+  // `extras` is left empty: a caller passing them reads extras_known, not extras.
   Result<MemorySnapshot> LoadNewest(std::optional<uint64_t> min_step, bool in_place = false,
                                     std::span<TensorFill> fills = {},
                                     const std::string* known_extras = nullptr);

@@ -351,6 +351,7 @@ class PyClient {
   Fills MakeFills(bool in_place, nb::handle targets) {
     Fills out;
     restore_reused_plan_ = false;
+    restore_whole_ = false;  // also when this load fails before ToPython
     if (!in_place || !targets.is_valid() || targets.is_none()) return out;
     out.planned = true;
     python::PlanWalk walk;
@@ -364,7 +365,7 @@ class PyClient {
       out.walk_index = std::move(restore_plan_->walk_index);
       out.extras = std::move(restore_plan_->extras);
       restore_plan_.reset();
-      // Stateful mappings in the state (not in the signature) need their load_state_dict.
+      // Stateful containers and DTensors in the state (not in the signature): the full path.
       out.whole_candidate = !out.extras.empty() && walk.plain;
       if (out.whole_candidate) out.targets = nb::borrow(targets);
       out.tensors.reserve(out.fills.size());

@@ -659,6 +659,9 @@ class PlanWalker {
   // specs, global box included, without calling dtensor_box again. The shard is the DTensor's
   // own local tensor (what to_local() returns outside autograd, as dtensor_box takes it).
   bool DTensor(PyObject* o) {
+    // A Stateful object's state_dict() makes new DTensors on every call, which its
+    // load_state_dict must be given the shards for: no whole restore (PlanWalk::plain).
+    out_->plain = false;
     const size_t seen = Seen(o, out_->data.size());
     if (seen != SIZE_MAX) {
       Put('R');
@@ -825,6 +828,17 @@ class PlanWalker {
     return false;
   }
 
+  // A container subclass that is Stateful (safepoint._stateful.is_stateful: state_dict and
+  // load_state_dict) needs its load_state_dict called on a restore: no whole restore. Looked up
+  // on the type, so that no instance __getattr__ runs during the walk.
+  void NoteSubclass(PyObject* o) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+    if (out_->plain && PyObject_HasAttrString(type, "load_state_dict") &&
+        PyObject_HasAttrString(type, "state_dict")) {
+      out_->plain = false;
+    }
+  }
+
   bool Items(PyObject* seq, size_t depth) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PutRaw<uint64_t>(static_cast<uint64_t>(n));
@@ -873,9 +887,7 @@ class PlanWalker {
       return Tensor(o);
     }
     if (PyDict_Check(o)) {
-      if (out_->plain && !PyDict_CheckExact(o) && PyObject_HasAttrString(o, "load_state_dict")) {
-        out_->plain = false;
-      }
+      if (!PyDict_CheckExact(o)) NoteSubclass(o);
       Put('M');
       PutRaw<uint64_t>(static_cast<uint64_t>(PyDict_Size(o)));
       PyObject *k, *v;
@@ -909,10 +921,12 @@ class PlanWalker {
       return true;
     }
     if (PyList_Check(o)) {
+      if (!PyList_CheckExact(o)) NoteSubclass(o);
       Put('L');
       return Items(o, depth);
     }
     if (PyTuple_Check(o)) {
+      if (!PyTuple_CheckExact(o)) NoteSubclass(o);
       Put('U');
       return Items(o, depth);
     }

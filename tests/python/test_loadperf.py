@@ -370,6 +370,23 @@ def test_hot_restore_whole_still_calls_load_state_dict(tmp_path):
         assert not ckpt._live.last_restore_whole()
         assert Counted.loads == 2 and torch.equal(t["x"]["inner"]["w"], torch.ones(4))
 
+        class CountedList(list):  # a Stateful sequence (review: only mappings were checked)
+            loads = 0
+
+            def state_dict(self):
+                return list(self)
+
+            def load_state_dict(self, sd):
+                CountedList.loads += 1
+                self[:] = sd
+
+        ckpt.save(3, {"x": {"inner": CountedList([torch.ones(4)])}})
+        t = {"x": {"inner": CountedList([torch.zeros(4)])}}
+        ckpt.restore(t)
+        assert ckpt.restore(t) == 3 and ckpt._live.last_restore_reused_plan()
+        assert not ckpt._live.last_restore_whole()
+        assert CountedList.loads == 2 and torch.equal(t["x"]["inner"][0], torch.ones(4))
+
 
 def test_hot_restore_whole_detects_a_flipped_byte(tmp_path):
     want = rich(1)

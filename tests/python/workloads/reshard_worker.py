@@ -105,6 +105,29 @@ elif mode == "hot":
             with torch.no_grad():
                 for i in range(len(SHAPES)):
                     again[f"w{i}"].to_local().zero_()
+
+        # A module whose parameters are DTensors (FSDP2's), restored through its
+        # load_state_dict again and again: each state_dict() call makes new DTensor objects, so
+        # a restore must hand it the shards, never the targets' own DTensors (review of the
+        # whole restore in place).
+        class Module(torch.nn.Module):
+            def __init__(self, fill: bool):
+                super().__init__()
+                for i, (shape, pl) in enumerate(zip(SHAPES, PLACEMENTS)):
+                    g = full(i, shape)
+                    self.register_parameter(f"w{i}", torch.nn.Parameter(
+                        distribute_tensor(g if fill else torch.zeros_like(g), mesh, pl)))
+
+        ck.save(9, {"model": Module(True), "step": 9})
+        module = Module(False)
+        for _ in range(3):
+            got = ck.restore({"model": module, "step": 9})
+            bad += [f"module w{i}" for i, shape in enumerate(SHAPES)
+                    if not torch.equal(getattr(module, f"w{i}").full_tensor(), full(i, shape))]
+            bad += [] if got == 9 else [f"module step {got}"]
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.to_local().zero_()
     print(json.dumps({"rank": rank, "ok": not bad, "plans": plans, "mismatches": bad}))
 else:
     target = state(False)
