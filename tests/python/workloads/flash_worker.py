@@ -51,6 +51,12 @@ def make_state(seed: int, step: int, numel: int) -> dict:
     }
 
 
+def say(*fields) -> None:
+    """One line in one write, so that a kill never cuts it."""
+    sys.stdout.write(" ".join(map(str, fields)) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--path", required=True)
@@ -86,9 +92,9 @@ def main() -> int:
     made = 0
     while args.steps < 0 or made < args.steps:
         state = make_state(args.seed, step, args.numel)
-        print("BEGIN", step, flush=True)
+        say("BEGIN", step)
         ckpt.save(step, state)
-        print("SAVED", step, flush=True)
+        say("SAVED", step)
         step += 1
         made += 1
     print("IDLE", flush=True)
