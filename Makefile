@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -31,11 +31,12 @@ build-tests: setup-test
 	@$(PIP_BUILD) -Ccmake.define.SAFEPOINT_BUILD_TESTS=ON .
 
 # Each test target's recipe runs from a run-* target without prerequisites, so that `make test`
-# builds once and then runs them side by side (below).
+# builds once and then runs them side by side (below); a run-* target alone needs a build first.
+# CTEST_SELECT picks tests by name (ctest -R/-E).
 test-cpp: build-tests
 	@$(MAKE) --no-print-directory run-cpp
 run-cpp:
-	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) $(CTEST_SELECT)
 
 # pytest-xdist: PYTEST_JOBS workers (the tests wait on agents and subprocesses more than they
 # compute, so more workers than cores), a module's tests on one worker except the examples',
@@ -46,7 +47,8 @@ run-cpp:
 PYTEST_JOBS ?= 4
 PYTEST = PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q
 test-python: build-tests
-	@$(MAKE) --no-print-directory run-python-workers run-python-serial
+	@$(MAKE) --no-print-directory run-python-workers
+	@$(MAKE) --no-print-directory run-python-serial
 run-python-workers:
 	$(PYTEST) -n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial" --durations=15 tests/python
 run-python-serial:
@@ -57,11 +59,16 @@ run-python-serial:
 # The C++ tests and the short crash campaigns (the same build, build/py) run beside the Python
 # tests' workers: they wait on Ceph, agents and killed processes more than they compute (the C++
 # tests: about 65 CPU-seconds in 2 minutes). Each one's output is printed whole when it ends
-# (--output-sync). The timing-sensitive serial tests run last, alone.
+# (--output-sync). The C++ tests that stop the cluster's one OSD (CEPH_EXCLUSIVE) run after
+# that, alone, as do the timing-sensitive serial Python tests.
+CEPH_EXCLUSIVE := RadosFaultTest[.]KilledOrStalledOsd
 test: build-tests
-	scripts/with-ceph.sh $(MAKE) --no-print-directory -j3 --output-sync=target run-cpp \
-	    run-python-workers run-crash
+	scripts/with-ceph.sh $(MAKE) --no-print-directory run-under-ceph
 	$(MAKE) --no-print-directory run-python-serial
+run-under-ceph:
+	$(MAKE) --no-print-directory -j3 --output-sync=target run-cpp run-python-workers run-crash \
+	    CTEST_SELECT="-E '$(CEPH_EXCLUSIVE)'"
+	$(MAKE) --no-print-directory run-cpp CTEST_SELECT="-R '$(CEPH_EXCLUSIVE)'"
 
 # Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
 # the Python package (configured in pyproject.toml). mypy reads the _core.pyi the build generates.
