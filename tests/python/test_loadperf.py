@@ -279,14 +279,21 @@ def test_hot_restore_whole_in_place_is_taken_and_fills_every_tensor(tmp_path):
         assert snap.state is t and ckpt._live.last_restore_whole()
 
 
+def restored_whole(ckpt):
+    """Saves rich(1) as step 1 and restores it twice into one state, the second time whole (the
+    plan of the first reused); returns that state."""
+    ckpt.save(1, rich(1))
+    t = rich(1)
+    ckpt.restore(t)
+    assert ckpt.restore(t) == 1 and ckpt._live.last_restore_whole()
+    return t
+
+
 def test_hot_restore_whole_falls_back_when_the_snapshot_values_differ(tmp_path):
     # The targets keep their structure (the plan is reused) but the newer snapshot holds other
     # non-tensor values: its extras differ, so they are decoded and assigned (the full path).
     with checkpointer(tmp_path, "values", persist_every=100) as ckpt:
-        ckpt.save(1, rich(1))
-        t = rich(1)
-        ckpt.restore(t)
-        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_whole()
+        t = restored_whole(ckpt)
         newer = rich(1)
         newer["opt"]["param_groups"][0]["lr"] = 0.25
         ckpt.save(2, newer)
@@ -321,10 +328,7 @@ def test_hot_restore_whole_falls_back_for_a_state_of_another_structure(tmp_path)
 
 def test_hot_restore_whole_falls_back_when_the_state_changed(tmp_path):
     with checkpointer(tmp_path, "changed", persist_every=100) as ckpt:
-        ckpt.save(1, rich(1))
-        t = rich(1)
-        ckpt.restore(t)
-        assert ckpt.restore(t) == 1 and ckpt._live.last_restore_whole()
+        t = restored_whole(ckpt)
         # A value of the state changed since: another signature, no plan; the value is
         # assigned back from the snapshot.
         t["step"] = 9
