@@ -32,11 +32,10 @@ build-tests: setup-test
 
 # Each test target's recipe runs from a run-* target without prerequisites, so that `make test`
 # builds once and then runs them (below); a run-* target alone needs a build first.
-# CTEST_SELECT picks tests by name (ctest -R/-E).
 test-cpp: build-tests
 	@$(MAKE) --no-print-directory run-cpp
 run-cpp:
-	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) $(CTEST_SELECT)
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 # pytest-xdist: PYTEST_JOBS workers (the tests wait on agents and subprocesses more than they
 # compute, so more workers than cores), a module's tests on one worker except the examples',
