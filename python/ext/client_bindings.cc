@@ -274,6 +274,10 @@ class PyClient {
 
   std::optional<uint64_t> LastPersistStep() { return Get().last_persist_step(); }
 
+  // (step, seconds) of the agent's newest write of this rank's snapshot to storage, as it
+  // recorded it in the rank's slot 0 (Arena::RecordPersist): shared memory, no message.
+  std::optional<std::pair<uint64_t, double>> LastPersisted() { return Get().arena().LastPersist(); }
+
   // Shared memory of the snapshot slots: (this rank's mapped slot files, the job's slot files on
   // this node, every rank's), in bytes.
   std::pair<uint64_t, uint64_t> ShmBytes() {
@@ -735,6 +739,9 @@ void BindClient(nb::module_& m) {
            "tells the agent what this process saw (save, restore, checksum, start), for its "
            "metrics, event log and the job's measurement history")
       .def("last_persist_step", &PyClient::LastPersistStep)
+      .def("last_persisted", &PyClient::LastPersisted,
+           "(step, seconds) of the agent's newest write of this rank's snapshot to storage, read "
+           "from shared memory; None when none is recorded")
       .def("shm_bytes", &PyClient::ShmBytes)
       .def("usable_slots", &PyClient::UsableSlots)
       .def("close", &PyClient::Close, "timeout"_a)

@@ -9,8 +9,9 @@ writes none of it and polls the agent for none of it; it only reads the history 
 (``_core.read_job_history``), for the learned MTBF and restart and restore times. With
 ``persist_every="auto"`` the schedule follows the C++ advisor's interval for the checkpoint path
 (``_core.advise_interval``) through a ``_core.IntervalController`` (bounded, with hysteresis),
-converted to steps with the measured time per step; the persist time it needs is asked of the
-agent at most every POLL_SECONDS (only in that mode). Every rank must persist the same steps, so
+converted to steps with the measured time per step; the persist time it needs is read from this
+rank's snapshot slots, where the agent records how long each snapshot's write to storage took
+(``Client.last_persisted``, shared memory: no message). Every rank must persist the same steps, so
 the schedule is re-evaluated every ``ADVISE_EVERY_SAVES`` saves (all ranks save equally often)
 and, under torch.distributed, rank 0's result is broadcast.
 """
@@ -27,7 +28,6 @@ from safepoint import _core
 from safepoint.errors import Error, InvalidArgumentError, NotFoundError
 
 ADVISE_EVERY_SAVES = 10
-POLL_SECONDS = 5.0
 _WINDOW = 64  # recent samples kept for the medians
 
 
@@ -58,7 +58,6 @@ class Advisor:
         self.mtbf = mtbf
         self._levels = {path: "path", **{t.uri: f"tier {i}" for i, t in enumerate(tiers, 1)}}
         self._auto_tiers = [f"tier {i}" for i, t in enumerate(tiers, 1) if t.every == "auto"]
-        self._tier_copy: dict[str, float] = {}
         self.past: Optional[Any] = None  # the history as it was when this process started
         if rank == 0:
             try:
@@ -74,8 +73,7 @@ class Advisor:
         self._step_seconds: collections.deque[float] = collections.deque(maxlen=_WINDOW)
         self._restores: dict[str, float] = {}
         self._last: Optional[tuple[int, float]] = None  # (step, time) of the previous save
-        self._last_poll = 0.0
-        self._seen: dict[str, Any] = {}  # newest step seen persisted per level
+        self._persisted_step: Optional[int] = None  # the newest persist sampled
         self._advice: Optional[Any] = None
         self._controller = _core.IntervalController(0.0, 0.0, 86400.0, 0.25)
         self._why = ("no measurements yet: persisting every step until the advisor has them"
@@ -97,10 +95,8 @@ class Advisor:
         self._saves += 1
         if not self.auto or self._saves % ADVISE_EVERY_SAVES:
             return
-        # The schedule needs the persist time: asked of the agent at most every POLL_SECONDS.
-        if self.rank == 0 and (not self._persist or now - self._last_poll >= POLL_SECONDS):
-            self._last_poll = now
-            self._poll_agent(ckpt)
+        if self.rank == 0:
+            self._sample_persist(ckpt)
         every = self._reevaluate() if self.rank == 0 else self.every
         if ckpt._group is not None:
             import torch.distributed as dist
@@ -110,19 +106,13 @@ class Advisor:
             every = box[0]
         self.every = max(1, int(every))
 
-    def _poll_agent(self, ckpt: Any) -> None:
-        try:
-            st = ckpt.status()
-        except Exception:  # the agent is restarting: try again at the next evaluation
-            return
-        step, seconds = st.get("last_persisted_step"), st.get("last_persist_seconds")
-        if step is not None and seconds and self._seen.get("path") != step:
-            self._seen["path"] = step
-            self._persist.append(float(seconds))
-        for t in st.get("tiers") or []:
-            copy = t.get("last_copy_seconds")
-            if copy:
-                self._tier_copy[f"tier {t.get('tier')}"] = float(copy)
+    def _sample_persist(self, ckpt: Any) -> None:
+        """The persist time of the newest snapshot the agent wrote to storage, from this rank's
+        slots (the agent records it there; no message)."""
+        got = ckpt._live.last_persisted()
+        if got is not None and got[0] != self._persisted_step:
+            self._persisted_step = got[0]
+            self._persist.append(float(got[1]))
 
     def _mtbf(self) -> tuple[Optional[float], str]:
         if self.mtbf is not None:
@@ -171,7 +161,10 @@ class Advisor:
         self._restores[level] = seconds
         return level
 
-    def status(self) -> dict[str, Any]:
+    def status(self, tiers: list[dict[str, Any]]) -> dict[str, Any]:
+        """The schedule and why; `tiers`: the agent's tier status (each tier's last copy time)."""
+        copy = {f"tier {t.get('tier')}": float(t["last_copy_seconds"])
+                for t in tiers if t.get("last_copy_seconds")}
         a = self._advice
         return {
             "mode": "auto" if self.auto else "steps",
@@ -183,8 +176,7 @@ class Advisor:
             "reason": self._why,
             "tiers": {level: "auto: every step committed on the tier above, the newest whenever "
                       "the previous copy is done, so as fast as the tier copies"
-                      + (f" (last copy {self._tier_copy[level]:.3g} s)"
-                         if level in self._tier_copy else "")
+                      + (f" (last copy {copy[level]:.3g} s)" if level in copy else "")
                       + "; a copy costs training nothing, so the goodput-optimal interval is as "
                       "often as the tier accepts steps" for level in self._auto_tiers},
         }

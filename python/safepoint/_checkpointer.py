@@ -883,7 +883,7 @@ class Checkpointer:
             "event_log": agent.get("event_log"),
             "storage_layout": agent.get("storage_layout"),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
-            "persist_interval": self._advisor.status(),
+            "persist_interval": self._advisor.status(agent.get("tiers", [])),
             "memory": self._memory(agent.get("agent_pid")),
         }
 

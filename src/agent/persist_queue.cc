@@ -237,6 +237,7 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     if (stats.ok()) {
       r.bytes = stats->bytes;
       r.seconds = stats->seconds;
+      (*arena)->RecordPersist(t.step, r.seconds);
     } else if (stats.status().code() != StatusCode::kAlreadyExists) {
       r.status = stats.status();
       return r;

@@ -59,9 +59,15 @@ struct SlotHeader {
   // ReadWriter: writer_pid is 0 while the pair changes.
   std::atomic<uint32_t> writer_pid;
   std::atomic<uint64_t> writer_start_ticks;
+  // Slot 0's only: the rank's newest write of a snapshot to storage by the agent (RecordPersist):
+  // its step + 1 (0: none recorded, as in slot files of older versions) and how long it took.
+  std::atomic<uint64_t> persist_nanos;
+  std::atomic<uint64_t> persisted_step_plus1;
 };
 static_assert(offsetof(SlotHeader, writer_pid) == 64);
 static_assert(offsetof(SlotHeader, writer_start_ticks) == 72);
+static_assert(offsetof(SlotHeader, persist_nanos) == 80);
+static_assert(offsetof(SlotHeader, persisted_step_plus1) == 88);
 static_assert(sizeof(SlotHeader) <= kSlotHeaderSize);
 
 uint64_t Word(uint64_t gen, SlotState s, bool leased = false) {
@@ -795,6 +801,29 @@ void Arena::Release(uint32_t slot, uint64_t generation) {
   uint64_t expected = Word(generation, SlotState::kComplete, true);
   slots_[slot]->header()->word.compare_exchange_strong(
       expected, Word(generation, SlotState::kComplete, false), std::memory_order_acq_rel);
+}
+
+void Arena::RecordPersist(uint64_t step, double seconds) {
+  if (slots_.empty() || !slots_[0]) return;
+  SlotHeader* h = slots_[0]->header();
+  // Invalidate, write the time, then publish it under the step (readers check it twice).
+  h->persisted_step_plus1.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  h->persist_nanos.store(static_cast<uint64_t>(std::max(0.0, seconds) * 1e9),
+                         std::memory_order_relaxed);
+  h->persisted_step_plus1.store(step + 1, std::memory_order_release);
+}
+
+std::optional<std::pair<uint64_t, double>> Arena::LastPersist() const {
+  if (slots_.empty() || !slots_[0]) return std::nullopt;
+  const SlotHeader* h = slots_[0]->header();
+  const uint64_t s1 = h->persisted_step_plus1.load(std::memory_order_acquire);
+  const uint64_t nanos = h->persist_nanos.load(std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (s1 == 0 || h->persisted_step_plus1.load(std::memory_order_relaxed) != s1) {
+    return std::nullopt;  // none, or being recorded right now
+  }
+  return std::make_pair(s1 - 1, static_cast<double>(nanos) / 1e9);
 }
 
 void Arena::ClearLeases() {

@@ -28,6 +28,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "safepoint/status.h"
@@ -168,6 +169,13 @@ class Arena {
   // false when the slot changed since (it is no longer that snapshot).
   bool Lease(uint32_t slot, uint64_t generation);
   void Release(uint32_t slot, uint64_t generation);
+  // Records that the agent's write of the rank's snapshot of `step` to storage took `seconds`
+  // (in slot 0's control block; nothing while the rank has no slot 0): the writer's process
+  // reads it (LastPersist) instead of asking the agent.
+  void RecordPersist(uint64_t step, double seconds);
+  // The newest RecordPersist: (step, seconds); nullopt when none is recorded (or slot 0 was
+  // laid out anew since).
+  std::optional<std::pair<uint64_t, double>> LastPersist() const;
   // Clears every lease (a new agent adopting the arena: the previous one is gone).
   void ClearLeases();
 

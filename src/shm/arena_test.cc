@@ -481,6 +481,30 @@ TEST_F(ArenaTest, LeaseFailsForAStaleGeneration) {
   EXPECT_FALSE(arena->Lease(t4->second.slot, t4->second.generation - 1));
 }
 
+// The agent's newest persist time, recorded in slot 0's control block for the writer to read.
+TEST_F(ArenaTest, RecordPersistIsReadFromSharedMemory) {
+  auto arena = Open(2);
+  ASSERT_TRUE(arena);
+  arena->RecordPersist(4, 1.0);  // no slot file yet: nowhere to record it
+  EXPECT_FALSE(arena->LastPersist());
+  const auto t1 = Save(*arena, 0);
+  EXPECT_FALSE(arena->LastPersist());  // nothing recorded yet
+  arena->RecordPersist(0, 0.25);       // step 0 is a step like any other
+  ASSERT_TRUE(arena->LastPersist());
+  EXPECT_EQ(arena->LastPersist()->first, 0u);
+  EXPECT_DOUBLE_EQ(arena->LastPersist()->second, 0.25);
+  // Another process (the agent's Arena) records; the writer's sees it, whichever slot held it.
+  auto agent = Open(2);
+  ASSERT_TRUE(agent);
+  Save(*arena, 1);
+  Save(*arena, 2);
+  agent->RecordPersist(1, 0.5);
+  ASSERT_TRUE(arena->LastPersist());
+  EXPECT_EQ(arena->LastPersist()->first, 1u);
+  EXPECT_DOUBLE_EQ(arena->LastPersist()->second, 0.5);
+  EXPECT_EQ(t1.slot, 0u);
+}
+
 TEST_F(ArenaTest, ClearLeases) {
   auto arena = Open(2);
   ASSERT_TRUE(arena);

@@ -160,11 +160,18 @@ def test_persist_every_auto_follows_the_advice_and_says_why(ckpt, shm):
         st = c.status()["persist_interval"]
         assert st["mode"] == "auto" and st["every_steps"] == 1
         assert "no measurements yet" in st["reason"]
+        # The schedule reads the persist times from the snapshot slots, where the agent records
+        # them: it never asks the agent (one message per save).
+        c.status = lambda: pytest.fail("the schedule asked the agent for its status")
         step = 0
         for _ in range(20):  # two evaluations
+            if step == 10:
+                c.wait()  # a persist is recorded before the second evaluation
             c.save(step, state())
             step += 1
+        assert c._advisor._persist, "no persist time reached the schedule"
         c.wait()
+        del c.status
         rare = c.status()["persist_interval"]
         # Failures every 10^7 s: persisting rarely is best.
         assert rare["every_steps"] > 1 and rare["changes"] >= 1
@@ -180,6 +187,20 @@ def test_persist_every_auto_follows_the_advice_and_says_why(ckpt, shm):
         assert often["changes"] > rare["changes"] and often["reason"] != rare["reason"]
     finally:
         c.close()
+
+
+def test_the_agent_records_each_persist_time_in_the_slot(ckpt, shm):
+    with safepoint.Checkpointer(ckpt, shm_dir=shm, job="recorded") as c:
+        live = c._live
+        c.save(1, state(), persist=False)
+        assert live.last_persisted() is None  # in memory only: nothing written
+        c.save(2, state())
+        c.wait()
+        step, seconds = live.last_persisted()
+        assert step == 2 and seconds > 0
+        for step in (3, 4):  # both slots overwritten: the record stays
+            c.save(step, state(), persist=False)
+        assert live.last_persisted() == (2, seconds)
 
 
 def test_persist_every_auto_without_a_failure_rate_keeps_every_step(ckpt, shm):
