@@ -558,8 +558,12 @@ class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
       while (t < n && b.tensor_offset(t) < end) ++t;
       need_[i] = t;  // tensors [0, t) must be known to fill chunk i
     }
+    // The walking thread joins the copy once the walk is done (Finish): while it walks, one
+    // worker fewer, so that the walk and the copy never oversubscribe the cores.
     threads = std::max<size_t>(1, std::min<size_t>(threads, chunks));
-    for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+    for (size_t i = 0; i + 1 < std::max<size_t>(threads, 2); ++i) {
+      workers_.emplace_back([this] { Work(); });
+    }
   }
   ~Streamed() override {  // without Finish (the walk failed): nothing is saved
     if (finished_) return;
@@ -575,7 +579,11 @@ class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
 
   Result<SnapshotResult> Finish(bool matched) override {
     finished_ = true;
-    if (!matched) abort_.store(true, std::memory_order_relaxed);
+    if (matched) {
+      Work();  // the walk is done: its thread copies the chunks left
+    } else {
+      abort_.store(true, std::memory_order_relaxed);
+    }
     Stop();
     if (!matched) {
       c_->arena_->AbortWrite(ticket_);
