@@ -451,8 +451,9 @@ def render(res: dict, args, conditions: str) -> str:
         L.append(f"Writing {args.size // MiB} MiB (8 MiB write() calls) into a node's /dev/shm: "
                  f"into a new fallocate'd file {sh['fresh'] / GB:.2f} GB/s, into the same file "
                  f"again {sh['rewrite'] / GB:.2f} GB/s (the fallocate itself not timed). A "
-                 "receiver writes a replica into the file of one it pruned (a spare) when it has "
-                 "one: from the third push of a rank on, as here after the two warm-up rounds.")
+                 "receiver writes a replica into the file of one it pruned (a spare) when it "
+                 "keeps one: only when `max_shm_bytes` leaves room for it (docs/operations.md, "
+                 "\"Host memory\"); this bench sets no cap, so every push gets fresh pages.")
 
     # throughput, blocking, time to protected
     L.append("")
@@ -567,9 +568,9 @@ def render(res: dict, args, conditions: str) -> str:
     L.append("")
     L.append("Allocated bytes in each node's /dev/shm after the last save (the replicated job's "
              "directory: its two slots per rank, the replicas it holds for other nodes, and the "
-             "spares: files of pruned replicas the store keeps so that the next push reuses their "
-             "pages instead of fresh ones the kernel must zero; the store gives them up when a "
-             "replica needs the room), and the agent's `held_bytes` (spares included); S = one "
+             "spares: files of pruned replicas the store keeps, when `max_shm_bytes` leaves room "
+             "(none here), so that the next push reuses their pages instead of fresh ones the "
+             "kernel must zero), and the agent's `held_bytes` (spares included); S = one "
              "rank's snapshot image.")
     L.append("")
     L.append("| redundancy | node | slots MiB | replicas MiB | spares MiB | held_bytes MiB | "

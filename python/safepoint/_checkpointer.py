@@ -884,20 +884,25 @@ class Checkpointer:
             "storage_layout": agent.get("storage_layout"),
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
             "persist_interval": self._advisor.status(agent.get("tiers", [])),
-            "memory": self._memory(agent.get("agent_pid")),
+            "memory": self._memory(agent.get("agent_pid"), agent.get("replication")),
         }
 
-    def _memory(self, agent_pid: Optional[int]) -> dict[str, Any]:
+    def _memory(self, agent_pid: Optional[int],
+                replication: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """Host memory of the job (docs/operations.md, "Host memory"): the shared memory of
         this rank's snapshot slots and of every rank's of the job on this node, the slots this
-        rank saves into (1 when ``max_shm_bytes`` holds fewer than two snapshots), the cap, and
-        the resident memory of this process and of the node's agent (from /proc)."""
+        rank saves into (1 when ``max_shm_bytes`` holds fewer than two snapshots), the cap, the
+        replica files this node keeps for other nodes (with replication; None without), and the
+        resident memory of this process and of the node's agent (from /proc)."""
         rank_shm, node_shm = self._live.shm_bytes()
         me = _proc_memory("self")
         agent = _proc_memory(str(agent_pid)) if agent_pid else {}
+        rep = replication or {}
         return {
             "shm_rank_bytes": rank_shm,
             "shm_node_bytes": node_shm,
+            "replica_node_bytes": rep.get("held_bytes"),
+            "replica_spare_bytes": rep.get("spare_bytes"),
             "slots": self._live.usable_slots(),
             "max_shm_bytes": self.max_shm_bytes,
             "rss_bytes": me.get("VmRSS"),

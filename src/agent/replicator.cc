@@ -78,6 +78,11 @@ Replicator::~Replicator() { Stop(); }
 Result<std::string> Replicator::Setup(const std::string& job_dir,
                                       const protocol::PeerSetupRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
+  // The smallest cap any rank of the job on this node gave (ranks of one job give the same).
+  if (request.max_shm_bytes > 0) {
+    const uint64_t had = max_shm_bytes_.load();
+    if (had == 0 || request.max_shm_bytes < had) max_shm_bytes_.store(request.max_shm_bytes);
+  }
   if (service_) {
     if (request.node != node_ || request.bind_host != bind_host_) {
       return InvalidArgument("this agent already serves node '" + node_ + "' on " + bind_host_ +
@@ -86,7 +91,19 @@ Result<std::string> Replicator::Setup(const std::string& job_dir,
     }
     return service_->address();
   }
-  SP_ASSIGN_OR_RETURN(store_, replica::ReplicaStore::Open(job_dir));
+  // The replicas' budget (docs/operations.md, "Host memory"): with max_shm_bytes, what the job's
+  // slots on this node leave of it; without, none, and no spares are kept (the default footprint
+  // is the slots, the replicas, and one file while a newer one is received).
+  replica::ReplicaStoreOptions store_options;
+  store_options.spares_without_budget = false;
+  store_options.budget = [this, job_dir]() -> std::optional<uint64_t> {
+    const uint64_t cap = max_shm_bytes_.load();
+    if (cap == 0) return std::nullopt;
+    Result<uint64_t> slots = JobShmBytes(job_dir);
+    if (!slots.ok()) return 0;  // cannot tell: the least memory
+    return *slots >= cap ? 0 : cap - *slots;
+  };
+  SP_ASSIGN_OR_RETURN(store_, replica::ReplicaStore::Open(job_dir, std::move(store_options)));
   replica::PeerServiceOptions o;
   o.job = job_;
   o.node = request.node;
@@ -651,6 +668,8 @@ json Replicator::StatusJson() const {
     }
     j["held"] = held;
     j["held_bytes"] = store_->bytes();
+    j["spare_bytes"] = store_->spare_bytes();
+    j["received_in_place"] = store_->received_in_place();
   }
   if (service_) {
     const replica::PeerServiceStats st = service_->stats();

@@ -23,6 +23,7 @@
 // (RunAgent does).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -145,6 +146,7 @@ class Replicator {
   std::unique_ptr<replica::PeerService> service_;
   std::shared_ptr<CheckpointStore> storage_;  // set once, before any FlushHeld
   uint32_t world_size_ = 0;
+  std::atomic<uint64_t> max_shm_bytes_{0};  // the job's cap (PeerSetupRequest); 0: none
 
   mutable std::mutex mu_;  // guards everything below
   std::string epoch_;

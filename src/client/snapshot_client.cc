@@ -184,9 +184,10 @@ Status SnapshotClient::SendPeerState() {
   };
   if (peer_setup_) {
     const auto& [node, host, timeout] = *peer_setup_;
-    Status s = exchange(MessageType::kPeerSetup,
-                        protocol::Encode(protocol::PeerSetupRequest{
-                            node, host, static_cast<uint32_t>(timeout * 1000), peer_port_}));
+    Status s = exchange(
+        MessageType::kPeerSetup,
+        protocol::Encode(protocol::PeerSetupRequest{
+            node, host, static_cast<uint32_t>(timeout * 1000), peer_port_, opt_.max_shm_bytes}));
     if (!s.ok()) return Status::OK();
   }
   if (membership_) {
@@ -197,12 +198,12 @@ Status SnapshotClient::SendPeerState() {
 
 Result<std::string> SnapshotClient::PeerSetup(const std::string& node, const std::string& bind_host,
                                               double timeout_s) {
-  SP_ASSIGN_OR_RETURN(
-      std::string payload,
-      Request(MessageType::kPeerSetup,
-              protocol::Encode(protocol::PeerSetupRequest{
-                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000), peer_port_}),
-              MessageType::kPeerSetupReply, 60));
+  SP_ASSIGN_OR_RETURN(std::string payload,
+                      Request(MessageType::kPeerSetup,
+                              protocol::Encode(protocol::PeerSetupRequest{
+                                  node, bind_host, static_cast<uint32_t>(timeout_s * 1000),
+                                  peer_port_, opt_.max_shm_bytes}),
+                              MessageType::kPeerSetupReply, 60));
   protocol::PeerSetupReply reply;
   SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   peer_setup_.emplace(node, bind_host, timeout_s);

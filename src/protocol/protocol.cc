@@ -240,8 +240,11 @@ Status Decode(std::string_view payload, ErrorReply* out) {
 }
 
 std::string Encode(const PeerSetupRequest& m) {
-  return json{
-      {"node", m.node}, {"bind_host", m.bind_host}, {"timeout_ms", m.timeout_ms}, {"port", m.port}}
+  return json{{"node", m.node},
+              {"bind_host", m.bind_host},
+              {"timeout_ms", m.timeout_ms},
+              {"port", m.port},
+              {"max_shm_bytes", m.max_shm_bytes}}
       .dump();
 }
 std::string Encode(const PeerSetupReply& m) { return json{{"address", m.address}}.dump(); }
@@ -283,7 +286,8 @@ Status Decode(std::string_view payload, PeerSetupRequest* out) {
   return Parse(payload, {{"node", &out->node},
                          {"bind_host", &out->bind_host},
                          {"timeout_ms", &out->timeout_ms, /*optional=*/true},
-                         {"port", &out->port, /*optional=*/true}})
+                         {"port", &out->port, /*optional=*/true},
+                         {"max_shm_bytes", &out->max_shm_bytes, /*optional=*/true}})
       .status();
 }
 Status Decode(std::string_view payload, PeerSetupReply* out) {

@@ -154,6 +154,9 @@ struct PeerSetupRequest {
   // The port to listen on; 0: a free one. A client asks a new agent for the port the dead one
   // listened on, so that the address in the peers' membership stays right (issue 22).
   uint32_t port = 0;
+  // The job's Checkpointer max_shm_bytes (0: none): bounds the replicas this node keeps for other
+  // nodes to what the job's slots on the node leave of it (docs/operations.md, "Host memory").
+  uint64_t max_shm_bytes = 0;
 };
 struct PeerSetupReply {
   std::string address;  // "host:port" peers connect to

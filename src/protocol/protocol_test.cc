@@ -426,11 +426,17 @@ TEST(MessageTest, EveryMessageRoundTrips) {
 }
 
 TEST(MessageTest, PeerReplicationMessagesRoundTrip) {
-  PeerSetupRequest setup{"node2", "10.1.2.3", 2500}, setup_out;
+  PeerSetupRequest setup{"node2", "10.1.2.3", 2500, 7001, uint64_t{3} << 33}, setup_out;
   ASSERT_OK(Decode(Encode(setup), &setup_out));
   EXPECT_EQ(setup_out.node, "node2");
   EXPECT_EQ(setup_out.bind_host, "10.1.2.3");
   EXPECT_EQ(setup_out.timeout_ms, 2500u);
+  EXPECT_EQ(setup_out.port, 7001u);
+  EXPECT_EQ(setup_out.max_shm_bytes, uint64_t{3} << 33);
+  // An older client's request has no cap: none.
+  PeerSetupRequest older;
+  ASSERT_OK(Decode(R"({"node":"n","bind_host":"h"})", &older));
+  EXPECT_EQ(older.max_shm_bytes, 0u);
 
   Membership note{"e1", 1, {{"a", "10.0.0.1:1"}, {"b", "10.0.0.2:2"}}, "ec:2+1", "00ff", 7},
       note_out;

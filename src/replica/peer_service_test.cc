@@ -72,11 +72,12 @@ class PeerServiceTest : public ::testing::Test {
 
   // Starts node `name` (the options after `tweak`).
   Node* StartNode(const std::string& name,
-                  const std::function<void(PeerServiceOptions&)>& tweak = nullptr) {
+                  const std::function<void(PeerServiceOptions&)>& tweak = nullptr,
+                  ReplicaStoreOptions store_options = {}) {
     auto n = std::make_unique<Node>();
     n->name = name;
     EXPECT_FALSE(n->dir.path().empty());
-    auto store = ReplicaStore::Open(n->dir.path());
+    auto store = ReplicaStore::Open(n->dir.path(), std::move(store_options));
     EXPECT_TRUE(store.ok()) << store.status().ToString();
     if (!store.ok()) return nullptr;
     n->store = std::move(*store);
@@ -350,6 +351,62 @@ TEST_F(PeerServiceTest, StillValidTurningFalseCancelsAndLeavesNoReplica) {
   EXPECT_EQ(pushed.status().code(), StatusCode::kCancelled) << pushed.status().ToString();
   EXPECT_EQ(calls, chunks + 1);
   EXPECT_EQ(Stored(b), 0u);
+}
+
+// A receiver whose budget holds one replica of the rank (budget mode) receives the next push
+// into the previous replica's pages: it gives that one up when the push starts, so a push cut
+// off mid-transfer leaves it no replica of the rank to serve, and a rebuild must fall back
+// (NotFound: nothing to fetch); the next whole push is served again.
+TEST_F(PeerServiceTest, BudgetModeReceivesInPlaceAndACutPushLeavesNothingServed) {
+  const std::vector<std::byte> image = test::PatternBytes(2 << 20, 31);
+  const uint64_t budget = image.size() + (64 << 10);  // one replica (4 KiB header) fits, not two
+  ReplicaStoreOptions opts;
+  opts.budget = [budget] { return std::optional<uint64_t>(budget); };
+  Node* src = StartNode("a");
+  Node* b = StartNode("b", nullptr, opts);
+  Node* d = StartNode("d");
+  ASSERT_TRUE(src && b && d);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr));
+  ASSERT_OK(pushed.targets[0]);
+  ASSERT_EQ(Stored(b), 1u);
+  EXPECT_EQ(b->store->received_in_place(), 0u);  // nothing to receive into yet
+  EXPECT_LE(b->store->bytes(), budget);
+
+  // Step 8 cut off after a few chunks: step 7 was given up for it, and nothing is left.
+  SnapshotId next = kId;
+  next.step = kId.step + 1;
+  next.complete_ns = kId.complete_ns + 1;
+  std::atomic<int> calls{0};
+  Result<PushResult> cut = src->svc->Push(next, image, r, {b->peer()}, [&] { return ++calls < 4; });
+  EXPECT_EQ(cut.status().code(), StatusCode::kCancelled) << cut.status().ToString();
+  EXPECT_EQ(b->store->received_in_place(), 1u);
+  // The receiver drops the cut transfer's file once it sees the cancel.
+  for (int i = 0; i < 500 && b->store->bytes() > 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(Stored(b), 0u);
+  EXPECT_EQ(b->store->bytes(), 0u);
+  std::vector<Holding> holdings = d->svc->List({b->peer()}, kId.rank);
+  EXPECT_TRUE(holdings.empty());
+  std::vector<std::byte> out(image.size());
+  EXPECT_EQ(d->svc->FetchImage(holdings, kId, out).code(), StatusCode::kNotFound);
+
+  // Two whole pushes: the second is received in place of the first, never a second file.
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr));
+  ASSERT_OK(pushed.targets[0]);
+  SnapshotId third = next;
+  third.step += 1;
+  third.complete_ns += 1;
+  const std::vector<std::byte> image3 = test::PatternBytes(2 << 20, 32);
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(third, image3, r, {b->peer()}, nullptr));
+  ASSERT_OK(pushed.targets[0]);
+  EXPECT_EQ(b->store->received_in_place(), 2u);
+  EXPECT_LE(b->store->bytes(), budget);
+  holdings = d->svc->List({b->peer()}, kId.rank);
+  ASSERT_EQ(holdings.size(), 1u);
+  EXPECT_EQ(holdings[0].meta.step, third.step);
+  ASSERT_OK(d->svc->FetchImage(holdings, third, out));
+  EXPECT_EQ(test::FirstMismatch(out, 32), -1);
 }
 
 TEST_F(PeerServiceTest, CorruptedChunkIsRefusedAndNothingCommitted) {

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -296,7 +297,8 @@ class PosixReplicaWriter final : public ReplicaWriter {
 
 class PosixReplicaStore final : public ReplicaStore {
  public:
-  explicit PosixReplicaStore(std::string dir) : dir_(std::move(dir)) {}
+  PosixReplicaStore(std::string dir, ReplicaStoreOptions options)
+      : dir_(std::move(dir)), options_(std::move(options)) {}
 
   Status RemoveTemporaries() {
     SP_ASSIGN_OR_RETURN(std::vector<std::string> names, Names());
@@ -328,10 +330,29 @@ class PosixReplicaStore final : public ReplicaStore {
     };
     const std::string tmp =
         dir_ + "/" + std::string(kTempPrefix) + internal::RandomHex16() + "-" + name;
-    // A spare's pages are reused: only what it lacks is allocated (and zeroed) afresh.
+    const std::optional<uint64_t> room = Budget();
     UniqueFd fd;
     uint64_t reused = 0;
-    if (std::optional<Spare> spare = TakeSpare(size)) {
+    // Over the budget next to what the store holds (spares aside, they give way): the previous
+    // replica of this source rank is given up and received into.
+    const uint64_t held = room ? bytes() : 0, spares = room ? spare_bytes() : 0;
+    if (room && (held > spares ? held - spares : 0) + size > *room) {
+      if (std::optional<uint64_t> allocated = GiveUpPrevious(meta, tmp)) {
+        fd = UniqueFd(::open(tmp.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
+        if (!fd) {
+          ::unlink(tmp.c_str());
+        } else {
+          reused = std::min(*allocated, size);
+          in_place_.fetch_add(1);
+          spdlog::info("{}: receiving {} in place of the previous replica (budget {})", dir_, name,
+                       HumanBytes(*room));
+        }
+      }
+    }
+    // A spare's pages are reused: only what it lacks is allocated (and zeroed) afresh.
+    std::optional<Spare> spare;
+    if (!fd) spare = TakeSpare(size);
+    if (spare) {
       if (::rename(spare->path.c_str(), tmp.c_str()) == 0) {
         fd = UniqueFd(::open(tmp.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
         if (!fd) ::unlink(tmp.c_str());
@@ -352,8 +373,9 @@ class PosixReplicaStore final : public ReplicaStore {
           ::ftruncate(fd.get(), static_cast<off_t>(size)) != 0)
         return fail(ErrnoStatus("ftruncate", tmp, errno));
     }
-    // Room for what is not reused; spares give theirs back first.
+    // Room for what is not reused; spares give theirs back first (and past the budget).
     const uint64_t needed = size - reused;
+    if (room) TrimSpares(*room, needed);
     if (free_bytes() < needed) ReleaseSpares();
     if (const uint64_t f = free_bytes(); f < needed) return fail(no_room(f));
     if (!fd) {
@@ -435,6 +457,7 @@ class PosixReplicaStore final : public ReplicaStore {
   }
 
   Result<uint64_t> Prune(uint32_t keep) override {
+    const std::optional<uint64_t> room = Budget();
     std::lock_guard lock(mu_);
     SP_ASSIGN_OR_RETURN(std::vector<Entry> entries, Entries());
     // The snapshots (step, complete_ns) of each (source, rank), newest first.
@@ -455,7 +478,7 @@ class PosixReplicaStore final : public ReplicaStore {
           kept.end()) {
         continue;
       }
-      SP_RETURN_IF_ERROR(Remove(e, &freed));
+      SP_RETURN_IF_ERROR(Remove(e, &freed, room ? true : options_.spares_without_budget, room));
     }
     return freed;
   }
@@ -483,6 +506,15 @@ class PosixReplicaStore final : public ReplicaStore {
     }
     return freed;
   }
+
+  uint64_t spare_bytes() override {
+    std::lock_guard lock(spare_mu_);
+    uint64_t total = 0;
+    for (const Spare& s : spares_) total += s.allocated;
+    return total;
+  }
+
+  uint64_t received_in_place() override { return in_place_.load(); }
 
   uint64_t bytes() override {
     auto names = Names();
@@ -544,10 +576,66 @@ class PosixReplicaStore final : public ReplicaStore {
     return out;
   }
 
-  // Removes a replica (mu_ held): its file becomes a spare if it is worth keeping and nobody
-  // has it mapped, else it is unlinked.
-  Status Remove(const Entry& e, uint64_t* freed, bool recycle = true) {
+  // The budget now, if there is one.
+  std::optional<uint64_t> Budget() const {
+    if (!options_.budget) return std::nullopt;
+    return options_.budget();
+  }
+
+  // Removes spares (largest first) while the store's files and `needed` more bytes pass `room`.
+  void TrimSpares(uint64_t room, uint64_t needed) {
+    for (;;) {
+      const uint64_t total = bytes();
+      if (total + needed <= room) return;
+      Spare s;
+      {
+        std::lock_guard lock(spare_mu_);
+        if (spares_.empty()) return;
+        auto it = std::max_element(
+            spares_.begin(), spares_.end(),
+            [](const Spare& a, const Spare& b) { return a.allocated < b.allocated; });
+        s = std::move(*it);
+        spares_.erase(it);
+      }
+      ::unlink(s.path.c_str());
+    }
+  }
+
+  // Gives up the previous replica of `meta`'s source node and rank (the oldest snapshot, not
+  // newer than meta's, that no reader has mapped): renames its file to `tmp`, where it is never
+  // listed. Returns the bytes of pages it holds; nullopt when there is none to give up.
+  std::optional<uint64_t> GiveUpPrevious(const ReplicaMeta& meta, const std::string& tmp) {
+    std::lock_guard lock(mu_);
+    auto entries = Entries();
+    if (!entries.ok()) return std::nullopt;
+    std::vector<const Entry*> candidates;
+    for (const Entry& e : *entries) {
+      if (e.meta.source_node != meta.source_node || e.meta.rank != meta.rank) continue;
+      if (std::tie(e.meta.step, e.meta.complete_ns) > std::tie(meta.step, meta.complete_ns))
+        continue;
+      candidates.push_back(&e);
+    }
+    std::sort(candidates.begin(), candidates.end(), [](const Entry* a, const Entry* b) {
+      return std::tie(a->meta.step, a->meta.complete_ns, a->meta.index) <
+             std::tie(b->meta.step, b->meta.complete_ns, b->meta.index);
+    });
+    for (const Entry* e : candidates) {
+      struct stat st;
+      if (::lstat(e->path.c_str(), &st) != 0) continue;
+      auto reader = readers_.find(st.st_ino);
+      if (reader != readers_.end() && !reader->second.expired()) continue;
+      if (::rename(e->path.c_str(), tmp.c_str()) != 0) continue;
+      return static_cast<uint64_t>(st.st_blocks) * 512;
+    }
+    return std::nullopt;
+  }
+
+  // Removes a replica (mu_ held): its file becomes a spare if `recycle`, it is worth keeping,
+  // nobody has it mapped and the store's files then fit `room` (when given), else it is unlinked.
+  Status Remove(const Entry& e, uint64_t* freed, bool recycle = true,
+                std::optional<uint64_t> room = std::nullopt) {
     struct stat st;
+    if (recycle && room && bytes() > *room) recycle = false;
     if (recycle && e.size >= kMinSpareBytes && ::lstat(e.path.c_str(), &st) == 0) {
       auto reader = readers_.find(st.st_ino);
       const bool mapped = reader != readers_.end() && !reader->second.expired();
@@ -591,6 +679,8 @@ class PosixReplicaStore final : public ReplicaStore {
   }
 
   const std::string dir_;
+  const ReplicaStoreOptions options_;
+  std::atomic<uint64_t> in_place_{0};
   std::mutex mu_;  // Prune, RemoveSource and the readers_ of Read, one at a time
   std::map<ino_t, std::weak_ptr<void>> readers_;  // guarded by mu_: files Read has mapped
   std::mutex spare_mu_;                           // after mu_ when both are held
@@ -599,13 +689,14 @@ class PosixReplicaStore final : public ReplicaStore {
 
 }  // namespace
 
-Result<std::unique_ptr<ReplicaStore>> ReplicaStore::Open(const std::string& job_dir) {
+Result<std::unique_ptr<ReplicaStore>> ReplicaStore::Open(const std::string& job_dir,
+                                                         ReplicaStoreOptions options) {
   const std::string dir = job_dir + "/replicas";
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", dir, errno);
   struct stat st;
   if (::lstat(dir.c_str(), &st) != 0) return ErrnoStatus("stat", dir, errno);
   if (!S_ISDIR(st.st_mode)) return InvalidArgument(dir + ": not a directory");
-  auto store = std::make_unique<PosixReplicaStore>(dir);
+  auto store = std::make_unique<PosixReplicaStore>(dir, std::move(options));
   SP_RETURN_IF_ERROR(store->RemoveTemporaries());
   return std::unique_ptr<ReplicaStore>(std::move(store));
 }

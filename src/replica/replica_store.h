@@ -10,18 +10,29 @@
 // matched the sender's: a visible replica file is always whole and verified. Readers verify the
 // header CRC, and the payload CRC before they trust the bytes.
 //
-// Pruned replicas of 1 MiB or more become spares (".spare-<random>", at most 16): never listed,
-// removed when the store is opened, and reused by the next Begin, so that a node receiving
-// snapshot after snapshot allocates (and the kernel zeroes) no fresh pages: a spare's pages are
-// kept (the file is shrunk or grown to the new size; only what it lacked is reserved). When a
-// Begin finds too little free memory, the spares are removed first. A replica that a reader has
-// mapped (Read) is removed, never recycled.
+// Pruned replicas of 1 MiB or more may become spares (".spare-<random>", at most 16): never
+// listed, removed when the store is opened, and reused by the next Begin, so that a node
+// receiving snapshot after snapshot allocates (and the kernel zeroes) no fresh pages: a spare's
+// pages are kept (the file is shrunk or grown to the new size; only what it lacked is reserved).
+// When a Begin finds too little free memory, the spares are removed first. A replica that a
+// reader has mapped (Read) is removed, never recycled.
+//
+// The budget (ReplicaStoreOptions::budget, docs/operations.md "Host memory"): the bytes the
+// store's files (replicas, files being received, spares) may take. A spare is kept only while
+// the files fit it (without a budget: only if spares_without_budget), and a Begin whose new file
+// would not fit next to what the store holds receives in place of the previous replica of the
+// same source node and rank: that replica is given up (renamed to the temporary name, so it is
+// never listed or read again) and its pages take the new one. Until the new one commits, this
+// node holds no replica of that rank; a transfer cut off leaves none (the temporary file is
+// removed). A replica a reader has mapped is never given up. The budget never refuses the one
+// replica per source rank (only a full /dev/shm does).
 //
 // Thread safety: one ReplicaStore per agent; its methods may be called from several threads
 // (each writer owns its file until Commit).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -73,10 +84,19 @@ struct ReplicaView {
   std::shared_ptr<const void> mapping;  // keeps payload mapped
 };
 
+struct ReplicaStoreOptions {
+  // The bytes the store's files may take, asked at each Begin and Prune; nullopt or no
+  // function: no budget.
+  std::function<std::optional<uint64_t>()> budget;
+  // Whether pruned replicas become spares when there is no budget.
+  bool spares_without_budget = true;
+};
+
 class ReplicaStore {
  public:
   // Opens (creating) "<job_dir>/replicas"; removes temporary files of earlier agents.
-  static Result<std::unique_ptr<ReplicaStore>> Open(const std::string& job_dir);
+  static Result<std::unique_ptr<ReplicaStore>> Open(const std::string& job_dir,
+                                                    ReplicaStoreOptions options = {});
   virtual ~ReplicaStore() = default;
 
   // Starts receiving a replica (validates meta: names, sizes, kind/index/k/p consistent).
@@ -98,6 +118,10 @@ class ReplicaStore {
   virtual uint64_t ReleaseSpares() = 0;
   // Bytes of shared memory the replica files take (those being received and spares included).
   virtual uint64_t bytes() = 0;
+  // Of bytes(): the spares'.
+  virtual uint64_t spare_bytes() = 0;
+  // Begins that received in place of the previous replica (the budget), since Open.
+  virtual uint64_t received_in_place() = 0;
 };
 
 }  // namespace safepoint::replica

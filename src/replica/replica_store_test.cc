@@ -542,6 +542,168 @@ TEST_F(ReplicaStoreTest, AMappedReplicaIsRemovedNotRecycled) {
   EXPECT_EQ(Crc32c(view.payload), list[0].payload_crc);
 }
 
+// A budget store (ReplicaStoreOptions::budget) opened on the fixture's directory.
+std::unique_ptr<ReplicaStore> OpenWithBudget(const std::string& job_dir,
+                                             const std::shared_ptr<uint64_t>& budget,
+                                             bool spares_without_budget = true) {
+  ReplicaStoreOptions o;
+  o.budget = [budget]() -> std::optional<uint64_t> {
+    if (*budget == 0) return std::nullopt;
+    return *budget;
+  };
+  o.spares_without_budget = spares_without_budget;
+  auto store = ReplicaStore::Open(job_dir, std::move(o));
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
+  return store.ok() ? std::move(*store) : nullptr;
+}
+
+// Budget mode: room for one replica of the rank, not two. The next replica is received into
+// the previous one's file (the same pages): that one is given up (no longer listed or readable)
+// when the new one begins, and no second file is ever made.
+TEST_F(ReplicaStoreTest, OverTheBudgetTheNextReplicaIsReceivedIntoThePreviousOnesPages) {
+  const auto one = test::PatternBytes(4 << 20, 41);
+  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
+  auto store = OpenWithBudget(tmp_.path(), budget);
+  ASSERT_TRUE(store);
+  const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
+  ASSERT_OK(Put(*store, first, one));
+  struct stat before;
+  ASSERT_EQ(::stat((dir() + "/n.rank-0.step-1.1.copy-0").c_str(), &before), 0);
+  // A replica of another rank has no previous one: it is never refused by the budget.
+  ASSERT_OK(Put(*store, CopyMeta("n", 1, 1, 1, one), one));
+  EXPECT_EQ(store->received_in_place(), 0u);
+
+  const auto two = test::PatternBytes(4 << 20, 42);
+  const ReplicaMeta second = CopyMeta("n", 0, 2, 1, two);
+  ASSERT_OK_AND_ASSIGN(auto w, store->Begin(second));
+  EXPECT_EQ(store->received_in_place(), 1u);
+  // While it is received: rank 0 has no replica here (the old one is given up), one file only.
+  ASSERT_OK_AND_ASSIGN(auto listed, store->List(0));
+  EXPECT_TRUE(listed.empty());
+  EXPECT_EQ(store->Read(first).status().code(), StatusCode::kNotFound);
+  std::vector<std::string> names = DirNames(dir());
+  ASSERT_EQ(names.size(), 2u);
+  ASSERT_TRUE(names[0].starts_with(".tmp-")) << names[0];
+  EXPECT_EQ(names[1], "n.rank-1.step-1.1.copy-0");
+  struct stat receiving;
+  ASSERT_EQ(::stat((dir() + "/" + names[0]).c_str(), &receiving), 0);
+  EXPECT_EQ(receiving.st_ino, before.st_ino);  // the previous replica's file and pages
+  std::memcpy(w->data().data(), two.data(), two.size());
+  ASSERT_OK(w->Commit());
+  ASSERT_OK(store->Prune(1));
+  struct stat after;
+  ASSERT_EQ(::stat((dir() + "/n.rank-0.step-2.1.copy-0").c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino);
+  EXPECT_EQ(DirNames(dir()),
+            (std::vector<std::string>{"n.rank-0.step-2.1.copy-0", "n.rank-1.step-1.1.copy-0"}));
+  ASSERT_OK_AND_ASSIGN(listed, store->List(0));
+  ASSERT_EQ(listed.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(ReplicaView view, store->Read(listed[0]));
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), two.begin(), two.end()));
+}
+
+// Budget mode, a transfer cut off (the writer dropped before Commit): the rank has no replica
+// on this node at all (the previous one was given up), so nothing partial is ever served.
+TEST_F(ReplicaStoreTest, ACutTransferInBudgetModeLeavesNoReplicaToServe) {
+  const auto one = test::PatternBytes(2 << 20, 43);
+  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
+  auto store = OpenWithBudget(tmp_.path(), budget);
+  ASSERT_TRUE(store);
+  const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
+  ASSERT_OK(Put(*store, first, one));
+  const auto two = test::PatternBytes(2 << 20, 44);
+  {
+    ASSERT_OK_AND_ASSIGN(auto w, store->Begin(CopyMeta("n", 0, 2, 1, two)));
+    std::memcpy(w->data().data(), two.data(), two.size() / 2);  // half of it arrived
+  }
+  ASSERT_OK_AND_ASSIGN(auto listed, store->List());
+  EXPECT_TRUE(listed.empty());
+  EXPECT_EQ(store->Read(first).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(DirNames(dir()).empty());
+  EXPECT_EQ(store->bytes(), 0u);
+}
+
+// A replica a reader has mapped (a rebuild reading it) is never given up for the next one.
+TEST_F(ReplicaStoreTest, BudgetModeNeverReceivesIntoAReplicaBeingRead) {
+  const auto one = test::PatternBytes(2 << 20, 45);
+  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
+  auto store = OpenWithBudget(tmp_.path(), budget);
+  ASSERT_TRUE(store);
+  const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
+  ASSERT_OK(Put(*store, first, one));
+  ASSERT_OK_AND_ASSIGN(ReplicaView view, store->Read(first));
+  const auto two = test::PatternBytes(2 << 20, 46);
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 2, 1, two), two));
+  EXPECT_EQ(store->received_in_place(), 0u);
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), one.begin(), one.end()));
+  ASSERT_OK_AND_ASSIGN(auto listed, store->List());
+  EXPECT_EQ(listed.size(), 2u);
+}
+
+// Spares are kept only while the store's files fit the budget, and not at all without one
+// when spares_without_budget is off (the agent's default).
+TEST_F(ReplicaStoreTest, SparesNeverPassTheBudget) {
+  const auto one = test::PatternBytes(4 << 20, 47);
+  const uint64_t file = kHeader + one.size();
+  auto budget = std::make_shared<uint64_t>(3 * file);
+  auto store = OpenWithBudget(tmp_.path(), budget);
+  ASSERT_TRUE(store);
+  auto spares = [&] {
+    size_t n = 0;
+    for (const std::string& name : DirNames(dir())) n += name.starts_with(".spare-");
+    return n;
+  };
+  // Room for two files: the previous replica stays while the next is received, then it is
+  // kept as a spare (2 files <= the budget) and the next push reuses it.
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 1, 1, one), one));
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 2, 1, one), one));
+  EXPECT_EQ(store->received_in_place(), 0u);
+  ASSERT_OK(store->Prune(1));
+  EXPECT_EQ(spares(), 1u);
+  EXPECT_EQ(store->spare_bytes(), file);
+  EXPECT_LE(store->bytes(), *budget);
+  // The budget shrinks (the job's slots grew) below two files: the pruned replica is not kept.
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 3, 1, one), one));  // into the spare
+  EXPECT_EQ(spares(), 0u);
+  *budget = file + file / 2;
+  ASSERT_OK(store->Prune(1));
+  EXPECT_EQ(spares(), 0u);
+  EXPECT_EQ(DirNames(dir()), std::vector<std::string>{"n.rank-0.step-3.1.copy-0"});
+  // Every later push stays within it: received in place, no spare.
+  for (uint64_t step = 4; step < 8; ++step) {
+    ASSERT_OK(Put(*store, CopyMeta("n", 0, step, 1, one), one));
+    ASSERT_OK(store->Prune(1));
+    EXPECT_LE(store->bytes(), *budget);
+    EXPECT_EQ(spares(), 0u);
+  }
+  EXPECT_EQ(store->received_in_place(), 4u);
+  // Spares left from a roomier budget: a Begin that would pass the budget takes one and
+  // removes the others.
+  *budget = 4 * file;
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 8, 1, one), one));
+  ASSERT_OK(Put(*store, CopyMeta("m", 0, 1, 1, one), one));
+  ASSERT_OK(Put(*store, CopyMeta("m", 0, 2, 1, one), one));
+  ASSERT_OK(store->Prune(1));
+  ASSERT_EQ(spares(), 2u);
+  EXPECT_LE(store->bytes(), *budget);
+  *budget = file + file / 2;
+  ASSERT_OK(Put(*store, CopyMeta("k", 0, 1, 1, one), one));  // another source: a new file
+  EXPECT_EQ(spares(), 0u);
+  EXPECT_EQ(DirNames(dir()),
+            (std::vector<std::string>{"k.rank-0.step-1.1.copy-0", "m.rank-0.step-2.1.copy-0",
+                                      "n.rank-0.step-8.1.copy-0"}));
+
+  // No budget and spares_without_budget off: a pruned replica is simply removed.
+  test::TempDir other{"replica-store-nospares"};
+  auto none = OpenWithBudget(other.path(), std::make_shared<uint64_t>(0), false);
+  ASSERT_TRUE(none);
+  ASSERT_OK(Put(*none, CopyMeta("n", 0, 1, 1, one), one));
+  ASSERT_OK(Put(*none, CopyMeta("n", 0, 2, 1, one), one));
+  ASSERT_OK(none->Prune(1));
+  EXPECT_EQ(DirNames(other.Join("replicas")), std::vector<std::string>{"n.rank-0.step-2.1.copy-0"});
+  EXPECT_EQ(none->received_in_place(), 0u);
+}
+
 // Commit with the CRCs given at the end (a push's receiver): a wrong one is Corruption and
 // nothing becomes visible.
 TEST_F(ReplicaStoreTest, CommitWithCrcsGivenAtTheEnd) {

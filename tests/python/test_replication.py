@@ -153,6 +153,36 @@ def test_a_restarted_agent_gets_the_peer_setup_again(cluster, tmp_path):
     job.kill()
 
 
+def test_budget_mode_receives_each_replica_in_place_of_the_previous_one(cluster, tmp_path):
+    """3 nodes, mirror, max_shm_bytes below two slots (budget mode): one slot per rank, and the
+    room the cap leaves (600 KiB) holds one replica of a rank, not two. So each node receives
+    the next snapshot of the rank it mirrors into the previous replica's file: it never holds
+    more than one replica file. The rank of a lost node still restores from that replica."""
+    c = cluster(3, shm_size="64m")
+    ckpt, name = tmp_path / "ckpt", f"budget-{os.getpid()}"
+    slot = (2 << 20) + 4096  # one slot of this small state (capacity rounded up to 2 MiB)
+    job = Job(c, WORKER, ["save", ckpt, name, "mirror", 3, 1],
+              env={"SAFEPOINT_TEST_MAX_SHM": str(slot + (600 << 10))})
+    saved = job.expect_all("saved")
+    assert all(o["replication"][0]["step"] == 3 and o["replication"][0]["protected"]
+               for o in saved), saved
+    (tmp_path / "AGAIN").touch()  # step 4, not persisted: replicated in place of step 3
+    again = job.expect_all("again")
+    for o in again:
+        assert o["replication"][0]["step"] == 4 and o["replication"][0]["protected"], o
+        assert o["memory"]["slots"] == 1, o["memory"]
+        assert o["received_in_place"] >= 1, o
+        assert [h["step"] for h in o["held"]] == [4], o["held"]
+        one_file = 4096 + -(-o["held"][0]["bytes"] // 4096) * 4096
+        assert o["memory"]["replica_node_bytes"] == one_file, (o["memory"], o["held"])
+        assert o["memory"]["replica_spare_bytes"] == 0, o["memory"]
+    _lose(c, 1)
+    job, loaded = _reload(job, ckpt, name, "mirror")
+    assert [o["step"] for o in loaded] == [4, 4, 4]
+    assert [o["source"] for o in loaded] == ["memory", "peer", "memory"]
+    assert all(o["equal"] for o in loaded)
+
+
 def test_the_peer_host_of_an_ipv6_job_is_an_ipv6_address(monkeypatch):
     # IPv6 peers: the address a node's peer service binds follows the master's address family
     # (before: an IPv4-only probe, then the hostname's IPv4 address), and one given in brackets,

@@ -413,6 +413,7 @@ def test_status_reports_the_shared_memory_of_the_rank_and_of_the_node(make, shm)
     assert mem["shm_rank_bytes"] == sum(p.stat().st_size for p in slots)
     assert mem["shm_node_bytes"] == sum(p.stat().st_blocks * 512 for p in slots)
     assert mem["max_shm_bytes"] is None
+    assert mem["replica_node_bytes"] is None  # no replication: no replicas kept here
     for k in ("rss_bytes", "peak_rss_bytes", "private_bytes", "agent_rss_bytes"):
         assert isinstance(mem[k], int) and mem[k] > 0, (k, mem)
     assert isinstance(mem["shared_rss_bytes"], int)  # 0 where the kernel does not count it

@@ -5,7 +5,8 @@
                                                            waits for replication, then sleeps
     python replica_worker.py load CKPT JOB REDUNDANCY       restores the newest common step
 
-Prints "KIND {json}" lines on stdout.
+$SAFEPOINT_TEST_MAX_SHM, when set, is the Checkpointer's max_shm_bytes. Prints "KIND {json}"
+lines on stdout.
 """
 
 import hashlib
@@ -48,8 +49,9 @@ def main():
 
     import safepoint
 
+    cap = os.environ.get("SAFEPOINT_TEST_MAX_SHM")
     ck = safepoint.Checkpointer(ckpt, job=job, redundancy=redundancy, dedupe=False, keep=5,
-                                peer_timeout=10.0)
+                                peer_timeout=10.0, max_shm_bytes=int(cap) if cap else None)
     if mode == "save":
         k, persisted = int(sys.argv[5]), int(sys.argv[6])
         for step in range(1, k + 1):
@@ -68,9 +70,12 @@ def main():
             time.sleep(0.1)
         ck.save(k + 1, state(k + 1, rank), persist=False)
         ck.wait()
+        dist.barrier()  # every node's step k+1 is on its peer
         st = ck.status()
         say("again", rank=rank, replication=[r for r in st["replication"]["ranks"]
-                                             if r["rank"] == rank])
+                                             if r["rank"] == rank],
+            held=st["replication"]["held"], memory=st["memory"],
+            received_in_place=st["replication"].get("received_in_place"))
         while True:
             time.sleep(60)
     elif mode == "load":
