@@ -647,8 +647,9 @@ def render(res: dict, args, conditions: str) -> str:
             base = max(x["step_s"]["none"] for x in rows)
             st = max(x["step_s"][m] for x in rows)
             sv = max(x["save_s"][m] for x in rows)
-            cpu = max((x.get("cpu_s") or {}).get(m, 0.0) for x in rows)
-            return f"{st:.3f} | {st / base:.3f}x | {sv:.4f} | {cpu:.3f}"
+            cpu = [(x.get("cpu_s") or {}).get(m) for x in rows]
+            c = f"{max(cpu):.3f}" if None not in cpu else "–"
+            return f"{st:.3f} | {st / base:.3f}x | {sv:.4f} | {c}"
 
         for m in rk[0]["step_s"]:
             if m not in ("none", "flash", "flash+mirror") and pin_ok:
