@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -180,6 +180,11 @@ bench-replication: build setup-bench
 	@$(PY) -c 'import lm_resiliency' 2>/dev/null || test -d build/bench/lmres-deps || \
 	  $(PY) -m pip install -q --no-deps --target build/bench/lmres-deps lm-resiliency==0.2.0
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/replication.py
+
+# The node agent's CPU time per GB persisted and replicated, next to dd's and iperf3's in the same
+# run (root: network-namespace nodes; perf, when installed, profiles the agents).
+bench-interference: build setup-bench
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/interference.py
 
 # Lag from a step's commit on `path` to its commit on each lower tier (file://, and s3:// and
 # rados:// on a throwaway single-host Ceph when this machine can run one). SIZES/RUNS override.

@@ -308,14 +308,20 @@ def agent_rebuilds(node) -> list[dict]:
     return out
 
 
-def train(c: Cluster, args, work: str, gemini: bool) -> dict:
+def train(c: Cluster, args, work: str, gemini: bool, pin: bool = False) -> dict:
+    """3-node DDP, blocks of steps per mode. `pin`: each rank (and its threads) on CPU 0, the
+    node agents on CPU 1, so that the agents' work does not take the ranks' core: what is left
+    of the slowdown is what they share (memory bandwidth, the kernel's network stack)."""
+    t = "pinned-" if pin else ""
     a = {"dim": args.dim, "layers": args.layers, "batch": 8, "steps": args.train_steps,
-         "blocks": args.train_blocks, "redundancy": "mirror",
-         "ckpt_on": os.path.join(work, "train-on"), "job_on": f"bench-train-{os.getpid()}",
-         "ckpt_off": os.path.join(work, "train-off"), "job_off": f"bench-train-off-{os.getpid()}",
-         "gemini": gemini, "gemini_folder": os.path.join(work, "gemini-train"),
-         "gemini_run_id": f"train-{os.getpid()}"}
-    log("training: DDP on 3 nodes")
+         "blocks": args.train_blocks, "redundancy": "mirror", "pin": pin,
+         "ckpt_on": os.path.join(work, f"train-{t}on"),
+         "job_on": f"bench-train-{t}{os.getpid()}",
+         "ckpt_off": os.path.join(work, f"train-{t}off"),
+         "job_off": f"bench-train-{t}off-{os.getpid()}",
+         "gemini": gemini, "gemini_folder": os.path.join(work, f"gemini-train-{t}"),
+         "gemini_run_id": f"train-{t}{os.getpid()}"}
+    log(f"training: DDP on 3 nodes{' (ranks on CPU 0, agents on CPU 1)' if pin else ''}")
     job = Job(c, WORKER, ["train", json.dumps(a)])
     try:
         out = job.expect_all("trained")
@@ -467,7 +473,11 @@ def render(res: dict, args, conditions: str) -> str:
              "peers). References: the same cluster's iperf3 ring stream (all nodes send at "
              "once), a lone iperf3 stream, and ucx_perftest (medians of the measurements above). "
              "Two warm-up rounds, so that both slots of every rank have been written once "
-             "(the first saves are listed below the table).")
+             "(the first saves are listed below the table). **agents' CPU s per GB sent**: the "
+             "CPU time (user + system) of the replicating job's agents over the timed saves "
+             "(each agent sends its rank's snapshot and receives another's) per GB they sent: "
+             "a sender's and a receiver's work per GB, as iperf3's figure above; "
+             "`make bench-interference` breaks it down.")
     L.append("")
     L.append("| redundancy | nodes | state a rank | blocking save, off | blocking save, on | "
              "until protected s | push s | sent a rank | push GB/s | vs iperf3 ring stream | "
@@ -486,10 +496,10 @@ def render(res: dict, args, conditions: str) -> str:
         ucxr = med(ref["ucx_ring"]) if ref.get("ucx_ring") else None
         saved = r["saved"]
         nbytes = saved[0]["bytes"]
-        # the replicated saves of the warm-ups and runs (read before the last, persisted save)
-        tot = sum((len(x["results"]["on"]["first_block"]) + len(x["results"]["on"]["block"]))
-                  * x["push"].get("bytes", 0) for x in saved)
-        cpu = sum(x.get("agent_cpu_s") or 0 for x in saved)
+        # the agents' CPU time over the timed saves (after the warm-ups; each agent sends its
+        # rank's snapshot and receives its predecessor's), per GB sent
+        tot = sum(len(x["results"]["on"]["block"]) * x["push"].get("bytes", 0) for x in saved)
+        cpu = sum(x.get("agent_cpu_runs_s") or 0 for x in saved)
         cpu_per_gb = f"{cpu / (tot / GB):.2f}" if tot and cpu else "–"
         on_b = per_rep_max(saved, "on", "block")
         off_b = per_rep_max(saved, "off", "block") if "off" in saved[0]["results"] else None
@@ -593,6 +603,7 @@ def render(res: dict, args, conditions: str) -> str:
                      f"{reps / img:.2f} | {exp} | {(reps + spares) / img:.2f} |")
     # training
     t = res.get("train")
+    tp = res.get("train_pinned")
     if t and "ranks" in t:
         L.append("")
         L.append("### Training slowdown (3-node DDP)")
@@ -605,32 +616,80 @@ def render(res: dict, args, conditions: str) -> str:
                  f"tokens a rank; {a['blocks']} blocks of {a['steps']} steps per mode, modes "
                  "alternated (A B C, C B A, ...), a save every step with `persist=False`; the first "
                  "step of each block is not counted. Step time = forward, backward, optimizer "
-                 "step and the save call (rank 0; DDP keeps the ranks in step).")
+                 "step and the save call (the slowest rank's median; DDP keeps the ranks in "
+                 "step).")
         L.append("")
-        L.append("| mode | step s | vs no checkpoint | save call s |")
-        L.append("|---|---:|---:|---:|")
-        base = max(x["step_s"]["none"] for x in rk)
+        L.append("Two jobs, one after the other on fresh nodes: **shared cores**: the 3 ranks and "
+                 "the 6 node agents (a flash-only and a mirror job per node) on the machine's 2 "
+                 "cores as the scheduler places them, so an agent's CPU time is taken from the "
+                 "ranks; **pinned**: every rank (and its threads) on CPU 0, every agent (all its "
+                 "threads, `sched_setaffinity` right after the Checkpointers started them) on CPU "
+                 "1, so that what is left of the slowdown is what the agents share with the "
+                 "ranks: memory bandwidth, caches and the kernel's network stack (a veth frame is "
+                 "processed on the sending CPU). The 3 ranks share one core when pinned, so "
+                 "their step is slower than with 2 cores; the comparison is each job's own "
+                 "'none'.")
+        L.append("")
+        pin_ok = tp and "ranks" in tp
+        L.append("**rank CPU s** = the rank process's own CPU time (user + system, all its "
+                 "threads) a step, the median of the slowest rank: work the same step costs "
+                 "more of (cache and memory-bandwidth interference, kernel work done in the "
+                 "rank's context) shows there, waiting does not.")
+        L.append("")
+        if pin_ok:
+            L.append("| mode | shared cores: step s | vs no checkpoint | save call s | rank CPU s "
+                     "| pinned: step s | vs no checkpoint | save call s | rank CPU s |")
+            L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        else:
+            L.append("| mode | step s | vs no checkpoint | save call s | rank CPU s |")
+            L.append("|---|---:|---:|---:|---:|")
+
+        def cols(rows: list, m: str) -> str:
+            base = max(x["step_s"]["none"] for x in rows)
+            st = max(x["step_s"][m] for x in rows)
+            sv = max(x["save_s"][m] for x in rows)
+            cpu = [(x.get("cpu_s") or {}).get(m) for x in rows]
+            c = f"{max(cpu):.3f}" if None not in cpu else "–"
+            return f"{st:.3f} | {st / base:.3f}x | {sv:.4f} | {c}"
+
         for m in rk[0]["step_s"]:
-            st = max(x["step_s"][m] for x in rk)
-            sv = max(x["save_s"][m] for x in rk)
-            L.append(f"| {m} | {st:.3f} | {st / base:.2f}x | {sv:.3f} |")
-        ag = t.get("agents") or []
-        on = sum(x["cpu_s"] for x in ag if a["job_on"] in x["cmd"])
-        off = sum(x["cpu_s"] for x in ag if a["job_off"] in x["cmd"])
-        nsteps = a["blocks"] * a["steps"]
-        if ag:
+            if m not in ("none", "flash", "flash+mirror") and pin_ok:
+                continue
+            row = f"| {m} | {cols(rk, m)} |"
+            if pin_ok:
+                row += f" {cols(tp['ranks'], m)} |"
+            L.append(row)
+        for label, tt in (("shared cores", t), ("pinned", tp if pin_ok else None)):
+            if not tt:
+                continue
+            ag = tt.get("agents") or []
+            ta = tt["args"]
+            on = sum(x["cpu_s"] for x in ag if ta["job_on"] in x["cmd"])
+            off = sum(x["cpu_s"] for x in ag if ta["job_off"] in x["cmd"])
+            nsteps = ta["blocks"] * ta["steps"]
+            if ag:
+                L.append("")
+                L.append(f"{label}: CPU time of the node agents over the whole job (all nodes): "
+                         f"the mirror job's agents {on:.1f} s, the flash-only job's {off:.1f} s, "
+                         f"for {nsteps} saves each: {on / nsteps:.3f} s vs {off / nsteps:.3f} s "
+                         "a save.")
+        if pin_ok:
+            r0 = tp["ranks"]
             L.append("")
-            L.append(f"CPU time of the node agents over the whole job (all nodes): the mirror "
-                     f"job's agents {on:.1f} s, the flash-only job's {off:.1f} s, for "
-                     f"{nsteps} saves each: {on / nsteps:.3f} s vs {off / nsteps:.3f} s a "
-                     f"save, on 2 cores that the 3 ranks also compute on.")
+            L.append(f"Pinning read back at the end of the pinned job: ranks on CPUs "
+                     f"{sorted({c for x in r0 for c in x['rank_cpus']})}, agents on CPUs "
+                     f"{sorted({c for x in r0 for cs in x['agent_cpus'] for c in cs})} "
+                     f"({sum(len(x['agent_cpus']) for x in r0)} agents).")
         pushes = rk[0].get("pushes")
         if pushes:
             L.append("")
-            L.append(f"Rank 0's agent in the mirror mode: pushes ok {pushes[0]}, superseded "
-                     f"{pushes[1]}, failed {pushes[2]} (a push is superseded when the rank "
-                     "overwrites the slot before it is sent; pushes coalesce to the newest "
-                     "snapshot).")
+            L.append(f"Rank 0's agent in the mirror mode (shared cores): pushes ok {pushes[0]}, "
+                     f"superseded {pushes[1]}, failed {pushes[2]}"
+                     + (f"; pinned: {tp['ranks'][0]['pushes'][0]}, "
+                        f"{tp['ranks'][0]['pushes'][1]}, {tp['ranks'][0]['pushes'][2]}"
+                        if pin_ok and tp["ranks"][0].get("pushes") else "")
+                     + " (a push is superseded when the rank overwrites the slot before it is "
+                     "sent; pushes coalesce to the newest snapshot).")
         if rk[0].get("gemini_error"):
             L.append("")
             L.append(f"lm-resiliency on these 3 ranks: `{rk[0]['gemini_error']}`")
@@ -746,7 +805,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--train-steps", type=int, default=8, help="steps per block and mode")
-    ap.add_argument("--train-blocks", type=int, default=4, help="blocks per mode")
+    ap.add_argument("--train-blocks", type=int, default=6, help="blocks per mode")
     ap.add_argument("--shm", default="3g", help="each node's /dev/shm size")
     ap.add_argument("--skip", default="", help="comma list of: ec, train, gemini")
     ap.add_argument("--dir", default=os.path.join(REPO, "build", "bench"))
@@ -775,6 +834,8 @@ def main() -> None:
             stage(res, "links_after", links, c, args.size, False)
             if "train" not in skip:
                 stage(res, "train", train, c, args, work, have_gemini)
+                fresh(c)
+                stage(res, "train_pinned", train, c, args, work, False, True)
         if "ec" not in skip:
             with Cluster(4, shm_size=args.shm) as c:
                 stage(res, "links4", links, c, args.size, False)

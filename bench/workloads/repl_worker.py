@@ -121,6 +121,55 @@ def agent_cpu_s(job: str):
     return None
 
 
+def pin_self(cpu: int) -> None:
+    """Every thread of this process onto `cpu` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
+def agents_of(jobs: list) -> list[int]:
+    """Pids of this node's agents of `jobs` (their command lines name the job)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(c.endswith(b"safepointd") for c in cmd) and any(j.encode() in cmd for j in jobs):
+            out.append(int(pid))
+    return out
+
+
+def pin_agents(jobs: list, cpu: int) -> dict:
+    """Every thread of this node's agents of `jobs` onto `cpu` (the threads they start later
+    inherit it); returns {pid: sorted CPUs of each of its threads} read back."""
+    out = {}
+    for pid in agents_of(jobs):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), {cpu})
+            except OSError:
+                pass
+    for pid in agents_of(jobs):
+        out[pid] = sorted({c for tid in os.listdir(f"/proc/{pid}/task")
+                           for c in os.sched_getaffinity(int(tid))})
+    return out
+
+
+def affinities(jobs: list) -> dict:
+    """{pid: CPUs any thread of each agent of `jobs` may run on}, read now."""
+    out = {}
+    for pid in agents_of(jobs):
+        cpus: set = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                cpus |= os.sched_getaffinity(int(tid))
+            except OSError:
+                pass
+        out[pid] = sorted(cpus)
+    return out
+
+
 def run_save(a: dict) -> None:
     import safepoint
 
@@ -134,7 +183,11 @@ def run_save(a: dict) -> None:
     res: dict = {m: {"block": [], "protected": [], "push_s": [], "push_bytes": [],
                      "protected_flag": []} for m in cks}
     step = 0
+    cpu_at_runs = None
     for i in range(a["warmup"] + a["runs"]):
+        if i == a["warmup"]:
+            dist.barrier()
+            cpu_at_runs = agent_cpu_s(a["job_on"])  # after the warm-ups: the timed saves alone
         for m in (list(cks) if i % 2 == 0 else list(reversed(list(cks)))):
             step += 1
             bump(st, step)
@@ -159,6 +212,8 @@ def run_save(a: dict) -> None:
                 res[m]["protected_flag"].append(bool(p.get("protected")) and p["step"] == step)
     dist.barrier()
     agent_cpu = agent_cpu_s(a["job_on"])
+    runs_cpu = agent_cpu - cpu_at_runs if agent_cpu is not None and cpu_at_runs is not None \
+        else None
     # The step the restores go back to: in memory (and replicated) and committed on storage.
     step += 1
     bump(st, step)
@@ -168,6 +223,7 @@ def run_save(a: dict) -> None:
     dist.barrier()  # every rank's push is done: what each node holds now is settled
     rep = cks["on"].status()["replication"]
     say("saved", rank=rank, step=step, bytes=nbytes_of(st), results=res, agent_cpu_s=agent_cpu,
+        agent_cpu_runs_s=runs_cpu,
         held_bytes=rep.get("held_bytes"), held=rep.get("held"), push=my_push(cks["on"], rank),
         service=rep.get("service"))
     while True:
@@ -275,6 +331,8 @@ def run_train(a: dict) -> None:
     import safepoint
     from tiny_gpt import TinyGPT, batch
 
+    if a.get("pin"):  # the rank (and every thread it starts) on CPU 0, before gloo's threads
+        pin_self(0)
     rank, world = init()
     torch.manual_seed(0)
     model = TinyGPT(dim=a["dim"], layers=a["layers"], heads=4, context=64)
@@ -289,6 +347,8 @@ def run_train(a: dict) -> None:
            "flash+mirror": safepoint.Checkpointer(a["ckpt_on"], job=a["job_on"],
                                                   redundancy=a["redundancy"],
                                                   replication_bandwidth=0, dedupe=False, keep=2)}
+    agents = [a["job_off"], a["job_on"]]
+    pinned = pin_agents(agents, 1) if a.get("pin") else {}
     modes = ["none", "flash", "flash+mirror"]
     gem = None
     gem_error = None
@@ -300,6 +360,7 @@ def run_train(a: dict) -> None:
             gem_error = f"{type(e).__name__}: {e}"
     times: dict = {m: [] for m in modes}
     saves: dict = {m: [] for m in modes}
+    cpus: dict = {m: [] for m in modes}  # the rank's own CPU time a step (all its threads)
     step = 0
     for blk in range(a["blocks"]):
         order = modes if blk % 2 == 0 else list(reversed(modes))
@@ -307,6 +368,7 @@ def run_train(a: dict) -> None:
             for j in range(a["steps"]):
                 step += 1
                 x, y = batch(step, batch_size=a["batch"], context=64)
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 loss = torch.nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
@@ -318,17 +380,24 @@ def run_train(a: dict) -> None:
                 elif m == "gemini":
                     gem.save(state(), step)
                 t2 = time.perf_counter()
+                c2 = time.process_time()
                 if j > 0:  # the first step of a block pays for the switch
                     times[m].append(t2 - t0)
                     saves[m].append(t2 - t1)
+                    cpus[m].append(c2 - c0)
     nparams = sum(p.numel() for p in model.parameters())
     sbytes = sum(t.numel() * t.element_size() for t in safepoint_tensors(state()))
     rep = cks["flash+mirror"].status()["replication"]
     say("trained", rank=rank, params=nparams, state_bytes=sbytes,
         step_s={m: statistics.median(v) for m, v in times.items()},
         save_s={m: statistics.median(v) for m, v in saves.items()},
+        cpu_s={m: statistics.median(v) for m, v in cpus.items()},
         n={m: len(v) for m, v in times.items()}, gemini_error=gem_error,
-        pushes=[rep.get("pushes_ok"), rep.get("pushes_superseded"), rep.get("pushes_failed")])
+        pushes=[rep.get("pushes_ok"), rep.get("pushes_superseded"), rep.get("pushes_failed")],
+        pinned=bool(a.get("pin")), agents_pinned_at_start=list(pinned.values()),
+        agent_cpus=list(affinities(agents).values()),
+        rank_cpus=sorted({c for t in os.listdir("/proc/self/task")
+                          for c in os.sched_getaffinity(int(t))}))
     dist.barrier()
     os._exit(0)  # no flush on the way out
 
