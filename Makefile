@@ -164,21 +164,34 @@ bench: build setup-bench bench-deps
 bench-goodput: build setup-bench
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/goodput.py
 
-# DLRover imports grpc without declaring it: bench/save_path.py and bench/multirank.py put
-# build/bench/dlrover-deps on its path.
+# The peers the benchmarks compare against that the bench level does not install into .venv
+# (bench/multirank.py, bench/save_path.py and bench/replication.py append these folders to their
+# path; the environment's own packages win), none of them touching torch:
+# - grpcio, which DLRover imports without declaring it;
+# - lm-resiliency 0.2.0 (--no-deps: it would pull another torch);
+# - nvidia-resiliency-ext 0.7.0 (--no-deps): its only wheel is for CPython 3.12 on glibc 2.39;
+#   what the bench uses (checkpointing.async_ckpt) is pure Python and runs on 3.11, so pip unpacks
+#   that wheel for 3.12 into the folder (its one compiled module, CUPTI's, is never imported);
+# - torch-checkpointing 0.1.1 (--no-deps), which torchtitan 0.3.0 already brings at the test level.
 bench-deps: setup-bench
 	@$(PY) -c 'import grpc' 2>/dev/null || test -d build/bench/dlrover-deps || \
 	  $(PY) -m pip install -q --target build/bench/dlrover-deps grpcio
+	@$(PY) -c 'import lm_resiliency' 2>/dev/null || test -d build/bench/lmres-deps || \
+	  $(PY) -m pip install -q --no-deps --target build/bench/lmres-deps lm-resiliency==0.2.0
+	@test -d build/bench/nvrx-deps || $(PY) -m pip install -q --no-deps \
+	  --target build/bench/nvrx-deps --python-version 3.12 --platform manylinux_2_39_x86_64 \
+	  --only-binary=:all: nvidia-resiliency-ext==0.7.0
+	@$(PY) -c 'import torch_checkpointing' 2>/dev/null || test -d build/bench/tckpt-deps || \
+	  $(PY) -m pip install -q --no-deps --target build/bench/tckpt-deps torch-checkpointing==0.1.1
 
-# 2-rank DDP and FSDP2 against DCP, torch.save and DLRover.
+# 2- and 4-rank DDP and FSDP2 against DLRover, DCP, torch-checkpointing, NVRx, lm-resiliency
+# and torch.save, with each one's peak host memory (about 10 minutes on 2 cores).
 bench-multirank: build bench-deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/multirank.py
 
 # Peer replication on network-namespace nodes (needs root; not part of `make bench`: it takes
 # several minutes). lm-resiliency 0.2.0 is measured beside it when installed.
-bench-replication: build setup-bench
-	@$(PY) -c 'import lm_resiliency' 2>/dev/null || test -d build/bench/lmres-deps || \
-	  $(PY) -m pip install -q --no-deps --target build/bench/lmres-deps lm-resiliency==0.2.0
+bench-replication: build bench-deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/replication.py
 
 # The node agent's CPU time per GB persisted and replicated, next to dd's and iperf3's in the same

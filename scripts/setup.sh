@@ -13,7 +13,9 @@
 #          safetensors, prometheus_client, matplotlib, and the training frameworks DeepSpeed,
 #          torchtitan and torchft, installed against the pinned torch).
 #   bench  test's, plus what only the benchmarks compare against or measure with (DLRover, zipnn,
-#          zstandard, iperf3, ucx_perftest).
+#          zstandard, iperf3, ucx_perftest; torch-checkpointing comes with torchtitan at the test
+#          level). The Makefile's bench-deps puts the peers that must not touch the pinned torch
+#          (lm-resiliency, nvidia-resiliency-ext) under build/bench with pip --no-deps --target.
 #   lint   demo's, plus clang-format, ruff and mypy.
 #
 # Debian packages are installed (apt-get) only when missing; each level's Python packages once,
