@@ -12,6 +12,7 @@ step, the saved pieces that overlap the box the target needs, and reads just tho
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import sys
 import time
@@ -110,18 +111,35 @@ def dtensor_box(t: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]
     """(local shard, global shape, global offset of the shard) of a DTensor. Called by the C++
     state walker for every DTensor it saves."""
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(isinstance(p, Partial) for p in t.placements):
         raise InvalidArgumentError("a DTensor with Partial placement holds unreduced values; "
                                    "redistribute it to Shard/Replicate before saving")
     with torch.no_grad():  # the DTensor's own local tensor (as the C++ plan walk reads it)
         local = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    mesh = t.device_mesh
+    shape, offset = _shard_box(tuple(t.shape), mesh, tuple(t.placements), _coordinate(mesh))
     if tuple(local.shape) != tuple(shape):
         raise InvalidArgumentError(f"local shard shape {tuple(local.shape)} does not match the "
                                    f"placement's {tuple(shape)}")
-    return local, tuple(t.shape), tuple(int(x) for x in offset)
+    return local, tuple(t.shape), offset
+
+
+def _coordinate(mesh: Any) -> Optional[tuple[int, ...]]:
+    c = mesh.get_coordinate()
+    return None if c is None else tuple(c)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _shard_box(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
+               coordinate: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard: computed once per (global shape, mesh,
+    placements, this rank's mesh coordinate) instead of at every save and load of the DTensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    del coordinate  # part of the key: the offset is this rank's
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(x) for x in local), tuple(int(x) for x in offset)
 
 
 def _box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
