@@ -337,7 +337,7 @@ class PosixReplicaStore final : public ReplicaStore {
     // replica of this source rank is given up and received into.
     const uint64_t held = room ? bytes() : 0, spares = room ? spare_bytes() : 0;
     if (room && (held > spares ? held - spares : 0) + size > *room) {
-      if (std::optional<uint64_t> allocated = GiveUpPrevious(meta, tmp)) {
+      if (std::optional<uint64_t> allocated = GiveUpPrevious(meta, name, tmp)) {
         fd = UniqueFd(::open(tmp.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
         if (!fd) {
           ::unlink(tmp.c_str());
@@ -426,9 +426,15 @@ class PosixReplicaStore final : public ReplicaStore {
       if (!fd) return ErrnoStatus("open", path, errno);
       struct stat st;
       if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("stat", path, errno);
-      pin = std::make_shared<ino_t>(st.st_ino);
       std::erase_if(readers_, [](const auto& r) { return r.second.expired(); });
-      readers_.emplace(st.st_ino, pin);
+      // A second reader of the same file shares the first one's pin: the file stays pinned
+      // until the last of them is done.
+      auto& held = readers_[st.st_ino];
+      pin = held.lock();
+      if (!pin) {
+        pin = std::make_shared<ino_t>(st.st_ino);
+        held = pin;
+      }
     }
     SP_ASSIGN_OR_RETURN(ReplicaMeta found, ReadHeader(fd.get(), path, name));
     if (!SameMeta(found, meta)) {
@@ -603,21 +609,26 @@ class PosixReplicaStore final : public ReplicaStore {
 
   // Gives up the previous replica of `meta`'s source node and rank (the oldest snapshot, not
   // newer than meta's, that no reader has mapped): renames its file to `tmp`, where it is never
-  // listed. Returns the bytes of pages it holds; nullopt when there is none to give up.
-  std::optional<uint64_t> GiveUpPrevious(const ReplicaMeta& meta, const std::string& tmp) {
+  // listed. Returns the bytes of pages it holds; nullopt when there is none to give up. A
+  // replica of an earlier save attempt (the job restarted from an older step) is older than
+  // any of a later attempt, whatever its step. The incoming snapshot's own file, held whole
+  // already (a push sent again), is never given up for itself.
+  std::optional<uint64_t> GiveUpPrevious(const ReplicaMeta& meta, const std::string& name,
+                                         const std::string& tmp) {
     std::lock_guard lock(mu_);
     auto entries = Entries();
     if (!entries.ok()) return std::nullopt;
+    auto order = [](const ReplicaMeta& m) { return std::tie(m.attempt, m.step, m.complete_ns); };
     std::vector<const Entry*> candidates;
     for (const Entry& e : *entries) {
       if (e.meta.source_node != meta.source_node || e.meta.rank != meta.rank) continue;
-      if (std::tie(e.meta.step, e.meta.complete_ns) > std::tie(meta.step, meta.complete_ns))
-        continue;
+      if (order(e.meta) > order(meta)) continue;
+      if (e.path == dir_ + "/" + name) continue;
       candidates.push_back(&e);
     }
-    std::sort(candidates.begin(), candidates.end(), [](const Entry* a, const Entry* b) {
-      return std::tie(a->meta.step, a->meta.complete_ns, a->meta.index) <
-             std::tie(b->meta.step, b->meta.complete_ns, b->meta.index);
+    std::sort(candidates.begin(), candidates.end(), [&](const Entry* a, const Entry* b) {
+      return std::tuple_cat(order(a->meta), std::tie(a->meta.index)) <
+             std::tuple_cat(order(b->meta), std::tie(b->meta.index));
     });
     for (const Entry* e : candidates) {
       struct stat st;

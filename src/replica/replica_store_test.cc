@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -638,6 +639,59 @@ TEST_F(ReplicaStoreTest, BudgetModeNeverReceivesIntoAReplicaBeingRead) {
   EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), one.begin(), one.end()));
   ASSERT_OK_AND_ASSIGN(auto listed, store->List());
   EXPECT_EQ(listed.size(), 2u);
+}
+
+// Two readers of one replica (a rebuild and a flush): it stays pinned until both are done.
+TEST_F(ReplicaStoreTest, BudgetModeKeepsAReplicaPinnedUntilItsLastReaderIsDone) {
+  const auto one = test::PatternBytes(2 << 20, 47);
+  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
+  auto store = OpenWithBudget(tmp_.path(), budget);
+  ASSERT_TRUE(store);
+  const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
+  ASSERT_OK(Put(*store, first, one));
+  auto a = std::make_optional(store->Read(first));
+  ASSERT_TRUE(a->ok()) << a->status().ToString();
+  ASSERT_OK_AND_ASSIGN(ReplicaView b, store->Read(first));
+  a.reset();  // the first reader is done, the second still reads
+  const auto two = test::PatternBytes(2 << 20, 48);
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 2, 1, two), two));
+  EXPECT_EQ(store->received_in_place(), 0u);
+  EXPECT_TRUE(std::equal(b.payload.begin(), b.payload.end(), one.begin(), one.end()));
+}
+
+// After a restart from an older step (a later save attempt), the replica of the earlier
+// attempt is the previous one, whatever its step: it is given up, not kept past the budget.
+TEST_F(ReplicaStoreTest, BudgetModeGivesUpTheReplicaOfAnEarlierAttemptWhateverItsStep) {
+  const auto one = test::PatternBytes(2 << 20, 49);
+  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
+  auto store = OpenWithBudget(tmp_.path(), budget);
+  ASSERT_TRUE(store);
+  ASSERT_OK(Put(*store, CopyMeta("n", 0, 9, 1, one), one));  // attempt 4
+  const auto two = test::PatternBytes(2 << 20, 50);
+  const ReplicaMeta later = CopyMeta("n", 0, 5, 2, two);  // attempt 7, an older step
+  ASSERT_OK(Put(*store, later, two));
+  EXPECT_EQ(store->received_in_place(), 1u);
+  ASSERT_OK_AND_ASSIGN(auto listed, store->List());
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].step, 5u);
+}
+
+// The same snapshot pushed again (the sender retried) never gives up the whole replica of it
+// that the node holds: if the second transfer is cut off, the first copy is still served.
+TEST_F(ReplicaStoreTest, BudgetModeNeverGivesUpTheSnapshotBeingReceivedAgain) {
+  const auto one = test::PatternBytes(2 << 20, 51);
+  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
+  auto store = OpenWithBudget(tmp_.path(), budget);
+  ASSERT_TRUE(store);
+  const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
+  ASSERT_OK(Put(*store, first, one));
+  {
+    auto w = store->Begin(first);
+    if (w.ok()) std::memcpy((*w)->data().data(), one.data(), one.size() / 2);  // cut off
+  }
+  EXPECT_EQ(store->received_in_place(), 0u);
+  ASSERT_OK_AND_ASSIGN(ReplicaView view, store->Read(first));
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), one.begin(), one.end()));
 }
 
 // Spares are kept only while the store's files fit the budget, and not at all without one
