@@ -304,7 +304,14 @@ void Replicator::RunPush(const PushTask& t) {
     } else {
       ++pushes_failed_;
     }
-    if (!o.superseded) last_push_[t.rank] = o;
+    if (!o.superseded) {
+      last_push_[t.rank] = o;
+    } else if (max_shm_bytes_.load() > 0) {
+      // Under a budget the receivers may have given up their previous replica of the rank for
+      // this push (received in place), which the next save cut short: nothing protects it now.
+      auto last = last_push_.find(t.rank);
+      if (last != last_push_.end()) last->second.is_protected = false;
+    }
     outcomes_.push_back(std::move(o));
   }
   notify_();
