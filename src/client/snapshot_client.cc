@@ -560,11 +560,10 @@ class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
       need_[i] = t;  // tensors [0, t) must be known to fill chunk i
     }
     // The walking thread joins the copy once the walk is done (Finish): while it walks, one
-    // worker fewer, so that the walk and the copy never oversubscribe the cores.
+    // worker fewer (none with one copy thread), so that the walk and the copy never
+    // oversubscribe the cores and never use more than `threads` copying.
     threads = std::max<size_t>(1, std::min<size_t>(threads, chunks));
-    for (size_t i = 0; i + 1 < std::max<size_t>(threads, 2); ++i) {
-      workers_.emplace_back([this] { Work(); });
-    }
+    for (size_t i = 0; i + 1 < threads; ++i) workers_.emplace_back([this] { Work(); });
   }
   ~Streamed() override {  // without Finish (the walk failed): nothing is saved
     if (finished_) return;
