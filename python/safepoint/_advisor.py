@@ -11,7 +11,8 @@ writes none of it and polls the agent for none of it; it only reads the history 
 (``_core.advise_interval``) through a ``_core.IntervalController`` (bounded, with hysteresis),
 converted to steps with the measured time per step; the persist time it needs is read from this
 rank's snapshot slots, where the agent records how long each snapshot's write to storage took
-(``Client.last_persisted``, shared memory: no message). Every rank must persist the same steps, so
+(``Client.last_persisted``, shared memory: no message; an agent of an earlier version records
+none, and is asked for its status instead). Every rank must persist the same steps, so
 the schedule is re-evaluated every ``ADVISE_EVERY_SAVES`` saves (all ranks save equally often)
 and, under torch.distributed, rank 0's result is broadcast.
 """
@@ -110,9 +111,20 @@ class Advisor:
         """The persist time of the newest snapshot the agent wrote to storage, from this rank's
         slots (the agent records it there; no message)."""
         got = ckpt._live.last_persisted()
+        if got is None and ckpt._live.last_persist_step() is not None:
+            got = self._ask_agent(ckpt)  # an agent of an earlier version records none
         if got is not None and got[0] != self._persisted_step:
             self._persisted_step = got[0]
             self._persist.append(float(got[1]))
+
+    @staticmethod
+    def _ask_agent(ckpt: Any) -> Optional[tuple[int, float]]:
+        try:
+            st = ckpt.status()
+        except Exception:  # the agent is restarting: try again at the next evaluation
+            return None
+        step, seconds = st.get("last_persisted_step"), st.get("last_persist_seconds")
+        return (int(step), float(seconds)) if step is not None and seconds else None
 
     def _mtbf(self) -> tuple[Optional[float], str]:
         if self.mtbf is not None:
