@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,13 +43,10 @@ sys.path.insert(0, os.path.join(REPO, "tests", "common"))
 
 from run import MiB, machine, parse_size, publish, run_took  # noqa: E402
 from nodes import Cluster, Job, unavailable  # noqa: E402
+from replication import log, stage  # noqa: E402  (bench/replication.py's helpers)
 
 WORKER = os.path.join(HERE, "workloads", "repl_worker.py")
 GB = 1e9
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def proc_cpu(pid: int) -> float:
@@ -397,16 +393,6 @@ def render(res: dict, args, conditions: str) -> str:
         L.append("")
         L.append(f"**{k} failed in this run:** `{e[-800:]}`")
     return "\n".join(L) + "\n"
-
-
-def stage(res: dict, key: str, fn, *a) -> None:
-    t0 = time.perf_counter()
-    try:
-        res[key] = fn(*a)
-    except Exception as e:  # noqa: BLE001 - one failed stage must not lose the others
-        traceback.print_exc()
-        res.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
-    log(f"{key}: {time.perf_counter() - t0:.0f} s")
 
 
 def main() -> None:
