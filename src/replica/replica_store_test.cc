@@ -558,13 +558,17 @@ std::unique_ptr<ReplicaStore> OpenWithBudget(const std::string& job_dir,
   return store.ok() ? std::move(*store) : nullptr;
 }
 
+// A budget store with room for one replica of `bytes` (and 1 MiB), not two.
+std::unique_ptr<ReplicaStore> OpenWithRoomForOne(const std::string& job_dir, uint64_t bytes) {
+  return OpenWithBudget(job_dir, std::make_shared<uint64_t>(kHeader + bytes + (1 << 20)));
+}
+
 // Budget mode: room for one replica of the rank, not two. The next replica is received into
 // the previous one's file (the same pages): that one is given up (no longer listed or readable)
 // when the new one begins, and no second file is ever made.
 TEST_F(ReplicaStoreTest, OverTheBudgetTheNextReplicaIsReceivedIntoThePreviousOnesPages) {
   const auto one = test::PatternBytes(4 << 20, 41);
-  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
-  auto store = OpenWithBudget(tmp_.path(), budget);
+  auto store = OpenWithRoomForOne(tmp_.path(), one.size());
   ASSERT_TRUE(store);
   const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
   ASSERT_OK(Put(*store, first, one));
@@ -607,8 +611,7 @@ TEST_F(ReplicaStoreTest, OverTheBudgetTheNextReplicaIsReceivedIntoThePreviousOne
 // on this node at all (the previous one was given up), so nothing partial is ever served.
 TEST_F(ReplicaStoreTest, ACutTransferInBudgetModeLeavesNoReplicaToServe) {
   const auto one = test::PatternBytes(2 << 20, 43);
-  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
-  auto store = OpenWithBudget(tmp_.path(), budget);
+  auto store = OpenWithRoomForOne(tmp_.path(), one.size());
   ASSERT_TRUE(store);
   const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
   ASSERT_OK(Put(*store, first, one));
@@ -627,8 +630,7 @@ TEST_F(ReplicaStoreTest, ACutTransferInBudgetModeLeavesNoReplicaToServe) {
 // A replica a reader has mapped (a rebuild reading it) is never given up for the next one.
 TEST_F(ReplicaStoreTest, BudgetModeNeverReceivesIntoAReplicaBeingRead) {
   const auto one = test::PatternBytes(2 << 20, 45);
-  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
-  auto store = OpenWithBudget(tmp_.path(), budget);
+  auto store = OpenWithRoomForOne(tmp_.path(), one.size());
   ASSERT_TRUE(store);
   const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
   ASSERT_OK(Put(*store, first, one));
@@ -644,8 +646,7 @@ TEST_F(ReplicaStoreTest, BudgetModeNeverReceivesIntoAReplicaBeingRead) {
 // Two readers of one replica (a rebuild and a flush): it stays pinned until both are done.
 TEST_F(ReplicaStoreTest, BudgetModeKeepsAReplicaPinnedUntilItsLastReaderIsDone) {
   const auto one = test::PatternBytes(2 << 20, 47);
-  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
-  auto store = OpenWithBudget(tmp_.path(), budget);
+  auto store = OpenWithRoomForOne(tmp_.path(), one.size());
   ASSERT_TRUE(store);
   const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
   ASSERT_OK(Put(*store, first, one));
@@ -663,8 +664,7 @@ TEST_F(ReplicaStoreTest, BudgetModeKeepsAReplicaPinnedUntilItsLastReaderIsDone) 
 // attempt is the previous one, whatever its step: it is given up, not kept past the budget.
 TEST_F(ReplicaStoreTest, BudgetModeGivesUpTheReplicaOfAnEarlierAttemptWhateverItsStep) {
   const auto one = test::PatternBytes(2 << 20, 49);
-  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
-  auto store = OpenWithBudget(tmp_.path(), budget);
+  auto store = OpenWithRoomForOne(tmp_.path(), one.size());
   ASSERT_TRUE(store);
   ASSERT_OK(Put(*store, CopyMeta("n", 0, 9, 1, one), one));  // attempt 4
   const auto two = test::PatternBytes(2 << 20, 50);
@@ -680,8 +680,7 @@ TEST_F(ReplicaStoreTest, BudgetModeGivesUpTheReplicaOfAnEarlierAttemptWhateverIt
 // that the node holds: if the second transfer is cut off, the first copy is still served.
 TEST_F(ReplicaStoreTest, BudgetModeNeverGivesUpTheSnapshotBeingReceivedAgain) {
   const auto one = test::PatternBytes(2 << 20, 51);
-  auto budget = std::make_shared<uint64_t>(kHeader + one.size() + (1 << 20));
-  auto store = OpenWithBudget(tmp_.path(), budget);
+  auto store = OpenWithRoomForOne(tmp_.path(), one.size());
   ASSERT_TRUE(store);
   const ReplicaMeta first = CopyMeta("n", 0, 1, 1, one);
   ASSERT_OK(Put(*store, first, one));
