@@ -58,16 +58,11 @@ with tempfile.TemporaryDirectory() as d:
 def node_shm(node) -> dict:
     """Allocated bytes in a node's /dev/shm: slot files (and the job's other files), replica
     files (those being received included), spares."""
+    from replication import shm_dirs  # bench/replication.py
+
     use = {"slots": 0, "replicas": 0, "spares": 0}
-    for root, _, files in os.walk(node.shm):
-        in_replicas = os.path.basename(root) == "replicas"
-        for f in files:
-            try:
-                b = os.lstat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                continue
-            kind = ("spares" if f.startswith(".spare-") else "replicas") if in_replicas \
-                else "slots"
+    for d in shm_dirs(node.shm).values():
+        for kind, b in d.items():
             use[kind] += b
     return use
 

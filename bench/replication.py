@@ -218,27 +218,29 @@ def links(c: Cluster, nbytes: int, first: bool = True) -> dict:
 
 # --- memory per node ---------------------------------------------------------------------------
 
+def shm_dirs(shm: str) -> dict:
+    """Allocated bytes under a /dev/shm, per top directory (a job's), split into replica files
+    (those being received included), spares (pruned replica files the store keeps to reuse their
+    pages) and the rest (slots, control files). bench/memory.py sums it per node."""
+    use: dict = {}
+    for root, _, files in os.walk(shm):
+        rel = os.path.relpath(root, shm)
+        top = rel.split(os.sep)[0]
+        in_replicas = "replicas" in rel.split(os.sep)
+        for f in files:
+            try:
+                b = os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                continue
+            kind = ("spares" if f.startswith(".spare-") else "replicas") if in_replicas \
+                else "slots"
+            use.setdefault(top, {"slots": 0, "replicas": 0, "spares": 0})[kind] += b
+    return use
+
+
 def shm_usage(c: Cluster) -> list[dict]:
-    """Per node: allocated bytes in its /dev/shm, split into replica files, spares (pruned
-    replica files the store keeps to reuse their pages) and the rest (slots, control files), per
-    job directory."""
-    nodes = []
-    for node in c:
-        use: dict = {}
-        for root, _, files in os.walk(node.shm):
-            rel = os.path.relpath(root, node.shm)
-            top = rel.split(os.sep)[0]
-            in_replicas = "replicas" in rel.split(os.sep)
-            for f in files:
-                try:
-                    b = os.lstat(os.path.join(root, f)).st_blocks * 512
-                except OSError:
-                    continue
-                kind = ("spares" if f.startswith(".spare-") else "replicas") if in_replicas \
-                    else "slots"
-                use.setdefault(top, {"slots": 0, "replicas": 0, "spares": 0})[kind] += b
-        nodes.append({"node": node.name, "dirs": use})
-    return nodes
+    """Per node: shm_dirs of its /dev/shm."""
+    return [{"node": node.name, "dirs": shm_dirs(node.shm)} for node in c]
 
 
 # --- save / restore with a redundancy ----------------------------------------------------------
