@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "common"))
 
 from run import MiB, machine, parse_size, publish, run_took  # noqa: E402
 from nodes import Cluster, Job, unavailable  # noqa: E402
-from replication import log, stage  # noqa: E402  (bench/replication.py's helpers)
+from replication import fmt_range, log, med, stage  # noqa: E402  (bench/replication.py's)
 
 WORKER = os.path.join(HERE, "workloads", "repl_worker.py")
 GB = 1e9
@@ -281,16 +281,6 @@ def replication(args, work: str) -> dict:
 
 # --- report -------------------------------------------------------------------------------------
 
-def med(v: list[float]) -> float:
-    v = sorted(v)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
-
-def rng(v: list[float], d: int = 2) -> str:
-    return f"{med(v):.{d}f} ({min(v):.{d}f}–{max(v):.{d}f})"
-
-
 def render(res: dict, args, conditions: str) -> str:
     L: list[str] = []
     L.append(f"Measured {time.strftime('%Y-%m-%d')} on {machine()}.")
@@ -328,8 +318,9 @@ def render(res: dict, args, conditions: str) -> str:
                 ("dd oflag=direct", ddd, [p["dd_bytes"] / x["s"] / GB for x in p["dd_direct"]]),
                 ("dd buffered, conv=fsync", ddb,
                  [p["dd_bytes"] / x["s"] / GB for x in p["dd_buffered"]])):
-            cpu = rng(v) if len(v) > 1 else f"{v[0]:.3f} (all {len(p['agent'])} persists)"
-            L.append(f"| {name} | {cpu} | {rng(rate) if rate else '–'} | "
+            cpu = (fmt_range(v, 2) if len(v) > 1
+                   else f"{v[0]:.3f} (all {len(p['agent'])} persists)")
+            L.append(f"| {name} | {cpu} | {fmt_range(rate, 2) if rate else '–'} | "
                      f"{med(v) / base:.2f}x |")
         L.append("")
         L.append("The agent's GB/s is its own `last_persist_seconds` (write and commit). Its "
@@ -367,10 +358,11 @@ def render(res: dict, args, conditions: str) -> str:
                  "| CPU s per GB / iperf3's |")
         L.append("|---|---:|---:|---:|---:|---:|")
         L.append(f"| safepoint agents (mirror push, UCX over TCP) | {per_gb:.2f} | – | – | "
-                 f"{nb / med(push_s) / GB:.2f} (push {rng(push_s, 3)} s) | "
+                 f"{nb / med(push_s) / GB:.2f} (push {fmt_range(push_s, 3)} s) | "
                  f"{per_gb / med(ipc):.2f}x |")
-        L.append(f"| iperf3 (ring) | {rng(ipc)} | {rng(ips)} | {rng(ipr)} | "
-                 f"{rng([s['bytes'] / s['s'] / GB for s in ip])} | 1.00x |")
+        L.append(f"| iperf3 (ring) | {fmt_range(ipc, 2)} | {fmt_range(ips, 2)} | "
+                 f"{fmt_range(ipr, 2)} | "
+                 f"{fmt_range([s['bytes'] / s['s'] / GB for s in ip], 2)} | 1.00x |")
         L.append("")
         tgt = 0.5
         L.append(f"Target: the agent at most {tgt} CPU s per GB replicated: "
