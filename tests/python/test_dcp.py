@@ -314,8 +314,11 @@ def test_strided_reads_are_split_where_gaps_span_checksum_chunks():
 # -- a step never mixes two saves -----------------------------------------------------------------
 
 def _url(kind: str, ckpt) -> str:
-    return {"path": str(ckpt), "file": f"file://{ckpt}", "mem": f"mem://dcp-{ckpt.name}-"
-            f"{os.getpid()}-{id(ckpt)}"}[kind]
+    # A mem:// store lives as long as the process: its name comes from the test's own directory
+    # (unique within a pytest run) and the worker's pid, never from id(), which a later test's
+    # object may reuse and so find an earlier test's leftover images.
+    return {"path": str(ckpt), "file": f"file://{ckpt}", "mem": f"mem://dcp-{ckpt.parent.name}-"
+            f"{os.getpid()}"}[kind]
 
 
 class _Ranks:
