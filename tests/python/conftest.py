@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -188,11 +189,17 @@ def run_ranks(argvs: list, timeout: float = 240) -> list:
     each exited 0, and returns the JSON object each printed last."""
     import json
 
-    procs = [subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for argv in argvs]
+    # Output goes to files, not pipes: an agent a rank started outlives a rank that dies
+    # without closing (it keeps the snapshots) and would hold a pipe open.
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in argvs]
+    procs = [subprocess.Popen([sys.executable, *map(str, argv)], stdout=o, stderr=e, text=True)
+             for argv, (o, e) in zip(argvs, files)]
     outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
+    for p, (o, e) in zip(procs, files):
+        p.wait(timeout=timeout)
+        o.seek(0)
+        e.seek(0)
+        out, err = o.read(), e.read()
         assert p.returncode == 0, f"rank failed:\n{out}\n{err[-3000:]}"
         outs.append(json.loads(out.strip().splitlines()[-1]))
     return outs
