@@ -153,6 +153,27 @@ class SnapshotClient {
   // The structure hash of the last save's tensors (names, dtypes, shapes and boxes), computed
   // once per plan: the ranks compare it before agreeing on replicas (notify=false). 0: no plan.
   uint64_t StructureHash();
+  // Replicated state copied once per node (issue 21): the tensors of this rank's state, by index
+  // in the last save's plan, whose bytes other ranks of this node keep in their snapshots of the
+  // same steps. From the next save on they are not copied: the image marks them "elsewhere" (no
+  // bytes), and a load fills them from those ranks' slots (FillFromSiblings). It holds while the
+  // state keeps the structure (StructureHash) it was set for: a save of another structure
+  // copies every tensor again and forgets it. Empty: copy every tensor. InvalidArgument for a
+  // range outside the plan (nothing changes then).
+  Status SetCopySkip(SkipRanges skip);
+  // Drops the last snapshot saved with notify=false before the agent was told (Notify): its
+  // slot is free again. A caller that saves the same step again instead (a copy plan that no
+  // longer held) calls it first, so that the snapshot's lease is not held forever.
+  void DiscardUnnotified();
+  // The tensors the save plan leaves out (its "elsewhere" ranges): what the last save left out,
+  // until SetCopySkip changes it for the next ones. Empty when every tensor is copied.
+  SkipRanges LastCopySkip() const;
+  // Fills `fills` (tensors this rank's snapshot of `step` marks elsewhere) from the snapshots of
+  // `step` and `attempt` that the other ranks of the job keep on this node, verifying every
+  // chunk of each image read, and checking that no slot read was written meanwhile. Returns
+  // which fills were filled; a rank without such a snapshot, or whose copy fails its checks, is
+  // skipped (the caller falls back to another copy for what is left).
+  std::vector<bool> FillFromSiblings(uint64_t step, uint64_t attempt, std::span<TensorFill> fills);
   // Restarts the agent when the connection shows it gone (hung up); one poll otherwise. A save
   // with notify=false calls it, and a caller calls it again right before the collective that
   // precedes Notify: a rank must not wait in a collective while its node has no agent to
@@ -268,7 +289,15 @@ class SnapshotClient {
   Lineage lineage_;
   std::unique_ptr<ImageBuilder> plan_;  // the last save's image plan, reused by SaveLike
   std::optional<uint64_t> plan_hash_;   // its structure hash, once a caller asked for it
-  ParsedIndex restore_index_;           // the index of the last load in place (ImageReader::Parse)
+  // SetCopySkip's ranges, and the structure hash they were set for.
+  SkipRanges copy_skip_;
+  uint64_t copy_skip_hash_ = 0;
+  // Rebuilds plan_ with the tensors in copy_skip_ (and only those) marked elsewhere.
+  Status ApplyCopySkip();
+  // FillFromSiblings from one rank's slots; `filled` as there. Returns how many it filled.
+  Result<size_t> FillFromRank(uint32_t rank, uint64_t step, uint64_t attempt,
+                              std::span<TensorFill> fills, std::vector<bool>* filled);
+  ParsedIndex restore_index_;  // the index of the last load in place (ImageReader::Parse)
   std::unique_ptr<protocol::SnapshotNote> pending_note_;  // a Snapshot message not yet sent
   // Restarts the agent when it dies, from a thread of its own, while this client is open and
   // may start one (issue 22): a rank that waits in a collective (or anywhere outside this

@@ -169,6 +169,7 @@ class ImageBuilder {
   uint64_t chunk_count() const { return layout_.chunk_count(); }
   const std::vector<TensorSource>& tensors() const { return tensors_; }
   uint64_t tensor_offset(size_t i) const { return offsets_[i]; }
+  const std::string& extras() const { return extras_; }
 
   // Writes image bytes [offset, offset + dst.size()) into dst, for any range that ends at or
   // before layout().checksums_offset: header, index, tensor data, extras, zero padding.

@@ -148,6 +148,52 @@ class PyClient {
 
   uint64_t StructureHash() { return Get().StructureHash(); }
 
+  void SetCopySkip(const SkipRanges& skip) { Check(Get().SetCopySkip(skip)); }
+  SkipRanges LastCopySkip() { return Get().LastCopySkip(); }
+  void DiscardUnnotified() { Get().DiscardUnnotified(); }
+
+  // Fills the tensors of `elsewhere` ((name, tensor, global shape, global offset), as a load
+  // lists them) from the snapshots of `step` and `attempt` other ranks keep on this node;
+  // returns the names of those it could not fill.
+  std::vector<std::string> FillFromSiblings(uint64_t step, uint64_t attempt, nb::list elsewhere) {
+    std::vector<TensorFill> fills;
+    std::vector<std::string> left;
+    std::vector<size_t> index;  // fills[k] is elsewhere[index[k]]
+    for (size_t i = 0; i < elsewhere.size(); ++i) {
+      nb::handle item = elsewhere[i];
+      nb::handle t = item[1];
+      std::optional<DType> dtype = python::TorchDType(t.attr("dtype"));
+      const bool usable =
+          dtype && nb::cast<bool>(t.attr("is_cpu")) && nb::cast<bool>(t.attr("is_contiguous")());
+      if (!usable) {
+        left.push_back(nb::cast<std::string>(item[0]));
+        continue;
+      }
+      TensorFill f;
+      f.spec.name = nb::cast<std::string>(item[0]);
+      f.spec.dtype = *dtype;
+      f.spec.shape = nb::cast<std::vector<uint64_t>>(nb::tuple(t.attr("shape")));
+      auto gshape = nb::cast<std::vector<uint64_t>>(item[2]);
+      auto goff = nb::cast<std::vector<uint64_t>>(item[3]);
+      if (gshape != f.spec.shape ||
+          std::any_of(goff.begin(), goff.end(), [](uint64_t x) { return x != 0; })) {
+        f.spec.global_shape = std::move(gshape);  // a box of a larger tensor
+        f.spec.global_offset = std::move(goff);
+      }
+      f.nbytes = DTypeSize(*dtype);
+      for (uint64_t d : f.spec.shape) f.nbytes *= d;
+      f.dst = reinterpret_cast<std::byte*>(nb::cast<uintptr_t>(t.attr("data_ptr")()));
+      fills.push_back(std::move(f));
+      index.push_back(i);
+    }
+    std::vector<bool> got =
+        WithoutGil([&] { return Get().FillFromSiblings(step, attempt, fills); });
+    for (size_t k = 0; k < got.size(); ++k) {
+      if (!got[k]) left.push_back(fills[k].spec.name);
+    }
+    return left;
+  }
+
   // "" when the agent lives (one poll) or was restarted; else why none could be started.
   std::string ReviveAgent() {
     return WithoutGil([&] {
@@ -611,6 +657,7 @@ class PyClient {
           nb::list copies;
           for (nb::handle item : flat->staged) {
             auto idx = nb::cast<size_t>(item[0]);
+            if (b.tensors()[idx].spec.elsewhere) continue;  // another rank's slot holds it
             copies.append(nb::make_tuple(item[1], b.tensor_offset(idx)));
           }
           nb::module_::import_("safepoint._staging")
@@ -717,6 +764,16 @@ void BindClient(nb::module_& m) {
            "tells the agent of the last save made with notify=False, in one message that "
            "carries the save's report (`seconds` it blocked, its `bytes`) when given")
       .def("structure_hash", &PyClient::StructureHash)
+      .def("set_copy_skip", &PyClient::SetCopySkip, "skip"_a,
+           "tensors (index ranges of the last save's plan) that other ranks of this node keep: "
+           "the next saves of the same structure leave them out of this rank's snapshot")
+      .def("last_copy_skip", &PyClient::LastCopySkip)
+      .def(
+          "discard_unnotified", [](PyClient& c) { c.DiscardUnnotified(); },
+          "frees the slot of the last save made with notify=False, before the agent was told")
+      .def("fill_from_siblings", &PyClient::FillFromSiblings, "step"_a, "attempt"_a, "elsewhere"_a,
+           "fills a load's elsewhere tensors from other ranks' snapshots on this node; returns "
+           "the names left unfilled")
       .def("revive_agent", &PyClient::ReviveAgent,
            "Restarts this node's agent if it died (one poll when it lives); returns '' or why "
            "none could be started.")

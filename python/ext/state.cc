@@ -1091,6 +1091,12 @@ bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out) {
   return PlanWalker(hint).Run(state, out);
 }
 
+std::optional<DType> TorchDType(nb::handle dtype) {
+  auto it = T().torch_dtypes.find(dtype.ptr());
+  if (it == T().torch_dtypes.end()) return std::nullopt;
+  return it->second;
+}
+
 bool SetTorchProbe(bool enabled) {
   Types& t = T();
   t.probe = enabled ? t.probe_loaded : nullptr;

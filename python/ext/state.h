@@ -11,6 +11,7 @@
 #include <nanobind/nanobind.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,9 @@ bool WalkForPlan(nb::handle state, size_t hint, PlanWalk* out);
 // Whether WalkForPlan reads tensors through safepoint._torchprobe (torch_probe.h): turns it on
 // (when it loaded) or off, and returns whether it is now in use.
 bool SetTorchProbe(bool enabled);
+
+// The image dtype of a torch.dtype; nullopt for one images cannot hold.
+std::optional<DType> TorchDType(nb::handle dtype);
 
 // `buffer` is the image as a numpy uint8 array that owns (a reference to) the bytes. Pickled
 // values are passed to `unpickler`; when it is None they are refused with an error.

@@ -49,6 +49,7 @@ Loaded LoadedToPython(const LoadedImage& image, const ImageReader& reader, const
   out.step = reader.meta().step;
   out.world_size = reader.meta().world_size;
   out.job = reader.meta().job;
+  out.attempt = reader.meta().attempt;
   nb::list elsewhere;
   out.state = python::RebuildState(extras, buffer, reader, unpickler, &elsewhere, filled);
   out.elsewhere = elsewhere;
@@ -309,6 +310,7 @@ void BindStore(nb::module_& m) {
       .def_ro("elsewhere", &Loaded::elsewhere)
       .def_ro("source", &Loaded::source)
       .def_ro("generation", &Loaded::generation)
+      .def_ro("attempt", &Loaded::attempt)
       .def_ro("skipped", &Loaded::skipped);
   nb::class_<TensorInfo>(m, "TensorInfo", "A tensor of an image's index (no data)")
       .def_ro("name", &TensorInfo::name)

@@ -29,6 +29,7 @@ struct Loaded {
   nb::list elsewhere;
   std::string source;                // what it was read from
   uint64_t generation = 0;           // of the COMMIT record read (CommitRecord::generation)
+  uint64_t attempt = 0;              // the save attempt of the image (ImageMeta::attempt)
   std::vector<std::string> skipped;  // newer steps skipped as damaged, one line each
 };
 

@@ -23,7 +23,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 from safepoint import _core
 from safepoint._advisor import Advisor, parse_mtbf
@@ -59,6 +59,19 @@ def _distributed() -> tuple[Optional[int], Optional[int]]:
     except Exception:  # pragma: no cover - torch without distributed
         pass
     return None, None
+
+
+def _node_name(shm_dir: str) -> str:
+    """Names this rank's node for the copy plan: ranks whose names are equal see the same
+    shared memory (the host, and the device and inode of the shm directory: two containers or
+    namespaces with their own /dev/shm on one host are two nodes)."""
+    import socket
+
+    try:
+        st = os.stat(shm_dir)
+    except OSError:
+        return f"{socket.gethostname()}:{shm_dir}"
+    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
 
 
 def _default_job(storage: str) -> str:
@@ -279,12 +292,14 @@ class Checkpointer:
         self.dedupe = bool(dedupe) and self._group is not None
         self.share_reads = bool(share_reads) and self._group is not None
         self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
-        self._replicas = ReplicaPlan(self._group, rank, world_size, RNG_KEY + ".")
+        self._replicas = ReplicaPlan(self._group, rank, world_size, RNG_KEY + ".",
+                                     _node_name(self.shm_dir))
         if max_shm_bytes is not None and (type(max_shm_bytes) is not int or max_shm_bytes < 1):
             raise InvalidArgumentError(
                 f"{self.path}: max_shm_bytes must be a positive int, got {max_shm_bytes!r}")
         self.max_shm_bytes = max_shm_bytes
-        self._pending: Optional[tuple[int, float, float]] = None  # an overlapped save copying
+        # an overlapped save copying: (step, t0, seconds of the save call, copy_again)
+        self._pending: Optional[tuple[int, float, float, Callable[[], Any]]] = None
         # optimizer -> the handle of its step pre-hook (before_update)
         self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.metrics = metrics if metrics is not None else os.environ.get(
@@ -410,13 +425,15 @@ class Checkpointer:
         if preempt:
             return self._save_preempted(client, step, saveable, t0)
         do_persist = persist if persist is not None else self._persist_due(step)
+        def copy_again() -> Any:
+            return client.save(step, saveable, bool(do_persist), self._pickler, notify=False)
+
         if overlap:
             self._hook_optimizers(state)
             client.save_begin(step, saveable, bool(do_persist), self._pickler, notify=False)
-            self._pending = (step, t0, time.perf_counter() - t0)
+            self._pending = (step, t0, time.perf_counter() - t0, copy_again)
             return True
-        snap = client.save(step, saveable, bool(do_persist), self._pickler, notify=False)
-        return self._saved(step, snap, t0)
+        return self._saved(step, copy_again(), t0, copy_again=copy_again)
 
     def _persist_due(self, step: int) -> bool:
         """Whether the snapshot of `step` is persisted: a step due under persist_every fell
@@ -443,8 +460,10 @@ class Checkpointer:
         timeout = -1.0 if grace is None else float(grace)
         if self.on_busy == "skip":
             client.wait(timeout)
-        snap = client.save(step, saveable, True, self._pickler, notify=False)
-        saved = self._saved(step, snap, t0)
+        def copy_again() -> Any:
+            return client.save(step, saveable, True, self._pickler, notify=False)
+
+        saved = self._saved(step, copy_again(), t0, copy_again=copy_again)
         client.wait(timeout)
         return saved
 
@@ -455,13 +474,13 @@ class Checkpointer:
         optimizers in the saved state."""
         if self._pending is None or self._client is None:
             return None
-        step, t0, call_seconds = self._pending
+        step, t0, call_seconds, copy_again = self._pending
         self._pending = None
         t1 = time.perf_counter()
         snap = self._client.save_finish()
         if snap is None:
             return None
-        return self._saved(step, snap, t0, (t1, call_seconds))
+        return self._saved(step, snap, t0, (t1, call_seconds), copy_again)
 
     def _hook_optimizers(self, state: Any) -> None:
         """Registers before_update() as a step pre-hook of each optimizer among the values of
@@ -490,23 +509,39 @@ class Checkpointer:
         self._hooks.clear()
 
     def _saved(self, step: int, snap: Any, t0: float,
-               overlapped: Optional[tuple[float, float]] = None) -> bool:
+               overlapped: Optional[tuple[float, float]] = None,
+               copy_again: Optional[Callable[[], Any]] = None) -> bool:
         """Records a save's result (after its copy) and tells the agent, in one message: the
         snapshot note with the save's report (saves are made with notify=False for that); with
         dedupe, after the ranks agreed on the replicas. `overlapped`: (when before_update began
-        waiting, how long the save call took) of an overlapped save."""
+        waiting, how long the save call took) of an overlapped save. `copy_again`: saves the
+        same state again (with dedupe, when this rank's copy left out tensors under a plan that
+        no longer holds)."""
         res = _fields(snap)
         skip: list = []
         if self.dedupe:
-            # Every rank calls save for the step: agree on who writes which replica, then tell
-            # the agent. A rank that dies before this is flushed without skipping (correct).
+            # Every rank calls save for the step: agree on who copies and who writes which
+            # replica, then tell the agent. A rank that dies before this is flushed without
+            # skipping (its snapshot leaves out only what its node's other ranks copied).
             try:
-                skip = self._replicas.skip_ranges(self._live, snap)
+                skip, again = self._replicas.skip_ranges(self._live, snap,
+                                                         self.replication is None)
+                if again and copy_again is not None:
+                    # The structure changed on some rank since this rank's copy plan was made:
+                    # the tensors it left out may be in no other snapshot. The state has not
+                    # changed (still inside save, or before the optimizer's step): copy it all.
+                    self._live.discard_unnotified()
+                    self._live.set_copy_skip([])
+                    snap = copy_again()
+                    res = _fields(snap)
+                    if not res["saved"]:
+                        skip = []
+                self._replicas.apply(self._live)
             except Exception as e:  # a peer is gone or out of step: write every tensor
                 warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
                               f"the replicas ({e}); this rank writes all of its tensors",
                               RuntimeWarning, stacklevel=3)
-                self._replicas.reset()
+                self._replicas.reset(self._live)
                 skip = []
         now = time.perf_counter()
         if overlapped is None:
@@ -637,9 +672,20 @@ class Checkpointer:
                             f"({', '.join(self._stores)})")
 
     def _usable(self, snap: Optional[_core.Loaded]):
-        """A memory snapshot, unless another world size saved it (then storage reshards)."""
+        """A memory snapshot, unless another world size saved it (then storage reshards) or it
+        leaves out tensors (replicated state copied once per node) that no other rank's
+        snapshot of it on this node holds intact: then None, and the load falls back like for
+        any missing copy (the ranks agree again, peers, storage)."""
         if snap is None or snap.world_size != self.world_size:
             return None
+        if snap.elsewhere:
+            left = self._live.fill_from_siblings(snap.step, snap.attempt, snap.elsewhere)
+            if left:
+                warnings.warn(f"safepoint: step {snap.step} in memory leaves {len(left)} tensors "
+                              f"to other ranks of this node, whose snapshots do not hold them "
+                              f"(first: {left[0]}); loading another copy", RuntimeWarning,
+                              stacklevel=4)
+                return None
         return (snap.step, snap.state), "memory"
 
     def _load_local(self, step: Optional[int], targets: Any = None):

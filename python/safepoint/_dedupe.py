@@ -1,16 +1,22 @@
 """Replica dedupe (``Checkpointer(dedupe=True)``): a tensor that several ranks hold (DDP's
-parameters and optimizer state) is written to storage once in total instead of once per rank.
+parameters and optimizer state) is copied into shared memory once per node and written to
+storage once in total, instead of once per rank.
 
 Every rank calls save for the same steps. Per save, one all-gather of a structure hash; when
-some rank's tensors changed, the ranks all-gather their tensor lists and each computes the same
-plan (``plan_replicas``): which rank writes each group of replicas, split by bytes. A rank then
-tells its agent which of its tensors to skip (``Client.notify``); loading reads a skipped
-tensor from the image of the rank that wrote it (``_shards.fill_elsewhere``).
+some rank's tensors changed, the ranks all-gather their tensor lists (and which node each is on)
+and each computes the same two plans (``plan_replicas``): which rank of each node copies each
+group of replicas into its snapshot (the copy plan, applied from the next save on through
+``Client.set_copy_skip``), and which rank writes each to storage, among the ranks whose
+snapshots hold it (the persist plan, ``Client.notify``). Both split by bytes. A hot reload fills
+a tensor its snapshot leaves out from the slot of the rank of its node that copied it
+(``Client.fill_from_siblings``); loading from storage reads it from the image of the rank that
+wrote it (``_shards.fill_elsewhere``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Optional
 
 from safepoint import _core
 
@@ -25,17 +31,22 @@ def replica_key(entry: tuple, rank: int, rank_local_prefix: str) -> Any:
     return _core.replica_key(name, dtype, shape, gshape or None, goff or None)
 
 
-def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str) -> list:
+def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str,
+                  lacking: Optional[list[set[int]]] = None) -> list:
     """Which of this rank's tensors other ranks write to storage: of every group of replicas one
     rank writes, chosen greedily so that each rank writes about as many bytes (largest first,
     ties by rank). `everyone[r]` is rank r's list of entries (name, dtype, shape, global_shape,
-    global_offset, nbytes). Returns this rank's skipped tensors as index ranges [first, last)."""
+    global_offset, nbytes). `lacking[r]`: indexes of rank r's entries whose bytes its snapshot
+    does not hold (the copy plan left them to another rank): r never writes those. Returns this
+    rank's skipped tensors as index ranges [first, last)."""
     holders: dict[tuple, list[int]] = {}
     size: dict[tuple, int] = {}
     for r, entries in enumerate(everyone):
-        for e in entries:
+        gone = lacking[r] if lacking else ()
+        for i, e in enumerate(entries):
             k = replica_key(e, r, rank_local_prefix)
-            holders.setdefault(k, []).append(r)
+            if i not in gone:
+                holders.setdefault(k, []).append(r)
             size[k] = e[5]
     load = [0] * len(everyone)
     owner: dict[tuple, int] = {}
@@ -43,35 +54,67 @@ def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str
         o = min(holders[k], key=lambda r: (load[r], r))
         owner[k] = o
         load[o] += size[k]
+    return _ranges(i for i, e in enumerate(everyone[rank])
+                   if owner.get(replica_key(e, rank, rank_local_prefix)) != rank)
+
+
+def _ranges(indexes: Iterable[int]) -> list:
+    """Ascending indexes as ranges [first, last)."""
     ranges: list[list[int]] = []
-    for i, e in enumerate(everyone[rank]):
-        if owner[replica_key(e, rank, rank_local_prefix)] != rank:
-            if ranges and ranges[-1][1] == i:
-                ranges[-1][1] = i + 1
-            else:
-                ranges.append([i, i + 1])
+    for i in indexes:
+        if ranges and ranges[-1][1] == i:
+            ranges[-1][1] = i + 1
+        else:
+            ranges.append([i, i + 1])
     return [tuple(x) for x in ranges]
 
 
-class ReplicaPlan:
-    """This rank's part of the plan for the structure of the last saves: which of its tensors
-    other ranks write. Kept across saves; recomputed only when some rank's tensors changed.
-    `rank_local_prefix`: tensors under it (the generator states) are never replicas."""
+def _indexes(ranges: list) -> set[int]:
+    return {i for first, last in ranges for i in range(first, last)}
 
-    def __init__(self, group: Any, rank: int, world_size: int, rank_local_prefix: str) -> None:
+
+def plan_copies(everyone: list[list[tuple]], nodes: list[str], rank: int,
+                rank_local_prefix: str) -> list:
+    """The copy plan: which of this rank's tensors another rank of its node (same `nodes`
+    entry) copies into its snapshot instead, so that each node's snapshots hold every tensor of
+    its ranks once. Index ranges, as plan_replicas (over the node's ranks alone)."""
+    members = [r for r in range(len(everyone)) if nodes[r] == nodes[rank]]
+    if len(members) < 2:
+        return []
+    return plan_replicas([everyone[r] for r in members], members.index(rank), rank_local_prefix)
+
+
+class ReplicaPlan:
+    """This rank's part of the plans for the structure of the last saves: which of its tensors
+    another rank of its node copies (applied to the client), and which other ranks write. Kept
+    across saves; recomputed only when some rank's tensors changed. `rank_local_prefix`:
+    tensors under it (the generator states) are never replicas. `node`: names this rank's node
+    (ranks with equal names read each other's snapshot slots)."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, rank_local_prefix: str,
+                 node: str = "") -> None:
         self._group, self._rank, self._world_size = group, rank, world_size
-        self._prefix = rank_local_prefix
+        self._prefix, self._node = rank_local_prefix, node
         self._key: tuple = ()  # every rank's structure hash
         self._skip: list = []  # this rank's skip ranges under that key
+        self._copies: list = []  # this rank's share of the copy plan under that key
 
-    def reset(self) -> None:
-        """Forgets the plan (the ranks could not agree on it): the next save plans again."""
-        self._key, self._skip = (), []
+    def reset(self, client: Any = None) -> None:
+        """Forgets the plans (the ranks could not agree on them): the next save copies every
+        tensor and plans again."""
+        self._key, self._skip, self._copies = (), [], []
+        if client is not None:
+            client.set_copy_skip([])
 
-    def skip_ranges(self, client: Any, res: _core.SnapshotResult) -> list:
+    def skip_ranges(self, client: Any, res: _core.SnapshotResult,
+                    copy_once: bool = True) -> tuple[list, bool]:
         """This rank's replicas that other ranks write, for the save `res` of `client` (a
-        collective: every rank calls it for the same step). One all-gather of a structure hash
-        per save; the full plan is recomputed only when some rank's tensors changed."""
+        collective: every rank calls it for the same step), and whether this rank must copy the
+        step again in full first: its snapshot left out tensors under a plan that no longer
+        holds (some rank's structure changed), so another rank may not hold them. One
+        all-gather of a structure hash per save; the plans are recomputed only when some rank's
+        tensors changed. `copy_once`: plan the copies once per node (else every rank copies
+        all of its tensors)."""
         import torch
         import torch.distributed as dist
 
@@ -84,11 +127,28 @@ class ReplicaPlan:
         hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
         dist.all_gather(hashes, h, group=self._group)
         key = tuple(int(x.item()) for x in hashes)
-        if key != self._key:
-            entries = client.last_entries() if res.saved else []
-            everyone: list = [None] * self._world_size
-            dist.all_gather_object(everyone, entries, group=self._group)
-            if any(not e for e in everyone):  # a rank skipped its snapshot: write everything
-                return []
-            self._key, self._skip = key, plan_replicas(everyone, self._rank, self._prefix)
-        return self._skip if res.saved else []
+        if key == self._key:
+            return (self._skip if res.saved else []), False
+        entries = client.last_entries() if res.saved else []
+        everyone: list = [None] * self._world_size
+        dist.all_gather_object(everyone, (entries, self._node), group=self._group)
+        if any(not e for e, _ in everyone):  # a rank skipped its snapshot: write everything
+            return [], False
+        again = bool(res.saved and client.last_copy_skip())
+        lists = [e for e, _ in everyone]
+        # This save: every snapshot holds every tensor (after copying again where needed).
+        now = plan_replicas(lists, self._rank, self._prefix)
+        # The next saves of this structure: each node's snapshots hold each tensor once, and
+        # storage gets it from one of the ranks that hold it.
+        nodes = [n for _, n in everyone]
+        copies = [plan_copies(lists, nodes, r, self._prefix) if copy_once else []
+                  for r in range(self._world_size)]
+        later = plan_replicas(lists, self._rank, self._prefix, [_indexes(c) for c in copies])
+        self._key, self._skip = key, later
+        self._copies = copies[self._rank]
+        return now, again
+
+    def apply(self, client: Any) -> None:
+        """Leaves this rank's share of the copy plan out of its next snapshots (after a plan
+        was made and the step of that save, copied again if needed, is safe)."""
+        client.set_copy_skip(self._copies)

@@ -1268,5 +1268,80 @@ TEST_F(AgentTest, SigtermWhilePersistingToAStalledStorageEndsAfterTheGraceKeepin
   EXPECT_EQ(mem->step, 3u);
 }
 
+// Replicated state copied once per node (issue 21): a rank leaves tensors another rank of the
+// node copies out of its snapshots, and fills them from that rank's slot when it loads.
+TEST_F(AgentTest, ACopySkipLeavesTensorsToAnotherRankWhoseSlotFillsThem) {
+  auto options = [&](uint32_t rank) {
+    ClientOptions o = Options();
+    o.rank = rank;
+    o.world_size = 2;
+    o.attempt = 77;
+    return o;
+  };
+  ASSERT_OK_AND_ASSIGN(auto zero, SnapshotClient::Connect(options(0)));
+  ASSERT_OK_AND_ASSIGN(auto one, SnapshotClient::Connect(options(1)));
+  Shard s1(1);
+  ASSERT_OK(zero->Save(1, s1.sources, s1.extras, /*persist=*/false));
+  ASSERT_OK(one->Save(1, s1.sources, s1.extras, /*persist=*/false));
+  const uint64_t full = Shard(1).big.size() * 4;
+
+  EXPECT_EQ(zero->SetCopySkip({{0, 3}}).code(), StatusCode::kInvalidArgument);  // 2 tensors
+  EXPECT_TRUE(zero->LastCopySkip().empty());
+  ASSERT_OK(zero->SetCopySkip({{0, 1}}));  // "big" is rank 1's to copy
+  EXPECT_EQ(zero->LastCopySkip(), (SkipRanges{{0, 1}}));
+
+  // Step 2 of the same structure: rank 0's snapshot has no bytes of "big".
+  Shard s2(2);
+  const void* data[] = {s2.big.data(), s2.small.data()};
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r0, zero->SaveLike(2, data, /*persist=*/false));
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r1, one->SaveLike(2, data, /*persist=*/false));
+  EXPECT_LT(r0.image_bytes + full / 2, r1.image_bytes);
+  ASSERT_OK_AND_ASSIGN(MemorySnapshot mem, zero->LoadStep(2));
+  ASSERT_EQ(mem.reader.tensors().size(), 2u);
+  EXPECT_TRUE(mem.reader.tensors()[0].spec.elsewhere);
+  EXPECT_TRUE(mem.reader.tensor_data(0).empty());
+
+  // Filled from rank 1's slot, bit for bit; a tensor no other rank holds is left unfilled.
+  std::vector<float> big(s2.big.size()), nothing(4);
+  std::vector<TensorFill> fills(2);
+  fills[0].spec = s2.sources[0].spec;
+  fills[0].dst = reinterpret_cast<std::byte*>(big.data());
+  fills[0].nbytes = big.size() * 4;
+  fills[1].spec = {"absent", DType::kFloat32, {4}, {}, {}};
+  fills[1].dst = reinterpret_cast<std::byte*>(nothing.data());
+  fills[1].nbytes = 16;
+  EXPECT_EQ(zero->FillFromSiblings(2, 77, fills), (std::vector<bool>{true, false}));
+  EXPECT_EQ(big, s2.big);
+  // Only a snapshot of the same step and save attempt counts.
+  EXPECT_EQ(zero->FillFromSiblings(2, 78, fills), (std::vector<bool>{false, false}));
+  EXPECT_EQ(zero->FillFromSiblings(3, 77, fills), (std::vector<bool>{false, false}));
+
+  // A restore in place fills "big" from rank 1's slot in the same load.
+  std::fill(big.begin(), big.end(), 0.0f);
+  std::vector<float> small(s2.small.size());
+  std::vector<TensorFill> targets(2);
+  targets[0] = fills[0];
+  targets[1].spec = s2.sources[1].spec;
+  targets[1].dst = reinterpret_cast<std::byte*>(small.data());
+  targets[1].nbytes = small.size() * 4;
+  ASSERT_OK(zero->LoadStep(2, /*in_place=*/true, targets));
+  EXPECT_EQ(targets[0].entry, 0);
+  EXPECT_EQ(targets[1].entry, 1);
+  EXPECT_EQ(big, s2.big);
+  EXPECT_EQ(small, s2.small);
+
+  // A full save of the same structure keeps leaving "big" out; one of another structure copies
+  // everything and forgets the skip.
+  Shard s3(3);
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r3, zero->Save(3, s3.sources, s3.extras, false));
+  EXPECT_EQ(r3.image_bytes, r0.image_bytes);
+  EXPECT_EQ(zero->LastCopySkip(), (SkipRanges{{0, 1}}));
+  std::vector<TensorSource> other = s3.sources;
+  other[1].spec.name = "renamed";
+  ASSERT_OK_AND_ASSIGN(SnapshotResult r4, zero->Save(4, other, s3.extras, false));
+  EXPECT_EQ(r4.image_bytes, r1.image_bytes);
+  EXPECT_TRUE(zero->LastCopySkip().empty());
+}
+
 }  // namespace
 }  // namespace safepoint::agent_test

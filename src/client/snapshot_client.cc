@@ -397,9 +397,52 @@ Status SnapshotClient::SetLineage(Lineage lineage) {
   return Status::OK();
 }
 
+namespace {
+
+// FNV-1a over every tensor's ReplicaKey (the structure two ranks compare; `elsewhere` is not
+// part of it, so a plan keeps its hash whatever it leaves out).
+uint64_t HashStructure(std::span<const TensorSource> tensors) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const TensorSource& t : tensors) {
+    const std::string key = ReplicaKey(t.spec);
+    for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+    hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
+  }
+  return hash;
+}
+
+Status CheckSkipRanges(const SkipRanges& skip, size_t tensors) {
+  uint32_t prev = 0;
+  for (const auto& [first, last] : skip) {
+    if (first >= last || last > tensors || first < prev) {
+      return InvalidArgument("copy skip range [" + std::to_string(first) + ", " +
+                             std::to_string(last) + ") is not ascending within the plan's " +
+                             std::to_string(tensors) + " tensors");
+    }
+    prev = last;
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<SnapshotResult> SnapshotClient::Save(uint64_t step, std::vector<TensorSource> tensors,
                                             std::string extras, bool persist, bool notify,
                                             const StageFn& stage) {
+  // A full save of the structure the copy skip was set for (GPU states take this path every
+  // time: their plan is never reused) still leaves the other ranks' tensors out.
+  if (!copy_skip_.empty()) {
+    const bool same =
+        copy_skip_.back().second <= tensors.size() && HashStructure(tensors) == copy_skip_hash_;
+    if (same) {
+      for (TensorSource& t : tensors) t.spec.elsewhere = false;
+      for (const auto& [first, last] : copy_skip_) {
+        for (uint32_t i = first; i < last; ++i) tensors[i].spec.elsewhere = true;
+      }
+    } else {
+      copy_skip_.clear();
+    }
+  }
   plan_.reset();
   plan_hash_.reset();
   ImageMeta meta;
@@ -490,16 +533,59 @@ void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
 
 uint64_t SnapshotClient::StructureHash() {
   if (!plan_) return 0;
-  if (!plan_hash_) {
-    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over every tensor's ReplicaKey
-    for (const TensorSource& t : plan_->tensors()) {
-      const std::string key = ReplicaKey(t.spec);
-      for (char c : key) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
-      hash = (hash ^ key.size()) * 0x100000001b3ull;  // where one key ends
-    }
-    plan_hash_ = hash;
-  }
+  if (!plan_hash_) plan_hash_ = HashStructure(plan_->tensors());
   return *plan_hash_;
+}
+
+Status SnapshotClient::SetCopySkip(SkipRanges skip) {
+  if (!skip.empty()) {
+    if (!plan_) return InvalidArgument(job_dir_ + ": no save plan to leave tensors out of");
+    SP_RETURN_IF_ERROR(CheckSkipRanges(skip, plan_->tensors().size()));
+    copy_skip_hash_ = StructureHash();
+  }
+  copy_skip_ = std::move(skip);
+  return ApplyCopySkip();
+}
+
+Status SnapshotClient::ApplyCopySkip() {
+  if (!plan_) return Status::OK();
+  std::vector<TensorSource> tensors = plan_->tensors();
+  std::vector<bool> skip(tensors.size(), false);
+  for (const auto& [first, last] : copy_skip_) {
+    for (uint32_t i = first; i < last; ++i) skip[i] = true;
+  }
+  bool same = true;
+  for (size_t i = 0; i < tensors.size() && same; ++i) same = tensors[i].spec.elsewhere == skip[i];
+  if (same) return Status::OK();  // the plan leaves these out already
+  // A tensor's address stays that of the last save's until the next Rebind (or Publish), which
+  // comes before any fill reads it.
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].spec.elsewhere = skip[i];
+  ImageMeta meta = plan_->meta();
+  SP_ASSIGN_OR_RETURN(auto plan, ImageBuilder::Create(std::move(meta), std::move(tensors),
+                                                      plan_->extras(), plan_->layout().chunk_size));
+  plan_ = std::move(plan);
+  return Status::OK();
+}
+
+void SnapshotClient::DiscardUnnotified() {
+  if (!pending_note_) return;
+  arena_->Discard(pending_note_->slot, pending_note_->generation);
+  pending_note_.reset();
+}
+
+SkipRanges SnapshotClient::LastCopySkip() const {
+  SkipRanges out;
+  if (!plan_) return out;
+  const auto& tensors = plan_->tensors();
+  for (uint32_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].spec.elsewhere) continue;
+    if (!out.empty() && out.back().second == i) {
+      out.back().second = i + 1;
+    } else {
+      out.emplace_back(i, i + 1);
+    }
+  }
+  return out;
 }
 
 std::vector<TensorSpec> SnapshotClient::last_specs() const {
@@ -831,6 +917,7 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
       std::vector<ImageCopy> copies;
       copies.reserve(fills.size());
       std::vector<bool> taken(entries.size());
+      std::vector<size_t> siblings, sibling_fills;  // elsewhere entries, and the fills they go to
       for (TensorFill& f : fills) {
         size_t i = entries.size();
         if (f.hint >= 0 && static_cast<size_t>(f.hint) < entries.size() &&
@@ -844,12 +931,34 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
           if (it != by_name.end()) i = it->second;
         }
         // Otherwise the caller copies (or refuses) it with its own checks.
-        if (i == entries.size() || taken[i] || !matches(f, i)) continue;
+        if (i == entries.size() || taken[i]) continue;
+        if (entries[i].spec.elsewhere) {
+          // Another rank of this node keeps its bytes (replicated state copied once per node):
+          // filled from that rank's slot below, or left to the caller.
+          if (f.dst != nullptr && ReplicaKey(entries[i].spec) == ReplicaKey(f.spec) &&
+              f.nbytes == entries[i].nbytes) {
+            taken[i] = true;
+            siblings.push_back(i);
+            sibling_fills.push_back(&f - fills.data());
+          }
+          continue;
+        }
+        if (!matches(f, i)) continue;
         taken[i] = true;
         f.entry = static_cast<int64_t>(i);
         copies.push_back({entries[i].offset, entries[i].nbytes, f.dst});
       }
       SP_RETURN_IF_ERROR(VerifyAndCopyOut(src, copies, source, internal::DefaultCpuThreads()));
+      if (!siblings.empty()) {
+        std::vector<TensorFill> wanted;
+        wanted.reserve(siblings.size());
+        for (size_t k : sibling_fills) wanted.push_back(fills[k]);
+        const std::vector<bool> got =
+            FillFromSiblings(reader.meta().step, reader.meta().attempt, wanted);
+        for (size_t k = 0; k < got.size(); ++k) {
+          if (got[k]) fills[sibling_fills[k]].entry = static_cast<int64_t>(siblings[k]);
+        }
+      }
     }
     // Extras the caller knows (a restore plan's, checked by their checksum in Parse like any)
     // are not decoded again: a Value and a string per key of a large state.
@@ -890,6 +999,83 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
                      std::move(extras), newest->step};
   NoteResumedFrom(*newest);
   return out;
+}
+
+std::vector<bool> SnapshotClient::FillFromSiblings(uint64_t step, uint64_t attempt,
+                                                   std::span<TensorFill> fills) {
+  std::vector<bool> filled(fills.size(), false);
+  size_t left = fills.size();
+  auto ranks = ListArenaRanks(job_dir_);
+  if (!ranks.ok()) return filled;
+  // Ranks in order from this one on: with the share plan's greedy split, the neighbours hold
+  // most, and ranks of a large node do not all read rank 0's slots first.
+  std::vector<uint32_t> order;
+  for (uint32_t r : *ranks) {
+    if (r > opt_.rank) order.push_back(r);
+  }
+  for (uint32_t r : *ranks) {
+    if (r < opt_.rank) order.push_back(r);
+  }
+  for (uint32_t r : order) {
+    if (left == 0) break;
+    Result<size_t> got = FillFromRank(r, step, attempt, fills, &filled);
+    if (got.ok()) left -= *got;
+  }
+  return filled;
+}
+
+Result<size_t> SnapshotClient::FillFromRank(uint32_t rank, uint64_t step, uint64_t attempt,
+                                            std::span<TensorFill> fills,
+                                            std::vector<bool>* filled) {
+  SP_ASSIGN_OR_RETURN(std::unique_ptr<Arena> arena,
+                      Arena::Open(job_dir_, rank, arena_->slot_count()));
+  std::optional<SlotInfo> found;  // the snapshot of the step completed last, as LoadStep
+  for (const SlotInfo& s : arena->Slots()) {
+    if (s.state == SlotState::kComplete && s.step == step && s.image_size >= kImageHeaderSize &&
+        (!found || s.complete_time_ns > found->complete_time_ns)) {
+      found = s;
+    }
+  }
+  if (!found) return NotFound("no snapshot of the step");
+  const std::string source = job_dir_ + "/rank-" + std::to_string(rank) + ".slot-" +
+                             std::to_string(found->index) + " (step " + std::to_string(step) + ")";
+  auto image = arena->SlotData(found->index).subspan(0, found->image_size);
+  SP_ASSIGN_OR_RETURN(ImageReader reader,
+                      ImageReader::Parse(image, source, ImageReader::Verify::kStructure));
+  const ImageMeta& meta = reader.meta();
+  if (meta.step != step || meta.rank != rank || meta.world_size != opt_.world_size ||
+      meta.attempt != attempt || meta.job != opt_.job) {
+    return NotFound(source + ": of another save");
+  }
+  const std::vector<TensorEntry>& entries = reader.tensors();
+  std::unordered_map<std::string_view, size_t> by_name;
+  for (size_t j = 0; j < entries.size(); ++j) {
+    if (!entries[j].spec.elsewhere) by_name.emplace(entries[j].spec.name, j);
+  }
+  std::vector<ImageCopy> copies;
+  std::vector<size_t> taken;
+  for (size_t k = 0; k < fills.size(); ++k) {
+    const TensorFill& f = fills[k];
+    if ((*filled)[k] || f.dst == nullptr) continue;
+    auto it = by_name.find(f.spec.name);
+    if (it == by_name.end()) continue;
+    const TensorEntry& e = entries[it->second];
+    if (ReplicaKey(e.spec) != ReplicaKey(f.spec) || e.nbytes != f.nbytes) continue;
+    copies.push_back({e.offset, e.nbytes, f.dst});
+    taken.push_back(k);
+  }
+  if (copies.empty()) return 0;
+  SP_RETURN_IF_ERROR(VerifyAndCopyOut(image, copies, source, internal::DefaultCpuThreads()));
+  // The rank's writer never takes its newest snapshot's slot while it has two, but with one
+  // (budget mode) it may: what was copied counts only if the slot still holds that snapshot.
+  for (const SlotInfo& s : arena->Slots()) {
+    if (s.index == found->index &&
+        (s.generation != found->generation || s.state != SlotState::kComplete)) {
+      return Corruption(source + ": the snapshot changed while it was read");
+    }
+  }
+  for (size_t k : taken) (*filled)[k] = true;
+  return taken.size();
 }
 
 // A snapshot loaded before this client's first save is the one the run resumes from: the arena

@@ -778,6 +778,19 @@ void Arena::AbortWrite(const SlotWriteTicket& t) {
                                        std::memory_order_release);
 }
 
+bool Arena::Discard(uint32_t slot, uint64_t generation) {
+  if (slot >= slots_.size() || !slots_[slot]) return false;
+  std::atomic<uint64_t>& word = slots_[slot]->header()->word;
+  for (const bool leased : {true, false}) {
+    uint64_t expected = Word(generation, SlotState::kComplete, leased);
+    if (word.compare_exchange_strong(expected, Word(generation, SlotState::kFree),
+                                     std::memory_order_acq_rel)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool Arena::MarkResumed(uint32_t slot, uint64_t generation) {
   if (slot >= slots_.size() || !slots_[slot]) return false;
   SlotHeader* h = slots_[slot]->header();

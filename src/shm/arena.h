@@ -158,6 +158,11 @@ class Arena {
                    bool leased = false);
   // Marks a slot FREE again after a failed write.
   void AbortWrite(const SlotWriteTicket& ticket);
+  // Marks the COMPLETE snapshot of `generation` in `slot`, which the agent was never told about,
+  // FREE again (leased by FinishWrite or not): a save that replaces it before anyone read it.
+  // False when the slot changed since or the agent leased it meanwhile (it stays an older
+  // snapshot of the step, released when the agent is done with it).
+  bool Discard(uint32_t slot, uint64_t generation);
   // The run resumes from this COMPLETE snapshot (the writer loaded it before saving anything):
   // it becomes the newest, as if it had completed now, so that the next BeginWrite keeps it
   // and overwrites a snapshot that an abandoned run completed later. False when the slot no
