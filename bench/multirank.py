@@ -677,10 +677,12 @@ def worker(cfg: dict) -> None:
     for rnd in range(cfg["runs"] + 1):  # round 0 is a warm-up
         if r.rank == 0:
             print(f"[{r.setup}] round {rnd}/{cfg['runs']}", flush=True)
-        # The warm-up round saves twice with each contender: flash checkpointers create their
-        # shared memory (safepoint: two slots, used in turn) on the first saves, a one-time cost.
+        # The warm-up round saves three times with each contender: flash checkpointers create
+        # their shared memory (safepoint: two slots, used in turn) on the first saves, a
+        # one-time cost; under DDP safepoint's copy plan (each rank copies its share) applies
+        # from the second save, and its slots are laid out for the shares by the third.
         for m in [m for m in (order if rnd % 2 == 0 else order[::-1])
-                  for _ in range(1 if rnd else 2)]:
+                  for _ in range(1 if rnd else 3)]:
             c = contenders[m]
             r.train()
             step += 1

@@ -161,10 +161,6 @@ class SnapshotClient {
   // copies every tensor again and forgets it. Empty: copy every tensor. InvalidArgument for a
   // range outside the plan (nothing changes then).
   Status SetCopySkip(SkipRanges skip);
-  // Drops the last snapshot saved with notify=false before the agent was told (Notify): its
-  // slot is free again. A caller that saves the same step again instead (a copy plan that no
-  // longer held) calls it first, so that the snapshot's lease is not held forever.
-  void DiscardUnnotified();
   // The tensors the save plan leaves out (its "elsewhere" ranges): what the last save left out,
   // until SetCopySkip changes it for the next ones. Empty when every tensor is copied.
   SkipRanges LastCopySkip() const;

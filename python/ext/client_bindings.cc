@@ -150,7 +150,6 @@ class PyClient {
 
   void SetCopySkip(const SkipRanges& skip) { Check(Get().SetCopySkip(skip)); }
   SkipRanges LastCopySkip() { return Get().LastCopySkip(); }
-  void DiscardUnnotified() { Get().DiscardUnnotified(); }
 
   // Fills the tensors of `elsewhere` ((name, tensor, global shape, global offset), as a load
   // lists them) from the snapshots of `step` and `attempt` other ranks keep on this node;
@@ -182,6 +181,7 @@ class PyClient {
       }
       f.nbytes = DTypeSize(*dtype);
       for (uint64_t d : f.spec.shape) f.nbytes *= d;
+      if (f.nbytes == 0) continue;  // nothing to fill (its data_ptr() is null)
       f.dst = reinterpret_cast<std::byte*>(nb::cast<uintptr_t>(t.attr("data_ptr")()));
       fills.push_back(std::move(f));
       index.push_back(i);
@@ -768,9 +768,6 @@ void BindClient(nb::module_& m) {
            "tensors (index ranges of the last save's plan) that other ranks of this node keep: "
            "the next saves of the same structure leave them out of this rank's snapshot")
       .def("last_copy_skip", &PyClient::LastCopySkip)
-      .def(
-          "discard_unnotified", [](PyClient& c) { c.DiscardUnnotified(); },
-          "frees the slot of the last save made with notify=False, before the agent was told")
       .def("fill_from_siblings", &PyClient::FillFromSiblings, "step"_a, "attempt"_a, "elsewhere"_a,
            "fills a load's elsewhere tensors from other ranks' snapshots on this node; returns "
            "the names left unfilled")

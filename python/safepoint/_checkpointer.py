@@ -63,15 +63,18 @@ def _distributed() -> tuple[Optional[int], Optional[int]]:
 
 def _node_name(shm_dir: str) -> str:
     """Names this rank's node for the copy plan: ranks whose names are equal see the same
-    shared memory (the host, and the device and inode of the shm directory: two containers or
-    namespaces with their own /dev/shm on one host are two nodes)."""
-    import socket
-
+    shared memory (the running kernel's boot id, and the device and inode of the shm
+    directory: two containers or namespaces with their own /dev/shm on one host are two nodes,
+    two hosts never one). Unique to this process when either cannot be read (no sharing)."""
     try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
         st = os.stat(shm_dir)
     except OSError:
-        return f"{socket.gethostname()}:{shm_dir}"
-    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+        import socket
+
+        return f"{socket.gethostname()}:{os.getpid()}:{id(shm_dir)}"
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
 def _default_job(storage: str) -> str:
@@ -155,9 +158,12 @@ class Checkpointer:
     With several ranks under torch.distributed, ``dedupe`` (default) writes each replicated
     tensor to storage once in total instead of once per rank: tensors with the same name,
     dtype, shape and box on several ranks are taken as replicas (DDP's parameters and optimizer
-    state; DCP's convention), and the ranks split the writing between them by bytes. Memory
-    snapshots still hold every rank's full state (hot reload reads nothing from other ranks);
-    loading from storage reads a replica from the rank that wrote it. Keep tensors that differ
+    state; DCP's convention), and the ranks split the writing between them by bytes. The ranks
+    of one node also split the copy into shared memory (without ``redundancy``): from the
+    second save of a structure on, each copies only its share of the replicated tensors, and a
+    hot reload fills the others from the other ranks' snapshots on the node (verified; when one
+    is missing or damaged, every rank loads storage instead). Loading from storage reads a
+    replica from the rank that wrote it. Keep tensors that differ
     between ranks under different names (the generator states of ``include_rng`` are never
     taken as replicas), or pass ``dedupe=False``. With dedupe, ``save`` is a collective (like
     DCP's save): every rank calls it for the same steps; if the ranks cannot agree (a peer died),
@@ -293,7 +299,7 @@ class Checkpointer:
         self.share_reads = bool(share_reads) and self._group is not None
         self._io: dict[str, Any] = {}  # bytes moved by the current load (see load())
         self._replicas = ReplicaPlan(self._group, rank, world_size, RNG_KEY + ".",
-                                     _node_name(self.shm_dir))
+                                     lambda: _node_name(self.shm_dir))
         if max_shm_bytes is not None and (type(max_shm_bytes) is not int or max_shm_bytes < 1):
             raise InvalidArgumentError(
                 f"{self.path}: max_shm_bytes must be a positive int, got {max_shm_bytes!r}")
@@ -523,26 +529,42 @@ class Checkpointer:
             # Every rank calls save for the step: agree on who copies and who writes which
             # replica, then tell the agent. A rank that dies before this is flushed without
             # skipping (its snapshot leaves out only what its node's other ranks copied).
+            again = False
             try:
                 skip, again = self._replicas.skip_ranges(self._live, snap,
                                                          self.replication is None)
-                if again and copy_again is not None:
-                    # The structure changed on some rank since this rank's copy plan was made:
-                    # the tensors it left out may be in no other snapshot. The state has not
-                    # changed (still inside save, or before the optimizer's step): copy it all.
-                    self._live.discard_unnotified()
-                    self._live.set_copy_skip([])
-                    snap = copy_again()
-                    res = _fields(snap)
-                    if not res["saved"]:
-                        skip = []
-                self._replicas.apply(self._live)
             except Exception as e:  # a peer is gone or out of step: write every tensor
                 warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
-                              f"the replicas ({e}); this rank writes all of its tensors",
+                              f"the replicas ({e}); this rank writes all of its tensors and "
+                              f"copies them all from the next save on",
                               RuntimeWarning, stacklevel=3)
                 self._replicas.reset(self._live)
                 skip = []
+            else:
+                # What follows is this rank's alone (the plans are agreed): a failure here
+                # must not change what the ranks' next collectives are.
+                try:
+                    if again and copy_again is not None:
+                        # The structure changed on some rank since this rank's copy plan was
+                        # made: the tensors it left out may be in no other snapshot. The agent
+                        # gets that copy as it is (its lease is the agent's to release; the
+                        # step commits only once every tensor is held), and the same state,
+                        # unchanged (still inside save, or before the optimizer's step), is
+                        # copied again in full: the snapshot completed last is the step's.
+                        self._live.notify([], step)
+                        self._live.set_copy_skip([])
+                        snap = copy_again()
+                        res = _fields(snap)
+                        if not res["saved"]:
+                            skip = []
+                    self._replicas.apply(self._live)
+                except Exception as e:
+                    warnings.warn(f"safepoint: step {step}: this rank could not copy its state "
+                                  f"again in full or take its share of the next copies ({e}); "
+                                  f"it copies every tensor from the next save on",
+                                  RuntimeWarning, stacklevel=3)
+                    with contextlib.suppress(Exception):
+                        self._live.set_copy_skip([])
         now = time.perf_counter()
         if overlapped is None:
             res["blocking_seconds"] = now - t0

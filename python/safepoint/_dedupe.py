@@ -15,7 +15,7 @@ wrote it (``_shards.fill_elsewhere``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 from safepoint import _core
@@ -88,13 +88,14 @@ class ReplicaPlan:
     """This rank's part of the plans for the structure of the last saves: which of its tensors
     another rank of its node copies (applied to the client), and which other ranks write. Kept
     across saves; recomputed only when some rank's tensors changed. `rank_local_prefix`:
-    tensors under it (the generator states) are never replicas. `node`: names this rank's node
+    tensors under it (the generator states) are never replicas. `node()`: names this rank's node
     (ranks with equal names read each other's snapshot slots)."""
 
     def __init__(self, group: Any, rank: int, world_size: int, rank_local_prefix: str,
-                 node: str = "") -> None:
+                 node: Callable[[], str] = lambda: "") -> None:
         self._group, self._rank, self._world_size = group, rank, world_size
         self._prefix, self._node = rank_local_prefix, node
+        self._node_name = ""  # node(), asked at the first plan (the shm directory exists then)
         self._key: tuple = ()  # every rank's structure hash
         self._skip: list = []  # this rank's skip ranges under that key
         self._copies: list = []  # this rank's share of the copy plan under that key
@@ -131,8 +132,14 @@ class ReplicaPlan:
             return (self._skip if res.saved else []), False
         entries = client.last_entries() if res.saved else []
         everyone: list = [None] * self._world_size
-        dist.all_gather_object(everyone, (entries, self._node), group=self._group)
-        if any(not e for e, _ in everyone):  # a rank skipped its snapshot: write everything
+        if not self._node_name:
+            self._node_name = self._node()
+        dist.all_gather_object(everyone, (entries, self._node_name), group=self._group)
+        if any(not e for e, _ in everyone):
+            # A rank skipped its snapshot: write everything, and forget the plans on every
+            # rank alike (each sees the same gathered lists): the next save copies all and
+            # plans again.
+            self._key, self._skip, self._copies = (), [], []
             return [], False
         again = bool(res.saved and client.last_copy_skip())
         lists = [e for e, _ in everyone]

@@ -549,14 +549,15 @@ Status SnapshotClient::SetCopySkip(SkipRanges skip) {
 
 Status SnapshotClient::ApplyCopySkip() {
   if (!plan_) return Status::OK();
-  std::vector<TensorSource> tensors = plan_->tensors();
-  std::vector<bool> skip(tensors.size(), false);
+  const size_t n = plan_->tensors().size();
+  std::vector<bool> skip(n, false);
   for (const auto& [first, last] : copy_skip_) {
     for (uint32_t i = first; i < last; ++i) skip[i] = true;
   }
   bool same = true;
-  for (size_t i = 0; i < tensors.size() && same; ++i) same = tensors[i].spec.elsewhere == skip[i];
+  for (size_t i = 0; i < n && same; ++i) same = plan_->tensors()[i].spec.elsewhere == skip[i];
   if (same) return Status::OK();  // the plan leaves these out already
+  std::vector<TensorSource> tensors = plan_->tensors();
   // A tensor's address stays that of the last save's until the next Rebind (or Publish), which
   // comes before any fill reads it.
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].spec.elsewhere = skip[i];
@@ -565,12 +566,6 @@ Status SnapshotClient::ApplyCopySkip() {
                                                       plan_->extras(), plan_->layout().chunk_size));
   plan_ = std::move(plan);
   return Status::OK();
-}
-
-void SnapshotClient::DiscardUnnotified() {
-  if (!pending_note_) return;
-  arena_->Discard(pending_note_->slot, pending_note_->generation);
-  pending_note_.reset();
 }
 
 SkipRanges SnapshotClient::LastCopySkip() const {
@@ -760,8 +755,8 @@ Status SnapshotClient::CheckShmCap(uint64_t image_bytes) {
     uint64_t bytes = 0;
     for (size_t i = 0; i < n && i < slots.size(); ++i) {
       const SlotInfo& s = slots[i];
-      bytes +=
-          s.capacity >= image_bytes ? kSlotHeaderBytes + s.capacity : SlotFileBytes(image_bytes);
+      bytes += SlotKeptFor(s.capacity, image_bytes) ? kSlotHeaderBytes + s.capacity
+                                                    : SlotFileBytes(image_bytes);
     }
     return bytes;
   };

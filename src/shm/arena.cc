@@ -391,6 +391,10 @@ uint64_t SlotFileBytes(uint64_t image_size) {
   return kSlotHeaderBytes + capacity;
 }
 
+bool SlotKeptFor(uint64_t capacity, uint64_t image_size) {
+  return capacity >= image_size && kSlotHeaderBytes + capacity <= 2 * SlotFileBytes(image_size);
+}
+
 Result<std::vector<uint32_t>> LiveSlotWriters(const std::string& job_dir) {
   internal::UniqueDir d(::opendir(job_dir.c_str()));
   if (!d) return ErrnoStatus("opendir", job_dir, errno);
@@ -628,7 +632,7 @@ std::optional<SlotInfo> Arena::NewestComplete() const {
 
 Status Arena::EnsureCapacity(uint32_t slot, uint64_t image_size, double* seconds) {
   *seconds = 0;
-  if (slots_[slot] && slots_[slot]->capacity() >= image_size) return Status::OK();
+  if (slots_[slot] && SlotKeptFor(slots_[slot]->capacity(), image_size)) return Status::OK();
   const auto t0 = std::chrono::steady_clock::now();
   // Headroom so that small changes of the non-tensor state do not re-lay the slot out.
   const uint64_t capacity = SlotFileBytes(image_size) - kSlotHeaderBytes;
@@ -776,19 +780,6 @@ void Arena::AbortWrite(const SlotWriteTicket& t) {
   if (!slots_[t.slot]) return;
   slots_[t.slot]->header()->word.store(Word(t.generation, SlotState::kFree),
                                        std::memory_order_release);
-}
-
-bool Arena::Discard(uint32_t slot, uint64_t generation) {
-  if (slot >= slots_.size() || !slots_[slot]) return false;
-  std::atomic<uint64_t>& word = slots_[slot]->header()->word;
-  for (const bool leased : {true, false}) {
-    uint64_t expected = Word(generation, SlotState::kComplete, leased);
-    if (word.compare_exchange_strong(expected, Word(generation, SlotState::kFree),
-                                     std::memory_order_acq_rel)) {
-      return true;
-    }
-  }
-  return false;
 }
 
 bool Arena::MarkResumed(uint32_t slot, uint64_t generation) {

@@ -100,6 +100,11 @@ Result<uint64_t> JobShmBytes(const std::string& job_dir,
 // The size of the slot file (control block and capacity) a slot laid out for images of
 // `image_size` bytes gets.
 uint64_t SlotFileBytes(uint64_t image_size);
+// Whether a slot of `capacity` bytes is kept for an image of `image_size` bytes: it holds the
+// image and takes at most twice what a slot laid out for it would. A larger one is laid out
+// again at its next write, so that a state that shrank (a data-parallel rank that copies only
+// its share of the replicated tensors after its first save) gives the memory back.
+bool SlotKeptFor(uint64_t capacity, uint64_t image_size);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
 
@@ -158,11 +163,6 @@ class Arena {
                    bool leased = false);
   // Marks a slot FREE again after a failed write.
   void AbortWrite(const SlotWriteTicket& ticket);
-  // Marks the COMPLETE snapshot of `generation` in `slot`, which the agent was never told about,
-  // FREE again (leased by FinishWrite or not): a save that replaces it before anyone read it.
-  // False when the slot changed since or the agent leased it meanwhile (it stays an older
-  // snapshot of the step, released when the agent is done with it).
-  bool Discard(uint32_t slot, uint64_t generation);
   // The run resumes from this COMPLETE snapshot (the writer loaded it before saving anything):
   // it becomes the newest, as if it had completed now, so that the next BeginWrite keeps it
   // and overwrites a snapshot that an abandoned run completed later. False when the slot no
