@@ -19,6 +19,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "safepoint/checkpoint.h"
@@ -291,6 +292,9 @@ class SnapshotClient {
   // Rebuilds plan_ with the tensors in copy_skip_ (and only those) marked elsewhere.
   Status ApplyCopySkip();
   // FillFromSiblings from one rank's slots; `filled` as there. Returns how many it filled.
+  // Other ranks' arenas FillFromRank opened, kept mapped: a restore maps (and faults in the
+  // page tables of) a sibling's slots once, not at every load.
+  std::unordered_map<uint32_t, std::unique_ptr<Arena>> sibling_arenas_;
   Result<size_t> FillFromRank(uint32_t rank, uint64_t step, uint64_t attempt,
                               std::span<TensorFill> fills, std::vector<bool>* filled);
   ParsedIndex restore_index_;  // the index of the last load in place (ImageReader::Parse)

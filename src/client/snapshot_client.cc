@@ -887,6 +887,7 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
   const size_t size = newest->image_size;
   if (in_place) {
     auto src = arena_->SlotData(newest->index).subspan(0, size);
+    PopulateForRead(src);
     std::shared_ptr<std::byte> view(src.data(), [](std::byte*) {});  // the arena owns it
     for (TensorFill& f : fills) f.entry = -1;
     SP_ASSIGN_OR_RETURN(ImageReader reader,
@@ -1022,8 +1023,12 @@ std::vector<bool> SnapshotClient::FillFromSiblings(uint64_t step, uint64_t attem
 Result<size_t> SnapshotClient::FillFromRank(uint32_t rank, uint64_t step, uint64_t attempt,
                                             std::span<TensorFill> fills,
                                             std::vector<bool>* filled) {
-  SP_ASSIGN_OR_RETURN(std::unique_ptr<Arena> arena,
-                      Arena::Open(job_dir_, rank, arena_->slot_count()));
+  std::unique_ptr<Arena>& arena = sibling_arenas_[rank];
+  if (!arena) {
+    SP_ASSIGN_OR_RETURN(arena, Arena::Open(job_dir_, rank, arena_->slot_count()));
+  } else {
+    SP_RETURN_IF_ERROR(arena->Refresh());  // slot files the rank created or replaced since
+  }
   std::optional<SlotInfo> found;  // the snapshot of the step completed last, as LoadStep
   for (const SlotInfo& s : arena->Slots()) {
     if (s.state == SlotState::kComplete && s.step == step && s.image_size >= kImageHeaderSize &&
@@ -1035,6 +1040,7 @@ Result<size_t> SnapshotClient::FillFromRank(uint32_t rank, uint64_t step, uint64
   const std::string source = job_dir_ + "/rank-" + std::to_string(rank) + ".slot-" +
                              std::to_string(found->index) + " (step " + std::to_string(step) + ")";
   auto image = arena->SlotData(found->index).subspan(0, found->image_size);
+  PopulateForRead(image);
   SP_ASSIGN_OR_RETURN(ImageReader reader,
                       ImageReader::Parse(image, source, ImageReader::Verify::kStructure));
   const ImageMeta& meta = reader.meta();

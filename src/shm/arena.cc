@@ -391,6 +391,17 @@ uint64_t SlotFileBytes(uint64_t image_size) {
   return kSlotHeaderBytes + capacity;
 }
 
+void PopulateForRead(std::span<const std::byte> bytes) {
+#ifndef MADV_POPULATE_READ
+  constexpr int MADV_POPULATE_READ = 22;  // Linux 5.14; older headers lack it
+#endif
+  if (bytes.empty()) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
+}
+
 bool SlotKeptFor(uint64_t capacity, uint64_t image_size) {
   return capacity >= image_size && kSlotHeaderBytes + capacity <= 2 * SlotFileBytes(image_size);
 }
