@@ -372,6 +372,12 @@ class ExpectedState:
         # save() that returned), at most `mem_ub` (the last save begun). None: nothing known.
         self.mem_lb: list[Optional[int]] = [None] * world
         self.mem_ub: list[Optional[int]] = [None] * world
+        # Per rank, the run (a count of record_round calls) whose save made the snapshot behind
+        # `mem_lb`: with several ranks each run draws a new save attempt, and the ranks never
+        # resume from snapshots of different attempts (a step commits, and a hot reload is
+        # agreed, only from one attempt's). None: unknown.
+        self.mem_run: list[Optional[int]] = [None] * world
+        self.runs = 0
         self.closed_at: Optional[int] = None  # every rank closed cleanly after saving this step
         self.reported: set[int] = set()       # the agent said these are committed
         self.listed: list[int] = []           # committed steps at the last check
@@ -401,6 +407,15 @@ class ExpectedState:
         """The node's shared memory is gone (node loss)."""
         self.mem_lb = [None] * self.world
         self.mem_ub = [None] * self.world
+        self.mem_run = [None] * self.world
+
+    def one_attempt(self) -> bool:
+        """Whether every rank's `mem_lb` snapshot is of one run's save attempt (so that they
+        can be resumed from together): rank 0 of one run saved step N and died, rank 1 saved N
+        in the next run, and rank 0 was killed before its save of N completed: both hold N,
+        of two attempts, and the ranks rightly resume from an older step (seed 3213208876,
+        round 170)."""
+        return self.world == 1 or (None not in self.mem_run and len(set(self.mem_run)) == 1)
 
     # What a subclass (the node campaign's) changes of check_resume: how it words memory that
     # survived, and whether a restore may find a snapshot elsewhere than this node's memory.
@@ -454,7 +469,7 @@ class ExpectedState:
                 raise Violation(f"some ranks loaded {loaded}, others nothing")
             if newest is not None:
                 raise Violation(f"a rank started fresh although step {newest} is committed")
-            if all(lb is not None for lb in self.mem_lb):
+            if all(lb is not None for lb in self.mem_lb) and self.one_attempt():
                 raise Violation(f"the ranks started fresh although every rank's save returned "
                                 f"(steps {self.mem_lb}) and memory was kept")
             self.check_fresh()
@@ -469,7 +484,7 @@ class ExpectedState:
             raise Violation(f"resumed at step {s}; the agent had reported step "
                             f"{max(self.reported)} committed")
         lbs = [lb for lb in self.mem_lb if lb is not None]
-        if len(lbs) == self.world and s < min(lbs):
+        if len(lbs) == self.world and s < min(lbs) and self.one_attempt():
             raise Violation(f"resumed at step {s}, but every rank's save() of step {min(lbs)} "
                             f"returned and {self.MEMORY_KEPT} (ranks: {self.mem_lb})")
         self.check_resumed_step(s)
@@ -487,6 +502,7 @@ class ExpectedState:
     def record_round(self, ranks: list, end_sent: Optional[str]) -> None:
         """What the ranks of a round said: begun, returned and reported steps, and a clean close
         (`end_sent` "close"), which removes the snapshots."""
+        self.runs += 1
         for rk in ranks:
             r = rk.rank
             self.began_ever[r].update(rk.began)
@@ -496,7 +512,10 @@ class ExpectedState:
                 self.mem_ub[r] = max(rk.began)
             if rk.saved:
                 self.mem_lb[r] = max(rk.saved)
+                self.mem_run[r] = self.runs
             elif rk.loaded is not None and rk.loaded[1] == "memory":
+                if rk.loaded[0] != self.mem_lb[r]:
+                    self.mem_run[r] = None  # an older snapshot: which run saved it is not known
                 self.mem_lb[r] = rk.loaded[0]
         closed = [rk.closed for rk in ranks]
         if end_sent == "close" and any(c is not None for c in closed):
@@ -506,6 +525,7 @@ class ExpectedState:
             else:
                 self.closed_at = None
             self.mem_lb = [None] * self.world
+            self.mem_run = [None] * self.world
             if all(c is True for c in closed):
                 self.mem_ub = [None] * self.world
         elif any(rk.began for rk in ranks):

@@ -215,6 +215,8 @@ class NodeExpected(ct.ExpectedState):
         for rk in ranks:
             r = rk.rank
             if rk.saved == [] and rk.loaded is not None and rk.loaded[1] == "peer":
+                if rk.loaded[0] != self.mem_lb[r]:
+                    self.mem_run[r] = None  # which run saved the rebuilt snapshot: not known
                 self.mem_lb[r] = rk.loaded[0]  # rebuilt into the rank's slot
             for line in rk.lines:
                 f = line.split()
@@ -233,6 +235,7 @@ class NodeExpected(ct.ExpectedState):
         for r in ranks_lost:
             self.mem_lb[r] = None
             self.mem_ub[r] = None
+            self.mem_run[r] = None
         self.losses = [x + n for x in self.losses]
         self.lost_ranks |= ranks_lost
 
