@@ -235,8 +235,12 @@ struct ImageCopy {
 // `threads` threads: each piece is checksummed right after it was copied, while it is in the
 // core's cache. On an error (Corruption naming the chunk) the destinations hold unspecified
 // bytes and must not be used. Restore-in-place from shared memory (hot reload) uses it.
+// `copied_chunks_only`: verify only the chunks the copies overlap (for a caller that checked
+// the header, index and extras through their own checksums, ImageReader::Verify::kStructure,
+// and reads some tensors of another rank's image: a damaged chunk it does not read is no
+// reason to refuse the ones it does).
 Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
-                        std::string_view source, size_t threads);
+                        std::string_view source, size_t threads, bool copied_chunks_only = false);
 
 // The parsed index of an earlier image, kept by a caller that parses images of one structure
 // again and again (hot restores from the snapshot slots): an image whose index section and the

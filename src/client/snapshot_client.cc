@@ -1066,7 +1066,8 @@ Result<size_t> SnapshotClient::FillFromRank(uint32_t rank, uint64_t step, uint64
     taken.push_back(k);
   }
   if (copies.empty()) return 0;
-  SP_RETURN_IF_ERROR(VerifyAndCopyOut(image, copies, source, internal::DefaultCpuThreads()));
+  SP_RETURN_IF_ERROR(VerifyAndCopyOut(image, copies, source, internal::DefaultCpuThreads(),
+                                      /*copied_chunks_only=*/true));
   // The rank's writer never takes its newest snapshot's slot while it has two, but with one
   // (budget mode) it may: what was copied counts only if the slot still holds that snapshot.
   for (const SlotInfo& s : arena->Slots()) {

@@ -648,9 +648,13 @@ namespace {
 template <typename MakeCopier>
 Status SumChunksCopying(std::span<const uint32_t> crcs, const ImageLayout& l, uint64_t covered,
                         const std::byte* summed, std::string_view source, size_t threads,
-                        MakeCopier copier) {
+                        MakeCopier copier, const std::vector<bool>* wanted = nullptr) {
   std::vector<uint32_t> got(crcs.size());
   internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
+    if (wanted != nullptr && !(*wanted)[i]) {
+      got[i] = crcs[i];  // neither read nor copied
+      return;
+    }
     const uint64_t off = i * l.chunk_size;
     const uint64_t len = std::min(l.chunk_size, covered - off);
     constexpr uint64_t kPiece = 256 << 10;
@@ -692,7 +696,7 @@ Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> ds
 }
 
 Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
-                        std::string_view source, size_t threads) {
+                        std::string_view source, size_t threads, bool copied_chunks_only) {
   SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(image, source));
   const ImageLayout& l = hdr.second;
   if (l.image_size != image.size()) return Bad(source, "size does not match the header");
@@ -707,20 +711,34 @@ Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageC
   std::sort(sorted.begin(), sorted.end(),
             [](const ImageCopy& a, const ImageCopy& b) { return a.offset < b.offset; });
   SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(image.subspan(covered), l, source));
-  return SumChunksCopying(crcs, l, covered, image.data(), source, threads, [&](uint64_t off) {
-    // The first copy that may reach into this chunk (copies do not overlap: sorted by offset,
-    // their ends are sorted too).
-    auto next = std::partition_point(sorted.begin(), sorted.end(), [&](const ImageCopy& c) {
-      return c.offset + c.length <= off;
-    });
-    return [&, next](uint64_t p, uint64_t end) mutable {
-      while (next != sorted.end() && next->offset + next->length <= p) ++next;
-      for (auto c = next; c != sorted.end() && c->offset < end; ++c) {
-        const uint64_t lo = std::max(c->offset, p), hi = std::min(c->offset + c->length, end);
-        if (lo < hi) std::memcpy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
+  std::vector<bool> wanted;
+  if (copied_chunks_only) {
+    wanted.assign(crcs.size(), false);
+    for (const ImageCopy& c : sorted) {
+      if (c.length == 0) continue;
+      const uint64_t last = (c.offset + c.length - 1) / l.chunk_size;
+      for (uint64_t i = c.offset / l.chunk_size; i <= last && i < wanted.size(); ++i) {
+        wanted[i] = true;
       }
-    };
-  });
+    }
+  }
+  return SumChunksCopying(
+      crcs, l, covered, image.data(), source, threads,
+      [&](uint64_t off) {
+        // The first copy that may reach into this chunk (copies do not overlap: sorted by offset,
+        // their ends are sorted too).
+        auto next = std::partition_point(sorted.begin(), sorted.end(), [&](const ImageCopy& c) {
+          return c.offset + c.length <= off;
+        });
+        return [&, next](uint64_t p, uint64_t end) mutable {
+          while (next != sorted.end() && next->offset + next->length <= p) ++next;
+          for (auto c = next; c != sorted.end() && c->offset < end; ++c) {
+            const uint64_t lo = std::max(c->offset, p), hi = std::min(c->offset + c->length, end);
+            if (lo < hi) std::memcpy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
+          }
+        };
+      },
+      copied_chunks_only ? &wanted : nullptr);
 }
 
 Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::string_view source,

@@ -27,8 +27,13 @@ def _state(kind: str, step: int, rank: int) -> dict:
     if kind == "mixed":
         pair = torch.Generator().manual_seed(1000 * step + rank // 2)
         state["tp"] = {f"w{rank // 2}": torch.randn(512, 512, generator=pair)}
-        state[f"shard{rank}"] = torch.full((300_000,), float(100 * rank + step))
+        state[f"shard{rank}"] = torch.full((SHARD,), float(100 * rank + step))
     return state
+
+
+# A rank's own shard, in float32s: 10 MB, so that the chunk (4 MiB, one checksum) around its
+# middle holds nothing else (test_ranks_restoring_from_memory_take_part_in_the_shared_read).
+SHARD = 2_500_000
 
 
 def _zeros(tree):
@@ -78,13 +83,23 @@ def _rank_main(argv: list) -> None:
             warnings.simplefilter("always")
             with safepoint.Checkpointer(ckpt, job=job, shm_dir=shm, share_reads=share) as ck:
                 if phase == "restore-damaged1" and rank == 1:
-                    # Rank 1's snapshots in memory are damaged: it alone reads from storage.
+                    # Rank 1's snapshots in memory are damaged in a chunk of its own tensor
+                    # alone (the middle of `shard1`, which no other rank needs): it alone
+                    # reads from storage. (Damage in a chunk that holds a tensor rank 1 copied
+                    # for its node would send the ranks that fill it from rank 1's slot to
+                    # storage too: tests/python/test_share.py.)
+                    import numpy as np
+
                     job_dir = ck.status()["agent"]["job_dir"]
                     for slot in ck._live.slots():
                         if slot.state == "COMPLETE":
-                            at = _core.SLOT_HEADER_BYTES + slot.image_bytes // 2
-                            with open(os.path.join(job_dir, f"rank-00001.slot-{slot.slot}"),
-                                      "r+b") as f:
+                            path = os.path.join(job_dir, f"rank-00001.slot-{slot.slot}")
+                            with open(path, "r+b") as f:
+                                data = np.frombuffer(f.read(), dtype=np.uint8)
+                                run = np.full(1024, 100 * rank + slot.step, np.float32)
+                                at = bytes(data).find(run.tobytes())
+                                assert at > 0, "shard1 is not in the slot"
+                                at += SHARD * 4 // 2  # its middle
                                 f.seek(at)
                                 byte = f.read(1)
                                 f.seek(at)
@@ -235,7 +250,7 @@ def test_mixed_replicated_and_sharded_state(run):
     outs = run("mixed", "restore")
     assert [(o["step"], o["ok"]) for o in outs] == [(2, True)] * WORLD
     pair = 512 * 512 * 4  # each pair of ranks shares one such tensor
-    shard = 300_000 * 4  # each rank has one of these alone
+    shard = SHARD * 4  # each rank has one of these alone
     read = [o["last_load"]["storage_bytes_read"] for o in outs]
     unique = REPLICATED + 2 * pair + WORLD * shard
     assert unique <= sum(read) < unique * 1.02, read
