@@ -431,6 +431,7 @@ class Checkpointer:
         if preempt:
             return self._save_preempted(client, step, saveable, t0)
         do_persist = persist if persist is not None else self._persist_due(step)
+
         def copy_again() -> Any:
             return client.save(step, saveable, bool(do_persist), self._pickler, notify=False)
 
@@ -466,6 +467,7 @@ class Checkpointer:
         timeout = -1.0 if grace is None else float(grace)
         if self.on_busy == "skip":
             client.wait(timeout)
+
         def copy_again() -> Any:
             return client.save(step, saveable, True, self._pickler, notify=False)
 
