@@ -25,6 +25,7 @@ def _resume(tmp_path):
 
 def test_each_rank_copies_its_share_and_a_restart_reloads_every_tensor_from_memory(tmp_path):
     saved = _run(tmp_path, "save")
+    assert saved[0]["warnings"] == saved[1]["warnings"] == []
     for out in saved:
         # The first save copies everything (no plan yet); the next ones only this rank's share.
         assert out["image_bytes"][0] > out["full_bytes"]
@@ -36,8 +37,22 @@ def test_each_rank_copies_its_share_and_a_restart_reloads_every_tensor_from_memo
     assert resumed == [{"rank": r, "step": 4, "source": "memory", "equal": True} for r in (0, 1)]
 
 
+def test_a_failure_of_one_rank_after_the_agreement_only_makes_it_copy_everything(tmp_path):
+    saved = _run(tmp_path, "applyfail")  # would hang if the ranks' collectives went apart
+    assert len(saved[0]["warnings"]) == 1, saved[0]["warnings"]
+    assert "copies every tensor from the next save on" in saved[0]["warnings"][0]
+    assert saved[1]["warnings"] == []
+    # Rank 0 copies its whole state from step 4 on; rank 1 still only its share (rank 0's
+    # snapshot holds everything rank 1 leaves to it).
+    assert saved[0]["image_bytes"][3] > saved[0]["full_bytes"]
+    assert saved[1]["image_bytes"][3] < 0.55 * saved[1]["full_bytes"]
+    resumed = _resume(tmp_path)
+    assert resumed == [{"rank": r, "step": 4, "source": "memory", "equal": True} for r in (0, 1)]
+
+
 def test_a_structure_change_on_one_rank_copies_the_step_again_in_full(tmp_path, monkeypatch):
     saved = _run(tmp_path, "changed")
+    assert saved[0]["warnings"] == saved[1]["warnings"] == []
     # Rank 1's state gained a tensor at step 3; rank 0 had left its share out under the old
     # plan and copied the step again, whole (its first copy's slot freed: step 4 finds one).
     # From step 4 on, the new plan: shares again.

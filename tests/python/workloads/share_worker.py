@@ -5,6 +5,8 @@ argv: ckpt_dir shm_dir job port rank mode
   save     saves steps 1..4 (step 4 persisted and waited for), then dies without closing
   changed  as save, but from step 3 on rank 1's state has one tensor more (a structure change
            on one rank: a rank that left tensors out under the old plan copies the step again)
+  applyfail as save, but rank 0 fails to take its share of the copies after step 3's
+           agreement (a failure of one rank alone: it must not change any collective)
   resume   restores into a zeroed state (hot reload) and checks every value
 Prints one JSON line with what this rank saw.
 """
@@ -48,15 +50,32 @@ def equal(a, b):
     return torch.equal(a, b)
 
 
+if mode == "applyfail" and rank == 0:
+    from safepoint import _dedupe
+
+    take_share = _dedupe.ReplicaPlan.apply
+    calls = []
+
+    def failing_apply(plan, client):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected: taking the share failed")
+        return take_share(plan, client)
+
+    _dedupe.ReplicaPlan.apply = failing_apply
+
 ck = safepoint.Checkpointer(ckpt, job=job, shm_dir=shm_dir, persist_every=1000)
-if mode in ("save", "changed"):
+if mode in ("save", "changed", "applyfail"):
     out = {"rank": rank, "image_bytes": [], "copy_skip": []}
-    warnings.simplefilter("error", RuntimeWarning)  # e.g. "the ranks could not agree"
-    for step in (1, 2, 3, 4):
-        ck.save(step, state(step, mode == "changed" and step >= 3), persist=step == 4)
-        out["image_bytes"].append(int(ck.status()["last_save"]["image_bytes"]))
-        out["copy_skip"].append([list(r) for r in ck._live.last_copy_skip()])
-    ck.wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2, 3, 4):
+            ck.save(step, state(step, mode == "changed" and step >= 3), persist=step == 4)
+            out["image_bytes"].append(int(ck.status()["last_save"]["image_bytes"]))
+            out["copy_skip"].append([list(r) for r in ck._live.last_copy_skip()])
+        ck.wait()
+    # e.g. "the ranks could not agree" (none is expected but where a failure is injected)
+    out["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
     out["full_bytes"] = sum(t.numel() * 4 for v in state(1).values()
                             for t in (v.values() if isinstance(v, dict) else [v]))
     print(json.dumps(out), flush=True)
