@@ -332,6 +332,15 @@ class AgentTest : public ::testing::Test {
     return o;
   }
 
+  // Options of rank `rank` of a 2-rank job (both ranks on this agent's node), of `attempt`.
+  ClientOptions RankOptions(uint32_t rank, uint64_t attempt = 0) const {
+    ClientOptions o = Options();
+    o.rank = rank;
+    o.world_size = 2;
+    o.attempt = attempt;
+    return o;
+  }
+
   void SaveStep(SnapshotClient& c, uint64_t step, bool persist) {
     Shard s(step);
     auto r = c.Save(step, s.sources, s.extras, persist);
@@ -739,13 +748,7 @@ TEST_F(AgentTest, DeadClientsUnannouncedLeaseIsTakenOverByTheFlush) {
 // took the new snapshot for the one it had persisted and skipped it: rank 0's image stayed the
 // one from the earlier run, the step never committed, and wait() hung.
 TEST_F(AgentTest, StepSavedAgainIntoTheOtherSlotIsPersistedAgain) {
-  auto options = [&](uint32_t rank, uint64_t attempt) {
-    ClientOptions o = Options();
-    o.rank = rank;
-    o.world_size = 2;
-    o.attempt = attempt;
-    return o;
-  };
+  auto options = [&](uint32_t rank, uint64_t attempt) { return RankOptions(rank, attempt); };
   {
     // Run 1: rank 0 saves step 2 (slot 0, generation 1) and it is persisted; rank 1 dies first.
     auto r0 = SnapshotClient::Connect(options(0, 1));
@@ -948,9 +951,7 @@ TEST_F(AgentTest, WaitForAStepPrunedRightAfterItsCommitIsAnswered) {
 // failed here. It is answered once `keep` newer steps are committed.
 TEST_F(AgentTest, WaitForAStepAnotherNodePrunesRightAfterItsCommitIsAnswered) {
   auto options = [&](uint32_t rank) {
-    ClientOptions o = Options();
-    o.rank = rank;
-    o.world_size = 2;
+    ClientOptions o = RankOptions(rank);
     o.keep = 2;
     return o;
   };
@@ -1098,11 +1099,8 @@ TEST_F(AgentTest, AgentRecordsTheJobsHistoryWithoutBeingPolled) {
 TEST_F(AgentTest, WaitForAStepWhoseImagesAreOfMixedAttemptsFailsAtOnceNamingWhy) {
   ASSERT_NO_FATAL_FAILURE(StartAgent());
   auto options = [&](uint32_t rank, uint64_t attempt) {
-    ClientOptions o = Options();
+    ClientOptions o = RankOptions(rank, attempt);
     o.agent_binary.clear();
-    o.rank = rank;
-    o.world_size = 2;
-    o.attempt = attempt;
     return o;
   };
   // Rank 0 of the new attempt is connected first (else the agent exits once rank 1 closed).
@@ -1271,15 +1269,8 @@ TEST_F(AgentTest, SigtermWhilePersistingToAStalledStorageEndsAfterTheGraceKeepin
 // Replicated state copied once per node (issue 21): a rank leaves tensors another rank of the
 // node copies out of its snapshots, and fills them from that rank's slot when it loads.
 TEST_F(AgentTest, ACopySkipLeavesTensorsToAnotherRankWhoseSlotFillsThem) {
-  auto options = [&](uint32_t rank) {
-    ClientOptions o = Options();
-    o.rank = rank;
-    o.world_size = 2;
-    o.attempt = 77;
-    return o;
-  };
-  ASSERT_OK_AND_ASSIGN(auto zero, SnapshotClient::Connect(options(0)));
-  ASSERT_OK_AND_ASSIGN(auto one, SnapshotClient::Connect(options(1)));
+  ASSERT_OK_AND_ASSIGN(auto zero, SnapshotClient::Connect(RankOptions(0, 77)));
+  ASSERT_OK_AND_ASSIGN(auto one, SnapshotClient::Connect(RankOptions(1, 77)));
   Shard s1(1);
   ASSERT_OK(zero->Save(1, s1.sources, s1.extras, /*persist=*/false));
   ASSERT_OK(one->Save(1, s1.sources, s1.extras, /*persist=*/false));
