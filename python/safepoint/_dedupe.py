@@ -39,12 +39,19 @@ def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str
     global_offset, nbytes). `lacking[r]`: indexes of rank r's entries whose bytes its snapshot
     does not hold (the copy plan left them to another rank): r never writes those. Returns this
     rank's skipped tensors as index ranges [first, last)."""
+    return _plan(everyone, rank_local_prefix, lacking)[rank]
+
+
+def _plan(everyone: list[list[tuple]], rank_local_prefix: str,
+          lacking: Optional[list[set[int]]] = None) -> list[list]:
+    """plan_replicas for every rank of `everyone` at once (one greedy pass)."""
     holders: dict[tuple, list[int]] = {}
     size: dict[tuple, int] = {}
+    keys: list[list] = []
     for r, entries in enumerate(everyone):
         gone = lacking[r] if lacking else ()
-        for i, e in enumerate(entries):
-            k = replica_key(e, r, rank_local_prefix)
+        keys.append([replica_key(e, r, rank_local_prefix) for e in entries])
+        for i, (k, e) in enumerate(zip(keys[r], entries)):
             if i not in gone:
                 holders.setdefault(k, []).append(r)
             size[k] = e[5]
@@ -54,8 +61,8 @@ def plan_replicas(everyone: list[list[tuple]], rank: int, rank_local_prefix: str
         o = min(holders[k], key=lambda r: (load[r], r))
         owner[k] = o
         load[o] += size[k]
-    return _ranges(i for i, e in enumerate(everyone[rank])
-                   if owner.get(replica_key(e, rank, rank_local_prefix)) != rank)
+    return [_ranges(i for i, k in enumerate(keys[r]) if owner.get(k) != r)
+            for r in range(len(everyone))]
 
 
 def _ranges(indexes: Iterable[int]) -> list:
@@ -73,15 +80,19 @@ def _indexes(ranges: list) -> set[int]:
     return {i for first, last in ranges for i in range(first, last)}
 
 
-def plan_copies(everyone: list[list[tuple]], nodes: list[str], rank: int,
-                rank_local_prefix: str) -> list:
-    """The copy plan: which of this rank's tensors another rank of its node (same `nodes`
-    entry) copies into its snapshot instead, so that each node's snapshots hold every tensor of
-    its ranks once. Index ranges, as plan_replicas (over the node's ranks alone)."""
-    members = [r for r in range(len(everyone)) if nodes[r] == nodes[rank]]
-    if len(members) < 2:
-        return []
-    return plan_replicas([everyone[r] for r in members], members.index(rank), rank_local_prefix)
+def plan_copies(everyone: list[list[tuple]], nodes: list[str], rank_local_prefix: str) -> list:
+    """The copy plan, for every rank: which of its tensors another rank of its node (same
+    `nodes` entry) copies into its snapshot instead, so that each node's snapshots hold every
+    tensor of its ranks once. Index ranges, as plan_replicas (one greedy pass per node, over
+    its ranks alone); empty for a rank alone on its node."""
+    out: list = [[] for _ in everyone]
+    for node in set(nodes):
+        members = [r for r in range(len(everyone)) if nodes[r] == node]
+        if len(members) < 2:
+            continue
+        for r, ranges in zip(members, _plan([everyone[r] for r in members], rank_local_prefix)):
+            out[r] = ranges
+    return out
 
 
 class ReplicaPlan:
@@ -148,8 +159,8 @@ class ReplicaPlan:
         # The next saves of this structure: each node's snapshots hold each tensor once, and
         # storage gets it from one of the ranks that hold it.
         nodes = [n for _, n in everyone]
-        copies = [plan_copies(lists, nodes, r, self._prefix) if copy_once else []
-                  for r in range(self._world_size)]
+        copies = (plan_copies(lists, nodes, self._prefix) if copy_once
+                  else [[] for _ in range(self._world_size)])
         later = plan_replicas(lists, self._rank, self._prefix, [_indexes(c) for c in copies])
         self._key, self._skip = key, later
         self._copies = copies[self._rank]

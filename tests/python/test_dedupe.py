@@ -66,7 +66,7 @@ def test_the_copy_plan_holds_each_tensor_once_per_node_and_writers_hold_what_the
         return out + [(f"rng.{r}", "uint8", [8], [], [], 8)]
     everyone = [entries(r) for r in range(4)]
     nodes = ["a", "a", "b", "b"]
-    copies = [_indexes(plan_copies(everyone, nodes, r, "rng.")) for r in range(4)]
+    copies = [_indexes(c) for c in plan_copies(everyone, nodes, "rng.")]
     for ranks in ([0, 1], [2, 3]):
         held = [set(range(6)) - copies[r] for r in ranks]
         # Each replicated tensor once per node; a rank's own generator state (5) always.
@@ -78,4 +78,4 @@ def test_the_copy_plan_holds_each_tensor_once_per_node_and_writers_hold_what_the
         writers = [r for r in range(4) if i not in skips[r]]
         assert len(writers) == 1 and i not in copies[writers[0]]
     # A rank alone on its node copies everything.
-    assert plan_copies(everyone, ["a", "b", "c", "d"], 0, "rng.") == []
+    assert plan_copies(everyone, ["a", "b", "c", "d"], "rng.")[0] == []
