@@ -6,12 +6,16 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
 
 import safepoint
 from conftest import cli_path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "common"))
+from processes import wait_until  # noqa: E402
 
 HISTORY = "safepoint-history.jsonl"
 
@@ -312,6 +316,9 @@ def test_tier_every_auto_takes_steps_as_fast_as_it_copies_and_says_why(tmp_path,
         c.wait()
         why = c.status()["persist_interval"]["tiers"]["tier 1"]
         assert why.startswith("auto:") and "as fast as" in why
+        # The agent copies to the tier after the commit, on its own thread: wait() covers only
+        # the job's storage, and close() does not wait for the agent's tier copies.
+        assert wait_until(lambda: c.status()["tiers"][0]["newest_step"] is not None)
     assert safepoint.steps(tier)  # the tier received steps
     with pytest.raises(safepoint.errors.InvalidArgumentError, match="every"):
         safepoint.Checkpointer(ckpt, shm_dir=shm, tiers=[safepoint.Tier(str(tier),
