@@ -77,10 +77,6 @@ constexpr char kCommitMagic[8] = {'S', 'P', 'C', 'O', 'M', 'M', 'I', 'T'};
 constexpr size_t kCommitFixed = 100;
 constexpr uint64_t kIoPiece = 8 << 20;  // request size for images already in memory
 
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // A small pool of chunk-sized staging buffers, reused across saves so that their pages are
 // faulted in once per process rather than once per save.
 class StagingPool {

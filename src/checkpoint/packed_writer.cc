@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "base/aligned_buffer.h"
+#include "base/clock.h"
 #include "base/crc32c.h"
 #include "base/digest.h"
 #include "base/kill_point.h"
@@ -51,10 +52,6 @@ namespace {
 constexpr std::chrono::milliseconds kGcWait(2000);
 constexpr size_t kMinProbe = 256 << 10;   // bytes: a chunk large enough to time the encoder on
 constexpr uint64_t kMaxSample = 4 << 20;  // bytes of the largest tensor auto probes on
-
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // The element size the codec splits a tensor of `dtype` by (1: bytes).
 int CodecElementSize(DType dtype) {
