@@ -10,6 +10,7 @@
 #include "base/bytes.h"
 #include "base/clock.h"
 #include "base/crc32c.h"
+#include "base/stream_copy.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
 #include "image/name_set.h"
@@ -710,6 +711,11 @@ Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageC
   }
   std::sort(sorted.begin(), sorted.end(),
             [](const ImageCopy& a, const ImageCopy& b) { return a.offset < b.offset; });
+  uint64_t total = 0;
+  for (const ImageCopy& c : sorted) total += c.length;
+  // A state past the caches: its bytes are not read again soon, and the chunk's checksum reads
+  // the image, which the copy's loads leave in the cache.
+  const bool stream = total >= internal::kStreamCopyMinTotal;
   SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(image.subspan(covered), l, source));
   std::vector<bool> wanted;
   if (copied_chunks_only) {
@@ -734,7 +740,12 @@ Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageC
           while (next != sorted.end() && next->offset + next->length <= p) ++next;
           for (auto c = next; c != sorted.end() && c->offset < end; ++c) {
             const uint64_t lo = std::max(c->offset, p), hi = std::min(c->offset + c->length, end);
-            if (lo < hi) std::memcpy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
+            if (lo >= hi) continue;
+            if (stream) {
+              internal::StreamCopy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
+            } else {
+              std::memcpy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
+            }
           }
         };
       },
