@@ -886,8 +886,7 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
                              std::to_string(newest->step) + ")";
   const size_t size = newest->image_size;
   if (in_place) {
-    auto src = arena_->SlotData(newest->index).subspan(0, size);
-    PopulateForRead(src);
+    auto src = arena_->SlotDataForRead(newest->index, size);
     std::shared_ptr<std::byte> view(src.data(), [](std::byte*) {});  // the arena owns it
     for (TensorFill& f : fills) f.entry = -1;
     SP_ASSIGN_OR_RETURN(ImageReader reader,
@@ -1039,8 +1038,7 @@ Result<size_t> SnapshotClient::FillFromRank(uint32_t rank, uint64_t step, uint64
   if (!found) return NotFound("no snapshot of the step");
   const std::string source = job_dir_ + "/rank-" + std::to_string(rank) + ".slot-" +
                              std::to_string(found->index) + " (step " + std::to_string(step) + ")";
-  auto image = arena->SlotData(found->index).subspan(0, found->image_size);
-  PopulateForRead(image);
+  auto image = arena->SlotDataForRead(found->index, found->image_size);
   SP_ASSIGN_OR_RETURN(ImageReader reader,
                       ImageReader::Parse(image, source, ImageReader::Verify::kStructure));
   const ImageMeta& meta = reader.meta();

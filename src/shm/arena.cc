@@ -230,6 +230,7 @@ class SlotFile {
     void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd_.get(), 0);
     if (p == MAP_FAILED) return fail(ErrnoStatus("mmap", tmp, errno));
     f->map_ = static_cast<std::byte*>(p);
+    f->populated_ = capacity;  // in this process's page tables from the writes below
     // Pre-fault: write every page once now, so that saves copy into warm pages.
     const uint64_t piece = 64 << 20;
     internal::ParallelFor((size + piece - 1) / piece, internal::DefaultCpuThreads(), [&](size_t i) {
@@ -255,6 +256,10 @@ class SlotFile {
   uint64_t ino() const { return ino_; }
   uint64_t map_size() const { return map_size_; }
   const std::string& path() const { return path_; }
+  // Image bytes from the start that this mapping has in the page tables (PopulateForRead, or
+  // written when created): a later read of them needs no populate call again.
+  uint64_t populated() const { return populated_; }
+  void set_populated(uint64_t n) { populated_ = n; }
 
  private:
   SlotFile() = default;
@@ -263,6 +268,7 @@ class SlotFile {
   std::byte* map_ = nullptr;
   uint64_t map_size_ = 0;
   uint64_t ino_ = 0;
+  uint64_t populated_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -620,6 +626,17 @@ std::vector<SlotInfo> Arena::Slots() const {
 std::span<std::byte> Arena::SlotData(uint32_t slot) {
   if (slot >= slots_.size() || !slots_[slot]) return {};
   return slots_[slot]->data();
+}
+
+std::span<std::byte> Arena::SlotDataForRead(uint32_t slot, uint64_t size) {
+  if (slot >= slots_.size() || !slots_[slot]) return {};
+  SlotFile& f = *slots_[slot];
+  const std::span<std::byte> out = f.data().subspan(0, std::min(size, f.capacity()));
+  if (f.populated() < out.size()) {
+    PopulateForRead(out);
+    f.set_populated(out.size());
+  }
+  return out;
 }
 
 uint64_t Arena::mapped_bytes() const {

@@ -152,6 +152,11 @@ class Arena {
   Status Refresh();
   // The bytes of a slot's image area (capacity bytes), valid until the slot is replaced.
   std::span<std::byte> SlotData(uint32_t slot);
+  // The first `size` bytes of it (at most its capacity) to be read now: in this process's page
+  // tables (PopulateForRead) the first time this mapping of the slot file is read that far.
+  // A hot reload in the process that saved, or the next one of a restarted process, skips the
+  // populate call (1.4 ms for 127 MiB even when every page is mapped already).
+  std::span<std::byte> SlotDataForRead(uint32_t slot, uint64_t size);
   // Bytes of shared memory the mapped slot files take.
   uint64_t mapped_bytes() const;
 
