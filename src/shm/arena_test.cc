@@ -272,6 +272,36 @@ TEST_F(ArenaTest, FirstSavesUseFreeSlotsThenTheOldest) {
   }
 }
 
+// A reader's view of a slot (another process's arena, as a restarted rank or a sibling opens
+// it): the image's bytes, at most the slot's capacity, the same again after a new snapshot.
+TEST_F(ArenaTest, SlotDataForReadIsTheImageCappedAtTheCapacity) {
+  auto writer = Open(2);
+  ASSERT_TRUE(writer);
+  Shard s(1);
+  auto t = writer->BeginWrite(s.size());
+  ASSERT_OK(t);
+  s.builder->FillAll(t->second.data, 1);
+  writer->FinishWrite(t->second, 1, s.size());
+  auto reader = Open(2);
+  ASSERT_TRUE(reader);
+  const uint32_t slot = t->second.slot;
+  EXPECT_TRUE(reader->SlotDataForRead(5, s.size()).empty());
+  auto got = reader->SlotDataForRead(slot, s.size());
+  EXPECT_EQ(got.data(), reader->SlotData(slot).data());
+  ExpectImage(got, 1);
+  EXPECT_EQ(reader->SlotDataForRead(slot, 1 << 30).size(), reader->SlotData(slot).size());
+  // Step 2 in the same slot file (the writer's third save takes slot `slot` again).
+  for (uint64_t step = 2; step <= 3; ++step) {
+    Shard n(step);
+    auto w = writer->BeginWrite(n.size());
+    ASSERT_OK(w);
+    n.builder->FillAll(w->second.data, 1);
+    writer->FinishWrite(w->second, step, n.size());
+  }
+  ASSERT_OK(reader->Refresh());
+  ExpectImage(reader->SlotDataForRead(slot, s.size()), 3);
+}
+
 TEST_F(ArenaTest, NeverOverwritesTheSnapshotCompletedLast) {
   auto arena = Open(2);
   ASSERT_TRUE(arena);
