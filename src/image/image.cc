@@ -10,9 +10,9 @@
 #include "base/bytes.h"
 #include "base/clock.h"
 #include "base/crc32c.h"
-#include "base/stream_copy.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "base/stream_copy.h"
 #include "image/name_set.h"
 
 namespace safepoint {
