@@ -58,23 +58,27 @@ def test_a_skip_list_outside_the_snapshot_fails_the_persist_clearly(tmp_path):
 
 
 def test_the_copy_plan_holds_each_tensor_once_per_node_and_writers_hold_what_they_write():
-    from safepoint._dedupe import _indexes, plan_copies, plan_replicas
+    from safepoint._dedupe import MIN_SHARED_BYTES, _indexes, plan_copies, plan_replicas
 
-    # 4 data-parallel ranks on 2 nodes: 5 replicated tensors of different sizes, one local.
+    # 4 data-parallel ranks on 2 nodes: 5 replicated tensors of different sizes, a replicated
+    # scalar (an optimizer's step count) and one local tensor.
     def entries(r):
-        out = [(f"w{i}", "float32", [10 * (i + 1)], [], [], 40 * (i + 1)) for i in range(5)]
-        return out + [(f"rng.{r}", "uint8", [8], [], [], 8)]
+        n = MIN_SHARED_BYTES // 4
+        out = [(f"w{i}", "float32", [n * (i + 1)], [], [], 4 * n * (i + 1)) for i in range(5)]
+        return out + [("step", "float32", [], [], [], 4), (f"rng.{r}", "uint8", [8], [], [], 8)]
     everyone = [entries(r) for r in range(4)]
     nodes = ["a", "a", "b", "b"]
     copies = [_indexes(c) for c in plan_copies(everyone, nodes, "rng.")]
     for ranks in ([0, 1], [2, 3]):
-        held = [set(range(6)) - copies[r] for r in ranks]
-        # Each replicated tensor once per node; a rank's own generator state (5) always.
-        assert held[0] & held[1] == {5} and held[0] | held[1] == set(range(6))
-        assert all(len(h) > 1 for h in held)  # both ranks copy a share
+        held = [set(range(7)) - copies[r] for r in ranks]
+        # Each replicated tensor once per node; a rank's own generator state (6) always, and
+        # the scalar too (too small to leave to another rank: a reload would verify a whole
+        # checksum chunk of that rank's slot for it).
+        assert held[0] & held[1] == {5, 6} and held[0] | held[1] == set(range(7))
+        assert all(len(h) > 2 for h in held)  # both ranks copy a share
     # Storage: each replicated tensor written once, by a rank whose snapshot holds it.
     skips = [_indexes(plan_replicas(everyone, r, "rng.", copies)) for r in range(4)]
-    for i in range(5):
+    for i in range(6):
         writers = [r for r in range(4) if i not in skips[r]]
         assert len(writers) == 1 and i not in copies[writers[0]]
     # A rank alone on its node copies everything.
