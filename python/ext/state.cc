@@ -659,9 +659,6 @@ class PlanWalker {
   // specs, global box included, without calling dtensor_box again. The shard is the DTensor's
   // own local tensor (what to_local() returns outside autograd, as dtensor_box takes it).
   bool DTensor(PyObject* o) {
-    // A Stateful object's state_dict() makes new DTensors on every call, which its
-    // load_state_dict must be given the shards for: no whole restore (PlanWalk::plain).
-    out_->plain = false;
     const size_t seen = Seen(o, out_->data.size());
     if (seen != SIZE_MAX) {
       Put('R');

@@ -50,9 +50,9 @@ struct PlanWalk {
   std::vector<const void*> data;  // tensor i's bytes, in FlattenState's tensor order
   nb::list keepalive;             // every tensor written; hold until written
   // No container of the state is Stateful (a dict, list or tuple subclass with state_dict and
-  // load_state_dict) and no tensor is a DTensor (a Stateful object's state_dict() makes new
-  // ones on every call): restoring into such a state needs no call besides the tensors' copies
-  // and the values' assignments, so a whole restore may hand back the targets themselves.
+  // load_state_dict): restoring into such a state needs no call besides the tensors' copies
+  // and the values' assignments, so a whole restore may hand back the targets themselves
+  // (DTensors included: their local shards were filled; safepoint._stateful.filled_in_place).
   // Checked on every walk (the signature does not tell a dict from its subclasses).
   bool plain = true;
   // Optional: the signature expected (the plan's), and where each tensor's address goes as

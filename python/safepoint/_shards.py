@@ -151,8 +151,10 @@ def _box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...
 
 def copy_tensor(target: torch.Tensor, loaded: torch.Tensor, where: str) -> None:
     """Copies a loaded tensor (a whole tensor or this rank's saved shard) into `target`, which
-    may be a DTensor (its local shard is written)."""
+    may be a DTensor (its local shard is written). A loaded DTensor (a whole restore hands back
+    the state's own tensors, which a Stateful's state_dict() may give anew) gives its shard."""
     local, _, _ = _box(target)
+    loaded, _, _ = _box(loaded)
     if tuple(local.shape) != tuple(loaded.shape):
         raise InvalidArgumentError(f"{where}: shape {tuple(loaded.shape)} in the checkpoint, "
                                    f"{tuple(local.shape)} in the state")

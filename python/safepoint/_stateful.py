@@ -82,8 +82,19 @@ def _cpu_uint8(t: Any) -> torch.Tensor:
 def filled_in_place(current: Any, loaded: Any) -> bool:
     """Whether a restore from memory already copied `loaded` into `current` (the load filled
     the target itself): `loaded` is `current`, or `current` is a DTensor and `loaded` its own
-    local shard."""
-    return loaded is current or getattr(current, "_local_tensor", None) is loaded
+    local shard, or the two (their local shards for DTensors) are views of the same bytes:
+    a Stateful's state_dict() gives new tensor objects on every call, over the same memory."""
+    if loaded is current:
+        return True
+    cur = getattr(current, "_local_tensor", current)
+    got = getattr(loaded, "_local_tensor", loaded)
+    if cur is got:
+        return True
+    return (isinstance(cur, torch.Tensor) and isinstance(got, torch.Tensor)
+            and cur.device == got.device and cur.dtype == got.dtype
+            and cur.shape == got.shape and cur.stride() == got.stride()
+            and cur.storage_offset() == got.storage_offset() and cur.numel() > 0
+            and cur.untyped_storage().data_ptr() == got.untyped_storage().data_ptr() != 0)
 
 
 def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False) -> Any:

@@ -59,3 +59,7 @@ def test_hot_reload_of_dtensors_reuses_the_save_and_restore_plans(tmp_path):
     outs = run(tmp_path / "ckpt", "hot", "2", shm, f"hot-{os.getpid()}")
     assert all(o["ok"] for o in outs), outs
     assert [o["plans"] for o in outs] == [[False, True, False, True, True]] * 2, outs
+    # Once a restore plan exists, each restore is whole (the targets' own DTensors were filled:
+    # no extras decoded, no tree built), also through a module's load_state_dict, whose
+    # state_dict() gives new DTensor objects over the same shards each time.
+    assert [o["whole"] for o in outs] == [[False, True, True, False, True, True]] * 2, outs

@@ -81,7 +81,7 @@ elif mode == "hot":
                 if not torch.equal(target[f"w{i}"].full_tensor(),
                                    full(i, shape, target[f"w{i}"].dtype) + bump)]
 
-    plans, bad = [], []
+    plans, whole, bad = [], [], []
     with safepoint.Checkpointer(ckpt, job=job, shm_dir=shm_dir) as ck:
         s = state(True)
         ck.save(7, s)
@@ -100,6 +100,7 @@ elif mode == "hot":
         for again in (target, target, zeros()):  # the same tensors, then new ones
             got = ck.restore(again)
             plans.append(ck._live.last_restore_reused_plan())
+            whole.append(ck._live.last_restore_whole())
             bad += bad_of(again, 1) + ([] if got == 8 and ck.last_load_source == "memory"
                                        else [f"step {got} from {ck.last_load_source}"])
             with torch.no_grad():
@@ -122,13 +123,15 @@ elif mode == "hot":
         module = Module(False)
         for _ in range(3):
             got = ck.restore({"model": module, "step": 9})
+            whole.append(ck._live.last_restore_whole())
             bad += [f"module w{i}" for i, shape in enumerate(SHAPES)
                     if not torch.equal(getattr(module, f"w{i}").full_tensor(), full(i, shape))]
             bad += [] if got == 9 else [f"module step {got}"]
             with torch.no_grad():
                 for p in module.parameters():
                     p.to_local().zero_()
-    print(json.dumps({"rank": rank, "ok": not bad, "plans": plans, "mismatches": bad}))
+    print(json.dumps({"rank": rank, "ok": not bad, "plans": plans, "whole": whole,
+                      "mismatches": bad}))
 else:
     target = state(False)
     got = safepoint.restore(ckpt, target, rank=rank)
