@@ -731,8 +731,9 @@ class Checkpointer:
             warnings.warn(
                 f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
                 RuntimeWarning, stacklevel=3)
-        if self._usable(snap) is not None:
-            return self._usable(snap)
+        got = self._usable(snap)  # once: it may fill tensors from other ranks' slots
+        if got is not None:
+            return got
         if step is not None or committed:
             return self._from_storage(step, targets, committed), "storage"
         if damaged is not None and targets is not None:
