@@ -8,14 +8,15 @@
 namespace safepoint::internal::stream_copy_test {
 namespace {
 
-// Every length around the streaming threshold and the 64-byte rounds, from every alignment of
+// Lengths around the streaming threshold and the 64-byte rounds, from several alignments of
 // source and destination: the bytes arrive as memcpy's would, and none outside the range moves.
 TEST(StreamCopyTest, CopiesExactlyTheRangeAtAnyAlignmentAndLength) {
-  constexpr size_t kMax = 3 * 4096 + 200;
+  constexpr size_t kMax = (130 << 10) + 200;
   std::vector<uint8_t> src(kMax + 64), dst(kMax + 128);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 131 + 7);
-  for (size_t n : {size_t{0}, size_t{1}, size_t{63}, size_t{4095}, size_t{4096}, size_t{4097},
-                   size_t{4096 + 63}, size_t{8192 + 64}, kMax}) {
+  for (size_t n :
+       {size_t{0}, size_t{1}, size_t{63}, size_t{4096}, size_t{64 << 10} - 1, size_t{64 << 10},
+        size_t{(64 << 10) + 1}, size_t{(64 << 10) + 63}, size_t{(128 << 10) + 64}, kMax}) {
     for (size_t so = 0; so < 17; so += 5) {
       for (size_t d0 = 0; d0 < 33; d0 += 3) {
         std::fill(dst.begin(), dst.end(), uint8_t{0xEE});
