@@ -242,6 +242,35 @@ struct ImageCopy {
 Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
                         std::string_view source, size_t threads, bool copied_chunks_only = false);
 
+// VerifyAndCopyOut one chunk at a time, for a caller that learns the copies' destinations as it
+// goes (a restore that walks its targets while the chunks whose targets are known are copied:
+// SnapshotClient's streamed load). Make checks the header, the checksum section and the copies'
+// ranges and sorts the copies by offset; a copy's dst may be set (set_dst) until the first
+// Chunk() of a chunk it overlaps starts. Chunk(i) verifies chunk i and copies out of it what
+// the copies hold there; distinct chunks may be done by distinct threads at once.
+class ImageCopyOut {
+ public:
+  static Result<ImageCopyOut> Make(std::span<const std::byte> image, std::vector<ImageCopy> copies,
+                                   std::string_view source, bool copied_chunks_only = false);
+  size_t chunk_count() const { return crcs_.size(); }
+  const std::vector<ImageCopy>& copies() const { return copies_; }  // by offset
+  void set_dst(size_t copy, std::byte* dst) { copies_[copy].dst = dst; }
+  // The copies chunk i overlaps: [first, last) of copies().
+  std::pair<size_t, size_t> ChunkCopies(size_t i) const;
+  // Corruption naming the chunk when its checksum does not match (its copies' destinations
+  // then hold unspecified bytes).
+  Status Chunk(size_t i) const;
+
+ private:
+  std::span<const std::byte> image_;
+  uint64_t chunk_size_ = 0, covered_ = 0;
+  std::vector<uint32_t> crcs_;
+  std::vector<ImageCopy> copies_;
+  std::vector<bool> wanted_;  // empty: every chunk
+  bool stream_ = false;       // copies past the caches (StreamCopy)
+  std::string source_;
+};
+
 // The parsed index of an earlier image, kept by a caller that parses images of one structure
 // again and again (hot restores from the snapshot slots): an image whose index section and the
 // layout fields it is checked against are byte-for-byte those of the last parse reuses its

@@ -649,13 +649,9 @@ namespace {
 template <typename MakeCopier>
 Status SumChunksCopying(std::span<const uint32_t> crcs, const ImageLayout& l, uint64_t covered,
                         const std::byte* summed, std::string_view source, size_t threads,
-                        MakeCopier copier, const std::vector<bool>* wanted = nullptr) {
+                        MakeCopier copier) {
   std::vector<uint32_t> got(crcs.size());
   internal::ParallelFor(crcs.size(), threads, [&](size_t i) {
-    if (wanted != nullptr && !(*wanted)[i]) {
-      got[i] = crcs[i];  // neither read nor copied
-      return;
-    }
     const uint64_t off = i * l.chunk_size;
     const uint64_t len = std::min(l.chunk_size, covered - off);
     constexpr uint64_t kPiece = 256 << 10;
@@ -696,60 +692,92 @@ Status CopyVerifiedImage(std::span<const std::byte> src, std::span<std::byte> ds
   });
 }
 
-Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
-                        std::string_view source, size_t threads, bool copied_chunks_only) {
+Result<ImageCopyOut> ImageCopyOut::Make(std::span<const std::byte> image,
+                                        std::vector<ImageCopy> copies, std::string_view source,
+                                        bool copied_chunks_only) {
   SP_ASSIGN_OR_RETURN(auto hdr, ParseImageHeader(image, source));
   const ImageLayout& l = hdr.second;
   if (l.image_size != image.size()) return Bad(source, "size does not match the header");
-  const uint64_t covered = l.checksums_offset;
-  std::vector<ImageCopy> sorted(copies.begin(), copies.end());
-  for (const ImageCopy& c : sorted) {
-    if (c.offset > covered || c.length > covered - c.offset) {
+  ImageCopyOut out;
+  out.image_ = image;
+  out.chunk_size_ = l.chunk_size;
+  out.covered_ = l.checksums_offset;
+  out.source_.assign(source);
+  for (const ImageCopy& c : copies) {
+    if (c.offset > out.covered_ || c.length > out.covered_ - c.offset) {
       return InvalidArgument(std::string(source) + ": copy out of [" + std::to_string(c.offset) +
                              ", +" + std::to_string(c.length) + ") lies outside the image data");
     }
   }
-  std::sort(sorted.begin(), sorted.end(),
+  std::sort(copies.begin(), copies.end(),
             [](const ImageCopy& a, const ImageCopy& b) { return a.offset < b.offset; });
   uint64_t total = 0;
-  for (const ImageCopy& c : sorted) total += c.length;
+  for (const ImageCopy& c : copies) total += c.length;
   // A state past the caches: its bytes are not read again soon, and the chunk's checksum reads
   // the image, which the copy's loads leave in the cache.
-  const bool stream = total >= internal::kStreamCopyMinTotal;
-  SP_ASSIGN_OR_RETURN(auto crcs, ParseChecksumSection(image.subspan(covered), l, source));
-  std::vector<bool> wanted;
+  out.stream_ = total >= internal::kStreamCopyMinTotal;
+  out.copies_ = std::move(copies);
+  SP_ASSIGN_OR_RETURN(out.crcs_, ParseChecksumSection(image.subspan(out.covered_), l, source));
   if (copied_chunks_only) {
-    wanted.assign(crcs.size(), false);
-    for (const ImageCopy& c : sorted) {
+    out.wanted_.assign(out.crcs_.size(), false);
+    for (const ImageCopy& c : out.copies_) {
       if (c.length == 0) continue;
       const uint64_t last = (c.offset + c.length - 1) / l.chunk_size;
-      for (uint64_t i = c.offset / l.chunk_size; i <= last && i < wanted.size(); ++i) {
-        wanted[i] = true;
+      for (uint64_t i = c.offset / l.chunk_size; i <= last && i < out.wanted_.size(); ++i) {
+        out.wanted_[i] = true;
       }
     }
   }
-  return SumChunksCopying(
-      crcs, l, covered, image.data(), source, threads,
-      [&](uint64_t off) {
-        // The first copy that may reach into this chunk (copies do not overlap: sorted by offset,
-        // their ends are sorted too).
-        auto next = std::partition_point(sorted.begin(), sorted.end(), [&](const ImageCopy& c) {
-          return c.offset + c.length <= off;
-        });
-        return [&, next](uint64_t p, uint64_t end) mutable {
-          while (next != sorted.end() && next->offset + next->length <= p) ++next;
-          for (auto c = next; c != sorted.end() && c->offset < end; ++c) {
-            const uint64_t lo = std::max(c->offset, p), hi = std::min(c->offset + c->length, end);
-            if (lo >= hi) continue;
-            if (stream) {
-              internal::StreamCopy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
-            } else {
-              std::memcpy(c->dst + (lo - c->offset), image.data() + lo, hi - lo);
-            }
-          }
-        };
-      },
-      copied_chunks_only ? &wanted : nullptr);
+  return out;
+}
+
+std::pair<size_t, size_t> ImageCopyOut::ChunkCopies(size_t i) const {
+  const uint64_t off = i * chunk_size_;
+  const uint64_t end = std::min(off + chunk_size_, covered_);
+  // Copies do not overlap: sorted by offset, their ends are sorted too.
+  auto first = std::partition_point(copies_.begin(), copies_.end(),
+                                    [&](const ImageCopy& c) { return c.offset + c.length <= off; });
+  auto last = std::partition_point(first, copies_.end(),
+                                   [&](const ImageCopy& c) { return c.offset < end; });
+  return {static_cast<size_t>(first - copies_.begin()),
+          static_cast<size_t>(last - copies_.begin())};
+}
+
+Status ImageCopyOut::Chunk(size_t i) const {
+  if (!wanted_.empty() && !wanted_[i]) return Status::OK();  // neither read nor copied
+  const uint64_t off = i * chunk_size_;
+  const uint64_t len = std::min(chunk_size_, covered_ - off);
+  auto [next, last] = ChunkCopies(i);
+  // In pieces of 256 KiB that stay in the cache: each is copied out, then summed from the image.
+  constexpr uint64_t kPiece = 256 << 10;
+  uint32_t crc = 0;
+  for (uint64_t p = off; p < off + len; p += kPiece) {
+    const uint64_t end = std::min(p + kPiece, off + len);
+    while (next < last && copies_[next].offset + copies_[next].length <= p) ++next;
+    for (size_t k = next; k < last && copies_[k].offset < end; ++k) {
+      const ImageCopy& c = copies_[k];
+      const uint64_t lo = std::max(c.offset, p), hi = std::min(c.offset + c.length, end);
+      if (lo >= hi) continue;
+      if (stream_) {
+        internal::StreamCopy(c.dst + (lo - c.offset), image_.data() + lo, hi - lo);
+      } else {
+        std::memcpy(c.dst + (lo - c.offset), image_.data() + lo, hi - lo);
+      }
+    }
+    crc = Crc32c(crc, image_.data() + p, end - p);
+  }
+  if (crc != crcs_[i]) return ChunkMismatch(source_, i, crcs_[i], crc);
+  return Status::OK();
+}
+
+Status VerifyAndCopyOut(std::span<const std::byte> image, std::span<const ImageCopy> copies,
+                        std::string_view source, size_t threads, bool copied_chunks_only) {
+  SP_ASSIGN_OR_RETURN(ImageCopyOut out, ImageCopyOut::Make(image, {copies.begin(), copies.end()},
+                                                           source, copied_chunks_only));
+  std::vector<Status> errors(out.chunk_count());
+  internal::ParallelFor(out.chunk_count(), threads, [&](size_t i) { errors[i] = out.Chunk(i); });
+  for (Status& s : errors) SP_RETURN_IF_ERROR(s);  // the first damaged chunk
+  return Status::OK();
 }
 
 Result<ImageReader> ImageReader::Parse(std::span<const std::byte> image, std::string_view source,
