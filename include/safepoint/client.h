@@ -204,6 +204,28 @@ class SnapshotClient {
   Result<MemorySnapshot> LoadStep(uint64_t step, bool in_place = false,
                                   std::span<TensorFill> fills = {},
                                   const std::string* known_extras = nullptr);
+  // A load in place with the caller's walk of its targets overlapping the copy (issue 21, item
+  // 3; the restore's counterpart of BeginStreamed): BeginStreamedLoad finds the snapshot
+  // (LoadStep's with `step`, else LoadNewest's with `min_step`), matches `fills` (a restore
+  // plan's targets, their destinations unknown yet) to its tensors and starts copy threads that
+  // verify each chunk and copy out of it once the destinations of the targets it holds are
+  // published (StreamedLoad::Publish(i, data): the walk's tensor i is at `data`; `walk_index[k]`
+  // is fill k's position in the walk, increasing). Finish(true) completes the load like
+  // LoadNewest in place (the rest of the chunks, tensors held by other ranks, the extras);
+  // Finish(false) (the walk found another structure) stops and returns Cancelled, with some
+  // targets already written from the snapshot. `fills` and `walk_index` must outlive the
+  // StreamedLoad; nothing else may use the client in between. Errors of Begin are LoadNewest's.
+  class StreamedLoad {
+   public:
+    virtual ~StreamedLoad() = default;
+    virtual void Publish(size_t i, const void* data) = 0;
+    virtual Result<MemorySnapshot> Finish(bool structure_matched,
+                                          const std::string* known_extras) = 0;
+  };
+  Result<std::unique_ptr<StreamedLoad>> BeginStreamedLoad(std::optional<uint64_t> step,
+                                                          std::optional<uint64_t> min_step,
+                                                          std::span<TensorFill> fills,
+                                                          std::span<const size_t> walk_index);
   // --- peer replication ---
   // Starts the agent's peer service for node `node` on `bind_host` (once per agent; every rank
   // of the node may call it) and returns the address peers reach it at.
@@ -262,6 +284,18 @@ class SnapshotClient {
   Result<MemorySnapshot> LoadSlot(const SlotInfo& slot, bool in_place,
                                   std::span<TensorFill> fills = {},
                                   const std::string* known_extras = nullptr);
+  // LoadStep's slot with `step`, else LoadNewest's (at least `min_step`); NotFound as theirs.
+  Result<SlotInfo> FindSlot(std::optional<uint64_t> step, std::optional<uint64_t> min_step);
+  std::string SlotSource(const SlotInfo& slot) const;  // names the slot in errors
+  // A load in place between its parse and its end (src/client/snapshot_client.cc).
+  struct InPlaceLoad;
+  // `dst_known`: fills without a destination are left out (else they get one before the copy).
+  Result<InPlaceLoad> BeginInPlace(const SlotInfo& slot, std::span<TensorFill> fills,
+                                   bool dst_known);
+  // After the copy: the tensors other ranks hold, the extras, the snapshot.
+  Result<MemorySnapshot> EndInPlace(InPlaceLoad& l, std::span<TensorFill> fills,
+                                    const std::string* known_extras);
+  class LoadStream;
   void NoteResumedFrom(const SlotInfo& slot);
   Status CheckSnapshotIdentity(const ImageReader& reader, const SlotInfo& slot,
                                const std::string& source) const;

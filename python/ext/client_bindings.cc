@@ -266,6 +266,9 @@ class PyClient {
 
   std::optional<Loaded> LoadNewest(std::optional<uint64_t> min_step, nb::handle unpickler,
                                    bool in_place, nb::handle targets) {
+    if (in_place) {
+      if (auto out = LoadStreamed(std::nullopt, min_step, unpickler, targets)) return *out;
+    }
     Fills f = MakeFills(in_place, targets);
     auto r =
         WithoutGil([&] { return Get().LoadNewest(min_step, in_place, f.fills, KnownExtras(f)); });
@@ -276,6 +279,9 @@ class PyClient {
 
   std::optional<Loaded> LoadStep(uint64_t step, nb::handle unpickler, bool in_place,
                                  nb::handle targets) {
+    if (in_place) {
+      if (auto out = LoadStreamed(step, std::nullopt, unpickler, targets)) return *out;
+    }
     Fills f = MakeFills(in_place, targets);
     auto r = WithoutGil([&] { return Get().LoadStep(step, in_place, f.fills, KnownExtras(f)); });
     std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
@@ -398,6 +404,83 @@ class PyClient {
     std::string extras;
   };
 
+  // The restore plan lent to a load (moved, not copied: a spec per tensor; KeepRestorePlan
+  // takes it back) for targets whose walk matched its signature.
+  Fills FillsFromPlan(python::PlanWalk& walk, nb::handle targets) {
+    Fills out;
+    out.planned = true;
+    out.fills = std::move(restore_plan_->fills);
+    out.walk_index = std::move(restore_plan_->walk_index);
+    out.extras = std::move(restore_plan_->extras);
+    restore_plan_.reset();
+    // Stateful containers in the state (not in the signature): the full path.
+    out.whole_candidate = !out.extras.empty() && walk.plain;
+    if (out.whole_candidate) out.targets = nb::borrow(targets);
+    out.tensors.reserve(out.fills.size());
+    for (size_t i = 0; i < out.fills.size(); ++i) {
+      const size_t w = out.walk_index[i];
+      out.fills[i].dst = static_cast<std::byte*>(const_cast<void*>(walk.data[w]));
+      out.tensors.push_back(nb::borrow(PyList_GET_ITEM(walk.keepalive.ptr(), w)));
+    }
+    out.signature = std::move(walk.signature);
+    restore_reused_plan_ = true;
+    return out;
+  }
+
+  // A load in place that reuses the restore plan with the walk of the targets overlapping the
+  // copy (SnapshotClient::BeginStreamedLoad): the chunks whose targets the walk has passed are
+  // verified and copied while it goes on. nullopt when it does not apply (no plan, no targets,
+  // the snapshot not found or unreadable, the targets of another structure): the caller then
+  // loads as before (which reports what is wrong, or walks the targets again for a new plan).
+  std::optional<std::optional<Loaded>> LoadStreamed(std::optional<uint64_t> step,
+                                                    std::optional<uint64_t> min_step,
+                                                    nb::handle unpickler, nb::handle targets) {
+    if (!restore_plan_ || !targets.is_valid() || targets.is_none()) return std::nullopt;
+    restore_reused_plan_ = false;
+    restore_whole_ = false;
+    SnapshotClient& c = Get();
+    RestorePlan& plan = *restore_plan_;
+    Result<std::unique_ptr<SnapshotClient::StreamedLoad>> begun =
+        Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      begun = c.BeginStreamedLoad(step, min_step, plan.fills, plan.walk_index);
+    }
+    if (!begun.ok()) return std::nullopt;
+    std::unique_ptr<SnapshotClient::StreamedLoad> stream = std::move(*begun);
+    python::PlanWalk walk;
+    walk.signature.reserve(plan.signature.size());
+    walk.expect = &plan.signature;
+    walk.publish = [s = stream.get()](size_t i, const void* data) { s->Publish(i, data); };
+    const bool walked = python::WalkForPlan(targets, plan.walk_index.size(), &walk);
+    walk.expect = nullptr;
+    walk.publish = nullptr;
+    // The walk compared the signature up to its last tensor as it published: the rest here.
+    const size_t done = walk.expect_checked;
+    const bool same = walked && walk.signature.size() == plan.signature.size() &&
+                      done <= plan.signature.size() &&
+                      std::memcmp(walk.signature.data() + done, plan.signature.data() + done,
+                                  plan.signature.size() - done) == 0;
+    if (!same) {
+      nb::gil_scoped_release release;
+      (void)stream->Finish(false, nullptr);
+      stream.reset();
+      return std::nullopt;
+    }
+    // The plan's fills (their destinations published by the walk) go on in `f`: moving the
+    // vectors keeps their buffers, which the stream holds.
+    Fills f = FillsFromPlan(walk, targets);
+    Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "");
+    {
+      nb::gil_scoped_release release;
+      r = stream->Finish(true, KnownExtras(f));
+      stream.reset();
+    }
+    std::optional<Loaded> out = ToPython(std::move(r), unpickler, &f);
+    KeepRestorePlan(&f);
+    return out;
+  }
+
   Fills MakeFills(bool in_place, nb::handle targets) {
     Fills out;
     restore_reused_plan_ = false;
@@ -409,24 +492,7 @@ class PyClient {
     const bool walked =
         python::WalkForPlan(targets, restore_plan_ ? restore_plan_->walk_index.size() : 0, &walk);
     if (walked && restore_plan_ && walk.signature == restore_plan_->signature) {
-      // The plan's fills are lent to this load (moved, not copied: a spec per tensor) and
-      // taken back by KeepRestorePlan.
-      out.fills = std::move(restore_plan_->fills);
-      out.walk_index = std::move(restore_plan_->walk_index);
-      out.extras = std::move(restore_plan_->extras);
-      restore_plan_.reset();
-      // Stateful containers and DTensors in the state (not in the signature): the full path.
-      out.whole_candidate = !out.extras.empty() && walk.plain;
-      if (out.whole_candidate) out.targets = nb::borrow(targets);
-      out.tensors.reserve(out.fills.size());
-      for (size_t i = 0; i < out.fills.size(); ++i) {
-        const size_t w = out.walk_index[i];
-        out.fills[i].dst = static_cast<std::byte*>(const_cast<void*>(walk.data[w]));
-        out.tensors.push_back(nb::borrow(PyList_GET_ITEM(walk.keepalive.ptr(), w)));
-      }
-      out.signature = std::move(walk.signature);
-      restore_reused_plan_ = true;
-      return out;
+      return FillsFromPlan(walk, targets);
     }
     python::FlatState flat;
     try {

@@ -508,6 +508,7 @@ class PlanWalker {
     const bool ok = Walk(state.ptr(), 0);
     if (gc_was_enabled) PyGC_Enable();
     sig.resize(pos_);
+    out->expect_checked = streaming_ ? checked_ : 0;
     if (ok) return true;
     if (PyErr_Occurred()) PyErr_Clear();
     return false;

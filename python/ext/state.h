@@ -59,6 +59,9 @@ struct PlanWalk {
   // soon as everything up to its shape matched it (a copy may then start on it).
   const std::string* expect = nullptr;
   std::function<void(size_t, const void*)> publish;
+  // Set by the walk: the length of the signature's prefix found equal to *expect while it
+  // published (0 when it stopped publishing: another structure); the caller compares the rest.
+  size_t expect_checked = 0;
 };
 
 // False when the state holds something only FlattenState handles (GPU or meta tensors, tensor

@@ -1334,5 +1334,74 @@ TEST_F(AgentTest, ACopySkipLeavesTensorsToAnotherRankWhoseSlotFillsThem) {
   EXPECT_TRUE(zero->LastCopySkip().empty());
 }
 
+// A restore whose targets' addresses come as its walk goes (issue 21, item 3): each target
+// gets the snapshot's bytes once it is published, the load ends like LoadNewest in place, a walk
+// of another structure stops it, and a damaged chunk fails it as it fails any load in place.
+TEST_F(AgentTest, AStreamedLoadFillsEachTargetOnceItsAddressIsPublished) {
+  ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(RankOptions(0)));
+  Shard s1(1);
+  ASSERT_OK(client->Save(1, s1.sources, s1.extras, /*persist=*/false));
+  std::vector<float> big(s1.big.size()), small(s1.small.size());
+  std::vector<TensorFill> fills(2);
+  for (size_t k = 0; k < 2; ++k) {
+    fills[k].spec = s1.sources[k].spec;
+    fills[k].nbytes = s1.sources[k].nbytes;
+    fills[k].hint = static_cast<int64_t>(k);
+  }
+  const std::vector<size_t> walk = {1, 3};  // the walk's tensors 0 and 2 are not restored here
+  {
+    ASSERT_OK_AND_ASSIGN(auto stream,
+                         client->BeginStreamedLoad(std::nullopt, std::nullopt, fills, walk));
+    stream->Publish(0, nullptr);  // not a target: ignored
+    stream->Publish(1, big.data());
+    stream->Publish(2, nullptr);
+    stream->Publish(3, small.data());
+    ASSERT_OK_AND_ASSIGN(MemorySnapshot mem, stream->Finish(true, nullptr));
+    EXPECT_EQ(mem.step, 1u);
+    EXPECT_FALSE(mem.extras_known);
+  }
+  EXPECT_EQ(big, s1.big);
+  EXPECT_EQ(small, s1.small);
+  EXPECT_EQ(fills[0].entry, 0);
+  EXPECT_EQ(fills[1].entry, 1);
+
+  // The walk left the plan's structure before the last target: nothing more is copied.
+  std::fill(small.begin(), small.end(), -1.0f);
+  {
+    ASSERT_OK_AND_ASSIGN(auto stream, client->BeginStreamedLoad(1, std::nullopt, fills, walk));
+    stream->Publish(1, big.data());
+    EXPECT_EQ(stream->Finish(true, nullptr).status().code(), StatusCode::kCancelled);
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(auto stream, client->BeginStreamedLoad(1, std::nullopt, fills, walk));
+    EXPECT_EQ(stream->Finish(false, nullptr).status().code(), StatusCode::kCancelled);
+  }
+  EXPECT_EQ(small, std::vector<float>(small.size(), -1.0f));
+
+  // Not found, and walk positions that do not increase.
+  EXPECT_EQ(client->BeginStreamedLoad(9, std::nullopt, fills, walk).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(client->BeginStreamedLoad(std::nullopt, 2, fills, walk).status().code(),
+            StatusCode::kNotFound);
+  const std::vector<size_t> backwards = {3, 1};
+  EXPECT_EQ(client->BeginStreamedLoad(1, std::nullopt, fills, backwards).status().code(),
+            StatusCode::kInvalidArgument);
+
+  // One bit of "big" flipped in the slot: the load fails with the chunk named.
+  ASSERT_OK_AND_ASSIGN(MemorySnapshot copy, client->LoadStep(1));
+  const uint64_t at = copy.reader.tensors()[0].offset + 4 * 1000;
+  ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir_, 0));
+  std::optional<SlotInfo> slot = arena->NewestComplete();
+  ASSERT_TRUE(slot);
+  arena->SlotData(slot->index)[at] ^= std::byte{0x10};
+  ASSERT_OK_AND_ASSIGN(auto stream, client->BeginStreamedLoad(1, std::nullopt, fills, walk));
+  stream->Publish(1, big.data());
+  stream->Publish(3, small.data());
+  Result<MemorySnapshot> damaged = stream->Finish(true, nullptr);
+  EXPECT_EQ(damaged.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(damaged.status().message().find("chunk"), std::string::npos)
+      << damaged.status().ToString();
+}
+
 }  // namespace
 }  // namespace safepoint::agent_test
