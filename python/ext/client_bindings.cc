@@ -440,6 +440,9 @@ class PyClient {
     restore_whole_ = false;
     SnapshotClient& c = Get();
     RestorePlan& plan = *restore_plan_;
+    // Before the stream: if the walk throws, the stream (destroyed first) joins its threads
+    // while the walk's keepalive still holds the targets they write.
+    python::PlanWalk walk;
     Result<std::unique_ptr<SnapshotClient::StreamedLoad>> begun =
         Status(StatusCode::kCancelled, "");
     {
@@ -448,7 +451,6 @@ class PyClient {
     }
     if (!begun.ok()) return std::nullopt;
     std::unique_ptr<SnapshotClient::StreamedLoad> stream = std::move(*begun);
-    python::PlanWalk walk;
     walk.signature.reserve(plan.signature.size());
     walk.expect = &plan.signature;
     walk.publish = [s = stream.get()](size_t i, const void* data) { s->Publish(i, data); };

@@ -1039,10 +1039,15 @@ class SnapshotClient::LoadStream final : public SnapshotClient::StreamedLoad {
       }
     }
     errors_.resize(out_.chunk_count());
-    const size_t threads = internal::DefaultCpuThreads();
-    for (size_t i = 0; i + 1 < threads; ++i) workers_.emplace_back([this] { Work(); });
+    const size_t threads = std::min(internal::DefaultCpuThreads(), out_.chunk_count());
+    try {
+      for (size_t i = 0; i + 1 < threads; ++i) workers_.emplace_back([this] { Work(); });
+    } catch (...) {
+      Join(/*abort=*/true);  // no thread left joinable
+      throw;
+    }
   }
-  ~LoadStream() override { Stop(); }
+  ~LoadStream() override { Join(/*abort=*/true); }
 
   void Publish(size_t i, const void* data) override {
     while (cursor_ < walk_index_.size() && walk_index_[cursor_] < i) ++cursor_;
@@ -1060,12 +1065,12 @@ class SnapshotClient::LoadStream final : public SnapshotClient::StreamedLoad {
       structure_matched = fill_copy_[f] == kNone || fills_[f].dst != nullptr;
     }
     if (!structure_matched) {
-      Stop();
+      Join(/*abort=*/true);
       return Cancelled(l_.source + ": the state's structure is not the restore plan's");
     }
     published_.store(SIZE_MAX, std::memory_order_release);
-    Work();  // the walk is done: this thread copies the chunks left
-    Stop();
+    Work();                 // the walk is done: this thread copies the chunks left
+    Join(/*abort=*/false);  // every chunk's targets are known: each worker finishes its own
     for (Status& s : errors_) SP_RETURN_IF_ERROR(s);  // the first damaged chunk
     return c_->EndInPlace(l_, fills_, known_extras);
   }
@@ -1073,8 +1078,9 @@ class SnapshotClient::LoadStream final : public SnapshotClient::StreamedLoad {
  private:
   static constexpr size_t kNone = SIZE_MAX;
 
-  void Stop() {
-    abort_.store(true, std::memory_order_relaxed);
+  // `abort`: the workers waiting for targets stop (their chunks are left undone).
+  void Join(bool abort) {
+    if (abort) abort_.store(true, std::memory_order_relaxed);
     for (std::thread& w : workers_) w.join();
     workers_.clear();
   }
