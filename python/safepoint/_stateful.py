@@ -91,6 +91,8 @@ def filled_in_place(current: Any, loaded: Any) -> bool:
     if cur is got:
         return True
     return (isinstance(cur, torch.Tensor) and isinstance(got, torch.Tensor)
+            and cur.layout == got.layout == torch.strided
+            and not (cur.is_conj() or got.is_conj() or cur.is_neg() or got.is_neg())
             and cur.device == got.device and cur.dtype == got.dtype
             and cur.shape == got.shape and cur.stride() == got.stride()
             and cur.storage_offset() == got.storage_offset() and cur.numel() > 0

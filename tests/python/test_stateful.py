@@ -139,3 +139,26 @@ def test_restore_from_memory_never_aliases_the_snapshot_slot(tmp_path):
     for k, v in o2.state_dict()["state"].items():
         for n, t in v.items():
             assert torch.equal(t, saved[k][n]), (k, n)
+
+
+def test_filled_in_place_only_for_views_of_the_same_bytes():
+    # A restore that filled a state_dict()'s tensors in place skips copying them into the
+    # tensors a second state_dict() call gives (new objects over the same memory), and only
+    # those: another layout over the same storage, a conjugate view, or other memory is copied.
+    from safepoint._stateful import filled_in_place
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert filled_in_place(w, w)
+    assert filled_in_place(w.detach(), w.detach())  # two objects, the same bytes
+    assert not filled_in_place(w, w.clone())
+    assert not filled_in_place(w, w.t().contiguous().t())  # same values, other memory
+    assert not filled_in_place(w.reshape(4, 3), w)  # other shape
+    assert not filled_in_place(w[:, :2], w[:, 1:3])  # other offset
+    assert not filled_in_place(w.view(torch.int32), w)  # other dtype
+    c = torch.ones(3, dtype=torch.complex64)
+    assert not filled_in_place(c, c.conj())
+    assert not filled_in_place(torch.empty(0), torch.empty(0))
+    m = torch.empty(3, device="meta")
+    assert not filled_in_place(m, torch.empty(3, device="meta"))
+    s = torch.eye(3).to_sparse()
+    assert not filled_in_place(s, s.coalesce().clone()) and filled_in_place(s, s)
