@@ -204,7 +204,6 @@ bool TierChain::Open(Worker& w) {
   {
     std::lock_guard<std::mutex> lock(w.mu);
     w.store = store;
-    w.state.open = true;
     w.state.last_error.clear();
     w.attempts = 0;
     w.last = newest;
@@ -228,6 +227,11 @@ bool TierChain::Open(Worker& w) {
       Offer(w.index, list->back().step);
     }
   }
+  // Open only now: a status that shows the tier open with nothing pending or in flight means
+  // that its catch-up was decided (an agent that adopted a job copies right after it starts;
+  // a reader who waits for the tiers to be idle must not take the moment before for idle).
+  std::lock_guard<std::mutex> lock(w.mu);
+  w.state.open = true;
   return true;
 }
 

@@ -58,7 +58,7 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
 struct TierState {
   size_t index = 0;  // 1-based: tier 1 is the first below the job's storage
   TierSpec spec;
-  bool open = false;                  // its storage is reachable (opened)
+  bool open = false;  // its storage is reachable (opened), and its catch-up was offered
   std::optional<uint64_t> newest;     // newest committed step on it (as far as known)
   int64_t last_copy_unix_ns = 0;      // when its last copy committed (0: none by this agent)
   std::optional<uint64_t> pending;    // the step waiting to be copied
