@@ -1002,8 +1002,10 @@ class Campaign:
             seen[0] = j
             return (j["queued"] == 0 and j["in_flight"] is None and
                     all(not r["connected"] and r["pending_persists"] == 0 for r in j["ranks"]) and
-                    all(t.get("open") and t.get("pending_step") is None and
-                        t.get("in_flight_step") is None for t in j.get("tiers", [])))
+                    # A tier this agent fills is open (its catch-up offered) and idle.
+                    all((t.get("open") or not t.get("filled_here")) and
+                        t.get("pending_step") is None and t.get("in_flight_step") is None
+                        for t in j.get("tiers", [])))
         if not wait_until(idle, interval=0.02):
             raise Violation(f"the agent of {job.name} never became idle: {json.dumps(seen[0])}"
                             f"\n{job.agent_log()[-3000:]}")
