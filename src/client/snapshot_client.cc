@@ -1142,9 +1142,6 @@ Result<std::unique_ptr<SnapshotClient::StreamedLoad>> SnapshotClient::BeginStrea
 Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_place,
                                                 std::span<TensorFill> fills,
                                                 const std::string* known_extras) {
-  const SlotInfo* newest = &slot;
-  const std::string source = SlotSource(slot);
-  const size_t size = newest->image_size;
   if (in_place) {
     SP_ASSIGN_OR_RETURN(InPlaceLoad l, BeginInPlace(slot, fills, /*dst_known=*/true));
     // Restore in place: verify every chunk and copy the targets' tensors out in one pass.
@@ -1154,6 +1151,9 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
     }
     return EndInPlace(l, fills, known_extras);
   }
+  const SlotInfo* newest = &slot;
+  const std::string source = SlotSource(slot);
+  const size_t size = newest->image_size;
   auto owner = std::make_shared<internal::AlignedBuffer>(size);
   if (!owner->ok()) {
     return ResourceExhausted(source + ": cannot allocate " + std::to_string(size) + " bytes");
