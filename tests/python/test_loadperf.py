@@ -138,6 +138,24 @@ def test_hot_restore_detects_a_flipped_byte_and_falls_back(tmp_path):
         assert_same(t, want)  # the storage copy replaced whatever the damaged slot left
 
 
+def test_a_streamed_hot_restore_detects_a_flipped_byte_and_falls_back(tmp_path):
+    # With a restore plan the copy runs while the targets are walked (the streamed load): a
+    # damaged chunk fails it like the first restore's, and storage's copy is loaded instead.
+    want = pair(6)
+    with checkpointer(tmp_path, "streamflip", persist_every=100) as ckpt:
+        ckpt.save(6, want, persist=True)
+        ckpt.wait()
+        t = pair(0)
+        t["step"] = 6
+        assert ckpt.restore(t) == 6 and ckpt.last_load_source == "memory"
+        assert ckpt.restore(t) == 6 and ckpt._live.last_restore_reused_plan()
+        flip_in_slot(tmp_path, want["model"]["b"][500:516].numpy().tobytes())
+        with pytest.warns(RuntimeWarning, match="damaged"):
+            assert ckpt.restore(t) == 6
+        assert ckpt.last_load_source == "storage"
+        assert_pair(t, want)
+
+
 def test_hot_restore_of_a_damaged_slot_with_nothing_on_storage_raises(tmp_path):
     want = state_of(5)
     with checkpointer(tmp_path, "alone", persist_every=100) as ckpt:
