@@ -179,9 +179,9 @@ def iperf_ring(c: Cluster, seconds: float) -> list[dict]:
 # in a lock release or an interrupt return (no group) goes to what called it.
 GROUPS = [  # (group, regex on the frame's symbol, regex on its shared object)
     ("CRC32C (checksums, ISA-L)", r"crc32|Crc32c", r"libisal"),
-    ("kernel: copies between socket buffers and user memory",
+    ("kernel: copies between socket buffers and user memory, and into replica files",
      r"_copy_from_iter|_copy_to_iter|copy_user|copy_page_to_iter|copy_page_from_iter|"
-     r"skb_copy_datagram", None),
+     r"copy_folio_from_iter|skb_copy_datagram", None),
     ("memcpy in user space (UCX: rendezvous fragments into the receive buffer)",
      r"__memmove|__memcpy|^memcpy", None),
     ("kernel: page faults and mappings (slots, replica files)",

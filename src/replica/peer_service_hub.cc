@@ -578,6 +578,7 @@ void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) 
   c->writer.reset();  // an unfinished replica file is removed
   c->view.reset();
   c->sink = {};
+  c->sink_file = nullptr;
   cv_.notify_all();
   if (tell_peer && c->ep != nullptr) {
     // Not closed yet: closing could overtake the error (UCX signals the disconnect on another
@@ -604,6 +605,7 @@ void PeerServiceImpl::OnEpError(ucp_ep_h ep, ucs_status_t status) {
   if (c->error.ok()) c->error = why;
   c->writer.reset();
   c->view.reset();
+  c->sink_file = nullptr;
   cv_.notify_all();
   Submit([this, c, why] { CloseNow(c, why); });
 }
@@ -654,7 +656,7 @@ std::optional<ucs_status_t> PeerServiceImpl::OnAm(const void* header, size_t hea
 void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* data,
                                   const ucp_am_recv_param_t* param) {
   const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
-  if ((!c->client && c->auth != Conn::Auth::kReady) || c->sink.empty()) {
+  if ((!c->client && c->auth != Conn::Auth::kReady) || !c->receiving_data()) {
     ++peers_rejected_;
     return Drop(c, Corruption(c->name + ": chunk without a transfer"), true);
   }
@@ -670,13 +672,20 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
   }
   c->got[idx] = 2;
   c->last_progress = Clock::now();
-  std::byte* dest = c->sink.data() + h.offset;
   if (!rndv) {
-    std::memcpy(dest, data, h.len);
-    ChunkArrived(c, h);
+    if (c->sink_file == nullptr) std::memcpy(c->sink.data() + h.offset, data, h.len);
+    ChunkArrived(c, h,
+                 c->sink_file ? static_cast<const std::byte*>(data) : c->sink.data() + h.offset);
     return;
   }
-  auto* ctx = new RecvCtx{this, c, h, c->sink_owner};
+  auto* ctx = new RecvCtx{this, c, h, c->sink_owner, {}};
+  std::byte* dest = nullptr;
+  if (c->sink_file != nullptr) {
+    ctx->bounce = TakeBounce(c->layout.chunk_bytes);
+    dest = ctx->bounce.data.get();
+  } else {
+    dest = c->sink.data() + h.offset;
+  }
   ++requests_pending_;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -698,22 +707,51 @@ void PeerServiceImpl::OnRecvDone(RecvCtx* ctx, ucs_status_t status) {
   ConnPtr c = ctx->conn;
   if (c->receiving > 0) --c->receiving;
   cv_.notify_all();
-  if (c->closing || c->sink.empty()) return;
+  // The bounce buffer goes back to the pool whatever happens to the chunk.
+  struct Return {
+    PeerServiceImpl* svc;
+    Bounce& b;
+    ~Return() {
+      if (b.data) svc->GiveBounce(std::move(b));
+    }
+  } give_back{this, ctx->bounce};
+  if (c->closing || !c->receiving_data()) return;
   if (status != UCS_OK) {
     ++transfers_failed_;
     return Drop(c, Unavailable(c->name + ": receiving a chunk failed: " + UcsError(status)), false);
   }
-  ChunkArrived(c, ctx->header);
+  ChunkArrived(c, ctx->header,
+               ctx->bounce.data ? ctx->bounce.data.get() : c->sink.data() + ctx->header.offset);
 }
 
-void PeerServiceImpl::ChunkArrived(const ConnPtr& c, const WireHeader& h) {
-  const uint32_t crc = Crc32c(0, c->sink.data() + h.offset, h.len);
+Bounce PeerServiceImpl::TakeBounce(uint64_t bytes) {
+  while (!bounces_.empty()) {
+    Bounce b = std::move(bounces_.back());
+    bounces_.pop_back();
+    if (b.bytes == bytes) return b;  // another size (another sender's chunks) is let go
+  }
+  return Bounce{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
+}
+
+void PeerServiceImpl::GiveBounce(Bounce b) {
+  Lock lk(mu_);
+  if (bounces_.size() < kSendWindow) bounces_.push_back(std::move(b));
+}
+
+void PeerServiceImpl::ChunkArrived(const ConnPtr& c, const WireHeader& h, const std::byte* landed) {
+  const uint32_t crc = Crc32c(0, landed, h.len);
   if (crc != h.crc) {
     ++transfers_failed_;
     return Drop(c,
                 Corruption(c->name + ": chunk at offset " + std::to_string(h.offset) + " (" +
                            std::to_string(h.len) + " bytes) fails its CRC32C"),
                 true);
+  }
+  if (c->sink_file != nullptr) {
+    if (Status s = c->sink_file->Write(h.offset, {landed, h.len}); !s.ok()) {
+      ++transfers_failed_;
+      return Drop(c, s.WithContext(c->name + ": storing a chunk of the replica"), true);
+    }
   }
   c->got[h.offset / c->layout.chunk_bytes] = 1;
   if (!c->chunk_crcs.empty()) c->chunk_crcs[h.offset / c->layout.chunk_bytes] = crc;

@@ -120,9 +120,13 @@ struct Conn {
   size_t outstanding = 0;     // sends in flight
   std::deque<Message> inbox;  // client: received control messages
 
-  // Incoming bulk data (push on the server side, fetch on the client side).
+  // Incoming bulk data: a push on the server side lands in `sink_file` (through a bounce buffer
+  // for a rendezvous chunk, then written at its offset once its CRC matched), a fetch on the
+  // client side straight in the memory of `sink`.
   std::span<std::byte> sink;
-  std::shared_ptr<void> sink_owner;  // keeps sink valid while receives are in flight
+  ReplicaWriter* sink_file = nullptr;
+  std::shared_ptr<void> sink_owner;  // keeps sink (or sink_file) valid while receives are in flight
+  bool receiving_data() const { return !sink.empty() || sink_file != nullptr; }
   ChunkLayout layout;
   std::vector<uint8_t> got;          // per chunk: 0 missing, 1 arrived, 2 being received
   std::vector<uint32_t> chunk_crcs;  // per chunk that arrived: its CRC32C as it landed
@@ -156,11 +160,19 @@ struct SendCtx {
   size_t len = 0;
 };
 
+// A chunk-sized buffer that a rendezvous chunk of a push lands in before it is written to the
+// replica file (PeerServiceImpl's pool reuses them).
+struct Bounce {
+  std::unique_ptr<std::byte[]> data;
+  uint64_t bytes = 0;
+};
+
 struct RecvCtx {
   PeerServiceImpl* svc;
   ConnPtr conn;
   WireHeader header;
   std::shared_ptr<void> keep;
+  Bounce bounce;  // a push's chunk: where it lands (none: a fetch's, in conn->sink)
 };
 
 // The process's UCP context, worker and progress thread (see the top of this file). Acquire()
@@ -296,7 +308,11 @@ class PeerServiceImpl final : public PeerService {
   void HandleServer(const ConnPtr& c, MsgType type, const json& body);
   void HandleChunk(const ConnPtr& c, const WireHeader& h, void* data,
                    const ucp_am_recv_param_t* param);
-  void ChunkArrived(const ConnPtr& c, const WireHeader& h);
+  // A chunk landed at `landed` (in the sink, or a bounce buffer): its CRC is checked and, for a
+  // push, it is written to the replica file.
+  void ChunkArrived(const ConnPtr& c, const WireHeader& h, const std::byte* landed);
+  Bounce TakeBounce(uint64_t bytes);  // under mu_
+  void GiveBounce(Bounce b);          // locks mu_
   void PumpFetch(const ConnPtr& c);
   // Runs `work` on the store thread (no lock held), then `then` on the progress thread under mu_
   // unless the connection was dropped meanwhile. The connection is busy until then.
@@ -357,6 +373,9 @@ class PeerServiceImpl final : public PeerService {
   std::unordered_map<ucp_ep_h, ConnPtr> eps_;  // guarded by mu_
   size_t closes_pending_ = 0;                  // guarded by mu_: ep closes the hub still reaps
   size_t requests_pending_ = 0;                // guarded by mu_: SendCtx and RecvCtx alive
+  // Bounce buffers free for the next rendezvous chunk of a push, all of one size; at most
+  // kSendWindow are kept (guarded by mu_).
+  std::vector<Bounce> bounces_;
 
   std::mutex valid_mu_;
   std::mutex pause_mu_;

@@ -124,7 +124,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
       }
       ChunkLayout layout{meta->payload_bytes, chunk};
       if (Status s = layout.Validate(); !s.ok()) return protocol_error(s.message());
-      // Reserving the file (fallocate zeroes every page) is slow for big images: off the
+      // Reserving the file (fallocate allocates every page) is slow for big images: off the
       // progress thread.
       auto writer = std::make_shared<Result<std::unique_ptr<ReplicaWriter>>>(Cancelled(""));
       Offload(
@@ -132,11 +132,9 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
           [this, c, writer, m = *meta, layout] {
             if (!writer->ok()) return Drop(c, writer->status(), true);
             std::shared_ptr<ReplicaWriter> w = std::move(**writer);
-            if (w->data().size() != m.payload_bytes)
-              return Drop(c, IOError("replica store gave a buffer of the wrong size"), true);
             c->meta = m;
             c->writer = w;
-            c->sink = w->data();
+            c->sink_file = w.get();
             c->sink_owner = w;
             c->layout = layout;
             c->got.assign(layout.chunks(), 0);
@@ -163,7 +161,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
             received_crc, c->chunk_crcs[i],
             std::min(c->layout.chunk_bytes, c->layout.total - i * c->layout.chunk_bytes));
       std::shared_ptr<ReplicaWriter> writer = std::move(c->writer);
-      c->sink = {};
+      c->sink_file = nullptr;
       auto status = std::make_shared<Status>();
       Offload(
           c,
@@ -188,7 +186,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
       return;
     case MsgType::kCancel:
       c->writer.reset();
-      c->sink = {};
+      c->sink_file = nullptr;
       return Drop(c, Cancelled(c->name + ": cancelled the transfer"), false);
     case MsgType::kList: {
       std::optional<uint32_t> rank;

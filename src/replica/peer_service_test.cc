@@ -57,6 +57,50 @@ internal::UniqueFd ConnectTcp(const std::string& address) {
   return fd;
 }
 
+// A store whose writers fail every Write while `fail` is set: a receiver whose file system
+// gives out in the middle of a push.
+class FailingWrites final : public ReplicaStore {
+ public:
+  FailingWrites(std::unique_ptr<ReplicaStore> inner, std::shared_ptr<std::atomic<bool>> fail)
+      : inner_(std::move(inner)), fail_(std::move(fail)) {}
+  Result<std::unique_ptr<ReplicaWriter>> Begin(const ReplicaMeta& meta) override {
+    SP_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaWriter> w, inner_->Begin(meta));
+    return std::unique_ptr<ReplicaWriter>(new Writer(std::move(w), fail_));
+  }
+  Result<std::vector<ReplicaMeta>> List(std::optional<uint32_t> rank) override {
+    return inner_->List(rank);
+  }
+  Result<ReplicaView> Read(const ReplicaMeta& meta) override { return inner_->Read(meta); }
+  Result<uint64_t> Prune(uint32_t keep) override { return inner_->Prune(keep); }
+  Status RemoveSource(const std::string& source) override { return inner_->RemoveSource(source); }
+  uint64_t ReleaseSpares() override { return inner_->ReleaseSpares(); }
+  uint64_t bytes() override { return inner_->bytes(); }
+  uint64_t spare_bytes() override { return inner_->spare_bytes(); }
+  uint64_t received_in_place() override { return inner_->received_in_place(); }
+
+ private:
+  class Writer final : public ReplicaWriter {
+   public:
+    Writer(std::unique_ptr<ReplicaWriter> inner, std::shared_ptr<std::atomic<bool>> fail)
+        : inner_(std::move(inner)), fail_(std::move(fail)) {}
+    Status Write(uint64_t offset, std::span<const std::byte> bytes) override {
+      if (fail_->load()) return IOError("write: No space left on device (injected)");
+      return inner_->Write(offset, bytes);
+    }
+    Status Commit() override { return inner_->Commit(); }
+    Status Commit(uint32_t image_crc, uint32_t payload_crc,
+                  std::optional<uint32_t> received_crc) override {
+      return inner_->Commit(image_crc, payload_crc, received_crc);
+    }
+
+   private:
+    std::unique_ptr<ReplicaWriter> inner_;
+    std::shared_ptr<std::atomic<bool>> fail_;
+  };
+  std::unique_ptr<ReplicaStore> inner_;
+  std::shared_ptr<std::atomic<bool>> fail_;
+};
+
 class PeerServiceTest : public ::testing::Test {
  protected:
   PeerServiceOptions Options(const std::string& name) {
@@ -71,16 +115,18 @@ class PeerServiceTest : public ::testing::Test {
   }
 
   // Starts node `name` (the options after `tweak`).
+  // `wrap`: stands in front of the node's store (e.g. to fail its writes).
+  using WrapStore = std::function<std::unique_ptr<ReplicaStore>(std::unique_ptr<ReplicaStore>)>;
   Node* StartNode(const std::string& name,
                   const std::function<void(PeerServiceOptions&)>& tweak = nullptr,
-                  ReplicaStoreOptions store_options = {}) {
+                  ReplicaStoreOptions store_options = {}, const WrapStore& wrap = nullptr) {
     auto n = std::make_unique<Node>();
     n->name = name;
     EXPECT_FALSE(n->dir.path().empty());
     auto store = ReplicaStore::Open(n->dir.path(), std::move(store_options));
     EXPECT_TRUE(store.ok()) << store.status().ToString();
     if (!store.ok()) return nullptr;
-    n->store = std::move(*store);
+    n->store = wrap ? wrap(std::move(*store)) : std::move(*store);
     PeerServiceOptions o = Options(name);
     if (tweak) tweak(o);
     auto svc = PeerService::Start(o, n->store.get());
@@ -423,6 +469,54 @@ TEST_F(PeerServiceTest, CorruptedChunkIsRefusedAndNothingCommitted) {
   EXPECT_FALSE(pushed.targets[0].ok());
   EXPECT_EQ(Stored(b), 0u);
   EXPECT_GE(b->svc->stats().transfers_failed, 1u);
+}
+
+// A receiver that cannot store a chunk (its file system gives out) fails the push with the
+// reason, keeps its previous replica and leaves no partial file; the next push lands again.
+TEST_F(PeerServiceTest, ChunkTheReceiverCannotStoreFailsThePushAndKeepsThePreviousReplica) {
+  auto fail = std::make_shared<std::atomic<bool>>(false);
+  Node* src = StartNode("a", [](PeerServiceOptions& o) { o.chunk_bytes = 1 << 20; });
+  Node* b = StartNode("b", nullptr, {}, [fail](std::unique_ptr<ReplicaStore> inner) {
+    return std::make_unique<FailingWrites>(std::move(inner), fail);
+  });
+  ASSERT_TRUE(src && b);
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  // Chunks of 1 MiB arrive by rendezvous, through the receiver's bounce buffers; the last one,
+  // 123 bytes, eagerly.
+  const std::vector<std::byte> first = test::PatternBytes((3 << 20) + 123, 81);
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, first, r, {b->peer()}, nullptr));
+  ASSERT_OK(pushed.targets[0]);
+
+  fail->store(true);
+  SnapshotId next = kId;
+  next.step = kId.step + 1;
+  const std::vector<std::byte> second = test::PatternBytes((3 << 20) + 123, 82);
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(next, second, r, {b->peer()}, nullptr));
+  EXPECT_FALSE(pushed.targets[0].ok());
+  EXPECT_NE(pushed.targets[0].message().find("No space left on device (injected)"),
+            std::string::npos)
+      << pushed.targets[0].ToString();
+  EXPECT_GE(b->svc->stats().transfers_failed, 1u);
+  ASSERT_OK_AND_ASSIGN(auto listed, b->store->List());
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].step, kId.step);
+  ASSERT_OK_AND_ASSIGN(ReplicaView view, b->store->Read(listed[0]));
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), first.begin(), first.end()));
+  size_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(b->dir.path() + "/replicas")) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 1u);  // the unfinished file was removed
+
+  fail->store(false);
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(next, second, r, {b->peer()}, nullptr));
+  ASSERT_OK(pushed.targets[0]);
+  ASSERT_OK_AND_ASSIGN(listed, b->store->List());
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].step, next.step);
+  ASSERT_OK_AND_ASSIGN(view, b->store->Read(listed[0]));
+  EXPECT_TRUE(std::equal(view.payload.begin(), view.payload.end(), second.begin(), second.end()));
 }
 
 // Paused for longer than either side's timeout: the sender keeps the connection alive.

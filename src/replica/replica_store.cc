@@ -63,7 +63,7 @@ constexpr size_t kMaxSourceBytes = 64;
 constexpr size_t kHeaderCrcOffset = kHeaderBytes - 4;
 constexpr std::string_view kTempPrefix = ".tmp-";
 // A spare: the file of a replica that was pruned, kept (never listed) so that the next replica
-// it can hold reuses its pages instead of allocating and zeroing fresh ones.
+// it can hold reuses its pages instead of allocating fresh ones (and freeing the old ones).
 constexpr std::string_view kSparePrefix = ".spare-";
 // Smaller files are simply removed (their pages cost little), and at most this many are kept.
 constexpr uint64_t kMinSpareBytes = 1 << 20;
@@ -243,21 +243,20 @@ class Mapping {
 
 class PosixReplicaWriter final : public ReplicaWriter {
  public:
-  PosixReplicaWriter(ReplicaMeta meta, std::string tmp, std::string path, UniqueFd fd,
-                     std::unique_ptr<Mapping> map)
-      : meta_(std::move(meta)),
-        tmp_(std::move(tmp)),
-        path_(std::move(path)),
-        fd_(std::move(fd)),
-        map_(std::move(map)) {}
+  PosixReplicaWriter(ReplicaMeta meta, std::string tmp, std::string path, UniqueFd fd)
+      : meta_(std::move(meta)), tmp_(std::move(tmp)), path_(std::move(path)), fd_(std::move(fd)) {}
   ~PosixReplicaWriter() override {
-    map_.reset();
     if (!committed_) ::unlink(tmp_.c_str());
   }
 
-  std::span<std::byte> data() override {
-    if (map_ == nullptr) return {};
-    return {map_->data() + kHeaderBytes, static_cast<size_t>(meta_.payload_bytes)};
+  Status Write(uint64_t offset, std::span<const std::byte> bytes) override {
+    if (committed_) return InvalidArgument(path_ + ": replica already committed");
+    if (offset > meta_.payload_bytes || bytes.size() > meta_.payload_bytes - offset) {
+      return InvalidArgument(tmp_ + ": " + std::to_string(bytes.size()) + " bytes at offset " +
+                             std::to_string(offset) + " pass the payload's " +
+                             std::to_string(meta_.payload_bytes));
+    }
+    return PwriteAll(bytes, kHeaderBytes + offset);
   }
 
   Status Commit() override { return Commit(meta_.image_crc, meta_.payload_crc, std::nullopt); }
@@ -271,27 +270,63 @@ class PosixReplicaWriter final : public ReplicaWriter {
       return Corruption(path_ + ": a copy's image CRC32C " + std::to_string(image_crc) +
                         " is not its payload's " + std::to_string(payload_crc));
     }
-    const uint32_t crc = received_crc ? *received_crc : Crc32c(data());
+    uint32_t crc = 0;
+    if (received_crc) {
+      crc = *received_crc;
+    } else {
+      SP_ASSIGN_OR_RETURN(crc, PayloadCrc());
+    }
     if (crc != meta_.payload_crc) {
       return Corruption(path_ + ": received payload of " + std::to_string(meta_.payload_bytes) +
                         " bytes has CRC32C " + std::to_string(crc) + ", the sender's is " +
                         std::to_string(meta_.payload_crc));
     }
-    EncodeHeader(meta_, map_->data());
+    std::vector<std::byte> header(kHeaderBytes);
+    EncodeHeader(meta_, header.data());
+    SP_RETURN_IF_ERROR(PwriteAll(header, 0));
     SP_KILL_POINT("replica.receive.before_visible");
     if (::rename(tmp_.c_str(), path_.c_str()) != 0) return ErrnoStatus("rename", tmp_, errno);
     committed_ = true;
-    // Done with the file: a writer kept around must not keep its pages alive after a Prune.
-    map_.reset();
-    fd_.Reset();
+    fd_.Reset();  // a writer kept around must not keep the file's pages alive after a Prune
     return Status::OK();
   }
 
  private:
+  Status PwriteAll(std::span<const std::byte> bytes, uint64_t at) {
+    while (!bytes.empty()) {
+      const ssize_t n = ::pwrite(fd_.get(), bytes.data(), bytes.size(), static_cast<off_t>(at));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return ErrnoStatus("write", tmp_, errno);
+      if (n == 0) return IOError(tmp_ + ": write wrote nothing");
+      bytes = bytes.subspan(static_cast<size_t>(n));
+      at += static_cast<uint64_t>(n);
+    }
+    return Status::OK();
+  }
+
+  // The payload's CRC32C, read back from the file (a caller that did not count it as it wrote).
+  Result<uint32_t> PayloadCrc() {
+    std::vector<std::byte> block(std::min<uint64_t>(meta_.payload_bytes, 1 << 20));
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < meta_.payload_bytes;) {
+      const size_t want =
+          static_cast<size_t>(std::min<uint64_t>(block.size(), meta_.payload_bytes - done));
+      const ssize_t n =
+          ::pread(fd_.get(), block.data(), want, static_cast<off_t>(kHeaderBytes + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return ErrnoStatus("read", tmp_, errno);
+      if (n == 0)
+        return IOError(tmp_ + ": the payload is shorter than its " +
+                       std::to_string(meta_.payload_bytes) + " bytes");
+      crc = Crc32c(crc, block.data(), static_cast<size_t>(n));
+      done += static_cast<uint64_t>(n);
+    }
+    return crc;
+  }
+
   ReplicaMeta meta_;
   std::string tmp_, path_;
   UniqueFd fd_;
-  std::unique_ptr<Mapping> map_;
   bool committed_ = false;
 };
 
@@ -349,7 +384,7 @@ class PosixReplicaStore final : public ReplicaStore {
         }
       }
     }
-    // A spare's pages are reused: only what it lacks is allocated (and zeroed) afresh.
+    // A spare's pages are reused: only what it lacks is allocated afresh.
     std::optional<Spare> spare;
     if (!fd) spare = TakeSpare(size);
     if (spare) {
@@ -392,12 +427,7 @@ class PosixReplicaStore final : public ReplicaStore {
         return fail(ErrnoStatus("ftruncate", tmp, errno));
       }
     }
-    // Populated: the page tables are filled in one go, not by a fault on every page as the
-    // chunks land (the pages are reserved already).
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
-    if (p == MAP_FAILED) return fail(ErrnoStatus("mmap", tmp, errno));
-    return std::unique_ptr<ReplicaWriter>(
-        new PosixReplicaWriter(meta, tmp, path, std::move(fd), std::make_unique<Mapping>(p, size)));
+    return std::unique_ptr<ReplicaWriter>(new PosixReplicaWriter(meta, tmp, path, std::move(fd)));
   }
 
   Result<std::vector<ReplicaMeta>> List(std::optional<uint32_t> rank) override {

@@ -62,17 +62,26 @@ struct ReplicaMeta {
   uint32_t payload_crc = 0;    // CRC32C of the payload
 };
 
-// A replica file being received: write payload_bytes into data(), then Commit().
+// A replica file being received: Write the payload_bytes (in any order, each byte once), then
+// Commit().
+//
+// Writes go through write(2), not a mapping: on tmpfs a write that fills whole pages takes fresh
+// pages without the kernel zeroing them first and without page tables in the receiver, where a
+// mapped file had every page zeroed, mapped and unmapped again per replica (a third of the
+// agents' CPU time in a mirror push, docs/benchmarks.md "Interference").
 class ReplicaWriter {
  public:
-  virtual ~ReplicaWriter() = default;       // an uncommitted file is removed
-  virtual std::span<std::byte> data() = 0;  // empty once committed (the file is unmapped)
+  virtual ~ReplicaWriter() = default;  // an uncommitted file is removed
+  // Writes `bytes` at `offset` of the payload. InvalidArgument past the payload's end or once
+  // committed.
+  virtual Status Write(uint64_t offset, std::span<const std::byte> bytes) = 0;
   // Verifies the payload against meta.payload_crc (Corruption naming the replica otherwise),
   // writes the header and renames the file into place, replacing an equal replica.
   virtual Status Commit() = 0;
   // Commit for a receiver that learns the CRCs only at the end (meta's image_crc and payload_crc
-  // are replaced by these). `received_crc`: the CRC32C of data() as the caller computed it from
-  // the bytes in data() (e.g. chunk by chunk as they landed); then the payload is not read again.
+  // are replaced by these). `received_crc`: the CRC32C of the payload as the caller computed it
+  // from the bytes it wrote (e.g. chunk by chunk as they landed); then the payload is not read
+  // again.
   virtual Status Commit(uint32_t image_crc, uint32_t payload_crc,
                         std::optional<uint32_t> received_crc) = 0;
 };

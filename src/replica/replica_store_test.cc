@@ -48,8 +48,7 @@ ReplicaMeta CopyMeta(const std::string& source, uint32_t rank, uint64_t step, ui
 
 Status Put(ReplicaStore& store, const ReplicaMeta& meta, std::span<const std::byte> payload) {
   SP_ASSIGN_OR_RETURN(auto w, store.Begin(meta));
-  if (w->data().size() != payload.size()) return InvalidArgument("data() has the wrong size");
-  if (!payload.empty()) std::memcpy(w->data().data(), payload.data(), payload.size());
+  SP_RETURN_IF_ERROR(w->Write(0, payload));
   return w->Commit();
 }
 
@@ -206,8 +205,9 @@ TEST_F(ReplicaStoreTest, APayloadThatDoesNotMatchTheSendersCrcIsNeverVisible) {
   ReplicaMeta m = CopyMeta("n", 0, 1, 1, payload);
   {
     ASSERT_OK_AND_ASSIGN(auto w, store_->Begin(m));
-    std::memcpy(w->data().data(), payload.data(), payload.size());
-    w->data()[4999] ^= std::byte{1};
+    auto flipped = payload;
+    flipped[4999] ^= std::byte{1};
+    ASSERT_OK(w->Write(0, flipped));
     const Status s = w->Commit();
     EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
     EXPECT_NE(s.message().find("n.rank-0.step-1.1.copy-0"), std::string::npos) << s.ToString();
@@ -220,9 +220,14 @@ TEST_F(ReplicaStoreTest, APayloadThatDoesNotMatchTheSendersCrcIsNeverVisible) {
   EXPECT_TRUE(DirNames(dir()).empty());
   // Committing twice is refused.
   ASSERT_OK_AND_ASSIGN(auto w, store_->Begin(m));
-  std::memcpy(w->data().data(), payload.data(), payload.size());
+  // Written out of order, as chunks land.
+  ASSERT_OK(w->Write(3000, std::span(payload).subspan(3000)));
+  ASSERT_OK(w->Write(0, std::span(payload).first(3000)));
+  // Nothing past the payload's end.
+  EXPECT_EQ(w->Write(4999, std::span(payload).first(2)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(w->Write(5001, {}).code(), StatusCode::kInvalidArgument);
   ASSERT_OK(w->Commit());
-  EXPECT_TRUE(w->data().empty());
+  EXPECT_EQ(w->Write(0, std::span(payload).first(1)).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(w->Commit().code(), StatusCode::kInvalidArgument);
 }
 
@@ -370,7 +375,7 @@ TEST_F(ReplicaStoreTest, TemporaryFilesOfACrashedWriterAreNeverListedAndRemovedA
       ReplicaMeta m2 = CopyMeta("n", 0, 2 + fill, 1, payload);
       auto w = store_->Begin(m2);
       if (!w.ok()) ::_exit(1);
-      if (fill) std::memcpy((*w)->data().data(), payload.data(), payload.size());
+      if (fill && !(*w)->Write(0, payload).ok()) ::_exit(1);
       ::_exit(0);  // no destructor runs
     }
     int status = 0;
@@ -593,7 +598,7 @@ TEST_F(ReplicaStoreTest, OverTheBudgetTheNextReplicaIsReceivedIntoThePreviousOne
   struct stat receiving;
   ASSERT_EQ(::stat((dir() + "/" + names[0]).c_str(), &receiving), 0);
   EXPECT_EQ(receiving.st_ino, before.st_ino);  // the previous replica's file and pages
-  std::memcpy(w->data().data(), two.data(), two.size());
+  ASSERT_OK(w->Write(0, two));
   ASSERT_OK(w->Commit());
   ASSERT_OK(store->Prune(1));
   struct stat after;
@@ -618,7 +623,7 @@ TEST_F(ReplicaStoreTest, ACutTransferInBudgetModeLeavesNoReplicaToServe) {
   const auto two = test::PatternBytes(2 << 20, 44);
   {
     ASSERT_OK_AND_ASSIGN(auto w, store->Begin(CopyMeta("n", 0, 2, 1, two)));
-    std::memcpy(w->data().data(), two.data(), two.size() / 2);  // half of it arrived
+    ASSERT_OK(w->Write(0, std::span(two).first(two.size() / 2)));  // half of it arrived
   }
   ASSERT_OK_AND_ASSIGN(auto listed, store->List());
   EXPECT_TRUE(listed.empty());
@@ -686,7 +691,7 @@ TEST_F(ReplicaStoreTest, BudgetModeNeverGivesUpTheSnapshotBeingReceivedAgain) {
   ASSERT_OK(Put(*store, first, one));
   {
     auto w = store->Begin(first);
-    if (w.ok()) std::memcpy((*w)->data().data(), one.data(), one.size() / 2);  // cut off
+    if (w.ok()) ASSERT_OK((*w)->Write(0, std::span(one).first(one.size() / 2)));  // cut off
   }
   EXPECT_EQ(store->received_in_place(), 0u);
   ASSERT_OK_AND_ASSIGN(ReplicaView view, store->Read(first));
@@ -766,14 +771,14 @@ TEST_F(ReplicaStoreTest, CommitWithCrcsGivenAtTheEnd) {
   m.image_crc = m.payload_crc = 0;
   {
     ASSERT_OK_AND_ASSIGN(auto w, store_->Begin(m));
-    std::memcpy(w->data().data(), payload.data(), payload.size());
+    ASSERT_OK(w->Write(0, payload));
     EXPECT_EQ(w->Commit(crc ^ 1, crc ^ 1, std::nullopt).code(), StatusCode::kCorruption);
     EXPECT_EQ(w->Commit(crc, crc, crc ^ 1).code(), StatusCode::kCorruption);
     EXPECT_EQ(w->Commit(crc, crc ^ 2, crc).code(), StatusCode::kCorruption);  // copy: equal
   }
   EXPECT_TRUE(DirNames(dir()).empty());
   ASSERT_OK_AND_ASSIGN(auto w, store_->Begin(m));
-  std::memcpy(w->data().data(), payload.data(), payload.size());
+  ASSERT_OK(w->Write(0, payload));
   ASSERT_OK(w->Commit(crc, crc, std::nullopt));
   ASSERT_OK_AND_ASSIGN(auto list, store_->List());
   ASSERT_EQ(list.size(), 1u);
@@ -822,7 +827,7 @@ TEST(ReplicaStoreFullTest, AFullTmpfsIsResourceExhaustedNotSigbus) {
 
   const auto big = test::PatternBytes(600 << 10, 13);
   const ReplicaMeta first = CopyMeta("n", 0, 1, 1, big);
-  // Reserved: every byte of data() can be written.
+  // Reserved: every byte of the payload can be written.
   ASSERT_OK_AND_ASSIGN(auto w1, store->Begin(first));
   // A second one of the same size does not fit beside it while the first is being received.
   const ReplicaMeta second = CopyMeta("n", 1, 1, 1, big);
@@ -831,7 +836,7 @@ TEST(ReplicaStoreFullTest, AFullTmpfsIsResourceExhaustedNotSigbus) {
   EXPECT_NE(w2.status().message().find(std::to_string(kHeader + big.size()) + " bytes"),
             std::string::npos)
       << w2.status().ToString();
-  std::memcpy(w1->data().data(), big.data(), big.size());
+  ASSERT_OK(w1->Write(0, big));
   ASSERT_OK(w1->Commit());
   // Nor after it was committed; the failed attempt left no file behind.
   auto w3 = store->Begin(second);
