@@ -202,17 +202,19 @@ def classify(frames: list[tuple[str, str]]) -> str:
     return "other (the agent's own code, other syscalls)"
 
 
-def profile_summary(data: str) -> dict:
-    """perf script of `data` (with kernel call chains): the share of the samples per group."""
-    r = subprocess.run(["perf", "script", "-i", data, "-F", "ip,sym,dso"], capture_output=True,
-                       text=True)
+def profile_summary(data: str, pids: list[int]) -> dict:
+    """perf script of `data` (system-wide, with kernel call chains): the share of the samples of
+    processes `pids` per group."""
+    r = subprocess.run(["perf", "script", "-i", data, "-F", "pid,tid,ip,sym,dso"],
+                       capture_output=True, text=True)
     groups: dict = {}
     n = 0
     frames: list = []
+    mine = False
 
     def flush() -> None:
         nonlocal n, frames
-        if frames:
+        if frames and mine:
             g = classify(frames)
             groups[g] = groups.get(g, 0) + 1
             n += 1
@@ -222,15 +224,21 @@ def profile_summary(data: str) -> dict:
         m = re.match(r"\s+[0-9a-f]+\s+(.*?)\s+\((.*)\)\s*$", ln)
         if m:
             frames.append((m[1], m[2]))
-        elif not ln.strip():
-            flush()
+            continue
+        flush()
+        head = re.match(r"\s*(\d+)/\d+\s*$", ln)
+        if head:
+            mine = int(head[1]) in pids
     flush()
     return {"groups": {g: 100.0 * v / n for g, v in groups.items()} if n else {}, "samples": n}
 
 
-def replicate(c: Cluster, args, work: str, tag: str, profile: Optional[str]) -> list[dict]:
+def replicate(c: Cluster, args, work: str, tag: str, profile: Optional[str],
+              pids: Optional[list[int]] = None) -> list[dict]:
     """A mirror job on the nodes: its ranks' "saved" lines; with `profile`, perf records the
-    three agents into that file meanwhile."""
+    machine into that file meanwhile and `pids` gets the three agents' pids. (System-wide, not
+    `perf record -p`: that follows only the threads an agent has when perf attaches, and an agent
+    found right after its start has not started its replication threads yet.)"""
     name = f"bench-interf-{tag}-{os.getpid()}"
     a = {"size": args.size, "runs": args.repl_runs, "warmup": 2, "redundancy": "mirror",
          "ckpt_on": os.path.join(work, f"repl-{tag}"), "job_on": name}
@@ -238,16 +246,17 @@ def replicate(c: Cluster, args, work: str, tag: str, profile: Optional[str]) -> 
     perf = None
     try:
         if profile:
-            pids: list[int] = []
+            perf = subprocess.Popen(["perf", "record", "-a", "-F", "499", "-g", "-o", profile],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            found: list[int] = []
             t0 = time.time()
-            while len(pids) < len(c) and time.time() - t0 < 60:
-                pids = [p for n in c for p in agent_pids(name, n.processes())]
+            while len(found) < len(c) and time.time() - t0 < 60:
+                found = [p for n in c for p in agent_pids(name, n.processes())]
                 time.sleep(0.05)
-            if len(pids) != len(c):
-                raise RuntimeError(f"agents of {name}: found {pids}")
-            perf = subprocess.Popen(["perf", "record", "-F", "499", "-g", "-o", profile, "-p",
-                                     ",".join(map(str, pids))], stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+            if len(found) != len(c):
+                raise RuntimeError(f"agents of {name}: found {found}")
+            if pids is not None:
+                pids.extend(found)
         return job.expect_all("saved")
     finally:
         if perf:
@@ -274,8 +283,9 @@ def replication(args, work: str) -> dict:
             for i in range(len(c)):
                 c.replace(i)
             data = os.path.join(work, "agents.perf")
-            out["saved_profiled"] = replicate(c, args, work, "p", data)
-            out["profile"] = profile_summary(data)
+            pids: list[int] = []
+            out["saved_profiled"] = replicate(c, args, work, "p", data, pids)
+            out["profile"] = profile_summary(data, pids)
     return out
 
 
@@ -372,7 +382,8 @@ def render(res: dict, args, conditions: str) -> str:
         if prof:
             L.append("")
             L.append(f"Where the agents' CPU time goes: the same saves again on fresh nodes "
-                     f"under `perf record -F 499 -g` of the three agents ({prof['samples']} "
+                     "under `perf record -a -F 499 -g`, the three agents' samples "
+                     f"({prof['samples']} "
                      "samples; a sample counts for the group of its first frame, leaf first, "
                      "that matches one, so a lock release or an interrupt return counts for "
                      "what called it):")
