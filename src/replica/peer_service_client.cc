@@ -502,7 +502,7 @@ Status PeerServiceImpl::FetchOne(const Holding& holding, std::span<std::byte> de
   Close(c);
   {
     Lock lk(mu_);
-    c->sink = {};
+    c->EndSink();
   }
   if (!s.ok()) {
     spdlog::warn("peer service: fetch from {} failed: {}", c->name, s.ToString());

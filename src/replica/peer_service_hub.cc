@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <new>
 
 #include "base/host_port.h"
 #include "base/log.h"
@@ -437,6 +438,7 @@ void PeerServiceImpl::Quiesce() {
     spdlog::warn("peer service of node {}: still waiting for {} closes and {} requests of UCX",
                  options_.node, closes_pending_, requests_pending_);
   }
+  bounces_.clear();  // no receive is left to land in one
 }
 
 void PeerServiceImpl::Stop() {
@@ -549,8 +551,9 @@ void PeerServiceImpl::CloseNow(const ConnPtr& c, const Status& why) {
   if (c->error.ok()) c->error = why;
   if (c->closing) return;
   c->closing = true;
-  c->writer.reset();  // an uncommitted replica file is removed
+  c->writer.reset();  // an uncommitted replica file is removed (EndSink)
   c->view.reset();
+  c->EndSink();
   ucp_ep_h ep = c->ep;
   if (ep != nullptr) {
     eps_.erase(ep);
@@ -575,10 +578,9 @@ void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) 
   c->dropping = true;
   c->dropped_at = Clock::now();
   if (c->error.ok()) c->error = why;
-  c->writer.reset();  // an unfinished replica file is removed
+  c->writer.reset();  // an unfinished replica file is removed (EndSink)
   c->view.reset();
-  c->sink = {};
-  c->sink_file = nullptr;
+  c->EndSink();
   cv_.notify_all();
   if (tell_peer && c->ep != nullptr) {
     // Not closed yet: closing could overtake the error (UCX signals the disconnect on another
@@ -605,7 +607,6 @@ void PeerServiceImpl::OnEpError(ucp_ep_h ep, ucs_status_t status) {
   if (c->error.ok()) c->error = why;
   c->writer.reset();
   c->view.reset();
-  c->sink_file = nullptr;
   cv_.notify_all();
   Submit([this, c, why] { CloseNow(c, why); });
 }
@@ -678,14 +679,32 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
                  c->sink_file ? static_cast<const std::byte*>(data) : c->sink.data() + h.offset);
     return;
   }
-  auto* ctx = new RecvCtx{this, c, h, c->sink_owner, {}};
+  Bounce bounce;
   std::byte* dest = nullptr;
   if (c->sink_file != nullptr) {
-    ctx->bounce = TakeBounce(c->layout.chunk_bytes);
-    dest = ctx->bounce.data.get();
+    // The sender keeps kSendWindow chunks in flight; a few more may overlap as receives finish.
+    if (c->receiving >= 2 * kSendWindow) {
+      ++peers_rejected_;
+      ++transfers_failed_;
+      return Drop(c,
+                  Corruption(c->name + ": more than " + std::to_string(2 * kSendWindow) +
+                             " chunks in flight"),
+                  true);
+    }
+    bounce = TakeBounce(std::min(c->layout.chunk_bytes, c->layout.total));
+    if (!bounce.data) {
+      ++transfers_failed_;
+      return Drop(c,
+                  ResourceExhausted(c->name + ": no memory for a receive buffer of " +
+                                    std::to_string(c->layout.chunk_bytes) + " bytes"),
+                  true);
+    }
+    dest = bounce.data.get();
   } else {
     dest = c->sink.data() + h.offset;
   }
+  // A fetch's receive keeps its destination alive; a push's lands in its own bounce buffer.
+  auto* ctx = new RecvCtx{this, c, h, c->sink_file ? nullptr : c->sink_owner, std::move(bounce)};
   ++requests_pending_;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -730,12 +749,17 @@ Bounce PeerServiceImpl::TakeBounce(uint64_t bytes) {
     bounces_.pop_back();
     if (b.bytes == bytes) return b;  // another size (another sender's chunks) is let go
   }
-  return Bounce{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
+  // Not std::make_unique: a failed allocation is a dropped transfer, not an exception thrown
+  // through UCX's callback.
+  return Bounce{std::unique_ptr<std::byte[]>(new (std::nothrow) std::byte[bytes]), bytes};
 }
 
 void PeerServiceImpl::GiveBounce(Bounce b) {
   Lock lk(mu_);
-  if (bounces_.size() < kSendWindow) bounces_.push_back(std::move(b));
+  if (stop_.load()) return;
+  size_t pushes = 0;
+  for (const auto& [ep, c] : eps_) pushes += c->sink_file != nullptr ? 1 : 0;
+  if (bounces_.size() < kSendWindow * std::max<size_t>(1, pushes)) bounces_.push_back(std::move(b));
 }
 
 void PeerServiceImpl::ChunkArrived(const ConnPtr& c, const WireHeader& h, const std::byte* landed) {

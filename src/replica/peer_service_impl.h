@@ -127,6 +127,13 @@ struct Conn {
   ReplicaWriter* sink_file = nullptr;
   std::shared_ptr<void> sink_owner;  // keeps sink (or sink_file) valid while receives are in flight
   bool receiving_data() const { return !sink.empty() || sink_file != nullptr; }
+  // The transfer's end (done, dropped or closed): an uncommitted replica file goes once no
+  // receive holds its writer (a push's rendezvous receives land in bounce buffers, hold none).
+  void EndSink() {
+    sink = {};
+    sink_file = nullptr;
+    sink_owner.reset();
+  }
   ChunkLayout layout;
   std::vector<uint8_t> got;          // per chunk: 0 missing, 1 arrived, 2 being received
   std::vector<uint32_t> chunk_crcs;  // per chunk that arrived: its CRC32C as it landed
@@ -309,7 +316,9 @@ class PeerServiceImpl final : public PeerService {
   void HandleChunk(const ConnPtr& c, const WireHeader& h, void* data,
                    const ucp_am_recv_param_t* param);
   // A chunk landed at `landed` (in the sink, or a bounce buffer): its CRC is checked and, for a
-  // push, it is written to the replica file.
+  // push, it is written to the replica file. Both run on the progress thread under mu_ (a chunk
+  // of 4 MiB into tmpfs: about a millisecond; a replica directory on a disk whose writeback
+  // throttles would hold the other connections for that long).
   void ChunkArrived(const ConnPtr& c, const WireHeader& h, const std::byte* landed);
   Bounce TakeBounce(uint64_t bytes);  // under mu_
   void GiveBounce(Bounce b);          // locks mu_
@@ -374,7 +383,8 @@ class PeerServiceImpl final : public PeerService {
   size_t closes_pending_ = 0;                  // guarded by mu_: ep closes the hub still reaps
   size_t requests_pending_ = 0;                // guarded by mu_: SendCtx and RecvCtx alive
   // Bounce buffers free for the next rendezvous chunk of a push, all of one size; at most
-  // kSendWindow are kept (guarded by mu_).
+  // kSendWindow per push being received are kept, and none once the service quiesced (guarded
+  // by mu_).
   std::vector<Bounce> bounces_;
 
   std::mutex valid_mu_;

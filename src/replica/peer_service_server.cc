@@ -161,7 +161,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
             received_crc, c->chunk_crcs[i],
             std::min(c->layout.chunk_bytes, c->layout.total - i * c->layout.chunk_bytes));
       std::shared_ptr<ReplicaWriter> writer = std::move(c->writer);
-      c->sink_file = nullptr;
+      c->EndSink();
       auto status = std::make_shared<Status>();
       Offload(
           c,
@@ -186,7 +186,7 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
       return;
     case MsgType::kCancel:
       c->writer.reset();
-      c->sink_file = nullptr;
+      c->EndSink();
       return Drop(c, Cancelled(c->name + ": cancelled the transfer"), false);
     case MsgType::kList: {
       std::optional<uint32_t> rank;
