@@ -7,8 +7,9 @@ is lent; issue 21, item 7). For each configuration (default: 4 GiB in 200 tensor
 - **restore from memory**: ``Checkpointer.restore`` of the snapshot in shared memory into GPU
   tensors, against a host-to-device copy of the same bytes from one pinned buffer;
 - **restore from storage**: a persisted step restored into GPU tensors by
-  ``safepoint.restore(path, state)`` (page cache dropped first where this process may, else
-  warm: the table says which), against the same host-to-device copy;
+  ``safepoint.restore(path, state)`` (the files' pages dropped from the page cache first:
+  drop_caches, or fadvise where this process may not; the table says which), against the same
+  host-to-device copy;
 - **hot reload**: ``Checkpointer.load`` into new CPU memory.
 
 Every restore is checked bit for bit. Prints one markdown table row per configuration and one
@@ -25,23 +26,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
-
-def drop_page_cache() -> bool:
-    """sync, then drop the page cache; False where this process may not."""
-    subprocess.run(["sync"], check=False)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run import drop_caches  # noqa: E402  (bench/run.py's)
 
 
 def sync(dev: torch.device) -> None:
@@ -117,7 +109,7 @@ def one_config(gib: float, tensors: int, reps: int, dev: torch.device, root: str
         ck.close()
     for t in target.values():
         t.zero_()
-    cold = cold and drop_page_cache()
+    cold_how = drop_caches([path]) if cold else "warm"
     sync(dev)
     t0 = time.perf_counter()
     got = safepoint.restore(path, target)
@@ -136,7 +128,7 @@ def one_config(gib: float, tensors: int, reps: int, dev: torch.device, root: str
             "save_gbs": gbs(save_m), "save_vs_d2h": save_m / d2h_m,
             "restore_memory_gbs": gbs(restore_m), "restore_memory_vs_h2d": restore_m / h2d_m,
             "restore_storage_gbs": gbs(storage_s), "restore_storage_vs_h2d": storage_s / h2d_m,
-            "storage_cold": cold, "hot_reload_gbs": gbs(reload_s), "bit_exact": bool(ok)}
+            "storage_read": cold_how, "hot_reload_gbs": gbs(reload_s), "bit_exact": bool(ok)}
 
 
 def main() -> int:
@@ -169,7 +161,7 @@ def main() -> int:
               f"{r['d2h_pinned_gbs']:.1f} GB/s | {r['save_gbs']:.1f} GB/s | "
               f"{r['save_vs_d2h']:.2f}x | {r['h2d_pinned_gbs']:.1f} GB/s | "
               f"{r['restore_memory_gbs']:.1f} GB/s | {r['restore_memory_vs_h2d']:.2f}x | "
-              f"{r['restore_storage_gbs']:.1f} GB/s ({'cold' if r['storage_cold'] else 'warm'}) | "
+              f"{r['restore_storage_gbs']:.1f} GB/s ({r['storage_read']}) | "
               f"{r['restore_storage_vs_h2d']:.2f}x | {r['hot_reload_gbs']:.1f} GB/s | "
               f"{r['bit_exact']} |", flush=True)
     if not args.dir:

@@ -23,6 +23,6 @@ def test_gpu_check_runs_every_measurement_on_cpu_and_checks_the_bytes(tmp_path):
     assert [x["tensors"] for x in out["results"]] == [20, 200]
     for x in out["results"]:
         assert x["bit_exact"] is True
-        assert x["storage_cold"] is False
+        assert x["storage_read"] == "warm"
         for key in ("save_vs_d2h", "restore_memory_vs_h2d", "restore_storage_vs_h2d"):
             assert x[key] > 0
