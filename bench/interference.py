@@ -184,7 +184,7 @@ GROUPS = [  # (group, regex on the frame's symbol, regex on its shared object)
      r"copy_folio_from_iter|skb_copy_datagram", None),
     ("memcpy in user space (UCX: rendezvous fragments into the receive buffer)",
      r"__memmove|__memcpy|^memcpy", None),
-    ("kernel: page faults and mappings (slots, replica files)",
+    ("kernel: page allocation and freeing, faults and mappings (replica files, slots)",
      r"clear_page|fault|shmem_|folio|zap_|unmap|mmap|alloc_pages|tlb", None),
     ("kernel: TCP/IP and veth (send, and the receiving side's softirq on the sending CPU)",
      r"tcp_|ip_|dev_|netif|veth|skb|sock|softirq|net_rx|inet|napi|sendmsg|recvmsg|nf_", None),
