@@ -551,7 +551,7 @@ void PeerServiceImpl::CloseNow(const ConnPtr& c, const Status& why) {
   if (c->error.ok()) c->error = why;
   if (c->closing) return;
   c->closing = true;
-  c->writer.reset();  // an uncommitted replica file is removed (EndSink)
+  c->writer.reset();  // an uncommitted replica file is removed
   c->view.reset();
   c->EndSink();
   ucp_ep_h ep = c->ep;
@@ -578,7 +578,7 @@ void PeerServiceImpl::Drop(const ConnPtr& c, const Status& why, bool tell_peer) 
   c->dropping = true;
   c->dropped_at = Clock::now();
   if (c->error.ok()) c->error = why;
-  c->writer.reset();  // an unfinished replica file is removed (EndSink)
+  c->writer.reset();  // an unfinished replica file is removed
   c->view.reset();
   c->EndSink();
   cv_.notify_all();
@@ -605,7 +605,8 @@ void PeerServiceImpl::OnEpError(ucp_ep_h ep, ucs_status_t status) {
   if (!c->client && c->writer) ++transfers_failed_;
   Status why = Unavailable(c->name + ": connection failed: " + UcsError(status));
   if (c->error.ok()) c->error = why;
-  c->writer.reset();
+  // The writer stays until CloseNow (queued next): chunks UCX still delivers land as before
+  // instead of being refused as chunks without a transfer.
   c->view.reset();
   cv_.notify_all();
   Submit([this, c, why] { CloseNow(c, why); });
@@ -674,14 +675,13 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
   c->got[idx] = 2;
   c->last_progress = Clock::now();
   if (!rndv) {
-    if (c->sink_file == nullptr) std::memcpy(c->sink.data() + h.offset, data, h.len);
-    ChunkArrived(c, h,
-                 c->sink_file ? static_cast<const std::byte*>(data) : c->sink.data() + h.offset);
+    if (!c->writer) std::memcpy(c->sink.data() + h.offset, data, h.len);
+    ChunkArrived(c, h, c->writer ? static_cast<const std::byte*>(data) : c->sink.data() + h.offset);
     return;
   }
   Bounce bounce;
   std::byte* dest = nullptr;
-  if (c->sink_file != nullptr) {
+  if (c->writer) {
     // The sender keeps kSendWindow chunks in flight; a few more may overlap as receives finish.
     if (c->receiving >= 2 * kSendWindow) {
       ++peers_rejected_;
@@ -691,12 +691,13 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
                              " chunks in flight"),
                   true);
     }
-    bounce = TakeBounce(std::min(c->layout.chunk_bytes, c->layout.total));
+    const uint64_t bytes = std::min(c->layout.chunk_bytes, c->layout.total);
+    bounce = TakeBounce(bytes);
     if (!bounce.data) {
       ++transfers_failed_;
       return Drop(c,
                   ResourceExhausted(c->name + ": no memory for a receive buffer of " +
-                                    std::to_string(c->layout.chunk_bytes) + " bytes"),
+                                    std::to_string(bytes) + " bytes"),
                   true);
     }
     dest = bounce.data.get();
@@ -704,7 +705,7 @@ void PeerServiceImpl::HandleChunk(const ConnPtr& c, const WireHeader& h, void* d
     dest = c->sink.data() + h.offset;
   }
   // A fetch's receive keeps its destination alive; a push's lands in its own bounce buffer.
-  auto* ctx = new RecvCtx{this, c, h, c->sink_file ? nullptr : c->sink_owner, std::move(bounce)};
+  auto* ctx = new RecvCtx{this, c, h, c->writer ? nullptr : c->sink_owner, std::move(bounce)};
   ++requests_pending_;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -758,7 +759,7 @@ void PeerServiceImpl::GiveBounce(Bounce b) {
   Lock lk(mu_);
   if (stop_.load()) return;
   size_t pushes = 0;
-  for (const auto& [ep, c] : eps_) pushes += c->sink_file != nullptr ? 1 : 0;
+  for (const auto& [ep, c] : eps_) pushes += c->writer ? 1 : 0;
   if (bounces_.size() < kSendWindow * std::max<size_t>(1, pushes)) bounces_.push_back(std::move(b));
 }
 
@@ -771,8 +772,8 @@ void PeerServiceImpl::ChunkArrived(const ConnPtr& c, const WireHeader& h, const 
                            std::to_string(h.len) + " bytes) fails its CRC32C"),
                 true);
   }
-  if (c->sink_file != nullptr) {
-    if (Status s = c->sink_file->Write(h.offset, {landed, h.len}); !s.ok()) {
+  if (c->writer) {
+    if (Status s = c->writer->Write(h.offset, {landed, h.len}); !s.ok()) {
       ++transfers_failed_;
       return Drop(c, s.WithContext(c->name + ": storing a chunk of the replica"), true);
     }

@@ -120,18 +120,14 @@ struct Conn {
   size_t outstanding = 0;     // sends in flight
   std::deque<Message> inbox;  // client: received control messages
 
-  // Incoming bulk data: a push on the server side lands in `sink_file` (through a bounce buffer
-  // for a rendezvous chunk, then written at its offset once its CRC matched), a fetch on the
-  // client side straight in the memory of `sink`.
+  // Incoming bulk data: a push on the server side goes to `writer` (below; a rendezvous chunk
+  // through a bounce buffer, written at its offset once its CRC matched), a fetch on the client
+  // side lands straight in the memory of `sink`.
   std::span<std::byte> sink;
-  ReplicaWriter* sink_file = nullptr;
-  std::shared_ptr<void> sink_owner;  // keeps sink (or sink_file) valid while receives are in flight
-  bool receiving_data() const { return !sink.empty() || sink_file != nullptr; }
-  // The transfer's end (done, dropped or closed): an uncommitted replica file goes once no
-  // receive holds its writer (a push's rendezvous receives land in bounce buffers, hold none).
+  std::shared_ptr<void> sink_owner;  // keeps sink valid while receives are in flight
+  bool receiving_data() const { return !sink.empty() || writer != nullptr; }
   void EndSink() {
     sink = {};
-    sink_file = nullptr;
     sink_owner.reset();
   }
   ChunkLayout layout;

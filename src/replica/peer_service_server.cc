@@ -131,11 +131,8 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
           c, [this, writer, m = *meta] { *writer = store_->Begin(m); },
           [this, c, writer, m = *meta, layout] {
             if (!writer->ok()) return Drop(c, writer->status(), true);
-            std::shared_ptr<ReplicaWriter> w = std::move(**writer);
             c->meta = m;
-            c->writer = w;
-            c->sink_file = w.get();
-            c->sink_owner = w;
+            c->writer = std::move(**writer);
             c->layout = layout;
             c->got.assign(layout.chunks(), 0);
             c->chunk_crcs.assign(layout.chunks(), 0);
@@ -161,7 +158,6 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
             received_crc, c->chunk_crcs[i],
             std::min(c->layout.chunk_bytes, c->layout.total - i * c->layout.chunk_bytes));
       std::shared_ptr<ReplicaWriter> writer = std::move(c->writer);
-      c->EndSink();
       auto status = std::make_shared<Status>();
       Offload(
           c,
@@ -186,7 +182,6 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
       return;
     case MsgType::kCancel:
       c->writer.reset();
-      c->EndSink();
       return Drop(c, Cancelled(c->name + ": cancelled the transfer"), false);
     case MsgType::kList: {
       std::optional<uint32_t> rank;

@@ -718,6 +718,26 @@ class RawPeer {
     while (ucp_request_check_status(r) == UCS_INPROGRESS && !failed_) ucp_worker_progress(worker_);
     ucp_request_free(r);
   }
+  // Sends chunks (header, bytes) by rendezvous all at once, ignoring the send window, then
+  // progresses until every send ended or the connection failed.
+  void SendChunksAtOnce(const std::vector<std::pair<WireHeader, std::string>>& chunks) {
+    std::vector<ucs_status_ptr_t> pending;
+    for (const auto& [h, bytes] : chunks) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_RNDV;
+      ucs_status_ptr_t r = ucp_am_send_nbx(ep_, 17, &h, sizeof h, bytes.data(), bytes.size(), &p);
+      if (UCS_PTR_IS_PTR(r)) pending.push_back(r);
+    }
+    const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (ucs_status_ptr_t r : pending) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && !failed_ &&
+             std::chrono::steady_clock::now() < limit)
+        ucp_worker_progress(worker_);
+    }
+    // A request the failed connection left in progress is freed with the endpoint's close.
+    for (ucs_status_ptr_t r : pending) ucp_request_free(r);
+  }
   void SendControl(MsgType type, const nlohmann::json& body) {
     const std::string text = body.dump();
     const WireHeader h = ControlHeader(type, text.size());
@@ -1093,6 +1113,33 @@ TEST_F(PeerServiceTest, DISABLED_ManualClient) {
 
 // An authenticated sender that stops in the middle of a transfer is dropped after timeout_s and
 // its reserved replica file removed.
+// A peer that sends a whole transfer's chunks at once, past the send window, is dropped
+// before its chunks take more receive buffers than the window's, and its file goes.
+TEST_F(PeerServiceTest, PeerIgnoringTheSendWindowIsDroppedAndItsFileRemoved) {
+  Node* b = StartNode("b");
+  ASSERT_TRUE(b);
+  RawPeer raw;
+  ASSERT_TRUE(raw.ConnectAuthenticated(b->svc->address()));
+  constexpr uint64_t kChunk = 64 << 10, kChunks = 32;
+  raw.PutBegin(CopyMetaOf("x", kChunk * kChunks), kChunk);
+  ASSERT_TRUE(IsReply(raw.Next(), MsgType::kPutReady));
+  std::vector<std::pair<WireHeader, std::string>> chunks;
+  for (uint64_t i = 0; i < kChunks; ++i) {
+    std::string bytes(kChunk, static_cast<char>('a' + i % 26));
+    chunks.emplace_back(ChunkHeader(i * kChunk, kChunk, internal::Crc32c(0, bytes.data(), kChunk)),
+                        std::move(bytes));
+  }
+  raw.SendChunksAtOnce(chunks);
+  auto reply = raw.Next();
+  ASSERT_TRUE(IsReply(reply, MsgType::kError));
+  EXPECT_NE(reply->second.find("chunks in flight"), std::string::npos) << reply->second;
+  for (int i = 0; i < 200 && b->store->bytes() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(b->store->bytes(), 0u);
+  EXPECT_EQ(Stored(b), 0u);
+  EXPECT_GE(b->svc->stats().peers_rejected, 1u);
+}
+
 TEST_F(PeerServiceTest, SenderStallingMidTransferIsDroppedAndItsFileRemoved) {
   Node* b = StartNode("b", [](PeerServiceOptions& o) { o.timeout_s = 0.5; });
   ASSERT_TRUE(b);
