@@ -7,7 +7,8 @@ is lent; issue 21, item 7). For each configuration (default: 4 GiB in 200 tensor
 - **restore from memory**: ``Checkpointer.restore`` of the snapshot in shared memory into GPU
   tensors, against a host-to-device copy of the same bytes from one pinned buffer;
 - **restore from storage**: a persisted step restored into GPU tensors by
-  ``safepoint.restore(path, state)`` (the files' pages dropped from the page cache first:
+  ``safepoint.restore(path, state)``, pipelined through pinned buffers (safepoint._device_fill;
+  the files' pages dropped from the page cache first:
   drop_caches, or fadvise where this process may not; the table says which), against the same
   host-to-device copy;
 - **hot reload**: ``Checkpointer.load`` into new CPU memory.

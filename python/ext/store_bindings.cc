@@ -70,6 +70,9 @@ struct TensorInfo {
   std::optional<std::vector<uint64_t>> global_offset;
   uint64_t nbytes = 0;
   bool elsewhere = false;  // held by another rank's image
+  // Where its data starts in the image (checksum chunks are the image's chunk_size-byte pieces
+  // from byte 0): a reader aligns its buffers and splits its reads by it.
+  uint64_t offset = 0;
 };
 
 // read_metadata(): one rank's image of a step without its tensor data.
@@ -218,6 +221,8 @@ class ShardReader {
   // Which images the COMMIT record read names (CommitRecord::generation): readers of several
   // ranks of one step check that they read one version of a step that may be replaced.
   uint64_t generation() const { return commit_.generation; }
+  // The bytes of one checksum chunk: a read of part of a chunk reads and verifies all of it.
+  uint64_t chunk_size() const { return md_.layout.chunk_size; }
 
   std::vector<TensorInfo> Tensors() const {
     std::vector<TensorInfo> out;
@@ -231,6 +236,7 @@ class ShardReader {
       if (!e.spec.global_offset.empty()) t.global_offset = e.spec.global_offset;
       t.nbytes = e.nbytes;
       t.elsewhere = e.spec.elsewhere;
+      t.offset = e.offset;
       out.push_back(std::move(t));
     }
     return out;
@@ -319,7 +325,8 @@ void BindStore(nb::module_& m) {
       .def_ro("global_shape", &TensorInfo::global_shape)
       .def_ro("global_offset", &TensorInfo::global_offset)
       .def_ro("nbytes", &TensorInfo::nbytes)
-      .def_ro("elsewhere", &TensorInfo::elsewhere);
+      .def_ro("elsewhere", &TensorInfo::elsewhere)
+      .def_ro("offset", &TensorInfo::offset);
   nb::class_<ShardMetadata>(m, "ShardMetadata", "One rank's image of a step, without tensor data")
       .def_ro("step", &ShardMetadata::step)
       .def_ro("world_size", &ShardMetadata::world_size)
@@ -342,6 +349,7 @@ void BindStore(nb::module_& m) {
       .def_prop_ro("rank", &ShardReader::rank)
       .def_prop_ro("world_size", &ShardReader::world_size)
       .def_prop_ro("generation", &ShardReader::generation)
+      .def_prop_ro("chunk_size", &ShardReader::chunk_size)
       .def("tensors", &ShardReader::Tensors)
       .def("state", &ShardReader::State, "unpickler"_a.none() = nb::none())
       .def("read", &ShardReader::Read, "requests"_a);

@@ -11,7 +11,6 @@ step, the saved pieces that overlap the box the target needs, and reads just tho
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import sys
@@ -22,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from safepoint import _core
+from safepoint import _core, _device_fill
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 # The dtypes images store, by the name an index entry gives (the same as torch's).
@@ -165,7 +164,8 @@ def copy_tensor(target: torch.Tensor, loaded: torch.Tensor, where: str) -> None:
 
 
 class _Piece:
-    __slots__ = ("reader", "image", "index", "name", "dtype", "shape", "global_shape", "offset")
+    __slots__ = ("reader", "image", "index", "name", "dtype", "shape", "global_shape", "offset",
+                 "at")
 
     def __init__(self, reader, image: int, index: int, entry) -> None:
         self.reader = reader
@@ -175,6 +175,7 @@ class _Piece:
         self.shape = tuple(entry.shape)
         self.global_shape = tuple(entry.global_shape or entry.shape)
         self.offset = tuple(entry.global_offset or (0,) * len(self.shape))
+        self.at = entry.offset  # where its bytes start in the image
 
 
 # A byte range of one image that a loading rank needs: (image rank, tensor name, first byte,
@@ -184,12 +185,13 @@ ReadKey = tuple[int, str, int, int]
 
 class _Read:
     """A byte range to read (see ReadKey) and where it lies in the step (image, entry, first
-    byte), the order in which ranges are read."""
-    __slots__ = ("reader", "name", "first", "nbytes", "pos")
+    byte), the order in which ranges are read; `at`: where the range starts in its image."""
+    __slots__ = ("reader", "name", "first", "nbytes", "pos", "at")
 
     def __init__(self, piece: _Piece, first: int, nbytes: int) -> None:
         self.reader, self.name, self.first, self.nbytes = piece.reader, piece.name, first, nbytes
         self.pos = (piece.image, piece.index, first)
+        self.at = piece.at + first
 
 
 def _add_stat(stats: Optional[dict], key: str, n: float) -> None:
@@ -323,24 +325,42 @@ class StepReader:
         """For each (name, local tensor, global shape, global offset of the local tensor),
         assembles that box from the saved pieces into the local tensor (see needs())."""
         reads, copies = self.needs(requests, rank)
+        users: dict[ReadKey, list] = {}
+        for dst, key, lengths, strides in copies:
+            users.setdefault(key, []).append((dst, lengths, strides))
+        # The ranges only GPU tensors need go through the pipelined staging ring
+        # (_device_fill): read into pinned buffers, copied to the device while the next is read.
+        device = sorted((k for k, us in users.items() if all(_device_fill.staged(u[0])
+                                                             for u in us)),
+                        key=lambda k: reads[k].pos)
         # A range that is the whole of one contiguous CPU destination, in its layout (the usual
         # restore: same tensor, same shape), is read straight into it: no buffer to fault in,
         # no second copy. Everything else goes through a buffer and a (strided) copy.
-        users = collections.Counter(key for _, key, _, _ in copies)
         bufs: dict[ReadKey, torch.Tensor] = {}
         rest = []
+        skip = set(device)
         for dst, key, lengths, strides in copies:
-            if (users[key] == 1 and dst.device.type == "cpu" and dst.is_contiguous()
+            if key in skip:
+                continue
+            if (len(users[key]) == 1 and dst.device.type == "cpu" and dst.is_contiguous()
                     and dst.numel() * dst.element_size() == reads[key].nbytes > 0):
                 bufs[key] = dst.detach().reshape(-1).view(torch.uint8)
             else:
                 rest.append((dst, key, lengths, strides))
         for k, r in reads.items():
-            if k not in bufs:
+            if k not in bufs and k not in skip:
                 bufs[k] = torch.empty(r.nbytes, dtype=torch.uint8)
-        self.read([(r.reader, r.name, r.first, r.nbytes, bufs[k]) for k, r in reads.items()],
-                  stats)
+        self.read([(r.reader, r.name, r.first, r.nbytes, bufs[k]) for k, r in reads.items()
+                   if k not in skip], stats)
         self.copy_out(rest, bufs)
+        if device:
+            chunk: dict[int, int] = {}  # per image reader
+            for k in device:
+                if id(reads[k].reader) not in chunk:
+                    chunk[id(reads[k].reader)] = reads[k].reader.chunk_size
+            _device_fill.fill([(reads[k].reader, reads[k].name, reads[k].first, reads[k].nbytes,
+                                reads[k].at, chunk[id(reads[k].reader)], users[k])
+                               for k in device], lambda items: self.read(items, stats))
 
 
 def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
