@@ -75,61 +75,57 @@ def _destinations(address: int, size: int, layout: tuple) -> list:
     return views
 
 
-# GPU tensors smaller than this are packed into few large transfers (issue 14: thousands of
-# small tensors cost one DMA launch each otherwise); the packed batches are at most _PACK_BYTES.
+# GPU tensors smaller than this go to the slot in runs (issue 14: thousands of small tensors
+# would cost one transfer each): tensors that lie next to each other in the slot, with less than
+# _GAP bytes between them (alignment padding, where no other tensor fits: the image aligns small
+# tensors to 64 bytes), are gathered on the device into a buffer laid out like that stretch of
+# the slot, its padding zeroed, and copied into the slot in one transfer; a run is at most
+# _RUN_BYTES.
 _SMALL_BYTES = 1 << 20
-_PACK_BYTES = 64 << 20
-_pack_buffers: dict = {}  # device index -> a pinned host buffer of _PACK_BYTES
+_RUN_BYTES = 64 << 20
+_GAP = 64
 
 
-def _batches(items: list) -> list:
-    """`items` ((tensor, offset, nbytes), ...) in batches of at most _PACK_BYTES."""
+def _runs(items: list) -> list:
+    """`items` ((tensor, offset, nbytes), ...) as runs (first byte, end, items) of neighbours
+    in the slot, in slot order."""
     out: list = []
     cur: list = []
-    n = 0
-    for it in items:
-        if cur and n + it[2] > _PACK_BYTES:
-            out.append(cur)
-            cur, n = [], 0
+    start = end = 0
+    for it in sorted(items, key=lambda it: it[1]):
+        _, off, n = it
+        if cur and (off < end or off - end >= _GAP or off + n - start > _RUN_BYTES):
+            out.append((start, end, cur))
+            cur = []
+        if not cur:
+            start = off
         cur.append(it)
-        n += it[2]
+        end = off + n
     if cur:
-        out.append(cur)
+        out.append((start, end, cur))
     return out
 
 
-def copy_packed(items: list, dsts: list, host: torch.Tensor, stream: Any = None) -> None:
-    """Copies small tensors into their destinations (`dsts`, uint8 views of the slot) through
-    one packed transfer per batch: the tensors are concatenated where they are (one kernel on a
-    GPU), the packed bytes copied to `host` (pinned) in one transfer, then scattered into the
-    slot on the CPU. `stream`: the side stream the GPU work runs on (None: the CPU)."""
-    start = 0
-    for batch in _batches(items):
-        k = sum(n for _, _, n in batch)
-        packed = torch.cat([_bytes(t) for t, _, _ in batch])
-        staging = host[:k]
-        staging.copy_(packed, non_blocking=stream is not None)
-        if stream is not None:
-            stream.synchronize()  # the packed bytes are in host memory
-        del packed
-        torch._foreach_copy_(dsts[start:start + len(batch)],
-                             list(staging.split([n for _, _, n in batch])))
-        start += len(batch)
-
-
-def _pack_buffer(device: Any) -> torch.Tensor:
-    buf = _pack_buffers.get(device.index)
-    if buf is None:
-        buf = _pack_buffers[device.index] = torch.empty(_PACK_BYTES, dtype=torch.uint8,
-                                                        pin_memory=True)
-    return buf
+def copy_runs(items: list, host: torch.Tensor, buffer: torch.Tensor, non_blocking: bool) -> None:
+    """Copies small tensors into the slot (`host`: a uint8 view of all of it) run by run
+    (_runs): a run's tensors are gathered into `buffer` (on their device, at least _RUN_BYTES)
+    by one batched copy on the device, then the run goes into the slot in one copy. On a GPU all
+    of it is queued on the current stream, in order, so the buffer is reused without waiting and
+    the copies into the slot are asynchronous when `non_blocking` (the slot is pinned)."""
+    for start, end, run in _runs(items):
+        span = buffer[:end - start]
+        span.zero_()  # the padding between the tensors: zeros, never stale device memory
+        torch._foreach_copy_([span[o - start:o - start + n] for _, o, n in run],
+                             [_bytes(t) for t, _, _ in run])
+        host[start:end].copy_(span, non_blocking=non_blocking)
 
 
 def stage(address: int, size: int, copies: list) -> None:
     """Copies each (tensor, offset) of `copies` into the slot at `address` (`size` bytes) and
     returns when all bytes are there. One batched copy per device (torch._foreach_copy_);
     the copies from a GPU run on a side stream that first waits for the current one, and small
-    GPU tensors go through few packed transfers (copy_packed) instead of one each."""
+    GPU tensors go in few transfers, one per run of neighbours in the slot (copy_runs), instead
+    of one each."""
     groups: dict = {}
     for t, offset in copies:
         n = t.numel() * t.element_size()
@@ -141,6 +137,7 @@ def stage(address: int, size: int, copies: list) -> None:
     if any(d is not None for d in groups):
         _pin(address, size)
     pending = []
+    keep = []  # device buffers, until the copies from them are done
     for device, items in groups.items():
         dsts = _destinations(address, size, tuple((o, n) for _, o, n in items))
         if device is None:
@@ -167,11 +164,13 @@ def stage(address: int, size: int, copies: list) -> None:
             if large:
                 torch._foreach_copy_([dsts[i] for i in large], [srcs[i] for i in large],
                                      non_blocking=True)
-            if len(small) > 1:  # overlaps the large copies already queued
-                copy_packed([items[i] for i in small], [dsts[i] for i in small],
-                            _pack_buffer(device), stream)
-            elif small:
-                torch._foreach_copy_([dsts[small[0]]], [srcs[small[0]]], non_blocking=True)
+            if small:  # queued after the large copies, so it overlaps them
+                # From the caching allocator, on this stream: given back after the synchronize
+                # below, not held between saves.
+                buffer = torch.empty(min(_RUN_BYTES, sum(items[i][2] + _GAP for i in small)),
+                                     dtype=torch.uint8, device=device)
+                copy_runs([items[i] for i in small], _host_view(address, size), buffer, True)
+                keep.append(buffer)
         pending.append(stream)
     for stream in pending:
         stream.synchronize()

@@ -66,28 +66,36 @@ def test_gpu_tensors_are_copied_asynchronously_into_pinned_slots(ck):
     assert all(torch.equal(target[k].cpu(), state()[k]) for k in ("big", "small", "t", "bf"))
 
 
-def test_small_tensors_are_copied_through_packed_batches(monkeypatch):
-    """The packing that GPU saves use for many small tensors (issue 14), run on the CPU: every
-    tensor lands at its own offset, over several batches, and the padding is left alone."""
+def test_small_tensors_go_to_the_slot_in_runs_of_neighbours(monkeypatch):
+    """The path GPU saves take for many small tensors (issue 14), run on the CPU: tensors that
+    are neighbours in the slot are gathered into one buffer laid out like the slot and copied in
+    one piece; every tensor lands at its own offset, the padding inside a run is zeroed, and
+    bytes outside the runs (other tensors' places) are left alone."""
     from safepoint import _staging
 
-    monkeypatch.setattr(_staging, "_PACK_BYTES", 400)
+    monkeypatch.setattr(_staging, "_RUN_BYTES", 700)
     g = torch.Generator().manual_seed(3)
     tensors = [torch.randn(n, generator=g).to(dt) for n, dt in
                [(5, torch.float32), (100, torch.bfloat16), (1, torch.int64), (60, torch.float32),
-                (0, torch.float32), (200, torch.float16), (7, torch.float64)]]
+                (200, torch.float16), (7, torch.float64), (9, torch.float32)]]
     slot = torch.full((4096,), 0xAB, dtype=torch.uint8)
     items, off = [], 0
-    for t in tensors:
+    for k, t in enumerate(tensors):
         n = t.numel() * t.element_size()
+        if k == 5:
+            off += 128  # another tensor's place, not staged: ends a run
         items.append((t, off, n))
         off = (off + n + 63) // 64 * 64
-    dsts = [slot[o:o + n] for _, o, n in items]
-    assert len(_staging._batches(items)) > 1
-    _staging.copy_packed(items, dsts, torch.empty(1000, dtype=torch.uint8))
+    runs = _staging._runs(items[::-1])  # in slot order whatever the order given
+    assert [[t.numel() for t, _, _ in r] for _, _, r in runs] == [[5, 100, 1, 60], [200], [7, 9]]
+    _staging.copy_runs(items, slot, torch.full((700,), 0xCD, dtype=torch.uint8), False)
     for t, o, n in items:
         assert torch.equal(slot[o:o + n], t.reshape(-1).view(torch.uint8)), (o, n)
     covered = torch.zeros(4096, dtype=torch.bool)
     for _, o, n in items:
         covered[o:o + n] = True
-    assert bool((slot[~covered] == 0xAB).all())
+    inside = torch.zeros(4096, dtype=torch.bool)
+    for start, end, _ in runs:
+        inside[start:end] = True
+    assert bool((slot[inside & ~covered] == 0).all())  # padding: zeros, not the buffer's bytes
+    assert bool((slot[~inside] == 0xAB).all())
