@@ -45,6 +45,24 @@ def staged(dst: torch.Tensor) -> bool:
     return dst.is_cuda
 
 
+def takes(users: list, nbytes: int) -> bool:
+    """Whether a range of `nbytes` with these destinations ((tensor, lengths, strides), ...)
+    goes through the staging ring: every destination is staged, all on one device, and the
+    range is exactly its one destination or needs a temporary of at most STAGE_BYTES on the
+    device (larger ones take the host path, which bounds them in host memory)."""
+    dst = users[0][0]
+    if not all(staged(u[0]) and u[0].device == dst.device for u in users):
+        return False
+    return _direct(users, nbytes) or nbytes <= STAGE_BYTES
+
+
+def _direct(users: list, nbytes: int) -> bool:
+    """Whether the range is exactly its one destination's bytes, in its layout."""
+    dst = users[0][0]
+    return (len(users) == 1 and dst.is_contiguous()
+            and dst.numel() * dst.element_size() == nbytes)
+
+
 def plan(ranges: list[tuple[int, int, int]],
          stage_bytes: int) -> list[list[tuple[int, int, int, int]]]:
     """Lays out `ranges` ((offset in the image, bytes, the image's chunk size), in read order) in
@@ -92,7 +110,7 @@ class _Target:
     def __init__(self, users: list, nbytes: int, stream: Any) -> None:
         dst = users[0][0]
         self.pieces_left = 0  # set by fill()
-        if len(users) == 1 and dst.is_contiguous() and dst.numel() * dst.element_size() == nbytes:
+        if _direct(users, nbytes):
             self.bytes = dst.detach().reshape(-1).view(torch.uint8)
             self.users: Optional[list] = None
         else:
@@ -136,7 +154,9 @@ class _Copies:
             self.runs.append([pos, pos + n])
             self.joined = True
 
-    def run(self, buf: torch.Tensor, mirror: Optional[torch.Tensor], cuda: bool) -> None:
+    def to_device(self, buf: torch.Tensor, mirror: Optional[torch.Tensor], cuda: bool) -> None:
+        """The copies that read the host buffer: the large pieces into their targets, the runs
+        of small ones into the mirror."""
         with torch.no_grad(), _on(self.stream):
             if self.dsts:
                 torch._foreach_copy_([d for d, _, _ in self.dsts],
@@ -145,12 +165,23 @@ class _Copies:
                 assert mirror is not None
                 for a, b in self.runs:
                     mirror[a:b].copy_(buf[a:b], non_blocking=cuda)
+
+    def on_device(self, mirror: Optional[torch.Tensor]) -> None:
+        """The small pieces from the mirror into their targets (after to_device, same stream)."""
+        if self.small:
+            assert mirror is not None
+            with torch.no_grad(), _on(self.stream):
                 torch._foreach_copy_([d for d, _, _ in self.small],
                                      [mirror[p:p + n] for _, p, n in self.small])
 
 
 def _aligned(size: int, pinned: bool) -> torch.Tensor:
-    """A host buffer whose first byte is aligned for direct I/O (plan() positions rely on it)."""
+    """A host buffer whose first byte is aligned for direct I/O (plan() positions rely on it).
+    Pinned memory (cudaHostAlloc) is page-aligned already: asked for a few bytes more, torch's
+    pinned allocator would round the block up to twice the size."""
+    raw = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+    if raw.data_ptr() % _DIRECT_ALIGN == 0:
+        return raw
     raw = torch.empty(size + _DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = -raw.data_ptr() % _DIRECT_ALIGN
     return raw[skip:skip + size]
@@ -200,6 +231,7 @@ def fill(ranges: list, read: Callable[[list], None], stage_bytes: int = STAGE_BY
                   for i, first, n, pos in batch])
             copies: dict[Any, _Copies] = {}
             done = []
+            last: Optional[_Copies] = None
             for i, first, n, pos in batch:
                 users = ranges[i][6]
                 device = users[0][0].device
@@ -211,6 +243,9 @@ def fill(ranges: list, read: Callable[[list], None], stage_bytes: int = STAGE_BY
                 c = copies.get(device)
                 if c is None:
                     c = copies[device] = _Copies(stream)
+                if last is not None and last is not c:
+                    last.joined = False  # a piece for another device lies between: not its run
+                last = c
                 c.add(t.bytes if n == t.bytes.numel() else t.bytes[first:first + n], pos, n)
                 t.pieces_left -= 1
                 if t.pieces_left == 0:
@@ -222,14 +257,15 @@ def fill(ranges: list, read: Callable[[list], None], stage_bytes: int = STAGE_BY
                     with _on(c.stream):
                         mirror = mirrors[device] = torch.empty(size, dtype=torch.uint8,
                                                                device=device)
-                c.run(buf, mirror, cuda)
-            for t, stream in done:  # after the copies that completed them, on their stream
-                t.scatter(stream)
-            for c in copies.values():
-                if c.stream is not None:
+                c.to_device(buf, mirror, cuda)
+                if c.stream is not None:  # the buffer may be read into again once this passed
                     ev = torch.cuda.Event()
                     ev.record(c.stream)
                     pending[slot].append(ev)
+            for device, c in copies.items():
+                c.on_device(mirrors.get(device))
+            for t, stream in done:  # after the copies that completed them, on their stream
+                t.scatter(stream)
     finally:
         # Also after a failed read: no copy may still be reading a buffer or writing a target
         # when this returns.

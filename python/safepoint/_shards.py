@@ -330,8 +330,7 @@ class StepReader:
             users.setdefault(key, []).append((dst, lengths, strides))
         # The ranges only GPU tensors need go through the pipelined staging ring
         # (_device_fill): read into pinned buffers, copied to the device while the next is read.
-        device = sorted((k for k, us in users.items() if all(_device_fill.staged(u[0])
-                                                             for u in us)),
+        device = sorted((k for k, us in users.items() if _device_fill.takes(us, reads[k].nbytes)),
                         key=lambda k: reads[k].pos)
         # A range that is the whole of one contiguous CPU destination, in its layout (the usual
         # restore: same tensor, same shape), is read straight into it: no buffer to fault in,

@@ -11,10 +11,11 @@ save sees the values the training step produced. Without CUDA only the CPU branc
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -76,25 +77,29 @@ def _destinations(address: int, size: int, layout: tuple) -> list:
 
 
 # GPU tensors smaller than this go to the slot in runs (issue 14: thousands of small tensors
-# would cost one transfer each): tensors that lie next to each other in the slot, with less than
-# _GAP bytes between them (alignment padding, where no other tensor fits: the image aligns small
-# tensors to 64 bytes), are gathered on the device into a buffer laid out like that stretch of
-# the slot, its padding zeroed, and copied into the slot in one transfer; a run is at most
-# _RUN_BYTES.
+# would cost one transfer each): neighbours in the slot, with no other staged tensor between
+# them and less than _GAP bytes apart, are gathered on the device into a buffer laid out like
+# that stretch of the slot, and the stretch is copied into the slot in one transfer of at most
+# _RUN_BYTES. What lies between them in the slot (alignment padding, tensors that are not
+# staged) is written with zeros here and filled after stage() returns: the client copies the
+# other tensors and zeroes the padding then (ImageBuilder::Fill). A staged tensor is never
+# under another's run: its own copy could land first. _GAP bounds the bytes a run ships for
+# nothing (about what one more transfer costs).
 _SMALL_BYTES = 1 << 20
 _RUN_BYTES = 64 << 20
-_GAP = 64
+_GAP = 64 << 10
 
 
-def _runs(items: list) -> list:
-    """`items` ((tensor, offset, nbytes), ...) as runs (first byte, end, items) of neighbours
-    in the slot, in slot order."""
+def _runs(items: list, others: list) -> list:
+    """`items` ((tensor, offset, nbytes), ...) as runs (first byte, end, items) in slot order;
+    `others`: the sorted offsets of every other staged tensor (none may lie inside a run)."""
     out: list = []
     cur: list = []
     start = end = 0
     for it in sorted(items, key=lambda it: it[1]):
         _, off, n = it
-        if cur and (off < end or off - end >= _GAP or off + n - start > _RUN_BYTES):
+        if cur and (off < end or off - end >= _GAP or off + n - start > _RUN_BYTES
+                    or bisect.bisect_left(others, end) < bisect.bisect_left(others, off)):
             out.append((start, end, cur))
             cur = []
         if not cur:
@@ -106,15 +111,22 @@ def _runs(items: list) -> list:
     return out
 
 
-def copy_runs(items: list, host: torch.Tensor, buffer: torch.Tensor, non_blocking: bool) -> None:
-    """Copies small tensors into the slot (`host`: a uint8 view of all of it) run by run
-    (_runs): a run's tensors are gathered into `buffer` (on their device, at least _RUN_BYTES)
-    by one batched copy on the device, then the run goes into the slot in one copy. On a GPU all
-    of it is queued on the current stream, in order, so the buffer is reused without waiting and
-    the copies into the slot are asynchronous when `non_blocking` (the slot is pinned)."""
-    for start, end, run in _runs(items):
+def copy_runs(runs: list, host: torch.Tensor, buffer: Optional[torch.Tensor],
+              non_blocking: bool) -> None:
+    """Copies small tensors into the slot (`host`: a uint8 view of all of it) run by run (runs
+    from _runs): a run's tensors are gathered into `buffer` (on their device, at least as large
+    as the largest run of several) by one batched copy on the device, then the run goes into the
+    slot in one copy; a run of one tensor is copied straight. On a GPU all of it is queued on
+    the current stream, in order, so the buffer is reused without waiting and the copies into
+    the slot are asynchronous when `non_blocking` (the slot is pinned)."""
+    for start, end, run in runs:
+        if len(run) == 1:
+            t, o, n = run[0]
+            host[o:o + n].copy_(_bytes(t), non_blocking=non_blocking)
+            continue
+        assert buffer is not None
         span = buffer[:end - start]
-        span.zero_()  # the padding between the tensors: zeros, never stale device memory
+        span.zero_()  # between the tensors: zeros, never stale device memory
         torch._foreach_copy_([span[o - start:o - start + n] for _, o, n in run],
                              [_bytes(t) for t, _, _ in run])
         host[start:end].copy_(span, non_blocking=non_blocking)
@@ -151,7 +163,6 @@ def stage(address: int, size: int, copies: list) -> None:
                 if not t.is_contiguous():
                     dst.view(t.dtype).view(t.shape).copy_(t)
             continue
-        srcs = [_bytes(t) for t, _, _ in items]
         stream = _streams.get(device.index)
         if stream is None:
             stream = _streams[device.index] = torch.cuda.Stream(device=device)
@@ -159,18 +170,21 @@ def stage(address: int, size: int, copies: list) -> None:
         small = [i for i, (_, _, n) in enumerate(items) if n < _SMALL_BYTES]
         large = [i for i, (_, _, n) in enumerate(items) if n >= _SMALL_BYTES]
         with torch.cuda.stream(stream):
-            # No record_stream: the sources stay referenced until the stream is synchronized
-            # below, before this returns.
-            if large:
-                torch._foreach_copy_([dsts[i] for i in large], [srcs[i] for i in large],
-                                     non_blocking=True)
-            if small:  # queued after the large copies, so it overlaps them
-                # From the caching allocator, on this stream: given back after the synchronize
-                # below, not held between saves.
-                buffer = torch.empty(min(_RUN_BYTES, sum(items[i][2] + _GAP for i in small)),
-                                     dtype=torch.uint8, device=device)
-                copy_runs([items[i] for i in small], _host_view(address, size), buffer, True)
+            # Everything below is allocated on this stream and referenced (keep) until it is
+            # synchronized, before this returns: no record_stream needed.
+            if small:
+                mine = set(small)
+                others = sorted(o for d, its in groups.items() for k, (_, o, _) in enumerate(its)
+                                if d != device or k not in mine)
+                runs = _runs([items[i] for i in small], others)
+                span = max((end - start for start, end, run in runs if len(run) > 1), default=0)
+                buffer = torch.empty(span, dtype=torch.uint8, device=device) if span else None
+                copy_runs(runs, _host_view(address, size), buffer, True)
                 keep.append(buffer)
+            if large:
+                srcs = [_bytes(items[i][0]) for i in large]
+                torch._foreach_copy_([dsts[i] for i in large], srcs, non_blocking=True)
+                keep.append(srcs)
         pending.append(stream)
     for stream in pending:
         stream.synchronize()

@@ -100,6 +100,25 @@ def test_parts_of_saved_tensors_are_scattered_from_a_temporary(tmp_path, staged)
     assert call["ranges"] == 2  # the box's span of `a`, and `b` once for both targets
 
 
+def test_a_range_that_would_need_a_large_device_temporary_takes_the_host_path(tmp_path, staged,
+                                                                           monkeypatch):
+    """A range that is not exactly its one target needs a temporary on the device: above
+    STAGE_BYTES it is read through host memory instead (GPU memory stays bounded)."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(600, 900, generator=g)
+    b = torch.randn(3000, generator=g)
+    safepoint.save(tmp_path, 1, {"a": a, "b": b})
+    monkeypatch.setattr(_device_fill, "STAGE_BYTES", 1 << 20)
+    sr = _shards.StepReader(str(tmp_path), 1)
+    box = torch.zeros(300, 400)  # its span of `a`: 1.03 MiB
+    b1, b2 = torch.zeros(3000), torch.zeros(3000)
+    sr.fill([("a", box, (600, 900), (100, 200)), ("b", b1, (3000,), (0,)),
+             ("b", b2, (3000,), (0,))], rank=0)
+    assert torch.equal(box, a[100:400, 200:600]) and torch.equal(b1, b) and torch.equal(b2, b)
+    (call,) = staged["calls"]
+    assert call["ranges"] == 1  # `b`; the box's span went through host memory
+
+
 def test_plan_splits_only_at_chunk_boundaries_and_aligns_whole_chunks():
     mib = 1 << 20
     chunk = 4 * mib

@@ -67,35 +67,47 @@ def test_gpu_tensors_are_copied_asynchronously_into_pinned_slots(ck):
 
 
 def test_small_tensors_go_to_the_slot_in_runs_of_neighbours(monkeypatch):
-    """The path GPU saves take for many small tensors (issue 14), run on the CPU: tensors that
-    are neighbours in the slot are gathered into one buffer laid out like the slot and copied in
-    one piece; every tensor lands at its own offset, the padding inside a run is zeroed, and
-    bytes outside the runs (other tensors' places) are left alone."""
+    """The path GPU saves take for many small tensors (issue 14), run on the CPU: neighbours in
+    the slot are gathered into one buffer laid out like the slot and copied in one piece; a run
+    never covers another staged tensor (whose own copy could land first), is cut at _RUN_BYTES
+    and at gaps of _GAP, may cover what is not staged (the client fills that afterwards), and a
+    run of one tensor is copied straight."""
     from safepoint import _staging
 
-    monkeypatch.setattr(_staging, "_RUN_BYTES", 700)
+    monkeypatch.setattr(_staging, "_RUN_BYTES", 4000)
+    monkeypatch.setattr(_staging, "_GAP", 1000)
     g = torch.Generator().manual_seed(3)
-    tensors = [torch.randn(n, generator=g).to(dt) for n, dt in
-               [(5, torch.float32), (100, torch.bfloat16), (1, torch.int64), (60, torch.float32),
-                (200, torch.float16), (7, torch.float64), (9, torch.float32)]]
-    slot = torch.full((4096,), 0xAB, dtype=torch.uint8)
-    items, off = [], 0
+    sizes = [(5, torch.float32), (100, torch.bfloat16), (1, torch.int64), (60, torch.float32),
+             (20, torch.float16), (7, torch.float64), (9, torch.float32), (3, torch.int32)]
+    tensors = [torch.randn(n, generator=g).to(dt) for n, dt in sizes]
+    slot = torch.full((8192,), 0xAB, dtype=torch.uint8)
+    items, others, off = [], [], 0
     for k, t in enumerate(tensors):
+        if k == 2:  # a tensor that is not staged lies here: inside the run
+            off += 128
+        if k == 4:  # another staged tensor (of another device, or a large one): ends the run
+            others.append(off)
+            off += 256
+        if k == 7:  # further than _GAP: a run of its own
+            off += 2048
         n = t.numel() * t.element_size()
-        if k == 5:
-            off += 128  # another tensor's place, not staged: ends a run
         items.append((t, off, n))
         off = (off + n + 63) // 64 * 64
-    runs = _staging._runs(items[::-1])  # in slot order whatever the order given
-    assert [[t.numel() for t, _, _ in r] for _, _, r in runs] == [[5, 100, 1, 60], [200], [7, 9]]
-    _staging.copy_runs(items, slot, torch.full((700,), 0xCD, dtype=torch.uint8), False)
+    runs = _staging._runs(items[::-1], others)  # in slot order whatever the order given
+    sizes_of = [[t.numel() for t, _, _ in r] for _, _, r in runs]
+    assert sizes_of == [[5, 100, 1, 60], [20, 7, 9], [3]]
+    monkeypatch.setattr(_staging, "_RUN_BYTES", 300)  # a run's span: at most this
+    assert [[t.numel() for t, _, _ in r] for _, _, r in _staging._runs(items, others)][:3] == \
+        [[5, 100], [1], [60]]
+    _staging.copy_runs(runs, slot, torch.full((4000,), 0xCD, dtype=torch.uint8), False)
     for t, o, n in items:
         assert torch.equal(slot[o:o + n], t.reshape(-1).view(torch.uint8)), (o, n)
-    covered = torch.zeros(4096, dtype=torch.bool)
+    covered = torch.zeros(8192, dtype=torch.bool)
     for _, o, n in items:
         covered[o:o + n] = True
-    inside = torch.zeros(4096, dtype=torch.bool)
-    for start, end, _ in runs:
-        inside[start:end] = True
-    assert bool((slot[inside & ~covered] == 0).all())  # padding: zeros, not the buffer's bytes
-    assert bool((slot[~inside] == 0xAB).all())
+    inside = torch.zeros(8192, dtype=torch.bool)
+    for start, end, run in runs:
+        if len(run) > 1:
+            inside[start:end] = True
+    assert bool((slot[inside & ~covered] == 0).all())  # zeros, never the buffer's bytes
+    assert bool((slot[~inside & ~covered] == 0xAB).all())  # the other staged tensor's place too
