@@ -363,6 +363,20 @@ PushOutcome Replicator::Push(const PushTask& t) {
     o.status = header.status();
     return o;
   }
+  // The checksums the client recorded for the image's chunks as it took the snapshot: a mirror
+  // push sends them (whole chunks of the data they cover) instead of computing them again.
+  const ImageLayout& layout = header->second;
+  std::vector<uint32_t> recorded;
+  if (layout.checksums_offset <= image.size() &&
+      layout.checksums_size <= image.size() - layout.checksums_offset) {
+    auto crcs = ParseChecksumSection(image.subspan(layout.checksums_offset), layout, source);
+    if (!crcs.ok()) {
+      o.status = crcs.status();
+      return o;
+    }
+    recorded = std::move(*crcs);
+    recorded.resize(std::min<size_t>(recorded.size(), layout.checksums_offset / layout.chunk_size));
+  }
   Arena* a = arena->get();
   auto still_valid = [a, &t] {
     const auto now = a->Slots();
@@ -371,7 +385,8 @@ PushOutcome Replicator::Push(const PushTask& t) {
   };
   replica::SnapshotId id{t.rank, t.step, static_cast<uint64_t>(s.complete_time_ns),
                          header->first.attempt};
-  auto pushed = service_->Push(id, image, r, targets, still_valid);
+  auto pushed = service_->Push(id, image, r, targets, still_valid,
+                               replica::RecordedCrcs{layout.chunk_size, recorded});
   if (!pushed.ok()) {
     o.superseded = pushed.status().code() == StatusCode::kCancelled && !still_valid();
     o.status = pushed.status();

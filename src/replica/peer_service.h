@@ -91,6 +91,14 @@ struct PeerServiceStats {
   uint64_t transfers_failed = 0;  // timeouts, dead peers, CRC mismatches
 };
 
+// Checksums a snapshot recorded for its image when it was taken (the image's checksum
+// section): CRC32C of each `chunk_bytes` piece from byte 0, for the first crcs.size() pieces
+// (whole pieces only).
+struct RecordedCrcs {
+  uint64_t chunk_bytes = 0;
+  std::span<const uint32_t> crcs;
+};
+
 class PeerService {
  public:
   // Starts listening; `store` (owned by the caller, outliving the service) keeps what peers send.
@@ -111,9 +119,22 @@ class PeerService {
   // (targets.size() == redundancy.targets()). `still_valid` is polled between chunks and at the
   // end; when it turns false the push stops with Cancelled and receivers drop what they got.
   // A target that fails does not stop the others.
+  //
+  // `recorded`: the checksums the snapshot recorded for its chunks when it was taken. A mirror
+  // push whose chunks are the image's (same size) sends them with those chunks instead of
+  // computing them again: one pass over the image less, and a byte that changed in memory
+  // since the snapshot fails the receiver's check instead of being replicated under a fresh
+  // checksum. Other chunks (the checksum section itself) are checksummed as they are sent;
+  // fragments (ec) always are.
   virtual Result<PushResult> Push(const SnapshotId& id, std::span<const std::byte> image,
                                   const Redundancy& redundancy, const std::vector<Peer>& targets,
-                                  const std::function<bool()>& still_valid) = 0;
+                                  const std::function<bool()>& still_valid,
+                                  const RecordedCrcs& recorded) = 0;
+  Result<PushResult> Push(const SnapshotId& id, std::span<const std::byte> image,
+                          const Redundancy& redundancy, const std::vector<Peer>& targets,
+                          const std::function<bool()>& still_valid) {
+    return Push(id, image, redundancy, targets, still_valid, RecordedCrcs{});
+  }
 
   // What `peers` hold (of `rank` if given), asked in parallel. Peers that cannot be asked are
   // skipped. `errors`, when given, gets one status per peer (OK for those that answered).

@@ -347,7 +347,8 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
 Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const std::byte> image,
                                          const Redundancy& redundancy,
                                          const std::vector<Peer>& targets,
-                                         const std::function<bool()>& still_valid) {
+                                         const std::function<bool()>& still_valid,
+                                         const RecordedCrcs& recorded) {
   if (!redundancy.enabled()) return InvalidArgument("push: redundancy is none");
   if (targets.size() != redundancy.targets())
     return InvalidArgument("push: " + redundancy.ToString() + " needs " +
@@ -364,9 +365,9 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
   base.attempt = id.attempt;
   base.image_bytes = image.size();
   const uint64_t chunk_bytes = options_.chunk_bytes;
-  // No pass over the image ahead of the sends: each chunk's CRC is computed as it is first sent
-  // (shared by all targets), the payload's and image's are folded from them and go with the
-  // commit.
+  // No pass over the image ahead of the sends: each chunk's CRC is the one the snapshot
+  // recorded, or computed as it is first sent (shared by all targets); the payload's and
+  // image's are folded from them and go with the commit.
   std::vector<ReplicaMeta> metas(targets.size(), base);
   std::vector<ChunkOf> chunk_of(targets.size());
   std::function<uint32_t(uint32_t)> image_crc_of;
@@ -377,16 +378,26 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
     std::vector<std::once_flag> once;
     std::vector<uint32_t> crc;
   };
-  std::unique_ptr<ChunkCrcs> chunk_crcs;
+  std::unique_ptr<ChunkCrcs> sent_crcs;
   if (redundancy.kind == Redundancy::Kind::kMirror) {
-    chunk_crcs = std::make_unique<ChunkCrcs>(ChunkLayout{image.size(), chunk_bytes}.chunks());
+    const uint64_t chunks = ChunkLayout{image.size(), chunk_bytes}.chunks();
+    std::span<const uint32_t> chunk_crcs;
+    if (recorded.chunk_bytes == chunk_bytes) chunk_crcs = recorded.crcs;
+    if (chunk_crcs.size() >= chunks) {  // the last chunk holds the checksums: never recorded
+      return InvalidArgument("push: " + std::to_string(chunk_crcs.size()) +
+                             " recorded chunk checksums for an image of " +
+                             std::to_string(chunks) + " chunks");
+    }
+    sent_crcs = std::make_unique<ChunkCrcs>(chunks);
     image_crc_of = [](uint32_t payload_crc) { return payload_crc; };  // a copy is the image
     for (size_t t = 0; t < targets.size(); ++t) {
       metas[t].payload_bytes = image.size();
-      chunk_of[t] = [image, chunk_bytes, crcs = chunk_crcs.get()](uint64_t i) {
+      chunk_of[t] = [image, chunk_bytes, crcs = sent_crcs.get(), chunk_crcs](uint64_t i) {
         const uint64_t offset = i * chunk_bytes;
         const auto bytes = image.subspan(offset, std::min(chunk_bytes, image.size() - offset));
-        std::call_once(crcs->once[i], [&] { crcs->crc[i] = Crc32c(bytes); });
+        std::call_once(crcs->once[i], [&] {
+          crcs->crc[i] = i < chunk_crcs.size() ? chunk_crcs[i] : Crc32c(bytes);
+        });
         return Chunk{bytes, nullptr, crcs->crc[i]};
       };
     }

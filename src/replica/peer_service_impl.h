@@ -263,9 +263,11 @@ class PeerServiceImpl final : public PeerService {
     }
     pause_cv_.notify_all();
   }
+  using PeerService::Push;
   Result<PushResult> Push(const SnapshotId& id, std::span<const std::byte> image,
                           const Redundancy& redundancy, const std::vector<Peer>& targets,
-                          const std::function<bool()>& still_valid) override;
+                          const std::function<bool()>& still_valid,
+                          const RecordedCrcs& recorded) override;
   std::vector<Holding> List(const std::vector<Peer>& peers, std::optional<uint32_t> rank,
                             std::vector<Status>* errors) override;
   Status FetchImage(const std::vector<Holding>& holdings, const SnapshotId& id,

@@ -205,6 +205,49 @@ TEST_F(PeerServiceTest, MirrorPushToTwoThenListAndFetchBitExact) {
   EXPECT_EQ(test::FirstMismatch(out, 1), -1);
 }
 
+TEST_F(PeerServiceTest, MirrorPushSendsTheRecordedChecksumsSoAByteChangedSinceIsRefused) {
+  Node* src = StartNode("a");
+  Node* b = StartNode("b");
+  ASSERT_TRUE(src && b);
+  constexpr uint64_t kChunk = 256 << 10;  // Options(): the push's chunks
+  std::vector<std::byte> image = test::PatternBytes(4 * kChunk + 777, 4);
+  // What the snapshot recorded: its 4 whole chunks (the 5th holds its checksum section).
+  std::vector<uint32_t> crcs;
+  for (uint64_t i = 0; i < 4; ++i) crcs.push_back(internal::Crc32c(0, &image[i * kChunk], kChunk));
+  ASSERT_OK_AND_ASSIGN(Redundancy r, ParseRedundancy("mirror"));
+  ASSERT_OK_AND_ASSIGN(PushResult pushed, src->svc->Push(kId, image, r, {b->peer()}, nullptr,
+                                                         RecordedCrcs{kChunk, crcs}));
+  ASSERT_OK(pushed.targets[0]);
+  ASSERT_OK_AND_ASSIGN(auto held, b->store->List());
+  ASSERT_EQ(held.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(ReplicaView view, b->store->Read(held[0]));
+  EXPECT_EQ(test::FirstMismatch(view.payload, 4), -1);
+
+  // A byte of chunk 1 changes in memory after the snapshot: the receiver refuses the chunk
+  // (a fresh checksum would have replicated the changed byte as good), and keeps the replica
+  // it had.
+  image[kChunk + 4321] ^= std::byte{1};
+  SnapshotId next = kId;
+  next.step += 1;
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr,
+                                              RecordedCrcs{kChunk, crcs}));
+  EXPECT_FALSE(pushed.targets[0].ok());
+  EXPECT_NE(pushed.targets[0].ToString().find("CRC32C"), std::string::npos)
+      << pushed.targets[0].ToString();
+  ASSERT_OK_AND_ASSIGN(held, b->store->List());
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].step, kId.step);
+
+  // Checksums of chunks of another size are not the push's: it computes its own.
+  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr,
+                                              RecordedCrcs{2 * kChunk, crcs}));
+  EXPECT_OK(pushed.targets[0]);
+  // A checksum for every chunk, the last included, cannot have been recorded.
+  crcs.push_back(0);
+  auto bad = src->svc->Push(next, image, r, {b->peer()}, nullptr, RecordedCrcs{kChunk, crcs});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << bad.status().ToString();
+}
+
 TEST_F(PeerServiceTest, ErasurePushToFourThenFetchWithTwoHoldersStopped) {
   // Not a multiple of the stripe: the last stripe is padded.
   const std::vector<std::byte> image = test::PatternBytes((5 << 20) + 4321, 2);
