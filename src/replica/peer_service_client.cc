@@ -385,8 +385,8 @@ Result<PushResult> PeerServiceImpl::Push(const SnapshotId& id, std::span<const s
     if (recorded.chunk_bytes == chunk_bytes) chunk_crcs = recorded.crcs;
     if (chunk_crcs.size() >= chunks) {  // the last chunk holds the checksums: never recorded
       return InvalidArgument("push: " + std::to_string(chunk_crcs.size()) +
-                             " recorded chunk checksums for an image of " +
-                             std::to_string(chunks) + " chunks");
+                             " recorded chunk checksums for an image of " + std::to_string(chunks) +
+                             " chunks");
     }
     sent_crcs = std::make_unique<ChunkCrcs>(chunks);
     image_crc_of = [](uint32_t payload_crc) { return payload_crc; };  // a copy is the image

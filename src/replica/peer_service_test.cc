@@ -229,8 +229,8 @@ TEST_F(PeerServiceTest, MirrorPushSendsTheRecordedChecksumsSoAByteChangedSinceIs
   image[kChunk + 4321] ^= std::byte{1};
   SnapshotId next = kId;
   next.step += 1;
-  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr,
-                                              RecordedCrcs{kChunk, crcs}));
+  ASSERT_OK_AND_ASSIGN(
+      pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr, RecordedCrcs{kChunk, crcs}));
   EXPECT_FALSE(pushed.targets[0].ok());
   EXPECT_NE(pushed.targets[0].ToString().find("CRC32C"), std::string::npos)
       << pushed.targets[0].ToString();
@@ -239,8 +239,8 @@ TEST_F(PeerServiceTest, MirrorPushSendsTheRecordedChecksumsSoAByteChangedSinceIs
   EXPECT_EQ(held[0].step, kId.step);
 
   // Checksums of chunks of another size are not the push's: it computes its own.
-  ASSERT_OK_AND_ASSIGN(pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr,
-                                              RecordedCrcs{2 * kChunk, crcs}));
+  ASSERT_OK_AND_ASSIGN(
+      pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr, RecordedCrcs{2 * kChunk, crcs}));
   EXPECT_OK(pushed.targets[0]);
   // A checksum for every chunk, the last included, cannot have been recorded.
   crcs.push_back(0);
