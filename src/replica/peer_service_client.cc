@@ -294,7 +294,13 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
                                 const std::function<uint32_t(uint32_t)>& image_crc_of,
                                 const std::function<bool()>& still_valid, double* paused_seconds) {
   SP_ASSIGN_OR_RETURN(ConnPtr c, Connect(target));
+  const Status cancelled = Cancelled("snapshot rank " + std::to_string(meta.rank) + " step " +
+                                     std::to_string(meta.step) + " is no longer valid");
   auto finish = [&](Status s) {
+    // A snapshot overwritten while it is sent fails the receiver's checks (its chunks no longer
+    // match the checksums it recorded): whatever failed, a push of a snapshot that is no longer
+    // valid was superseded, not refused.
+    if (!s.ok() && s.code() != StatusCode::kCancelled && !StillValid(still_valid)) s = cancelled;
     if (s.code() == StatusCode::kCancelled) {
       SendControl(c, MsgType::kCancel, json::object());
       // Let the cancel leave before the force close (best effort; the receiver also drops an
@@ -308,8 +314,6 @@ Status PeerServiceImpl::PushOne(const Peer& target, const ReplicaMeta& meta, uin
   SendControl(c, MsgType::kPutBegin, {{"meta", MetaToJson(meta)}, {"chunk_bytes", chunk_bytes}});
   if (Result<json> r = WaitMessage(c, MsgType::kPutReady); !r.ok()) return finish(r.status());
   const ChunkLayout layout{meta.payload_bytes, chunk_bytes};
-  const Status cancelled = Cancelled("snapshot rank " + std::to_string(meta.rank) + " step " +
-                                     std::to_string(meta.step) + " is no longer valid");
   uint32_t payload_crc = 0;
   for (uint64_t i = 0; i < layout.chunks(); ++i) {
     if (!StillValid(still_valid)) return finish(cancelled);

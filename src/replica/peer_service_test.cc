@@ -242,6 +242,21 @@ TEST_F(PeerServiceTest, MirrorPushSendsTheRecordedChecksumsSoAByteChangedSinceIs
   ASSERT_OK_AND_ASSIGN(
       pushed, src->svc->Push(next, image, r, {b->peer()}, nullptr, RecordedCrcs{2 * kChunk, crcs}));
   EXPECT_OK(pushed.targets[0]);
+  // The snapshot overwritten while it is sent (the slot's next save began after the last
+  // check): the receiver refuses the chunk that changed, and the push reports that it was
+  // superseded (Cancelled), not that the peer refused it. Chunk 3 changes after the check
+  // before it; the check after the last chunk sees the snapshot gone.
+  image[kChunk + 4321] ^= std::byte{1};  // as recorded again
+  int checks = 0;
+  auto overwritten = [&] {
+    if (++checks == 4) image[3 * kChunk + 5] ^= std::byte{1};
+    return checks <= 5;
+  };
+  next.step += 1;
+  auto superseded =
+      src->svc->Push(next, image, r, {b->peer()}, overwritten, RecordedCrcs{kChunk, crcs});
+  EXPECT_EQ(superseded.status().code(), StatusCode::kCancelled) << superseded.status().ToString();
+  image[3 * kChunk + 5] ^= std::byte{1};
   // A checksum for every chunk, the last included, cannot have been recorded.
   crcs.push_back(0);
   auto bad = src->svc->Push(next, image, r, {b->peer()}, nullptr, RecordedCrcs{kChunk, crcs});
