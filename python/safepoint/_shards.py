@@ -11,6 +11,7 @@ step, the saved pieces that overlap the box the target needs, and reads just tho
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import sys
@@ -164,8 +165,7 @@ def copy_tensor(target: torch.Tensor, loaded: torch.Tensor, where: str) -> None:
 
 
 class _Piece:
-    __slots__ = ("reader", "image", "index", "name", "dtype", "shape", "global_shape", "offset",
-                 "at")
+    __slots__ = ("reader", "image", "index", "name", "dtype", "shape", "global_shape", "offset")
 
     def __init__(self, reader, image: int, index: int, entry) -> None:
         self.reader = reader
@@ -175,7 +175,6 @@ class _Piece:
         self.shape = tuple(entry.shape)
         self.global_shape = tuple(entry.global_shape or entry.shape)
         self.offset = tuple(entry.global_offset or (0,) * len(self.shape))
-        self.at = entry.offset  # where its bytes start in the image
 
 
 # A byte range of one image that a loading rank needs: (image rank, tensor name, first byte,
@@ -185,13 +184,12 @@ ReadKey = tuple[int, str, int, int]
 
 class _Read:
     """A byte range to read (see ReadKey) and where it lies in the step (image, entry, first
-    byte), the order in which ranges are read; `at`: where the range starts in its image."""
-    __slots__ = ("reader", "name", "first", "nbytes", "pos", "at")
+    byte), the order in which ranges are read."""
+    __slots__ = ("reader", "name", "first", "nbytes", "pos")
 
     def __init__(self, piece: _Piece, first: int, nbytes: int) -> None:
         self.reader, self.name, self.first, self.nbytes = piece.reader, piece.name, first, nbytes
         self.pos = (piece.image, piece.index, first)
-        self.at = piece.at + first
 
 
 def _add_stat(stats: Optional[dict], key: str, n: float) -> None:
@@ -325,13 +323,20 @@ class StepReader:
         """For each (name, local tensor, global shape, global offset of the local tensor),
         assembles that box from the saved pieces into the local tensor (see needs())."""
         reads, copies = self.needs(requests, rank)
-        users: dict[ReadKey, list] = {}
-        for dst, key, lengths, strides in copies:
-            users.setdefault(key, []).append((dst, lengths, strides))
+        users = collections.Counter(key for _, key, _, _ in copies)
         # The ranges only GPU tensors need go through the pipelined staging ring
         # (_device_fill): read into pinned buffers, copied to the device while the next is read.
-        device = sorted((k for k, us in users.items() if _device_fill.takes(us, reads[k].nbytes)),
-                        key=lambda k: reads[k].pos)
+        staged = _device_fill.staged
+        device: list[ReadKey] = []
+        wanted = {key for dst, key, _, _ in copies if staged(dst)}
+        if wanted:
+            by_key: dict[ReadKey, list] = {}
+            for dst, key, lengths, strides in copies:
+                if key in wanted:
+                    by_key.setdefault(key, []).append((dst, lengths, strides))
+            device = sorted((k for k, us in by_key.items()
+                             if _device_fill.takes(us, reads[k].nbytes)),
+                            key=lambda k: reads[k].pos)
         # A range that is the whole of one contiguous CPU destination, in its layout (the usual
         # restore: same tensor, same shape), is read straight into it: no buffer to fault in,
         # no second copy. Everything else goes through a buffer and a (strided) copy.
@@ -341,7 +346,7 @@ class StepReader:
         for dst, key, lengths, strides in copies:
             if key in skip:
                 continue
-            if (len(users[key]) == 1 and dst.device.type == "cpu" and dst.is_contiguous()
+            if (users[key] == 1 and dst.device.type == "cpu" and dst.is_contiguous()
                     and dst.numel() * dst.element_size() == reads[key].nbytes > 0):
                 bufs[key] = dst.detach().reshape(-1).view(torch.uint8)
             else:
@@ -357,8 +362,11 @@ class StepReader:
             for k in device:
                 if id(reads[k].reader) not in chunk:
                     chunk[id(reads[k].reader)] = reads[k].reader.chunk_size
+            # Where each range starts in its image (pos: image, index entry, first byte).
+            at = {k: self.entries[reads[k].pos[0]][reads[k].pos[1]].offset + reads[k].first
+                  for k in device}
             _device_fill.fill([(reads[k].reader, reads[k].name, reads[k].first, reads[k].nbytes,
-                                reads[k].at, chunk[id(reads[k].reader)], users[k])
+                                at[k], chunk[id(reads[k].reader)], by_key[k])
                                for k in device], lambda items: self.read(items, stats))
 
 
