@@ -149,7 +149,7 @@ def stage(address: int, size: int, copies: list) -> None:
     if any(d is not None for d in groups):
         _pin(address, size)
     pending = []
-    keep = []  # device buffers, until the copies from them are done
+    keep: list[Any] = []  # device buffers and sources, until the copies from them are done
     for device, items in groups.items():
         dsts = _destinations(address, size, tuple((o, n) for _, o, n in items))
         if device is None:
