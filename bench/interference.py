@@ -361,8 +361,8 @@ def render(res: dict, args, conditions: str) -> str:
                  "part of it is small next to the push) per GB sent counts a sender and a "
                  "receiver per GB, as iperf3's sender + receiver CPU per GB of one stream per "
                  "node in the same ring (3 s, before and after; its `cpu_utilization_percent`). "
-                 "Checksums "
-                 "on (CRC32C per chunk on both sides).")
+                 "Checksums on: every chunk carries its CRC32C, which the receiver checks "
+                 "(a mirror sender sends the ones the snapshot recorded, docs/replication.md).")
         L.append("")
         L.append("| mover | CPU s per GB (sender + receiver) | sender | receiver | GB/s a stream "
                  "| CPU s per GB / iperf3's |")
