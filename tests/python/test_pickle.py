@@ -68,3 +68,110 @@ def test_checkpointer_allow_pickle(tmp_path):
         assert step == 1 and got["s"] == {3, 4} and ck.last_load_source == "memory"
     _, got = safepoint.load(tmp_path / "ckpt", allow_pickle=True)
     assert got["s"] == {3, 4}
+
+
+# Hostile pickles (issue 35 item 4): a checkpoint is untrusted input. Each payload is written as
+# a stored value through the real save path and loaded through the real load path.
+
+def _s(text: str) -> bytes:  # SHORT_BINUNICODE
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw
+
+
+def _glob(module: str, name: str) -> bytes:  # STACK_GLOBAL
+    return _s(module) + _s(name) + b"\x93"
+
+
+def _long(n: int) -> bytes:  # LONG1
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _stored(tmp_path, monkeypatch, payload: bytes):
+    """Saves a checkpoint whose one pickled value is `payload` (as an attacker would write it)."""
+    import safepoint._api as api
+    monkeypatch.setattr(api, "pickler", lambda allow: (lambda obj: payload))
+    safepoint.save(tmp_path, 1, {"x": Config(0.1, "x"), "w": torch.ones(2)}, allow_pickle=True)
+    return tmp_path
+
+
+def _load_refused(path, allow, match):
+    with pytest.raises(safepoint.CorruptionError, match=match):
+        safepoint.load(path, allow_pickle=allow)
+
+
+def test_prefix_entry_does_not_follow_dotted_names(tmp_path, monkeypatch):
+    # json.decoder.__builtins__.get("eval")("...") passed the old prefix check ("json." prefix).
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').write('pwned')"
+    payload = (b"\x80\x04" + _glob("json.decoder", "__builtins__.get") + _s("eval") + b"\x85R" +
+               _s(code) + b"\x85R.")
+    path = _stored(tmp_path / "ck", monkeypatch, payload)
+    _load_refused(path, ["json."], "dot")
+    assert not marker.exists()
+
+
+def test_prefix_entry_admits_only_classes_of_that_module(tmp_path, monkeypatch):
+    # json.loads is a function, and json.decoder imports re: neither is a class of the module.
+    path = _stored(tmp_path / "a", monkeypatch, b"\x80\x04" + _glob("json", "loads") + b".")
+    _load_refused(path, ["json."], "not a class defined in json")
+    # Named exactly, the same object is the caller's explicit choice.
+    _, got = safepoint.load(path, allow_pickle=["json.loads"])
+    import json
+    assert got["x"] is json.loads
+    path = _stored(tmp_path / "b", monkeypatch,
+                   b"\x80\x04" + _glob("json.decoder", "JSONDecodeError") + b".")
+    _, got = safepoint.load(path, allow_pickle=["json."])  # a class of a submodule: allowed
+    import json.decoder
+    assert got["x"] is json.decoder.JSONDecodeError
+
+
+@pytest.mark.parametrize("payload,match", [
+    (_glob("builtins", "bytes") + _long(1 << 40) + b"\x85R.", "bytes"),
+    (_glob("builtins", "list") + _glob("builtins", "range") + _long(10 ** 12) + b"\x85R\x85R.",
+     "items"),
+    (_glob("builtins", "int") + _glob("decimal", "Decimal") + _s("1e999999999") + b"\x85R\x85R.",
+     "Decimal"),
+    (_glob("fractions", "Fraction") + _s("1e999999999") + b"\x85R.", "str"),
+], ids=["bytes-1TiB", "list-range", "int-of-decimal", "fraction-of-exponent"])
+def test_size_bombs_are_refused(tmp_path, monkeypatch, payload, match):
+    path = _stored(tmp_path / "ck", monkeypatch, b"\x80\x04" + payload)
+    _load_refused(path, True, match)
+
+
+def test_build_on_a_class_is_refused(tmp_path, monkeypatch):
+    # BUILD with slot state on the Counter class itself would set Counter.__missing__ = list for
+    # the rest of the process.
+    payload = (b"\x80\x04" + _glob("collections", "Counter") + b"N}" + _s("__missing__") +
+               _glob("builtins", "list") + b"s\x86b.")
+    path = _stored(tmp_path / "ck", monkeypatch, payload)
+    try:
+        _load_refused(path, True, "BUILD")
+        assert collections.Counter()["ab"] == 0
+    finally:
+        if "__missing__" in collections.Counter.__dict__ and \
+                collections.Counter.__dict__["__missing__"] is list:
+            del collections.Counter.__missing__
+
+
+@pytest.mark.parametrize("payload", [
+    _glob("builtins", "complex") + _s("x") + _s("y") + b"\x86R.",  # TypeError
+    _glob("datetime", "timedelta") + _long(10 ** 30) + b"\x85R.",   # OverflowError
+    b"\x8c\x01\xff.",                                                # UnicodeDecodeError
+], ids=["type-error", "overflow", "bad-utf8"])
+def test_every_unpickling_failure_is_a_corruption_error(tmp_path, monkeypatch, payload):
+    path = _stored(tmp_path / "ck", monkeypatch, b"\x80\x04" + payload)
+    with pytest.raises(safepoint.CorruptionError):
+        safepoint.load(path, allow_pickle=True)
+
+
+def test_allow_entries_are_validated():
+    from safepoint._pickle import unpickler
+    for bad in ["Config", ".x", 7]:
+        with pytest.raises(safepoint.InvalidArgumentError, match="allow_pickle entry"):
+            unpickler([bad])
+
+
+def test_unpicklable_value_names_its_type(tmp_path):
+    with pytest.raises(safepoint.InvalidArgumentError, match="cannot pickle"):
+        safepoint.save(tmp_path, 1, {"f": lambda: 1}, allow_pickle=True)
