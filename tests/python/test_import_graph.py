@@ -101,9 +101,25 @@ def test_the_package_imports_its_modules_without_a_cycle():
     assert "safepoint._core" in modules
     graph = {name: imported_modules(name, path, modules) for name, path in modules.items()
              if path}
-    assert "safepoint._api" in graph["safepoint._checkpointer"]  # the walk sees imports
+    assert "safepoint._api" in graph["safepoint._ckpt_restore"]  # the walk sees imports
+    # Checkpointer is made of parts by job, each in its own module (_ckpt_base says which)
+    assert {"safepoint._ckpt_save", "safepoint._ckpt_restore",
+            "safepoint._ckpt_status"} <= graph["safepoint._checkpointer"]
+    assert "safepoint._ckpt_preemption" in graph["safepoint._ckpt_save"]
     cycle = find_cycle(graph)
     assert not cycle, "import cycle in python/safepoint: " + " -> ".join(cycle)
+
+
+def test_no_module_of_the_package_passes_1000_lines():
+    """A module that grows past this is split by job (as Checkpointer was: _ckpt_base)."""
+    long = {}
+    for name, path in package_modules().items():
+        if path:
+            with open(path) as f:
+                n = sum(1 for _ in f)
+            if n > 1000:
+                long[name] = n
+    assert not long, f"modules over 1,000 lines: {long}"
 
 
 @pytest.mark.parametrize("graph, cycle", [

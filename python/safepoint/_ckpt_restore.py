@@ -1,0 +1,363 @@
+"""The restore path of a ``Checkpointer``: ``load`` and ``restore`` from the fastest valid copy
+(this node's memory, peers' memory, ``path``, the tiers), the ranks' agreement on the step
+(``_agreement``), shared storage reads, and branching from another checkpoint (``from_``)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any, Optional
+
+from safepoint import _core
+from safepoint._agreement import (
+    agree_on_step,
+    gather_candidates,
+    hot_reload_agreed,
+    load_newest_agreed,
+)
+from safepoint._api import load as storage_load
+from safepoint._api import steps as storage_steps
+from safepoint._attempt import newest_attempts
+from safepoint._ckpt_base import CheckpointerBase, RestoreInfo
+from safepoint._shards import read_into, read_newest_into, read_shared_into
+from safepoint._staging import pin_for_gpu_copies
+from safepoint._stateful import apply_loaded, to_saveable
+from safepoint._versions import resolve, same_location, split_ref
+from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (as it was after)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class RestoreMixin(CheckpointerBase):
+    """Checkpointer's restore path."""
+
+    def load(self, step: Optional[int] = None, *,
+             _targets: Any = None) -> Optional[tuple[int, Any]]:
+        """The newest (or the given) step from the fastest valid copy: this node's memory when
+        it is at least as new as the newest committed step, else storage (falling back to older
+        steps). None when there is nothing to load.
+
+        With torch.distributed initialized and several ranks, all ranks first agree on the
+        newest step that every rank can load (from its memory or from storage) and load that
+        one; if any rank then fails to read it, all fall back together to the next older one.
+        Ranks never resume from different steps."""
+        t0 = time.perf_counter()
+        self._io = {"storage_bytes_read": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0}
+        if self._group is not None:
+            out = self._load_memory_agreed(step, _targets)
+            if out is None:
+                out = self._load_agreed(step, _targets)
+        else:
+            out = self._load_local(step, _targets)
+        if out is None:
+            return None
+        result, source = out
+        peers = ""
+        if source.startswith("peer:"):
+            source, peers = "peer", source[5:]
+        seconds = time.perf_counter() - t0
+        uri = self._io.pop("uri", None)
+        uri = uri if source == "storage" else None
+        self._stats["last_load"] = {"step": result[0], "source": source, "seconds": seconds,
+                                    "peers": peers, "uri": uri, **self._io}
+        self.last_restore = RestoreInfo(result[0], source, seconds, peers, uri)
+        # The steps saved from now on descend from this one (of this checkpoint, wherever the
+        # copy was read: memory, a peer, path or a tier).
+        self._live.set_lineage(result[0], "", self._metadata)
+        level = self._advisor.restored(source, uri, seconds)
+        self._stats["restores"][source] = self._stats["restores"].get(source, 0) + 1
+        self._live.report("restore", result[0], True, seconds,
+                          int(self._io.get("storage_bytes_read") or 0), source, "", level)
+        return result
+
+    def _memory_steps(self) -> list[int]:
+        return sorted(s.step for s in self._live.slots() if s.state == "COMPLETE")
+
+    def _memory_attempts(self) -> dict[int, Any]:
+        """step -> save attempt of the snapshot of it a load would read (of two snapshots of one
+        step, the one completed last, as load_step picks)."""
+        return newest_attempts((s for s in self._live.slots() if s.state == "COMPLETE"),
+                               lambda s: s.complete_time_ns)
+
+    def _committed(self) -> dict[int, list[str]]:
+        """step -> the storages that hold it committed, fastest first (``path``, then the tiers
+        in order). A tier that cannot be listed is skipped with a warning: the others serve."""
+        where: dict[int, list[str]] = {}
+        for uri in self._stores:
+            try:
+                found = storage_steps(uri)
+            except Error as e:
+                if len(self._stores) == 1:
+                    raise
+                warnings.warn(f"safepoint: cannot list the steps of {uri}: {e}", RuntimeWarning,
+                              stacklevel=4)
+                continue
+            for s in found:
+                where.setdefault(s, []).append(uri)
+        return where
+
+    def _read_storage(self, uri: str, step: Optional[int], targets: Any):
+        """This rank's state of `step` from the storage at `uri`: with targets (restore), only
+        the byte ranges the targets need, from whichever ranks' images hold them (any saving
+        world size); else this rank's whole image."""
+        self._io["uri"] = uri
+        if targets is None:
+            self._io["storage_bytes_read"] = None  # a whole image; not counted
+            return storage_load(uri, step, rank=self.rank, allow_pickle=self.allow_pickle)
+        return read_newest_into(uri, step, self.rank, targets, self._unpickler, self._io)
+
+    def _from_storage(self, step: Optional[int], targets: Any, where: dict[int, list[str]]):
+        """This rank's state of `step` (None: the newest that reads back) from the fastest
+        storage that holds it. A damaged or unreadable copy falls back to the next tier that
+        holds the step, and without an exact step to older steps."""
+        if len(self._stores) == 1:  # path alone: its own fallback to older steps
+            return self._read_storage(self.path, step, targets)
+        candidates = [step] if step is not None else sorted(where, reverse=True)
+        error: Optional[Error] = None
+        for s in candidates:
+            for uri in where.get(s, []):
+                try:
+                    return self._read_storage(uri, s, targets)
+                except Error as e:
+                    if isinstance(e, CorruptionError):
+                        self._live.report("checksum", s, False, 0.0, 0, "storage", str(e))
+                    warnings.warn(f"safepoint: step {s} cannot be read from {uri}, trying the "
+                                  f"next copy: {e}", RuntimeWarning, stacklevel=4)
+                    error = e
+        if error is not None:
+            raise error
+        raise NotFoundError(f"{self.path}: step {step} is not committed on any storage tier "
+                            f"({', '.join(self._stores)})")
+
+    def _usable(self, snap: Optional[_core.Loaded]):
+        """A memory snapshot, unless another world size saved it (then storage reshards) or it
+        leaves out tensors (replicated state copied once per node) that no other rank's
+        snapshot of it on this node holds intact: then None, and the load falls back like for
+        any missing copy (the ranks agree again, peers, storage)."""
+        if snap is None or snap.world_size != self.world_size:
+            return None
+        if snap.elsewhere:
+            left = self._live.fill_from_siblings(snap.step, snap.attempt, snap.elsewhere)
+            if left:
+                warnings.warn(f"safepoint: step {snap.step} in memory leaves {len(left)} tensors "
+                              f"to other ranks of this node, whose snapshots do not hold them "
+                              f"(first: {left[0]}); loading another copy", RuntimeWarning,
+                              stacklevel=4)
+                return None
+        return (snap.step, snap.state), "memory"
+
+    def _load_local(self, step: Optional[int], targets: Any = None):
+        committed = self._committed()
+        newest_storage = max(committed) if committed else None
+        want = step if step is not None else newest_storage
+        snap = None
+        damaged: Optional[CorruptionError] = None
+        try:
+            # restore (targets) reads the slot itself, once: its tensors are copied straight
+            # into their targets in the pass that verifies every chunk
+            in_place = targets is not None
+            snap = (self._live.load_newest(want, self._unpickler, in_place, targets)
+                    if step is None
+                    else self._live.load_step(step, self._unpickler, in_place, targets))
+        except CorruptionError as e:
+            self._live.report("checksum", want or 0, False, 0.0, 0, "memory", str(e))
+            damaged = e
+            warnings.warn(
+                f"safepoint: the snapshot in memory is damaged, loading from storage: {e}",
+                RuntimeWarning, stacklevel=3)
+        got = self._usable(snap)  # once: it may fill tensors from other ranks' slots
+        if got is not None:
+            return got
+        if step is not None or committed:
+            return self._from_storage(step, targets, committed), "storage"
+        if damaged is not None and targets is not None:
+            # The targets may hold bytes of the damaged snapshot: never report "nothing".
+            raise CorruptionError(f"{damaged}; nothing on storage to restore from, so the "
+                                  "state's tensors may hold damaged bytes")
+        return None
+
+    def _peer_attempts(self) -> dict[int, Any]:
+        """step -> save attempt of the newest snapshot of this rank that peers can rebuild
+        (empty without replication, or when the peers cannot be asked)."""
+        if self.replication is None:
+            return {}
+        try:
+            copies = self._live.peer_copies()
+        except Error as e:
+            warnings.warn(f"safepoint: cannot ask the peers for copies: {e}", RuntimeWarning,
+                          stacklevel=4)
+            return {}
+        return newest_attempts(copies, lambda c: c.complete_ns)
+
+    def _from_peers(self, step: int, attempt: int, targets: Any):
+        """Has the agent rebuild this rank's snapshot of `step` from peers into a slot, then
+        loads it from there like a hot reload (verified). None when that fails."""
+        try:
+            fetched = self._live.fetch_from_peers(step, attempt, -1.0)
+            got = self._usable(self._live.load_step(step, self._unpickler, targets is not None,
+                                                    targets))
+        except Error as e:
+            warnings.warn(f"safepoint: step {step} cannot be rebuilt from peer memory: {e}",
+                          RuntimeWarning, stacklevel=6)
+            return None
+        if got is None:
+            return None
+        return got[0], f"peer:{fetched.source}"
+
+    def _load_one(self, step: int, memory: list[int], committed: dict[int, list[str]],
+                  targets: Any, peers: Optional[dict[int, Any]] = None,
+                  share: Optional[str] = None):
+        """This rank's copy of `step`: memory first, then peer memory, then storage. None if
+        none reads back. With `share` (every rank restores with share_reads) this is a
+        collective: the ranks that read from storage share the ranges several need
+        (read_shared_into) from `share`, a storage every rank sees the step on, and a rank whose
+        copy is in memory (or peer memory) takes part too."""
+        got = None
+        if step in memory:
+            try:
+                got = self._usable(self._live.load_step(step, self._unpickler,
+                                                        targets is not None, targets))
+            except CorruptionError as e:
+                self._live.report("checksum", step, False, 0.0, 0, "memory", str(e))
+                warnings.warn(f"safepoint: the snapshot of step {step} in memory is damaged: {e}",
+                              RuntimeWarning, stacklevel=5)
+        if got is None and peers and step in peers and peers[step] is not None:
+            got = self._from_peers(step, peers[step], targets)
+        if share:
+            need = got is None and step in committed
+            self._io["uri"] = share
+            tree = read_shared_into(share, step, self.rank, targets, self._unpickler,
+                                    self._group, need, self._io)
+            if tree is not None:
+                return (step, tree), "storage"
+            if not need:
+                return got
+            # Some rank could not read its share: each reads on its own, as without sharing.
+        if got is not None:
+            return got
+        if step in committed:
+            try:
+                return self._from_storage(step, targets, committed), "storage"
+            except Error as e:
+                warnings.warn(f"safepoint: step {step} cannot be read from storage: {e}",
+                              RuntimeWarning, stacklevel=5)
+        return None
+
+    def _load_memory_agreed(self, step: Optional[int], targets: Any):
+        """The hot reload: each rank loads its newest snapshot in memory (or the given step),
+        verified, and the ranks check in one collective that they loaded the same one
+        (_agreement.hot_reload_agreed). The result when they did; otherwise None, and every
+        rank runs the full agreement (_load_agreed), which loads again. Not with replication:
+        peers' copies may hold newer steps."""
+        if self.replication is not None:
+            return None
+        attempts = self._memory_attempts()
+        committed = self._committed()
+        newest_committed = max(committed) if committed else -1
+        s = step if step is not None else (max(attempts) if attempts else None)
+        got = None
+        if (s is not None and attempts.get(s) is not None
+                and (step is not None or s >= newest_committed)):
+            try:
+                got = self._usable(self._live.load_step(s, self._unpickler, targets is not None,
+                                                        targets))
+            except CorruptionError:
+                pass  # the full agreement reads it again, reports it and falls back
+        attempt = attempts.get(s) if s is not None else None
+        if not hot_reload_agreed(self._group, self.world_size, got is not None, s, attempt,
+                                 newest_committed, step is None):
+            return None
+        return got
+
+    def _load_agreed(self, step: Optional[int], targets: Any):
+        """The full agreement (_agreement): every rank's committed steps and the attempt of
+        each snapshot in its memory are gathered; all load the newest step every rank can, and
+        fall back together. With replication, a snapshot that peers can rebuild counts like one
+        in memory: per rank, a step's attempt comes from its own memory, else from its peers'
+        copies."""
+        committed = self._committed()
+        memory = self._memory_steps()
+        mine = self._memory_attempts()
+        peers = {s: a for s, a in self._peer_attempts().items() if s not in mine}
+        share = self.share_reads and targets is not None  # restore's shared storage reads
+        agreed = gather_candidates(self._group, self.world_size, committed, {**peers, **mine},
+                                   share, self._stores, step)
+        memory = [s for s in memory if s in agreed.in_memory]
+        peers = {s: a for s, a in peers.items() if s in agreed.in_memory}
+        got = load_newest_agreed(
+            self._group, agreed.steps,
+            lambda s: self._load_one(s, memory, committed, targets, peers, agreed.shared_uri(s)))
+        if got is None and step is not None:
+            raise NotFoundError(f"{self.path}: step {step} cannot be loaded by every rank")
+        return got
+
+    def restore(self, state: Any, step: Optional[int] = None, *,
+                from_: Optional[str] = None) -> Optional[int]:
+        """Loads the newest (or the given) step *into* ``state`` in place, like DCP's load:
+        tensors are copied into the existing tensors, Stateful values get ``load_state_dict``,
+        other values are replaced; generator states saved with ``include_rng`` are restored.
+        Returns the step, or None when there is nothing to load.
+
+        ``from_`` branches from another checkpoint: ``"file:///runs/base@pretrained"`` (a tag),
+        ``"...@step-100"`` or ``"...@100"`` (a step), or a location alone (its newest step). The
+        step is read from storage there, resharded to this run's ranks, and the steps this run
+        saves record it as their parent."""
+        if from_ is not None:
+            if step is not None:
+                raise InvalidArgumentError(f"{self.path}: pass step= or from_=, not both")
+            return self._restore_from(state, from_)
+        # Without the cyclic GC while the state is walked and rebuilt: the thousands of
+        # containers a large state creates would start collections over the whole heap (9% of a
+        # hot restore's samples in perf); they are freed by reference counting.
+        with _gc_paused():
+            targets = to_saveable(state)
+            loaded = self.load(step, _targets=targets)
+            if loaded is None:
+                return None
+            got_step, got = loaded
+            # From memory, `got` views the snapshot slot itself (read in place, verified): copy
+            # out of it now, and never keep a reference to it.
+            borrowed = self.last_load_source in ("memory", "peer")
+            gpu = borrowed and pin_for_gpu_copies(got, targets)
+            apply_loaded(state, got, borrowed=borrowed)
+        if gpu:
+            import torch
+
+            torch.cuda.synchronize()
+        return got_step
+
+    def _restore_from(self, state: Any, from_: str) -> int:
+        t0 = time.perf_counter()
+        location, ref = split_ref(from_)
+        got_step = resolve(location, ref)
+        if self._group is not None:  # every rank branches from the same step
+            got_step = agree_on_step(self._group, got_step)
+        targets = to_saveable(state)
+        self._io = {"storage_bytes_read": 0}
+        tree = read_into(location, got_step, self.rank, targets, self._unpickler, stats=self._io)
+        apply_loaded(state, tree)
+        seconds = time.perf_counter() - t0
+        self._stats["last_load"] = {"step": got_step, "source": "storage", "seconds": seconds,
+                                    "peers": "", "uri": location, **self._io}
+        self.last_restore = RestoreInfo(got_step, "storage", seconds, "", location)
+        same = same_location(location, self.path)
+        self._live.set_lineage(got_step, "" if same else location, self._metadata)
+        return got_step
+
+    @property
+    def last_load_source(self) -> Optional[str]:
+        last = self._stats["last_load"]
+        return last["source"] if last else None
