@@ -292,6 +292,50 @@ def test_clear_errors(ckpt, tmp_path):
     assert not sdcp.Writer.validate_checkpoint_id("/x/y")
 
 
+def _save_step(ckpt, step, keep):
+    dcp.save({"w": torch.full((2,), float(step))},
+             storage_writer=sdcp.Writer(ckpt, step=step, keep=keep))
+
+
+def test_keep_prunes_older_steps_but_never_tagged_read_or_just_written_ones(ckpt):
+    for step in range(1, 6):
+        _save_step(ckpt, step, keep=2)
+    assert safepoint.steps(ckpt) == [4, 5]
+    safepoint.tag(ckpt, 4, "best")
+    # A Reader of this process has resolved step 5 (its metadata is read, its data not yet).
+    reader = sdcp.Reader(ckpt, step=5)
+    reader.read_metadata()
+    for step in (6, 7, 8):
+        _save_step(ckpt, step, keep=1)
+    assert safepoint.steps(ckpt) == [4, 5, 8]  # tagged, being read, the newest
+    got = {"w": torch.zeros(2)}
+    dcp.load(got, storage_reader=reader)  # the read ends: step 5 may go now
+    assert torch.equal(got["w"], torch.full((2,), 5.0))
+    _save_step(ckpt, 9, keep=1)
+    assert safepoint.steps(ckpt) == [4, 9]
+    # A save of an older step than the kept ones keeps what it wrote (until the next save).
+    _save_step(ckpt, 2, keep=1)
+    assert safepoint.steps(ckpt) == [2, 4, 9]
+    safepoint.untag(ckpt, "best")
+    _save_step(ckpt, 10, keep=2)
+    assert safepoint.steps(ckpt) == [9, 10]
+    # Without keep nothing is pruned.
+    for step in (11, 12, 13):
+        _save_step(ckpt, step, keep=None)
+    assert safepoint.steps(ckpt) == [9, 10, 11, 12, 13]
+
+
+def test_keep_through_the_shm_stager_and_bad_values(ckpt):
+    with sdcp.ShmStager() as stager:
+        for step in (1, 2, 3):
+            dcp.async_save({"w": torch.full((2,), float(step))},
+                           storage_writer=stager.writer(ckpt, step=step, keep=1)).result()
+    assert safepoint.steps(ckpt) == [3]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(safepoint.InvalidArgumentError, match="keep must be a positive int"):
+            sdcp.Writer(ckpt, step=4, keep=bad)
+
+
 def test_strided_reads_are_split_where_gaps_span_checksum_chunks():
     from safepoint._shards import box_span, row_major_strides, split_box
 

@@ -5,7 +5,7 @@
     import torch.distributed.checkpoint as dcp
     import safepoint.dcp
 
-    dcp.save(state, storage_writer=safepoint.dcp.Writer("/ckpt/run1", step=100))
+    dcp.save(state, storage_writer=safepoint.dcp.Writer("/ckpt/run1", step=100, keep=3))
     dcp.load(state, storage_reader=safepoint.dcp.Reader("/ckpt/run1"))          # newest step
     dcp.load(state, storage_reader=safepoint.dcp.Reader("/ckpt/run1", step=100))
 
@@ -13,6 +13,10 @@ The step can also be given as DCP's ``checkpoint_id``: ``dcp.save(state,
 checkpoint_id="/ckpt/run1/step-100", storage_writer=safepoint.dcp.Writer("/ckpt/run1"))``
 (the last path component ``step-<N>`` names the step, the rest the checkpoint directory; a
 ``Writer``'s or ``Reader``'s ``checkpoint_id`` is the step directory itself).
+
+Retention: no agent prunes a DCP directory. ``Writer(..., keep=K)`` deletes, after its save is
+committed, the committed steps older than the newest K, except tagged steps, the step it wrote
+and steps a ``Reader`` of this process is reading; ``keep=None`` (the default) keeps every step.
 
 What lands on storage is a normal safepoint checkpoint (docs/format.md): one image per rank per
 step holding that rank's DCP write items, checksummed per 4 MiB chunk, and a commit record

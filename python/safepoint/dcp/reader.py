@@ -28,6 +28,7 @@ from torch.futures import Future
 from safepoint import _core
 from safepoint._shards import box_span, row_major_strides, split_box
 from safepoint.dcp.writer import (
+    _READERS,
     FORMAT_VERSION,
     Writer,
     _check_step,
@@ -79,16 +80,18 @@ class Reader(StorageReader):
         self.path = _fspath(path, "checkpoint path")
         self.step = _check_step(self.path, step)
         self._loaded_step: Optional[int] = None
+        self._reading: Optional[int] = None  # the step a Writer's retention must not delete now
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict = {}
         self.bytes_read = 0  # bytes requested by the last read_data (for tests and logs)
+        _READERS.add(self)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             path, step = _split_checkpoint_id(checkpoint_id)
             self.path, self.step = path, step
         self.storage_data = {}
-        self._loaded_step = None
+        self._loaded_step = self._reading = None
         self.load_id = uuid.uuid4().hex
 
     @property
@@ -107,6 +110,14 @@ class Reader(StorageReader):
             if not committed:
                 raise NotFoundError(f"{self.path}: no committed step to load")
             step = committed[-1]
+        self._reading = step  # until read_data is done (Writer's retention spares it)
+        try:
+            return self._read_metadata(step)
+        except BaseException:
+            self._reading = None
+            raise
+
+    def _read_metadata(self, step: int) -> Metadata:
         md: dict[str, Any] = {}
         storage: dict[MetadataIndex, _Location] = {}
         planner_data: Optional[dict] = {}
@@ -217,7 +228,10 @@ class Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._loaded_step is None:
             raise InvalidArgumentError(f"{self.path}: read_data before read_metadata")
-        _RangeReader(self, planner, self._loaded_step).run(plan.items)
+        try:
+            _RangeReader(self, planner, self._loaded_step).run(plan.items)
+        finally:
+            self._reading = None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -148,13 +148,13 @@ class ShmStager(AsyncStager):
         return slot
 
     def writer(self, path: str | os.PathLike[str], step: Optional[int] = None, *,
-               job: str = "") -> Writer:
+               job: str = "", keep: Optional[int] = None) -> Writer:
         """A ``safepoint.dcp.Writer`` of ``step`` that stages through this stager.
 
         DCP's ``async_save`` stages with a storage writer that is itself an ``AsyncStager`` (in
         every torch version, whether or not its ``async_save`` takes ``async_stager``): pass this
-        as ``storage_writer``."""
-        return _StagingWriter(self, path, step, job=job)
+        as ``storage_writer``. ``keep``: as for ``Writer``."""
+        return _StagingWriter(self, path, step, job=job, keep=keep)
 
     def close(self) -> None:
         with self._lock:
@@ -177,8 +177,8 @@ class _StagingWriter(Writer, AsyncStager):
     _synchronize_after_execute = False  # stage() copies synchronously
 
     def __init__(self, stager: ShmStager, path: str | os.PathLike[str], step: Optional[int],
-                 *, job: str) -> None:
-        super().__init__(path, step, job=job)
+                 *, job: str, keep: Optional[int] = None) -> None:
+        super().__init__(path, step, job=job, keep=keep)
         self.stager = stager
 
     def stage(self, state_dict: dict) -> dict:

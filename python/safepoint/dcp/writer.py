@@ -7,6 +7,8 @@ import dataclasses
 import io
 import os
 import uuid
+import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -20,7 +22,7 @@ from safepoint import _core
 from safepoint._attempt import new_attempt
 from safepoint._pickle import pickler
 from safepoint._shards import _DTYPES
-from safepoint.errors import AlreadyExistsError, InvalidArgumentError, StorageError
+from safepoint.errors import AlreadyExistsError, Error, InvalidArgumentError, StorageError
 
 #: Version of the layout of the ``dcp`` entry inside an image (not the image format's version).
 FORMAT_VERSION = 1
@@ -63,6 +65,61 @@ def _checkpoint_id(path: str, step: Optional[int]) -> str:
 
 def _storage_key(fqn: str, offsets) -> str:
     return f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
+
+
+def _check_keep(path: str, keep: Any) -> Optional[int]:
+    if keep is not None and (type(keep) is not int or keep < 1):
+        raise InvalidArgumentError(f"{path}: keep must be a positive int or None (keep every "
+                                   f"step), got {keep!r}")
+    return keep
+
+
+# -- retention -------------------------------------------------------------------------------
+
+# The Readers of this process (safepoint.dcp.Reader): a step one of them has resolved and not
+# finished reading (read_metadata done, read_data not yet returned) is never pruned.
+_READERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _location(path: str) -> str:
+    return path if "://" in path else os.path.realpath(path)
+
+
+def _steps_being_read(path: str) -> set[int]:
+    here = _location(path)
+    return {r._reading for r in list(_READERS)
+            if r._reading is not None and _location(r.path) == here}
+
+
+def prune(path: str, keep: int, spare: Optional[int] = None) -> list[int]:
+    """Deletes the committed steps of ``path`` older than its newest ``keep`` (as the agent's
+    retention does: the commit record first); returns them. Never deleted: the newest ``keep``
+    steps, ``spare`` (the step a save just wrote, even when older), tagged steps
+    (``safepoint tag``), and steps a ``Reader`` of this process is reading. A step that cannot
+    be deleted, or tags that cannot be read, are warned about: the save stands."""
+    committed = list(_core.steps(path))
+    old = [s for s in committed[:-keep] if s != spare]
+    if not old:
+        return []
+    try:
+        tagged = set(dict(_core.tags(path)).values())
+    except Error as e:  # a tag could name any step: delete nothing this time
+        warnings.warn(f"safepoint.dcp: {path}: retention deletes nothing this time, its tags "
+                      f"cannot be read: {e}", RuntimeWarning, stacklevel=3)
+        return []
+    reading = _steps_being_read(path)
+    pruned = []
+    for s in old:
+        if s in tagged or s in reading:
+            continue
+        try:
+            _core.delete_step(path, s)
+        except Error as e:
+            warnings.warn(f"safepoint.dcp: {path}: retention could not delete step {s} (the "
+                          f"next save tries again): {e}", RuntimeWarning, stacklevel=3)
+            continue
+        pruned.append(s)
+    return pruned
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -108,13 +165,19 @@ class Writer(StorageWriter):
     Every rank writes one image with its write items; the step is committed (visible) once every
     rank's image is durable, and ``dcp.save`` returns only then. A step that is already committed,
     or that holds images of an earlier unfinished save, is refused: use a new step.
+
+    ``keep``: once a save is committed, the coordinator deletes the committed steps older than
+    the newest ``keep`` (``prune``), except tagged steps (``safepoint tag``), the step it just
+    wrote and steps a ``Reader`` of this process is reading. ``None`` (the default) keeps every
+    step: nothing else prunes a directory DCP writes to.
     """
 
     def __init__(self, path: str | os.PathLike[str], step: Optional[int] = None, *,
-                 job: str = "") -> None:
+                 job: str = "", keep: Optional[int] = None) -> None:
         super().__init__()
         self.path = _fspath(path, "checkpoint path")
         self.step = _check_step(self.path, step)
+        self.keep = _check_keep(self.path, keep)
         self.job = job
         self.save_id = uuid.uuid4().hex
         self.rank: Optional[int] = None
@@ -240,6 +303,8 @@ class Writer(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         step = self._step_to_save()
         if step in _core.steps(self.path):
+            if self.keep is not None:
+                prune(self.path, self.keep, spare=step)
             return
         present = _core.image_ranks(self.path, step)
         raise StorageError(
