@@ -42,17 +42,30 @@ are pickled and loaded with safepoint's restricted unpickler, which resolves onl
 ``allow_pickle=DEFAULT_TRUSTED + [...]`` (or ``True``) for a ``client_state`` holding other
 objects.
 
-Retention: the agent keeps the newest ``keep`` committed steps (flash mode); a pointer to a
-pruned step raises ``NotFoundError`` naming it. DeepSpeed's universal checkpoints, NVMe
-offload copies and the decoupled/fast writer engines are not covered. Tested with DeepSpeed
-0.19.8 on its CPU accelerator (ZeRO stages 0 and 1, 1 and 2 ranks).
+Retention: the agent keeps the newest ``keep`` committed steps (flash mode), and each save
+(and ``close``) removes the pointers, then the tag directories they leave empty, of the steps
+retention deleted (those committed neither in the directory nor on a tier, and older than the
+newest committed one; never the tag ``latest`` names). Loading a tag whose step is gone raises
+``NotFoundError`` naming the tag and the tags that can be loaded. DeepSpeed's universal
+checkpoints, NVMe offload copies and the decoupled/fast writer engines are not covered. Tested
+with DeepSpeed 0.19.8 on its CPU accelerator (ZeRO stages 0 and 1, 1 and 2 ranks).
+
+Closing: ``engine.checkpoint_engine.close()`` at the end of training waits until every save is
+committed and frees the snapshots' shared memory. An engine still open when the interpreter
+exits is closed then (``atexit``), or, when the program ends by an uncaught exception (a crash,
+not the end of the job), left like a dying process's: the agent persists what is not on
+storage and keeps the snapshots for a restarted process.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import sys
 import time
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -64,7 +77,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 import safepoint
 from safepoint import _pointers
 from safepoint._pickle import AllowPickle
-from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
+from safepoint._tiers import normalize_tiers
+from safepoint.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
 
 POINTER_FORMAT = "safepoint-deepspeed-file"
 POINTER_VERSION = 1
@@ -100,6 +114,36 @@ def _write_pointer(path: str, doc: dict, durable: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _tag_of(path: str, doc: dict) -> str:
+    """The DeepSpeed tag a pointer belongs to (pointers before the tag was recorded: the name of
+    the directory it lies in)."""
+    tag = doc.get("tag")
+    return str(tag) if tag is not None else os.path.basename(os.path.dirname(path))
+
+
+def _close_at_exit(ref: weakref.ref, ckpt: safepoint.Checkpointer) -> None:
+    """The engine's Checkpointer, still open at interpreter exit (the engine may be gone: the
+    hook keeps the Checkpointer alive until now): closed, or abandoned when the program ended
+    by an uncaught exception (a crash, not the end of the job: the agent persists what is not
+    on storage and keeps the snapshots for a restarted process's hot reload)."""
+    engine: Optional[SafepointCheckpointEngine] = ref()
+    if engine is not None and engine._ckpt is not ckpt:
+        engine = None  # it closed this one and opened another (which has its own hook)
+    crashed = getattr(sys, "last_value", None) is not None
+    if engine is None:
+        if crashed:
+            ckpt.abandon()
+        else:
+            ckpt.close()
+        return
+    engine._at_exit = None  # being run: nothing to unregister
+    if crashed:
+        engine._ckpt = None
+        ckpt.abandon()
+    else:
+        engine.close()  # also removes the pointers of the steps retention deleted
 
 
 def _to_device(obj: Any, device: Any) -> Any:
@@ -141,6 +185,7 @@ class SafepointCheckpointEngine(CheckpointEngine):
         self._step: Optional[int] = None
         self._files: dict[str, Any] = {}               # this save's files: name -> state dict
         self._shards: dict[tuple[str, int, int], Any] = {}  # (root, step, rank) -> loaded shard
+        self._at_exit: Optional[Any] = None  # the atexit hook while a Checkpointer is open
 
     # -- helpers ------------------------------------------------------------------------------
     @property
@@ -156,6 +201,10 @@ class SafepointCheckpointEngine(CheckpointEngine):
                 self.root, job=self.job, rank=rank, world_size=world, keep=self.keep,
                 on_busy=self.on_busy, shm_dir=self.shm_dir, allow_pickle=self.allow_pickle,
                 tiers=self.tiers)
+            # Closed at exit if the script does not close it (an engine dropped without close()
+            # included: the hook holds the Checkpointer, not the engine).
+            self._at_exit = functools.partial(_close_at_exit, weakref.ref(self), self._ckpt)
+            atexit.register(self._at_exit)
         return self._ckpt
 
     def _next_step(self) -> int:
@@ -224,7 +273,89 @@ class SafepointCheckpointEngine(CheckpointEngine):
                    "step": step, "rank": rank, "file": name, "tag": info.tag}
             _write_pointer(os.path.join(self._save_dir, name), doc, self.mode == "sync")
         self._files, self._step = {}, None
+        self._prune_pointers(self._save_dir)
         return True
+
+    # -- retention of the pointers ------------------------------------------------------------
+    def _held_steps(self, root: str) -> set[int]:
+        """The steps committed in ``root`` or on one of this engine's tiers."""
+        held = set(safepoint.steps(root)) if os.path.isdir(root) else set()
+        if root == self.root:
+            for tier in normalize_tiers(root, self.tiers):
+                held.update(safepoint.steps(tier.uri))
+        return held
+
+    def _loadable_tags(self, save_dir: str, root: str) -> list[str]:
+        """The tags in ``save_dir`` whose pointers name a step ``root`` (or a tier) holds."""
+        try:
+            held = self._held_steps(root)
+            entries = sorted(os.scandir(save_dir), key=lambda e: e.name)
+        except (Error, OSError):
+            return []
+        tags = []
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            for name in sorted(os.listdir(entry.path)):
+                try:
+                    doc = read_pointer(os.path.join(entry.path, name))
+                except Error:
+                    doc = None
+                if doc is not None:
+                    if doc.get("root") == root and doc.get("step") in held:
+                        tags.append(entry.name)
+                    break  # one pointer tells the tag's step
+        return tags
+
+    def _prune_pointers(self, save_dir: str) -> None:
+        """Removes the pointers in ``save_dir``'s tag directories whose steps retention deleted
+        (committed neither in the safepoint directory nor on a tier, and older than the newest
+        committed step: a step still being persisted is newer), then the directories that
+        leaves empty. The tag ``latest`` names is left alone. Every rank may run it (a file
+        another rank removed first is skipped). A failure (a tier that cannot be listed) leaves
+        everything for the next save: the save stands."""
+        root = self.root
+        if root is None:
+            return
+        try:
+            held = self._held_steps(root)
+            if not held:
+                return
+            newest = max(held)
+            try:
+                with open(os.path.join(save_dir, "latest")) as f:
+                    latest: Optional[str] = f.read().strip()
+            except OSError:
+                latest = None
+            for entry in list(os.scandir(save_dir)):
+                if entry.name == latest or not entry.is_dir(follow_symlinks=False):
+                    continue
+                emptied = False
+                for folder, _, names in os.walk(entry.path):
+                    for name in names:
+                        path = os.path.join(folder, name)
+                        try:
+                            doc = read_pointer(path)
+                        except Error:
+                            continue  # another version's pointer: not ours to judge
+                        if doc is None or doc.get("root") != root:
+                            continue
+                        step = doc.get("step")
+                        if type(step) is not int or step in held or step >= newest:
+                            continue
+                        try:
+                            os.unlink(path)
+                        except FileNotFoundError:
+                            pass
+                        emptied = True
+                if emptied:
+                    for folder, _, _ in sorted(os.walk(entry.path), reverse=True):
+                        try:
+                            os.rmdir(folder)  # only when empty: other files stay
+                        except OSError:
+                            pass
+        except (Error, OSError):
+            return
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state dict saved at ``path`` (read through its pointer)."""
@@ -233,19 +364,28 @@ class SafepointCheckpointEngine(CheckpointEngine):
             "not written by SafepointCheckpointEngine (no safepoint pointer); load torch "
             "checkpoints with DeepSpeed's TorchCheckpointEngine")
         root, step, writer, name = doc["root"], doc["step"], doc["rank"], doc["file"]
+        tag = _tag_of(path, doc)
         if self.root is None:
             self.root = root
         rank, _ = _dist()
-        if (root, step, rank) not in self._shards:
-            # The first load of a step on this rank: every rank makes it (collective).
-            self._shards = {(root, step, rank): self._own_shard(root, step, rank)}
         key = (root, step, writer)
-        if key not in self._shards:
-            self._shards[key] = self._committed_shard(path, root, step, writer)
+        try:
+            if (root, step, rank) not in self._shards:
+                # The first load of a step on this rank: every rank makes it (collective).
+                self._shards = {(root, step, rank): self._own_shard(root, step, rank)}
+            if key not in self._shards:
+                self._shards[key] = self._committed_shard(path, root, step, writer)
+        except NotFoundError as e:
+            save_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+            tags = self._loadable_tags(save_dir, root)
+            raise NotFoundError(
+                f"{path}: tag {tag!r} cannot be loaded: {e}. Retention keeps the newest "
+                f"{self.keep} saves; the tags of {save_dir} that can be loaded: "
+                f"{', '.join(tags) if tags else 'none'}") from None
         shard = self._shards[key]
         if not isinstance(shard, dict) or name not in shard:
-            raise CorruptionError(f"{path}: step {step} of {root} (rank {writer}) has no file "
-                                  f"{name!r}")
+            raise CorruptionError(f"{path}: tag {tag!r} (safepoint step {step} of {root}, rank "
+                                  f"{writer}) has no file {name!r}")
         state = shard[name]
         if isinstance(map_location, (str, torch.device)):
             state = _to_device(state, map_location)
@@ -255,20 +395,26 @@ class SafepointCheckpointEngine(CheckpointEngine):
         if self.mode == "flash" and root == self.root:
             got = self._checkpointer().load(step)
             if got is None:
-                raise NotFoundError(f"{root}: step {step} is neither in this node's memory nor "
-                                    "committed on storage")
+                raise NotFoundError(f"its safepoint step {step} of {root} is neither in this "
+                                    "node's memory nor committed on storage")
             return got[1]
         return safepoint.load(root, step, rank=rank, allow_pickle=self.allow_pickle)[1]
 
     def _committed_shard(self, path: str, root: str, step: int, writer: int) -> Any:
         """Another rank's shard, from storage once the step is committed."""
         deadline = time.monotonic() + self.load_timeout
-        while step not in (safepoint.steps(root) if os.path.isdir(root) else []):
+        while True:
+            committed = safepoint.steps(root) if os.path.isdir(root) else []
+            if step in committed:
+                break
+            if committed and step < committed[-1]:  # a newer step is committed: this one went
+                raise NotFoundError(f"rank {writer} wrote it into safepoint step {step} of "
+                                    f"{root}, which retention deleted")
             if time.monotonic() > deadline:
                 raise NotFoundError(
-                    f"{path}: rank {writer} wrote it into step {step} of {root}, which is not "
-                    f"committed after {self.load_timeout:.0f} s (the agent of rank {writer}'s "
-                    "node did not persist it); load an older tag")
+                    f"rank {writer} wrote it into safepoint step {step} of {root}, which is "
+                    f"not committed after {self.load_timeout:.0f} s (the agent of rank "
+                    f"{writer}'s node did not persist it)")
             time.sleep(0.05)
         return safepoint.load(root, step, rank=writer, allow_pickle=self.allow_pickle)[1]
 
@@ -279,11 +425,18 @@ class SafepointCheckpointEngine(CheckpointEngine):
             self._ckpt.wait(timeout)
 
     def close(self) -> None:
-        """Waits for the saves, then closes the Checkpointer (the snapshots leave memory)."""
+        """Waits for the saves, then closes the Checkpointer (the snapshots leave memory) and
+        removes the pointers of the steps retention deleted meanwhile. Call it at the end of
+        training (else it runs at interpreter exit)."""
         self._shards.clear()
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         if self._ckpt is not None:
             ckpt, self._ckpt = self._ckpt, None
             ckpt.close()
+            if self._save_dir is not None:
+                self._prune_pointers(self._save_dir)
 
     def cleanup(self) -> None:
         self.close()

@@ -157,6 +157,108 @@ def test_load_of_a_torch_checkpoint_names_the_way_out(tmp_path):
     assert torch.equal(got["w"], torch.arange(4.0)) and got["shape"] == torch.Size([2, 2])
 
 
+def _save_tag(eng, save_dir, tag, value):
+    """One DeepSpeed save of one file, as save_checkpoint makes it (create, save, commit), then
+    DeepSpeed's `latest`."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    info = CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=True)
+    eng.create(info)
+    os.makedirs(save_dir / tag, exist_ok=True)
+    eng.save({"w": torch.full((4,), float(value))},
+             str(save_dir / tag / "mp_rank_00_model_states.pt"))
+    assert eng.commit(info)
+    (save_dir / "latest").write_text(tag)
+
+
+def test_pointer_directories_of_pruned_steps_are_removed(tmp_path, shm):
+    """Retention deletes the steps past `keep`; their tag directories (pointers) go with them,
+    except other files a user put there."""
+    import safepoint
+    from safepoint.deepspeed import SafepointCheckpointEngine
+
+    ds = tmp_path / "ds"
+    eng = SafepointCheckpointEngine(job=f"dsprune{os.getpid()}", shm_dir=shm, keep=2)
+    _save_tag(eng, ds, "global_step1", 1)
+    (ds / "global_step1" / "notes.txt").write_text("mine")
+    for step in range(2, 8):
+        _save_tag(eng, ds, f"global_step{step}", step)
+    eng.close()
+    assert safepoint.steps(ds / "safepoint") == [6, 7]
+    assert sorted(p.name for p in ds.iterdir() if p.is_dir()) == [
+        "global_step1", "global_step6", "global_step7", "safepoint"]
+    assert [p.name for p in (ds / "global_step1").iterdir()] == ["notes.txt"]
+    got = SafepointCheckpointEngine(mode="sync").load(
+        str(ds / "global_step6" / "mp_rank_00_model_states.pt"))
+    assert torch.equal(got["w"], torch.full((4,), 6.0))
+
+
+def test_errors_name_the_tag_and_the_tags_that_can_be_loaded(tmp_path):
+    from safepoint import _core
+    from safepoint.deepspeed import SafepointCheckpointEngine
+    from safepoint.errors import NotFoundError
+
+    ds = tmp_path / "ds"
+    eng = SafepointCheckpointEngine(tmp_path / "sp", mode="sync")
+    for step, tag in enumerate(("warmup", "epoch1", "epoch2"), 1):
+        _save_tag(eng, ds, tag, step)
+    _core.delete_step(str(tmp_path / "sp"), 1)  # as retention would
+    with pytest.raises(NotFoundError) as e:
+        SafepointCheckpointEngine(mode="sync").load(
+            str(ds / "warmup" / "mp_rank_00_model_states.pt"))
+    msg = str(e.value)
+    assert "tag 'warmup' cannot be loaded" in msg, msg
+    assert "the tags of " in msg and msg.endswith("that can be loaded: epoch1, epoch2"), msg
+
+
+_KEPT = []  # the engine of a script that keeps it to the end
+
+
+def left_open_worker(save_dir: str, shm: str, job: str, how: str) -> None:
+    """Saves twice in flash mode and leaves without close(): with the engine alive (kept), after
+    dropping it (dropped), or by an exception (raise)."""
+    from pathlib import Path
+
+    from safepoint.deepspeed import SafepointCheckpointEngine
+
+    eng = SafepointCheckpointEngine(job=job, shm_dir=shm, keep=1)
+    for step in (1, 2):
+        _save_tag(eng, Path(save_dir), f"global_step{step}", step)
+    if how == "kept":
+        _KEPT.append(eng)
+    if how == "raise":
+        raise RuntimeError("the training loop failed")
+
+
+@pytest.mark.parametrize("how", ["kept", "dropped", "raise"])
+def test_an_engine_left_open_is_closed_at_exit_unless_the_program_crashed(tmp_path, shm, how):
+    """Without checkpoint_engine.close(), a script that ends normally closes the engine at
+    exit (every save committed, the snapshots leave shared memory, no leak warnings, and with
+    the engine still there the pointers of pruned steps go); one that ends by an uncaught
+    exception leaves the snapshots for a restarted process's hot reload."""
+    import safepoint
+
+    ds, job = tmp_path / "ds", f"dsexit{os.getpid()}{how}"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+    got = communicate(start_script(__file__, "--left-open", ds, shm, job, how, env=env), HANG)
+    rc, err = got.returncode, got.stderr
+    assert rc == (1 if how == "raise" else 0), err[-3000:]
+    assert "leak" not in err, err[-3000:]
+    slots = [f for _, _, files in os.walk(shm) for f in files if ".slot-" in f]
+    if how != "raise":
+        assert slots == [], slots
+        assert safepoint.steps(ds / "safepoint") == [2]
+        tags = sorted(p.name for p in ds.iterdir() if p.is_dir() and p.name != "safepoint")
+        # Dropped, the engine cannot clean up at exit: its next save (another run's) does.
+        assert tags == ["global_step2"] if how == "kept" else "global_step2" in tags
+    else:
+        assert slots, "the snapshots were dropped on a crash"
+        assert "the training loop failed" in err
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    worker(sys.argv[1:])
+    if sys.argv[1] == "--left-open":
+        left_open_worker(*sys.argv[2:])
+    else:
+        worker(sys.argv[1:])
