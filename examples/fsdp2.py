@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -77,8 +78,18 @@ def main() -> None:
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
-    args.ckpt = args.ckpt or tempfile.mkdtemp(prefix="safepoint-fsdp2-")
+    tmp = None if args.ckpt else tempfile.mkdtemp(prefix="safepoint-fsdp2-")
+    args.ckpt = args.ckpt or os.path.join(tmp, "ckpt")
     args.job = f"fsdp2-{os.getpid()}"
+    try:
+        ok = run(args)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    sys.exit(0 if ok else 1)
+
+
+def run(args) -> bool:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -97,7 +108,7 @@ def main() -> None:
         same = f.read() == digest(model.state_dict())
     print(f"resumed from step {step} (storage) with world size 1 after saving with 2; "
           f"weights bit-identical: {same}")
-    sys.exit(0 if same and step == args.steps and state["step"] == args.steps else 1)
+    return same and step == args.steps and state["step"] == args.steps
 
 
 if __name__ == "__main__":

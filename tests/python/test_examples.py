@@ -7,7 +7,9 @@ and resumes, all on the CPU in a few seconds. The contract each example keeps:
 - it prints ``resumed from step N (SOURCE)`` (SOURCE: memory or storage), once per rank that
   resumes, possibly after a prefix such as ``[rank 1] ``. An example that shows something else
   (a load, not a resume) names its own line in ``Example.pattern`` (a regex with a ``step``
-  group).
+  group);
+- it removes the temporary directory it made (named ``safepoint-*`` or ``sp-*`` in the
+  temporary directory, ``$TMPDIR``).
 
 To add an example, add an ``Example`` to EXAMPLES (a missing file is skipped, with the reason).
 """
@@ -111,9 +113,11 @@ def test_example_runs_and_resumes(ex: Example):
         pytest.skip(f"examples/{ex.file} does not exist yet")
     for module in ex.needs:
         pytest.importorskip(module)
-    # The examples' snapshots go to a private directory instead of /dev/shm.
+    # The examples' snapshots go to a private directory instead of /dev/shm, their temporary
+    # directories to a private $TMPDIR.
     own = tempfile.mkdtemp(prefix="spx-")
-    env = dict(os.environ, SAFEPOINT_SHM_DIR=own)
+    tmp = tempfile.mkdtemp(prefix="spt-")
+    env = dict(os.environ, SAFEPOINT_SHM_DIR=own, TMPDIR=tmp)
     try:
         proc = subprocess.run([sys.executable, path, *ex.args], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=ex.timeout)
@@ -127,8 +131,11 @@ def test_example_runs_and_resumes(ex: Example):
             assert {s for s, _ in found} == {ex.step}, out
         if ex.source is not None:
             assert {src for _, src in found} == {ex.source}, out
+        left = sorted(n for n in os.listdir(tmp) if n.startswith(("safepoint-", "sp-")))
+        assert left == [], f"temporary directories left behind: {left}\n{out}"
     finally:
         _remove_with_agents(own)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- docs/guide.md, "Getting started": its shell blocks, run as they stand ------------------------
