@@ -11,6 +11,12 @@ To show a crash and a resume in one command, ``main()`` first runs ``train()`` i
 process that kills itself with SIGKILL right after saving step ``--crash-at``, then runs it
 again, as a restarted job would: it prints ``resumed from step 12 (memory)``, because the agent
 still holds the snapshot in shared memory (after a reboot it would come from storage).
+
+``kill -TERM`` (a scheduler preempting the job) on a run, e.g. ``--steps 3000 --crash-at 0``:
+the next ``save()`` persists its step, and once it is committed the process ends as SIGTERM
+would have ended it (exit status 143), printing ``safepoint: SIGTERM: step N is committed to
+DIR; ending the process as SIGTERM does (...)``; the loop checks nothing. Run it again with the
+same ``--ckpt``: it resumes from step N (docs/guide.md, "Preemption").
 """
 
 from __future__ import annotations

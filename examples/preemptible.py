@@ -6,8 +6,10 @@
 ``train()`` calls ``ckpt.save(step, state)`` every step; only every 5th step is copied into
 shared memory (``snapshot_every=5``) and every 10th persisted. When the scheduler's SIGTERM (or
 SIGUSR1) reaches the ranks, their next ``save`` copies and persists that step, whatever the
-schedule, on every rank the same step, and returns once it is committed; ``ckpt.preempted``
-then ends the loop and the process exits 0. The next run resumes from exactly that step.
+schedule, on every rank the same step; once it is committed each rank ends as SIGTERM would
+have ended it (``safepoint [rank R]: SIGTERM: step 13 is committed to ...`` on stderr), which is
+what the scheduler waits for. The loop checks nothing. The next run resumes from exactly that
+step.
 
 Started without torchrun, ``main()`` launches the 2 ranks (torch.multiprocessing) and, once
 rank 0 has saved step ``--preempt-at``, sends SIGTERM to both, as torchrun does when its own
@@ -50,7 +52,9 @@ def train(ckpt_dir: str, steps: int, expect_start: Optional[int] = None,
     state = {"model": model, "optim": opt}
 
     # Made in the main thread: SIGTERM and SIGUSR1 become a preemption notice (the handlers
-    # chain to any installed before, and are put back when the block ends).
+    # chain to any installed before, and are put back when the block ends). The save after
+    # the notice persists its step on every rank; once it is committed the process ends as
+    # the signal would have ended it (on_preemption="return" would return instead).
     with safepoint.Checkpointer(ckpt_dir, snapshot_every=5, persist_every=10, keep=2) as ckpt:
         start = ckpt.restore(state) or 0
         print(f"[rank {rank}] " + (f"resumed from step {start} ({ckpt.last_load_source})"
@@ -66,16 +70,12 @@ def train(ckpt_dir: str, steps: int, expect_start: Optional[int] = None,
             loss.backward()
             opt.step()
             ckpt.save(step, state, include_rng=True)  # a copy on due steps; all ranks call it
-            if ckpt.preempted:  # this step is committed on storage: nothing left to do
-                print(f"[rank {rank}] preempted: step {step} committed, exiting", flush=True)
-                break
             if reached is not None and rank == 0 and step == reached[2]:
                 reached[0].set()  # (for the demo) the launcher now sends SIGTERM ...
                 reached[1].wait()  # ... and rank 0 goes on once it has
-        else:
-            ckpt.wait()
-            if rank == 0:
-                print(f"[rank 0] done: step {steps}, loss {loss.item():.4f}", flush=True)
+        ckpt.wait()
+        if rank == 0:
+            print(f"[rank 0] done: step {steps}, loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 
 
@@ -89,7 +89,8 @@ def _rank(index: int, ckpt_dir: str, steps: int, expect_start: Optional[int],
 def launch(ckpt_dir: str, steps: int, preempt_at: Optional[int] = None,
            expect_start: Optional[int] = None, nprocs: int = 2) -> None:
     """Runs the ranks until they end; with `preempt_at`, SIGTERMs them (as torchrun would)
-    once rank 0 saved that step."""
+    once rank 0 saved that step, and expects each to end by SIGTERM (after its step is
+    committed), else each to exit 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -104,8 +105,13 @@ def launch(ckpt_dir: str, steps: int, preempt_at: Optional[int] = None,
         for p in reversed(ctx.processes):  # one after the other, rank 1 first
             os.kill(p.pid, signal.SIGTERM)
         reached[1].set()
-    while not ctx.join():
-        pass
+    for i, p in enumerate(ctx.processes):  # (not ctx.join(): it ends the others at a failure)
+        p.join()
+        want = -signal.SIGTERM if preempt_at else 0
+        if p.exitcode != want:
+            sys.exit(f"launcher: rank {i} ended with {p.exitcode}, not {want}")
+    if preempt_at:
+        print("launcher: both ranks ended by SIGTERM", flush=True)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from safepoint import _core
 from safepoint._advisor import Advisor, parse_mtbf
 from safepoint._attempt import new_attempt, run_attempt
 from safepoint._ckpt_base import RestoreInfo
+from safepoint._ckpt_preemption import ON_PREEMPTION
 from safepoint._ckpt_restore import RestoreMixin
 from safepoint._ckpt_save import SaveMixin
 from safepoint._ckpt_status import StatusMixin
@@ -169,17 +170,24 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
 
     ``preemption`` (docs/guide.md, "Preemption"): once SIGTERM or SIGUSR1 (``preemption_signals``)
     has reached the process, or ``notify_preemption()`` was called, the next ``save`` copies and
-    persists its step whatever the schedule and returns once the step is committed;
-    ``preempted`` is True from then on, so that the loop can stop, and a restart resumes from
-    that step. With several ranks every rank preempts at the same step: each ``save`` is then a
-    collective (one all-reduce of one int on the Checkpointer's gloo group) until the notice.
-    Default (None): on for one process, and for several ranks when ``save`` is a collective
-    anyway (``dedupe``); True turns it on for ``dedupe=False`` too (every rank must then call
-    ``save`` for the same steps), False off. The handlers are installed only when the
-    Checkpointer is made in the main thread, chain to the handlers installed before, and are
-    put back by ``close``. A second signal, or ``preemption_grace_s`` seconds after the first
-    (default: no limit), ends the process as the signal's default action would (the agent
-    persists the newest snapshot, as for any dying process).
+    persists its step whatever the schedule and waits until the step is committed
+    (``preemption_pending()`` says whether that save is still to come). Then, by default
+    (``on_preemption="exit"``), the process ends as the signal would have ended it (the signal
+    raised again with its default action: the exit status is a death by SIGTERM, as a
+    scheduler expects), with one line on stderr saying so; a loop need not check anything.
+    ``on_preemption="return"`` leaves it to the program: ``save`` returns, ``preempted`` is
+    True from then on, and the loop stops on its own. A notice from ``notify_preemption()``
+    (no signal) always returns. A restart resumes from that step. With several ranks every
+    rank preempts at the same step: each ``save`` is then a collective (one all-reduce of one
+    int on the Checkpointer's gloo group) until the notice. Default (None): on for one
+    process, and for several ranks when ``save`` is a collective anyway (``dedupe``); True
+    turns it on for ``dedupe=False`` too (every rank must then call ``save`` for the same
+    steps), False off. The handlers are installed only when the Checkpointer is made in the
+    main thread, chain to the handlers installed before, and are put back by ``close``. A
+    second signal, or ``preemption_grace_s`` seconds after the first (default: no limit), ends
+    the process as the signal's default action would (the agent persists the newest snapshot,
+    as for any dying process); with ``on_preemption="exit"`` and no ``preemption_grace_s``, so
+    does a loop that begins no ``save`` within 20 s of the signal.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, job: Optional[str] = None,
@@ -199,7 +207,8 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
                  compression: str = "none", incremental: bool = False,
                  snapshot_every: int = 1, preemption: Optional[bool] = None,
                  preemption_grace_s: Optional[float] = None,
-                 preemption_signals: tuple[int, ...] = DEFAULT_SIGNALS) -> None:
+                 preemption_signals: tuple[int, ...] = DEFAULT_SIGNALS,
+                 on_preemption: str = "exit") -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -223,6 +232,10 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
         if on_busy not in ("wait", "skip"):
             raise InvalidArgumentError(
                 f"{self.path}: on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if on_preemption not in ON_PREEMPTION:
+            raise InvalidArgumentError(
+                f"{self.path}: on_preemption must be 'exit' or 'return', got {on_preemption!r}")
+        self.on_preemption = on_preemption
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"{self.path}: rank {rank} is not in [0, {world_size})")
         # Lineage (docs/guide.md, "Versions"): every step records the step this run was

@@ -85,14 +85,19 @@ class SaveMixin(PreemptionMixin):
         flight are waited for first), persisted, and waited for until committed."""
         grace = self._watch.grace_s if self._watch is not None else None
         timeout = -1.0 if grace is None else float(grace)
-        if self.on_busy == "skip":
-            client.wait(timeout)
 
         def copy_again() -> Any:
             return client.save(step, saveable, True, self._pickler, notify=False)
 
-        saved = self._saved(step, copy_again(), t0, copy_again=copy_again)
-        client.wait(timeout)
+        try:
+            if self.on_busy == "skip":
+                client.wait(timeout)
+            saved = self._saved(step, copy_again(), t0, copy_again=copy_again)
+            client.wait(timeout)
+        except Exception as e:
+            self._preemption_saved(step, e)  # with on_preemption="exit": the process ends
+            raise
+        self._preemption_saved(step)  # with on_preemption="exit": the process ends here
         return saved
 
     def before_update(self) -> Optional[bool]:

@@ -170,11 +170,15 @@ class SafepointCheckpointEngine(CheckpointEngine):
                  keep: int = 3, job: Optional[str] = None, shm_dir: Optional[str] = None,
                  on_busy: str = "wait", tiers: Optional[list[Any]] = None,
                  allow_pickle: Optional[AllowPickle] = None,
-                 load_timeout: float = 120.0) -> None:
+                 load_timeout: float = 120.0, on_preemption: str = "exit") -> None:
         super().__init__(None)
         self.name = ENGINE_NAME
         if mode not in ("flash", "sync"):
             raise InvalidArgumentError(f"mode must be 'flash' or 'sync', got {mode!r}")
+        if on_preemption not in ("exit", "return"):
+            raise InvalidArgumentError(
+                f"on_preemption must be 'exit' or 'return', got {on_preemption!r}")
+        self.on_preemption = on_preemption
         self.root = os.path.abspath(os.fspath(path)) if path is not None else None
         self.mode, self.keep, self.job, self.shm_dir = mode, keep, job, shm_dir
         self.on_busy, self.tiers, self.load_timeout = on_busy, tiers, load_timeout
@@ -200,7 +204,9 @@ class SafepointCheckpointEngine(CheckpointEngine):
             self._ckpt = safepoint.Checkpointer(
                 self.root, job=self.job, rank=rank, world_size=world, keep=self.keep,
                 on_busy=self.on_busy, shm_dir=self.shm_dir, allow_pickle=self.allow_pickle,
-                tiers=self.tiers)
+                tiers=self.tiers, on_preemption=self.on_preemption)
+            # The preemption save returns: commit writes the pointers, then ends the process.
+            self._ckpt._preemption_exit_deferred = True
             # Closed at exit if the script does not close it (an engine dropped without close()
             # included: the hook holds the Checkpointer, not the engine).
             self._at_exit = functools.partial(_close_at_exit, weakref.ref(self), self._ckpt)
@@ -274,7 +280,28 @@ class SafepointCheckpointEngine(CheckpointEngine):
             _write_pointer(os.path.join(self._save_dir, name), doc, self.mode == "sync")
         self._files, self._step = {}, None
         self._prune_pointers(self._save_dir)
+        if self._ckpt is not None and self._ckpt.preempted:
+            self._end_preempted(info)  # on_preemption="exit": the process ends here
         return True
+
+    def preemption_pending(self) -> bool:
+        """Whether a preemption signal came and its save is still to come (flash mode; a
+        collective with several ranks, like ``save_checkpoint``): for a loop that saves now
+        and then, ``if step % 100 == 0 or engine.checkpoint_engine.preemption_pending():
+        engine.save_checkpoint(...)``. False before the first save or load (no handler yet)."""
+        return self._ckpt is not None and self._ckpt.preemption_pending()
+
+    def _end_preempted(self, info: CheckpointCommitInfo) -> None:
+        """After the preemption save's pointers: with ``on_preemption="exit"``, writes
+        ``latest`` as DeepSpeed would next (global rank 0), then ends the process as the signal
+        would have (the Checkpointer says so on stderr). Returns with ``"return"``."""
+        assert self._ckpt is not None and self._save_dir is not None
+        if self.on_preemption != "exit" or self._ckpt._notice_signal() is None:
+            return
+        if info.save_latest and _dist()[0] == 0:
+            with open(os.path.join(self._save_dir, "latest"), "w") as f:
+                f.write(str(info.tag))
+        self._ckpt._exit_after_preemption(f"tag {info.tag!r} is DeepSpeed's latest")
 
     # -- retention of the pointers ------------------------------------------------------------
     def _held_steps(self, root: str) -> set[int]:

@@ -44,6 +44,16 @@ different steps. Resuming needs the same number of ranks (the Checkpointer's ``r
 FSDP1 (``fsdp_version`` 1; use 2), DeepSpeed (use FSDP2, or DeepSpeed's own checkpoints with
 ``save_strategy``), and ``mode="sync"`` with several ranks (use ``"flash"``).
 
+Preemption (flash mode; docs/guide.md, "Preemption"). The Checkpointer is opened when training
+begins, so SIGTERM or SIGUSR1 from then on is a preemption notice: at the end of the step in
+progress the callback saves that step whatever ``every_n_steps`` says (with several ranks, all at
+the same step: the ranks agree in one all-reduce of one int per step), waits until it is
+committed, and sets ``control.should_training_stop``; the Trainer stops and, at the end of
+``on_train_end``, the process ends as the signal would have ended it (one line on stderr; the
+user's code after ``trainer.train()`` does not run, as it would not have after a plain SIGTERM).
+``on_preemption="return"`` stops the Trainer the same way but lets ``trainer.train()`` return
+(``cb.preempted`` is True). A restart resumes from that step.
+
 Limits: the mixed-precision ``GradScaler`` state is not saved (the callback cannot reach the
 Trainer's accelerator; its scale re-adapts). With ``every_n_steps``, the states of other
 stateful callbacks (e.g. ``EarlyStoppingCallback``) are those of the Trainer's last own save.
@@ -77,13 +87,16 @@ class SafepointCallback(TrainerCallback):
     (``on_step_end``); None: save on the Trainer's ``on_save``. ``mode``: ``"flash"`` or
     ``"sync"``. ``persist_every``, ``keep``, ``job``, ``shm_dir``, ``on_busy``,
     ``allow_pickle``, ``tiers``: as for ``safepoint.Checkpointer`` (flash mode: the agent copies
-    committed steps down the storage tiers).
+    committed steps down the storage tiers). ``on_preemption``: ``"exit"`` (end the process as
+    the preemption signal would, once the Trainer has stopped after the preemption save) or
+    ``"return"`` (``trainer.train()`` returns; ``preempted`` is True); see the module doc.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, every_n_steps: Optional[int] = None,
                  mode: str = "flash", persist_every: int = 1, keep: int = 3,
                  job: Optional[str] = None, shm_dir: Optional[str] = None, on_busy: str = "wait",
-                 allow_pickle: AllowPickle = False, tiers: Optional[list[Any]] = None) -> None:
+                 allow_pickle: AllowPickle = False, tiers: Optional[list[Any]] = None,
+                 on_preemption: str = "exit") -> None:
         p = os.fspath(path)
         if not isinstance(p, str) or not p:
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
@@ -95,11 +108,16 @@ class SafepointCallback(TrainerCallback):
         for name, v in (("persist_every", persist_every), ("keep", keep)):
             if type(v) is not int or v < 1:
                 raise InvalidArgumentError(f"{p}: {name} must be a positive int, got {v!r}")
+        if on_preemption not in ("exit", "return"):
+            raise InvalidArgumentError(
+                f"{p}: on_preemption must be 'exit' or 'return', got {on_preemption!r}")
         self.path = p
         self.every_n_steps, self.mode = every_n_steps, mode
         self._ckpt_kw: dict[str, Any] = dict(persist_every=persist_every, keep=keep, job=job,
                                              shm_dir=shm_dir, on_busy=on_busy,
-                                             allow_pickle=allow_pickle, tiers=tiers)
+                                             allow_pickle=allow_pickle, tiers=tiers,
+                                             on_preemption=on_preemption)
+        self.preempted = False  # a preemption save was taken: the Trainer was told to stop
         self.allow_pickle = allow_pickle
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._last_saved: Optional[int] = None
@@ -120,6 +138,8 @@ class SafepointCallback(TrainerCallback):
             rank, world = _world()
             self._ckpt = safepoint.Checkpointer(self.path, rank=rank, world_size=world,
                                                 **self._ckpt_kw)
+            # The preemption save returns: the Trainer stops, then on_train_end ends the process.
+            self._ckpt._preemption_exit_deferred = True
         return self._ckpt
 
     def _check_setup(self, args, model=None) -> None:
@@ -178,11 +198,18 @@ class SafepointCallback(TrainerCallback):
         self._check_setup(args, kwargs.get("model"))
         if self._resume_dir is not None:  # the Trainer has read trainer_state.json by now
             shutil.rmtree(self._resume_dir, ignore_errors=True)
+        if self.mode == "flash":
+            self.checkpointer  # noqa: B018  (opened now: preemption signals are notices)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                     **kwargs):
         if self.every_n_steps is not None and state.global_step % self.every_n_steps == 0:
             self.save(args, state, control, model, optimizer, lr_scheduler)
+        elif self._ckpt is not None and self._ckpt.preemption_pending():
+            self.save(args, state, control, model, optimizer, lr_scheduler)  # the preemption save
+        if self._ckpt is not None and self._ckpt.preempted:
+            self.preempted = True
+            control.should_training_stop = True
 
     def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                 **kwargs):
@@ -190,8 +217,14 @@ class SafepointCallback(TrainerCallback):
             self.save(args, state, control, model, optimizer, lr_scheduler)
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Waits until the persisted steps are committed and closes the Checkpointer."""
+        """Waits until the persisted steps are committed and closes the Checkpointer. After a
+        preemption signal (``on_preemption="exit"``), ends the process as the signal would."""
         self._resume_state = None  # loaded into the trainer by now
+        if self._ckpt is not None:
+            self._ckpt.wait()
+            # Returns unless a signal preempted: then the process ends here, the snapshots
+            # staying in memory for a restart on this node (as after any death).
+            self._ckpt._exit_after_preemption("the Trainer stopped")
         self.close()
 
     def close(self) -> None:

@@ -227,16 +227,26 @@ class SafepointCheckpointIO(_CheckpointIO):
     ``shm_dir``, ``on_busy``, ``tiers``: passed to ``safepoint.Checkpointer`` (flash mode; the
     storage tiers keep their own retention, Lightning's applies to ``path``). ``commit_timeout``:
     how long a rank other than 0 waits for the step it loads to be committed (seconds).
+    ``on_preemption`` (flash mode; docs/guide.md, "Preemption"): after SIGTERM, Lightning stops
+    its loop at the end of the batch (its own signal handling); a ``save_checkpoint`` after the
+    signal (Lightning's ``OnExceptionCheckpoint`` callback makes one) is the preemption save,
+    committed before it returns. With ``"exit"`` (default) ``teardown`` then ends the process
+    as the signal would have (one line on stderr) instead of Lightning's exit status 0;
+    ``"return"`` leaves Lightning's.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, mode: str = "flash",
                  allow_pickle: AllowPickle = False, include_rng: bool = True,
                  job: Optional[str] = None, shm_dir: Optional[str] = None,
                  on_busy: str = "wait", tiers: Optional[list[Any]] = None,
-                 commit_timeout: float = 300.0) -> None:
+                 commit_timeout: float = 300.0, on_preemption: str = "exit") -> None:
         super().__init__()
         if mode not in ("flash", "sync"):
             raise InvalidArgumentError(f"mode must be 'flash' or 'sync', got {mode!r}")
+        if on_preemption not in ("exit", "return"):
+            raise InvalidArgumentError(
+                f"on_preemption must be 'exit' or 'return', got {on_preemption!r}")
+        self.on_preemption = on_preemption
         if on_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         self._root: Optional[str] = None
@@ -289,7 +299,10 @@ class SafepointCheckpointIO(_CheckpointIO):
             self._ckpt = safepoint.Checkpointer(
                 self._root, job=self.job, rank=self._rank, world_size=self._world_size,
                 keep=_NO_PRUNE, on_busy=self.on_busy, shm_dir=self.shm_dir,
-                allow_pickle=self.allow_pickle, tiers=self.tiers)
+                allow_pickle=self.allow_pickle, tiers=self.tiers,
+                on_preemption=self.on_preemption)
+            # The preemption save returns (its pointer follows); teardown ends the process.
+            self._ckpt._preemption_exit_deferred = True
         return self._ckpt
 
     def _take_step(self, root: str) -> int:
@@ -539,6 +552,8 @@ class SafepointCheckpointIO(_CheckpointIO):
         (its snapshots leave shared memory: the run is over). A later load reopens it."""
         try:
             self._collect(wait=True)
+            if self._ckpt is not None:  # after a preemption signal ("exit"): the process ends
+                self._ckpt._exit_after_preemption("Lightning stopped")
         finally:
             if self._ckpt is not None:
                 ckpt, self._ckpt = self._ckpt, None

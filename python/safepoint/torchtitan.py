@@ -26,6 +26,13 @@ or world size (resharding reads the byte ranges each rank needs). ``tiers`` (URI
 ``safepoint.Tier``), ``redundancy`` (peer copies), ``persist_every``, ``job`` and ``shm_dir``
 are passed to the Checkpointer.
 
+Preemption (docs/guide.md, "Preemption"): the trainer calls ``save`` every step, so after
+SIGTERM (or SIGUSR1) the next step is saved whatever ``interval`` says, on every rank the same
+step; once it is committed the process ends as the signal would have ended it (one line on
+stderr), which stops the training loop where a scheduler expects it to.
+``on_preemption="return"`` makes that save return instead (the trainer trains on; torchtitan
+has no stop flag a checkpoint manager could set).
+
 Not supported (refused at build with the option named): ``last_save_in_hf`` and
 ``initial_load_in_hf`` (Hugging Face safetensors export/import: use torchtitan's DCP manager
 for the final export), ``create_seed_checkpoint``; ``initial_load_path`` must name a safepoint
@@ -81,6 +88,10 @@ class SafepointCheckpointManager(BaseCheckpointManager):
         redundancy: Optional[str] = None
         """Copies in other nodes' memory: "mirror", "mirror:N" or "ec:K+P"."""
 
+        on_preemption: str = "exit"
+        """After a preemption signal and its save: "exit" (end as the signal would) or
+        "return"."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             for name in ("last_save_in_hf", "initial_load_in_hf", "create_seed_checkpoint"):
@@ -108,7 +119,7 @@ class SafepointCheckpointManager(BaseCheckpointManager):
             self.folder, job=config.job, shm_dir=config.shm_dir,
             persist_every=config.persist_every,
             keep=config.keep_latest_k or _KEEP_ALL, tiers=list(config.tiers) or None,
-            redundancy=config.redundancy)
+            redundancy=config.redundancy, on_preemption=config.on_preemption)
 
     @property
     def checkpointer(self) -> Optional[safepoint.Checkpointer]:
@@ -126,9 +137,11 @@ class SafepointCheckpointManager(BaseCheckpointManager):
             return False
         due = curr_step % self.config.interval == 0 or last_step or (
             curr_step == 1 and self.config.enable_first_step_checkpoint)
-        if not due:
-            return False
         ckpt = self._live()
+        # After a preemption signal the step is saved whatever the interval (and the process
+        # ends once it is committed): every rank calls save every step, so all agree.
+        if not due and not ckpt.preemption_pending():
+            return False
         saved = ckpt.save(curr_step, self.states, persist=True if last_step else None)
         if last_step:
             ckpt.wait()  # the run ends: the last step is on storage when save returns

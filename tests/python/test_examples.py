@@ -74,8 +74,9 @@ EXAMPLES = [
     Example("torchtitan_example.py", step=4, source="memory", needs=("torchtitan",)),
     Example("torchft_example.py", pattern=r"healed to step (?P<step>\d+) from a live peer: "
                                           r"bit-identical: True", step=5, needs=("torchft",)),
-    # SIGTERM after step 12: both ranks persist step 13 at once and resume from it.
-    Example("preemptible.py", step=13, source="storage", resumes=2),
+    # SIGTERM after step 12: both ranks persist step 13 at once, end by SIGTERM (the agent
+    # keeps their snapshots, as after any death) and resume from it in memory.
+    Example("preemptible.py", step=13, source="memory", resumes=2),
 ]
 
 

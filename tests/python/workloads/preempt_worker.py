@@ -11,11 +11,16 @@ MODE:
            ``--self-signal STEP`` sends the process SIGTERM after STEP.
            ``--thread`` makes the Checkpointer in a thread other than the main one and gives
            the notice with ``notify_preemption()`` from another thread after step 3.
+  plain    saves every step up to --steps and never looks at ``ckpt.preempted`` (a plain
+           loop), printing ``step N`` after each save; then ``finished`` and, after close(), exit
+           status 0. With the default ``on_preemption="exit"``, a signal ends it after the
+           preemption save instead.
   hang     saves steps 1..3, prints ``hanging`` and then makes no further save (a step that
            never ends), so that only a second signal or the grace period can end the process.
   resume   restores into a zeroed state and prints the step and whether it is bit-exact.
 
 With --ranks 2 and --rank R (and --store FILE), the process is one rank of a gloo job.
+``--on-preemption`` passes ``on_preemption`` (default: the Checkpointer's).
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("shm")
     ap.add_argument("job")
-    ap.add_argument("mode", choices=["train", "hang", "resume"])
+    ap.add_argument("mode", choices=["train", "plain", "hang", "resume"])
+    ap.add_argument("--steps", type=int, default=100000)
+    ap.add_argument("--on-preemption", default=None)
     ap.add_argument("--snapshot-every", type=int, default=1000)
     ap.add_argument("--persist-every", type=int, default=1000)
     ap.add_argument("--grace", type=float, default=None)
@@ -81,9 +88,10 @@ def main() -> None:
         signal.signal(signal.SIGTERM, user_handler)
 
     def make():
+        kw = {} if args.on_preemption is None else {"on_preemption": args.on_preemption}
         return safepoint.Checkpointer(
             args.ckpt, job=args.job, shm_dir=args.shm, snapshot_every=args.snapshot_every,
-            persist_every=args.persist_every, preemption_grace_s=args.grace, keep=5)
+            persist_every=args.persist_every, preemption_grace_s=args.grace, keep=5, **kw)
 
     if args.thread:
         box: list = []
@@ -104,6 +112,17 @@ def main() -> None:
         step = ckpt.restore(state)
         emit({"step": step, "exact": step is not None and exact(state, step, rank),
               "source": ckpt.last_load_source})
+        ckpt.close()
+        return
+
+    if args.mode == "plain":
+        for step in range(1, args.steps + 1):
+            ckpt.save(step, make_state(step, rank))
+            print(f"step {step}", flush=True)
+            if args.self_signal == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(args.pause)
+        print("finished", flush=True)
         ckpt.close()
         return
 
