@@ -459,15 +459,34 @@ class Flattener {
     }
     if (PyObject_IsInstance(o, t.mapping_type.ptr()) == 1) return Dict(obj, depth);
     if (pickler_.is_valid() && !pickler_.is_none()) {
-      nb::object b = pickler_(obj);
+      nb::object b;
+      try {
+        b = pickler_(obj);
+      } catch (nb::python_error& e) {
+        // A value that cannot be pickled (a lambda, a lock, an open file): the error names its
+        // key, as every other refusal of the walk does. Anything but an Exception
+        // (KeyboardInterrupt, SystemExit) goes on as it is.
+        if (!e.matches(PyExc_Exception)) throw;
+        nb::object refused = nb::module_::import_("safepoint.errors").attr("InvalidArgumentError");
+        std::string what = nb::cast<std::string>(nb::str(e.value()));
+        if (!e.matches(refused)) {  // a pickler of its own: say what it raised
+          what = "cannot pickle a value of type " + TypeName(obj) + ": " +
+                 nb::cast<std::string>(nb::str(e.type().attr("__name__"))) + ": " + what;
+        }
+        Fail(what);  // e is caught: Fail's InvalidArgumentError replaces it
+      }
       if (!PyBytes_Check(b.ptr())) Fail("the pickler did not return bytes");
       return Value(Pickled{std::string(PyBytes_AS_STRING(b.ptr()), PyBytes_GET_SIZE(b.ptr()))});
     }
-    nb::handle type = obj.type();
-    Fail("cannot save a value of type " + nb::cast<std::string>(nb::str(type.attr("__module__"))) +
-         "." + nb::cast<std::string>(nb::str(type.attr("__qualname__"))) +
+    Fail("cannot save a value of type " + TypeName(obj) +
          "; supported: tensors, numpy arrays, None, bool, int, float, str, bytes, and dicts, "
          "lists and tuples of these (or pass allow_pickle=True to pickle other objects)");
+  }
+
+  static std::string TypeName(nb::handle obj) {
+    nb::handle type = obj.type();
+    return nb::cast<std::string>(nb::str(type.attr("__module__"))) + "." +
+           nb::cast<std::string>(nb::str(type.attr("__qualname__")));
   }
 
   nb::handle pickler_;

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from safepoint import _core, _device_fill
+from safepoint._keys import missing_key
 from safepoint.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 # The dtypes images store, by the name an index entry gives (the same as torch's).
@@ -432,7 +433,7 @@ def _requests(sr: StepReader, rank: int, targets: Any,
         if isinstance(target, MutableMapping) and isinstance(saved, Mapping):
             for k in target:
                 if k not in saved:
-                    raise InvalidArgumentError(f"{where}: key {k!r} is not in the checkpoint")
+                    raise missing_key(where, k, saved.keys())
             return {k: merge(target.get(k), v, f"{where}.{k}") for k, v in saved.items()}
         if isinstance(saved, (list, tuple)):
             same = isinstance(target, (list, tuple)) and len(target) == len(saved)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from safepoint._keys import missing_key
 from safepoint._shards import copy_tensor
 from safepoint.errors import InvalidArgumentError
 
@@ -125,7 +126,7 @@ def restore_into(state: Any, loaded: Any, path: str = "", borrowed: bool = False
             if k == RNG_KEY:
                 continue
             if k not in loaded:
-                raise InvalidArgumentError(f"{where}: key {k!r} is not in the checkpoint")
+                raise missing_key(where, k, loaded.keys())
             current = state[k]
             got = loaded[k]
             if isinstance(current, torch.Tensor) and filled_in_place(current, got):

@@ -182,3 +182,76 @@ def test_leftover_temporaries_are_never_read(ckpt):
     (d / "COMMIT.tmp.0123456789abcdef").write_bytes(commit_path(ckpt, 2).read_bytes())
     assert safepoint.steps(ckpt) == [1, 2]
     assert safepoint.load(ckpt)[0] == 2
+
+
+def test_a_key_missing_from_the_checkpoint_lists_what_it_holds(ckpt):
+    safepoint.save(ckpt, 1, {"model": {"weights": torch.zeros(2), "b": torch.zeros(2)},
+                             "step": 1})
+    state = {"model": {"weight": torch.ones(2), "b": torch.ones(2)}, "step": 0}
+    # safepoint.restore (the byte ranges a state needs) and the restore of a whole loaded state
+    # (a Checkpointer's restore from memory): the same error.
+    for restore in (lambda: safepoint.restore(ckpt, state), lambda: _restore_into(state, ckpt)):
+        with pytest.raises(safepoint.InvalidArgumentError) as e:
+            restore()
+        msg = str(e.value)
+        assert msg == ("model: key 'weight' is not in the checkpoint, which holds there: "
+                       "'weights', 'b'. Did you mean 'weights'?"), msg
+
+
+def _restore_into(state, ckpt):
+    """The restore of a whole loaded state (what a restore from memory does)."""
+    from safepoint._stateful import restore_into
+
+    restore_into(state, safepoint.load(ckpt)[1])
+
+
+@pytest.mark.parametrize("saved_wrapped", [False, True])
+def test_a_ddp_module_prefix_is_named(ckpt, shm, saved_wrapped):
+    """DDP's wrapper prefixes every key with `module.`: saved one way and restored the other,
+    the error says so and what to do, and lists the checkpoint's keys."""
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    wrapped = {f"module.{k}": v for k, v in net.state_dict().items()}
+    plain = net.state_dict()
+    safepoint.save(ckpt, 1, {"model": wrapped if saved_wrapped else plain})
+    state = {"model": {k: v.clone() for k, v in (plain if saved_wrapped else wrapped).items()}}
+
+    def from_memory():
+        job = f"prefix-{os.getpid()}-{int(saved_wrapped)}"
+        with safepoint.Checkpointer(ckpt.parent / "flash", job=job, shm_dir=shm) as c:
+            c.save(1, {"model": wrapped if saved_wrapped else plain})
+            c.restore(state)
+
+    for restore in (lambda: safepoint.restore(ckpt, state), lambda: _restore_into(state, ckpt),
+                    from_memory):
+        with pytest.raises(safepoint.InvalidArgumentError) as e:
+            restore()
+        msg = str(e.value)
+        assert msg.startswith("model: key "), msg
+        assert "is not in the checkpoint, which holds there: " in msg, msg
+        held = "'module.0.weight', 'module.0.bias'" if saved_wrapped else "'0.weight', '0.bias'"
+        assert held in msg, msg
+        assert "'module.' prefix" in msg and "DistributedDataParallel" in msg, msg
+        assert ("The checkpoint's keys carry" if saved_wrapped else "The state's keys carry") \
+            in msg, msg
+
+
+def test_a_missing_key_lists_at_most_a_few_of_many(ckpt):
+    from safepoint._keys import _RNG_KEY, _SHOWN
+    from safepoint._stateful import RNG_KEY
+
+    assert _RNG_KEY == RNG_KEY
+    safepoint.save(ckpt, 1, {f"k{i:03d}": i for i in range(100)})
+    with pytest.raises(safepoint.InvalidArgumentError, match=r"'k011', \.\.\. \(100 keys in all\)"):
+        safepoint.restore(ckpt, {"other": 0})
+    safepoint.save(ckpt, 2, {})
+    with pytest.raises(safepoint.InvalidArgumentError, match="which holds no keys there"):
+        safepoint.restore(ckpt, {"x": 0})
+    assert _SHOWN == 12
+
+
+def test_a_value_that_cannot_be_pickled_names_its_key(ckpt):
+    state = {"cfg": {"schedule": [1, lambda step: step * 2]}, "w": torch.zeros(2)}
+    with pytest.raises(safepoint.InvalidArgumentError,
+                       match=r"^cfg\.schedule\.1: cannot pickle a builtins\.function"):
+        safepoint.save(ckpt, 1, state, allow_pickle=True)
+    assert safepoint.steps(ckpt) == []
