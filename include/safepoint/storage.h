@@ -30,6 +30,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "safepoint/status.h"
@@ -150,6 +151,24 @@ using StorageFactory =
     std::function<Result<std::unique_ptr<Storage>>(std::string_view uri, std::string_view rest)>;
 void RegisterStorageScheme(std::string scheme, StorageFactory factory);
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri);
+
+// Storage requests counted per URI scheme, for this process (docs/operations.md, "Storage
+// requests"). Every Storage that OpenStorage returns counts what it is asked: `list` (List),
+// `head` (Open: a stat or HEAD), `get` (ReadAt: a pread or ranged GET), `create` (Create), `write`
+// (WriteAt: a pwrite or part upload), `put` (Publish/PublishIfAbsent: the rename or PUT/complete
+// that makes an object visible), `del` (Delete) and `cleanup` (RemoveLeftovers). Metadata bytes
+// are the names and sizes a List returns (the name plus 16 bytes an entry) and every byte read
+// or written of an object that is not tensor data (COMMIT records, manifests, job records: every
+// name that neither ends in ".img" nor lies under "chunks/"); data bytes are the rest.
+struct StorageRequestCounts {
+  uint64_t list = 0, head = 0, get = 0, create = 0, write = 0, put = 0, del = 0, cleanup = 0;
+  uint64_t metadata_bytes = 0, data_bytes_read = 0, data_bytes_written = 0;
+  uint64_t requests() const { return list + head + get + create + write + put + del + cleanup; }
+};
+// The counts since this process started, by scheme ("file", "s3", "rados", "mem"), sorted.
+std::vector<std::pair<std::string, StorageRequestCounts>> StorageRequestCountsByScheme();
+// True for an object holding tensor data (an image or a content chunk), false for metadata.
+bool IsDataObjectName(std::string_view name);
 
 // Implementations (also reachable through OpenStorage).
 struct PosixStorageOptions {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "safepoint/storage.h"
 #include "state.h"
 
 namespace nb = nanobind;
@@ -356,6 +357,30 @@ void BindStore(nb::module_& m) {
   m.def("read_metadata", &ReadMetadata, "path"_a, "step"_a, "rank"_a,
         "unpickler"_a.none() = nb::none());
   m.def("read_ranges", &ReadRanges, "path"_a, "step"_a, "rank"_a, "requests"_a);
+  m.def(
+      "storage_requests",
+      []() {
+        nb::dict out;
+        for (const auto& [scheme, c] : StorageRequestCountsByScheme()) {
+          nb::dict d;
+          d["list"] = c.list;
+          d["head"] = c.head;
+          d["get"] = c.get;
+          d["create"] = c.create;
+          d["write"] = c.write;
+          d["put"] = c.put;
+          d["delete"] = c.del;
+          d["cleanup"] = c.cleanup;
+          d["requests"] = c.requests();
+          d["metadata_bytes"] = c.metadata_bytes;
+          d["data_bytes_read"] = c.data_bytes_read;
+          d["data_bytes_written"] = c.data_bytes_written;
+          out[nb::str(scheme.c_str())] = d;
+        }
+        return out;
+      },
+      "Storage requests this process made since it started, by URI scheme "
+      "(docs/operations.md, \"Storage requests\").");
 }
 
 }  // namespace safepoint::python

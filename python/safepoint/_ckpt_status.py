@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from safepoint import _core
 from safepoint._ckpt_base import CheckpointerBase, _fields
 
 
@@ -69,6 +70,10 @@ class StatusMixin(CheckpointerBase):
             "last_restore": self.last_restore._asdict() if self.last_restore else None,
             "persist_interval": self._advisor.status(agent.get("tiers", [])),
             "memory": self._memory(agent.get("agent_pid"), agent.get("replication")),
+            # storage requests by URI scheme: this process's (restores, listings) and the
+            # node agent's (persists, commits, tier copies); docs/operations.md
+            "storage_requests": {"process": _core.storage_requests(),
+                                 "agent": agent.get("storage_requests", {})},
         }
 
     def _memory(self, agent_pid: Optional[int],

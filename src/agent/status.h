@@ -11,4 +11,9 @@ namespace safepoint::agent {
 // One object per slot, keys in this order: slot, state, leased, step, image_bytes, capacity.
 nlohmann::ordered_json SlotsJson(const std::vector<SlotInfo>& slots);
 
+// The storage requests this process made, by URI scheme: {"file": {"list": n, "head": n, "get":
+// n, "create": n, "write": n, "put": n, "delete": n, "cleanup": n, "requests": n,
+// "metadata_bytes": n, "data_bytes_read": n, "data_bytes_written": n}, ...}.
+nlohmann::json StorageRequestsJson();
+
 }  // namespace safepoint::agent

@@ -106,6 +106,14 @@ Telemetry::Telemetry(const std::string& job)
   r.Declare("safepoint_shm_size_bytes", T::kGauge,
             "Size of the shared-memory filesystem the slots are on.");
   r.Declare("safepoint_ranks_connected", T::kGauge, "Training processes connected to the agent.");
+  r.Declare("safepoint_storage_requests_total", T::kCounter,
+            "Storage requests the agent made, by URI scheme and operation (list, head, get, "
+            "create, write, put, delete, cleanup).");
+  r.Declare("safepoint_storage_metadata_bytes_total", T::kCounter,
+            "Metadata bytes the agent listed, read or wrote (names, COMMIT records, manifests), "
+            "by URI scheme.");
+  r.Declare("safepoint_storage_data_bytes_total", T::kCounter,
+            "Tensor data bytes (images, chunks) the agent read or wrote, by scheme and direction.");
   r.Declare("safepoint_agent_start_time_seconds", T::kGauge, "Unix time the agent started.");
   r.Set("safepoint_agent_start_time_seconds", {}, UnixNow());
   // Failure counters exist at 0 from the start: Prometheus' increase() sees the first failure
@@ -345,6 +353,29 @@ void Telemetry::SetRanksConnected(size_t n) {
   registry_.Set("safepoint_ranks_connected", {}, static_cast<double>(n));
 }
 
+void Telemetry::SetStorageRequests(
+    const std::vector<std::pair<std::string, StorageRequestCounts>>& now) {
+  for (const auto& [scheme, c] : now) {
+    StorageRequestCounts& told = storage_told_[scheme];
+    const std::pair<const char*, uint64_t StorageRequestCounts::*> ops[] = {
+        {"list", &StorageRequestCounts::list},     {"head", &StorageRequestCounts::head},
+        {"get", &StorageRequestCounts::get},       {"create", &StorageRequestCounts::create},
+        {"write", &StorageRequestCounts::write},   {"put", &StorageRequestCounts::put},
+        {"delete", &StorageRequestCounts::del},    {"cleanup", &StorageRequestCounts::cleanup}};
+    for (const auto& [op, field] : ops) {
+      registry_.Add("safepoint_storage_requests_total", {{"scheme", scheme}, {"op", op}},
+                    static_cast<double>(c.*field - told.*field));
+    }
+    registry_.Add("safepoint_storage_metadata_bytes_total", {{"scheme", scheme}},
+                  static_cast<double>(c.metadata_bytes - told.metadata_bytes));
+    registry_.Add("safepoint_storage_data_bytes_total", {{"scheme", scheme}, {"dir", "read"}},
+                  static_cast<double>(c.data_bytes_read - told.data_bytes_read));
+    registry_.Add("safepoint_storage_data_bytes_total", {{"scheme", scheme}, {"dir", "written"}},
+                  static_cast<double>(c.data_bytes_written - told.data_bytes_written));
+    told = c;
+  }
+}
+
 void NodeAgent::StartTelemetry() {
   const std::string events =
       opt_.event_log.empty() ? protocol::EventLogPath(job_dir_) : opt_.event_log;
@@ -372,7 +403,17 @@ void NodeAgent::HandleReport(Client& c, const protocol::ReportNote& note) {
   const bool history = c.rank == 0;
   if (note.event == "save") {
     telemetry_.Saved(c.rank, note.step, note.saved, seconds, note.bytes);
-    if (history) history_.Saved(seconds);
+    if (history) {
+      // The save's step (how long a step takes) and the job's shape (who restores from where)
+      // go into the history with the save lines (src/advisor/history.h).
+      history_.Saved(seconds, note.step, [this] {
+        advisor::JobShape shape;
+        shape.world_size = config_ ? config_->world_size : 0;
+        shape.node_ranks = static_cast<uint32_t>(ranks_.size());
+        shape.peer_copies = replicator_.enabled();
+        return shape;
+      });
+    }
   } else if (note.event == "restore") {
     telemetry_.Restored(c.rank, note.step, source, seconds, note.bytes);
     if (history) history_.Restored(note.level.empty() ? note.source : note.level, seconds);
@@ -411,6 +452,7 @@ void NodeAgent::RefreshTelemetry(bool now) {
                                static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize);
   }
   telemetry_.SetRanksConnected(connected);
+  telemetry_.SetStorageRequests(StorageRequestCountsByScheme());
 }
 
 }  // namespace safepoint::agent

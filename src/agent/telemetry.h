@@ -30,6 +30,7 @@
 #include "agent/persist_queue.h"
 #include "agent/replicator.h"
 #include "agent/tier_copier.h"
+#include "safepoint/storage.h"
 
 namespace safepoint::agent {
 
@@ -75,6 +76,9 @@ class Telemetry {
   void SetPending(size_t persists_pending);
   void SetSharedMemory(uint64_t used, uint64_t free, uint64_t size);
   void SetRanksConnected(size_t n);
+  // The agent process's storage requests by scheme (StorageRequestCountsByScheme): what grew
+  // since the last call is added to the counters.
+  void SetStorageRequests(const std::vector<std::pair<std::string, StorageRequestCounts>>& now);
 
   MetricsRegistry& registry() { return registry_; }
 
@@ -93,6 +97,7 @@ class Telemetry {
   std::map<size_t, double> last_commit_;
   std::map<size_t, double> interval_;  // moving average of the interval between commits
   std::map<size_t, TierState> last_states_;
+  std::map<std::string, StorageRequestCounts> storage_told_;  // per scheme: added so far
 };
 
 }  // namespace safepoint::agent

@@ -16,6 +16,7 @@
 #include <string>
 #include <utility>
 
+#include "storage/counted_storage.h"
 #include "storage/rados/rados_storage.h"
 #include "storage/s3/s3_storage.h"
 
@@ -179,7 +180,8 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri) {
   size_t sep = uri.find("://");
   if (sep == std::string_view::npos || !IsScheme(uri.substr(0, sep))) {
     // A plain path, absolute or relative to the current directory.
-    return NewPosixStorage(std::string(uri));
+    SP_ASSIGN_OR_RETURN(std::unique_ptr<Storage> posix, NewPosixStorage(std::string(uri)));
+    return internal::CountRequests(std::move(posix), "file");
   }
   std::string_view scheme = uri.substr(0, sep);
   std::string_view rest = uri.substr(sep + 3);
@@ -189,7 +191,8 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri) {
     return InvalidArgument("storage URI \"" + std::string(uri) + "\": unknown scheme \"" +
                            std::string(scheme) + "\" (known schemes: " + known + ")");
   }
-  return factory(uri, rest);
+  SP_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, factory(uri, rest));
+  return internal::CountRequests(std::move(storage), scheme);
 }
 
 }  // namespace safepoint

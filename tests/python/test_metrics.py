@@ -91,7 +91,7 @@ def test_agent_serves_metrics_of_saves_persists_and_commits(ckpt, shm):
     # No step or tensor labels: every label is one of a bounded set.
     assert {k for (_, ls) in m for k, _ in ls} <= {
         "safepoint_job", "rank", "tier", "result", "uri", "where", "le", "kind", "code",
-        "reason", "source"}
+        "reason", "source", "scheme", "op", "dir"}
     ck.close()
 
 
