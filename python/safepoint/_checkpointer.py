@@ -18,10 +18,12 @@ status (``_ckpt_status``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import shutil
+import tempfile
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional, Union
@@ -41,11 +43,71 @@ from safepoint._replication import exchange_membership
 from safepoint._stateful import RNG_KEY
 from safepoint._tiers import TierLike, check_layout, core_tiers, normalize_tiers
 from safepoint._versions import encode_metadata
-from safepoint.errors import InvalidArgumentError
+from safepoint.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    StorageError,
+)
 
 __all__ = ["Checkpointer", "RestoreInfo"]
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def _check_writable(path: str) -> None:
+    """Checks, as the Checkpointer is built, that the checkpoint directory can be written: a
+    file can be made in it, or, when it does not exist yet, in the nearest directory above it
+    that does (where the agent will create it). A local path or file:// URI only (other storages
+    are checked by their own requests). The probe is a hidden empty file, removed at once. Root
+    passes permission bits but not a read-only filesystem, an immutable directory or a file in
+    the way, which is why this writes instead of asking access(). Raises PermissionDeniedError
+    (read-only, no permission, immutable) or StorageError naming the path: without it, every
+    persist of the run would fail in the background (issue 36, item 2)."""
+    if path.startswith("file://"):
+        local = path[len("file://"):]
+    elif _SCHEME.match(path):
+        return
+    else:
+        local = path
+    where = local
+    while not os.path.lexists(where):
+        parent = os.path.dirname(where)
+        if parent == where:
+            break
+        where = parent
+    if not os.path.isdir(where):
+        what = ("is not a directory" if where == local
+                else f"cannot be created: {where} is not a directory")
+        raise StorageError(f"{path}: {what}; the node agent could not persist any step there")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".safepoint-write-check-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        cls = (PermissionDeniedError if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+               else StorageError)
+        what = "is not writable" if where == local else f"cannot be created in {where}"
+        raise cls(f"{path}: {what} ({e.strerror}); the node agent could not persist any step "
+                  "there: choose a writable checkpoint path") from None
+
+
+# The agent's refusal of a process (its status code's name, then its message): the error it
+# stands for (src/client/snapshot_client.cc reports every refusal as InvalidArgument).
+_REFUSED = re.compile(r"the safepoint agent refused this process: (\w+): (.*)", re.S)
+_REFUSAL_ERRORS = {"IOError": StorageError, "ResourceExhausted": ResourceExhaustedError,
+                   "NotFound": NotFoundError}
+
+
+def _refusal(e: InvalidArgumentError) -> Exception:
+    """The storage error that an agent's refusal stands for (a checkpoint path it cannot
+    create, ...); `e` itself for any other."""
+    m = _REFUSED.search(str(e))
+    cls = _REFUSAL_ERRORS.get(m.group(1)) if m else None
+    if m is None or cls is None:
+        return e
+    return cls(f"{m.group(2)} (the node agent cannot use the checkpoint path)")
 
 
 def _distributed() -> tuple[Optional[int], Optional[int]]:
@@ -214,6 +276,7 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
             raise InvalidArgumentError(f"checkpoint path must be a non-empty str, got {path!r}")
         # The agent runs in another directory: give it an absolute path.
         self.path = p if _SCHEME.match(p) else os.path.abspath(p)
+        _check_writable(self.path)
         drank, dworld = _distributed()
         if rank is None:
             rank = drank if drank is not None else int(os.environ.get("RANK", 0))
@@ -280,10 +343,16 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
             raise InvalidArgumentError(f"{self.path}: metrics must be 'HOST:PORT', got {metrics!r}")
         log = event_log if event_log is not None else os.environ.get("SAFEPOINT_EVENT_LOG", "")
         self.event_log = os.path.abspath(os.fspath(log)) if log else ""
-        self._client = _core.Client(
-            self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
-            _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0,
-            self.metrics, self.event_log, compression, incremental)
+        try:
+            self._client = _core.Client(
+                self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
+                _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0,
+                self.metrics, self.event_log, compression, incremental)
+        except InvalidArgumentError as e:
+            err = _refusal(e)
+            if err is e:
+                raise
+            raise err from None
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
                                 mtbf_seconds, self.tiers)
         if rank == 0:  # a run of the job begins (the agent's history: src/advisor/history.h)

@@ -5,6 +5,7 @@ not, the preemption save), ``before_update``, the record of each save and the ag
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import warnings
 import weakref
@@ -16,9 +17,19 @@ from safepoint._ckpt_preemption import PreemptionMixin
 from safepoint._stateful import to_saveable
 from safepoint.errors import InvalidArgumentError
 
+# How often save() asks the node agent whether this rank's persists fail (one status request,
+# ~0.1 ms), and how often it warns again while they do.
+PERSIST_CHECK_S = 1.0
+PERSIST_WARN_EVERY_S = 60.0
+
 
 class SaveMixin(PreemptionMixin):
     """Checkpointer's save path."""
+
+    _persist_check_at: float = 0.0  # time.monotonic() of the next check
+    _persists_failed_seen: int = 0  # the agent's count of this rank's failed persists, last seen
+    _persists_failed_warned: int = 0  # ... when save() last warned
+    _persist_warn_at: float = 0.0  # no warning before this time (rate limit)
 
     def save(self, step: int, state: Any, *, persist: Optional[bool] = None,
              include_rng: bool = False, overlap: bool = False) -> bool:
@@ -213,7 +224,36 @@ class SaveMixin(PreemptionMixin):
             self._stats["agent_errors"] += 1
             warnings.warn(f"safepoint: step {step} is snapshotted in memory but the agent could "
                           f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=3)
+        self._check_persists()
         return bool(res["saved"])
+
+    def _check_persists(self) -> None:
+        """Warns (RuntimeWarning) when the node agent failed to persist snapshots of this rank:
+        at the first save that sees a failure, then at most every PERSIST_WARN_EVERY_S while
+        new ones come. The agent counts them in its status (ranks[].persists_failed and
+        last_error); save() asks at most every PERSIST_CHECK_S seconds."""
+        now = time.monotonic()
+        if now < self._persist_check_at or self._client is None:
+            return
+        self._persist_check_at = now + PERSIST_CHECK_S
+        try:
+            agent = json.loads(self._client.agent_status())
+        except Exception:  # the agent is being replaced: the next check asks again
+            return
+        mine = next((r for r in agent.get("ranks", []) if r.get("rank") == self.rank), {})
+        failed = int(mine.get("persists_failed") or 0)
+        self._persists_failed_seen = failed
+        if failed <= self._persists_failed_warned or now < self._persist_warn_at:
+            return
+        new = failed - self._persists_failed_warned
+        self._persists_failed_warned, self._persist_warn_at = failed, now + PERSIST_WARN_EVERY_S
+        warnings.warn(
+            f"safepoint: {self.path}: the node agent failed to persist {new} snapshot(s) of "
+            f"rank {self.rank} ({failed} in all); the last error: "
+            f"{mine.get('last_error') or 'unknown'}. The steps stay in memory only (lost with "
+            "this node) and wait() raises; status()['persists_failed'] counts them. (This "
+            f"warning repeats at most every {PERSIST_WARN_EVERY_S:g} s while persists fail.)",
+            RuntimeWarning, stacklevel=4)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every step persisted so far is committed, and with ``redundancy`` until

@@ -31,6 +31,12 @@ class UnavailableError(Error):
     """A service (the node agent, a peer) cannot be reached."""
 
 
+class PermissionDeniedError(StorageError, PermissionError):
+    """The storage may not be written: a read-only filesystem, a directory without write
+    permission, an immutable one (raised by the Checkpointer's check of its directory, before
+    any save: no C++ code maps to it)."""
+
+
 class ResourceExhaustedError(StorageError):
     """Out of space: a full disk (ENOSPC), a quota, too little shared memory."""
 
@@ -49,6 +55,7 @@ __all__ = [
     "NotFoundError",
     "CorruptionError",
     "StorageError",
+    "PermissionDeniedError",
     "InvalidArgumentError",
     "UnavailableError",
     "ResourceExhaustedError",
