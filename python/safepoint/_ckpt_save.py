@@ -240,7 +240,8 @@ class SaveMixin(PreemptionMixin):
             agent = json.loads(self._client.agent_status())
         except Exception:  # the agent is being replaced: the next check asks again
             return
-        mine = next((r for r in agent.get("ranks", []) if r.get("rank") == self.rank), {})
+        mine: dict[str, Any] = next(
+            (r for r in agent.get("ranks", []) if r.get("rank") == self.rank), {})
         failed = int(mine.get("persists_failed") or 0)
         self._persists_failed_seen = failed
         if failed <= self._persists_failed_warned or now < self._persist_warn_at:
