@@ -1,5 +1,7 @@
-// safepoint._core: the measurement history, the interval advisor and its controller
-// (src/advisor; docs/guide.md, "The interval advisor"). Python passes values; the math is here.
+// safepoint._core: the measurement history, the goodput model's plan (the one computation that
+// `safepoint simulate`, `safepoint advise` and persist_every="auto" share, src/advisor/plan.h)
+// and the controller of persist_every="auto" (docs/guide.md, "Choosing the checkpoint
+// interval"). Python passes values; the math is here.
 #include "advisor_bindings.h"
 
 #include <nanobind/stl/map.h>
@@ -11,8 +13,10 @@
 #include <string>
 #include <utility>
 
+#include "advisor/goodput.h"
 #include "advisor/history.h"
 #include "advisor/interval.h"
+#include "advisor/plan.h"
 #include "errors.h"
 
 namespace nb = nanobind;
@@ -29,6 +33,13 @@ void BindAdvisor(nb::module_& m) {
       "parse_duration", [](const std::string& s) { return Unwrap(ParseDuration(s)); }, "text"_a,
       "Seconds of '90', '5m', '3.1h', '2d'");
 
+  m.def("format_duration", &FormatDuration, "seconds"_a,
+        "'42 s', '3.5 min', '2.1 h': how every interval of the advisor is printed");
+
+  nb::class_<JobShape>(m, "JobShape", "The job's shape as its history records it")
+      .def_ro("world_size", &JobShape::world_size)
+      .def_ro("node_ranks", &JobShape::node_ranks)
+      .def_ro("peer_copies", &JobShape::peer_copies);
   nb::class_<Measured>(m, "Measured")
       .def_ro("seconds", &Measured::seconds)
       .def_ro("samples", &Measured::samples);
@@ -41,7 +52,11 @@ void BindAdvisor(nb::module_& m) {
       .def_ro("runs", &HistorySummary::runs)
       .def_ro("interruptions", &HistorySummary::interruptions)
       .def_ro("uptime_seconds", &HistorySummary::uptime_seconds)
-      .def_ro("learned_mtbf_seconds", &HistorySummary::learned_mtbf_seconds);
+      .def_ro("learned_mtbf_seconds", &HistorySummary::learned_mtbf_seconds)
+      .def_ro("save_period_seconds", &HistorySummary::save_period_seconds)
+      .def_ro("steps_per_save", &HistorySummary::steps_per_save)
+      .def_ro("step_seconds", &HistorySummary::step_seconds)
+      .def_ro("shape", &HistorySummary::shape);
   m.def(
       "read_history", [](const std::string& path) { return Unwrap(ReadHistory(path)); }, "path"_a);
   m.def(
@@ -53,29 +68,66 @@ void BindAdvisor(nb::module_& m) {
       "The history the job's agent keeps with its checkpoints, wherever they are "
       "(src/advisor/history.h); NotFoundError when there is none");
 
-  nb::class_<IntervalAdvice>(m, "IntervalAdvice", "The advisor's recommendation for one level")
-      .def_ro("level", &IntervalAdvice::level)
-      .def_ro("interval_seconds", &IntervalAdvice::interval_seconds)
-      .def_ro("young_seconds", &IntervalAdvice::young_seconds)
-      .def_ro("availability_seconds", &IntervalAdvice::availability_seconds)
-      .def_ro("expected_goodput", &IntervalAdvice::expected_availability)
-      .def_ro("save_seconds", &IntervalAdvice::save_seconds)
-      .def_ro("recovery_seconds", &IntervalAdvice::recovery_seconds)
-      .def_ro("mtbf_seconds", &IntervalAdvice::mtbf_seconds)
-      .def_ro("bound", &IntervalAdvice::bound)
-      .def_ro("warnings", &IntervalAdvice::warnings)
-      .def("explain", &IntervalAdvice::Explain);
+  nb::class_<SimulationInputs>(m, "SimulationInputs",
+                               "The goodput model's inputs (src/advisor/goodput.h)")
+      .def(nb::init<>())
+      .def_rw("gpus", &SimulationInputs::gpus)
+      .def_rw("gpus_per_node", &SimulationInputs::gpus_per_node)
+      .def_rw("mtbf_seconds", &SimulationInputs::mtbf_seconds)
+      .def_rw("node_loss_fraction", &SimulationInputs::node_loss_fraction)
+      .def_rw("peer_copies", &SimulationInputs::peer_copies)
+      .def_rw("step_seconds", &SimulationInputs::step_seconds)
+      .def_rw("snapshot_seconds", &SimulationInputs::snapshot_seconds)
+      .def_rw("persist_seconds", &SimulationInputs::persist_seconds)
+      .def_rw("restart_seconds", &SimulationInputs::restart_seconds)
+      .def_rw("restore_memory_seconds", &SimulationInputs::restore_memory_seconds)
+      .def_rw("restore_peer_seconds", &SimulationInputs::restore_peer_seconds)
+      .def_rw("restore_storage_seconds", &SimulationInputs::restore_storage_seconds)
+      .def_rw("sync_save_seconds", &SimulationInputs::sync_save_seconds)
+      .def_rw("dcp_blocking_seconds", &SimulationInputs::dcp_blocking_seconds);
+  nb::class_<JobInputs>(m, "JobInputs", "The model's inputs of a job and where each came from")
+      .def_ro("inputs", &JobInputs::in)
+      .def_ro("sources", &JobInputs::sources)
+      .def_ro("restore_memory_estimated", &JobInputs::restore_memory_estimated)
+      .def_ro("restore_storage_estimated", &JobInputs::restore_storage_estimated)
+      .def_ro("interruptions", &JobInputs::interruptions);
+  m.def("inputs_from_history", &InputsFromHistory, "history"_a, "record_world_size"_a = 0,
+        "The model's inputs from a job's history (src/advisor/plan.h)");
+  nb::class_<StrategyResult>(m, "StrategyResult", "One strategy of a plan")
+      .def_ro("name", &StrategyResult::name)
+      .def_ro("interval_seconds", &StrategyResult::interval_seconds)
+      .def_ro("blocking_seconds", &StrategyResult::blocking_seconds)
+      .def_ro("goodput", &StrategyResult::goodput)
+      .def_ro("persist_every_saves", &StrategyResult::persist_every_saves)
+      .def_ro("interval_steps", &StrategyResult::interval_steps)
+      .def_ro("persist_every_steps", &StrategyResult::persist_every_steps);
+  nb::class_<Plan>(m, "Plan", "The goodput model's answer: each strategy at its interval")
+      .def_ro("inputs", &Plan::inputs)
+      .def_ro("optimal", &Plan::optimal)
+      .def_ro("strategies", &Plan::strategies)
+      .def_prop_ro("safepoint", [](const Plan& p) { return p.safepoint(); });
   m.def(
-      "advise_interval",
-      [](const std::string& level, std::optional<double> save, std::optional<double> persist,
-         std::optional<double> restore, std::optional<double> restart, double mtbf,
-         double min_seconds, double max_seconds) {
-        LevelCosts c{level, save, persist, restore, restart, 0};
-        return Unwrap(AdviseInterval(c, mtbf, IntervalBounds{min_seconds, max_seconds}));
+      "make_plan",
+      [](const SimulationInputs& in, std::optional<double> interval) {
+        return Unwrap(MakePlan(in, interval));
       },
-      "level"_a, "save"_a.none(), "persist"_a.none(), "restore"_a.none(), "restart"_a.none(),
-      "mtbf"_a, "min_seconds"_a = 0.0, "max_seconds"_a = 86400.0,
-      "The goodput-optimal interval of one level (src/advisor/interval.h)");
+      "inputs"_a, "interval"_a = nb::none(),
+      "Each strategy at its goodput-optimal interval, or all at `interval` (src/advisor/plan.h)");
+  nb::class_<LevelAdvice>(m, "LevelAdvice", "The plan's interval for one level, explained")
+      .def_ro("level", &LevelAdvice::level)
+      .def_ro("action", &LevelAdvice::action)
+      .def_ro("interval_seconds", &LevelAdvice::interval_seconds)
+      .def_ro("interval_steps", &LevelAdvice::interval_steps)
+      .def_ro("every", &LevelAdvice::every)
+      .def_ro("cost_seconds", &LevelAdvice::cost_seconds)
+      .def_ro("explanation", &LevelAdvice::explanation);
+  m.def("advise_levels", &AdviseLevels, "plan"_a,
+        "tier_copy_seconds"_a = std::map<std::string, double>{},
+        "memory, path and each tier at the plan's intervals (src/advisor/plan.h)");
+  m.def("persist_every_saves", &PersistEverySaves, "persist_seconds"_a, "period_seconds"_a,
+        "How many saves apart storage takes a step when it takes them as often as it can");
+  m.def("interval_steps", &IntervalSteps, "interval_seconds"_a, "blocking_seconds"_a,
+        "step_seconds"_a, "Whole steps in an interval (k x step + blocking nearest it)");
 
   nb::class_<IntervalController>(m, "IntervalController",
                                  "Follows the advice within bounds, with hysteresis")

@@ -1,20 +1,26 @@
 """A Checkpointer's ``persist_every="auto"`` schedule and what it learns from the job's history
-(docs/guide.md, "The interval advisor").
+(docs/guide.md, "Choosing the checkpoint interval").
 
-The job's measurement history (save blocking times, persists, tier copies, restores, starts and
-clean ends) is kept by the node agent that serves rank 0, next to the job's checkpoints
-(src/advisor/history.h, src/agent/history_recorder.h): each save's report travels with its
-snapshot note (one message per save), a restore's and the run's start as reports. This process
-writes none of it and polls the agent for none of it; it only reads the history once, at start
-(``_core.read_job_history``), for the learned MTBF and restart and restore times. With
-``persist_every="auto"`` the schedule follows the C++ advisor's interval for the checkpoint path
-(``_core.advise_interval``) through a ``_core.IntervalController`` (bounded, with hysteresis),
-converted to steps with the measured time per step; the persist time it needs is read from this
-rank's snapshot slots, where the agent records how long each snapshot's write to storage took
-(``Client.last_persisted``, shared memory: no message; an agent of an earlier version records
-none, and is asked for its status instead). Every rank must persist the same steps, so
-the schedule is re-evaluated every ``ADVISE_EVERY_SAVES`` saves (all ranks save equally often)
-and, under torch.distributed, rank 0's result is broadcast.
+The job's measurement history (save blocking times and steps, persists, tier copies, restores,
+starts and clean ends, the job's shape) is kept by the node agent that serves rank 0, next to
+the job's checkpoints (src/advisor/history.h, src/agent/history_recorder.h): each save's report
+travels with its snapshot note (one message per save), a restore's and the run's start as
+reports. This process writes none of it and polls the agent for none of it; it only reads the
+history once, at start (``_core.read_job_history``), for the learned MTBF and restart and restore
+times.
+
+One model, one answer (src/advisor/plan.h): with ``persist_every="auto"`` the schedule is the
+goodput model's, the same computation as ``safepoint advise`` and ``safepoint simulate``. A
+persist costs training nothing (the agent writes in the background), so the model persists as
+often as storage takes steps: every ``_core.persist_every_saves(persist, save interval)``-th
+save, followed through a ``_core.IntervalController`` (bounded, with hysteresis) and given in
+steps. The persist time is read from this rank's snapshot slots, where the agent records how long
+each snapshot's write to storage took (``Client.last_persisted``, shared memory: no message; an
+agent of an earlier version records none, and is asked for its status instead). With a failure
+rate (``mtbf=`` or learned) the status also gives the model's goodput at the job's save interval
+and its goodput-optimal save interval (``_core.make_plan``). Every rank must persist the same
+steps, so the schedule is re-evaluated every ``ADVISE_EVERY_SAVES`` saves (all ranks save equally
+often) and, under torch.distributed, rank 0's result is broadcast.
 """
 
 from __future__ import annotations
@@ -47,6 +53,18 @@ def parse_mtbf(path: str, mtbf: Union[None, int, float, str]) -> Optional[float]
     return float(mtbf)
 
 
+def _nth(n: int) -> str:
+    """'' for 1, else '2nd ', '3rd ', '11th ', ..."""
+    if n == 1:
+        return ""
+    suffix = "th" if 11 <= n % 100 <= 13 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix} "
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 class Advisor:
     """The persist schedule of one Checkpointer, and the names of its history's levels."""
 
@@ -71,11 +89,15 @@ class Advisor:
         self._saves = 0
         self._blocking: collections.deque[float] = collections.deque(maxlen=_WINDOW)
         self._persist: collections.deque[float] = collections.deque(maxlen=_WINDOW)
-        self._step_seconds: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._periods: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._steps_per_save: collections.deque[int] = collections.deque(maxlen=_WINDOW)
         self._restores: dict[str, float] = {}
         self._last: Optional[tuple[int, float]] = None  # (step, time) of the previous save
         self._persisted_step: Optional[int] = None  # the newest persist sampled
-        self._advice: Optional[Any] = None
+        self._target: Optional[float] = None  # the model's persist interval, in seconds
+        self._chosen: Optional[int] = None  # the steps of the controller's interval
+        self._plan: Optional[Any] = None  # the model at the job's save interval
+        self._best: Optional[Any] = None  # the model at its goodput-optimal save interval
         self._controller = _core.IntervalController(0.0, 0.0, 86400.0, 0.25)
         self._why = ("no measurements yet: persisting every step until the advisor has them"
                      if self.auto else f"persist_every={self.every}")
@@ -90,7 +112,8 @@ class Advisor:
         snapshot note.)"""
         now = time.monotonic()
         if self._last is not None and step > self._last[0]:
-            self._step_seconds.append((now - self._last[1]) / (step - self._last[0]))
+            self._periods.append(now - self._last[1])
+            self._steps_per_save.append(step - self._last[0])
         self._last = (step, now)
         self._blocking.append(blocking)
         self._saves += 1
@@ -98,7 +121,7 @@ class Advisor:
             return
         if self.rank == 0:
             self._sample_persist(ckpt)
-        every = self._reevaluate() if self.rank == 0 else self.every
+        every = self._reevaluate(ckpt) if self.rank == 0 else self.every
         if ckpt._group is not None:
             import torch.distributed as dist
 
@@ -134,36 +157,76 @@ class Advisor:
             return past.learned_mtbf_seconds, f"learned from {past.interruptions} restarts"
         return None, ""
 
-    def _reevaluate(self) -> int:
-        mtbf, mtbf_source = self._mtbf()
-        if mtbf is None:
-            self._why = ("no failure rate: pass mtbf= (or it is learned after the job's first "
-                         "restart); persisting every step")
+    def inputs(self, ckpt: Any, save: float, persist: float, step_seconds: float,
+               mtbf: float) -> Any:
+        """The goodput model's inputs for this job (the same as ``safepoint advise`` builds from
+        its history): this process's measurements, the history's restart and restore times, and
+        the job's shape (world size, the ranks of this node, copies on peers)."""
+        past = self.past
+        restore = dict(self._restores)
+        if past is not None:
+            for level, m in past.restore.items():
+                restore.setdefault(level, m.seconds)
+        i = _core.SimulationInputs()
+        world = int(getattr(ckpt, "world_size", 1) or 1)
+        replication = getattr(ckpt, "replication", None)
+        nodes = len(replication["nodes"]) if replication else 0
+        i.gpus = world
+        i.gpus_per_node = max(1, -(-world // nodes)) if nodes else world
+        i.peer_copies = bool(replication) and nodes >= 2
+        i.mtbf_seconds = mtbf
+        i.step_seconds = step_seconds
+        i.snapshot_seconds = save
+        i.persist_seconds = persist
+        if past is not None and past.restart is not None:
+            i.restart_seconds = past.restart.seconds
+        i.restore_memory_seconds = restore.get("memory", 0.0)
+        i.restore_peer_seconds = restore.get("peer", 0.0)
+        i.restore_storage_seconds = restore.get("path", 0.0)
+        return i
+
+    def _reevaluate(self, ckpt: Any) -> int:
+        if not self._blocking or not self._periods:
             return self.every
-        if not self._blocking or not self._step_seconds:
+        if not self._persist:
+            self._why = ("no persist time measured yet: persisting every step until the agent "
+                         "has written one")
             return self.every
         save = statistics.median(self._blocking)
-        persist = statistics.median(self._persist) if self._persist else None
-        restore = self._restores.get("path")
-        if restore is None and self.past is not None and "path" in self.past.restore:
-            restore = self.past.restore["path"].seconds
-        restore_note = "measured"
-        if restore is None:  # reading back costs about what writing did, until measured
-            restore, restore_note = (persist or 0.0), "estimated as the persist time"
-        restart = self.past.restart.seconds if self.past is not None and self.past.restart \
-            else None
-        try:
-            advice = _core.advise_interval("path", save, persist, restore, restart, mtbf)
-        except Error as e:
-            self._why = f"no advice: {e}"
-            return self.every
-        self._advice = advice
-        why = (f"{advice.explain()} (MTBF {mtbf_source}; restore time {restore_note}; "
-               f"{statistics.median(self._step_seconds):.3g} s per step)")
-        self._controller.update(advice.interval_seconds, why)
+        period = statistics.median(self._periods)  # from one save to the next
+        per_save = max(1, round(statistics.median(self._steps_per_save)))  # steps
+        persist = statistics.median(self._persist)
+        saves = _core.persist_every_saves(persist, period)
+        fd = _core.format_duration
+        self._target = saves * period
+        why = (f"path: persist every {_nth(saves)}save "
+               f"({fd(saves * period)}, {_steps(saves * per_save)}): a persist takes {fd(persist)} "
+               "in the background and costs training nothing, so as often as the storage takes "
+               f"steps is best (the goodput model; saves every {fd(period)}, "
+               f"{_steps(per_save)})")
+        mtbf, mtbf_source = self._mtbf()
+        self._plan = self._best = None
+        if mtbf is not None:
+            step_seconds = max(0.0, (period - save) / per_save)
+            try:
+                inputs = self.inputs(ckpt, save, persist, step_seconds, mtbf)
+                self._plan = _core.make_plan(inputs, period)
+                self._best = _core.make_plan(inputs)
+            except Error as e:
+                why += f"; no goodput: {e}"
+            else:
+                best = self._best.safepoint
+                steps = (f" ({_steps(best.interval_steps)})" if best.interval_steps is not None
+                         else "")
+                why += (f"; expected goodput {100 * self._plan.safepoint.goodput:.1f}% with "
+                        f"failures every {fd(mtbf)} (MTBF {mtbf_source}); the goodput-optimal "
+                        f"save interval is {fd(best.interval_seconds)}{steps}")
+        # The steps chosen with the reason that chose them (the controller keeps both until the
+        # model's interval moves by more than its hysteresis).
+        if self._controller.update(saves * period, why):
+            self._chosen = saves * per_save
         self._why = self._controller.reason
-        per_step = statistics.median(self._step_seconds)
-        return max(1, round(self._controller.interval_seconds / per_step)) if per_step > 0 else 1
+        return self._chosen or self.every
 
     # -- restores and the end -------------------------------------------------------------------
     def restored(self, source: str, uri: Optional[str], seconds: float) -> str:
@@ -177,13 +240,17 @@ class Advisor:
         """The schedule and why; `tiers`: the agent's tier status (each tier's last copy time)."""
         copy = {f"tier {t.get('tier')}": float(t["last_copy_seconds"])
                 for t in tiers if t.get("last_copy_seconds")}
-        a = self._advice
+        plan, best = self._plan, self._best
         return {
             "mode": "auto" if self.auto else "steps",
             "every_steps": self.every,
             "seconds": self._controller.interval_seconds if self.auto else None,
-            "recommended_seconds": a.interval_seconds if a is not None else None,
-            "expected_goodput": a.expected_goodput if a is not None else None,
+            "recommended_seconds": self._target,
+            "expected_goodput": plan.safepoint.goodput if plan is not None else None,
+            "save_interval": None if best is None else {
+                "recommended_seconds": best.safepoint.interval_seconds,
+                "recommended_steps": best.safepoint.interval_steps,
+                "expected_goodput": best.safepoint.goodput},
             "changes": self._controller.changes,
             "reason": self._why,
             "tiers": {level: "auto: every step committed on the tier above, the newest whenever "

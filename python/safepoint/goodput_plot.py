@@ -3,9 +3,12 @@
 ``python -m safepoint.goodput_plot CSV PNG [--measured INTERVAL GOODPUT] [--title TEXT]``
 
 The CSV is what ``safepoint simulate --csv`` writes: a column ``interval_seconds`` and one
-column of expected goodput per strategy. Each strategy's curve is drawn on a logarithmic
-interval axis with its optimum marked; ``--measured`` adds a measured point (the validation in
-docs/benchmarks.md). The numbers all come from the C++ simulator; this module only draws them.
+column of expected goodput per strategy, in full precision, with each strategy's interval of the
+model's plan among the points (src/advisor/plan.h, GoodputCurve). Each strategy's curve is drawn
+on a logarithmic interval axis with its highest point marked, which is that interval, labelled
+the way ``safepoint simulate`` and ``safepoint advise`` print it (``_core.format_duration``): one
+model, one answer. ``--measured`` adds a measured point (the validation in docs/benchmarks.md).
+The numbers all come from the C++ model; this module only draws them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,21 @@ def read_curves(path: str) -> tuple[list[float], dict[str, list[float]]]:
     return xs, curves
 
 
+def format_duration(seconds: float) -> str:
+    """The interval as the CLI prints it ('0.164 s', '3.5 min')."""
+    try:
+        from safepoint import _core
+
+        return str(_core.format_duration(seconds))
+    except ImportError:  # the module alone, without the package's extension
+        return f"{seconds:.3g} s"
+
+
+def optimum(xs: list[float], ys: list[float]) -> int:
+    """The index of the curve's highest point (the first of equal ones)."""
+    return max(range(len(ys)), key=ys.__getitem__)
+
+
 def plot(csv_path: str, png_path: str, measured: list[float] | None = None,
          title: str | None = None) -> None:
     import matplotlib
@@ -37,9 +55,10 @@ def plot(csv_path: str, png_path: str, measured: list[float] | None = None,
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for i, (name, ys) in enumerate(curves.items()):
         (line,) = ax.plot(xs, [100 * y for y in ys], label=name)
-        best = max(range(len(ys)), key=ys.__getitem__)
+        best = optimum(xs, ys)
         ax.plot([xs[best]], [100 * ys[best]], "o", color=line.get_color())
-        ax.annotate(f"{100 * ys[best]:.1f}% at {xs[best]:.3g} s", (xs[best], 100 * ys[best]),
+        ax.annotate(f"{100 * ys[best]:.2f}% at {format_duration(xs[best])}",
+                    (xs[best], 100 * ys[best]),
                     textcoords="offset points", xytext=(6, -14 - 12 * i), fontsize=8,
                     color=line.get_color())
     if measured:

@@ -173,8 +173,18 @@ Result<SimulationInputs> CompleteInputs(SimulationInputs in) {
   if (in.gpus == 0 || in.gpus_per_node == 0) {
     return InvalidArgument("the cluster needs at least one GPU and one GPU per node");
   }
+  if (in.peer_copies && Nodes(in) < 2) {
+    return InvalidArgument("peer copies need at least two nodes; the job has " +
+                           std::to_string(in.gpus) + " GPU" + (in.gpus == 1 ? "" : "s") +
+                           " on one node (--gpus, --gpus-per-node)");
+  }
+  if (!(std::isfinite(in.step_seconds) && in.step_seconds >= 0)) {
+    return InvalidArgument("the step time must be a finite number >= 0");
+  }
   if (in.sync_save_seconds == 0) in.sync_save_seconds = in.persist_seconds;
   if (in.dcp_blocking_seconds == 0) in.dcp_blocking_seconds = in.snapshot_seconds;
+  if (in.restore_memory_seconds == 0) in.restore_memory_seconds = in.snapshot_seconds;
+  if (in.restore_storage_seconds == 0) in.restore_storage_seconds = in.persist_seconds;
   if (in.restore_peer_seconds == 0) in.restore_peer_seconds = in.restore_storage_seconds;
   SP_RETURN_IF_ERROR(check("the snapshot time", in.snapshot_seconds));
   SP_RETURN_IF_ERROR(check("the persist time", in.persist_seconds));
@@ -185,6 +195,19 @@ Result<SimulationInputs> CompleteInputs(SimulationInputs in) {
   SP_RETURN_IF_ERROR(check("the synchronous save time", in.sync_save_seconds));
   SP_RETURN_IF_ERROR(check("the DCP staging time", in.dcp_blocking_seconds));
   return in;
+}
+
+uint32_t Nodes(const SimulationInputs& in) {
+  if (in.gpus_per_node == 0) return in.gpus;
+  return (in.gpus + in.gpus_per_node - 1) / in.gpus_per_node;
+}
+
+uint64_t PersistEverySaves(double persist_seconds, double period_seconds) {
+  if (!(persist_seconds > 0) || !(period_seconds > 0)) return 1;
+  // A hair of tolerance: a persist of exactly two periods takes every second snapshot.
+  const double m = std::ceil(persist_seconds / period_seconds * (1 - 1e-12));
+  if (!std::isfinite(m) || m >= 1e15) return 1000000000000000ull;
+  return std::max<uint64_t>(1, static_cast<uint64_t>(m));
 }
 
 std::vector<StrategyAtInterval> Strategies(const SimulationInputs& in, double period) {
@@ -198,7 +221,7 @@ std::vector<StrategyAtInterval> Strategies(const SimulationInputs& in, double pe
   if (in.peer_copies) {
     sp.modes.push_back({"node loss", node_rate, in.restart_seconds + in.restore_peer_seconds});
   } else {
-    const double m = std::max(1.0, std::ceil(in.persist_seconds / period));
+    const double m = static_cast<double>(PersistEverySaves(in.persist_seconds, period));
     const double lag = (m - 1) * period / 2 + in.persist_seconds;
     sp.modes.push_back(
         {"node loss", node_rate, in.restart_seconds + in.restore_storage_seconds + lag});

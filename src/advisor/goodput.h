@@ -53,14 +53,19 @@ struct MonteCarloResult {
 MonteCarloResult MonteCarloGoodput(const StrategyAtInterval& s, double horizon_seconds,
                                    uint64_t seed);
 
-// What `safepoint simulate` takes: measured costs and a cluster.
+// What the model takes (`safepoint simulate`, `safepoint advise`, persist_every="auto"; plan.h):
+// the job's shape, its failure rate and its measured costs.
 struct SimulationInputs {
-  // Cluster.
-  uint32_t gpus = 8;
-  uint32_t gpus_per_node = 8;
+  // The job's shape (a job's history records it; plan.h, InputsFromHistory).
+  uint32_t gpus = 1;                // ranks of the job
+  uint32_t gpus_per_node = 8;       // the job has ceil(gpus / gpus_per_node) nodes
   double mtbf_seconds = 0;          // of the whole job (any node's failure stops it)
   double node_loss_fraction = 0.2;  // of the failures, the share that loses a node's memory
-  bool peer_copies = true;          // safepoint keeps copies of each node's snapshot on peers
+  // safepoint keeps copies of each node's snapshot on other nodes (redundancy): a lost node's
+  // snapshots come back from a peer. Needs at least two nodes.
+  bool peer_copies = false;
+  // The training time of one step without a save (0: not known): turns intervals into steps.
+  double step_seconds = 0;
   // Costs, seconds (per save of the whole job; ranks save in parallel).
   double snapshot_seconds = 0;         // safepoint: blocking time of a snapshot into memory
   double persist_seconds = 0;          // writing one step to durable storage in the background
@@ -93,14 +98,27 @@ void DeriveCosts(const ClusterSpeeds& speeds, SimulationInputs* in);
 // ("16GiB", "25G", "1.5TB/s").
 Result<double> ParseBytes(const std::string& text);
 
-// Fills the defaults (sync save = persist, DCP blocking = snapshot, peer restore = storage
-// restore when not given) and checks: InvalidArgument naming the value otherwise.
+uint32_t Nodes(const SimulationInputs& in);  // ceil(gpus / gpus_per_node)
+
+// Fills the defaults of costs not given (0): a synchronous save = the persist time; DCP's
+// staging = the snapshot time; a restore from memory = the snapshot time (a reload copies the
+// same bytes back); from storage = the persist time (reading back costs about what writing
+// did); from a peer = the restore from storage. Checks: InvalidArgument naming the value
+// otherwise (also peer copies on a job of one node: a node has no peer).
 Result<SimulationInputs> CompleteInputs(SimulationInputs in);
+
+// How many snapshots apart storage takes them when it takes them as often as it can: a persist
+// of `persist_seconds` every `period_seconds`: ceil(persist / period), at least 1. A persist
+// costs training nothing (the agent writes in the background), so persisting as often as storage
+// accepts steps is what the model finds best (a node loss without peers loses the work since the
+// newest persisted step); persist_every="auto" follows it.
+uint64_t PersistEverySaves(double persist_seconds, double period_seconds);
 
 // The three strategies at checkpoint period `period_seconds`:
 //  "safepoint": blocking = snapshot; a process crash restores from memory; a node loss from a
 //    peer's copy (peer_copies) or else from storage, which holds every m-th snapshot
-//    (m = ceil(persist / period)) and lags the newest by (m - 1) P / 2 + persist on average;
+//    (m = PersistEverySaves(persist, P)) and lags the newest by (m - 1) P / 2 + persist on
+//    average;
 //  "sync": blocking = a synchronous save; every failure restores from storage;
 //  "dcp-async": blocking = staging, plus waiting for the previous upload when the period is
 //    shorter than it; every failure restores from storage, which lags by the upload time.

@@ -58,6 +58,9 @@ TEST(MonteCarloGoodputTest, SeededRunsRepeat) {
 
 SimulationInputs ClearCase() {
   SimulationInputs in;
+  in.gpus = 16;  // two nodes, each node's snapshots copied to the other
+  in.gpus_per_node = 8;
+  in.peer_copies = true;
   in.mtbf_seconds = 3 * 3600;
   in.node_loss_fraction = 0.2;
   in.snapshot_seconds = 0.5;  // memory is fast

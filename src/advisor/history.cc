@@ -76,6 +76,11 @@ HistoryWriter& HistoryWriter::operator=(HistoryWriter&& o) noexcept {
     gap_ = o.gap_;
     last_save_line_ = o.last_save_line_;
     pending_saves_ = std::move(o.pending_saves_);
+    first_step_ = o.first_step_;
+    last_step_ = o.last_step_;
+    first_save_t_ = o.first_save_t_;
+    last_save_t_ = o.last_save_t_;
+    shape_ = o.shape_;
     storage_ = std::move(o.storage_);
     segment_ = std::move(o.segment_);
     segment_index_ = o.segment_index_;
@@ -159,9 +164,18 @@ Status HistoryWriter::RecordStart(uint64_t run) {
   return Append(json{{"t", NowSeconds()}, {"ev", "start"}, {"run", run}}.dump());
 }
 
-Status HistoryWriter::RecordSave(double blocking_seconds) {
+bool HistoryWriter::SaveLineDue() const { return NowSeconds() - last_save_line_ >= gap_; }
+
+Status HistoryWriter::RecordSave(double blocking_seconds, std::optional<uint64_t> step) {
+  const double now = NowSeconds();
+  if (pending_saves_.empty()) {
+    first_step_ = step;
+    first_save_t_ = now;
+  }
   pending_saves_.push_back(blocking_seconds);
-  if (NowSeconds() - last_save_line_ < gap_) return Status::OK();
+  last_step_ = step;
+  last_save_t_ = now;
+  if (now - last_save_line_ < gap_) return Status::OK();
   return Flush();
 }
 
@@ -173,7 +187,18 @@ Status HistoryWriter::Flush() {
             {"n", pending_saves_.size()},
             {"seconds", Median(pending_saves_)},
             {"max", max}};
+  if (first_step_ && last_step_) {
+    j["steps"] = {*first_step_, *last_step_};
+    j["span"] = last_save_t_ - first_save_t_;
+  }
+  if (shape_) {
+    j["world_size"] = shape_->world_size;
+    j["node_ranks"] = shape_->node_ranks;
+    j["peers"] = shape_->peer_copies;
+  }
   pending_saves_.clear();
+  first_step_.reset();
+  last_step_.reset();
   last_save_line_ = NowSeconds();
   return Append(j.dump());
 }
@@ -275,6 +300,7 @@ HistorySummary SummarizeHistory(const std::string& text, const std::string& name
                    [](const auto& a, const auto& b) { return a.first < b.first; });
   // Save lines carry a median of n samples: the weighted median of medians is close enough.
   std::vector<std::pair<double, uint64_t>> saves;
+  std::vector<double> periods, steps_per_save;  // from save lines of at least two saves
   std::map<std::string, std::vector<double>> persist, persist_bytes, restore;
   std::vector<double> restarts;
   bool in_run = false;
@@ -308,6 +334,28 @@ HistorySummary SummarizeHistory(const std::string& text, const std::string& name
       auto s = seconds();
       const uint64_t n = j.value("n", uint64_t{1});
       if (s) saves.emplace_back(*s, n);
+      const json* steps = j.contains("steps") ? &j["steps"] : nullptr;
+      if (n >= 2 && steps && steps->is_array() && steps->size() == 2 &&
+          (*steps)[0].is_number_unsigned() && (*steps)[1].is_number_unsigned() &&
+          j.contains("span") && j["span"].is_number()) {
+        const auto first = (*steps)[0].get<uint64_t>(), last = (*steps)[1].get<uint64_t>();
+        const double span = j["span"].get<double>();
+        if (last > first && span > 0) {  // a window that restored to an older step says nothing
+          periods.push_back(span / static_cast<double>(n - 1));
+          steps_per_save.push_back(static_cast<double>(last - first) / static_cast<double>(n - 1));
+        }
+      }
+      if (j.contains("world_size") && j["world_size"].is_number_unsigned() &&
+          j["world_size"].get<uint64_t>() > 0) {
+        JobShape shape;
+        shape.world_size = static_cast<uint32_t>(j["world_size"].get<uint64_t>());
+        if (j.contains("node_ranks") && j["node_ranks"].is_number_unsigned()) {
+          shape.node_ranks = static_cast<uint32_t>(j["node_ranks"].get<uint64_t>());
+        }
+        shape.peer_copies =
+            j.contains("peers") && j["peers"].is_boolean() && j["peers"].get<bool>();
+        h.shape = shape;
+      }
     } else if (ev == "persist") {
       auto s = seconds();
       if (s && j.contains("level") && j["level"].is_string()) {
@@ -340,6 +388,13 @@ HistorySummary SummarizeHistory(const std::string& text, const std::string& name
       }
     }
     h.save = Measured{median, total};
+  }
+  if (!periods.empty()) {
+    h.save_period_seconds = Median(periods);
+    h.steps_per_save = Median(steps_per_save);
+    const double blocking = h.save ? h.save->seconds : 0;
+    const double step = (*h.save_period_seconds - blocking) / *h.steps_per_save;
+    if (step > 0) h.step_seconds = step;
   }
   for (auto& [level, v] : persist) {
     h.persist[level] = Measured{Median(v), v.size(), Median(persist_bytes[level])};

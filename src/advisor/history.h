@@ -16,9 +16,15 @@
 //
 // Format: JSON lines. Every line has "t" (Unix seconds) and "ev":
 //   {"ev":"start","run":R}                           a process started (Checkpointer created)
-//   {"ev":"save","n":N,"seconds":S,"max":M}          N saves since the last such line, median
-//                                                    blocking seconds S (at most one line per
-//                                                    `save_line_gap` seconds: also a heartbeat)
+//   {"ev":"save","n":N,"seconds":S,"max":M,          N saves since the last such line, median
+//    "steps":[A,B],"span":T,                         blocking seconds S (at most one line per
+//    "world_size":W,"node_ranks":L,"peers":P}        `save_line_gap` seconds: also a heartbeat);
+//                                                    the first and last of their steps and the
+//                                                    seconds from the first to the last (how long
+//                                                    a step takes); the job's shape as rank 0's
+//                                                    agent saw it: W ranks, L of them on rank 0's
+//                                                    node, P: copies of each node's snapshots on
+//                                                    other nodes (redundancy). Each optional.
 //   {"ev":"persist","level":L,"seconds":S,"bytes":B} one step written to level L ("path",
 //                                                    "tier 1", ...)
 //   {"ev":"restore","source":L,"seconds":S}          one restore from L ("memory", "peer",
@@ -59,6 +65,15 @@ bool HistoryIsLocal(const std::string& checkpoint_path);
 inline constexpr std::string_view kHistorySegmentPrefix = "safepoint-history/";
 inline constexpr uint64_t kSegmentBytes = 1 << 20;  // a segment is rewritten whole: kept small
 
+// The job's shape, which decides where a failure restores from (a lost node's snapshots from a
+// peer's copy only when there are peers). 0: not known.
+struct JobShape {
+  uint32_t world_size = 0;   // ranks (GPUs) of the job
+  uint32_t node_ranks = 0;   // ranks on rank 0's node
+  bool peer_copies = false;  // copies of each node's snapshots kept in other nodes' memory
+  bool operator==(const JobShape&) const = default;
+};
+
 class HistoryWriter {
  public:
   // Appends to `path` (created if missing, with its directory). `save_line_gap`: seconds between
@@ -73,8 +88,14 @@ class HistoryWriter {
   ~HistoryWriter();
 
   Status RecordStart(uint64_t run);
-  // Buffers the sample; writes a "save" line when `save_line_gap` passed since the last one.
-  Status RecordSave(double blocking_seconds);
+  // Buffers the sample (of the save of `step`, when given); writes a "save" line when
+  // `save_line_gap` passed since the last one.
+  Status RecordSave(double blocking_seconds, std::optional<uint64_t> step = std::nullopt);
+  // The job's shape, written with the next save lines.
+  void SetShape(const JobShape& shape) { shape_ = shape; }
+  bool has_shape() const { return shape_.has_value(); }
+  // The next RecordSave writes a line.
+  bool SaveLineDue() const;
   Status RecordPersist(const std::string& level, double seconds, uint64_t bytes);
   Status RecordRestore(const std::string& source, double seconds);
   // Writes the buffered save samples and a "close" line.
@@ -108,6 +129,10 @@ class HistoryWriter {
   double gap_ = 10;
   double last_save_line_ = 0;
   std::vector<double> pending_saves_;
+  // The pending saves' steps and times (first and last), for the line's "steps" and "span".
+  std::optional<uint64_t> first_step_, last_step_;
+  double first_save_t_ = 0, last_save_t_ = 0;
+  std::optional<JobShape> shape_;
   // A segment writer: the storage, the segment's stem and number, its lines so far.
   std::shared_ptr<Storage> storage_;
   std::string segment_;
@@ -135,6 +160,13 @@ struct HistorySummary {
   // (uptime + the restarts' time) / interruptions, when there was one
   std::optional<double> learned_mtbf_seconds;
   std::vector<double> interruption_times;  // Unix seconds
+  // From the save lines that recorded them: the median seconds from one save to the next and
+  // steps from one save to the next, and the training time of one step without a save,
+  // (seconds between saves - a save's blocking time) / steps between saves.
+  std::optional<double> save_period_seconds;
+  std::optional<double> steps_per_save;
+  std::optional<double> step_seconds;
+  std::optional<JobShape> shape;  // the newest recorded
 };
 
 // Reads and summarizes a history file. NotFound naming the path when it does not exist;

@@ -52,8 +52,11 @@ void HistoryRecorder::Started(uint64_t run) {
   if (writer_) Check(writer_->RecordStart(run));
 }
 
-void HistoryRecorder::Saved(double blocking_seconds) {
-  if (writer_) Check(writer_->RecordSave(blocking_seconds));
+void HistoryRecorder::Saved(double blocking_seconds, std::optional<uint64_t> step,
+                            const std::function<advisor::JobShape()>& shape) {
+  if (!writer_) return;
+  if (shape && (!writer_->has_shape() || writer_->SaveLineDue())) writer_->SetShape(shape());
+  Check(writer_->RecordSave(blocking_seconds, step));
 }
 
 void HistoryRecorder::Persisted(const std::string& level, double seconds, uint64_t bytes) {

@@ -53,7 +53,10 @@ class HistoryRecorder {
   bool open() const { return writer_.has_value(); }
 
   void Started(uint64_t run);  // a Checkpointer of run (save attempt) `run` began
-  void Saved(double blocking_seconds);
+  // A save of rank 0 (of `step`, when known); `shape` gives the job's shape, asked for when a
+  // save line is due (and before the first).
+  void Saved(double blocking_seconds, std::optional<uint64_t> step = std::nullopt,
+             const std::function<advisor::JobShape()>& shape = {});
   void Persisted(const std::string& level, double seconds, uint64_t bytes);
   void Restored(const std::string& level, double seconds);
   // The lower tiers' copies since the last call ("persist" lines of "tier N").
