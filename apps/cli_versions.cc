@@ -7,7 +7,6 @@
 // $SAFEPOINT_PYTHON.
 #include "cli_versions.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <climits>
@@ -21,9 +20,9 @@
 
 #include "advisor/goodput.h"
 #include "base/log.h"
-#include "base/unique_fd.h"
 #include "checkpoint/versions.h"
 #include "cli_format.h"
+#include "cli_store.h"
 #include "safepoint/checkpoint.h"
 
 namespace safepoint {
@@ -40,34 +39,10 @@ using cli::kExitError;
 using cli::kExitOk;
 using cli::PrintTable;
 
-std::string Hex16(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 // A checkpoint that a command reads must exist (opening a missing local directory would create
 // it and show nothing).
 Result<std::unique_ptr<CheckpointStore>> OpenExisting(const std::string& path) {
-  std::string_view p = path;
-  std::optional<std::string> dir;
-  if (p.starts_with("file://")) {
-    p.remove_prefix(7);
-    if (p.starts_with("localhost/")) p.remove_prefix(9);
-    if (p.starts_with('/')) dir = std::string(p);
-  } else if (p.find("://") == std::string_view::npos) {
-    dir = path;
-  }
-  if (dir) {
-    internal::UniqueFd fd(::open(dir->c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    if (!fd) {
-      const int err = errno;
-      if (err == ENOENT) return NotFound(*dir + ": no such checkpoint directory");
-      if (err == ENOTDIR) return InvalidArgument(*dir + ": not a directory");
-      return ErrnoStatus("open checkpoint directory", *dir, err);
-    }
-  }
-  return OpenCheckpointStore(path);
+  return cli::OpenExistingStore(path);
 }
 
 // --- log ---------------------------------------------------------------------------------------
@@ -185,7 +160,8 @@ int CmdLog(const LogOptions& o) {
         parent += " in " + e["parent"]["location"].get<std::string>();
       }
     }
-    if (e["attempt"].get<uint64_t>() != 0) attempt = Hex16(e["attempt"]);
+    // The attempt as --json gives it (decimal): one form to compare and search for.
+    if (e["attempt"].get<uint64_t>() != 0) attempt = std::to_string(e["attempt"].get<uint64_t>());
     for (const auto& t : e["tags"]) tags += (tags.empty() ? "" : ",") + t.get<std::string>();
     if (!e["metadata"].is_null()) metadata = e["metadata"].dump();
     rows.push_back(
@@ -262,7 +238,17 @@ int CmdTag(const TagOptions& o) {
   Tag tag;
   tag.name = name;
   tag.step = *step;
-  if (Status s = WriteTag(**store, tag, o.replace); !s.ok()) return Fail(s);
+  if (Status s = WriteTag(**store, tag, o.replace); !s.ok()) {
+    if (s.code() != StatusCode::kAlreadyExists) return Fail(s);
+    // The tag names another step: say how to move it.
+    auto existing = ReadTag(**store, name);
+    const std::string other =
+        existing.ok() ? "step " + std::to_string(existing->step) : std::string("another step");
+    return Fail(AlreadyExists(uri + ": tag '" + name + "' already names " + other +
+                              "; pass --replace to move it to step " + std::to_string(*step) +
+                              " (or delete it first: safepoint tag " + o.path + " " + name +
+                              " --delete)"));
+  }
   if (o.json) {
     std::cout << json{{"uri", uri}, {"tag", name}, {"step", *step}}.dump(2) << "\n";
   } else {

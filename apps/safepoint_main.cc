@@ -2,13 +2,13 @@
 // snapshots in shared memory.
 //
 //   safepoint ls PATH [--json]
-//   safepoint inspect PATH [--step N] [--rank R] [--json]
+//   safepoint inspect PATH [--step N] [--rank R] [--json]                (apps/cli_inspect.cc)
 //   safepoint verify PATH [--step N | --all] [--json] [--progress]
 //   safepoint cp SRC DST [--step N | --all] [--json] [--progress]
 //   safepoint rm PATH --step N [--force] [--json]
 //   safepoint agent --job JOB [--shm-dir DIR] [--no-emergency-flush] [--metrics HOST:PORT]
 //                   [--event-log PATH]
-//   safepoint status [--shm-dir DIR] [--json] [--watch [--interval S]]
+//   safepoint status [--shm-dir DIR] [--json] [--watch [--interval S]]   (apps/cli_status.cc)
 //   safepoint advise PATH ..., safepoint simulate ... (apps/cli_advisor.cc)
 //   safepoint gc [--shm-dir DIR] [--dry-run] [--json]
 //   safepoint --version
@@ -17,10 +17,9 @@
 // PATH, SRC and DST are checkpoint directories: plain paths or storage URIs (file://, and the
 // other schemes OpenStorage knows). Arguments are parsed by CLI11 (`safepoint --help`, `safepoint
 // COMMAND --help`). Readable tables on stdout by default, --json for scripts; errors on stderr.
+// --shm-dir defaults to $SAFEPOINT_SHM_DIR, else /dev/shm (as a Checkpointer's shm_dir does).
 // Exit status: 0 on success, 1 on an error or when verification finds damage, 2 on a usage error.
 #include <fcntl.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -39,7 +38,6 @@
 #include <vector>
 
 #include "agent/agent.h"
-#include "agent/status.h"
 #include "base/bytes.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
@@ -48,6 +46,9 @@
 #include "cli_advisor.h"
 #include "cli_examples.h"
 #include "cli_format.h"
+#include "cli_inspect.h"
+#include "cli_status.h"
+#include "cli_store.h"
 #include "cli_versions.h"
 #include "cli_watch.h"
 #include "progress_bar.h"
@@ -63,14 +64,18 @@ namespace safepoint {
 namespace {
 
 using json = nlohmann::ordered_json;
-using agent::SlotsJson;
 using internal::HumanBytes;
 using namespace safepoint::protocol;  // the protocol: status requests, the agent's lock
 
+using cli::CheckDirectory;
 using cli::Fail;
 using cli::kExitError;
 using cli::kExitOk;
 using cli::kExitUsage;
+using cli::OpenExistingStore;
+using cli::PickStep;
+using cli::ReportProblems;
+using cli::TrainingProcesses;
 
 struct Args {
   std::string path;
@@ -95,56 +100,6 @@ struct Args {
 using cli::Dims;
 using cli::FormatTime;
 using cli::PrintTable;
-
-void ReportProblems(const std::vector<std::string>& problems) {
-  for (const auto& p : problems) spdlog::warn("skipping {}", p);
-}
-
-// A directory that a command reads must exist. Storage creates a missing checkpoint directory
-// when it opens it (a Checkpointer saves into a fresh path) and lists nothing there, and
-// ListJobDirectories takes a missing shm directory for one without jobs; but a path given to a
-// command that reads is a typo or a missing mount: saying "no committed steps" (and creating the
-// directory) would hide it.
-Status CheckDirectory(const std::string& path, const std::string& what) {
-  internal::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd) return Status::OK();
-  const int err = errno;
-  if (err == ENOENT) return NotFound(path + ": no such " + what);
-  if (err == ENOTDIR) return InvalidArgument(path + ": not a directory");
-  return ErrnoStatus("open " + what, path, err);
-}
-
-// The local directory of a checkpoint path that OpenStorage opens as POSIX storage (a plain path,
-// file:///abs or file://localhost/abs), or nullopt for other storage (which has no directories).
-std::optional<std::string> LocalDirectory(std::string_view path) {
-  constexpr std::string_view kFile = "file://";
-  if (path.starts_with(kFile)) {
-    path.remove_prefix(kFile.size());
-    if (path.starts_with("localhost/")) path.remove_prefix(std::string_view("localhost").size());
-    if (!path.starts_with('/')) return std::nullopt;  // not a valid file:// URI: storage says so
-    return std::string(path);
-  }
-  if (path.find("://") != std::string_view::npos) return std::nullopt;
-  return std::string(path);
-}
-
-// The checkpoint at `path`, which must exist: checked before the store is opened, which would
-// create it.
-Result<std::unique_ptr<CheckpointStore>> OpenExistingStore(const std::string& path) {
-  if (auto dir = LocalDirectory(path)) {
-    SP_RETURN_IF_ERROR(CheckDirectory(*dir, "checkpoint directory"));
-  }
-  return OpenCheckpointStore(path);
-}
-
-Result<CommitRecord> PickStep(CheckpointStore& store, std::optional<uint64_t> step) {
-  if (step) return store.ReadCommit(*step);
-  std::vector<std::string> problems;
-  SP_ASSIGN_OR_RETURN(auto committed, store.ListCommitted(&problems));
-  ReportProblems(problems);
-  if (committed.empty()) return NotFound(store.storage().uri() + ": no committed checkpoint");
-  return committed.back();
-}
 
 int CmdVersion() {
   std::cout << "safepoint " << SAFEPOINT_VERSION << "\n"
@@ -185,62 +140,6 @@ int CmdLs(const Args& a) {
   } else {
     PrintTable(rows);
   }
-  return kExitOk;
-}
-
-int CmdInspect(const Args& a) {
-  auto store = OpenExistingStore(a.path);
-  if (!store.ok()) return Fail(store.status());
-  auto commit = PickStep(**store, a.step);
-  if (!commit.ok()) return Fail(commit.status());
-  auto md = (*store)->ReadMetadata(*commit, a.rank);
-  if (!md.ok()) return Fail(md.status());
-  uint64_t tensor_bytes = 0;
-  for (const auto& t : md->tensors) tensor_bytes += t.nbytes;
-  if (a.json) {
-    json tensors = json::array();
-    for (const auto& t : md->tensors) {
-      json j = {{"name", t.spec.name},
-                {"dtype", DTypeName(t.spec.dtype)},
-                {"shape", t.spec.shape},
-                {"bytes", t.nbytes},
-                {"offset", t.offset}};
-      if (!t.spec.global_shape.empty()) {
-        j["global_shape"] = t.spec.global_shape;
-        j["global_offset"] = t.spec.global_offset;
-      }
-      tensors.push_back(j);
-    }
-    json out = {{"step", commit->step},
-                {"rank", a.rank},
-                {"world_size", commit->world_size},
-                {"job", commit->job},
-                {"file", md->source},
-                {"image_bytes", md->layout.image_size},
-                {"tensor_bytes", tensor_bytes},
-                {"chunk_size", md->layout.chunk_size},
-                {"tensors", tensors},
-                {"state", FormatValue(md->extras, 1 << 20)}};
-    std::cout << out.dump(2) << "\n";
-    return kExitOk;
-  }
-  std::cout << "step " << commit->step << ", rank " << a.rank << " of " << commit->world_size
-            << (commit->job.empty() ? "" : ", job " + commit->job) << "\n"
-            << "file " << md->source << " (" << HumanBytes(md->layout.image_size) << ", "
-            << md->tensors.size() << " tensors, " << HumanBytes(tensor_bytes)
-            << " of tensor data)\n\n";
-  std::vector<std::vector<std::string>> rows = {{"#", "NAME", "DTYPE", "SHAPE", "BYTES"}};
-  for (size_t i = 0; i < md->tensors.size(); ++i) {
-    const auto& t = md->tensors[i];
-    std::string shape = Dims(t.spec.shape);
-    if (!t.spec.global_shape.empty()) {
-      shape += " of " + Dims(t.spec.global_shape) + " at " + Dims(t.spec.global_offset);
-    }
-    rows.push_back({std::to_string(i), t.spec.name, std::string(DTypeName(t.spec.dtype)), shape,
-                    std::to_string(t.nbytes)});
-  }
-  PrintTable(rows);
-  std::cout << "\nstate (tensors shown as <tensor #i>):\n" << FormatValue(md->extras) << "\n";
   return kExitOk;
 }
 
@@ -504,69 +403,6 @@ int CmdChunkGc(const Args& a) {
   return kExitOk;
 }
 
-// ", compression auto (in use: auto:none, ratio 1.41), incremental" for a storage's status
-// fields (PackJson in src/agent/status.cc); "" for the default plain layout.
-std::string LayoutText(const json& j) {
-  if (!j.is_object()) return "";
-  const std::string compression = j.value("compression", "none");
-  const bool incremental = j.value("incremental", false);
-  if (compression == "none" && !incremental) return "";
-  std::string out = ", compression " + compression;
-  if (j.contains("compression_in_use") && j["compression_in_use"].is_string()) {
-    out += " (in use: " + j["compression_in_use"].get<std::string>();
-    if (j.contains("compression_ratio") && j["compression_ratio"].is_number()) {
-      char buf[32];
-      std::snprintf(buf, sizeof(buf), "%.2f", j["compression_ratio"].get<double>());
-      out += std::string(", ratio ") + buf;
-    }
-    out += ")";
-  }
-  if (incremental) out += ", incremental";
-  return out;
-}
-
-// Asks a live agent for its status (JSON), or nullopt.
-std::optional<json> QueryAgent(const std::string& job_dir) {
-  const std::string path = AgentSocketPath(job_dir);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(addr.sun_path)) return std::nullopt;
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const internal::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) return std::nullopt;
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      !SendMessage(fd.get(), MessageType::kStatus, "{}").ok()) {
-    return std::nullopt;
-  }
-  FrameDecoder decoder;
-  auto reply = ReceiveMessage(fd.get(), decoder, 10);
-  if (!reply.ok() || reply->type != MessageType::kStatusReply) return std::nullopt;
-  json out = json::parse(reply->payload, nullptr, false);
-  if (out.is_discarded()) return std::nullopt;
-  return out;
-}
-
-json ArenaJson(const std::string& job_dir) {
-  json ranks = json::array();
-  auto list = ListArenaRanks(job_dir);
-  if (!list.ok()) return ranks;
-  for (uint32_t r : *list) {
-    auto arena = Arena::Open(job_dir, r);
-    if (!arena.ok()) continue;
-    ranks.push_back({{"rank", r},
-                     {"slots", SlotsJson((*arena)->Slots())},
-                     {"bytes", (*arena)->mapped_bytes()}});
-  }
-  return ranks;
-}
-
-// "training process 12" or "training processes 12, 34".
-std::string TrainingProcesses(const std::vector<uint32_t>& pids) {
-  std::string out = pids.size() > 1 ? "training processes " : "training process ";
-  for (size_t i = 0; i < pids.size(); ++i) out += (i ? ", " : "") + std::to_string(pids[i]);
-  return out;
-}
-
 int CmdAgent(const Args& a) {
   AgentOptions o;
   o.job = a.job;
@@ -577,130 +413,6 @@ int CmdAgent(const Args& a) {
   o.metrics_address = a.metrics;
   o.event_log = a.event_log;
   return RunAgent(o);
-}
-
-int CmdStatus(const Args& a) {
-  if (Status s = CheckDirectory(a.shm_dir, "shared-memory directory"); !s.ok()) return Fail(s);
-  auto jobs = ListJobDirectories(a.shm_dir);
-  if (!jobs.ok()) return Fail(jobs.status());
-  json out = json::array();
-  for (const auto& [job, dir] : *jobs) {
-    uint32_t pid = 0;
-    const bool alive = AgentAlive(dir, &pid);
-    auto writers = LiveSlotWriters(dir);
-    json j = {{"job", job},
-              {"job_dir", dir},
-              {"agent_alive", alive},
-              {"agent_pid", alive ? json(pid) : json(nullptr)},
-              {"live_writers", writers.ok() ? json(*writers) : json(nullptr)},
-              {"arenas", ArenaJson(dir)}};
-    if (alive) {
-      if (auto st = QueryAgent(dir)) {
-        j["storage"] = (*st)["storage"];
-        j["world_size"] = (*st)["world_size"];
-        j["newest_committed"] = (*st)["newest_committed"];
-        if (j["newest_committed"].is_number_unsigned() && j["storage"].is_string()) {
-          if (auto age = cli::CommitAgeSeconds(j["storage"], j["newest_committed"]))
-            j["newest_committed_age_seconds"] = *age;  // staleness of the newest durable step
-        }
-        j["queued"] = (*st)["queued"];
-        j["in_flight"] = (*st)["in_flight"];
-        j["ranks"] = (*st)["ranks"];
-        if (st->contains("replication")) j["replication"] = (*st)["replication"];
-        if (st->contains("tiers")) j["tiers"] = (*st)["tiers"];
-        for (const char* key : {"metrics_url", "metrics_error", "event_log"}) {
-          if (st->contains(key)) j[key] = (*st)[key];
-        }
-        if (st->contains("storage_layout")) j["storage_layout"] = (*st)["storage_layout"];
-      }
-    }
-    out.push_back(j);
-  }
-  if (a.json) {
-    std::cout << out.dump(2) << "\n";
-    return kExitOk;
-  }
-  if (out.empty()) {
-    std::cout << "no safepoint jobs in " << a.shm_dir << "\n";
-    return kExitOk;
-  }
-  for (const json& j : out) {
-    std::cout << "job " << j["job"].get<std::string>() << "  (" << j["job_dir"].get<std::string>()
-              << ")\n";
-    if (j["agent_alive"].get<bool>()) {
-      std::cout << "  agent pid " << j["agent_pid"] << ", storage "
-                << (j.contains("storage") ? j["storage"].dump() : "?") << ", newest committed step "
-                << (j.contains("newest_committed") ? j["newest_committed"].dump() : "?")
-                << (j.contains("newest_committed_age_seconds")
-                        ? " (" + cli::Ago(j["newest_committed_age_seconds"].get<double>()) + ")"
-                        : std::string())
-                << ", queued persists " << (j.contains("queued") ? j["queued"].dump() : "?")
-                << (j.contains("in_flight") ? ", in flight " + j["in_flight"].dump() : "")
-                << LayoutText(j.value("storage_layout", json())) << "\n";
-      if (j.contains("metrics_url") && j["metrics_url"].is_string()) {
-        std::cout << "  metrics " << j["metrics_url"].get<std::string>() << "\n";
-      } else if (j.contains("metrics_error") && j["metrics_error"].is_string()) {
-        std::cout << "  metrics not served: " << j["metrics_error"].get<std::string>() << "\n";
-      }
-      if (j.contains("replication") && j["replication"].is_object()) {
-        const json& r = j["replication"];
-        std::cout << "  replication " << r.value("redundancy", "?") << ": node "
-                  << r.value("node", "?") << " (" << r["nodes"].size() << " nodes), listening on "
-                  << r.value("address", "?") << "; keeps " << r["held"].size()
-                  << " replicas of other nodes (" << HumanBytes(r.value("held_bytes", uint64_t{0}))
-                  << ")\n";
-        for (const json& rank : r["ranks"]) {
-          std::cout << "    rank " << rank["rank"] << " step " << rank["step"]
-                    << (rank.value("protected", false) ? " protected" : " NOT protected");
-          if (rank.contains("error")) std::cout << ": " << rank["error"].get<std::string>();
-          std::cout << "\n";
-        }
-      }
-      if (j.contains("tiers") && j["tiers"].is_array()) {
-        for (const json& t : j["tiers"]) {
-          std::cout << "  tier " << t["tier"] << " " << t["uri"].get<std::string>() << ": every "
-                    << (t["every"].get<uint64_t>() ? t["every"].dump() + " steps"
-                                                   : std::string("step"))
-                    << (t["every_seconds"].get<double>() > 0
-                            ? " or " + t["every_seconds"].dump() + " s"
-                            : std::string())
-                    << ", keeps " << t["keep"] << LayoutText(t);
-          if (!t.value("filled_here", false)) {
-            std::cout << " (filled by the agent of rank 0's node)\n";
-            continue;
-          }
-          std::cout << "; newest step " << t["newest_step"].dump() << ", " << t["copies"]
-                    << " copies, " << t["failures"] << " failures";
-          if (t["last_copy_time"].is_number())
-            std::cout << " (copied "
-                      << cli::Ago(cli::NowSeconds() - t["last_copy_time"].get<double>()) << ")";
-          if (!t["in_flight_step"].is_null()) std::cout << ", copying " << t["in_flight_step"];
-          if (!t["pending_step"].is_null()) std::cout << ", next " << t["pending_step"];
-          const std::string error = t.value("last_error", "");
-          if (!error.empty()) std::cout << "; last error: " << error;
-          std::cout << "\n";
-        }
-      }
-    } else if (j["live_writers"].is_array() && !j["live_writers"].empty()) {
-      std::cout << "  no live agent; "
-                << TrainingProcesses(j["live_writers"].get<std::vector<uint32_t>>())
-                << " alive (its next save starts one; `safepoint gc` keeps the job)\n";
-    } else {
-      std::cout << "  no live agent (snapshots kept for hot reload; `safepoint gc` removes them)\n";
-    }
-    std::vector<std::vector<std::string>> rows = {{"  RANK", "SLOT", "STATE", "STEP", "BYTES"}};
-    for (const json& r : j["arenas"]) {
-      for (const json& s : r["slots"]) {
-        std::string state = s["state"].get<std::string>();
-        if (s["leased"].get<bool>()) state += " (persisting)";
-        rows.push_back({"  " + std::to_string(r["rank"].get<uint32_t>()), s["slot"].dump(), state,
-                        s["state"] == "COMPLETE" ? s["step"].dump() : "-",
-                        HumanBytes(s["capacity"].get<uint64_t>())});
-      }
-    }
-    if (rows.size() > 1) PrintTable(rows);
-  }
-  return kExitOk;
 }
 
 // Removes the job directories that nothing uses any more: no agent holds the job's lock and no
@@ -845,10 +557,12 @@ int Main(int argc, char** argv) {
     cmd->add_option("PATH", a.path, kPathHelp)->type_name("")->required()->check(not_empty);
   };
   auto add_json = [&](CLI::App* cmd, const char* what) { cmd->add_flag("--json", a.json, what); };
+  // $SAFEPOINT_SHM_DIR, as a Checkpointer takes it, when --shm-dir is not given.
   auto add_shm_dir = [&](CLI::App* cmd) {
     cmd->add_option("--shm-dir", a.shm_dir, kShmDirHelp)
         ->type_name("DIR")
         ->capture_default_str()
+        ->envname("SAFEPOINT_SHM_DIR")
         ->check(not_empty);
   };
   uint64_t step = 0;
@@ -984,13 +698,15 @@ int Main(int argc, char** argv) {
     return kExitOk;
   }
   if (ls->parsed()) return CmdLs(a);
-  if (inspect->parsed()) return CmdInspect(a);
+  if (inspect->parsed()) return cli::CmdInspect(a.path, a.step, a.rank, a.json);
   if (verify->parsed()) return CmdVerify(a);
   if (cp->parsed()) return CmdCp(a);
   if (rm->parsed()) return CmdRm(a);
   if (agent->parsed()) return CmdAgent(a);
-  if (status->parsed())
-    return watch ? cli::Watch([&] { return CmdStatus(a); }, watch_interval) : CmdStatus(a);
+  if (status->parsed()) {
+    auto render = [&] { return cli::CmdStatus(a.shm_dir, a.json); };
+    return watch ? cli::Watch(render, watch_interval) : render();
+  }
   if (gc->parsed()) return CmdGc(a);
   if (std::optional<int> rc = run_version_command()) return *rc;
   if (auto rc = advisor_commands.Run()) return *rc;

@@ -33,6 +33,7 @@ from safepoint._files import fsync_dir
 from safepoint._shards import StepReader
 from safepoint._versions import resolve
 from safepoint.errors import (
+    AlreadyExistsError,
     Error,
     InvalidArgumentError,
     NotFoundError,
@@ -362,7 +363,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"{report['files']} file(s) as step {report['step']} of "
                     f"{report['destination']}")
     except Error as err:
-        print(f"safepoint: error: {err}", file=sys.stderr)
+        message = str(err)
+        if a.command == "import" and isinstance(err, AlreadyExistsError):
+            # The Python API's keyword is the command line's flag here.
+            message = message.replace("overwrite=True", "--overwrite")
+        print(f"safepoint: error: {message}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if a.json else text)
     return 0

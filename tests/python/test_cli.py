@@ -35,7 +35,7 @@ def test_inspect(ckpt, cli):
     make(ckpt)
     out = cli("inspect", ckpt, check=0).stdout
     assert "step 8" in out and "model.w" in out and "bfloat16" in out and "[4, 5]" in out
-    assert "'lr': 0.25" in out
+    assert "\n  lr: 0.25\n" in out
     data = json.loads(cli("inspect", ckpt, "--step", "3", "--json", check=0).stdout)
     assert data["step"] == 3
     assert {t["name"]: (t["dtype"], t["shape"], t["bytes"]) for t in data["tensors"]} == {
@@ -204,3 +204,49 @@ def test_log_level_and_the_log_format(tmp_path, cli):
     assert "--log-level" in proc.stderr
     proc = safepointd("--job", "j", "--shm-dir", tmp_path / "no-shm", "--log-level", "loud")
     assert proc.returncode == 2 and "--log-level" in proc.stderr
+
+
+def test_inspect_lists_the_committed_steps_and_prints_the_state_readably(ckpt, cli):
+    """Issue 36: `inspect` of a missing step named none of the committed ones, and printed the
+    non-tensor state as one line cut off at 4096 characters."""
+    state = {"model": {"w": torch.zeros(4, 5)}, "lr": 0.25, "note": "x" * 5000,
+             "sched": {"milestones": list(range(200)), "gamma": 0.1},
+             "groups": [{"lr": 0.1, "betas": (0.9, 0.999)}, {"lr": 0.01}], "empty": {}}
+    safepoint.save(ckpt, 3, state)
+    safepoint.save(ckpt, 8, state)
+    r = cli("inspect", ckpt, "--step", "5", check=1)
+    assert "step 5 is not committed (committed steps: 3 8)" in r.stderr, r.stderr
+    out = cli("inspect", ckpt, check=0).stdout
+    text = out[out.index("\nstate ("):]
+    assert "\n  lr: 0.25\n" in text
+    assert "\n  note: '" + "x" * 5000 + "'\n" in text  # whole
+    assert "\n  model:\n    w: <tensor #0: float32 [4, 5]>\n" in text
+    assert "\n  sched:\n    milestones: [0, 1, 2," in text and " 199]\n    gamma: 0.1\n" in text
+    assert "\n  groups:\n    - lr: 0.1\n      betas: (0.9, 0.999)\n    - lr: 0.01\n" in text
+    assert "\n  empty: {}\n" in text
+    assert all(len(line) <= 100 for line in text.splitlines() if "xxxx" not in line), text
+    assert "..." not in text
+
+
+def test_messages_name_the_flags_and_the_attempt_has_one_form(tmp_path, ckpt, cli, shm):
+    """Issue 36: `tag` did not name --replace; `import` said overwrite=True where the flag is
+    --overwrite; `log` printed the attempt in hex and --json in decimal."""
+    make(ckpt)
+    cli("tag", ckpt, "3", "best", check=0)
+    r = cli("tag", ckpt, "8", "best", check=1)
+    assert "already names step 3" in r.stderr and "pass --replace" in r.stderr, r.stderr
+    cli("tag", ckpt, "8", "best", "--replace", check=0)
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    st = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(3)}, st)
+    r = cli("import", st, ckpt, "--step", "8", check=1)
+    assert "already committed" in r.stderr and "pass --overwrite" in r.stderr, r.stderr
+    assert "overwrite=True" not in r.stderr
+    run = tmp_path / "run"
+    with safepoint.Checkpointer(run, shm_dir=shm, job="attempt") as c:
+        c.save(1, {"w": torch.ones(2)})
+        c.wait()
+    attempt = json.loads(cli("log", run, "--json", check=0).stdout)[0]["attempt"]
+    assert attempt != 0
+    text = cli("log", run, check=0).stdout
+    assert str(attempt) in text and f"{attempt:016x}" not in text, text

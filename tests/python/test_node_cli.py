@@ -4,6 +4,7 @@ with a live agent, or with a live training process whose agent died, is kept."""
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import time
 import torch
 
 import safepoint
+from conftest import cli_path
+from processes import wait_until
 
 # A training process of one job, driven over stdin: it saves step 1 (persisted when asked), prints
 # its job directory, then saves one step per line ("saved N") until it reads "exit", when it
@@ -102,6 +105,11 @@ def test_status_and_gc(tmp_path, cli):
         kill_agent(dead.job_dir)
         out = cli("status", "--shm-dir", shm, check=0).stdout
         assert "no live agent (snapshots kept" in out and "dead-job" in out
+        # Its checkpoint path still shows (from the job.json its agent left).
+        assert f"job dead-job: checkpoints in {tmp_path / 'b'}\n" in out, out
+        jobs = {j["job"]: j for j in json.loads(cli("status", "--shm-dir", shm, "--json",
+                                                    check=0).stdout)}
+        assert jobs["dead-job"]["storage"] == str(tmp_path / "b")
         assert cli("gc", "--shm-dir", shm, "--dry-run", check=0).stdout.count("would remove") == 1
         report = json.loads(cli("gc", "--shm-dir", shm, "--dry-run", "--json", check=0).stdout)
         assert [(r["job"], r["action"], r["reason"] if r["action"] == "keep" else None)
@@ -164,3 +172,41 @@ def test_gc_and_status_need_an_existing_shm_dir(tmp_path, cli):
         assert str(missing) in proc.stderr and proc.stdout == ""
     proc = cli("agent", "--job", "j", "--shm-dir", missing, check=1)
     assert str(missing) in proc.stderr
+
+
+def test_status_text_names_jobs_by_path_shows_persist_failures_and_reads_the_env(tmp_path, cli,
+                                                                                  shm):
+    """Issue 36: `status` showed persist failures only in --json, printed raw nulls, ignored
+    $SAFEPOINT_SHM_DIR and named every framework job safepoint-<hash> and nothing else."""
+    ckpt = tmp_path / "run"
+    ckpt.mkdir()
+    (ckpt / "step-00000000000000000001").write_text("in the way")  # step 1 cannot be persisted
+    checkpoints = tmp_path / "lightning" / "checkpoints"
+    framework = checkpoints / "safepoint"  # a Lightning job's default: <its directory>/safepoint
+    failing = safepoint.Checkpointer(ckpt, job="failing", shm_dir=shm)
+    lightning = safepoint.Checkpointer(framework, shm_dir=shm)
+    try:
+        (checkpoints / "epoch=0-step=1.ckpt").write_text("a pointer")
+        failing.save(1, {"w": torch.ones(10)})
+        lightning.save(1, {"w": torch.ones(10)}, persist=False)
+
+        def failed():
+            jobs = json.loads(cli("status", "--shm-dir", shm, "--json", check=0).stdout)
+            job = next(j for j in jobs if j["job"] == "failing")
+            return job["persists_failed"] > 0 and job["last_persist_error"]
+
+        assert wait_until(failed)
+        env = dict(os.environ, SAFEPOINT_SHM_DIR=str(shm))
+        out = subprocess.run([cli_path(), "status"], env=env, capture_output=True, text=True,
+                             timeout=60).stdout
+        assert f"job failing: checkpoints in {ckpt}\n" in out, out
+        failures = r"\n  persists 0 ok, [1-9][0-9]* failed; last error: rank 0: .+\n"
+        assert re.search(failures, out), out
+        assert f"checkpoints in {framework} (Lightning's, beside its checkpoints in " \
+               f"{checkpoints})" in out, out
+        assert re.search(r"job safepoint-[0-9a-f]{12}: ", out), out
+        assert "newest committed step none yet" in out and "null" not in out, out
+        assert f"shared memory {shm}/" in out
+    finally:
+        failing.abandon()
+        lightning.close()
