@@ -174,6 +174,14 @@ class CheckpointStore {
   // Valid commit records, ascending by step. A corrupt COMMIT record is skipped (that step does
   // not exist) and reported through `problems` when given.
   Result<std::vector<CommitRecord>> ListCommitted(std::vector<std::string>* problems = nullptr);
+  // The steps that have a COMMIT object, ascending, from one List (no record is read: a step
+  // whose record is damaged is among them).
+  Result<std::vector<uint64_t>> StepsWithCommit();
+  // The newest valid commit record among `steps` (ascending, as StepsWithCommit gives), read
+  // newest first: one COMMIT read where the newest is intact, whatever the number of steps.
+  // Damaged records passed over are reported through `problems`; nullopt when none is valid.
+  Result<std::optional<CommitRecord>> NewestCommitted(const std::vector<uint64_t>& steps,
+                                                      std::vector<std::string>* problems = nullptr);
   Result<CommitRecord> ReadCommit(uint64_t step);
   // The step's COMMIT record, made durable first: a record that can be read may not survive a
   // power loss yet (its writer's directory sync failed, or the writer died before it). Publishes

@@ -666,6 +666,30 @@ Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(
   return out;
 }
 
+Result<std::vector<uint64_t>> CheckpointStore::StepsWithCommit() {
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  std::vector<uint64_t> steps;
+  for (const auto& o : objects) {
+    auto step = StepFromObjectName(o.name);
+    if (step && o.name == CommitObjectName(*step)) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+Result<std::optional<CommitRecord>> CheckpointStore::NewestCommitted(
+    const std::vector<uint64_t>& steps, std::vector<std::string>* problems) {
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    auto record = ReadCommit(*it);
+    if (record.ok()) return std::optional<CommitRecord>(std::move(record).value());
+    const StatusCode code = record.status().code();
+    if (code != StatusCode::kCorruption && code != StatusCode::kNotFound) return record.status();
+    // NotFound: deleted between List and Open (concurrent pruning).
+    if (problems && code == StatusCode::kCorruption) problems->push_back(record.status().message());
+  }
+  return std::optional<CommitRecord>();
+}
+
 Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint32_t rank) {
   if (rank >= commit.world_size) {
     return InvalidArgument(storage_->uri() + ": step " + std::to_string(commit.step) +
@@ -878,20 +902,20 @@ Status CheckpointStore::DeleteStep(uint64_t step) {
 }
 
 Result<size_t> CheckpointStore::CleanUp() {
-  SP_ASSIGN_OR_RETURN(auto committed, ListCommitted());
-  if (committed.empty()) return size_t{0};
-  const uint64_t newest = committed.back().step;
-  std::vector<uint64_t> committed_steps;
-  for (const auto& c : committed) committed_steps.push_back(c.step);
-
+  // One List; the newest valid record is read newest first (one COMMIT read in the common
+  // case, not one per step kept).
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
   // A step with a COMMIT object is committed even when its record did not read back just now (a
   // bit flipped on the way, a damaged record): clean-up never removes it.
+  std::vector<uint64_t> committed_steps;
   for (const auto& o : objects) {
     auto step = StepFromObjectName(o.name);
     if (step && o.name == CommitObjectName(*step)) committed_steps.push_back(*step);
   }
   std::sort(committed_steps.begin(), committed_steps.end());
+  SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> newest_record, NewestCommitted(committed_steps));
+  if (!newest_record) return size_t{0};
+  const uint64_t newest = newest_record->step;
   size_t removed = 0;
   for (const auto& o : objects) {
     auto step = StepFromObjectName(o.name);
@@ -1000,17 +1024,24 @@ Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> st
     SP_ASSIGN_OR_RETURN(CommitRecord commit, store.ReadCommit(*step));
     return LoadCommittedOrReplacement(store, std::move(commit), rank);
   }
+  // Newest first: one List, then the COMMIT records only down to the step that loads (not one
+  // read per step kept).
   std::vector<std::string> skipped;
-  SP_ASSIGN_OR_RETURN(auto committed, store.ListCommitted(&skipped));
-  for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
-    auto shard = LoadCommittedOrReplacement(store, *it, rank);
+  SP_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store.StepsWithCommit());
+  while (!steps.empty()) {
+    SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> commit,
+                        store.NewestCommitted(steps, &skipped));
+    if (!commit) break;
+    while (!steps.empty() && steps.back() >= commit->step) steps.pop_back();
+    const uint64_t at = commit->step;
+    auto shard = LoadCommittedOrReplacement(store, std::move(*commit), rank);
     if (shard.ok()) {
       shard->skipped = std::move(skipped);
       return shard;
     }
     const StatusCode code = shard.status().code();
     if (code != StatusCode::kCorruption && code != StatusCode::kNotFound) return shard.status();
-    skipped.push_back("step " + std::to_string(it->step) + ": " + shard.status().message());
+    skipped.push_back("step " + std::to_string(at) + ": " + shard.status().message());
   }
   std::string m = store.storage().uri() + ": no committed checkpoint";
   if (!skipped.empty()) {

@@ -69,3 +69,35 @@ def test_status_and_metrics_show_the_agents_requests(ckpt, shm):
                      dir="written") >= 8000
     finally:
         ck.close()
+
+
+def test_save_and_load_cost_the_same_whatever_the_steps_kept(tmp_path):
+    # A save's clean-up and a load of the newest step read the newest COMMIT record first, not
+    # every one kept: their requests do not grow with the history (they did: one head and one
+    # get more per step kept).
+    def requests_of(fn) -> int:
+        before = _core.storage_requests()
+        fn()
+        return delta(before, _core.storage_requests())["requests"]
+
+    path = tmp_path / "ck"
+    saves = [requests_of(lambda s=s: safepoint.save(path, s, {"w": torch.ones(100)}))
+             for s in range(1, 9)]
+    assert len(set(saves[1:])) == 1, saves  # the first one finds no step to clean up after
+    load_of_8 = requests_of(lambda: safepoint.load(path))
+    other = tmp_path / "other"
+    for s in (1, 2):
+        safepoint.save(other, s, {"w": torch.ones(100)})
+    assert requests_of(lambda: safepoint.load(other)) == load_of_8
+
+
+def test_a_damaged_newest_commit_falls_back_to_the_step_before(tmp_path):
+    path = tmp_path / "ck"
+    for s in (1, 2, 3):
+        safepoint.save(path, s, {"w": torch.full((10,), float(s))})
+    commit = path / "step-00000000000000000003" / "COMMIT"
+    raw = bytearray(commit.read_bytes())
+    raw[-1] ^= 0xFF
+    commit.write_bytes(bytes(raw))
+    step, got = safepoint.load(path)
+    assert step == 2 and torch.equal(got["w"], torch.full((10,), 2.0))
