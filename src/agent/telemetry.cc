@@ -358,10 +358,10 @@ void Telemetry::SetStorageRequests(
   for (const auto& [scheme, c] : now) {
     StorageRequestCounts& told = storage_told_[scheme];
     const std::pair<const char*, uint64_t StorageRequestCounts::*> ops[] = {
-        {"list", &StorageRequestCounts::list},     {"head", &StorageRequestCounts::head},
-        {"get", &StorageRequestCounts::get},       {"create", &StorageRequestCounts::create},
-        {"write", &StorageRequestCounts::write},   {"put", &StorageRequestCounts::put},
-        {"delete", &StorageRequestCounts::del},    {"cleanup", &StorageRequestCounts::cleanup}};
+        {"list", &StorageRequestCounts::list},   {"head", &StorageRequestCounts::head},
+        {"get", &StorageRequestCounts::get},     {"create", &StorageRequestCounts::create},
+        {"write", &StorageRequestCounts::write}, {"put", &StorageRequestCounts::put},
+        {"delete", &StorageRequestCounts::del},  {"cleanup", &StorageRequestCounts::cleanup}};
     for (const auto& [op, field] : ops) {
       registry_.Add("safepoint_storage_requests_total", {{"scheme", scheme}, {"op", op}},
                     static_cast<double>(c.*field - told.*field));

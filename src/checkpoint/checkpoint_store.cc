@@ -1029,8 +1029,7 @@ Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> st
   std::vector<std::string> skipped;
   SP_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store.StepsWithCommit());
   while (!steps.empty()) {
-    SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> commit,
-                        store.NewestCommitted(steps, &skipped));
+    SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> commit, store.NewestCommitted(steps, &skipped));
     if (!commit) break;
     while (!steps.empty() && steps.back() >= commit->step) steps.pop_back();
     const uint64_t at = commit->step;

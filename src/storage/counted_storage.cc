@@ -16,8 +16,8 @@ namespace safepoint {
 namespace {
 
 struct Counters {
-  std::atomic<uint64_t> list{0}, head{0}, get{0}, create{0}, write{0}, put{0}, del{0},
-      cleanup{0}, metadata_bytes{0}, data_bytes_read{0}, data_bytes_written{0};
+  std::atomic<uint64_t> list{0}, head{0}, get{0}, create{0}, write{0}, put{0}, del{0}, cleanup{0},
+      metadata_bytes{0}, data_bytes_read{0}, data_bytes_written{0};
 };
 
 class Registry {
@@ -106,8 +106,7 @@ class CountedReadable final : public ReadableObject {
 
 class CountedStorage final : public Storage, public internal::CancellableStorage {
  public:
-  CountedStorage(std::unique_ptr<Storage> inner, Counters* c)
-      : inner_(std::move(inner)), c_(c) {}
+  CountedStorage(std::unique_ptr<Storage> inner, Counters* c) : inner_(std::move(inner)), c_(c) {}
 
   const std::string& uri() const override { return inner_->uri(); }
   StorageCapabilities capabilities() const override { return inner_->capabilities(); }

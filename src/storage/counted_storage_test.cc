@@ -59,8 +59,8 @@ TEST(CountedStorage, CountsEveryRequestOnceUnderItsScheme) {
   EXPECT_EQ(now.data_bytes_written - before.data_bytes_written, 1500u);
   EXPECT_EQ(now.data_bytes_read - before.data_bytes_read, 200u);
   // The COMMIT written and read (64 + 64) and the two listed names (plus 16 bytes each).
-  const uint64_t listed_bytes = std::string("step-1/rank-00000.img").size() +
-                                std::string("step-1/COMMIT").size() + 2 * 16;
+  const uint64_t listed_bytes =
+      std::string("step-1/rank-00000.img").size() + std::string("step-1/COMMIT").size() + 2 * 16;
   EXPECT_EQ(now.metadata_bytes - before.metadata_bytes, 128u + listed_bytes);
 }
 
