@@ -82,7 +82,9 @@ class PreemptionMixin(CheckpointerBase):
         next ``save`` (of any step, due or not) is then the preemption save. For loops that
         call ``save`` only now and then: ``if step % 100 == 0 or ckpt.preemption_pending():
         ckpt.save(step, state)``. With several ranks it is a collective like ``save`` (one
-        all-reduce of one int until it is True): every rank calls it at the same steps."""
+        all-reduce of one int until it is True): every rank calls it at the same steps. (A
+        save that copies, with dedupe, needs no call before it: its one collective carries the
+        notice.)"""
         if self._watch is None or self.preempted:
             return False
         if not self._notice_agreed:
@@ -98,6 +100,26 @@ class PreemptionMixin(CheckpointerBase):
         if self._watch is not None:
             self._watch.saving()  # the wait for a save is over: the save's own wait begins
         return True
+
+    def _preemption_agreed(self, notice: int = 0) -> bool:
+        """As ``_preemption_now`` without a collective: whether a notice the ranks agreed on
+        already (``preemption_pending``, or `notice`: what a save's own collective brought,
+        the same on every rank) makes this save the preemption save. Sets ``preempted``."""
+        if self._watch is None or self.preempted:
+            return False
+        self._notice_agreed = self._notice_agreed or notice
+        if not self._notice_agreed:
+            return False
+        self.preempted = True
+        self._watch.saving()
+        return True
+
+    def _notice_code(self) -> int:
+        """This rank's notice for a save's collective to carry (``notice_code``); 0 when none
+        is to come: no watch, or the preemption save made already."""
+        if self._watch is None or self.preempted:
+            return 0
+        return notice_code(self._watch)
 
     def _notice_signal(self) -> Optional[int]:
         """The signal that gave the notice, on this rank or (agreed) on another; None for

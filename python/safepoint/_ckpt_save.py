@@ -1,6 +1,14 @@
 """The save path of a ``Checkpointer``: ``save`` (a snapshot into shared memory, overlapped or
 not, the preemption save), ``before_update``, the record of each save and the agent's notice
-(with dedupe, after the ranks agreed on the replicas), and ``wait``."""
+(with dedupe, after the ranks agreed on the replicas), and ``wait``.
+
+With several ranks a save runs at most one collective in steady state, of 16 bytes per rank
+(docs/architecture.md, "Collectives per save"): with dedupe, the all-reduce after the copy
+(``_dedupe.ReplicaPlan.agree``) carries the preemption notice and whether any rank's structure
+changed; the replicas' tensor lists are gathered only when one did. A notice that this
+all-reduce brings makes the save the preemption save (after its copy: the step is copied again,
+persisted, unless every rank's copy already was). A save that copies nothing (not due) asks for
+the notice alone (``_preemption.agreed``), and so does every save without dedupe."""
 
 from __future__ import annotations
 
@@ -30,6 +38,9 @@ class SaveMixin(PreemptionMixin):
     _persists_failed_seen: int = 0  # the agent's count of this rank's failed persists, last seen
     _persists_failed_warned: int = 0  # ... when save() last warned
     _persist_warn_at: float = 0.0  # no warning before this time (rate limit)
+    # The overlapped save in _pending: (its copy persisted, copies it persisted) for the
+    # preemption save that its collective may call for.
+    _pending_preempt: Optional[tuple[bool, Callable[[], Any]]] = None
 
     def save(self, step: int, state: Any, *, persist: Optional[bool] = None,
              include_rng: bool = False, overlap: bool = False) -> bool:
@@ -45,7 +56,10 @@ class SaveMixin(PreemptionMixin):
         After a preemption notice (a signal, ``notify_preemption()``; on any rank), the save
         copies and persists its step whatever the schedule (``overlap`` and ``persist`` aside),
         sets ``preempted``, and returns once the step is committed: it raises as ``wait()``
-        would when it cannot be.
+        would when it cannot be. (With dedupe, a save that copies learns of a notice given on
+        another rank from its one collective, after its copy: it then copies the step again,
+        persisted, unless its copy was persisted already; for ``overlap=True`` that happens in
+        ``before_update()``.)
 
         ``overlap=True`` returns as soon as the state is walked (its structure, non-tensor
         values and tensor addresses taken) and copies the tensors into shared memory on a
@@ -64,24 +78,34 @@ class SaveMixin(PreemptionMixin):
                 f"{self.path}: step must be a non-negative int, got {step!r}")
         client = self._live  # waits for an overlapped save still copying
         t0 = time.perf_counter()
-        preempt = self._preemption_now()
-        if not preempt and not persist and step % self.snapshot_every:
+        due = bool(persist) or not step % self.snapshot_every
+        # With dedupe, a save that copies learns of a notice from its one collective, after
+        # the copy (_saved); before it, only from an agreement made already (no collective).
+        preempt = (self._preemption_agreed() if due and self.dedupe
+                   else self._preemption_now())
+        if not preempt and not due:
             self._stats["saves_not_due"] += 1
             return False
         saveable = to_saveable(state, include_rng)
+
+        def copy_persisted() -> Any:
+            return client.save(step, saveable, True, self._pickler, notify=False)
+
         if preempt:
-            return self._save_preempted(client, step, saveable, t0)
-        do_persist = persist if persist is not None else self._persist_due(step)
+            return self._save_preempted(client, step, copy_persisted, t0)
+        do_persist = bool(persist if persist is not None else self._persist_due(step))
 
         def copy_again() -> Any:
-            return client.save(step, saveable, bool(do_persist), self._pickler, notify=False)
+            return client.save(step, saveable, do_persist, self._pickler, notify=False)
 
         if overlap:
             self._hook_optimizers(state)
-            client.save_begin(step, saveable, bool(do_persist), self._pickler, notify=False)
+            client.save_begin(step, saveable, do_persist, self._pickler, notify=False)
             self._pending = (step, t0, time.perf_counter() - t0, copy_again)
+            self._pending_preempt = (do_persist, copy_persisted)
             return True
-        return self._saved(step, copy_again(), t0, copy_again=copy_again)
+        return self._saved(step, copy_again(), t0, copy_again=copy_again,
+                           preempt=(do_persist, copy_persisted))
 
     def _persist_due(self, step: int) -> bool:
         """Whether the snapshot of `step` is persisted: a step due under persist_every fell
@@ -91,19 +115,20 @@ class SaveMixin(PreemptionMixin):
         every = self._advisor.every
         return step // every > (step - self.snapshot_every) // every
 
-    def _save_preempted(self, client: Any, step: int, saveable: Any, t0: float) -> bool:
-        """The preemption save: copied (never skipped: with on_busy="skip", the persists in
-        flight are waited for first), persisted, and waited for until committed."""
+    def _save_preempted(self, client: Any, step: int, copy_persisted: Optional[Callable[[], Any]],
+                        t0: float) -> bool:
+        """The preemption save: copied by `copy_persisted` (never skipped: with on_busy="skip",
+        the persists in flight are waited for first), persisted, and waited for until
+        committed. `copy_persisted` None: every rank's snapshot of `step` is persisted already
+        (the save whose collective brought the notice), only the wait remains."""
         grace = self._watch.grace_s if self._watch is not None else None
         timeout = -1.0 if grace is None else float(grace)
-
-        def copy_again() -> Any:
-            return client.save(step, saveable, True, self._pickler, notify=False)
-
         try:
-            if self.on_busy == "skip":
-                client.wait(timeout)
-            saved = self._saved(step, copy_again(), t0, copy_again=copy_again)
+            saved = True
+            if copy_persisted is not None:
+                if self.on_busy == "skip":
+                    client.wait(timeout)
+                saved = self._saved(step, copy_persisted(), t0, copy_again=copy_persisted)
             client.wait(timeout)
         except Exception as e:
             self._preemption_saved(step, e)  # with on_preemption="exit": the process ends
@@ -119,12 +144,12 @@ class SaveMixin(PreemptionMixin):
         if self._pending is None or self._client is None:
             return None
         step, t0, call_seconds, copy_again = self._pending
-        self._pending = None
+        preempt, self._pending, self._pending_preempt = self._pending_preempt, None, None
         t1 = time.perf_counter()
         snap = self._client.save_finish()
         if snap is None:
             return None
-        return self._saved(step, snap, t0, (t1, call_seconds), copy_again)
+        return self._saved(step, snap, t0, (t1, call_seconds), copy_again, preempt)
 
     def _hook_optimizers(self, state: Any) -> None:
         """Registers before_update() as a step pre-hook of each optimizer among the values of
@@ -154,27 +179,35 @@ class SaveMixin(PreemptionMixin):
 
     def _saved(self, step: int, snap: Any, t0: float,
                overlapped: Optional[tuple[float, float]] = None,
-               copy_again: Optional[Callable[[], Any]] = None) -> bool:
+               copy_again: Optional[Callable[[], Any]] = None,
+               preempt: Optional[tuple[bool, Callable[[], Any]]] = None) -> bool:
         """Records a save's result (after its copy) and tells the agent, in one message: the
         snapshot note with the save's report (saves are made with notify=False for that); with
-        dedupe, after the ranks agreed on the replicas. `overlapped`: (when before_update began
-        waiting, how long the save call took) of an overlapped save. `copy_again`: saves the
-        same state again (with dedupe, when this rank's copy left out tensors under a plan that
-        no longer holds)."""
+        dedupe, after the ranks agreed on the replicas and on a preemption notice. `overlapped`:
+        (when before_update began waiting, how long the save call took) of an overlapped save.
+        `copy_again`: saves the same state again (with dedupe, when this rank's copy left out
+        tensors under a plan that no longer holds). `preempt`: (whether this copy is
+        persisted, a copy that is) for a notice the collective brings: this save then goes on
+        as the preemption save (None: it is the preemption save already)."""
         res = _fields(snap)
         skip: list = []
+        notice, changed = 0, True
         if self.dedupe:
-            # Every rank calls save for the step: agree on who copies and who writes which
-            # replica, then tell the agent. A rank that dies before this is flushed without
-            # skipping (its snapshot leaves out only what its node's other ranks copied).
+            # Every rank calls save for the step: agree on a preemption notice, on who copies
+            # and who writes which replica, then tell the agent. A rank that dies before this
+            # is flushed without skipping (its snapshot leaves out only what its node's other
+            # ranks copied).
             again = False
+            notice = mine = self._notice_code() if preempt is not None else 0
             try:
-                skip, again = self._replicas.skip_ranges(self._live, snap,
+                notice, changed = self._replicas.agree(self._live, snap, mine)
+                skip, again = self._replicas.skip_ranges(self._live, snap, changed,
                                                          self.replication is None)
             except Exception as e:  # a peer is gone or out of step: write every tensor
                 warnings.warn(f"safepoint: step {step}: the ranks could not agree on who writes "
                               f"the replicas ({e}); this rank writes all of its tensors and "
-                              f"copies them all from the next save on",
+                              f"copies them all from the next save on"
+                              + (" (and goes by its own preemption notice)" if mine else ""),
                               RuntimeWarning, stacklevel=3)
                 self._replicas.reset(self._live)
                 skip = []
@@ -225,6 +258,14 @@ class SaveMixin(PreemptionMixin):
             warnings.warn(f"safepoint: step {step} is snapshotted in memory but the agent could "
                           f"not be told: {res['agent_error']}", RuntimeWarning, stacklevel=3)
         self._check_persists()
+        if preempt is not None and notice > 0 and self._preemption_agreed(notice):
+            # The notice reached some rank: this save goes on as the preemption save on every
+            # rank (each saw the same all-reduce). Copied again, persisted, unless every rank's
+            # copy was taken (none changed) and persisted.
+            persisted, copy_persisted = preempt
+            return self._save_preempted(self._live, step,
+                                        None if persisted and not changed else copy_persisted,
+                                        t0)
         return bool(res["saved"])
 
     def _check_persists(self) -> None:

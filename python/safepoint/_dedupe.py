@@ -2,9 +2,13 @@
 parameters and optimizer state) is copied into shared memory once per node and written to
 storage once in total, instead of once per rank.
 
-Every rank calls save for the same steps. Per save, one all-gather of a structure hash; when
-some rank's tensors changed, the ranks all-gather their tensor lists (and which node each is on)
-and each computes the same two plans (``plan_replicas``): which rank of each node copies each
+Every rank calls save for the same steps. Per save, one all-reduce (MAX) of two int64: the
+preemption notice (``_preemption.notice_code``: the save's one collective carries it too) and
+whether this rank's structure (its tensors' names, dtypes, shapes and boxes, as the core's
+structure hash says) or its snapshot's being taken changed since the plans were made. Only when
+some rank's did (the first save, a new structure, a skipped snapshot, a rank that forgot the
+plans) do the ranks all-gather their tensor lists (and which node each is on), and each
+computes the same two plans (``plan_replicas``): which rank of each node copies each
 group of replicas into its snapshot (the copy plan, applied from the next save on through
 ``Client.set_copy_skip``), and which rank writes each to storage, among the ranks whose
 snapshots hold it (the persist plan, ``Client.notify``). Both split by bytes. A hot reload fills
@@ -112,33 +116,36 @@ class ReplicaPlan:
     another rank of its node copies (applied to the client), and which other ranks write. Kept
     across saves; recomputed only when some rank's tensors changed. `rank_local_prefix`:
     tensors under it (the generator states) are never replicas. `node()`: names this rank's node
-    (ranks with equal names read each other's snapshot slots)."""
+    (ranks with equal names read each other's snapshot slots).
+
+    The plans are the same on every rank: they are made, kept and forgotten from what every
+    rank sees alike (the all-reduce's result, the gathered lists). A rank that forgets them on
+    its own (``reset``, after a collective failed there) says so at its next save (it has no
+    structure hash of a plan: changed), and every rank plans again."""
 
     def __init__(self, group: Any, rank: int, world_size: int, rank_local_prefix: str,
                  node: Callable[[], str] = lambda: "") -> None:
         self._group, self._rank, self._world_size = group, rank, world_size
         self._prefix, self._node = rank_local_prefix, node
         self._node_name = ""  # node(), asked at the first plan (the shm directory exists then)
-        self._key: tuple = ()  # every rank's structure hash
-        self._skip: list = []  # this rank's skip ranges under that key
-        self._copies: list = []  # this rank's share of the copy plan under that key
+        self._mine: Optional[int] = None  # this rank's structure hash when the plans were made
+        self._skip: list = []  # this rank's skip ranges under those plans
+        self._copies: list = []  # this rank's share of the copy plan under them
 
     def reset(self, client: Any = None) -> None:
         """Forgets the plans (the ranks could not agree on them): the next save copies every
         tensor and plans again."""
-        self._key, self._skip, self._copies = (), [], []
+        self._mine, self._skip, self._copies = None, [], []
         if client is not None:
             client.set_copy_skip([])
 
-    def skip_ranges(self, client: Any, res: _core.SnapshotResult,
-                    copy_once: bool = True) -> tuple[list, bool]:
-        """This rank's replicas that other ranks write, for the save `res` of `client` (a
-        collective: every rank calls it for the same step), and whether this rank must copy the
-        step again in full first: its snapshot left out tensors under a plan that no longer
-        holds (some rank's structure changed), so another rank may not hold them. One
-        all-gather of a structure hash per save; the plans are recomputed only when some rank's
-        tensors changed. `copy_once`: plan the copies once per node (else every rank copies
-        all of its tensors)."""
+    def agree(self, client: Any, res: _core.SnapshotResult, notice: int = 0) -> tuple[int, bool]:
+        """The save's one collective (every rank calls it for the same step, after its copy):
+        one all-reduce (MAX) of [`notice`, changed], where changed says that this rank's
+        snapshot of `res` was skipped, or its structure is not the one of the plans (or it has
+        none). Returns the ranks' greatest notice and whether any rank's changed: then
+        ``skip_ranges(..., changed=True)`` gathers the tensor lists and plans again. 16 bytes
+        per rank whatever the world size."""
         import torch
         import torch.distributed as dist
 
@@ -146,13 +153,27 @@ class ReplicaPlan:
         # step need this node's images, which only an agent persists (a dead one is restarted
         # and its successor persists them). Its error, if any, comes again from notify().
         client.revive_agent()
-        mine = client.structure_hash() if res.saved else 0
-        h = torch.tensor([mine - (1 << 63)], dtype=torch.int64)  # u64 -> i64
-        hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
-        dist.all_gather(hashes, h, group=self._group)
-        key = tuple(int(x.item()) for x in hashes)
-        if key == self._key:
-            return (self._skip if res.saved else []), False
+        changed = (not res.saved or self._mine is None
+                   or client.structure_hash() != self._mine)
+        flags = torch.tensor([notice, 1 if changed else 0], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        agreed, any_changed = (int(x) for x in flags.tolist())
+        return agreed, bool(any_changed)
+
+    def skip_ranges(self, client: Any, res: _core.SnapshotResult, changed: bool,
+                    copy_once: bool = True) -> tuple[list, bool]:
+        """This rank's replicas that other ranks write, for the save `res` of `client`, and
+        whether this rank must copy the step again in full first: its snapshot left out tensors
+        under a plan that no longer holds (some rank's structure changed), so another rank may
+        not hold them. `changed`: what ``agree`` returned for this save (the same on every
+        rank). Unchanged: the plans hold, no collective. Changed: a collective (every rank
+        calls it), the plans are made again from every rank's gathered tensor list.
+        `copy_once`: plan the copies once per node (else every rank copies all of its
+        tensors)."""
+        import torch.distributed as dist
+
+        if not changed:
+            return self._skip, False  # every rank's snapshot was taken (else: changed)
         entries = client.last_entries() if res.saved else []
         everyone: list = [None] * self._world_size
         if not self._node_name:
@@ -162,7 +183,7 @@ class ReplicaPlan:
             # A rank skipped its snapshot: write everything, and forget the plans on every
             # rank alike (each sees the same gathered lists): the next save copies all and
             # plans again.
-            self._key, self._skip, self._copies = (), [], []
+            self._mine, self._skip, self._copies = None, [], []
             return [], False
         again = bool(res.saved and client.last_copy_skip())
         lists = [e for e, _ in everyone]
@@ -174,7 +195,7 @@ class ReplicaPlan:
         copies = (plan_copies(lists, nodes, self._prefix) if copy_once
                   else [[] for _ in range(self._world_size)])
         later = plan_replicas(lists, self._rank, self._prefix, [_indexes(c) for c in copies])
-        self._key, self._skip = key, later
+        self._mine, self._skip = client.structure_hash(), later
         self._copies = copies[self._rank]
         return now, again
 

@@ -1,0 +1,156 @@
+"""One rank of a gloo job that counts the torch.distributed collectives of each save
+(tests/python/test_collectives.py, and the "Collectives per save" numbers in docs/benchmarks.md).
+
+    python collectives_worker.py CKPT SHM_DIR JOB PORT RANK WORLD MODE [STEPS [PERSIST_EVERY]]
+
+Every collective function of torch.distributed is wrapped (after the Checkpointer is made, so
+that only what the saves run is counted): each outermost call is recorded with the bytes this
+rank sent and received (tensors: their bytes; objects: their pickles) and how long it took. A
+call inside another (all_gather_object's own all_gathers) is part of the outer one. A barrier
+(not recorded) starts each save on every rank together.
+
+MODE: words joined by "+" (e.g. "preempt+overlap"), of
+  steady   saves steps 1..STEPS (default 6) of a state whose structure never changes.
+  overlap  saves with save(..., overlap=True) and before_update().
+  change   as steady, but at step 3 the last rank's state changes structure (one replicated
+           tensor is renamed and cut there, and a rank-local tensor is added): the ranks must plan
+           the replicas again. Then every rank restores each step from storage and checks it is
+           bit-exact.
+  preempt  as steady, but the last rank gives the preemption notice (notify_preemption) after
+           step 3 (on_preemption="return"); the loop stops at ``ckpt.preempted``.
+
+Prints one JSON line: {"rank", "saves": [[step, [[name, sent, received, seconds], ...]], ...],
+"preempted_at", "exact"}.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import safepoint
+
+ckpt_dir, shm_dir, job, port, rank, world, mode = sys.argv[1:8]
+steps = int(sys.argv[8]) if len(sys.argv) > 8 else 6
+persist_every = int(sys.argv[9]) if len(sys.argv) > 9 else 1
+rank, world = int(rank), int(world)
+modes = set(mode.split("+"))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=world)
+
+LAST = world - 1
+REPLICATED = 4  # tensors every rank holds (DDP's parameters), over dedupe's 64 KiB floor
+
+
+def state(step: int) -> dict:
+    """The state after `step` steps: replicated tensors (a function of the step alone) and a
+    rank-local one. In mode "change", the last rank's state from step 3 on differs in structure."""
+    g = torch.Generator().manual_seed(step)
+    model = {f"layer{i}": torch.randn(128, 160, generator=g) for i in range(REPLICATED)}
+    # named by rank: same-named tensors of the ranks are replicas (DCP's convention)
+    local = {f"r{rank}": torch.full((100,), float(rank * 1000 + step))}
+    if "change" in modes and rank == LAST and step >= 3:
+        model["layer1_own"] = model.pop("layer1")[:64].clone()  # no longer a replica
+        local["extra"] = torch.arange(step, step + 50)
+    return {"model": model, "local": local, "step": step}
+
+
+# -- counting ------------------------------------------------------------------------------------
+NAMES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+         "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+         "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
+         "all_to_all", "all_to_all_single")
+calls: list = []  # [name, sent, received, seconds] of each outermost call since the last save
+depth = [0]
+
+
+def nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(nbytes(y) for y in x)
+    return 0
+
+
+def pickled(objs) -> int:
+    return sum(len(pickle.dumps(o)) for o in objs)
+
+
+def counted(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if depth[0]:
+            return fn(*args, **kwargs)
+        depth[0] += 1
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+        seconds = time.perf_counter() - t0
+        if name == "all_gather_object":
+            sent, received = pickled([args[1]]), pickled(args[0])
+        elif name == "broadcast_object_list":
+            sent = received = pickled(args[0])
+        elif name == "all_gather":
+            sent, received = nbytes(args[1]), nbytes(args[0])
+        else:
+            sent = received = nbytes(args)
+        calls.append([name, sent, received, seconds])
+        return out
+    return wrapper
+
+
+def count_collectives() -> None:
+    for name in NAMES:
+        for mod in (dist, c10d):
+            fn = getattr(mod, name, None)
+            if fn is not None:
+                setattr(mod, name, counted(name, getattr(c10d, name)))
+
+
+# -- the run -------------------------------------------------------------------------------------
+saves: list = []
+preempted_at = None
+ck = safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir, persist_every=persist_every,
+                            on_preemption="return")
+with ck:
+    count_collectives()
+    for step in range(1, steps + 1):
+        dist.barrier()  # the ranks start each save together (not recorded: cleared next)
+        calls.clear()
+        if "overlap" in modes:
+            ck.save(step, state(step), overlap=True)
+            ck.before_update()
+        else:
+            ck.save(step, state(step))
+        saves.append([step, list(calls)])
+        if ck.preempted:
+            preempted_at = step
+            break
+        if "preempt" in modes and step == 3 and rank == LAST:
+            ck.notify_preemption()
+    ck.wait()
+
+exact = None
+if modes & {"change", "preempt"}:
+    exact = True
+    for step in safepoint.steps(ckpt_dir):
+        got, loaded = safepoint.load(ckpt_dir, step=step, rank=rank)
+        want = state(step)
+        exact = exact and got == step and loaded["step"] == step and all(
+            torch.equal(loaded[part][k], v) for part in ("model", "local")
+            for k, v in want[part].items()) and all(
+            set(loaded[part]) == set(want[part]) for part in ("model", "local"))
+print(json.dumps({"rank": rank, "saves": saves, "preempted_at": preempted_at,
+                  "exact": exact, "steps": safepoint.steps(ckpt_dir)}))
+dist.barrier()
+dist.destroy_process_group()
