@@ -301,6 +301,11 @@ Result<Model> BuildModel(const AdvisorCommands::Options& o, const std::string& p
       }
     }
   }
+  if (m.history && !m.history->save && !o.save_seconds && !o.snapshot) {
+    return InvalidArgument(m.where +
+                           ": no save recorded yet (run the job until it saves, or give "
+                           "--save-seconds to advise, --snapshot-seconds to simulate)");
+  }
   // The shape given on the command line.
   auto& src = m.sources;
   if (o.gpus) m.in.gpus = *o.gpus;

@@ -258,10 +258,12 @@ std::vector<LevelAdvice> AdviseLevels(const Plan& plan,
   {
     std::string e = "path: persist every " +
                     (path.every == 1 ? std::string("save") : PlanOrdinal(path.every) + "save") +
-                    " (" + IntervalText(path.interval_seconds, path.interval_steps) +
-                    (path.interval_steps ? "; persist_every=" + std::to_string(*path.interval_steps)
-                                         : std::string()) +
-                    ").";
+                    " (" + FormatDuration(path.interval_seconds);
+    if (path.interval_steps) {
+      e += ", " + PlanPlural(*path.interval_steps, "step") +
+           ": persist_every=" + std::to_string(*path.interval_steps);
+    }
+    e += ").";
     if (in.persist_seconds > 0) {
       e += " A persist takes " + FormatDuration(in.persist_seconds) +
            " in the background and costs training nothing, so as often as the storage takes "

@@ -202,7 +202,7 @@ def test_getting_started_one_node_then_what_to_watch(guide_env):
         out = f"{line}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
         assert proc.returncode == 0, out
         if " advise " in line:
-            assert "checkpoint every" in proc.stdout and "no advice" not in proc.stdout, out
+            assert "save every" in proc.stdout and "persist every" in proc.stdout, out
 
 
 def test_getting_started_several_nodes(guide_env):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 import safepoint
@@ -174,6 +175,7 @@ def test_gc_and_status_need_an_existing_shm_dir(tmp_path, cli):
     assert str(missing) in proc.stderr
 
 
+@pytest.mark.filterwarnings("ignore:safepoint.*failed to persist:RuntimeWarning")
 def test_status_text_names_jobs_by_path_shows_persist_failures_and_reads_the_env(tmp_path, cli,
                                                                                   shm):
     """Issue 36: `status` showed persist failures only in --json, printed raw nulls, ignored
