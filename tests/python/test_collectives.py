@@ -1,0 +1,73 @@
+"""The collectives of a save with several ranks (issue 32 item 5): in steady state one, of a
+fixed small payload whatever the world size; the replicas' tensor lists are gathered only when a
+rank's structure changed; a preemption notice on one rank still reaches every rank.
+
+4 real processes (gloo, CPU), each counting every torch.distributed collective its saves run
+(tests/python/workloads/collectives_worker.py). Counts, never times."""
+
+import os
+
+import pytest
+from conftest import free_port, run_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "workloads", "collectives_worker.py")
+RANKS = 4
+
+
+def run(tmp_path, mode: str, steps: int = 6, persist_every: int = 1) -> list:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    job = f"coll-{mode.replace('+', '-')}-{os.getpid()}"
+    port = free_port()
+    return run_ranks([[WORKER, tmp_path / "ckpt", shm, job, port, r, RANKS, mode, steps,
+                       persist_every] for r in range(RANKS)])
+
+
+def collectives(out: dict, step: int) -> list:
+    """(name, bytes sent, bytes received) of each collective the save of `step` ran."""
+    return [tuple(c[:3]) for s, calls in out["saves"] if s == step for c in calls]
+
+
+ONE = [("all_reduce", 16, 16)]  # the steady state: one all-reduce of two int64, on every W
+
+
+@pytest.mark.parametrize("mode", ["steady", "overlap"])
+def test_a_steady_state_save_runs_one_small_collective(tmp_path, mode):
+    outs = run(tmp_path, mode)
+    for out in outs:
+        # The first save plans the replicas: it gathers every rank's tensor list once.
+        first = collectives(out, 1)
+        assert first[0] == ONE[0] and [c[0] for c in first[1:]] == ["all_gather_object"], first
+        # Every later save of the same structure: one all-reduce of 16 bytes, nothing else.
+        for step in range(2, 7):
+            assert collectives(out, step) == ONE, (out["rank"], step, collectives(out, step))
+
+
+def test_a_structure_change_on_one_rank_is_planned_again_on_every_rank(tmp_path):
+    outs = run(tmp_path, "change", steps=4)
+    for out in outs:
+        # Step 3: the last rank's structure changed; every rank gathers the lists (else the
+        # ranks' collectives would not match and the run would hang or fail).
+        assert [c[0] for c in collectives(out, 3)] == ["all_reduce", "all_gather_object"]
+        assert collectives(out, 4) == ONE  # the new structure is the steady state again
+        # Every committed step (2, before the change; 3 and 4, after) loads bit-exact from
+        # storage, each rank's own structure, the replicas read from whichever rank wrote them.
+        assert out["exact"] is True and out["steps"] == [2, 3, 4]
+
+
+@pytest.mark.parametrize("mode,persist_every", [("preempt", 1), ("preempt", 3),
+                                                ("preempt+overlap", 3)])
+def test_a_notice_on_one_rank_preempts_every_rank_at_the_same_save(tmp_path, mode,
+                                                                   persist_every):
+    # The last rank gives the notice after step 3: the save of step 4 brings it to every rank
+    # through its one all-reduce, and becomes the preemption save everywhere (committed when
+    # it returns, bit-exact). Persisted already (persist_every=1): nothing more to copy, no
+    # further collective; not persisted (persist_every=3): copied again, persisted, and that
+    # copy's all-reduce.
+    outs = run(tmp_path, mode, steps=6, persist_every=persist_every)
+    for out in outs:
+        assert out["preempted_at"] == 4, out
+        assert [s for s, _ in out["saves"]] == [1, 2, 3, 4]
+        assert collectives(out, 3) == ONE
+        assert collectives(out, 4) == ONE * (1 if persist_every == 1 else 2)
+        assert out["exact"] is True and 4 in out["steps"]
