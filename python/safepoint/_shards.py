@@ -135,10 +135,17 @@ def _coordinate(mesh: Any) -> Optional[tuple[int, ...]]:
 def _shard_box(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
                coordinate: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offset) of this rank's shard: computed once per (global shape, mesh,
-    placements, this rank's mesh coordinate) instead of at every save and load of the DTensor."""
+    placements, this rank's mesh coordinate) instead of at every save and load of the DTensor.
+
+    No placements (a 0-dimensional mesh, as ``DeviceMesh("cpu", 1)`` builds: nothing is split,
+    every dimension is replicated): the local tensor is the whole tensor, on every rank. torch's
+    own computation gives an empty box there on a rank the mesh's one device does not name (its
+    coordinate is None), while ``to_local()`` is the whole tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     del coordinate  # part of the key: the offset is this rank's
+    if not placements:
+        return tuple(shape), (0,) * len(shape)
     local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(int(x) for x in local), tuple(int(x) for x in offset)
 
