@@ -20,6 +20,12 @@ replicas on the same node), a node-local or shared file system, or any storage U
 writes (``s3://...``, ``rados://...``: replicas on other nodes). Each sending replica needs its
 own location (``metadata()`` names it). The newest ``keep`` sent steps are kept there.
 
+A DTensor comes back as a DTensor with the sender's spec (mesh, placements, global shape and
+stride; as torchft's own transports give it), its local tensor the sender's shard, on the CPU.
+Its mesh is rebuilt from a plain description that the sender stores beside the state, without
+creating process groups (a receive is no collective): it equals the receiver's own mesh of that
+layout, so the receiver copies it into its DTensors shard by shard.
+
 Not covered: torchft's in-place receive into preallocated (GPU) tensors that ``PGTransport``
 does (this transport returns CPU tensors, which torchft's ``load_state_dict`` copies); values
 other than tensors and plain values need ``allow_pickle``. Tested with torchft 0.2.0.
@@ -30,14 +36,16 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 from torchft.checkpointing.transport import CheckpointTransport
 
 import safepoint
 from safepoint import _core
 from safepoint._pickle import AllowPickle
+from safepoint._shards import _dtensor_type
 from safepoint.errors import InvalidArgumentError
 
 T = TypeVar("T")
@@ -91,11 +99,11 @@ class SafepointTransport(CheckpointTransport[T]):
         returns once the copy is done. Sending a step already sent does nothing."""
         if step == self._sent:
             return
+        sent = {"state": state_dict, "dtensors": _dtensor_specs(state_dict)}
         if self.mode == "flash":
-            self._checkpointer().save(step, {"state": state_dict}, persist=True)
+            self._checkpointer().save(step, sent, persist=True)
         else:
-            safepoint.save(self.location, step, {"state": state_dict},
-                           allow_pickle=self.allow_pickle)
+            safepoint.save(self.location, step, sent, allow_pickle=self.allow_pickle)
             for old in safepoint.steps(self.location)[:-self.keep]:
                 _core.delete_step(self.location, old)
         self._sent = step
@@ -108,18 +116,25 @@ class SafepointTransport(CheckpointTransport[T]):
                         timeout: timedelta) -> T:
         """The state the replica at ``metadata`` sent for ``step``; ``TimeoutError`` when it is
         not committed there within ``timeout``."""
-        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        wait = timeout or self.timeout
+        deadline = time.monotonic() + wait.total_seconds()
         delay = 0.001
         while True:
             if step in safepoint.steps(metadata):
                 break
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{metadata}: step {step} was not sent (committed) by rank "
-                                   f"{src_rank} within {timeout}")
+                # torchft's contract: a TimeoutError that says it timed out.
+                raise TimeoutError(f"timed out after {wait.total_seconds():g}s waiting for "
+                                   f"step {step} from rank {src_rank} at {metadata}: not sent "
+                                   f"(committed) there")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         _, got = safepoint.load(metadata, step, allow_pickle=self.allow_pickle)
-        return got["state"]
+        state = got["state"]
+        meshes: dict = {}
+        for path, spec in got.get("dtensors") or ():
+            state = _put(state, tuple(path), lambda local, sp=spec: _dtensor(local, sp, meshes))
+        return state
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every sent step is committed at ``location``."""
@@ -134,3 +149,110 @@ class SafepointTransport(CheckpointTransport[T]):
             ckpt.close()
         else:
             ckpt.abandon()
+
+
+# -- DTensors: a plain description sent beside the state, a DTensor again on receipt -----------
+
+def _placement_desc(p: Any, where: str) -> list:
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    if isinstance(p, _StridedShard):
+        return ["SS", int(p.dim), int(p.split_factor)]
+    if isinstance(p, Shard):
+        return ["S", int(p.dim)]
+    if isinstance(p, Replicate):
+        return ["R"]
+    raise InvalidArgumentError(f"{where}: cannot send a DTensor with placement {p!r} (Shard and "
+                               f"Replicate only; redistribute a Partial one first)")
+
+
+def _dtensor_specs(state: Any) -> list:
+    """[(key path, description)] of every DTensor in ``state`` (dicts, lists, tuples): what
+    ``recv_checkpoint`` needs to make a DTensor of the local shard that safepoint loads."""
+    dt = _dtensor_type()
+    if dt is None:  # torch.distributed.tensor not loaded: there is no DTensor
+        return []
+    import torch.distributed as dist
+
+    out: list = []
+
+    def walk(obj: Any, path: tuple) -> None:
+        if isinstance(obj, dt):
+            mesh = obj.device_mesh
+            where = ".".join(map(str, path))
+            out.append((path, {
+                "device_type": mesh.device_type,
+                "mesh_shape": list(mesh.mesh.shape),
+                "ranks": mesh.mesh.flatten().tolist(),
+                "dim_names": list(mesh.mesh_dim_names or ()),
+                "placements": [_placement_desc(p, where) for p in obj.placements],
+                "shape": list(obj.shape), "stride": list(obj.stride()),
+                "rank": dist.get_rank() if dist.is_initialized() else 0}))
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, path + (k,))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, path + (i,))
+
+    walk(state, ())
+    return out
+
+
+def _put(obj: Any, path: tuple, fn: Any) -> Any:
+    """``obj`` with the value at ``path`` replaced by ``fn(value)`` (tuples rebuilt)."""
+    if not path:
+        return fn(obj)
+    k = path[0]
+    child = _put(obj[k], path[1:], fn)
+    if isinstance(obj, tuple):
+        items = list(obj)
+        items[k] = child
+        return tuple(items) if type(obj) is tuple else type(obj)(*items)
+    obj[k] = child
+    return obj
+
+
+def _mesh(spec: dict, meshes: dict) -> Any:
+    """The DeviceMesh a description names, one per receive for each layout. Built without
+    process groups (``_init_backend=False``: a receive must not be a collective); this rank's
+    coordinate on it is set as DeviceMesh's own initialization sets it, from this process's
+    rank (a recovering replica's rank is its sender's), else the sender's."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (spec["device_type"], tuple(spec["mesh_shape"]), tuple(spec["ranks"]),
+           tuple(spec["dim_names"]))
+    mesh = meshes.get(key)
+    if mesh is None:
+        ranks = torch.tensor(spec["ranks"], dtype=torch.int).reshape(spec["mesh_shape"])
+        mesh = DeviceMesh(spec["device_type"], ranks,
+                          mesh_dim_names=tuple(spec["dim_names"]) or None, _init_backend=False)
+        mesh._rank = dist.get_rank() if dist.is_initialized() else int(spec["rank"])
+        mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()
+        if dist.is_initialized() and dist.get_backend() == "threaded":
+            mesh._thread_id = threading.get_ident()
+        meshes[key] = mesh
+    return mesh
+
+
+def _dtensor(local: Any, spec: dict, meshes: dict) -> Any:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    def placement(d: list) -> Any:
+        if d[0] == "SS":
+            return _StridedShard(d[1], split_factor=d[2])
+        return Shard(d[1]) if d[0] == "S" else Replicate()
+
+    import torch
+
+    meta = TensorMeta(torch.Size(spec["shape"]), tuple(spec["stride"]), local.dtype)
+    dspec = DTensorSpec(_mesh(spec, meshes), tuple(placement(p) for p in spec["placements"]),
+                        tensor_meta=meta)
+    # As torchft's PGTransport gives a received DTensor: the local tensor as received (CPU).
+    return DTensor(local, dspec, requires_grad=False)
