@@ -1,0 +1,63 @@
+"""torchft's own CheckpointTransport tests, run against safepoint.torchft.SafepointTransport.
+
+torchft ships its shared transport test in its package (``torchft.checkpointing.
+transport_test.run_multi_recovery_test``: the one its HTTPTransport and PGTransport tests call
+with a transport factory). It is imported from the installed torchft, not copied: three replicas
+(threads) in one process, replica 0 sends step 1 to replicas 1 and 2 and step 2 to replica 2, its
+state holding a plain tensor, a DTensor on a 0-dimensional mesh, a string and an int; replica 2
+then asks for a step never sent (a timeout whose text must say so) and sends one itself.
+
+Only the CPU case runs here: the suite's CUDA case (``device=cuda``) needs a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import unittest
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft)")
+import torch  # noqa: E402
+from torchft.checkpointing import transport_test  # noqa: E402
+
+from safepoint.torchft import SafepointTransport  # noqa: E402
+
+
+class _Suite(unittest.TestCase):
+    """The TestCase that torchft's test asserts through (its checks take ``self``)."""
+
+    def runTest(self) -> None:  # pragma: no cover - never run as a test of its own
+        pass
+
+
+def _run(tmp_path, shm: str, mode: str, device: torch.device) -> list[SafepointTransport]:
+    made: list[SafepointTransport] = []
+
+    def init_transport(rank: int, world_size: int) -> SafepointTransport:
+        t = SafepointTransport(tmp_path / f"replica{rank}", shm_dir=shm, mode=mode,
+                               job=f"suite-{mode}-{os.getpid()}-{rank}")
+        made.append(t)
+        return t
+
+    transport_test.run_multi_recovery_test(_Suite(), init_transport, device)
+    return made
+
+
+@pytest.mark.parametrize("mode", ["sync", "flash"])
+def test_torchft_multi_recovery_cpu(tmp_path, shm, mode):
+    import safepoint
+
+    made = _run(tmp_path, shm, mode, torch.device("cpu"))
+    by_rank = {os.path.basename(t.metadata()): t for t in made}
+    # What torchft's test sent: steps 1 and 2 from replica 0, step 4 from replica 2 (committed
+    # by the time the suite shut the transports down, which waits in flash mode).
+    assert safepoint.steps(by_rank["replica0"].metadata()) == [1, 2]
+    assert safepoint.steps(by_rank["replica2"].metadata()) == [4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torchft's CUDA case needs a GPU (its state's tensor on cuda)")
+@pytest.mark.parametrize("mode", ["sync", "flash"])
+def test_torchft_multi_recovery_cuda(tmp_path, shm, mode):
+    _run(tmp_path, shm, mode, torch.device("cuda"))
