@@ -99,11 +99,16 @@ def _check_call(func: Any, args: tuple, kwargs: dict) -> None:
                 raise _refuse(f"{name}() of an argument with more than {MAX_ITEMS} items")
 
 
-class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+# The pure-Python unpickler (typeshed knows it only as the C one's alias, without its dispatch
+# table, stack and helpers).
+_PyUnpickler: Any = pickle._Unpickler
+
+
+class RestrictedUnpickler(_PyUnpickler):
     """The pure-Python unpickler, so that every call and BUILD passes through the checks above
     (the C unpickler's opcodes cannot be intercepted)."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: dict[int, Any] = dict(_PyUnpickler.dispatch)
 
     def __init__(self, data: bytes, exact: frozenset[tuple[str, str]],
                  prefixes: tuple[str, ...]):
