@@ -146,7 +146,7 @@ json JobJson(const std::string& job, const std::string& dir) {
       j["ranks"] = (*st)["ranks"];
       AddPersistCounts(j, (*st)["ranks"]);
       for (const char* key : {"replication", "tiers", "metrics_url", "metrics_error", "event_log",
-                              "storage_layout", "job_config_error", "history"}) {
+                              "event_log_error", "storage_layout", "job_config_error", "history"}) {
         if (st->contains(key)) j[key] = (*st)[key];
       }
     }

@@ -169,6 +169,7 @@ int CmdVerify(const Args& a) {
     if (!a.json) std::cout << "DAMAGED  " << p << "\n";
   }
   for (const auto& c : targets) {
+    bool step_ok = true;
     for (uint32_t r = 0; r < c.world_size; ++r) {
       Status s;
       uint64_t bytes = 0;
@@ -184,7 +185,10 @@ int CmdVerify(const Args& a) {
         s = image.status();
       }
       const std::string file = (*store)->storage().Describe(ImageObjectName(c, r));
-      if (!s.ok()) damaged = true;
+      if (!s.ok()) {
+        damaged = true;
+        step_ok = false;
+      }
       done.bytes_done = std::min(done.bytes_total, done.bytes_done + bytes);
       if (show_progress) bar.Update(done);
       if (show_progress) bar.Finish();
@@ -197,6 +201,15 @@ int CmdVerify(const Args& a) {
                   << HumanBytes(bytes) << ")\n";
       } else {
         std::cout << "DAMAGED  step " << c.step << " rank " << r << "  " << s.ToString() << "\n";
+      }
+    }
+    // Every tensor an image leaves to another rank's image is held by one (issue 35).
+    if (Status s = step_ok ? (*store)->CheckReplicasHeld(c) : Status::OK(); !s.ok()) {
+      damaged = true;
+      if (a.json) {
+        results.push_back({{"step", c.step}, {"ok", false}, {"error", s.ToString()}});
+      } else {
+        std::cout << "DAMAGED  step " << c.step << "  " << s.ToString() << "\n";
       }
     }
   }
@@ -471,6 +484,23 @@ int CmdGc(const Args& a) {
     if (!line.empty() && !a.json) std::cout << line << "\n";
     report.push_back(std::move(j));
   }
+  // Entries named as this user's job directories that another user (or a mistake) put there:
+  // each blocks its job's agent. Reported with the way out, never removed (issue 35).
+  json blocked = json::array();
+  if (auto entries = ListBlockedJobEntries(a.shm_dir); !entries.ok()) {
+    spdlog::error("{}", entries.status().ToString());
+    ++failures;
+  } else {
+    for (const BlockedJobEntry& b : *entries) {
+      blocked.push_back({{"job", b.job},
+                         {"path", b.path},
+                         {"kind", b.kind},
+                         {"owner_uid", b.owner_uid},
+                         {"foreign", b.owner_uid != ::geteuid()},
+                         {"problem", b.problem}});
+      if (!a.json) std::cout << "blocked " << b.problem << "\n";
+    }
+  }
   // Staging files (safepoint.dcp.ShmStager) of processes that were killed before removing them.
   json staging = nullptr;
   auto staged = internal::RemoveDeadStageFiles(a.shm_dir, a.dry_run);
@@ -488,7 +518,9 @@ int CmdGc(const Args& a) {
                 << ")\n";
     }
   }
-  if (a.json) std::cout << json{{"jobs", report}, {"staging", staging}}.dump(2) << "\n";
+  if (a.json) {
+    std::cout << json{{"jobs", report}, {"blocked", blocked}, {"staging", staging}}.dump(2) << "\n";
+  }
   return failures ? kExitError : kExitOk;
 }
 

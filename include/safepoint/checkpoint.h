@@ -200,11 +200,25 @@ class CheckpointStore {
   Result<bool> HoldsImageOfAttempt(uint64_t step, uint32_t rank, uint64_t attempt);
 
   // Reads rank's image of a committed step with parallel reads and verifies every checksum and
-  // that it is the image the commit record names.
+  // that it is the image the commit record names. A tensor the image leaves to another rank's
+  // image ("elsewhere") larger than every image of the step is Corruption (as in ReadMetadata).
   Result<LoadedImage> ReadImage(const CommitRecord& commit, uint32_t rank);
 
+  // Whether every tensor that rank's image of `commit` leaves to another rank's image
+  // (TensorSpec::elsewhere; `entries`: that image's index) is held, same ReplicaKey, by some
+  // image of the step, as the commit checked: Corruption naming the step and the tensor
+  // otherwise (a forged or damaged step). Reads other images' headers and indexes until every
+  // such tensor is found; nothing when `entries` leaves none elsewhere. LoadShard checks this
+  // before handing out an image (its caller allocates those tensors, then fills them).
+  Status CheckReplicasHeld(const CommitRecord& commit, uint32_t rank,
+                           const std::vector<TensorEntry>& entries);
+  // The same for every rank's image of the step (`safepoint verify`).
+  Status CheckReplicasHeld(const CommitRecord& commit);
+
   // Reads only the header, index and extras of rank's image of a committed step (no tensor
-  // data), each validated by its own CRC. For inspection and for resharding.
+  // data), each validated by its own CRC. For inspection and for resharding. An index entry left
+  // to another rank's image ("elsewhere") is bounded by the largest image of the step (the image
+  // that holds it is at least as large): Corruption otherwise, before a caller allocates it.
   struct Metadata {
     ImageMeta meta;
     ImageLayout layout;
@@ -257,6 +271,8 @@ class CheckpointStore {
   Result<bool> Commit(uint64_t step, uint32_t world_size, std::string_view job, uint64_t attempt,
                       uint64_t generation, bool replace);
   Status CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names);
+  // The index of rank's image of `commit`, its header checked against the record.
+  Result<std::vector<TensorEntry>> ReadIndex(const CommitRecord& commit, uint32_t rank);
   // The image object of `name`: a plain image, or the image a manifest (.pack) describes.
   Result<std::unique_ptr<ReadableObject>> OpenImageObject(const std::string& name);
   std::shared_ptr<Storage> storage_;

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "base/bytes.h"
+#include "base/owned_file.h"
 #include "safepoint/storage.h"
 
 namespace safepoint::advisor {
@@ -140,9 +141,11 @@ Result<HistoryWriter> HistoryWriter::Open(const std::string& path, double save_l
   // The checkpoint directory may not exist before the first save commits.
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus("open history", path, errno);
-  return HistoryWriter(fd, path, save_line_gap);
+  // The checkpoint directory may be shared with other users: a symlink or a file one of them
+  // planted there is refused, never appended to (owned_file.h). Created 0644, as the
+  // checkpoint's own objects beside it are (`safepoint advise` may run as another user).
+  SP_ASSIGN_OR_RETURN(internal::UniqueFd fd, internal::OpenOwnedForAppend(path, 0644, "history"));
+  return HistoryWriter(fd.Release(), path, save_line_gap);
 }
 
 Status HistoryWriter::Append(const std::string& line) {

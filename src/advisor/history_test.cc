@@ -1,7 +1,10 @@
 // The measurement history: where it lives, what is written, what is learned from it.
 #include "advisor/history.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 
@@ -216,6 +219,47 @@ TEST(HistoryTest, LocalJobHistoryIsTheFileInTheCheckpointDirectory) {
   ASSERT_OK_AND_ASSIGN(auto h, ReadJobHistory("file://" + dir.path(), "j"));
   EXPECT_EQ(h.runs, 1u);
   EXPECT_EQ(h.path, dir.path() + "/safepoint-history.jsonl");
+}
+
+// Issue 35: the job's history in a checkpoint directory other users can write (a shared
+// filesystem) was appended to through a symlink, or into a file, that another user planted.
+TEST(HistoryTest, ASymlinkAtTheHistoryPathIsRefusedAndNothingIsWrittenThroughIt) {
+  TempDir dir;
+  const std::string victim = dir.path() + "/victim";
+  ASSERT_TRUE(WriteStringToFile(victim, "precious\n"));
+  const std::string path = HistoryPath(dir.path(), "j");
+  ASSERT_EQ(::symlink(victim.c_str(), path.c_str()), 0);
+  auto w = HistoryWriter::Open(path, 0);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("symlink"), std::string::npos) << w.status().ToString();
+  EXPECT_NE(w.status().message().find(path), std::string::npos) << w.status().ToString();
+  EXPECT_EQ(ReadFileToString(victim).value_or(""), "precious\n");
+}
+
+TEST(HistoryTest, AHistoryFileWritableByOthersOrOfAnotherUserIsRefused) {
+  TempDir dir;
+  const std::string path = HistoryPath(dir.path(), "j");
+  {
+    const safepoint::internal::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600));
+    ASSERT_TRUE(fd.valid());
+    ASSERT_EQ(::fchmod(fd.get(), 0666), 0);
+  }
+  auto w = HistoryWriter::Open(path, 0);
+  ASSERT_FALSE(w.ok());
+  EXPECT_NE(w.status().message().find("writable by group or others (mode 0666)"), std::string::npos)
+      << w.status().ToString();
+  if (::geteuid() == 0) {
+    ASSERT_EQ(::chmod(path.c_str(), 0644), 0);
+    ASSERT_EQ(::chown(path.c_str(), 65534, 65534), 0);  // nobody's
+    w = HistoryWriter::Open(path, 0);
+    ASSERT_FALSE(w.ok());
+    EXPECT_NE(w.status().message().find("owned by uid 65534"), std::string::npos)
+        << w.status().ToString();
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 0);
 }
 
 }  // namespace

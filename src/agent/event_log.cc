@@ -13,6 +13,7 @@
 #include <ctime>
 
 #include "base/log.h"
+#include "base/owned_file.h"
 
 namespace safepoint::agent {
 
@@ -25,8 +26,9 @@ uint64_t EventLogMaxBytes() {
 }
 
 Status EventLog::Open(const std::string& path, uint64_t max_bytes) {
-  internal::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
-  if (!fd) return ErrnoStatus("open", path, errno);
+  // The path may be in a directory another user can write (/tmp, a shared log directory): a
+  // symlink or a file planted there is refused (owned_file.h), never written to.
+  SP_ASSIGN_OR_RETURN(internal::UniqueFd fd, internal::OpenOwnedForAppend(path, 0600, "event log"));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("stat", path, errno);
   fd_ = std::move(fd);

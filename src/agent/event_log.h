@@ -12,6 +12,11 @@
 //
 // A write that fails is counted and logged once, never retried: the log must not stop the agent.
 //
+// The path may lie in a directory other local users can write: the file is opened without
+// following a symlink and created mode 0600, and one that is not a regular file of the agent's
+// uid, or that group or others can write, is refused (base/owned_file.h): the agent then runs
+// without its event log, saying why in agent.log and its status (`event_log_error`).
+//
 // Threads: one thread at a time (the agent's loop).
 #pragma once
 
@@ -29,7 +34,8 @@ class EventLog {
   static constexpr uint64_t kDefaultMaxBytes = 4 << 20;
 
   EventLog() = default;
-  // Opens (creates, appends to) `path`. Replaces a file opened before.
+  // Opens (creates, appends to) `path`. Replaces a file opened before. InvalidArgument for a
+  // file another user could have planted (above).
   Status Open(const std::string& path, uint64_t max_bytes = kDefaultMaxBytes);
   void Close();
   bool is_open() const { return static_cast<bool>(fd_); }

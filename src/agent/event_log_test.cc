@@ -2,9 +2,13 @@
 // common fields in front, bounded by rotation.
 #include "agent/event_log.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <future>
 #include <sstream>
 
 #include "testing/test_util.h"
@@ -87,6 +91,95 @@ TEST(EventLogTest, OpenNamesThePathWhenItCannotBeCreated) {
   EXPECT_NE(s.message().find(path), std::string::npos);
   log.Write("save", "j", {});  // closed: a no-op
   EXPECT_FALSE(log.is_open());
+}
+
+// Issue 35: the agent (root) appended through a symlink another user planted at the log's
+// path, and wrote events into a 0666 file that user created first (and could read). Refused
+// now, and nothing is written; the agent goes on without its log (Telemetry::OpenEventLog).
+TEST(EventLogTest, ASymlinkAtThePathIsRefusedAndNothingIsWrittenThroughIt) {
+  TempDir dir;
+  const std::string target = dir.path() + "/victim";
+  ASSERT_TRUE(test::WriteStringToFile(target, "precious\n"));
+  const std::string path = dir.path() + "/events.jsonl";
+  ASSERT_EQ(::symlink(target.c_str(), path.c_str()), 0);
+  EventLog log;
+  Status s = log.Open(path);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find(path), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("symlink"), std::string::npos) << s.ToString();
+  log.Write("save", "j", {{"step", 1}});
+  EXPECT_FALSE(log.is_open());
+  EXPECT_EQ(test::ReadFileToString(target).value_or(""), "precious\n");
+}
+
+TEST(EventLogTest, AFileWritableByOthersIsRefusedAndLeftUntouched) {
+  TempDir dir;
+  const std::string path = dir.path() + "/events.jsonl";
+  {
+    const safepoint::internal::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600));
+    ASSERT_TRUE(fd.valid());
+    ASSERT_EQ(::fchmod(fd.get(), 0666), 0);  // as another user would leave it for us
+  }
+  EventLog log;
+  Status s = log.Open(path);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("writable by group or others (mode 0666)"), std::string::npos)
+      << s.ToString();
+  log.Write("save", "j", {{"step", 1}});
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 0);
+}
+
+TEST(EventLogTest, AFileOfAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another uid";
+  TempDir dir;
+  const std::string path = dir.path() + "/events.jsonl";
+  {
+    const safepoint::internal::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600));
+    ASSERT_TRUE(fd.valid());
+    ASSERT_EQ(::fchown(fd.get(), 65534, 65534), 0);  // nobody's, mode 0600: not group-writable
+  }
+  EventLog log;
+  Status s = log.Open(path);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("owned by uid 65534"), std::string::npos) << s.ToString();
+  log.Write("save", "j", {{"step", 1}});
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 0);
+}
+
+TEST(EventLogTest, AFifoAtThePathIsRefusedWithoutBlocking) {
+  TempDir dir;
+  const std::string path = dir.path() + "/events.jsonl";
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  EventLog log;
+  // Without O_NONBLOCK the open would wait for a reader for ever: given 10 s, then a reader.
+  auto opened = std::async(std::launch::async, [&] { return log.Open(path); });
+  const bool blocked = opened.wait_for(std::chrono::seconds(10)) != std::future_status::ready;
+  if (blocked) {
+    const safepoint::internal::UniqueFd reader(::open(path.c_str(), O_RDONLY | O_NONBLOCK));
+    opened.wait();
+  }
+  EXPECT_FALSE(blocked) << "the open waited for a reader of the FIFO";
+  Status s = opened.get();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("not a regular file"), std::string::npos) << s.ToString();
+}
+
+TEST(EventLogTest, ANewLogIsPrivateToItsOwner) {
+  TempDir dir;
+  const std::string path = dir.path() + "/events.jsonl";
+  const mode_t old = ::umask(0);
+  EventLog log;
+  const Status s = log.Open(path);
+  ::umask(old);
+  ASSERT_OK(s);
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(st.st_uid, ::geteuid());
 }
 
 }  // namespace

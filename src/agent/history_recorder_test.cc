@@ -2,7 +2,9 @@
 // a reader of the checkpoint path finds it on an object store.
 #include "agent/history_recorder.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -86,6 +88,28 @@ TEST(HistoryRecorderTest, RankZeroGoneWithoutClosingLeavesAnInterruption) {
   EXPECT_EQ(h.interruptions, 1u);
   ASSERT_TRUE(h.save.has_value());
   EXPECT_EQ(h.save->samples, 1u);
+}
+
+// Issue 35: a history file another user planted in the checkpoint directory (here 0666) is
+// refused: the recorder reports why in the status and records nothing, and the job goes on.
+TEST(HistoryRecorderTest, APlantedHistoryFileIsReportedAndLeftUntouched) {
+  test::TempDir dir;
+  const std::string path = advisor::HistoryPath(dir.path(), "j");
+  {
+    const safepoint::internal::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600));
+    ASSERT_TRUE(fd.valid());
+    ASSERT_EQ(::fchmod(fd.get(), 0666), 0);
+  }
+  HistoryRecorder r;
+  r.Open(dir.path(), "j");
+  EXPECT_FALSE(r.open());
+  EXPECT_NE(r.error().find(path), std::string::npos) << r.error();
+  r.Started(1);
+  r.Saved(0.1);
+  r.Closed();
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 0);
 }
 
 }  // namespace

@@ -114,6 +114,9 @@ nlohmann::json NodeAgent::StatusJson() {
            telemetry_.metrics_error().empty() ? json(nullptr) : json(telemetry_.metrics_error())},
           {"event_log",
            telemetry_.event_log_path().empty() ? json(nullptr) : json(telemetry_.event_log_path())},
+          // Why there is none: e.g. a file another user planted at its path (event_log.h).
+          {"event_log_error",
+           telemetry_.event_log_error().empty() ? json() : json(telemetry_.event_log_error())},
           {"storage_layout", config_ ? PackJson(config_->compression, config_->incremental,
                                                 store_ ? store_->storage().uri() : config_->storage)
                                      : json(nullptr)},

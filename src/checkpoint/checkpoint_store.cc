@@ -499,6 +499,64 @@ Status CheckpointStore::CheckReplicasHeld(uint64_t step, const std::vector<std::
   return Status::OK();
 }
 
+Result<std::vector<TensorEntry>> CheckpointStore::ReadIndex(const CommitRecord& commit,
+                                                            uint32_t rank) {
+  const std::string name = ImageObjectName(commit, rank);
+  const std::string source = storage_->Describe(name);
+  SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(name));
+  std::vector<std::byte> header(kImageHeaderSize);
+  SP_RETURN_IF_ERROR(obj->ReadAt(0, header));
+  SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header, source));
+  if (parsed.second.header_crc != commit.images[rank].header_crc ||
+      parsed.second.image_size != obj->size()) {
+    return Corruption(source + ": image header does not match the COMMIT record");
+  }
+  std::vector<std::byte> index(parsed.second.index_size);
+  SP_RETURN_IF_ERROR(obj->ReadAt(parsed.second.index_offset, index));
+  return ParseIndex(index, parsed.second, source);
+}
+
+Status CheckpointStore::CheckReplicasHeld(const CommitRecord& commit, uint32_t rank,
+                                          const std::vector<TensorEntry>& entries) {
+  std::map<std::string, const TensorSpec*> wanted;  // ReplicaKey -> the first entry of it
+  for (const TensorEntry& e : entries) {
+    if (e.spec.elsewhere) wanted.try_emplace(ReplicaKey(e.spec), &e.spec);
+  }
+  for (uint32_t r = 0; r < commit.world_size && !wanted.empty(); ++r) {
+    if (r == rank) continue;
+    SP_ASSIGN_OR_RETURN(auto other, ReadIndex(commit, r));
+    for (const TensorEntry& e : other) {
+      if (!e.spec.elsewhere) wanted.erase(ReplicaKey(e.spec));
+    }
+  }
+  if (wanted.empty()) return Status::OK();
+  return Corruption(storage_->uri() + ": step " + std::to_string(commit.step) + ": rank " +
+                    std::to_string(rank) + " left tensor '" + wanted.begin()->second->name +
+                    "' to another rank, but no image of the step holds it");
+}
+
+Status CheckpointStore::CheckReplicasHeld(const CommitRecord& commit) {
+  std::vector<std::vector<TensorEntry>> indexes;
+  std::unordered_set<std::string> held;
+  for (uint32_t r = 0; r < commit.world_size; ++r) {
+    SP_ASSIGN_OR_RETURN(auto entries, ReadIndex(commit, r));
+    for (const TensorEntry& e : entries) {
+      if (!e.spec.elsewhere) held.insert(ReplicaKey(e.spec));
+    }
+    indexes.push_back(std::move(entries));
+  }
+  for (uint32_t r = 0; r < commit.world_size; ++r) {
+    for (const TensorEntry& e : indexes[r]) {
+      if (e.spec.elsewhere && !held.contains(ReplicaKey(e.spec))) {
+        return Corruption(storage_->uri() + ": step " + std::to_string(commit.step) + ": rank " +
+                          std::to_string(r) + " left tensor '" + e.spec.name +
+                          "' to another rank, but no image of the step holds it");
+      }
+    }
+  }
+  return Status::OK();
+}
+
 Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
                                         uint64_t attempt, uint64_t generation) {
   return Commit(step, world_size, job, attempt, generation, /*replace=*/generation != 0);
@@ -690,6 +748,30 @@ Result<std::optional<CommitRecord>> CheckpointStore::NewestCommitted(
   return std::optional<CommitRecord>();
 }
 
+namespace {
+// A tensor left to another rank's image ("elsewhere") takes no bytes in its own image, so its
+// index entry's size is bounded by nothing there: its bytes are in another image of the step,
+// which is then at least as large. Checked against the largest image the COMMIT record names,
+// before anything is allocated for it (a forged [2**40] entry passed verify and inspect, and a
+// load allocated it before finding that no image held it: issue 35).
+Status CheckElsewhereBound(const std::vector<TensorEntry>& entries, const CommitRecord& commit,
+                           const std::string& source) {
+  uint64_t largest = 0;
+  for (const auto& image : commit.images) largest = std::max(largest, image.size);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const TensorEntry& e = entries[i];
+    if (e.spec.elsewhere && e.nbytes > largest) {
+      return Corruption(source + ": index entry " + std::to_string(i) + ": tensor '" + e.spec.name +
+                        "' of " + std::to_string(e.nbytes) +
+                        " bytes is left to another rank's image, but no image of step " +
+                        std::to_string(commit.step) + " is that large (the largest has " +
+                        std::to_string(largest) + " bytes)");
+    }
+  }
+  return Status::OK();
+}
+}  // namespace
+
 Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint32_t rank) {
   if (rank >= commit.world_size) {
     return InvalidArgument(storage_->uri() + ": step " + std::to_string(commit.step) +
@@ -754,6 +836,11 @@ Result<LoadedImage> CheckpointStore::ReadImage(const CommitRecord& commit, uint3
     error.Set(std::move(s));
   });
   SP_RETURN_IF_ERROR(error.status());
+  if (layout.has_elsewhere) {
+    SP_ASSIGN_OR_RETURN(auto entries,
+                        ParseIndex({raw + layout.index_offset, layout.index_size}, layout, source));
+    SP_RETURN_IF_ERROR(CheckElsewhereBound(entries, commit, source));
+  }
   return LoadedImage{std::move(buffer), size, source};
 }
 
@@ -784,6 +871,7 @@ Result<CheckpointStore::Metadata> CheckpointStore::ReadMetadata(const CommitReco
   std::vector<std::byte> index(md.layout.index_size);
   SP_RETURN_IF_ERROR(obj->ReadAt(md.layout.index_offset, index));
   SP_ASSIGN_OR_RETURN(md.tensors, ParseIndex(index, md.layout, md.source));
+  SP_RETURN_IF_ERROR(CheckElsewhereBound(md.tensors, commit, md.source));
   std::vector<std::byte> extras(md.layout.extras_size);
   SP_RETURN_IF_ERROR(obj->ReadAt(md.layout.extras_offset, extras));
   if (Crc32c(0, extras.data(), extras.size()) != md.layout.extras_crc) {
@@ -996,6 +1084,9 @@ Result<LoadedShard> LoadCommitted(CheckpointStore& store, const CommitRecord& co
   SP_ASSIGN_OR_RETURN(LoadedImage image, store.ReadImage(commit, rank));
   SP_ASSIGN_OR_RETURN(ImageReader reader, ImageReader::Parse(image.bytes(), image.source,
                                                              ImageReader::Verify::kStructure));
+  // The caller allocates the tensors this image leaves to other ranks' images, then fills them
+  // from those: some image must hold each (a forged or damaged step falls back to an older one).
+  SP_RETURN_IF_ERROR(store.CheckReplicasHeld(commit, rank, reader.tensors()));
   SP_ASSIGN_OR_RETURN(Value extras,
                       DecodeExtras(reader.extras(), reader.tensors().size(), image.source));
   return LoadedShard{commit, std::move(image), std::move(reader), std::move(extras), {}};

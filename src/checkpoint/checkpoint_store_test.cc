@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <atomic>
@@ -592,6 +593,126 @@ TEST(CheckpointStoreTest, CorruptNewestFallsBackToOlder) {
   EXPECT_EQ(newest->commit.step, 1u);
   ASSERT_EQ(newest->skipped.size(), 1u);
   EXPECT_NE(newest->skipped[0].find("step 2"), std::string::npos);
+}
+
+// Issue 35: a step whose rank 0 leaves tensor "huge" (of `shape`, uint8) to another rank's image
+// ("elsewhere"), and no image of the step holds it: the COMMIT record is forged past the
+// commit's check (CheckReplicasHeld), as a hostile or damaged checkpoint directory would hold it.
+// Rank 1 (when `world` is 2) holds only its own tensor.
+void ForgeStepLeavingATensorToNobody(CheckpointStore& store, uint64_t step, uint32_t world,
+                                     std::vector<uint64_t> shape) {
+  std::vector<float> small(17, 1.0f);
+  for (uint32_t r = 0; r < world; ++r) {
+    std::vector<TensorSource> t;
+    if (r == 0) {
+      TensorSource huge{{"huge", DType::kUInt8, shape, {}, {}}, nullptr, 0};
+      huge.spec.elsewhere = true;
+      uint64_t n = 1;
+      for (uint64_t d : shape) n *= d;
+      huge.nbytes = n;
+      t.push_back(huge);
+    }
+    t.push_back({{"small" + std::to_string(r), DType::kFloat32, {17}, {}, {}}, small.data(), 68});
+    auto saved = SaveShard(store, Meta(step, r, world), t, *EncodeExtras(Value()));
+    // The commit (at the last rank) refuses the step: nobody holds "huge".
+    ASSERT_TRUE(r + 1 < world || !saved.ok()) << "the forged step committed by itself";
+  }
+  CommitRecord record;
+  record.step = step;
+  record.world_size = world;
+  record.job = "test";
+  for (uint32_t r = 0; r < world; ++r) {
+    auto obj = store.storage().Open(ImageObjectName(step, r));
+    ASSERT_OK(obj);
+    std::vector<std::byte> header(kImageHeaderSize);
+    ASSERT_OK((*obj)->ReadAt(0, header));
+    auto parsed = ParseImageHeader(header, "forged");
+    ASSERT_OK(parsed);
+    record.images.push_back({parsed->second.image_size, parsed->second.header_crc, false});
+  }
+  ASSERT_OK(test::PutObject(store.storage(), CommitObjectName(step),
+                            AsBytes(EncodeCommitRecord(record))));
+}
+
+// The entry of 2^40 bytes passed verify and inspect (the image itself is intact), and a load
+// allocated it before looking for it in another image: bounded now by the largest image of the
+// step (the image that held it would be at least as large), so that verify (ReadImage), inspect
+// (ReadMetadata) and load refuse the step as corrupt, and a load of the newest step falls back.
+TEST(CheckpointStoreTest, ATensorLeftElsewhereLargerThanAnyImageIsCorruption) {
+  CheckpointStore store(NewMemoryStorage());
+  ASSERT_OK(Save(store, 1));
+  ASSERT_NO_FATAL_FAILURE(ForgeStepLeavingATensorToNobody(store, 2, 1, {uint64_t{1} << 40}));
+  ASSERT_OK_AND_ASSIGN(CommitRecord commit, store.ReadCommit(2));
+  auto md = store.ReadMetadata(commit, 0);
+  EXPECT_EQ(md.status().code(), StatusCode::kCorruption) << md.status().ToString();
+  EXPECT_NE(md.status().message().find("'huge'"), std::string::npos) << md.status().ToString();
+  auto image = store.ReadImage(commit, 0);
+  EXPECT_EQ(image.status().code(), StatusCode::kCorruption) << image.status().ToString();
+  auto exact = LoadShard(store, 2, 0);
+  EXPECT_EQ(exact.status().code(), StatusCode::kCorruption) << exact.status().ToString();
+  ASSERT_OK_AND_ASSIGN(LoadedShard newest, LoadShard(store, std::nullopt, 0));
+  EXPECT_EQ(newest.commit.step, 1u);
+  ASSERT_EQ(newest.skipped.size(), 1u);
+  EXPECT_EQ(newest.skipped[0].rfind("step 2: ", 0), 0u) << newest.skipped[0];
+}
+
+// Of a plausible size but held by no image of the step: a load checks that some image holds
+// every tensor its image leaves elsewhere before handing the image out (and anything is
+// allocated for those tensors), and falls back to the older step.
+TEST(CheckpointStoreTest, ALoadChecksThatEveryTensorLeftElsewhereIsHeld) {
+  CheckpointStore store(NewMemoryStorage());
+  ASSERT_OK(Save(store, 1, 0, 2));
+  ASSERT_OK(Save(store, 1, 1, 2));
+  ASSERT_NO_FATAL_FAILURE(ForgeStepLeavingATensorToNobody(store, 2, 2, {1000}));
+  auto exact = LoadShard(store, 2, 0);
+  EXPECT_EQ(exact.status().code(), StatusCode::kCorruption) << exact.status().ToString();
+  EXPECT_NE(exact.status().message().find("step 2"), std::string::npos)
+      << exact.status().ToString();
+  EXPECT_NE(exact.status().message().find("'huge'"), std::string::npos)
+      << exact.status().ToString();
+  ASSERT_OK_AND_ASSIGN(LoadedShard newest, LoadShard(store, std::nullopt, 0));
+  EXPECT_EQ(newest.commit.step, 1u);
+  ASSERT_EQ(newest.skipped.size(), 1u);
+  EXPECT_EQ(newest.skipped[0].rfind("step 2: ", 0), 0u) << newest.skipped[0];
+  // Rank 1 leaves nothing elsewhere: its image of step 2 loads.
+  ASSERT_OK_AND_ASSIGN(LoadedShard one, LoadShard(store, 2, 1));
+  EXPECT_EQ(one.commit.step, 2u);
+  // `safepoint inspect` still shows the image (its entry is within bounds).
+  ASSERT_OK_AND_ASSIGN(CommitRecord commit, store.ReadCommit(2));
+  EXPECT_OK(store.ReadMetadata(commit, 0));
+}
+
+// What `safepoint verify` and `safepoint inspect` say of such steps: each command's exit status
+// and output (stdout and stderr).
+std::pair<int, std::string> RunCli(const std::string& args) {
+  std::string out;
+  FILE* p = ::popen((std::string(SAFEPOINT_CLI_PATH) + " " + args + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {-1, "popen failed"};
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+TEST(CheckpointStoreTest, VerifyReportsATensorLeftElsewhereThatNoImageHolds) {
+  for (uint64_t size : {uint64_t{1} << 40, uint64_t{1000}}) {
+    SCOPED_TRACE(size);
+    TempDir dir;
+    auto posix = NewPosixStorage(dir.path());
+    ASSERT_OK(posix);
+    CheckpointStore store(std::shared_ptr<Storage>(std::move(*posix)));
+    ASSERT_OK(Save(store, 1, 0, 2));
+    ASSERT_OK(Save(store, 1, 1, 2));
+    ASSERT_NO_FATAL_FAILURE(ForgeStepLeavingATensorToNobody(store, 2, 2, {size}));
+    auto [rc, out] = RunCli("verify --all " + dir.path());
+    EXPECT_NE(rc, 0) << out;
+    EXPECT_NE(out.find("DAMAGED  step 2"), std::string::npos) << out;
+    EXPECT_NE(out.find("'huge'"), std::string::npos) << out;
+    EXPECT_EQ(out.find("DAMAGED  step 1"), std::string::npos) << out;
+    std::tie(rc, out) = RunCli("inspect --step 2 " + dir.path());
+    EXPECT_EQ(rc != 0, size > 1000) << out;  // a tensor larger than any image of the step
+  }
 }
 
 // A counting wrapper: how many bytes were read, to show that range reads read only what they need.

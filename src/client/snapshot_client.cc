@@ -299,7 +299,9 @@ Status SnapshotClient::StartAgent() {
     ::setsid();
     const pid_t grandchild = ::fork();
     if (grandchild != 0) ::_exit(grandchild < 0 ? 1 : 0);
-    const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    // In the job directory (private: JobDirectory checked it); never through a symlink.
+    const int out =
+        ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
     const int in = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (out >= 0) {
       ::dup2(out, 1);

@@ -3,6 +3,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pwd.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -294,26 +295,68 @@ Status ValidateJobName(const std::string& job) {
 namespace {
 std::string JobDirPrefix() { return "safepoint-" + std::to_string(::geteuid()) + "-"; }
 
+// `path` quoted for a POSIX shell.
+std::string ShellQuoted(const std::string& path) {
+  std::string out = "'";
+  for (const char c : path) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
+
+// "uid N (name)", or "uid N" where the user database has no name for it.
+std::string Owner(uid_t uid) {
+  std::string out = "uid " + std::to_string(uid);
+  struct passwd pw {};
+  struct passwd* found = nullptr;
+  std::vector<char> buf(16384);
+  if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) == 0 && found != nullptr) {
+    out += std::string(" (") + found->pw_name + ")";
+  }
+  return out;
+}
+
+// Why `path` (the job directory's name) cannot be this user's job directory, and the way out:
+// what it is, who owns it, and the command that clears it. Another local user who creates the
+// name first blocks the job (failing closed: its snapshots would be theirs to read); only root
+// or that user can remove it from a sticky directory such as /dev/shm.
 Status CheckPrivateDirectory(const std::string& path) {
   const internal::UniqueFd fd(
       ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd) {
-    if (errno == ELOOP || errno == ENOTDIR) {
-      return InvalidArgument(path +
-                             ": exists but is not a directory (or is a symlink); refusing "
-                             "to use it for snapshots");
+    const int err = errno;
+    if (err == ELOOP || err == ENOTDIR) {
+      struct stat lst {};
+      const bool found = ::lstat(path.c_str(), &lst) == 0;
+      const bool link = found && S_ISLNK(lst.st_mode);
+      const std::string who = found ? ", owned by " + Owner(lst.st_uid) : "";
+      const std::string what = link ? "a symlink" : "not a directory";
+      return InvalidArgument(path + ": exists but is " + what + who +
+                             "; refusing to use it for snapshots (it blocks this job: remove it, "
+                             "as root or as its owner: rm -- " +
+                             ShellQuoted(path) + ", or use another job name or shm_dir)");
     }
-    return ErrnoStatus("open", path, errno);
+    return ErrnoStatus("open", path, err);
   }
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("stat", path, errno);
   if (st.st_uid != ::geteuid()) {
-    return InvalidArgument(path + ": owned by uid " + std::to_string(st.st_uid) +
-                           ", not by this user; refusing to use it for snapshots");
+    return InvalidArgument(path + ": owned by " + Owner(st.st_uid) + ", not by this user (" +
+                           Owner(::geteuid()) +
+                           "); refusing to use it for snapshots (another user created it first, "
+                           "which blocks this job: remove it, as root or as its owner: rm -rf -- " +
+                           ShellQuoted(path) + ", or use another job name or shm_dir)");
   }
   if ((st.st_mode & 077) != 0) {
-    return InvalidArgument(path + ": accessible to other users (mode " +
-                           std::to_string(st.st_mode & 0777) + "); refusing to use it");
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return InvalidArgument(path + ": accessible to other users (mode " + mode +
+                           "); refusing to use it (make it private: chmod 700 " +
+                           ShellQuoted(path) + ")");
   }
   return Status::OK();
 }
@@ -352,6 +395,40 @@ Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
     out.emplace_back(job, path);
   }
   std::sort(out.begin(), out.end());
+  return out;
+}
+
+Result<std::vector<BlockedJobEntry>> ListBlockedJobEntries(const std::string& shm_dir) {
+  std::vector<BlockedJobEntry> out;
+  const internal::UniqueDir d(::opendir(shm_dir.c_str()));
+  if (!d) {
+    if (errno == ENOENT) return out;
+    return ErrnoStatus("opendir", shm_dir, errno);
+  }
+  const std::string prefix = JobDirPrefix();
+  while (dirent* e = ::readdir(d.get())) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    std::string job = name.substr(prefix.size());
+    if (!ValidateJobName(job).ok()) continue;
+    const std::string path = shm_dir + "/" + name;
+    Status why = CheckPrivateDirectory(path);
+    if (why.ok() || why.code() != StatusCode::kInvalidArgument) continue;  // gone meanwhile
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) continue;
+    BlockedJobEntry b;
+    b.job = std::move(job);
+    b.path = path;
+    b.owner_uid = st.st_uid;
+    b.kind = "other";
+    if (S_ISLNK(st.st_mode)) b.kind = "symlink";
+    if (S_ISDIR(st.st_mode)) b.kind = "directory";
+    if (S_ISREG(st.st_mode)) b.kind = "file";
+    b.problem = why.message();
+    out.push_back(std::move(b));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const BlockedJobEntry& a, const BlockedJobEntry& b) { return a.path < b.path; });
   return out;
 }
 

@@ -68,6 +68,19 @@ Result<std::string> JobDirectory(const std::string& shm_dir, const std::string& 
 // Job directories of this user under `shm_dir`: (job, path) pairs.
 Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
     const std::string& shm_dir);
+// Entries of `shm_dir` named as this user's job directories (safepoint-<euid>-<job>) that
+// JobDirectory refuses: another user's directory (a local user who created the name first), a
+// symlink, a file, or a directory open to others. Each blocks its job's agent until removed;
+// `safepoint gc` reports them and leaves them alone. `problem` is JobDirectory's error: the
+// owner, the path and the command that clears it.
+struct BlockedJobEntry {
+  std::string job;
+  std::string path;
+  uint32_t owner_uid = 0;
+  std::string kind;  // "directory", "symlink", "file" or "other"
+  std::string problem;
+};
+Result<std::vector<BlockedJobEntry>> ListBlockedJobEntries(const std::string& shm_dir);
 // Ranks that have slot files in a job directory, ascending.
 Result<std::vector<uint32_t>> ListArenaRanks(const std::string& job_dir);
 // Processes that wrote snapshot slots of the job, or are creating a slot file, and still run (pid

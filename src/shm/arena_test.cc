@@ -175,6 +175,44 @@ TEST_F(ArenaJobDirectoryTest, RefusesDirectoryAccessibleToOthers) {
   EXPECT_EQ(st.st_mode & 0777, 0755u);
 }
 
+// Issue 35: another local user who creates the job directory's name first blocks the job's
+// agent (failing closed is right); the error names the way out: who owns the entry, its path,
+// and the command that removes it (as root or as its owner: the shm directory is sticky).
+TEST_F(ArenaJobDirectoryTest, ADirectoryOfAnotherUserNamesItsOwnerAndHowToRemoveIt) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a directory to another uid";
+  const std::string path = JobPath("job");
+  ASSERT_EQ(::mkdir(path.c_str(), 0700), 0);
+  ASSERT_EQ(::chown(path.c_str(), 65534, 65534), 0);
+  for (bool create : {true, false}) {
+    auto dir = JobDirectory(tmp_.path(), "job", create);
+    ASSERT_FALSE(dir.ok());
+    const std::string m = dir.status().message();
+    EXPECT_EQ(dir.status().code(), StatusCode::kInvalidArgument) << m;
+    EXPECT_NE(m.find(path), std::string::npos) << m;
+    EXPECT_NE(m.find("owned by uid 65534"), std::string::npos) << m;
+    EXPECT_NE(m.find("rm -rf -- '" + path + "'"), std::string::npos) << m;
+  }
+}
+
+TEST_F(ArenaJobDirectoryTest, EveryRefusalNamesTheCommandThatClearsIt) {
+  const std::string target = tmp_.path() + "/elsewhere";
+  ASSERT_EQ(::mkdir(target.c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(target.c_str(), JobPath("link").c_str()), 0);
+  ASSERT_TRUE(WriteStringToFile(JobPath("file"), "x"));
+  ASSERT_EQ(::mkdir(JobPath("open").c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(JobPath("open").c_str(), 0755), 0);
+  const std::pair<std::string, std::string> cases[] = {
+      {"link", "rm -- '" + JobPath("link") + "'"},
+      {"file", "rm -- '" + JobPath("file") + "'"},
+      {"open", "chmod 700 '" + JobPath("open") + "'"}};
+  for (const auto& [job, command] : cases) {
+    SCOPED_TRACE(job);
+    auto dir = JobDirectory(tmp_.path(), job, true);
+    ASSERT_FALSE(dir.ok());
+    EXPECT_NE(dir.status().message().find(command), std::string::npos) << dir.status().message();
+  }
+}
+
 TEST_F(ArenaJobDirectoryTest, RefusesFile) {
   const std::string path = JobPath("job");
   ASSERT_TRUE(WriteStringToFile(path, "not a directory"));

@@ -121,6 +121,28 @@ bool IsScheme(std::string_view s) {
   });
 }
 
+// The error for a URI with user information, naming it without that (as
+// "scheme://<credentials removed>@rest") and where the scheme's credentials come from instead.
+Status CredentialsInUri(std::string_view scheme, std::string_view after_at) {
+  std::string lower(scheme);
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  constexpr std::string_view kS3 =
+      "pass them in the environment: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+      "AWS_SESSION_TOKEN), or AWS_PROFILE with ~/.aws/credentials (docs/operations.md)";
+  constexpr std::string_view kRados =
+      "librados takes them from the Ceph configuration and keyring: $CEPH_CONF, and "
+      "CEPH_ARGS='--id NAME' for the client (docs/operations.md)";
+  const std::string how(lower == "s3"      ? kS3
+                        : lower == "rados" ? kRados
+                                           : std::string_view("this scheme takes none"));
+  return InvalidArgument("storage URI \"" + std::string(scheme) + "://<credentials removed>@" +
+                         std::string(after_at) +
+                         "\": credentials in a storage URI are refused (they would be shown in "
+                         "errors, the status and the logs); " +
+                         how);
+}
+
 }  // namespace
 
 Status ValidateObjectName(std::string_view name) {
@@ -185,6 +207,13 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri) {
   }
   std::string_view scheme = uri.substr(0, sep);
   std::string_view rest = uri.substr(sep + 3);
+  // RFC 3986 user information ("s3://KEY:SECRET@bucket/run1"): credentials typed into a URI
+  // would be shown wherever the URI is (errors, `safepoint status`, job.json, agent.log, the
+  // event log). Refused, for every scheme, with an error that leaves them out.
+  if (const std::string_view authority = rest.substr(0, rest.find_first_of("/?#"));
+      authority.find('@') != std::string_view::npos) {
+    return CredentialsInUri(scheme, rest.substr(authority.rfind('@') + 1));
+  }
   std::string known;
   StorageFactory factory = SchemeRegistry::Get().Find(scheme, &known);
   if (!factory) {

@@ -297,6 +297,26 @@ std::string XmlText(std::string_view xml, std::string_view tag) {
   return e.empty() ? std::string() : XmlDecode(e[0]);
 }
 
+std::string ShownText(std::string_view text, size_t max) {
+  std::string out;
+  out.reserve(std::min(text.size(), max));
+  for (const char c : text) {
+    if (out.size() >= max) {
+      out.resize(max >= 3 ? max - 3 : 0);
+      out += "...";
+      break;
+    }
+    if (c == '\n' || c == '\r' || c == '\t') {
+      out += ' ';
+    } else if (c >= 0x20 && c < 0x7f) {
+      out += c;
+    } else {
+      out += '?';
+    }
+  }
+  return out;
+}
+
 std::string XmlEscape(std::string_view s) {
   std::string out;
   for (char c : s) {
@@ -623,7 +643,8 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
       continue;                            // cancelled: ends at the check above
     }
     if (Retryable(*r, conditional) && attempt < config_.retries) {
-      last = Unavailable("HTTP " + std::to_string(r->http_status) + " " + r->ErrorCode());
+      last = Unavailable("HTTP " + std::to_string(r->http_status) + " " +
+                         ShownText(r->ErrorCode(), kMaxShownCode));
       continue;
     }
     r->attempts = made;

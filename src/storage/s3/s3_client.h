@@ -133,6 +133,14 @@ std::string XmlText(std::string_view xml, std::string_view tag);  // first eleme
 std::string XmlDecode(std::string_view s);
 std::string XmlEscape(std::string_view s);
 
+// Text of a server's answer (an error's <Code> or <Message>) made fit to show in an error, and
+// from there in agent.log, the status and the event log: printable ASCII only (a line break or
+// tab becomes a space, any other byte '?': no terminal escapes, no forged log lines), at most
+// `max` bytes, "..." where it was cut.
+inline constexpr size_t kMaxShownCode = 64;
+inline constexpr size_t kMaxShownMessage = 256;
+std::string ShownText(std::string_view text, size_t max);
+
 // Parses "2026-12-01T05:40:00.000Z" into nanoseconds since the epoch; 0 when malformed.
 int64_t ParseIso8601Ns(std::string_view s);
 

@@ -2,6 +2,7 @@
 #include "storage/s3/s3_storage.h"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <condition_variable>
 #include <cstdlib>
@@ -226,8 +227,11 @@ struct S3Context {
 Status HttpError(const S3Response& r, const std::string& what) {
   const std::string code = r.ErrorCode();
   std::string detail = "HTTP " + std::to_string(r.http_status);
-  if (!code.empty()) detail += " " + code;
-  if (const std::string m = s3::XmlText(r.body, "Message"); !m.empty()) detail += ": " + m;
+  // What the server says is shown bounded and printable (s3::ShownText): it ends up in logs.
+  if (!code.empty()) detail += " " + s3::ShownText(code, s3::kMaxShownCode);
+  if (const std::string m = s3::XmlText(r.body, "Message"); !m.empty()) {
+    detail += ": " + s3::ShownText(m, s3::kMaxShownMessage);
+  }
   if (r.attempts > 1) detail += " (after " + std::to_string(r.attempts) + " attempts)";
   if (code == "QuotaExceeded" || code == "EntityTooLarge" || r.http_status == 507) {
     return ResourceExhausted(what + ": quota exceeded or storage full (" + detail + ")");
@@ -876,6 +880,16 @@ Result<std::unique_ptr<Storage>> OpenS3Storage(std::string_view uri, std::string
   while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
   if (bucket.empty()) {
     return internal::BadStorageUri(uri, "no bucket (s3://BUCKET/PREFIX)");
+  }
+  // Not shown: a name that is no bucket name may be a secret typed into the URI ("s3://KEY:SECRET"
+  // before a '@' that split_ref took for a version's).
+  if (!std::all_of(bucket.begin(), bucket.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_';
+      })) {
+    return internal::BadStorageUri(
+        "s3://<invalid bucket name>" + (prefix.empty() ? std::string() : "/" + prefix),
+        "a bucket name has only letters, digits, '.', '-' and '_' (credentials go in the "
+        "environment: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)");
   }
   if (!prefix.empty()) {
     Status s = ValidateObjectName(prefix);

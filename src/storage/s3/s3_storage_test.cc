@@ -430,6 +430,61 @@ TEST(S3ClientTest, TruncatedListingsWithoutAContinuationAreErrors) {
                       {"ListMultipartUploads s3://bucket/p/", "truncated"}));
 }
 
+// Issue 35: credentials typed into a URI were taken as part of the bucket name, and the secret
+// was shown wherever the URI is (errors, `safepoint status`, job.json, agent.log, the event
+// log). Refused by OpenStorage for every scheme, saying how to pass them, without showing them.
+TEST(S3UriTest, CredentialsInAStorageUriAreRefusedWithoutShowingThem) {
+  ScopedEnv env;
+  UseTestCredentials(env, "http://127.0.0.1:1");
+  for (const std::string uri :
+       {"s3://AKIAKEYID:TopSecretValue@bucket/run1", "s3://TopSecretValue@bucket/run1?retries=0",
+        "S3://AKIAKEYID:TopSecretValue@bucket", "rados://admin:TopSecretValue@pool/run1",
+        "file://u:TopSecretValue@localhost/tmp/run1", "mem://u:TopSecretValue@name"}) {
+    SCOPED_TRACE(uri);
+    auto s = OpenStorage(uri);
+    ASSERT_FALSE(s.ok()) << (*s)->uri();
+    const std::string m = s.status().ToString();
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << m;
+    EXPECT_EQ(m.find("TopSecretValue"), std::string::npos) << m;
+    EXPECT_EQ(m.find("AKIAKEYID"), std::string::npos) << m;
+    EXPECT_NE(m.find("credentials"), std::string::npos) << m;
+    if (uri.starts_with("s3") || uri.starts_with("S3")) {
+      EXPECT_NE(m.find("AWS_SECRET_ACCESS_KEY"), std::string::npos) << m;
+    }
+  }
+  // An '@' after the bucket is part of the object prefix, not user information.
+  auto at = OpenStorage("s3://bucket/run@1");
+  ASSERT_OK(at);
+  EXPECT_EQ((*at)->uri(), "s3://bucket/run@1");
+}
+
+// An S3 error's <Code> and <Message> came verbatim into the error (and from there into logs,
+// the status and the event log): a hostile or broken endpoint could send megabytes, terminal
+// escapes or forged log lines. Bounded and made printable now.
+TEST(S3ClientTest, AnErrorsCodeAndMessageAreShownBoundedAndPrintable) {
+  const std::string body = "<Error><Code>AccessDenied\x1b[2J" + std::string(5000, 'C') +
+                           "</Code><Message>" +
+                           "no\n[2026-01-01 00:00:00] [info] forged line\x1b]0;t\x07" +
+                           std::string(100000, 'M') + "</Message></Error>";
+  const std::string answer =
+      "HTTP/1.1 403 Forbidden\r\nContent-Length: " + std::to_string(body.size()) +
+      "\r\nConnection: close\r\n\r\n" + body;
+  CannedHttpServer server({answer});
+  ScopedEnv env;
+  std::unique_ptr<Storage> s;
+  ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=0&timeout=5", &s));
+  const Status st = s->List("").status();
+  ASSERT_FALSE(st.ok());
+  const std::string m = st.ToString();
+  EXPECT_NE(m.find("HTTP 403 AccessDenied"), std::string::npos) << m.substr(0, 500);
+  EXPECT_NE(m.find("permission denied"), std::string::npos) << m.substr(0, 500);
+  EXPECT_LT(m.size(), 1500u);
+  for (char c : m) {
+    EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "byte " << int(static_cast<unsigned char>(c));
+    if (!(c >= 0x20 && c < 0x7f)) break;
+  }
+}
+
 // ---- against a real gateway ---------------------------------------------------------------------
 
 // The URI of a fresh prefix under $SAFEPOINT_TEST_S3_URI, unique to the test.
