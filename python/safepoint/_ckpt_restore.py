@@ -53,7 +53,12 @@ class RestoreMixin(CheckpointerBase):
         With torch.distributed initialized and several ranks, all ranks first agree on the
         newest step that every rank can load (from its memory or from storage) and load that
         one; if any rank then fails to read it, all fall back together to the next older one.
-        Ranks never resume from different steps."""
+        Ranks never resume from different steps.
+
+        After a restart with another world size the node agent has persisted the previous
+        world's snapshots and dropped them from memory: the step comes from storage. ``restore``
+        reshards it into this world's tensors; ``load`` returns this rank's image as saved (a
+        rank the saving world did not have gets rank ``rank % W``'s, with a warning)."""
         t0 = time.perf_counter()
         self._io = {"storage_bytes_read": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0}
         if self._group is not None:
@@ -112,12 +117,42 @@ class RestoreMixin(CheckpointerBase):
     def _read_storage(self, uri: str, step: Optional[int], targets: Any):
         """This rank's state of `step` from the storage at `uri`: with targets (restore), only
         the byte ranges the targets need, from whichever ranks' images hold them (any saving
-        world size); else this rank's whole image."""
+        world size); else this rank's whole image, or, where the step was saved by fewer ranks
+        than this one's number (the job grew), the image of rank ``rank % saving world size``
+        (``_image_of_smaller_world``)."""
         self._io["uri"] = uri
         if targets is None:
             self._io["storage_bytes_read"] = None  # a whole image; not counted
-            return storage_load(uri, step, rank=self.rank, allow_pickle=self.allow_pickle)
+            try:
+                return storage_load(uri, step, rank=self.rank, allow_pickle=self.allow_pickle)
+            except InvalidArgumentError:
+                got = self._image_of_smaller_world(uri, step)
+                if got is None:
+                    raise
+                return got
         return read_newest_into(uri, step, self.rank, targets, self._unpickler, self._io)
+
+    def _image_of_smaller_world(self, uri: str, step: Optional[int]):
+        """A whole-image load (``load()``) of a step saved by fewer ranks than this rank's
+        number: the job restarted with more ranks (docs/guide.md, "A changed world size"). The
+        image of rank ``rank % W`` of the W that saved it, with a warning: its replicated
+        tensors (DDP's model and optimizer state) are whole, a sharded tensor is that rank's
+        shard as saved; ``restore(state)`` reshards into this world's tensors. None when the
+        step's world size does not explain the refusal (the caller raises it)."""
+        try:
+            saved = storage_steps(uri)
+            s = step if step is not None else (max(saved) if saved else None)
+            world = _core.read_metadata(uri, s, 0).world_size if s is not None else 0
+        except Error:
+            return None
+        if not 0 < world <= self.rank:
+            return None
+        warnings.warn(f"safepoint: step {s} was saved by {world} ranks and this is rank "
+                      f"{self.rank} of {self.world_size}: load() returns the image of rank "
+                      f"{self.rank % world} as saved (replicated tensors whole, a sharded tensor "
+                      f"as that rank's shard); restore(state) reshards into this world's tensors",
+                      RuntimeWarning, stacklevel=5)
+        return storage_load(uri, s, rank=self.rank % world, allow_pickle=self.allow_pickle)
 
     def _from_storage(self, step: Optional[int], targets: Any, where: dict[int, list[str]]):
         """This rank's state of `step` (None: the newest that reads back) from the fastest
@@ -143,7 +178,9 @@ class RestoreMixin(CheckpointerBase):
                             f"({', '.join(self._stores)})")
 
     def _usable(self, snap: Optional[_core.Loaded]):
-        """A memory snapshot, unless another world size saved it (then storage reshards) or it
+        """A memory snapshot, unless another world size saved it (then storage reshards; the
+        node agent drops such snapshots anyway once the job restarted with another world size,
+        src/agent/world_change.cc) or it
         leaves out tensors (replicated state copied once per node) that no other rank's
         snapshot of it on this node holds intact: then None, and the load falls back like for
         any missing copy (the ranks agree again, peers, storage)."""

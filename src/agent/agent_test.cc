@@ -27,6 +27,7 @@
 #include <thread>
 
 #include "advisor/history.h"
+#include "agent/job_config.h"
 #include "base/unique_fd.h"
 #include "protocol/protocol.h"
 #include "safepoint/checkpoint.h"
@@ -1119,6 +1120,179 @@ TEST_F(AgentTest, WaitForAStepWhoseImagesAreOfMixedAttemptsFailsAtOnceNamingWhy)
   }
   EXPECT_TRUE(Committed().empty());
   ExpectServes();
+}
+
+// The world size committed for each step on storage.
+std::map<uint64_t, uint32_t> CommittedWorlds(const std::string& storage) {
+  std::map<uint64_t, uint32_t> out;
+  auto store = OpenCheckpointStore(storage);
+  if (!store.ok()) return out;
+  auto list = (*store)->ListCommitted();
+  if (!list.ok()) return out;
+  for (const auto& c : *list) out[c.step] = c.world_size;
+  return out;
+}
+
+// Issue 36: a 2-rank job killed, restarted with 1 rank under the same job name. The agent (here
+// without emergency flushes, so that only the world change persists) persists the newest step
+// both ranks hold before it answers the new rank's hello, drops every snapshot of the previous
+// world, and the job goes on with world size 1.
+TEST_F(AgentTest, RestartWithAnotherWorldSizePersistsThenDropsThePreviousWorldsSnapshots) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent({"--no-emergency-flush"}));
+  for (uint32_t rank : {0u, 1u}) {
+    const int rc = test::RunInChild([&] {
+      auto c = SnapshotClient::Connect(RankOptions(rank, /*attempt=*/41));
+      if (!c.ok()) return 2;
+      for (uint64_t step : {1, 2}) {
+        Shard s(step);
+        auto r = (*c)->Save(step, s.sources, s.extras, /*persist=*/step == 1);
+        if (!r.ok() || !r->saved) return 3;
+      }
+      // Rank 1, the second, waits until step 1 is committed; both die unclosed.
+      return rank == 0 || (*c)->Wait(kDeadlineSeconds).ok() ? 0 : 4;
+    });
+    ASSERT_EQ(rc, 0) << "rank " << rank << " of the first run failed";
+  }
+  ASSERT_TRUE(WaitUntil([&] { return Committed() == std::vector<uint64_t>{1}; }));
+  EXPECT_EQ(SlotFiles().size(), 4u);  // two slots of each rank: steps 1 and 2
+
+  ASSERT_OK_AND_ASSIGN(auto one, SnapshotClient::Connect(Options()));  // rank 0 of 1
+  // Answered only after step 2, in memory alone, was persisted by both ranks and committed.
+  EXPECT_EQ(CommittedWorlds(storage_), (std::map<uint64_t, uint32_t>{{1, 2}, {2, 2}}));
+  EXPECT_TRUE(SlotFiles().empty()) << "left: " << SlotFiles().size();
+  auto config = agent::ReadJobConfig(job_dir_);
+  ASSERT_OK(config);
+  ASSERT_TRUE(config->has_value());
+  EXPECT_EQ((*config)->world_size, 1u);
+  auto mem = one->LoadNewest(std::nullopt);
+  EXPECT_EQ(mem.status().code(), StatusCode::kNotFound) << mem.status().ToString();
+
+  SaveStep(*one, 3, /*persist=*/true);
+  ASSERT_OK(one->Wait(kDeadlineSeconds));
+  EXPECT_EQ(CommittedWorlds(storage_), (std::map<uint64_t, uint32_t>{{1, 2}, {2, 2}, {3, 1}}));
+  ExpectOnStorage(3, 3);
+  const UniqueFd fd = Connect();
+  auto st = QueryStatus(fd.get());
+  ASSERT_TRUE(st);
+  EXPECT_EQ((*st)["world_size"], 1);
+  EXPECT_TRUE((*st)["world_size_changing_to"].is_null());
+  EXPECT_EQ((*st)["ranks"].size(), 1u) << st->dump();
+}
+
+// Growing (1 -> 2): both new ranks wait for the change, which drops rank 0's snapshot of the
+// previous world; rank 1's hello arriving while it is under way waits with rank 0's.
+TEST_F(AgentTest, RestartWithMoreRanksAnswersEveryNewRankAfterTheChange) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ASSERT_EQ(test::RunInChild([&] {
+              auto c = SnapshotClient::Connect(Options());
+              if (!c.ok()) return 2;
+              Shard s(4);
+              auto r = (*c)->Save(4, s.sources, s.extras, /*persist=*/false);
+              return r.ok() && r->saved ? 0 : 3;
+            }),
+            0);
+  std::vector<std::thread> ranks;
+  std::vector<Status> got(2);
+  std::vector<std::unique_ptr<SnapshotClient>> clients(2);
+  for (uint32_t rank : {0u, 1u}) {
+    ranks.emplace_back([&, rank] {
+      auto c = SnapshotClient::Connect(RankOptions(rank, /*attempt=*/42));
+      got[rank] = c.status();
+      if (c.ok()) clients[rank] = std::move(*c);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  ASSERT_OK(got[0]);
+  ASSERT_OK(got[1]);
+  EXPECT_EQ(CommittedWorlds(storage_), (std::map<uint64_t, uint32_t>{{4, 1}}));
+  EXPECT_TRUE(SlotFiles().empty());
+  for (uint32_t rank : {0u, 1u}) SaveStep(*clients[rank], 5, /*persist=*/true);
+  for (uint32_t rank : {0u, 1u}) ASSERT_OK(clients[rank]->Wait(kDeadlineSeconds));
+  EXPECT_EQ(CommittedWorlds(storage_), (std::map<uint64_t, uint32_t>{{4, 1}, {5, 2}}));
+}
+
+// 4 -> 3: every rank of the previous world is dropped, also rank 3, which the new world lacks;
+// the step the four ranks held only in memory is committed with world size 4 first.
+TEST_F(AgentTest, RestartWithFewerRanksDropsEveryRankOfThePreviousWorld) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  auto options = [&](uint32_t rank, uint32_t world, uint64_t attempt) {
+    ClientOptions o = RankOptions(rank, attempt);
+    o.world_size = world;
+    return o;
+  };
+  for (uint32_t rank = 0; rank < 4; ++rank) {
+    ASSERT_EQ(test::RunInChild([&] {
+                auto c = SnapshotClient::Connect(options(rank, 4, 44));
+                if (!c.ok()) return 2;
+                Shard s(6);
+                auto r = (*c)->Save(6, s.sources, s.extras, /*persist=*/false);
+                return r.ok() && r->saved ? 0 : 3;  // dies unclosed
+              }),
+              0);
+  }
+  std::vector<std::thread> ranks;
+  std::vector<Status> got(3);
+  std::vector<std::unique_ptr<SnapshotClient>> clients(3);
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    ranks.emplace_back([&, rank] {
+      auto c = SnapshotClient::Connect(options(rank, 3, 45));
+      got[rank] = c.status();
+      if (c.ok()) clients[rank] = std::move(*c);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (const Status& s : got) ASSERT_OK(s);
+  EXPECT_EQ(CommittedWorlds(storage_), (std::map<uint64_t, uint32_t>{{6, 4}}));
+  EXPECT_TRUE(SlotFiles().empty()) << "left: " << SlotFiles().size();
+  for (uint32_t rank = 0; rank < 3; ++rank) SaveStep(*clients[rank], 7, /*persist=*/true);
+  for (uint32_t rank = 0; rank < 3; ++rank) ASSERT_OK(clients[rank]->Wait(kDeadlineSeconds));
+  EXPECT_EQ(CommittedWorlds(storage_), (std::map<uint64_t, uint32_t>{{6, 4}, {7, 3}}));
+  EXPECT_EQ(SlotFiles().size(), 3u);  // one slot of each new rank
+}
+
+// A process of another world size while a rank of the job's world still runs is refused, naming
+// that rank and its pid; nothing is dropped.
+TEST_F(AgentTest, AnotherWorldSizeWhileARankOfTheJobRunsIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ASSERT_OK_AND_ASSIGN(auto rank0, SnapshotClient::Connect(RankOptions(0, 43)));
+  SaveStep(*rank0, 1, /*persist=*/false);
+  auto other = SnapshotClient::Connect(Options());
+  ASSERT_FALSE(other.ok());
+  const std::vector<std::string> parts = {"runs with world size 2",
+                                          "rank 0, pid " + std::to_string(::getpid())};
+  for (const std::string& part : parts) {
+    EXPECT_NE(other.status().message().find(part), std::string::npos)
+        << part << " not in " << other.status().ToString();
+  }
+  EXPECT_FALSE(SlotFiles().empty());
+  SaveStep(*rank0, 2, /*persist=*/false);  // the job goes on
+  ExpectServes();
+}
+
+// A refused process (another path under the job's name) leaves no idle agent behind: the agent,
+// serving no rank, exits once its work is done instead of after the idle time (60 s here).
+TEST_F(AgentTest, ARefusedProcessDoesNotKeepTheAgentAlive) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ASSERT_EQ(test::RunInChild([&] {
+              auto c = SnapshotClient::Connect(Options());
+              if (!c.ok()) return 2;
+              Shard s(3);
+              auto r = (*c)->Save(3, s.sources, s.extras, /*persist=*/false);
+              return r.ok() && r->saved ? 0 : 3;  // dies unclosed: flushed
+            }),
+            0);
+  ASSERT_TRUE(WaitUntil([&] { return !Committed().empty(); }));
+  ClientOptions elsewhere = Options();
+  elsewhere.storage = tmp_ + "/other";
+  elsewhere.agent_binary.clear();
+  auto refused = SnapshotClient::Connect(elsewhere);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("already persists to " + storage_), std::string::npos)
+      << refused.status().ToString();
+  const std::optional<int> status = WaitExit(agent_, /*timeout_s=*/20);
+  ASSERT_TRUE(status) << "the agent is still running after the refusal";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
+  EXPECT_FALSE(SlotFiles().empty());  // the snapshot stays for the job's next agent
 }
 
 // An S3 gateway on loopback that lists nothing, has no objects, and never answers an upload

@@ -466,6 +466,17 @@ void NodeAgent::ReplyError(Client& c, const std::string& msg) {
   Reply(c, MessageType::kError, Encode(protocol::ErrorReply{msg}));
 }
 
+void NodeAgent::RefuseHello(Client& c, const std::string& msg) {
+  c.refused = true;
+  // With no rank connected, nothing keeps the agent once its work is done (Idle): a process
+  // refused (and its retries) must not keep the job's agent, and so the job, alive.
+  if (std::none_of(clients_.begin(), clients_.end(), [](const auto& o) { return o->hello; })) {
+    refused_ = true;
+  }
+  spdlog::warn("refused pid {}: {}", c.pid, msg);
+  ReplyError(c, msg);
+}
+
 void NodeAgent::Accept() {
   for (;;) {
     internal::UniqueFd fd(
@@ -691,49 +702,73 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
   const JobConfig want{hello.storage, hello.world_size,  hello.keep,
                        hello.tiers,   hello.compression, hello.incremental};
   if (want.world_size == 0 || hello.rank >= want.world_size || want.world_size > kMaxRank) {
-    ReplyError(c, "invalid rank " + std::to_string(hello.rank) + " of world size " +
-                      std::to_string(want.world_size));
+    RefuseHello(c, "invalid rank " + std::to_string(hello.rank) + " of world size " +
+                       std::to_string(want.world_size));
     return Status::OK();
   }
-  if (config_ && (config_->storage != want.storage || config_->world_size != want.world_size)) {
-    ReplyError(c, "job " + opt_.job + " already persists to " + config_->storage +
-                      " with world size " + std::to_string(config_->world_size) +
-                      "; this process asked for " + want.storage + " with world size " +
-                      std::to_string(want.world_size) + " (use another job name)");
+  if (config_ && config_->storage != want.storage) {
+    RefuseHello(c, "job " + opt_.job + " already persists to " + config_->storage +
+                       "; this process asked for " + want.storage + " (use another job name)");
     return Status::OK();
   }
   if (config_ && config_->tiers != want.tiers) {
-    ReplyError(c, "job " + opt_.job + " already fills the storage tiers " +
-                      protocol::EncodeTiers(config_->tiers).dump() + "; this process asked for " +
-                      protocol::EncodeTiers(want.tiers).dump() +
-                      " (use another job name, or let the job's agent exit first)");
+    RefuseHello(c, "job " + opt_.job + " already fills the storage tiers " +
+                       protocol::EncodeTiers(config_->tiers).dump() + "; this process asked for " +
+                       protocol::EncodeTiers(want.tiers).dump() +
+                       " (use another job name, or let the job's agent exit first)");
     return Status::OK();
   }
   if (Status s = ValidateTiers(want.storage, want.tiers);
       !s.ok() || !(s = ParseCompression(want.compression).status()).ok()) {
-    ReplyError(c, s.ToString());
+    RefuseHello(c, s.ToString());
+    return Status::OK();
+  }
+  // Another world size than the job's: the job restarted with more or fewer ranks
+  // (world_change.cc). Accepted once no process of the previous world runs; the hello is
+  // answered after the previous world's snapshots are persisted and dropped.
+  if (world_change_ && want.world_size != *world_change_) {
+    RefuseHello(c, "job " + opt_.job + " is changing its world size from " +
+                       std::to_string(config_->world_size) + " to " +
+                       std::to_string(*world_change_) + "; this process asked for world size " +
+                       std::to_string(want.world_size) + " (use another job name)");
+    return Status::OK();
+  }
+  if (config_ && (world_change_ || config_->world_size != want.world_size)) {
+    if (!world_change_) {
+      if (auto live = LivePreviousRank()) {
+        RefuseHello(c, "job " + opt_.job + " runs with world size " +
+                           std::to_string(config_->world_size) + " (its rank " +
+                           std::to_string(live->first) + ", pid " + std::to_string(live->second) +
+                           ", is alive); this process asked for world size " +
+                           std::to_string(want.world_size) +
+                           ": stop the job's processes first, or use another job name");
+        return Status::OK();
+      }
+    }
+    BeginWorldChange(c, hello);
     return Status::OK();
   }
   if (!config_) {
     auto store = OpenCheckpointStore(want.storage);
     if (!store.ok()) {
-      ReplyError(c, store.status().ToString());
+      RefuseHello(c, store.status().ToString());
       return Status::OK();
     }
     SP_RETURN_IF_ERROR(Configure(want, std::move(store).value()));
   }
   if (!config_written_) SaveJobConfig();
   if (Status s = EnsureRank(hello.rank); !s.ok()) {
-    ReplyError(c, s.ToString());
+    RefuseHello(c, s.ToString());
     return Status::OK();
   }
   RankState& rs = ranks_[hello.rank];
   if (rs.connected && rs.pid != c.pid && internal::ProcessAlive({rs.pid, 0})) {
-    ReplyError(c, "rank " + std::to_string(hello.rank) + " is already connected (pid " +
-                      std::to_string(rs.pid) + ")");
+    RefuseHello(c, "rank " + std::to_string(hello.rank) + " is already connected (pid " +
+                       std::to_string(rs.pid) + ")");
     return Status::OK();
   }
   c.hello = true;
+  refused_ = false;
   c.rank = hello.rank;
   if (hello.rank == 0) history_.Open(config_->storage, opt_.job, [this] { Wake(); });
   rs.connected = true;
@@ -875,11 +910,17 @@ bool NodeAgent::AllClosed() {
 }
 
 bool NodeAgent::Idle() {
-  if (!opt_.exit_when_idle || !clients_.empty() || queue_.Busy() || tiers_.Busy()) {
+  // A refused client keeps nothing alive; one whose hello is not read yet (or parked) does.
+  const bool clients =
+      std::any_of(clients_.begin(), clients_.end(), [](const auto& c) { return !c->refused; });
+  if (!opt_.exit_when_idle || clients || queue_.Busy() || tiers_.Busy()) {
     last_busy_ = MonotonicSeconds();
     return false;
   }
   if (AllClosed()) return true;
+  // A process was refused and no rank is connected: exit now rather than after the idle time
+  // (the snapshots stay in shared memory; the job's next agent adopts them).
+  if (refused_ && !replicator_.holds_replicas()) return true;
   // An agent that holds other nodes' replicas stays longer: a replacement node may need them.
   const double idle = replicator_.holds_replicas() ? std::max(opt_.idle_exit_seconds, 3600.0)
                                                    : opt_.idle_exit_seconds;
@@ -890,7 +931,10 @@ void NodeAgent::Loop() {
   while (!stopping_) {
     if (Idle()) {
       spdlog::info(AllClosed() ? "every rank closed cleanly; exiting"
-                               : "idle with no client; exiting (snapshots stay in shared memory)");
+                   : refused_
+                       ? "a process was refused and no rank is connected; exiting (snapshots "
+                         "stay in shared memory for the job's next agent)"
+                       : "idle with no client; exiting (snapshots stay in shared memory)");
       return;
     }
     std::vector<pollfd> fds = {
@@ -899,7 +943,7 @@ void NodeAgent::Loop() {
     for (auto& c : clients_) {
       fds.push_back({c->fd.get(), POLLIN, 0});
       fds.push_back({c->pidfd.get(), static_cast<short>(c->pidfd ? POLLIN : 0), 0});
-      waiting |= !c->waits.empty();
+      waiting |= !c->waits.empty() || c->parked_hello.has_value();
     }
     const int rc = ::poll(fds.data(), fds.size(), waiting ? 200 : 1000);
     if (rc < 0 && errno != EINTR) {
@@ -920,6 +964,7 @@ void NodeAgent::Loop() {
       }
     }
     DrainResults();
+    AdvanceWorldChange();
     DrainReplication();
     PollCommitsForTiers();
     RefreshTelemetry();

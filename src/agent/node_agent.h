@@ -5,6 +5,8 @@
 //                     bookkeeping (which snapshot is persisted, queued, failed), emergency
 //                     flushes, answering waits and closes; start and exit
 //   adoption.cc       taking over a job that an earlier agent left (job.json, leases, snapshots)
+//   world_change.cc   a job restarted with another world size: the previous world's snapshots
+//                     persisted, then dropped; the new world's hellos answered after that
 //   status.cc         the status document (`safepoint status`, ckpt.status())
 //   telemetry.*       Prometheus metrics (metrics.*, metrics_server.*) and the event log
 //                     (event_log.*): one call where each event happens, gauges sampled
@@ -85,7 +87,12 @@ struct Client {
   bool hello = false;
   uint32_t rank = 0;
   bool closing = false;
-  bool broken = false;                           // a reply could not be sent: drop the connection
+  bool broken = false;   // a reply could not be sent: drop the connection
+  bool refused = false;  // its hello was refused
+  // A hello of another world size than the job's, answered once the world change is done
+  // (world_change.cc); meanwhile the client gets a kAck every few seconds.
+  std::optional<protocol::HelloRequest> parked_hello;
+  double last_beat = 0;                          // when it last got one
   std::vector<std::pair<uint64_t, bool>> waits;  // (step, persisted) the client waits for
 };
 
@@ -126,6 +133,8 @@ class NodeAgent {
   bool SupersededOnStorage(uint64_t step);
   void Reply(Client& c, protocol::MessageType type, const std::string& payload);
   void ReplyError(Client& c, const std::string& msg);
+  // A hello refused: the error, and the client no longer keeps an idle agent alive.
+  void RefuseHello(Client& c, const std::string& msg);
   bool Idle();
   bool AllClosed();
   void Shutdown();
@@ -133,6 +142,17 @@ class NodeAgent {
 
   // adoption.cc
   void Adopt();
+
+  // world_change.cc
+  // A process of the job's previous world that still runs: (rank, pid), if any.
+  std::optional<std::pair<uint32_t, uint32_t>> LivePreviousRank();
+  // Parks the hello of `c` (world size `world_size`, not the job's) until the previous world's
+  // snapshots are persisted and dropped; starts that change if none is under way.
+  void BeginWorldChange(Client& c, const protocol::HelloRequest& hello);
+  // Called by the loop: beats the parked hellos, and once the previous world's persists are
+  // done, drops its snapshots, reconfigures the job and answers the parked hellos (or refuses
+  // them when a snapshot could not be persisted).
+  void AdvanceWorldChange();
 
   // status.cc
   json StatusJson();
@@ -163,6 +183,12 @@ class NodeAgent {
   double last_commit_poll_ = 0;
   bool stopping_ = false;
   bool saw_client_ = false;
+  // A hello was refused since a rank last connected: once nothing else keeps it busy the agent
+  // exits at once, instead of after idle_exit_seconds (`safepoint gc` sees the job idle).
+  bool refused_ = false;
+  // The world size a world change is under way to (world_change.cc), and since when.
+  std::optional<uint32_t> world_change_;
+  double world_change_since_ = 0;
   double last_busy_;
   // When the last local client went away without closing (the job was torn down here), for
   // the flush of other nodes' replicas (Replicator::EnqueueFlushHeld) a few seconds later.

@@ -58,6 +58,11 @@ void PersistQueue::Enqueue(PersistTask task) {
   worker_.Wake();
 }
 
+void PersistQueue::SetWorldSize(uint32_t world_size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  target_.world_size = world_size;
+}
+
 bool PersistQueue::Contains(uint32_t rank, uint32_t slot, uint64_t generation) const {
   auto same = [&](const PersistTask& t) {
     return t.rank == rank && t.slot == slot && t.generation == generation;

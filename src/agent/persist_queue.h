@@ -91,6 +91,10 @@ class PersistQueue {
   bool started() const { return worker_.started(); }
 
   void Enqueue(PersistTask task);
+  // The job's world size changed (NodeAgent's world change): the steps persisted from now on
+  // commit with `world_size` images, and a snapshot of another world size is refused as its
+  // header does not match. Only while nothing is queued or in flight (!Busy()).
+  void SetWorldSize(uint32_t world_size);
   // True while the snapshot (rank, slot, generation) is queued, in flight, or finished but its
   // result not taken yet.
   bool Contains(uint32_t rank, uint32_t slot, uint64_t generation) const;
@@ -123,7 +127,9 @@ class PersistQueue {
   std::vector<uint64_t> Prune();
 
   const std::function<void()> notify_;
-  // Written by Start before the worker exists, then read-only.
+  // Written by Start before the worker exists, then read-only (but for target_.world_size,
+  // which SetWorldSize writes under mu_ while the worker is idle: the worker reads it after it
+  // took its next task under mu_).
   std::string job_dir_;
   PersistTarget target_;
 

@@ -101,6 +101,8 @@ nlohmann::json NodeAgent::StatusJson() {
           {"job_dir", job_dir_},
           {"storage", config_ ? json(config_->storage) : json(nullptr)},
           {"world_size", config_ ? json(config_->world_size) : json(nullptr)},
+          // A world change under way (world_change.cc): the world size the job changes to.
+          {"world_size_changing_to", world_change_ ? json(*world_change_) : json(nullptr)},
           {"keep", config_ ? json(config_->keep) : json(nullptr)},
           {"job_config_error", config_saved_.ok() ? json(nullptr) : json(config_saved_.ToString())},
           {"newest_committed", newest_committed_ ? json(*newest_committed_) : json(nullptr)},

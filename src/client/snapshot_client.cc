@@ -160,7 +160,13 @@ Status SnapshotClient::Hello() {
                                      opt_.incremental};
   protocol::FrameDecoder decoder;
   SP_RETURN_IF_ERROR(protocol::SendMessage(fd_, MessageType::kHello, protocol::Encode(hello)));
-  SP_ASSIGN_OR_RETURN(protocol::Message reply, protocol::ReceiveMessage(fd_, decoder, 30));
+  // A hello of another world size than the job's waits while the agent persists and drops the
+  // previous world's snapshots (src/agent/world_change.cc); a kAck every few seconds says the
+  // agent is at it, and each restarts the 30 s the client waits for a message.
+  protocol::Message reply;
+  do {
+    SP_ASSIGN_OR_RETURN(reply, protocol::ReceiveMessage(fd_, decoder, 30));
+  } while (reply.type == MessageType::kAck);
   if (reply.type == MessageType::kError) {
     Disconnect();
     return InvalidArgument("the safepoint agent refused this process: " + ErrorText(reply.payload));
@@ -169,6 +175,9 @@ Status SnapshotClient::Hello() {
     Disconnect();
     return Unavailable("the safepoint agent answered hello with an unexpected message");
   }
+  // The agent removes slot files of a job whose world size changed before it answers: map the
+  // rank's slots as they are now, never a removed file's.
+  if (arena_) SP_RETURN_IF_ERROR(arena_->Refresh());
   return SendPeerState();
 }
 
