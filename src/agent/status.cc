@@ -127,7 +127,28 @@ nlohmann::json NodeAgent::StatusJson() {
            history_.open()
                ? json{{"where", history_.where()},
                       {"error", history_.error().empty() ? json(nullptr) : json(history_.error())}}
-               : json(nullptr)}};
+               : json(nullptr)},
+          {"storage_requests", StorageRequestsJson()}};
+}
+
+// The agent process's storage requests by scheme (include/safepoint/storage.h).
+nlohmann::json StorageRequestsJson() {
+  json out = json::object();
+  for (const auto& [scheme, c] : StorageRequestCountsByScheme()) {
+    out[scheme] = {{"list", c.list},
+                   {"head", c.head},
+                   {"get", c.get},
+                   {"create", c.create},
+                   {"write", c.write},
+                   {"put", c.put},
+                   {"delete", c.del},
+                   {"cleanup", c.cleanup},
+                   {"requests", c.requests()},
+                   {"metadata_bytes", c.metadata_bytes},
+                   {"data_bytes_read", c.data_bytes_read},
+                   {"data_bytes_written", c.data_bytes_written}};
+  }
+  return out;
 }
 
 }  // namespace safepoint::agent
