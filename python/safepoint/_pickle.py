@@ -8,7 +8,7 @@ an exact ``module.name`` (any object of that name, e.g. ``torch.float16``), or w
 dot every *class defined in* that module or its submodules.
 
 A checkpoint is untrusted input, so the unpickler also holds where an allowed name could still
-be turned against the loading process (docs/reliability.md, "Hostile checkpoints"):
+be turned against the loading process (docs/reliability.md, "Hostile input"):
 - a name is never followed through attributes: ``find_class("mypkg.schedules",
   "__builtins__.get")`` is refused, a prefix matches the module only, and a prefix admits only
   classes whose ``__module__`` is that module (not functions or objects imported into it);
