@@ -34,6 +34,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -467,6 +468,43 @@ std::string TypicalMtbfs() {
   return s;
 }
 
+// The `safepoint simulate` command line that models what advise just did: the history (--from)
+// when there is one, and advise's own flags in simulate's words (without a history simulate is a
+// what-if of 8 GPUs a node, so the job's shape is spelled out).
+std::string SimulateCommand(const AdvisorCommands::Options& o, const Model& m) {
+  std::ostringstream c;
+  auto num = [](double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  };
+  c << "safepoint simulate";
+  if (m.history) {
+    c << " --from " << o.path;
+    if (!o.job.empty()) c << " --job " << o.job;
+    if (o.gpus) c << " --gpus " << *o.gpus;
+    if (o.gpus_per_node) c << " --gpus-per-node " << *o.gpus_per_node;
+    if (o.peers) c << " --peers";
+    if (o.no_peers) c << " --no-peers";
+  } else {
+    c << " --gpus " << m.in.gpus << " --gpus-per-node " << m.in.gpus_per_node
+      << (m.in.peer_copies ? " --peers" : " --no-peers");
+  }
+  if (o.node_loss_fraction) c << " --node-loss-fraction " << num(*o.node_loss_fraction);
+  if (o.step_seconds) c << " --step-seconds " << num(*o.step_seconds);
+  if (!o.mtbf.empty()) c << " --mtbf " << o.mtbf;
+  if (o.save_seconds) c << " --snapshot-seconds " << num(*o.save_seconds);
+  if (o.persist) c << " --persist-seconds " << num(*o.persist);
+  if (o.restart_seconds) c << " --restart-seconds " << num(*o.restart_seconds);
+  if (o.restore_seconds) {
+    for (const char* f :
+         {"--restore-memory-seconds", "--restore-peer-seconds", "--restore-storage-seconds"}) {
+      c << " " << f << " " << num(*o.restore_seconds);
+    }
+  }
+  return c.str();
+}
+
 int RunAdvise(const AdvisorCommands::Options& o) {
   auto built = BuildModel(o, o.path);
   if (!built.ok()) return Fail(built.status());
@@ -572,8 +610,7 @@ int RunAdvise(const AdvisorCommands::Options& o) {
     std::cout << "\n\n";
   }
   std::cout << "The same model compares safepoint with synchronous and DCP async saves: "
-               "safepoint simulate --from "
-            << o.path << "\n";
+            << SimulateCommand(o, m) << "\n";
   return kExitOk;
 }
 

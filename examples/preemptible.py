@@ -14,7 +14,7 @@ step.
 Started without torchrun, ``main()`` launches the 2 ranks (torch.multiprocessing) and, once
 rank 0 has saved step ``--preempt-at``, sends SIGTERM to both, as torchrun does when its own
 SIGTERM arrives; the ranks preempt at the next step (13), and the group started again prints
-``[rank R] resumed from step 13 (storage)``. Under torchrun, ``kill -TERM`` torchrun's pid
+``[rank R] resumed from step 13 (memory)``. Under torchrun, ``kill -TERM`` torchrun's pid
 (or let Slurm or Kubernetes do it), then run the same command again.
 """
 

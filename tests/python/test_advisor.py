@@ -91,6 +91,22 @@ def test_advise_without_history_says_what_is_missing(tmp_path, cli):
     assert "duration" in r.stderr
 
 
+def test_advise_names_a_simulate_command_that_runs(tmp_path, cli):
+    """advise ends with the `safepoint simulate` line that models the same job; without a
+    history that is no `--from` (which fails there) but advise's own flags in simulate's words,
+    and it finds advise's interval."""
+    r = cli("advise", tmp_path / "nothing", "--save-seconds", "2", "--restore-seconds", "30",
+            "--restart-seconds", "60", "--mtbf", "3h", check=0)
+    line = r.stdout.strip().splitlines()[-1]
+    cmd = line.split(": ", 1)[1].split()
+    assert cmd[:2] == ["safepoint", "simulate"] and "--from" not in cmd, line
+    adv = json.loads(cli("advise", tmp_path / "nothing", "--save-seconds", "2",
+                         "--restore-seconds", "30", "--restart-seconds", "60", "--mtbf", "3h",
+                         "--json", check=0).stdout)
+    sim = json.loads(cli(*cmd[1:], "--json", check=0).stdout)
+    assert adv["levels"][0]["interval_seconds"] == sim["strategies"][0]["interval_seconds"]
+
+
 def test_advise_on_a_fresh_job_estimates_restores_and_shows_typical_mtbfs(tmp_path, shm, cli):
     """A job that saved and persisted but was never interrupted nor restored still gets advice:
     the restore time estimated from the state's size and the measured bandwidths, and the
