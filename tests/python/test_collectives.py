@@ -14,9 +14,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "workloads", "collectives_worke
 RANKS = 4
 
 
-def run(tmp_path, mode: str, steps: int = 6, persist_every: int = 1) -> list:
-    shm = tmp_path / "shm"
-    shm.mkdir()
+def run(tmp_path, shm, mode: str, steps: int = 6, persist_every: int = 1) -> list:
+    # `shm`: the conftest fixture's short directory (the agent's socket path has a length limit,
+    # which a directory under pytest's tmp_path can pass) whose agents it kills afterwards.
     job = f"coll-{mode.replace('+', '-')}-{os.getpid()}"
     port = free_port()
     return run_ranks([[WORKER, tmp_path / "ckpt", shm, job, port, r, RANKS, mode, steps,
@@ -32,8 +32,8 @@ ONE = [("all_reduce", 16, 16)]  # the steady state: one all-reduce of two int64,
 
 
 @pytest.mark.parametrize("mode", ["steady", "overlap"])
-def test_a_steady_state_save_runs_one_small_collective(tmp_path, mode):
-    outs = run(tmp_path, mode)
+def test_a_steady_state_save_runs_one_small_collective(tmp_path, shm, mode):
+    outs = run(tmp_path, shm, mode)
     for out in outs:
         # The first save plans the replicas: it gathers every rank's tensor list once.
         first = collectives(out, 1)
@@ -43,8 +43,8 @@ def test_a_steady_state_save_runs_one_small_collective(tmp_path, mode):
             assert collectives(out, step) == ONE, (out["rank"], step, collectives(out, step))
 
 
-def test_a_structure_change_on_one_rank_is_planned_again_on_every_rank(tmp_path):
-    outs = run(tmp_path, "change", steps=4)
+def test_a_structure_change_on_one_rank_is_planned_again_on_every_rank(tmp_path, shm):
+    outs = run(tmp_path, shm, "change", steps=4)
     for out in outs:
         # Step 3: the last rank's structure changed; every rank gathers the lists (else the
         # ranks' collectives would not match and the run would hang or fail).
@@ -57,14 +57,14 @@ def test_a_structure_change_on_one_rank_is_planned_again_on_every_rank(tmp_path)
 
 @pytest.mark.parametrize("mode,persist_every", [("preempt", 1), ("preempt", 3),
                                                 ("preempt+overlap", 3)])
-def test_a_notice_on_one_rank_preempts_every_rank_at_the_same_save(tmp_path, mode,
+def test_a_notice_on_one_rank_preempts_every_rank_at_the_same_save(tmp_path, shm, mode,
                                                                    persist_every):
     # The last rank gives the notice after step 3: the save of step 4 brings it to every rank
     # through its one all-reduce, and becomes the preemption save everywhere (committed when
     # it returns, bit-exact). Persisted already (persist_every=1): nothing more to copy, no
     # further collective; not persisted (persist_every=3): copied again, persisted, and that
     # copy's all-reduce.
-    outs = run(tmp_path, mode, steps=6, persist_every=persist_every)
+    outs = run(tmp_path, shm, mode, steps=6, persist_every=persist_every)
     for out in outs:
         assert out["preempted_at"] == 4, out
         assert [s for s, _ in out["saves"]] == [1, 2, 3, 4]
