@@ -55,6 +55,7 @@
 #include "base/crc32c.h"
 #include "base/kill_point.h"
 #include "base/parallel.h"
+#include "checkpoint/commit_record.h"
 #include "checkpoint/compression_policy.h"
 #include "checkpoint/packed_reader.h"
 #include "checkpoint/packed_writer.h"
@@ -67,14 +68,13 @@ using internal::AlignedBuffer;
 using internal::AppendLE;
 using internal::Crc32c;
 using internal::FirstError;
+using internal::kCommitFixed;
 using internal::LoadLE;
 using internal::ReadSmallObject;
 using internal::WriteSmallObject;
 
 namespace {
 
-constexpr char kCommitMagic[8] = {'S', 'P', 'C', 'O', 'M', 'M', 'I', 'T'};
-constexpr size_t kCommitFixed = 100;
 constexpr uint64_t kIoPiece = 8 << 20;  // request size for images already in memory
 
 // A small pool of chunk-sized staging buffers, reused across saves so that their pages are
@@ -158,160 +158,6 @@ Result<WriteStats> WriteWithLayout(Storage& storage, const PackOptions& options,
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// Names and the commit record
-
-std::string StepPrefix(uint64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "step-%020llu/", static_cast<unsigned long long>(step));
-  return buf;
-}
-
-std::string ImageObjectName(uint64_t step, uint32_t rank, uint64_t generation) {
-  char buf[48];
-  if (generation == 0) {
-    std::snprintf(buf, sizeof(buf), "rank-%05u.img", rank);
-  } else {
-    std::snprintf(buf, sizeof(buf), "rank-%05u.g%016llx.img", rank,
-                  static_cast<unsigned long long>(generation));
-  }
-  return StepPrefix(step) + buf;
-}
-
-std::string ImageObjectName(const CommitRecord& commit, uint32_t rank) {
-  if (rank < commit.images.size() && commit.images[rank].packed) {
-    return PackedObjectName(commit.step, rank, commit.generation);
-  }
-  return ImageObjectName(commit.step, rank, commit.generation);
-}
-
-std::string PackedObjectName(uint64_t step, uint32_t rank, uint64_t generation) {
-  std::string name = ImageObjectName(step, rank, generation);
-  name.replace(name.size() - 4, 4, ".pack");
-  return name;
-}
-
-std::string CommitObjectName(uint64_t step) { return StepPrefix(step) + "COMMIT"; }
-
-std::optional<uint64_t> StepFromObjectName(std::string_view name) {
-  constexpr std::string_view kPrefix = "step-";
-  if (name.size() < kPrefix.size() + 21 || name.substr(0, kPrefix.size()) != kPrefix) {
-    return std::nullopt;
-  }
-  uint64_t step = 0;
-  for (size_t i = 0; i < 20; ++i) {
-    const char c = name[kPrefix.size() + i];
-    if (c < '0' || c > '9') return std::nullopt;
-    if (internal::MulOverflow(step, 10, &step) ||
-        internal::AddOverflow(step, static_cast<uint64_t>(c - '0'), &step)) {
-      return std::nullopt;
-    }
-  }
-  if (name[kPrefix.size() + 20] != '/') return std::nullopt;
-  return step;
-}
-
-uint64_t CommitRecord::total_bytes() const {
-  uint64_t n = 0;
-  for (const auto& i : images) n += i.size;
-  return n;
-}
-
-namespace {
-bool AnyPacked(const CommitRecord& r) {
-  for (const auto& i : r.images) {
-    if (i.packed) return true;
-  }
-  return false;
-}
-}  // namespace
-
-std::string EncodeCommitRecord(const CommitRecord& r) {
-  const bool packed = AnyPacked(r);
-  std::string out(kCommitMagic, 8);
-  AppendLE<uint32_t>(out, packed              ? kCommitFormatVersionPacked
-                          : r.generation == 0 ? kCommitFormatVersion
-                                              : kCommitFormatVersionReplaced);
-  AppendLE<uint32_t>(out, r.world_size);
-  AppendLE<uint64_t>(out, r.step);
-  AppendLE<int64_t>(out, r.commit_time_ns);
-  AppendLE<uint32_t>(out, static_cast<uint32_t>(r.job.size()));
-  std::string job = r.job;
-  job.resize(kMaxJobLength, '\0');
-  out += job;
-  for (const auto& i : r.images) {
-    AppendLE<uint64_t>(out, i.size);
-    AppendLE<uint32_t>(out, i.header_crc);
-    if (packed) AppendLE<uint32_t>(out, i.packed ? 1u : 0u);  // flags
-  }
-  if (packed || r.generation != 0) AppendLE<uint64_t>(out, r.generation);
-  AppendLE<uint32_t>(out, Crc32c(0, out.data(), out.size()));
-  return out;
-}
-
-bool SameStep(const CommitRecord& a, const CommitRecord& b) {
-  if (a.step != b.step || a.world_size != b.world_size || a.commit_time_ns != b.commit_time_ns ||
-      a.job != b.job || a.generation != b.generation || a.images.size() != b.images.size()) {
-    return false;
-  }
-  for (size_t i = 0; i < a.images.size(); ++i) {
-    if (a.images[i].size != b.images[i].size || a.images[i].header_crc != b.images[i].header_crc) {
-      return false;
-    }
-  }
-  return true;
-}
-
-Result<CommitRecord> DecodeCommitRecord(std::span<const std::byte> d, std::string_view source) {
-  auto bad = [&](const std::string& what) {
-    return Corruption(std::string(source) + ": corrupt COMMIT record: " + what);
-  };
-  if (d.size() < kCommitFixed + 4) return bad("truncated");
-  if (std::memcmp(d.data(), kCommitMagic, 8) != 0) return bad("bad magic");
-  const uint32_t version = LoadLE<uint32_t>(&d[8]);
-  if (version != kCommitFormatVersion && version != kCommitFormatVersionReplaced &&
-      version != kCommitFormatVersionPacked) {
-    return bad("unsupported format version " + std::to_string(version));
-  }
-  const bool packed = version == kCommitFormatVersionPacked;
-  const uint64_t generation_size = version == kCommitFormatVersion ? 0 : 8;
-  const uint64_t per_rank = packed ? 16 : 12;
-  CommitRecord r;
-  r.world_size = LoadLE<uint32_t>(&d[12]);
-  if (r.world_size == 0 || r.world_size > kMaxRank) return bad("invalid world size");
-  if (d.size() != kCommitFixed + per_rank * r.world_size + generation_size + 4) {
-    return bad("size " + std::to_string(d.size()) + " does not match world size " +
-               std::to_string(r.world_size));
-  }
-  if (Crc32c(0, d.data(), d.size() - 4) != LoadLE<uint32_t>(&d[d.size() - 4])) {
-    return bad("checksum mismatch");
-  }
-  r.step = LoadLE<uint64_t>(&d[16]);
-  r.commit_time_ns = LoadLE<int64_t>(&d[24]);
-  const uint32_t job_len = LoadLE<uint32_t>(&d[32]);
-  if (job_len > kMaxJobLength) return bad("job name too long");
-  r.job.assign(reinterpret_cast<const char*>(&d[36]), job_len);
-  r.images.resize(r.world_size);
-  bool any_packed = false;
-  for (uint32_t i = 0; i < r.world_size; ++i) {
-    const std::byte* p = &d[kCommitFixed + per_rank * i];
-    r.images[i].size = LoadLE<uint64_t>(p);
-    r.images[i].header_crc = LoadLE<uint32_t>(p + 8);
-    if (packed) {
-      const uint32_t flags = LoadLE<uint32_t>(p + 12);
-      if (flags > 1) return bad("unknown image flags " + std::to_string(flags));
-      r.images[i].packed = flags == 1;
-      any_packed |= r.images[i].packed;
-    }
-  }
-  if (generation_size != 0) {
-    r.generation = LoadLE<uint64_t>(&d[kCommitFixed + per_rank * r.world_size]);
-    if (r.generation == 0 && !packed) return bad("a version 2 record with generation 0");
-  }
-  if (packed && !any_packed) return bad("a version 3 record without a packed image");
-  return r;
-}
 
 // ---------------------------------------------------------------------------------------------
 // CheckpointStore
@@ -1025,122 +871,6 @@ Result<size_t> CheckpointStore::CleanUp() {
 Result<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(std::string_view path) {
   SP_ASSIGN_OR_RETURN(auto storage, OpenStorage(path));
   return std::make_unique<CheckpointStore>(std::shared_ptr<Storage>(std::move(storage)));
-}
-
-}  // namespace safepoint
-
-namespace safepoint {
-
-Result<SaveResult> SaveShard(CheckpointStore& store, ImageMeta meta,
-                             std::vector<TensorSource> tensors, std::string extras,
-                             SaveOptions options) {
-  const uint64_t step = meta.step;
-  const uint32_t world_size = meta.world_size;
-  const std::string job = meta.job;
-  const uint64_t attempt = meta.attempt;
-  const std::string what = store.storage().uri() + ": step " + std::to_string(step);
-  // A committed step is immutable; a corrupt COMMIT record means the step does not exist.
-  auto existing = store.ReadCommit(step);
-  if (!existing.ok() && existing.status().code() != StatusCode::kNotFound &&
-      existing.status().code() != StatusCode::kCorruption) {
-    return existing.status();
-  }
-  if (existing.ok() && !options.overwrite) {
-    return AlreadyExists(what +
-                         " is already committed (a committed step is immutable; pass "
-                         "overwrite=True to replace it)");
-  }
-  // A replacing save names its images by its attempt (every rank of it must share one), so
-  // they never touch the committed images until its COMMIT record replaces the old one.
-  uint64_t generation = 0;
-  if (options.overwrite) {
-    if (attempt == 0) {
-      return InvalidArgument(what +
-                             ": overwrite needs a non-zero attempt that every rank of "
-                             "this save shares");
-    }
-    if (existing.ok() && existing->generation == attempt) {
-      return InvalidArgument(what + " was committed by a save with attempt " +
-                             std::to_string(attempt) + "; replacing it needs another attempt");
-    }
-    generation = attempt;
-  }
-  SP_ASSIGN_OR_RETURN(auto builder,
-                      ImageBuilder::Create(std::move(meta), std::move(tensors), std::move(extras)));
-  SP_ASSIGN_OR_RETURN(WriteStats stats, store.WriteImage(*builder, generation, options.pack));
-  SaveResult result{stats.bytes, stats.seconds, stats.stored_bytes, false};
-  SP_ASSIGN_OR_RETURN(result.committed,
-                      store.TryCommit(step, world_size, job, attempt, generation));
-  if (result.committed) {
-    // Leftovers of older failed writes; a failure here loses nothing and is not the save's.
-    store.CleanUp().status().IgnoreError();
-  }
-  return result;
-}
-
-namespace {
-Result<LoadedShard> LoadCommitted(CheckpointStore& store, const CommitRecord& commit,
-                                  uint32_t rank) {
-  SP_ASSIGN_OR_RETURN(LoadedImage image, store.ReadImage(commit, rank));
-  SP_ASSIGN_OR_RETURN(ImageReader reader, ImageReader::Parse(image.bytes(), image.source,
-                                                             ImageReader::Verify::kStructure));
-  // The caller allocates the tensors this image leaves to other ranks' images, then fills them
-  // from those: some image must hold each (a forged or damaged step falls back to an older one).
-  SP_RETURN_IF_ERROR(store.CheckReplicasHeld(commit, rank, reader.tensors()));
-  SP_ASSIGN_OR_RETURN(Value extras,
-                      DecodeExtras(reader.extras(), reader.tensors().size(), image.source));
-  return LoadedShard{commit, std::move(image), std::move(reader), std::move(extras), {}};
-}
-
-// Loads `commit`; if its image is gone or changed because the step was replaced meanwhile (its
-// COMMIT record changed), loads the new record instead.
-Result<LoadedShard> LoadCommittedOrReplacement(CheckpointStore& store, CommitRecord commit,
-                                               uint32_t rank) {
-  for (int tries = 0;; ++tries) {
-    auto shard = LoadCommitted(store, commit, rank);
-    const StatusCode code = shard.ok() ? StatusCode::kOk : shard.status().code();
-    if (shard.ok() || tries == 3 ||
-        (code != StatusCode::kNotFound && code != StatusCode::kCorruption)) {
-      return shard;
-    }
-    auto now = store.ReadCommit(commit.step);
-    if (!now.ok() || EncodeCommitRecord(*now) == EncodeCommitRecord(commit)) return shard;
-    commit = std::move(now).value();
-  }
-}
-}  // namespace
-
-Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step, uint32_t rank) {
-  if (step) {
-    SP_ASSIGN_OR_RETURN(CommitRecord commit, store.ReadCommit(*step));
-    return LoadCommittedOrReplacement(store, std::move(commit), rank);
-  }
-  // Newest first: one List, then the COMMIT records only down to the step that loads (not one
-  // read per step kept).
-  std::vector<std::string> skipped;
-  SP_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store.StepsWithCommit());
-  while (!steps.empty()) {
-    SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> commit, store.NewestCommitted(steps, &skipped));
-    if (!commit) break;
-    while (!steps.empty() && steps.back() >= commit->step) steps.pop_back();
-    const uint64_t at = commit->step;
-    auto shard = LoadCommittedOrReplacement(store, std::move(*commit), rank);
-    if (shard.ok()) {
-      shard->skipped = std::move(skipped);
-      return shard;
-    }
-    const StatusCode code = shard.status().code();
-    if (code != StatusCode::kCorruption && code != StatusCode::kNotFound) return shard.status();
-    skipped.push_back("step " + std::to_string(at) + ": " + shard.status().message());
-  }
-  std::string m = store.storage().uri() + ": no committed checkpoint";
-  if (!skipped.empty()) {
-    m += " that can be read (";
-    for (size_t i = 0; i < skipped.size(); ++i) m += (i ? "; " : "") + skipped[i];
-    m += ")";
-    return Corruption(m);
-  }
-  return NotFound(m);
 }
 
 }  // namespace safepoint
