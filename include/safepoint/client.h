@@ -341,4 +341,13 @@ class SnapshotClient {
   std::unique_ptr<AgentWatch> watch_;
 };
 
+namespace internal {
+// The Status a client returns for the agent's refusal of its hello, whose text is `text`: a
+// refusal because of storage (the agent sends that Status's ToString(): "IOError: ...",
+// "ResourceExhausted: ...", "NotFound: ...") keeps its code, so that the caller sees a storage
+// error naming the path; every other refusal (another job under the name, a rank already
+// connected) is InvalidArgument "the safepoint agent refused this process: ...".
+Status HelloRefusal(std::string_view text);
+}  // namespace internal
+
 }  // namespace safepoint

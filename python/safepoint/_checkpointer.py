@@ -45,9 +45,7 @@ from safepoint._tiers import TierLike, check_layout, core_tiers, normalize_tiers
 from safepoint._versions import encode_metadata
 from safepoint.errors import (
     InvalidArgumentError,
-    NotFoundError,
     PermissionDeniedError,
-    ResourceExhaustedError,
     StorageError,
 )
 
@@ -91,23 +89,6 @@ def _check_writable(path: str) -> None:
         what = "is not writable" if where == local else f"cannot be created in {where}"
         raise cls(f"{path}: {what} ({e.strerror}); the node agent could not persist any step "
                   "there: choose a writable checkpoint path") from None
-
-
-# The agent's refusal of a process (its status code's name, then its message): the error it
-# stands for (src/client/snapshot_client.cc reports every refusal as InvalidArgument).
-_REFUSED = re.compile(r"the safepoint agent refused this process: (\w+): (.*)", re.S)
-_REFUSAL_ERRORS = {"IOError": StorageError, "ResourceExhausted": ResourceExhaustedError,
-                   "NotFound": NotFoundError}
-
-
-def _refusal(e: InvalidArgumentError) -> Exception:
-    """The storage error that an agent's refusal stands for (a checkpoint path it cannot
-    create, ...); `e` itself for any other."""
-    m = _REFUSED.search(str(e))
-    cls = _REFUSAL_ERRORS.get(m.group(1)) if m else None
-    if m is None or cls is None:
-        return e
-    return cls(f"{m.group(2)} (the node agent cannot use the checkpoint path)")
 
 
 def _distributed() -> tuple[Optional[int], Optional[int]]:
@@ -343,16 +324,10 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
             raise InvalidArgumentError(f"{self.path}: metrics must be 'HOST:PORT', got {metrics!r}")
         log = event_log if event_log is not None else os.environ.get("SAFEPOINT_EVENT_LOG", "")
         self.event_log = os.path.abspath(os.fspath(log)) if log else ""
-        try:
-            self._client = _core.Client(
-                self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
-                _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0,
-                self.metrics, self.event_log, compression, incremental)
-        except InvalidArgumentError as e:
-            err = _refusal(e)
-            if err is e:
-                raise
-            raise err from None
+        self._client = _core.Client(
+            self.path, self.job, self.shm_dir, rank, world_size, keep, on_busy == "wait",
+            _agent_binary(), self.attempt, core_tiers(self.tiers), max_shm_bytes or 0,
+            self.metrics, self.event_log, compression, incremental)
         self._advisor = Advisor(self.path, self.job, rank, self.attempt, persist_every,
                                 mtbf_seconds, self.tiers)
         if rank == 0:  # a run of the job begins (the agent's history: src/advisor/history.h)

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -1289,10 +1290,46 @@ TEST_F(AgentTest, ARefusedProcessDoesNotKeepTheAgentAlive) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("already persists to " + storage_), std::string::npos)
       << refused.status().ToString();
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);  // not a storage error
   const std::optional<int> status = WaitExit(agent_, /*timeout_s=*/20);
   ASSERT_TRUE(status) << "the agent is still running after the refusal";
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
   EXPECT_FALSE(SlotFiles().empty());  // the snapshot stays for the job's next agent
+}
+
+// A checkpoint path the agent cannot create (a file in the way): the agent refuses the hello with
+// the storage's status, and the client keeps its code (a storage error naming the path, not
+// "InvalidArgument: the agent refused this process").
+TEST_F(AgentTest, APathTheAgentCannotCreateIsAStorageErrorNamingIt) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  { std::ofstream(tmp_ + "/a-file") << "x"; }
+  ClientOptions o = Options();
+  o.storage = tmp_ + "/a-file/ckpt";
+  o.agent_binary.clear();
+  auto refused = SnapshotClient::Connect(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kIOError) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find(tmp_ + "/a-file"), std::string::npos)
+      << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("cannot use the checkpoint path"), std::string::npos)
+      << refused.status().ToString();
+}
+
+// The refusal's text as the agent sends it (a Status's ToString()): storage codes are kept, the
+// rest is InvalidArgument.
+TEST(HelloRefusalTest, StorageRefusalsKeepTheirCodeAndOthersAreInvalidArgument) {
+  const Status io = internal::HelloRefusal("IOError: /x/ckpt: mkdir failed: Not a directory");
+  EXPECT_EQ(io.code(), StatusCode::kIOError);
+  EXPECT_TRUE(io.message().starts_with("/x/ckpt: mkdir failed")) << io.ToString();
+  EXPECT_EQ(internal::HelloRefusal("ResourceExhausted: /x/ckpt: no space").code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(internal::HelloRefusal("NotFound: /x/ckpt: no such bucket").code(),
+            StatusCode::kNotFound);
+  const Status other =
+      internal::HelloRefusal("InvalidArgument: job j already persists to /a with world size 2");
+  EXPECT_EQ(other.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(other.message().starts_with("the safepoint agent refused this process: "))
+      << other.ToString();
 }
 
 // An S3 gateway on loopback that lists nothing, has no objects, and never answers an upload

@@ -104,6 +104,22 @@ std::string ErrorText(const std::string& payload) {
 
 }  // namespace
 
+namespace internal {
+
+Status HelloRefusal(std::string_view text) {
+  for (StatusCode code :
+       {StatusCode::kIOError, StatusCode::kResourceExhausted, StatusCode::kNotFound}) {
+    const std::string prefix = std::string(StatusCodeName(code)) + ": ";
+    if (text.starts_with(prefix)) {
+      return Status(code, std::string(text.substr(prefix.size())) +
+                              " (the safepoint agent cannot use the checkpoint path)");
+    }
+  }
+  return InvalidArgument("the safepoint agent refused this process: " + std::string(text));
+}
+
+}  // namespace internal
+
 Result<std::unique_ptr<SnapshotClient>> SnapshotClient::Connect(ClientOptions options) {
   SP_RETURN_IF_ERROR(ValidateJobName(options.job));
   if (options.world_size == 0 || options.rank >= options.world_size) {
@@ -169,7 +185,7 @@ Status SnapshotClient::Hello() {
   } while (reply.type == MessageType::kAck);
   if (reply.type == MessageType::kError) {
     Disconnect();
-    return InvalidArgument("the safepoint agent refused this process: " + ErrorText(reply.payload));
+    return internal::HelloRefusal(ErrorText(reply.payload));
   }
   if (reply.type != MessageType::kHelloReply) {
     Disconnect();

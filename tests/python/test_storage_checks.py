@@ -21,11 +21,9 @@ import pytest
 import torch
 
 import safepoint
-from safepoint._checkpointer import _refusal
 from safepoint.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
-    ResourceExhaustedError,
     StorageError,
 )
 
@@ -108,17 +106,25 @@ def test_a_path_that_cannot_be_created_is_a_storage_error(tmp_path, shm):
     refused(tmp_path / "a-file", shm)  # the path itself a file
 
 
-def test_the_agents_refusal_of_a_path_is_a_storage_error():
+def test_the_agents_refusal_of_a_path_is_a_storage_error(tmp_path, shm, monkeypatch):
     """Where the agent still refuses (the check above passed, the agent could not create the
-    path after all), its status code's error is raised, not InvalidArgumentError."""
-    msg = "the safepoint agent refused this process: IOError: /x/ckpt: mkdir failed: Not a dir"
-    e = _refusal(InvalidArgumentError(msg))
-    assert type(e) is StorageError and str(e).startswith("/x/ckpt: mkdir failed"), e
-    e = _refusal(InvalidArgumentError(msg.replace("IOError", "ResourceExhausted")))
-    assert type(e) is ResourceExhaustedError, e
-    other = InvalidArgumentError("the safepoint agent refused this process: InvalidArgument: "
-                                 "job ... already persists ... with world size 2")
-    assert _refusal(other) is other
+    path after all), its status code's error is raised, not InvalidArgumentError: the client
+    keeps the code of the agent's refusal (src/client/snapshot_client.cc, HelloRefusal; the
+    other codes: AgentTest.APathTheAgentCannotCreateIsAStorageErrorNamingIt)."""
+    import safepoint._checkpointer as ck
+    monkeypatch.setattr(ck, "_check_writable", lambda path: None)  # reach the agent
+    (tmp_path / "a-file").write_text("x")
+    path = tmp_path / "a-file" / "ckpt"
+    with pytest.raises(StorageError) as e:
+        safepoint.Checkpointer(path, job="refused", shm_dir=shm)
+    assert type(e.value) is StorageError and str(e.value).startswith(str(tmp_path / "a-file")), e
+    assert "cannot use the checkpoint path" in str(e.value)
+    # Another refusal stays InvalidArgumentError (another path under the job's name).
+    (tmp_path / "good").mkdir()
+    with safepoint.Checkpointer(tmp_path / "good", job="refused", shm_dir=shm) as first:
+        with pytest.raises(InvalidArgumentError, match="already persists"):
+            safepoint.Checkpointer(tmp_path / "other", job="refused", shm_dir=shm)
+        first.save(1, {"w": torch.ones(1)})
 
 
 def test_a_writable_path_passes_and_leaves_no_probe_behind(tmp_path, shm):
