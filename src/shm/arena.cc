@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <optional>
 
 #include "base/bytes.h"
@@ -376,35 +377,14 @@ Result<std::string> JobDirectory(const std::string& shm_dir, const std::string& 
   return path;
 }
 
-Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
-    const std::string& shm_dir) {
-  std::vector<std::pair<std::string, std::string>> out;
+namespace {
+// Calls `fn(job, path, checked)` for every entry of `shm_dir` named like a job directory with a
+// valid job name; `checked` is CheckPrivateDirectory(path). A missing `shm_dir` has none.
+Status ForEachJobEntry(const std::string& shm_dir,
+                       const std::function<void(std::string job, const std::string& path,
+                                                const Status& checked)>& fn) {
   const internal::UniqueDir d(::opendir(shm_dir.c_str()));
-  if (!d) {
-    if (errno == ENOENT) return out;
-    return ErrnoStatus("opendir", shm_dir, errno);
-  }
-  const std::string prefix = JobDirPrefix();
-  while (dirent* e = ::readdir(d.get())) {
-    std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    std::string job = name.substr(prefix.size());
-    if (!ValidateJobName(job).ok()) continue;
-    const std::string path = shm_dir + "/" + name;
-    if (!CheckPrivateDirectory(path).ok()) continue;
-    out.emplace_back(job, path);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-Result<std::vector<BlockedJobEntry>> ListBlockedJobEntries(const std::string& shm_dir) {
-  std::vector<BlockedJobEntry> out;
-  const internal::UniqueDir d(::opendir(shm_dir.c_str()));
-  if (!d) {
-    if (errno == ENOENT) return out;
-    return ErrnoStatus("opendir", shm_dir, errno);
-  }
+  if (!d) return errno == ENOENT ? Status::OK() : ErrnoStatus("opendir", shm_dir, errno);
   const std::string prefix = JobDirPrefix();
   while (dirent* e = ::readdir(d.get())) {
     const std::string name = e->d_name;
@@ -412,21 +392,41 @@ Result<std::vector<BlockedJobEntry>> ListBlockedJobEntries(const std::string& sh
     std::string job = name.substr(prefix.size());
     if (!ValidateJobName(job).ok()) continue;
     const std::string path = shm_dir + "/" + name;
-    Status why = CheckPrivateDirectory(path);
-    if (why.ok() || why.code() != StatusCode::kInvalidArgument) continue;  // gone meanwhile
-    struct stat st {};
-    if (::lstat(path.c_str(), &st) != 0) continue;
-    BlockedJobEntry b;
-    b.job = std::move(job);
-    b.path = path;
-    b.owner_uid = st.st_uid;
-    b.kind = "other";
-    if (S_ISLNK(st.st_mode)) b.kind = "symlink";
-    if (S_ISDIR(st.st_mode)) b.kind = "directory";
-    if (S_ISREG(st.st_mode)) b.kind = "file";
-    b.problem = why.message();
-    out.push_back(std::move(b));
+    fn(std::move(job), path, CheckPrivateDirectory(path));
   }
+  return Status::OK();
+}
+}  // namespace
+
+Result<std::vector<std::pair<std::string, std::string>>> ListJobDirectories(
+    const std::string& shm_dir) {
+  std::vector<std::pair<std::string, std::string>> out;
+  SP_RETURN_IF_ERROR(ForEachJobEntry(
+      shm_dir, [&](std::string job, const std::string& path, const Status& checked) {
+        if (checked.ok()) out.emplace_back(std::move(job), path);
+      }));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+Result<std::vector<BlockedJobEntry>> ListBlockedJobEntries(const std::string& shm_dir) {
+  std::vector<BlockedJobEntry> out;
+  SP_RETURN_IF_ERROR(
+      ForEachJobEntry(shm_dir, [&](std::string job, const std::string& path, const Status& why) {
+        if (why.ok() || why.code() != StatusCode::kInvalidArgument) return;  // usable, or gone
+        struct stat st {};
+        if (::lstat(path.c_str(), &st) != 0) return;
+        BlockedJobEntry b;
+        b.job = std::move(job);
+        b.path = path;
+        b.owner_uid = st.st_uid;
+        b.kind = "other";
+        if (S_ISLNK(st.st_mode)) b.kind = "symlink";
+        if (S_ISDIR(st.st_mode)) b.kind = "directory";
+        if (S_ISREG(st.st_mode)) b.kind = "file";
+        b.problem = why.message();
+        out.push_back(std::move(b));
+      }));
   std::sort(out.begin(), out.end(),
             [](const BlockedJobEntry& a, const BlockedJobEntry& b) { return a.path < b.path; });
   return out;

@@ -23,24 +23,13 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 from conftest import run_script  # noqa: E402
 from processes import kill_agents  # noqa: E402
+from test_hf import Tokens  # noqa: E402  (the HF tests' tiny data set)
 
 import safepoint  # noqa: E402
 from safepoint.hf import SafepointCallback  # noqa: E402
 
 HANG = 240  # seconds: only a guard against a hung process
 SIGNAL_AT = 5
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=32, length=12, vocab=64):
-        g = torch.Generator().manual_seed(5)
-        self.ids = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class SigtermAt(transformers.TrainerCallback):
