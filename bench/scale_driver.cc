@@ -1,0 +1,324 @@
+// scale_driver: K ranks of one simulated node, as threads, driving the real client library
+// (bench/scale.py runs one per node; docs/benchmarks.md, "Scale"). No torch: what it measures is
+// the agents' and the storage's side of saves, commits and restores, not the Python layer.
+//
+//   scale_driver save    --storage URI --job JOB --shm-dir DIR --agent SAFEPOINTD
+//                        --world W --rank-base B --ranks K --steps S --bytes N --keep KEEP
+//   scale_driver restore --storage URI --world W --rank-base B --ranks K
+//   scale_driver commits --storage URI
+//
+// save: each rank connects a SnapshotClient (the agent of DIR started on demand, as a training
+// process starts it) and saves steps 1..S of a state of one float32 tensor of N bytes whose
+// contents depend on (rank, step), each save persisted. The ranks save step s together (a
+// pool of threads over the ranks, step by step, as a training loop would), then every rank
+// waits for the last step to commit (SnapshotClient::Wait). The agent's status (its
+// storage_requests: the node's requests) is read once every wait returned, then every client
+// closes cleanly. Prints one JSON object.
+//
+// restore: each rank loads its shard of the newest committed step through LoadShard (what
+// safepoint.load calls for one rank's shard), one rank after another so that the storage
+// requests of each (this process's counters, include/safepoint/storage.h) are exact, and checks
+// the contents. Prints one JSON object: per-rank requests and the sum.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "safepoint/checkpoint.h"
+#include "safepoint/client.h"
+#include "safepoint/extras.h"
+#include "safepoint/storage.h"
+
+namespace {
+
+using json = nlohmann::json;
+using namespace safepoint;
+
+struct Args {
+  std::string mode, storage, job, shm_dir = "/dev/shm", agent, event_log;
+  uint32_t world = 1, rank_base = 0, ranks = 1, steps = 3, keep = 2, threads = 0;
+  uint64_t bytes = 1 << 20;
+  double timeout_s = 600;
+};
+
+[[noreturn]] void Die(const std::string& what) {
+  std::cerr << "scale_driver: " << what << "\n";
+  std::exit(1);
+}
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  if (argc < 2) Die("usage: scale_driver save|restore --storage URI ...");
+  a.mode = argv[1];
+  for (int i = 2; i < argc; i += 2) {
+    if (i + 1 >= argc) Die(std::string("missing the value of ") + argv[i]);
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--storage") a.storage = v;
+    else if (k == "--job") a.job = v;
+    else if (k == "--shm-dir") a.shm_dir = v;
+    else if (k == "--agent") a.agent = v;
+    else if (k == "--event-log") a.event_log = v;
+    else if (k == "--world") a.world = std::stoul(v);
+    else if (k == "--rank-base") a.rank_base = std::stoul(v);
+    else if (k == "--ranks") a.ranks = std::stoul(v);
+    else if (k == "--steps") a.steps = std::stoul(v);
+    else if (k == "--keep") a.keep = std::stoul(v);
+    else if (k == "--bytes") a.bytes = std::stoull(v);
+    else if (k == "--threads") a.threads = std::stoul(v);
+    else if (k == "--timeout") a.timeout_s = std::stod(v);
+    else Die("unknown option " + k);
+  }
+  if (a.storage.empty()) Die("--storage is required");
+  if (a.mode == "commits") return a;
+  if (a.ranks == 0 || a.rank_base + a.ranks > a.world) Die("ranks outside the world");
+  if (a.bytes < 4 || a.bytes % 4 != 0) Die("--bytes must be a positive multiple of 4");
+  return a;
+}
+
+// The state of `rank` at `step`: float32 words derived from both, so that every step's image
+// differs and a restore can check it read its own rank's newest step.
+void Fill(std::vector<float>& v, uint32_t rank, uint64_t step) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    v[i] = static_cast<float>((rank * 131 + step * 7 + i) % 1000003);
+  }
+}
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// Runs fn(i) for i in [0, n) on `threads` threads.
+template <typename F>
+void ParallelFor(uint32_t n, uint32_t threads, F fn) {
+  std::atomic<uint32_t> next{0};
+  std::vector<std::thread> pool;
+  for (uint32_t t = 0; t < std::min(threads, n); ++t) {
+    pool.emplace_back([&] {
+      for (uint32_t i; (i = next.fetch_add(1)) < n;) fn(i);
+    });
+  }
+  for (auto& t : pool) t.join();
+}
+
+json Counts(const StorageRequestCounts& c) {
+  return {{"list", c.list},
+          {"head", c.head},
+          {"get", c.get},
+          {"create", c.create},
+          {"write", c.write},
+          {"put", c.put},
+          {"delete", c.del},
+          {"cleanup", c.cleanup},
+          {"requests", c.requests()},
+          {"metadata_bytes", c.metadata_bytes},
+          {"data_bytes_read", c.data_bytes_read},
+          {"data_bytes_written", c.data_bytes_written}};
+}
+
+StorageRequestCounts Total() {
+  StorageRequestCounts t;
+  for (const auto& [scheme, c] : StorageRequestCountsByScheme()) {
+    t.list += c.list, t.head += c.head, t.get += c.get, t.create += c.create;
+    t.write += c.write, t.put += c.put, t.del += c.del, t.cleanup += c.cleanup;
+    t.metadata_bytes += c.metadata_bytes, t.data_bytes_read += c.data_bytes_read;
+    t.data_bytes_written += c.data_bytes_written;
+  }
+  return t;
+}
+
+StorageRequestCounts Minus(const StorageRequestCounts& a, const StorageRequestCounts& b) {
+  StorageRequestCounts d;
+  d.list = a.list - b.list, d.head = a.head - b.head, d.get = a.get - b.get;
+  d.create = a.create - b.create, d.write = a.write - b.write, d.put = a.put - b.put;
+  d.del = a.del - b.del, d.cleanup = a.cleanup - b.cleanup;
+  d.metadata_bytes = a.metadata_bytes - b.metadata_bytes;
+  d.data_bytes_read = a.data_bytes_read - b.data_bytes_read;
+  d.data_bytes_written = a.data_bytes_written - b.data_bytes_written;
+  return d;
+}
+
+int Save(const Args& a) {
+  const uint32_t threads = a.threads ? a.threads : std::min<uint32_t>(a.ranks, 16);
+  std::vector<std::unique_ptr<SnapshotClient>> clients(a.ranks);
+  std::vector<std::vector<float>> state(a.ranks, std::vector<float>(a.bytes / 4));
+  std::mutex mu;
+  std::string error;
+  auto fail = [&](uint32_t i, const std::string& what, const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (error.empty()) {
+      error = "rank " + std::to_string(a.rank_base + i) + ": " + what + ": " + s.ToString();
+    }
+  };
+  const double t0 = Now();
+  ParallelFor(a.ranks, threads, [&](uint32_t i) {
+    ClientOptions o;
+    o.storage = a.storage;
+    o.job = a.job;
+    o.shm_dir = a.shm_dir;
+    o.rank = a.rank_base + i;
+    o.world_size = a.world;
+    o.keep = a.keep;
+    o.agent_binary = a.agent;
+    o.event_log = a.event_log;  // outside the job directory, which the agent removes at exit
+    o.agent_start_timeout_s = 120;
+    o.copy_threads = 1;
+    o.attempt = 1;  // one save attempt shared by every rank of the run
+    auto c = SnapshotClient::Connect(o);
+    if (!c.ok()) return fail(i, "connect", c.status());
+    clients[i] = std::move(*c);
+  });
+  if (!error.empty()) Die(error);
+  const double connected = Now();
+  std::vector<double> step_saved(a.steps + 1, 0);  // when the last rank's save of step s returned
+  for (uint64_t step = 1; step <= a.steps; ++step) {
+    ParallelFor(a.ranks, threads, [&](uint32_t i) {
+      Fill(state[i], a.rank_base + i, step);
+      TensorSource t;
+      t.spec.name = "w";
+      t.spec.dtype = DType::kFloat32;
+      t.spec.shape = {state[i].size()};
+      t.data = state[i].data();
+      t.nbytes = a.bytes;
+      std::vector<TensorSource> tensors;
+      tensors.push_back(std::move(t));
+      auto extras = EncodeExtras(Value(static_cast<int64_t>(step)));
+      if (!extras.ok()) return fail(i, "extras", extras.status());
+      auto r = clients[i]->Save(step, std::move(tensors), *extras, /*persist=*/true);
+      if (!r.ok()) return fail(i, "save of step " + std::to_string(step), r.status());
+      if (!r->agent_error.empty()) fail(i, "notify", InvalidArgument(r->agent_error));
+    });
+    if (!error.empty()) Die(error);
+    step_saved[step] = Now();
+  }
+  ParallelFor(a.ranks, threads, [&](uint32_t i) {
+    Status s = clients[i]->Wait(a.timeout_s);
+    if (!s.ok()) fail(i, "wait", s);
+  });
+  if (!error.empty()) Die(error);
+  const double waited = Now();
+  auto status = clients[0]->AgentStatus();
+  if (!status.ok()) Die("agent status: " + status.status().ToString());
+  ParallelFor(a.ranks, threads, [&](uint32_t i) {
+    Status s = clients[i]->Close(a.timeout_s);
+    if (!s.ok()) fail(i, "close", s);
+    clients[i].reset();
+  });
+  if (!error.empty()) Die(error);
+  json out = {{"mode", "save"},
+              {"rank_base", a.rank_base},
+              {"ranks", a.ranks},
+              {"world", a.world},
+              {"steps", a.steps},
+              {"bytes", a.bytes},
+              {"start", t0},
+              {"connected", connected},
+              {"last_step_saved", step_saved[a.steps]},
+              {"waited", waited},
+              {"closed", Now()},
+              {"agent_status", json::parse(*status)},
+              {"process_requests", Counts(Total())}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+int Restore(const Args& a) {
+  auto store = OpenCheckpointStore(a.storage);
+  if (!store.ok()) Die("open " + a.storage + ": " + store.status().ToString());
+  json per_rank = json::array();
+  StorageRequestCounts sum;
+  std::vector<float> want(a.bytes / 4);
+  std::map<uint64_t, uint32_t> steps;
+  const double t0 = Now();
+  double slowest = 0;
+  for (uint32_t i = 0; i < a.ranks; ++i) {
+    const uint32_t rank = a.rank_base + i;
+    const StorageRequestCounts before = Total();
+    const double r0 = Now();
+    // Each rank opens the checkpoint directory itself, as a restarted process does.
+    auto own = OpenCheckpointStore(a.storage);
+    if (!own.ok()) Die("open " + a.storage + ": " + own.status().ToString());
+    auto shard = LoadShard(**own, std::nullopt, rank);
+    if (!shard.ok()) Die("rank " + std::to_string(rank) + ": load: " + shard.status().ToString());
+    const double seconds = Now() - r0;
+    const StorageRequestCounts d = Minus(Total(), before);
+    slowest = std::max(slowest, seconds);
+    const auto& tensors = shard->reader.tensors();
+    if (tensors.size() != 1 || tensors[0].nbytes != a.bytes) {
+      Die("rank " + std::to_string(rank) + ": the image holds another state");
+    }
+    want.resize(a.bytes / 4);
+    Fill(want, rank, shard->commit.step);
+    if (std::memcmp(shard->reader.tensor_data(0).data(), want.data(), a.bytes) != 0) {
+      Die("rank " + std::to_string(rank) + ": step " + std::to_string(shard->commit.step) +
+          " holds other bytes than that step's save");
+    }
+    const auto* saved_step = std::get_if<int64_t>(&shard->extras.v);
+    if (saved_step == nullptr || static_cast<uint64_t>(*saved_step) != shard->commit.step) {
+      Die("rank " + std::to_string(rank) + ": the extras are not the step's");
+    }
+    ++steps[shard->commit.step];
+    sum.list += d.list, sum.head += d.head, sum.get += d.get, sum.create += d.create;
+    sum.write += d.write, sum.put += d.put, sum.del += d.del, sum.cleanup += d.cleanup;
+    sum.metadata_bytes += d.metadata_bytes, sum.data_bytes_read += d.data_bytes_read;
+    sum.data_bytes_written += d.data_bytes_written;
+    json r = Counts(d);
+    r["rank"] = rank;
+    r["step"] = shard->commit.step;
+    r["seconds"] = seconds;
+    per_rank.push_back(std::move(r));
+  }
+  json step_counts = json::object();
+  for (const auto& [s, n] : steps) step_counts[std::to_string(s)] = n;
+  json out = {{"mode", "restore"},     {"rank_base", a.rank_base}, {"ranks", a.ranks},
+              {"world", a.world},      {"seconds", Now() - t0},    {"slowest_rank_seconds", slowest},
+              {"steps", step_counts},  {"total", Counts(sum)},     {"per_rank", per_rank}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+// The committed steps with their records' commit times (CheckpointStore::ListCommitted), for
+// the harness's timing; not part of any measured request count.
+int Commits(const Args& a) {
+  auto store = OpenCheckpointStore(a.storage);
+  if (!store.ok()) Die("open " + a.storage + ": " + store.status().ToString());
+  auto records = (*store)->ListCommitted();
+  if (!records.ok()) Die("list: " + records.status().ToString());
+  json out = json::array();
+  for (const auto& r : *records) {
+    out.push_back({{"step", r.step},
+                   {"world_size", r.world_size},
+                   {"commit_time_ns", r.commit_time_ns},
+                   {"generation", r.generation},
+                   {"bytes", r.total_bytes()}});
+  }
+  std::cout << json{{"mode", "commits"}, {"commits", out}}.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Thousands of ranks per node: each client holds a socket and its slot files. The agent it
+  // starts inherits the raised limit.
+  rlimit nofile{};
+  if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &nofile);
+  }
+  const Args a = Parse(argc, argv);
+  if (a.mode == "save") return Save(a);
+  if (a.mode == "restore") return Restore(a);
+  if (a.mode == "commits") return Commits(a);
+  Die("unknown mode " + a.mode + " (save or restore)");
+}
