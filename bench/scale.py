@@ -200,35 +200,22 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
         result["durable_to_commit_s"] = {"steps": len(lags), "max": max(lags) if lags else None,
                                          "mean": sum(lags) / len(lags) if lags else None}
 
-        # Restore: one process per node, at most --restore-procs at once.
-        def restore(i: int) -> dict:
-            cmd = [driver, "restore", "--storage", uri, "--world", str(w),
-                   "--rank-base", str(i * per_node), "--ranks", str(per_node),
-                   "--bytes", str(args.bytes)]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"node {i}: restore failed: {p.stderr.strip()[-2000:]}")
-            return json.loads(p.stdout.strip().splitlines()[-1])
-
-        t1 = time.time()
-        with ThreadPoolExecutor(max_workers=min(n, args.restore_procs)) as pool:
-            restores = list(pool.map(restore, range(n)))
-        wall = time.time() - t1
-        job_req: dict = {}
-        for r in restores:
-            add(job_req, r["total"])
-        ranks = [pr for r in restores for pr in r["per_rank"]]
-        restored_steps = sorted({pr["step"] for pr in ranks})
-        result["restore"] = {
-            "wall_s": wall,
-            "slowest_rank_s": max(pr["seconds"] for pr in ranks),
-            "mean_rank_s": sum(pr["seconds"] for pr in ranks) / len(ranks),
-            "steps": restored_steps,
-            "job": job_req,
-            "per_rank_mean": {k: job_req.get(k, 0) / len(ranks) for k in OPS + ("requests",)},
-            "per_rank_max": {k: max(pr[k] for pr in ranks) for k in OPS + ("requests",)},
-            "per_rank_min": {k: min(pr[k] for pr in ranks) for k in OPS + ("requests",)},
-        }
+        # Restore, twice: each rank finding the newest step itself (LoadShard without a step,
+        # what safepoint.load does), and the job finding it once (one process: StepsWithCommit
+        # and NewestCommitted), every rank then loading that step (LoadShard with the step).
+        result["restore"] = restore_job(driver, uri, w, n, args)
+        newest = subprocess.run([driver, "newest", "--storage", uri], capture_output=True,
+                                text=True, timeout=args.timeout)
+        if newest.returncode != 0:
+            raise RuntimeError(f"newest: {newest.stderr.strip()[-2000:]}")
+        lookup = json.loads(newest.stdout.strip().splitlines()[-1])
+        shared = restore_job(driver, uri, w, n, args, step=lookup["step"])
+        shared["lookup"] = lookup["total"]
+        shared["lookup_s"] = lookup["seconds"]
+        job = dict(shared["job"])
+        add(job, lookup["total"])
+        shared["job_with_lookup"] = job
+        result["restore_shared"] = shared
         return result
     finally:
         for s in shms:
@@ -238,6 +225,43 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
             shutil.rmtree(work, ignore_errors=True)
             # Object stores: the steps retention left stay under their unique prefix of the
             # throwaway cluster.
+
+
+def restore_job(driver: str, uri: str, w: int, n: int, args, step: Optional[int] = None) -> dict:
+    """Every rank of the job loads its shard: one process per node (at most --restore-procs at
+    once), its ranks one after the other (exact requests per rank)."""
+    per_node = w // n
+
+    def restore(i: int) -> dict:
+        cmd = [driver, "restore", "--storage", uri, "--world", str(w),
+               "--rank-base", str(i * per_node), "--ranks", str(per_node),
+               "--bytes", str(args.bytes)]
+        if step is not None:
+            cmd += ["--step", str(step)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"node {i}: restore failed: {p.stderr.strip()[-2000:]}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    t1 = time.time()
+    with ThreadPoolExecutor(max_workers=min(n, args.restore_procs)) as pool:
+        restores = list(pool.map(restore, range(n)))
+    wall = time.time() - t1
+    job_req: dict = {}
+    for r in restores:
+        add(job_req, r["total"])
+    ranks = [pr for r in restores for pr in r["per_rank"]]
+    keys = OPS + ("requests", "metadata_bytes")
+    return {
+        "wall_s": wall,
+        "slowest_rank_s": max(pr["seconds"] for pr in ranks),
+        "mean_rank_s": sum(pr["seconds"] for pr in ranks) / len(ranks),
+        "steps": sorted({pr["step"] for pr in ranks}),
+        "job": job_req,
+        "per_rank_mean": {k: job_req.get(k, 0) / len(ranks) for k in keys},
+        "per_rank_max": {k: max(pr[k] for pr in ranks) for k in keys},
+        "per_rank_min": {k: min(pr[k] for pr in ranks) for k in keys},
+    }
 
 
 def fmt(v, digits: int = 1) -> str:
@@ -267,19 +291,25 @@ def tables(results: list[dict]) -> str:
                 fmt(p["head"]), fmt(p["get"]), fmt(p["create"]), fmt(p["write"]), fmt(p["put"]),
                 fmt(p["delete"]), fmt(p["metadata_bytes"] / 1024), fmt(lag, 3),
                 fmt(r["last_save_to_committed_s"], 3)]) + " |")
-        out.append("\nRestore of the whole job (each rank through LoadShard):\n")
-        out.append("| store | N | job requests | job list | job head | job get "
-                   "| per rank (min-max) | per rank list/head/get | wall (s) | slowest rank (s) |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        out.append("\nRestore of the whole job, every rank through LoadShard: `each` = every "
+                   "rank finds the newest step itself (as `safepoint.load` does), `once` = one "
+                   "lookup for the job (one List, one COMMIT read), then every rank loads that "
+                   "step:\n")
+        out.append("| store | N | how | job requests | job list | job head | job get "
+                   "| per rank (min-max) | per rank list/head/get | metadata KiB | wall (s) "
+                   "| slowest rank (s) |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            s = r["restore"]
-            j, lo, hi, m = s["job"], s["per_rank_min"], s["per_rank_max"], s["per_rank_mean"]
-            out.append("| " + " | ".join([
-                r["store"], str(r["N"]), str(j.get("requests", 0)), str(j.get("list", 0)),
-                str(j.get("head", 0)), str(j.get("get", 0)),
-                f"{lo['requests']}-{hi['requests']}",
-                f"{fmt(m['list'])}/{fmt(m['head'])}/{fmt(m['get'])}",
-                fmt(s["wall_s"], 2), fmt(s["slowest_rank_s"], 3)]) + " |")
+            for how, s in (("each", r["restore"]), ("once", r["restore_shared"])):
+                j = s.get("job_with_lookup", s["job"])
+                lo, hi, m = s["per_rank_min"], s["per_rank_max"], s["per_rank_mean"]
+                out.append("| " + " | ".join([
+                    r["store"], str(r["N"]), how, str(j.get("requests", 0)),
+                    str(j.get("list", 0)), str(j.get("head", 0)), str(j.get("get", 0)),
+                    f"{lo['requests']}-{hi['requests']}",
+                    f"{fmt(m['list'])}/{fmt(m['head'])}/{fmt(m['get'])}",
+                    fmt(j.get("metadata_bytes", 0) / 1024), fmt(s["wall_s"], 2),
+                    fmt(s["slowest_rank_s"], 3)]) + " |")
         for r in results:
             if r["W"] == w and "error" in r:
                 out.append(f"\n{r['store']} N = {r['N']}: failed: {r['error']}")
@@ -303,7 +333,7 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(f"{w}x{n}" for w, n in DEFAULT_CONFIGS),
                     help="WxN,... (or 'all': every W in 8,64,512,4096 and N in 1,8,64,256)")
     ap.add_argument("--stores", default="posix,s3,rados")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--keep", type=int, default=2)
     ap.add_argument("--bytes", type=int, default=1 << 20)
     ap.add_argument("--timeout", type=float, default=900)

@@ -5,6 +5,8 @@
 //   scale_driver save    --storage URI --job JOB --shm-dir DIR --agent SAFEPOINTD
 //                        --world W --rank-base B --ranks K --steps S --bytes N --keep KEEP
 //   scale_driver restore --storage URI --world W --rank-base B --ranks K
+//   scale_driver restore ... --step S   (every rank loads step S: a lookup shared by the job)
+//   scale_driver newest  --storage URI   (the job's one lookup of the newest committed step)
 //   scale_driver commits --storage URI
 //
 // save: each rank connects a SnapshotClient (the agent of DIR started on demand, as a training
@@ -49,6 +51,7 @@ struct Args {
   std::string mode, storage, job, shm_dir = "/dev/shm", agent, event_log;
   uint32_t world = 1, rank_base = 0, ranks = 1, steps = 3, keep = 2, threads = 0;
   uint64_t bytes = 1 << 20;
+  int64_t step = -1;  // restore: the step to load (-1: each rank finds the newest itself)
   double timeout_s = 600;
 };
 
@@ -77,10 +80,11 @@ Args Parse(int argc, char** argv) {
     else if (k == "--bytes") a.bytes = std::stoull(v);
     else if (k == "--threads") a.threads = std::stoul(v);
     else if (k == "--timeout") a.timeout_s = std::stod(v);
+    else if (k == "--step") a.step = std::stoll(v);
     else Die("unknown option " + k);
   }
   if (a.storage.empty()) Die("--storage is required");
-  if (a.mode == "commits") return a;
+  if (a.mode == "commits" || a.mode == "newest") return a;
   if (a.ranks == 0 || a.rank_base + a.ranks > a.world) Die("ranks outside the world");
   if (a.bytes < 4 || a.bytes % 4 != 0) Die("--bytes must be a positive multiple of 4");
   return a;
@@ -248,7 +252,9 @@ int Restore(const Args& a) {
     // Each rank opens the checkpoint directory itself, as a restarted process does.
     auto own = OpenCheckpointStore(a.storage);
     if (!own.ok()) Die("open " + a.storage + ": " + own.status().ToString());
-    auto shard = LoadShard(**own, std::nullopt, rank);
+    auto shard = LoadShard(
+        **own, a.step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(a.step)),
+        rank);
     if (!shard.ok()) Die("rank " + std::to_string(rank) + ": load: " + shard.status().ToString());
     const double seconds = Now() - r0;
     const StorageRequestCounts d = Minus(Total(), before);
@@ -287,6 +293,30 @@ int Restore(const Args& a) {
   return 0;
 }
 
+// What one process (a job's first rank) asks of storage to find the newest committed step with
+// the library's primitives (StepsWithCommit: one List; NewestCommitted: one COMMIT read where
+// the newest is intact): the lookup a job makes once and shares with its ranks, which then load
+// that step (restore --step).
+int Newest(const Args& a) {
+  const StorageRequestCounts before = Total();
+  const double t0 = Now();
+  auto store = OpenCheckpointStore(a.storage);
+  if (!store.ok()) Die("open " + a.storage + ": " + store.status().ToString());
+  auto steps = (*store)->StepsWithCommit();
+  if (!steps.ok()) Die("list: " + steps.status().ToString());
+  auto newest = (*store)->NewestCommitted(*steps);
+  if (!newest.ok()) Die("newest: " + newest.status().ToString());
+  if (!*newest) Die("no committed step");
+  const double seconds = Now() - t0;
+  std::cout << json{{"mode", "newest"},
+                    {"step", (*newest)->step},
+                    {"seconds", seconds},
+                    {"total", Counts(Minus(Total(), before))}}
+                   .dump()
+            << std::endl;
+  return 0;
+}
+
 // The committed steps with their records' commit times (CheckpointStore::ListCommitted), for
 // the harness's timing; not part of any measured request count.
 int Commits(const Args& a) {
@@ -320,5 +350,6 @@ int main(int argc, char** argv) {
   if (a.mode == "save") return Save(a);
   if (a.mode == "restore") return Restore(a);
   if (a.mode == "commits") return Commits(a);
+  if (a.mode == "newest") return Newest(a);
   Die("unknown mode " + a.mode + " (save or restore)");
 }
