@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -214,6 +214,16 @@ bench-compress: build setup-bench
 # bytes written per checkpoint and persist/load throughput, plain vs packed; XOR-delta measured.
 bench-incremental: build setup-bench
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/incremental.py
+
+# The scale harness (issue 32; docs/benchmarks.md, "Scale"): W ranks on N simulated nodes (one
+# bench/scale_driver process of W/N rank threads and one agent per node), storage requests per
+# committed step and per restore, metadata bytes and times, on POSIX, and on S3 and RADOS on a
+# throwaway Ceph where this machine can run one. Writes build/bench/scale.json and prints the
+# tables. CONFIGS=WxN,... (or all), STORES=posix,s3,rados, STEPS override.
+bench-scale: build-tests
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH scripts/with-ceph.sh $(PY) bench/scale.py \
+	  $(if $(CONFIGS),--configs $(CONFIGS)) $(if $(STORES),--stores $(STORES)) \
+	  $(if $(STEPS),--steps $(STEPS))
 
 clean:
 	rm -rf build
