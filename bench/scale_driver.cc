@@ -67,21 +67,36 @@ Args Parse(int argc, char** argv) {
   for (int i = 2; i < argc; i += 2) {
     if (i + 1 >= argc) Die(std::string("missing the value of ") + argv[i]);
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--storage") a.storage = v;
-    else if (k == "--job") a.job = v;
-    else if (k == "--shm-dir") a.shm_dir = v;
-    else if (k == "--agent") a.agent = v;
-    else if (k == "--event-log") a.event_log = v;
-    else if (k == "--world") a.world = std::stoul(v);
-    else if (k == "--rank-base") a.rank_base = std::stoul(v);
-    else if (k == "--ranks") a.ranks = std::stoul(v);
-    else if (k == "--steps") a.steps = std::stoul(v);
-    else if (k == "--keep") a.keep = std::stoul(v);
-    else if (k == "--bytes") a.bytes = std::stoull(v);
-    else if (k == "--threads") a.threads = std::stoul(v);
-    else if (k == "--timeout") a.timeout_s = std::stod(v);
-    else if (k == "--step") a.step = std::stoll(v);
-    else Die("unknown option " + k);
+    if (k == "--storage")
+      a.storage = v;
+    else if (k == "--job")
+      a.job = v;
+    else if (k == "--shm-dir")
+      a.shm_dir = v;
+    else if (k == "--agent")
+      a.agent = v;
+    else if (k == "--event-log")
+      a.event_log = v;
+    else if (k == "--world")
+      a.world = std::stoul(v);
+    else if (k == "--rank-base")
+      a.rank_base = std::stoul(v);
+    else if (k == "--ranks")
+      a.ranks = std::stoul(v);
+    else if (k == "--steps")
+      a.steps = std::stoul(v);
+    else if (k == "--keep")
+      a.keep = std::stoul(v);
+    else if (k == "--bytes")
+      a.bytes = std::stoull(v);
+    else if (k == "--threads")
+      a.threads = std::stoul(v);
+    else if (k == "--timeout")
+      a.timeout_s = std::stod(v);
+    else if (k == "--step")
+      a.step = std::stoll(v);
+    else
+      Die("unknown option " + k);
   }
   if (a.storage.empty()) Die("--storage is required");
   if (a.mode == "commits" || a.mode == "newest") return a;
@@ -286,9 +301,9 @@ int Restore(const Args& a) {
   }
   json step_counts = json::object();
   for (const auto& [s, n] : steps) step_counts[std::to_string(s)] = n;
-  json out = {{"mode", "restore"},     {"rank_base", a.rank_base}, {"ranks", a.ranks},
-              {"world", a.world},      {"seconds", Now() - t0},    {"slowest_rank_seconds", slowest},
-              {"steps", step_counts},  {"total", Counts(sum)},     {"per_rank", per_rank}};
+  json out = {{"mode", "restore"},    {"rank_base", a.rank_base}, {"ranks", a.ranks},
+              {"world", a.world},     {"seconds", Now() - t0},    {"slowest_rank_seconds", slowest},
+              {"steps", step_counts}, {"total", Counts(sum)},     {"per_rank", per_rank}};
   std::cout << out.dump() << std::endl;
   return 0;
 }
