@@ -45,7 +45,7 @@ RESTORE_IMAGE_REQUESTS = 4
 # Measured by this test when it was written (before issue 32's commit and restore changes), for
 # the record of what the goals improve on: requests per committed step (W = 512, N = 1 and 8;
 # retention included; they vary with timing) and a rank's restore requests (constant).
-BASELINE = {"per_step_n1": 1690, "per_step_n8": 3944, "restore_per_rank": 7}
+BASELINE = {"per_step_n1": 5270, "per_step_n8": 5533, "restore_per_rank": 7}
 
 
 def run(w: int, n: int, tmp_path) -> dict:
