@@ -190,6 +190,29 @@ class CheckpointStore {
   // NotFound when the step is not committed, IOError when its COMMIT cannot be made durable.
   Result<CommitRecord> ConfirmCommit(uint64_t step);
 
+  // What a COMMIT record says of one rank's image (docs/format.md, "COMMIT record"), known to
+  // the image's writer once it published it.
+  struct ImageFact {
+    uint64_t size = 0;        // the image's size (packed: of the image its manifest describes)
+    uint32_t header_crc = 0;  // its header's CRC
+    bool packed = false;      // stored as a manifest (rank-R[.g<attempt>].pack)
+    bool elsewhere = false;   // it leaves tensors to other ranks' images (ImageLayout)
+    bool operator==(const ImageFact&) const = default;
+  };
+  // The fact of rank's image of `step` named by `attempt` as stored, its header read and checked
+  // (step, rank, attempt, size); nullopt when none is stored whole (also a torn or unreadable
+  // one: it is written anew). One header read where the image is plain.
+  Result<std::optional<ImageFact>> StoredImageOfAttempt(uint64_t step, uint32_t rank,
+                                                        uint64_t attempt);
+  // The agent's commit from what the images' writers reported (facts[r]: rank r's image of save
+  // `attempt`, published), without listing the step or reading any image's header: the record
+  // TryCommitOfAttempt would write, published only where none exists; an existing valid record
+  // means the step is committed (true). Where an image leaves tensors to others
+  // (ImageFact::elsewhere) the images' indexes are read first, as TryCommit does, to check that
+  // every such tensor is held (Corruption otherwise).
+  Result<bool> CommitFromFacts(uint64_t step, std::string_view job, uint64_t attempt,
+                               const std::vector<ImageFact>& facts);
+
   // Whether rank's image of `step` (plain or packed, named by `attempt` as WriteImageOfAttempt
   // names it) is stored whole and is of save `attempt`: a
   // persist of that snapshot then writes nothing, only tries the commit. The same snapshot is
@@ -271,6 +294,8 @@ class CheckpointStore {
   Result<bool> Commit(uint64_t step, uint32_t world_size, std::string_view job, uint64_t attempt,
                       uint64_t generation, bool replace);
   Status CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names);
+  // Publishes `record` as its step's COMMIT where no valid record exists (false: one did).
+  Result<bool> PublishCommitIfAbsent(const CommitRecord& record);
   // The index of rank's image of `commit`, its header checked against the record.
   Result<std::vector<TensorEntry>> ReadIndex(const CommitRecord& commit, uint32_t rank);
   // The image object of `name`: a plain image, or the image a manifest (.pack) describes.

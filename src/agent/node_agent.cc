@@ -158,7 +158,7 @@ Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointS
   config_ = config;
   store_ = std::move(store);
   queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep, pins_,
-                          MakePackOptions(config.compression, config.incremental)});
+                          MakePackOptions(config.compression, config.incremental), ledger_});
   replicator_.SetStorage(store_, config.world_size);
   auto committed = store_->ListCommitted();
   if (committed.ok()) {
@@ -192,6 +192,11 @@ void NodeAgent::SaveJobConfig() {
 void NodeAgent::Enqueue(PersistTask t) {
   std::erase(pruned_, t.step);
   ranks_[t.rank].pending.insert(t.step);
+  // Every rank of the world is this agent's (a job on one node): its commits need no listing.
+  const uint32_t world = config_ ? config_->world_size : 0;
+  const auto hosted =
+      std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) { return kv.first < world; });
+  queue_.SetHostsEveryRank(world > 0 && static_cast<uint32_t>(hosted) == world);
   queue_.Enqueue(std::move(t));
 }
 

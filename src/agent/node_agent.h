@@ -195,6 +195,9 @@ class NodeAgent {
   std::optional<double> torn_down_since_;
   bool held_flushed_ = false;  // this teardown's flush of other nodes' replicas was asked for
   std::shared_ptr<StepPins> pins_ = std::make_shared<StepPins>();
+  // What the job's image writers reported published (this agent's persists; with peers, other
+  // nodes' agents): the commits that need no listing (commit_ledger.h).
+  std::shared_ptr<CommitLedger> ledger_ = std::make_shared<CommitLedger>();
   PersistQueue queue_;
   Replicator replicator_;
   TierChain tiers_;  // fills the job's lower storage tiers (on the node that runs rank 0)

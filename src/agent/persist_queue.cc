@@ -148,6 +148,22 @@ std::vector<uint64_t> PersistQueue::Prune() {
   return PruneSteps(*target_.store, target_.keep, target_.pins.get(), /*tier=*/0);
 }
 
+// The step's commit once rank t.rank's image (`fact`, nullopt where unknown) is published: from
+// the ledger when its facts are complete; else, where other nodes' agents write ranks of the job
+// or the snapshot is not a first persist (an adopted or flushed one, whose fellow images may
+// have been published by an agent that died), by listing the step (TryCommitOfAttempt).
+Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
+                                  const std::optional<CheckpointStore::ImageFact>& fact) {
+  if (fact && target_.ledger) {
+    if (auto ready = target_.ledger->Add(t.step, attempt, target_.world_size, t.rank, *fact)) {
+      ++ledger_commits_;
+      return target_.store->CommitFromFacts(t.step, target_.job, attempt, ready->facts);
+    }
+    if (t.reason == FlushReason::kRequested && hosts_every_rank_.load()) return false;
+  }
+  return target_.store->TryCommitOfAttempt(t.step, target_.world_size, target_.job, attempt);
+}
+
 PersistResult PersistQueue::Persist(const PersistTask& t) {
   PersistResult r;
   r.task = t;
@@ -206,23 +222,33 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
   // A COMMIT that can be read is not yet proof: its writer's directory sync may have failed (or
   // not run yet), and a power loss would take it back. It is made durable before the step is
   // reported committed; when that fails the persist fails and nothing is reported.
-  if (auto commit = target_.store->ConfirmCommit(t.step); commit.ok()) {
-    r.committed = true;
-    return r;
-  } else if (commit.status().code() == StatusCode::kIOError) {
-    r.status = commit.status();
-    return r;
-  }
-  // This snapshot's image stored already (persisted before an agent died, then adopted): only
-  // the commit is left to try.
-  auto stored = target_.store->HoldsImageOfAttempt(t.step, t.rank, header->first.attempt);
-  if (!stored.ok()) {
-    r.status = stored.status();
-    return r;
+  // A requested persist (the snapshot's first) asks nothing before its write: its image is
+  // named by its attempt and published only where that name is free, and its commit publishes
+  // only where no record exists, so neither can replace what another writer or committer
+  // stored; asking first would cost every image two requests more (docs/architecture.md,
+  // "Committing at scale").
+  const bool first_persist = t.reason == FlushReason::kRequested;
+  std::optional<CheckpointStore::ImageFact> fact;
+  if (!first_persist) {
+    if (auto commit = target_.store->ConfirmCommit(t.step); commit.ok()) {
+      r.committed = true;
+      return r;
+    } else if (commit.status().code() == StatusCode::kIOError) {
+      r.status = commit.status();
+      return r;
+    }
+    // This snapshot's image stored already (persisted before an agent died, then adopted): only
+    // the commit is left to try.
+    auto stored = target_.store->StoredImageOfAttempt(t.step, t.rank, header->first.attempt);
+    if (!stored.ok()) {
+      r.status = stored.status();
+      return r;
+    }
+    fact = *stored;
   }
   // With replicas left to other ranks the stored image is laid out anew.
   std::unique_ptr<ImageBuilder> relaid;
-  if (!*stored && !t.skip.empty()) {
+  if (!fact && !t.skip.empty()) {
     auto b = WithoutReplicas(image, source, t.skip);
     if (!b.ok()) {
       r.status = b.status();
@@ -235,7 +261,7 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
   // lost, or this agent's predecessor's last request) may have published it since the check
   // above, and a commit may have counted that image; AlreadyExists leaves it, and only the
   // commit is left to try (docs/reliability.md, "Two writers of one rank's image").
-  if (!*stored) {
+  if (!fact) {
     auto stats = relaid
                      ? target_.store->WriteImageOfAttempt(*relaid, target_.pack)
                      : target_.store->WriteImageBytesOfAttempt(image, t.step, t.rank, target_.pack);
@@ -243,20 +269,29 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
       r.bytes = stats->bytes;
       r.seconds = stats->seconds;
       (*arena)->RecordPersist(t.step, r.seconds);
+      const ImageLayout& l = relaid ? relaid->layout() : header->second;
+      fact = CheckpointStore::ImageFact{l.image_size, l.header_crc, stats->packed, l.has_elsewhere};
     } else if (stats.status().code() != StatusCode::kAlreadyExists) {
       r.status = stats.status();
       return r;
+    } else {
+      auto stored = target_.store->StoredImageOfAttempt(t.step, t.rank, header->first.attempt);
+      if (!stored.ok()) {
+        r.status = stored.status();
+        return r;
+      }
+      fact = *stored;  // nullopt: the other writer's image is torn; the commit lists
     }
   }
   SP_KILL_POINT("agent.persist.before_commit");
-  auto committed = target_.store->TryCommitOfAttempt(t.step, target_.world_size, target_.job,
-                                                     header->first.attempt);
+  auto committed = Commit(t, header->first.attempt, fact);
   if (!committed.ok()) {
     r.status = committed.status();
     return r;
   }
   r.committed = *committed;
   if (r.committed) {
+    if (target_.ledger) target_.ledger->Forget(t.step);
     SP_KILL_POINT("agent.persist.before_prune");
     r.pruned = Prune();
   }

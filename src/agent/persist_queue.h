@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "agent/commit_ledger.h"
 #include "agent/tier_copier.h"
 #include "base/worker_loop.h"
 #include "safepoint/checkpoint.h"
@@ -76,6 +77,8 @@ struct PersistTarget {
   uint32_t keep = 3;
   std::shared_ptr<StepPins> pins;  // steps the first lower tier copies (retention keeps them)
   PackOptions pack;                // how images are stored (compression, incremental)
+  // What the job's image writers reported published, for commits without listing (optional).
+  std::shared_ptr<CommitLedger> ledger;
 };
 
 class PersistQueue {
@@ -95,6 +98,11 @@ class PersistQueue {
   // commit with `world_size` images, and a snapshot of another world size is refused as its
   // header does not match. Only while nothing is queued or in flight (!Busy()).
   void SetWorldSize(uint32_t world_size);
+  // Whether this agent serves every rank of the job's world (a job on one node): a requested
+  // persist's commit then waits for the ledger's facts of every rank and never lists the step.
+  void SetHostsEveryRank(bool every) { hosts_every_rank_ = every; }
+  // Commits written from the ledger's facts (for tests and the status).
+  uint64_t ledger_commits() const { return ledger_commits_.load(); }
   // True while the snapshot (rank, slot, generation) is queued, in flight, or finished but its
   // result not taken yet.
   bool Contains(uint32_t rank, uint32_t slot, uint64_t generation) const;
@@ -124,6 +132,8 @@ class PersistQueue {
   Result<std::unique_ptr<ImageBuilder>> WithoutReplicas(std::span<const std::byte> image,
                                                         const std::string& source,
                                                         const SkipRanges& skip);
+  Result<bool> Commit(const PersistTask& t, uint64_t attempt,
+                      const std::optional<CheckpointStore::ImageFact>& fact);
   std::vector<uint64_t> Prune();
 
   const std::function<void()> notify_;
@@ -134,6 +144,8 @@ class PersistQueue {
   PersistTarget target_;
 
   std::atomic<bool> cancelled_{false};  // Stop(grace) gave up: the tasks left fail at once
+  std::atomic<bool> hosts_every_rank_{false};
+  std::atomic<uint64_t> ledger_commits_{0};
 
   mutable std::mutex mu_;  // guards everything below
   std::deque<PersistTask> queue_;

@@ -180,6 +180,7 @@ void NodeAgent::AdvanceWorldChange() {
   saw_client_ = false;  // no rank of the new world yet: AllClosed must not hold for an empty job
   config_->world_size = to;
   queue_.SetWorldSize(to);
+  ledger_->Clear();
   replicator_.SetStorage(store_, to);
   SaveJobConfig();
   world_change_.reset();

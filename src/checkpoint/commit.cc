@@ -1,0 +1,351 @@
+// The commit protocol (docs/format.md, "Commit protocol"), exactly as implemented here and in
+// the POSIX storage driver (src/storage/posix/):
+//
+// Rank r writing its image of step s (WriteImage / WriteImageBytes):
+//   1. Create "step-S/rank-R.img.tmp.<random>" with O_CREAT|O_EXCL (plus an O_DIRECT descriptor
+//      where the filesystem allows it). If "step-S/" had to be created, fsync the root directory.
+//   2. Stream the image: chunks are filled from the tensors, CRC'd, and written with pwrite by
+//      several threads (aligned chunks through O_DIRECT).
+//   3. fsync the temporary file. On failure the copy is lost: unlink it and report. A failed
+//      fsync is never retried (the kernel may have dropped the dirty pages); the caller rewrites
+//      the image from its source.
+//   4. rename it to "step-S/rank-R.img" (atomic replace).
+//   5. fsync the directory "step-S/".
+// Committing step s (TryCommit; any rank may try, after its own step 5):
+//   6. List "step-S/". If rank-0 .. rank-(W-1) all exist, read each one's 4 KiB header and check
+//      magic, header CRC, step, rank, world size and that the object size equals image_size.
+//   7. Write "step-S/COMMIT" with steps 1, 3, 4, 5, where step 4 is an exclusive publish
+//      (renameat2 RENAME_NOREPLACE): of concurrent committers one publishes the record; the
+//      others find it (after an fsync of "step-S/", so that it is durable for them too) and
+//      report the step committed. A record is never replaced by a plain commit, so a plain
+//      committer cannot undo a replacement that committed after it checked (below).
+// A failed directory fsync (step 5 of an image or of the COMMIT) comes after the rename: the
+//   object is visible but may not survive a power loss. The write returns that IOError, so that
+//   the save is not reported committed on its account, and deletes nothing: another rank may
+//   have found the COMMIT under the name and reported the step committed. Images and COMMIT
+//   share "step-S/", so the successful fsync of a COMMIT written after every image makes them
+//   all durable; committing again (which finds the record and fsyncs "step-S/") makes a visible
+//   COMMIT durable.
+// Reading: list "step-*/COMMIT", decode each (CRC, size, version); only those steps exist. Open
+//   a rank's image, compare its size and header CRC with the record, verify every chunk CRC.
+// Replacing a committed step (SaveShard with overwrite; the agent never does): each rank writes
+//   its image as "step-S/rank-R.g<attempt, 16 hex>.img" (1-5), beside the committed images; the
+//   step stays as it was. 6-7 with those names write a record naming that generation over the
+//   old COMMIT: the rename switches readers from every old image to every new one at once.
+//   8. Remove the images the new record does not name. A reader that read the old record and
+//   then misses an old image reads the record again (LoadShard).
+// The agent's images (WriteImageOfAttempt / WriteImageBytesOfAttempt) are named by their attempt
+//   as a replacing save's are, with step 4 exclusive (RENAME_NOREPLACE) like step 7; its commit
+//   (TryCommitOfAttempt) is 6-7 with those names, exclusive, and removes nothing. Two writers of
+//   one rank's image (docs/reliability.md) then never replace an image that a commit counted.
+// Deleting: unlink COMMIT first (the step stops existing), then the images.
+// Clean-up: temporaries and uncommitted images only in step directories older than the newest
+//   committed step, whose writers have all finished.
+
+#include <map>
+#include <unordered_set>
+
+#include "base/aligned_buffer.h"
+#include "base/clock.h"
+#include "base/kill_point.h"
+#include "checkpoint/commit_record.h"
+#include "checkpoint/small_object.h"
+#include "safepoint/checkpoint.h"
+
+namespace safepoint {
+
+using internal::AlignedBuffer;
+using internal::kCommitFixed;
+using internal::ReadSmallObject;
+using internal::WriteSmallObject;
+
+Result<std::optional<CheckpointStore::ImageFact>> CheckpointStore::StoredImageOfAttempt(
+    uint64_t step, uint32_t rank, uint64_t attempt) {
+  for (const std::string& name :
+       {ImageObjectName(step, rank, attempt), PackedObjectName(step, rank, attempt)}) {
+    auto obj = OpenImageObject(name);
+    if (!obj.ok()) {
+      if (obj.status().code() == StatusCode::kNotFound) continue;
+      return obj.status();
+    }
+    std::vector<std::byte> header(kImageHeaderSize);
+    if (!(*obj)->ReadAt(0, header).ok()) continue;  // torn or unreadable: write it anew
+    auto parsed = ParseImageHeader(header, storage_->Describe(name));
+    if (parsed.ok() && parsed->first.step == step && parsed->first.rank == rank &&
+        parsed->first.attempt == attempt && parsed->second.image_size == (*obj)->size()) {
+      const ImageLayout& l = parsed->second;
+      return std::optional<ImageFact>(
+          ImageFact{l.image_size, l.header_crc, name.ends_with(".pack"), l.has_elsewhere});
+    }
+  }
+  return std::optional<ImageFact>();
+}
+
+Result<bool> CheckpointStore::HoldsImageOfAttempt(uint64_t step, uint32_t rank, uint64_t attempt) {
+  SP_ASSIGN_OR_RETURN(auto fact, StoredImageOfAttempt(step, rank, attempt));
+  return fact.has_value();
+}
+
+// Every tensor an image leaves to another rank (TensorSpec::elsewhere) must be held, same
+// ReplicaKey, by some image of the step: else the step would commit with a tensor nobody wrote.
+Status CheckpointStore::CheckReplicasHeld(uint64_t step, const std::vector<std::string>& names) {
+  std::unordered_set<std::string> held;
+  std::vector<std::pair<uint32_t, TensorSpec>> wanted;
+  for (uint32_t r = 0; r < names.size(); ++r) {
+    const std::string& name = names[r];
+    SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(name));
+    std::vector<std::byte> header(kImageHeaderSize);
+    SP_RETURN_IF_ERROR(obj->ReadAt(0, header));
+    SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header, storage_->Describe(name)));
+    std::vector<std::byte> index(parsed.second.index_size);
+    SP_RETURN_IF_ERROR(obj->ReadAt(parsed.second.index_offset, index));
+    SP_ASSIGN_OR_RETURN(auto entries, ParseIndex(index, parsed.second, storage_->Describe(name)));
+    for (auto& e : entries) {
+      if (e.spec.elsewhere) {
+        wanted.emplace_back(r, std::move(e.spec));
+      } else {
+        held.insert(ReplicaKey(e.spec));
+      }
+    }
+  }
+  for (const auto& [r, spec] : wanted) {
+    if (!held.contains(ReplicaKey(spec))) {
+      return Corruption(storage_->uri() + ": step " + std::to_string(step) + ": rank " +
+                        std::to_string(r) + " left tensor '" + spec.name +
+                        "' to another rank, but no image of the step holds it");
+    }
+  }
+  return Status::OK();
+}
+
+Result<bool> CheckpointStore::TryCommit(uint64_t step, uint32_t world_size, std::string_view job,
+                                        uint64_t attempt, uint64_t generation) {
+  return Commit(step, world_size, job, attempt, generation, /*replace=*/generation != 0);
+}
+
+Result<bool> CheckpointStore::TryCommitOfAttempt(uint64_t step, uint32_t world_size,
+                                                 std::string_view job, uint64_t attempt) {
+  return Commit(step, world_size, job, attempt, /*generation=*/attempt, /*replace=*/false);
+}
+
+Result<bool> CheckpointStore::Commit(uint64_t step, uint32_t world_size, std::string_view job,
+                                     uint64_t attempt, uint64_t generation, bool replace) {
+  if (world_size == 0 || world_size > kMaxRank) {
+    return InvalidArgument("world size " + std::to_string(world_size) + " is invalid");
+  }
+  if (generation != 0 && generation != attempt) {
+    return InvalidArgument("the images of a replacing save are named by its attempt");
+  }
+  if (!replace) {  // a plain commit never undoes a replacement (nor another plain commit)
+    auto existing = ReadCommit(step);
+    if (existing.ok() && (existing->generation != 0 || generation != 0)) {
+      // Committed by another writer, who may have died before syncing its COMMIT's directory:
+      // made durable before this commit says so (as the exclusive publish below does when it
+      // finds the name taken). NotFound: the step was deleted since (retention).
+      auto confirmed = ConfirmCommit(step);
+      if (confirmed.ok()) return true;
+      if (confirmed.status().code() == StatusCode::kNotFound) return false;
+      return confirmed.status();
+    }
+  }
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
+  std::map<std::string, uint64_t> sizes;
+  for (auto& o : objects) sizes[o.name] = o.size;
+
+  CommitRecord record;
+  record.step = step;
+  record.world_size = world_size;
+  record.job = std::string(job);
+  record.images.resize(world_size);
+  record.generation = generation;
+  // Each rank's image is its plain image or its manifest (a packed image), whichever is of this
+  // attempt (a leftover of another attempt in the other layout may lie beside it).
+  std::vector<std::string> names(world_size);
+  bool any_elsewhere = false;  // some image leaves tensors to other ranks' images
+  for (uint32_t r = 0; r < world_size; ++r) {
+    const std::string plain = ImageObjectName(step, r, generation);
+    const std::string packed = PackedObjectName(step, r, generation);
+    if (!sizes.contains(plain) && !sizes.contains(packed)) return false;
+  }
+  for (uint32_t r = 0; r < world_size; ++r) {
+    for (const std::string& name :
+         {ImageObjectName(step, r, generation), PackedObjectName(step, r, generation)}) {
+      if (!sizes.contains(name)) continue;
+      const std::string source = storage_->Describe(name);
+      SP_ASSIGN_OR_RETURN(auto obj, OpenImageObject(name));
+      AlignedBuffer header(kImageHeaderSize);
+      if (!header.ok()) return ResourceExhausted("out of memory");
+      SP_RETURN_IF_ERROR(obj->ReadAt(0, header.span()));
+      SP_ASSIGN_OR_RETURN(auto parsed, ParseImageHeader(header.span(), source));
+      const auto& [meta, layout] = parsed;
+      if (meta.step != step || meta.rank != r || meta.world_size != world_size) {
+        return Corruption(source + ": image is of step " + std::to_string(meta.step) + ", rank " +
+                          std::to_string(meta.rank) + " of " + std::to_string(meta.world_size) +
+                          ", expected step " + std::to_string(step) + ", rank " +
+                          std::to_string(r) + " of " + std::to_string(world_size));
+      }
+      if (layout.image_size != obj->size()) {
+        return Corruption(source + ": object has " + std::to_string(obj->size()) +
+                          " bytes, its header says " + std::to_string(layout.image_size));
+      }
+      if (meta.attempt != attempt) continue;  // a leftover of another attempt, to be replaced
+      record.images[r] = {layout.image_size, layout.header_crc, name.ends_with(".pack")};
+      names[r] = name;
+      any_elsewhere |= layout.has_elsewhere;
+      break;
+    }
+    if (names[r].empty()) return false;
+  }
+  if (any_elsewhere) SP_RETURN_IF_ERROR(CheckReplicasHeld(step, names));
+  record.commit_time_ns = UnixNanos();
+  SP_KILL_POINT("store.commit.before_write");
+  const std::string commit_name = CommitObjectName(step);
+  if (replace) {
+    SP_RETURN_IF_ERROR(WriteSmallObject(*storage_, commit_name, EncodeCommitRecord(record)));
+  } else {
+    SP_ASSIGN_OR_RETURN(bool published, PublishCommitIfAbsent(record));
+    if (!published) return true;  // the step's record was there
+  }
+  SP_KILL_POINT("store.commit.after_write");
+  if (replace) {
+    // Step 8: the images the record no longer names. A failure leaves unused objects only
+    // (DeleteStep removes them with the step).
+    std::unordered_set<std::string> named(names.begin(), names.end());
+    for (const auto& o : objects) {
+      if ((o.name.ends_with(".img") || o.name.ends_with(".pack")) && !named.contains(o.name)) {
+        storage_->Delete(o.name).IgnoreError();
+      }
+    }
+  }
+  return true;
+}
+
+// Published only where no record exists: a replacement may have committed since the committer
+// looked, and this record must not replace its record (it would name the images the replacement
+// removes). An existing record is the step's: another committer's equal one, or a replacement's
+// (finding the name taken made it durable). A corrupt record (the step does not exist) is
+// replaced. False: a valid record was there.
+Result<bool> CheckpointStore::PublishCommitIfAbsent(const CommitRecord& record) {
+  const std::string name = CommitObjectName(record.step);
+  Status s = WriteSmallObject(*storage_, name, EncodeCommitRecord(record), /*exclusive=*/true);
+  if (s.code() == StatusCode::kAlreadyExists) {
+    auto existing = ReadCommit(record.step);
+    if (existing.ok()) return false;
+    if (existing.status().code() != StatusCode::kCorruption) return existing.status();
+    s = WriteSmallObject(*storage_, name, EncodeCommitRecord(record));
+  }
+  SP_RETURN_IF_ERROR(s);
+  return true;
+}
+
+Result<bool> CheckpointStore::CommitFromFacts(uint64_t step, std::string_view job, uint64_t attempt,
+                                              const std::vector<ImageFact>& facts) {
+  const size_t world_size = facts.size();
+  if (world_size == 0 || world_size > kMaxRank) {
+    return InvalidArgument("world size " + std::to_string(world_size) + " is invalid");
+  }
+  CommitRecord record;
+  record.step = step;
+  record.world_size = static_cast<uint32_t>(world_size);
+  record.job = std::string(job);
+  record.generation = attempt;
+  record.images.resize(world_size);
+  bool any_elsewhere = false;
+  for (size_t r = 0; r < world_size; ++r) {
+    record.images[r] = {facts[r].size, facts[r].header_crc, facts[r].packed};
+    any_elsewhere |= facts[r].elsewhere;
+  }
+  if (any_elsewhere) {
+    std::vector<std::string> names(world_size);
+    for (uint32_t r = 0; r < world_size; ++r) {
+      names[r] =
+          facts[r].packed ? PackedObjectName(step, r, attempt) : ImageObjectName(step, r, attempt);
+    }
+    SP_RETURN_IF_ERROR(CheckReplicasHeld(step, names));
+  }
+  record.commit_time_ns = UnixNanos();
+  SP_KILL_POINT("store.commit.before_write");
+  SP_ASSIGN_OR_RETURN(bool published, PublishCommitIfAbsent(record));
+  (void)published;  // either way the step is committed
+  SP_KILL_POINT("store.commit.after_write");
+  return true;
+}
+
+Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
+  const std::string name = CommitObjectName(step);
+  auto data = ReadSmallObject(*storage_, name, kCommitFixed + 16ull * kMaxRank + 12);
+  if (!data.ok()) {
+    if (data.status().code() == StatusCode::kNotFound) {
+      return NotFound(storage_->uri() + ": step " + std::to_string(step) + " is not committed");
+    }
+    return data.status();
+  }
+  SP_ASSIGN_OR_RETURN(auto record, DecodeCommitRecord(*data, storage_->Describe(name)));
+  if (record.step != step) {
+    return Corruption(storage_->Describe(name) + ": COMMIT record names step " +
+                      std::to_string(record.step));
+  }
+  return record;
+}
+
+Result<CommitRecord> CheckpointStore::ConfirmCommit(uint64_t step) {
+  SP_ASSIGN_OR_RETURN(CommitRecord record, ReadCommit(step));
+  const std::string name = CommitObjectName(step);
+  Status s = WriteSmallObject(*storage_, name, EncodeCommitRecord(record), /*exclusive=*/true);
+  if (s.code() == StatusCode::kAlreadyExists) return record;  // the name is durable now
+  if (s.ok()) {
+    // The step was deleted (retention) since the read: take the record back out.
+    SP_RETURN_IF_ERROR(storage_->Delete(name));
+    return NotFound(storage_->uri() + ": step " + std::to_string(step) + " is not committed");
+  }
+  return s.WithContext("making the COMMIT of step " + std::to_string(step) + " durable");
+}
+
+Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(
+    std::vector<std::string>* problems) {
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  std::vector<CommitRecord> out;
+  for (const auto& o : objects) {
+    auto step = StepFromObjectName(o.name);
+    if (!step || o.name != CommitObjectName(*step)) continue;
+    auto record = ReadCommit(*step);
+    if (record.ok()) {
+      out.push_back(std::move(record).value());
+    } else if (record.status().code() == StatusCode::kCorruption ||
+               record.status().code() == StatusCode::kNotFound) {
+      // NotFound: deleted between List and Open (concurrent pruning).
+      if (problems && record.status().code() == StatusCode::kCorruption) {
+        problems->push_back(record.status().message());
+      }
+    } else {
+      return record.status();
+    }
+  }
+  return out;
+}
+
+Result<std::vector<uint64_t>> CheckpointStore::StepsWithCommit() {
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  std::vector<uint64_t> steps;
+  for (const auto& o : objects) {
+    auto step = StepFromObjectName(o.name);
+    if (step && o.name == CommitObjectName(*step)) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+Result<std::optional<CommitRecord>> CheckpointStore::NewestCommitted(
+    const std::vector<uint64_t>& steps, std::vector<std::string>* problems) {
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    auto record = ReadCommit(*it);
+    if (record.ok()) return std::optional<CommitRecord>(std::move(record).value());
+    const StatusCode code = record.status().code();
+    if (code != StatusCode::kCorruption && code != StatusCode::kNotFound) return record.status();
+    // NotFound: deleted between List and Open (concurrent pruning).
+    if (problems && code == StatusCode::kCorruption) problems->push_back(record.status().message());
+  }
+  return std::optional<CommitRecord>();
+}
+
+}  // namespace safepoint
