@@ -200,6 +200,11 @@ void NodeAgent::Enqueue(PersistTask t) {
   queue_.Enqueue(std::move(t));
 }
 
+bool NodeAgent::PendingHere(uint64_t step) const {
+  return std::any_of(ranks_.begin(), ranks_.end(),
+                     [step](const auto& kv) { return kv.second.pending.contains(step); });
+}
+
 bool NodeAgent::StepCommitted(uint64_t step) {
   if (committed_cache_.contains(step)) return true;
   if (!store_) return false;
@@ -417,13 +422,15 @@ void NodeAgent::AnswerWaits() {
       }
       // A step committed and then pruned by retention was saved all the same.
       const bool pruned = std::find(pruned_.begin(), pruned_.end(), step) != pruned_.end();
+      // No step commits before every image of it is published: while this agent still persists
+      // one, storage is not asked (a job's waits would poll it five times a second each).
+      const bool poll = poll_commits && !PendingHere(step);
       if (committed_cache_.contains(step) || pruned ||
-          (poll_commits && it != rs.outcomes.end() &&
-           (StepCommitted(step) || SupersededOnStorage(step)))) {
+          (poll && it != rs.outcomes.end() && (StepCommitted(step) || SupersededOnStorage(step)))) {
         Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, Status::OK()}));
         continue;
       }
-      if (poll_commits && it != rs.outcomes.end()) {
+      if (poll && it != rs.outcomes.end()) {
         if (std::optional<Status> never = StepNeverCommits(step, c->rank)) {
           Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, *never}));
           continue;

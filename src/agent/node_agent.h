@@ -124,6 +124,8 @@ class NodeAgent {
   void PollCommitsForTiers();
   Status HandlePeerMessage(Client& c, const protocol::Message& m);
   void AnswerWaits();
+  // Whether a persist of `step` of any rank of this agent is queued or in flight.
+  bool PendingHere(uint64_t step) const;
   bool StepCommitted(uint64_t step);
   // Why `step`, which `rank` persisted, can never commit (nullopt: it still may); OK when a last
   // look committed it after all. See node_agent.cc.

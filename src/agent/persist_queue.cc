@@ -152,6 +152,12 @@ std::vector<uint64_t> PersistQueue::Prune() {
 // the ledger when its facts are complete; else, where other nodes' agents write ranks of the job
 // or the snapshot is not a first persist (an adopted or flushed one, whose fellow images may
 // have been published by an agent that died), by listing the step (TryCommitOfAttempt).
+bool PersistQueue::QueuedForStep(uint64_t step) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::any_of(queue_.begin(), queue_.end(),
+                     [step](const PersistTask& q) { return q.step == step; });
+}
+
 Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
                                   const std::optional<CheckpointStore::ImageFact>& fact) {
   if (fact && target_.ledger) {
@@ -161,6 +167,9 @@ Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
     }
     if (t.reason == FlushReason::kRequested && hosts_every_rank_.load()) return false;
   }
+  // Ranks of other nodes: the listing commit, tried once this agent's last image of the step is
+  // published (an earlier one would only find it missing).
+  if (t.reason == FlushReason::kRequested && QueuedForStep(t.step)) return false;
   return target_.store->TryCommitOfAttempt(t.step, target_.world_size, target_.job, attempt);
 }
 

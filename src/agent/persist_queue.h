@@ -132,6 +132,7 @@ class PersistQueue {
   Result<std::unique_ptr<ImageBuilder>> WithoutReplicas(std::span<const std::byte> image,
                                                         const std::string& source,
                                                         const SkipRanges& skip);
+  bool QueuedForStep(uint64_t step) const;  // another task of `step` waits in the queue
   Result<bool> Commit(const PersistTask& t, uint64_t attempt,
                       const std::optional<CheckpointStore::ImageFact>& fact);
   std::vector<uint64_t> Prune();
