@@ -153,6 +153,28 @@ std::vector<uint64_t> Steps(const std::string& path) {
   return out;
 }
 
+// What the restore agreement's lister (one rank of the job) asks a storage: the steps with a
+// COMMIT object (one List, no record read) and the newest valid record among them, read newest
+// first (one read where the newest is intact); the damaged records passed over, one line each.
+// Returns (steps, newest valid step or None, problems). Unlike steps(), the older steps' records
+// are not read: a damaged one among them fails the read of that step, and the ranks fall back.
+std::tuple<std::vector<uint64_t>, std::optional<uint64_t>, std::vector<std::string>> CommittedView(
+    const std::string& path) {
+  std::vector<uint64_t> steps;
+  std::optional<uint64_t> newest;
+  std::vector<std::string> problems;
+  Status s = WithoutGil([&]() -> Status {
+    SP_ASSIGN_OR_RETURN(auto store, OpenCheckpointStore(path));
+    SP_ASSIGN_OR_RETURN(steps, store->StepsWithCommit());
+    SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> record,
+                        store->NewestCommitted(steps, &problems));
+    if (record) newest = record->step;
+    return Status::OK();
+  });
+  Check(s);
+  return {std::move(steps), newest, std::move(problems)};
+}
+
 // --- reading parts of images (resharding, tensors other ranks wrote, DCP) ----------------------
 
 // A tensor reference in a state tree read without its tensors (ShardReader.state()).
@@ -203,12 +225,23 @@ class HeldDestination {
 
 // One rank's image of one committed step, opened for partial reads: its index, its state tree
 // and byte ranges of its tensors, each covering checksum chunk verified. Nothing else is read.
+// A COMMIT record one ShardReader read, handed to the readers of the step's other images
+// (ShardReader.commit): a rank that opens every image of a step reads the record once.
+struct Commit {
+  CommitRecord record;
+};
+
 class ShardReader {
  public:
-  ShardReader(const std::string& path, uint64_t step, uint32_t rank) {
+  // `commit`: the step's record another reader of it read (none: read it here).
+  ShardReader(const std::string& path, uint64_t step, uint32_t rank, const Commit* commit) {
     Status s = WithoutGil([&]() -> Status {
       SP_ASSIGN_OR_RETURN(store_, OpenCheckpointStore(path));
-      SP_ASSIGN_OR_RETURN(commit_, store_->ReadCommit(step));
+      if (commit != nullptr && commit->record.step == step) {
+        commit_ = commit->record;
+      } else {
+        SP_ASSIGN_OR_RETURN(commit_, store_->ReadCommit(step));
+      }
       SP_ASSIGN_OR_RETURN(md_, store_->ReadMetadata(commit_, rank));
       return Status::OK();
     });
@@ -222,6 +255,7 @@ class ShardReader {
   // Which images the COMMIT record read names (CommitRecord::generation): readers of several
   // ranks of one step check that they read one version of a step that may be replaced.
   uint64_t generation() const { return commit_.generation; }
+  Commit commit() const { return Commit{commit_}; }
   // The bytes of one checksum chunk: a read of part of a chunk reads and verifies all of it.
   uint64_t chunk_size() const { return md_.layout.chunk_size; }
 
@@ -293,12 +327,12 @@ class ShardReader {
 
 ShardMetadata ReadMetadata(const std::string& path, uint64_t step, uint32_t rank,
                            nb::handle unpickler) {
-  ShardReader r(path, step, rank);
+  ShardReader r(path, step, rank, nullptr);
   return ShardMetadata{r.step(), r.world_size(), r.Tensors(), r.State(unpickler)};
 }
 
 void ReadRanges(const std::string& path, uint64_t step, uint32_t rank, nb::list requests) {
-  ShardReader(path, step, rank).Read(requests);
+  ShardReader(path, step, rank, nullptr).Read(requests);
 }
 
 }  // namespace
@@ -339,13 +373,21 @@ void BindStore(nb::module_& m) {
         "compression"_a = "none", "incremental"_a = false);
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
+  m.def("committed_view", &CommittedView, "path"_a,
+        "(steps with a COMMIT object, newest valid step or None, damaged records skipped): one "
+        "List and the COMMIT records newest first down to the first valid one");
+  nb::class_<Commit>(m, "Commit", "A step's COMMIT record, as a ShardReader read it")
+      .def_prop_ro("step", [](const Commit& c) { return c.record.step; })
+      .def_prop_ro("generation", [](const Commit& c) { return c.record.generation; });
   nb::class_<TensorSlot>(m, "TensorSlot")
       .def(nb::init<size_t>(), "index"_a)
       .def_ro("index", &TensorSlot::index)
       .def("__repr__",
            [](const TensorSlot& t) { return "TensorSlot(" + std::to_string(t.index) + ")"; });
   nb::class_<ShardReader>(m, "ShardReader")
-      .def(nb::init<const std::string&, uint64_t, uint32_t>(), "path"_a, "step"_a, "rank"_a)
+      .def(nb::init<const std::string&, uint64_t, uint32_t, const Commit*>(), "path"_a, "step"_a,
+           "rank"_a, "commit"_a.none() = nb::none())
+      .def_prop_ro("commit", &ShardReader::commit)
       .def_prop_ro("step", &ShardReader::step)
       .def_prop_ro("rank", &ShardReader::rank)
       .def_prop_ro("world_size", &ShardReader::world_size)

@@ -1,10 +1,14 @@
 """The restore agreement: with several ranks, every rank resumes from the same step.
 
-Each rank states what it could load (the storages each committed step is on, the save attempt
-of each snapshot in its memory or its peers' memory); from the gathered statements every rank
-computes the same candidate steps, all try the newest, and when any rank fails to read it all
-fall back together to the next older one (docs/architecture.md, "Restore at scale"). The
-collectives run over the Checkpointer's own gloo group; the Checkpointer does the reading.
+Each rank states what it could load (the save attempt of each snapshot in its memory or its
+peers' memory, and whether it already loaded its newest one: the hot reload); one rank, the
+lister (rank 0 of the group), also states the committed steps and the storages each is on, which
+it alone asked storage for (one List and the newest COMMIT record per storage, for the whole
+job). One all-gather of fixed-size rows carries it all; from them every rank computes the same
+outcome: the hot reload's step, or candidate steps that all try newest first, falling back
+together to the next older one when any rank fails to read it (docs/architecture.md, "Loading:
+the fastest valid copy, agreed by all ranks"). The collectives run over the Checkpointer's own
+gloo group; the Checkpointer does the reading.
 """
 
 from __future__ import annotations
@@ -12,82 +16,182 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Optional
 
+# The statement of one rank, a fixed row of int64 (ROW of them, whatever the world size): the
+# head, then the newest MEMORY (step, attempt) pairs of its snapshots in memory (or its peers'),
+# then, from the lister alone, the newest STORED (step, storages) pairs of the committed steps.
+MEMORY = 6
+STORED = 8
+_HEAD = 8
+ROW = _HEAD + 2 * MEMORY + 2 * STORED
+_LOADED, _STEP, _ATTEMPT, _NEWEST, _SHARE, _FLAGS, _N_MEMORY, _N_STORED = range(_HEAD)
+_FAILED = 1  # the lister could not list the storage (its error class: flags >> 8)
+_MORE = 2  # the lister holds older committed steps than its row states
+_NONE = -(1 << 63)  # an attempt of None
 
-def hot_reload_agreed(group: Any, world_size: int, loaded: bool, step: Optional[int],
-                      attempt: Optional[int], newest_committed: int, newest: bool) -> bool:
-    """The hot reload's agreement in one collective (the usual case after a restart in place):
-    one all-gather of (loaded, step, save attempt, newest committed step) per rank, where
-    `loaded` says this rank loaded its snapshot of `step` from memory, verified. True when every
-    rank loaded the same step of the same attempt and, when the newest step was asked for
-    (`newest`), no rank has a newer step committed on storage: that step is then the one the
-    full agreement would choose. The decision is taken from the gathered values alone, so every
-    rank takes the same one."""
-    import torch
-    import torch.distributed as dist
-
-    mine = torch.tensor([1 if loaded else 0, step if step is not None else -1,
-                         attempt if attempt is not None else -1, newest_committed],
-                        dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine, group=group)
-    rows = [e.tolist() for e in everyone]
-    agreed = all(r[0] == 1 and r[1] == rows[0][1] and r[2] == rows[0][2] for r in rows)
-    return agreed and not (newest and rows[0][1] < max(r[3] for r in rows))
+# The error a rank that is not the lister raises when the lister could not list the storage:
+# the class of the lister's error, by index.
+_ERRORS = ("Error", "NotFoundError", "CorruptionError", "StorageError", "InvalidArgumentError",
+           "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError",
+           "CancelledError", "AlreadyExistsError")
 
 
-class Candidates:
-    """The steps every rank can load, computed from every rank's statement (so the same on
-    every rank): ``steps`` (restricted to the asked-for step, if any), ``in_memory`` (those
-    every rank holds a snapshot of, of one save attempt) and whether every rank shares its
-    storage reads (``share``)."""
+def _int64(v: Optional[int]) -> int:
+    """An attempt (an unsigned 64-bit id, or None) as one int64, exactly."""
+    if v is None:
+        return _NONE
+    return v - (1 << 64) if v >= 1 << 63 else v
 
-    def __init__(self, everyone: list, stores: list[str], step: Optional[int]) -> None:
-        self._everyone, self._stores = everyone, stores
-        self.share = all(e[2] for e in everyone)
-        first = everyone[0][1]
-        self.in_memory = {s for s, a in first.items()
-                          if a is not None and all(other.get(s) == a
-                                                   for _, other, _ in everyone[1:])}
-        self.steps = self.in_memory | set(everyone[0][0]).intersection(
-            *(set(c) for c, _, _ in everyone[1:]))
+
+def _uint64(v: int) -> Optional[int]:
+    if v == _NONE:
+        return None
+    return v + (1 << 64) if v < 0 else v
+
+
+class Statement:
+    """What one rank states in the agreement: whether it loaded `step` (of save `attempt`) from
+    its memory, verified, before the agreement (the hot reload); the save attempt of each
+    snapshot it could read from memory (its own, else one its peers can rebuild); whether it
+    shares its storage reads (restore with share_reads). The lister (rank 0 of the group, the
+    one rank that asks storage) adds ``stored`` (step -> indexes into the storages, fastest
+    first, of those that hold it committed), the newest committed step, or the ``error`` that
+    kept it from listing."""
+
+    def __init__(self, loaded: bool, step: Optional[int], attempt: Optional[int],
+                 attempts: dict[int, Any], share: bool,
+                 stored: Optional[dict[int, list[int]]] = None, newest_committed: int = -1,
+                 error: Optional[BaseException] = None) -> None:
+        self.loaded, self.step, self.attempt = loaded, step, attempt
+        self.attempts, self.share = attempts, share
+        self.stored, self.newest_committed, self.error = stored or {}, newest_committed, error
+
+    def row(self, asked: Optional[int]) -> list[int]:
+        out = [0] * ROW
+        out[_LOADED] = 1 if self.loaded else 0
+        out[_STEP] = self.step if self.step is not None else -1
+        out[_ATTEMPT] = _int64(self.attempt)
+        out[_NEWEST] = self.newest_committed
+        out[_SHARE] = 1 if self.share else 0
+        flags = 0
+        if self.error is not None:
+            name = type(self.error).__name__
+            flags |= _FAILED | ((_ERRORS.index(name) if name in _ERRORS else 0) << 8)
+        memory = sorted(self.attempts.items(), reverse=True)[:MEMORY]
+        out[_N_MEMORY] = len(memory)
+        for i, (s, a) in enumerate(memory):
+            out[_HEAD + 2 * i], out[_HEAD + 2 * i + 1] = s, _int64(a)
+        stored = sorted((s, u) for s, u in self.stored.items()
+                        if asked is None or s == asked)[::-1]
+        if len(stored) > STORED:
+            flags |= _MORE
+        out[_N_STORED] = min(len(stored), STORED)
+        at = _HEAD + 2 * MEMORY
+        for i, (s, uris) in enumerate(stored[:STORED]):
+            out[at + 2 * i], out[at + 2 * i + 1] = s, sum(1 << u for u in uris)
+        out[_FLAGS] = flags
+        return out
+
+
+class Agreement:
+    """The outcome, computed from every rank's row alone (so the same on every rank): ``hot``
+    when every rank loaded the same step of the same save attempt from memory and, the newest
+    step asked for, none is committed newer (that step is the one the candidates below would
+    give first: the result, with no other collective); else the candidates: ``steps`` (the
+    asked-for step, if any, among them), ``in_memory`` (those every rank holds a snapshot of, of
+    one save attempt), ``committed`` (step -> the storages the lister found it committed on,
+    fastest first) and whether every rank shares its storage reads (``share``)."""
+
+    def __init__(self, rows: list[list[int]], stores: list[str], step: Optional[int],
+                 group: Any, lister: Optional[Statement]) -> None:
+        self._stores, self._group, self._lister, self._asked = stores, group, lister, step
+        first = rows[0]
+        if first[_FLAGS] & _FAILED:
+            if lister is not None and lister.error is not None:
+                raise lister.error
+            from safepoint import errors
+
+            kind = getattr(errors, _ERRORS[(first[_FLAGS] >> 8) % len(_ERRORS)])
+            raise kind(f"{stores[0]}: rank 0, which lists the committed steps for the job, "
+                       "could not list them (its error says why)")
+        self.hot = (all(r[_LOADED] == 1 and r[_STEP] == first[_STEP]
+                        and r[_ATTEMPT] == first[_ATTEMPT] for r in rows)
+                    and not (step is None and first[_STEP] < first[_NEWEST]))
+        self.hot_step = first[_STEP] if self.hot else None
+        self.share = all(r[_SHARE] == 1 for r in rows)
+        memory = [{r[_HEAD + 2 * i]: _uint64(r[_HEAD + 2 * i + 1]) for i in range(r[_N_MEMORY])}
+                  for r in rows]
+        self.in_memory = {s for s, a in memory[0].items()
+                          if a is not None and all(m.get(s) == a for m in memory[1:])}
+        at = _HEAD + 2 * MEMORY
+        self.committed = {first[at + 2 * i]: self._uris(first[at + 2 * i + 1])
+                          for i in range(first[_N_STORED])}
+        self.more = bool(first[_FLAGS] & _MORE)
+        self.steps = self.in_memory | set(self.committed)
         if step is not None:
             self.steps &= {step}
 
+    def _uris(self, mask: int) -> list[str]:
+        return [u for i, u in enumerate(self._stores) if mask >> i & 1]
+
     def shared_uri(self, s: int) -> Optional[str]:
-        """The fastest storage every rank sees step `s` committed on (the ranks' shared reads
-        are a collective over one storage); None: no sharing for it."""
+        """The fastest storage step `s` is committed on (the ranks' shared reads are a
+        collective over one storage); None: no sharing for it."""
         if not self.share:
             return None
-        for uri in self._stores:
-            if all(uri in c.get(s, ()) for c, _, _ in self._everyone):
-                return uri
-        return None
+        uris = self.committed.get(s)
+        return uris[0] if uris else None
+
+    def older(self) -> set[int]:
+        """The committed steps older than those the lister's row stated (a second round, only
+        when every stated one failed and the lister holds more: one broadcast from it). Adds
+        them to ``committed`` and returns them."""
+        if not self.more:
+            return set()
+        import torch.distributed as dist
+
+        self.more = False
+        rest: list[dict[int, list[str]]] = [{}]
+        if self._lister is not None:
+            oldest = min(self.committed) if self.committed else None
+            rest = [{s: [self._stores[u] for u in uris]
+                     for s, uris in self._lister.stored.items()
+                     if (oldest is None or s < oldest)
+                     and (self._asked is None or s == self._asked)}]
+        dist.broadcast_object_list(rest, src=dist.get_global_rank(self._group, 0),
+                                   group=self._group)
+        self.committed.update(rest[0])
+        return set(rest[0])
 
 
-def gather_candidates(group: Any, world_size: int, committed: dict[int, list[str]],
-                      attempts: dict[int, Any], share: bool, stores: list[str],
-                      step: Optional[int]) -> Candidates:
-    """One all-gather of every rank's statement: its committed steps (step -> the storages
-    holding it), the attempt of each snapshot it could read from memory (its own, else one its
-    peers can rebuild) and whether it shares reads (restore with share_reads). A step is loaded
-    from memory only where every rank's snapshot of it is of one save attempt: snapshots that two
-    runs (before and after a restart) left of the same step are never combined; such a step
-    comes from storage, where a commit is one attempt. `stores`: the storages, fastest first."""
+def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
+          step: Optional[int]) -> Agreement:
+    """The restore agreement in one collective: one all-gather of every rank's statement as a
+    fixed row of ROW int64 (O(1) bytes per rank, nothing pickled). The storage view in it is the
+    lister's alone (rank 0 of the group asks storage, once for the job; every rank restores what
+    the lister found). Raises, on every rank, the lister's error when it could not list the
+    storage. `lister`: this rank's statement when it is the lister."""
+    import torch
     import torch.distributed as dist
 
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (committed, attempts, share), group=group)
-    return Candidates(everyone, stores, step)
+    row = torch.tensor(mine.row(step), dtype=torch.int64)
+    everyone = torch.empty((world_size, ROW), dtype=torch.int64)
+    dist.all_gather(list(everyone.unbind(0)), row, group=group)
+    lister = mine if dist.get_rank(group) == 0 else None
+    return Agreement(everyone.tolist(), stores, step, group, lister)
 
 
-def load_newest_agreed(group: Any, steps: set[int], load: Callable[[int], Any]) -> Any:
+def load_newest_agreed(group: Any, steps: set[int], load: Callable[[int], Any],
+                       older: Optional[Callable[[], set[int]]] = None) -> Any:
     """Every rank loads the newest of `steps` (`load`: this rank's copy of a step, None when none
     reads back); when any rank failed, all fall back together to the next older step. What
-    `load` returned for the step every rank read, or None when there is none."""
+    `load` returned for the step every rank read, or None when there is none. `older`: when
+    every step failed, more steps to try (a collective every rank calls alike; empty: none)."""
     import torch
     import torch.distributed as dist
 
     steps = set(steps)
+    if not steps and older is not None:
+        steps = older()
     while steps:
         candidate = max(steps)
         got = load(candidate)
@@ -98,6 +202,8 @@ def load_newest_agreed(group: Any, steps: set[int], load: Callable[[int], Any]) 
         warnings.warn(f"safepoint: a rank could not read step {candidate}; all ranks fall "
                       "back to an older step", RuntimeWarning, stacklevel=4)
         steps.discard(candidate)
+        if not steps and older is not None:
+            steps = older()
     return None
 
 

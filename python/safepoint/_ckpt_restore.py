@@ -12,12 +12,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from safepoint import _core
-from safepoint._agreement import (
-    agree_on_step,
-    gather_candidates,
-    hot_reload_agreed,
-    load_newest_agreed,
-)
+from safepoint._agreement import Statement, agree, agree_on_step, load_newest_agreed
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._attempt import newest_attempts
@@ -62,9 +57,7 @@ class RestoreMixin(CheckpointerBase):
         t0 = time.perf_counter()
         self._io = {"storage_bytes_read": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0}
         if self._group is not None:
-            out = self._load_memory_agreed(step, _targets)
-            if out is None:
-                out = self._load_agreed(step, _targets)
+            out = self._load_agreed(step, _targets)
         else:
             out = self._load_local(step, _targets)
         if out is None:
@@ -99,20 +92,38 @@ class RestoreMixin(CheckpointerBase):
 
     def _committed(self) -> dict[int, list[str]]:
         """step -> the storages that hold it committed, fastest first (``path``, then the tiers
-        in order). A tier that cannot be listed is skipped with a warning: the others serve."""
-        where: dict[int, list[str]] = {}
-        for uri in self._stores:
+        in order): ``_stored``, by URI."""
+        stored, error = self._stored()
+        if error is not None:
+            raise error
+        return {s: [self._stores[u] for u in uris] for s, uris in stored.items()}
+
+    def _stored(self) -> tuple[dict[int, list[int]], Optional[Error]]:
+        """(step -> indexes into ``_stores`` of the storages that hold it committed, the error
+        that kept the only storage from being listed). Per storage one List of the COMMIT
+        objects and the records read newest first down to the first valid one (one read when the
+        newest is intact; a damaged one is skipped with a warning): the steps are those up to
+        that one, the older ones' records unread (a damaged one fails the read of its step, and
+        the load falls back). With several ranks only the agreement's lister calls this: the
+        job asks storage once. A tier that cannot be listed is skipped with a warning: the
+        others serve."""
+        where: dict[int, list[int]] = {}
+        for i, uri in enumerate(self._stores):
             try:
-                found = storage_steps(uri)
+                found, newest, problems = _core.committed_view(uri)
             except Error as e:
                 if len(self._stores) == 1:
-                    raise
+                    return {}, e
                 warnings.warn(f"safepoint: cannot list the steps of {uri}: {e}", RuntimeWarning,
                               stacklevel=4)
                 continue
+            for problem in problems:
+                warnings.warn(f"safepoint: skipped a damaged checkpoint: {problem}",
+                              RuntimeWarning, stacklevel=4)
             for s in found:
-                where.setdefault(s, []).append(uri)
-        return where
+                if newest is not None and s <= newest:
+                    where.setdefault(s, []).append(i)
+        return where, None
 
     def _read_storage(self, uri: str, step: Optional[int], targets: Any):
         """This rank's state of `step` from the storage at `uri`: with targets (restore), only
@@ -140,8 +151,10 @@ class RestoreMixin(CheckpointerBase):
         shard as saved; ``restore(state)`` reshards into this world's tensors. None when the
         step's world size does not explain the refusal (the caller raises it)."""
         try:
-            saved = storage_steps(uri)
-            s = step if step is not None else (max(saved) if saved else None)
+            s = step
+            if s is None:
+                saved = storage_steps(uri)
+                s = max(saved) if saved else None
             world = _core.read_metadata(uri, s, 0).world_size if s is not None else 0
         except Error:
             return None
@@ -256,14 +269,15 @@ class RestoreMixin(CheckpointerBase):
 
     def _load_one(self, step: int, memory: list[int], committed: dict[int, list[str]],
                   targets: Any, peers: Optional[dict[int, Any]] = None,
-                  share: Optional[str] = None):
-        """This rank's copy of `step`: memory first, then peer memory, then storage. None if
-        none reads back. With `share` (every rank restores with share_reads) this is a
-        collective: the ranks that read from storage share the ranges several need
-        (read_shared_into) from `share`, a storage every rank sees the step on, and a rank whose
-        copy is in memory (or peer memory) takes part too."""
-        got = None
-        if step in memory:
+                  share: Optional[str] = None, loaded: Any = None):
+        """This rank's copy of `step`: memory first (`loaded`: what it already read from memory,
+        verified, before the agreement), then peer memory, then storage. None if none reads
+        back. With `share` (every rank restores with share_reads) this is a collective: the
+        ranks that read from storage share the ranges several need (read_shared_into) from
+        `share`, a storage every rank sees the step on, and a rank whose copy is in memory (or
+        peer memory) takes part too."""
+        got = loaded
+        if got is None and step in memory:
             try:
                 got = self._usable(self._live.load_step(step, self._unpickler,
                                                         targets is not None, targets))
@@ -293,50 +307,49 @@ class RestoreMixin(CheckpointerBase):
                               RuntimeWarning, stacklevel=5)
         return None
 
-    def _load_memory_agreed(self, step: Optional[int], targets: Any):
-        """The hot reload: each rank loads its newest snapshot in memory (or the given step),
-        verified, and the ranks check in one collective that they loaded the same one
-        (_agreement.hot_reload_agreed). The result when they did; otherwise None, and every
-        rank runs the full agreement (_load_agreed), which loads again. Not with replication:
-        peers' copies may hold newer steps."""
-        if self.replication is not None:
-            return None
-        attempts = self._memory_attempts()
-        committed = self._committed()
-        newest_committed = max(committed) if committed else -1
-        s = step if step is not None else (max(attempts) if attempts else None)
-        got = None
-        if (s is not None and attempts.get(s) is not None
-                and (step is not None or s >= newest_committed)):
-            try:
-                got = self._usable(self._live.load_step(s, self._unpickler, targets is not None,
-                                                        targets))
-            except CorruptionError:
-                pass  # the full agreement reads it again, reports it and falls back
-        attempt = attempts.get(s) if s is not None else None
-        if not hot_reload_agreed(self._group, self.world_size, got is not None, s, attempt,
-                                 newest_committed, step is None):
-            return None
-        return got
-
     def _load_agreed(self, step: Optional[int], targets: Any):
-        """The full agreement (_agreement): every rank's committed steps and the attempt of
-        each snapshot in its memory are gathered; all load the newest step every rank can, and
-        fall back together. With replication, a snapshot that peers can rebuild counts like one
-        in memory: per rank, a step's attempt comes from its own memory, else from its peers'
-        copies."""
-        committed = self._committed()
-        memory = self._memory_steps()
+        """The agreement (_agreement) in one collective. Each rank first loads its newest
+        snapshot in memory (or the given step), verified: the hot reload, not with replication
+        (peers' copies may hold newer steps). Rank 0 of the group, the lister, asks storage for
+        the committed steps, for the whole job (``_stored``). One all-gather of every rank's
+        statement follows: when every rank loaded the same step of the same save attempt and
+        none is committed newer, that is the result. Otherwise all load the newest step every
+        rank can (from memory where every rank holds it of one attempt, else from the storages
+        the lister found it on) and fall back together. With replication, a snapshot that peers
+        can rebuild counts like one in memory: per rank, a step's attempt comes from its own
+        memory, else from its peers' copies."""
+        import torch.distributed as dist
+
         mine = self._memory_attempts()
         peers = {s: a for s, a in self._peer_attempts().items() if s not in mine}
+        hot = step if step is not None else (max(mine) if mine else None)
+        got = None
+        if self.replication is None and hot is not None and mine.get(hot) is not None:
+            try:
+                got = self._usable(self._live.load_step(hot, self._unpickler,
+                                                        targets is not None, targets))
+            except CorruptionError:
+                pass  # the candidates read it again, report it and fall back
+        stored: dict[int, list[int]] = {}
+        error = None
+        if dist.get_rank(self._group) == 0:
+            stored, error = self._stored()
         share = self.share_reads and targets is not None  # restore's shared storage reads
-        agreed = gather_candidates(self._group, self.world_size, committed, {**peers, **mine},
-                                   share, self._stores, step)
-        memory = [s for s in memory if s in agreed.in_memory]
+        statement = Statement(got is not None, hot, mine.get(hot) if hot is not None else None,
+                              {**peers, **mine}, share, stored,
+                              max(stored) if stored else -1, error)
+        agreed = agree(self._group, self.world_size, statement, self._stores, step)
+        if agreed.hot:
+            return got
+        preloaded = got
+        memory = [s for s in self._memory_steps() if s in agreed.in_memory]
         peers = {s: a for s, a in peers.items() if s in agreed.in_memory}
         got = load_newest_agreed(
             self._group, agreed.steps,
-            lambda s: self._load_one(s, memory, committed, targets, peers, agreed.shared_uri(s)))
+            lambda s: self._load_one(s, memory, agreed.committed, targets, peers,
+                                     agreed.shared_uri(s),
+                                     preloaded if s == hot and s in agreed.in_memory else None),
+            agreed.older)
         if got is None and step is not None:
             raise NotFoundError(f"{self.path}: step {step} cannot be loaded by every rank")
         return got

@@ -225,12 +225,14 @@ class StepReader:
 
     @staticmethod
     def _open_one_version(path: str, step: int) -> list:
-        """Every rank's reader, all of one COMMIT record: a step replaced meanwhile
-        (safepoint.save(overwrite=True)) is opened again rather than mixed."""
+        """Every rank's reader, all of one COMMIT record, read once (by the first reader, and
+        handed to the others): a step replaced meanwhile (safepoint.save(overwrite=True)) is
+        opened again rather than mixed."""
         for tries in range(4):
             try:
                 first = _core.ShardReader(path, step, 0)
-                readers = [first] + [_core.ShardReader(path, step, r)
+                commit = first.commit
+                readers = [first] + [_core.ShardReader(path, step, r, commit)
                                      for r in range(1, first.world_size)]
             except NotFoundError:  # an old image removed after the COMMIT record was replaced
                 if tries == 3 or step not in _core.steps(path):

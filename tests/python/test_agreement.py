@@ -66,3 +66,41 @@ def test_hot_reload_agrees_in_one_collective(tmp_path, job):
     # it (no pickled all_gather_object, no confirming all_reduce).
     assert [o["calls"] for o in outs] == [
         {"all_gather_object": 0, "all_reduce": 0, "all_gather": 1}] * 2
+
+
+def test_rows_state_the_newest_steps_and_the_rest_comes_in_a_second_round(tmp_path):
+    # The agreement's rows are fixed (ROW int64 per rank): the lister states its newest STORED
+    # committed steps; when every one fails, the rest comes from it in one broadcast. Checked on
+    # a 1-rank gloo group, in a process of its own.
+    import subprocess
+    import sys
+
+    script = f"""
+import torch.distributed as dist
+from safepoint import _agreement as a
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+g = dist.new_group(backend="gloo")
+stored = {{s: [s % 2] for s in range(1, 21)}}  # 20 steps, on storage 0 or 1 alternately
+mine = a.Statement(False, None, None, {{21: 7, 3: None}}, True, stored, 20)
+agreed = a.agree(g, 1, mine, ["file:///p", "file:///t"], None)
+assert not agreed.hot and agreed.more and agreed.in_memory == {{21}}
+assert agreed.steps == {{21}} | set(range(20 - a.STORED + 1, 21)), agreed.steps
+assert agreed.committed[20] == ["file:///p"] and agreed.shared_uri(19) == "file:///t"
+tried = []
+got = a.load_newest_agreed(g, agreed.steps, lambda s: tried.append(s) or (s if s == 2 else None),
+                           agreed.older)
+assert got == 2 and tried == list(range(21, 1, -1)), tried
+# An asked-for step: the row states it alone; a hot reload the lister's newest committed step
+# overrides only when the newest is asked for.
+agreed = a.agree(g, 1, a.Statement(True, 5, 9, {{5: 9}}, False, stored, 20), ["file:///p"], 5)
+assert agreed.hot and agreed.steps == {{5}} and not agreed.more
+agreed = a.agree(g, 1, a.Statement(True, 5, 9, {{5: 9}}, False, stored, 20), ["file:///p"], None)
+assert not agreed.hot
+# Attempts are unsigned 64-bit ids: every one survives the int64 row.
+agreed = a.agree(g, 1, a.Statement(True, 5, 2**64 - 1, {{5: 2**64 - 1}}, False), ["p"], None)
+assert agreed.hot and agreed.in_memory == {{5}}
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

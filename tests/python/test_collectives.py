@@ -71,3 +71,27 @@ def test_a_notice_on_one_rank_preempts_every_rank_at_the_same_save(tmp_path, shm
         assert collectives(out, 3) == ONE
         assert collectives(out, 4) == ONE * (1 if persist_every == 1 else 2)
         assert out["exact"] is True and 4 in out["steps"]
+
+
+def test_a_restore_from_storage_agrees_in_one_collective(tmp_path, shm):
+    # Nothing in memory (a fresh set of processes after the job closed): one all-gather of fixed
+    # rows (the hot reload's statements and rank 0's committed steps together), then the
+    # all-reduce of "did every rank read it". Before: the hot reload's all-gather, then a
+    # pickled all_gather_object of every rank's committed steps, then the all-reduce.
+    worker = os.path.join(os.path.dirname(__file__), "workloads", "restore_requests_worker.py")
+
+    def phase(name: str) -> list:
+        port = free_port()
+        return run_ranks([[worker, tmp_path / "ckpt", shm, f"coll-r-{name}-{os.getpid()}", port,
+                           r, RANKS, name] for r in range(RANKS)])
+
+    phase("save")
+    for out in phase("load"):
+        assert (out["step"], out["ok"], out["source"]) == (4, True, "storage")
+        assert out["calls"] == ["all_gather", "all_reduce"], out
+    for out in phase("restore"):
+        # restore shares the reads several ranks need: the agreement's two collectives around
+        # the shared read's own (its plan's all_gather_object, the point-to-point messages and
+        # its all-reduce).
+        calls = [c for c in out["calls"] if c not in ("isend", "irecv")]
+        assert calls == ["all_gather", "all_gather_object", "all_reduce", "all_reduce"], out

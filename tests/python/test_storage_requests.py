@@ -101,3 +101,86 @@ def test_a_damaged_newest_commit_falls_back_to_the_step_before(tmp_path):
     commit.write_bytes(bytes(raw))
     step, got = safepoint.load(path)
     assert step == 2 and torch.equal(got["w"], torch.full((10,), 2.0))
+
+
+# --- a restore of a whole job (issue 32 item 4) ---------------------------------------------------
+# 4 real processes (gloo), each counting its own storage requests around the restore
+# (tests/python/workloads/restore_requests_worker.py). One rank (rank 0, the agreement's lister)
+# lists the storage and reads the newest COMMIT record, for the job; every rank then reads only the
+# step it restores. Before, every rank listed the storage and read every COMMIT record there.
+
+RANKS = 4
+WORKER = os.path.join(os.path.dirname(__file__), "workloads", "restore_requests_worker.py")
+
+
+def job_run(tmp_path, shm, phase: str, tag: str) -> list:
+    from conftest import free_port, run_ranks
+
+    port = free_port()
+    return run_ranks([[WORKER, tmp_path / "ckpt", shm, f"rq-{tag}-{os.getpid()}", port, r,
+                       RANKS, phase] for r in range(RANKS)])
+
+
+def flip_last_byte(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_a_restore_of_the_job_lists_storage_once(tmp_path, shm):
+    job_run(tmp_path, shm, "save", "a")
+    assert safepoint.steps(tmp_path / "ckpt") == [2, 3, 4]  # keep=3
+    for phase in ("load", "restore"):
+        outs = job_run(tmp_path, shm, phase, phase)
+        assert [(o["step"], o["ok"], o["source"]) for o in outs] == [(4, True, "storage")] * 4
+        req = [o["requests"]["file"] for o in outs]
+        # The one List of the job, by rank 0; no other rank lists.
+        assert [r.get("list", 0) for r in req] == [1, 0, 0, 0], (phase, req)
+        # Rank 0 reads one COMMIT record more than the others (the newest, for the job): its
+        # metadata bytes are those of the others plus one record and the List's names.
+        others = {r["metadata_bytes"] for r in req[1:]}
+        assert len(others) == 1 and req[0]["metadata_bytes"] > others.pop(), (phase, req)
+
+
+def test_requests_of_a_rank_that_does_not_list_do_not_grow_with_the_steps_kept(tmp_path, shm):
+    # The steps kept are 2, 3 and 4; the ranks that do not list read the step they restore alone,
+    # whatever the number of steps kept: the same requests as after a first save alone.
+    job_run(tmp_path, shm, "save", "a")
+    many = job_run(tmp_path, shm, "load", "b")
+    for step in (2, 3):
+        (tmp_path / "ckpt" / f"step-{step:020d}" / "COMMIT").unlink()  # steps 2, 3: gone
+    assert safepoint.steps(tmp_path / "ckpt") == [4]
+    one = job_run(tmp_path, shm, "load", "c")
+    assert [o["step"] for o in many + one] == [4] * 8
+    for a, b in zip(many[1:], one[1:]):
+        assert a["requests"] == b["requests"], (a["requests"], b["requests"])
+
+
+def test_a_damaged_newest_commit_is_skipped_by_every_rank_together(tmp_path, shm):
+    job_run(tmp_path, shm, "save", "a")
+    flip_last_byte(tmp_path / "ckpt" / f"step-{4:020d}" / "COMMIT")
+    outs = job_run(tmp_path, shm, "restore", "b")
+    assert [(o["step"], o["ok"]) for o in outs] == [(3, True)] * RANKS
+    # Rank 0 read it and says so, once for the job.
+    assert any("damaged" in w and "COMMIT" in w for w in outs[0]["warnings"]), outs[0]
+    assert not any("damaged" in w for o in outs[1:] for w in o["warnings"])
+
+
+def test_an_unread_older_commit_that_is_damaged_makes_every_rank_fall_back(tmp_path, shm):
+    # Step 4's image of rank 1 is damaged: every rank falls back to step 3, whose COMMIT record
+    # (not read by the lister, which stopped at step 4's intact one) is damaged too: the ranks
+    # fall back together once more, to step 2.
+    from safepoint import _core
+
+    job_run(tmp_path, shm, "save", "a")
+    ckpt = tmp_path / "ckpt"
+    img, offset, nbytes = _core.tensor_extent(str(ckpt), 4, 1, "r1")
+    with open(img, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_last_byte(ckpt / f"step-{3:020d}" / "COMMIT")
+    outs = job_run(tmp_path, shm, "load", "b")
+    assert [(o["step"], o["ok"]) for o in outs] == [(2, True)] * RANKS
+    assert sum("fall back" in w for w in outs[0]["warnings"]) == 2, outs[0]["warnings"]

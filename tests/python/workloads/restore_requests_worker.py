@@ -1,0 +1,132 @@
+"""One rank of a gloo job that counts what a restore asks of storage and of torch.distributed
+(tests/python/test_storage_requests.py, issue 32 items 4 and 5).
+
+    python restore_requests_worker.py CKPT SHM_DIR JOB PORT RANK WORLD PHASE [TIERS]
+
+PHASE:
+  save             saves steps 1..4 of a small state (replicated model + a rank-local tensor)
+                   and closes: the snapshots leave memory, a restore reads storage.
+  restore          a fresh Checkpointer restores into zeroed targets (reshards: partial reads).
+  load             a fresh Checkpointer loads (whole images, no targets).
+TIERS: a comma-separated list of tier URIs (the same in both phases), or nothing.
+
+Counts, around the restore alone: this process's storage requests (``_core.storage_requests()``,
+by scheme and operation) and every outermost torch.distributed collective (name). Prints one
+JSON line: {"rank", "step", "ok", "source", "uri", "requests": {scheme: {op: n}}, "calls",
+"warnings"}.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import safepoint
+from safepoint import _core
+
+ckpt_dir, shm_dir, job, port, rank, world, phase = sys.argv[1:8]
+tiers = [t for t in (sys.argv[8] if len(sys.argv) > 8 else "").split(",") if t]
+rank, world = int(rank), int(world)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    model = {f"layer{i}": torch.randn(128, 160, generator=g) for i in range(2)}
+    return {"model": model, f"r{rank}": torch.full((100,), float(rank * 1000 + step)),
+            "step": step}
+
+
+def zeros(tree):
+    if isinstance(tree, dict):
+        return {k: zeros(v) for k, v in tree.items()}
+    return torch.zeros_like(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+NAMES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+         "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "gather",
+         "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+         "isend", "irecv", "send", "recv")
+calls: list = []
+depth = [0]
+
+
+def counted(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if depth[0]:
+            return fn(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            calls.append(name)
+    return wrapper
+
+
+def count_collectives() -> None:
+    for name in NAMES:
+        real = getattr(c10d, name, None)
+        if real is None:
+            continue
+        wrapped = counted(name, real)
+        for mod in (dist, c10d):
+            if getattr(mod, name, None) is not None:
+                setattr(mod, name, wrapped)
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {scheme: {op: n - before.get(scheme, {}).get(op, 0) for op, n in ops.items()
+                     if n - before.get(scheme, {}).get(op, 0)}
+            for scheme, ops in after.items()}
+
+
+out: dict = {"rank": rank}
+if phase == "save":
+    with safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir, tiers=tiers or None) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(step, state(step))
+        ck.wait()
+else:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir,
+                                    tiers=tiers or None) as ck:
+            dist.barrier()
+            count_collectives()
+            before = _core.storage_requests()
+            if phase == "restore":
+                target = zeros(state(0))
+                step = ck.restore(target)
+                ok = step is not None and equal(target, state(step))
+            else:
+                got = ck.load()
+                step = got[0] if got else None
+                ok = got is not None and equal(got[1], state(step))
+            out["requests"] = delta(before, _core.storage_requests())
+            out["calls"] = list(calls)
+            out.update(step=step, ok=ok, source=ck.last_load_source,
+                       uri=ck.last_restore.uri if ck.last_restore else None)
+            # the counting ends here: close() and the barriers below are not the restore's
+            depth[0] += 1
+    out["warnings"] = [str(w.message) for w in caught]
+print(json.dumps(out), flush=True)
+dist.barrier()
+dist.destroy_process_group()
