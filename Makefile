@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale bench-scale-torch clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -224,6 +224,15 @@ bench-scale: build-tests
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH scripts/with-ceph.sh $(PY) bench/scale.py \
 	  $(if $(CONFIGS),--configs $(CONFIGS)) $(if $(STORES),--stores $(STORES)) \
 	  $(if $(STEPS),--steps $(STEPS))
+
+# The Python layer with real torch.distributed processes, DCP side by side (issue 32 items 1 and
+# 6; docs/benchmarks.md, "Python layer and DCP, W = 2..64"): W gloo processes of a small state
+# each (W = 2..64), save and restore times, collectives per save and per restore, and file
+# system calls under the checkpoint root counted by strace for both. WS=2,4,... COUNT_WS=...
+# override; writes build/bench/scale_torch.json and prints the table.
+bench-scale-torch: build-tests
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/scale_torch.py \
+	  $(if $(WS),--ws $(WS)) $(if $(COUNT_WS),--count-ws $(COUNT_WS))
 
 clean:
 	rm -rf build
