@@ -275,8 +275,10 @@ class SnapshotClient {
   // The parts of WriteSnapshot before and after the copy.
   Status PrepareWrite(bool notify, SnapshotResult* result);
   Result<bool> AcquireSlot(SnapshotResult* result, SlotWriteTicket* ticket);
-  void CompleteWrite(uint64_t step, bool persist, bool notify, const SlotWriteTicket& ticket,
-                     SnapshotResult* result);
+  // Superseded (this process lost the rank to a newer run's: src/shm/rank_claim.h) when the
+  // slot could not be marked COMPLETE.
+  Status CompleteWrite(uint64_t step, bool persist, bool notify, const SlotWriteTicket& ticket,
+                       SnapshotResult* result);
   class Streamed;
   // ResourceExhausted when a snapshot of `image_bytes` could take the job's shared memory on
   // this node beyond ClientOptions::max_shm_bytes.

@@ -23,6 +23,7 @@ enum class StatusCode : int {
   kResourceExhausted = 6,  // no space (ENOSPC, EDQUOT), too little shared memory
   kCancelled = 7,
   kAlreadyExists = 8,
+  kSuperseded = 9,  // this process was superseded by a newer run of the job (a stale process)
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -58,6 +59,7 @@ Status Unavailable(std::string message);
 Status ResourceExhausted(std::string message);
 Status Cancelled(std::string message);
 Status AlreadyExists(std::string message);
+Status Superseded(std::string message);
 
 // The one place where an errno becomes a Status. `op` is the failed call ("open", "fsync"),
 // `path` what it was applied to. ENOENT -> NotFound, ENOSPC/EDQUOT -> ResourceExhausted,

@@ -30,6 +30,8 @@ const char* ExceptionName(StatusCode code) {
       return "CancelledError";
     case StatusCode::kAlreadyExists:
       return "AlreadyExistsError";
+    case StatusCode::kSuperseded:
+      return "SupersededError";
   }
   return "Error";  // a code outside the enum (a corrupted value)
 }

@@ -3,7 +3,7 @@
 Each C++ StatusCode (include/safepoint/status.h) raises one of these, chosen in one switch in the
 binding (``ExceptionName`` in python/ext/module.cc, which does not compile without a case for
 every code): NotFound, Corruption, IOError (StorageError), InvalidArgument, Unavailable,
-ResourceExhausted, Cancelled, AlreadyExists.
+ResourceExhausted, Cancelled, AlreadyExists, Superseded.
 """
 
 
@@ -50,6 +50,13 @@ class AlreadyExistsError(Error):
     committed step is immutable)."""
 
 
+class SupersededError(Error):
+    """This process was superseded: a newer run of the job took its rank on this node while it
+    still ran (a stale process, e.g. one a network partition left hung in a collective). Its
+    saves fail and the agent refuses it, so that nothing it writes can be taken for the job's
+    newest snapshot; end it (docs/reliability.md, "Superseded processes")."""
+
+
 __all__ = [
     "Error",
     "NotFoundError",
@@ -61,4 +68,5 @@ __all__ = [
     "ResourceExhaustedError",
     "CancelledError",
     "AlreadyExistsError",
+    "SupersededError",
 ]

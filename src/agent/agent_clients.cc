@@ -9,13 +9,16 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "agent/node_agent.h"
+#include "base/clock.h"
 #include "base/log.h"
 #include "base/process.h"
+#include "shm/rank_claim.h"
 
 namespace safepoint::agent {
 
@@ -331,11 +334,102 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
     return Status::OK();
   }
   RankState& rs = ranks_[hello.rank];
-  if (rs.connected && rs.pid != c.pid && internal::ProcessAlive({rs.pid, 0})) {
-    RefuseHello(c, "rank " + std::to_string(hello.rank) + " is already connected (pid " +
-                       std::to_string(rs.pid) + ")");
+  // Who may write the rank's slots (src/shm/rank_claim.h; docs/reliability.md, "Superseded
+  // processes"): a process of another save attempt that started after the rank's process, which
+  // still runs, is a newer run of the job (the old one is stale: left hung in a collective by a
+  // partition, say). It supersedes that one. Anything else that finds the rank taken is refused.
+  const internal::ProcessId me{c.pid, internal::ProcessStartTicks(c.pid).value_or(0)};
+  auto claim = RankClaim::OpenOrCreate(job_dir_, hello.rank);
+  if (!claim.ok()) {
+    // Without a claim nothing is fenced (the writers check nothing): the rank works as before.
+    spdlog::warn("rank {}: no claim ({}); a superseded process could not be fenced", hello.rank,
+                 claim.status().ToString());
+  }
+  RankClaim* rc = claim.ok() ? claim->get() : nullptr;
+  if (rc != nullptr && rc->FindSuperseded(me)) {
+    RefuseHello(c, Superseded(SupersededMessage(job_dir_, hello.rank, me, rc->Owner())).ToString());
     return Status::OK();
   }
+  // The rank's process now: the connected one, else the claim's owner while it runs (the
+  // agent was restarted while it was blocked elsewhere, or it lost its connection).
+  struct Holder {
+    internal::ProcessId process;
+    uint64_t attempt = 0;
+  };
+  std::optional<Holder> holder;
+  const ClaimOwner owner = rc != nullptr ? rc->Owner() : ClaimOwner{};
+  if (rs.connected && rs.pid != c.pid && internal::ProcessAlive({rs.pid, 0})) {
+    holder = Holder{{rs.pid, internal::ProcessStartTicks(rs.pid).value_or(0)}, 0};
+    if (holder->process == owner.process) holder->attempt = owner.attempt;
+  } else if (owner.process.pid != 0 && owner.process.pid != c.pid &&
+             internal::ProcessAlive(owner.process)) {
+    holder = Holder{owner.process, owner.attempt};
+  }
+  if (holder) {
+    const uint64_t ticks = holder->process.start_ticks;
+    const bool other_run =
+        hello.attempt != 0 && holder->attempt != 0 && hello.attempt != holder->attempt;
+    if (other_run && ticks != 0 && me.start_ticks > ticks) {
+      // A newer run takes the rank from the process that still runs. In this order: the claim
+      // records that process as superseded and this one as the owner (the epoch moves on: the
+      // old process's writes fail from now on), then every slot being written is removed (what
+      // it was copying is never seen: src/shm/arena.h), then its connections are answered
+      // (waits: SupersededError) and closed, and what it completed before is persisted as for
+      // a process that died (its leases released).
+      const internal::ProcessId old = holder->process;
+      if (rc != nullptr) {
+        rc->AddSuperseded({old, holder->attempt, me, hello.attempt, UnixNanos()});
+        rc->SetOwner(me, hello.attempt);
+      }
+      const uint32_t removed = rs.arena ? rs.arena->RemoveWritingSlots() : 0;
+      const Status why = Superseded(SupersededMessage(
+          job_dir_, hello.rank, old, rc != nullptr ? rc->Owner() : ClaimOwner{me, hello.attempt}));
+      uint32_t connections = 0;
+      for (auto& other : clients_) {
+        if (!other->hello || other->rank != hello.rank || other->pid != old.pid || other->broken) {
+          continue;
+        }
+        for (const auto& [step, persisted] : other->waits) {
+          Reply(*other, MessageType::kWaitReply, Encode(protocol::WaitReply{step, why}));
+        }
+        other->waits.clear();
+        if (rs.close_client == other->fd.get()) rs.close_client = -1;
+        other->broken = true;  // the loop drops it (no emergency flush: the one below is it)
+        ++connections;
+      }
+      rs.connected = false;
+      spdlog::warn(
+          "rank {}: process {} (save attempt {}) supersedes process {} (save attempt {}), which "
+          "still runs: a newer run of the job took the rank; the old process's {} "
+          "connection(s) are closed, its saves fail (SupersededError), {} slot(s) it was "
+          "writing are removed",
+          hello.rank, me.pid, hello.attempt, old.pid, holder->attempt, connections, removed);
+      if (opt_.emergency_flush) EmergencyFlush(hello.rank, FlushReason::kEmergency);
+    } else if (other_run && ticks != 0 && me.start_ticks != 0 && me.start_ticks < ticks) {
+      RefuseHello(
+          c,
+          Superseded("rank " + std::to_string(hello.rank) + " belongs to process " +
+                     std::to_string(holder->process.pid) + " (save attempt " +
+                     std::to_string(holder->attempt) + "), which started after this process (pid " +
+                     std::to_string(c.pid) + ", save attempt " + std::to_string(hello.attempt) +
+                     "): this process is of an earlier run of the job; end it")
+              .ToString());
+      return Status::OK();
+    } else {
+      std::string why;
+      if (hello.attempt == 0 || holder->attempt == 0) {
+        why = "; with no save attempt to tell the runs apart, the newer cannot supersede it";
+      } else if (hello.attempt == holder->attempt) {
+        why = "; both are of save attempt " + std::to_string(hello.attempt) +
+              " (one run cannot have two processes for a rank; a restarted run needs a new "
+              "attempt: see $SAFEPOINT_ATTEMPT)";
+      }
+      RefuseHello(c, "rank " + std::to_string(hello.rank) + " is already connected (pid " +
+                         std::to_string(holder->process.pid) + ")" + why);
+      return Status::OK();
+    }
+  }
+  const uint64_t epoch = rc != nullptr ? rc->SetOwner(me, hello.attempt) : 0;
   c.hello = true;
   refused_ = false;
   c.rank = hello.rank;
@@ -348,7 +442,7 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
   ConfigureTelemetry(hello);
   spdlog::info("rank {} connected (pid {})", hello.rank, c.pid);
   Reply(c, MessageType::kHelloReply,
-        Encode(protocol::HelloReply{static_cast<uint32_t>(::getpid()), job_dir_}));
+        Encode(protocol::HelloReply{static_cast<uint32_t>(::getpid()), job_dir_, epoch}));
   return Status::OK();
 }
 

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -1268,6 +1269,114 @@ TEST_F(AgentTest, AnotherWorldSizeWhileARankOfTheJobRunsIsRefused) {
   EXPECT_FALSE(SlotFiles().empty());
   SaveStep(*rank0, 2, /*persist=*/false);  // the job goes on
   ExpectServes();
+}
+
+// Issue 35's defect: a stale process (its run left it hung in a collective, say by a network
+// partition) still holds rank 0 on this node when the job's next run puts rank 0 here again. The
+// newer run's process (another save attempt, started later) takes the rank instead of being
+// refused with "rank 0 is already connected"; the stale one can no longer save, wait or say hello,
+// and nothing it does reaches memory or storage.
+TEST_F(AgentTest, ANewerRunTakesTheRankFromAStaleProcessThatStillRuns) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ClientOptions stale_options = Options();
+  stale_options.attempt = 111;
+  ASSERT_OK_AND_ASSIGN(auto stale, SnapshotClient::Connect(stale_options));
+  SaveStep(*stale, 1, /*persist=*/true);
+  ASSERT_OK(stale->Wait(kDeadlineSeconds));
+  // The newer run's process: resumes from the stale one's snapshot, saves step 2, dies unclosed.
+  ASSERT_EQ(test::RunInChild([&] {
+              ClientOptions o = Options();
+              o.attempt = 222;
+              auto c = SnapshotClient::Connect(o);
+              if (!c.ok()) {
+                std::fprintf(stderr, "newer run refused: %s\n", c.status().ToString().c_str());
+                return 2;
+              }
+              auto loaded = (*c)->LoadNewest(std::nullopt);
+              if (!loaded.ok() || loaded->step != 1) return 3;
+              Shard s(2);
+              auto r = (*c)->Save(2, s.sources, s.extras, /*persist=*/true);
+              if (!r.ok() || !r->saved || !r->agent_error.empty()) return 4;
+              return (*c)->Wait(kDeadlineSeconds).ok() ? 0 : 5;
+            }),
+            0);
+  // The stale process: every save, wait and hello fails, naming the newer run.
+  Shard three(3);
+  auto saved = stale->Save(3, three.sources, three.extras, /*persist=*/true);
+  ASSERT_FALSE(saved.ok());
+  EXPECT_EQ(saved.status().code(), StatusCode::kSuperseded) << saved.status().ToString();
+  EXPECT_NE(saved.status().message().find("save attempt 222"), std::string::npos)
+      << saved.status().ToString();
+  const Status waited = stale->Wait(kDeadlineSeconds);
+  EXPECT_EQ(waited.code(), StatusCode::kSuperseded) << waited.ToString();
+  auto again = SnapshotClient::Connect(stale_options);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::kSuperseded) << again.status().ToString();
+  // Memory and storage hold the newer run's step 2; nothing of step 3.
+  ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir_, 0));
+  ASSERT_TRUE(arena->NewestComplete());
+  EXPECT_EQ(arena->NewestComplete()->step, 2u);
+  ASSERT_TRUE(WaitUntil([&] {
+    return Committed() == std::vector<uint64_t>{1, 2};
+  })) << Committed().size();
+  // A later run takes the rank as usual.
+  ClientOptions next = Options();
+  next.attempt = 333;
+  ASSERT_EQ(test::RunInChild([&] {
+              auto c = SnapshotClient::Connect(next);
+              if (!c.ok()) return 2;
+              auto loaded = (*c)->LoadNewest(std::nullopt);
+              return loaded.ok() && loaded->step == 2 ? 0 : 3;
+            }),
+            0);
+}
+
+// A process of an earlier run (started before the rank's process, of another save attempt) is
+// refused as superseded; one of the same run is refused as a second process of the rank.
+TEST_F(AgentTest, AnOlderRunsProcessNeverTakesTheRankFromANewerOne) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  int ready_fds[2], done_fds[2];
+  ASSERT_EQ(::pipe(ready_fds), 0);
+  UniqueFd ready_read(ready_fds[0]), ready_write(ready_fds[1]);
+  ASSERT_EQ(::pipe(done_fds), 0);
+  UniqueFd done_read(done_fds[0]), done_write(done_fds[1]);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // the newer run's rank 0 (started after this test process)
+    ready_read.Reset();
+    done_write.Reset();
+    ClientOptions o = Options();
+    o.attempt = 222;
+    o.agent_binary.clear();
+    auto c = SnapshotClient::Connect(o);
+    const char ok = c.ok() ? 1 : 0;
+    if (::write(ready_write.get(), &ok, 1) != 1) ::_exit(1);
+    char byte;
+    while (::read(done_read.get(), &byte, 1) > 0) {
+    }
+    ::_exit(0);
+  }
+  children_[child] = false;
+  ready_write.Reset();
+  done_read.Reset();
+  char ok = 0;
+  ASSERT_EQ(::read(ready_read.get(), &ok, 1), 1);
+  ASSERT_EQ(ok, 1);
+  ClientOptions older = Options();
+  older.attempt = 111;
+  older.agent_binary.clear();
+  auto refused = SnapshotClient::Connect(older);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kSuperseded) << refused.status().ToString();
+  older.attempt = 222;
+  refused = SnapshotClient::Connect(older);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("already connected (pid " + std::to_string(child)),
+            std::string::npos)
+      << refused.status().ToString();
+  done_write.Reset();
+  ExpectExitsWith(child, 0);
 }
 
 // A refused process (another path under the job's name) leaves no idle agent behind: the agent,

@@ -37,7 +37,7 @@ Status StatusFromJson(const json& j, std::string_view context) {
   uint64_t code = 0;
   std::string message;
   if (!GetU64(j, "code", &code) || !GetString(j, "message", &message, 4096) || code == 0 ||
-      code > static_cast<uint64_t>(StatusCode::kAlreadyExists))
+      code > static_cast<uint64_t>(StatusCode::kSuperseded))
     return Corruption(prefix + "malformed error message");
   return Status(static_cast<StatusCode>(code), prefix + message);
 }

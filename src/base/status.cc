@@ -25,6 +25,8 @@ std::string_view StatusCodeName(StatusCode code) {
       return "Cancelled";
     case StatusCode::kAlreadyExists:
       return "AlreadyExists";
+    case StatusCode::kSuperseded:
+      return "Superseded";
   }
   return "Unknown";
 }
@@ -55,6 +57,7 @@ Status ResourceExhausted(std::string m) {
 }
 Status Cancelled(std::string m) { return Status(StatusCode::kCancelled, std::move(m)); }
 Status AlreadyExists(std::string m) { return Status(StatusCode::kAlreadyExists, std::move(m)); }
+Status Superseded(std::string m) { return Status(StatusCode::kSuperseded, std::move(m)); }
 
 Status ErrnoStatus(std::string_view op, std::string_view path, int err) {
   std::string m(path);

@@ -107,10 +107,12 @@ std::string ErrorText(const std::string& payload) {
 namespace internal {
 
 Status HelloRefusal(std::string_view text) {
-  for (StatusCode code :
-       {StatusCode::kIOError, StatusCode::kResourceExhausted, StatusCode::kNotFound}) {
+  for (StatusCode code : {StatusCode::kIOError, StatusCode::kResourceExhausted,
+                          StatusCode::kNotFound, StatusCode::kSuperseded}) {
     const std::string prefix = std::string(StatusCodeName(code)) + ": ";
     if (text.starts_with(prefix)) {
+      if (code == StatusCode::kSuperseded)
+        return Status(code, std::string(text.substr(prefix.size())));
       return Status(code, std::string(text.substr(prefix.size())) +
                               " (the safepoint agent cannot use the checkpoint path)");
     }
@@ -173,7 +175,8 @@ Status SnapshotClient::Hello() {
                                      opt_.metrics,
                                      opt_.event_log,
                                      opt_.compression,
-                                     opt_.incremental};
+                                     opt_.incremental,
+                                     opt_.attempt};
   protocol::FrameDecoder decoder;
   SP_RETURN_IF_ERROR(protocol::SendMessage(fd_, MessageType::kHello, protocol::Encode(hello)));
   // A hello of another world size than the job's waits while the agent persists and drops the
@@ -187,13 +190,20 @@ Status SnapshotClient::Hello() {
     Disconnect();
     return internal::HelloRefusal(ErrorText(reply.payload));
   }
-  if (reply.type != MessageType::kHelloReply) {
+  protocol::HelloReply hello_reply;
+  if (reply.type != MessageType::kHelloReply ||
+      !protocol::Decode(reply.payload, &hello_reply).ok()) {
     Disconnect();
     return Unavailable("the safepoint agent answered hello with an unexpected message");
   }
   // The agent removes slot files of a job whose world size changed before it answers: map the
-  // rank's slots as they are now, never a removed file's.
-  if (arena_) SP_RETURN_IF_ERROR(arena_->Refresh());
+  // rank's slots as they are now, never a removed file's, and the rank's claim (src/shm/
+  // rank_claim.h), which the agent wrote before it answered: this process writes the rank's slots
+  // only while the claim stays at the epoch it was given.
+  if (arena_) {
+    SP_RETURN_IF_ERROR(arena_->Refresh());
+    arena_->set_claim_epoch(hello_reply.claim_epoch);
+  }
   return SendPeerState();
 }
 
@@ -537,10 +547,16 @@ Result<bool> SnapshotClient::AcquireSlot(SnapshotResult* result, SlotWriteTicket
   return true;
 }
 
-void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
-                                   const SlotWriteTicket& ticket, SnapshotResult* result) {
+Status SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
+                                     const SlotWriteTicket& ticket, SnapshotResult* result) {
   SP_KILL_POINT("client.save.before_complete");
-  arena_->FinishWrite(ticket, step, plan_->size(), /*leased=*/persist);
+  if (!arena_->FinishWrite(ticket, step, plan_->size(), /*leased=*/persist)) {
+    // Superseded by a newer run's process while copying (src/shm/rank_claim.h): nothing of this
+    // save is ever read; the slot went back FREE.
+    Status s = arena_->CheckClaim();
+    if (s.ok()) s = Cancelled(SlotSource(SlotInfo{ticket.slot}) + " changed while it was written");
+    return s;
+  }
   saved_ = true;
   if (arena_->usable_slots() < arena_->slot_count()) arena_->DropUnusableSlots();
   SP_KILL_POINT("client.save.after_complete");
@@ -556,6 +572,7 @@ void SnapshotClient::CompleteWrite(uint64_t step, bool persist, bool notify,
     const double blocking = result->wait_seconds + result->create_seconds + result->copy_seconds;
     result->agent_error = Notify({}, SaveReport{step, blocking, plan_->size()});
   }
+  return Status::OK();
 }
 
 uint64_t SnapshotClient::StructureHash() {
@@ -638,7 +655,7 @@ Result<SnapshotResult> SnapshotClient::WriteSnapshot(uint64_t step, bool persist
   }
   plan_->FillAll(ticket.data, threads);
   result.copy_seconds = Since(t_copy);
-  CompleteWrite(step, persist, notify, ticket, &result);
+  SP_RETURN_IF_ERROR(CompleteWrite(step, persist, notify, ticket, &result));
   return result;
 }
 
@@ -701,7 +718,7 @@ class SnapshotClient::Streamed : public SnapshotClient::StreamedSave {
     std::memcpy(ticket_.data.data() + c_->plan_->layout().checksums_offset, section.data(),
                 section.size());
     result_.copy_seconds = Since(t0_);
-    c_->CompleteWrite(step_, persist_, notify_, ticket_, &result_);
+    SP_RETURN_IF_ERROR(c_->CompleteWrite(step_, persist_, notify_, ticket_, &result_));
     return result_;
   }
 

@@ -107,7 +107,7 @@ Status DecodeStatus(const json& j, Status* out) {
   SP_RETURN_IF_ERROR(Field(j, "error", &error));
   int code = static_cast<int>(StatusCode::kIOError);
   if (auto it = j.find("code"); it != j.end() && it->is_number_integer()) code = it->get<int>();
-  if (code <= 0 || code > static_cast<int>(StatusCode::kAlreadyExists))
+  if (code <= 0 || code > static_cast<int>(StatusCode::kSuperseded))
     code = static_cast<int>(StatusCode::kIOError);
   *out = Status(static_cast<StatusCode>(code), error);
   return Status::OK();
@@ -159,10 +159,13 @@ std::string Encode(const HelloRequest& m) {
   if (!m.event_log.empty()) j["event_log"] = m.event_log;
   if (m.compression != "none") j["compression"] = m.compression;
   if (m.incremental) j["incremental"] = true;
+  if (m.attempt != 0) j["attempt"] = m.attempt;
   return j.dump();
 }
 std::string Encode(const HelloReply& m) {
-  return json{{"ok", true}, {"agent_pid", m.agent_pid}, {"job_dir", m.job_dir}}.dump();
+  json j = {{"ok", true}, {"agent_pid", m.agent_pid}, {"job_dir", m.job_dir}};
+  if (m.claim_epoch != 0) j["claim_epoch"] = m.claim_epoch;
+  return j.dump();
 }
 std::string Encode(const SnapshotNote& m) {
   json j = {{"slot", m.slot},
@@ -191,6 +194,7 @@ Status Decode(std::string_view payload, HelloRequest* out) {
   out->event_log.clear();
   out->compression = "none";  // optional: a hello without them asks for the plain layout
   out->incremental = false;
+  out->attempt = 0;
   SP_ASSIGN_OR_RETURN(json j, Parse(payload, {{"rank", &out->rank},
                                               {"world_size", &out->world_size},
                                               {"storage", &out->storage},
@@ -199,13 +203,18 @@ Status Decode(std::string_view payload, HelloRequest* out) {
                                               {"metrics", &out->metrics, /*optional=*/true},
                                               {"event_log", &out->event_log, /*optional=*/true},
                                               {"compression", &out->compression, true},
-                                              {"incremental", &out->incremental, true}}));
+                                              {"incremental", &out->incremental, true},
+                                              {"attempt", &out->attempt, true}}));
   out->tiers.clear();
   if (auto it = j.find("tiers"); it != j.end()) SP_RETURN_IF_ERROR(DecodeTiers(*it, &out->tiers));
   return Status::OK();
 }
 Status Decode(std::string_view payload, HelloReply* out) {
-  return Parse(payload, {{"agent_pid", &out->agent_pid}, {"job_dir", &out->job_dir}}).status();
+  out->claim_epoch = 0;
+  return Parse(payload, {{"agent_pid", &out->agent_pid},
+                         {"job_dir", &out->job_dir},
+                         {"claim_epoch", &out->claim_epoch, /*optional=*/true}})
+      .status();
 }
 Status Decode(std::string_view payload, SnapshotNote* out) {
   out->skip.clear();

@@ -85,11 +85,17 @@ struct HelloRequest {
   // How `storage` stores steps (TierSpec's fields of the same names).
   std::string compression = "none";
   bool incremental = false;
+  // The process's run: its save attempt (ImageMeta::attempt; 0: none given). A younger process
+  // of another attempt supersedes the rank's process that still runs (src/shm/rank_claim.h).
+  uint64_t attempt = 0;
 };
 
 struct HelloReply {
   uint32_t agent_pid = 0;
   std::string job_dir;
+  // The epoch of the rank's claim that this process owns (src/shm/rank_claim.h): its slot writes
+  // hold only while the claim is at this epoch. 0: no claim (nothing is checked).
+  uint64_t claim_epoch = 0;
 };
 
 // What a training process saw, for the agent's metrics, event log and the job's measurement

@@ -380,6 +380,10 @@ TEST(MessageTest, EveryMessageRoundTrips) {
   ASSERT_OK(Decode(Encode(hello), &hello_out));
   EXPECT_EQ(hello_out.metrics, "127.0.0.1:0");
   EXPECT_EQ(hello_out.event_log, "/var/log/job.jsonl");
+  EXPECT_EQ(hello_out.attempt, 0u);  // none given: absent on the wire
+  hello.attempt = (uint64_t{1} << 55) + 3;
+  ASSERT_OK(Decode(Encode(hello), &hello_out));
+  EXPECT_EQ(hello_out.attempt, (uint64_t{1} << 55) + 3);
 
   SnapshotNote note{1, (uint64_t{1} << 40) + 7, 99, true, false, {{0, 2}, {5, 9}}}, note_out;
   ASSERT_OK(Decode(Encode(note), &note_out));
@@ -423,6 +427,14 @@ TEST(MessageTest, EveryMessageRoundTrips) {
   HelloReply reply{12, "/dev/shm/x"}, reply_out;
   ASSERT_OK(Decode(Encode(reply), &reply_out));
   EXPECT_EQ(reply_out.job_dir, "/dev/shm/x");
+  EXPECT_EQ(reply_out.claim_epoch, 0u);
+  reply.claim_epoch = 7;
+  ASSERT_OK(Decode(Encode(reply), &reply_out));
+  EXPECT_EQ(reply_out.claim_epoch, 7u);
+  // A status of every code survives the wire, the newest code included.
+  WaitReply superseded{3, Superseded("stale")}, superseded_out;
+  ASSERT_OK(Decode(Encode(superseded), &superseded_out));
+  EXPECT_EQ(superseded_out.status.code(), StatusCode::kSuperseded);
 }
 
 TEST(MessageTest, PeerReplicationMessagesRoundTrip) {

@@ -25,6 +25,7 @@
 #include "base/process.h"
 #include "base/random.h"
 #include "base/unique_fd.h"
+#include "shm/rank_claim.h"
 
 namespace safepoint {
 
@@ -574,6 +575,7 @@ Result<uint64_t> RemoveJobDirectory(const std::string& job_dir) {
     }
     const bool ours =
         n.rfind("rank-", 0) == 0 || n.rfind("agent.", 0) == 0 || n.rfind("job.json", 0) == 0 ||
+        n.rfind("claim-", 0) == 0 ||      // the ranks' claims (src/shm/rank_claim.h)
         n.rfind("events.jsonl", 0) == 0;  // the agent's default event log (and its rotation)
     if (!ours) {
       return InvalidArgument(job_dir + ": contains '" + n +
@@ -667,7 +669,36 @@ Status Arena::Refresh() {
     if (slots_[i] && slots_[i]->ino() == st.st_ino) continue;
     SP_ASSIGN_OR_RETURN(slots_[i], SlotFile::Open(path, rank_, i));
   }
+  // The rank's claim, once the agent wrote one (a new file when it was removed and written again).
+  struct stat st;
+  const std::string claim = ClaimPath(job_dir_, rank_);
+  if (::lstat(claim.c_str(), &st) != 0) {
+    if (errno != ENOENT) return ErrnoStatus("stat", claim, errno);
+    claim_.reset();
+  } else if (!claim_ || claim_->ino() != st.st_ino) {
+    auto opened = RankClaim::Open(job_dir_, rank_);
+    if (opened.ok()) {
+      claim_ = std::move(opened).value();
+    } else if (opened.status().code() == StatusCode::kNotFound) {
+      claim_.reset();
+    } else {
+      return opened.status();
+    }
+  }
   return Status::OK();
+}
+
+bool Arena::ClaimHeld() const {
+  return claim_epoch_ == 0 || !claim_ || claim_->epoch() == claim_epoch_;
+}
+
+bool Arena::SupersededWriter(const ProcessId& writer) const {
+  return claim_ && claim_->FindSuperseded(writer).has_value();
+}
+
+Status Arena::CheckClaim() const {
+  if (ClaimHeld()) return Status::OK();
+  return Superseded(SupersededMessage(job_dir_, rank_, internal::SelfProcessId(), claim_->Owner()));
 }
 
 std::vector<SlotInfo> Arena::Slots() const {
@@ -778,6 +809,7 @@ void Arena::set_usable_slots(uint32_t n) {
 
 uint64_t Arena::DropUnusableSlots() {
   uint64_t freed = 0;
+  if (!ClaimHeld()) return 0;  // superseded: the slots are the new owner's to manage
   const std::vector<SlotInfo> info = Slots();
   for (uint32_t i = usable_slots_; i < slots_.size(); ++i) {
     if (!slots_[i] || info[i].leased) continue;
@@ -795,6 +827,7 @@ uint64_t Arena::DropUnusableSlots() {
 Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::Take(uint64_t image_size,
                                                                bool keep_newest) {
   SP_RETURN_IF_ERROR(Refresh());
+  SP_RETURN_IF_ERROR(CheckClaim());
   const ProcessId self = Self();
   for (int attempt = 0; attempt < 100; ++attempt) {
     const std::vector<SlotInfo> info = Slots();
@@ -814,6 +847,10 @@ Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::Take(uint64_t image_si
     // Preference: a slot that does not exist yet or is FREE, then a torn one (WRITING by a dead
     // writer, or by this process after a failed save), then the COMPLETE one completed first.
     std::vector<const SlotInfo*> order;
+    // Slots a superseded process (src/shm/rank_claim.h) may still be writing: taken by replacing
+    // the file (that process keeps writing the old one, which nobody maps again), never by a CAS
+    // on a word it writes too.
+    std::vector<bool> replace(info.size(), false);
     for (const SlotInfo& s : info) {
       if (s.index >= usable_slots_) continue;
       if (keep_newest && newest && s.index == *newest) continue;
@@ -821,9 +858,12 @@ Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::Take(uint64_t image_si
       const ProcessId writer{s.writer_pid, s.writer_start_ticks};
       if (s.state == SlotState::kWriting && writer.pid != self.pid && ProcessAlive(writer) &&
           slots_[s.index]) {
-        return InvalidArgument(job_dir_ + ": process " + std::to_string(s.writer_pid) +
-                               " is writing rank " + std::to_string(rank_) +
-                               "'s snapshots; two processes cannot save the same rank");
+        if (!SupersededWriter(writer)) {
+          return InvalidArgument(job_dir_ + ": process " + std::to_string(s.writer_pid) +
+                                 " is writing rank " + std::to_string(rank_) +
+                                 "'s snapshots; two processes cannot save the same rank");
+        }
+        replace[s.index] = true;
       }
       order.push_back(&s);
     }
@@ -840,13 +880,24 @@ Result<std::pair<Arena::Acquire, SlotWriteTicket>> Arena::Take(uint64_t image_si
     SlotWriteTicket t;
     t.slot = s.index;
     t.generation = s.generation + 1;
-    if (slots_[s.index]) {
-      uint64_t expected = Word(s.generation, s.state, false);
-      if (!slots_[s.index]->header()->word.compare_exchange_strong(
-              expected, Word(t.generation, SlotState::kWriting), std::memory_order_acq_rel)) {
+    if (replace[s.index]) {
+      slots_[s.index].reset();  // EnsureCapacity lays out a new file under the slot's name
+    } else if (slots_[s.index]) {
+      const uint64_t before = Word(s.generation, s.state, false);
+      uint64_t expected = before;
+      SlotHeader* h = slots_[s.index]->header();
+      if (!h->word.compare_exchange_strong(expected, Word(t.generation, SlotState::kWriting),
+                                           std::memory_order_seq_cst)) {
         continue;  // the agent leased it or it changed: choose again
       }
-      SetWriter(slots_[s.index]->header(), self);
+      // Taken; still the rank's writer? (A takeover that came first is seen here, before a byte
+      // is written; one that comes later sees this slot WRITING and removes its file.)
+      if (!ClaimHeld()) {
+        expected = Word(t.generation, SlotState::kWriting);
+        h->word.compare_exchange_strong(expected, before, std::memory_order_seq_cst);
+        return CheckClaim();
+      }
+      SetWriter(h, self);
     }
     Status cap = EnsureCapacity(s.index, image_size, &t.create_seconds);
     if (!cap.ok()) {
@@ -873,22 +924,33 @@ int64_t Arena::NextCompletionNs() const {
   return t;
 }
 
-void Arena::FinishWrite(const SlotWriteTicket& t, uint64_t step, uint64_t image_size, bool leased) {
+bool Arena::FinishWrite(const SlotWriteTicket& t, uint64_t step, uint64_t image_size, bool leased) {
   SlotHeader* h = slots_[t.slot]->header();
   h->step.store(step, std::memory_order_relaxed);
   h->image_size.store(image_size, std::memory_order_relaxed);
   h->complete_time_ns.store(NextCompletionNs(), std::memory_order_relaxed);
-  h->word.store(Word(t.generation, SlotState::kComplete, leased), std::memory_order_release);
+  // Superseded since the slot was taken: never COMPLETE. Checked before the state word changes;
+  // a takeover after this check sees the word WRITING or COMPLETE, and removes the file while it
+  // is WRITING (arena.h).
+  if (!ClaimHeld()) {
+    AbortWrite(t);
+    return false;
+  }
+  uint64_t expected = Word(t.generation, SlotState::kWriting);
+  return h->word.compare_exchange_strong(expected, Word(t.generation, SlotState::kComplete, leased),
+                                         std::memory_order_seq_cst);
 }
 
 void Arena::AbortWrite(const SlotWriteTicket& t) {
   if (!slots_[t.slot]) return;
-  slots_[t.slot]->header()->word.store(Word(t.generation, SlotState::kFree),
-                                       std::memory_order_release);
+  uint64_t expected = Word(t.generation, SlotState::kWriting);
+  slots_[t.slot]->header()->word.compare_exchange_strong(
+      expected, Word(t.generation, SlotState::kFree), std::memory_order_acq_rel);
 }
 
 bool Arena::MarkResumed(uint32_t slot, uint64_t generation) {
   if (slot >= slots_.size() || !slots_[slot]) return false;
+  if (!ClaimHeld()) return false;  // a superseded process's load never reorders the slots
   SlotHeader* h = slots_[slot]->header();
   const uint64_t w = h->word.load(std::memory_order_acquire);
   if (StateOf(w) != SlotState::kComplete || GenOf(w) != generation) return false;
@@ -942,6 +1004,25 @@ void Arena::ClearLeases() {
   }
 }
 
+uint32_t Arena::RemoveWritingSlots() {
+  Refresh().IgnoreError();  // what could be mapped
+  uint32_t removed = 0;
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    if (!slots_[i]) continue;
+    // Sequentially consistent: ordered after the claim's epoch store (RankClaim::SetOwner).
+    const uint64_t w = slots_[i]->header()->word.load(std::memory_order_seq_cst);
+    if (StateOf(w) != SlotState::kWriting) continue;
+    struct stat st;
+    const std::string path = SlotPath(i);
+    if (::lstat(path.c_str(), &st) == 0 && st.st_ino == slots_[i]->ino() &&
+        ::unlink(path.c_str()) == 0) {
+      ++removed;
+    }
+    slots_[i].reset();
+  }
+  return removed;
+}
+
 Status Arena::Remove() {
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     slots_[i].reset();
@@ -949,7 +1030,8 @@ Status Arena::Remove() {
       return ErrnoStatus("unlink", SlotPath(i), errno);
     }
   }
-  return Status::OK();
+  claim_.reset();
+  return RemoveClaimUnlessNeeded(job_dir_, rank_);
 }
 
 }  // namespace safepoint

@@ -16,6 +16,17 @@
 // last, or the one the run resumed from (MarkResumed). Completion times are strictly increasing
 // within an arena, whatever the wall clock does.
 //
+// A rank's writer is the process its rank's claim names (src/shm/rank_claim.h): a writer holds
+// the claim epoch its hello was answered with, and begins (BeginWrite) and completes (FinishWrite)
+// a write only while the claim is still at that epoch, each checked with a sequentially
+// consistent load after the state word's CAS. The agent, after it moved the epoch on (a newer
+// run's process took the rank over from a superseded one that still runs), removes every slot
+// file that is WRITING (RemoveWritingSlots): either the superseded writer checked the epoch
+// before the takeover, and then its CAS came before the agent's look at the word, which sees
+// WRITING and removes the file (what it completes lands in a file nobody maps again), or it
+// checks after and gives the slot back without writing a byte. So no snapshot completed after a
+// takeover is ever visible, and the two processes never write one slot file.
+//
 // Thread safety: one writer process per rank (checked through the writer's pid and start time,
 // which the control block records); any number of readers. Slot files are created pre-faulted
 // with their space reserved, so writing never faults in fresh pages on the save path and a full
@@ -126,7 +137,8 @@ void PopulateForRead(std::span<const std::byte> bytes);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
 
-class SlotFile;  // a mapped slot file (src/shm/arena.cc)
+class SlotFile;   // a mapped slot file (src/shm/arena.cc)
+class RankClaim;  // who owns the rank's slots (src/shm/rank_claim.h)
 
 // A slot taken for writing (Arena::BeginWrite), until FinishWrite or AbortWrite.
 struct SlotWriteTicket {
@@ -161,7 +173,7 @@ class Arena {
 
   // Control blocks of the slots (a slot file that does not exist reads as FREE, capacity 0).
   std::vector<SlotInfo> Slots() const;
-  // Re-maps slot files that another process created or replaced since.
+  // Re-maps slot files that another process created or replaced since, and the rank's claim.
   Status Refresh();
   // The bytes of a slot's image area (capacity bytes), valid until the slot is replaced.
   std::span<std::byte> SlotData(uint32_t slot);
@@ -182,15 +194,26 @@ class Arena {
   Result<std::pair<Acquire, SlotWriteTicket>> BeginWrite(uint64_t image_size);
   // Marks the slot COMPLETE with the step; its bytes must be a whole, checksummed image.
   // `leased`: hand it over leased, for the agent to persist (it releases the lease when done).
-  void FinishWrite(const SlotWriteTicket& ticket, uint64_t step, uint64_t image_size,
+  // False when this writer was superseded meanwhile (CheckClaim says by whom): the slot is given
+  // back FREE, and nothing of the write is ever read.
+  bool FinishWrite(const SlotWriteTicket& ticket, uint64_t step, uint64_t image_size,
                    bool leased = false);
-  // Marks a slot FREE again after a failed write.
+  // Marks a slot FREE again after a failed write (only while it is still this ticket's).
   void AbortWrite(const SlotWriteTicket& ticket);
   // The run resumes from this COMPLETE snapshot (the writer loaded it before saving anything):
   // it becomes the newest, as if it had completed now, so that the next BeginWrite keeps it
   // and overwrites a snapshot that an abandoned run completed later. False when the slot no
-  // longer holds that snapshot.
+  // longer holds that snapshot, or this writer was superseded.
   bool MarkResumed(uint32_t slot, uint64_t generation);
+
+  // --- the rank's claim (src/shm/rank_claim.h) -------------------------------------------------
+  // The claim epoch this writer's hello was answered with. From then on BeginWrite, FinishWrite,
+  // MarkResumed and DropUnusableSlots act only while the rank's claim is still at it. 0 (the
+  // default: the agent, readers, a client of an agent without claims): nothing is checked.
+  void set_claim_epoch(uint64_t epoch) { claim_epoch_ = epoch; }
+  uint64_t claim_epoch() const { return claim_epoch_; }
+  // OK while this writer owns the rank; Superseded naming the rank's owner now otherwise.
+  Status CheckClaim() const;
 
   // --- agent side -----------------------------------------------------------------------------
   // Leases a COMPLETE slot of `generation` so that it is not overwritten while it is read.
@@ -206,12 +229,18 @@ class Arena {
   std::optional<std::pair<uint64_t, double>> LastPersist() const;
   // Clears every lease (a new agent adopting the arena: the previous one is gone).
   void ClearLeases();
+  // A takeover (the agent, right after it moved the rank's claim to a newer run's process):
+  // removes the file of every slot that is being written (WRITING). Those are the superseded
+  // process's writes in progress (or torn slots, or a rebuild from peers it asked for): nothing it
+  // completes there is ever seen. Returns how many were removed.
+  uint32_t RemoveWritingSlots();
 
   // --- readers --------------------------------------------------------------------------------
   // The COMPLETE slot with the highest step, if any.
   std::optional<SlotInfo> NewestComplete() const;
 
-  // Removes the rank's slot files.
+  // Removes the rank's slot files, and its claim unless a superseded process that still runs
+  // must stay refused (RemoveClaimUnlessNeeded).
   Status Remove();
 
   // Preallocates and pre-faults the usable slot files for images up to `image_size` now, off the
@@ -231,8 +260,14 @@ class Arena {
   uint32_t rank_ = 0;
   uint32_t self_pid_ = 0;
   uint64_t self_start_ticks_ = 0;
+  // Whether this writer still owns the rank (claim_epoch_ 0, or no claim file: nothing to check).
+  bool ClaimHeld() const;
+  // Whether `writer` is a process the rank's claim records as superseded.
+  bool SupersededWriter(const internal::ProcessId& writer) const;
   std::vector<std::unique_ptr<SlotFile>> slots_;
-  uint32_t usable_slots_ = 0;  // set by Open to slot_count()
+  uint32_t usable_slots_ = 0;         // set by Open to slot_count()
+  std::unique_ptr<RankClaim> claim_;  // mapped by Refresh once the agent created it
+  uint64_t claim_epoch_ = 0;
 };
 
 }  // namespace safepoint

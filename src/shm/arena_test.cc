@@ -14,11 +14,14 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <thread>
 
+#include "base/process.h"
 #include "base/unique_fd.h"
 #include "safepoint/extras.h"
 #include "safepoint/image.h"
+#include "shm/rank_claim.h"
 #include "testing/test_util.h"
 
 namespace safepoint::arena_test {
@@ -682,6 +685,151 @@ TEST_F(ArenaTest, LiveSecondWriterIsRefused) {
   auto t2 = arena->BeginWrite(size);
   ASSERT_OK(t2);
   EXPECT_EQ(t2->first, Arena::Acquire::kAcquired);
+}
+
+// --- a newer run takes the rank over (src/shm/rank_claim.h) ---------------------------------
+
+// The slot-level defect behind issue 35: a stale process (its run superseded while it still ran)
+// kept saving into the rank's slots, and what it completed last became the "newest" snapshot, the
+// one loads read and the one the next save of the new run kept. A superseded writer now neither
+// begins nor completes a write, nor reorders the slots by a load.
+TEST_F(ArenaTest, ASupersededWriterNeitherBeginsNorCompletesAWrite) {
+  ASSERT_OK_AND_ASSIGN(auto claim, RankClaim::OpenOrCreate(job_dir_, 0));
+  const internal::ProcessId self = internal::SelfProcessId();
+  auto writer = Open();
+  ASSERT_TRUE(writer);
+  writer->set_claim_epoch(claim->SetOwner(self, 111));
+  Save(*writer, 1);
+  ASSERT_OK(writer->CheckClaim());
+  // A save in progress when a newer run's process takes the rank.
+  Shard two(2);
+  auto begun = writer->BeginWrite(two.size());
+  ASSERT_OK(begun);
+  ASSERT_EQ(begun->first, Arena::Acquire::kAcquired);
+  two.builder->FillAll(begun->second.data, 1);
+  const internal::ProcessId newer{self.pid + 1, self.start_ticks + 1};
+  claim->AddSuperseded({self, 111, newer, 222, 0});
+  claim->SetOwner(newer, 222);
+  // The agent removes what is being written (the takeover's second half).
+  auto agent = Open();
+  ASSERT_TRUE(agent);
+  EXPECT_EQ(agent->RemoveWritingSlots(), 1u);
+  EXPECT_FALSE(writer->FinishWrite(begun->second, 2, two.size()));
+  const Status why = writer->CheckClaim();
+  EXPECT_EQ(why.code(), StatusCode::kSuperseded);
+  EXPECT_NE(why.message().find("process " + std::to_string(newer.pid)), std::string::npos)
+      << why.message();
+  // Only step 1 is in memory; the next save is refused before it takes a slot.
+  auto reader = Open();
+  ASSERT_TRUE(reader);
+  ASSERT_TRUE(reader->NewestComplete());
+  EXPECT_EQ(reader->NewestComplete()->step, 1u);
+  EXPECT_EQ(writer->BeginWrite(two.size()).status().code(), StatusCode::kSuperseded);
+  EXPECT_EQ(writer->Reserve(two.size()).code(), StatusCode::kSuperseded);
+  const SlotInfo one = *reader->NewestComplete();
+  EXPECT_FALSE(writer->MarkResumed(one.index, one.generation));
+  EXPECT_EQ(reader->NewestComplete()->complete_time_ns, one.complete_time_ns);
+  writer->set_usable_slots(1);
+  EXPECT_EQ(writer->DropUnusableSlots(), 0u);
+  // The rank's new owner saves as usual.
+  auto owner = Open();
+  ASSERT_TRUE(owner);
+  owner->set_claim_epoch(claim->epoch());
+  Save(*owner, 3);
+  ASSERT_OK(reader->Refresh());
+  EXPECT_EQ(reader->NewestComplete()->step, 3u);
+}
+
+// A takeover between a superseded writer's check and its CAS: it gives the slot back without
+// writing, and the slot keeps its snapshot.
+TEST_F(ArenaTest, AWriterSupersededBeforeItTookTheSlotGivesItBackUntouched) {
+  ASSERT_OK_AND_ASSIGN(auto claim, RankClaim::OpenOrCreate(job_dir_, 0));
+  const internal::ProcessId self = internal::SelfProcessId();
+  auto writer = Open();
+  ASSERT_TRUE(writer);
+  writer->set_claim_epoch(claim->SetOwner(self, 111));
+  Save(*writer, 1);
+  Save(*writer, 2);
+  claim->SetOwner({self.pid + 1, self.start_ticks + 1}, 222);
+  EXPECT_EQ(writer->BeginWrite(Shard(3).size()).status().code(), StatusCode::kSuperseded);
+  auto reader = Open();
+  std::vector<uint64_t> steps;
+  for (const SlotInfo& s : reader->Slots()) {
+    EXPECT_EQ(s.state, SlotState::kComplete);
+    steps.push_back(s.step);
+  }
+  std::sort(steps.begin(), steps.end());
+  EXPECT_EQ(steps, (std::vector<uint64_t>{1, 2}));
+}
+
+// The new owner finds a slot that the superseded process (alive) is writing: it takes the slot by
+// laying out a new file, so the two never write the same memory and the new snapshot stays whole.
+TEST_F(ArenaTest, ASlotASupersededProcessIsWritingIsTakenByANewFile) {
+  ASSERT_OK_AND_ASSIGN(auto claim, RankClaim::OpenOrCreate(job_dir_, 0));
+  const uint64_t stale_epoch = claim->SetOwner({1, 1}, 111);
+  auto arena = Open();
+  ASSERT_TRUE(arena);
+  Save(*arena, 1);  // slot 0: the newest snapshot, kept by every writer
+  const uint64_t size = Shard(2).size();
+  int ready_fds[2], done_fds[2];
+  ASSERT_EQ(::pipe(ready_fds), 0);
+  internal::UniqueFd ready_read(ready_fds[0]), ready_write(ready_fds[1]);
+  ASSERT_EQ(::pipe(done_fds), 0);
+  internal::UniqueFd done_read(done_fds[0]), done_write(done_fds[1]);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // the stale writer: takes slot 1, writes garbage until told, then finishes
+    ready_read.Reset();
+    done_write.Reset();
+    auto a = Arena::Open(job_dir_, 0);
+    char ok = 0;
+    std::optional<SlotWriteTicket> t;
+    if (a.ok()) {
+      (*a)->set_claim_epoch(stale_epoch);
+      auto begun = (*a)->BeginWrite(size);
+      if (begun.ok() && begun->first == Arena::Acquire::kAcquired) t = begun->second;
+      ok = t ? 1 : 0;
+    }
+    if (::write(ready_write.get(), &ok, 1) != 1) ::_exit(1);
+    char c;
+    while (::read(done_read.get(), &c, 1) > 0) {
+    }
+    if (!t) ::_exit(2);
+    std::memset(t->data.data(), 0xAB, t->data.size());
+    ::_exit((*a)->FinishWrite(*t, 99, size) ? 3 : 0);
+  }
+  ready_write.Reset();
+  done_read.Reset();
+  char ok = 0;
+  ASSERT_EQ(::read(ready_read.get(), &ok, 1), 1);
+  ASSERT_EQ(ok, 1);
+  const auto child_id =
+      internal::ProcessId{static_cast<uint32_t>(child),
+                          internal::ProcessStartTicks(static_cast<uint32_t>(child)).value_or(0)};
+  // A newer run takes the rank (this process), recording the child as superseded.
+  claim->AddSuperseded({child_id, 111, internal::SelfProcessId(), 222, 0});
+  arena->set_claim_epoch(claim->SetOwner(internal::SelfProcessId(), 222));
+  struct stat before;
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 1).c_str(), &before), 0);
+  Shard three(3);
+  auto t = arena->BeginWrite(three.size());
+  ASSERT_OK(t);
+  ASSERT_EQ(t->first, Arena::Acquire::kAcquired);
+  EXPECT_EQ(t->second.slot, 1u);
+  struct stat after;
+  ASSERT_EQ(::stat(SlotPathOf(job_dir_, 0, 1).c_str(), &after), 0);
+  EXPECT_NE(after.st_ino, before.st_ino);
+  three.builder->FillAll(t->second.data, 1);
+  done_write.Reset();  // the child scribbles over its slot and tries to complete step 99
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the superseded writer completed its snapshot";
+  EXPECT_TRUE(arena->FinishWrite(t->second, 3, three.size()));
+  auto reader = Open();
+  ASSERT_TRUE(reader->NewestComplete());
+  EXPECT_EQ(reader->NewestComplete()->step, 3u);
+  ExpectImage(reader->SlotData(1).subspan(0, three.size()), 3);
 }
 
 // gc's check: the writers recorded in the slots, by pid and start time (docs/format.md: the pid at
