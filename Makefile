@@ -89,27 +89,35 @@ crash-build: build
 
 # The short runs have fixed seeds (the same plan of kill points every time; where random-moment
 # kills land still depends on timing); `make crashtest` draws new seeds each run. The short
-# node-loss run (about two minutes, most of it starting the clusters and a zygote per node;
-# the rounds arm the replication kill points) is skipped, saying why, without root or `ip netns`.
+# node-loss run (about three minutes, most of it starting the clusters and a zygote per node;
+# the rounds arm the replication kill points, and CRASH_NODE_PARTITIONS_SHORT rounds cut a
+# node off the network: docs/reliability.md, "Partition rounds") is skipped, saying why,
+# without root or `ip netns` (its partition rounds without tc's blackhole qdisc).
 CRASH_SEED ?= 20261129
 CRASH_NODE_SEED ?= 20261202
 CRASH_NODE_SHORT ?= 10
+CRASH_NODE_PARTITIONS_SHORT ?= 6
 test-crash: crash-build
 	@$(MAKE) --no-print-directory run-crash
 run-crash:
 	$(PY) tests/crash/crashtest.py --kills 50 --seed $(CRASH_SEED) --build-dir $(CRASH_BUILD)
 	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_SHORT) --seed $(CRASH_NODE_SEED) \
-	    --build-dir $(CRASH_BUILD)
+	    --partitions $(CRASH_NODE_PARTITIONS_SHORT) --build-dir $(CRASH_BUILD)
 
 crashtest: crash-build
 	$(PY) tests/crash/crashtest.py --kills $(CRASH_KILLS) --build-dir $(CRASH_BUILD)
-	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_ROUNDS) --build-dir $(CRASH_BUILD)
+	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_ROUNDS) \
+	    --partitions $(CRASH_PARTITION_ROUNDS) --build-dir $(CRASH_BUILD)
 
 # Node-loss rounds alone (multi-node jobs with peer replication on network namespaces; root,
-# else skipped), with the replication kill points armed in half the rounds.
+# else skipped), with the replication kill points armed in half the rounds, and the partition
+# rounds (a node cut off the network, both ways or one, for a while or flapping, and a stale
+# rank superseded by the job's next run) in their share.
 CRASH_NODE_ROUNDS ?= 60
+CRASH_PARTITION_ROUNDS ?= 60
 crashtest-nodes: crash-build
-	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_ROUNDS) --build-dir $(CRASH_BUILD)
+	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_ROUNDS) \
+	    --partitions $(CRASH_PARTITION_ROUNDS) --build-dir $(CRASH_BUILD)
 
 # Sanitizer builds of the C++ tests (the agent binary they start is sanitized too).
 SAN_CMAKE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSAFEPOINT_BUILD_PYTHON=OFF

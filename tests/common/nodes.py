@@ -16,6 +16,16 @@ node, and with the last of them the mount namespace and its /dev/shm go; kill() 
 `cluster.replace(i)` starts a fresh node with the same name, address and MAC (so the other
 nodes' ARP caches stay right) and an empty /dev/shm.
 
+`node.partition(direction)` cuts the node off the network while everything on it runs on:
+"both" sets its eth0 down inside its namespace (`ip link set eth0 down`: sends fail at once,
+what is in flight is lost, connections survive); "out" drops what the node sends (a blackhole
+qdisc on its eth0, inside the namespace) and "in" what it receives (a blackhole qdisc on the
+bridge's side of its veth: the namespace has no ingress filter to use, nor iptables), one
+direction each, as an asymmetric link failure does (TCP then stalls both ways: its
+acknowledgements cross the dead direction). `node.heal()` undoes it: the link, its address and
+routes are as they were, and so are the node's processes and /dev/shm. `partitions_unavailable()`
+says why a machine cannot do it (the blackhole qdisc is probed).
+
 `Job` launches one process per rank inside the nodes with torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), collects exit
 codes and outputs, and `restart()`s the job (new processes, new port) as an elastic agent does
@@ -100,6 +110,36 @@ def unavailable() -> Optional[str]:
     finally:
         _sh("ip", "netns", "del", probe, check=False)
     return _unavailable
+
+
+_partitions_unavailable: Optional[str] = None
+_partitions_probed = False
+
+
+def partitions_unavailable() -> Optional[str]:
+    """Why nodes cannot be partitioned here (nodes unavailable, or no blackhole qdisc), or None.
+    Probed once per process."""
+    global _partitions_probed, _partitions_unavailable
+    if _partitions_probed:
+        return _partitions_unavailable
+    _partitions_probed = True
+    _partitions_unavailable = unavailable()
+    if _partitions_unavailable or shutil.which("tc") is None:
+        _partitions_unavailable = _partitions_unavailable or "partitions need the tool 'tc'"
+        return _partitions_unavailable
+    probe = f"{PREFIX}pprobe{os.getpid()}"
+    try:
+        _sh("ip", "netns", "add", probe)
+        _sh("ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
+        q = _sh("ip", "netns", "exec", probe, "tc", "qdisc", "replace", "dev", "p0", "root",
+                "blackhole", check=False)
+        if q.returncode != 0:
+            _partitions_unavailable = f"no blackhole qdisc (tc): {q.stderr.strip()}"
+    except RuntimeError as e:
+        _partitions_unavailable = str(e)
+    finally:
+        _sh("ip", "netns", "del", probe, check=False)
+    return _partitions_unavailable
 
 
 # --- namespaces seen from /proc ----------------------------------------------------------------
@@ -249,6 +289,7 @@ class Node:
         self.shm_dev: Optional[int] = None
         self._unshare: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
+        self.partitioned: set[str] = set()  # the directions cut now (partition())
 
     # -- life --------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -322,6 +363,34 @@ class Node:
         if not wait_until(lambda: self.gone() is None):
             raise AssertionError(f"node {self.name} survived SIGKILL: {self.gone()}")
         return had
+
+    # -- partitions ---------------------------------------------------------------------------
+    DIRECTIONS = ("both", "out", "in")
+
+    def partition(self, direction: str = "both") -> None:
+        """Cuts the node off in `direction` ("both", "out", "in"; see the module's docstring).
+        Idempotent per direction; heal() undoes every one."""
+        if direction not in self.DIRECTIONS:
+            raise ValueError(f"no partition direction {direction!r}")
+        if direction == "both":
+            _sh("ip", "-n", self.netns, "link", "set", "eth0", "down")
+        elif direction == "out":
+            _sh("ip", "netns", "exec", self.netns, "tc", "qdisc", "replace", "dev", "eth0",
+                "root", "blackhole")
+        else:
+            _sh("tc", "qdisc", "replace", "dev", self.veth, "root", "blackhole")
+        self.partitioned.add(direction)
+
+    def heal(self) -> None:
+        """The node's link as before any partition(): up, no blackhole either way."""
+        if "out" in self.partitioned:
+            _sh("ip", "netns", "exec", self.netns, "tc", "qdisc", "del", "dev", "eth0", "root",
+                check=False)
+        if "in" in self.partitioned:
+            _sh("tc", "qdisc", "del", "dev", self.veth, "root", check=False)
+        if "both" in self.partitioned:
+            _sh("ip", "-n", self.netns, "link", "set", "eth0", "up")
+        self.partitioned.clear()
 
     def _kill_init(self) -> None:
         # Only while the pid is still this node's init (never a reused pid).
@@ -600,4 +669,5 @@ class Job:
                    env=self.extra_env, attempt=self.attempt + 1, base_port=self.base_port)
 
 
-__all__ = ["Cluster", "Job", "Node", "Rank", "unavailable", "mounted_anywhere", "pids_in_ns"]
+__all__ = ["Cluster", "Job", "Node", "Rank", "unavailable", "partitions_unavailable",
+           "mounted_anywhere", "pids_in_ns"]

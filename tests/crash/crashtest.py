@@ -255,6 +255,9 @@ class Rank:
         self.lines: list[str] = []
         self.killed = False  # by the driver
         self.status: Optional[int] = None
+        self.loaded_tag = "-"
+        self.superseded: Optional[str] = None  # a SUPERSEDED line (node campaign)
+        self.rejoin_from: Optional[int] = None  # index of its first line after "more"
         threading.Thread(target=self._read, args=(events,), daemon=True).start()
 
     def _read(self, events: "queue.Queue") -> None:
@@ -268,6 +271,7 @@ class Rank:
         if kind == "LOADED":
             self.loaded = (int(f[1]), f[2], f[3])
             self.loaded_uri = f[6] if len(f) > 6 else "-"
+            self.loaded_tag = f[7] if len(f) > 7 else "-"  # the run that saved it (node rounds)
         elif kind == "FRESH":
             self.fresh = True
         elif kind == "BEGIN":
@@ -284,6 +288,8 @@ class Rank:
             self.closed = True
         elif kind == "CLOSEFAIL":
             self.closed = False
+        elif kind == "SUPERSEDED":
+            self.superseded = " ".join(f)
 
     def alive(self) -> bool:
         return not dead(self.pid)
@@ -1365,6 +1371,9 @@ def main() -> int:
                     help="node-loss rounds instead: multi-node jobs with peer replication on "
                          "clusters of network namespaces (tests/crash/node_campaign.py; root)")
     ap.add_argument("--rounds", type=int, default=30, help="with --nodes: rounds that lose nodes")
+    ap.add_argument("--partitions", type=int, default=0,
+                    help="with --nodes: partition rounds besides the node-loss rounds (a node cut "
+                         "off the network while it runs on: tests/crash/node_campaign.py)")
     ap.add_argument("--node-jobs", default=None,
                     help="with --nodes: which jobs (mirror,ec; default both)")
     ap.add_argument("--verbose", action="store_true", help="with --nodes: a line per round")
@@ -1372,9 +1381,9 @@ def main() -> int:
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
     if args.nodes:
-        print(f"node-loss campaign: seed {args.seed}, {args.rounds} rounds losing nodes "
-              f"(replay: {sys.argv[0]} --nodes --seed {args.seed} --rounds {args.rounds})",
-              flush=True)
+        print(f"node-loss campaign: seed {args.seed}, {args.rounds} rounds losing nodes, "
+              f"{args.partitions} partition rounds (replay: {sys.argv[0]} --nodes --seed "
+              f"{args.seed} --rounds {args.rounds} --partitions {args.partitions})", flush=True)
         env = setup_build(args.build_dir)
         sys.path[:0] = env["PYTHONPATH"].split(os.pathsep)
         os.environ["PATH"] = env["PATH"]

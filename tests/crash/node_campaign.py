@@ -49,6 +49,31 @@ load bit-exact, `safepoint verify --all` clean):
     agent may complete a commit as the round starts); the round log lists every rank's source
     and the peers it came from;
   - no round hangs, no process dies unless killed.
+
+Partition rounds (--partitions N, drawn from a generator of their own, so that a seed's
+node-loss rounds stay what they were without them; docs/reliability.md, "Partition rounds"): one
+node is cut off the network (tests/common/nodes.py, Node.partition: its link down, or one
+direction blackholed) while everything on it runs on, when a push from it, a receive on it, a
+rebuild from peers, a persist and commit, a restore or a random moment comes (`trigger`), for a
+random time (a fifth of them longer than peer_timeout), then healed; "flap" cuts and heals it
+several times within a save; "stale" stops the node's rank (SIGSTOP: hung in a collective, as a
+cut-off trainer is) and kills the others as the job restarts, and the job's next round (a
+"wake" round) starts a new process for that rank while the stale one still runs: once it said
+READY (its hello superseded the stale process) the stale one is resumed and told to save (a
+poisoned state), wait and say hello again. After a cut is healed every rank saves once more,
+waits and reports its replication ("rejoin"). Checks, beside the others:
+  - the stale process's save, wait and hello each fail with SupersededError, and no rank of the
+    job's current run is ever superseded;
+  - the ranks resume from snapshots of one run (every saved state carries its round's tag, which
+    LOADED reports), never a stale process's (its poisoned state would not load bit-exact
+    either; a listed step holding one is a violation too);
+  - no two writers publish one rank's image of one attempt: a step directory holds at most one
+    image per rank and attempt;
+  - every timed call (open, load, save, wait, status, close: TIME lines) returns or fails with
+    a safepoint error (a torch.distributed error only in a round that killed a rank) within
+    CALL_BOUNDS plus the time the round's link was cut; the longest of each is reported;
+  - after the cut every rank's newest snapshot is protected again (its rejoin save reached every
+    peer placement names), and nothing committed is lost (the storage checks above).
 """
 
 from __future__ import annotations
@@ -68,7 +93,7 @@ from typing import Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "common"))
 import crashtest as ct  # noqa: E402
-from nodes import Cluster, unavailable  # noqa: E402
+from nodes import Cluster, partitions_unavailable, unavailable  # noqa: E402
 from processes import dead, kill_and_wait, proc_argv, wait_until  # noqa: E402
 
 HANG = ct.HANG
@@ -76,6 +101,21 @@ Violation = ct.Violation
 
 LOSSES = ("node", "nodes", "agent+node")
 MODES = ["workload"] * 2 + ["agent"] * 2 + ["node"] * 4 + ["agent+node"] + ["nodes"]
+# Partition rounds (--partitions): a node cut off the network while everything on it runs on.
+PARTITIONS = ("partition", "flap", "stale")
+PARTITION_MODES = ["partition"] * 6 + ["flap"] * 2 + ["stale"] * 2
+TRIGGERS = ("push", "receive", "rebuild", "commit", "restore", "random")
+PEER_TIMEOUT = 10.0  # the jobs' peer_timeout (seconds)
+# The documented bound of each call the ranks time (docs/reliability.md, "Partition rounds"),
+# in seconds beyond the time the round's link was down (a collective waits for the link): a
+# call that takes longer, or fails with an error that is not a safepoint error, is a violation.
+# load: the agreement's collectives, then for each step tried a peer listing and a rebuild, each
+# bounded by peer_timeout on the agents' side; wait: its timeout (600 s; the campaign never
+# comes near it); status and close: the client's 30 s request timeout (one retry: 60 s); save:
+# the copy and the save's one collective; open: hello (30 s per reply) and the membership
+# exchange (peer setup 60 s, membership 60 s).
+CALL_BOUNDS = {"open": 150.0, "load": 4 * PEER_TIMEOUT + 60.0, "save": 60.0, "wait": 600.0,
+               "status": 60.0, "close": 60.0}
 
 
 def ns_to_host(node, nspid: int) -> Optional[int]:
@@ -260,6 +300,9 @@ class NodeJob:
         # still known after a clean close of every rank removed the log with the job directory
         self.logs_at_start: dict[int, str] = {}
         self.lost_last = False  # the job's previous round lost nodes (its ranks rebuild now)
+        # A stale process left by a "stale" round (its run superseded while it hung): (the rank's
+        # ct.Rank, the step it is told to save), woken by the job's next round.
+        self.stale: Optional[tuple] = None
         self.port = 29400 + (os.getpid() % 1000)
 
     def start_zygote(self, i: int) -> None:
@@ -295,6 +338,177 @@ class NodeJob:
                     pass
 
 
+class Cut:
+    """A partition round's cut (plan_partition): when to set it off, the node's link cut and
+    healed (or flapping), the stale rank stopped ("stale"), and the rejoin save once healed."""
+
+    def __init__(self, campaign, job: NodeJob, p: dict, ranks: list):
+        self.c, self.job, self.p, self.ranks = campaign, job, p, ranks
+        self.t = p["targets"][0]
+        self.node = job.cluster[self.t]
+        self.fired = False
+        self.cut_since: Optional[float] = None  # the link is cut since (None: not now)
+        self.until = 0.0                         # when the current cut (or flap phase) ends
+        self.flaps = list(p.get("flaps") or [])
+        self.down_total = 0.0
+        self.seen_at: Optional[float] = None     # when the trigger's event was seen
+        self.rebuilders = sorted(job.expected.lost_ranks)
+        self.stale = None                        # the rank stopped as a hung process
+        self.rejoin_sent = False
+
+    def _said(self, rk, kind: str, pred=lambda f: True) -> int:
+        return sum(1 for line in list(rk.lines)
+                   if line.split()[:1] == [kind] and pred(line.split()))
+
+    def _event_seen(self, kill_at: float) -> bool:
+        trig, rk, now = self.p["trigger"], self.ranks[self.t], time.monotonic()
+        if trig == "random":
+            return now >= kill_at
+        if trig == "saved":
+            return self._said(rk, "SAVED") >= min(self.p["nth_saved"], self.p["steps"])
+        if trig == "push":
+            return self._said(rk, "SAVED") >= 1
+        if trig == "commit":
+            pe = self.job.persist_every
+            return self._said(rk, "BEGIN", lambda f: int(f[1]) % pe == 0) >= 1
+        if trig == "restore":
+            return self._said(rk, "READY") >= 1
+        if trig == "rebuild":
+            who = [self.ranks[r] for r in self.rebuilders] or [rk]
+            return any(self._said(x, "READY") >= 1 for x in who)
+        if trig == "receive":
+            d = self.node.shm / f"safepoint-{os.geteuid()}-{self.job.name}" / "replicas"
+            try:
+                return any(n.startswith(".tmp") for n in os.listdir(d))
+            except OSError:
+                return False
+        raise AssertionError(f"unknown trigger {trig}")
+
+    def step(self, kill_at: float) -> None:
+        now = time.monotonic()
+        if not self.fired:
+            if self.seen_at is None and self._event_seen(kill_at):
+                self.seen_at = now
+            # restore, rebuild and commit: cut a random moment (< 0.3 s) into what follows
+            lag = self.p["delay"] * 0.3 if self.p["trigger"] in ("restore", "rebuild",
+                                                                  "commit") else 0.0
+            if self.seen_at is not None and now >= self.seen_at + lag:
+                self.fire(self.p["trigger"])
+            return
+        if self.cut_since is not None and now >= self.until:
+            self._heal()
+            if self.flaps:  # up for a while, then down again
+                self.until = now + self.flaps.pop(0)[1]
+        elif self.cut_since is None and self.flaps and now >= self.until:
+            self._cut(self.flaps[0][0])
+
+    def fire(self, why: str) -> None:
+        self.fired = True
+        self.c.triggered[why] += 1
+        self.c.note(f"partition of {self.node.name} ({self.p['mode']}, {self.p['direction']}) "
+                    f"set off by {why}")
+        if self.p["mode"] == "stale":
+            rk = self.ranks[self.t]
+            if rk.alive():
+                os.kill(rk.pid, signal.SIGSTOP)  # hung in a collective, as a cut-off rank is
+                self.stale = rk
+                self.job.stale = (rk, max(rk.began, default=0) + 1)
+            self._cut(self.p["down"])
+            for other in self.ranks:  # the job restarts without it (torchrun kills the rest)
+                if other is not rk and other.kill():
+                    self.c.kills["rank (the job restarts)"] += 1
+            return
+        self._cut(self.flaps[0][0] if self.flaps else self.p["down"])
+
+    def _cut(self, seconds: float) -> None:
+        self.node.partition(self.p["direction"])
+        self.cut_since = time.monotonic()
+        self.until = self.cut_since + seconds
+
+    def _heal(self) -> None:
+        self.node.heal()
+        self.down_total += time.monotonic() - self.cut_since
+        self.cut_since = None
+        self.c.note(f"healed {self.node.name} ({self.down_total:.2f} s cut in all)")
+
+    def done(self, kill_at: float) -> bool:
+        """Whether the round may end (every rank idle): cut and healed, and the rejoin save (every
+        rank saves once more, waits and reports its replication) answered."""
+        if not self.fired:
+            self.fire("end")
+            return False
+        if self.cut_since is not None or self.flaps:
+            return False
+        if self.p.get("rejoin") and not self.rejoin_sent:
+            self.rejoin_sent = True
+            if all(rk.alive() and rk.idle and not rk.killed for rk in self.ranks):
+                for rk in self.ranks:
+                    rk.idle = False
+                    rk.rejoin_from = len(rk.lines)
+                    rk.send("more")
+                return False
+        return True
+
+    def finish(self) -> None:
+        if self.cut_since is not None:
+            self._heal()
+        self.flaps = []
+        self.p["down_total"] = self.down_total
+        self.c.down_seconds.append(self.down_total)
+
+
+class Wake:
+    """The round after a "stale" one: once its own process of the stale rank said READY (its
+    hello superseded the stale process), the stale process is resumed and told to save, wait and
+    say hello again; each must fail with SupersededError."""
+
+    ACTS = ("save", "wait", "hello")
+
+    def __init__(self, campaign, job: NodeJob, ranks: list):
+        self.c, self.job, self.ranks = campaign, job, ranks
+        self.stale, self.step_no = job.stale
+        self.woken = False
+        self.answered: Optional[dict] = None
+
+    def step(self) -> None:
+        new = self.ranks[self.stale.rank]
+        if not self.woken:
+            if any(line.startswith("READY") for line in list(new.lines)):
+                self.woken = True
+                os.kill(self.stale.pid, signal.SIGCONT)
+                self.stale.send(f"stale {self.step_no}")
+                self.c.note(f"woke the stale rank {self.stale.rank} (pid {self.stale.pid})")
+            return
+        if self.answered is None:
+            acts = {}
+            for line in list(self.stale.lines):
+                f = line.split()
+                if f[:1] == ["STALE"] and len(f) >= 4:
+                    acts[f[1]] = (f[2], float(f[3]))
+            if len(acts) == len(self.ACTS):
+                self.answered = acts
+                for act, (outcome, _) in acts.items():
+                    self.c.stale_outcomes[(act, outcome)] += 1
+                    if outcome != "SupersededError":
+                        raise Violation(
+                            f"the stale process of rank {self.stale.rank} (pid {self.stale.pid}, "
+                            f"superseded by the job's next run) got {outcome} from {act}, not "
+                            f"SupersededError: {self.stale.lines[-6:]}")
+
+    def done(self) -> bool:
+        return self.answered is not None
+
+    def finish(self) -> None:
+        if self.answered is None:
+            raise Violation(f"the stale process of rank {self.stale.rank} (pid {self.stale.pid}) "
+                            f"never answered: {self.stale.lines[-6:]}\n{self.stale.stderr()}")
+        status = self.stale.reap()
+        if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+            raise Violation(f"the stale process of rank {self.stale.rank} exited with status "
+                            f"{status}:\n{self.stale.stderr()}")
+        self.job.stale = None
+
+
 class NodeCampaign:
     def __init__(self, args, env: dict):
         ct.start_campaign(self, args, env, "safepoint-nodecrash-")
@@ -324,11 +538,29 @@ class NodeCampaign:
         self.point_rng = random.Random(f"{self.seed}-replica-points")
         self.planned: Counter = Counter()   # rounds armed at each point
         self.stamps: dict[str, str] = {}    # stamp file -> the point it arms
+        # Partition rounds, drawn from a generator of their own (without --partitions the
+        # node-loss rounds of a seed are what they were).
+        self.partition_rng = random.Random(f"{self.seed}-partitions")
+        self.partitions = Counter()         # (mode, trigger, direction) of partition rounds
+        self.triggered = Counter()          # how each partition was set off: trigger or "end"
+        self.down_seconds: list[float] = []  # per partition round, the time the link was cut
+        self.longest: dict[str, tuple] = {}  # call -> (seconds, round, outcome) of the longest
+        self.calls = Counter()               # call -> how many were timed
+        self.failed_calls = Counter()        # (call, error class) of calls that raised
+        self.stale_outcomes = Counter()      # (call, outcome) of the stale processes' acts
+        self.rejoined = 0                    # rounds whose every rank was protected again
 
     def note(self, msg: str) -> None:
         self.log.write(f"[round {self.round}] {msg}\n")
 
     def plan(self, job: NodeJob) -> dict:
+        if job.stale is not None:  # the round that wakes the stale process: nothing else fails
+            return self.plan_wake(job)
+        need_p = self.args.partitions - sum(self.modes[m] for m in PARTITIONS)
+        need_l = self.args.rounds - sum(self.modes[m] for m in LOSSES)
+        if need_p > 0 and (need_l <= 0 or
+                           self.partition_rng.random() < need_p / (need_p + need_l)):
+            return self.plan_partition(job)
         r = self.rng
         mode = r.choice(MODES)
         return {
@@ -347,6 +579,56 @@ class NodeCampaign:
             "rng": r.getrandbits(64),
             **self.plan_point(job, mode),
         }
+
+    def plan_partition(self, job: NodeJob) -> dict:
+        """A partition round: one node cut off ("both" directions: its link down; "out" or
+        "in": one direction) while something is under way (`trigger`: a push from it, a receive
+        on it, a rebuild from peers, a persist and commit, a restore, or a random moment), for
+        `down` seconds (a fifth of them longer than peer_timeout), then healed; "flap": down and
+        up `flaps` times within a save; "stale": its rank stopped as a hung process and the
+        other ranks killed (the job restarts), the rank's next process then supersedes it."""
+        r = self.partition_rng
+        mode = r.choice(PARTITION_MODES)
+        trigger = r.choice(TRIGGERS)
+        if trigger == "rebuild" and not job.lost_last:
+            trigger = "restore"  # a rebuild from peers follows a node loss only
+        direction = "both" if mode in ("stale", "flap") else r.choice(["both", "both", "out",
+                                                                       "in"])
+        down = (r.uniform(PEER_TIMEOUT + 1, PEER_TIMEOUT + 4) if r.random() < 0.2
+                else r.uniform(0.2, 3.0))
+        flaps = [(r.uniform(0.05, 0.5), r.uniform(0.05, 0.4)) for _ in range(r.randint(2, 5))]
+        stale = mode == "stale"
+        return {
+            "mode": mode,
+            "targets": [r.randrange(job.world)],
+            "trigger": "saved" if stale else trigger,
+            "direction": direction,
+            "down": down if mode != "flap" else sum(d for d, _ in flaps),
+            "flaps": flaps if mode == "flap" else [],
+            "at_end": False,
+            "delay": r.random(),
+            "steps": r.randint(3, 7),
+            "end": "close" if r.random() < 0.1 and not stale else "exit",
+            "p_wait": 0.0 if stale else r.choice([0.0, 0.3, 0.8]),
+            "p_status": 0.0 if stale else r.choice([0.0, 0.2]),
+            "p_final_wait": 0.0 if stale else 1.0,
+            "nth_saved": r.randint(1, 3),
+            # slow pushes make a push and a receive last long enough to cut them
+            "bandwidth": r.choice([20e6, 4e6]) if trigger in ("push", "receive")
+            else r.choice([None, None, 20e6]),
+            "rejoin": not stale,
+            "rng": r.getrandbits(64),
+            "point": None, "nth": None,
+        }
+
+    def plan_wake(self, job: NodeJob) -> dict:
+        """The round after a "stale" one: the job's next run, whose process of the stale rank
+        supersedes the stale process; that one is then woken and told to save (it must fail)."""
+        r = self.partition_rng
+        return {"mode": "wake", "targets": [], "at_end": True, "delay": 0.0,
+                "steps": r.randint(2, 5), "end": "exit", "p_wait": 0.3, "p_status": 0.2,
+                "p_final_wait": 1.0, "bandwidth": None, "rng": r.getrandbits(64),
+                "point": None, "nth": None}
 
     def plan_point(self, job: NodeJob, mode: str) -> dict:
         """Which replication kill point the round arms (None: none), and its nth hit."""
@@ -388,6 +670,8 @@ class NodeCampaign:
         self.round += 1
         job.rounds += 1
         self.modes[p["mode"]] += 1
+        if p["mode"] in PARTITIONS:
+            self.partitions[(p["mode"], p["trigger"], p["direction"])] += 1
         self.note(f"job {job.name}: {json.dumps(p)}")
         stamp = os.path.join(self.root, f"stamp-{self.round}")
         kill_env = {}
@@ -416,8 +700,9 @@ class NodeCampaign:
                     "keep": job.keep, "steps": p["steps"], "p_wait": p["p_wait"],
                     "p_status": p["p_status"], "p_final_wait": p["p_final_wait"],
                     "rng": f"{p['rng']}-{rank}", "rdzv": rdzv, "env": env,
-                    "redundancy": job.redundancy, "peer_timeout": 10.0,
-                    "bandwidth": p.get("bandwidth")}
+                    "redundancy": job.redundancy, "peer_timeout": PEER_TIMEOUT,
+                    "bandwidth": p.get("bandwidth"), "run_tag": f"{job.name}-r{self.round}",
+                    "timing": True}
             ranks.append(ct.Rank(job.zygotes[rank], args,
                                  os.path.join(self.root, f"r{self.round}-{rank}.err"), events))
         self.current = (job, ranks)
@@ -429,8 +714,10 @@ class NodeCampaign:
                    if self.full_seconds else 3.0)
         kill_at = t0 + p["delay"] * typical
         deadline = time.monotonic() + HANG
-        fired = p["mode"] == "none"
+        fired = p["mode"] in ("none", "wake") or p["mode"] in PARTITIONS
         ended = False
+        cut = Cut(self, job, p, ranks) if p["mode"] in PARTITIONS else None
+        wake = Wake(self, job, ranks) if job.stale is not None else None
         rank_down = False
         lost: list[int] = []
         killed_agents: set[int] = set()
@@ -518,7 +805,13 @@ class NodeCampaign:
             if not fired and not p["at_end"] and time.monotonic() >= kill_at:
                 fired = True
                 fire("random moment")
+            if cut is not None:
+                cut.step(kill_at)
+            if wake is not None:
+                wake.step()
             for rk in ranks:
+                if rk is getattr(cut, "stale", None):
+                    continue  # stopped on purpose: the job's next round supersedes it
                 if rk.eof and rk.status is None and not rk.alive():
                     status = rk.reap()
                     told = ended and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
@@ -529,8 +822,13 @@ class NodeCampaign:
                     elif not (rk.killed or told or rank_down):
                         raise Violation(f"rank {rk.rank} (pid {rk.pid}) exited with status "
                                         f"{status} without being killed:\n{rk.stderr()}")
+            stale = getattr(cut, "stale", None)
             everyone_idle = all(rk.idle or rk.status is not None or not rk.alive()
-                                for rk in ranks)
+                                or rk is stale for rk in ranks)
+            if everyone_idle and not ended and cut is not None and not cut.done(kill_at):
+                continue  # the link is still cut (or a rejoin save is under way)
+            if everyone_idle and not ended and wake is not None and not wake.done():
+                continue  # the stale process has not answered yet
             if everyone_idle and not ended:
                 if not fired:
                     fired = True
@@ -538,13 +836,17 @@ class NodeCampaign:
                 self.full_seconds.append(time.monotonic() - t0)
                 ended = True
                 for rk in ranks:
-                    if rk.alive() and rk.idle:
+                    if rk.alive() and rk.idle and rk is not stale:
                         rk.send(p["end"])
                 p["end_sent"] = p["end"]
             if ended and all(rk.status is not None or (rk.eof and not rk.alive())
-                             for rk in ranks):
+                             or rk is stale for rk in ranks):
                 break
-        ct.reap_ranks(ranks, events)
+        if cut is not None:
+            cut.finish()
+        if wake is not None:
+            wake.finish()
+        ct.reap_ranks([rk for rk in ranks if rk is not getattr(cut, "stale", None)], events)
         look_at_agents()
         job.lost_last = bool(lost)
         self.round_seconds.append(time.monotonic() - t0)
@@ -573,12 +875,14 @@ class NodeCampaign:
     def quiesce(self, job: NodeJob) -> None:
         """Every node's agent idle (or none), and no agent on its way (a process forked below a
         zygote that is neither the zygote nor safepointd: a killed rank's helper)."""
+        stale_pid = job.stale[0].pid if job.stale is not None else None
+
         def idle() -> bool:
             for i, node in enumerate(job.cluster):
                 zpid = job.zygotes[i].host_pid()
                 for pid in node.processes():
                     argv = proc_argv(pid)
-                    if pid != zpid and any("--zygote" in a for a in argv):
+                    if pid not in (zpid, stale_pid) and any("--zygote" in a for a in argv):
                         return False
                 out = node.run([self.cli, "status", "--shm-dir", "/dev/shm", "--json"])
                 try:
@@ -590,9 +894,10 @@ class NodeCampaign:
                     continue
                 if "queued" not in j:
                     return False
+                stale = job.stale[0].rank if job.stale is not None else None
                 if not (j["queued"] == 0 and j["in_flight"] is None and
-                        all(not r["connected"] and r["pending_persists"] == 0
-                            for r in j["ranks"])):
+                        all((not r["connected"] or r["rank"] == stale) and
+                            r["pending_persists"] == 0 for r in j["ranks"])):
                     return False
             return True
         if not wait_until(idle, interval=0.05):
@@ -601,17 +906,21 @@ class NodeCampaign:
 
     def check_storage(self, job: NodeJob) -> None:
         import safepoint
-        from workload import first_difference, make_state
+        from workload import first_difference, make_state, strip_run
 
         listed = safepoint.steps(job.path)
         job.expected.check_listed(listed)
+        self.check_one_image_per_attempt(job, listed)
         for s in listed:
             for r in range(job.world):
                 try:
                     got, state = safepoint.load(job.path, s, rank=r)
                 except safepoint.Error as e:
                     raise Violation(f"listed step {s} cannot be loaded for rank {r}: {e}")
-                diff = first_difference(state, make_state(self.seed, s, r))
+                if isinstance(state.get("run"), dict) and state["run"].get("stale"):
+                    raise Violation(f"listed step {s} of rank {r} is a stale process's save "
+                                    f"({state['run']}): it was made after its run was superseded")
+                diff = first_difference(strip_run(state), make_state(self.seed, s, r))
                 if got != s or diff is not None:
                     raise Violation(f"step {s} rank {r} loads with a difference: {diff}")
                 self.loads_checked += 1
@@ -622,6 +931,82 @@ class NodeCampaign:
                 raise Violation(f"safepoint verify --all {job.path} failed:\n{out.stdout[-2000:]}"
                                 f"{out.stderr[-2000:]}")
             self.verifies += 1
+
+    def check_one_image_per_attempt(self, job: NodeJob, listed: list[int]) -> None:
+        """No two writers publish one rank's image of one attempt: in every step directory a
+        rank has at most one image (plain or packed) of each save attempt (temporaries aside)."""
+        import re
+
+        name = re.compile(r"^rank-(\d+)(?:\.g([0-9a-f]+))?\.(img|pack)$")
+        for s in listed:
+            d = os.path.join(job.path, f"step-{s:020d}")
+            seen: dict = {}
+            for n in os.listdir(d):
+                m = name.match(n)
+                if m is None:
+                    continue
+                key = (int(m.group(1)), m.group(2))
+                if key in seen:
+                    raise Violation(f"step {s} holds two images of rank {key[0]} of save attempt "
+                                    f"{key[1]}: {seen[key]} and {n}")
+                seen[key] = n
+
+    def check_calls(self, job: NodeJob, p: dict, ranks: list) -> None:
+        """Every timed call (TIME lines) returned or failed with a safepoint error, within its
+        bound (CALL_BOUNDS) plus the time the round's link was cut; the longest of each kind is
+        kept for the report. In a round that killed a rank (or lost its node) the others' calls
+        may fail in the job's own collectives (torch.distributed's errors): those are not
+        safepoint's to name."""
+        down = p.get("down_total", 0.0)
+        someone_killed = any(rk.killed for rk in ranks)
+        for rk in ranks:
+            for line in list(rk.lines):
+                f = line.split()
+                if f[:1] != ["TIME"] or len(f) < 4:
+                    continue
+                kind, seconds, outcome = f[1], float(f[2]), f[3]
+                self.calls[kind] += 1
+                if outcome != "ok":
+                    self.failed_calls[(kind, outcome)] += 1
+                if outcome.startswith("raised:") and not someone_killed:
+                    raise Violation(f"rank {rk.rank}'s {kind} failed with {outcome[7:]}, which "
+                                    f"is not a safepoint error: {rk.stderr()}")
+                bound = CALL_BOUNDS.get(kind, 60.0) + down
+                if seconds > bound:
+                    raise Violation(f"rank {rk.rank}'s {kind} took {seconds:.1f} s, beyond its "
+                                    f"bound of {bound:.1f} s ({CALL_BOUNDS.get(kind, 60.0):.0f} s "
+                                    f"+ {down:.1f} s cut)")
+                if seconds > self.longest.get(kind, (0.0,))[0]:
+                    self.longest[kind] = (seconds, self.round, outcome, down)
+
+    def check_partition_round(self, job: NodeJob, p: dict, ranks: list) -> None:
+        """What a partition round adds: no rank of the job's current run was superseded; the
+        ranks resumed from snapshots of one run, never a stale process's; after the link came
+        back every rank saved again, waited and is protected again (its newest snapshot reached
+        every peer placement names)."""
+        stale = job.stale[0] if job.stale is not None else None
+        for rk in ranks:
+            if rk.superseded and rk is not stale:
+                raise Violation(f"rank {rk.rank} (pid {rk.pid}) of the job's current run was "
+                                f"superseded: {rk.superseded}")
+        tags = {rk.loaded_tag for rk in ranks if rk.loaded is not None}
+        if any(t.startswith("stale:") for t in tags):
+            raise Violation(f"a rank resumed from a stale process's snapshot: "
+                            f"{[(rk.rank, rk.loaded, rk.loaded_tag) for rk in ranks]}")
+        if len(tags) > 1:
+            raise Violation(f"the ranks resumed step {[rk.loaded for rk in ranks]} from "
+                            f"snapshots of different runs: {[rk.loaded_tag for rk in ranks]}")
+        if p.get("rejoin") and all(rk.rejoin_from is not None for rk in ranks) and \
+                job.redundancy:
+            for rk in ranks:
+                after = [ln.split() for ln in rk.lines[rk.rejoin_from:]]
+                reports = [f for f in after if f[:1] in (["PROTECTED"], ["UNPROTECTED"])]
+                fails = [f for f in after if f[:1] in (["WAITFAIL"], ["STATUSFAIL"])]
+                if fails or not reports or reports[-1][0] != "PROTECTED":
+                    raise Violation(
+                        f"{job.cluster[p['targets'][0]].name} came back, yet rank {rk.rank}'s "
+                        f"save after it is not protected again: {rk.lines[rk.rejoin_from:]}")
+            self.rejoined += 1
 
     def check_round(self, job: NodeJob, p: dict, ranks: list, lost: list[int]) -> None:
         import safepoint
@@ -655,6 +1040,8 @@ class NodeCampaign:
                          "storage" if all(x[1][1] == "storage" for x in loaded) else "mixed"] += 1
         elif any(rk.fresh for rk in ranks):
             self.resumes["fresh"] += 1
+        self.check_calls(job, p, ranks)
+        self.check_partition_round(job, p, ranks)
         exp.record_round(ranks, p.get("end_sent"))
         job.steps_saved += sum(len(rk.saved) for rk in ranks)
         if lost:
@@ -677,7 +1064,8 @@ class NodeCampaign:
     def run(self) -> int:
         t0 = time.monotonic()
         try:
-            while sum(self.modes[m] for m in LOSSES) < self.args.rounds:
+            while (sum(self.modes[m] for m in LOSSES) < self.args.rounds or
+                   sum(self.modes[m] for m in PARTITIONS) < self.args.partitions):
                 job = self.jobs[self.round % len(self.jobs)]
                 self.run_round(job)
             for job in self.jobs:
@@ -691,7 +1079,8 @@ class NodeCampaign:
                 f"{(job.logs_of_lost.get(i, '') or job.agent_log(i))[-5000:]}"
                 for i in range(job.world)])
             print(f"kept for inspection: {self.root} (log.txt); replay: {sys.argv[0]} --nodes "
-                  f"--rounds {self.args.rounds} --seed {self.seed}", flush=True)
+                  f"--rounds {self.args.rounds} --partitions {self.args.partitions} "
+                  f"--seed {self.seed}", flush=True)
             self.cleanup(keep=True)
             return 1
         self.report(time.monotonic() - t0)
@@ -701,7 +1090,8 @@ class NodeCampaign:
     def report(self, wall: float) -> None:
         rs = sorted(self.round_seconds)
         print(f"node-loss campaign, seed {self.seed}: {self.round} rounds "
-              f"({sum(self.modes[m] for m in LOSSES)} losing nodes), {wall:.1f} s wall; "
+              f"({sum(self.modes[m] for m in LOSSES)} losing nodes, "
+              f"{sum(self.modes[m] for m in PARTITIONS)} partitions), {wall:.1f} s wall; "
               f"0 violations")
         print("  rounds by mode: " + ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items())))
         print("  kills: " + ", ".join(f"{k} {n}" for k, n in sorted(self.kills.items())))
@@ -721,6 +1111,25 @@ class NodeCampaign:
                   f"newest committed step {e.listed[-1] if e.listed else None}")
         print(f"  checked: {self.loads_checked} bit-exact loads from storage, {self.verifies} "
               f"clean `safepoint verify --all`")
+        if self.partitions:
+            print("  partitions (mode, trigger, direction): " + ", ".join(
+                f"{m}/{t}/{d} {n}" for (m, t, d), n in sorted(self.partitions.items())))
+            print("  set off by: " + ", ".join(f"{k} {n}" for k, n in
+                                               sorted(self.triggered.items())))
+            ds = sorted(self.down_seconds)
+            print(f"  link cut per round: median {ds[len(ds) // 2]:.2f} s, max {ds[-1]:.2f} s; "
+                  f"{self.rejoined} rounds rejoined (every rank protected again after the cut)")
+            print("  stale processes' acts: " + (", ".join(
+                f"{a} {o} {n}" for (a, o), n in sorted(self.stale_outcomes.items())) or "none"))
+        if self.calls:
+            print("  calls (longest seen / bound beyond the cut): " + "; ".join(
+                f"{k} {self.calls[k]}: {self.longest[k][0]:.2f} s (round {self.longest[k][1]}, "
+                f"{self.longest[k][2]}, {self.longest[k][3]:.1f} s cut) / "
+                f"{CALL_BOUNDS.get(k, 60.0):.0f} s" for k in sorted(self.calls)))
+            if self.failed_calls:
+                print("  calls that failed (raised:X only where the round killed a rank: the job's "
+                      "own collectives): " + ", ".join(
+                    f"{k} {e} {n}" for (k, e), n in sorted(self.failed_calls.items())))
 
         def dist(xs: list[float]) -> str:
             xs = sorted(xs)
@@ -744,6 +1153,9 @@ def run(args, env: dict) -> int:
     if reason:
         print(f"node-loss rounds skipped: {reason}", flush=True)
         return 0
+    if args.partitions and partitions_unavailable():
+        print(f"partition rounds skipped: {partitions_unavailable()}", flush=True)
+        args.partitions = 0
     campaign = NodeCampaign(args, env)
     try:
         return campaign.run()

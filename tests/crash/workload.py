@@ -20,9 +20,24 @@ for the newest committed step (``status()``), and says so. It prints one line pe
     NEWEST <step>                             status()["newest_committed"]
     PROTECTED <step> / UNPROTECTED <step>     with redundancy, after wait(): the rank's newest
                                               snapshot reached its peers (or not)
+    TIME <call> <seconds> <outcome>           with `timing` (the node campaign): how long each
+                                              load, save, wait and status call took, and "ok" or
+                                              the class of the error it raised
+    SUPERSEDED <call> <step> <error>          a call raised SupersededError: this process's run
+                                              was superseded (it waits for "stale" or its end)
     IDLE                                      done; then reads commands from stdin:
         exit   -> dies at once without closing (the agent flushes, as after a crash)
         close  -> close(); prints CLOSED or CLOSEFAIL <error>; exits
+        more   -> one more lockstep save (the next step), wait() and the replication report
+                  (a node that came back after a partition is protected again); then IDLE
+    With `run_tag` (the node campaign) every saved state also holds "run": {"tag": run_tag,
+    "stale": bool}, which LOADED reports as an 8th field (the tag) and the comparison leaves out;
+    and stdin is read by a thread of its own from the start, which also takes
+        stale <step> -> the process acts as a stale one whose run was superseded while it hung
+                  (the driver stopped it in a collective and started the job's next run): saves
+                  <step> with a poisoned state (every tensor negated, "stale": true: a load of it
+                  is a MISMATCH), then wait(), then a new connection; prints STALE <call>
+                  ok|<error class> <seconds> for each (each must fail, SupersededError), then exits
 
 The driver normally runs ``child_main`` in a process forked from a zygote that has imported torch
 once (tests/crash/crashtest.py); ``python workload.py --json '<args>'`` runs it directly.
@@ -34,6 +49,7 @@ import json
 import os
 import random
 import sys
+import threading
 from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
@@ -72,17 +88,46 @@ def make_state(seed: int, step: int, rank: int) -> dict:
 
 
 
+_say_lock = threading.Lock()
+
+
 def say(*fields) -> None:
-    sys.stdout.write(" ".join(str(f) for f in fields) + "\n")
-    sys.stdout.flush()
+    with _say_lock:
+        sys.stdout.write(" ".join(str(f) for f in fields) + "\n")
+        sys.stdout.flush()
+
+
+def strip_run(state):
+    """The state without the node campaign's "run" entry (what make_state compares with)."""
+    if isinstance(state, dict) and "run" in state:
+        state = {k: v for k, v in state.items() if k != "run"}
+    return state
+
+
+def poisoned(state: dict) -> dict:
+    """`state` with every tensor negated (bit-different from any state make_state gives)."""
+    import torch
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            return -v if v.dtype != torch.bool else ~v
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+    return walk(state)
 
 
 def child_main(a: dict) -> int:
     """Runs one rank. `a`: path, job, shm_dir, seed, rank, world_size, persist_every, keep,
     steps, p_wait, p_status, rng (a string seeding this process's choices), rdzv (a file for
     torch.distributed's FileStore when world_size > 1), env (variables to set first); optional:
-    tiers (a list of safepoint.Tier arguments as dicts), redundancy and its settings."""
+    tiers (a list of safepoint.Tier arguments as dicts), redundancy and its settings, run_tag
+    and timing (the node campaign's: see the module's docstring)."""
     os.environ.update(a.get("env", {}))  # before the first kill point reads SAFEPOINT_KILL_AT
+    import queue
+    import threading
+    import time
+
     import torch
 
     import safepoint
@@ -100,23 +145,94 @@ def child_main(a: dict) -> int:
     if a.get("tiers"):
         extra["tiers"] = [safepoint.Tier(**t) for t in a["tiers"]]
     extra.update(a.get("layout") or {})  # compression, incremental of path
-    ckpt = safepoint.Checkpointer(a["path"], job=a["job"], shm_dir=a["shm_dir"], rank=rank,
-                                  world_size=world, persist_every=a["persist_every"],
-                                  keep=a["keep"], **extra)
-    say("READY", os.getpid())
+    run_tag = a.get("run_tag")
+    timing = bool(a.get("timing"))
     seed = a["seed"]
-    loaded = ckpt.load()
+    # Commands from stdin: read by a thread of their own in the node campaign (a "stale" command
+    # arrives while the main thread is blocked in a collective), else by the main thread at IDLE.
+    commands: "queue.Queue[str]" = queue.Queue()
+    in_client = threading.Lock()  # held by the main thread around each call into the checkpointer
+
+    def timed(kind: str, call):
+        """call(), timed (TIME line with `timing`); a SupersededError is said and parks the main
+        thread (its run was superseded: the driver ends it)."""
+        t0 = time.monotonic()
+        outcome = "ok"
+        try:
+            with in_client:
+                return call()
+        except safepoint.Error as e:
+            outcome = type(e).__name__
+            if isinstance(e, getattr(safepoint, "SupersededError", ())):
+                say("SUPERSEDED", kind, str(e).replace("\n", " "))
+                threading.Event().wait()  # the control thread acts and exits
+            raise
+        except BaseException as e:
+            outcome = "raised:" + type(e).__name__
+            raise
+        finally:
+            if timing:
+                say("TIME", kind, f"{time.monotonic() - t0:.3f}", outcome)
+
+    def state_of(step: int, stale: bool = False) -> dict:
+        state = make_state(seed, step, rank)
+        if stale:
+            state = poisoned(state)
+        if run_tag is not None:
+            state["run"] = {"tag": run_tag, "stale": stale}
+        return state
+
+    ckpt = timed("open", lambda: safepoint.Checkpointer(
+        a["path"], job=a["job"], shm_dir=a["shm_dir"], rank=rank, world_size=world,
+        persist_every=a["persist_every"], keep=a["keep"], **extra))
+
+    def act_stale(step: int) -> None:
+        """The stale process's acts (command "stale"): each must fail."""
+        def attempt(kind: str, call) -> None:
+            t0 = time.monotonic()
+            try:
+                call()
+                outcome = "ok"
+            except safepoint.Error as e:
+                outcome = type(e).__name__
+            except BaseException as e:  # noqa: BLE001 (reported, the driver judges)
+                outcome = "raised:" + type(e).__name__
+            say("STALE", kind, outcome, f"{time.monotonic() - t0:.3f}")
+        with in_client:  # after a call of the main thread that was stopped midway
+            attempt("save", lambda: ckpt.save(step, state_of(step, stale=True)))
+            attempt("wait", lambda: ckpt.wait(timeout=60))
+            # A new connection of this process (a Checkpointer's, without its collectives).
+            from safepoint import _checkpointer
+            attempt("hello", lambda: safepoint._core.Client(
+                ckpt.path, ckpt.job, ckpt.shm_dir, rank, world, ckpt.keep, True,
+                _checkpointer._agent_binary(), ckpt.attempt, [], 0, "", "", "none", False))
+        os._exit(0)
+
+    if run_tag is not None:
+        def control() -> None:
+            for line in sys.stdin:
+                cmd = line.split()
+                if cmd and cmd[0] == "stale":
+                    act_stale(int(cmd[1]))
+                commands.put(line)
+            commands.put("")
+        threading.Thread(target=control, daemon=True).start()
+
+    say("READY", os.getpid())
+    loaded = timed("load", ckpt.load)
     if loaded is None:
         say("FRESH")
         step = 1
     else:
         got, state = loaded
-        diff = first_difference(state, make_state(seed, got, rank))
+        run = state.get("run") if isinstance(state, dict) else None
+        diff = first_difference(strip_run(state), make_state(seed, got, rank))
         info = ckpt.last_restore
         say("LOADED", got, ckpt.last_load_source, "EXACT" if diff is None else "MISMATCH",
             (info.peers if info is not None else "") or "-",
             f"{info.seconds:.3f}" if info is not None else "-",
-            (info.uri if info is not None else None) or "-")
+            (info.uri if info is not None else None) or "-",
+            (("stale:" if run.get("stale") else "") + str(run.get("tag"))) if run else "-")
         if diff is not None:
             say("DIFF", diff)
         step = got + 1
@@ -129,7 +245,7 @@ def child_main(a: dict) -> int:
         if "redundancy" not in extra:
             return
         try:
-            repl = ckpt.status()["replication"] or {}
+            repl = timed("status", ckpt.status)["replication"] or {}
         except safepoint.Error as e:
             say("STATUSFAIL", str(e).replace("\n", " "))
             return
@@ -137,27 +253,40 @@ def child_main(a: dict) -> int:
             if r.get("rank") == rank and r.get("step") is not None:
                 say("PROTECTED" if r.get("protected") else "UNPROTECTED", r["step"])
 
-    for _ in range(a["steps"]):
-        state = make_state(seed, step, rank)
+    def save_step(step: int) -> None:
         say("BEGIN", step)
-        if ckpt.save(step, state):
+        if timed("save", lambda: ckpt.save(step, state_of(step))):
             say("SAVED", step)
         else:
             say("SKIPPED", step)
+        if world > 1:
+            try:
+                torch.distributed.barrier()
+            except RuntimeError as e:
+                if run_tag is None:
+                    raise
+                # The other ranks are gone (a stale process, woken after the job restarted
+                # without it): the control thread acts on "stale"; the driver ends the process.
+                say("PEERSGONE", str(e).replace("\n", " ")[:200])
+                threading.Event().wait()
+
+    def wait_and_report(step: int) -> None:
+        try:
+            timed("wait", lambda: ckpt.wait(timeout=600))
+            say("COMMITTED", step)
+            report_replication()
+        except safepoint.Error as e:
+            say("WAITFAIL", step, str(e).replace("\n", " "))
+
+    for _ in range(a["steps"]):
+        save_step(step)
         if step % a["persist_every"] == 0:
             last_persisted = step
-        if world > 1:
-            torch.distributed.barrier()
         if last_persisted == step and rng.random() < a["p_wait"]:
-            try:
-                ckpt.wait(timeout=600)
-                say("COMMITTED", step)
-                report_replication()
-            except safepoint.Error as e:
-                say("WAITFAIL", step, str(e).replace("\n", " "))
+            wait_and_report(step)
         if rng.random() < a["p_status"]:
             try:
-                newest = ckpt.status()["newest_committed"]
+                newest = timed("status", ckpt.status)["newest_committed"]
                 if newest is not None:
                     say("NEWEST", newest)
             except safepoint.Error as e:
@@ -166,22 +295,28 @@ def child_main(a: dict) -> int:
     if a.get("p_final_wait") and rng.random() < a["p_final_wait"]:
         # Everything saved reaches storage and the peers: the state a node loss is checked on.
         try:
-            ckpt.wait(timeout=600)
+            timed("wait", lambda: ckpt.wait(timeout=600))
             report_replication()
         except safepoint.Error as e:
             say("WAITFAIL", step - 1, str(e).replace("\n", " "))
     say("IDLE")
-    for line in sys.stdin:
+    lines = iter(commands.get, "") if run_tag is not None else sys.stdin
+    for line in lines:
         cmd = line.strip()
         if cmd == "exit":
             os._exit(0)
         if cmd == "close":
             try:
-                ckpt.close()
+                timed("close", ckpt.close)
                 say("CLOSED")
             except safepoint.Error as e:
                 say("CLOSEFAIL", str(e).replace("\n", " "))
             os._exit(0)
+        if cmd == "more":
+            save_step(step)
+            wait_and_report(step)
+            step += 1
+            say("IDLE")
     os._exit(0)  # stdin closed: like a crash
 
 
