@@ -65,7 +65,11 @@ struct ClaimHeader {
   FencedEntry superseded[RankClaim::kFencedSlots];
 };
 static_assert(sizeof(ClaimHeader) <= kClaimFileBytes);
-static_assert(offsetof(ClaimHeader, epoch) == 24);
+static_assert(offsetof(ClaimHeader, epoch) == 24);  // docs/format.md, "Rank claim files"
+static_assert(offsetof(ClaimHeader, owner_pid) == 40);
+static_assert(offsetof(ClaimHeader, owner_start_ticks) == 48);
+static_assert(offsetof(ClaimHeader, since_ns) == 56);
+static_assert(offsetof(ClaimHeader, superseded) == 64 && sizeof(FencedEntry) == 48);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 ClaimHeader* HeaderOf(void* map) { return static_cast<ClaimHeader*>(map); }
