@@ -623,9 +623,12 @@ class NodeCampaign:
 
     def plan_wake(self, job: NodeJob) -> dict:
         """The round after a "stale" one: the job's next run, whose process of the stale rank
-        supersedes the stale process; that one is then woken and told to save (it must fail)."""
+        supersedes the stale process; that one is then woken and told to save (it must fail).
+        Half the time the stale node's agent is killed first: the new agent knows the stale
+        process only from the rank's claim in shared memory."""
         r = self.partition_rng
         return {"mode": "wake", "targets": [], "at_end": True, "delay": 0.0,
+                "restart_agent": r.random() < 0.5,
                 "steps": r.randint(2, 5), "end": "exit", "p_wait": 0.3, "p_status": 0.2,
                 "p_final_wait": 1.0, "bandwidth": None, "rng": r.getrandbits(64),
                 "point": None, "nth": None}
@@ -685,6 +688,12 @@ class NodeCampaign:
             self.stamps[stamp] = p["point"]
             kill_env = {"SAFEPOINT_KILL_AT": f"{p['point']}:{p['nth']}",
                         "SAFEPOINT_KILL_STAMP": stamp}
+        if p.get("restart_agent") and job.stale is not None:
+            i = job.stale[0].rank  # one rank per node: its node
+            for pid in job.agent_pids(i):
+                kill_and_wait(pid)
+                self.kills["agent (before a wake)"] += 1
+                self.note(f"killed the agent {pid} of {job.cluster[i].name} (before a wake)")
         t0 = time.monotonic()
         rdzv = os.path.join(self.root, f"rdzv-{self.round}")
         events: "queue.Queue" = queue.Queue()
