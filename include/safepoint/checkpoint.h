@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -212,6 +213,21 @@ class CheckpointStore {
   // every such tensor is held (Corruption otherwise).
   Result<bool> CommitFromFacts(uint64_t step, std::string_view job, uint64_t attempt,
                                const std::vector<ImageFact>& facts);
+
+  // A node's report of the images its agent published of (step, attempt), `facts` by rank:
+  // step-S/facts-<lowest rank>.g<attempt>. Written by the agent after its last image of the step
+  // where other nodes' agents write the job's other ranks, so that the listing commit reads N
+  // small reports instead of W image headers. A hint only: the commit reads the header of an
+  // image no valid report describes, and a record built from a wrong fact fails the load's size
+  // and header CRC check.
+  Status WriteFactsReport(uint64_t step, uint64_t attempt,
+                          const std::map<uint32_t, ImageFact>& facts);
+  // The agent's listing commit (TryCommitOfAttempt's checks: every rank's image of `attempt`
+  // published), each image's fact taken from `known` (this agent's own writes), else from a
+  // facts report in the step, else from its header; then CommitFromFacts.
+  Result<bool> TryCommitOfAttemptWithFacts(uint64_t step, uint32_t world_size, std::string_view job,
+                                           uint64_t attempt,
+                                           const std::map<uint32_t, ImageFact>& known);
 
   // Whether rank's image of `step` (plain or packed, named by `attempt` as WriteImageOfAttempt
   // names it) is stored whole and is of save `attempt`: a

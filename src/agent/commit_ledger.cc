@@ -39,6 +39,17 @@ std::optional<CommitLedger::Ready> CommitLedger::Add(uint64_t step, uint64_t att
   return ready;
 }
 
+std::map<uint32_t, CommitLedger::Fact> CommitLedger::Known(uint64_t step, uint64_t attempt) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<uint32_t, Fact> out;
+  auto it = entries_.find({step, attempt});
+  if (it == entries_.end()) return out;
+  for (uint32_t r = 0; r < it->second.facts.size(); ++r) {
+    if (it->second.facts[r]) out.emplace(r, *it->second.facts[r]);
+  }
+  return out;
+}
+
 void CommitLedger::Forget(uint64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   entries_.erase(entries_.begin(), entries_.upper_bound({step, UINT64_MAX}));

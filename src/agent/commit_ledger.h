@@ -36,6 +36,8 @@ class CommitLedger {
   // of one attempt is published once).
   std::optional<Ready> Add(uint64_t step, uint64_t attempt, uint32_t world_size, uint32_t rank,
                            const Fact& fact);
+  // The facts reported so far of (step, attempt), by rank (empty once it completed).
+  std::map<uint32_t, Fact> Known(uint64_t step, uint64_t attempt) const;
   // Drops every entry of steps <= `step` (committed, or older than a committed step). A later
   // report of such a step starts a new entry (a run resumed from an older step saves it again).
   void Forget(uint64_t step);

@@ -6,9 +6,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include "agent/persist_queue.h"
+#include "checkpoint/small_object.h"
 #include "safepoint/image.h"
 #include "shm/arena.h"
 #include "testing/test_util.h"
@@ -16,6 +18,7 @@
 namespace safepoint::agent::commit_ledger_test {
 namespace {
 
+using internal::WriteSmallObject;
 using Fact = CheckpointStore::ImageFact;
 constexpr uint64_t kStep = 7;
 constexpr uint64_t kAttempt = 0x5eed;
@@ -147,52 +150,122 @@ TEST(CommitFromFactsTest, ATensorLeftToAnotherRankThatNoImageHoldsIsRefused) {
   EXPECT_EQ(store->ReadCommit(kStep).status().code(), StatusCode::kNotFound);
 }
 
-// A job of four ranks on one node: the agent's persist worker commits each step from the facts of
-// its own writes, without listing the step or opening any image.
-TEST(LedgerCommitTest, AJobOnOneNodeCommitsWithoutListingOrReadingImages) {
-  constexpr uint32_t kWorld = 4;
-  test::TempDir tmp("safepoint-ledger-test");
-  ASSERT_TRUE(tmp.ok());
-  ASSERT_OK_AND_ASSIGN(std::string job_dir, JobDirectory(tmp.path(), "ledger", true));
-  auto counting = std::make_shared<CountingStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
-  auto store = std::make_shared<CheckpointStore>(counting);
-  PersistQueue queue([] {});
-  queue.Start(job_dir, PersistTarget{.job = "ledger",
-                                     .store = store,
-                                     .world_size = kWorld,
-                                     .keep = 100,
-                                     .ledger = std::make_shared<CommitLedger>()});
-  queue.SetHostsEveryRank(true);
+// Persists step kStep of a job of kWorld ranks split over `nodes` agents' persist queues (each its
+// own job directory, all writing one store) and returns the queues' results.
+constexpr uint32_t kWorld = 4;
+std::vector<PersistResult> PersistOnNodes(uint32_t nodes,
+                                          const std::shared_ptr<CheckpointStore>& store,
+                                          const test::TempDir& tmp, uint64_t* ledger_commits) {
+  std::vector<PersistResult> results;
+  std::vector<std::unique_ptr<PersistQueue>> queues;
+  std::vector<std::string> dirs;
+  for (uint32_t n = 0; n < nodes; ++n) {
+    const std::string shm = tmp.path() + "/node" + std::to_string(n);
+    std::filesystem::create_directories(shm);
+    auto dir = JobDirectory(shm, "ledger", true);
+    EXPECT_OK(dir.status());
+    dirs.push_back(*dir);
+    queues.push_back(std::make_unique<PersistQueue>([] {}));
+    queues.back()->Start(*dir, PersistTarget{.job = "ledger",
+                                             .store = store,
+                                             .world_size = kWorld,
+                                             .keep = 100,
+                                             .ledger = std::make_shared<CommitLedger>()});
+    queues.back()->SetHostsEveryRank(nodes == 1);
+  }
   std::vector<std::unique_ptr<Arena>> arenas;
   std::vector<test::TwoTensorShard> shards;
   for (uint32_t r = 0; r < kWorld; ++r) shards.emplace_back(kStep, r, kStep, 1 << 10);
   for (uint32_t r = 0; r < kWorld; ++r) {
-    ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir, r));
-    ASSERT_OK_AND_ASSIGN(
-        auto b, ImageBuilder::Create(MetaOf(r, kWorld), shards[r].sources, shards[r].extras));
-    ASSERT_OK_AND_ASSIGN(auto ticket, arena->BeginWrite(b->size()));
-    ASSERT_EQ(ticket.first, Arena::Acquire::kAcquired);
-    b->FillAll(ticket.second.data, 1);
-    arena->FinishWrite(ticket.second, kStep, b->size(), /*leased=*/false);
-    queue.Enqueue({.rank = r,
-                   .slot = ticket.second.slot,
-                   .generation = arena->Slots()[ticket.second.slot].generation,
-                   .step = kStep});
-    arenas.push_back(std::move(arena));
+    const uint32_t node = r * nodes / kWorld;
+    auto arena = Arena::Open(dirs[node], r);
+    EXPECT_OK(arena.status());
+    auto b = ImageBuilder::Create(MetaOf(r, kWorld), shards[r].sources, shards[r].extras);
+    EXPECT_OK(b.status());
+    auto ticket = (*arena)->BeginWrite((*b)->size());
+    EXPECT_OK(ticket.status());
+    (*b)->FillAll(ticket->second.data, 1);
+    (*arena)->FinishWrite(ticket->second, kStep, (*b)->size(), /*leased=*/false);
+    queues[node]->Enqueue({.rank = r,
+                           .slot = ticket->second.slot,
+                           .generation = (*arena)->Slots()[ticket->second.slot].generation,
+                           .step = kStep});
+    arenas.push_back(std::move(*arena));
   }
-  std::vector<PersistResult> results;
   while (results.size() < kWorld) {
-    for (auto& r : queue.TakeResults()) results.push_back(std::move(r));
+    for (auto& q : queues) {
+      for (auto& r : q->TakeResults()) results.push_back(std::move(r));
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  queue.Stop();
+  *ledger_commits = 0;
+  for (auto& q : queues) {
+    q->Stop();
+    *ledger_commits += q->ledger_commits();
+  }
+  return results;
+}
+
+// A job of four ranks on one node: the agent's persist worker commits each step from the facts of
+// its own writes, without listing the step or opening any image.
+TEST(LedgerCommitTest, AJobOnOneNodeCommitsWithoutListingOrReadingImages) {
+  test::TempDir tmp("safepoint-ledger-test");
+  ASSERT_TRUE(tmp.ok());
+  auto counting = std::make_shared<CountingStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  auto store = std::make_shared<CheckpointStore>(counting);
+  uint64_t ledger_commits = 0;
+  const auto results = PersistOnNodes(1, store, tmp, &ledger_commits);
   for (const auto& r : results) ASSERT_OK(r.status);
   EXPECT_TRUE(results.back().committed) << "the last image's report completes the step";
   for (uint32_t r = 0; r + 1 < kWorld; ++r) EXPECT_FALSE(results[r].committed);
-  EXPECT_EQ(queue.ledger_commits(), 1u);
+  EXPECT_EQ(ledger_commits, 1u);
   EXPECT_EQ(counting->lists.load(), 0) << "the step was listed";
   EXPECT_EQ(counting->image_opens.load(), 0) << "an image was opened";
   for (uint32_t r = 0; r < kWorld; ++r) ASSERT_OK(LoadShard(*store, kStep, r));
+}
+
+// Two nodes of two ranks each: each agent writes its node's facts report after its last image,
+// and the agent that finds every image published commits from the reports, opening no image.
+TEST(LedgerCommitTest, NodesReportTheirFactsAndTheCommitOpensNoImage) {
+  test::TempDir tmp("safepoint-ledger-test");
+  ASSERT_TRUE(tmp.ok());
+  auto counting = std::make_shared<CountingStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  auto store = std::make_shared<CheckpointStore>(counting);
+  uint64_t ledger_commits = 0;
+  const auto results = PersistOnNodes(2, store, tmp, &ledger_commits);
+  for (const auto& r : results) ASSERT_OK(r.status);
+  ASSERT_OK(store->ReadCommit(kStep));
+  EXPECT_EQ(counting->image_opens.load(), 0) << "an image's header was read";
+  // One listing per node when its images are queued together; a rank whose task came after the
+  // node's queue ran dry lists once more.
+  EXPECT_LE(counting->lists.load(), static_cast<int>(kWorld));
+  for (uint32_t r = 0; r < kWorld; ++r) ASSERT_OK(LoadShard(*store, kStep, r));
+}
+
+// A damaged or lying facts report is a hint that fails: the commit reads the headers instead and
+// the record it writes is the true one.
+TEST(LedgerCommitTest, ADamagedFactsReportCostsHeaderReadsNotTheStep) {
+  auto counting = std::make_shared<CountingStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  auto store = std::make_shared<CheckpointStore>(counting);
+  std::map<uint32_t, Fact> truth;
+  for (uint32_t r = 0; r < 2; ++r) {
+    test::TwoTensorShard shard{kStep, r, kStep, 1 << 10};
+    ASSERT_OK_AND_ASSIGN(auto b, ImageBuilder::Create(MetaOf(r, 2), shard.sources, shard.extras));
+    ASSERT_OK(store->WriteImageOfAttempt(*b, {}).status());
+    truth[r] = {b->layout().image_size, b->layout().header_crc, false, false};
+  }
+  std::map<uint32_t, Fact> lie = truth;
+  lie[1].size += 1;  // a size the listing contradicts
+  ASSERT_OK(store->WriteFactsReport(kStep, kAttempt, lie));
+  ASSERT_OK(WriteSmallObject(store->storage(),
+                             StepPrefix(kStep) + "facts-00009.g" + std::string(16, '0'), "junk"));
+  ASSERT_OK_AND_ASSIGN(bool committed,
+                       store->TryCommitOfAttemptWithFacts(kStep, 2, "ledger", kAttempt, {}));
+  EXPECT_TRUE(committed);
+  EXPECT_EQ(counting->image_opens.load(), 1) << "rank 1's header, whose reported fact was wrong";
+  ASSERT_OK_AND_ASSIGN(CommitRecord record, store->ReadCommit(kStep));
+  EXPECT_EQ(record.images[1].size, truth[1].size);
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(LoadShard(*store, kStep, r));
 }
 
 }  // namespace

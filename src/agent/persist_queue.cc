@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "base/kill_point.h"
+#include "base/log.h"
 #include "base/parallel.h"
 #include "shm/arena.h"
 #include "storage/cancellable.h"
@@ -168,9 +169,21 @@ Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
     if (t.reason == FlushReason::kRequested && hosts_every_rank_.load()) return false;
   }
   // Ranks of other nodes: the listing commit, tried once this agent's last image of the step is
-  // published (an earlier one would only find it missing).
+  // published (an earlier one would only find it missing), after this node's facts report
+  // (docs/architecture.md, "Committing at scale"): the committer reads N reports, not W headers.
   if (t.reason == FlushReason::kRequested && QueuedForStep(t.step)) return false;
-  return target_.store->TryCommitOfAttempt(t.step, target_.world_size, target_.job, attempt);
+  std::map<uint32_t, CheckpointStore::ImageFact> known;
+  if (target_.ledger) known = target_.ledger->Known(t.step, attempt);
+  if (t.reason == FlushReason::kRequested && !known.empty()) {
+    if (Status s = target_.store->WriteFactsReport(t.step, attempt, known); !s.ok()) {
+      spdlog::warn(
+          "step {}: this node's facts report was not written ({}); the commit reads "
+          "its images' headers instead",
+          t.step, s.ToString());
+    }
+  }
+  return target_.store->TryCommitOfAttemptWithFacts(t.step, target_.world_size, target_.job,
+                                                    attempt, known);
 }
 
 PersistResult PersistQueue::Persist(const PersistTask& t) {

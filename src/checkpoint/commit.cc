@@ -42,12 +42,17 @@
 // Clean-up: temporaries and uncommitted images only in step directories older than the newest
 //   committed step, whose writers have all finished.
 
+#include <algorithm>
+#include <cstdio>
 #include <map>
+#include <sstream>
 #include <unordered_set>
 
 #include "base/aligned_buffer.h"
 #include "base/clock.h"
+#include "base/crc32c.h"
 #include "base/kill_point.h"
+#include "base/log.h"
 #include "checkpoint/commit_record.h"
 #include "checkpoint/small_object.h"
 #include "safepoint/checkpoint.h"
@@ -55,6 +60,7 @@
 namespace safepoint {
 
 using internal::AlignedBuffer;
+using internal::Crc32c;
 using internal::kCommitFixed;
 using internal::ReadSmallObject;
 using internal::WriteSmallObject;
@@ -269,6 +275,130 @@ Result<bool> CheckpointStore::CommitFromFacts(uint64_t step, std::string_view jo
   (void)published;  // either way the step is committed
   SP_KILL_POINT("store.commit.after_write");
   return true;
+}
+
+namespace {
+
+constexpr std::string_view kFactsMagic = "SPFACTS 1\n";
+constexpr uint64_t kMaxFactsBytes = 64ull << 20;
+
+std::string FactsReportName(uint64_t step, uint32_t lowest_rank, uint64_t attempt) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "facts-%05u.g%016llx", lowest_rank,
+                static_cast<unsigned long long>(attempt));
+  return StepPrefix(step) + buf;
+}
+
+std::string EncodeFacts(uint64_t step, uint64_t attempt,
+                        const std::map<uint32_t, CheckpointStore::ImageFact>& facts) {
+  std::string out(kFactsMagic);
+  out += std::to_string(step) + " " + std::to_string(attempt) + " " + std::to_string(facts.size()) +
+         "\n";
+  for (const auto& [rank, f] : facts) {
+    out += std::to_string(rank) + " " + std::to_string(f.size) + " " +
+           std::to_string(f.header_crc) + " " +
+           std::to_string((f.packed ? 1 : 0) | (f.elsewhere ? 2 : 0)) + "\n";
+  }
+  out += "crc " + std::to_string(Crc32c(0, out.data(), out.size())) + "\n";
+  return out;
+}
+
+// Nullopt for anything but a whole, intact report of (step, attempt).
+std::optional<std::map<uint32_t, CheckpointStore::ImageFact>> DecodeFacts(std::string_view text,
+                                                                          uint64_t step,
+                                                                          uint64_t attempt) {
+  const size_t crc_at = text.rfind("crc ");
+  if (!text.starts_with(kFactsMagic) || crc_at == std::string_view::npos) return std::nullopt;
+  std::istringstream crc_in{std::string(text.substr(crc_at + 4))};
+  uint64_t crc = 0;
+  if (!(crc_in >> crc) || crc != Crc32c(0, text.data(), crc_at)) return std::nullopt;
+  std::istringstream in{std::string(text.substr(kFactsMagic.size(), crc_at - kFactsMagic.size()))};
+  uint64_t s = 0, a = 0, n = 0;
+  if (!(in >> s >> a >> n) || s != step || a != attempt || n > kMaxRank) return std::nullopt;
+  std::map<uint32_t, CheckpointStore::ImageFact> out;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t rank = 0, size = 0, header_crc = 0, flags = 0;
+    if (!(in >> rank >> size >> header_crc >> flags) || rank >= kMaxRank ||
+        header_crc > UINT32_MAX || flags > 3) {
+      return std::nullopt;
+    }
+    out[static_cast<uint32_t>(rank)] = {size, static_cast<uint32_t>(header_crc), (flags & 1) != 0,
+                                        (flags & 2) != 0};
+  }
+  return out;
+}
+
+}  // namespace
+
+Status CheckpointStore::WriteFactsReport(uint64_t step, uint64_t attempt,
+                                         const std::map<uint32_t, ImageFact>& facts) {
+  if (facts.empty()) return Status::OK();
+  return WriteSmallObject(*storage_, FactsReportName(step, facts.begin()->first, attempt),
+                          EncodeFacts(step, attempt, facts));
+}
+
+Result<bool> CheckpointStore::TryCommitOfAttemptWithFacts(
+    uint64_t step, uint32_t world_size, std::string_view job, uint64_t attempt,
+    const std::map<uint32_t, ImageFact>& known) {
+  if (world_size == 0 || world_size > kMaxRank) {
+    return InvalidArgument("world size " + std::to_string(world_size) + " is invalid");
+  }
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
+  std::map<std::string, uint64_t> sizes;
+  for (auto& o : objects) sizes[o.name] = o.size;
+  // A step committed already (by this attempt or an earlier run's) is committed: its record is
+  // made durable before that is said (ConfirmCommit), as TryCommitOfAttempt does.
+  if (sizes.contains(CommitObjectName(step))) {
+    auto confirmed = ConfirmCommit(step);
+    if (confirmed.ok()) return true;
+    if (confirmed.status().code() == StatusCode::kNotFound) return false;
+    if (confirmed.status().code() != StatusCode::kCorruption) return confirmed.status();
+  }
+  for (uint32_t r = 0; r < world_size; ++r) {
+    if (!sizes.contains(ImageObjectName(step, r, attempt)) &&
+        !sizes.contains(PackedObjectName(step, r, attempt))) {
+      return false;  // not every rank's image of this attempt is published yet
+    }
+  }
+  // A fact counts only for an image the listing shows under the name it gives (a plain image's
+  // object is exactly its size).
+  std::vector<std::optional<ImageFact>> facts(world_size);
+  auto take = [&](uint32_t r, const ImageFact& f) {
+    if (r >= world_size || facts[r]) return;
+    const std::string name =
+        f.packed ? PackedObjectName(step, r, attempt) : ImageObjectName(step, r, attempt);
+    auto it = sizes.find(name);
+    if (it != sizes.end() && (f.packed || it->second == f.size)) facts[r] = f;
+  };
+  for (const auto& [r, f] : known) take(r, f);
+  size_t missing = std::count(facts.begin(), facts.end(), std::nullopt);
+  char suffix[32];
+  std::snprintf(suffix, sizeof(suffix), ".g%016llx", static_cast<unsigned long long>(attempt));
+  const std::string reports = StepPrefix(step) + "facts-";
+  for (const auto& [name, size] : sizes) {
+    if (missing == 0) break;
+    if (!name.starts_with(reports) || !name.ends_with(suffix)) continue;
+    auto data = ReadSmallObject(*storage_, name, kMaxFactsBytes);
+    if (!data.ok()) continue;  // a hint: the headers are read instead
+    auto decoded = DecodeFacts(
+        std::string_view(reinterpret_cast<const char*>(data->data()), data->size()), step, attempt);
+    if (!decoded) {
+      spdlog::warn("{}: not a valid facts report; reading the images' headers instead",
+                   storage_->Describe(name));
+      continue;
+    }
+    for (const auto& [r, f] : *decoded) take(r, f);
+    missing = std::count(facts.begin(), facts.end(), std::nullopt);
+  }
+  std::vector<ImageFact> all(world_size);
+  for (uint32_t r = 0; r < world_size; ++r) {
+    if (!facts[r]) {
+      SP_ASSIGN_OR_RETURN(facts[r], StoredImageOfAttempt(step, r, attempt));
+      if (!facts[r]) return false;  // torn or of another attempt: its writer writes it again
+    }
+    all[r] = *facts[r];
+  }
+  return CommitFromFacts(step, job, attempt, all);
 }
 
 Result<CommitRecord> CheckpointStore::ReadCommit(uint64_t step) {
