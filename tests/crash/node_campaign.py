@@ -594,6 +594,8 @@ class NodeCampaign:
         trigger = r.choice(TRIGGERS)
         if trigger == "rebuild" and not job.lost_last:
             trigger = "restore"  # a rebuild from peers follows a node loss only
+        elif trigger == "restore" and job.lost_last:
+            trigger = "rebuild"  # after a node loss the restore is the lost rank's rebuild
         direction = "both" if mode in ("stale", "flap") else r.choice(["both", "both", "out",
                                                                        "in"])
         down = (r.uniform(PEER_TIMEOUT + 1, PEER_TIMEOUT + 4) if r.random() < 0.2
