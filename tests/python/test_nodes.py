@@ -2,7 +2,10 @@
 hostname and address on a bridge (tests/common/nodes.py; needs root, else skipped)."""
 
 import os
+import subprocess
+import sys
 
+import pytest
 from nodes import Job, mounted_anywhere
 from processes import job_dir, wait_until
 
@@ -50,6 +53,53 @@ def test_node_loss_kills_its_processes_and_frees_its_shm(cluster):
     assert (fresh.name, fresh.addr) == (lost.name, lost.addr)
     assert fresh.run(["ls", "-A", "/dev/shm"], check=True).stdout == ""
     assert mounted_anywhere(fresh.shm_dev)  # (the freed device number may be reused)
+
+
+def _reaches(src, dst, port: int) -> bool:
+    """Whether a TCP connection from node `src` to a listener on node `dst` gets through in 1 s."""
+    probe = ("import socket,sys\ns=socket.socket(); s.settimeout(1.0)\n"
+             "try:\n s.connect((sys.argv[1], int(sys.argv[2]))); print('yes')\n"
+             "except OSError: print('no')\n")
+    return src.run([sys.executable, "-c", probe, dst.addr, str(port)]).stdout.strip() == "yes"
+
+
+def test_a_partition_cuts_a_node_off_each_way_and_heals(cluster):
+    """Node.partition: "both" (its link down), "out" (what it sends dropped) and "in" (what it
+    receives dropped) each cut node 1 off from node 0 while its processes and /dev/shm stay;
+    heal() gives the link back as it was."""
+    import nodes
+
+    reason = nodes.partitions_unavailable()
+    if reason:
+        pytest.skip(reason)
+    c = cluster(2, shm_size="16m")
+    port = 7000 + os.getpid() % 1000
+    listen = ("import socket,sys,time\ns=socket.socket()\n"
+              "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(64); print('up', flush=True)\n"
+              "while True:\n c, _ = s.accept(); c.close()\n")
+    servers = [n.popen([sys.executable, "-c", listen, n.addr, str(port)], stdout=subprocess.PIPE,
+                       text=True) for n in c]
+    try:
+        for s in servers:
+            assert s.stdout.readline() == "up\n"
+        c[1].run(["sh", "-c", "echo x > /dev/shm/kept"], check=True)
+        before = c[1].processes()
+        assert _reaches(c[0], c[1], port) and _reaches(c[1], c[0], port)
+        for direction in ("both", "out", "in"):
+            c[1].partition(direction)
+            assert not _reaches(c[0], c[1], port), direction
+            assert not _reaches(c[1], c[0], port), direction
+            c[1].heal()
+            assert wait_until(lambda: _reaches(c[0], c[1], port) and _reaches(c[1], c[0], port))
+            assert c[1].partitioned == set()
+        assert (c[1].shm / "kept").read_text() == "x\n"
+        assert set(before) <= set(c[1].processes())
+        assert f"inet {c[1].addr}/24" in c[1].run(["ip", "-4", "addr", "show", "eth0"]).stdout
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
 
 
 def test_job_resumes_from_storage_after_a_node_loss(cluster, tmp_path):
