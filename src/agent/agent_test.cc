@@ -1124,6 +1124,37 @@ TEST_F(AgentTest, WaitForAStepWhoseImagesAreOfMixedAttemptsFailsAtOnceNamingWhy)
   ExpectServes();
 }
 
+// Open (docs/reliability.md, "Found and not yet fixed"; found by the node campaign, seed 20261202
+// with --partitions 6): the same wait on a job of two nodes. Rank 1, on another node (its own shm
+// directory and agent), never persists step 5 (its snapshot of 5 was overwritten before its
+// agent persisted it; here it simply does not ask) and goes on to persist step 6. Rank 0's
+// agent serves only rank 0, so StepNeverCommits finds rank 1 "served elsewhere" and never
+// answers: rank 0's wait() for step 5 ends only by its timeout (or never, without one), where
+// guide.md says it ends at once with CancelledError. Disabled until the agent knows what
+// another node's rank will not persist; enable it with that fix.
+TEST_F(AgentTest, DISABLED_AWaitForAStepARankOnAnotherNodeNeverPersistsEndsAtOnce) {
+  const std::string other_shm = tmp_ + "/shm-node1";
+  ASSERT_EQ(::mkdir(other_shm.c_str(), 0700), 0);
+  ClientOptions o0 = RankOptions(0, 22);
+  ClientOptions o1 = RankOptions(1, 22);
+  o1.shm_dir = other_shm;  // another node: its own agent
+  ASSERT_OK_AND_ASSIGN(auto rank0, SnapshotClient::Connect(o0));
+  ASSERT_OK_AND_ASSIGN(auto rank1, SnapshotClient::Connect(o1));
+  SaveStep(*rank1, 5, /*persist=*/false);
+  SaveStep(*rank1, 6, /*persist=*/true);
+  SaveStep(*rank0, 5, /*persist=*/true);
+  const auto t0 = Clock::now();
+  const Status w = rank0->Wait(10);
+  EXPECT_EQ(w.code(), StatusCode::kCancelled) << w.ToString();
+  EXPECT_NE(w.message().find("step 5 can never be committed"), std::string::npos) << w.ToString();
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 5.0);
+  uint32_t other = 0;
+  if (AgentAlive(other_shm + "/safepoint-" + std::to_string(::geteuid()) + "-" + job_, &other) &&
+      other > 1) {
+    ::kill(static_cast<pid_t>(other), SIGKILL);
+  }
+}
+
 // The world size committed for each step on storage.
 std::map<uint64_t, uint32_t> CommittedWorlds(const std::string& storage) {
   std::map<uint64_t, uint32_t> out;

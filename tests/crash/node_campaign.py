@@ -114,8 +114,11 @@ PEER_TIMEOUT = 10.0  # the jobs' peer_timeout (seconds)
 # comes near it); status and close: the client's 30 s request timeout (one retry: 60 s); save:
 # the copy and the save's one collective; open: hello (30 s per reply) and the membership
 # exchange (peer setup 60 s, membership 60 s).
-CALL_BOUNDS = {"open": 150.0, "load": 4 * PEER_TIMEOUT + 60.0, "save": 60.0, "wait": 600.0,
-               "status": 60.0, "close": 60.0}
+# The ranks' wait() timeout: below the hang guard, so that a wait that cannot end (below)
+# ends with its error and the round goes on.
+WAIT_TIMEOUT = 120.0
+CALL_BOUNDS = {"open": 150.0, "load": 4 * PEER_TIMEOUT + 60.0, "save": 60.0,
+               "wait": WAIT_TIMEOUT + 5.0, "status": 60.0, "close": 60.0}
 
 
 def ns_to_host(node, nspid: int) -> Optional[int]:
@@ -363,7 +366,10 @@ class Cut:
     def _event_seen(self, kill_at: float) -> bool:
         trig, rk, now = self.p["trigger"], self.ranks[self.t], time.monotonic()
         if trig == "random":
-            return now >= kill_at
+            # Once every rank's Checkpointer is up: a link down while the job's own process
+            # group connects fails torch.distributed's rendezvous (gloo's connect: "Network is
+            # unreachable"), which is the job's start, not safepoint's to survive.
+            return now >= kill_at and all(self._said(x, "READY") >= 1 for x in self.ranks)
         if trig == "saved":
             return self._said(rk, "SAVED") >= min(self.p["nth_saved"], self.p["steps"])
         if trig == "push":
@@ -551,6 +557,7 @@ class NodeCampaign:
         self.rejoined = 0                    # rounds whose every rank was protected again
         # (round, rank) whose rejoin save was not protected, its replication not through the cut
         self.unprotected_elsewhere: list[tuple[int, int]] = []
+        self.waits_timed_out: list[tuple[int, int]] = []  # (round, rank): waits that timed out
 
     def note(self, msg: str) -> None:
         self.log.write(f"[round {self.round}] {msg}\n")
@@ -715,7 +722,7 @@ class NodeCampaign:
                     "rng": f"{p['rng']}-{rank}", "rdzv": rdzv, "env": env,
                     "redundancy": job.redundancy, "peer_timeout": PEER_TIMEOUT,
                     "bandwidth": p.get("bandwidth"), "run_tag": f"{job.name}-r{self.round}",
-                    "timing": True}
+                    "timing": True, "wait_timeout": WAIT_TIMEOUT}
             ranks.append(ct.Rank(job.zygotes[rank], args,
                                  os.path.join(self.root, f"r{self.round}-{rank}.err"), events))
         self.current = (job, ranks)
@@ -989,6 +996,11 @@ class NodeCampaign:
                     raise Violation(f"rank {rk.rank}'s {kind} took {seconds:.1f} s, beyond its "
                                     f"bound of {bound:.1f} s ({CALL_BOUNDS.get(kind, 60.0):.0f} s "
                                     f"+ {down:.1f} s cut)")
+                if kind == "wait" and outcome != "ok" and seconds >= WAIT_TIMEOUT:
+                    # Open (docs/reliability.md, "Found and not yet fixed"): a wait for a step
+                    # that a rank on another node will never persist ends only by its timeout.
+                    self.waits_timed_out.append((self.round, rk.rank))
+                    self.note(f"rank {rk.rank}'s wait ran into its timeout ({seconds:.1f} s)")
                 if seconds > self.longest.get(kind, (0.0,))[0]:
                     self.longest[kind] = (seconds, self.round, outcome, down)
 
@@ -1152,6 +1164,8 @@ class NodeCampaign:
                 f"{k} {self.calls[k]}: {self.longest[k][0]:.2f} s (round {self.longest[k][1]}, "
                 f"{self.longest[k][2]}, {self.longest[k][3]:.1f} s cut) / "
                 f"{CALL_BOUNDS.get(k, 60.0):.0f} s" for k in sorted(self.calls)))
+            print(f"  waits that ran into their {WAIT_TIMEOUT:.0f} s timeout (a step another "
+                  f"node's rank will never persist): {self.waits_timed_out or 'none'}")
             if self.failed_calls:
                 print("  calls that failed (raised:X only where the round killed a rank: the job's "
                       "own collectives): " + ", ".join(

@@ -147,6 +147,7 @@ def child_main(a: dict) -> int:
     extra.update(a.get("layout") or {})  # compression, incremental of path
     run_tag = a.get("run_tag")
     timing = bool(a.get("timing"))
+    wait_timeout = float(a.get("wait_timeout", 600))
     seed = a["seed"]
     # Commands from stdin: read by a thread of their own in the node campaign (a "stale" command
     # arrives while the main thread is blocked in a collective), else by the main thread at IDLE.
@@ -272,7 +273,7 @@ def child_main(a: dict) -> int:
 
     def wait_and_report(step: int) -> None:
         try:
-            timed("wait", lambda: ckpt.wait(timeout=600))
+            timed("wait", lambda: ckpt.wait(timeout=wait_timeout))
             say("COMMITTED", step)
             report_replication()
         except safepoint.Error as e:
@@ -295,7 +296,7 @@ def child_main(a: dict) -> int:
     if a.get("p_final_wait") and rng.random() < a["p_final_wait"]:
         # Everything saved reaches storage and the peers: the state a node loss is checked on.
         try:
-            timed("wait", lambda: ckpt.wait(timeout=600))
+            timed("wait", lambda: ckpt.wait(timeout=wait_timeout))
             report_replication()
         except safepoint.Error as e:
             say("WAITFAIL", step - 1, str(e).replace("\n", " "))
