@@ -1309,12 +1309,58 @@ TEST_F(AgentTest, AnotherWorldSizeWhileARankOfTheJobRunsIsRefused) {
 // and nothing it does reaches memory or storage.
 TEST_F(AgentTest, ANewerRunTakesTheRankFromAStaleProcessThatStillRuns) {
   ASSERT_NO_FATAL_FAILURE(StartAgent());
-  ClientOptions stale_options = Options();
-  stale_options.attempt = 111;
-  ASSERT_OK_AND_ASSIGN(auto stale, SnapshotClient::Connect(stale_options));
-  SaveStep(*stale, 1, /*persist=*/true);
-  ASSERT_OK(stale->Wait(kDeadlineSeconds));
-  // The newer run's process: resumes from the stale one's snapshot, saves step 2, dies unclosed.
+  // Every process of this test is a child of a test process that runs no thread of its own, so
+  // each fork is of a single-threaded process (ThreadSanitizer does not support the others).
+  int ready_fds[2], go_fds[2];
+  ASSERT_EQ(::pipe(ready_fds), 0);
+  UniqueFd ready_read(ready_fds[0]), ready_write(ready_fds[1]);
+  ASSERT_EQ(::pipe(go_fds), 0);
+  UniqueFd go_read(go_fds[0]), go_write(go_fds[1]);
+  const pid_t stale = ::fork();
+  ASSERT_GE(stale, 0);
+  if (stale == 0) {  // the stale process: saves step 1, then hangs until the newer run took over
+    ready_read.Reset();
+    go_write.Reset();
+    ClientOptions o = Options();
+    o.attempt = 111;
+    auto c = SnapshotClient::Connect(o);
+    if (!c.ok()) ::_exit(2);
+    Shard one(1);
+    auto r = (*c)->Save(1, one.sources, one.extras, /*persist=*/true);
+    if (!r.ok() || !r->saved || !(*c)->Wait(kDeadlineSeconds).ok()) ::_exit(3);
+    const char ok = 1;
+    if (::write(ready_write.get(), &ok, 1) != 1) ::_exit(4);
+    char byte;
+    if (::read(go_read.get(), &byte, 1) != 1) ::_exit(5);
+    // Every save, wait and hello fails, naming the newer run.
+    Shard three(3);
+    auto saved = (*c)->Save(3, three.sources, three.extras, /*persist=*/true);
+    if (saved.ok() || saved.status().code() != StatusCode::kSuperseded ||
+        saved.status().message().find("save attempt 222") == std::string::npos) {
+      std::fprintf(stderr, "stale save: %s\n",
+                   saved.ok() ? "ok" : saved.status().ToString().c_str());
+      ::_exit(6);
+    }
+    const Status waited = (*c)->Wait(kDeadlineSeconds);
+    if (waited.code() != StatusCode::kSuperseded) {
+      std::fprintf(stderr, "stale wait: %s\n", waited.ToString().c_str());
+      ::_exit(7);
+    }
+    auto again = SnapshotClient::Connect(o);
+    if (again.ok() || again.status().code() != StatusCode::kSuperseded) {
+      std::fprintf(stderr, "stale hello: %s\n",
+                   again.ok() ? "ok" : again.status().ToString().c_str());
+      ::_exit(8);
+    }
+    ::_exit(0);
+  }
+  children_[stale] = false;
+  ready_write.Reset();
+  go_read.Reset();
+  char ok = 0;
+  ASSERT_EQ(::read(ready_read.get(), &ok, 1), 1);
+  // The newer run's process (started after the stale one): resumes from the stale one's
+  // snapshot, saves step 2, dies unclosed.
   ASSERT_EQ(test::RunInChild([&] {
               ClientOptions o = Options();
               o.attempt = 222;
@@ -1331,18 +1377,8 @@ TEST_F(AgentTest, ANewerRunTakesTheRankFromAStaleProcessThatStillRuns) {
               return (*c)->Wait(kDeadlineSeconds).ok() ? 0 : 5;
             }),
             0);
-  // The stale process: every save, wait and hello fails, naming the newer run.
-  Shard three(3);
-  auto saved = stale->Save(3, three.sources, three.extras, /*persist=*/true);
-  ASSERT_FALSE(saved.ok());
-  EXPECT_EQ(saved.status().code(), StatusCode::kSuperseded) << saved.status().ToString();
-  EXPECT_NE(saved.status().message().find("save attempt 222"), std::string::npos)
-      << saved.status().ToString();
-  const Status waited = stale->Wait(kDeadlineSeconds);
-  EXPECT_EQ(waited.code(), StatusCode::kSuperseded) << waited.ToString();
-  auto again = SnapshotClient::Connect(stale_options);
-  ASSERT_FALSE(again.ok());
-  EXPECT_EQ(again.status().code(), StatusCode::kSuperseded) << again.status().ToString();
+  ASSERT_EQ(::write(go_write.get(), "g", 1), 1);  // the stale process wakes
+  ExpectExitsWith(stale, 0);
   // Memory and storage hold the newer run's step 2; nothing of step 3.
   ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir_, 0));
   ASSERT_TRUE(arena->NewestComplete());
