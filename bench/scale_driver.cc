@@ -37,6 +37,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent/status.h"
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
 #include "safepoint/extras.h"
@@ -130,20 +131,7 @@ void ParallelFor(uint32_t n, uint32_t threads, F fn) {
   for (auto& t : pool) t.join();
 }
 
-json Counts(const StorageRequestCounts& c) {
-  return {{"list", c.list},
-          {"head", c.head},
-          {"get", c.get},
-          {"create", c.create},
-          {"write", c.write},
-          {"put", c.put},
-          {"delete", c.del},
-          {"cleanup", c.cleanup},
-          {"requests", c.requests()},
-          {"metadata_bytes", c.metadata_bytes},
-          {"data_bytes_read", c.data_bytes_read},
-          {"data_bytes_written", c.data_bytes_written}};
-}
+json Counts(const StorageRequestCounts& c) { return agent::StorageRequestCountsJson(c); }
 
 StorageRequestCounts Total() {
   StorageRequestCounts t;

@@ -39,12 +39,10 @@ Prints a Markdown table (ratios against DCP in the same run) and writes every nu
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -53,6 +51,9 @@ import tempfile
 import time
 from collections import Counter
 from typing import Any, Optional
+
+from collective_count import CollectiveCounter
+from scale import stop_agents  # bench/scale.py: the same shutdown of a job's agents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = 64 << 10  # bytes of the replicated model
@@ -79,64 +80,6 @@ KIND_ORDER = ("open", "stat", "list", "read", "write", "rename", "unlink", "fsyn
 
 
 # -- one rank ------------------------------------------------------------------------------------
-
-NAMES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-         "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
-         "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
-         "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
-
-
-class Counting:
-    """Wraps every collective of torch.distributed; records (name, seconds) of each outermost
-    call while `on`."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        self.calls: list[tuple[str, float]] = []
-        self.on = False
-        self._depth = 0
-        for name in NAMES:
-            real = getattr(c10d, name, None)
-            if real is None:
-                continue
-            wrapped = self._wrap(name, real)
-            for mod in (dist, c10d):
-                if getattr(mod, name, None) is not None:
-                    setattr(mod, name, wrapped)
-
-    def _wrap(self, name: str, fn: Any) -> Any:
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if self._depth or not self.on:
-                return fn(*args, **kwargs)
-            self._depth += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                self.calls.append((name, time.perf_counter() - t0))
-        return wrapper
-
-    def measure(self, fn: Any) -> dict:
-        """Runs fn between barriers (not counted) and returns its seconds and collectives."""
-        import torch.distributed as dist
-
-        dist.barrier()
-        self.calls.clear()
-        self.on = True
-        t0 = time.perf_counter()
-        try:
-            fn()
-        finally:
-            seconds = time.perf_counter() - t0
-            self.on = False
-        calls = list(self.calls)
-        return {"seconds": seconds, "calls": [c[0] for c in calls],
-                "collective_seconds": sum(c[1] for c in calls)}
-
 
 def _state(step: int, rank: int) -> dict:
     import torch
@@ -182,7 +125,7 @@ def rank_main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    counting = Counting()
+    counting = CollectiveCounter(on=False)
     ops: list[dict] = []
     ok = True
     if lib == "safepoint":
@@ -246,41 +189,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agents_of(shm_dir: str) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if argv and os.path.basename(argv[0]) == b"safepointd" and shm_dir.encode() in argv:
-            out.append(int(pid))
-    return out
-
-
-def stop_agents(shm_dir: str, own_exit: float = 20.0) -> int:
-    """Waits for the job's agent to exit by itself (every rank closed), then SIGTERMs any left
-    (ours: named by this run's shm directory). Returns how many were left."""
-    deadline = time.monotonic() + own_exit
-    while time.monotonic() < deadline and agents_of(shm_dir):
-        time.sleep(0.1)
-    left = agents_of(shm_dir)
-    for p in left:
-        try:
-            os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and agents_of(shm_dir):
-        time.sleep(0.1)
-    for p in agents_of(shm_dir):
-        os.kill(p, signal.SIGKILL)
-    return len(left)
-
-
 def launch(lib: str, phase: str, w: int, root: str, shm: str, job: str, n: int,
            trace_dir: Optional[str], timeout: float) -> list[dict]:
     """Runs the W ranks of one phase; with trace_dir, each under strace. The JSON of each rank."""
@@ -313,7 +221,7 @@ def launch(lib: str, phase: str, w: int, root: str, shm: str, job: str, n: int,
             break
         time.sleep(0.2)
     if lib == "safepoint":
-        stop_agents(shm)
+        stop_agents(shm, grace=10, own_exit=20)
     results = []
     for p, (out, err) in zip(procs, files):
         try:
@@ -449,7 +357,7 @@ def run_w(w: int, args: argparse.Namespace, count: bool) -> dict:
                         print(f"  W={w:3} {lib:9} {phase:7} {'traced' if traced else 'timed':6}"
                               f" {time.monotonic() - t0:5.1f} s", flush=True)
             finally:
-                stop_agents(shm, own_exit=0)
+                stop_agents(shm, grace=10, own_exit=0)
                 shutil.rmtree(shm, ignore_errors=True)
     finally:
         if not args.keep:

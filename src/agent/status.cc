@@ -131,22 +131,26 @@ nlohmann::json NodeAgent::StatusJson() {
           {"storage_requests", StorageRequestsJson()}};
 }
 
+nlohmann::json StorageRequestCountsJson(const StorageRequestCounts& c) {
+  return {{"list", c.list},
+          {"head", c.head},
+          {"get", c.get},
+          {"create", c.create},
+          {"write", c.write},
+          {"put", c.put},
+          {"delete", c.del},
+          {"cleanup", c.cleanup},
+          {"requests", c.requests()},
+          {"metadata_bytes", c.metadata_bytes},
+          {"data_bytes_read", c.data_bytes_read},
+          {"data_bytes_written", c.data_bytes_written}};
+}
+
 // The agent process's storage requests by scheme (include/safepoint/storage.h).
 nlohmann::json StorageRequestsJson() {
   json out = json::object();
   for (const auto& [scheme, c] : StorageRequestCountsByScheme()) {
-    out[scheme] = {{"list", c.list},
-                   {"head", c.head},
-                   {"get", c.get},
-                   {"create", c.create},
-                   {"write", c.write},
-                   {"put", c.put},
-                   {"delete", c.del},
-                   {"cleanup", c.cleanup},
-                   {"requests", c.requests()},
-                   {"metadata_bytes", c.metadata_bytes},
-                   {"data_bytes_read", c.data_bytes_read},
-                   {"data_bytes_written", c.data_bytes_written}};
+    out[scheme] = StorageRequestCountsJson(c);
   }
   return out;
 }

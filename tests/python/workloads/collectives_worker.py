@@ -25,18 +25,18 @@ Prints one JSON line: {"rank", "saves": [[step, [[name, sent, received, seconds]
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import pickle
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 import safepoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                "bench"))
+from collective_count import CollectiveCounter  # noqa: E402
 
 ckpt_dir, shm_dir, job, port, rank, world, mode = sys.argv[1:8]
 steps = int(sys.argv[8]) if len(sys.argv) > 8 else 6
@@ -63,76 +63,22 @@ def state(step: int) -> dict:
     return {"model": model, "local": local, "step": step}
 
 
-# -- counting ------------------------------------------------------------------------------------
-NAMES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-         "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
-         "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
-         "all_to_all", "all_to_all_single")
-calls: list = []  # [name, sent, received, seconds] of each outermost call since the last save
-depth = [0]
-
-
-def nbytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(nbytes(y) for y in x)
-    return 0
-
-
-def pickled(objs) -> int:
-    return sum(len(pickle.dumps(o)) for o in objs)
-
-
-def counted(name, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if depth[0]:
-            return fn(*args, **kwargs)
-        depth[0] += 1
-        t0 = time.perf_counter()
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            depth[0] -= 1
-        seconds = time.perf_counter() - t0
-        if name == "all_gather_object":
-            sent, received = pickled([args[1]]), pickled(args[0])
-        elif name == "broadcast_object_list":
-            sent = received = pickled(args[0])
-        elif name == "all_gather":
-            sent, received = nbytes(args[1]), nbytes(args[0])
-        else:
-            sent = received = nbytes(args)
-        calls.append([name, sent, received, seconds])
-        return out
-    return wrapper
-
-
-def count_collectives() -> None:
-    for name in NAMES:
-        for mod in (dist, c10d):
-            fn = getattr(mod, name, None)
-            if fn is not None:
-                setattr(mod, name, counted(name, getattr(c10d, name)))
-
-
 # -- the run -------------------------------------------------------------------------------------
 saves: list = []
 preempted_at = None
 ck = safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir, persist_every=persist_every,
                             on_preemption="return")
 with ck:
-    count_collectives()
+    counter = CollectiveCounter()
     for step in range(1, steps + 1):
         dist.barrier()  # the ranks start each save together (not recorded: cleared next)
-        calls.clear()
+        counter.calls.clear()
         if "overlap" in modes:
             ck.save(step, state(step), overlap=True)
             ck.before_update()
         else:
             ck.save(step, state(step))
-        saves.append([step, list(calls)])
+        saves.append([step, list(counter.calls)])
         if ck.preempted:
             preempted_at = step
             break

@@ -18,7 +18,6 @@ JSON line: {"rank", "step", "ok", "source", "uri", "requests": {scheme: {op: n}}
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -26,10 +25,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 import safepoint
 from safepoint import _core
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                "bench"))
+from collective_count import CollectiveCounter  # noqa: E402
 
 ckpt_dir, shm_dir, job, port, rank, world, phase = sys.argv[1:8]
 tiers = [t for t in (sys.argv[8] if len(sys.argv) > 8 else "").split(",") if t]
@@ -59,39 +61,6 @@ def equal(a, b) -> bool:
     return a == b
 
 
-NAMES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-         "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "gather",
-         "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
-         "isend", "irecv", "send", "recv")
-calls: list = []
-depth = [0]
-
-
-def counted(name, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if depth[0]:
-            return fn(*args, **kwargs)
-        depth[0] += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            depth[0] -= 1
-            calls.append(name)
-    return wrapper
-
-
-def count_collectives() -> None:
-    for name in NAMES:
-        real = getattr(c10d, name, None)
-        if real is None:
-            continue
-        wrapped = counted(name, real)
-        for mod in (dist, c10d):
-            if getattr(mod, name, None) is not None:
-                setattr(mod, name, wrapped)
-
-
 def delta(before: dict, after: dict) -> dict:
     return {scheme: {op: n - before.get(scheme, {}).get(op, 0) for op, n in ops.items()
                      if n - before.get(scheme, {}).get(op, 0)}
@@ -110,7 +79,7 @@ else:
         with safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir,
                                     tiers=tiers or None) as ck:
             dist.barrier()
-            count_collectives()
+            counter = CollectiveCounter()
             before = _core.storage_requests()
             if phase == "restore":
                 target = zeros(state(0))
@@ -121,11 +90,11 @@ else:
                 step = got[0] if got else None
                 ok = got is not None and equal(got[1], state(step))
             out["requests"] = delta(before, _core.storage_requests())
-            out["calls"] = list(calls)
+            out["calls"] = counter.names()
             out.update(step=step, ok=ok, source=ck.last_load_source,
                        uri=ck.last_restore.uri if ck.last_restore else None)
             # the counting ends here: close() and the barriers below are not the restore's
-            depth[0] += 1
+            counter.on = False
     out["warnings"] = [str(w.message) for w in caught]
 print(json.dumps(out), flush=True)
 dist.barrier()
