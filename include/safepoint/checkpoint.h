@@ -222,6 +222,17 @@ class CheckpointStore {
   // and header CRC check.
   Status WriteFactsReport(uint64_t step, uint64_t attempt,
                           const std::map<uint32_t, ImageFact>& facts);
+  // A node's word that rank's image of (step, attempt) will never be written: the agent lost the
+  // snapshot before it persisted it (overwritten by a newer one in memory) and no image of it is
+  // stored: step-S/abandoned.g<attempt>, a small CRC'd record naming the rank and `why` (bounded).
+  // The other nodes' agents, waiting for the step's commit, read it and end their ranks' waits
+  // with CancelledError instead of waiting until their timeout (docs/architecture.md, "Waits
+  // that can never be answered"). The step of that attempt can never commit: its images are one
+  // attempt's and one is missing for good.
+  Status ReportAbandoned(uint64_t step, uint64_t attempt, uint32_t rank, std::string_view why);
+  // The reason of (step, attempt)'s abandoned record ("rank R: why"); nullopt where none is
+  // stored, or the stored one is not whole (a torn or foreign object is ignored).
+  Result<std::optional<std::string>> ReadAbandoned(uint64_t step, uint64_t attempt);
   // The agent's listing commit (TryCommitOfAttempt's checks: every rank's image of `attempt`
   // published), each image's fact taken from `known` (this agent's own writes), else from a
   // facts report in the step, else from its header; then CommitFromFacts.

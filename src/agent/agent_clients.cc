@@ -433,6 +433,7 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
   c.hello = true;
   refused_ = false;
   c.rank = hello.rank;
+  c.attempt = hello.attempt;
   if (hello.rank == 0) history_.Open(config_->storage, opt_.job, [this] { Wake(); });
   rs.connected = true;
   rs.closed = false;
@@ -478,8 +479,15 @@ Status NodeAgent::HandleSnapshot(Client& c, protocol::SnapshotNote note) {
       }
     }
   }
-  Enqueue({c.rank, note.slot, note.generation, note.step, leased, FlushReason::kRequested,
-           std::move(note.skip)});
+  PersistTask task{c.rank,
+                   note.slot,
+                   note.generation,
+                   note.step,
+                   leased,
+                   FlushReason::kRequested,
+                   std::move(note.skip)};
+  task.attempt = c.attempt;
+  Enqueue(std::move(task));
   return Status::OK();
 }
 

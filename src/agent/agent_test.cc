@@ -1124,35 +1124,57 @@ TEST_F(AgentTest, WaitForAStepWhoseImagesAreOfMixedAttemptsFailsAtOnceNamingWhy)
   ExpectServes();
 }
 
-// Open (docs/reliability.md, "Found and not yet fixed"; found by the node campaign, seed 20261202
-// with --partitions 6): the same wait on a job of two nodes. Rank 1, on another node (its own shm
-// directory and agent), never persists step 5 (its snapshot of 5 was overwritten before its
-// agent persisted it; here it simply does not ask) and goes on to persist step 6. Rank 0's
-// agent serves only rank 0, so StepNeverCommits finds rank 1 "served elsewhere" and never
-// answers: rank 0's wait() for step 5 ends only by its timeout (or never, without one), where
-// guide.md says it ends at once with CancelledError. Disabled until the agent knows what
-// another node's rank will not persist; enable it with that fix.
-TEST_F(AgentTest, DISABLED_AWaitForAStepARankOnAnotherNodeNeverPersistsEndsAtOnce) {
+// The same wait on a job of two nodes (found by the node campaign, seed 20261202 with
+// --partitions 6; docs/reliability.md). Rank 1, on another node (its own shm directory and
+// agent), asks to persist step 5, but its snapshot is overwritten by steps 6 and 7 before its
+// agent gets to it (there: the agent died, and its successor cleared the slot's lease when it
+// adopted the arena; here the agent is stopped and the lease cleared as the successor does).
+// Rank 0's agent serves only rank 0, so it cannot tell from its own ranks that step 5 can never
+// commit: rank 1's agent reports the image it will never write (step-5/abandoned.g<attempt>),
+// and rank 0's wait ends with CancelledError naming it, instead of at its timeout (or never).
+TEST_F(AgentTest, AWaitForAStepARankOnAnotherNodeNeverPersistsEndsAtOnce) {
   const std::string other_shm = tmp_ + "/shm-node1";
   ASSERT_EQ(::mkdir(other_shm.c_str(), 0700), 0);
+  const std::string other_job_dir =
+      other_shm + "/safepoint-" + std::to_string(::geteuid()) + "-" + job_;
   ClientOptions o0 = RankOptions(0, 22);
   ClientOptions o1 = RankOptions(1, 22);
   o1.shm_dir = other_shm;  // another node: its own agent
   ASSERT_OK_AND_ASSIGN(auto rank0, SnapshotClient::Connect(o0));
   ASSERT_OK_AND_ASSIGN(auto rank1, SnapshotClient::Connect(o1));
-  SaveStep(*rank1, 5, /*persist=*/false);
-  SaveStep(*rank1, 6, /*persist=*/true);
-  SaveStep(*rank0, 5, /*persist=*/true);
-  const auto t0 = Clock::now();
-  const Status w = rank0->Wait(10);
-  EXPECT_EQ(w.code(), StatusCode::kCancelled) << w.ToString();
-  EXPECT_NE(w.message().find("step 5 can never be committed"), std::string::npos) << w.ToString();
-  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 5.0);
   uint32_t other = 0;
-  if (AgentAlive(other_shm + "/safepoint-" + std::to_string(::geteuid()) + "-" + job_, &other) &&
-      other > 1) {
-    ::kill(static_cast<pid_t>(other), SIGKILL);
+  ASSERT_TRUE(AgentAlive(other_job_dir, &other));
+  ASSERT_GT(other, 1u);
+  const pid_t other_agent = static_cast<pid_t>(other);
+  struct Reaper {  // the other node's agent is not this fixture's child
+    pid_t pid;
+    ~Reaper() {
+      ::kill(pid, SIGCONT);
+      ::kill(pid, SIGKILL);
+    }
+  } reaper{other_agent};
+  ASSERT_EQ(::kill(other_agent, SIGSTOP), 0);
+  SaveStep(*rank1, 5, /*persist=*/true);  // the note waits in the stopped agent's socket
+  {
+    ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(other_job_dir, 1));
+    arena->ClearLeases();
   }
+  SaveStep(*rank1, 6, /*persist=*/false);
+  SaveStep(*rank1, 7, /*persist=*/false);  // into step 5's slot
+  ASSERT_EQ(::kill(other_agent, SIGCONT), 0);
+  SaveStep(*rank0, 5, /*persist=*/true);
+  const Status w = rank0->Wait(kDeadlineSeconds);
+  EXPECT_EQ(w.code(), StatusCode::kCancelled) << w.ToString();
+  for (const char* part : {"step 5 can never be committed", "save attempt 22",
+                           "rank 1:", "overwritten by a newer one"}) {
+    EXPECT_NE(w.message().find(part), std::string::npos) << part << " not in " << w.ToString();
+  }
+  EXPECT_TRUE(Committed().empty());
+  SaveStep(*rank0, 8, /*persist=*/true);  // the job goes on
+  SaveStep(*rank1, 8, /*persist=*/true);
+  ASSERT_OK(rank0->Wait(kDeadlineSeconds));
+  ASSERT_OK(rank1->Wait(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), std::vector<uint64_t>{8});
 }
 
 // The world size committed for each step on storage.

@@ -268,5 +268,41 @@ TEST(LedgerCommitTest, ADamagedFactsReportCostsHeaderReadsNotTheStep) {
   for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(LoadShard(*store, kStep, r));
 }
 
+// A node's abandoned record of (step, attempt): read back only for that step and attempt, whole;
+// a damaged or foreign object at its name reads as none (the wait goes on to its timeout), and
+// an overlong reason is bounded.
+TEST(AbandonedRecordTest, ReadsBackOnlyWholeAndForItsStepAndAttempt) {
+  auto store = std::make_shared<CheckpointStore>(std::shared_ptr<Storage>(NewMemoryStorage()));
+  ASSERT_OK_AND_ASSIGN(auto none, store->ReadAbandoned(kStep, kAttempt));
+  EXPECT_FALSE(none);
+  ASSERT_OK(store->ReportAbandoned(kStep, kAttempt, 3, "overwritten\nbefore it was persisted"));
+  ASSERT_OK_AND_ASSIGN(auto got, store->ReadAbandoned(kStep, kAttempt));
+  ASSERT_TRUE(got);
+  EXPECT_EQ(*got, "rank 3: overwritten before it was persisted");
+  ASSERT_OK_AND_ASSIGN(auto other_attempt, store->ReadAbandoned(kStep, kAttempt + 1));
+  EXPECT_FALSE(other_attempt);
+  ASSERT_OK_AND_ASSIGN(auto other_step, store->ReadAbandoned(kStep + 1, kAttempt));
+  EXPECT_FALSE(other_step);
+  // The step's images and commit are untouched by it: the step lists as not committed.
+  ASSERT_OK_AND_ASSIGN(auto committed, store->ListCommitted());
+  EXPECT_TRUE(committed.empty());
+
+  char name[64];
+  std::snprintf(name, sizeof(name), "abandoned.g%016llx",
+                static_cast<unsigned long long>(kAttempt));
+  ASSERT_OK_AND_ASSIGN(auto bytes,
+                       internal::ReadSmallObject(store->storage(), StepPrefix(kStep) + name, 4096));
+  std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  text[text.find("rank 3") + 5] = '4';  // a flipped byte: the CRC no longer matches
+  ASSERT_OK(WriteSmallObject(store->storage(), StepPrefix(kStep) + name, text));
+  ASSERT_OK_AND_ASSIGN(auto damaged, store->ReadAbandoned(kStep, kAttempt));
+  EXPECT_FALSE(damaged);
+
+  ASSERT_OK(store->ReportAbandoned(kStep, kAttempt, 1, std::string(100000, 'x')));
+  ASSERT_OK_AND_ASSIGN(auto bounded, store->ReadAbandoned(kStep, kAttempt));
+  ASSERT_TRUE(bounded);
+  EXPECT_LE(bounded->size(), 1100u);
+}
+
 }  // namespace
 }  // namespace safepoint::agent::commit_ledger_test

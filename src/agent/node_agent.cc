@@ -196,8 +196,28 @@ void NodeAgent::Enqueue(PersistTask t) {
   const uint32_t world = config_ ? config_->world_size : 0;
   const auto hosted =
       std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) { return kv.first < world; });
-  queue_.SetHostsEveryRank(world > 0 && static_cast<uint32_t>(hosted) == world);
+  const bool every = world > 0 && static_cast<uint32_t>(hosted) == world;
+  queue_.SetHostsEveryRank(every);
+  if (!every && t.attempt == 0) t.attempt = SnapshotAttempt(t);
   queue_.Enqueue(std::move(t));
+}
+
+uint64_t NodeAgent::SnapshotAttempt(const PersistTask& t) {
+  auto found = ranks_.find(t.rank);
+  if (found == ranks_.end() || !found->second.arena) return 0;
+  Arena& arena = *found->second.arena;
+  if (!arena.Refresh().ok()) return 0;
+  for (const SlotInfo& s : arena.Slots()) {
+    if (s.index != t.slot || s.state != SlotState::kComplete || s.generation != t.generation ||
+        s.step != t.step || s.image_size < kImageHeaderSize) {
+      continue;
+    }
+    auto header = ParseImageHeader(arena.SlotData(t.slot).subspan(0, kImageHeaderSize), job_dir_);
+    if (header.ok() && header->first.step == t.step && header->first.rank == t.rank) {
+      return header->first.attempt;
+    }
+  }
+  return 0;
 }
 
 bool NodeAgent::PendingHere(uint64_t step) const {
@@ -394,12 +414,47 @@ std::optional<Status> NodeAgent::StepNeverCommits(uint64_t step, uint32_t rank) 
   return s;
 }
 
+std::optional<Status> NodeAgent::StepAbandonedElsewhere(uint64_t step, uint32_t rank) {
+  if (!store_ || !config_) return std::nullopt;
+  const auto own = ranks_[rank].persisted_attempt.find(step);
+  if (own == ranks_[rank].persisted_attempt.end()) return std::nullopt;
+  const auto key = std::make_pair(step, own->second);
+  auto polled = abandoned_polled_.find(key);
+  if (polled == abandoned_polled_.end()) {
+    auto read = store_->ReadAbandoned(step, own->second);
+    polled = abandoned_polled_.emplace(key, read.ok() ? *read : std::nullopt).first;
+  }
+  const std::optional<std::string>& reason = polled->second;
+  if (!reason) return std::nullopt;
+  Status s = Cancelled(
+      "step " + std::to_string(step) + " can never be committed: another node's agent reported " +
+      "that a rank of save attempt " + std::to_string(own->second) +
+      " will never have an image of it on " + config_->storage + " (" + *reason +
+      "); the step commits only from images of one attempt. The newest committed step is " +
+      (newest_committed_ ? std::to_string(*newest_committed_) : std::string("none")));
+  spdlog::error("{}", s.message());
+  return s;
+}
+
 void NodeAgent::AnswerWaits() {
   const double now = MonotonicSeconds();
   const bool poll_commits = now - last_commit_poll_ > 0.2;
   if (poll_commits) {
     last_commit_poll_ = now;
     polled_steps_.reset();
+  }
+  // Where other nodes persist ranks of the job, a wait that no commit answers reads whether one
+  // of them gave its rank's image up, once a second (docs/architecture.md, "Waits that can never
+  // be answered").
+  const uint32_t world = config_ ? config_->world_size : 0;
+  const bool elsewhere =
+      world > 0 && std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) {
+                     return kv.first < world;
+                   }) < static_cast<std::ptrdiff_t>(world);
+  const bool poll_abandoned = poll_commits && elsewhere && now - last_abandoned_poll_ > 1.0;
+  if (poll_abandoned) {
+    last_abandoned_poll_ = now;
+    abandoned_polled_.clear();
   }
   for (auto& c : clients_) {
     if (c->waits.empty()) continue;
@@ -431,7 +486,9 @@ void NodeAgent::AnswerWaits() {
         continue;
       }
       if (poll && it != rs.outcomes.end()) {
-        if (std::optional<Status> never = StepNeverCommits(step, c->rank)) {
+        std::optional<Status> never = StepNeverCommits(step, c->rank);
+        if (!never && poll_abandoned) never = StepAbandonedElsewhere(step, c->rank);
+        if (never) {
           Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, *never}));
           continue;
         }

@@ -86,6 +86,7 @@ struct Client {
   protocol::FrameDecoder decoder;
   bool hello = false;
   uint32_t rank = 0;
+  uint64_t attempt = 0;  // the save attempt of its hello: that of every snapshot it notes
   bool closing = false;
   bool broken = false;   // a reply could not be sent: drop the connection
   bool refused = false;  // its hello was refused
@@ -131,6 +132,12 @@ class NodeAgent {
   // look committed it after all. See node_agent.cc.
   std::optional<Status> StepNeverCommits(uint64_t step, uint32_t rank);
   bool RankGone(const RankState& rs) const;
+  // A wait for `step` (`rank`'s image of it persisted) where other nodes' agents persist ranks of
+  // the job: the error when one of them reported that its rank's image of the attempt will never
+  // be written (CheckpointStore::ReportAbandoned); read about once a second.
+  std::optional<Status> StepAbandonedElsewhere(uint64_t step, uint32_t rank);
+  // The save attempt of t's snapshot, from its header in shared memory (0: unknown).
+  uint64_t SnapshotAttempt(const PersistTask& t);
   // The storage holds `keep` committed steps newer than `step`: retention removes it at commit.
   bool SupersededOnStorage(uint64_t step);
   void Reply(Client& c, protocol::MessageType type, const std::string& payload);
@@ -183,6 +190,9 @@ class NodeAgent {
   std::deque<uint64_t> pruned_;
   std::optional<uint64_t> newest_committed_;
   double last_commit_poll_ = 0;
+  double last_abandoned_poll_ = 0;
+  // (step, attempt) -> the abandoned record's reason read at the current poll (one read a poll).
+  std::map<std::pair<uint64_t, uint64_t>, std::optional<std::string>> abandoned_polled_;
   bool stopping_ = false;
   bool saw_client_ = false;
   // A hello was refused since a rank last connected: once nothing else keeps it busy the agent

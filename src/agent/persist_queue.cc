@@ -186,6 +186,31 @@ Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
                                                     attempt, known);
 }
 
+// Only where other nodes persist ranks of the job (one node's waits decide from the agent's own
+// outcomes: NodeAgent::StepNeverCommits) and nothing else could still give the rank an image of
+// the attempt: no slot holds the step any more and no image of it is stored. A failed report
+// costs only the other nodes' waits their early end.
+void PersistQueue::ReportAbandoned(const PersistTask& t, Arena& arena) {
+  if (hosts_every_rank_.load() || t.attempt == 0) return;
+  if (arena.Refresh().ok()) {
+    for (const SlotInfo& s : arena.Slots()) {
+      if (s.step == t.step && s.state == SlotState::kComplete) return;  // saved again: persisted
+    }
+  }
+  auto held = target_.store->HoldsImageOfAttempt(t.step, t.rank, t.attempt);
+  if (!held.ok() || *held) return;
+  const Status s = target_.store->ReportAbandoned(
+      t.step, t.attempt, t.rank,
+      "its snapshot of step " + std::to_string(t.step) +
+          " was overwritten by a newer one before its agent persisted it");
+  if (!s.ok()) {
+    spdlog::warn(
+        "step {}: could not tell the other nodes that rank {} will write no image of it "
+        "({}); their waits for it end by their timeout",
+        t.step, t.rank, s.ToString());
+  }
+}
+
 PersistResult PersistQueue::Persist(const PersistTask& t) {
   PersistResult r;
   r.task = t;
@@ -203,6 +228,7 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
   }
   if (!t.leased && !(*arena)->Lease(t.slot, t.generation)) {
     r.superseded = true;
+    ReportAbandoned(t, **arena);
     return r;
   }
   struct Releaser {
@@ -218,6 +244,7 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
   const SlotInfo& s = slots[t.slot];
   if (s.state != SlotState::kComplete || s.generation != t.generation || s.step != t.step) {
     r.superseded = true;
+    ReportAbandoned(t, **arena);
     return r;
   }
   auto image = (*arena)->SlotData(t.slot).subspan(0, s.image_size);

@@ -36,6 +36,10 @@
 #include "safepoint/image.h"
 #include "safepoint/status.h"
 
+namespace safepoint {
+class Arena;
+}  // namespace safepoint
+
 namespace safepoint::agent {
 
 // Why a snapshot is persisted.
@@ -56,6 +60,10 @@ struct PersistTask {
   bool leased = false;  // the slot lease is already held for this task
   FlushReason reason = FlushReason::kRequested;
   SkipRanges skip;  // tensors other ranks write (replicas); empty: write every tensor
+  // The snapshot's save attempt, read from its header when it was queued (0: unknown). Where the
+  // snapshot is overwritten before it is persisted, the step of that attempt is reported
+  // abandoned to the other nodes (CheckpointStore::ReportAbandoned).
+  uint64_t attempt = 0;
 };
 
 struct PersistResult {
@@ -133,6 +141,9 @@ class PersistQueue {
                                                         const std::string& source,
                                                         const SkipRanges& skip);
   bool QueuedForStep(uint64_t step) const;  // another task of `step` waits in the queue
+  // t's snapshot was overwritten before it was persisted: where other nodes' agents wait for the
+  // step's commit, tells them that this rank's image of the attempt will never be written.
+  void ReportAbandoned(const PersistTask& t, Arena& arena);
   Result<bool> Commit(const PersistTask& t, uint64_t attempt,
                       const std::optional<CheckpointStore::ImageFact>& fact);
   std::vector<uint64_t> Prune();

@@ -337,6 +337,56 @@ Status CheckpointStore::WriteFactsReport(uint64_t step, uint64_t attempt,
                           EncodeFacts(step, attempt, facts));
 }
 
+namespace {
+
+constexpr std::string_view kAbandonedMagic = "SPABANDONED 1\n";
+constexpr size_t kMaxAbandonedWhy = 1024;
+
+std::string AbandonedName(uint64_t step, uint64_t attempt) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "abandoned.g%016llx", static_cast<unsigned long long>(attempt));
+  return StepPrefix(step) + buf;
+}
+
+}  // namespace
+
+Status CheckpointStore::ReportAbandoned(uint64_t step, uint64_t attempt, uint32_t rank,
+                                        std::string_view why) {
+  std::string reason = "rank " + std::to_string(rank) + ": " +
+                       std::string(why.substr(0, std::min(why.size(), kMaxAbandonedWhy)));
+  std::replace(reason.begin(), reason.end(), '\n', ' ');
+  std::string out(kAbandonedMagic);
+  out += std::to_string(step) + " " + std::to_string(attempt) + "\n" + reason + "\n";
+  out += "crc " + std::to_string(Crc32c(0, out.data(), out.size())) + "\n";
+  return WriteSmallObject(*storage_, AbandonedName(step, attempt), out);
+}
+
+Result<std::optional<std::string>> CheckpointStore::ReadAbandoned(uint64_t step, uint64_t attempt) {
+  auto data = ReadSmallObject(*storage_, AbandonedName(step, attempt), 4096);
+  if (!data.ok()) {
+    if (data.status().code() == StatusCode::kNotFound) return std::optional<std::string>();
+    return data.status();
+  }
+  const std::string_view text(reinterpret_cast<const char*>(data->data()), data->size());
+  const size_t crc_at = text.rfind("crc ");
+  if (!text.starts_with(kAbandonedMagic) || crc_at == std::string_view::npos) {
+    return std::optional<std::string>();
+  }
+  std::istringstream crc_in{std::string(text.substr(crc_at + 4))};
+  uint64_t crc = 0;
+  if (!(crc_in >> crc) || crc != Crc32c(0, text.data(), crc_at)) {
+    return std::optional<std::string>();
+  }
+  std::istringstream in{
+      std::string(text.substr(kAbandonedMagic.size(), crc_at - kAbandonedMagic.size()))};
+  uint64_t s = 0, a = 0;
+  std::string reason;
+  if (!(in >> s >> a) || s != step || a != attempt) return std::optional<std::string>();
+  in.ignore(1);
+  if (!std::getline(in, reason) || reason.empty()) return std::optional<std::string>();
+  return std::optional<std::string>(reason);
+}
+
 Result<bool> CheckpointStore::TryCommitOfAttemptWithFacts(
     uint64_t step, uint32_t world_size, std::string_view job, uint64_t attempt,
     const std::map<uint32_t, ImageFact>& known) {
