@@ -225,18 +225,26 @@ class HeldDestination {
 
 // One rank's image of one committed step, opened for partial reads: its index, its state tree
 // and byte ranges of its tensors, each covering checksum chunk verified. Nothing else is read.
-// A COMMIT record one ShardReader read, handed to the readers of the step's other images
-// (ShardReader.commit): a rank that opens every image of a step reads the record once.
+// A COMMIT record one ShardReader (or step_commit) read, handed to the readers of the step's
+// other images (ShardReader.commit): a rank that opens several images of a step reads the record
+// once and opens the checkpoint path once (the readers share its store).
 struct Commit {
   CommitRecord record;
+  std::shared_ptr<CheckpointStore> store;
+  std::string path;
 };
 
 class ShardReader {
  public:
   // `commit`: the step's record another reader of it read (none: read it here).
-  ShardReader(const std::string& path, uint64_t step, uint32_t rank, const Commit* commit) {
+  ShardReader(const std::string& path, uint64_t step, uint32_t rank, const Commit* commit)
+      : path_(path) {
     Status s = WithoutGil([&]() -> Status {
-      SP_ASSIGN_OR_RETURN(store_, OpenCheckpointStore(path));
+      if (commit != nullptr && commit->store && commit->path == path) {
+        store_ = commit->store;
+      } else {
+        SP_ASSIGN_OR_RETURN(store_, OpenCheckpointStore(path));
+      }
       if (commit != nullptr && commit->record.step == step) {
         commit_ = commit->record;
       } else {
@@ -255,7 +263,7 @@ class ShardReader {
   // Which images the COMMIT record read names (CommitRecord::generation): readers of several
   // ranks of one step check that they read one version of a step that may be replaced.
   uint64_t generation() const { return commit_.generation; }
-  Commit commit() const { return Commit{commit_}; }
+  Commit commit() const { return Commit{commit_, store_, path_}; }
   // The bytes of one checksum chunk: a read of part of a chunk reads and verifies all of it.
   uint64_t chunk_size() const { return md_.layout.chunk_size; }
 
@@ -319,11 +327,25 @@ class ShardReader {
   }
 
  private:
-  std::unique_ptr<CheckpointStore> store_;
+  std::string path_;
+  std::shared_ptr<CheckpointStore> store_;
   CommitRecord commit_;
   CheckpointStore::Metadata md_;
   std::unordered_map<std::string, size_t> by_name_;
 };
+
+// A step's COMMIT record and the store to read its images through, for ShardReaders opened one
+// by one as a restore finds it needs them (_shards.StepReader).
+Commit StepCommit(const std::string& path, uint64_t step) {
+  Commit c;
+  c.path = path;
+  Check(WithoutGil([&]() -> Status {
+    SP_ASSIGN_OR_RETURN(c.store, OpenCheckpointStore(path));
+    SP_ASSIGN_OR_RETURN(c.record, c.store->ReadCommit(step));
+    return Status::OK();
+  }));
+  return c;
+}
 
 ShardMetadata ReadMetadata(const std::string& path, uint64_t step, uint32_t rank,
                            nb::handle unpickler) {
@@ -378,7 +400,11 @@ void BindStore(nb::module_& m) {
         "List and the COMMIT records newest first down to the first valid one");
   nb::class_<Commit>(m, "Commit", "A step's COMMIT record, as a ShardReader read it")
       .def_prop_ro("step", [](const Commit& c) { return c.record.step; })
-      .def_prop_ro("generation", [](const Commit& c) { return c.record.generation; });
+      .def_prop_ro("generation", [](const Commit& c) { return c.record.generation; })
+      .def_prop_ro("world_size", [](const Commit& c) { return c.record.world_size; });
+  m.def("step_commit", &StepCommit, "path"_a, "step"_a,
+        "The COMMIT record of a step (NotFoundError when it is not committed), to open its "
+        "images' ShardReaders with one by one, sharing one open checkpoint path");
   nb::class_<TensorSlot>(m, "TensorSlot")
       .def(nb::init<size_t>(), "index"_a)
       .def_ro("index", &TensorSlot::index)

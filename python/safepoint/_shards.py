@@ -206,49 +206,74 @@ def _add_stat(stats: Optional[dict], key: str, n: float) -> None:
 
 
 class StepReader:
-    """Every rank's image of one committed step, opened for partial reads (metadata only)."""
+    """The images of one committed step, opened for partial reads (metadata only).
 
-    def __init__(self, path: str, step: int) -> None:
+    With `rank` (the loading rank), only that rank's image is opened at first (rank 0's for a
+    rank the saving world did not have), and the others only when a restore needs a tensor it
+    does not hold (replicas written once, resharding): a restore into the world that saved the
+    step, where each rank's own image holds its tensors, costs each rank one image's header and
+    index instead of every image's (W x W opens across the job). Without `rank`, every image is
+    opened (export, inspection)."""
+
+    def __init__(self, path: str, step: int, rank: Optional[int] = None) -> None:
         self.path, self.step = path, step
-        self.readers = self._open_one_version(path, step)
-        self.world_size = self.readers[0].world_size
-        self.entries = [r.tensors() for r in self.readers]
-        # name -> replica key -> the copies of that box (replicas on several ranks)
-        self.pieces: dict[str, dict[bytes, list[_Piece]]] = {}
-        for image, (reader, entries) in enumerate(zip(self.readers, self.entries)):
-            for index, e in enumerate(entries):
-                if not e.elsewhere:  # the bytes are in this image
-                    self.pieces.setdefault(e.name, {}).setdefault(
-                        _core.replica_key(e.name, e.dtype, e.shape, e.global_shape,
-                                          e.global_offset), []).append(
-                        _Piece(reader, image, index, e))
-
-    @staticmethod
-    def _open_one_version(path: str, step: int) -> list:
-        """Every rank's reader, all of one COMMIT record, read once (by the first reader, and
-        handed to the others): a step replaced meanwhile (safepoint.save(overwrite=True)) is
-        opened again rather than mixed."""
         for tries in range(4):
+            # One COMMIT record for every image opened, now or later: each is checked against
+            # it, so a step replaced meanwhile (safepoint.save(overwrite=True)) fails the open
+            # (NotFoundError: its images are named by attempt) rather than mixing versions.
+            commit = _core.step_commit(path, step)
+            self._commit = commit
+            self.world_size = commit.world_size
+            self.readers: dict[int, Any] = {}
+            self.entries: dict[int, list] = {}
+            # name -> replica key -> the copies of that box (replicas on several ranks)
+            self.pieces: dict[str, dict[bytes, list[_Piece]]] = {}
             try:
-                first = _core.ShardReader(path, step, 0)
-                commit = first.commit
-                readers = [first] + [_core.ShardReader(path, step, r, commit)
-                                     for r in range(1, first.world_size)]
+                if rank is None:
+                    self.open_all()
+                else:
+                    self._open(rank if rank < self.world_size else 0)
+                return
             except NotFoundError:  # an old image removed after the COMMIT record was replaced
                 if tries == 3 or step not in _core.steps(path):
                     raise
-                continue
-            if all(r.generation == first.generation for r in readers):
-                return readers
         raise NotFoundError(f"{path}: step {step} was replaced again and again while being read")
 
+    def _open(self, image: int) -> None:
+        if image not in self.readers:
+            reader = _core.ShardReader(self.path, self.step, image, self._commit)
+            self._add(image, reader, reader.tensors())
+
+    def _add(self, image: int, reader: Any, entries: list) -> None:
+        self.readers[image], self.entries[image] = reader, entries
+        for index, e in enumerate(entries):
+            if not e.elsewhere:  # the bytes are in this image
+                self.pieces.setdefault(e.name, {}).setdefault(
+                    _core.replica_key(e.name, e.dtype, e.shape, e.global_shape,
+                                      e.global_offset), []).append(
+                    _Piece(reader, image, index, e))
+
+    def open_all(self) -> None:
+        """Opens every image not opened yet. The copies of a box are listed in image order
+        whatever was opened first, so that every rank picks the same copies as needs() does."""
+        if len(self.readers) == self.world_size:
+            return
+        readers, entries = self.readers, self.entries
+        self.readers, self.entries, self.pieces = {}, {}, {}
+        for image in range(self.world_size):
+            if image in readers:
+                self._add(image, readers[image], entries[image])
+            else:
+                self._open(image)
+
     def generation(self) -> int:
-        return self.readers[0].generation
+        return self._commit.generation
 
     def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[_core.TensorInfo]]:
         """The state tree a rank saved (its non-tensor values), for rank `rank` of the loading
         world: the same rank when it existed, else rank 0."""
         r = rank if rank < self.world_size else 0
+        self._open(r)
         return self.readers[r].state(unpickler), self.entries[r]
 
     def needs(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]],
@@ -256,7 +281,17 @@ class StepReader:
         """What fill() reads and copies: (the byte ranges, by key; the copies, each (local
         destination, key of its source range, strided view of that range)). Of a box saved by
         several ranks (replicas), loading rank r reads copy r mod (number of copies), which
-        spreads the reads across images."""
+        spreads the reads across images. Where the images opened so far do not hold every box,
+        every image is opened and the plan made again."""
+        if len(self.readers) < self.world_size:
+            try:
+                return self._needs(requests, rank)
+            except NotFoundError:
+                self.open_all()
+        return self._needs(requests, rank)
+
+    def _needs(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]],
+               rank: int) -> tuple[dict[ReadKey, _Read], list]:
         reads: dict[ReadKey, _Read] = {}
         copies = []
         for name, local, gshape, goff in requests:
@@ -407,7 +442,7 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
     from the checkpoint as the rank (or rank 0, for a rank the saving world did not have)
     saved them."""
     for tries in range(4):
-        sr = reader or StepReader(path, step)
+        sr = reader or StepReader(path, step, rank)
         try:
             out, requests = _requests(sr, rank, targets, unpickler)
             sr.fill(requests, rank, stats)
@@ -417,7 +452,7 @@ def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = No
             # the new version. Anything else is a real error.
             if reader is not None or tries == 3:
                 raise
-            if StepReader(path, step).generation() == sr.generation():
+            if _core.step_commit(path, step).generation == sr.generation():
                 raise
     raise AssertionError("unreachable")
 
@@ -561,7 +596,7 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     mine: Any = None
     if need:
         try:
-            sr = StepReader(path, step)
+            sr = StepReader(path, step, rank)
             out, requests = _requests(sr, rank, targets, unpickler)
             reads, copies = sr.needs(requests, rank)
             mine = (sr.generation(), [(k, r.pos) for k, r in reads.items()])

@@ -49,6 +49,29 @@ def test_a_restore_counts_its_reads(tmp_path):
     assert d["data_bytes_read"] >= 4 << 16, d
 
 
+def test_a_restore_into_the_world_that_saved_opens_its_own_image_alone(tmp_path):
+    # Each rank restores from its own image's header and index, not every image's (W x W opens
+    # across a job): one rank's restore asks storage the same of a step of 2 ranks and of 8.
+    counts = {}
+    for world in (2, 8):
+        ck = tmp_path / f"w{world}"
+        for r in range(world):
+            safepoint.save(ck, 1, {"mine": torch.full((1000,), float(r)), "step": 1}, rank=r,
+                           world_size=world, attempt=7)
+        target = {"mine": torch.zeros(1000), "step": 0}
+        before = _core.storage_requests()
+        assert safepoint.restore(ck, target, 1, rank=1) == 1
+        counts[world] = delta(before, _core.storage_requests())
+        assert torch.equal(target["mine"], torch.full((1000,), 1.0)) and target["step"] == 1
+    # The COMMIT record read grows by 12 bytes a rank (its image sizes and CRCs); nothing else.
+    assert counts[8].pop("metadata_bytes") - counts[2].pop("metadata_bytes") == 6 * 12, counts
+    assert counts[2] == counts[8], counts
+    # A rank the saving world did not have (8 -> 9 ranks) restores what rank 0 saved.
+    target = {"mine": torch.zeros(1000), "step": 0}
+    assert safepoint.restore(tmp_path / "w8", target, 1, rank=8) == 1
+    assert torch.equal(target["mine"], torch.zeros(1000)) and target["step"] == 1
+
+
 def test_status_and_metrics_show_the_agents_requests(ckpt, shm):
     ck = Checkpointer(ckpt, job="req-count", shm_dir=shm, metrics="127.0.0.1:0")
     try:
