@@ -245,9 +245,14 @@ bool NodeAgent::StepCommitted(uint64_t step) {
 // retention would remove the step the moment it commits, so no restore can ever load it.
 bool NodeAgent::SupersededOnStorage(uint64_t step) {
   if (!store_ || !config_) return false;
-  if (!polled_steps_) {  // one listing per poll
+  // One listing every few seconds, not one per poll: the newer steps that decide this are an
+  // earlier run's, on storage before this wait began (while the job's ranks wait for `step`,
+  // the job commits no newer one), so a listing a few seconds old answers as a new one would.
+  const double now = MonotonicSeconds();
+  if (!polled_steps_ || now - polled_steps_at_ > kListingSeconds) {
     auto all = store_->ListCommitted();
     if (!all.ok()) return false;
+    polled_steps_at_ = now;
     polled_steps_.emplace();
     for (const auto& c : *all) polled_steps_->push_back(c.step);
   }
@@ -439,10 +444,7 @@ std::optional<Status> NodeAgent::StepAbandonedElsewhere(uint64_t step, uint32_t 
 void NodeAgent::AnswerWaits() {
   const double now = MonotonicSeconds();
   const bool poll_commits = now - last_commit_poll_ > 0.2;
-  if (poll_commits) {
-    last_commit_poll_ = now;
-    polled_steps_.reset();
-  }
+  if (poll_commits) last_commit_poll_ = now;
   // Where other nodes persist ranks of the job, a wait that no commit answers reads whether one
   // of them gave its rank's image up, once a second (docs/architecture.md, "Waits that can never
   // be answered").

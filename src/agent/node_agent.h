@@ -178,7 +178,10 @@ class NodeAgent {
   std::string job_dir_;
   internal::UniqueFd lock_fd_, listen_fd_, signal_fd_, event_fd_;
   std::optional<JobConfig> config_;
-  std::optional<std::vector<uint64_t>> polled_steps_;  // committed steps, listed once per poll
+  // Committed steps on storage, listed at most every kListingSeconds (SupersededOnStorage).
+  static constexpr double kListingSeconds = 5;
+  std::optional<std::vector<uint64_t>> polled_steps_;
+  double polled_steps_at_ = 0;
   bool config_written_ = false;  // job.json holds config_ (written, or read by Adopt)
   Status config_saved_;          // the last attempt to write job.json (reported in status)
   std::shared_ptr<CheckpointStore> store_;
