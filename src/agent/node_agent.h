@@ -1,9 +1,10 @@
 // NodeAgent: the agent process of one job on one node (safepointd; src/agent/agent.h).
 //
 // Files of the agent, each with one job:
-//   node_agent.cc     the poll loop, client connections and message dispatch; the rank
-//                     bookkeeping (which snapshot is persisted, queued, failed), emergency
-//                     flushes, answering waits and closes; start and exit
+//   node_agent.cc     the poll loop and the rank bookkeeping (which snapshot is persisted,
+//                     queued, failed); start and exit
+//   agent_clients.cc  client connections and message dispatch, emergency flushes, closes
+//   waits.cc          answering waits: committed here or by another node, pruned, never
 //   adoption.cc       taking over a job that an earlier agent left (job.json, leases, snapshots)
 //   world_change.cc   a job restarted with another world size: the previous world's snapshots
 //                     persisted, then dropped; the new world's hellos answered after that
@@ -122,14 +123,15 @@ class NodeAgent {
   void Enqueue(PersistTask t);
   void DrainResults();
   void DrainReplication();
-  void PollCommitsForTiers();
   Status HandlePeerMessage(Client& c, const protocol::Message& m);
+  // waits.cc
+  void PollCommitsForTiers();
   void AnswerWaits();
   // Whether a persist of `step` of any rank of this agent is queued or in flight.
   bool PendingHere(uint64_t step) const;
   bool StepCommitted(uint64_t step);
   // Why `step`, which `rank` persisted, can never commit (nullopt: it still may); OK when a last
-  // look committed it after all. See node_agent.cc.
+  // look committed it after all. See waits.cc.
   std::optional<Status> StepNeverCommits(uint64_t step, uint32_t rank);
   bool RankGone(const RankState& rs) const;
   // A wait for `step` (`rank`'s image of it persisted) where other nodes' agents persist ranks of
@@ -178,6 +180,20 @@ class NodeAgent {
   std::string job_dir_;
   internal::UniqueFd lock_fd_, listen_fd_, signal_fd_, event_fd_;
   std::optional<JobConfig> config_;
+  // When the commit of a waited step is asked of storage: once at once, then at doubling
+  // intervals from kFirstCommitPollSeconds up to kMaxCommitPollSeconds, once per pass for every
+  // wait of the step on this agent (a node's ranks all wait for one step).
+  static constexpr double kFirstCommitPollSeconds = 0.2;
+  static constexpr double kMaxCommitPollSeconds = 1.0;
+  struct CommitPoll {
+    double next = 0;
+    double interval = kFirstCommitPollSeconds;
+    double pass = -1;  // the pass (AnswerWaits' `now`) that asked last
+    bool answer = false;
+  };
+  // Whether `step`'s commit is to be asked of storage in the pass `now`.
+  bool CommitPollDue(uint64_t step, double now);
+  std::map<uint64_t, CommitPoll> commit_polls_;
   // Committed steps on storage, listed at most every kListingSeconds (SupersededOnStorage).
   static constexpr double kListingSeconds = 5;
   std::optional<std::vector<uint64_t>> polled_steps_;
