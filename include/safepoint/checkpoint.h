@@ -230,9 +230,13 @@ class CheckpointStore {
   // that can never be answered"). The step of that attempt can never commit: its images are one
   // attempt's and one is missing for good.
   Status ReportAbandoned(uint64_t step, uint64_t attempt, uint32_t rank, std::string_view why);
-  // The reason of (step, attempt)'s abandoned record ("rank R: why"); nullopt where none is
-  // stored, or the stored one is not whole (a torn or foreign object is ignored).
-  Result<std::optional<std::string>> ReadAbandoned(uint64_t step, uint64_t attempt);
+  struct AbandonedImage {
+    uint32_t rank = 0;
+    std::string why;
+  };
+  // (step, attempt)'s abandoned record; nullopt where none is stored, or the stored one is not
+  // whole (a torn or foreign object is ignored).
+  Result<std::optional<AbandonedImage>> ReadAbandoned(uint64_t step, uint64_t attempt);
   // The agent's listing commit (TryCommitOfAttempt's checks: every rank's image of `attempt`
   // published), each image's fact taken from `known` (this agent's own writes), else from a
   // facts report in the step, else from its header; then CommitFromFacts.

@@ -418,7 +418,9 @@ class StepReader:
 def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
                      unpickler: Any = None, stats: Optional[dict] = None) -> tuple[int, Any]:
     """read_into() of `step`, or with step None of the newest committed step that reads back
-    (a damaged newer one is skipped with a warning). Returns (step, tree)."""
+    (a damaged newer one is skipped with a warning). Returns (step, tree). With step None each
+    candidate step's every image is opened, as every rank restoring on its own (no agreement
+    among them) must see the same missing or damaged image to skip the same steps."""
     if step is not None:
         return step, read_into(path, step, rank, targets, unpickler, stats=stats)
     candidates = sorted(_core.steps(path), reverse=True)
@@ -426,23 +428,26 @@ def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
         raise NotFoundError(f"{path}: no committed checkpoint")
     for s in candidates[:-1]:
         try:
-            return s, read_into(path, s, rank, targets, unpickler, stats=stats)
+            return s, read_into(path, s, rank, targets, unpickler, stats=stats,
+                                every_image=True)
         except (CorruptionError, NotFoundError) as e:
             warnings.warn(f"safepoint: skipped a damaged checkpoint: step {s}: {e}",
                           RuntimeWarning, stacklevel=3)
-    return candidates[-1], read_into(path, candidates[-1], rank, targets, unpickler, stats=stats)
+    return candidates[-1], read_into(path, candidates[-1], rank, targets, unpickler, stats=stats,
+                                     every_image=True)
 
 
 def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = None,
-              reader: Optional[StepReader] = None, stats: Optional[dict] = None) -> Any:
+              reader: Optional[StepReader] = None, stats: Optional[dict] = None,
+              every_image: bool = False) -> Any:
     """Loads step `step` into `targets` (a state tree of tensors/DTensors, e.g. state dicts) for
     rank `rank` of the loading world, reading only the byte ranges its tensors need. Returns the
     tree to restore from: `targets` with its tensors filled in place, and the non-tensor values
     and the tensors the target does not have (e.g. optimizer state before the first step) taken
     from the checkpoint as the rank (or rank 0, for a rank the saving world did not have)
-    saved them."""
+    saved them. Only the images the rank needs are opened, unless `every_image`."""
     for tries in range(4):
-        sr = reader or StepReader(path, step, rank)
+        sr = reader or StepReader(path, step, None if every_image else rank)
         try:
             out, requests = _requests(sr, rank, targets, unpickler)
             sr.fill(requests, rank, stats)

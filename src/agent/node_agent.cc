@@ -191,6 +191,7 @@ void NodeAgent::SaveJobConfig() {
 
 void NodeAgent::Enqueue(PersistTask t) {
   std::erase(pruned_, t.step);
+  commit_polls_.erase(t.step);  // persisted again here: its commit is asked anew at 0.2 s
   ranks_[t.rank].pending.insert(t.step);
   // Every rank of the world is this agent's (a job on one node): its commits need no listing.
   const uint32_t world = config_ ? config_->world_size : 0;

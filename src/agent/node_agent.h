@@ -136,7 +136,7 @@ class NodeAgent {
   bool RankGone(const RankState& rs) const;
   // A wait for `step` (`rank`'s image of it persisted) where other nodes' agents persist ranks of
   // the job: the error when one of them reported that its rank's image of the attempt will never
-  // be written (CheckpointStore::ReportAbandoned); read about once a second.
+  // be written (CheckpointStore::ReportAbandoned) and none is stored; read at the step's polls.
   std::optional<Status> StepAbandonedElsewhere(uint64_t step, uint32_t rank);
   // The save attempt of t's snapshot, from its header in shared memory (0: unknown).
   uint64_t SnapshotAttempt(const PersistTask& t);
@@ -190,6 +190,8 @@ class NodeAgent {
     double interval = kFirstCommitPollSeconds;
     double pass = -1;  // the pass (AnswerWaits' `now`) that asked last
     bool answer = false;
+    // save attempt -> another node's abandoned record of the step, read at this pass
+    std::map<uint64_t, std::optional<CheckpointStore::AbandonedImage>> abandoned;
   };
   // Whether `step`'s commit is to be asked of storage in the pass `now`.
   bool CommitPollDue(uint64_t step, double now);
@@ -208,10 +210,6 @@ class NodeAgent {
   // wait for one of them is answered OK, the save did not fail. A step saved again leaves it.
   std::deque<uint64_t> pruned_;
   std::optional<uint64_t> newest_committed_;
-  double last_commit_poll_ = 0;
-  double last_abandoned_poll_ = 0;
-  // (step, attempt) -> the abandoned record's reason read at the current poll (one read a poll).
-  std::map<std::pair<uint64_t, uint64_t>, std::optional<std::string>> abandoned_polled_;
   bool stopping_ = false;
   bool saw_client_ = false;
   // A hello was refused since a rank last connected: once nothing else keeps it busy the agent

@@ -188,15 +188,20 @@ Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
 
 // Only where other nodes persist ranks of the job (one node's waits decide from the agent's own
 // outcomes: NodeAgent::StepNeverCommits) and nothing else could still give the rank an image of
-// the attempt: no slot holds the step any more and no image of it is stored. A failed report
-// costs only the other nodes' waits their early end.
+// the attempt: a newer snapshot took the step's place, no slot holds the step or is being
+// written (the step could be saved again into it), and no image of it is stored. The record
+// only ends other nodes' waits early; their agents also check that no image of it is stored
+// before they act on it. A failed report costs only those waits their early end.
 void PersistQueue::ReportAbandoned(const PersistTask& t, Arena& arena) {
-  if (hosts_every_rank_.load() || t.attempt == 0) return;
-  if (arena.Refresh().ok()) {
-    for (const SlotInfo& s : arena.Slots()) {
-      if (s.step == t.step && s.state == SlotState::kComplete) return;  // saved again: persisted
-    }
+  if (hosts_every_rank_.load() || t.attempt == 0 || !arena.Refresh().ok()) return;
+  bool newer = false;
+  for (const SlotInfo& s : arena.Slots()) {
+    if (s.state == SlotState::kWriting) return;
+    if (s.state != SlotState::kComplete) continue;
+    if (s.step == t.step) return;  // saved again: persisted, or persisted when asked
+    newer |= s.step > t.step;
   }
+  if (!newer) return;
   auto held = target_.store->HoldsImageOfAttempt(t.step, t.rank, t.attempt);
   if (!held.ok() || *held) return;
   const Status s = target_.store->ReportAbandoned(

@@ -151,18 +151,25 @@ std::optional<Status> NodeAgent::StepAbandonedElsewhere(uint64_t step, uint32_t 
   if (!store_ || !config_) return std::nullopt;
   const auto own = ranks_[rank].persisted_attempt.find(step);
   if (own == ranks_[rank].persisted_attempt.end()) return std::nullopt;
-  const auto key = std::make_pair(step, own->second);
-  auto polled = abandoned_polled_.find(key);
-  if (polled == abandoned_polled_.end()) {
-    auto read = store_->ReadAbandoned(step, own->second);
-    polled = abandoned_polled_.emplace(key, read.ok() ? *read : std::nullopt).first;
+  const uint64_t attempt = own->second;
+  CommitPoll& p = commit_polls_[step];
+  auto polled = p.abandoned.find(attempt);
+  if (polled == p.abandoned.end()) {  // one read a poll of the step, for all its waits here
+    std::optional<CheckpointStore::AbandonedImage> record;
+    if (auto read = store_->ReadAbandoned(step, attempt); read.ok() && *read) {
+      // The record only ends waits early: an image of that rank and attempt published after
+      // all (the same step saved again, a replica's holder that wrote it) outweighs it.
+      auto held = store_->HoldsImageOfAttempt(step, (*read)->rank, attempt);
+      if (held.ok() && !*held) record = std::move(**read);
+    }
+    polled = p.abandoned.emplace(attempt, std::move(record)).first;
   }
-  const std::optional<std::string>& reason = polled->second;
-  if (!reason) return std::nullopt;
+  if (!polled->second) return std::nullopt;
   Status s = Cancelled(
       "step " + std::to_string(step) + " can never be committed: another node's agent reported " +
-      "that a rank of save attempt " + std::to_string(own->second) +
-      " will never have an image of it on " + config_->storage + " (" + *reason +
+      "that a rank of save attempt " + std::to_string(attempt) + " will never have an image of " +
+      "it on " + config_->storage + " (rank " + std::to_string(polled->second->rank) + ": " +
+      polled->second->why +
       "); the step commits only from images of one attempt. The newest committed step is " +
       (newest_committed_ ? std::to_string(*newest_committed_) : std::string("none")));
   spdlog::error("{}", s.message());
@@ -177,26 +184,20 @@ bool NodeAgent::CommitPollDue(uint64_t step, double now) {
   p.next = now + p.interval;
   p.interval = std::min(p.interval * 2, kMaxCommitPollSeconds);
   p.answer = StepCommitted(step) || SupersededOnStorage(step);
+  p.abandoned.clear();
   return true;
 }
 
 void NodeAgent::AnswerWaits() {
   const double now = MonotonicSeconds();
-  const bool poll_commits = now - last_commit_poll_ > 0.2;
-  if (poll_commits) last_commit_poll_ = now;
-  // Where other nodes persist ranks of the job, a wait that no commit answers reads whether one
-  // of them gave its rank's image up, once a second (docs/architecture.md, "Waits that can never
-  // be answered").
+  // Where other nodes persist ranks of the job, a wait that no commit answers reads, at each of
+  // the step's commit polls, whether one of them gave its rank's image up (docs/architecture.md,
+  // "Committing at scale").
   const uint32_t world = config_ ? config_->world_size : 0;
   const bool elsewhere =
       world > 0 && std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) {
                      return kv.first < world;
                    }) < static_cast<std::ptrdiff_t>(world);
-  const bool poll_abandoned = poll_commits && elsewhere && now - last_abandoned_poll_ > 1.0;
-  if (poll_abandoned) {
-    last_abandoned_poll_ = now;
-    abandoned_polled_.clear();
-  }
   for (auto& c : clients_) {
     if (c->waits.empty()) continue;
     std::vector<std::pair<uint64_t, bool>> still;
@@ -228,7 +229,7 @@ void NodeAgent::AnswerWaits() {
       }
       if (poll) {
         std::optional<Status> never = StepNeverCommits(step, c->rank);
-        if (!never && poll_abandoned) never = StepAbandonedElsewhere(step, c->rank);
+        if (!never && elsewhere) never = StepAbandonedElsewhere(step, c->rank);
         if (never) {
           Reply(*c, MessageType::kWaitReply, Encode(protocol::WaitReply{step, *never}));
           continue;

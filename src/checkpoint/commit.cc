@@ -352,39 +352,39 @@ std::string AbandonedName(uint64_t step, uint64_t attempt) {
 
 Status CheckpointStore::ReportAbandoned(uint64_t step, uint64_t attempt, uint32_t rank,
                                         std::string_view why) {
-  std::string reason = "rank " + std::to_string(rank) + ": " +
-                       std::string(why.substr(0, std::min(why.size(), kMaxAbandonedWhy)));
+  std::string reason(why.substr(0, std::min(why.size(), kMaxAbandonedWhy)));
   std::replace(reason.begin(), reason.end(), '\n', ' ');
+  if (reason.empty()) reason = "no reason given";
   std::string out(kAbandonedMagic);
-  out += std::to_string(step) + " " + std::to_string(attempt) + "\n" + reason + "\n";
+  out += std::to_string(step) + " " + std::to_string(attempt) + " " + std::to_string(rank) + "\n" +
+         reason + "\n";
   out += "crc " + std::to_string(Crc32c(0, out.data(), out.size())) + "\n";
   return WriteSmallObject(*storage_, AbandonedName(step, attempt), out);
 }
 
-Result<std::optional<std::string>> CheckpointStore::ReadAbandoned(uint64_t step, uint64_t attempt) {
+Result<std::optional<CheckpointStore::AbandonedImage>> CheckpointStore::ReadAbandoned(
+    uint64_t step, uint64_t attempt) {
+  using Out = std::optional<AbandonedImage>;
   auto data = ReadSmallObject(*storage_, AbandonedName(step, attempt), 4096);
   if (!data.ok()) {
-    if (data.status().code() == StatusCode::kNotFound) return std::optional<std::string>();
+    if (data.status().code() == StatusCode::kNotFound) return Out();
     return data.status();
   }
   const std::string_view text(reinterpret_cast<const char*>(data->data()), data->size());
   const size_t crc_at = text.rfind("crc ");
-  if (!text.starts_with(kAbandonedMagic) || crc_at == std::string_view::npos) {
-    return std::optional<std::string>();
-  }
+  if (!text.starts_with(kAbandonedMagic) || crc_at == std::string_view::npos) return Out();
   std::istringstream crc_in{std::string(text.substr(crc_at + 4))};
   uint64_t crc = 0;
-  if (!(crc_in >> crc) || crc != Crc32c(0, text.data(), crc_at)) {
-    return std::optional<std::string>();
-  }
+  if (!(crc_in >> crc) || crc != Crc32c(0, text.data(), crc_at)) return Out();
   std::istringstream in{
       std::string(text.substr(kAbandonedMagic.size(), crc_at - kAbandonedMagic.size()))};
-  uint64_t s = 0, a = 0;
-  std::string reason;
-  if (!(in >> s >> a) || s != step || a != attempt) return std::optional<std::string>();
+  uint64_t s = 0, a = 0, rank = 0;
+  AbandonedImage record;
+  if (!(in >> s >> a >> rank) || s != step || a != attempt || rank >= kMaxRank) return Out();
   in.ignore(1);
-  if (!std::getline(in, reason) || reason.empty()) return std::optional<std::string>();
-  return std::optional<std::string>(reason);
+  if (!std::getline(in, record.why) || record.why.empty()) return Out();
+  record.rank = static_cast<uint32_t>(rank);
+  return Out(std::move(record));
 }
 
 Result<bool> CheckpointStore::TryCommitOfAttemptWithFacts(

@@ -72,6 +72,27 @@ def test_a_restore_into_the_world_that_saved_opens_its_own_image_alone(tmp_path)
     assert torch.equal(target["mine"], torch.zeros(1000)) and target["step"] == 1
 
 
+def test_ranks_restoring_the_newest_step_on_their_own_skip_a_missing_image_alike(tmp_path):
+    # Without an agreement among them, every rank must see that one image of the newest step is
+    # gone and fall back to the same older step, not only the rank whose image it was.
+    import pytest
+
+    ck = tmp_path / "ck"
+    for step in (1, 2):
+        for r in range(3):
+            safepoint.save(ck, step, {"mine": torch.full((10,), float(step * 10 + r))}, rank=r,
+                           world_size=3, attempt=step)
+    lost = list((ck / f"step-{2:020d}").glob("rank-00002*"))
+    assert lost
+    for f in lost:
+        f.unlink()
+    for r in range(3):
+        target = {"mine": torch.zeros(10)}
+        with pytest.warns(RuntimeWarning, match="skipped a damaged checkpoint: step 2"):
+            assert safepoint.restore(ck, target, rank=r) == 1
+        assert torch.equal(target["mine"], torch.full((10,), float(10 + r)))
+
+
 def test_status_and_metrics_show_the_agents_requests(ckpt, shm):
     ck = Checkpointer(ckpt, job="req-count", shm_dir=shm, metrics="127.0.0.1:0")
     try:
