@@ -42,11 +42,14 @@ def test_node_loss_kills_its_processes_and_frees_its_shm(cluster):
     lost.run(["sh", "-c", "echo x > /dev/shm/kept"], check=True)
     sleeper = lost.popen(["sleep", "1000"])
     assert wait_until(lambda: len(lost.processes()) == 2)  # its init and the sleeper
-    pids, dev = lost.processes(), lost.shm_dev
+    pids = lost.processes()
     assert (lost.shm / "kept").read_text() == "x\n"
+    # kill() returns once no process is left in the node's pid and mount namespaces and its
+    # /dev/shm is mounted nowhere (else AssertionError). Not asked again afterwards: the kernel
+    # reuses a freed namespace's id and a freed device number at once, and another test's node
+    # created meanwhile may hold them (seen under load: "mount namespace held by [26111]").
     assert lost.kill() == pids
     assert sleeper.wait() < 0
-    assert lost.processes() == [] and not mounted_anywhere(dev) and lost.gone() is None
     assert c[0].alive and c[0].run(["hostname"]).stdout.strip() == "node0"
 
     fresh = c.replace(1)
