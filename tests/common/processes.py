@@ -12,6 +12,7 @@ test may depend on how long something takes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import threading
 import queue
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 HANG = 180.0  # seconds: a guard against a hung process, never a performance limit
 
@@ -243,6 +244,70 @@ class LineReader:
     def drain(self) -> None:
         while self.next() is not None:
             pass
+
+
+# --- a worker driven over stdin ------------------------------------------------------------------
+
+def serve_commands(handle: Callable[[str, list[str]], list], errors: tuple = (Exception,)) -> None:
+    """The worker's side of CommandedWorker: for each stdin line "CMD ARG...", prints "OK" and
+    what `handle(cmd, args)` returns, or "ERROR <type> <message on one line>" for an exception
+    of `errors`; returns at the end of stdin."""
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        try:
+            print("OK", *handle(cmd, args), flush=True)
+        except errors as e:
+            print("ERROR", type(e).__name__, str(e).replace("\n", " "), flush=True)
+
+
+class CommandedWorker:
+    """A test file run as its own worker (`python FILE worker ARGS...`, serve_commands on its
+    side): one command a line on stdin, one answer line each. `send` then `answer` lets a test
+    send a command to several workers before it reads any answer (a collective)."""
+
+    def __init__(self, path: str, *args, what: str = "worker", timeout: float = HANG):
+        self.proc = start_script(path, "worker", *args, stdin=subprocess.PIPE)
+        self.out = LineReader(self.proc.stdout, f"{what} ({self.proc.pid})")
+        self.timeout = timeout
+
+    def send(self, cmd: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, cmd: str) -> list[str]:
+        fields = self.out.next(timeout=self.timeout)
+        assert fields is not None, f"{self.out.what} died on {cmd!r}: " \
+            f"{self.proc.stderr.read() if self.proc.poll() is not None else ''}"
+        return fields
+
+    def ask(self, cmd: str) -> list[str]:
+        self.send(cmd)
+        return self.answer(cmd)
+
+    def ok(self, cmd: str) -> list[str]:
+        fields = self.ask(cmd)
+        assert fields[0] == "OK", f"{cmd!r}: {' '.join(fields)}"
+        return fields[1:]
+
+
+@contextlib.contextmanager
+def small_tmpfs(mnt: "str | Path", size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's size=, e.g. "8m") mounted on the existing directory `mnt` for
+    the block, unmounted after (lazily if busy). Skips the test where it cannot be mounted (not
+    root, no mount permission)."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {m.stderr.strip()}")
+    try:
+        yield Path(mnt)
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def tail(path: "str | Path", n: int = 3000) -> str:

@@ -36,8 +36,8 @@ WORKER = os.path.join(WORKLOADS, "flash_worker.py")
 sys.path.insert(0, WORKLOADS)
 from flash_worker import first_difference, make_state  # noqa: E402
 from processes import (LineReader, agent_log, agents_of, is_agent_of,  # noqa: E402
-                       kill_agents, kill_and_wait, lock_agent_pid, sigkill, start_script,
-                       wait_until)
+                       kill_agents, kill_and_wait, lock_agent_pid, sigkill, small_tmpfs,
+                       start_script, wait_until)
 from processes import job_dir as job_directory  # noqa: E402
 
 SEED = int(os.environ.get("SAFEPOINT_TEST_SEED", "1234"))
@@ -609,34 +609,28 @@ print(json.dumps(out), flush=True)
 def test_too_little_shared_memory_gives_a_clear_error(env):
     mnt = env.shm / "tiny"
     mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if m.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {m.stderr.strip()}")
-    try:
-        proc = subprocess.run([sys.executable, "-c", TINY_SCRIPT, str(env.path), env.job, str(mnt),
-                               WORKLOADS], capture_output=True, text=True, timeout=HANG)
-        # Never a SIGBUS: the process survives and reports.
-        assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert out["error"] == "ResourceExhaustedError" and out["resource"], out
-        msg = out["message"]
-        needed = re.search(r"needs (\d+) bytes", msg)
-        free = re.search(r"only (\d+) bytes .*free", msg)
-        assert needed and free, msg
-        assert int(needed.group(1)) >= 64 << 20, msg
-        assert int(free.group(1)) <= 8 << 20 < int(needed.group(1)), msg
-        assert "/dev/shm" in msg and "shm-size" in msg, msg  # how to fix it
-        assert str(mnt) in msg, msg
-        # A state that fits still works after the error.
-        assert out["saved_small"] is True
-        assert out["loaded"] == [2, "memory", None], out
-    finally:
-        kill_agents(mnt, deadline=30)
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    with small_tmpfs(mnt, "8m"):
+        try:
+            proc = subprocess.run([sys.executable, "-c", TINY_SCRIPT, str(env.path), env.job,
+                                   str(mnt), WORKLOADS], capture_output=True, text=True,
+                                  timeout=HANG)
+            # Never a SIGBUS: the process survives and reports.
+            assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert out["error"] == "ResourceExhaustedError" and out["resource"], out
+            msg = out["message"]
+            needed = re.search(r"needs (\d+) bytes", msg)
+            free = re.search(r"only (\d+) bytes .*free", msg)
+            assert needed and free, msg
+            assert int(needed.group(1)) >= 64 << 20, msg
+            assert int(free.group(1)) <= 8 << 20 < int(needed.group(1)), msg
+            assert "/dev/shm" in msg and "shm-size" in msg, msg  # how to fix it
+            assert str(mnt) in msg, msg
+            # A state that fits still works after the error.
+            assert out["saved_small"] is True
+            assert out["loaded"] == [2, "memory", None], out
+        finally:
+            kill_agents(mnt, deadline=30)
 
 
 # --- two jobs on one node ------------------------------------------------------------------------

@@ -16,13 +16,13 @@ commands from stdin and answers one line each.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from processes import LineReader, kill_agents, sigkill, start_script  # noqa: E402
+from processes import (CommandedWorker, kill_agents, serve_commands,  # noqa: E402
+                       sigkill, small_tmpfs)
 
 WORLD = 4
 NUMEL = 1 << 18  # 1 MiB of float32 a rank
@@ -43,54 +43,36 @@ def worker(path: str, shm: str, job: str, rank: str, world: str) -> None:
     r = int(rank)
     ckpt = None
 
-    def say(*fields) -> None:
-        print(*fields, flush=True)
+    def handle(cmd: str, args: list[str]) -> list:
+        nonlocal ckpt
+        if cmd == "open":
+            ckpt = safepoint.Checkpointer(path, job=job, shm_dir=shm, rank=r,
+                                          world_size=int(world), persist_every=1, keep=2)
+            return []
+        if cmd == "save":
+            step = int(args[0])
+            return [ckpt.save(step, _state(step, r))]
+        if cmd == "wait":
+            ckpt.wait(timeout=120)
+            return []
+        if cmd == "load":  # the newest step wherever it is, checked against its state
+            step, got = ckpt.load()
+            exact = torch.equal(got["w"], _state(step, r)["w"]) and got["step"] == step
+            return [step, ckpt.last_load_source, exact]
+        if cmd == "load_storage":  # a committed step read back from the file system
+            step = int(args[0])
+            _, got = safepoint.load(path, step, rank=r)
+            return [torch.equal(got["w"], _state(step, r)["w"])]
+        if cmd == "exit":
+            os._exit(0)
+        raise ValueError(f"unknown command {cmd}")
 
-    for line in sys.stdin:
-        cmd, *args = line.split()
-        try:
-            if cmd == "open":
-                ckpt = safepoint.Checkpointer(path, job=job, shm_dir=shm, rank=r,
-                                              world_size=int(world), persist_every=1, keep=2)
-                say("OK")
-            elif cmd == "save":
-                step = int(args[0])
-                say("OK", ckpt.save(step, _state(step, r)))
-            elif cmd == "wait":
-                ckpt.wait(timeout=120)
-                say("OK")
-            elif cmd == "load":  # the newest step wherever it is, checked against its state
-                got = ckpt.load()
-                step = got[0]
-                exact = torch.equal(got[1]["w"], _state(step, r)["w"]) and got[1]["step"] == step
-                say("OK", step, ckpt.last_load_source, exact)
-            elif cmd == "load_storage":  # a committed step read back from the file system
-                step = int(args[0])
-                _, got = safepoint.load(path, step, rank=r)
-                say("OK", torch.equal(got["w"], _state(step, r)["w"]))
-            elif cmd == "exit":
-                os._exit(0)
-            else:
-                say("ERROR", "unknown command", cmd)
-        except safepoint.Error as e:
-            say("ERROR", type(e).__name__, str(e).replace("\n", " "))
+    serve_commands(handle, errors=(safepoint.Error,))
 
 
-class Rank:
-    def __init__(self, path, shm, job, rank):
-        self.proc = start_script(__file__, "worker", path, shm, job, str(rank), str(WORLD),
-                                 stdin=subprocess.PIPE)
-        self.out = LineReader(self.proc.stdout, f"rank {rank} ({self.proc.pid})")
-
-    def send(self, cmd: str) -> None:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, cmd: str) -> list[str]:
-        fields = self.out.next(timeout=180)
-        assert fields is not None, f"pid {self.proc.pid} died on {cmd!r}: " \
-            f"{self.proc.stderr.read() if self.proc.poll() is not None else ''}"
-        return fields
+def Rank(path, shm, job, rank) -> CommandedWorker:
+    return CommandedWorker(__file__, path, shm, job, rank, WORLD, what=f"rank {rank}",
+                           timeout=180)
 
 
 def ask_all(ranks: list, cmd: str) -> list[list[str]]:
@@ -125,17 +107,8 @@ def fill(path: str) -> str:
 def small_fs(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if m.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {m.stderr.strip()}")
-    try:
+    with small_tmpfs(mnt, "48m"):
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_full_checkpoint_file_system_loses_nothing_and_the_job_goes_on(small_fs, shm):

@@ -12,13 +12,12 @@ from stdin and answers one line each.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from processes import LineReader, sigkill, start_script  # noqa: E402
+from processes import CommandedWorker, serve_commands, sigkill  # noqa: E402
 
 
 def _state(step: int, tag: str):
@@ -32,50 +31,30 @@ def worker(path: str, shm: str, job: str) -> None:
 
     ckpt = None
 
-    def say(*fields) -> None:
-        print(*fields, flush=True)
+    def handle(cmd: str, args: list[str]) -> list:
+        nonlocal ckpt
+        if cmd == "open":
+            ckpt = safepoint.Checkpointer(path, job=job, shm_dir=shm, persist_every=1)
+            return [ckpt.attempt]
+        if cmd == "load":
+            got = ckpt.load()
+            return ["fresh" if got is None else f"{got[0]}:{got[1]['tag']}:"
+                    f"{int(got[1]['w'][0].item())}:{ckpt.last_load_source}"]
+        if cmd == "save":
+            step, tag = int(args[0]), args[1]
+            return [ckpt.save(step, _state(step, tag))]
+        if cmd == "wait":
+            ckpt.wait(timeout=60)
+            return []
+        if cmd == "exit":
+            os._exit(0)
+        raise ValueError(f"unknown command {cmd}")
 
-    for line in sys.stdin:
-        cmd, *args = line.split()
-        try:
-            if cmd == "open":
-                ckpt = safepoint.Checkpointer(path, job=job, shm_dir=shm, persist_every=1)
-                say("OK", ckpt.attempt)
-            elif cmd == "load":
-                got = ckpt.load()
-                say("OK", "fresh" if got is None else f"{got[0]}:{got[1]['tag']}:"
-                    f"{int(got[1]['w'][0].item())}:{ckpt.last_load_source}")
-            elif cmd == "save":
-                step, tag = int(args[0]), args[1]
-                say("OK", ckpt.save(step, _state(step, tag)))
-            elif cmd == "wait":
-                ckpt.wait(timeout=60)
-                say("OK")
-            elif cmd == "exit":
-                os._exit(0)
-            else:
-                say("ERROR", "unknown command", cmd)
-        except safepoint.Error as e:
-            say("ERROR", type(e).__name__, str(e).replace("\n", " "))
+    serve_commands(handle, errors=(safepoint.Error,))
 
 
-class Worker:
-    def __init__(self, path, shm, job):
-        self.proc = start_script(__file__, "worker", path, shm, job, stdin=subprocess.PIPE)
-        self.out = LineReader(self.proc.stdout, f"worker {self.proc.pid}")
-
-    def ask(self, cmd: str) -> list[str]:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        fields = self.out.next(timeout=120)
-        assert fields is not None, f"worker {self.proc.pid} died on {cmd!r}: " \
-            f"{self.proc.stderr.read() if self.proc.poll() is not None else ''}"
-        return fields
-
-    def ok(self, cmd: str) -> list[str]:
-        fields = self.ask(cmd)
-        assert fields[0] == "OK", f"{cmd!r}: {' '.join(fields)}"
-        return fields[1:]
+def Worker(path, shm, job) -> CommandedWorker:
+    return CommandedWorker(__file__, path, shm, job, timeout=120)
 
 
 def test_a_newer_run_takes_the_rank_from_a_stale_process_that_still_runs(tmp_path, shm):
