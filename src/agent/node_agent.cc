@@ -194,13 +194,17 @@ void NodeAgent::Enqueue(PersistTask t) {
   commit_polls_.erase(t.step);  // persisted again here: its commit is asked anew at 0.2 s
   ranks_[t.rank].pending.insert(t.step);
   // Every rank of the world is this agent's (a job on one node): its commits need no listing.
-  const uint32_t world = config_ ? config_->world_size : 0;
-  const auto hosted =
-      std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) { return kv.first < world; });
-  const bool every = world > 0 && static_cast<uint32_t>(hosted) == world;
+  const bool every = HostsEveryRank();
   queue_.SetHostsEveryRank(every);
   if (!every && t.attempt == 0) t.attempt = SnapshotAttempt(t);
   queue_.Enqueue(std::move(t));
+}
+
+bool NodeAgent::HostsEveryRank() const {
+  const uint32_t world = config_ ? config_->world_size : 0;
+  const auto hosted =
+      std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) { return kv.first < world; });
+  return world > 0 && static_cast<uint32_t>(hosted) == world;
 }
 
 uint64_t NodeAgent::SnapshotAttempt(const PersistTask& t) {

@@ -138,6 +138,10 @@ class NodeAgent {
   // the job: the error when one of them reported that its rank's image of the attempt will never
   // be written (CheckpointStore::ReportAbandoned) and none is stored; read at the step's polls.
   std::optional<Status> StepAbandonedElsewhere(uint64_t step, uint32_t rank);
+  // Whether every rank of the job's world is served here (a job on one node).
+  bool HostsEveryRank() const;
+  // The newest committed step this agent knows of, or "none" (for messages).
+  std::string NewestCommittedText() const;
   // The save attempt of t's snapshot, from its header in shared memory (0: unknown).
   uint64_t SnapshotAttempt(const PersistTask& t);
   // The storage holds `keep` committed steps newer than `step`: retention removes it at commit.

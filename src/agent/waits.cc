@@ -141,10 +141,13 @@ std::optional<Status> NodeAgent::StepNeverCommits(uint64_t step, uint32_t rank) 
       "of it of save attempt " + std::to_string(attempt) + " on " + config_->storage +
       ", and no rank will write one (" + reasons +
       "); an image of another attempt (a crashed run's, or the step saved again after a " +
-      "restart) is never committed with it. The newest committed step is " +
-      (newest_committed_ ? std::to_string(*newest_committed_) : std::string("none")));
+      "restart) is never committed with it. The newest committed step is " + NewestCommittedText());
   spdlog::error("{}", s.message());
   return s;
+}
+
+std::string NodeAgent::NewestCommittedText() const {
+  return newest_committed_ ? std::to_string(*newest_committed_) : std::string("none");
 }
 
 std::optional<Status> NodeAgent::StepAbandonedElsewhere(uint64_t step, uint32_t rank) {
@@ -171,7 +174,7 @@ std::optional<Status> NodeAgent::StepAbandonedElsewhere(uint64_t step, uint32_t 
       "it on " + config_->storage + " (rank " + std::to_string(polled->second->rank) + ": " +
       polled->second->why +
       "); the step commits only from images of one attempt. The newest committed step is " +
-      (newest_committed_ ? std::to_string(*newest_committed_) : std::string("none")));
+      NewestCommittedText());
   spdlog::error("{}", s.message());
   return s;
 }
@@ -193,11 +196,7 @@ void NodeAgent::AnswerWaits() {
   // Where other nodes persist ranks of the job, a wait that no commit answers reads, at each of
   // the step's commit polls, whether one of them gave its rank's image up (docs/architecture.md,
   // "Committing at scale").
-  const uint32_t world = config_ ? config_->world_size : 0;
-  const bool elsewhere =
-      world > 0 && std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) {
-                     return kv.first < world;
-                   }) < static_cast<std::ptrdiff_t>(world);
+  const bool elsewhere = config_ && config_->world_size > 0 && !HostsEveryRank();
   for (auto& c : clients_) {
     if (c->waits.empty()) continue;
     std::vector<std::pair<uint64_t, bool>> still;

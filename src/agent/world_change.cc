@@ -189,7 +189,7 @@ void NodeAgent::AdvanceWorldChange() {
       "persisted (newest committed step: {}) and dropped from shared memory ({} bytes, newest "
       "snapshot: step {}) in {:.3f} s; the restore reads the newest committed step from storage, "
       "resharded",
-      opt_.job, to, from, newest_committed_ ? std::to_string(*newest_committed_) : "none", bytes,
+      opt_.job, to, from, NewestCommittedText(), bytes,
       newest_dropped ? std::to_string(*newest_dropped) : "none",
       MonotonicSeconds() - world_change_since_);
 
