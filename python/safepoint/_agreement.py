@@ -180,12 +180,25 @@ def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
     return Agreement(everyone.tolist(), stores, step, group, lister)
 
 
+class Known:
+    """What a load of one step returned (``value``, None when it did not read back) together
+    with whether every rank of the group read the step (``everyone``): the load ran a collective
+    of its own that told every rank so (the shared read's all-reduce), so load_newest_agreed
+    runs none of its own for that step."""
+
+    __slots__ = ("value", "everyone")
+
+    def __init__(self, value: Any, everyone: bool) -> None:
+        self.value, self.everyone = value, everyone
+
+
 def load_newest_agreed(group: Any, steps: set[int], load: Callable[[int], Any],
                        older: Optional[Callable[[], set[int]]] = None) -> Any:
     """Every rank loads the newest of `steps` (`load`: this rank's copy of a step, None when none
-    reads back); when any rank failed, all fall back together to the next older step. What
-    `load` returned for the step every rank read, or None when there is none. `older`: when
-    every step failed, more steps to try (a collective every rank calls alike; empty: none)."""
+    reads back, or a ``Known``, the same on every rank); when any rank failed, all fall back
+    together to the next older step. What `load` returned for the step every rank read, or None
+    when there is none. `older`: when every step failed, more steps to try (a collective every
+    rank calls alike; empty: none)."""
     import torch
     import torch.distributed as dist
 
@@ -195,9 +208,13 @@ def load_newest_agreed(group: Any, steps: set[int], load: Callable[[int], Any],
     while steps:
         candidate = max(steps)
         got = load(candidate)
-        failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-        if int(failed.item()) == 0:
+        if isinstance(got, Known):
+            ok, got = got.everyone, got.value
+        else:
+            failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+            ok = int(failed.item()) == 0
+        if ok:
             return got
         warnings.warn(f"safepoint: a rank could not read step {candidate}; all ranks fall "
                       "back to an older step", RuntimeWarning, stacklevel=4)

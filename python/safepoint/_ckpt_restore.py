@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from safepoint import _core
-from safepoint._agreement import Statement, agree, agree_on_step, load_newest_agreed
+from safepoint._agreement import Known, Statement, agree, agree_on_step, load_newest_agreed
 from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._attempt import newest_attempts
@@ -275,7 +275,8 @@ class RestoreMixin(CheckpointerBase):
         back. With `share` (every rank restores with share_reads) this is a collective: the
         ranks that read from storage share the ranges several need (read_shared_into) from
         `share`, a storage every rank sees the step on, and a rank whose copy is in memory (or
-        peer memory) takes part too."""
+        peer memory) takes part too; its all-reduce says whether every rank has the step, and
+        the result is then a ``Known`` (load_newest_agreed needs no all-reduce of its own)."""
         got = loaded
         if got is None and step in memory:
             try:
@@ -290,12 +291,12 @@ class RestoreMixin(CheckpointerBase):
         if share:
             need = got is None and step in committed
             self._io["uri"] = share
-            tree = read_shared_into(share, step, self.rank, targets, self._unpickler,
-                                    self._group, need, self._io)
+            tree, everyone = read_shared_into(share, step, self.rank, targets, self._unpickler,
+                                              self._group, need, got is not None, self._io)
             if tree is not None:
-                return (step, tree), "storage"
-            if not need:
-                return got
+                got = (step, tree), "storage"
+            if everyone is not None:  # its all-reduce told every rank whether all have the step
+                return Known(got, everyone)
             # Some rank could not read its share: each reads on its own, as without sharing.
         if got is not None:
             return got
@@ -344,10 +345,13 @@ class RestoreMixin(CheckpointerBase):
         preloaded = got
         memory = [s for s in self._memory_steps() if s in agreed.in_memory]
         peers = {s: a for s, a in peers.items() if s in agreed.in_memory}
+        # A step every rank holds in memory (or its peers do) of one attempt is read from there
+        # without sharing: nobody expects to need storage for it (a rank whose copy turns out
+        # damaged reads storage on its own, and the all-reduce decides as without sharing).
         got = load_newest_agreed(
             self._group, agreed.steps,
             lambda s: self._load_one(s, memory, agreed.committed, targets, peers,
-                                     agreed.shared_uri(s),
+                                     None if s in agreed.in_memory else agreed.shared_uri(s),
                                      preloaded if s == hot and s in agreed.in_memory else None),
             agreed.older)
         if got is None and step is not None:

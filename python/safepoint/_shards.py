@@ -580,16 +580,22 @@ def plan_shared_reads(wants: list[list[tuple[ReadKey, tuple]]]) -> list[SharedGr
 
 
 def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: Any, group: Any,
-                     need: bool, stats: Optional[dict] = None) -> Optional[Any]:
+                     need: bool, has_copy: bool = False,
+                     stats: Optional[dict] = None) -> tuple[Optional[Any], Optional[bool]]:
     """read_into() as a collective of every rank of `group` (a gloo group of the whole world),
     for the ranks whose `need` is true: the bytes that several of them need are read from
     storage once, split among them (plan_shared_reads), and each reader sends its part to the
     others over the group in a few large messages (not one per tensor). Ranges that only one
-    rank needs it reads itself.
+    rank needs it reads itself. `has_copy`: a rank that needs nothing holds its copy of the step
+    already (memory, peers).
 
-    Returns the tree to restore from, or None: for a rank that needs nothing, and for every rank
-    when any rank could not plan or read its part (a damaged range, a step replaced meanwhile):
-    then none of them has loaded anything, and each can read on its own as read_into() does.
+    Returns (the tree to restore from, whether every rank of the group now holds its copy of the
+    step). The tree is None for a rank that needs nothing, and for every rank when any rank could
+    not plan or read its part (a damaged range, a step replaced meanwhile): then none of them
+    has loaded anything, the second item is None (not known: each can read on its own as
+    read_into() does, and the caller's agreement decides), and False only where the shared read
+    worked but some rank neither needed it nor holds a copy. The answer comes from the shared
+    read's own all-reduce: no other collective is needed to know that every rank read the step.
     Raises only when the group itself fails (a peer died). Counts bytes under
     stats["storage_bytes_read"], ["peer_bytes_sent"] and ["peer_bytes_received"], and the time
     this rank spent reading from storage and waiting for the exchange to end after its reads
@@ -613,7 +619,7 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     dist.all_gather_object(everyone, mine, group=group)
     planned = [e for e in everyone if e is not None]
     if any(e == "failed" for e in planned) or len({e[0] for e in planned}) > 1:
-        return None  # one rank cannot take part, or the ranks see different versions of it
+        return None, None  # one rank cannot take part, or the ranks see different versions
     plan = plan_shared_reads([e[1] if e is not None else [] for e in everyone])
 
     # This rank's buffers: one per set of ranks it is in, one per range only it needs.
@@ -677,12 +683,16 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
         if w is not None:
             w.wait()
     _add_stat(stats, "exchange_seconds", time.perf_counter() - t0)
-    failed = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    # [a read failed somewhere, a rank ends without a copy]
+    failed = torch.tensor([0 if ok else 1, 0 if need or has_copy else 1], dtype=torch.int32)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if int(failed.item()) or not need:
-        return None
+    if int(failed[0].item()):
+        return None, None
+    all_have = int(failed[1].item()) == 0
+    if not need:
+        return None, all_have
     StepReader.copy_out(copies, bufs)
-    return out
+    return out, all_have
 
 
 def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list,

@@ -99,6 +99,9 @@ assert not agreed.hot
 # Attempts are unsigned 64-bit ids: every one survives the int64 row.
 agreed = a.agree(g, 1, a.Statement(True, 5, 2**64 - 1, {{5: 2**64 - 1}}, False), ["p"], None)
 assert agreed.hot and agreed.in_memory == {{5}}
+# Torn down before exit: a gloo group left to the interpreter's exit can abort the process
+# ("terminate called without an active exception", seen under load).
+dist.destroy_process_group()
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -90,8 +90,9 @@ def test_a_restore_from_storage_agrees_in_one_collective(tmp_path, shm):
         assert (out["step"], out["ok"], out["source"]) == (4, True, "storage")
         assert out["calls"] == ["all_gather", "all_reduce"], out
     for out in phase("restore"):
-        # restore shares the reads several ranks need: the agreement's two collectives around
-        # the shared read's own (its plan's all_gather_object, the point-to-point messages and
-        # its all-reduce).
+        # restore shares the reads several ranks need: the agreement's all-gather, then the
+        # shared read's plan (all_gather_object), its point-to-point messages and its
+        # all-reduce, which also tells every rank that all read the step (before, the
+        # agreement's own all-reduce followed: 4 collectives).
         calls = [c for c in out["calls"] if c not in ("isend", "irecv")]
-        assert calls == ["all_gather", "all_gather_object", "all_reduce", "all_reduce"], out
+        assert calls == ["all_gather", "all_gather_object", "all_reduce"], out
