@@ -196,6 +196,7 @@ void NodeAgent::Enqueue(PersistTask t) {
   // Every rank of the world is this agent's (a job on one node): its commits need no listing.
   const bool every = HostsEveryRank();
   queue_.SetHostsEveryRank(every);
+  queue_.SetConnectedRanks(ConnectedRanks());
   if (!every && t.attempt == 0) t.attempt = SnapshotAttempt(t);
   queue_.Enqueue(std::move(t));
 }
@@ -205,6 +206,13 @@ bool NodeAgent::HostsEveryRank() const {
   const auto hosted =
       std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) { return kv.first < world; });
   return world > 0 && static_cast<uint32_t>(hosted) == world;
+}
+
+uint32_t NodeAgent::ConnectedRanks() const {
+  const uint32_t world = config_ ? config_->world_size : 0;
+  return static_cast<uint32_t>(std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) {
+    return kv.first < world && kv.second.connected;
+  }));
 }
 
 uint64_t NodeAgent::SnapshotAttempt(const PersistTask& t) {

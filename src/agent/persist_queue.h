@@ -109,6 +109,10 @@ class PersistQueue {
   // Whether this agent serves every rank of the job's world (a job on one node): a requested
   // persist's commit then waits for the ledger's facts of every rank and never lists the step.
   void SetHostsEveryRank(bool every) { hosts_every_rank_ = every; }
+  // How many ranks of the job's world have their processes connected to this agent: on several
+  // nodes a requested persist writes its node's facts report and lists the step once the facts
+  // of that many ranks are known, not each time its queue runs dry between ranks' snapshots.
+  void SetConnectedRanks(uint32_t connected) { connected_ranks_ = connected; }
   // Commits written from the ledger's facts (for tests and the status).
   uint64_t ledger_commits() const { return ledger_commits_.load(); }
   // True while the snapshot (rank, slot, generation) is queued, in flight, or finished but its
@@ -157,6 +161,7 @@ class PersistQueue {
 
   std::atomic<bool> cancelled_{false};  // Stop(grace) gave up: the tasks left fail at once
   std::atomic<bool> hosts_every_rank_{false};
+  std::atomic<uint32_t> connected_ranks_{0};
   std::atomic<uint64_t> ledger_commits_{0};
 
   mutable std::mutex mu_;  // guards everything below

@@ -42,6 +42,10 @@ COMMIT_GOAL_EXTRA = 4
 # COMMIT records: an open and a read), the step directories (clean-up) and the tags: requests
 # that do not depend on W or N, counted with the commit's in "commit_and_metadata".
 RETENTION_LISTING = 2 + 2 * (KEEP + 1) + 1
+# Writes of small records a committed step beyond the images, the facts reports and the COMMIT
+# (the job's history and records, a few per run, spread over the STEPS steps: 2.3 a step when
+# this was written, at W = 512 on 8 nodes, where the repeated facts reports made 53).
+RECORD_WRITES = 10
 RESTORE_GOAL_LISTS = 2
 RESTORE_GOAL_COMMIT_READS = 2  # the COMMIT record's open (head) and read (get)
 # One rank's image of one tensor read back today: open (head) + header, index/extras and data
@@ -94,6 +98,19 @@ def test_every_committed_step_has_exactly_w_image_publishes(runs, n):
         small = runs[(8, 1)]["per_committed_step"]
         assert per_step["commit_and_metadata"] <= small["commit_and_metadata"] + 1, (small,
                                                                                     per_step)
+
+
+def test_each_node_reports_its_facts_once_a_step(runs):
+    # On several nodes each agent writes its node's facts report and lists the step once, after
+    # the last of its ranks' images of the step (docs/architecture.md, "Committing at scale").
+    # Before, it did so each time its queue ran dry between its ranks' snapshots: at W = 512 on
+    # 8 nodes about 25 reports a node a step, and as many listings. The writes per step are the
+    # W images, the N reports, the COMMIT and the job's few records (RECORD_WRITES).
+    n = 8
+    per_step = runs[(W, n)]["per_committed_step"]
+    assert per_step["create"] <= W + n + 1 + RECORD_WRITES, per_step
+    # One listing of the step per node, then the commit polls and retention's listings.
+    assert per_step["list"] <= 2 * n + RETENTION_LISTING, per_step
 
 
 def test_restore_requests_per_rank_are_constant_in_w(runs):
