@@ -196,8 +196,8 @@ void NodeAgent::Enqueue(PersistTask t) {
   // Every rank of the world is this agent's (a job on one node): its commits need no listing.
   const bool every = HostsEveryRank();
   queue_.SetHostsEveryRank(every);
-  queue_.SetConnectedRanks(ConnectedRanks());
   if (!every && t.attempt == 0) t.attempt = SnapshotAttempt(t);
+  if (!every && t.reason == FlushReason::kRequested) t.ranks_here = ConnectedRanks(t.attempt);
   queue_.Enqueue(std::move(t));
 }
 
@@ -208,11 +208,15 @@ bool NodeAgent::HostsEveryRank() const {
   return world > 0 && static_cast<uint32_t>(hosted) == world;
 }
 
-uint32_t NodeAgent::ConnectedRanks() const {
+uint32_t NodeAgent::ConnectedRanks(uint64_t attempt) const {
   const uint32_t world = config_ ? config_->world_size : 0;
-  return static_cast<uint32_t>(std::count_if(ranks_.begin(), ranks_.end(), [&](const auto& kv) {
-    return kv.first < world && kv.second.connected;
-  }));
+  std::set<uint32_t> ranks;
+  for (const auto& c : clients_) {
+    if (c->hello && !c->refused && !c->closing && c->rank < world && c->attempt == attempt) {
+      ranks.insert(c->rank);
+    }
+  }
+  return static_cast<uint32_t>(ranks.size());
 }
 
 uint64_t NodeAgent::SnapshotAttempt(const PersistTask& t) {

@@ -140,8 +140,9 @@ class NodeAgent {
   std::optional<Status> StepAbandonedElsewhere(uint64_t step, uint32_t rank);
   // Whether every rank of the job's world is served here (a job on one node).
   bool HostsEveryRank() const;
-  // The ranks of the job's world whose processes are connected to this agent now.
-  uint32_t ConnectedRanks() const;
+  // The ranks of the job's world whose processes of save attempt `attempt` are connected to
+  // this agent now.
+  uint32_t ConnectedRanks(uint64_t attempt) const;
   // The newest committed step this agent knows of, or "none" (for messages).
   std::string NewestCommittedText() const;
   // The save attempt of t's snapshot, from its header in shared memory (0: unknown).

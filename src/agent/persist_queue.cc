@@ -171,15 +171,15 @@ Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
   // Ranks of other nodes: the listing commit, tried once this agent's last image of the step is
   // published (an earlier one would only find it missing), after this node's facts report
   // (docs/architecture.md, "Committing at scale"): the committer reads N reports, not W headers.
-  // The last image is the one that completes the facts of every rank connected to this agent:
-  // its queue alone runs dry between its ranks' snapshots, which made several reports and
-  // listings a step (4,096 ranks on 64 nodes: 27 reports a node a step). An image whose fact is
-  // unknown still lists (the ledger cannot tell), and a rank whose process went away before it
-  // saved the step no longer counts (its snapshot, if any, is flushed, and that persist lists).
+  // The last image is the one that completes the facts of every rank of the attempt connected to
+  // this agent (t.ranks_here): its queue alone runs dry between its ranks' snapshots, which made
+  // several reports and listings a step (4,096 ranks on 64 nodes: 27 reports a node a step). An
+  // image whose fact is unknown still lists (the ledger cannot tell); a process of an older
+  // attempt (a stale one) is not counted.
   if (t.reason == FlushReason::kRequested && QueuedForStep(t.step)) return false;
   std::map<uint32_t, CheckpointStore::ImageFact> known;
   if (target_.ledger) known = target_.ledger->Known(t.step, attempt);
-  if (t.reason == FlushReason::kRequested && fact && known.size() < connected_ranks_.load()) {
+  if (t.reason == FlushReason::kRequested && fact && known.size() < t.ranks_here) {
     return false;
   }
   if (t.reason == FlushReason::kRequested && !known.empty()) {

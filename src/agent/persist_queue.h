@@ -64,6 +64,11 @@ struct PersistTask {
   // snapshot is overwritten before it is persisted, the step of that attempt is reported
   // abandoned to the other nodes (CheckpointStore::ReportAbandoned).
   uint64_t attempt = 0;
+  // Requested persists on several nodes: the ranks whose processes of this save attempt were
+  // connected to this agent when the task was queued. The commit writes the node's facts report
+  // and lists the step once the ledger knows that many ranks' facts (its last image of the
+  // step), not each time the queue runs dry between its ranks' snapshots. 0: no such wait.
+  uint32_t ranks_here = 0;
 };
 
 struct PersistResult {
@@ -109,10 +114,6 @@ class PersistQueue {
   // Whether this agent serves every rank of the job's world (a job on one node): a requested
   // persist's commit then waits for the ledger's facts of every rank and never lists the step.
   void SetHostsEveryRank(bool every) { hosts_every_rank_ = every; }
-  // How many ranks of the job's world have their processes connected to this agent: on several
-  // nodes a requested persist writes its node's facts report and lists the step once the facts
-  // of that many ranks are known, not each time its queue runs dry between ranks' snapshots.
-  void SetConnectedRanks(uint32_t connected) { connected_ranks_ = connected; }
   // Commits written from the ledger's facts (for tests and the status).
   uint64_t ledger_commits() const { return ledger_commits_.load(); }
   // True while the snapshot (rank, slot, generation) is queued, in flight, or finished but its
@@ -161,7 +162,6 @@ class PersistQueue {
 
   std::atomic<bool> cancelled_{false};  // Stop(grace) gave up: the tasks left fail at once
   std::atomic<bool> hosts_every_rank_{false};
-  std::atomic<uint32_t> connected_ranks_{0};
   std::atomic<uint64_t> ledger_commits_{0};
 
   mutable std::mutex mu_;  // guards everything below
