@@ -14,6 +14,15 @@
 #                                       (marked down, it rejoins at once): with one OSD, the PGs of a
 #                                       paused OSD stay "laggy" (their read leases expired) and
 #                                       queue every op until they re-peer
+#   scripts/ceph-cluster.sh restart-rgw DIR
+#                                       starts radosgw again after a test killed it (its pid file
+#                                       is DIR/run/client.rgw.pid), on its port, and waits until it
+#                                       answers
+#   scripts/ceph-cluster.sh full DIR    sets the OSD's full ratio (and the nearfull and backfillfull
+#                                       ratios below it) under what it holds, and waits until the
+#                                       monitor flags it full: every pool refuses writes
+#   scripts/ceph-cluster.sh unfull DIR  puts the ratios back (0.85, 0.90, 0.95) and waits for
+#                                       HEALTH_OK
 #
 # `start` also creates the S3 bucket `safepoint-test` (the S3 tier's tests write under it).
 #
@@ -26,7 +35,7 @@
 # Idempotent: `start` on a running cluster and `stop` on a missing one do nothing. Quiet on success.
 set -euo pipefail
 
-usage() { echo "usage: $0 start|stop|env|restart-osd|resume-osd DIR" >&2; exit 2; }
+usage() { echo "usage: $0 start|stop|env|restart-osd|resume-osd|restart-rgw|full|unfull DIR" >&2; exit 2; }
 [ $# -eq 2 ] || usage
 cmd=$1
 DIR=$2
@@ -298,10 +307,48 @@ do_resume_osd() {
   wait_for "every PG active+clean after osd.0 re-peered" pgs_active
 }
 
+do_restart_rgw() {
+  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
+  local pid i
+  pid=$(cat "$DIR/run/client.rgw.pid" 2>/dev/null || true)
+  # As for the OSD: a killed radosgw may linger as a zombie; a stopped one is resumed first.
+  for i in $(seq 1 100); do
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
+      && [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ] || break
+    sleep 0.2
+  done
+  [ "$i" -lt 100 ] || { echo "ceph-cluster: radosgw (pid $pid) is still running" >&2; exit 1; }
+  rm -f "$DIR/run/client.rgw.pid"
+  radosgw -c "$DIR/ceph.conf" -n client.rgw || die "radosgw did not start again"
+  wait_for "radosgw on port $(cat "$DIR/rgw.port") again" rgw_up
+}
+
+osd_full() { cephc health 2>/dev/null | grep -Eq '(^|[^a-z])[0-9]+ full osd'; }
+
+do_full() {
+  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
+  # The ratios keep their order (nearfull < backfillfull < full), as the monitor wants.
+  cephc osd set-nearfull-ratio 0.0001 >/dev/null 2>&1 || die "ceph osd set-nearfull-ratio failed"
+  cephc osd set-backfillfull-ratio 0.0002 >/dev/null 2>&1 || die "ceph osd set-backfillfull-ratio failed"
+  cephc osd set-full-ratio 0.0003 >/dev/null 2>&1 || die "ceph osd set-full-ratio failed"
+  wait_for "osd.0 to be flagged full" osd_full
+}
+
+do_unfull() {
+  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
+  cephc osd set-full-ratio 0.95 >/dev/null 2>&1 || die "ceph osd set-full-ratio failed"
+  cephc osd set-backfillfull-ratio 0.90 >/dev/null 2>&1 || die "ceph osd set-backfillfull-ratio failed"
+  cephc osd set-nearfull-ratio 0.85 >/dev/null 2>&1 || die "ceph osd set-nearfull-ratio failed"
+  wait_for "HEALTH_OK after the full ratio was put back" health_ok
+}
+
 case "$cmd" in
   start) do_start ;;
   restart-osd) do_restart_osd ;;
   resume-osd) do_resume_osd ;;
+  restart-rgw) do_restart_rgw ;;
+  full) do_full ;;
+  unfull) do_unfull ;;
   stop) do_stop ;;
   env) do_env ;;
   *) usage ;;
