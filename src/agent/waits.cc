@@ -180,7 +180,9 @@ std::optional<Status> NodeAgent::StepAbandonedElsewhere(uint64_t step, uint32_t 
 }
 
 bool NodeAgent::CommitPollDue(uint64_t step, double now) {
-  CommitPoll& p = commit_polls_.try_emplace(step, CommitPoll{now}).first->second;
+  auto [at, fresh] = commit_polls_.try_emplace(step);
+  CommitPoll& p = at->second;
+  if (fresh) p.next = now;
   if (p.pass == now) return true;  // another wait of the step, in this pass
   if (now < p.next) return false;
   p.pass = now;

@@ -279,10 +279,11 @@ def test_a_rank_that_cannot_read_makes_every_rank_fall_back(run, tmp_path, damag
     assert any("fall back" in w for o in outs for w in o["warnings"])
 
 
-def test_ranks_restoring_from_memory_take_part_in_the_shared_read(run):
+def test_a_rank_whose_copy_in_memory_is_damaged_reads_storage_alone(run):
     # Every rank keeps its snapshots in memory, but rank 1's are damaged: ranks 0, 2 and 3
-    # restore from memory and still take part in the collective; rank 1 reads everything it
-    # needs from storage itself (no other rank needs storage), and nothing is sent.
+    # restore from memory; rank 1 reads everything it needs from storage itself and nothing is
+    # sent. The step is in every rank's memory, so the shared read's collectives do not run at
+    # all (test_collectives.py); before, the ranks restoring from memory took part in it.
     run("mixed", "save-keep", job="kept")
     outs = run("mixed", "restore-damaged1", job="kept")
     assert [(o["step"], o["ok"]) for o in outs] == [(2, True)] * WORLD
