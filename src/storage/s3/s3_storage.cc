@@ -294,7 +294,9 @@ class S3WritableObject final : public WritableObject {
       const uint64_t index = pos / part_size_;
       const uint64_t part_start = index * part_size_;
       const uint64_t n = std::min(end, part_start + part_size_) - pos;
+      const std::span<const std::byte> piece = data.subspan(pos - offset, n);
       Part* part;
+      bool direct = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
         SP_RETURN_IF_ERROR(UsableLocked());
@@ -304,9 +306,29 @@ class S3WritableObject final : public WritableObject {
                                  " into part " + std::to_string(index + 1) +
                                  ", which was already completely written and uploaded");
         }
-        SP_RETURN_IF_ERROR(AllocateLocked(*part));
+        // A whole part written at once (a persist's part-sized requests) is uploaded from the
+        // caller's bytes on this thread: no copy, no part buffer. The writers' own number
+        // (the storage's io_parallelism) bounds these uploads.
+        direct = n == part_size_ && !part->buffer && part->written.empty();
+        if (direct) {
+          part->sent = true;
+          ++in_flight_;
+          end_ = std::max(end_, pos + n);
+        } else {
+          SP_RETURN_IF_ERROR(AllocateLocked(*part));
+        }
       }
-      std::memcpy(part->buffer.get() + (pos - part_start), data.data() + (pos - offset), n);
+      if (direct) {
+        Status s = UploadPart(index, piece);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!s.ok()) FailLocked(std::move(s));
+        --in_flight_;
+        cv_.notify_all();
+        SP_RETURN_IF_ERROR(UsableLocked());
+        pos += n;
+        continue;
+      }
+      std::memcpy(part->buffer.get() + (pos - part_start), piece.data(), n);
       {
         std::unique_lock<std::mutex> lock(mu_);
         end_ = std::max(end_, pos + n);

@@ -9,7 +9,9 @@
 // first part is sent in one PUT at Publish. Otherwise a multipart upload is started when the
 // first part is completely written, every completely written part is uploaded in the background
 // at once (at most `connections` parts buffered for upload per object: WriteAt waits for room),
-// the rest at Publish, and CompleteMultipartUpload publishes the object atomically. Abort, a
+// the rest at Publish, and CompleteMultipartUpload publishes the object atomically. A WriteAt
+// that covers a whole part by itself (a persist's part-sized, part-aligned requests) uploads it
+// from the caller's bytes before it returns: no copy and no part buffer. Abort, a
 // failed write and the destructor of an unpublished object send AbortMultipartUpload; the upload
 // ids this process is writing are kept in a process-wide set that RemoveLeftovers skips, so it
 // aborts only uploads of crashed writers (ListMultipartUploads under the prefix).

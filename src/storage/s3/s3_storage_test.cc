@@ -702,6 +702,35 @@ TEST_F(S3MultipartTest, SparseObjectsReadZerosInTheirGapsAfterPartBuffersWereReu
   }
 }
 
+TEST_F(S3MultipartTest, WholePartsWrittenFromSeveralThreadsBesideBufferedOnesMakeOneObject) {
+  // Parts 1-3 are each written whole by a thread of its own (uploaded from the caller's bytes),
+  // part 0 in two halves and the short last part buffered, as a persist and a sparse writer do.
+  Storage& st = *storage_;
+  constexpr uint64_t kPart = 5 << 20;
+  const uint64_t size = 4 * kPart + 12345;
+  const std::vector<std::byte> want = PatternBytes(size, 7);
+  auto w = st.Create("mixed", size);
+  ASSERT_OK(w);
+  WritableObject& out = **w;
+  const std::span<const std::byte> all(want);
+  ASSERT_OK(out.WriteAt(0, all.subspan(0, kPart / 2)));
+  std::vector<std::thread> writers;
+  std::vector<Status> got(3);
+  for (uint64_t i = 1; i <= 3; ++i) {
+    writers.emplace_back(
+        [&, i] { got[i - 1] = out.WriteAt(i * kPart, all.subspan(i * kPart, kPart)); });
+  }
+  for (auto& t : writers) t.join();
+  for (const Status& s : got) ASSERT_OK(s);
+  ASSERT_OK(out.WriteAt(kPart / 2, all.subspan(kPart / 2, kPart - kPart / 2)));
+  ASSERT_OK(out.WriteAt(4 * kPart, all.subspan(4 * kPart)));
+  // A whole part written again is refused: it was uploaded already.
+  EXPECT_EQ(out.WriteAt(2 * kPart, all.subspan(2 * kPart, kPart)).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_OK(out.Publish());
+  EXPECT_EQ(test::ReadWholeObject(st, "mixed"), want);
+}
+
 TEST(S3StorageTest, CheckpointStoreRoundTripOfTwoRanks) {
   SKIP_WITHOUT_S3();
   TempDir dir;
