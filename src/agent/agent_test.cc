@@ -1124,6 +1124,41 @@ TEST_F(AgentTest, WaitForAStepWhoseImagesAreOfMixedAttemptsFailsAtOnceNamingWhy)
   ExpectServes();
 }
 
+// A wait for a step whose persist failed for another rank of this node (found by the storage
+// brownout rounds, tests/crash/brownout_campaign.py seed 2026120541 round 2: the OSD stopped
+// while rank 0's image of step 5 was written, rank 1's written after it resumed). The agent
+// never retries a failed persist, so no image of rank 0 of this attempt will come unless the
+// rank saves the step again; rank 0's own wait fails at once with the persist's error, and rank
+// 1's wait must end too (naming rank 0 and its error), not at its timeout, or never: in a job in
+// lockstep, rank 0 then waits for rank 1 in the next collective. Here a file where the step's
+// directory goes fails rank 0's persist, and is gone when rank 1's is written.
+TEST_F(AgentTest, AWaitForAStepWhoseImageFailedToPersistOnAnotherRankEndsNamingIt) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  ASSERT_OK_AND_ASSIGN(auto rank0, SnapshotClient::Connect(RankOptions(0, 22)));
+  ASSERT_OK_AND_ASSIGN(auto rank1, SnapshotClient::Connect(RankOptions(1, 22)));
+  const std::string in_the_way = storage_ + "/step-00000000000000000005";
+  std::ofstream(in_the_way) << "in the way";
+  SaveStep(*rank0, 5, /*persist=*/true);
+  const Status own = rank0->Wait(kDeadlineSeconds);
+  ASSERT_FALSE(own.ok());
+  ASSERT_EQ(own.message().find("timed out"), std::string::npos) << own.ToString();
+  ASSERT_EQ(::unlink(in_the_way.c_str()), 0);
+  SaveStep(*rank1, 5, /*persist=*/true);
+  const Status w = rank1->Wait(kDeadlineSeconds);
+  EXPECT_EQ(w.code(), StatusCode::kCancelled) << w.ToString();
+  for (const char* part :
+       {"step 5 can never be committed", "save attempt 22", "rank 0's persist of it failed"}) {
+    EXPECT_NE(w.message().find(part), std::string::npos) << part << " not in " << w.ToString();
+  }
+  EXPECT_TRUE(Committed().empty());
+  SaveStep(*rank0, 6, /*persist=*/true);  // the job goes on
+  SaveStep(*rank1, 6, /*persist=*/true);
+  ASSERT_OK(rank0->Wait(kDeadlineSeconds));
+  ASSERT_OK(rank1->Wait(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), std::vector<uint64_t>{6});
+  ExpectServes();
+}
+
 // The same wait on a job of two nodes (found by the node campaign, seed 20261202 with
 // --partitions 6; docs/reliability.md). Rank 1, on another node (its own shm directory and
 // agent), asks to persist step 5, but its snapshot is overwritten by steps 6 and 7 before its

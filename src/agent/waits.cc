@@ -86,9 +86,10 @@ bool NodeAgent::RankGone(const RankState& rs) const {
 // of this node may still persist the step, nothing is final: decided only where this agent serves
 // every rank of the job and, for every rank, nothing of the step is queued and either its image
 // of this attempt was written here, or its process will persist nothing more of the step (it
-// closed, is gone, or asked for a later step since its hello). Then a last TryCommit (what the
-// worker would have done) commits the step if the images belong together after all (OK), and
-// otherwise the wait gets an error naming the step and why, instead of waiting until its timeout.
+// closed, is gone, asked for a later step since its hello, or its persist of the step failed:
+// the agent retries no persist). Then a last TryCommit (what the worker would have done) commits
+// the step if the images belong together after all (OK), and otherwise the wait gets an error
+// naming the step and why, instead of waiting until its timeout.
 std::optional<Status> NodeAgent::StepNeverCommits(uint64_t step, uint32_t rank) {
   if (!config_ || !store_) return std::nullopt;
   const auto own = ranks_[rank].persisted_attempt.find(step);
@@ -112,6 +113,11 @@ std::optional<Status> NodeAgent::StepNeverCommits(uint64_t step, uint32_t rank) 
                     " without persisting this one");
     } else if (RankGone(rs)) {
       why.push_back(who + (rs.closed ? " closed" : " is gone") + " without persisting it");
+    } else if (outcome != rs.outcomes.end() && !outcome->second.ok() &&
+               (written == rs.persisted_attempt.end() || written->second != attempt)) {
+      // Its persist of the step failed (a storage brownout) and no persist is retried: its own
+      // wait got the error, and no image of this attempt comes unless it saves the step again.
+      why.push_back(who + "'s persist of it failed");
     } else {
       return std::nullopt;  // that rank may still persist the step
     }
