@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale bench-scale-torch clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-under-ceph crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale bench-scale-torch clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-brownout run-under-ceph crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -66,6 +66,7 @@ test: build-tests
 	$(MAKE) --no-print-directory run-python-serial
 run-under-ceph:
 	$(MAKE) --no-print-directory run-cpp
+	$(MAKE) --no-print-directory run-brownout
 	$(MAKE) --no-print-directory -j2 --output-sync=target run-python-workers run-crash
 
 # Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
@@ -99,6 +100,14 @@ CRASH_NODE_SHORT ?= 10
 CRASH_NODE_PARTITIONS_SHORT ?= 6
 test-crash: crash-build
 	@$(MAKE) --no-print-directory run-crash
+# The short brownout run (6 rounds: every phase, every fault, one OSD restart; about 1.5 minutes)
+# runs under run-under-ceph on its own, before the Python tests: it stops, kills and fills the
+# cluster they share. Without the cluster (SAFEPOINT_TEST_CEPH_DIR unset) it says so and passes.
+CRASH_BROWNOUT_SEED ?= 20261273
+CRASH_BROWNOUT_SHORT ?= 6
+run-brownout:
+	$(PY) tests/crash/brownout_campaign.py --rounds $(CRASH_BROWNOUT_SHORT) \
+	    --seed $(CRASH_BROWNOUT_SEED) --build-dir $(CRASH_BUILD)
 run-crash:
 	$(PY) tests/crash/crashtest.py --kills 50 --seed $(CRASH_SEED) --build-dir $(CRASH_BUILD)
 	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_SHORT) --seed $(CRASH_NODE_SEED) \
@@ -108,16 +117,24 @@ crashtest: crash-build
 	$(PY) tests/crash/crashtest.py --kills $(CRASH_KILLS) --build-dir $(CRASH_BUILD)
 	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_ROUNDS) \
 	    --partitions $(CRASH_PARTITION_ROUNDS) --build-dir $(CRASH_BUILD)
+	scripts/with-ceph.sh $(PY) tests/crash/brownout_campaign.py --rounds $(CRASH_BROWNOUT_ROUNDS) \
+	    --build-dir $(CRASH_BUILD)
 
 # Node-loss rounds alone (multi-node jobs with peer replication on network namespaces; root,
 # else skipped), with the replication kill points armed in half the rounds, and the partition
 # rounds (a node cut off the network, both ways or one, for a while or flapping, and a stale
 # rank superseded by the job's next run) in their share.
+# The storage brownout rounds (tests/crash/brownout_campaign.py; docs/reliability.md, "Brownout
+# rounds") in their share: the throwaway Ceph's OSD stopped, killed or full and radosgw killed
+# while a job persists, copies to a tier, collects chunks or loads; on a cluster of their own.
 CRASH_NODE_ROUNDS ?= 60
 CRASH_PARTITION_ROUNDS ?= 60
+CRASH_BROWNOUT_ROUNDS ?= 50
 crashtest-nodes: crash-build
 	$(PY) tests/crash/crashtest.py --nodes --rounds $(CRASH_NODE_ROUNDS) \
 	    --partitions $(CRASH_PARTITION_ROUNDS) --build-dir $(CRASH_BUILD)
+	scripts/with-ceph.sh $(PY) tests/crash/brownout_campaign.py --rounds $(CRASH_BROWNOUT_ROUNDS) \
+	    --build-dir $(CRASH_BUILD)
 
 # Sanitizer builds of the C++ tests (the agent binary they start is sanitized too).
 SAN_CMAKE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSAFEPOINT_BUILD_PYTHON=OFF
