@@ -46,7 +46,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ import torch  # noqa: E402
 from run import (  # noqa: E402  (bench/run.py: helpers and the disk limit)
     MiB,
     drop_caches,
+    free_port,
     fsync_path,
     gbps,
     limit_direct_write,
@@ -768,12 +768,6 @@ def worker(cfg: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # The launcher
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def kill_strays(job: str) -> None:
     """Ends agents (safepointd) and DLRover savers that this run's jobs left behind."""

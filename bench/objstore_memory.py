@@ -1,14 +1,14 @@
 """Host memory of an object-store persist and load beyond the data (issue 33 item 4; docs/
-operations.md, "Host memory of object-store transfers"; docs/benchmarks.md, "Object-store
-transfers: host memory").
+operations.md, "Host memory"; docs/benchmarks.md, "Object stores: replicated state restored once
+per job, and host memory").
 
 For each store (s3://, rados://, and a local directory for reference), a fresh process builds a
 state of --mib MiB (float32 tensors of 64 MiB) and measures, sampling every 5 ms:
 
 - **persist**: ``Checkpointer(uri)``, two ``save`` + ``wait`` (the node agent copies each
   snapshot from its shared-memory slot to the store): the peak of the *agent's* private memory
-  (RssAnon) over its level before its first persist (so that buffers it keeps count). The slot is shared memory, counted apart; what the agent
-  holds privately is what the transfer buffers.
+  (RssAnon) over its level before its first persist (so that buffers it keeps count). The slot
+  is shared memory, counted apart; what the agent holds privately is what the transfer buffers.
 - **load**: ``safepoint.load(uri)`` in this process (the image read into its buffer, tensors
   built over it): the peak of this process's RssAnon over its level before, less the state's
   size (the result itself).
@@ -144,7 +144,8 @@ def main() -> int:
                       "scripts/with-ceph.sh)", file=sys.stderr)
                 continue
             uri = f"{base}/mem-{run}" + (f"?{args.options}" if args.options else "")
-        got = subprocess.run([sys.executable, "-c", CHILD, uri, str(args.mib), f"mem-{store}-{run}"],
+        got = subprocess.run([sys.executable, "-c", CHILD, uri, str(args.mib),
+                              f"mem-{store}-{run}"],
                              capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if got.returncode != 0:
             raise RuntimeError(f"{store}: {got.stderr[-3000:]}")

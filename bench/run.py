@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -431,6 +432,13 @@ def bench_size(label: str, nbytes: int, runs: int, workdir: str) -> dict:
 
 def gbps(nbytes, seconds):
     return nbytes / seconds / 1e9
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback (the benchmarks' gloo rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def machine() -> str:

@@ -43,7 +43,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from collections import Counter
 from typing import Any, Optional
 
 from collective_count import CollectiveCounter
+from run import free_port
 from scale import stop_agents  # bench/scale.py: the same shutdown of a job's agents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,12 +182,6 @@ def rank_main(argv: list[str]) -> None:
 
 
 # -- the driver ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(lib: str, phase: str, w: int, root: str, shm: str, job: str, n: int,
            trace_dir: Optional[str], timeout: float) -> list[dict]:

@@ -1,5 +1,6 @@
 """Replicated state restored from an object store once per job, not once per rank (issue 33
-item 5; docs/benchmarks.md, "Restore of replicated state from object stores").
+item 5; docs/benchmarks.md, "Object stores: replicated state restored once per job, and host
+memory").
 
 W real processes (gloo over the loopback) hold the same DDP-like state, a replicated model of
 --mib MiB (float32 tensors of 16 MiB, the same bytes on every rank). They save it once to the
@@ -35,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from run import free_port  # noqa: E402
 from scale import stop_agents  # noqa: E402  (the same shutdown of a job's agents)
 
 TENSOR = 16 << 20  # bytes of each replicated tensor
@@ -97,12 +98,6 @@ def worker(phase: str, uri: str, shm: str, job: str, port: int, rank: int, world
     dist.barrier()
     dist.destroy_process_group()
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(phase: str, uri: str, world: int, mib: int, timeout: float) -> list[dict]:

@@ -40,6 +40,7 @@ void NodeAgent::Adopt() {
       continue;
     }
     RankState& r = ranks_[rank];
+    r.adopted = true;
     r.arena->ClearLeases();
     spdlog::info("adopted the snapshots of rank {}", rank);
     if (!opt_.emergency_flush) continue;

@@ -3,10 +3,11 @@
 // without listing the step or reading any image's header (CheckpointStore::CommitFromFacts;
 // docs/architecture.md, "Committing at scale").
 //
-// Facts come from this agent's persist worker and, when the job spans nodes, from the other
-// nodes' agents over the peer service. Thread-safe. Bounded: at most kMaxPending (step, attempt)
+// Facts come from this agent's persist worker; when the job spans nodes, each agent writes the
+// facts it holds of a step as its node's facts report (CheckpointStore::WriteFactsReport) and the
+// listing commit reads the reports. Thread-safe. Bounded: at most kMaxPending (step, attempt)
 // entries are kept, the oldest step dropped first (its commit then falls back to the listing
-// commit, TryCommitOfAttempt).
+// commit, TryCommitOfAttempt, reading the headers of the images no report covers).
 #pragma once
 
 #include <cstdint>

@@ -212,7 +212,14 @@ uint32_t NodeAgent::ConnectedRanks(uint64_t attempt) const {
   const uint32_t world = config_ ? config_->world_size : 0;
   std::set<uint32_t> ranks;
   for (const auto& c : clients_) {
-    if (c->hello && !c->refused && !c->closing && c->rank < world && c->attempt == attempt) {
+    if (!c->hello || c->refused || c->closing || c->rank >= world || c->attempt != attempt) {
+      continue;
+    }
+    // A rank whose snapshots this agent adopted (it reconnected to a restarted agent) counts once
+    // it asked this agent for a persist: the agent before may have persisted its image of the
+    // step in progress, and it will not ask for that step again.
+    const auto rs = ranks_.find(c->rank);
+    if (rs != ranks_.end() && (!rs->second.adopted || rs->second.newest_asked)) {
       ranks.insert(c->rank);
     }
   }

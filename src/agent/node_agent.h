@@ -57,7 +57,8 @@ struct RankState {
   std::unique_ptr<Arena> arena;
   uint32_t pid = 0;
   bool connected = false;
-  bool closed = false;  // closed cleanly
+  bool closed = false;   // closed cleanly
+  bool adopted = false;  // its snapshots were found in the job directory at this agent's start
   int close_client = -1;
   std::optional<uint64_t> last_persisted_step;
   double last_persist_seconds = 0;
@@ -141,7 +142,8 @@ class NodeAgent {
   // Whether every rank of the job's world is served here (a job on one node).
   bool HostsEveryRank() const;
   // The ranks of the job's world whose processes of save attempt `attempt` are connected to
-  // this agent now.
+  // this agent now (of those whose snapshots it adopted, the ones that asked it for a persist
+  // since their hello).
   uint32_t ConnectedRanks(uint64_t attempt) const;
   // The newest committed step this agent knows of, or "none" (for messages).
   std::string NewestCommittedText() const;

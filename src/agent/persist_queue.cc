@@ -159,6 +159,22 @@ bool PersistQueue::QueuedForStep(uint64_t step) const {
                      [step](const PersistTask& q) { return q.step == step; });
 }
 
+bool PersistQueue::FinishedOnNode(const PersistTask& t, uint64_t attempt) {
+  if (t.ranks_here == 0) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::pair<uint64_t, uint64_t> key{t.step, attempt};
+  auto [at, fresh] = finished_.try_emplace(key);
+  if (fresh) {
+    finished_order_.push_back(key);
+    if (finished_order_.size() > kFinishedSteps) {
+      finished_.erase(finished_order_.front());
+      finished_order_.pop_front();
+    }
+  }
+  at->second.insert(t.rank);
+  return at->second.size() >= t.ranks_here;
+}
+
 Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
                                   const std::optional<CheckpointStore::ImageFact>& fact) {
   if (fact && target_.ledger) {
@@ -171,17 +187,14 @@ Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
   // Ranks of other nodes: the listing commit, tried once this agent's last image of the step is
   // published (an earlier one would only find it missing), after this node's facts report
   // (docs/architecture.md, "Committing at scale"): the committer reads N reports, not W headers.
-  // The last image is the one that completes the facts of every rank of the attempt connected to
-  // this agent (t.ranks_here): its queue alone runs dry between its ranks' snapshots, which made
-  // several reports and listings a step (4,096 ranks on 64 nodes: 27 reports a node a step). An
-  // image whose fact is unknown still lists (the ledger cannot tell); a process of an older
-  // attempt (a stale one) is not counted.
+  // The last image is the one after which the requested persists of the step of t.ranks_here
+  // ranks have finished here (FinishedOnNode): the queue alone runs dry between its ranks'
+  // snapshots, which made several reports and listings a step (4,096 ranks on 64 nodes: 27 a node
+  // a step).
+  if (t.reason == FlushReason::kRequested && !FinishedOnNode(t, attempt)) return false;
   if (t.reason == FlushReason::kRequested && QueuedForStep(t.step)) return false;
   std::map<uint32_t, CheckpointStore::ImageFact> known;
   if (target_.ledger) known = target_.ledger->Known(t.step, attempt);
-  if (t.reason == FlushReason::kRequested && fact && known.size() < t.ranks_here) {
-    return false;
-  }
   if (t.reason == FlushReason::kRequested && !known.empty()) {
     if (Status s = target_.store->WriteFactsReport(t.step, attempt, known); !s.ok()) {
       spdlog::warn(

@@ -23,10 +23,13 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "agent/commit_ledger.h"
@@ -65,9 +68,10 @@ struct PersistTask {
   // abandoned to the other nodes (CheckpointStore::ReportAbandoned).
   uint64_t attempt = 0;
   // Requested persists on several nodes: the ranks whose processes of this save attempt were
-  // connected to this agent when the task was queued. The commit writes the node's facts report
-  // and lists the step once the ledger knows that many ranks' facts (its last image of the
-  // step), not each time the queue runs dry between its ranks' snapshots. 0: no such wait.
+  // connected to this agent when the task was queued (NodeAgent::ConnectedRanks). The commit writes
+  // the node's facts report and lists the step once requested persists of the step of that many
+  // ranks have finished here (its last image of the step), not each time the queue runs dry between
+  // its ranks' snapshots. 0: no such wait.
   uint32_t ranks_here = 0;
 };
 
@@ -164,7 +168,16 @@ class PersistQueue {
   std::atomic<bool> hosts_every_rank_{false};
   std::atomic<uint64_t> ledger_commits_{0};
 
+  // Whether requested persists of t's step and save attempt have now finished here for
+  // t.ranks_here ranks (t's among them): the node's last image of the step.
+  bool FinishedOnNode(const PersistTask& t, uint64_t attempt);
+
   mutable std::mutex mu_;  // guards everything below
+  // (step, attempt) -> the ranks whose requested persist of it finished here; the newest
+  // kFinishedSteps keys by insertion (a step rolled back to is new again).
+  static constexpr size_t kFinishedSteps = 64;
+  std::map<std::pair<uint64_t, uint64_t>, std::set<uint32_t>> finished_;
+  std::deque<std::pair<uint64_t, uint64_t>> finished_order_;
   std::deque<PersistTask> queue_;
   std::optional<PersistTask> in_flight_;
   std::vector<PersistResult> results_;

@@ -313,17 +313,15 @@ class S3WritableObject final : public WritableObject {
         if (direct) {
           part->sent = true;
           ++in_flight_;
-          end_ = std::max(end_, pos + n);
         } else {
           SP_RETURN_IF_ERROR(AllocateLocked(*part));
         }
+        end_ = std::max(end_, pos + n);
       }
       if (direct) {
         Status s = UploadPart(index, piece);
         std::lock_guard<std::mutex> lock(mu_);
-        if (!s.ok()) FailLocked(std::move(s));
-        --in_flight_;
-        cv_.notify_all();
+        FinishUploadLocked(index, std::move(s));
         SP_RETURN_IF_ERROR(UsableLocked());
         pos += n;
         continue;
@@ -331,7 +329,6 @@ class S3WritableObject final : public WritableObject {
       std::memcpy(part->buffer.get() + (pos - part_start), piece.data(), n);
       {
         std::unique_lock<std::mutex> lock(mu_);
-        end_ = std::max(end_, pos + n);
         if (AddRange(part->written, pos - part_start, pos - part_start + n, part_size_) &&
             !part->sent && state_ == State::kOpen) {
           StartUploadLocked(index, part_size_);
@@ -435,15 +432,21 @@ class S3WritableObject final : public WritableObject {
       Status s = doomed ? Cancelled(desc_ + ": part upload cancelled")
                         : UploadPart(index, std::span<const std::byte>(data, len));
       std::lock_guard<std::mutex> lock(mu_);
-      if (s.ok()) {
-        ctx_->buffers.Give(std::move(parts_[index].buffer), part_size_);
-        parts_[index].written.clear();
-      } else {
-        FailLocked(std::move(s));
-      }
-      --in_flight_;
-      cv_.notify_all();
+      FinishUploadLocked(index, std::move(s));
     });
+  }
+
+  // A part's upload ended (on the pool, or a direct one on the writer's thread): its buffer
+  // (none for a direct upload) goes back for reuse, or the object fails; waiters wake up.
+  void FinishUploadLocked(uint64_t index, Status s) {
+    if (s.ok()) {
+      ctx_->buffers.Give(std::move(parts_[index].buffer), part_size_);
+      parts_[index].written.clear();
+    } else {
+      FailLocked(std::move(s));
+    }
+    --in_flight_;
+    cv_.notify_all();
   }
 
   // Starts the multipart upload once (from whichever part upload comes first).
