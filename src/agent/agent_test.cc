@@ -13,6 +13,7 @@
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -30,6 +31,7 @@
 
 #include "advisor/history.h"
 #include "agent/job_config.h"
+#include "base/process.h"
 #include "base/unique_fd.h"
 #include "protocol/protocol.h"
 #include "safepoint/checkpoint.h"
@@ -1416,6 +1418,19 @@ TEST_F(AgentTest, ANewerRunTakesTheRankFromAStaleProcessThatStillRuns) {
   go_read.Reset();
   char ok = 0;
   ASSERT_EQ(::read(ready_read.get(), &ok, 1), 1);
+  // The agent tells the runs' processes apart by their start times, in clock ticks since boot
+  // (10 ms): the newer one must start a tick after the stale one, which a fork right after may
+  // not (it was refused, "rank 0 is already connected", under load). Wait for the next tick.
+  const std::optional<uint64_t> stale_ticks = internal::ProcessStartTicks(stale);
+  ASSERT_TRUE(stale_ticks.has_value());
+  const auto ticks_now = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_BOOTTIME, &ts);
+    const uint64_t hz = static_cast<uint64_t>(::sysconf(_SC_CLK_TCK));
+    return static_cast<uint64_t>(ts.tv_sec) * hz +
+           static_cast<uint64_t>(ts.tv_nsec) / (1000000000ull / hz);
+  };
+  while (ticks_now() <= *stale_ticks) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   // The newer run's process (started after the stale one): resumes from the stale one's
   // snapshot, saves step 2, dies unclosed.
   ASSERT_EQ(test::RunInChild([&] {
