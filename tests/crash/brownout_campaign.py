@@ -85,6 +85,7 @@ from processes import LineReader, agent_log, dead, kill_agents, wait_until  # no
 CLUSTER = os.path.join(REPO, "scripts", "ceph-cluster.sh")
 SLACK = 20.0        # s: a call's healthy work on this machine, added to every bound
 HANG_MARGIN = 60.0  # s: past its bound, an unanswered call is a hang
+SETTLE = 300.0      # s: the cluster answers again this long after a round, at most
 MAX_STEPS = 60      # steps a round's training saves at most while it waits for the cluster
 PHASES = ("persist", "tier", "gc", "load")
 # A defect of python/safepoint this campaign found and that is not fixed yet: counted apart (and
@@ -325,6 +326,7 @@ class Campaign:
         self.failed: Counter = Counter()     # "call:ErrorClass" -> count
         self.longest: dict[str, tuple] = {}  # call -> (seconds, bound, overlap, round)
         self.rounds_done = 0
+        self.settled = (0.0, 0)  # the longest wait for the cluster to answer before a round
         self.open_defects: Counter = Counter()
 
     # -- plumbing --
@@ -432,6 +434,7 @@ class Campaign:
             print(f"round {n}: {phase}, {kind} {delay:.2f} s in for {hold:.2f} s, {backend}, "
                   f"{world} rank(s), timeout={timeout} retries={retries}, bulk "
                   f"{bulk * 4 >> 10} KiB, {steps} steps", flush=True)
+        self.settle(r)
         r.fault.start()
         t0 = time.monotonic()
         try:
@@ -457,6 +460,29 @@ class Campaign:
         if self.args.verbose:
             print(f"round {n}: done in {time.monotonic() - t0:.1f} s, committed "
                   f"{sorted(r.committed)}", flush=True)
+
+    def settle(self, r: Round) -> None:
+        """Before the round: the store answers again, a listing through radosgw and one of the
+        pool each within 2 s. The healing scripts return once every PG is active+clean, but
+        radosgw may still be stuck on the previous fault's requests for a while (a round's
+        first persist then failed before its fault, seed 3512 round 8)."""
+        import safepoint
+
+        def answers() -> bool:
+            try:
+                for base in (self.s3, self.rados):
+                    safepoint.steps(f"{base}/settle?timeout=2&retries=0")
+                return True
+            except safepoint.Error:
+                return False
+
+        t0 = time.monotonic()
+        if not wait_until(answers, SETTLE, 0.5):
+            self.violation(r, f"the cluster did not answer within {SETTLE:.0f} s of the "
+                              "previous round's end (its daemons all run)")
+        waited = time.monotonic() - t0
+        if waited > self.settled[0]:
+            self.settled = (waited, r.n)
 
     def step(self, r: Round, ranks: list[int], step: int, local: bool,
              must: bool = False) -> None:
@@ -680,6 +706,8 @@ class Campaign:
               f"faults {dict(sorted(self.faults.items()))}; phases "
               f"{dict(sorted(self.phases.items()))}; calls failed with a named error "
               f"{dict(sorted(self.failed.items()))}; {len(self.violations)} violations")
+        print(f"the cluster answered again at most {self.settled[0]:.1f} s after a round's "
+              f"end (before round {self.settled[1]})")
         for what, count in self.open_defects.items():
             print(f"known open defect, {count} times (a violation with --strict): {what}")
         print("longest call of each kind (seconds / its bound in that round: overlap with the "
