@@ -218,6 +218,9 @@ bluestore fsck on mkfs = false
 memstore device bytes = 4294967296
 osd op num shards = 1
 osd op num threads per shard = 2
+# A test that stops the OSD marks it down to have it re-peer (resume-osd); an OSD marked down
+# more than osd_max_markdown_count (5) times in 10 minutes shuts itself down for good.
+osd max markdown count = 100000
 
 [client.rgw]
 rgw frontends = beast endpoint=127.0.0.1:$rgw_port
