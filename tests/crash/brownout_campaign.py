@@ -55,8 +55,14 @@ Checks (any failure is a violation; the run exits 1):
   - processes: the job's agent is the one of the round's start and is alive until the close; no
     worker dies; nothing hangs (each answer is awaited at most its bound + HANG_MARGIN).
 
-The plan is a function of the seed; where a fault lands depends on timing, so a replay repeats
-the plan, not every interleaving.
+Before each round the store must answer again (a listing through radosgw and one of the pool,
+each within 2 s): radosgw can stay stuck on the previous fault's requests for a while after every
+PG is active+clean. A reload that fails only because `path` alone cannot be listed is the known
+open defect OPEN_1, counted apart (a violation with --strict).
+
+Each round's plan is a function of (seed, round); where a fault lands depends on timing, so a
+replay repeats the plan, not every interleaving. `--only N` replays round N alone; `--phase`,
+`--fault` and `--backend` force one kind of round (for reproducing).
 """
 
 from __future__ import annotations
