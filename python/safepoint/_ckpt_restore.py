@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 import warnings
 from collections.abc import Iterator
@@ -209,8 +210,44 @@ class RestoreMixin(CheckpointerBase):
                 return None
         return (snap.step, snap.state), "memory"
 
+    def _memory_while_unlisted(self, step: Optional[int], targets: Any, error: Error):
+        """`path`, the only storage, cannot be listed (a storage brownout: the store or its
+        gateway down, stalled or full). This node's memory still serves, with a warning: the
+        given step, or the newest snapshot when it is at least as new as the newest step this
+        node's agent saw committed (its own commits and those its waits read; a resume must
+        never be older than a committed step). Otherwise, or when the agent cannot say, the
+        listing's error is raised."""
+        want = step
+        if want is None:
+            try:
+                newest = json.loads(self._live.agent_status()).get("newest_committed")
+            except (Error, ValueError):
+                newest = None
+            if newest is None:
+                raise error
+            want = int(newest)
+        try:
+            in_place = targets is not None
+            snap = (self._live.load_newest(want, self._unpickler, in_place, targets)
+                    if step is None
+                    else self._live.load_step(step, self._unpickler, in_place, targets))
+        except CorruptionError as e:
+            raise error from e
+        got = self._usable(snap)
+        if got is None:
+            raise error
+        warnings.warn(f"safepoint: {self.path} cannot be listed ({error}); loading step "
+                      f"{got[0][0]} from this node's memory, at least as new as the newest step "
+                      f"its agent saw committed", RuntimeWarning, stacklevel=4)
+        return got
+
     def _load_local(self, step: Optional[int], targets: Any = None):
-        committed = self._committed()
+        try:
+            committed = self._committed()
+        except Error as e:
+            if len(self._stores) != 1:
+                raise
+            return self._memory_while_unlisted(step, targets, e)
         newest_storage = max(committed) if committed else None
         want = step if step is not None else newest_storage
         snap = None
