@@ -280,20 +280,24 @@ EOF
   touch "$DIR/started"
 }
 
-do_restart_osd() {
-  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
-  local pid
-  pid=$(cat "$DIR/run/osd.0.pid" 2>/dev/null || true)
-  # A test killed it: wait (bounded) until it is gone. A killed daemon may linger as a zombie
-  # where nothing reaps orphans: that one is gone too.
-  local i
+# Waits (bounded) until the daemon whose pid file is DIR/run/$1.pid is gone, then removes the
+# pid file; exits naming $2 if it still runs. A test killed it: a killed daemon may linger as a
+# zombie where nothing reaps orphans, and that one is gone too.
+wait_gone() {
+  local pid i
+  pid=$(cat "$DIR/run/$1.pid" 2>/dev/null || true)
   for i in $(seq 1 100); do
     [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
       && [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ] || break
     sleep 0.2
   done
-  [ "$i" -lt 100 ] || { echo "ceph-cluster: osd.0 (pid $pid) is still running" >&2; exit 1; }
-  rm -f "$DIR/run/osd.0.pid"
+  [ "$i" -lt 100 ] || { echo "ceph-cluster: $2 (pid $pid) is still running" >&2; exit 1; }
+  rm -f "$DIR/run/$1.pid"
+}
+
+do_restart_osd() {
+  [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
+  wait_gone osd.0 osd.0
   ceph-osd -c "$DIR/ceph.conf" -i 0 || die "ceph-osd did not start again"
   # Booted (the monitor has it up at its new address) before the PGs' state means anything.
   wait_for "osd.0 to boot" osd_active
@@ -312,36 +316,31 @@ do_resume_osd() {
 
 do_restart_rgw() {
   [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
-  local pid i
-  pid=$(cat "$DIR/run/client.rgw.pid" 2>/dev/null || true)
-  # As for the OSD: a killed radosgw may linger as a zombie; a stopped one is resumed first.
-  for i in $(seq 1 100); do
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
-      && [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ] || break
-    sleep 0.2
-  done
-  [ "$i" -lt 100 ] || { echo "ceph-cluster: radosgw (pid $pid) is still running" >&2; exit 1; }
-  rm -f "$DIR/run/client.rgw.pid"
+  wait_gone client.rgw radosgw
   radosgw -c "$DIR/ceph.conf" -n client.rgw || die "radosgw did not start again"
   wait_for "radosgw on port $(cat "$DIR/rgw.port") again" rgw_up
 }
 
 osd_full() { cephc health 2>/dev/null | grep -Eq '(^|[^a-z])[0-9]+ full osd'; }
 
+# Sets the OSDs' $1 ratio (nearfull, backfillfull or full) to $2.
+set_ratio() { cephc osd "set-$1-ratio" "$2" >/dev/null 2>&1 || die "ceph osd set-$1-ratio failed"; }
+
+# The ratios keep their order (nearfull < backfillfull < full) at every moment, as the monitor
+# wants: lowered from the bottom, raised from the top.
 do_full() {
   [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
-  # The ratios keep their order (nearfull < backfillfull < full), as the monitor wants.
-  cephc osd set-nearfull-ratio 0.0001 >/dev/null 2>&1 || die "ceph osd set-nearfull-ratio failed"
-  cephc osd set-backfillfull-ratio 0.0002 >/dev/null 2>&1 || die "ceph osd set-backfillfull-ratio failed"
-  cephc osd set-full-ratio 0.0003 >/dev/null 2>&1 || die "ceph osd set-full-ratio failed"
+  set_ratio nearfull 0.0001
+  set_ratio backfillfull 0.0002
+  set_ratio full 0.0003
   wait_for "osd.0 to be flagged full" osd_full
 }
 
 do_unfull() {
   [ -f "$DIR/started" ] || { echo "ceph-cluster: no cluster in $DIR" >&2; exit 1; }
-  cephc osd set-full-ratio 0.95 >/dev/null 2>&1 || die "ceph osd set-full-ratio failed"
-  cephc osd set-backfillfull-ratio 0.90 >/dev/null 2>&1 || die "ceph osd set-backfillfull-ratio failed"
-  cephc osd set-nearfull-ratio 0.85 >/dev/null 2>&1 || die "ceph osd set-nearfull-ratio failed"
+  set_ratio full 0.95
+  set_ratio backfillfull 0.90
+  set_ratio nearfull 0.85
   wait_for "HEALTH_OK after the full ratio was put back" health_ok
 }
 

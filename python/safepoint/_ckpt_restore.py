@@ -210,6 +210,15 @@ class RestoreMixin(CheckpointerBase):
                 return None
         return (snap.step, snap.state), "memory"
 
+    def _memory_snapshot(self, step: Optional[int], want: Optional[int], targets: Any):
+        """This rank's snapshot in memory: of `step`, or without one the newest at least `want`
+        as new. restore (targets) reads the slot itself, once: its tensors are copied straight
+        into their targets in the pass that verifies every chunk."""
+        in_place = targets is not None
+        if step is None:
+            return self._live.load_newest(want, self._unpickler, in_place, targets)
+        return self._live.load_step(step, self._unpickler, in_place, targets)
+
     def _memory_while_unlisted(self, step: Optional[int], targets: Any, error: Error):
         """`path`, the only storage, cannot be listed (a storage brownout: the store or its
         gateway down, stalled or full). This node's memory still serves, with a warning: the
@@ -227,10 +236,7 @@ class RestoreMixin(CheckpointerBase):
                 raise error
             want = int(newest)
         try:
-            in_place = targets is not None
-            snap = (self._live.load_newest(want, self._unpickler, in_place, targets)
-                    if step is None
-                    else self._live.load_step(step, self._unpickler, in_place, targets))
+            snap = self._memory_snapshot(step, want, targets)
         except CorruptionError as e:
             raise error from e
         got = self._usable(snap)
@@ -253,12 +259,7 @@ class RestoreMixin(CheckpointerBase):
         snap = None
         damaged: Optional[CorruptionError] = None
         try:
-            # restore (targets) reads the slot itself, once: its tensors are copied straight
-            # into their targets in the pass that verifies every chunk
-            in_place = targets is not None
-            snap = (self._live.load_newest(want, self._unpickler, in_place, targets)
-                    if step is None
-                    else self._live.load_step(step, self._unpickler, in_place, targets))
+            snap = self._memory_snapshot(step, want, targets)
         except CorruptionError as e:
             self._live.report("checksum", want or 0, False, 0.0, 0, "memory", str(e))
             damaged = e
