@@ -877,7 +877,10 @@ TEST(S3StorageFaultTest, StalledGatewayFailsUploadAndDownloadAfterTheTimeout) {
 
   auto w = st.Create("large", 12 << 20);
   ASSERT_OK(w);
-  Status wrote = (*w)->WriteAt(0, PatternBytes(12 << 20, 3));  // parts go up in the background
+  // Parts 1 and 2 are whole 5 MiB parts of this one write: each is uploaded from the caller's
+  // bytes before WriteAt returns, so the stall fails the write itself (naming the object);
+  // the 2 MiB tail would be buffered and sent at Publish.
+  Status wrote = (*w)->WriteAt(0, PatternBytes(12 << 20, 3));
   EXPECT_TRUE(IsError(wrote.ok() ? (*w)->Publish() : wrote, StatusCode::kUnavailable,
                       {st.Describe("large")}));
 
