@@ -11,7 +11,7 @@
 #          (monitor, OSD, manager, gateway), promtool, iproute2 (network namespaces), pytest with
 #          pytest-xdist, and the integrations the tests cover (Lightning, transformers, accelerate,
 #          safetensors, prometheus_client, matplotlib, and the training frameworks DeepSpeed,
-#          torchtitan and torchft, installed against the pinned torch).
+#          torchtitan, torchft and Megatron-Core, installed against the pinned torch).
 #   bench  test's, plus what only the benchmarks compare against or measure with (DLRover, zipnn,
 #          zstandard, iperf3, ucx_perftest; torch-checkpointing comes with torchtitan at the test
 #          level). The Makefile's bench-deps puts the peers that must not touch the pinned torch
@@ -36,7 +36,9 @@ PIP_TEST=(pytest "pytest-xdist==3.8.0" safetensors "pytorch-lightning==2.6.6" "t
           "accelerate==1.15.0" "matplotlib==3.11.2" "prometheus_client==0.26.0")
 # Installed with torch held at the pinned version (a constraint: their own requirements would
 # let pip pick another torch, a multi-GB CUDA build).
-PIP_FRAMEWORKS=("deepspeed==0.19.8" "torchtitan==0.3.0" "torchft==0.2.0")
+# megatron-core 0.16.1: the newest release for Python 3.11 (0.17 needs 3.12); it imports and
+# runs its dist_checkpointing on the CPU build of torch (issue 34).
+PIP_FRAMEWORKS=("deepspeed==0.19.8" "torchtitan==0.3.0" "torchft==0.2.0" "megatron-core==0.16.1")
 PIP_BENCH=("dlrover==0.6.1" "zipnn==0.5.4" "zstandard==0.25.0")
 PIP_LINT=("ruff==0.17.5" "mypy==2.4.1")
 
@@ -83,9 +85,9 @@ pip_level() {
 # an sdist whose setup.py imports torch: it is built without build isolation (against the venv's
 # torch) and with its C++ ops left to load on demand (DS_BUILD_OPS=0).
 pip_frameworks() {
-  local stamp=.venv/.safepoint-frameworks-v1 pin
+  local stamp=.venv/.safepoint-frameworks-v2 pin
   [ -f "$stamp" ] && return 0
-  echo "setup: installing DeepSpeed, torchtitan and torchft into .venv"
+  echo "setup: installing DeepSpeed, torchtitan, torchft and Megatron-Core into .venv"
   pin=$(mktemp)
   echo "torch==2.13.0" >"$pin"
   .venv/bin/python -m pip install -q --disable-pip-version-check wheel setuptools
