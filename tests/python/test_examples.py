@@ -77,6 +77,9 @@ EXAMPLES = [
     # SIGTERM after step 12: both ranks persist step 13 at once, end by SIGTERM (the agent
     # keeps their snapshots, as after any death) and resume from it in memory.
     Example("preemptible.py", step=13, source="memory", resumes=2),
+    # 2 ranks killed after step 7, 3 ranks resume: another world size reads storage; the
+    # example exits 1 unless every global step trained on an uninterrupted run's samples.
+    Example("exact_resume.py", step=7, source="storage", resumes=3),
 ]
 
 
