@@ -463,3 +463,34 @@ def torch_generator(seed: int):
     import torch
 
     return torch.Generator().manual_seed(seed)
+
+
+def test_stateful_dataloader_with_workers_saves_the_cursor_of_what_it_handed_out(tmp_path, shm):
+    """A loader with worker processes draws batches ahead of the loop, so the sampler's own
+    cursor runs ahead of the batches handed out; a StatefulDataLoader over a GlobalBatchSampler
+    saves the sampler's state as of the batches it handed out, and the restored loader goes on
+    with the next one, also into the next epoch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(50))
+
+    def make() -> tuple[GlobalBatchSampler, StatefulDataLoader]:
+        sampler = GlobalBatchSampler(data, 6, rank=0, world_size=1, seed=8)
+        return sampler, StatefulDataLoader(data, batch_sampler=sampler, num_workers=2,
+                                           generator=torch_generator(1))
+
+    sampler, loader = make()
+    whole = [b.tolist() for b in loader] + [b.tolist() for b in loader]  # two epochs of 8
+    sampler, loader = make()
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(3)]
+    assert seen == whole[:3]
+    assert sampler.step > 3  # the workers' prefetch: the sampler alone would resume too late
+    with safepoint.Checkpointer(tmp_path / "ckpt", job=f"wk-{os.getpid()}", shm_dir=shm) as ck:
+        ck.save(3, {"data": loader})
+        ck.wait()
+        del it
+        sampler, loader = make()
+        assert ck.restore({"data": loader}) == 3
+    rest = [b.tolist() for b in loader] + [b.tolist() for b in loader]
+    assert rest == whole[3:]
