@@ -217,6 +217,17 @@ class Writer(StorageWriter):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info, state, results = self._image(plan, planner)
+        _core.save(self.path, self._step_to_save(), info.rank, info.world_size, self.job, state,
+                   pickler(False), info.attempt)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _image(self, plan: SavePlan,
+               planner: SavePlanner) -> tuple[_RankPlan, dict, list[WriteResult]]:
+        """This rank's image as the state ``_core.save`` stores (``tensors``, ``bytes``, ``dcp``)
+        and the items' write results (also what safepoint.megatron snapshots in flash mode)."""
         info = plan.storage_data
         if not isinstance(info, _RankPlan):
             raise InvalidArgumentError(
@@ -288,12 +299,7 @@ class Writer(StorageWriter):
             "planner_data": _encode_planner_data(plan.planner_data),
             "save_id": self.save_id,
         }
-        state = {"tensors": tensors, "bytes": blobs, "dcp": meta}
-        _core.save(self.path, self._step_to_save(), info.rank, info.world_size, self.job, state,
-                   pickler(False), info.attempt)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return info, {"tensors": tensors, "bytes": blobs, "dcp": meta}, results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Every rank's write_data has returned, so every image is durable, and the rank that

@@ -1,0 +1,475 @@
+"""safepoint.megatron: Megatron-Core's dist_checkpointing (megatron-core 0.16.1) saving and loading
+in safepoint's format, with gloo ranks as processes on the CPU.
+
+The sharded state dicts are built with Megatron's own classes the way its models and its
+DistributedOptimizer build them: ``ShardedTensor.from_rank_offsets`` for tensor-parallel
+(column and row split), replicated (``replica_id``) and layer-stacked (``prepend_axis_num``)
+tensors, the SwiGLU ``ShardedTensorFactory`` of Megatron's MLP (``apply_swiglu_sharded_factory``),
+``ShardedObject``s (a per-rank one, as the RNG state, and one per DP group, as the
+DistributedOptimizer's ``dp_reshardable`` buffers), the DistributedOptimizer's
+``fully_reshardable`` state (``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<param>``, sharded
+as the param) and common values. Every value derives from its key (a seeded generator), so any
+layout's shard of it is known: each load is compared bit for bit with what the saving layout
+held, across TP 2->4, PP 2->1 and DP 4->2 (also on fewer processes than saved), for the sync,
+async (Megatron's AsyncCallsQueue, the source tensors overwritten while the request runs) and
+flash saves. A tiny Megatron GPTModel's own ``sharded_state_dict()`` (TP 2, parallel_state over
+gloo) is saved and loaded into a TP 1 model.
+
+Megatron's AsyncCallsQueue calls ``torch.cuda.synchronize()`` and puts its flags on
+``torch.cuda.current_device()``; a CPU-only torch has neither, so the workers make those two a
+no-op and ``"cpu"`` (``cpu_shims``) before scheduling requests through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import zlib
+
+import pytest
+
+pytest.importorskip("megatron.core")
+import torch  # noqa: E402
+from conftest import communicate, flip_byte, free_port, start_script  # noqa: E402
+
+HANG = 240  # seconds: only a guard against a hung process
+H, F, V, L = 8, 16, 32, 4  # hidden, FFN, vocab, layers of the hand-built model
+
+
+# --- the state: every value derives from its key -------------------------------------------------
+
+def glob(key: str, shape, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """(pp, tp, dp) ranks in Megatron's default order (tp fastest, then dp, then pp)."""
+    return rank // (tp * dp), rank % tp, (rank // tp) % dp
+
+
+def _split(t: torch.Tensor, dim: int, i: int, n: int) -> torch.Tensor:
+    return t.chunk(n, dim)[i].clone()
+
+
+def sharded_sd(tp: int, pp: int, dp: int, rank: int, *, empty: bool = False,
+               per_layout: bool = True) -> dict:
+    """This rank's sharded state dict of the model and its DistributedOptimizer state in layout
+    (tp, pp, dp). ``empty``: zero tensors (a load template). ``per_layout``: add the objects
+    only the same layout loads (the per-rank RNG state and the dp_reshardable buffers)."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    ppr, tpr, dpr = coords(rank, tp, pp, dp)
+
+    def data(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if empty else t
+
+    def tensor(key, shape, dtype, dim, replica_tp=False):
+        full = glob(key, shape, dtype)
+        if dim is None:
+            return ShardedTensor.from_rank_offsets(key, data(full.clone()),
+                                                   replica_id=(0, tpr, dpr))
+        return ShardedTensor.from_rank_offsets(key, data(_split(full, dim, tpr, tp)),
+                                               (dim, tpr, tp), replica_id=(0, 0, dpr))
+
+    model: dict = {}
+    params: list = []
+    if ppr == 0:
+        params.append(("embedding.word_embeddings.weight",
+                       tensor("embedding.word_embeddings.weight", (V, H), torch.bfloat16, 0)))
+    per = L // pp
+    for i in range(ppr * per, (ppr + 1) * per):
+        pre = f"decoder.layers.{i}."
+        params.append((pre + "self_attention.linear_qkv.weight",
+                       tensor(pre + "self_attention.linear_qkv.weight", (3 * H, H),
+                              torch.bfloat16, 0)))
+        params.append((pre + "self_attention.linear_proj.weight",
+                       tensor(pre + "self_attention.linear_proj.weight", (H, 3 * H),
+                              torch.bfloat16, 1)))
+        params.append((pre + "input_layernorm.weight",
+                       tensor(pre + "input_layernorm.weight", (H,), torch.float32, None)))
+        # Layer-stacked tensor: global [L, 3H], this layer's row, TP-split columns.
+        key = "decoder.layers.stacked_bias"
+        full = glob(key, (L, 3 * H))[i]
+        model[pre + "stacked_bias"] = ShardedTensor.from_rank_offsets(
+            key, data(_split(full, 0, tpr, tp)), (0, i, L), (1, tpr, tp),
+            replica_id=(0, 0, dpr), prepend_axis_num=1)
+        # SwiGLU fc1: global [2F, H] = [W; V]; locally cat(W_r, V_r), saved as two tensors.
+        key = pre + "mlp.linear_fc1.weight"
+        full = glob(key, (2 * F, H), torch.bfloat16)
+        local = torch.cat([_split(full[:F], 0, tpr, tp), _split(full[F:], 0, tpr, tp)])
+        sh = ShardedTensor.from_rank_offsets(key, data(local), (0, tpr, tp),
+                                             replica_id=(0, 0, dpr))
+        model[pre + "mlp.linear_fc1.weight"] = apply_swiglu_sharded_factory(sh, ())
+    for name, sh in params:
+        model[name] = sh
+    # DistributedOptimizer, fully_reshardable: each param's state sharded as the param.
+    state = {}
+    for idx, (name, sh) in enumerate(params):
+        entry = {}
+        for what in ("exp_avg", "exp_avg_sq", "fp32_param"):
+            key = f"optimizer.state.{what}.{sh.key}"
+            full = glob(key, sh.global_shape)
+            dim = next((d for d, (g, l) in enumerate(zip(sh.global_shape, sh.local_shape))
+                        if g != l), None)
+            local = full if dim is None else _split(full, dim, tpr, tp)
+            entry[what] = dataclasses.replace(sh, key=key, data=data(local.clone()),
+                                              dtype=torch.float32)
+        state[idx] = entry
+    out = {"model": model,
+           "optimizer": {"param_state": state, "param_state_sharding_type": "fully_reshardable",
+                         "param_groups": [{"lr": 0.25, "betas": (0.9, 0.95), "step": 7}]},
+           "iteration": 100,
+           # One object every layout loads (replicated: rank 0 saves it).
+           "data_state": ShardedObject("data_state", None if empty else {"consumed": 4096},
+                                       (1,), (0,), replica_id=rank)}
+    if per_layout:
+        out["rng_state"] = ShardedObject("rng_state", None if empty else
+                                         {"rank": rank, "seed": torch.tensor([rank, 7])},
+                                         (pp, tp, dp), (ppr, tpr, dpr), replica_id=0)
+        group = ppr * tp + tpr
+        out["optimizer"]["dp_buffers"] = ShardedObject(
+            f"optimizer.distributed.dp_group_idx_{group}.param_state",
+            None if empty else {"flat": glob(f"flat.{group}.{dpr}", (37,)), "dp": dpr},
+            (dp,), (dpr,), replica_id=0)
+    return out
+
+
+def mismatches(loaded: dict, tp: int, pp: int, dp: int, rank: int, per_layout: bool) -> list:
+    """Where ``loaded`` differs, bit for bit, from layout (tp, pp, dp)'s own state dict."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    want = sharded_sd(tp, pp, dp, rank, per_layout=per_layout)
+    bad: list = []
+
+    def walk(w, got, path):
+        if isinstance(w, (ShardedTensor, ShardedTensorFactory)):
+            if not isinstance(got, torch.Tensor):
+                bad.append(f"{path}: got {type(got).__name__}")
+            elif got.dtype != w.data.dtype or got.shape != w.data.shape:
+                bad.append(f"{path}: {got.dtype}{tuple(got.shape)} vs "
+                           f"{w.data.dtype}{tuple(w.data.shape)}")
+            elif not torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
+                                 w.data.view(torch.uint8) if got.dtype == torch.bfloat16
+                                 else w.data):
+                bad.append(f"{path}: values differ")
+        elif isinstance(w, ShardedObject):
+            walk(w.data, got, path)
+        elif isinstance(w, dict):
+            if not isinstance(got, dict) or set(got) != set(w):
+                bad.append(f"{path}: keys {sorted(map(str, got)) if isinstance(got, dict) else got}"
+                           f" vs {sorted(map(str, w))}")
+                return
+            for k in w:
+                walk(w[k], got[k], f"{path}.{k}")
+        elif isinstance(w, (list, tuple)):
+            if len(got) != len(w):
+                bad.append(f"{path}: length {len(got)} vs {len(w)}")
+                return
+            for i, (a, b) in enumerate(zip(w, got)):
+                walk(a, b, f"{path}[{i}]")
+        elif isinstance(w, torch.Tensor):
+            if not (isinstance(got, torch.Tensor) and torch.equal(got, w)):
+                bad.append(f"{path}: tensor differs")
+        elif got != w:
+            bad.append(f"{path}: {got!r} vs {w!r}")
+
+    walk(want, loaded, "")
+    return bad
+
+
+# --- the workers ---------------------------------------------------------------------------------
+
+def cpu_shims() -> None:
+    """Megatron 0.16.1's async queue on a CPU-only torch (module doc)."""
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def overwrite(sd) -> None:
+    """Overwrites every tensor of a sharded state dict in place (training going on)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    for v in nested_values(sd):
+        t = getattr(v, "data", None)
+        if isinstance(t, torch.Tensor):
+            t.fill_(-3.0)
+
+
+def load_and_check(ckpt_dir: str, layout: tuple, rank: int, per_layout: bool) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.base import (
+        StrategyAction,
+        get_default_strategy,
+    )
+
+    loaded = dist_checkpointing.load(sharded_sd(*layout, rank, empty=True, per_layout=per_layout),
+                                     ckpt_dir)
+    reader = get_default_strategy(StrategyAction.LOAD_SHARDED, "safepoint", 1).last_reader
+    return {"bad": mismatches(loaded, *layout, rank, per_layout), "bytes_read": reader.bytes_read}
+
+
+def save_worker(a) -> None:
+    """4 ranks: sync, async and flash saves in several layouts, then loads in other ones."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.base import AsyncCallsQueue
+
+    import safepoint.megatron as spm
+
+    cpu_shims()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    d = a.dir
+    rep: dict = {}
+
+    def mkdir(name):
+        path = os.path.join(d, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    # sync, saved as TP2 x PP2 x DP1
+    dist_checkpointing.save(sharded_sd(2, 2, 1, rank), mkdir("iter_1"),
+                            sharded_strategy=("safepoint", 1))
+    # async, saved as TP1 x PP1 x DP4 through Megatron's queue (a forked writer per rank)
+    queue = AsyncCallsQueue()
+    sd = sharded_sd(1, 1, 4, rank)
+    req = dist_checkpointing.save(sd, mkdir("iter_2"), sharded_strategy=("safepoint", 1),
+                                  async_sharded_save=True)
+    queue.schedule_async_request(req)
+    overwrite(sd)  # training goes on: the saved state is the one at the call
+    rep["async_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+    # flash, saved as TP2 x PP2 x DP1; the state overwritten once the call returned
+    flash = spm.SafepointSaveStrategy(flash=True, job=a.job, shm_dir=a.shm, keep=10)
+    sd = sharded_sd(2, 2, 1, rank)
+    dist_checkpointing.save(sd, mkdir("iter_3"), sharded_strategy=flash)
+    overwrite(sd)
+    # flash through the async queue: finalized once the agent committed the step
+    sd = sharded_sd(1, 1, 4, rank)
+    req = dist_checkpointing.save(sd, mkdir("iter_4"), sharded_strategy=flash,
+                                  async_sharded_save=True)
+    queue.schedule_async_request(req)
+    overwrite(sd)
+    rep["flash_async_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+    rep["flash_async_committed"] = spm.read_pointer(os.path.join(d, "iter_4"))[1] in \
+        spm._steps(spm.read_pointer(os.path.join(d, "iter_4"))[0])
+    flash.close()
+    rep["pointers"] = {n: spm.read_pointer(os.path.join(d, n))[1]
+                       for n in ("iter_1", "iter_2", "iter_3", "iter_4")}
+    with open(os.path.join(d, "iter_1", "metadata.json")) as f:
+        rep["metadata"] = json.load(f)
+
+    rep["loads"] = {
+        "sync same layout": load_and_check(os.path.join(d, "iter_1"), (2, 2, 1), rank, True),
+        "sync TP2->4 PP2->1": load_and_check(os.path.join(d, "iter_1"), (4, 1, 1), rank, False),
+        "async same layout": load_and_check(os.path.join(d, "iter_2"), (1, 1, 4), rank, True),
+        "async DP4->2 TP1->2": load_and_check(os.path.join(d, "iter_2"), (2, 1, 2), rank, False),
+        "flash TP2->4 PP2->1": load_and_check(os.path.join(d, "iter_3"), (4, 1, 1), rank, False),
+        "flash async same layout": load_and_check(os.path.join(d, "iter_4"), (1, 1, 4), rank,
+                                                  True),
+    }
+    print(json.dumps(rep), flush=True)
+    dist.destroy_process_group()
+
+
+def load_worker(a) -> None:
+    """2 ranks load what 4 saved: DP 4->2, TP 2->1 and PP 2->1."""
+    import torch.distributed as dist
+
+    import safepoint.megatron  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    d = a.dir
+    rep = {"loads": {
+        "sync TP2->1 PP2->1 DP1->2": load_and_check(os.path.join(d, "iter_1"), (1, 1, 2), rank,
+                                                    False),
+        "sync TP2->2 PP2->1": load_and_check(os.path.join(d, "iter_1"), (2, 1, 1), rank, False),
+        "async DP4->2": load_and_check(os.path.join(d, "iter_2"), (1, 1, 2), rank, False),
+        "flash TP2->2 PP2->1": load_and_check(os.path.join(d, "iter_3"), (2, 1, 1), rank, False),
+    }}
+    print(json.dumps(rep), flush=True)
+    dist.destroy_process_group()
+
+
+def gpt_worker(a) -> None:
+    """2 ranks: a GPTModel saved with TP 2, loaded into a TP 1 model (DP 2)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import safepoint.megatron  # noqa: F401
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ckpt = os.path.join(a.dir, "gpt_iter_5")
+
+    def build(tp: int, seed: int) -> GPTModel:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, 1)
+        torch.manual_seed(seed)
+        cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                use_cpu_initialization=True, params_dtype=torch.float32)
+        return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+                        vocab_size=64, max_sequence_length=16)
+
+    def shards(model) -> list:
+        return [(t.key, t.global_shape, t.global_offset, t.prepend_axis_num, t.data.clone())
+                for t in nested_values(model.sharded_state_dict())
+                if isinstance(t, ShardedTensor)]
+
+    model = build(2, seed=1)
+    os.makedirs(ckpt, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt, sharded_strategy=("safepoint", 1))
+    saved = [None] * dist.get_world_size()
+    dist.all_gather_object(saved, shards(model))
+    full: dict = {}
+    for records in saved:
+        for key, shape, offset, prepend, data in records:
+            g = full.setdefault(key, torch.full(shape, float("nan"), dtype=data.dtype))
+            view = data.view((1,) * prepend + tuple(data.shape))
+            g[tuple(slice(o, o + n) for o, n in zip(offset, view.shape))] = view
+
+    model = build(1, seed=2)  # other values everywhere until loaded
+    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
+    model.load_state_dict(state)
+    bad, checked = [], 0
+    for key, _, offset, prepend, data in shards(model):
+        view = data.view((1,) * prepend + tuple(data.shape))
+        want = full[key][tuple(slice(o, o + n) for o, n in zip(offset, view.shape))]
+        checked += 1
+        if not torch.equal(view, want):
+            bad.append(key)
+    print(json.dumps({"bad": bad, "checked": checked, "keys": len(full)}), flush=True)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def corrupt_worker(a) -> None:
+    """1 rank: a flipped byte in an image fails the load, naming the image."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    import safepoint.megatron as spm
+
+    dist.init_process_group("gloo")
+    ckpt = os.path.join(a.dir, "iter_9")
+    os.makedirs(ckpt)
+    dist_checkpointing.save(sharded_sd(1, 1, 1, 0), ckpt, sharded_strategy=("safepoint", 1))
+    ok = load_and_check(ckpt, (1, 1, 1), 0, True)["bad"] == []
+    root, step = spm.read_pointer(ckpt)
+    from safepoint import _core
+
+    flip_byte(_core.image_path(root, step, 0), os.path.getsize(
+        _core.image_path(root, step, 0)) // 2, 0x10)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.load(sharded_sd(1, 1, 1, 0, empty=True), ckpt)
+        err = None
+    except CheckpointException as e:  # DCP's (a BaseException) wraps the reader's error
+        err = "; ".join(f"{type(x).__name__}: {x}" for x, _ in e.failures.values())
+    print(json.dumps({"ok_before": ok, "error": err}), flush=True)
+    dist.destroy_process_group()
+
+
+def worker(argv) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what"), ap.add_argument("--dir"), ap.add_argument("--shm")
+    ap.add_argument("--job", default="megatron-test")
+    a = ap.parse_args(argv)
+    {"save": save_worker, "load": load_worker, "gpt": gpt_worker,
+     "corrupt": corrupt_worker}[a.what](a)
+
+
+# --- tests ---------------------------------------------------------------------------------------
+
+def run_world(world: int, args: list, timeout: float = HANG) -> list:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(start_script(__file__, *args, env=env))
+    outs = [communicate(p, timeout) for p in procs]
+    for r in outs:
+        assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(r.stdout.strip().splitlines()[-1]) for r in outs]
+
+
+def test_sync_async_flash_saves_reshard_tp_pp_dp_bit_for_bit(tmp_path, shm, cli):
+    reps = run_world(4, ["save", "--dir", tmp_path, "--shm", shm])
+    for rank, rep in enumerate(reps):
+        assert rep["metadata"]["sharded_backend"] == "safepoint", rep["metadata"]
+        assert rep["async_finalized"] == [0] and rep["flash_async_finalized"] == [1]
+        assert rep["flash_async_committed"] is True  # finalize ran after the agent's commit
+        assert rep["pointers"] == {"iter_1": 1, "iter_2": 2, "iter_3": 3, "iter_4": 4}
+        for name, got in rep["loads"].items():
+            assert got["bad"] == [], (rank, name, got["bad"][:5])
+            assert got["bytes_read"] > 0
+    root = tmp_path / "safepoint"
+    out = cli("verify", root, "--all", check=0).stdout
+    assert "rank 3" in out
+    # A resharded load reads less than every image: TP4 rank 0 needs a quarter of the layers.
+    from safepoint import _core
+
+    stored = sum(e.nbytes for r in range(4) for e in _core.read_metadata(str(root), 1, r).tensors)
+    assert reps[0]["loads"]["sync TP2->4 PP2->1"]["bytes_read"] < stored / 2
+
+    # Two processes load what four saved.
+    for rank, rep in enumerate(run_world(2, ["load", "--dir", tmp_path])):
+        for name, got in rep["loads"].items():
+            assert got["bad"] == [], (rank, name, got["bad"][:5])
+
+
+def test_gpt_model_saved_with_tp2_loads_into_tp1(tmp_path):
+    reps = run_world(2, ["gpt", "--dir", tmp_path])
+    for rep in reps:
+        assert rep["bad"] == [] and rep["checked"] >= 10, rep
+
+
+def test_a_corrupted_image_fails_the_load(tmp_path):
+    (rep,) = run_world(1, ["corrupt", "--dir", tmp_path])
+    assert rep["ok_before"] is True
+    assert rep["error"] is not None and "CorruptionError" in rep["error"], rep
+
+
+def test_strategies_are_registered_under_safepoint():
+    from megatron.core.dist_checkpointing.strategies.base import (
+        StrategyAction,
+        get_default_strategy,
+    )
+
+    import safepoint.megatron as spm
+
+    save = get_default_strategy(StrategyAction.SAVE_SHARDED, "safepoint", 1)
+    flash = get_default_strategy(StrategyAction.SAVE_SHARDED, "safepoint_flash", 1)
+    load = get_default_strategy(StrategyAction.LOAD_SHARDED, "safepoint", 1)
+    assert isinstance(save, spm.SafepointSaveStrategy) and not save.flash
+    assert isinstance(flash, spm.SafepointSaveStrategy) and flash.flash
+    assert flash.backend == save.backend == "safepoint"  # what metadata.json records
+    assert isinstance(load, spm.SafepointLoadStrategy)
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    with pytest.raises(CheckpointingException):
+        load.check_backend_compatibility("torch_dist")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+    worker(sys.argv[1:])
