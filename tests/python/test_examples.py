@@ -72,6 +72,9 @@ EXAMPLES = [
     Example("ddp.py", step=12, resumes=2),
     Example("deepspeed_example.py", step=3, source="memory", needs=("deepspeed",)),
     Example("torchtitan_example.py", step=4, source="memory", needs=("torchtitan",)),
+    # Saved by 2 TP-2 ranks (flash), both killed; 2 ranks resume with TP 1: storage.
+    Example("megatron_example.py", step=3, source="storage", resumes=2,
+            needs=("megatron.core",)),
     Example("torchft_example.py", pattern=r"healed to step (?P<step>\d+) from a live peer: "
                                           r"bit-identical: True", step=5, needs=("torchft",)),
     # SIGTERM after step 12: both ranks persist step 13 at once, end by SIGTERM (the agent
