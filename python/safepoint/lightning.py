@@ -188,6 +188,26 @@ def _map_location(obj: Any, device: Any) -> Any:
     return obj
 
 
+def _own_byte_views(obj: Any) -> Any:
+    """`obj` with every small uint8 tensor that views a larger buffer (as loaded tensors do)
+    copied into a tensor of its own. Such a tensor may be a generator's state (a
+    ``StatefulDataLoader``'s shuffle generator, in Lightning's loop state), and torch's
+    ``Generator.set_state`` misreads a view that starts past its storage's first byte ("Invalid
+    mt19937 state", or a crash: torch 2.13)."""
+    if isinstance(obj, torch.Tensor):
+        if (type(obj) is torch.Tensor and obj.dtype == torch.uint8 and obj.numel() <= 1 << 16
+                and obj.storage_offset()):
+            return obj.clone()
+        return obj
+    if isinstance(obj, dict):
+        return {k: _own_byte_views(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_own_byte_views(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_own_byte_views(v) for v in obj)
+    return obj
+
+
 _UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
 
 
@@ -439,7 +459,7 @@ class SafepointCheckpointIO(_CheckpointIO):
             restore_rng(rng)
         if isinstance(map_location, (str, torch.device)):
             state = _map_location(state, map_location)
-        return state
+        return _own_byte_views(state)
 
     # -- sharded strategies: every rank saves and loads its own shard -------------------------
     def _shard_as(self, strategy: Any, target: str) -> None:
@@ -508,7 +528,7 @@ class SafepointCheckpointIO(_CheckpointIO):
         rng = state.pop(RNG_KEY, None)
         if rng is not None and self.include_rng:
             restore_rng(rng)
-        return state
+        return _own_byte_views(state)
 
     def _wait_committed(self, root: str, step: int, target: str) -> None:
         """Waits until `step` of `root` is committed: rank 0 may resume it from memory while the

@@ -2,7 +2,8 @@
 safepoint's integration, for tests/python/test_exact_resume_frameworks.py.
 
     python exact_resume_frameworks.py {lightning|hf} --root DIR --shm DIR --job JOB --work DIR
-                                      --ids FILE [--kill-at K] [--resume]
+                                      --ids FILE [--loader global|shuffle] [--kill-at K]
+                                      [--resume]
 
 Both train a small model with dropout on a shuffled map-style data set whose items carry their
 index, and append one JSON line per optimizer step to ``--ids``: the global step and the sample
@@ -12,9 +13,10 @@ line on stdout is ``DONE <sha256 of the final weights> <where the resume loaded 
 
 - lightning: ``SafepointCheckpointIO`` with ``ModelCheckpoint(every_n_train_steps=...,
   save_last=True)`` and ``trainer.fit(ckpt_path="last")``; the data position is a torchdata
-  ``StatefulDataLoader`` over ``safepoint.data.GlobalBatchSampler`` (Lightning saves a
-  stateful loader's state in its checkpoint and restores it; with a plain DataLoader it
-  restarts the epoch, and warns).
+  ``StatefulDataLoader`` over ``safepoint.data.GlobalBatchSampler`` (``--loader global``) or
+  over torchdata's shuffling ``RandomSampler`` (``--loader shuffle``: its generator's state is
+  in the loader's state). Lightning saves a stateful loader's state in its checkpoint and
+  restores it; with a plain DataLoader it restarts the epoch, and warns.
 - hf: ``SafepointCallback(every_n_steps=...)`` and ``trainer.train(resume_from_checkpoint=
   cb.prepare_resume(trainer))``; the Trainer's own shuffled sampler, and its own resume logic
   (skipping the batches of the epoch already trained on).
@@ -57,6 +59,7 @@ class Log:
 def lightning(a, log: Log) -> tuple[str, str]:
     import pytorch_lightning as pl
     from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler
 
     from safepoint.data import GlobalBatchSampler
     from safepoint.lightning import SafepointCheckpointIO
@@ -97,8 +100,15 @@ def lightning(a, log: Log) -> tuple[str, str]:
 
     pl.seed_everything(1, verbose=False)
     data = Data()
-    loader = StatefulDataLoader(data, batch_sampler=GlobalBatchSampler(data, BATCH, seed=3),
-                                generator=torch.Generator().manual_seed(2))
+    if a.loader == "shuffle":  # torchdata's shuffling sampler: its generator's state is saved
+        # A generator of its own: with shuffle=True and the loader's generator= the two share
+        # one, and a restored loader's next epoch is drawn one draw behind (torchdata 0.11).
+        shuffled = RandomSampler(data, generator=torch.Generator().manual_seed(4))
+        loader = StatefulDataLoader(data, batch_size=BATCH, sampler=shuffled, drop_last=True,
+                                    generator=torch.Generator().manual_seed(2))
+    else:
+        loader = StatefulDataLoader(data, batch_sampler=GlobalBatchSampler(data, BATCH, seed=3),
+                                    generator=torch.Generator().manual_seed(2))
     plugin = KillAfterSave(a.root, job=a.job, shm_dir=a.shm)
     trainer = pl.Trainer(max_steps=STEPS, plugins=[plugin], logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
@@ -174,6 +184,7 @@ def main() -> None:
     ap.add_argument("framework", choices=["lightning", "hf"])
     for name in ("--root", "--shm", "--job", "--work", "--ids"):
         ap.add_argument(name, required=True)
+    ap.add_argument("--loader", choices=["global", "shuffle"], default="global")
     ap.add_argument("--kill-at", type=int)
     ap.add_argument("--resume", action="store_true")
     a = ap.parse_args()
