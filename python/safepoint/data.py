@@ -125,12 +125,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 f"{self.world_size} data-parallel ranks: every rank takes an equal share (so "
                 f"that the average of the ranks' gradients weights every sample alike); use a "
                 f"data-parallel size that divides {global_batch}, or another global batch")
-        if self.drop_last and global_batch > self.num_samples:
-            raise InvalidArgumentError(
-                f"a global batch of {global_batch} samples is larger than the data set "
-                f"({self.num_samples} samples): with drop_last an epoch would have no step")
         if self.num_samples == 0:
             raise InvalidArgumentError("the data set is empty")
+        if global_batch > self.num_samples:
+            raise InvalidArgumentError(
+                f"a global batch of {global_batch} samples is larger than the data set "
+                f"({self.num_samples} samples): an epoch would have no full step")
 
     # -- the order -------------------------------------------------------------------------------
     @property
