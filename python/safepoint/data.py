@@ -11,14 +11,15 @@ rank trains on which of a step's samples changes. Put the sampler (or a torchdat
 ``StatefulDataLoader`` built on it) in the state that ``Checkpointer.save`` saves::
 
     sampler = safepoint.data.GlobalBatchSampler(dataset, global_batch_size=12, seed=0)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
+                                         generator=torch.Generator())  # not torch's global one
     state = {"model": model, "optim": opt, "data": sampler}
     start = ckpt.restore(state) or 0       # the cursor comes back with the step
 
 ``seed_for_step`` seeds a rank's generators (torch on the CPU and every CUDA device, numpy's
 global generator, Python's ``random``) from (seed, global step, rank): called at the start of
-every step, it makes dropout and augmentation a function of the step alone, so a resume at the
-same data-parallel size is bit-exact without saved generator states.
+every step, it makes dropout and augmentation a function of the step and the rank, so a resume
+at the same data-parallel size is bit-exact without saved generator states.
 
 docs/guide.md, "Exact resume and the data position", says what to put in the state and what is
 bit-exact after a resume and what is not.
