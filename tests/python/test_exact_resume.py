@@ -242,7 +242,8 @@ def reference(ctx, tmp_path_factory):
 
 
 def check_epochs(batches: dict[int, list[int]]) -> None:
-    """Within each epoch no sample twice; every epoch leaves out SAMPLES % GLOBAL_BATCH."""
+    """Every step a full global batch; within an epoch no sample twice; a new order each
+    epoch."""
     per_epoch = worker.SAMPLES // worker.GLOBAL_BATCH
     for first in range(1, N + 1, per_epoch):
         ids = [i for s in range(first, min(first + per_epoch, N + 1)) for i in batches[s]]
