@@ -23,12 +23,13 @@ std::chrono::steady_clock::time_point Now() { return std::chrono::steady_clock::
 
 class AioBatch {
  public:
-  AioBatch(rados_t cluster, int timeout_s, int retries, const std::atomic<bool>* cancelled)
+  AioBatch(Cluster& cluster, int timeout_s, int retries, const std::atomic<bool>* cancelled)
       : cluster_(cluster), timeout_s_(timeout_s), retries_(retries), cancelled_(cancelled) {}
 
   void Run(std::vector<AioOp>& ops, size_t window) {
     std::vector<size_t> pending(ops.size());
     for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
+    if (!ops.empty()) RefreshMapIfSuspect(cluster_);
     for (int attempt = 0; !pending.empty(); ++attempt) {
       if (attempt > 0) {
         const auto until = Now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -44,12 +45,17 @@ class AioBatch {
         // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
         // learns the new address only from a newer OSD map, which it does not always ask for on
         // its own (a lone OSD killed and restarted: every retry would go to the dead address).
-        (void)rados_wait_for_latest_osdmap(cluster_);
+        (void)rados_wait_for_latest_osdmap(cluster_.handle);
       }
       RunRound(ops, pending, window);
       std::vector<size_t> again;
       for (size_t i : pending) {
-        if (Transient(ops[i].rv) && attempt < retries_) again.push_back(i);
+        if (!Transient(ops[i].rv)) continue;
+        if (attempt < retries_) {
+          again.push_back(i);
+        } else {
+          cluster_.map_suspect.store(true, std::memory_order_release);  // for the next call
+        }
       }
       pending = std::move(again);
     }
@@ -177,7 +183,7 @@ class AioBatch {
     }
   }
 
-  const rados_t cluster_;
+  Cluster& cluster_;
   const int timeout_s_;
   const int retries_;
   const std::atomic<bool>* const cancelled_;
@@ -188,7 +194,7 @@ class AioBatch {
 
 }  // namespace
 
-void RunAio(rados_t cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
+void RunAio(Cluster& cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
             const std::atomic<bool>* cancelled) {
   AioBatch(cluster, timeout_s, retries, cancelled).Run(ops, window);
 }

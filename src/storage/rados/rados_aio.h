@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "safepoint/status.h"
+#include "storage/rados/rados_cluster.h"
 
 namespace safepoint::internal::rados {
 
@@ -36,7 +37,9 @@ struct AioOp {
 // `retries` times with backoff. Returns after every op finished; each op's rv holds its final
 // result. Once `*cancelled` is true (checked at least every 100 ms while waiting), the ops in
 // flight are cancelled and the others neither started nor retried: they end with -ECANCELED.
-void RunAio(rados_t cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
+// The newest OSD map is fetched before the first attempt when an earlier call's op ended with a
+// transient error, and before every retry; an op that ends with one marks the map suspect.
+void RunAio(Cluster& cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
             const std::atomic<bool>* cancelled = nullptr);
 
 // Whether a librados result is worth retrying (a timeout, a lost connection, a busy OSD).

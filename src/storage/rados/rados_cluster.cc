@@ -61,6 +61,14 @@ void ShutdownClustersAtExit() {
 
 std::string RadosError(int rv) { return std::strerror(rv < 0 ? -rv : rv); }
 
+void RefreshMapIfSuspect(Cluster& cluster) {
+  // Cleared before the fetch: an op failing meanwhile sets it again for the next call. A fetch
+  // that fails (the monitor does not answer either) leaves the op to fail on its own.
+  if (cluster.map_suspect.exchange(false, std::memory_order_acq_rel)) {
+    (void)rados_wait_for_latest_osdmap(cluster.handle);
+  }
+}
+
 Result<std::shared_ptr<Cluster>> ConnectCluster(int timeout_s) {
   const char* conf_env = std::getenv("CEPH_CONF");
   const char* args_env = std::getenv("CEPH_ARGS");

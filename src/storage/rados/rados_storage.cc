@@ -16,15 +16,15 @@
 //
 // Time bounds: rados_osd_op_timeout, rados_mon_op_timeout and client_mount_timeout are set to
 // the URI's timeout, so a stalled OSD completes an op with ETIMEDOUT; our own waits are bounded
-// too (timeout + 10 s without any completion cancels what is in flight). Before a retry the
-// client fetches the newest OSD map (an OSD that died and came back listens elsewhere; librados
-// does not always ask on its own, and its retries would go to the dead address). Transient errors
-// (ETIMEDOUT, EAGAIN, ENOTCONN, ECONNRESET, ESHUTDOWN, EBUSY, EIO) are retried `retries` times
-// with exponential backoff and jitter (RetryBackoffSeconds, as for s3://); ENOENT, EDQUOT,
-// ENOSPC, EEXIST never. Writes carry
-// LIBRADOS_OPERATION_FULL_TRY, so a full pool (quota or space) answers EDQUOT/ENOSPC
-// (ResourceExhausted naming the pool) instead of blocking; removals carry FULL_FORCE, so a full
-// pool can still be cleaned up.
+// too (timeout + 10 s without any completion cancels what is in flight). Before a retry, and
+// before the next call's first attempt once an op ended with a transient error, the client
+// fetches the newest OSD map (an OSD that died and came back listens elsewhere; librados does not
+// always ask on its own, and every later op would go to the dead address). Transient errors
+// (ETIMEDOUT, EAGAIN, ENOTCONN, ECONNRESET, ESHUTDOWN, EBUSY, EIO) of ops and listings are
+// retried `retries` times with exponential backoff and jitter (RetryBackoffSeconds, as for
+// s3://); ENOENT, EDQUOT, ENOSPC, EEXIST never. Writes carry LIBRADOS_OPERATION_FULL_TRY, so a
+// full pool (quota or space) answers EDQUOT/ENOSPC (ResourceExhausted naming the pool) instead of
+// blocking; removals carry FULL_FORCE, so a full pool can still be cleaned up.
 //
 // Write protocol (Create ... Publish):
 //   1. Create draws the data id and registers it in the process-wide set of live writers.
@@ -80,6 +80,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -234,8 +235,8 @@ class RadosStorage final : public Storage, public internal::CancellableStorage {
   // ---- used by the objects ----
   std::string HeadOid(std::string_view name) const { return prefix_ + std::string(name); }
   void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
-    RunAio(pool_->cluster->handle, options_.timeout_s, retries < 0 ? options_.retries : retries,
-           ops, window, &cancelled_);
+    RunAio(*pool_->cluster, options_.timeout_s, retries < 0 ? options_.retries : retries, ops,
+           window, &cancelled_);
   }
   // The ops in flight end with ECANCELED, later ones are not sent (the cluster is shared with
   // other RadosStorage objects and stays connected).
@@ -583,11 +584,12 @@ Result<std::unique_ptr<ReadableObject>> RadosStorage::Open(std::string_view name
 
 // ---- listing and cleanup ----------------------------------------------------------------------
 
-// Object names of `io` that start with `start`, unsorted.
-Result<std::vector<std::string>> ListOids(rados_ioctx_t io, const std::string& start,
-                                          const std::string& what) {
+// Object names of `io` that start with `start`, unsorted: one scan of the pool.
+Result<std::vector<std::string>> ListOidsOnce(rados_ioctx_t io, const std::string& start,
+                                              const std::string& what, int* rv_out) {
   rados_list_ctx_t ctx = nullptr;
   int rv = rados_nobjects_list_open(io, &ctx);
+  *rv_out = rv;
   if (rv < 0) return Unavailable(what + ": listing objects: " + RadosError(rv));
   std::vector<std::string> out;
   while (true) {
@@ -596,6 +598,7 @@ Result<std::vector<std::string>> ListOids(rados_ioctx_t io, const std::string& s
     if (rv == -ENOENT) break;
     if (rv < 0) {
       rados_nobjects_list_close(ctx);
+      *rv_out = rv;
       Status s = rv == -ETIMEDOUT ? Unavailable(what + ": listing objects: timed out")
                                   : IOError(what + ": listing objects: " + RadosError(rv));
       return s;
@@ -604,13 +607,41 @@ Result<std::vector<std::string>> ListOids(rados_ioctx_t io, const std::string& s
     if (oid.starts_with(start)) out.emplace_back(oid);
   }
   rados_nobjects_list_close(ctx);
+  *rv_out = 0;
   return out;
+}
+
+// ListOidsOnce, with the retries of the aio ops: a transient failure is retried `retries` times
+// with backoff, each retry after fetching the newest OSD map (the first attempt too when an
+// earlier call's op ended with a transient error). A scan restarts from the beginning.
+Result<std::vector<std::string>> ListOids(Cluster& cluster, rados_ioctx_t io,
+                                          const std::string& start, const std::string& what,
+                                          int retries, const std::atomic<bool>& cancelled) {
+  RefreshMapIfSuspect(cluster);
+  for (int attempt = 0;; ++attempt) {
+    int rv = 0;
+    Result<std::vector<std::string>> r = ListOidsOnce(io, start, what, &rv);
+    if (r.ok() || !Transient(rv)) return r;
+    if (attempt >= retries) {
+      cluster.map_suspect.store(true, std::memory_order_release);
+      return r;
+    }
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                           std::chrono::duration<double>(RetryBackoffSeconds(attempt + 1)));
+    while (std::chrono::steady_clock::now() < until) {
+      if (cancelled.load(std::memory_order_acquire)) return r;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    (void)rados_wait_for_latest_osdmap(cluster.handle);
+  }
 }
 
 Result<std::vector<ObjectInfo>> RadosStorage::List(std::string_view prefix) {
   SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
   SP_ASSIGN_OR_RETURN(std::vector<std::string> oids,
-                      ListOids(heads_io(), prefix_ + std::string(prefix), uri_));
+                      ListOids(*pool_->cluster, heads_io(), prefix_ + std::string(prefix), uri_,
+                               options_.retries, cancelled_));
   std::vector<std::string> names;
   for (const std::string& oid : oids) {
     std::string name = oid.substr(prefix_.size());
@@ -649,7 +680,8 @@ Result<size_t> RadosStorage::RemoveLeftovers(std::string_view prefix,
                                              const LeftoverFilter& remove_if) {
   SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
   SP_ASSIGN_OR_RETURN(std::vector<std::string> oids,
-                      ListOids(data_io(), prefix_ + std::string(prefix), uri_));
+                      ListOids(*pool_->cluster, data_io(), prefix_ + std::string(prefix), uri_,
+                               options_.retries, cancelled_));
   // Group the data objects by write: (object name, data id).
   std::map<std::pair<std::string, std::string>, std::vector<std::string>> writes;
   for (const std::string& oid : oids) {
