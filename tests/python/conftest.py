@@ -78,6 +78,15 @@ SLOW_TESTS = {
     "test_save_sigkill_load_checkpoint_resumes_bit_identical[2-1]": 37,
     "test_ceph_cluster_rados_and_s3_round_trip": 36,
     "test_every_committed_step_has_exactly_w_image_publishes[1]": 30,  # test_scale's three runs
+    # test_exact_resume_frameworks and _peers (one worker each: 68 s together alone)
+    "test_mid_epoch_kill_then_resume_trains_the_same_samples_to_the_same_weights"
+    "[lightning-global-3503]": 37,
+    "test_mid_epoch_kill_then_resume_trains_the_same_samples_to_the_same_weights"
+    "[hf-global-3509]": 18,
+    "test_mid_epoch_kill_then_resume_trains_the_same_samples_to_the_same_weights"
+    "[lightning-shuffle-3504]": 15,
+    "test_lost_node_resumes_its_data_position_from_peer_memory": 29,
+    "test_dp_size_2_then_4_then_3_trains_the_same_samples": 13,
 }
 
 
