@@ -205,6 +205,21 @@ def _wait_committed(root: str, step: int, timeout: float) -> None:
         time.sleep(0.02)
 
 
+def _wait_commit_record(root: str, step: int, timeout: float, record: Optional[str]) -> None:
+    """A flash ``async_sharded_save``'s async part, in Megatron's forked process: returns once
+    the agent wrote the step's commit record (the finalize then checks the commit itself). For
+    a local directory it only looks for the file, so that the forked process never enters the
+    core library, whose locks a thread of the parent (the Checkpointer's) may have held at the
+    fork; a URI is asked through the core. ``record``: the commit record's path (a local
+    directory's), computed before the fork."""
+    if record is None:
+        _wait_committed(root, step, timeout)
+        return
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(record) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 # -- saving ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +393,10 @@ class SafepointSaveStrategy(AsyncSaveShardedStrategy):
         finalize = functools.partial(self._finalize, checkpoint_dir, root, step)
         if self.flash:
             self._snapshot(writer)
-            return AsyncRequest(_wait_committed, (root, step, self.commit_timeout), [finalize])
+            record = (None if _SCHEME in root
+                      else os.path.join(_core.step_path(root, step), "COMMIT"))
+            return AsyncRequest(_wait_commit_record, (root, step, self.commit_timeout, record),
+                                [finalize])
         staged = writer.staged
         writer.staged = None  # the request holds the data, not the strategy
 

@@ -108,13 +108,13 @@ def sharded_sd(tp: int, pp: int, dp: int, rank: int, *, empty: bool = False,
         model[name] = sh
     # DistributedOptimizer, fully_reshardable: each param's state sharded as the param.
     state = {}
-    for idx, (name, sh) in enumerate(params):
+    for idx, (_, sh) in enumerate(params):
         entry = {}
         for what in ("exp_avg", "exp_avg_sq", "fp32_param"):
             key = f"optimizer.state.{what}.{sh.key}"
             full = glob(key, sh.global_shape)
-            dim = next((d for d, (g, l) in enumerate(zip(sh.global_shape, sh.local_shape))
-                        if g != l), None)
+            dim = next((d for d, (g, n) in enumerate(zip(sh.global_shape, sh.local_shape))
+                        if g != n), None)
             local = full if dim is None else _split(full, dim, tpr, tp)
             entry[what] = dataclasses.replace(sh, key=key, data=data(local.clone()),
                                               dtype=torch.float32)
@@ -312,7 +312,6 @@ def gpt_worker(a) -> None:
     import safepoint.megatron  # noqa: F401
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     ckpt = os.path.join(a.dir, "gpt_iter_5")
 
     def build(tp: int, seed: int) -> GPTModel:
@@ -368,6 +367,16 @@ def corrupt_worker(a) -> None:
     os.makedirs(ckpt)
     dist_checkpointing.save(sharded_sd(1, 1, 1, 0), ckpt, sharded_strategy=("safepoint", 1))
     ok = load_and_check(ckpt, (1, 1, 1), 0, True)["bad"] == []
+    # Megatron's metadata entry points: the global shapes, and plain whole tensors.
+    meta = dist_checkpointing.load_tensors_metadata(ckpt)
+    key = "decoder.layers.stacked_bias"
+    shapes_ok = tuple(meta[key].global_shape) == (L, 3 * H) and \
+        meta["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    plain = dist_checkpointing.load_plain_tensors(ckpt)
+    plain_ok = torch.equal(plain[key], glob(key, (L, 3 * H))) and torch.equal(
+        plain["optimizer.state.exp_avg.decoder.layers.1.self_attention.linear_proj.weight"],
+        glob("optimizer.state.exp_avg.decoder.layers.1.self_attention.linear_proj.weight",
+             (H, 3 * H)))
     root, step = spm.read_pointer(ckpt)
     from safepoint import _core
 
@@ -380,7 +389,8 @@ def corrupt_worker(a) -> None:
         err = None
     except CheckpointException as e:  # DCP's (a BaseException) wraps the reader's error
         err = "; ".join(f"{type(x).__name__}: {x}" for x, _ in e.failures.values())
-    print(json.dumps({"ok_before": ok, "error": err}), flush=True)
+    print(json.dumps({"ok_before": ok, "shapes_ok": shapes_ok, "plain_ok": plain_ok,
+                      "error": err}), flush=True)
     dist.destroy_process_group()
 
 
@@ -442,9 +452,10 @@ def test_gpt_model_saved_with_tp2_loads_into_tp1(tmp_path):
         assert rep["bad"] == [] and rep["checked"] >= 10, rep
 
 
-def test_a_corrupted_image_fails_the_load(tmp_path):
+def test_metadata_entry_points_and_a_corrupted_image_fails_the_load(tmp_path):
     (rep,) = run_world(1, ["corrupt", "--dir", tmp_path])
     assert rep["ok_before"] is True
+    assert rep["shapes_ok"] is True and rep["plain_ok"] is True
     assert rep["error"] is not None and "CorruptionError" in rep["error"], rep
 
 
