@@ -105,14 +105,7 @@ class Agreement:
                  group: Any, lister: Optional[Statement]) -> None:
         self._stores, self._group, self._lister, self._asked = stores, group, lister, step
         first = rows[0]
-        if first[_FLAGS] & _FAILED:
-            if lister is not None and lister.error is not None:
-                raise lister.error
-            from safepoint import errors
-
-            kind = getattr(errors, _ERRORS[(first[_FLAGS] >> 8) % len(_ERRORS)])
-            raise kind(f"{stores[0]}: rank 0, which lists the committed steps for the job, "
-                       "could not list them (its error says why)")
+        self._failed = int(first[_FLAGS]) if first[_FLAGS] & _FAILED else 0
         self.hot = (all(r[_LOADED] == 1 and r[_STEP] == first[_STEP]
                         and r[_ATTEMPT] == first[_ATTEMPT] for r in rows)
                     and not (step is None and first[_STEP] < first[_NEWEST]))
@@ -129,6 +122,20 @@ class Agreement:
         self.steps = self.in_memory | set(self.committed)
         if step is not None:
             self.steps &= {step}
+
+    def listing_error(self) -> Optional[BaseException]:
+        """The error to raise on this rank when the lister could not list the storage (the
+        lister's own, or one of its class naming rank 0), else None. Then ``hot`` says only
+        whether every rank loaded the same snapshot from memory: no committed step is known."""
+        if not self._failed:
+            return None
+        if self._lister is not None and self._lister.error is not None:
+            return self._lister.error
+        from safepoint import errors
+
+        kind = getattr(errors, _ERRORS[(self._failed >> 8) % len(_ERRORS)])
+        return kind(f"{self._stores[0]}: rank 0, which lists the committed steps for the job, "
+                    "could not list them (its error says why)")
 
     def _uris(self, mask: int) -> list[str]:
         return [u for i, u in enumerate(self._stores) if mask >> i & 1]
@@ -168,8 +175,8 @@ def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
     """The restore agreement in one collective: one all-gather of every rank's statement as a
     fixed row of ROW int64 (O(1) bytes per rank, nothing pickled). The storage view in it is the
     lister's alone (rank 0 of the group asks storage, once for the job; every rank restores what
-    the lister found). Raises, on every rank, the lister's error when it could not list the
-    storage. `lister`: this rank's statement when it is the lister."""
+    the lister found). When the lister could not list the storage, every rank learns its error
+    (``listing_error``; the caller decides whether memory serves)."""
     import torch
     import torch.distributed as dist
 

@@ -228,13 +228,9 @@ class RestoreMixin(CheckpointerBase):
         listing's error is raised."""
         want = step
         if want is None:
-            try:
-                newest = json.loads(self._live.agent_status()).get("newest_committed")
-            except (Error, ValueError):
-                newest = None
-            if newest is None:
+            want = self._agent_newest_committed()
+            if want is None:
                 raise error
-            want = int(newest)
         try:
             snap = self._memory_snapshot(step, want, targets)
         except CorruptionError as e:
@@ -245,6 +241,41 @@ class RestoreMixin(CheckpointerBase):
         warnings.warn(f"safepoint: {self.path} cannot be listed ({error}); loading step "
                       f"{got[0][0]} from this node's memory, at least as new as the newest step "
                       f"its agent saw committed", RuntimeWarning, stacklevel=4)
+        return got
+
+    def _agent_newest_committed(self) -> Optional[int]:
+        """The newest step this node's agent saw committed (its own commits and those its waits
+        read): a lower bound of the job's newest committed step. None when it cannot say."""
+        try:
+            newest = json.loads(self._live.agent_status()).get("newest_committed")
+        except (Error, ValueError):
+            return None
+        return None if newest is None else int(newest)
+
+    def _agreed_while_unlisted(self, agreed: Any, got: Any, step: Optional[int]):
+        """The lister could not list `path`, the only storage (a storage brownout), and told
+        every rank so in the agreement. As for one process (_memory_while_unlisted), memory
+        still serves, with a warning, when every rank loaded the same snapshot of one save
+        attempt (``agreed.hot``): the asked-for step, or, without one, when that step is at least
+        as new as the newest step any rank's agent saw committed (one all-reduce of the agents'
+        views, only on this path). Otherwise every rank raises the listing's error."""
+        import torch
+        import torch.distributed as dist
+
+        error = agreed.listing_error()
+        if len(self._stores) != 1 or not agreed.hot:
+            raise error
+        if step is None:
+            newest = self._agent_newest_committed()
+            view = torch.tensor([-1 if newest is None else newest], dtype=torch.int64)
+            dist.all_reduce(view, op=dist.ReduceOp.MAX, group=self._group)
+            if int(view.item()) < 0 or agreed.hot_step < int(view.item()):
+                raise error
+        why = ("the asked-for step" if step is not None else
+               "at least as new as the newest step the ranks' agents saw committed")
+        warnings.warn(f"safepoint: {self.path} cannot be listed ({error}); every rank loads step "
+                      f"{agreed.hot_step} from its node's memory, {why}", RuntimeWarning,
+                      stacklevel=4)
         return got
 
     def _load_local(self, step: Optional[int], targets: Any = None):
@@ -378,6 +409,8 @@ class RestoreMixin(CheckpointerBase):
                               {**peers, **mine}, share, stored,
                               max(stored) if stored else -1, error)
         agreed = agree(self._group, self.world_size, statement, self._stores, step)
+        if agreed.listing_error() is not None:
+            return self._agreed_while_unlisted(agreed, got, step)
         if agreed.hot:
             return got
         preloaded = got

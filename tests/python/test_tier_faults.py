@@ -234,6 +234,49 @@ def test_a_stalled_gateway_under_path_fails_wait_and_training_goes_on(ceph, gw, 
     every_listed_step_is_whole(path, 1, 3)  # step 2 only if its COMMIT landed late
 
 
+def _ranks(tmp, ckpt: str, shm: str, job: str, phase: str, tag: str) -> list:
+    """The 2-rank gloo job of tests/python/test_agreement.py (workloads/agree_worker.py), with
+    `ckpt` on the module's gateway."""
+    from conftest import run_ranks
+
+    worker = os.path.join(os.path.dirname(__file__), "workloads", "agree_worker.py")
+    return run_ranks([[worker, tmp / f"store-{tag}", ckpt, shm, job, r, phase] for r in (0, 1)])
+
+
+def test_a_job_restarted_while_its_gateway_stalls_resumes_from_memory(ceph, gw, dirs):
+    # Steps 1-3 are committed on s3:// (each rank's agent saw it) and both ranks hold step 4 in
+    # memory. The job restarts while the gateway stalls: rank 0, the lister, cannot list `path`,
+    # the only storage. Every rank resumes from its node's memory (the newest snapshot, at least
+    # as new as the newest step any agent saw committed), with a warning, instead of raising the
+    # listing's error (issue 35, OPEN-1 for a job with a process group).
+    tmp, shm = dirs
+    ckpt = f"{s3_uri(ceph, 'stalled-restart')}?{FAST_FAIL}"
+    _ranks(tmp, ckpt, shm, "tf-restart", "save-both", "a")
+    gw.signal(signal.SIGSTOP)
+    outs = _ranks(tmp, ckpt, shm, "tf-restart", "load", "b")
+    assert [o.get("step") for o in outs] == [4, 4], outs
+    assert all(o["ok"] for o in outs) and [o["source"] for o in outs] == ["memory"] * 2, outs
+    assert all(any("cannot be listed" in w for w in o["warnings"]) for o in outs), outs
+    gw.signal(signal.SIGCONT)
+    # Nothing committed was lost (the agents persist step 4 too once the gateway answers; the
+    # default keep=3 then prunes step 1).
+    assert {2, 3} <= set(safepoint.steps(ckpt))
+
+
+def test_ranks_whose_memory_differs_raise_the_stalled_listing_error(ceph, gw, dirs):
+    # Rank 0 holds step 4 in memory, rank 1 step 3: without the listing no step is known that
+    # every rank can load from memory and no older one is committed, so every rank raises the
+    # listing's error (rank 0 its own, naming the store; rank 1 one of its class naming rank 0).
+    tmp, shm = dirs
+    base = s3_uri(ceph, "stalled-differ")
+    ckpt = f"{base}?{FAST_FAIL}"
+    _ranks(tmp, ckpt, shm, "tf-differ", "save", "a")
+    gw.signal(signal.SIGSTOP)
+    outs = _ranks(tmp, ckpt, shm, "tf-differ", "load", "b")
+    assert [o.get("error") for o in outs] == ["UnavailableError"] * 2, outs
+    assert base in outs[0]["message"] and "rank 0" in outs[1]["message"], outs
+
+
 # --- a pool over its quota ---------------------------------------------------------------------
 
 def ceph_cli(ceph: dict, *args: str, check: bool = True) -> str:

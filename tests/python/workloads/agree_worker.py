@@ -1,6 +1,9 @@
 """One rank of a 2-rank gloo job for the restore-agreement test (tests/python/test_agreement.py).
 
     python agree_worker.py STORE_FILE CKPT SHM_DIR JOB RANK PHASE
+
+PHASE: save (steps 1-3 committed, step 4 in rank 0's memory only), save-both (step 4 in both
+ranks' memory), hot, load or load:STEP (prints the step loaded, or the error's class and text).
 """
 
 import json
@@ -24,11 +27,11 @@ def state(step):
 # dedupe=False: only rank 0 saves step 4 below, and a save with dedupe is a collective.
 ck = safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir, dedupe=False)
 assert (ck.rank, ck.world_size) == (rank, 2)
-if phase == "save":
+if phase in ("save", "save-both"):  # save-both: both ranks reach step 4
     for step in (1, 2, 3):
         ck.save(step, state(step), persist=True)
     ck.wait()
-    if rank == 0:
+    if rank == 0 or phase == "save-both":
         ck.save(4, state(4), persist=False)  # only rank 0 reaches step 4 (in memory)
     ck._client.abandon()  # die without a clean close: snapshots stay in memory
     print(json.dumps({"rank": rank}), flush=True)
@@ -58,7 +61,14 @@ elif phase == "hot":
 else:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = ck.load()
+        try:
+            got = ck.load(int(phase.split(":")[1]) if ":" in phase else None)  # load[:STEP]
+        except safepoint.Error as e:  # the test made the path unlistable
+            print(json.dumps({"rank": rank, "error": type(e).__name__, "message": str(e)}),
+                  flush=True)
+            ck._client.abandon()
+            dist.destroy_process_group()
+            sys.exit(0)
     step, st = got
     ok = bool(torch.equal(st["w"], state(step)["w"]))
     print(json.dumps({"rank": rank, "step": step, "source": ck.last_load_source, "ok": ok,
