@@ -21,10 +21,14 @@ Each contender saves through Megatron's own ``dist_checkpointing.save`` (and loa
   persists).
 
 **blocking**: from a barrier until the call that the training loop makes returns (``save``; for
-async, ``save`` + ``schedule_async_request``). **durable**: until the checkpoint is on storage
-(sync: the same; async: ``maybe_finalize_async_calls(blocking=True)`` returned; flash: the
-strategy's ``wait()`` returned: the agent committed the step). **load**: the checkpoint's files
-evicted from the page cache (posix_fadvise), then ``dist_checkpointing.load`` into a template of
+async, ``save`` + ``schedule_async_request``). **next update**: right after, every tensor of the
+state is written once in place (``mul_(1.0)``, the same bits), as the next optimizer step would:
+while a forked writer (the async contenders) still runs, each page written is copied first
+(copy-on-write), a cost the training pays after the save returned. **durable**: until the
+checkpoint is on storage (sync: the same; async: ``maybe_finalize_async_calls(blocking=True)``
+returned; flash: the strategy's ``wait()`` returned: the agent committed the step), the next
+update included. **load**: the checkpoint's files evicted from the page cache (posix_fadvise),
+then ``dist_checkpointing.load`` into a template of
 the same layout, checked bit for bit against what was saved. Every figure is the slowest rank's,
 the median of --runs repetitions after two warm-up rounds (a flash Checkpointer allocates its two
 shared-memory slots in its first two saves); contenders alternate in order.
@@ -147,10 +151,12 @@ def rank_main(a) -> None:
         "safepoint flash": spm.SafepointSaveStrategy(roots["safepoint flash"], flash=True,
                                                      keep=2, shm_dir=a.shm, job="megatron-bench"),
     }
-    out: dict = {c: {"blocking": [], "durable": [], "load": []} for c in CONTENDERS}
+    out: dict = {c: {"blocking": [], "update": [], "durable": [], "load": []}
+                 for c in a.contenders}
+    live = tensors_of(state)
     counter = 0
     for rnd in range(a.runs + WARMUP):
-        order = CONTENDERS if rnd % 2 == 0 else CONTENDERS[::-1]
+        order = a.contenders if rnd % 2 == 0 else a.contenders[::-1]
         for c in order:
             counter += 1
             ckpt = os.path.join(roots[c], f"iter_{counter:07d}")
@@ -165,6 +171,14 @@ def rank_main(a) -> None:
             if is_async:
                 queue.schedule_async_request(req)
             blocking = time.perf_counter() - t0
+            # The optimizer step that follows writes every tensor of the state once (x1.0:
+            # the same bits): with a forked writer still running, each page it writes is
+            # copied first (copy-on-write), a cost the training pays after save returned.
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                for t in live:
+                    t.mul_(1.0)
+            update = time.perf_counter() - t1
             if is_async:
                 queue.maybe_finalize_async_calls(blocking=True)
             elif c == "safepoint flash":
@@ -191,6 +205,7 @@ def rank_main(a) -> None:
                 out[c]["blocking"].append(blocking)
                 out[c]["durable"].append(durable)
                 out[c]["load"].append(load)
+                out[c]["update"].append(update)
     strategies["safepoint flash"].close()
     everyone = [None] * world
     dist.all_gather_object(everyone, {"times": out, "bytes": mine})
@@ -206,11 +221,14 @@ def main() -> None:
     ap.add_argument("--size", default="256M", help="bytes the ranks save together")
     ap.add_argument("--world", type=int, default=4, help="ranks (even: TP 2 x DP world/2)")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help="comma-separated, of: " + ", ".join(CONTENDERS))
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--shm", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.size = parse_size(a.size) if isinstance(a.size, str) else a.size
+    a.contenders = [c for c in CONTENDERS if c in a.contenders.split(",")]
     if a.rank:
         rank_main(a)
         return
@@ -233,7 +251,8 @@ def main() -> None:
                        MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
             procs.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--rank", "--size", str(a.size),
-                 "--runs", str(a.runs), "--dir", work, "--shm", shm], env=env,
+                 "--runs", str(a.runs), "--dir", work, "--shm", shm,
+                 "--contenders", ",".join(a.contenders)], env=env,
                 stdout=subprocess.PIPE, text=True))
         outs = [p.communicate()[0] for p in procs]
         if any(p.returncode for p in procs):
@@ -259,8 +278,12 @@ def report(a, ranks: list, load_before, took: float) -> None:
     def cell(xs: list) -> str:
         return f"{statistics.median(xs):.3f} ({min(xs):.2f}–{max(xs):.2f})"
 
-    ref = {w: statistics.median(slowest("torch_dist sync", w)) for w in ("blocking", "load")}
-    ref_async = statistics.median(slowest("torch_dist async", "blocking"))
+    def med(c: str, what: str) -> float:
+        return statistics.median(slowest(c, what)) if c in a.contenders else float("nan")
+
+    def ratio(x: float, ref: float) -> str:
+        return "—" if ref != ref else f"{x / ref:.2f}x"  # nan: that reference did not run
+
     commit = subprocess.run(["git", "-C", _HERE,
                              "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     print(f"Measured {datetime.date.today()} on {os.cpu_count()} cores (shared with other "
@@ -274,15 +297,16 @@ def report(a, ranks: list, load_before, took: float) -> None:
           f"({', '.join(str(round(r['bytes'] / 2**20)) for r in ranks)} MiB written by ranks "
           f"0..{a.world - 1}: DP rank 0 writes the bf16 weights, every rank its 1/{a.world} of "
           f"the optimizer state).\n")
-    print("| contender | blocking s | vs torch_dist sync | vs torch_dist async | durable s | "
-          "load s | vs torch_dist |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for c in CONTENDERS:
-        b, d, ld = (slowest(c, w) for w in ("blocking", "durable", "load"))
-        print(f"| {c} | {cell(b)} | {statistics.median(b) / ref['blocking']:.2f}x | "
-              f"{statistics.median(b) / ref_async:.2f}x | {cell(d)} | {cell(ld)} | "
-              f"{statistics.median(ld) / ref['load']:.2f}x |")
-
+    print("| contender | blocking s | vs torch_dist sync | vs torch_dist async | next update s | "
+          "durable s | load s | vs torch_dist |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for c in a.contenders:
+        b, u, d, ld = (slowest(c, w) for w in ("blocking", "update", "durable", "load"))
+        mb, ml = statistics.median(b), statistics.median(ld)
+        print(f"| {c} | {cell(b)} | {ratio(mb, med('torch_dist sync', 'blocking'))} | "
+              f"{ratio(mb, med('torch_dist async', 'blocking'))} | {cell(u)} | {cell(d)} | "
+              f"{cell(ld)} | "
+              f"{ratio(ml, med('torch_dist sync', 'load'))} |")
 
 if __name__ == "__main__":
     main()
