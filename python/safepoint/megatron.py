@@ -62,6 +62,12 @@ Modes:
   for its step to be committed; it reads storage, not the agent's memory (no hot reload here).
   ``close()`` (or the interpreter's exit) waits for every flash save and frees the memory.
 
+Megatron's ``FullyParallelSaveStrategyWrapper`` (what Megatron-LM's ``--ckpt-fully-parallel-save``
+puts around the save strategy) wraps ``SafepointSaveStrategy`` as it does ``torch_dist``'s: it
+spreads the saves of replicated shards over the ranks, and these strategies write what it
+marks as main replicas (tested). Its load counterpart exchanges the loaded tensors on CUDA
+devices (``exchange_utils``), which the CPU tests cannot run.
+
 Retention: ``keep=K`` deletes committed steps older than the newest K of ``root`` (sync/async:
 rank 0 after a save, as ``safepoint.dcp.Writer``; flash: the agent's retention, default 3);
 their Megatron directories then fail to load with ``NotFoundError`` naming the step. Megatron's

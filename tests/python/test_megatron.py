@@ -12,8 +12,9 @@ as the param) and common values. Every value derives from its key (a seeded gene
 layout's shard of it is known: each load is compared bit for bit with what the saving layout
 held, across TP 2->4, PP 2->1 and DP 4->2 (also on fewer processes than saved), for the sync,
 async (Megatron's AsyncCallsQueue, the source tensors overwritten while the request runs) and
-flash saves. A tiny Megatron GPTModel's own ``sharded_state_dict()`` (TP 2, parallel_state over
-gloo) is saved and loaded into a TP 1 model.
+flash saves, and through Megatron-LM's default ``FullyParallelSaveStrategyWrapper``. A tiny
+Megatron GPTModel's own ``sharded_state_dict()`` (TP 2, parallel_state over gloo) is saved and
+loaded into a TP 1 model.
 
 Megatron's AsyncCallsQueue calls ``torch.cuda.synchronize()`` and puts its flags on
 ``torch.cuda.current_device()``; a CPU-only torch has neither, so the workers make those two a
@@ -261,8 +262,16 @@ def save_worker(a) -> None:
     rep["flash_async_committed"] = spm.read_pointer(os.path.join(d, "iter_4"))[1] in \
         spm._steps(spm.read_pointer(os.path.join(d, "iter_4"))[0])
     flash.close()
+    # Megatron-LM's default wrapper (--ckpt-fully-parallel-save): the replicated shards' saves
+    # spread over the DP ranks, then safepoint's strategy; saved as TP2 x PP1 x DP2.
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    wrapped = FullyParallelSaveStrategyWrapper(spm.SafepointSaveStrategy())
+    dist_checkpointing.save(sharded_sd(2, 1, 2, rank), mkdir("iter_5"), sharded_strategy=wrapped)
     rep["pointers"] = {n: spm.read_pointer(os.path.join(d, n))[1]
-                       for n in ("iter_1", "iter_2", "iter_3", "iter_4")}
+                       for n in ("iter_1", "iter_2", "iter_3", "iter_4", "iter_5")}
     with open(os.path.join(d, "iter_1", "metadata.json")) as f:
         rep["metadata"] = json.load(f)
 
@@ -274,6 +283,10 @@ def save_worker(a) -> None:
         "flash TP2->4 PP2->1": load_and_check(os.path.join(d, "iter_3"), (4, 1, 1), rank, False),
         "flash async same layout": load_and_check(os.path.join(d, "iter_4"), (1, 1, 4), rank,
                                                   True),
+        "fully parallel same layout": load_and_check(os.path.join(d, "iter_5"), (2, 1, 2), rank,
+                                                     True),
+        "fully parallel TP2->4 DP2->1": load_and_check(os.path.join(d, "iter_5"), (4, 1, 1),
+                                                       rank, False),
     }
     print(json.dumps(rep), flush=True)
     dist.destroy_process_group()
@@ -427,7 +440,8 @@ def test_sync_async_flash_saves_reshard_tp_pp_dp_bit_for_bit(tmp_path, shm, cli)
         assert rep["metadata"]["sharded_backend"] == "safepoint", rep["metadata"]
         assert rep["async_finalized"] == [0] and rep["flash_async_finalized"] == [1]
         assert rep["flash_async_committed"] is True  # finalize ran after the agent's commit
-        assert rep["pointers"] == {"iter_1": 1, "iter_2": 2, "iter_3": 3, "iter_4": 4}
+        assert rep["pointers"] == {"iter_1": 1, "iter_2": 2, "iter_3": 3, "iter_4": 4,
+                                   "iter_5": 5}
         for name, got in rep["loads"].items():
             assert got["bad"] == [], (rank, name, got["bad"][:5])
             assert got["bytes_read"] > 0
