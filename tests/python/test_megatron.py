@@ -402,8 +402,21 @@ def corrupt_worker(a) -> None:
         err = None
     except CheckpointException as e:  # DCP's (a BaseException) wraps the reader's error
         err = "; ".join(f"{type(x).__name__}: {x}" for x, _ in e.failures.values())
+    # keep=1: the older step goes once a newer one is committed; its directory says so.
+    keep1 = spm.SafepointSaveStrategy(os.path.join(a.dir, "kept"), keep=1)
+    for name in ("iter_10", "iter_11"):
+        os.makedirs(os.path.join(a.dir, name))
+        dist_checkpointing.save(sharded_sd(1, 1, 1, 0), os.path.join(a.dir, name),
+                                sharded_strategy=keep1)
+    kept_ok = load_and_check(os.path.join(a.dir, "iter_11"), (1, 1, 1), 0, True)["bad"] == []
+    try:
+        dist_checkpointing.load(sharded_sd(1, 1, 1, 0, empty=True), os.path.join(a.dir, "iter_10"))
+        pruned = None
+    except Exception as e:
+        pruned = f"{type(e).__name__}: {e}"
     print(json.dumps({"ok_before": ok, "shapes_ok": shapes_ok, "plain_ok": plain_ok,
-                      "error": err}), flush=True)
+                      "error": err, "kept_ok": kept_ok, "pruned": pruned,
+                      "kept_steps": list(_core.steps(os.path.join(a.dir, "kept")))}), flush=True)
     dist.destroy_process_group()
 
 
@@ -466,11 +479,14 @@ def test_gpt_model_saved_with_tp2_loads_into_tp1(tmp_path):
         assert rep["bad"] == [] and rep["checked"] >= 10, rep
 
 
-def test_metadata_entry_points_and_a_corrupted_image_fails_the_load(tmp_path):
+def test_metadata_entry_points_retention_and_a_corrupted_image(tmp_path):
     (rep,) = run_world(1, ["corrupt", "--dir", tmp_path])
     assert rep["ok_before"] is True
     assert rep["shapes_ok"] is True and rep["plain_ok"] is True
     assert rep["error"] is not None and "CorruptionError" in rep["error"], rep
+    assert rep["kept_ok"] is True and rep["kept_steps"] == [2], rep
+    assert rep["pruned"] is not None and rep["pruned"].startswith("NotFoundError"), rep
+    assert "step 1 is not committed" in rep["pruned"], rep
 
 
 def test_strategies_are_registered_under_safepoint():
