@@ -290,6 +290,12 @@ class _StepWriter(Writer):
         self.staged = _Staged({item.index: planner.resolve_data(item) for item in plan.items})
 
 
+def _preload(staged: _Staged) -> _Staged:
+    """The async request's ``preload_fn``: device tensors copied to host memory (before the
+    fork, or in Megatron's persistent worker)."""
+    return _Staged({k: _to_host(v) for k, v in staged.data.items()})
+
+
 def _write_image(writer: _StepWriter, staged: _Staged, plan: SavePlan) -> None:
     """The async part: writes this rank's image (the last rank's write commits the step)."""
     writer.write_data(plan, cast(SavePlanner, staged))
@@ -405,12 +411,9 @@ class SafepointSaveStrategy(AsyncSaveShardedStrategy):
                                 [finalize])
         staged = writer.staged
         writer.staged = None  # the request holds the data, not the strategy
-
-        def preload() -> _Staged:  # device tensors to host memory before the fork
-            return _Staged({k: _to_host(v) for k, v in staged.data.items()})
-
+        writer._known = None  # (picklable without the strategy: Megatron's persistent caller)
         return AsyncRequest(_write_image, (writer, staged, writer.plan), [finalize],
-                            preload_fn=preload)
+                            preload_fn=functools.partial(_preload, staged))
 
     def _snapshot(self, writer: _StepWriter) -> None:
         assert writer.plan is not None and writer.staged is not None

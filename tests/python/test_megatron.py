@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import sys
 import zlib
 
@@ -244,6 +245,8 @@ def save_worker(a) -> None:
     sd = sharded_sd(1, 1, 4, rank)
     req = dist_checkpointing.save(sd, mkdir("iter_2"), sharded_strategy=("safepoint", 1),
                                   async_sharded_save=True)
+    # Megatron's PersistentAsyncCaller sends the request to its worker pickled.
+    rep["async_request_pickles"] = len(pickle.dumps(req._replace(finalize_fns=[]))) > 0
     queue.schedule_async_request(req)
     overwrite(sd)  # training goes on: the saved state is the one at the call
     rep["async_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
@@ -452,6 +455,7 @@ def test_sync_async_flash_saves_reshard_tp_pp_dp_bit_for_bit(tmp_path, shm, cli)
     for rank, rep in enumerate(reps):
         assert rep["metadata"]["sharded_backend"] == "safepoint", rep["metadata"]
         assert rep["async_finalized"] == [0] and rep["flash_async_finalized"] == [1]
+        assert rep["async_request_pickles"] is True
         assert rep["flash_async_committed"] is True  # finalize ran after the agent's commit
         assert rep["pointers"] == {"iter_1": 1, "iter_2": 2, "iter_3": 3, "iter_4": 4,
                                    "iter_5": 5}
