@@ -28,6 +28,7 @@ bit-exact after a resume and what is not.
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any, NamedTuple, Optional, Union
 
@@ -91,7 +92,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     consumed) and what the order depends on (seed, data-set length, ``shuffle``,
     ``drop_last``): no rank-specific value, so that after a restart with another data-parallel
     size any rank's saved copy is the right one (safepoint gives a rank that the saving world
-    did not have rank 0's). ``load_state_dict`` refuses a state of another seed, data-set
+    did not have another rank's copy). ``load_state_dict`` refuses a state of another seed, data-set
     length, ``shuffle`` or ``drop_last`` (the order would differ); another global batch size is
     accepted, and the rest of the epoch's order is consumed in batches of the new size.
     """
@@ -189,9 +190,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def _normalize(self) -> None:
         """Moves a cursor at the end of its epoch to the start of the next one."""
-        if self.offset >= self._usable() or (self.drop_last and
-                                             self.num_samples - self.offset
-                                             < self.global_batch_size):
+        # Past the data set, or (drop_last) too few samples left for a global batch: the same
+        # ends as `_usable` gives for one global batch size, and also right when the state was
+        # saved with another (a cursor between the data set's end and `_usable` would otherwise
+        # wrap a second time and train samples of the epoch again).
+        if self.offset >= self.num_samples or (self.drop_last and
+                                               self.num_samples - self.offset
+                                               < self.global_batch_size):
             self.epoch += 1
             self.offset = 0
 
@@ -203,12 +208,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield batch
 
     def set_epoch(self, epoch: int) -> None:
-        """Moves the cursor to the start of `epoch`, unless it is in `epoch` already (a resumed
-        run's loop that calls ``set_epoch`` at each epoch's start, as for a
-        ``DistributedSampler``, keeps the restored position)."""
+        """Moves the cursor to the start of `epoch` when that is ahead of it. A resumed run's
+        loop that calls ``set_epoch`` at each epoch's start, as for a ``DistributedSampler``,
+        keeps the restored position: for the epoch the cursor is in, and for an earlier one (a
+        loop that counts from 0, or a framework whose epoch counter is one behind a cursor
+        saved at an epoch's end), which would replay trained samples; the cursor then stays
+        where it is, with a warning. To train an epoch again on purpose, load a state."""
         epoch = _non_negative_int("epoch", epoch)
-        if epoch != self.epoch:
+        if epoch > self.epoch:
             self.epoch, self.offset = epoch, 0
+        elif epoch < self.epoch:
+            warnings.warn(f"GlobalBatchSampler.set_epoch({epoch}): the cursor is in epoch "
+                          f"{self.epoch} (offset {self.offset}) and stays there; moving back "
+                          f"would train samples again", RuntimeWarning, stacklevel=2)
 
     # -- the state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -372,8 +372,33 @@ def test_sampler_set_epoch_keeps_a_restored_position():
     assert (s.epoch, s.offset, s.step, s.consumed) == (1, 24, 6, 72)
     s.set_epoch(1)
     assert s.offset == 24
+    # A loop (or framework) one epoch behind never moves it back over trained samples.
+    with pytest.warns(RuntimeWarning, match="stays there"):
+        s.set_epoch(0)
+    assert (s.epoch, s.offset) == (1, 24)
     s.set_epoch(2)
     assert (s.epoch, s.offset) == (2, 0)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_sampler_resumed_with_another_global_batch_trains_each_sample_once_an_epoch(drop_last):
+    # Saved after one global batch of 4 of a 10-sample epoch, resumed with batches of 8: the
+    # rest of the epoch's order (6 samples) is consumed once, then the next epoch starts (the
+    # cursor used to wrap a second time without drop_last: every sample of that extra batch
+    # had been trained in the epoch already).
+    old = GlobalBatchSampler(10, 4, rank=0, world_size=1, seed=3, drop_last=drop_last)
+    first = consume([old], 1)[0]
+    new = GlobalBatchSampler(10, 8, rank=0, world_size=1, seed=3, drop_last=drop_last)
+    new.load_state_dict(old.state_dict())
+    order = list(new.epoch_order(0))
+    if drop_last:  # 6 left, fewer than a batch of 8: epoch 0 is over
+        assert (new.epoch, new.offset) == (1, 0)
+        return
+    rest = [b for b in new]  # the rest of epoch 0: one batch, then epoch 1
+    # the 6 samples left, completed by the epoch's first 2 (what drop_last=False does)
+    assert rest == [order[4:] + order[:2]]
+    assert first == order[:4]
+    assert (new.epoch, new.offset) == (1, 0)
 
 
 def test_step_seeds_make_a_step_draw_the_same_numbers():
