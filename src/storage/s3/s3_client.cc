@@ -651,7 +651,8 @@ Result<S3Response> S3Client::Execute(const S3Request& request, std::string_view 
     return r;
   }
   return Status(last.code(), std::string(what) + " failed after " + std::to_string(made) +
-                                 (made == 1 ? " attempt: " : " attempts: ") + last.message());
+                                 (made == 1 ? " attempt" : " attempts") + " (endpoint " +
+                                 base_url_ + "): " + last.message());
 }
 
 }  // namespace safepoint::s3

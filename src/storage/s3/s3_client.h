@@ -89,14 +89,17 @@ class S3Client {
 
   // Sends `request`, retrying transient failures. Returns the response of the last attempt for
   // any HTTP status (the caller maps it; S3Response::attempts counts the requests sent);
-  // Unavailable naming `what` when no HTTP response came back at all (connection refused,
-  // timeout, stall) after the retries.
+  // Unavailable naming `what` and the endpoint when no HTTP response came back at all
+  // (connection refused, timeout, stall) after the retries.
   Result<S3Response> Execute(const S3Request& request, std::string_view what);
 
   // Ends every request in flight promptly (Cancelled: libcurl's transfer is aborted from its
   // progress callback, a retry backoff is cut short) and fails every later one at once. Final.
   void Cancel();
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+  // scheme://host[:port] the requests go to (named in errors: which server failed).
+  const std::string& endpoint() const { return base_url_; }
 
   // The request's URL (for tests and messages).
   std::string Url(std::string_view key, std::string_view query) const;

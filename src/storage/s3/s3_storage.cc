@@ -223,8 +223,8 @@ struct S3Context {
   }
 };
 
-// Maps an S3 error response of `what` ("PUT s3://b/p/x") to a Status.
-Status HttpError(const S3Response& r, const std::string& what) {
+// Maps an S3 error response of `what` ("PUT s3://b/p/x") from `endpoint` to a Status.
+Status HttpError(const S3Response& r, const std::string& what, const std::string& endpoint) {
   const std::string code = r.ErrorCode();
   std::string detail = "HTTP " + std::to_string(r.http_status);
   // What the server says is shown bounded and printable (s3::ShownText): it ends up in logs.
@@ -232,7 +232,9 @@ Status HttpError(const S3Response& r, const std::string& what) {
   if (const std::string m = s3::XmlText(r.body, "Message"); !m.empty()) {
     detail += ": " + s3::ShownText(m, s3::kMaxShownMessage);
   }
-  if (r.attempts > 1) detail += " (after " + std::to_string(r.attempts) + " attempts)";
+  // Which server answered: the same bucket may be reached through several endpoints.
+  detail += " (" + (r.attempts > 1 ? "after " + std::to_string(r.attempts) + " attempts, " : "") +
+            "endpoint " + endpoint + ")";
   if (code == "QuotaExceeded" || code == "EntityTooLarge" || r.http_status == 507) {
     return ResourceExhausted(what + ": quota exceeded or storage full (" + detail + ")");
   }
@@ -460,7 +462,8 @@ class S3WritableObject final : public WritableObject {
     req.query = {{"uploads", ""}};
     const std::string what = "CreateMultipartUpload " + desc_;
     auto r = ctx_->client->Execute(req, what);
-    Status s = r.ok() ? (Ok2xx(*r) ? Status::OK() : HttpError(*r, what)) : r.status();
+    Status s = r.ok() ? (Ok2xx(*r) ? Status::OK() : HttpError(*r, what, ctx_->client->endpoint()))
+                      : r.status();
     std::string id;
     if (s.ok()) {
       id = s3::XmlText(r->body, "UploadId");
@@ -490,7 +493,7 @@ class S3WritableObject final : public WritableObject {
     req.body = data;
     const std::string what = "UploadPart " + std::to_string(index + 1) + " of " + desc_;
     SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, what));
-    if (!Ok2xx(r)) return HttpError(r, what);
+    if (!Ok2xx(r)) return HttpError(r, what, ctx_->client->endpoint());
     std::string etag = r.Header("etag");
     if (etag.empty()) return IOError(what + ": no ETag in the answer");
     std::lock_guard<std::mutex> lock(mu_);
@@ -504,7 +507,7 @@ class S3WritableObject final : public WritableObject {
     SP_ASSIGN_OR_RETURN(S3Response r, ctx_->Head(key_, what));
     if (r.http_status == 404) return Status::OK();
     if (Ok2xx(r)) return AlreadyExists(desc_ + ": already exists");
-    return HttpError(r, what);
+    return HttpError(r, what, ctx_->client->endpoint());
   }
 
   Status DoPublish(bool exclusive) {
@@ -579,7 +582,7 @@ class S3WritableObject final : public WritableObject {
     const std::string what = "PUT " + desc_;
     SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, what));
     if (exclusive && r.http_status == 412) return AlreadyExists(desc_ + ": already exists");
-    if (!Ok2xx(r)) return HttpError(r, what);
+    if (!Ok2xx(r)) return HttpError(r, what, ctx_->client->endpoint());
     return Status::OK();
   }
 
@@ -613,12 +616,12 @@ class S3WritableObject final : public WritableObject {
         return Status::OK();
       }
     }
-    if (!Ok2xx(r)) return HttpError(r, what);
+    if (!Ok2xx(r)) return HttpError(r, what, ctx_->client->endpoint());
     // S3 may answer 200 and report the failure in the body.
     if (r.body.find("<Error>") != std::string::npos) {
       S3Response e = r;
       e.http_status = 500;
-      return HttpError(e, what);
+      return HttpError(e, what, ctx_->client->endpoint());
     }
     return Status::OK();
   }
@@ -701,7 +704,7 @@ class S3ReadableObject final : public ReadableObject {
       return Corruption(desc_ + ": truncated: read of " + std::to_string(dst.size()) +
                         " bytes at offset " + std::to_string(offset) + " (HTTP 416)");
     }
-    if (!Ok2xx(r)) return HttpError(r, what);
+    if (!Ok2xx(r)) return HttpError(r, what, ctx_->client->endpoint());
     if (r.http_status != 206 && !(offset == 0 && dst.size() == size_)) {
       return IOError(what + ": the server ignored the Range header (HTTP " +
                      std::to_string(r.http_status) + ")");
@@ -756,7 +759,7 @@ class S3Storage final : public Storage, public internal::CancellableStorage {
     const std::string what = "HEAD " + ctx_->Describe(name);
     SP_ASSIGN_OR_RETURN(S3Response r, ctx_->Head(ctx_->Key(name), what));
     if (r.http_status == 404) return NotFound(ctx_->Describe(name) + ": no such object");
-    if (!Ok2xx(r)) return HttpError(r, what);
+    if (!Ok2xx(r)) return HttpError(r, what, ctx_->client->endpoint());
     uint64_t size = 0;
     const std::string len = r.Header("content-length");
     auto [p, ec] = std::from_chars(len.data(), len.data() + len.size(), size);
@@ -777,7 +780,7 @@ class S3Storage final : public Storage, public internal::CancellableStorage {
       req.query = {{"list-type", "2"}, {"prefix", ctx_->Key(prefix)}};
       if (!token.empty()) req.query.emplace_back("continuation-token", token);
       SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, what));
-      if (!Ok2xx(r)) return HttpError(r, what);
+      if (!Ok2xx(r)) return HttpError(r, what, ctx_->client->endpoint());
       for (std::string_view c : s3::XmlElements(r.body, "Contents")) {
         const std::string key = s3::XmlText(c, "Key");
         if (!key.starts_with(ctx_->root)) continue;
@@ -807,7 +810,7 @@ class S3Storage final : public Storage, public internal::CancellableStorage {
     const std::string what = "DELETE " + ctx_->Describe(name);
     SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, what));
     if (Ok2xx(r) || r.http_status == 404) return Status::OK();
-    return HttpError(r, what);
+    return HttpError(r, what, ctx_->client->endpoint());
   }
 
   Result<size_t> RemoveLeftovers(std::string_view prefix,
@@ -822,7 +825,7 @@ class S3Storage final : public Storage, public internal::CancellableStorage {
       if (!key_marker.empty()) req.query.emplace_back("key-marker", key_marker);
       if (!id_marker.empty()) req.query.emplace_back("upload-id-marker", id_marker);
       SP_ASSIGN_OR_RETURN(S3Response r, ctx_->client->Execute(req, what));
-      if (!Ok2xx(r)) return HttpError(r, what);
+      if (!Ok2xx(r)) return HttpError(r, what, ctx_->client->endpoint());
       for (std::string_view u : s3::XmlElements(r.body, "Upload")) {
         const std::string key = s3::XmlText(u, "Key");
         const std::string id = s3::XmlText(u, "UploadId");
@@ -845,7 +848,7 @@ class S3Storage final : public Storage, public internal::CancellableStorage {
       if (Ok2xx(r)) {
         ++removed;
       } else if (r.http_status != 404) {
-        return HttpError(r, abort_what);
+        return HttpError(r, abort_what, ctx_->client->endpoint());
       }
     }
     return removed;

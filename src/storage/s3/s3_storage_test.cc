@@ -283,8 +283,10 @@ TEST(S3UriTest, ConnectionRefusedIsUnavailableAfterTheRetries) {
   ASSERT_OK(s);
   auto r = (*s)->Open("obj");
   ASSERT_FALSE(r.ok());
-  EXPECT_TRUE(
-      IsError(r.status(), StatusCode::kUnavailable, {"s3://bucket/p/obj", "after 3 attempts"}));
+  // Names the object and the server that could not be reached.
+  EXPECT_TRUE(IsError(r.status(), StatusCode::kUnavailable,
+                      {"s3://bucket/p/obj", "after 3 attempts",
+                       "(endpoint http://127.0.0.1:" + std::to_string(port) + ")"}));
 }
 
 // A loopback HTTP server that answers the i-th connection with responses[i] and closes it: for
@@ -408,8 +410,9 @@ TEST(S3ClientTest, ServerErrorsPastTheRetriesAreUnavailable) {
   ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=1&timeout=5", &s));
   auto r = s->Open("obj");
   ASSERT_FALSE(r.ok());
-  EXPECT_TRUE(IsError(r.status(), StatusCode::kUnavailable,
-                      {"s3://bucket/p/obj", "HTTP 503", "after 2 attempts"}));
+  EXPECT_TRUE(IsError(
+      r.status(), StatusCode::kUnavailable,
+      {"s3://bucket/p/obj", "HTTP 503", "after 2 attempts", "endpoint " + server.endpoint()}));
   EXPECT_EQ(server.requests(), 2);
 }
 
