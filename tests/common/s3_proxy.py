@@ -53,7 +53,7 @@ SLOW_DOWN_BODY = (
 
 # Criteria of a match (all given must hold): "method"; "part": a part number, or True for any
 # UploadPart; "path_contains" / "path_endswith" (the decoded "/bucket/key"); "ranged": a Range
-# header or none.
+# header or none; "range": that Range header.
 UPLOAD_PART = {"part": True}
 IMAGE_GET = {"method": "GET", "ranged": True, "path_endswith": ".img"}
 
@@ -90,6 +90,8 @@ def matches(match: dict, r: Request) -> bool:
     if "path_endswith" in match and not r.path.endswith(match["path_endswith"]):
         return False
     if "ranged" in match and bool(r.range) != match["ranged"]:
+        return False
+    if "range" in match and r.range != match["range"]:
         return False
     return True
 

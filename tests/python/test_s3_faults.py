@@ -143,6 +143,21 @@ def test_a_stalled_part_is_retried_on_a_fresh_connection_and_the_upload_resumes(
     assert loads_bit_exact(base, 1, N)
 
 
+def test_a_download_that_stops_mid_body_is_retried_on_a_fresh_connection(ceph, proxy):
+    base = s3_uri(ceph, "stalled-get")
+    uri = f"{base}?timeout=10&retries=2&{PART}"
+    safepoint.save(uri, 1, state(1, N))
+    # The image's second part-sized range: its answer stops after 1 MiB of its 8 MiB body.
+    second = {**IMAGE_GET, "range": f"bytes={8 << 20}-{(16 << 20) - 1}"}
+    proxy.stall(second, after_bytes=1 << 20)
+    assert loads_bit_exact(uri, 1, N)  # the retry's bytes replace the first attempt's
+    stalled = [r for r in proxy.requests if r.action == "stalled"]
+    assert len(stalled) == 1 and matches(second, stalled[0]), stalled
+    assert wait_until(lambda: proxy.requests[stalled[0].id].client_closed), stalled
+    again = [r for r in proxy.requests if matches(second, r) and r.id > stalled[0].id]
+    assert again and again[0].status == 206 and again[0].conn != stalled[0].conn, again
+
+
 # --- radosgw SIGSTOPped mid-upload and mid-download --------------------------------------------
 
 def stop_after_part(proxy: FaultProxy, gw: Gateway, part: int) -> None:
