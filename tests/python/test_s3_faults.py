@@ -270,6 +270,30 @@ def test_a_tier_copy_stopped_mid_upload_fails_in_status_and_catches_up(ceph, _ga
     assert every_listed_step_is_whole(tier, 1, n=N) == [1]
 
 
+def test_a_tier_copy_resumes_its_upload_after_a_short_gateway_stop(ceph, _gateway, proxy, dirs):
+    tmp, shm = dirs
+    path = tmp / "nvme"
+    tier = s3_uri(ceph, "sigstop-tier-resume")
+    ck = Checkpointer(path, job="s3f-tierok", shm_dir=shm, keep=10,
+                      tiers=[Tier(f"{tier}?timeout=5&retries=4&{PART}&connections=2", keep=10)])
+    stop_after_part(proxy, _gateway, 2)
+    ck.save(1, state(1, N))
+    ck.wait()
+    assert wait_until(lambda: a_request_was_retried(proxy, UPLOAD_PART)), proxy.requests
+    _gateway.signal(signal.SIGCONT)
+    assert wait_until(lambda: tier_state(ck)["newest_step"] == 1 and tier_idle(ck)), \
+        (tier_state(ck), agent_log(shm, "s3f-tierok")[-3000:])
+    done = tier_state(ck)
+    assert done["failures"] == 0 and done["last_error"] == "", done  # the copy never failed
+    key = image_key(proxy, 1)
+    parts = proxy.part_uploads(key)
+    before = parts_done_at_the_stop(proxy)
+    assert 2 in before and all(parts[p] == 1 for p in before), (before, parts)
+    assert multipart_creates(proxy, key) == 1 and not aborted(proxy, key)
+    ck.close()
+    assert every_listed_step_is_whole(tier, 1, n=N) == [1]
+
+
 @pytest.mark.parametrize("resume", ["after-a-retry", "after-the-failure"])
 def test_a_load_stopped_mid_download(ceph, _gateway, proxy, resume):
     base = s3_uri(ceph, "sigstop-load")
