@@ -37,9 +37,11 @@ A round (all of it drawn from the seeded generator):
 
 Checks (any failure is a violation; the run exits 1):
   - bounds: every call (open, save, wait, load, status, close, the store load, the chunk GC) ends
-    within `overlap + B + slack`, where B = (R+1) x T + the retries' backoff (docs/operations.md:
-    a stalled OSD or gateway fails a request with Unavailable after timeout x (retries + 1) at
-    worst), overlap is how long the call and the fault (until the cluster was healthy again)
+    within `overlap + B + slack`, where B = (R+1) x T + the retries' backoff, 2T an attempt on
+    rados:// (docs/operations.md: a stalled OSD or gateway fails a request with Unavailable
+    after timeout x (retries + 1) at worst, on rados:// each attempt may first wait up to
+    `timeout` for a newer OSD map), overlap is how long the call and the fault (until the
+    cluster was healthy again)
     overlapped, and slack (SLACK) the call's healthy work on this 2-core machine; a wait on a
     local `path` gets no overlap (the tier below never holds it up). The longest of each kind is
     printed against its bound;
@@ -100,10 +102,12 @@ PHASES = ("persist", "tier", "gc", "load")
 FAULTS = (("osd-stop", 4), ("osd-kill", 2), ("rgw-kill", 2), ("full", 2))
 
 
-def request_bound(timeout: float, retries: int) -> float:
+def request_bound(timeout: float, retries: int, backend: str = "s3") -> float:
     """docs/operations.md: each attempt is bounded by `timeout`; between attempts a backoff of
-    at most a window that doubles from 0.2 s, up to 10 s."""
-    return (retries + 1) * timeout + sum(min(10.0, 0.2 * 2 ** i) for i in range(retries))
+    at most a window that doubles from 0.2 s, up to 10 s; on rados:// an attempt may first wait
+    up to `timeout` for a newer OSD map (after a transient failure)."""
+    attempt = 2 * timeout if backend == "rados" else timeout
+    return (retries + 1) * attempt + sum(min(10.0, 0.2 * 2 ** i) for i in range(retries))
 
 
 def bulk_of(seed: int, step: int, rank: int, n: int):
@@ -423,7 +427,7 @@ class Campaign:
         base = (self.s3 if backend == "s3" else self.rados) + f"/r{n}"
         store = f"{base}?timeout={timeout}&retries={retries}"
         r = Round(n, phase, kind, Fault(self.cluster, kind, delay, hold),
-                  request_bound(timeout, retries) + SLACK, base, bulk)
+                  request_bound(timeout, retries, backend) + SLACK, base, bulk)
         self.faults[kind] += 1
         self.phases[phase] += 1
         job = r.job = f"bo{self.args.seed % 100000}-{n}"
@@ -720,7 +724,7 @@ class Campaign:
         print(f"the cluster answered again at most {self.settled[0]:.1f} s after a round's "
               f"end (before round {self.settled[1]})")
         print("longest call of each kind (seconds / its bound in that round: overlap with the "
-              "fault + request bound (R+1) x T + backoff + slack):")
+              "fault + request bound (R+1) x T (2T on rados://) + backoff + slack):")
         for call, (s, bound, overlap, n) in sorted(self.longest.items()):
             print(f"  {call:14s} {s:7.2f} s / {bound:6.1f} s (overlap {overlap:.1f} s, round {n})")
         for v in self.violations:

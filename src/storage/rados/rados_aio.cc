@@ -23,13 +23,14 @@ std::chrono::steady_clock::time_point Now() { return std::chrono::steady_clock::
 
 class AioBatch {
  public:
-  AioBatch(Cluster& cluster, int timeout_s, int retries, const std::atomic<bool>* cancelled)
+  AioBatch(const std::shared_ptr<Cluster>& cluster, int timeout_s, int retries,
+           const std::atomic<bool>* cancelled)
       : cluster_(cluster), timeout_s_(timeout_s), retries_(retries), cancelled_(cancelled) {}
 
   void Run(std::vector<AioOp>& ops, size_t window) {
     std::vector<size_t> pending(ops.size());
     for (size_t i = 0; i < ops.size(); ++i) pending[i] = i;
-    if (!ops.empty()) RefreshMapIfSuspect(cluster_);
+    if (!ops.empty()) RefreshMapIfSuspect(cluster_, timeout_s_, cancelled_);
     for (int attempt = 0; !pending.empty(); ++attempt) {
       if (attempt > 0) {
         const auto until = Now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -45,7 +46,7 @@ class AioBatch {
         // A timed-out op may have gone to an OSD that died and came back elsewhere: librados
         // learns the new address only from a newer OSD map, which it does not always ask for on
         // its own (a lone OSD killed and restarted: every retry would go to the dead address).
-        (void)rados_wait_for_latest_osdmap(cluster_.handle);
+        RefreshMap(cluster_, timeout_s_, cancelled_);
       }
       RunRound(ops, pending, window);
       std::vector<size_t> again;
@@ -54,7 +55,7 @@ class AioBatch {
         if (attempt < retries_) {
           again.push_back(i);
         } else {
-          cluster_.map_suspect.store(true, std::memory_order_release);  // for the next call
+          cluster_->map_suspect.store(true, std::memory_order_release);  // for the next call
         }
       }
       pending = std::move(again);
@@ -183,7 +184,7 @@ class AioBatch {
     }
   }
 
-  Cluster& cluster_;
+  const std::shared_ptr<Cluster> cluster_;
   const int timeout_s_;
   const int retries_;
   const std::atomic<bool>* const cancelled_;
@@ -194,8 +195,8 @@ class AioBatch {
 
 }  // namespace
 
-void RunAio(Cluster& cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
-            const std::atomic<bool>* cancelled) {
+void RunAio(const std::shared_ptr<Cluster>& cluster, int timeout_s, int retries,
+            std::vector<AioOp>& ops, size_t window, const std::atomic<bool>* cancelled) {
   AioBatch(cluster, timeout_s, retries, cancelled).Run(ops, window);
 }
 

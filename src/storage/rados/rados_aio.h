@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,10 +38,11 @@ struct AioOp {
 // `retries` times with backoff. Returns after every op finished; each op's rv holds its final
 // result. Once `*cancelled` is true (checked at least every 100 ms while waiting), the ops in
 // flight are cancelled and the others neither started nor retried: they end with -ECANCELED.
-// The newest OSD map is fetched before the first attempt when an earlier call's op ended with a
-// transient error, and before every retry; an op that ends with one marks the map suspect.
-void RunAio(Cluster& cluster, int timeout_s, int retries, std::vector<AioOp>& ops, size_t window,
-            const std::atomic<bool>* cancelled = nullptr);
+// The newest OSD map is fetched (RefreshMap: waiting at most timeout_s) before the first attempt
+// when an earlier call's op ended with a transient error, and before every retry; an op that
+// ends with one marks the map suspect.
+void RunAio(const std::shared_ptr<Cluster>& cluster, int timeout_s, int retries,
+            std::vector<AioOp>& ops, size_t window, const std::atomic<bool>* cancelled = nullptr);
 
 // Whether a librados result is worth retrying (a timeout, a lost connection, a busy OSD).
 bool Transient(int rv);

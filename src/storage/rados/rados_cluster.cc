@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace safepoint::internal::rados {
@@ -53,7 +55,9 @@ void ShutdownClustersAtExit() {
   if (::getpid() != clusters_pid) return;
   std::lock_guard<std::mutex> lock(ClustersMu());
   for (auto& [key, cluster] : Clusters()) {
-    if (cluster->handle != nullptr) rados_shutdown(cluster->handle);
+    std::lock_guard<std::mutex> refresh(cluster->refresh_mu);
+    // A map fetch still blocked in librados (RefreshMap): shutting down under it is undefined.
+    if (cluster->handle != nullptr && !cluster->refreshing) rados_shutdown(cluster->handle);
   }
 }
 
@@ -61,11 +65,46 @@ void ShutdownClustersAtExit() {
 
 std::string RadosError(int rv) { return std::strerror(rv < 0 ? -rv : rv); }
 
-void RefreshMapIfSuspect(Cluster& cluster) {
+namespace {
+
+// Starts a map fetch on a detached thread that keeps the cluster alive; refresh_mu is held.
+void StartFetchLocked(const std::shared_ptr<Cluster>& cluster) {
+  cluster->refreshing = true;
+  std::thread([cluster] {
+    (void)rados_wait_for_latest_osdmap(cluster->handle);
+    std::lock_guard<std::mutex> done(cluster->refresh_mu);
+    cluster->refreshing = false;
+    ++cluster->refreshes;
+    cluster->refresh_cv.notify_all();
+  }).detach();
+}
+
+}  // namespace
+
+void RefreshMap(const std::shared_ptr<Cluster>& cluster, int timeout_s,
+                const std::atomic<bool>* cancelled) {
+  std::unique_lock<std::mutex> lock(cluster->refresh_mu);
+  // A fetch in flight may have asked the monitor before what made this call want a newer map:
+  // then the call waits for the fetch after it too.
+  const uint64_t target = cluster->refreshes + (cluster->refreshing ? 2 : 1);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  while (cluster->refreshes < target) {
+    if (!cluster->refreshing) StartFetchLocked(cluster);
+    if ((cancelled != nullptr && cancelled->load(std::memory_order_acquire)) ||
+        std::chrono::steady_clock::now() >= until) {
+      return;
+    }
+    cluster->refresh_cv.wait_for(lock, std::chrono::milliseconds(100));
+  }
+}
+
+void RefreshMapIfSuspect(const std::shared_ptr<Cluster>& cluster, int timeout_s,
+                         const std::atomic<bool>* cancelled) {
   // Cleared before the fetch: an op failing meanwhile sets it again for the next call. A fetch
-  // that fails (the monitor does not answer either) leaves the op to fail on its own.
-  if (cluster.map_suspect.exchange(false, std::memory_order_acq_rel)) {
-    (void)rados_wait_for_latest_osdmap(cluster.handle);
+  // that does not end in time (the monitor does not answer either) leaves the op to fail on
+  // its own.
+  if (cluster->map_suspect.exchange(false, std::memory_order_acq_rel)) {
+    RefreshMap(cluster, timeout_s, cancelled);
   }
 }
 

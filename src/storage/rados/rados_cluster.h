@@ -9,7 +9,10 @@
 #include <rados/librados.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "safepoint/status.h"
@@ -26,11 +29,26 @@ struct Cluster {
   // would go to the dead address and time out (issue 35's OPEN-2: a rados:// tier with
   // retries=0 that never caught up after an OSD restart).
   std::atomic<bool> map_suspect{false};
+  // RefreshMap's state: one fetch at a time, on a thread of its own.
+  std::mutex refresh_mu;
+  std::condition_variable refresh_cv;
+  bool refreshing = false;
+  uint64_t refreshes = 0;  // fetches finished
 };
 
-// Fetches the newest OSD map first when an earlier op of `cluster` ended with a transient error
-// (bounded by rados_mon_op_timeout, the URI's timeout); otherwise returns at once.
-void RefreshMapIfSuspect(Cluster& cluster);
+// Fetches the newest OSD map, waiting at most `timeout_s` seconds and no longer once
+// `*cancelled` (if given) is true. librados's rados_wait_for_latest_osdmap can wait without end
+// when the monitor does not answer, whatever rados_mon_op_timeout says (ceph PR 70971), so it
+// runs on a detached thread that keeps the cluster alive; a caller that stops waiting goes on
+// with the map it has, and a later call waits for the same fetch. A cluster whose fetch still
+// runs at the process's exit is not shut down.
+void RefreshMap(const std::shared_ptr<Cluster>& cluster, int timeout_s,
+                const std::atomic<bool>* cancelled);
+
+// RefreshMap when an earlier op of `cluster` ended with a transient error; otherwise returns at
+// once.
+void RefreshMapIfSuspect(const std::shared_ptr<Cluster>& cluster, int timeout_s,
+                         const std::atomic<bool>* cancelled);
 
 // The connected cluster of this configuration and `timeout_s`, connected on the first call and
 // kept for the life of the process. Unavailable when it cannot be reached or configured.

@@ -235,7 +235,7 @@ class RadosStorage final : public Storage, public internal::CancellableStorage {
   // ---- used by the objects ----
   std::string HeadOid(std::string_view name) const { return prefix_ + std::string(name); }
   void RunOps(std::vector<AioOp>& ops, size_t window = kWindow, int retries = -1) const {
-    RunAio(*pool_->cluster, options_.timeout_s, retries < 0 ? options_.retries : retries, ops,
+    RunAio(pool_->cluster, options_.timeout_s, retries < 0 ? options_.retries : retries, ops,
            window, &cancelled_);
   }
   // The ops in flight end with ECANCELED, later ones are not sent (the cluster is shared with
@@ -614,16 +614,17 @@ Result<std::vector<std::string>> ListOidsOnce(rados_ioctx_t io, const std::strin
 // ListOidsOnce, with the retries of the aio ops: a transient failure is retried `retries` times
 // with backoff, each retry after fetching the newest OSD map (the first attempt too when an
 // earlier call's op ended with a transient error). A scan restarts from the beginning.
-Result<std::vector<std::string>> ListOids(Cluster& cluster, rados_ioctx_t io,
+Result<std::vector<std::string>> ListOids(const std::shared_ptr<Cluster>& cluster, rados_ioctx_t io,
                                           const std::string& start, const std::string& what,
-                                          int retries, const std::atomic<bool>& cancelled) {
-  RefreshMapIfSuspect(cluster);
+                                          int timeout_s, int retries,
+                                          const std::atomic<bool>& cancelled) {
+  RefreshMapIfSuspect(cluster, timeout_s, &cancelled);
   for (int attempt = 0;; ++attempt) {
     int rv = 0;
     Result<std::vector<std::string>> r = ListOidsOnce(io, start, what, &rv);
     if (r.ok() || !Transient(rv)) return r;
     if (attempt >= retries) {
-      cluster.map_suspect.store(true, std::memory_order_release);
+      cluster->map_suspect.store(true, std::memory_order_release);
       return r;
     }
     const auto until = std::chrono::steady_clock::now() +
@@ -633,15 +634,15 @@ Result<std::vector<std::string>> ListOids(Cluster& cluster, rados_ioctx_t io,
       if (cancelled.load(std::memory_order_acquire)) return r;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    (void)rados_wait_for_latest_osdmap(cluster.handle);
+    RefreshMap(cluster, timeout_s, &cancelled);
   }
 }
 
 Result<std::vector<ObjectInfo>> RadosStorage::List(std::string_view prefix) {
   SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
   SP_ASSIGN_OR_RETURN(std::vector<std::string> oids,
-                      ListOids(*pool_->cluster, heads_io(), prefix_ + std::string(prefix), uri_,
-                               options_.retries, cancelled_));
+                      ListOids(pool_->cluster, heads_io(), prefix_ + std::string(prefix), uri_,
+                               options_.timeout_s, options_.retries, cancelled_));
   std::vector<std::string> names;
   for (const std::string& oid : oids) {
     std::string name = oid.substr(prefix_.size());
@@ -680,8 +681,8 @@ Result<size_t> RadosStorage::RemoveLeftovers(std::string_view prefix,
                                              const LeftoverFilter& remove_if) {
   SP_RETURN_IF_ERROR(ValidateObjectPrefix(prefix));
   SP_ASSIGN_OR_RETURN(std::vector<std::string> oids,
-                      ListOids(*pool_->cluster, data_io(), prefix_ + std::string(prefix), uri_,
-                               options_.retries, cancelled_));
+                      ListOids(pool_->cluster, data_io(), prefix_ + std::string(prefix), uri_,
+                               options_.timeout_s, options_.retries, cancelled_));
   // Group the data objects by write: (object name, data id).
   std::map<std::pair<std::string, std::string>, std::vector<std::string>> writes;
   for (const std::string& oid : oids) {
