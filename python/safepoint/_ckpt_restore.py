@@ -248,17 +248,19 @@ class RestoreMixin(CheckpointerBase):
         read): a lower bound of the job's newest committed step. None when it cannot say."""
         try:
             newest = json.loads(self._live.agent_status()).get("newest_committed")
-        except (Error, ValueError):
+            return None if newest is None else int(newest)
+        except Exception:  # noqa: BLE001 (with several ranks, each must reach the all-reduce)
             return None
-        return None if newest is None else int(newest)
 
     def _agreed_while_unlisted(self, agreed: Any, got: Any, step: Optional[int]):
         """The lister could not list `path`, the only storage (a storage brownout), and told
         every rank so in the agreement. As for one process (_memory_while_unlisted), memory
         still serves, with a warning, when every rank loaded the same snapshot of one save
-        attempt (``agreed.hot``): the asked-for step, or, without one, when that step is at least
-        as new as the newest step any rank's agent saw committed (one all-reduce of the agents'
-        views, only on this path). Otherwise every rank raises the listing's error."""
+        attempt (``agreed.hot``): the asked-for step, or, without one, when every rank's agent
+        can say which step it saw committed newest and that step is at least as new as the
+        newest of them (one all-reduce of the agents' views, only on this path; an agent that
+        cannot say, one restarted meanwhile, may have committed newer than the others saw).
+        Otherwise every rank raises the listing's error."""
         import torch
         import torch.distributed as dist
 
@@ -267,9 +269,11 @@ class RestoreMixin(CheckpointerBase):
             raise error
         if step is None:
             newest = self._agent_newest_committed()
-            view = torch.tensor([-1 if newest is None else newest], dtype=torch.int64)
+            # [the newest step seen committed, whether this rank's agent cannot say]
+            view = torch.tensor([-1 if newest is None else newest, 1 if newest is None else 0],
+                                dtype=torch.int64)
             dist.all_reduce(view, op=dist.ReduceOp.MAX, group=self._group)
-            if int(view.item()) < 0 or agreed.hot_step < int(view.item()):
+            if int(view[1]) or agreed.hot_step < int(view[0]):
                 raise error
         why = ("the asked-for step" if step is not None else
                "at least as new as the newest step the ranks' agents saw committed")
