@@ -423,6 +423,166 @@ def corrupt_worker(a) -> None:
     dist.destroy_process_group()
 
 
+def all_filled(loaded: dict) -> bool:
+    """Whether every tensor of the model and optimizer state loaded is -3 (``overwrite``'s)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    ts = [t for t in nested_values({"m": loaded["model"],
+                                    "o": loaded["optimizer"]["param_state"]})
+          if isinstance(t, torch.Tensor)]
+    return len(ts) > 0 and all(bool((t.float() == -3.0).all()) for t in ts)
+
+
+def races_worker(a) -> None:
+    """2 ranks: saves that overlap, the forked process's part, ranks that see storage fail.
+
+    A spy wraps the core's storage functions (the real ones still run) and records each call
+    made from a process other than the rank's own (Megatron's forked writer): there must be
+    none. A listing failure is injected on one rank (the wrappers raise StorageError)."""
+    import datetime
+    import signal
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.base import AsyncCallsQueue
+
+    import safepoint.megatron as spm
+    from safepoint import _core
+    from safepoint.errors import StorageError
+
+    cpu_shims()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, d = dist.get_rank(), a.dir
+    main_pid, spy = os.getpid(), os.path.join(a.dir, f"forked-core-calls-{rank}")
+    fail = {"listing": False}
+
+    def spied(name, fn):
+        def call(*args, **kwargs):
+            if os.getpid() != main_pid:
+                with open(spy, "a") as f:
+                    f.write(f"{name} pid {os.getpid()}\n")
+            if fail["listing"] and name in ("steps", "image_ranks"):
+                raise StorageError(f"injected listing failure on rank {rank}")
+            return fn(*args, **kwargs)
+        return call
+
+    for name in ("save", "steps", "image_ranks", "step_lineage", "read_metadata"):
+        setattr(_core, name, spied(name, getattr(_core, name)))
+    rep: dict = {}
+
+    def mkdir(*names):
+        path = os.path.join(d, *names)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def attempt(what, fn):
+        try:
+            rep[what] = fn()
+        except BaseException as e:  # noqa: BLE001 (DCP's CheckpointException is one)
+            rep[what] = f"error: {type(e).__name__}: {e}"[:2000]
+
+    def loaded(name, check):
+        state = dist_checkpointing.load(sharded_sd(1, 1, 2, rank, empty=True), mkdir(name))
+        return check(state)
+
+    # B1 (a): two async requests in flight at once (Megatron's queue allows it).
+    queue = AsyncCallsQueue()
+    sd_a, sd_b = sharded_sd(1, 1, 2, rank), sharded_sd(1, 1, 2, rank)
+    overwrite(sd_b)
+    req_a = dist_checkpointing.save(sd_a, mkdir("iter_a"), sharded_strategy=("safepoint", 1),
+                                    async_sharded_save=True)
+    req_b = dist_checkpointing.save(sd_b, mkdir("iter_b"), sharded_strategy=("safepoint", 1),
+                                    async_sharded_save=True)
+    queue.schedule_async_request(req_a)
+    queue.schedule_async_request(req_b)
+    overwrite(sd_a)
+    attempt("two_in_flight_finalized", lambda: queue.maybe_finalize_async_calls(blocking=True))
+    attempt("two_in_flight_steps", lambda: [spm.read_pointer(mkdir(n))[1]
+                                            for n in ("iter_a", "iter_b")])
+    attempt("iter_a_ok", lambda: loaded(
+        "iter_a", lambda s: mismatches(s, 1, 1, 2, rank, True) == []))
+    attempt("iter_b_ok", lambda: loaded("iter_b", all_filled))
+
+    # B1 (b): a flash step only in the agent's memory (the agent stopped) and a non-flash save
+    # to the same directory (named as a file:// URI by one, a path by the other).
+    root = mkdir("mixed")
+    flash = spm.SafepointSaveStrategy("file://" + root, flash=True, job=a.job, shm_dir=a.shm,
+                                      keep=10)
+    plain = spm.SafepointSaveStrategy(root)
+    # (A first flash save sets up the snapshot slots, which needs the agent.)
+    dist_checkpointing.save(sharded_sd(1, 1, 2, rank), mkdir("iter_f0"), sharded_strategy=flash)
+    flash.wait(60)
+    agent = flash.checkpointer.status()["agent"]["pid"]
+    dist.barrier()
+    if rank == 0:
+        os.kill(agent, signal.SIGSTOP)
+    dist.barrier()
+    try:
+        attempt("flash_save", lambda: dist_checkpointing.save(
+            sharded_sd(1, 1, 2, rank), mkdir("iter_f"), sharded_strategy=flash))
+        sd = sharded_sd(1, 1, 2, rank)
+        overwrite(sd)
+        attempt("beside_flash", lambda: dist_checkpointing.save(sd, mkdir("iter_n"),
+                                                                sharded_strategy=plain))
+    finally:
+        dist.barrier()
+        if rank == 0:
+            os.kill(agent, signal.SIGCONT)
+    attempt("flash_wait", lambda: flash.wait(60))
+    attempt("mixed_steps", lambda: [spm.read_pointer(mkdir(n))[1] for n in ("iter_f", "iter_n")])
+    attempt("iter_f_ok", lambda: loaded(
+        "iter_f", lambda s: mismatches(s, 1, 1, 2, rank, True) == []))
+    attempt("iter_n_ok", lambda: loaded("iter_n", all_filled))
+    # Flash through the queue (the forked process waits; a file:// root).
+    sd = sharded_sd(1, 1, 2, rank)
+    req = dist_checkpointing.save(sd, mkdir("iter_fa"), sharded_strategy=flash,
+                                  async_sharded_save=True)
+    queue.schedule_async_request(req)
+    overwrite(sd)
+    attempt("flash_async_finalized", lambda: queue.maybe_finalize_async_calls(blocking=True))
+    attempt("iter_fa_ok", lambda: loaded(
+        "iter_fa", lambda s: mismatches(s, 1, 1, 2, rank, True) == []))
+    flash.close()
+
+    # R7: the request's parts called in one process, as Megatron's persistent worker does
+    # (preload_fn, then the trainer goes on, then async_fn).
+    sd = sharded_sd(1, 1, 2, rank)
+    req = dist_checkpointing.save(sd, mkdir("iter_p"), sharded_strategy=("safepoint", 1),
+                                  async_sharded_save=True)
+    rep["request_pickles"] = len(pickle.dumps(req._replace(finalize_fns=[]))) > 0
+    preloaded = req.preload_fn()
+    overwrite(sd)
+    args = list(req.async_fn_args)
+    args[1] = preloaded
+    req.async_fn(*args)
+
+    def finalize():
+        for fn in req.finalize_fns:
+            fn()
+    attempt("persistent_finalized", finalize)
+    attempt("iter_p_ok", lambda: loaded(
+        "iter_p", lambda s: mismatches(s, 1, 1, 2, rank, True) == []))
+
+    # R3: rank 1 cannot list storage: saves and loads go on (rank 0 decides for all).
+    dist.barrier()
+    fail["listing"] = rank == 1
+    attempt("rank1_fails_save", lambda: dist_checkpointing.save(
+        sharded_sd(1, 1, 2, rank), mkdir("iter_r"), sharded_strategy=("safepoint", 1)) or "ok")
+    attempt("rank1_fails_load", lambda: loaded(
+        "iter_r", lambda s: mismatches(s, 1, 1, 2, rank, True) == []))
+    # rank 0 cannot: every rank raises rank 0's error.
+    dist.barrier()
+    fail["listing"] = rank == 0
+    attempt("rank0_fails_load", lambda: loaded("iter_r", lambda s: "loaded"))
+    fail["listing"] = False
+    with open(spy, "a"):
+        pass
+    with open(spy) as f:
+        rep["forked_core_calls"] = f.read().splitlines()
+    print(json.dumps(rep), flush=True)
+    dist.destroy_process_group()
+
+
 def worker(argv) -> None:
     import argparse
 
@@ -431,7 +591,7 @@ def worker(argv) -> None:
     ap.add_argument("--job", default="megatron-test")
     a = ap.parse_args(argv)
     {"save": save_worker, "load": load_worker, "gpt": gpt_worker,
-     "corrupt": corrupt_worker}[a.what](a)
+     "corrupt": corrupt_worker, "races": races_worker}[a.what](a)
 
 
 # --- tests ---------------------------------------------------------------------------------------
@@ -491,6 +651,32 @@ def test_metadata_entry_points_retention_and_a_corrupted_image(tmp_path):
     assert rep["kept_ok"] is True and rep["kept_steps"] == [2], rep
     assert rep["pruned"] is not None and rep["pruned"].startswith("NotFoundError"), rep
     assert "step 1 is not committed" in rep["pruned"], rep
+
+
+def test_overlapping_saves_forked_part_and_ranks_that_fail_to_list(tmp_path, shm):
+    reps = run_world(2, ["races", "--dir", tmp_path, "--shm", shm])
+    for rank, rep in enumerate(reps):
+        # Two async requests in flight at once take two steps, each with its own data.
+        assert rep["two_in_flight_finalized"] == [0, 1], (rank, rep)
+        steps = rep["two_in_flight_steps"]
+        assert isinstance(steps, list) and steps[0] != steps[1], (rank, rep)
+        assert rep["iter_a_ok"] is True and rep["iter_b_ok"] is True, (rank, rep)
+        # A non-flash save beside a flash step still only in the (stopped) agent's memory.
+        assert rep["flash_save"] is None and rep["beside_flash"] is None, (rank, rep)
+        steps = rep["mixed_steps"]
+        assert isinstance(steps, list) and steps[0] != steps[1], (rank, rep)
+        assert rep["iter_f_ok"] is True and rep["iter_n_ok"] is True, (rank, rep)
+        assert rep["flash_async_finalized"] == [2] and rep["iter_fa_ok"] is True, (rank, rep)
+        # The persistent caller's order: the data is the one at preload, not what came after.
+        assert rep["persistent_finalized"] is None and rep["iter_p_ok"] is True, (rank, rep)
+        assert rep["request_pickles"] is True
+        # Megatron's forked processes never entered the core.
+        assert rep["forked_core_calls"] == [], (rank, rep["forked_core_calls"][:5])
+        # One rank's listing fails: rank 0 decides for all.
+        assert rep["rank1_fails_save"] == "ok" and rep["rank1_fails_load"] is True, (rank, rep)
+        err = rep["rank0_fails_load"]
+        assert isinstance(err, str) and err.startswith("error: StorageError"), (rank, err)
+        assert "injected listing failure on rank 0" in err, (rank, err)
 
 
 def test_strategies_are_registered_under_safepoint():
