@@ -417,9 +417,30 @@ def corrupt_worker(a) -> None:
         pruned = None
     except Exception as e:
         pruned = f"{type(e).__name__}: {e}"
+    # A step deleted and taken again by another save (another job, say): the first pointer
+    # refuses it (the save attempt it records) instead of loading the other save's data.
+    reused = os.path.join(a.dir, "reused")
+    for name in ("iter_20", "iter_21"):
+        os.makedirs(os.path.join(a.dir, name))
+    dist_checkpointing.save(sharded_sd(1, 1, 1, 0), os.path.join(a.dir, "iter_20"),
+                            sharded_strategy=spm.SafepointSaveStrategy(reused))
+    _core.delete_step(reused, 1)
+    other = sharded_sd(1, 1, 1, 0)
+    overwrite(other)
+    dist_checkpointing.save(other, os.path.join(a.dir, "iter_21"),
+                            sharded_strategy=spm.SafepointSaveStrategy(reused))
+    try:
+        got = dist_checkpointing.load(sharded_sd(1, 1, 1, 0, empty=True),
+                                      os.path.join(a.dir, "iter_20"))
+        retaken = f"loaded; the other save's data: {all_filled(got)}"
+    except Exception as e:
+        retaken = f"{type(e).__name__}: {e}"
     print(json.dumps({"ok_before": ok, "shapes_ok": shapes_ok, "plain_ok": plain_ok,
                       "error": err, "kept_ok": kept_ok, "pruned": pruned,
-                      "kept_steps": list(_core.steps(os.path.join(a.dir, "kept")))}), flush=True)
+                      "kept_steps": list(_core.steps(os.path.join(a.dir, "kept"))),
+                      "retaken": retaken,
+                      "retaken_steps": [spm.read_pointer(os.path.join(a.dir, n))[1]
+                                        for n in ("iter_20", "iter_21")]}), flush=True)
     dist.destroy_process_group()
 
 
@@ -651,6 +672,8 @@ def test_metadata_entry_points_retention_and_a_corrupted_image(tmp_path):
     assert rep["kept_ok"] is True and rep["kept_steps"] == [2], rep
     assert rep["pruned"] is not None and rep["pruned"].startswith("NotFoundError"), rep
     assert "step 1 is not committed" in rep["pruned"], rep
+    assert rep["retaken_steps"] == [1, 1], rep  # (the scenario: one step, two saves)
+    assert "committed by another save" in rep["retaken"], rep
 
 
 def test_overlapping_saves_forked_part_and_ranks_that_fail_to_list(tmp_path, shm):
