@@ -89,6 +89,11 @@ SLOW_TESTS = {
     "test_dp_size_2_then_4_then_3_trains_the_same_samples": 13,
     "test_sync_async_flash_saves_reshard_tp_pp_dp_bit_for_bit": 44,  # test_megatron: 37 s alone
     "test_example_runs_and_resumes[megatron_example.py]": 28,
+    # test_s3_faults: 83 s alone, 11 tests on one worker
+    "test_a_stalled_part_is_retried_on_a_fresh_connection_and_the_upload_resumes": 30,
+    "test_a_download_that_stops_mid_body_is_retried_on_a_fresh_connection": 25,
+    "test_persist_past_its_budget_fails_wait_naming_rank_object_and_endpoint": 24,
+    "test_a_tier_copy_stopped_mid_upload_fails_in_status_and_catches_up": 22,
 }
 
 
