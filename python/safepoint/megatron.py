@@ -345,9 +345,10 @@ def _get_result(path: str, timeout: float, what: str) -> dict:
         return cast(dict, json.load(f))
 
 
-def _in_background(result: str, what: str, fn: Any, *args: Any) -> _Pending:
+def _in_background(result: str, what: str, daemon: bool, fn: Any, *args: Any) -> _Pending:
     """Runs ``fn(*args)`` on a thread of this process; its outcome (an error, or the warning
-    ``fn`` returns) goes to the file ``result``."""
+    ``fn`` returns) goes to the file ``result``. ``daemon``: the thread only watches (a write
+    is finished before the interpreter exits)."""
     def run() -> None:
         try:
             warning = fn(*args)
@@ -356,7 +357,7 @@ def _in_background(result: str, what: str, fn: Any, *args: Any) -> _Pending:
         else:
             _put_result(result, warning=warning)
 
-    threading.Thread(target=run, name=f"safepoint.megatron {what}").start()
+    threading.Thread(target=run, name=f"safepoint.megatron {what}", daemon=daemon).start()
     return _Pending(result, os.getpid())
 
 
@@ -393,15 +394,15 @@ def _preload_and_write(staged: _Staged, writer: _StepWriter, plan: SavePlan,
     except Exception as e:  # reported by the finalize on every rank, as a write error
         _put_result(result, error=f"{what}: copy to host memory: {type(e).__name__}: {e}")
         return _Pending(result, os.getpid())
-    return _in_background(result, what, _write_image, writer, host, plan)
+    return _in_background(result, what, False, _write_image, writer, host, plan)
 
 
 def _preload_and_wait(root: str, step: int, attempt: int, keep: int, timeout: float,
                       result: str) -> _Pending:
     """A flash async request's ``preload_fn`` (the copy was made in ``async_save``): waits for
     the agent's commit on a thread of this process."""
-    return _in_background(result, f"step {step} of {root}", _await_commit, root, step, attempt,
-                          keep, timeout)
+    return _in_background(result, f"step {step} of {root}", True, _await_commit, root, step,
+                          attempt, keep, timeout)
 
 
 def _await_commit(root: str, step: int, attempt: int, keep: int, timeout: float) -> Optional[str]:
