@@ -199,12 +199,19 @@ def _own_byte_views(obj: Any) -> Any:
                 and obj.storage_offset()):
             return obj.clone()
         return obj
-    if isinstance(obj, dict):
-        return {k: _own_byte_views(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_own_byte_views(v) for v in obj]
+    # Containers are changed in place (a tuple rebuilt only where an item changed), so that
+    # their types and attributes (an OrderedDict's `_metadata`, a namedtuple) stay as loaded.
+    if isinstance(obj, (dict, list)):
+        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            new = _own_byte_views(v)
+            if new is not v:
+                obj[k] = new
+        return obj
     if isinstance(obj, tuple):
-        return tuple(_own_byte_views(v) for v in obj)
+        items = [_own_byte_views(v) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 
