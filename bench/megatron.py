@@ -16,7 +16,9 @@ Each contender saves through Megatron's own ``dist_checkpointing.save`` (and loa
   ``FileSystemWriterAsync``, 2 writer threads a rank, fsync);
 - torch_dist async: the same with ``async_sharded_save=True`` and Megatron's ``AsyncCallsQueue``
   (a forked writer process per rank, ``TemporalAsyncCaller``);
-- safepoint sync / async: ``("safepoint", 1)``, the same two ways;
+- safepoint sync / async: ``("safepoint", 1)``, the same two ways (async: the request's
+  ``preload_fn`` clones the host tensors and writes on a thread of the rank's process; Megatron's
+  forked process only waits for it);
 - safepoint flash: ``SafepointSaveStrategy(flash=True)`` (copy into shared memory; the node agent
   persists).
 
