@@ -599,9 +599,10 @@ Result<std::vector<std::string>> ListOidsOnce(rados_ioctx_t io, const std::strin
     if (rv < 0) {
       rados_nobjects_list_close(ctx);
       *rv_out = rv;
-      Status s = rv == -ETIMEDOUT ? Unavailable(what + ": listing objects: timed out")
-                                  : IOError(what + ": listing objects: " + RadosError(rv));
-      return s;
+      if (rv == -ETIMEDOUT) return Unavailable(what + ": listing objects: timed out");
+      // Transient (a lost connection, a busy OSD): Unavailable, as for ops (OpStatus).
+      if (Transient(rv)) return Unavailable(what + ": listing objects: " + RadosError(rv));
+      return IOError(what + ": listing objects: " + RadosError(rv));
     }
     std::string_view oid(entry);
     if (oid.starts_with(start)) out.emplace_back(oid);
@@ -631,7 +632,9 @@ Result<std::vector<std::string>> ListOids(const std::shared_ptr<Cluster>& cluste
                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                            std::chrono::duration<double>(RetryBackoffSeconds(attempt + 1)));
     while (std::chrono::steady_clock::now() < until) {
-      if (cancelled.load(std::memory_order_acquire)) return r;
+      if (cancelled.load(std::memory_order_acquire)) {
+        return Cancelled(what + ": listing objects: cancelled (" + r.status().message() + ")");
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     RefreshMap(cluster, timeout_s, &cancelled);
