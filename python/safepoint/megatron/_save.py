@@ -1,107 +1,5 @@
-"""Megatron-Core's ``dist_checkpointing`` in safepoint's format.
-
-    from megatron.core import dist_checkpointing
-    import safepoint.megatron                     # registers the backend "safepoint"
-
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
-                            sharded_strategy=("safepoint", 1))                 # sync
-    req = dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=("safepoint", 1),
-                                  async_sharded_save=True)                     # async
-    dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=("safepoint_flash", 1))  # flash
-    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)     # any of them
-
-``SafepointSaveStrategy`` is a Megatron ``AsyncSaveShardedStrategy`` and
-``SafepointLoadStrategy`` a ``LoadShardedStrategy``; importing this module registers both with
-Megatron's own registry (``strategies.base.register_default_strategy``) under the backend
-``"safepoint"`` (version 1), and the flash save strategy under ``"safepoint_flash"``. Megatron
-writes the backend's name into the checkpoint's ``metadata.json``, so ``dist_checkpointing.load``
-picks ``SafepointLoadStrategy`` by itself. Tested with megatron-core 0.16.1.
-
-Why on top of Megatron's ``torch_dist`` machinery. Megatron's ``torch_dist`` strategy is DCP
-underneath: it turns Megatron's ``ShardedTensor``s (after the factories are applied and
-replicas dropped: ``_replace_state_dict_keys_with_sharded_keys``, ``mcore_to_pyt_state_dict``)
-into DCP-checkpointable tensors and ``ShardedObject``s into byte items, plans with its
-``MCoreSavePlanner``, and loads with ``MCoreLoadPlanner`` (global-shape checks,
-``allow_shape_mismatch``). All of that is format-independent, and resharding (another TP, PP or
-DP layout) is DCP's planner reading the overlaps of the saved chunks. safepoint already has a
-DCP storage layer (``safepoint.dcp.Writer``/``Reader``: one image per rank, CRC per 4 MiB chunk,
-a commit record once every rank's image is durable, reads of only the byte ranges a rank needs).
-So these strategies reuse Megatron's translation and planners unchanged and swap only the
-storage: ``safepoint.dcp.Writer``'s image instead of ``FileSystemWriterAsync``'s ``.distcp``
-files, ``safepoint.dcp.Reader`` instead of ``FileSystemReader``. What is not reused is Megatron's
-``save_state_dict_async_finalize`` (it gathers every rank's write results and broadcasts a flag
-on ``torch.cuda.current_device()``): a safepoint step needs neither a metadata file (the
-Reader rebuilds DCP's metadata from the images) nor the gather (the step is committed when
-every image is there), so the finalize here only checks the commit: rank 0 looks at storage
-and every rank gets its verdict (success, or its error raised on every rank), so ranks never
-part ways on what one of them saw; loads likewise.
-
-Layout. Megatron's checkpoint directory (``ckpt_dir``, e.g. ``<save>/iter_0000100``) keeps
-``metadata.json`` and ``common.pt`` (Megatron's common strategy: the non-sharded values,
-``torch.save`` by rank 0, as with ``torch_dist``), and gets ``safepoint.json``, a pointer naming
-the safepoint directory (``root``; default ``<parent of ckpt_dir>/safepoint``), the step that
-holds this checkpoint's tensors and ``ShardedObject``s and the save attempt that commits it (a
-load checks it). Each save takes the next free step of ``root``: past every step committed there
-(the coordinator lists storage), holding an image of an unfinished save, or taken by any save
-strategy of any rank's process and not yet seen committed (an async request still writing, a
-flash snapshot in the agent's memory: each rank reports those in its local plan), so saves in
-flight at once, sync, async and flash ones to one ``root``, never share a step; the finalize
-checks that the step was committed by this save's attempt. ``safepoint ls/inspect/verify ROOT``
-work on it.
-
-Modes:
-
-- sync: ``save`` returns once every rank's image is durable and the step committed.
-- async: ``save(..., async_sharded_save=True)`` returns Megatron's ``AsyncRequest``: its
-  ``preload_fn`` copies this rank's tensors to host memory (device tensors copied, host tensors
-  cloned: training may mutate them once it returns) and writes the image on a thread of the
-  process that called it (the core releases the GIL); its ``async_fn``, which Megatron's
-  ``TemporalAsyncCaller`` runs in a forked process, only waits for that thread's result (a small
-  file, at most ``commit_timeout`` seconds): safepoint's core never runs in a forked process,
-  whose copy of the parent's core state (a connected cluster's threads, locks) is not usable.
-  The finalize reports the thread's error on every rank, then rank 0 writes the pointer (and
-  Megatron ``metadata.json``). Under Megatron's ``PersistentAsyncCaller`` (a spawned worker)
-  ``preload_fn`` and ``async_fn`` both run in the worker, which writes; the finalize reads the
-  same result file (untested: its worker needs CUDA in 0.16.1).
-- flash (``SafepointSaveStrategy(flash=True)``, registered as ``"safepoint_flash"``): the state
-  is copied into host shared memory by a ``safepoint.Checkpointer`` and ``save`` returns; the
-  node agent persists it and commits the step once every rank's image is on storage (a process
-  that dies after the copy loses nothing: the agent persists its snapshot). The pointer is
-  written at once, so a sync flash checkpoint is durable only once the agent committed its step
-  (``wait()``); Megatron-LM writes ``latest_checkpointed_iteration.txt`` right after a sync save,
-  so use flash with ``--async-save``. ``async_sharded_save=True`` with flash: the copy happens in
-  the call, and the request's ``preload_fn`` starts a thread that waits until the agent committed
-  the step (as this save's attempt), so Megatron's finalize (``metadata.json``, Megatron-LM's
-  ``latest_checkpointed_iteration.txt``) runs only once the checkpoint is durable. With a small
-  ``keep``, a step the agent committed and already deleted for newer ones by then finalizes with
-  a warning (that checkpoint does not load, as any pruned one). Loading a flash checkpoint waits
-  (``load_timeout``) for its step to be committed; it reads storage, not the agent's memory (no
-  hot reload here).
-  ``close()`` (or the interpreter's exit) waits for every flash save and frees the memory.
-
-Megatron's ``FullyParallelSaveStrategyWrapper`` (what Megatron-LM's ``--ckpt-fully-parallel-save``
-puts around the save strategy) wraps ``SafepointSaveStrategy`` as it does ``torch_dist``'s: it
-spreads the saves of replicated shards over the ranks, and these strategies write what it
-marks as main replicas (tested). Its load counterpart exchanges the loaded tensors on CUDA
-devices (``exchange_utils``), which the CPU tests cannot run.
-
-Retention: ``keep=K`` deletes committed steps older than the newest K of ``root`` (sync/async:
-rank 0 after a save, as ``safepoint.dcp.Writer``; flash: the agent's retention, default 3);
-their Megatron directories then fail to load with ``NotFoundError`` naming the step. Megatron's
-``remove_sharded_tensors`` is not supported.
-
-On a CPU-only torch (the tests): Megatron 0.16.1's ``AsyncCallsQueue`` and
-``TemporalAsyncCaller`` call ``torch.cuda.synchronize()`` and put their flags on
-``torch.cuda.current_device()``, and so does ``torch_dist``'s own save finalize; these strategies
-do not, but scheduling an async request through Megatron's queue needs those two calls to work
-(the tests and bench/megatron.py make them CPU no-ops there). Megatron's ``GPTModel`` builds on
-the CPU (``use_cpu_initialization=True``, the local layer spec) and its ``sharded_state_dict()``
-works; its forward does not (``DotProductAttention`` takes a buffer from
-``GlobalMemoryBuffer.get_tensor``, allocated on ``torch.cuda.current_device()``), nor does the
-``DistributedOptimizer`` (its ``DistributedDataParallel`` grad buffers are allocated on
-``torch.cuda.current_device()``), so its state is tested in the format its
-``sharded_state_dict`` produces (``fully_reshardable`` and ``dp_reshardable``).
-"""
+"""safepoint.megatron: the save strategy (sync, async, flash) and an async request's background
+part."""
 
 from __future__ import annotations
 
@@ -122,186 +20,44 @@ from typing import Any, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
-    StrategyAction,
-    register_default_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
     save_state_dict_async_plan,
 )
 from megatron.core.dist_checkpointing.strategies.torch import (
-    MCoreLoadPlanner,
     MCoreSavePlanner,
-    TorchDistLoadShardedStrategy,
-    _replace_sharded_keys_with_state_dict_keys,
     _replace_state_dict_keys_with_sharded_keys,
-    _restore_dict_types,
-    _unwrap_pyt_sharded_tensor,
     mcore_to_pyt_state_dict,
 )
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
 import safepoint
 import safepoint.errors
 from safepoint import _core
 from safepoint._attempt import new_attempt
-from safepoint.dcp.reader import Reader
 from safepoint.dcp.writer import Writer, _RankPlan, prune
 from safepoint.errors import InvalidArgumentError, NotFoundError
-
-BACKEND = "safepoint"
-FLASH_BACKEND = "safepoint_flash"  # registry name of the flash save strategy (format: BACKEND)
-VERSION = 1
-POINTER = "safepoint.json"
-POINTER_FORMAT = "safepoint-megatron"
-POINTER_VERSION = 1
-
-_SCHEME = "://"
-_AGENT_KEEP = 3  # safepoint.Checkpointer's default keep (the flash strategy's retention)
-
-
-# -- where a checkpoint's step is ----------------------------------------------------------------
-
-def _root_of(checkpoint_dir: Union[str, Path], root: Optional[str]) -> str:
-    if root is not None:
-        return root if _SCHEME in root else os.path.abspath(root)
-    return os.path.join(os.path.dirname(os.path.abspath(os.fspath(checkpoint_dir))), "safepoint")
-
-
-def _write_pointer(checkpoint_dir: Union[str, Path], root: str, step: int,
-                   attempt: int) -> None:
-    """``<checkpoint_dir>/safepoint.json`` naming the step and the save attempt that commits it
-    (rank 0; durable, atomic)."""
-    path = os.path.join(os.fspath(checkpoint_dir), POINTER)
-    doc = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "root": root, "step": step,
-           "attempt": attempt}
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_pointer(checkpoint_dir: Union[str, Path]) -> tuple[str, int]:
-    """The (safepoint directory, step) a Megatron checkpoint directory saved by
-    ``SafepointSaveStrategy`` points to."""
-    root, step, _ = _read_pointer(checkpoint_dir)
-    return root, step
-
-
-def _read_pointer(checkpoint_dir: Union[str, Path]) -> tuple[str, int, int]:
-    """(root, step, save attempt: 0 when the pointer names none)."""
-    path = os.path.join(os.fspath(checkpoint_dir), POINTER)
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise NotFoundError(f"{checkpoint_dir}: no {POINTER}: not saved by safepoint's Megatron "
-                            f"strategy (or its save did not finish)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointingException(f"{path}: unreadable safepoint pointer: {e}") from None
-    if (not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT
-            or doc.get("version") != POINTER_VERSION or not isinstance(doc.get("root"), str)
-            or type(doc.get("step")) is not int or type(doc.get("attempt", 0)) is not int):
-        raise CheckpointingException(f"{path}: not a safepoint pointer of version "
-                                     f"{POINTER_VERSION}: {doc!r}")
-    return doc["root"], doc["step"], doc.get("attempt", 0)
-
-
-def _steps(root: str) -> list[int]:
-    if _SCHEME not in root and not os.path.isdir(root):
-        return []
-    return list(_core.steps(root))
-
-
-def _location(root: str) -> str:
-    """One name per safepoint directory: a local path resolved (``file://`` as its path), any
-    other URI as given."""
-    if root.startswith("file://"):
-        root = root[len("file://"):]
-    return root.rstrip("/") if _SCHEME in root else os.path.realpath(root)
-
-
-def _committed_attempt(root: str, step: int) -> Optional[int]:
-    """The save attempt that committed ``step`` (its images' attempt), None when not committed."""
-    if step not in _steps(root):
-        return None
-    return _core.step_lineage(root, step)[0]
-
-
-def _check_attempt(root: str, step: int, attempt: int, got: int) -> None:
-    if attempt and got != attempt:
-        raise CheckpointingException(
-            f"{root}: step {step} was committed by another save (attempt {got:x}, this "
-            f"checkpoint's is {attempt:x}): two saves took the same step")
-
-
-def _wait_committed(root: str, step: int, timeout: float, attempt: int = 0) -> None:
-    """Returns once ``step`` is committed in ``root`` (by save ``attempt`` when not 0);
-    NotFoundError when a newer step is and this one is not (retention deleted it) or after
-    ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        steps = _steps(root)
-        if step in steps:
-            _check_attempt(root, step, attempt, _core.step_lineage(root, step)[0])
-            return
-        if steps and steps[-1] > step and not _core.image_ranks(root, step):
-            raise NotFoundError(f"{root}: step {step} is not committed and newer steps are "
-                                f"(retention deleted it?)")
-        if time.monotonic() > deadline:
-            present = _core.image_ranks(root, step)
-            raise NotFoundError(
-                f"{root}: step {step} is not committed after {timeout:.0f} s (images of ranks "
-                f"{present or 'none'} present): its save did not finish, or the node agent of a "
-                f"flash save did not persist it")
-        time.sleep(0.02)
-
-
-# -- the steps this process has taken ------------------------------------------------------------
-# A step is taken from the planning on, not once committed: an async request still writing, or
-# a flash snapshot only in the agent's memory, holds a step that storage does not show. Every
-# save strategy of this process (sync, async and flash instances alike) records the steps it
-# planned here, per safepoint directory; each rank reports the newest it knows in its local
-# plan, so the coordinator's choice is past every rank's. A step leaves once its finalize saw it
-# committed (the listing shows it from then on); a failed save's step stays taken.
-
-_LOCK = threading.Lock()
-_TAKEN: dict[str, set[int]] = {}
-_OPEN_FLASH: weakref.WeakSet = weakref.WeakSet()  # flash strategies with an open Checkpointer
-
-
-def _take(root: str, step: int) -> None:
-    with _LOCK:
-        _TAKEN.setdefault(_location(root), set()).add(step)
-
-
-def _settle(root: str, step: int) -> None:
-    with _LOCK:
-        _TAKEN.get(_location(root), set()).discard(step)
-
-
-def _newest_taken(root: str) -> int:
-    """The newest step of ``root`` this process has planned and not seen committed, or holds in
-    an open flash Checkpointer's memory (its snapshots); 0 when none."""
-    here = _location(root)
-    with _LOCK:
-        newest = max(_TAKEN.get(here, ()), default=0)
-    for strategy in list(_OPEN_FLASH):
-        ckpt = strategy._ckpt
-        if ckpt is not None and _location(ckpt.path) == here:
-            newest = max([newest, *(s.step for s in ckpt._live.slots())])
-    return newest
-
+from safepoint.megatron._storage import (
+    _AGENT_KEEP,
+    _OPEN_FLASH,
+    BACKEND,
+    VERSION,
+    _check_attempt,
+    _committed_attempt,
+    _newest_taken,
+    _rank0_decides,
+    _root_of,
+    _settle,
+    _steps,
+    _take,
+    _write_pointer,
+)
 
 # -- the background part of an async request -----------------------------------------------------
 # Megatron's TemporalAsyncCaller runs a request's async_fn in a forked process. The core never
@@ -510,26 +266,6 @@ def _close_at_exit(ref: weakref.ref, ckpt: safepoint.Checkpointer) -> None:
         ckpt.close()
 
 
-def _rank0_decides(decide: Any) -> Any:
-    """Rank 0 runs ``decide()`` and every rank gets its value (or its error, raised on every
-    rank): the ranks never part ways on what one rank saw of storage."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return decide()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", decide())
-        except Exception as e:
-            box[0] = ("error", type(e).__name__, str(e))
-    dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "ok":
-        return box[0][1]
-    cls = getattr(safepoint.errors, box[0][1], None)
-    if isinstance(cls, type) and issubclass(cls, safepoint.errors.Error):
-        raise cls(box[0][2])
-    raise CheckpointingException(f"{box[0][1]}: {box[0][2]}")
-
-
 class SafepointSaveStrategy(AsyncSaveShardedStrategy):
     """Megatron save strategy writing safepoint steps (module doc).
 
@@ -713,106 +449,3 @@ class SafepointSaveStrategy(AsyncSaveShardedStrategy):
         if self._ckpt is not None:
             ckpt, self._ckpt = self._ckpt, None
             ckpt.close()
-
-
-# -- loading ---------------------------------------------------------------------------------
-
-class SafepointLoadStrategy(TorchDistLoadShardedStrategy):
-    """Megatron load strategy for checkpoints ``SafepointSaveStrategy`` saved: Megatron's
-    ``torch_dist`` loading (its planner, shape checks and state dict translation) over
-    ``safepoint.dcp.Reader``, which reads only the byte ranges each rank's shards overlap.
-    ``load_timeout``: seconds to wait for a flash save's step to be committed."""
-
-    def __init__(self, load_timeout: float = 120.0) -> None:
-        super().__init__()
-        self.load_timeout = load_timeout
-        self.last_reader: Optional[Reader] = None  # of the last load (bytes_read, for tests)
-
-    def _reader(self, checkpoint_dir: Union[str, Path], collective: bool = False) -> Reader:
-        """``collective`` (``load``, which every rank calls): rank 0 alone reads the pointer
-        and waits for the commit, and every rank gets its verdict (or raises its error)."""
-        def committed() -> tuple[str, int]:
-            root, step, attempt = _read_pointer(checkpoint_dir)
-            _wait_committed(root, step, self.load_timeout, attempt)
-            return root, step
-
-        root, step = _rank0_decides(committed) if collective else committed()
-        return Reader(root, step=step)
-
-    def load(self, sharded_state_dict: ShardedStateDict,
-             checkpoint_dir: Union[str, Path]) -> dict:
-        # As TorchDistLoadShardedStrategy.load (megatron-core 0.16.1), with safepoint's reader.
-        flexible_shape = [t for t in nested_values(sharded_state_dict)
-                          if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch]
-        allow_mismatch = {t.key: t for t in nested_values(sharded_state_dict)
-                          if isinstance(t, ShardedTensor) and t.allow_shape_mismatch}
-        orig = sharded_state_dict
-        flat, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
-            sharded_state_dict)
-        pyt_state_dict = mcore_to_pyt_state_dict(flat, True)
-        reader = self._reader(checkpoint_dir, collective=True)
-        dcp.load(pyt_state_dict, storage_reader=reader,
-                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=flexible_shape,
-                                          allow_shape_mismatch_sharded_tensors=allow_mismatch))
-        self.last_reader = reader
-        mcore = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
-        out = _replace_sharded_keys_with_state_dict_keys(mcore, flat_mapping, rename_mapping)
-        _restore_dict_types(out, orig)
-        return out
-
-    def load_tensors_metadata(self, checkpoint_dir: Union[str, Path],
-                              metadata: Any = None) -> dict:
-        if metadata is None:
-            metadata = self._reader(checkpoint_dir).read_metadata()
-        return super().load_tensors_metadata(Path(checkpoint_dir), metadata)
-
-    def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> dict:
-        metadata = self._reader(checkpoint_dir).read_metadata()
-        out: dict[str, Any] = {}
-        for key, md in metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
-                obj = ShardedObject.empty_from_unique_key(key)
-                out[obj.unique_key] = obj
-        out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
-        return out
-
-    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
-        raise CheckpointingException(
-            f"{checkpoint_dir}: remove_sharded_tensors is not supported for safepoint "
-            f"checkpoints (a committed step is never rewritten); save a new checkpoint without "
-            f"the {key_prefix!r} tensors instead")
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != BACKEND:
-            raise CheckpointingException(f"SafepointLoadStrategy loads the backend {BACKEND!r}, "
-                                         f"not {loaded_backend!r}")
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version != VERSION:
-            raise CheckpointingException(f"SafepointLoadStrategy loads version {VERSION} of "
-                                         f"{BACKEND!r}, not {loaded_version!r}")
-
-
-_FLASH = SafepointSaveStrategy(flash=True)
-
-
-def register() -> None:
-    """Registers the strategies with Megatron (done on import): save ``("safepoint", 1)``
-    (sync and async) and ``("safepoint_flash", 1)`` (flash, this process's one instance:
-    ``close()`` it); load ``("safepoint", 1)``, which ``metadata.json`` names."""
-    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
-                              SafepointSaveStrategy())
-    register_default_strategy(StrategyAction.SAVE_SHARDED, FLASH_BACKEND, VERSION, _FLASH)
-    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
-                              SafepointLoadStrategy())
-
-
-def close() -> None:
-    """Closes the registered flash strategy (``"safepoint_flash"``): waits for its saves."""
-    _FLASH.close()
-
-
-register()
-
-__all__ = ["SafepointSaveStrategy", "SafepointLoadStrategy", "register", "close", "read_pointer",
-           "BACKEND", "FLASH_BACKEND", "VERSION", "POINTER"]
