@@ -95,7 +95,11 @@ def save(model, workdir: str, it: int) -> None:
     os.makedirs(ckpt_dir, exist_ok=True)
     state = {"model": model.sharded_state_dict(), "iteration": it}
     dist_checkpointing.save(state, ckpt_dir, sharded_strategy=("safepoint_flash", 1))
-    if dist.get_rank() == 0:  # Megatron-LM's tracker file
+    # Megatron-LM's tracker file, written as its sync save does: with flash the checkpoint is
+    # durable only once the agent committed the step (a killed process loses nothing, the agent
+    # persists its snapshot, and the load waits for the commit; a lost node does lose it). With
+    # Megatron-LM's --async-save the tracker is written by the finalize, after the commit.
+    if dist.get_rank() == 0:
         with open(os.path.join(workdir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(it))
 
