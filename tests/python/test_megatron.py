@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import sys
+import time
 import zlib
 
 import pytest
@@ -462,6 +463,7 @@ def races_worker(a) -> None:
     none. A listing failure is injected on one rank (the wrappers raise StorageError)."""
     import datetime
     import signal
+    import threading
 
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -506,9 +508,15 @@ def races_worker(a) -> None:
         state = dist_checkpointing.load(sharded_sd(1, 1, 2, rank, empty=True), mkdir(name))
         return check(state)
 
-    # B1 (a): two async requests in flight at once (Megatron's queue allows it).
+    # B1 (a): two async requests in flight at once (Megatron's queue allows it). The older one
+    # writes longer on rank 1 (a 48 MiB object): its step must commit before the newer one's,
+    # whose commit cleans up the uncommitted images of older steps.
+    from megatron.core.dist_checkpointing import ShardedObject
+
     queue = AsyncCallsQueue()
     sd_a, sd_b = sharded_sd(1, 1, 2, rank), sharded_sd(1, 1, 2, rank)
+    sd_a["blob"] = ShardedObject("blob", bytes(48 << 20) if rank == 1 else b"x", (2,), (rank,),
+                                 replica_id=0)
     overwrite(sd_b)
     req_a = dist_checkpointing.save(sd_a, mkdir("iter_a"), sharded_strategy=("safepoint", 1),
                                     async_sharded_save=True)
@@ -543,6 +551,11 @@ def races_worker(a) -> None:
             sharded_sd(1, 1, 2, rank), mkdir("iter_f"), sharded_strategy=flash))
         sd = sharded_sd(1, 1, 2, rank)
         overwrite(sd)
+        # The non-flash save plans at once, then waits to write until the flash step is
+        # committed (its commit would clean up an older step's uncommitted images): the agent
+        # goes on a moment later.
+        if rank == 0:
+            threading.Timer(0.5, os.kill, (agent, signal.SIGCONT)).start()
         attempt("beside_flash", lambda: dist_checkpointing.save(sd, mkdir("iter_n"),
                                                                 sharded_strategy=plain))
     finally:
@@ -564,6 +577,32 @@ def races_worker(a) -> None:
     attempt("iter_fa_ok", lambda: loaded(
         "iter_fa", lambda s: mismatches(s, 1, 1, 2, rank, True) == []))
     flash.close()
+
+    # R4: flash requests whose step the agent's retention (keep=1) deleted before their
+    # finalize ran (scheduled once a newer step was committed: a slow finalize's view).
+    import warnings
+
+    kept = mkdir("kept1")
+    keep1 = spm.SafepointSaveStrategy(kept, flash=True, job=a.job + "-keep1", shm_dir=a.shm,
+                                      keep=1, commit_timeout=20)
+    reqs = [dist_checkpointing.save(sharded_sd(1, 1, 2, rank), mkdir(n), sharded_strategy=keep1,
+                                    async_sharded_save=True) for n in ("iter_k1", "iter_k2")]
+    keep1.wait(60)
+    newest = keep1.last_step
+    for _ in range(3000):  # (bounded) until the agent's retention deleted the older step
+        if _core.steps(kept) == [newest]:
+            break
+        time.sleep(0.01)
+    rep["kept_before_finalize"] = list(_core.steps(kept))
+    for r in reqs:
+        queue.schedule_async_request(r)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attempt("pruned_finalized", lambda: queue.maybe_finalize_async_calls(blocking=True))
+    rep["pruned_warnings"] = [str(w.message) for w in caught if "retention" in str(w.message)]
+    attempt("iter_k2_ok", lambda: loaded(
+        "iter_k2", lambda s: mismatches(s, 1, 1, 2, rank, True) == []))
+    keep1.close()
 
     # R7: the request's parts called in one process, as Megatron's persistent worker does
     # (preload_fn, then the trainer goes on, then async_fn).
@@ -690,6 +729,10 @@ def test_overlapping_saves_forked_part_and_ranks_that_fail_to_list(tmp_path, shm
         assert isinstance(steps, list) and steps[0] != steps[1], (rank, rep)
         assert rep["iter_f_ok"] is True and rep["iter_n_ok"] is True, (rank, rep)
         assert rep["flash_async_finalized"] == [2] and rep["iter_fa_ok"] is True, (rank, rep)
+        # A flash step deleted by the agent's retention before its finalize: a warning.
+        assert rep["kept_before_finalize"] == [2], (rank, rep)
+        assert rep["pruned_finalized"] == [3, 4] and rep["iter_k2_ok"] is True, (rank, rep)
+        assert len(rep["pruned_warnings"]) == (1 if rank == 0 else 0), (rank, rep)
         # The persistent caller's order: the data is the one at preload, not what came after.
         assert rep["persistent_finalized"] is None and rep["iter_p_ok"] is True, (rank, rep)
         assert rep["request_pickles"] is True

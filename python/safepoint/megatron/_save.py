@@ -48,14 +48,18 @@ from safepoint.megatron._storage import (
     _OPEN_FLASH,
     BACKEND,
     VERSION,
+    _after_older_writes,
     _check_attempt,
     _committed_attempt,
     _newest_taken,
+    _queue_write,
     _rank0_decides,
     _root_of,
     _settle,
     _steps,
     _take,
+    _take_flash,
+    _ticket,
     _write_pointer,
 )
 
@@ -217,6 +221,7 @@ class _StepWriter(Writer):
         self.plan: Optional[SavePlan] = None
         self.staged: Optional[_Staged] = None
         self.attempt = 0
+        self.timeout = 600.0  # seconds a write waits for the older ones (commit_timeout)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -250,8 +255,15 @@ class _StepWriter(Writer):
 
 
 def _write_image(writer: _StepWriter, staged: _Staged, plan: SavePlan) -> None:
-    """Writes this rank's image (the last rank's write commits the step)."""
-    writer.write_data(plan, cast(SavePlanner, staged))
+    """Writes this rank's image (the last rank's write commits the step), after the older
+    writes of this process to its directory (``_after_older_writes``)."""
+    previous, mine = _ticket(writer.save_id)
+    try:
+        _after_older_writes(writer.path, cast(int, writer.step), previous, writer.timeout)
+        writer.write_data(plan, cast(SavePlanner, staged))
+    finally:
+        if mine is not None:
+            mine.set()
 
 
 def _close_at_exit(ref: weakref.ref, ckpt: safepoint.Checkpointer) -> None:
@@ -304,6 +316,7 @@ class SafepointSaveStrategy(AsyncSaveShardedStrategy):
             sharded_state_dict, keep_only_main_replica=True)
         pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
         writer = _StepWriter(root, self.job)
+        writer.timeout = self.commit_timeout
         save_state_dict_async_plan(
             pyt_state_dict, writer, None, 0,
             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
@@ -343,6 +356,7 @@ class SafepointSaveStrategy(AsyncSaveShardedStrategy):
                 _write_pointer(checkpoint_dir, root, step, attempt)
             return
         error = None
+        _queue_write(root, writer.save_id)
         try:
             _write_image(writer, writer.staged, writer.plan)
         except Exception as e:  # every rank goes on to the finalize, which raises it everywhere
@@ -366,6 +380,7 @@ class SafepointSaveStrategy(AsyncSaveShardedStrategy):
                                         self.keep or _AGENT_KEEP, self.commit_timeout, result)
         else:
             attempt = writer.attempt
+            _queue_write(root, writer.save_id)
             preload = functools.partial(_preload_and_write, writer.staged, writer, writer.plan,
                                         result)
             writer.staged = None  # the request holds the data, not the writer
@@ -381,6 +396,7 @@ class SafepointSaveStrategy(AsyncSaveShardedStrategy):
         _, state, _ = writer._image(writer.plan, cast(SavePlanner, writer.staged))
         writer.staged = None
         ckpt = self._checkpointer(writer.path)
+        _take_flash(writer.path, cast(int, writer.step))
         ckpt.save(cast(int, writer.step), state, persist=True)
         return int(ckpt.attempt)
 

@@ -7,6 +7,7 @@ import json
 import os
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -164,6 +165,70 @@ def _newest_taken(root: str) -> int:
         if ckpt is not None and _location(ckpt.path) == here:
             newest = max([newest, *(s.step for s in ckpt._live.slots())])
     return newest
+
+
+# -- the order of this process's writes ---------------------------------------------------------
+# After a commit, safepoint's core cleans up the uncommitted images of older steps (leftovers of
+# failed saves, it assumes: their writers are gone). So no write may commit a step while an older
+# step of the same directory is still being written by this process, or persisted by the node
+# agent from a flash snapshot: a non-flash write waits for the write this process planned before
+# it on that directory, and for the older flash steps to be committed (each wait at most the
+# strategy's ``commit_timeout``; then it goes on, with a warning). Megatron's persistent worker
+# runs its requests one after another, so it needs none of this.
+
+_ORDER: dict[str, threading.Event] = {}  # per directory: the last planned write's "done"
+_TICKETS: dict[str, tuple[Optional[threading.Event], threading.Event]] = {}  # by save id
+_FLASH_STEPS: dict[str, set[int]] = {}  # per directory: flash steps not yet seen settled
+
+
+def _queue_write(root: str, save_id: str) -> None:
+    """A non-flash write planned (in planning order): it comes after the previous one."""
+    here = _location(root)
+    with _LOCK:
+        mine = threading.Event()
+        _TICKETS[save_id] = (_ORDER.get(here), mine)
+        _ORDER[here] = mine
+
+
+def _take_flash(root: str, step: int) -> None:
+    with _LOCK:
+        _FLASH_STEPS.setdefault(_location(root), set()).add(step)
+
+
+def _ticket(save_id: str) -> tuple[Optional[threading.Event], Optional[threading.Event]]:
+    with _LOCK:
+        return _TICKETS.pop(save_id, (None, None))
+
+
+def _after_older_writes(root: str, step: int, previous: Optional[threading.Event],
+                        timeout: float) -> None:
+    """Waits for the previous write of this process to ``root`` and for its flash steps older
+    than ``step`` to be committed (or past: a newer step is committed)."""
+    if previous is not None and not previous.wait(timeout):
+        warnings.warn(f"safepoint.megatron: {root}: the previous save's write did not finish "
+                      f"within {timeout:.0f} s (a request never scheduled?); step {step} is "
+                      f"written now", RuntimeWarning, stacklevel=3)
+    here, deadline, pause = _location(root), time.monotonic() + timeout, 0.005
+    while True:
+        with _LOCK:
+            older = {s for s in _FLASH_STEPS.get(here, ()) if s < step}
+        if not older:
+            return
+        committed = _steps(root)
+        newest = max(committed, default=0)
+        settled = {s for s in older if s in committed or s < newest}
+        with _LOCK:
+            _FLASH_STEPS[here] -= settled
+        if settled == older:
+            return
+        if time.monotonic() > deadline:
+            warnings.warn(f"safepoint.megatron: {root}: flash steps {sorted(older - settled)} are "
+                          f"not committed after {timeout:.0f} s; step {step} is written now (its "
+                          f"commit cleans up their images if the agent is still writing them)",
+                          RuntimeWarning, stacklevel=3)
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 def _rank0_decides(decide: Any) -> Any:
