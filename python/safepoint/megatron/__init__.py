@@ -46,7 +46,10 @@ load checks it). Each save takes the next free step of ``root``: past every step
 strategy of any rank's process and not yet seen committed (an async request still writing, a
 flash snapshot in the agent's memory: each rank reports those in its local plan), so saves in
 flight at once, sync, async and flash ones to one ``root``, never share a step; the finalize
-checks that the step was committed by this save's attempt. ``safepoint ls/inspect/verify ROOT``
+checks that the step was committed by this save's attempt. A process's non-flash writes to one
+``root`` commit in step order: each waits for the write planned before it and for the older
+flash steps to be committed (at most ``commit_timeout`` each), since safepoint's core, after a
+commit, cleans up the uncommitted images of older steps. ``safepoint ls/inspect/verify ROOT``
 work on it.
 
 Modes:
