@@ -35,7 +35,10 @@ class SafepointLoadStrategy(TorchDistLoadShardedStrategy):
     """Megatron load strategy for checkpoints ``SafepointSaveStrategy`` saved: Megatron's
     ``torch_dist`` loading (its planner, shape checks and state dict translation) over
     ``safepoint.dcp.Reader``, which reads only the byte ranges each rank's shards overlap.
-    ``load_timeout``: seconds to wait for a flash save's step to be committed."""
+    ``load_timeout``: seconds to wait for a flash save's step to be committed. ``load`` (which
+    every rank calls) has rank 0 read the pointer and wait for the commit, and every rank gets
+    its verdict; the metadata entry points (``load_tensors_metadata``, ``load_sharded_metadata``),
+    which a single rank may call, look at storage on each rank that calls them."""
 
     def __init__(self, load_timeout: float = 120.0) -> None:
         super().__init__()
