@@ -152,6 +152,9 @@ def _preload_and_write(staged: _Staged, writer: _StepWriter, plan: SavePlan,
     try:
         host = _Staged({k: _host_copy(v) for k, v in staged.data.items()})
     except Exception as e:  # reported by the finalize on every rank, as a write error
+        _, mine = _ticket(writer.save_id)
+        if mine is not None:
+            mine.set()  # (the next write does not wait for this one)
         _put_result(result, error=f"{what}: copy to host memory: {type(e).__name__}: {e}")
         return _Pending(result, os.getpid())
     return _in_background(result, what, False, _write_image, writer, host, plan)
