@@ -16,6 +16,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -312,9 +313,16 @@ class CheckpointStore {
   // Deletes a step: COMMIT first (so it stops existing at once), then its images.
   Status DeleteStep(uint64_t step);
 
-  // Removes what failed or interrupted writes left: temporary objects and uncommitted step
-  // directories older than the newest committed step. Returns the number of objects removed.
-  Result<size_t> CleanUp();
+  // Removes what failed or interrupted writes left: temporary objects and the objects of
+  // uncommitted steps older than the newest committed step. Returns the number of objects
+  // removed. A published object of an uncommitted step is removed only once older than `grace`
+  // (by its storage's modification time; one whose time the storage does not know counts as
+  // old): a writer of an older step in another process or thread may have published its image
+  // and be about to commit, and removing the image under it would leave a COMMIT record
+  // without it. A temporary is removed at once (its writer's publish then fails: an error,
+  // nothing lost).
+  static constexpr std::chrono::seconds kAbandonedGrace{600};
+  Result<size_t> CleanUp(std::chrono::seconds grace = kAbandonedGrace);
 
  private:
   // The plain writes, named by `generation`; `exclusive` publishes only where the name is free.

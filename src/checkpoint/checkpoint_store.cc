@@ -553,7 +553,7 @@ Status CheckpointStore::DeleteStep(uint64_t step) {
   return Status::OK();
 }
 
-Result<size_t> CheckpointStore::CleanUp() {
+Result<size_t> CheckpointStore::CleanUp(std::chrono::seconds grace) {
   // One List; the newest valid record is read newest first (one COMMIT read in the common
   // case, not one per step kept).
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
@@ -568,10 +568,16 @@ Result<size_t> CheckpointStore::CleanUp() {
   SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> newest_record, NewestCommitted(committed_steps));
   if (!newest_record) return size_t{0};
   const uint64_t newest = newest_record->step;
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  const int64_t grace_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(grace).count();
   size_t removed = 0;
   for (const auto& o : objects) {
     auto step = StepFromObjectName(o.name);
     if (!step || *step >= newest) continue;
+    // Young (or from a clock ahead of ours): perhaps a concurrent writer's, about to commit.
+    if (o.mtime_ns != 0 && now_ns - o.mtime_ns < grace_ns) continue;
     if (!std::binary_search(committed_steps.begin(), committed_steps.end(), *step)) {
       SP_KILL_POINT("store.cleanup.before_remove");
       SP_RETURN_IF_ERROR(storage_->Delete(o.name));

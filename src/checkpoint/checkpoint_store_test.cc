@@ -502,8 +502,8 @@ TEST_P(LatencySpikeTest, SaveUnderSpikesCommitsAndNewestStaysLoadable) {
   auto faulty = std::make_shared<FaultyStorage>(std::shared_ptr<Storage>(NewMemoryStorage()));
   CheckpointStore store(faulty);
   ASSERT_OK(Save(store, 1));
-  // Two images of a step that never commits (world 3): the commit of step 3 cleans them up,
-  // so that the save deletes too.
+  // Two images of a step that never commits (world 3): a clean-up after step 3's commit
+  // removes them (past the grace, none here), so that deletes run under the spikes too.
   ASSERT_OK(Save(store, 2, 0, 3));
   ASSERT_OK(Save(store, 2, 1, 3));
   faulty->Arm({op, sticky ? 1u : 2u, FaultKind::kDelay, sticky, std::chrono::milliseconds(3)});
@@ -525,6 +525,7 @@ TEST_P(LatencySpikeTest, SaveUnderSpikesCommitsAndNewestStaysLoadable) {
     } while (!done.load());
   });
   Status s = Save(store, 3);
+  if (s.ok()) s = store.CleanUp(std::chrono::seconds(0)).status();
   done = true;
   reader.join();
   EXPECT_OK(s);
@@ -1060,15 +1061,39 @@ TEST(CheckpointStoreTest, CleanUpRemovesOnlyAbandonedOlderSteps) {
   ASSERT_OK(Save(store, 1, 0, 2));  // never completed: abandoned once 3 commits
   ASSERT_OK(Save(store, 2));
   ASSERT_OK(Save(store, 4, 1, 2));  // newer than the newest commit: maybe in progress
-  ASSERT_OK(Save(store, 3));        // commits 3 and cleans up
-  auto objects = mem->List("");
-  ASSERT_OK(objects);
-  std::vector<std::string> names;
-  for (auto& o : *objects) names.push_back(o.name);
-  EXPECT_EQ(names, (std::vector<std::string>{CommitObjectName(2), ImageObjectName(2, 0),
-                                             CommitObjectName(3), ImageObjectName(3, 0),
-                                             ImageObjectName(4, 1)}));
+  ASSERT_OK(Save(store, 3));        // commits 3 and cleans up: step 1's image is too young
+  auto names = [&] {
+    auto objects = mem->List("");
+    EXPECT_OK(objects);
+    std::vector<std::string> out;
+    for (auto& o : *objects) out.push_back(o.name);
+    return out;
+  };
+  EXPECT_EQ(names(), (std::vector<std::string>{ImageObjectName(1, 0), CommitObjectName(2),
+                                               ImageObjectName(2, 0), CommitObjectName(3),
+                                               ImageObjectName(3, 0), ImageObjectName(4, 1)}));
+  // Once older than the grace (none here), it goes; the newer uncommitted step stays.
+  ASSERT_OK(store.CleanUp(std::chrono::seconds(0)));
+  EXPECT_EQ(names(), (std::vector<std::string>{CommitObjectName(2), ImageObjectName(2, 0),
+                                               CommitObjectName(3), ImageObjectName(3, 0),
+                                               ImageObjectName(4, 1)}));
   ExpectLoads(store, 2, 2);
+}
+
+// Two writers of one root, each saving another step: the newer step commits while the older
+// one's image is published and its other rank has yet to write. The newer commit's clean-up
+// leaves that image alone, and the older step then commits whole and loads. (Before the grace,
+// the clean-up removed it: the older save's commit then failed, or, when it had already found
+// every image, wrote a COMMIT record naming an image that was gone.)
+TEST(CheckpointStoreTest, ACommitsCleanUpLeavesAnOlderStepBeingWrittenAlone) {
+  auto mem = std::shared_ptr<Storage>(NewMemoryStorage());
+  CheckpointStore store(mem);
+  ASSERT_OK(Save(store, 1, 0, 2));  // the older save: rank 0 published, rank 1 still writing
+  ASSERT_OK(Save(store, 2));        // the newer save commits and cleans up
+  ASSERT_OK(Save(store, 1, 1, 2));  // the older save's last rank: commits step 1
+  EXPECT_EQ(CommittedSteps(store), (std::vector<uint64_t>{1, 2}));
+  ExpectLoads(store, 1, 1, 0);
+  ExpectLoads(store, 1, 1, 1);
 }
 
 TEST(CheckpointStoreTest, PosixLeftoversOfAKilledWriterAreIgnoredAndRemoved) {

@@ -178,10 +178,10 @@ TEST(TierCopyTest, DestinationFailuresLeaveItsStepsUnchanged) {
         << copied.status().ToString();
     EXPECT_EQ(CommittedSteps(dst), std::vector<uint64_t>{1});
     // The step's leftovers are an uncommitted directory that CleanUp removes once it is older
-    // than the newest step.
+    // than the newest step (and its objects older than the grace: none here).
     faulty->Clear();
     ASSERT_OK(SaveStep(dst, 8, 1));
-    ASSERT_OK(dst.CleanUp());
+    ASSERT_OK(dst.CleanUp(std::chrono::seconds(0)));
     EXPECT_TRUE(dst.storage().List(StepPrefix(6))->empty());
     // And copying again succeeds.
     ASSERT_OK(CopyStep(src, dst, 6));
