@@ -555,6 +555,7 @@ class NodeCampaign:
         self.failed_calls = Counter()        # (call, error class) of calls that raised
         self.stale_outcomes = Counter()      # (call, outcome) of the stale processes' acts
         self.rejoined = 0                    # rounds whose every rank was protected again
+        self.open4: list = []                # (round, rank) unprotected by OPEN-4 (counted)
         # (round, rank) whose rejoin save was not protected, its replication not through the cut
         self.unprotected_elsewhere: list[tuple[int, int]] = []
         self.waits_timed_out: list[tuple[int, int]] = []  # (round, rank): waits that timed out
@@ -1030,11 +1031,12 @@ class NodeCampaign:
             # copies on it (mirror: the ring's previous node; ec:2+1 over 4 nodes: every node).
             involved = {t, (t - 1) % job.world} if job.redundancy == "mirror" else set(
                 range(job.world))
-            # A node whose agent a kill point (armed by an earlier round's stamp) ended during
-            # the round has no receiver at the address the job's ranks agreed on: its copies
-            # wait for the job's next start, which agrees on peers again (seed 20261202 round
-            # 18, node3's agent died at replica.receive.before_visible during the cut). Only
-            # ranks whose replication goes through no such node must be protected again.
+            # OPEN-4 (docs/reliability.md, "Found and not yet fixed"): an agent that a kill point
+            # ended during the round and that its rank's watch restarted while the node's link
+            # was cut initialized UCX without the node's interface, and after the heal neither
+            # accepts nor reaches peers ("a device eth0 which was not present during UCP
+            # initialization"; seed 20261202 round 18 in `make test`). Until it is fixed, the
+            # ranks whose replication goes through such a node are counted, not failed.
             dead_receivers = self.agent_died_at_point
             for rk in ranks:
                 after = [ln.split() for ln in rk.lines[rk.rejoin_from:]]
@@ -1043,9 +1045,10 @@ class NodeCampaign:
                 if fails or not reports or reports[-1][0] != "PROTECTED":
                     if dead_receivers and (job.redundancy != "mirror" or dead_receivers & {
                             rk.rank % job.world, (rk.rank + 1) % job.world}):
-                        self.note(f"rank {rk.rank} is not protected after the rejoin save: the "
-                                  f"agent of node(s) {sorted(dead_receivers)} died at a kill "
-                                  f"point this round")
+                        self.open4.append((self.round, rk.rank))
+                        self.note(f"OPEN-4: rank {rk.rank} is not protected after the rejoin "
+                                  f"save; the agent of node(s) {sorted(dead_receivers)} died at "
+                                  f"a kill point this round")
                         continue
                     if rk.rank in involved:
                         raise Violation(
@@ -1170,7 +1173,8 @@ class NodeCampaign:
             print(f"  link cut per round: median {ds[len(ds) // 2]:.2f} s, max {ds[-1]:.2f} s; "
                   f"{self.rejoined} rounds rejoined (the cut node's rank and those placing copies "
                   f"on it protected again after the cut); rejoin saves of other ranks not "
-                  f"protected: {self.unprotected_elsewhere or 'none'}")
+                  f"protected: {self.unprotected_elsewhere or 'none'}; unprotected by the open "
+                  f"defect OPEN-4 (round, rank): {self.open4 or 'none'}")
             print("  stale processes' acts: " + (", ".join(
                 f"{a} {o} {n}" for (a, o), n in sorted(self.stale_outcomes.items())) or "none"))
         if self.calls:
