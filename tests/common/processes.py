@@ -315,3 +315,59 @@ def tail(path: "str | Path", n: int = 3000) -> str:
         return Path(path).read_text(errors="replace")[-n:]
     except FileNotFoundError:
         return ""
+
+
+class PipedProcess:
+    """A multiprocessing process running `target(conn, cfg)`, which sends tuples `(kind, ...)`
+    on `conn`, and the events it sent (the deterministic-training and exact-resume tests)."""
+
+    def __init__(self, ctx, target: Callable, cfg: dict, hang: float = HANG):
+        self.cfg, self.hang = cfg, hang
+        r, w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=target, args=(w, cfg))
+        self.proc.start()
+        w.close()
+        self.conn = r
+        self.events: list[tuple] = []
+        self.eof = False
+
+    def next(self) -> Optional[tuple]:
+        """The next event, None once the process closed its end."""
+        if self.eof:
+            return None
+        if not self.conn.poll(self.hang):
+            raise AssertionError(f"rank {self.cfg.get('rank', 0)} (pid {self.proc.pid}) sent "
+                                 f"nothing for {self.hang} s; last events {self.events[-3:]}")
+        try:
+            ev = self.conn.recv()
+        except EOFError:
+            self.eof = True
+            return None
+        self.events.append(ev)
+        return ev
+
+    def expect(self, *kinds: str) -> tuple:
+        """The next event of one of `kinds` (others are kept in `events`)."""
+        while True:
+            ev = self.next()
+            if ev is None:
+                self.proc.join(self.hang)
+                raise AssertionError(f"rank {self.cfg.get('rank', 0)} exited "
+                                     f"({self.proc.exitcode}) before sending {kinds}; "
+                                     f"events {self.events[-5:]}")
+            if ev[0] in kinds:
+                return ev
+
+    def kill(self) -> Optional[int]:
+        """SIGKILLs it (if alive) and returns its exit code."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(self.hang)
+        return self.proc.exitcode
+
+    def finish(self) -> Optional[int]:
+        """Reads its events to the end and returns its exit code."""
+        while self.next() is not None:
+            pass
+        self.proc.join(self.hang)
+        return self.proc.exitcode

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -43,7 +42,7 @@ WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads"
 sys.path.insert(0, WORKLOADS)
 import det_train  # noqa: E402
 from conftest import cli_path, free_port  # noqa: E402
-from processes import agents_of, job_dir, kill_agents, wait_until  # noqa: E402
+from processes import PipedProcess, agents_of, job_dir, kill_agents, wait_until  # noqa: E402
 
 N, K = 12, 6           # train N steps; killed during step K + 1, after save(K) returned
 PERSIST_EVERY = 4      # storage holds step 4; step K reaches it by the agent's flush
@@ -61,55 +60,15 @@ def ctx():
     return c
 
 
-class Proc:
+class Proc(PipedProcess):
     """One training process (det_train.run) and the events it sent."""
 
     def __init__(self, ctx, cfg: dict):
-        self.cfg = cfg
-        r, w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=det_train.run, args=(w, cfg))
-        self.proc.start()
-        w.close()
-        self.conn = r
-        self.events: list[tuple] = []
-        self.eof = False
-
-    def next(self) -> Optional[tuple]:
-        if self.eof:
-            return None
-        if not self.conn.poll(HANG):
-            raise AssertionError(f"rank {self.cfg.get('rank', 0)} (pid {self.proc.pid}) sent "
-                                 f"nothing for {HANG} s; last events {self.events[-3:]}")
-        try:
-            ev = self.conn.recv()
-        except EOFError:
-            self.eof = True
-            return None
-        self.events.append(ev)
-        return ev
-
-    def expect(self, kind: str, *more: str) -> tuple:
-        while True:
-            ev = self.next()
-            if ev is None:
-                self.proc.join(HANG)
-                raise AssertionError(f"rank {self.cfg.get('rank', 0)} exited "
-                                     f"({self.proc.exitcode}) before sending {kind}; "
-                                     f"events {self.events[-5:]}")
-            if ev[0] in (kind, *more):
-                return ev
+        super().__init__(ctx, det_train.run, cfg, HANG)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()  # SIGKILL
-        self.proc.join(HANG)
-        assert self.proc.exitcode is not None, f"pid {self.proc.pid} survived SIGKILL"
-
-    def finish(self) -> int:
-        while self.next() is not None:
-            pass
-        self.proc.join(HANG)
-        return self.proc.exitcode
+        code = super().kill()
+        assert code is not None, f"pid {self.proc.pid} survived SIGKILL"
 
     def losses(self) -> dict[int, str]:
         return {ev[1]: ev[2] for ev in self.events if ev[0] == "loss"}

@@ -47,7 +47,7 @@ WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads"
 sys.path.insert(0, WORKLOADS)
 import exact_resume_worker as worker  # noqa: E402
 from conftest import cli_path, free_port  # noqa: E402
-from processes import agents_of, job_dir, kill_agents, wait_until  # noqa: E402
+from processes import PipedProcess, agents_of, job_dir, kill_agents, wait_until  # noqa: E402
 
 N = 16                 # global steps: 3 epochs and a step (5 global steps per epoch)
 PERSIST_EVERY = 3
@@ -65,54 +65,19 @@ def ctx():
     return c
 
 
-class Rank:
+class Rank(PipedProcess):
     """One rank's process (worker.run) and the events it sent."""
 
     def __init__(self, ctx, cfg: dict):
-        self.cfg = cfg
-        r, w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=worker.run, args=(w, cfg))
-        self.proc.start()
-        w.close()
-        self.conn = r
-        self.events: list[tuple] = []
-        self.eof = False
-
-    def next(self) -> Optional[tuple]:
-        if self.eof:
-            return None
-        if not self.conn.poll(HANG):
-            raise AssertionError(f"rank {self.cfg['rank']} (pid {self.proc.pid}) sent nothing "
-                                 f"for {HANG} s; last events {self.events[-3:]}")
-        try:
-            ev = self.conn.recv()
-        except EOFError:
-            self.eof = True
-            return None
-        self.events.append(ev)
-        return ev
-
-    def expect(self, *kinds: str) -> tuple:
-        while True:
-            ev = self.next()
-            if ev is None:
-                self.proc.join(HANG)
-                raise AssertionError(f"rank {self.cfg['rank']} exited ({self.proc.exitcode}) "
-                                     f"before sending {kinds}; events {self.events[-5:]}")
-            if ev[0] in kinds:
-                return ev
+        super().__init__(ctx, worker.run, cfg, HANG)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()  # SIGKILL
-        self.proc.join(HANG)
-        assert self.proc.exitcode == -signal.SIGKILL, self.proc.exitcode
+        code = super().kill()
+        assert code == -signal.SIGKILL, code
 
     def finish(self) -> None:
-        while self.next() is not None:
-            pass
-        self.proc.join(HANG)
-        assert self.proc.exitcode == 0, (self.proc.exitcode, self.events[-3:])
+        code = super().finish()
+        assert code == 0, (code, self.events[-3:])
 
     def batches(self) -> dict[int, list[int]]:
         return {ev[1]: ev[2] for ev in self.events if ev[0] == "batch"}
