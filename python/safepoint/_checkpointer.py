@@ -118,6 +118,24 @@ def _node_name(shm_dir: str) -> str:
     return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
+def _job_timeout(dist: Any) -> Any:
+    """The timeout the job gave ``init_process_group`` (its default group's), or None when it
+    cannot be read. ``new_group`` gives a gloo group gloo's own default (30 minutes) whatever
+    the job chose, so without it a rank of the Checkpointer's group would wait on a peer that
+    is gone (killed, or its node cut off) for 30 minutes instead of the job's timeout."""
+    import torch
+
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = world._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 (no such backend, or a torch without these names)
+            continue
+        if timeout is not None:
+            return timeout
+    return None
+
+
 def _default_job(storage: str) -> str:
     env = os.environ.get("SAFEPOINT_JOB")
     if env:
@@ -296,12 +314,13 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
         self.shm_dir = shm_dir or os.environ.get("SAFEPOINT_SHM_DIR", "/dev/shm")
         self.allow_pickle = allow_pickle
         self._pickler, self._unpickler = pickler(allow_pickle), unpickler(allow_pickle)
-        # Restore agreement runs over its own gloo group (CPU), whatever the training backend.
+        # Restore agreement runs over its own gloo group (CPU), whatever the training backend,
+        # with the job's timeout.
         self._group = None
         if world_size > 1 and drank is not None:
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=_job_timeout(dist))
         self.attempt = run_attempt(self._group)
         if self.attempt == 0 and world_size == 1:
             self.attempt = new_attempt()  # tells this run's steps apart in the lineage (log)

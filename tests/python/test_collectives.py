@@ -96,3 +96,17 @@ def test_a_restore_from_storage_agrees_in_one_collective(tmp_path, shm):
         # agreement's own all-reduce followed: 4 collectives).
         calls = [c for c in out["calls"] if c not in ("isend", "irecv")]
         assert calls == ["all_gather", "all_gather_object", "all_reduce"], out
+
+
+def test_a_save_gives_up_on_a_missing_rank_after_the_jobs_timeout(tmp_path, shm):
+    """The Checkpointer's own gloo group keeps the job's process group timeout (5 s here), not
+    gloo's default 30 minutes: the ranks whose save waits on a rank that never saves give up on
+    it (a warning; the save goes on alone) while that rank still waits for them (200 s). Found by
+    the node campaign: a stale process stuck in a save whose peers were gone waited 30 minutes
+    whatever the job's timeout."""
+    outs = run(tmp_path, shm, "timeout", steps=1)
+    *others, last = outs
+    assert last["saw"] is True, outs
+    for out in others:
+        assert out["saved"] is True, out
+        assert any("could not agree" in w for w in out["warnings"]), out

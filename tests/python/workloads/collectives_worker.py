@@ -18,6 +18,11 @@ MODE: words joined by "+" (e.g. "preempt+overlap"), of
            bit-exact.
   preempt  as steady, but the last rank gives the preemption notice (notify_preemption) after
            step 3 (on_preemption="return"); the loop stops at ``ckpt.preempted``.
+  timeout  the job's process group has a 5 s timeout and the last rank never saves: each other
+           rank saves step 1 (its collective must give up on the last rank after the job's
+           timeout, not gloo's default 30 minutes), then leaves a file in CKPT.flags; the last
+           rank waits up to 200 s for every other rank's file. Prints {"rank", "saved",
+           "warnings"} (the other ranks) or {"rank", "saw"} (the last), and exits at once.
 
 Prints one JSON line: {"rank", "saves": [[step, [[name, sent, received, seconds], ...]], ...],
 "preempted_at", "exact"}.
@@ -28,6 +33,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,7 +52,8 @@ persist_every = int(sys.argv[9]) if len(sys.argv) > 9 else 1
 rank, world = int(rank), int(world)
 modes = set(mode.split("+"))
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dist.init_process_group("gloo", rank=rank, world_size=world)
+dist.init_process_group("gloo", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=5 if "timeout" in modes else 1800))
 
 LAST = world - 1
 REPLICATED = 4  # tensors every rank holds (DDP's parameters), over dedupe's 64 KiB floor
@@ -62,6 +71,25 @@ def state(step: int) -> dict:
         local["extra"] = torch.arange(step, step + 50)
     return {"model": model, "local": local, "step": step}
 
+
+if "timeout" in modes:
+    flags = ckpt_dir + ".flags"
+    os.makedirs(flags, exist_ok=True)
+    ck = safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir)
+    if rank == LAST:
+        others = [os.path.join(flags, str(r)) for r in range(LAST)]
+        deadline = time.monotonic() + 200
+        while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out = {"rank": rank, "saw": all(map(os.path.exists, others))}
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            saved = ck.save(1, state(1))
+        open(os.path.join(flags, str(rank)), "w").close()
+        out = {"rank": rank, "saved": saved, "warnings": [str(w.message) for w in caught]}
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # no close: the last rank never joins another collective
 
 # -- the run -------------------------------------------------------------------------------------
 saves: list = []
