@@ -60,7 +60,9 @@ several times within a save; "stale" stops the node's rank (SIGSTOP: hung in a c
 cut-off trainer is) and kills the others as the job restarts, and the job's next round (a
 "wake" round) starts a new process for that rank while the stale one still runs: once it said
 READY (its hello superseded the stale process) the stale one is resumed and told to save (a
-poisoned state), wait and say hello again. After a cut is healed every rank saves once more,
+poisoned state), wait and say hello again (a stale process stuck in a collective whose peers
+died during the cut may learn so only at its process group's timeout, PG_TIMEOUT, as a real one
+does: it acts after that). After a cut is healed every rank saves once more,
 waits and reports its replication ("rejoin"). Checks, beside the others:
   - the stale process's save, wait and hello each fail with SupersededError, and no rank of the
     job's current run is ever superseded;
@@ -94,7 +96,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "common"))
 import crashtest as ct  # noqa: E402
 from nodes import Cluster, partitions_unavailable, unavailable  # noqa: E402
-from processes import dead, kill_and_wait, proc_argv, wait_until  # noqa: E402
+from processes import dead, kill_and_wait, proc_argv, proc_state, wait_until  # noqa: E402
 
 HANG = ct.HANG
 Violation = ct.Violation
@@ -117,6 +119,12 @@ PEER_TIMEOUT = 10.0  # the jobs' peer_timeout (seconds)
 # The ranks' wait() timeout: below the hang guard, so that a wait that cannot end (below)
 # ends with its error and the round goes on.
 WAIT_TIMEOUT = 120.0
+# The ranks' process group timeout. A stale rank (a "stale" round) stopped in a collective whose
+# peers were killed while its link was cut may never learn they are gone (a killed peer's RST is
+# not sent again once the cut dropped it) and waits for the timeout, as a real one does (30
+# minutes by default): shorter here, so that the wake round ends; longer than any wait of a
+# healthy round's collectives (a cut lasts at most PEER_TIMEOUT + 4 s).
+PG_TIMEOUT = 120.0
 CALL_BOUNDS = {"open": 150.0, "load": 4 * PEER_TIMEOUT + 60.0, "save": 60.0,
                "wait": WAIT_TIMEOUT + 5.0, "status": 60.0, "close": 60.0}
 
@@ -469,11 +477,16 @@ class Wake:
     say hello again; each must fail with SupersededError."""
 
     ACTS = ("save", "wait", "hello")
+    # Seconds after the wake without an answer (a collective it is stuck in times out after
+    # PG_TIMEOUT at most): its stacks are logged.
+    DIAGNOSE_AFTER = PG_TIMEOUT + 30.0
 
     def __init__(self, campaign, job: NodeJob, ranks: list):
         self.c, self.job, self.ranks = campaign, job, ranks
         self.stale, self.step_no = job.stale
         self.woken = False
+        self.woken_at = 0.0
+        self.diagnosed = False
         self.answered: Optional[dict] = None
 
     def step(self) -> None:
@@ -481,10 +494,14 @@ class Wake:
         if not self.woken:
             if any(line.startswith("READY") for line in list(new.lines)):
                 self.woken = True
+                self.woken_at = time.monotonic()
                 os.kill(self.stale.pid, signal.SIGCONT)
                 self.stale.send(f"stale {self.step_no}")
                 self.c.note(f"woke the stale rank {self.stale.rank} (pid {self.stale.pid})")
             return
+        if self.answered is None and not self.diagnosed and \
+                time.monotonic() - self.woken_at > self.DIAGNOSE_AFTER:
+            self.diagnose()
         if self.answered is None:
             acts = {}
             for line in list(self.stale.lines):
@@ -500,6 +517,28 @@ class Wake:
                             f"the stale process of rank {self.stale.rank} (pid {self.stale.pid}, "
                             f"superseded by the job's next run) got {outcome} from {act}, not "
                             f"SupersededError: {self.stale.lines[-6:]}")
+
+    def diagnose(self) -> None:
+        """The stale process has not answered long after it was woken: its Python stacks
+        (faulthandler, into its stderr) and native ones (gdb) go to the campaign's log."""
+        self.diagnosed = True
+        pid = self.stale.pid
+        self.c.note(f"the stale rank {self.stale.rank} (pid {pid}, state {proc_state(pid)}) "
+                    f"has not answered {self.DIAGNOSE_AFTER:.0f} s after it was woken; its "
+                    f"lines: {self.stale.lines[-8:]}")
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return
+        time.sleep(1.0)
+        self.c.note(f"its Python stacks:\n{self.stale.stderr()}")
+        try:
+            gdb = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex",
+                                  "thread apply all bt 25"], capture_output=True, text=True,
+                                 timeout=60)
+            self.c.note(f"its native stacks:\n{gdb.stdout[-12000:]}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self.c.note(f"gdb could not read its stacks: {e}")
 
     def done(self) -> bool:
         return self.answered is not None
@@ -723,7 +762,7 @@ class NodeCampaign:
                     "rng": f"{p['rng']}-{rank}", "rdzv": rdzv, "env": env,
                     "redundancy": job.redundancy, "peer_timeout": PEER_TIMEOUT,
                     "bandwidth": p.get("bandwidth"), "run_tag": f"{job.name}-r{self.round}",
-                    "timing": True, "wait_timeout": WAIT_TIMEOUT}
+                    "timing": True, "wait_timeout": WAIT_TIMEOUT, "pg_timeout": PG_TIMEOUT}
             ranks.append(ct.Rank(job.zygotes[rank], args,
                                  os.path.join(self.root, f"r{self.round}-{rank}.err"), events))
         self.current = (job, ranks)

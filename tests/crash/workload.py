@@ -25,6 +25,8 @@ for the newest committed step (``status()``), and says so. It prints one line pe
                                               the class of the error it raised
     SUPERSEDED <call> <step> <error>          a call raised SupersededError: this process's run
                                               was superseded (it waits for "stale" or its end)
+    PARKED <call> <error class>               a stale process's call failed after "stale" came
+                                              (its collective timed out): it waits for its end
     IDLE                                      done; then reads commands from stdin:
         exit   -> dies at once without closing (the agent flushes, as after a crash)
         close  -> close(); prints CLOSED or CLOSEFAIL <error>; exits
@@ -132,12 +134,18 @@ def child_main(a: dict) -> int:
 
     import safepoint
 
+    if a.get("run_tag") is not None:
+        import faulthandler
+        import signal
+        # The node campaign asks a stale process that does not answer for its stacks.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank, world = a["rank"], a["world_size"]
     if world > 1:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method="file://" + a["rdzv"], rank=rank,
-                                world_size=world, timeout=timedelta(seconds=600))
+                                world_size=world,
+                                timeout=timedelta(seconds=a.get("pg_timeout", 600)))
     extra = {}
     if a.get("redundancy"):
         extra = {"redundancy": a["redundancy"], "peer_timeout": a.get("peer_timeout", 10.0),
@@ -153,6 +161,13 @@ def child_main(a: dict) -> int:
     # arrives while the main thread is blocked in a collective), else by the main thread at IDLE.
     commands: "queue.Queue[str]" = queue.Queue()
     in_client = threading.Lock()  # held by the main thread around each call into the checkpointer
+    told_stale = threading.Event()  # the control thread acts as the stale process
+
+    def park(kind: str, e: BaseException) -> None:
+        """A call of a stale process's main thread failed after it was woken (its collective
+        timed out: its peers died while its link was cut): the control thread acts and exits."""
+        say("PARKED", kind, type(e).__name__)
+        threading.Event().wait()
 
     def timed(kind: str, call):
         """call(), timed (TIME line with `timing`); a SupersededError is said and parks the main
@@ -167,9 +182,13 @@ def child_main(a: dict) -> int:
             if isinstance(e, getattr(safepoint, "SupersededError", ())):
                 say("SUPERSEDED", kind, str(e).replace("\n", " "))
                 threading.Event().wait()  # the control thread acts and exits
+            if told_stale.is_set():
+                park(kind, e)
             raise
         except BaseException as e:
             outcome = "raised:" + type(e).__name__
+            if told_stale.is_set():
+                park(kind, e)
             raise
         finally:
             if timing:
@@ -214,6 +233,7 @@ def child_main(a: dict) -> int:
             for line in sys.stdin:
                 cmd = line.split()
                 if cmd and cmd[0] == "stale":
+                    told_stale.set()
                     act_stale(int(cmd[1]))
                 commands.put(line)
             commands.put("")
