@@ -102,6 +102,10 @@ struct RecordedCrcs {
 class PeerService {
  public:
   // Starts listening; `store` (owned by the caller, outliving the service) keeps what peers send.
+  // When the interface that carries bind_host is down, the service starts (UCX and the listener,
+  // on the address returned) only once it is up; until then its requests fail with Unavailable
+  // and peers cannot reach it (UCX would leave the interface out for good: OPEN-4 in
+  // docs/reliability.md).
   static Result<std::unique_ptr<PeerService>> Start(const PeerServiceOptions& options,
                                                     ReplicaStore* store);
   virtual ~PeerService() = default;

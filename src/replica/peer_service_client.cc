@@ -98,6 +98,11 @@ Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer) {
   auto c = std::make_shared<Conn>();
   c->client = true;
   c->name = "peer " + peer.node + " (" + peer.address + ")";
+  if (!ucx_ready_.load(std::memory_order_acquire)) {
+    return Unavailable(c->name + ": not reachable from node " + options_.node +
+                       ": its peer service waits for the interface " + bind_iface_ + " of " +
+                       options_.bind_host + " to come up (it was down when the service started)");
+  }
   Result<internal::HostPort> hp = internal::ParseHostPort(peer.address);
   if (!hp.ok()) return hp.status().WithContext(c->name);
   if (hp->host.empty() || hp->port == 0)

@@ -4,12 +4,16 @@
 // chunks, closing and dropping connections, dispatching what arrives (control messages to the
 // server side or a waiting client, chunks into the transfer's buffer) and timing out idle ones.
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <ucs/sys/sock.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -28,6 +32,54 @@ constexpr auto kDropGrace = std::chrono::seconds(1);  // for the error message o
 // No shared-memory transport ("sm": posix, sysv, cma, knem, xpmem): peers are other hosts (in
 // tests, other network namespaces, which shared memory would cross). $UCX_TLS overrides.
 constexpr const char* kDefaultTls = "^sm";
+// A deferred start (PeerServiceImpl::bind_iface_): how often the interface is looked at, and how
+// long after a start that failed the next one is tried.
+constexpr auto kInterfacePoll = std::chrono::milliseconds(200);
+constexpr auto kStartRetry = std::chrono::seconds(1);  // doubled after each, up to:
+constexpr auto kStartRetryMax = std::chrono::seconds(30);
+
+uint16_t GetPort(const sockaddr_storage& ss) {
+  return ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_port
+                                        : reinterpret_cast<const sockaddr_in*>(&ss)->sin_port);
+}
+
+void SetPort(sockaddr_storage* ss, uint16_t port) {
+  if (ss->ss_family == AF_INET6)
+    reinterpret_cast<sockaddr_in6*>(ss)->sin6_port = htons(port);
+  else
+    reinterpret_cast<sockaddr_in*>(ss)->sin_port = htons(port);
+}
+
+// The interface that carries `addr` when UCX would leave it out of a context made now (down, or
+// without a carrier: ucs_netif_is_active, what UCX's TCP transport asks of each interface);
+// empty when it is up, for a wildcard address and for an address no interface has (the
+// listener then fails as before).
+std::string DownInterfaceOf(const sockaddr_storage& addr) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string name;
+  for (const ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_name == nullptr ||
+        i->ifa_addr->sa_family != addr.ss_family)
+      continue;
+    bool same = false;
+    if (addr.ss_family == AF_INET) {
+      same = reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr ==
+             reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr.s_addr;
+    } else {
+      same = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                         &reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_addr,
+                         sizeof(in6_addr)) == 0;
+    }
+    if (same) {
+      name = i->ifa_name;
+      break;
+    }
+  }
+  ::freeifaddrs(list);
+  if (name.empty() || ucs_netif_is_active(name.c_str(), addr.ss_family)) return {};
+  return name;
+}
 
 }  // namespace
 
@@ -356,11 +408,41 @@ Status PeerServiceImpl::Init() {
         "peer service: chunk_bytes must be a multiple of 64 (it is also the "
         "erasure code's piece size)");
   if (!(options_.timeout_s > 0)) return InvalidArgument("peer service: timeout_s must be > 0");
-  socklen_t len = 0;
-  SP_ASSIGN_OR_RETURN(sockaddr_storage bind_addr,
-                      ResolveAddress(options_.bind_host, options_.port, &len));
-  SP_RETURN_IF_ERROR(CheckIpv6BindAddress(bind_addr));
-  Result<std::shared_ptr<UcpHub>> hub = UcpHub::Acquire(bind_addr.ss_family);
+  SP_ASSIGN_OR_RETURN(bind_addr_, ResolveAddress(options_.bind_host, options_.port, &bind_len_));
+  SP_RETURN_IF_ERROR(CheckIpv6BindAddress(bind_addr_));
+  bind_iface_ = DownInterfaceOf(bind_addr_);
+  if (bind_iface_.empty()) return StartUcx();
+  {
+    // The address is returned now, its port too: a bound socket holds the port (port 0: a free
+    // one) until the listener takes it. Bound as UCX binds its listener (SO_REUSEADDR): a port
+    // it could not take fails here, and the caller may take another (src/agent/replicator.cc).
+    internal::UniqueFd fd(::socket(bind_addr_.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd) return ErrnoStatus("socket", "peer service", errno);
+    const int one = 1;
+    sockaddr_storage got{};
+    socklen_t got_len = sizeof got;
+    if (::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+        ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&bind_addr_), bind_len_) != 0 ||
+        ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&got), &got_len) != 0) {
+      return Unavailable("peer service of node " + options_.node + ": cannot listen on " +
+                         options_.bind_host + " port " + std::to_string(options_.port) + ": " +
+                         std::strerror(errno));
+    }
+    SetPort(&bind_addr_, GetPort(got));
+    port_reservation_ = std::move(fd);
+  }
+  address_ = FormatAddress(bind_addr_);
+  spdlog::warn(
+      "peer service of node {}: the interface {} of {} is down; the service starts (UCX, and "
+      "the listener on {}) once it is up, and until then peers cannot reach this node nor it "
+      "them (docs/reliability.md, OPEN-4)",
+      options_.node, bind_iface_, options_.bind_host, address_);
+  starter_ = std::thread([this] { AwaitInterface(); });
+  return Status::OK();
+}
+
+Status PeerServiceImpl::StartUcx() {
+  Result<std::shared_ptr<UcpHub>> hub = UcpHub::Acquire(bind_addr_.ss_family);
   if (!hub.ok()) {
     const char* tls = std::getenv("UCX_TLS");
     return Status(
@@ -373,17 +455,19 @@ Status PeerServiceImpl::Init() {
   hub_->Register(this);
 
   Status listening;
+  std::string address;
   RunOnProgressThread([&] {
+    port_reservation_.Reset();  // the listener takes the port now
     ucp_listener_params_t lp{};
     lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&bind_addr);
-    lp.sockaddr.addrlen = len;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&bind_addr_);
+    lp.sockaddr.addrlen = bind_len_;
     lp.conn_handler.cb = ConnRequestCb;
     lp.conn_handler.arg = this;
     if (ucs_status_t s = ucp_listener_create(hub_->worker(), &lp, &listener_); s != UCS_OK) {
       listener_ = nullptr;
       listening = Unavailable("UCX: cannot listen on " + options_.bind_host + " port " +
-                              std::to_string(options_.port) + ": " + UcsError(s));
+                              std::to_string(GetPort(bind_addr_)) + ": " + UcsError(s));
       return;
     }
     ucp_listener_attr_t la{};
@@ -392,12 +476,46 @@ Status PeerServiceImpl::Init() {
       listening = Unavailable("UCX: ucp_listener_query: " + UcsError(s));
       return;
     }
-    address_ = FormatAddress(la.sockaddr);
+    address = FormatAddress(la.sockaddr);
   });
-  SP_RETURN_IF_ERROR(listening);  // Stop (from the destructor) destroys a listener made
+  if (!listening.ok()) {
+    RunOnProgressThread([this] {
+      if (listener_) ucp_listener_destroy(listener_);
+      listener_ = nullptr;
+      hub_->Unregister(this);
+    });
+    UcpHub::Release(hub_);
+    return listening;
+  }
+  if (address_.empty()) address_ = address;  // a deferred start returned it already
   store_thread_ = std::thread([this] { RunStore(); });
-  spdlog::info("peer service of node {} listening on {}", options_.node, address_);
+  ucx_ready_.store(true, std::memory_order_release);
+  spdlog::info("peer service of node {} listening on {}", options_.node, address);
   return Status::OK();
+}
+
+void PeerServiceImpl::AwaitInterface() {
+  const int family = bind_addr_.ss_family;
+  std::chrono::milliseconds retry = kStartRetry;
+  std::unique_lock lk(starter_mu_);
+  while (!starter_cv_.wait_for(lk, kInterfacePoll, [this] { return starter_stop_; })) {
+    if (!ucs_netif_is_active(bind_iface_.c_str(), static_cast<sa_family_t>(family))) continue;
+    lk.unlock();
+    // Quiesce waits for this (it joins the thread first).
+    Status s = StartUcx();
+    lk.lock();
+    if (s.ok()) {
+      spdlog::info("peer service of node {}: the interface {} is up, the service started",
+                   options_.node, bind_iface_);
+      return;
+    }
+    spdlog::warn(
+        "peer service of node {}: the interface {} is up, yet the service cannot start "
+        "({}); trying again in {} s",
+        options_.node, bind_iface_, s.ToString(), std::chrono::duration<double>(retry).count());
+    if (starter_cv_.wait_for(lk, retry, [this] { return starter_stop_; })) return;
+    retry = std::min<std::chrono::milliseconds>(2 * retry, kStartRetryMax);
+  }
 }
 
 void PeerServiceImpl::RunOnProgressThread(const std::function<void()>& task) {
@@ -410,6 +528,15 @@ void PeerServiceImpl::RunOnProgressThread(const std::function<void()>& task) {
 }
 
 void PeerServiceImpl::Quiesce() {
+  if (starter_.joinable()) {
+    {
+      std::lock_guard lk(starter_mu_);
+      starter_stop_ = true;
+    }
+    starter_cv_.notify_all();
+    starter_.join();  // hub_ and the store thread stay as they are from here on
+  }
+  port_reservation_.Reset();
   if (store_thread_.joinable()) {
     {
       std::lock_guard lk(store_mu_);

@@ -242,10 +242,13 @@ class PeerServiceImpl final : public PeerService {
   }
   ~PeerServiceImpl() override { Stop(); }
 
+  // Starts the service: at once (StartUcx), or, when the interface that carries bind_host is
+  // down, once it is up (see bind_iface_).
   Status Init();
   Status CheckIpv6BindAddress(const sockaddr_storage& ss) const;
-  // Refuses connection requests, closes every connection and stops the store thread; the
-  // listener and the hub stay (Retire). Idempotent.
+  // Refuses connection requests, closes every connection and stops the store thread (and a
+  // deferred start that has not happened yet); the listener and the hub stay (Retire).
+  // Idempotent.
   void Quiesce();
   // Quiesce, then destroys the listener and releases the hub.
   void Stop();
@@ -326,6 +329,12 @@ class PeerServiceImpl final : public PeerService {
   void Offload(const ConnPtr& c, std::function<void()> work, std::function<void()> then);
   void RunStore();
 
+  // Acquires the hub, listens on bind_addr_ and starts the store thread; undoes what it did
+  // when it fails (Init's caller, or the starter thread, which tries again).
+  Status StartUcx();
+  // The starter thread of a deferred start: waits until bind_iface_ is up, then StartUcx.
+  void AwaitInterface();
+
   // Caller threads (peer_service_client.cc).
   Result<ConnPtr> Connect(const Peer& peer);
   void SendControl(const ConnPtr& c, MsgType type, json body);
@@ -361,7 +370,27 @@ class PeerServiceImpl final : public PeerService {
 
   const PeerServiceOptions options_;
   ReplicaStore* const store_;
-  std::string address_;
+  std::string address_;  // set by Init, never changed after
+  sockaddr_storage bind_addr_{};
+  socklen_t bind_len_ = 0;
+
+  // A deferred start (docs/reliability.md, OPEN-4). UCX's context knows the network interfaces
+  // that were up when it was made (ucp_init), and refuses for good a connection request that
+  // arrives on another one ("a device eth0 which was not present during UCP initialization"),
+  // and cannot send over one either. An agent started while its node's link was down would
+  // never reach its peers once the link is back. So when the interface that carries bind_host
+  // is down (UCX's own test: ucs_netif_is_active), Init returns at once with the address
+  // (bind_host and the port asked for, or a free one for port 0; port_reservation_ holds it
+  // until the listener takes it) and UCX starts only once the interface is up (starter_; until
+  // then a request fails with Unavailable). ucx_ready_: the hub, listener and store thread
+  // exist.
+  std::string bind_iface_;               // the interface awaited; set before starter_ starts
+  internal::UniqueFd port_reservation_;  // a bound socket holding the deferred start's port
+  std::thread starter_;
+  std::mutex starter_mu_;
+  std::condition_variable starter_cv_;
+  bool starter_stop_ = false;  // guarded by starter_mu_
+  std::atomic<bool> ucx_ready_{false};
 
   std::shared_ptr<UcpHub> hub_;
   ucp_listener_h listener_ = nullptr;  // progress thread
