@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale bench-scale-torch clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-brownout run-under-ceph crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale bench-scale-torch clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-brownout run-brownout-apart run-under-ceph crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -55,19 +55,22 @@ run-python-serial:
 
 # One throwaway Ceph cluster (scripts/with-ceph.sh) for the C++ and the Python tests: the rados://
 # and s3:// tests run against it, and skip where it cannot run (not root, Ceph not installed).
-# The C++ tests run first, on their own: their fault tests stop and kill Ceph daemons, and their
-# private gateways bind free ports a concurrent gateway could take. Then the short crash
-# campaigns (the same build, build/py) run beside the Python tests' workers: they wait on agents
-# and killed processes more than they compute, and use neither Ceph nor fixed ports. Each one's
-# output is printed whole when it ends (--output-sync). The timing-sensitive serial tests run
-# last, alone.
+# The C++ tests run first, without the Python tests: their fault tests stop and kill Ceph
+# daemons, and their private gateways bind free ports a concurrent gateway could take. Beside
+# them run the short brownout run, on a second throwaway cluster of its own (it stops, kills and
+# fills its cluster), and the short crash campaigns (the same build, build/py; neither Ceph nor
+# fixed ports): all of them wait on timeouts, stopped daemons and killed processes more than
+# they compute (the cores were 43-98% idle during the C++ tests and the brownout run), while the
+# Python tests' workers, which run next, keep both cores busy. Each one's output is printed whole
+# when it ends (--output-sync). The timing-sensitive serial tests run last, alone.
 test: build-tests
 	scripts/with-ceph.sh $(MAKE) --no-print-directory run-under-ceph
 	$(MAKE) --no-print-directory run-python-serial
 run-under-ceph:
-	$(MAKE) --no-print-directory run-cpp
-	$(MAKE) --no-print-directory run-brownout
-	$(MAKE) --no-print-directory -j2 --output-sync=target run-python-workers run-crash
+	$(MAKE) --no-print-directory -j3 --output-sync=target run-cpp run-brownout-apart run-crash
+	$(MAKE) --no-print-directory run-python-workers
+run-brownout-apart:
+	scripts/with-ceph.sh $(MAKE) --no-print-directory run-brownout
 
 # Static checks: clang-format (check only, .clang-format) over the C++ sources, ruff and mypy over
 # the Python package (configured in pyproject.toml). mypy reads the _core.pyi the build generates.
@@ -100,9 +103,10 @@ CRASH_NODE_SHORT ?= 10
 CRASH_NODE_PARTITIONS_SHORT ?= 6
 test-crash: crash-build
 	@$(MAKE) --no-print-directory run-crash
-# The short brownout run (6 rounds: every phase, every fault, one OSD restart; about 1.5 minutes)
-# runs under run-under-ceph on its own, before the Python tests: it stops, kills and fills the
-# cluster they share. Without the cluster (SAFEPOINT_TEST_CEPH_DIR unset) it says so and passes.
+# The short brownout run (6 rounds: every phase, every fault, one OSD restart; about 2 minutes)
+# runs under run-under-ceph beside the C++ tests and the crash campaigns, on a cluster of its own
+# (run-brownout-apart): it stops, kills and fills its cluster. Without a cluster
+# (SAFEPOINT_TEST_CEPH_DIR unset) it says so and passes.
 CRASH_BROWNOUT_SEED ?= 20261273
 CRASH_BROWNOUT_SHORT ?= 6
 run-brownout:
