@@ -391,6 +391,11 @@ class Cut:
             who = [self.ranks[r] for r in self.rebuilders] or [rk]
             return any(self._said(x, "READY") >= 1 for x in who)
         if trig == "receive":
+            # Once the node's rank is up (as for "random": seed 2026120561's round 102 met a
+            # temporary left by an earlier round at its start and cut the node while its rank's
+            # Checkpointer made its gloo group: "connect: Network is unreachable").
+            if self._said(rk, "READY") < 1:
+                return False
             d = self.node.shm / f"safepoint-{os.geteuid()}-{self.job.name}" / "replicas"
             try:
                 return any(n.startswith(".tmp") for n in os.listdir(d))
