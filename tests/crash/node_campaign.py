@@ -532,7 +532,7 @@ class Wake:
                     f"has not answered {self.DIAGNOSE_AFTER:.0f} s after it was woken; its "
                     f"lines: {self.stale.lines[-8:]}")
         try:
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR2)  # faulthandler's (SIGUSR1 is a preemption notice)
         except ProcessLookupError:
             return
         time.sleep(1.0)

@@ -137,8 +137,9 @@ def child_main(a: dict) -> int:
     if a.get("run_tag") is not None:
         import faulthandler
         import signal
-        # The node campaign asks a stale process that does not answer for its stacks.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # The node campaign asks a stale process that does not answer for its stacks (not with
+        # SIGUSR1: the Checkpointer takes that as a preemption notice).
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     rank, world = a["rank"], a["world_size"]
     if world > 1:
         import torch.distributed as dist
@@ -177,16 +178,12 @@ def child_main(a: dict) -> int:
         try:
             with in_client:
                 return call()
-        except safepoint.Error as e:
-            outcome = type(e).__name__
+        except BaseException as e:
+            outcome = (type(e).__name__ if isinstance(e, safepoint.Error)
+                       else "raised:" + type(e).__name__)
             if isinstance(e, getattr(safepoint, "SupersededError", ())):
                 say("SUPERSEDED", kind, str(e).replace("\n", " "))
                 threading.Event().wait()  # the control thread acts and exits
-            if told_stale.is_set():
-                park(kind, e)
-            raise
-        except BaseException as e:
-            outcome = "raised:" + type(e).__name__
             if told_stale.is_set():
                 park(kind, e)
             raise

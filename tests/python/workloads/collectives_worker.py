@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import warnings
 from datetime import timedelta
 
@@ -46,6 +45,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "bench"))
 from collective_count import CollectiveCounter  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "common"))
+from processes import wait_until  # noqa: E402
+
 ckpt_dir, shm_dir, job, port, rank, world, mode = sys.argv[1:8]
 steps = int(sys.argv[8]) if len(sys.argv) > 8 else 6
 persist_every = int(sys.argv[9]) if len(sys.argv) > 9 else 1
@@ -53,7 +55,7 @@ rank, world = int(rank), int(world)
 modes = set(mode.split("+"))
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 dist.init_process_group("gloo", rank=rank, world_size=world,
-                        timeout=timedelta(seconds=5 if "timeout" in modes else 1800))
+                        **({"timeout": timedelta(seconds=5)} if "timeout" in modes else {}))
 
 LAST = world - 1
 REPLICATED = 4  # tensors every rank holds (DDP's parameters), over dedupe's 64 KiB floor
@@ -78,10 +80,8 @@ if "timeout" in modes:
     ck = safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir)
     if rank == LAST:
         others = [os.path.join(flags, str(r)) for r in range(LAST)]
-        deadline = time.monotonic() + 200
-        while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        out = {"rank": rank, "saw": all(map(os.path.exists, others))}
+        out = {"rank": rank, "saw": wait_until(lambda: all(map(os.path.exists, others)), 200,
+                                               interval=0.1)}
     else:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
