@@ -18,7 +18,8 @@ from safepoint._api import load as storage_load
 from safepoint._api import steps as storage_steps
 from safepoint._attempt import newest_attempts
 from safepoint._ckpt_base import CheckpointerBase, RestoreInfo
-from safepoint._shards import read_into, read_newest_into, read_shared_into
+from safepoint._shards import read_into, read_newest_into
+from safepoint._shared_reads import read_shared_into
 from safepoint._staging import pin_for_gpu_copies
 from safepoint._stateful import apply_loaded, to_saveable
 from safepoint._versions import resolve, same_location, split_ref

@@ -172,17 +172,51 @@ def copy_tensor(target: torch.Tensor, loaded: torch.Tensor, where: str) -> None:
         local.copy_(loaded, non_blocking=local.is_cuda and loaded.is_pinned())
 
 
-class _Piece:
-    __slots__ = ("reader", "image", "index", "name", "dtype", "shape", "global_shape", "offset")
+# What a rank tells the others of an image it opened (the shared read's exchange), so that they
+# need not open it to learn which boxes it holds: one row per entry whose bytes the image holds,
+# (index, name, dtype, shape, global shape or None, global offset or None, data offset).
+IndexRow = tuple[int, str, str, tuple, Optional[tuple], Optional[tuple], int]
 
-    def __init__(self, reader, image: int, index: int, entry) -> None:
+
+def index_rows(entries: list) -> list[IndexRow]:
+    """The rows (IndexRow) of an image's index entries (ShardReader.tensors())."""
+    return [(i, e.name, e.dtype, tuple(e.shape),
+             None if e.global_shape is None else tuple(e.global_shape),
+             None if e.global_offset is None else tuple(e.global_offset), e.offset)
+            for i, e in enumerate(entries) if not e.elsewhere]
+
+
+class _Piece:
+    __slots__ = ("reader", "image", "index", "name", "dtype", "shape", "global_shape", "offset",
+                 "at")
+
+    def __init__(self, reader, image: int, row: IndexRow) -> None:
         self.reader = reader
-        self.image, self.index = image, index  # (rank of the image, entry): where the bytes are
-        self.name = entry.name
-        self.dtype = entry.dtype
-        self.shape = tuple(entry.shape)
-        self.global_shape = tuple(entry.global_shape or entry.shape)
-        self.offset = tuple(entry.global_offset or (0,) * len(self.shape))
+        self.image, self.index = image, row[0]  # (rank of the image, entry): where the bytes are
+        self.name, self.dtype, self.shape = row[1], row[2], row[3]
+        self.global_shape = row[4] or self.shape
+        self.offset = row[5] or (0,) * len(self.shape)
+        self.at = row[6]  # where its bytes start in the image
+
+
+class _Image:
+    """An image of the step that this rank knows from another rank's index rows (the shared
+    read's exchange) and has not opened: it is opened when a range of it is first read, and
+    its index checked against the rows."""
+    __slots__ = ("_step", "image")
+
+    def __init__(self, step_reader: StepReader, image: int) -> None:
+        self._step, self.image = step_reader, image
+
+    def _reader(self) -> Any:
+        return self._step.opened(self.image)
+
+    def read(self, batch: list) -> None:
+        self._reader().read(batch)
+
+    @property
+    def chunk_size(self) -> int:
+        return self._reader().chunk_size
 
 
 # A byte range of one image that a loading rank needs: (image rank, tensor name, first byte,
@@ -192,12 +226,13 @@ ReadKey = tuple[int, str, int, int]
 
 class _Read:
     """A byte range to read (see ReadKey) and where it lies in the step (image, entry, first
-    byte), the order in which ranges are read."""
-    __slots__ = ("reader", "name", "first", "nbytes", "pos")
+    byte), the order in which ranges are read; `at`: where it starts in its image."""
+    __slots__ = ("reader", "name", "first", "nbytes", "pos", "at")
 
     def __init__(self, piece: _Piece, first: int, nbytes: int) -> None:
         self.reader, self.name, self.first, self.nbytes = piece.reader, piece.name, first, nbytes
         self.pos = (piece.image, piece.index, first)
+        self.at = piece.at + first
 
 
 def _add_stat(stats: Optional[dict], key: str, n: float) -> None:
@@ -213,21 +248,35 @@ class StepReader:
     does not hold (replicas written once, resharding): a restore into the world that saved the
     step, where each rank's own image holds its tensors, costs each rank one image's header and
     index instead of every image's (W x W opens across the job). Without `rank`, every image is
-    opened (export, inspection)."""
+    opened (export, inspection). A shared read (_shared_reads) learns the other images' index
+    rows from the ranks that opened them (``learn``) and opens an image only to read from it.
 
-    def __init__(self, path: str, step: int, rank: Optional[int] = None) -> None:
+    `known`: build the reader from index rows alone, opening nothing (a rank that takes part in
+    a shared read without reading: it plans with the others); `commit` is then the step's
+    generation and world size, (generation, world_size)."""
+
+    def __init__(self, path: str, step: int, rank: Optional[int] = None,
+                 known: Optional[tuple[int, int, dict[int, list[IndexRow]]]] = None) -> None:
         self.path, self.step = path, step
+        self.readers: dict[int, Any] = {}
+        self.entries: dict[int, list] = {}
+        self.rows: dict[int, list[IndexRow]] = {}  # images known by their rows, not opened
+        # name -> replica key -> the copies of that box (replicas on several ranks)
+        self.pieces: dict[str, dict[bytes, list[_Piece]]] = {}
+        if known is not None:
+            self._commit: Any = None
+            self._generation, self.world_size, rows = known
+            self.learn(rows)
+            return
         for tries in range(4):
             # One COMMIT record for every image opened, now or later: each is checked against
             # it, so a step replaced meanwhile (safepoint.save(overwrite=True)) fails the open
             # (NotFoundError: its images are named by attempt) rather than mixing versions.
             commit = _core.step_commit(path, step)
             self._commit = commit
+            self._generation = commit.generation
             self.world_size = commit.world_size
-            self.readers: dict[int, Any] = {}
-            self.entries: dict[int, list] = {}
-            # name -> replica key -> the copies of that box (replicas on several ranks)
-            self.pieces: dict[str, dict[bytes, list[_Piece]]] = {}
+            self.readers, self.entries, self.pieces = {}, {}, {}
             try:
                 if rank is None:
                     self.open_all()
@@ -240,34 +289,89 @@ class StepReader:
         raise NotFoundError(f"{path}: step {step} was replaced again and again while being read")
 
     def _open(self, image: int) -> None:
-        if image not in self.readers:
-            reader = _core.ShardReader(self.path, self.step, image, self._commit)
+        if image in self.rows:
+            self.opened(image)  # its pieces are known already
+        elif image not in self.readers:
+            reader = self._shard_reader(image)
             self._add(image, reader, reader.tensors())
+
+    def _shard_reader(self, image: int) -> Any:
+        if self._commit is None:  # built from rows: the record is read now, and must agree
+            self._commit = _core.step_commit(self.path, self.step)
+            if self._commit.generation != self._generation:
+                raise NotFoundError(f"{self.path}: step {self.step} was replaced while it was "
+                                    "being read")
+        return _core.ShardReader(self.path, self.step, image, self._commit)
 
     def _add(self, image: int, reader: Any, entries: list) -> None:
         self.readers[image], self.entries[image] = reader, entries
-        for index, e in enumerate(entries):
-            if not e.elsewhere:  # the bytes are in this image
-                self.pieces.setdefault(e.name, {}).setdefault(
-                    _core.replica_key(e.name, e.dtype, e.shape, e.global_shape,
-                                      e.global_offset), []).append(
-                    _Piece(reader, image, index, e))
+        for row in index_rows(entries):
+            self._add_piece(image, reader, row)
+
+    def _add_piece(self, image: int, reader: Any, row: IndexRow) -> None:
+        _, name, dtype, shape, gshape, goff, _ = row
+        self.pieces.setdefault(name, {}).setdefault(
+            _core.replica_key(name, dtype, shape, gshape, goff), []).append(
+            _Piece(reader, image, row))
 
     def open_all(self) -> None:
         """Opens every image not opened yet. The copies of a box are listed in image order
         whatever was opened first, so that every rank picks the same copies as needs() does."""
         if len(self.readers) == self.world_size:
             return
-        readers, entries = self.readers, self.entries
-        self.readers, self.entries, self.pieces = {}, {}, {}
         for image in range(self.world_size):
-            if image in readers:
-                self._add(image, readers[image], entries[image])
+            if image not in self.readers:
+                reader = self._shard_reader(image)
+                self.readers[image], self.entries[image] = reader, reader.tensors()
+                self.rows.pop(image, None)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """The pieces of every image opened or known by its rows, in image order."""
+        self.pieces = {}
+        for image in sorted(set(self.readers) | set(self.rows)):
+            if image in self.readers:
+                for row in index_rows(self.entries[image]):
+                    self._add_piece(image, self.readers[image], row)
             else:
-                self._open(image)
+                handle = _Image(self, image)
+                for row in self.rows[image]:
+                    self._add_piece(image, handle, row)
+
+    def known_rows(self) -> dict[int, list[IndexRow]]:
+        """The index rows of the images this reader opened (what it tells the other ranks)."""
+        return {image: index_rows(entries) for image, entries in self.entries.items()}
+
+    def learn(self, rows: Mapping[int, list[IndexRow]]) -> None:
+        """Adds the images that other ranks opened, by their index rows: their boxes are found
+        without opening them (opened() opens one when a range of it is read)."""
+        fresh = {i: r for i, r in rows.items()
+                 if i not in self.readers and i not in self.rows and 0 <= i < self.world_size}
+        if fresh:
+            self.rows.update(fresh)
+            self._rebuild()
+
+    def missing(self) -> list[int]:
+        """The images neither opened nor known by their rows."""
+        return [i for i in range(self.world_size) if i not in self.readers and i not in self.rows]
+
+    def opened(self, image: int) -> Any:
+        """The ShardReader of `image`, opened now if it is not yet. An image known by its rows
+        is checked (its index must be what the rows said); one not known adds its pieces."""
+        if image not in self.readers:
+            reader = self._shard_reader(image)
+            entries = reader.tensors()
+            known = self.rows.get(image)
+            if known is not None and index_rows(entries) != known:
+                raise CorruptionError(f"{self.path}: step {self.step}: the index of rank "
+                                      f"{image}'s image differs from the one another rank read")
+            self.readers[image], self.entries[image] = reader, entries
+            if known is None:
+                self._rebuild()
+        return self.readers[image]
 
     def generation(self) -> int:
-        return self._commit.generation
+        return self._generation
 
     def skeleton(self, rank: int, unpickler: Any) -> tuple[Any, list[_core.TensorInfo]]:
         """The state tree a rank saved (its non-tensor values), for rank `rank` of the loading
@@ -281,17 +385,20 @@ class StepReader:
         """What fill() reads and copies: (the byte ranges, by key; the copies, each (local
         destination, key of its source range, strided view of that range)). Of a box saved by
         several ranks (replicas), loading rank r reads copy r mod (number of copies), which
-        spreads the reads across images. Where the images opened so far do not hold every box,
-        every image is opened and the plan made again."""
-        if len(self.readers) < self.world_size:
+        spreads the reads across images. Where the images opened (or known) so far do not hold
+        every box, every image is opened and the plan made again."""
+        if self.missing():
             try:
-                return self._needs(requests, rank)
+                return self.needs_known(requests, rank)
             except NotFoundError:
                 self.open_all()
-        return self._needs(requests, rank)
+        return self.needs_known(requests, rank)
 
-    def _needs(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]],
-               rank: int) -> tuple[dict[ReadKey, _Read], list]:
+    def needs_known(self, requests: list[tuple[str, torch.Tensor, tuple, tuple]],
+                    rank: int) -> tuple[dict[ReadKey, _Read], list]:
+        """needs() from the images opened or known so far alone (NotFoundError where they do
+        not hold every box). The tensors of `requests` may be on the meta device: another
+        rank's requests, planned here (_shared_reads)."""
         reads: dict[ReadKey, _Read] = {}
         copies = []
         for name, local, gshape, goff in requests:
@@ -407,11 +514,8 @@ class StepReader:
             for k in device:
                 if id(reads[k].reader) not in chunk:
                     chunk[id(reads[k].reader)] = reads[k].reader.chunk_size
-            # Where each range starts in its image (pos: image, index entry, first byte).
-            at = {k: self.entries[reads[k].pos[0]][reads[k].pos[1]].offset + reads[k].first
-                  for k in device}
             _device_fill.fill([(reads[k].reader, reads[k].name, reads[k].first, reads[k].nbytes,
-                                at[k], chunk[id(reads[k].reader)], by_key[k])
+                                reads[k].at, chunk[id(reads[k].reader)], by_key[k])
                                for k in device], lambda items: self.read(items, stats))
 
 
@@ -493,206 +597,6 @@ def _requests(sr: StepReader, rank: int, targets: Any,
         return saved
 
     return merge(targets, skeleton, "<root>"), requests
-
-
-# -- restore at scale: ranks that need the same bytes read them once and share them -----------
-
-_ALIGN = 64  # offset of each range in a shared buffer (any dtype can view it)
-_MESSAGE_LIMIT = 32 << 20  # a reader reads and sends its part in messages of this size
-_CUT = 1 << 20  # readers' parts of a shared buffer start at multiples of this
-
-
-def _water_fill(loads: list[int], total: int) -> list[float]:
-    """How many of `total` bytes each rank takes so that the ranks' loads end up as even as
-    they can: the least loaded are filled up to a common level."""
-    order = sorted(loads)
-    level = float(total + order[0])
-    for j in range(1, len(order) + 1):
-        level = (total + sum(order[:j])) / j
-        if j == len(order) or level <= order[j]:
-            break
-    return [max(0.0, level - x) for x in loads]
-
-
-class SharedGroup:
-    """Byte ranges that the same set of ranks all need, laid out in one buffer that each of
-    them fills: `layout` gives each range's offset in it (in storage order, each aligned), and
-    `shares` the part [lo, hi) of the buffer each reader reads from storage and sends to the
-    other ranks of the set."""
-    __slots__ = ("ranks", "layout", "size", "shares")
-
-    def __init__(self, ranks: tuple, keys: list[ReadKey]) -> None:
-        self.ranks = ranks
-        self.layout: list[tuple[ReadKey, int]] = []
-        self.size = 0
-        for k in keys:
-            self.layout.append((k, self.size))
-            self.size += -(-k[3] // _ALIGN) * _ALIGN
-        self.shares: list[tuple[int, int, int]] = []
-
-    def pieces(self, lo: int, hi: int):
-        """(key, offset of the key in the buffer, first, last byte of the key within [lo, hi))
-        for every range that overlaps [lo, hi)."""
-        for k, off in self.layout:
-            a, b = max(lo, off), min(hi, off + k[3])
-            if a < b:
-                yield k, off, a - off, b - off
-
-
-def plan_shared_reads(wants: list[list[tuple[ReadKey, tuple]]]) -> list[SharedGroup]:
-    """Who reads which bytes from storage, when several ranks need the same ones.
-
-    `wants[r]` is rank r's list of (key, position in the step) (empty for a rank that reads
-    nothing). A range one rank needs, that rank reads. The ranges a set of ranks all need are
-    laid out in storage order in one buffer, which is cut into one contiguous part per rank of
-    the set (at MiB boundaries), sized so that every rank's total read (its own ranges included)
-    ends up as even as it can be; each rank reads its part (neighbouring ranges, so no two
-    readers read many of the same checksum chunks) and sends it to the rest of the set. Every
-    rank computes the same plan. Only ranges that several ranks need appear in it."""
-    wanters: dict[ReadKey, list[int]] = {}
-    pos: dict[ReadKey, tuple] = {}
-    for r, ws in enumerate(wants):
-        for key, p in ws:
-            if r not in wanters.setdefault(key, []):
-                wanters[key].append(r)
-            pos[key] = p
-    load = [0] * len(wants)
-    by_set: dict[tuple, list[ReadKey]] = {}
-    for key, rs in wanters.items():
-        if len(rs) == 1:
-            load[rs[0]] += key[3]
-        else:
-            by_set.setdefault(tuple(sorted(rs)), []).append(key)
-    groups = []
-    for ranks in sorted(by_set, key=lambda w: (-sum(k[3] for k in by_set[w]), w)):
-        g = SharedGroup(ranks, sorted(by_set[ranks], key=lambda k: (pos[k], k)))
-        quota = _water_fill([load[r] for r in ranks], g.size)
-        lo, acc = 0, 0.0
-        for i, r in enumerate(ranks):
-            acc += quota[i]
-            hi = g.size if i == len(ranks) - 1 else min(g.size, round(acc / _CUT) * _CUT)
-            if hi > lo:
-                g.shares.append((r, lo, hi))
-                load[r] += hi - lo
-                lo = hi
-        groups.append(g)
-    return groups
-
-
-def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: Any, group: Any,
-                     need: bool, has_copy: bool = False,
-                     stats: Optional[dict] = None) -> tuple[Optional[Any], Optional[bool]]:
-    """read_into() as a collective of every rank of `group` (a gloo group of the whole world),
-    for the ranks whose `need` is true: the bytes that several of them need are read from
-    storage once, split among them (plan_shared_reads), and each reader sends its part to the
-    others over the group in a few large messages (not one per tensor). Ranges that only one
-    rank needs it reads itself. `has_copy`: a rank that needs nothing holds its copy of the step
-    already (memory, peers).
-
-    Returns (the tree to restore from, whether every rank of the group now holds its copy of the
-    step). The tree is None for a rank that needs nothing, and for every rank when any rank could
-    not plan or read its part (a damaged range, a step replaced meanwhile): then none of them
-    has loaded anything, the second item is None (not known: each can read on its own as
-    read_into() does, and the caller's agreement decides), and False only where the shared read
-    worked but some rank neither needed it nor holds a copy. The answer comes from the shared
-    read's own all-reduce: no other collective is needed to know that every rank read the step.
-    Raises only when the group itself fails (a peer died). Counts bytes under
-    stats["storage_bytes_read"], ["peer_bytes_sent"] and ["peer_bytes_received"], and the time
-    this rank spent reading from storage and waiting for the exchange to end after its reads
-    under ["storage_read_seconds"] and ["exchange_seconds"]."""
-    import torch.distributed as dist
-
-    from safepoint.errors import Error
-
-    mine: Any = None
-    if need:
-        try:
-            sr = StepReader(path, step, rank)
-            out, requests = _requests(sr, rank, targets, unpickler)
-            reads, copies = sr.needs(requests, rank)
-            mine = (sr.generation(), [(k, r.pos) for k, r in reads.items()])
-        except Error as e:
-            warnings.warn(f"safepoint: step {step}: cannot plan the shared read: {e}",
-                          RuntimeWarning, stacklevel=3)
-            mine = "failed"
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    planned = [e for e in everyone if e is not None]
-    if any(e == "failed" for e in planned) or len({e[0] for e in planned}) > 1:
-        return None, None  # one rank cannot take part, or the ranks see different versions
-    plan = plan_shared_reads([e[1] if e is not None else [] for e in everyone])
-
-    # This rank's buffers: one per set of ranks it is in, one per range only it needs.
-    bufs: dict[ReadKey, torch.Tensor] = {}
-    flats: dict[int, torch.Tensor] = {}
-    for i, g in enumerate(plan):
-        if rank in g.ranks:
-            flat = flats[i] = torch.empty(g.size, dtype=torch.uint8)
-            for k, off in g.layout:
-                bufs[k] = flat[off:off + k[3]]
-    own = []  # the ranges only this rank needs
-    if need:
-        for k, r in reads.items():
-            if k not in bufs:
-                bufs[k] = torch.empty(r.nbytes, dtype=torch.uint8)
-                own.append((r.reader, r.name, r.first, r.nbytes, bufs[k]))
-
-    ok = True
-
-    def read(items: list) -> None:
-        nonlocal ok
-        if ok:
-            try:
-                StepReader.read(items, stats)
-            except Error as e:
-                warnings.warn(f"safepoint: step {step}: cannot read this rank's share: {e}",
-                              RuntimeWarning, stacklevel=4)
-                ok = False
-
-    # Every rank numbers the messages of the whole plan alike (the tag of each). A rank posts
-    # its receives first, then reads its parts message by message and sends each as soon as it
-    # is read, so its reads overlap its sends; its own ranges it reads last. A rank whose read
-    # failed still sends (what it has) so that no one waits forever: the all-reduce after the
-    # exchange tells every rank not to use any of it.
-    works, tag = [], 0
-    mine = []
-    for i, g in enumerate(plan):
-        for reader, lo, hi in g.shares:
-            for first in range(lo, hi, _MESSAGE_LIMIT):
-                tag += 1
-                last = min(hi, first + _MESSAGE_LIMIT)
-                if reader == rank:
-                    mine.append((i, g, first, last, tag))
-                elif i in flats:
-                    part = flats[i][first:last]
-                    works.append(dist.irecv(part, dist.get_global_rank(group, reader),
-                                            group=group, tag=tag))
-                    _add_stat(stats, "peer_bytes_received", part.numel())
-    for i, g, first, last, tag in mine:
-        flat = flats[i]
-        read([(reads[k].reader, reads[k].name, reads[k].first + a, b - a,
-               flat[off + a:off + b]) for k, off, a, b in g.pieces(first, last)])
-        for dst in g.ranks:
-            if dst != rank:
-                works.append(dist.isend(flat[first:last], dist.get_global_rank(group, dst),
-                                        group=group, tag=tag))
-                _add_stat(stats, "peer_bytes_sent", last - first)
-    read(own)
-    t0 = time.perf_counter()
-    for w in works:
-        if w is not None:
-            w.wait()
-    _add_stat(stats, "exchange_seconds", time.perf_counter() - t0)
-    # [a read failed somewhere, a rank ends without a copy]
-    failed = torch.tensor([0 if ok else 1, 0 if need or has_copy else 1], dtype=torch.int32)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if int(failed[0].item()):
-        return None, None
-    all_have = int(failed[1].item()) == 0
-    if not need:
-        return None, all_have
-    StepReader.copy_out(copies, bufs)
-    return out, all_have
 
 
 def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list,

@@ -294,7 +294,7 @@ def test_a_rank_whose_copy_in_memory_is_damaged_reads_storage_alone(run):
 
 
 def test_plan_splits_shared_ranges_evenly_in_storage_order():
-    from safepoint._shards import plan_shared_reads
+    from safepoint._shared_reads import plan_shared_reads
 
     mib = 1 << 20
 
