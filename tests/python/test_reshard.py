@@ -36,6 +36,11 @@ def test_save_n_ranks_restore_m_ranks(tmp_path, save_mesh, load_meshes):
     for mesh in load_meshes:
         outs = run(ckpt, "load", mesh)
         assert all(o["ok"] for o in outs), outs
+        # The same through the shared read of the whole job (Checkpointer.restore's from
+        # storage), where a rank learns the boxes of the images it did not open from the ranks
+        # that did (a world that shrank: the images of the ranks it lacks are opened too).
+        outs = run(ckpt, "shared", mesh)
+        assert all(o["ok"] for o in outs), outs
 
 
 def test_flash_checkpoint_of_dtensors_restores_from_memory_then_reshards(tmp_path):

@@ -157,12 +157,12 @@ RANKS = 4
 WORKER = os.path.join(os.path.dirname(__file__), "workloads", "restore_requests_worker.py")
 
 
-def job_run(tmp_path, shm, phase: str, tag: str) -> list:
+def job_run(tmp_path, shm, phase: str, tag: str, ranks: int = RANKS) -> list:
     from conftest import free_port, run_ranks
 
     port = free_port()
     return run_ranks([[WORKER, tmp_path / "ckpt", shm, f"rq-{tag}-{os.getpid()}", port, r,
-                       RANKS, phase] for r in range(RANKS)])
+                       ranks, phase] for r in range(ranks)])
 
 
 def flip_last_byte(path) -> None:
@@ -228,3 +228,39 @@ def test_an_unread_older_commit_that_is_damaged_makes_every_rank_fall_back(tmp_p
     outs = job_run(tmp_path, shm, "load", "b")
     assert [(o["step"], o["ok"]) for o in outs] == [(2, True)] * RANKS
     assert sum("fall back" in w for w in outs[0]["warnings"]) == 2, outs[0]["warnings"]
+
+
+def test_a_restore_opens_a_constant_number_of_images_a_rank_whatever_the_world(tmp_path, shm):
+    # The model's two tensors are replicas written once (dedupe): rank 0's image holds one, rank
+    # 1's the other, and every other image leaves both "elsewhere". A rank opens its own image
+    # and the images it reads a range of (the shared read's plan gives one rank the model's
+    # ranges to read and send), never every image of the step to find where the replicas are:
+    # the job opens about W images, not W x W (8 x 8 = 64 before), and no rank more than 3.
+    world = 8
+    job_run(tmp_path, shm, "save", "a", world)
+    outs = job_run(tmp_path, shm, "restore", "b", world)
+    assert [(o["step"], o["ok"], o["source"]) for o in outs] == [(4, True, "storage")] * world
+    images = [o["images"] for o in outs]
+    for r, opened in enumerate(images):
+        assert r in opened and len(opened) == len(set(opened)) <= 3, images
+    assert sum(map(len, images)) <= world + 4, images
+    # What each rank asks of storage does not depend on W either: the ranks that open their
+    # own image alone (all but the lister and the reader of the model) ask the same.
+    gets = sorted(o["requests"]["file"].get("get", 0) for o, i in zip(outs[1:], images[1:])
+                  if len(i) == 1)
+    assert len(gets) >= world - 3 and gets[0] == gets[-1], (gets, images)
+
+
+def test_a_shared_read_finds_the_replicas_of_a_rank_that_restores_from_memory(tmp_path, shm):
+    # Rank 0 holds the step already (as in memory) and opens nothing for itself, but its image
+    # holds a replica the others need: they learn its index from rank 0 in a second all-gather
+    # (rank 0 opens its image for them), not by each opening every image.
+    job_run(tmp_path, shm, "save", "a")
+    outs = job_run(tmp_path, shm, "partial", "b")
+    assert [(o["step"], o["ok"], o["everyone"]) for o in outs] == [(4, True, True)] * RANKS
+    images = [o["images"] for o in outs]
+    assert images[0] == [0], images
+    for r, opened in enumerate(images[1:], 1):
+        assert r in opened and len(opened) == len(set(opened)) <= 3, images
+    assert all(o["calls"].count("all_gather_object") == 2 for o in outs), outs
+

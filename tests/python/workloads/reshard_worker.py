@@ -1,7 +1,9 @@
 """One rank of a resharding run: saves DTensor-sharded state with one world size, or restores it
 into another (torch.distributed with gloo on the CPU).
 
-argv: ckpt_dir mode(save|flash|hot|load) mesh(e.g. "2" or "2x2") port rank [shm_dir job]
+argv: ckpt_dir mode(save|flash|hot|load|shared) mesh(e.g. "2" or "2x2") port rank [shm_dir job]
+("shared": load through the shared read of every rank of the job, as Checkpointer.restore from
+storage does, instead of each rank on its own)
 Prints one JSON line: {"rank", "ok", "step", "mismatches"}.
 """
 
@@ -134,7 +136,15 @@ elif mode == "hot":
                       "mismatches": bad}))
 else:
     target = state(False)
-    got = safepoint.restore(ckpt, target, rank=rank)
+    if mode == "shared":
+        from safepoint._shared_reads import read_shared_into
+
+        tree, everyone = read_shared_into(ckpt, 7, rank, target, None, dist.group.WORLD, True)
+        got = 7 if everyone else None
+        if tree is not None:
+            target["meta"] = tree["meta"]
+    else:
+        got = safepoint.restore(ckpt, target, rank=rank)
     bad = []
     for i, shape in enumerate(SHAPES):
         k = f"w{i}"

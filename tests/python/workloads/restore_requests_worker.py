@@ -8,11 +8,14 @@ PHASE:
                    and closes: the snapshots leave memory, a restore reads storage.
   restore          a fresh Checkpointer restores into zeroed targets (reshards: partial reads).
   load             a fresh Checkpointer loads (whole images, no targets).
+  partial          the shared read of the newest step alone (no Checkpointer), where rank 0
+                   holds its copy already (as from memory) and the others read storage.
 TIERS: a comma-separated list of tier URIs (the same in both phases), or nothing.
 
 Counts, around the restore alone: this process's storage requests (``_core.storage_requests()``,
-by scheme and operation) and every outermost torch.distributed collective (name). Prints one
-JSON line: {"rank", "step", "ok", "source", "uri", "requests": {scheme: {op: n}}, "calls",
+by scheme and operation), every outermost torch.distributed collective (name) and the images of
+the step it opened (``_core.ShardReader``, by the saving rank of each). Prints one JSON line:
+{"rank", "step", "ok", "source", "uri", "requests": {scheme: {op: n}}, "calls", "images",
 "warnings"}.
 """
 
@@ -67,12 +70,36 @@ def delta(before: dict, after: dict) -> dict:
             for scheme, ops in after.items()}
 
 
+# Every image a restore opens (its header and index; a read of its ranges opens nothing more).
+opened: list = []
+_shard_reader = _core.ShardReader
+
+
+def counted_shard_reader(path, step, image, commit=None):
+    opened.append(image)
+    return _shard_reader(path, step, image, commit)
+
+
+_core.ShardReader = counted_shard_reader
+
 out: dict = {"rank": rank}
 if phase == "save":
     with safepoint.Checkpointer(ckpt_dir, job=job, shm_dir=shm_dir, tiers=tiers or None) as ck:
         for step in (1, 2, 3, 4):
             ck.save(step, state(step))
         ck.wait()
+elif phase == "partial":
+    from safepoint._shared_reads import read_shared_into
+
+    step = max(safepoint.steps(ckpt_dir))
+    target = zeros(state(0))
+    need = rank != 0
+    counter = CollectiveCounter()
+    tree, everyone = read_shared_into(ckpt_dir, step, rank, target, None, dist.group.WORLD,
+                                      need, has_copy=not need)
+    out.update(step=step, images=sorted(opened), calls=counter.names(), everyone=everyone,
+               ok=(tree is None) if not need else equal(tree, state(step)))
+    counter.on = False
 else:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -81,6 +108,7 @@ else:
             dist.barrier()
             counter = CollectiveCounter()
             before = _core.storage_requests()
+            del opened[:]
             if phase == "restore":
                 target = zeros(state(0))
                 step = ck.restore(target)
@@ -91,6 +119,7 @@ else:
                 ok = got is not None and equal(got[1], state(step))
             out["requests"] = delta(before, _core.storage_requests())
             out["calls"] = counter.names()
+            out["images"] = sorted(opened)
             out.update(step=step, ok=ok, source=ck.last_load_source,
                        uri=ck.last_restore.uri if ck.last_restore else None)
             # the counting ends here: close() and the barriers below are not the restore's
