@@ -66,7 +66,13 @@ NodeAgent::NodeAgent(AgentOptions options)
       last_busy_(MonotonicSeconds()),
       queue_([this] { Wake(); }),
       replicator_(opt_.job, [this] { Wake(); }),
-      tiers_([this] { Wake(); }, TierRetrySeconds()) {}
+      relay_(&replicator_, [this] { Wake(); }),
+      tiers_([this] { Wake(); }, TierRetrySeconds()) {
+  replicator_.SetNoteHandler(
+      [this](const std::string& from, const std::string& kind, const std::string& body) {
+        return relay_.OnNote(from, kind, body);
+      });
+}
 
 // The first retry delay of a failed tier copy ($SAFEPOINT_TIER_RETRY_SECONDS, default 1 s; each
 // next retry doubles it, up to 60 s).
@@ -157,8 +163,9 @@ Status NodeAgent::EnsureRank(uint32_t rank) {
 Status NodeAgent::Configure(const JobConfig& config, std::shared_ptr<CheckpointStore> store) {
   config_ = config;
   store_ = std::move(store);
-  queue_.Start(job_dir_, {opt_.job, store_, config.world_size, config.keep, pins_,
-                          MakePackOptions(config.compression, config.incremental), ledger_});
+  queue_.Start(job_dir_,
+               {opt_.job, store_, config.world_size, config.keep, pins_,
+                MakePackOptions(config.compression, config.incremental), ledger_, &relay_});
   replicator_.SetStorage(store_, config.world_size);
   auto committed = store_->ListCommitted();
   if (committed.ok()) {
@@ -246,6 +253,10 @@ uint64_t NodeAgent::SnapshotAttempt(const PersistTask& t) {
 
 void NodeAgent::DrainResults() {
   for (PersistResult& r : queue_.TakeResults()) {
+    if (r.task.commit_only != PersistTask::CommitOnly::kNo) {
+      RelayCommitDone(r);
+      continue;
+    }
     const uint32_t rank = r.task.rank;
     const uint64_t step = r.task.step;
     telemetry_.Persisted(r);
@@ -281,6 +292,8 @@ void NodeAgent::DrainResults() {
         committed_cache_.insert(step);
         newest_committed_ = std::max(newest_committed_.value_or(0), step);
         tiers_.Committed(step);
+        relay_.Committed(step);
+        if (relay_.Active()) relay_.Announce(step, r.attempt, r.pruned);
       }
       spdlog::info("rank {} step {}: persisted {} bytes in {:.3f} s ({}){}", rank, step, r.bytes,
                    r.seconds, FlushReasonName(r.task.reason), r.committed ? ", committed" : "");
@@ -373,6 +386,7 @@ void NodeAgent::Loop() {
       }
     }
     DrainResults();
+    DrainRelay();
     AdvanceWorldChange();
     DrainReplication();
     PollCommitsForTiers();

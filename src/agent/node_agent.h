@@ -124,6 +124,14 @@ class NodeAgent {
   void Enqueue(PersistTask t);
   void DrainResults();
   void DrainReplication();
+  // commit_notes.cc: the commit relay's notes (facts other nodes handed over, commits the
+  // committer announced), its overdue hand-overs, and the results of its commit-only tasks.
+  void DrainRelay();
+  void RelayCommitDone(const PersistResult& r);
+  json RelayStatusJson() const;  // the status's "commit_relay" section (null: not used)
+  // `step` is committed (told by the committer, or committed here): waits, tiers and retention's
+  // removals (`pruned`) learn of it.
+  void LearnCommitted(uint64_t step, const std::vector<uint64_t>& pruned);
   Status HandlePeerMessage(Client& c, const protocol::Message& m);
   // waits.cc
   void PollCommitsForTiers();
@@ -238,7 +246,8 @@ class NodeAgent {
   std::shared_ptr<CommitLedger> ledger_ = std::make_shared<CommitLedger>();
   PersistQueue queue_;
   Replicator replicator_;
-  TierChain tiers_;  // fills the job's lower storage tiers (on the node that runs rank 0)
+  CommitRelay relay_;  // where the job spans nodes: commits without asking storage
+  TierChain tiers_;    // fills the job's lower storage tiers (on the node that runs rank 0)
   double last_tier_poll_ = 0;
   double last_telemetry_ = 0;
 };

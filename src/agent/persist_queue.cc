@@ -195,16 +195,46 @@ Result<bool> PersistQueue::Commit(const PersistTask& t, uint64_t attempt,
   if (t.reason == FlushReason::kRequested && QueuedForStep(t.step)) return false;
   std::map<uint32_t, CheckpointStore::ImageFact> known;
   if (target_.ledger) known = target_.ledger->Known(t.step, attempt);
-  if (t.reason == FlushReason::kRequested && !known.empty()) {
-    if (Status s = target_.store->WriteFactsReport(t.step, attempt, known); !s.ok()) {
+  // The commit relay: the committer gets this node's facts over the peer service and commits
+  // from its ledger; storage is asked nothing more here (CommitRelay falls back to it when no
+  // commit follows).
+  if (t.reason == FlushReason::kRequested && target_.relay &&
+      target_.relay->HandOver(t.step, attempt, target_.world_size, known)) {
+    return false;
+  }
+  return ListingCommit(t.step, attempt, known, t.reason == FlushReason::kRequested);
+}
+
+Result<bool> PersistQueue::ListingCommit(
+    uint64_t step, uint64_t attempt, const std::map<uint32_t, CheckpointStore::ImageFact>& known,
+    bool report) {
+  if (report && !known.empty()) {
+    if (Status s = target_.store->WriteFactsReport(step, attempt, known); !s.ok()) {
       spdlog::warn(
           "step {}: this node's facts report was not written ({}); the commit reads "
           "its images' headers instead",
-          t.step, s.ToString());
+          step, s.ToString());
     }
   }
-  return target_.store->TryCommitOfAttemptWithFacts(t.step, target_.world_size, target_.job,
-                                                    attempt, known);
+  return target_.store->TryCommitOfAttemptWithFacts(step, target_.world_size, target_.job, attempt,
+                                                    known);
+}
+
+PersistResult PersistQueue::CommitOnly(const PersistTask& t) {
+  PersistResult r;
+  r.task = t;
+  r.attempt = t.attempt;
+  Result<bool> committed = false;
+  if (t.commit_only == PersistTask::CommitOnly::kFromFacts) {
+    ++ledger_commits_;
+    committed = target_.store->CommitFromFacts(t.step, target_.job, t.attempt, *t.facts);
+  } else {
+    std::map<uint32_t, CheckpointStore::ImageFact> known;
+    if (target_.ledger) known = target_.ledger->Known(t.step, t.attempt);
+    committed = ListingCommit(t.step, t.attempt, known, /*report=*/true);
+  }
+  Committed(r, committed);
+  return r;
 }
 
 // Only where other nodes persist ranks of the job (one node's waits decide from the agent's own
@@ -247,6 +277,7 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
                          "within the shutdown grace); the snapshot stays in shared memory");
     return r;
   }
+  if (t.commit_only != PersistTask::CommitOnly::kNo) return CommitOnly(t);
   auto arena = Arena::Open(job_dir_, t.rank);
   if (!arena.ok()) {
     r.status = arena.status();
@@ -359,18 +390,22 @@ PersistResult PersistQueue::Persist(const PersistTask& t) {
     }
   }
   SP_KILL_POINT("agent.persist.before_commit");
-  auto committed = Commit(t, header->first.attempt, fact);
+  Committed(r, Commit(t, header->first.attempt, fact));
+  return r;
+}
+
+// The outcome of a task's commit: on success, the ledger forgets the step and retention runs.
+void PersistQueue::Committed(PersistResult& r, const Result<bool>& committed) {
   if (!committed.ok()) {
     r.status = committed.status();
-    return r;
+    return;
   }
   r.committed = *committed;
   if (r.committed) {
-    if (target_.ledger) target_.ledger->Forget(t.step);
+    if (target_.ledger) target_.ledger->Forget(r.task.step);
     SP_KILL_POINT("agent.persist.before_prune");
     r.pruned = Prune();
   }
-  return r;
 }
 
 }  // namespace safepoint::agent

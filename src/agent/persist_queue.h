@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "agent/commit_ledger.h"
+#include "agent/commit_relay.h"
 #include "agent/tier_copier.h"
 #include "base/worker_loop.h"
 #include "safepoint/checkpoint.h"
@@ -73,6 +74,13 @@ struct PersistTask {
   // ranks have finished here (its last image of the step), not each time the queue runs dry between
   // its ranks' snapshots. 0: no such wait.
   uint32_t ranks_here = 0;
+  // A task that persists nothing and commits the step of save `attempt`
+  // (docs/architecture.md, "Committing at scale"): kFromFacts, from every rank's facts (the
+  // committer's ledger completed with facts other nodes handed over: CommitRelay); kListing,
+  // the listing commit after this node's facts report (a hand-over no commit answered).
+  enum class CommitOnly { kNo, kFromFacts, kListing };
+  CommitOnly commit_only = CommitOnly::kNo;
+  std::shared_ptr<const std::vector<CheckpointStore::ImageFact>> facts = nullptr;  // kFromFacts
 };
 
 struct PersistResult {
@@ -96,6 +104,9 @@ struct PersistTarget {
   PackOptions pack;                // how images are stored (compression, incremental)
   // What the job's image writers reported published, for commits without listing (optional).
   std::shared_ptr<CommitLedger> ledger;
+  // Where the job spans nodes: hands this node's facts to the committer instead of listing
+  // (optional; outlives the queue's worker).
+  CommitRelay* relay = nullptr;
 };
 
 class PersistQueue {
@@ -155,6 +166,15 @@ class PersistQueue {
   void ReportAbandoned(const PersistTask& t, Arena& arena);
   Result<bool> Commit(const PersistTask& t, uint64_t attempt,
                       const std::optional<CheckpointStore::ImageFact>& fact);
+  // Records a commit's outcome in `r`; when the step committed, retention runs.
+  void Committed(PersistResult& r, const Result<bool>& committed);
+  // A CommitOnly task: the commit, then retention when it committed.
+  PersistResult CommitOnly(const PersistTask& t);
+  // The listing commit of (step, attempt) with the facts `known` here (by rank), after this
+  // node's facts report of them where `report`.
+  Result<bool> ListingCommit(uint64_t step, uint64_t attempt,
+                             const std::map<uint32_t, CheckpointStore::ImageFact>& known,
+                             bool report);
   std::vector<uint64_t> Prune();
 
   const std::function<void()> notify_;

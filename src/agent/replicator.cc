@@ -127,6 +127,7 @@ Result<std::string> Replicator::Setup(const std::string& job_dir,
     return service.status();
   }
   service_ = std::move(*service);
+  if (note_handler_) service_->SetNoteHandler(note_handler_);
   job_dir_ = job_dir;
   node_ = request.node;
   bind_host_ = request.bind_host;
@@ -166,6 +167,32 @@ Status Replicator::Configure(const Membership& note) {
   spdlog::info("replication {} over {} nodes (this is node {} '{}'), epoch {}", r.ToString(),
                nodes_.size(), node_index_, node_, epoch_);
   return Status::OK();
+}
+
+Replicator::MembershipView Replicator::Nodes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!service_) return {};
+  return {nodes_, node_index_};
+}
+
+std::vector<Status> Replicator::Note(const std::vector<Peer>& peers, const std::string& kind,
+                                     const std::string& body) {
+  std::shared_lock<std::shared_mutex> use(service_use_);
+  replica::PeerService* service = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    service = service_.get();
+  }
+  if (!service) {
+    return std::vector<Status>(peers.size(), Unavailable("this node's peer service is stopped"));
+  }
+  return service->Note(peers, kind, body);
+}
+
+void Replicator::SetNoteHandler(replica::PeerService::NoteHandler handler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  note_handler_ = std::move(handler);
+  if (service_) service_->SetNoteHandler(note_handler_);
 }
 
 bool Replicator::enabled() const {
@@ -273,8 +300,16 @@ void Replicator::Stop() {
   push_worker_.Join();
   request_worker_.Join();
   // No push leaves or lands from here on (RemoveReplicas may follow), and UCX is not torn down:
-  // the service is retired, and RunAgent ends the process with _exit (PeerService::Retire).
-  replica::PeerService::Retire(std::move(service_));
+  // the service is retired, and RunAgent ends the process with _exit (PeerService::Retire). A
+  // note being sent (the commit relay's) ends first.
+  std::unique_lock<std::shared_mutex> use(service_use_);
+  std::unique_ptr<replica::PeerService> service;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    service = std::move(service_);
+  }
+  if (service) service->SetNoteHandler(nullptr);
+  replica::PeerService::Retire(std::move(service));
 }
 
 std::vector<Peer> Replicator::OtherPeersLocked() const {

@@ -32,6 +32,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,19 @@ class Replicator {
   Result<std::string> Setup(const std::string& job_dir, const protocol::PeerSetupRequest& request);
   // Applies a membership note (a new epoch replaces the peers, the secret and the limits).
   Status Configure(const Membership& note);
+  // The job's nodes as the last membership named them, and this node's index (no nodes: no
+  // membership yet). The commit relay's committer is nodes[0].
+  struct MembershipView {
+    std::vector<replica::Peer> nodes;
+    uint32_t node_index = 0;
+  };
+  MembershipView Nodes() const;
+  // Notes to other nodes' agents (the commit relay); Unavailable for each where the peer
+  // service does not run (not set up, or stopped).
+  std::vector<Status> Note(const std::vector<replica::Peer>& peers, const std::string& kind,
+                           const std::string& body);
+  // Where notes from other nodes go (set before Setup).
+  void SetNoteHandler(replica::PeerService::NoteHandler handler);
   bool enabled() const;     // configured with a redundancy
   bool configured() const;  // the peer service runs
   void SetPaused(bool paused);
@@ -144,7 +158,10 @@ class Replicator {
   std::string job_dir_, node_, bind_host_;
   std::unique_ptr<replica::ReplicaStore> store_;
   std::unique_ptr<replica::PeerService> service_;
-  std::shared_ptr<CheckpointStore> storage_;  // set once, before any FlushHeld
+  // Held shared by Note while it uses service_, exclusively by Stop before it retires it.
+  std::shared_mutex service_use_;
+  replica::PeerService::NoteHandler note_handler_;  // set before Setup
+  std::shared_ptr<CheckpointStore> storage_;        // set once, before any FlushHeld
   uint32_t world_size_ = 0;
   std::atomic<uint64_t> max_shm_bytes_{0};  // the job's cap (PeerSetupRequest); 0: none
 

@@ -122,7 +122,11 @@ nlohmann::json NodeAgent::StatusJson() {
           {"storage_layout", config_ ? PackJson(config_->compression, config_->incremental,
                                                 store_ ? store_->storage().uri() : config_->storage)
                                      : json(nullptr)},
-          {"replication", replicator_.configured() ? replicator_.StatusJson() : json(nullptr)},
+          // Not for a membership given only for the commit relay (no redundancy).
+          {"replication", replicator_.configured() && (replicator_.enabled() || !relay_.Active())
+                              ? replicator_.StatusJson()
+                              : json(nullptr)},
+          {"commit_relay", RelayStatusJson()},
           {"history",
            history_.open()
                ? json{{"where", history_.where()},

@@ -89,6 +89,7 @@ struct PeerServiceStats {
   uint64_t pushes = 0, bytes_sent = 0;
   uint64_t peers_rejected = 0;    // failed authentication or protocol errors
   uint64_t transfers_failed = 0;  // timeouts, dead peers, CRC mismatches
+  uint64_t notes_sent = 0, notes_received = 0;
 };
 
 // Checksums a snapshot recorded for its image when it was taken (the image's checksum
@@ -152,6 +153,20 @@ class PeerService {
   // it, Corruption/Unavailable when every attempt failed (the last error).
   virtual Status FetchImage(const std::vector<Holding>& holdings, const SnapshotId& id,
                             std::span<std::byte> image) = 0;
+
+  // Notes: short notices between the agents of a job (the commit relay, src/agent/commit_relay.h),
+  // one authenticated connection each. The receiving service hands each to its handler, on its
+  // progress thread: the handler must not block (the agent queues the note and wakes its loop);
+  // its status is the sender's answer. A service without a handler answers Unavailable.
+  using NoteHandler = std::function<Status(const std::string& from_node, const std::string& kind,
+                                           const std::string& body)>;
+  virtual void SetNoteHandler(NoteHandler handler) = 0;
+  // Sends `body` (at most kMaxNoteBytes) as a note of `kind` to every peer, up to kNoteFanout at
+  // a time; one status per peer, in order: OK once its handler accepted the note.
+  static constexpr size_t kMaxNoteBytes = 256 << 10;
+  static constexpr size_t kNoteFanout = 32;
+  virtual std::vector<Status> Note(const std::vector<Peer>& peers, const std::string& kind,
+                                   const std::string& body) = 0;
 
   virtual PeerServiceStats stats() const = 0;
 

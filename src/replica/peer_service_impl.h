@@ -275,8 +275,16 @@ class PeerServiceImpl final : public PeerService {
                             std::vector<Status>* errors) override;
   Status FetchImage(const std::vector<Holding>& holdings, const SnapshotId& id,
                     std::span<std::byte> image) override;
+  void SetNoteHandler(NoteHandler handler) override {
+    Lock lk(mu_);
+    note_handler_ = std::move(handler);
+  }
+  std::vector<Status> Note(const std::vector<Peer>& peers, const std::string& kind,
+                           const std::string& body) override;
   PeerServiceStats stats() const override {
     PeerServiceStats s;
+    s.notes_sent = notes_sent_;
+    s.notes_received = notes_received_;
     s.replicas_received = replicas_received_;
     s.bytes_received = bytes_received_;
     s.pushes = pushes_;
@@ -357,6 +365,7 @@ class PeerServiceImpl final : public PeerService {
                  const std::function<bool()>& still_valid, double* paused_seconds);
   Status FetchOne(const Holding& holding, std::span<std::byte> dest,
                   std::shared_ptr<void> dest_owner);
+  Status NoteOne(const Peer& peer, const std::string& kind, const std::string& body);
   bool StillValid(const std::function<bool()>& still_valid) {
     std::lock_guard lk(valid_mu_);
     return !still_valid || still_valid();
@@ -406,6 +415,7 @@ class PeerServiceImpl final : public PeerService {
   std::recursive_mutex mu_;
   std::condition_variable_any cv_;
   std::string secret_;                         // guarded by mu_
+  NoteHandler note_handler_;                   // guarded by mu_
   std::unordered_map<ucp_ep_h, ConnPtr> eps_;  // guarded by mu_
   size_t closes_pending_ = 0;                  // guarded by mu_: ep closes the hub still reaps
   size_t requests_pending_ = 0;                // guarded by mu_: SendCtx and RecvCtx alive
@@ -423,7 +433,7 @@ class PeerServiceImpl final : public PeerService {
   Clock::time_point bucket_time_ = Clock::now();
 
   std::atomic<uint64_t> replicas_received_{0}, bytes_received_{0}, pushes_{0}, bytes_sent_{0},
-      peers_rejected_{0}, transfers_failed_{0};
+      peers_rejected_{0}, transfers_failed_{0}, notes_sent_{0}, notes_received_{0};
 };
 
 // The error handler of every endpoint (arg: the PeerServiceImpl).

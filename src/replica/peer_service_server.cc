@@ -233,6 +233,18 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
           });
       return;
     }
+    case MsgType::kNote: {
+      std::string kind, text;
+      if (!GetString(body, "kind", &kind, 64) ||
+          !GetString(body, "body", &text, PeerService::kMaxNoteBytes))
+        return protocol_error("malformed note");
+      // The agent's handler queues the note and returns (it never blocks the progress thread).
+      const Status s = note_handler_ ? note_handler_(c->client_node, kind, text)
+                                     : Unavailable("node " + options_.node + " takes no notes");
+      if (s.ok()) ++notes_received_;
+      SendControlNow(c, MsgType::kNoteReply, StatusToJson(s));
+      return;
+    }
     default:
       return protocol_error(std::string("unexpected ") + MsgTypeName(type) + " message");
   }

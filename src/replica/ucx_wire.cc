@@ -62,6 +62,10 @@ const char* MsgTypeName(MsgType type) {
       return "committed";
     case MsgType::kPing:
       return "ping";
+    case MsgType::kNote:
+      return "note";
+    case MsgType::kNoteReply:
+      return "note-reply";
   }
   return "unknown";
 }

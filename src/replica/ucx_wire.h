@@ -44,7 +44,9 @@ enum class MsgType : uint16_t {
   kCommit = 15,      // client: image_crc, payload_crc; the snapshot is still valid: commit it
   kCommitted = 16,   // server: committed (or an error)
   kPing = 17,        // client: paused or throttled, still there
-  kLast = kPing,
+  kNote = 18,        // client: kind, body (a short notice for the agent: PeerService::Note)
+  kNoteReply = 19,   // server: the agent's answer (a status)
+  kLast = kNoteReply,
 };
 const char* MsgTypeName(MsgType type);
 

@@ -1,0 +1,288 @@
+// Tests of the commit relay (src/agent/commit_relay.h): its notes' wire format, and two nodes'
+// real agents (safepointd, started by the ranks' clients, each node its own shm directory) that
+// commit a job's steps without the second node asking storage, and fall back to storage when the
+// committer is gone.
+#include "agent/commit_relay.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "agent/replicator.h"
+#include "protocol/protocol.h"
+#include "safepoint/checkpoint.h"
+#include "safepoint/client.h"
+#include "safepoint/replication.h"
+#include "testing/test_util.h"
+
+#ifndef SAFEPOINTD_PATH
+#error "SAFEPOINTD_PATH must name the built safepointd binary"
+#endif
+
+namespace safepoint::commit_relay_test {
+namespace {
+
+using agent::CommitRelay;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+constexpr double kDeadlineSeconds = 30;  // only a failing test waits this long
+
+TEST(CommitRelayNotesTest, FactsAndCommitsRoundTrip) {
+  std::map<uint32_t, CommitRelay::Fact> facts;
+  facts[3] = {4096 + 17, 0xdeadbeef, false, true};
+  facts[4] = {uint64_t{1} << 40, 7, true, false};
+  ASSERT_OK_AND_ASSIGN(CommitRelay::FactsNote n,
+                       CommitRelay::DecodeFacts(CommitRelay::EncodeFacts(9, 77, 8, facts)));
+  EXPECT_EQ(n.step, 9u);
+  EXPECT_EQ(n.attempt, 77u);
+  EXPECT_EQ(n.world_size, 8u);
+  EXPECT_EQ(n.facts, facts);
+  ASSERT_OK_AND_ASSIGN(CommitRelay::CommitNote c,
+                       CommitRelay::DecodeCommit(CommitRelay::EncodeCommit(9, 77, {5, 6})));
+  EXPECT_EQ(c.step, 9u);
+  EXPECT_EQ(c.attempt, 77u);
+  EXPECT_EQ(c.pruned, (std::vector<uint64_t>{5, 6}));
+}
+
+TEST(CommitRelayNotesTest, MalformedNotesAreRefused) {
+  for (const char* bad : {"", "[]", "{\"step\":1}", "not json",
+                          R"({"step":1,"attempt":1,"world":2,"facts":[[2,1,1,0,0]]})",
+                          R"({"step":1,"attempt":1,"world":2,"facts":[[0,1,4294967296,0,0]]})",
+                          R"({"step":1,"attempt":1,"world":2,"facts":[[0,1,1,2,0]]})",
+                          R"({"step":1,"attempt":1,"world":0,"facts":[]})",
+                          R"({"step":-1,"attempt":1,"world":2,"facts":[]})"}) {
+    EXPECT_EQ(CommitRelay::DecodeFacts(bad).status().code(), StatusCode::kCorruption) << bad;
+  }
+  for (const char* bad :
+       {"", "{}", R"({"step":1,"attempt":1})", R"({"step":1,"attempt":1,"pruned":["x"]})"}) {
+    EXPECT_EQ(CommitRelay::DecodeCommit(bad).status().code(), StatusCode::kCorruption) << bad;
+  }
+}
+
+// A 2-rank job whose ranks are on two nodes (two shm directories, so two agents) writing one
+// checkpoint directory, with the membership the Python layer sends (redundancy none).
+class TwoNodes : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(tmp_.ok());
+    storage_ = tmp_.path() + "/ckpt";
+    for (int n = 0; n < 2; ++n) {
+      shm_[n] = tmp_.path() + "/shm-node" + std::to_string(n);
+      ASSERT_EQ(::mkdir(shm_[n].c_str(), 0700), 0);
+    }
+  }
+  void TearDown() override {
+    for (int n = 0; n < 2 && HasFailure(); ++n) {
+      if (auto text = test::ReadFileToString(protocol::AgentLogPath(JobDir(n)))) {
+        std::cerr << "---- agent of node " << n << " ----\n" << *text;
+      }
+    }
+    for (int n = 0; n < 2; ++n) {
+      client_[n].reset();
+      const std::string dir = JobDir(n);
+      uint32_t pid = 0;
+      if (protocol::AgentAlive(dir, &pid) && pid > 1) {
+        ::kill(static_cast<pid_t>(pid), SIGCONT);
+        ::kill(static_cast<pid_t>(pid), SIGKILL);
+      }
+    }
+  }
+  std::string JobDir(int n) const {
+    return shm_[n] + "/safepoint-" + std::to_string(::geteuid()) + "-" + job_;
+  }
+  pid_t AgentPid(int n) const {
+    uint32_t pid = 0;
+    EXPECT_TRUE(protocol::AgentAlive(JobDir(n), &pid));
+    return static_cast<pid_t>(pid);
+  }
+
+  // Connects both ranks and gives both agents the membership: node 0 (rank 0's) commits.
+  void Connect() {
+    for (uint32_t n = 0; n < 2; ++n) {
+      ClientOptions o;
+      o.storage = storage_;
+      o.job = job_;
+      o.shm_dir = shm_[n];
+      o.rank = n;
+      o.world_size = 2;
+      o.keep = 2;
+      o.attempt = 5;
+      o.agent_binary = SAFEPOINTD_PATH;
+      o.agent_start_timeout_s = kDeadlineSeconds;
+      ASSERT_OK_AND_ASSIGN(client_[n], SnapshotClient::Connect(o));
+    }
+    std::vector<PeerNode> nodes;
+    for (uint32_t n = 0; n < 2; ++n) {
+      ASSERT_OK_AND_ASSIGN(std::string address,
+                           client_[n]->PeerSetup("n" + std::to_string(n), "127.0.0.1", 5));
+      nodes.push_back({"n" + std::to_string(n), address});
+    }
+    for (uint32_t n = 0; n < 2; ++n) {
+      ASSERT_OK(client_[n]->SetMembership(
+          Membership{"epoch1", n, nodes, "none", std::string(64, 'a'), 0}));
+    }
+  }
+
+  void Save(int n, uint64_t step) {
+    std::vector<float> data(4096, float(step * 10 + n));
+    TensorSource t{{"w", DType::kFloat32, {data.size()}, {}, {}}, data.data(), data.size() * 4};
+    auto r = client_[n]->Save(step, {t}, "", /*persist=*/true);
+    ASSERT_OK(r);
+    ASSERT_TRUE(r->saved);
+  }
+
+  // Polls `done` every 10 ms until it holds (true) or the deadline passes (false).
+  bool WaitFor(const std::function<bool()>& done) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!done()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return true;
+  }
+
+  json Status(int n) {
+    auto s = client_[n]->AgentStatus();
+    EXPECT_OK(s);
+    return s.ok() ? json::parse(*s) : json::object();
+  }
+
+  std::vector<uint64_t> Committed() {
+    std::vector<uint64_t> out;
+    auto store = OpenCheckpointStore(storage_);
+    if (!store.ok()) return out;
+    auto list = (*store)->ListCommitted();
+    if (list.ok()) {
+      for (const auto& c : *list) out.push_back(c.step);
+    }
+    return out;
+  }
+
+  // Names in the step's directory other than the images and the COMMIT record.
+  std::vector<std::string> Reports(uint64_t step) {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(storage_ + "/step-" + std::to_string(step), ec)) {
+      const std::string name = e.path().filename();
+      if (name.rfind("facts", 0) == 0) out.push_back(name);
+    }
+    return out;
+  }
+
+  test::TempDir tmp_;
+  std::string storage_, shm_[2];
+  std::string job_ = "relay";
+  std::unique_ptr<SnapshotClient> client_[2];
+};
+
+TEST_F(TwoNodes, TheCommitterCommitsAndTellsTheOtherNodeWhichAsksStorageNothing) {
+  Connect();
+  json before;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    if (step == 2) before = Status(1)["storage_requests"]["file"];
+    // Node 1's image first: its facts reach the committer before the committer's own image.
+    Save(1, step);
+    Save(0, step);
+    ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+    ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  }
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{2, 3}));
+  for (uint64_t step : {2, 3}) EXPECT_TRUE(Reports(step).empty()) << step;
+  const json s0 = Status(0), s1 = Status(1);
+  const json& relay0 = s0["commit_relay"];
+  const json& relay1 = s1["commit_relay"];
+  EXPECT_EQ(relay0["committer"], true) << s0.dump();
+  EXPECT_EQ(relay1["committer"], false) << s1.dump();
+  EXPECT_EQ(relay0["facts_received"], 3) << relay0.dump();
+  EXPECT_EQ(relay1["handed_over"], 3) << relay1.dump();
+  EXPECT_EQ(relay1["commits_received"], 3) << relay1.dump();
+  EXPECT_EQ(relay1["overdue"], 0) << relay1.dump();
+  // For steps 2 and 3 node 1's agent wrote its images (create, write, put each) and asked
+  // nothing else.
+  const json& req = s1["storage_requests"]["file"];
+  for (const char* op : {"list", "head", "get", "delete"}) {
+    EXPECT_EQ(req[op].get<double>() - before[op].get<double>(), 0)
+        << op << ": " << before.dump() << " -> " << req.dump();
+  }
+  EXPECT_EQ(req["put"].get<double>() - before["put"].get<double>(), 2) << req.dump();
+}
+
+TEST_F(TwoNodes, WithTheCommitterGoneTheOtherNodeCommitsThroughStorage) {
+  Connect();
+  Save(0, 1);
+  Save(1, 1);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  // Rank 0's image of step 2 is published, then its node's agent dies before node 1's facts
+  // arrive: node 1 cannot hand them over, and commits step 2 by listing it.
+  Save(0, 2);
+  ASSERT_TRUE(WaitFor([&] {
+    auto store = OpenCheckpointStore(storage_);
+    auto held = store.ok() ? (*store)->HoldsImageOfAttempt(2, 0, 5) : Result<bool>(false);
+    return held.ok() && *held;
+  })) << "rank 0's image was not published";
+  const pid_t committer = AgentPid(0);
+  ASSERT_EQ(::kill(committer, SIGKILL), 0);
+  Save(1, 2);
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2}));
+  const json relay1 = Status(1)["commit_relay"];
+  EXPECT_EQ(relay1["hand_over_failed"], 1) << relay1.dump();
+}
+
+TEST_F(TwoNodes, AStepHandedOverToACommitterThatDiedStillCommits) {
+  Connect();
+  Save(0, 1);
+  Save(1, 1);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  // Node 1 hands its facts of step 2 over; then the committer's agent dies with them. Rank 0's
+  // client starts a new one (with the peer setup and membership again), which persists rank
+  // 0's image: it commits the step by itself (an adopted snapshot's listing commit) or once
+  // node 1, getting no commit note within the relay's grace, hands its facts over again.
+  Save(1, 2);
+  ASSERT_TRUE(WaitFor([&] { return Status(1)["commit_relay"]["handed_over"] == 2; }));
+  ASSERT_EQ(::kill(AgentPid(0), SIGKILL), 0);
+  Save(0, 2);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2}));
+  const json relay1 = Status(1)["commit_relay"];
+  EXPECT_EQ(relay1["hand_over_failed"], 0) << relay1.dump();
+  EXPECT_EQ(relay1["overdue"], 0) << relay1.dump();  // it never fell back to storage
+}
+
+// The committer's side of an "ask": the facts are taken again until the step is committed,
+// then the asker is told so.
+TEST(CommitRelayAskTest, TheCommitterTakesTheFactsAgainUntilTheStepIsCommitted) {
+  agent::Replicator replicator("job", [] {});
+  int woken = 0;
+  CommitRelay relay(&replicator, [&] { ++woken; });
+  std::map<uint32_t, CommitRelay::Fact> facts;
+  facts[1] = {4096, 9, false, false};
+  const std::string ask = CommitRelay::EncodeFacts(7, 3, 2, facts);
+  ASSERT_OK(relay.OnNote("n1", "ask", ask));
+  std::vector<CommitRelay::FactsNote> in;
+  std::vector<CommitRelay::CommitNote> commits;
+  relay.Take(&in, &commits);
+  ASSERT_EQ(in.size(), 1u);
+  EXPECT_EQ(in[0].from, "n1");
+  EXPECT_EQ(in[0].facts, facts);
+  EXPECT_EQ(woken, 1);
+  relay.Committed(7);
+  EXPECT_EQ(relay.OnNote("n1", "ask", ask).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(relay.OnNote("n1", "what", ask).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(relay.OnNote("n1", "facts", "{").code(), StatusCode::kCorruption);
+  relay.Take(&in, &commits);
+  EXPECT_TRUE(in.empty() && commits.empty());
+}
+
+}  // namespace
+}  // namespace safepoint::commit_relay_test
