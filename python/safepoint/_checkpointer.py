@@ -39,7 +39,7 @@ from safepoint._ckpt_status import StatusMixin
 from safepoint._dedupe import ReplicaPlan
 from safepoint._pickle import AllowPickle, pickler, unpickler
 from safepoint._preemption import DEFAULT_SIGNALS
-from safepoint._replication import exchange_membership
+from safepoint._replication import exchange_membership, join_commit_relay
 from safepoint._stateful import RNG_KEY
 from safepoint._tiers import TierLike, check_layout, core_tiers, normalize_tiers
 from safepoint._versions import encode_metadata
@@ -362,20 +362,25 @@ class Checkpointer(StatusMixin, RestoreMixin, SaveMixin):
         self.preempted = False
         self._watch = self._watch_preemption(preemption, preemption_grace_s, preemption_signals)
         self.replication = None
-        if redundancy not in (None, "", "none"):
-            if self._group is None:
-                raise InvalidArgumentError(
-                    f"{self.path}: redundancy={redundancy!r} keeps copies on other nodes and "
-                    "needs torch.distributed initialized with ranks on several nodes")
-            try:
+        self.commit_relay = None
+        replicated = redundancy not in (None, "", "none")
+        if replicated and self._group is None:
+            raise InvalidArgumentError(
+                f"{self.path}: redundancy={redundancy!r} keeps copies on other nodes and "
+                "needs torch.distributed initialized with ranks on several nodes")
+        try:
+            if replicated:
                 self.replication = exchange_membership(
                     self._client, self._group, rank, world_size, str(redundancy),
                     replication_bandwidth, peer_timeout)
-            except BaseException:
-                self._client.abandon()
-                self._client = None
-                self._stop_watching()
-                raise
+            elif self._group is not None:  # several nodes: the agents' commit relay
+                self.commit_relay = join_commit_relay(self._client, self._group, rank,
+                                                      world_size, peer_timeout)
+        except BaseException:
+            self._client.abandon()
+            self._client = None
+            self._stop_watching()
+            raise
 
 
     @contextlib.contextmanager

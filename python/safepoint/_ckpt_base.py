@@ -75,6 +75,7 @@ class CheckpointerBase:
     preempted: bool
     _watch: Optional[PreemptionWatch]
     replication: Optional[dict[str, Any]]
+    commit_relay: Optional[dict[str, Any]]  # the membership the commit relay uses (no replicas)
     last_restore: Optional[RestoreInfo]
 
     @property

@@ -62,6 +62,8 @@ class StatusMixin(CheckpointerBase):
                       # where the agent serving rank 0 keeps the job's measurement history
                       "history": agent.get("history")},
             "replication": agent.get("replication"),
+            # a job on several nodes: its commits over the peer service (docs/operations.md)
+            "commit_relay": agent.get("commit_relay"),
             "tiers": agent.get("tiers", []),
             "metrics_url": agent.get("metrics_url"),
             "metrics_error": agent.get("metrics_error"),

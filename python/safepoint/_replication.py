@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import subprocess
+import warnings
 from typing import Any, Optional
 
 from safepoint import _core
@@ -124,16 +125,31 @@ def _share_secret(group: Any, rank: int, epoch: str) -> str:
 
 
 def exchange_membership(client: Any, group: Any, rank: int, world_size: int, redundancy: str,
-                        bandwidth: Optional[float], peer_timeout: float) -> dict[str, Any]:
+                        bandwidth: Optional[float], peer_timeout: float,
+                        optional: bool = False) -> Optional[dict[str, Any]]:
     """Starts this node's peer service, all-gathers every rank's (node, address), checks that the
-    nodes can hold `redundancy`, and tells the agent. Returns what the status reports."""
+    nodes can hold `redundancy`, and tells the agent. Returns what the status reports.
+
+    `optional` (the commit relay alone, no replicas): a node whose peer service cannot start
+    does not fail the job; every rank then sees that and gives no agent a membership (None),
+    and the agents commit through storage as they do without the relay."""
     import torch.distributed as dist
 
     node = node_id()
     host = bind_host()
-    address = client.peer_setup(node, host, float(peer_timeout))
+    try:
+        address: Optional[str] = client.peer_setup(node, host, float(peer_timeout))
+    except Exception as e:
+        if not optional:
+            raise
+        warnings.warn(f"safepoint: node {node!r} cannot start its peer service on {host} ({e}); "
+                      "the job's agents commit through storage (no commit relay)",
+                      stacklevel=3)
+        address = None
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, (node, address, _node_order()), group=group)
+    if optional and any(a is None for _, a, _ in everyone):
+        return None
     nodes: dict[str, tuple[str, Optional[int]]] = {}
     for n, a, order in everyone:
         if n in nodes and nodes[n][0] != a:
@@ -156,3 +172,22 @@ def exchange_membership(client: Any, group: Any, rank: int, world_size: int, red
     return {"redundancy": spec, "node": node, "nodes": order, "address": address,
             "targets": targets, "tolerates_node_losses": tolerated,
             "memory_factor": factor, "bandwidth": cap}
+
+
+def join_commit_relay(client: Any, group: Any, rank: int, world_size: int,
+                      peer_timeout: float) -> Optional[dict[str, Any]]:
+    """A job without replicas whose ranks span several nodes: starts each node's peer service
+    and gives the agents the membership (redundancy none), so that each agent hands the facts
+    of its images to one committer and learns of commits from it instead of asking storage
+    (the commit relay: docs/architecture.md, "Committing at scale"). One all-gather of the
+    ranks' nodes at every ``Checkpointer`` start; on one node nothing more. None where the
+    relay is not used (one node, ``$SAFEPOINT_COMMIT_RELAY=0``, or a peer service that could
+    not start); the agents then commit through storage."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, node_id(), group=group)
+    if len(set(everyone)) < 2 or os.environ.get("SAFEPOINT_COMMIT_RELAY", "1") == "0":
+        return None
+    return exchange_membership(client, group, rank, world_size, "none", 0, peer_timeout,
+                               optional=True)

@@ -116,6 +116,19 @@ def test_job_resumes_from_storage_after_a_node_loss(cluster, tmp_path):
     assert [o["host"] for o in saved] == ["node0", "node1", "node2"]
     assert all(o["memory"][-1] == 4 for o in saved)
     assert safepoint.steps(ckpt) == [1, 2, 3]
+    # The commit relay (no replicas, ranks on 3 nodes): node 0's agent commits each step from
+    # the facts the others handed it over the peer service, and tells them; they list nothing.
+    relays = [o["relay"] for o in saved]
+    assert [r["committer"] for r in relays] == [True, False, False], relays
+    assert relays[0]["facts_received"] >= 6, relays  # (a node asked again: more)
+    for r in relays[1:]:
+        assert (r["handed_over"], r["hand_over_failed"], r["overdue"]) == (3, 0, 0), relays
+        assert r["commits_received"] == 3, relays
+    for o in saved[1:]:
+        # Each of their agents published its 3 images and listed the committed steps once, when
+        # its first rank connected; no listing of a step, no facts report, no COMMIT poll.
+        req = o["requests"]["file"]
+        assert (req["put"], req["list"], req["head"], req["get"]) == (3, 1, 0, 0), req
     jd = job_dir(c[1].shm, name)
     assert any(p.name.startswith("rank-00001.slot-") for p in jd.iterdir())
 

@@ -62,7 +62,9 @@ if mode == "save":
     ck.save(k + 1, state(k + 1, rank), persist=False)  # in this node's memory only
     dist.barrier()
     say("saved", rank=rank, host=host, step=k, digest=digest(state(k, rank)),
-        memory=sorted(s.step for s in ck._live.slots() if s.state == "COMPLETE"))
+        memory=sorted(s.step for s in ck._live.slots() if s.state == "COMPLETE"),
+        relay=ck.status()["commit_relay"],
+        requests=ck.status()["storage_requests"]["agent"])
     while True:  # the test kills a node now; the launcher then kills this attempt
         time.sleep(60)
 elif mode == "load":
