@@ -134,6 +134,12 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
     job = f"scale-{w}x{n}-{tag}"
     # Short shm paths: the agent's socket lives under shm_dir/<job>/ (a length limit).
     shms = [tempfile.mkdtemp(prefix="sps-", dir=args.shm_base) for _ in range(n)]
+    # The commit relay (the agents' membership, as the Python layer gives it): on by default
+    # where the job spans nodes, as in a training job; --no-relay measures storage alone.
+    relay = args.relay and n > 1
+    peers = os.path.join(work, "peers")
+    if relay:
+        os.makedirs(peers)
     logs = [os.path.join(work, f"events-{i}.jsonl") for i in range(n)]
     result: dict = {"W": w, "N": n, "store": store, "ranks_per_node": per_node,
                     "steps": args.steps, "keep": args.keep, "bytes": args.bytes}
@@ -146,6 +152,8 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
                    "--rank-base", str(i * per_node), "--ranks", str(per_node),
                    "--steps", str(args.steps), "--keep", str(args.keep),
                    "--bytes", str(args.bytes), "--timeout", str(args.timeout)]
+            if relay:
+                cmd += ["--peers", peers, "--node-index", str(i), "--nodes", str(n)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True))
         outs = []
@@ -169,6 +177,11 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
             for counts in o["agent_status"].get("storage_requests", {}).values():
                 add(agent_req, counts)
         result["agent_requests"] = agent_req
+        result["relay"] = relay
+        relays = [o["agent_status"].get("commit_relay") for o in outs]
+        if relay and all(relays):
+            result["relay_counters"] = {k: sum(r[k] for r in relays) for k in relays[0]
+                                        if k != "committer"}
         events = [e for log in logs for e in read_events(log)]
         persists = [e for e in events if e.get("event") == "persist" and e.get("tier", 0) == 0
                     and not e.get("superseded") and e.get("bytes", 0) > 0]
@@ -291,7 +304,8 @@ def tables(results: list[dict]) -> str:
             p = r["per_committed_step"]
             lag = r["durable_to_commit_s"]["max"]
             out.append("| " + " | ".join([
-                r["store"], str(r["N"]), fmt(p["requests"]), fmt(p["image_publishes"]),
+                r["store"] + ("" if r.get("relay", r["N"] > 1) or r["N"] == 1 else " (no relay)"),
+                str(r["N"]), fmt(p["requests"]), fmt(p["image_publishes"]),
                 fmt(p["commit_and_metadata"]), fmt(p["retention"]), fmt(p["list"]),
                 fmt(p["head"]), fmt(p["get"]), fmt(p["create"]), fmt(p["write"]), fmt(p["put"]),
                 fmt(p["delete"]), fmt(p["metadata_bytes"] / 1024), fmt(lag, 3),
@@ -350,6 +364,8 @@ def main() -> int:
     ap.add_argument("--shm-base", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench", "scale.json"))
     ap.add_argument("--keep-files", action="store_true")
+    ap.add_argument("--no-relay", dest="relay", action="store_false",
+                    help="no commit relay: the agents commit through storage alone")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
                     help="print the tables of earlier result files (merged) and exit")
     args = ap.parse_args()

@@ -4,6 +4,7 @@
 //
 //   scale_driver save    --storage URI --job JOB --shm-dir DIR --agent SAFEPOINTD
 //                        --world W --rank-base B --ranks K --steps S --bytes N --keep KEEP
+//                        [--peers DIR --node-index I --nodes N]
 //   scale_driver restore --storage URI --world W --rank-base B --ranks K
 //   scale_driver restore ... --step S   (every rank loads step S: a lookup shared by the job)
 //   scale_driver newest  --storage URI   (the job's one lookup of the newest committed step)
@@ -17,6 +18,13 @@
 // storage_requests: the node's requests) is read once every wait returned, then every client
 // closes cleanly. Prints one JSON object.
 //
+// With --peers (several nodes), the nodes' agents get the membership the Python layer gives them
+// at every Checkpointer start (safepoint/_replication.py, join_commit_relay), so that they commit
+// over the commit relay: each node's first rank asks its agent for its peer service address and
+// writes it to DIR/addr-I; once every node's is there, it gives the agent the membership
+// (redundancy none) and writes DIR/ready-I; the saves start once every node is ready (the
+// Python layer's barrier).
+//
 // restore: each rank loads its shard of the newest committed step through LoadShard (what
 // safepoint.load calls for one rank's shard), one rank after another so that the storage
 // requests of each (this process's counters, include/safepoint/storage.h) are exact, and checks
@@ -28,6 +36,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -41,6 +50,7 @@
 #include "safepoint/checkpoint.h"
 #include "safepoint/client.h"
 #include "safepoint/extras.h"
+#include "safepoint/replication.h"
 #include "safepoint/storage.h"
 
 namespace {
@@ -49,8 +59,9 @@ using json = nlohmann::json;
 using namespace safepoint;
 
 struct Args {
-  std::string mode, storage, job, shm_dir = "/dev/shm", agent, event_log;
+  std::string mode, storage, job, shm_dir = "/dev/shm", agent, event_log, peers;
   uint32_t world = 1, rank_base = 0, ranks = 1, steps = 3, keep = 2, threads = 0;
+  uint32_t node_index = 0, nodes = 1;
   uint64_t bytes = 1 << 20;
   int64_t step = -1;  // restore: the step to load (-1: each rank finds the newest itself)
   double timeout_s = 600;
@@ -96,6 +107,12 @@ Args Parse(int argc, char** argv) {
       a.timeout_s = std::stod(v);
     else if (k == "--step")
       a.step = std::stoll(v);
+    else if (k == "--peers")
+      a.peers = v;
+    else if (k == "--node-index")
+      a.node_index = std::stoul(v);
+    else if (k == "--nodes")
+      a.nodes = std::stoul(v);
     else
       Die("unknown option " + k);
   }
@@ -155,6 +172,54 @@ StorageRequestCounts Minus(const StorageRequestCounts& a, const StorageRequestCo
   return d;
 }
 
+// Writes `text` to `path` at once (a temporary, then a rename).
+void Publish(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+    if (!f) Die("cannot write " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) Die("cannot rename " + tmp);
+}
+
+// Waits until DIR/<prefix>-0 .. -(nodes-1) exist; returns their contents.
+std::vector<std::string> AwaitAll(const Args& a, const std::string& prefix) {
+  std::vector<std::string> out(a.nodes);
+  const double deadline = Now() + a.timeout_s;
+  for (uint32_t i = 0; i < a.nodes; ++i) {
+    const std::string path = a.peers + "/" + prefix + "-" + std::to_string(i);
+    for (;;) {
+      std::ifstream f(path);
+      if (f) {
+        std::getline(f, out[i]);
+        break;
+      }
+      if (Now() > deadline) Die("node " + std::to_string(i) + " never wrote " + path);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  return out;
+}
+
+// The membership the Python layer gives the agents for the commit relay (see the top).
+void JoinRelay(const Args& a, SnapshotClient& client) {
+  const std::string node = "node" + std::to_string(a.node_index);
+  auto address = client.PeerSetup(node, "127.0.0.1", 30);
+  if (!address.ok()) Die("peer setup: " + address.status().ToString());
+  Publish(a.peers + "/addr-" + std::to_string(a.node_index), *address);
+  std::vector<PeerNode> nodes;
+  const std::vector<std::string> addresses = AwaitAll(a, "addr");
+  for (uint32_t i = 0; i < a.nodes; ++i)
+    nodes.push_back({"node" + std::to_string(i), addresses[i]});
+  // A fixed secret: the bench's agents listen on the loopback only.
+  Status s = client.SetMembership(
+      Membership{"scale", a.node_index, nodes, "none", std::string(64, '5'), 0});
+  if (!s.ok()) Die("membership: " + s.ToString());
+  Publish(a.peers + "/ready-" + std::to_string(a.node_index), "ready");
+  AwaitAll(a, "ready");
+}
+
 int Save(const Args& a) {
   const uint32_t threads = a.threads ? a.threads : std::min<uint32_t>(a.ranks, 16);
   std::vector<std::unique_ptr<SnapshotClient>> clients(a.ranks);
@@ -186,6 +251,7 @@ int Save(const Args& a) {
     clients[i] = std::move(*c);
   });
   if (!error.empty()) Die(error);
+  if (!a.peers.empty() && a.nodes > 1) JoinRelay(a, *clients[0]);
   const double connected = Now();
   std::vector<double> step_saved(a.steps + 1, 0);  // when the last rank's save of step s returned
   for (uint64_t step = 1; step <= a.steps; ++step) {
