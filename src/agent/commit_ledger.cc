@@ -50,6 +50,12 @@ std::map<uint32_t, CommitLedger::Fact> CommitLedger::Known(uint64_t step, uint64
   return out;
 }
 
+uint32_t CommitLedger::Count(uint64_t step, uint64_t attempt) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find({step, attempt});
+  return it == entries_.end() ? 0 : it->second.have;
+}
+
 void CommitLedger::Forget(uint64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   entries_.erase(entries_.begin(), entries_.upper_bound({step, UINT64_MAX}));

@@ -39,6 +39,8 @@ class CommitLedger {
                            const Fact& fact);
   // The facts reported so far of (step, attempt), by rank (empty once it completed).
   std::map<uint32_t, Fact> Known(uint64_t step, uint64_t attempt) const;
+  // How many ranks' facts of (step, attempt) are reported so far (0 once it completed).
+  uint32_t Count(uint64_t step, uint64_t attempt) const;
   // Drops every entry of steps <= `step` (committed, or older than a committed step). A later
   // report of such a step starts a new entry (a run resumed from an older step saves it again).
   void Forget(uint64_t step);

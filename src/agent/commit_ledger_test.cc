@@ -30,8 +30,12 @@ TEST(CommitLedgerTest, CompletesOnceWhenEveryRankOfOneAttemptReported) {
       << "another attempt's image counts for that attempt only";
   EXPECT_FALSE(ledger.Add(kStep, kAttempt, 3, 2, {102, 3, true, false}));
   EXPECT_FALSE(ledger.Add(kStep, kAttempt, 3, 2, {999, 9, false, false})) << "reported twice";
+  EXPECT_EQ(ledger.Count(kStep, kAttempt), 2u) << "a rank reported twice counts once";
+  EXPECT_EQ(ledger.Count(kStep, kAttempt + 1), 1u);
+  EXPECT_EQ(ledger.Count(kStep + 1, kAttempt), 0u);
   auto ready = ledger.Add(kStep, kAttempt, 3, 1, {101, 2, false, true});
   ASSERT_TRUE(ready);
+  EXPECT_EQ(ledger.Count(kStep, kAttempt), 0u) << "completed";
   EXPECT_EQ(ready->step, kStep);
   EXPECT_EQ(ready->attempt, kAttempt);
   ASSERT_EQ(ready->facts.size(), 3u);

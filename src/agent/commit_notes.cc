@@ -28,10 +28,15 @@ void NodeAgent::DrainRelay() {
       relay_.Announce(n.step, n.attempt, {});
       continue;
     }
-    relay_.Progress(n.step);
+    // Progress is a rank's facts the ledger did not have: a node asking again with the same
+    // facts while another node's are missing (in its report, after it fell back) must not keep
+    // the committer from falling back to storage itself.
+    const uint32_t had = ledger_->Count(n.step, n.attempt);
+    bool completed = false;
     for (const auto& [rank, fact] : n.facts) {
       auto ready = ledger_->Add(n.step, n.attempt, n.world_size, rank, fact);
       if (!ready) continue;
+      completed = true;
       PersistTask t;
       t.step = n.step;
       t.attempt = n.attempt;
@@ -40,6 +45,7 @@ void NodeAgent::DrainRelay() {
           std::make_shared<const std::vector<CheckpointStore::ImageFact>>(std::move(ready->facts));
       queue_.Enqueue(std::move(t));
     }
+    if (!completed && ledger_->Count(n.step, n.attempt) > had) relay_.Progress(n.step);
   }
   for (const CommitRelay::CommitNote& n : commits) LearnCommitted(n.step, n.pruned);
   for (const auto& [step, attempt] : relay_.TakeOverdue(MonotonicSeconds())) {

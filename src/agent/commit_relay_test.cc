@@ -259,6 +259,30 @@ TEST_F(TwoNodes, AStepHandedOverToACommitterThatDiedStillCommits) {
   EXPECT_EQ(relay1["overdue"], 0) << relay1.dump();  // it never fell back to storage
 }
 
+TEST_F(TwoNodes, TheCommitterCommitsThroughStorageWhenTheOtherNodeFellBack) {
+  Connect();
+  Save(0, 1);
+  Save(1, 1);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  // The committer's agent stops answering: node 1's hand-over of step 2 fails after the peer
+  // timeout (5 s here), so node 1 writes its facts report and lists the step (incomplete). The
+  // committer, going on, persists rank 0's image; no other node's facts reach it, and after
+  // its grace it commits through storage, reading node 1's report.
+  const pid_t committer = AgentPid(0);
+  ASSERT_EQ(::kill(committer, SIGSTOP), 0);
+  Save(1, 2);
+  const bool failed = WaitFor([&] { return Status(1)["commit_relay"]["hand_over_failed"] == 1; });
+  Save(0, 2);  // its note waits in the stopped agent's socket
+  ASSERT_EQ(::kill(committer, SIGCONT), 0);
+  ASSERT_TRUE(failed);
+  ASSERT_OK(client_[0]->Wait(2 * kDeadlineSeconds + CommitRelay::kCommitterGraceSeconds));
+  ASSERT_OK(client_[1]->Wait(2 * kDeadlineSeconds + CommitRelay::kCommitterGraceSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2}));
+  const json relay0 = Status(0)["commit_relay"];
+  EXPECT_EQ(relay0["overdue"], 1) << relay0.dump();
+}
+
 // The committer's side of an "ask": the facts are taken again until the step is committed,
 // then the asker is told so.
 TEST(CommitRelayAskTest, TheCommitterTakesTheFactsAgainUntilTheStepIsCommitted) {
