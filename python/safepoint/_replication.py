@@ -186,8 +186,10 @@ def join_commit_relay(client: Any, group: Any, rank: int, world_size: int,
     import torch.distributed as dist
 
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, node_id(), group=group)
-    if len(set(everyone)) < 2 or os.environ.get("SAFEPOINT_COMMIT_RELAY", "1") == "0":
+    # Every rank decides alike: off where any rank's environment turns it off.
+    dist.all_gather_object(
+        everyone, (node_id(), os.environ.get("SAFEPOINT_COMMIT_RELAY", "1") != "0"), group=group)
+    if len({n for n, _ in everyone}) < 2 or not all(on for _, on in everyone):
         return None
     return exchange_membership(client, group, rank, world_size, "none", 0, peer_timeout,
                                optional=True)
