@@ -105,7 +105,9 @@ std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::TakeOverdue(double now) 
 
 void CommitRelay::Committed(uint64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
-  handed_.erase(step);
+  // Older hand-overs too: a step older than a committed one is not asked about again (its
+  // waits, if any, poll storage), or a step that can never commit would be asked about forever.
+  handed_.erase(handed_.begin(), handed_.upper_bound(step));
   committed_.insert(step);
   while (committed_.size() > kMaxHanded) committed_.erase(committed_.begin());
 }

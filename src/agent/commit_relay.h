@@ -85,7 +85,8 @@ class CommitRelay {
   // the committer (on the relay's worker): they come back here only when it does not hold this
   // node's facts or cannot be reached.
   std::vector<std::pair<uint64_t, uint64_t>> TakeOverdue(double now);
-  // The step is committed (this agent committed it, or learned it): its hand-over is done.
+  // The step is committed (this agent committed it, or learned it): its hand-over and those of
+  // older steps are done.
   void Committed(uint64_t step);
 
   // What other nodes' agents sent: OnNote (the peer service's handler) queues them, the agent's
