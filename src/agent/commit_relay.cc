@@ -34,11 +34,11 @@ CommitRelay::~CommitRelay() { Stop(); }
 
 void CommitRelay::Stop() { worker_.Stop(); }
 
-bool CommitRelay::Active() const { return replicator_->Nodes().nodes.size() > 1; }
+bool CommitRelay::Active() const { return replicator_->NodeCountAndIndex().first > 1; }
 
 bool CommitRelay::Committer() const {
-  const Replicator::MembershipView m = replicator_->Nodes();
-  return m.nodes.size() > 1 && m.node_index == 0;
+  const auto [nodes, index] = replicator_->NodeCountAndIndex();
+  return nodes > 1 && index == 0;
 }
 
 bool CommitRelay::HandOver(uint64_t step, uint64_t attempt, uint32_t world_size,

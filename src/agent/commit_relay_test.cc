@@ -283,6 +283,20 @@ TEST_F(TwoNodes, TheCommitterCommitsThroughStorageWhenTheOtherNodeFellBack) {
   EXPECT_EQ(relay0["overdue"], 1) << relay0.dump();
 }
 
+TEST_F(TwoNodes, ACommitNoteToADeadNodeFailsAndTheCommitStands) {
+  Connect();
+  Save(1, 1);
+  ASSERT_TRUE(WaitFor([&] { return Status(1)["commit_relay"]["handed_over"] == 1; }));
+  // Node 1's agent dies once its facts are handed over: the committer commits step 1 and cannot
+  // tell node 1, which it then leaves out of its commit notes for a while.
+  ASSERT_EQ(::kill(AgentPid(1), SIGKILL), 0);
+  Save(0, 1);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1}));
+  EXPECT_TRUE(WaitFor([&] { return Status(0)["commit_relay"]["announce_failed"] == 1; }))
+      << Status(0)["commit_relay"].dump();
+}
+
 // The committer's side of an "ask": the facts are taken again until the step is committed,
 // then the asker is told so.
 TEST(CommitRelayAskTest, TheCommitterTakesTheFactsAgainUntilTheStepIsCommitted) {

@@ -175,6 +175,12 @@ Replicator::MembershipView Replicator::Nodes() const {
   return {nodes_, node_index_};
 }
 
+std::pair<size_t, uint32_t> Replicator::NodeCountAndIndex() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!service_) return {0, 0};
+  return {nodes_.size(), node_index_};
+}
+
 std::vector<Status> Replicator::Note(const std::vector<Peer>& peers, const std::string& kind,
                                      const std::string& body) {
   std::shared_lock<std::shared_mutex> use(service_use_);

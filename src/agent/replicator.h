@@ -99,6 +99,9 @@ class Replicator {
     uint32_t node_index = 0;
   };
   MembershipView Nodes() const;
+  // How many nodes the membership names (0: none yet) and this node's index, without copying
+  // them (the commit relay asks on every commit).
+  std::pair<size_t, uint32_t> NodeCountAndIndex() const;
   // Notes to other nodes' agents (the commit relay); Unavailable for each where the peer
   // service does not run (not set up, or stopped).
   std::vector<Status> Note(const std::vector<replica::Peer>& peers, const std::string& kind,

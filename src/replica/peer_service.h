@@ -15,9 +15,10 @@
 // then one of: a push (put-begin with the replica's meta -> put-ready -> chunks -> put-done when
 // every chunk arrived and passed its CRC -> commit with the image's and payload's CRCs, folded
 // from the chunks' as they were sent, sent only if still_valid() still holds -> committed), a list,
-// or a fetch of one replica (its chunks stream back). A paused or throttled sender pings, so a
-// pause is not a stall. Shared-memory transports are excluded unless $UCX_TLS is set (other UCX_*
-// variables apply as usual).
+// a fetch of one replica (its chunks stream back), or a note (kind and a short JSON body for the
+// receiving agent, src/agent/commit_relay.h -> its handler's status). A paused or throttled sender
+// pings, so a pause is not a stall. Shared-memory transports are excluded unless $UCX_TLS is set
+// (other UCX_* variables apply as usual).
 //
 // Threads: the service runs one progress thread that owns the UCX worker; the public methods are
 // thread-safe, block their caller and are meant for the agent's replication worker (never its

@@ -210,3 +210,34 @@ def test_the_peer_host_of_an_ipv6_job_is_an_ipv6_address(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.delenv("SAFEPOINT_PEER_HOST")
     assert _replication.bind_host() == "127.0.0.1"
+
+
+def test_a_peer_service_that_cannot_start_leaves_the_commit_relay_off(tmp_path):
+    """The commit relay is optional (no replicas): a node whose peer service cannot start makes
+    every rank give up the membership (None, with a warning) instead of failing the job, which
+    then commits through storage; with replicas the same failure fails the start. One process,
+    a gloo group of one: the decision is the all-gathered addresses'."""
+    import pytest
+    import torch.distributed as dist
+
+    from safepoint import _replication
+    from safepoint.errors import UnavailableError
+
+    class Client:
+        def peer_setup(self, node, host, timeout):
+            raise UnavailableError("peer service of node n0: cannot listen on 10.9.9.9:0")
+
+        def set_membership(self, *args):
+            raise AssertionError("no membership may be given")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="cannot start its peer service"):
+            got = _replication.exchange_membership(Client(), dist.group.WORLD, 0, 1, "none", 0,
+                                                   5.0, optional=True)
+        assert got is None
+        with pytest.raises(UnavailableError, match="cannot listen"):
+            _replication.exchange_membership(Client(), dist.group.WORLD, 0, 1, "mirror", 0, 5.0)
+    finally:
+        dist.destroy_process_group()
