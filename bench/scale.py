@@ -220,14 +220,16 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
 
         # Restore, twice: each rank finding the newest step itself (LoadShard without a step,
         # what safepoint.load does), and the job finding it once (one process: StepsWithCommit
-        # and NewestCommitted), every rank then loading that step (LoadShard with the step).
+        # and NewestCommitted), every rank then loading that step against the COMMIT record the
+        # lookup read, handed to it (LoadShard with the record: the ranks read no COMMIT).
         result["restore"] = restore_job(driver, uri, w, n, args)
-        newest = subprocess.run([driver, "newest", "--storage", uri], capture_output=True,
-                                text=True, timeout=args.timeout)
+        record = os.path.join(work, "newest-commit-record")
+        newest = subprocess.run([driver, "newest", "--storage", uri, "--record-out", record],
+                                capture_output=True, text=True, timeout=args.timeout)
         if newest.returncode != 0:
             raise RuntimeError(f"newest: {newest.stderr.strip()[-2000:]}")
         lookup = json.loads(newest.stdout.strip().splitlines()[-1])
-        shared = restore_job(driver, uri, w, n, args, step=lookup["step"])
+        shared = restore_job(driver, uri, w, n, args, record=record)
         shared["lookup"] = lookup["total"]
         shared["lookup_s"] = lookup["seconds"]
         job = dict(shared["job"])
@@ -245,9 +247,11 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
             # throwaway cluster.
 
 
-def restore_job(driver: str, uri: str, w: int, n: int, args, step: Optional[int] = None) -> dict:
+def restore_job(driver: str, uri: str, w: int, n: int, args, step: Optional[int] = None,
+                record: Optional[str] = None) -> dict:
     """Every rank of the job loads its shard: one process per node (at most --restore-procs at
-    once), its ranks one after the other (exact requests per rank)."""
+    once), its ranks one after the other (exact requests per rank). `record`: a file holding the
+    COMMIT record the job's lookup read, which every rank loads its image against."""
     per_node = w // n
 
     def restore(i: int) -> dict:
@@ -256,6 +260,8 @@ def restore_job(driver: str, uri: str, w: int, n: int, args, step: Optional[int]
                "--bytes", str(args.bytes)]
         if step is not None:
             cmd += ["--step", str(step)]
+        if record is not None:
+            cmd += ["--record", record]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         if p.returncode != 0:
             raise RuntimeError(f"node {i}: restore failed: {p.stderr.strip()[-2000:]}")
@@ -313,7 +319,7 @@ def tables(results: list[dict]) -> str:
         out.append("\nRestore of the whole job, every rank through LoadShard: `each` = every "
                    "rank finds the newest step itself (as `safepoint.load` does), `once` = one "
                    "lookup for the job (one List, one COMMIT read), then every rank loads that "
-                   "step:\n")
+                   "step against the record the lookup read, handed to it:\n")
         out.append("| store | N | how | job requests | job list | job head | job get "
                    "| per rank (min-max) | per rank list/head/get | metadata KiB | wall (s) "
                    "| slowest rank (s) |")

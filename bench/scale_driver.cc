@@ -7,7 +7,10 @@
 //                        [--peers DIR --node-index I --nodes N]
 //   scale_driver restore --storage URI --world W --rank-base B --ranks K
 //   scale_driver restore ... --step S   (every rank loads step S: a lookup shared by the job)
-//   scale_driver newest  --storage URI   (the job's one lookup of the newest committed step)
+//   scale_driver restore ... --record FILE  (every rank loads the step of the COMMIT record the
+//                                            job's lookup read: newest --record-out FILE)
+//   scale_driver newest  --storage URI [--record-out FILE]   (the job's one lookup of the newest
+//                                            committed step; its COMMIT record's bytes to FILE)
 //   scale_driver commits --storage URI
 //
 // save: each rank connects a SnapshotClient (the agent of DIR started on demand, as a training
@@ -28,7 +31,9 @@
 // restore: each rank loads its shard of the newest committed step through LoadShard (what
 // safepoint.load calls for one rank's shard), one rank after another so that the storage
 // requests of each (this process's counters, include/safepoint/storage.h) are exact, and checks
-// the contents. Prints one JSON object: per-rank requests and the sum.
+// the contents. With --record, the step of the COMMIT record the job's one lookup read (newest
+// --record-out), each rank loading its image against that record without reading the COMMIT
+// object (LoadShard with a record). Prints one JSON object: per-rank requests and the sum.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -38,10 +43,13 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,6 +68,7 @@ using namespace safepoint;
 
 struct Args {
   std::string mode, storage, job, shm_dir = "/dev/shm", agent, event_log, peers;
+  std::string record, record_out;  // restore --record, newest --record-out
   uint32_t world = 1, rank_base = 0, ranks = 1, steps = 3, keep = 2, threads = 0;
   uint32_t node_index = 0, nodes = 1;
   uint64_t bytes = 1 << 20;
@@ -109,6 +118,10 @@ Args Parse(int argc, char** argv) {
       a.step = std::stoll(v);
     else if (k == "--peers")
       a.peers = v;
+    else if (k == "--record")
+      a.record = v;
+    else if (k == "--record-out")
+      a.record_out = v;
     else if (k == "--node-index")
       a.node_index = std::stoul(v);
     else if (k == "--nodes")
@@ -312,6 +325,19 @@ int Restore(const Args& a) {
   StorageRequestCounts sum;
   std::vector<float> want(a.bytes / 4);
   std::map<uint64_t, uint32_t> steps;
+  // --record: the COMMIT record the job's lookup read, handed to every rank (a collective's
+  // bytes in a real job; a file here, read outside the counted storage). Each rank decodes it,
+  // which checks its CRC, and loads its image against it.
+  std::optional<CommitRecord> handed;
+  if (!a.record.empty()) {
+    std::ifstream f(a.record, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (!f && !f.eof()) Die("cannot read " + a.record);
+    auto record =
+        DecodeCommitRecord(std::as_bytes(std::span(bytes.data(), bytes.size())), a.record);
+    if (!record.ok()) Die("the handed COMMIT record: " + record.status().ToString());
+    handed = std::move(record).value();
+  }
   const double t0 = Now();
   double slowest = 0;
   for (uint32_t i = 0; i < a.ranks; ++i) {
@@ -321,9 +347,12 @@ int Restore(const Args& a) {
     // Each rank opens the checkpoint directory itself, as a restarted process does.
     auto own = OpenCheckpointStore(a.storage);
     if (!own.ok()) Die("open " + a.storage + ": " + own.status().ToString());
-    auto shard = LoadShard(
-        **own, a.step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(a.step)),
-        rank);
+    auto shard =
+        handed ? LoadShard(**own, *handed, rank)
+               : LoadShard(**own,
+                           a.step < 0 ? std::nullopt
+                                      : std::optional<uint64_t>(static_cast<uint64_t>(a.step)),
+                           rank);
     if (!shard.ok()) Die("rank " + std::to_string(rank) + ": load: " + shard.status().ToString());
     const double seconds = Now() - r0;
     const StorageRequestCounts d = Minus(Total(), before);
@@ -377,6 +406,7 @@ int Newest(const Args& a) {
   if (!newest.ok()) Die("newest: " + newest.status().ToString());
   if (!*newest) Die("no committed step");
   const double seconds = Now() - t0;
+  if (!a.record_out.empty()) Publish(a.record_out, EncodeCommitRecord(**newest));
   std::cout << json{{"mode", "newest"},
                     {"step", (*newest)->step},
                     {"seconds", seconds},

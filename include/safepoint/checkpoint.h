@@ -411,5 +411,14 @@ struct LoadedShard {
 // reporting the skipped ones. NotFound when nothing is committed. A step replaced while it is
 // read (its old images removed) is read again from its new COMMIT record.
 Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step, uint32_t rank);
+// Loads rank's shard of the step `commit` records, a COMMIT record the caller already has: one
+// process of the job found the newest step (StepsWithCommit, NewestCommitted) and handed its
+// record's bytes to the ranks, each of which decoded them (DecodeCommitRecord checks the
+// record's CRC). The rank then reads only its image, verified against the record (size, header
+// CRC, every checksum): a damaged or foreign image is Corruption as with LoadShard(step). The
+// COMMIT object is read only where the image is missing or does not match the record; where the
+// stored record then differs from the handed one (the step was replaced since the lookup), the
+// images it names are loaded instead, as LoadShard(step) does.
+Result<LoadedShard> LoadShard(CheckpointStore& store, const CommitRecord& commit, uint32_t rank);
 
 }  // namespace safepoint

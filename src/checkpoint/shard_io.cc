@@ -1,7 +1,8 @@
 // SaveShard and LoadShard: the synchronous API's save and load of one rank's image over a
 // CheckpointStore (include/safepoint/checkpoint.h), with its rules: a committed step is
 // immutable unless replaced by a save with overwrite and its own attempt, and a load of the
-// newest step reads COMMIT records newest first and falls back past damaged steps.
+// newest step reads COMMIT records newest first and falls back past damaged steps; a load with
+// a record already read (the job's one lookup handed it over) reads no COMMIT record.
 #include <optional>
 #include <string>
 #include <utility>
@@ -89,6 +90,10 @@ Result<LoadedShard> LoadCommittedOrReplacement(CheckpointStore& store, CommitRec
   }
 }
 }  // namespace
+
+Result<LoadedShard> LoadShard(CheckpointStore& store, const CommitRecord& commit, uint32_t rank) {
+  return LoadCommittedOrReplacement(store, commit, rank);
+}
 
 Result<LoadedShard> LoadShard(CheckpointStore& store, std::optional<uint64_t> step, uint32_t rank) {
   if (step) {
