@@ -85,6 +85,37 @@ struct Holding {
   ReplicaMeta meta;
 };
 
+// One of this node's own snapshots (not a replica) as the service serves it to a peer that
+// fetches it (FetchSnapshot): the image read in place from the rank's slot, without a copy or a
+// lease.
+struct ServedSnapshot {
+  SnapshotId id;
+  std::span<const std::byte> image;
+  std::shared_ptr<const void> keep;  // keeps `image` mapped
+  // The checksums the snapshot recorded when it was taken: CRC32C of each crc_chunk_bytes piece
+  // from byte 0, whole pieces only (the chunks of the image's data; the last piece, which holds
+  // the checksum section, is checksummed as it is sent).
+  uint64_t crc_chunk_bytes = 0;
+  std::vector<uint32_t> recorded_crcs;
+  // Whether the slot still holds the snapshot (its writer has not begun to overwrite it). Called
+  // on the progress thread: it must not block.
+  std::function<bool()> still_valid;
+};
+
+// A node to fetch one of its own snapshots from, and the credentials of its job (a peer of
+// another job: a torchft replica healing from another replica's agent).
+struct SnapshotOrigin {
+  Peer peer;
+  std::string job;
+  std::string secret;  // that job's secret (>= 16 bytes)
+};
+
+// Where FetchSnapshot receives an image: `bytes` (the image's size), kept alive by `owner`.
+struct FetchDestination {
+  std::span<std::byte> bytes;
+  std::shared_ptr<void> owner;
+};
+
 struct PeerServiceStats {
   uint64_t replicas_received = 0, bytes_received = 0;
   uint64_t pushes = 0, bytes_sent = 0;
@@ -172,6 +203,26 @@ class PeerService {
   virtual PeerServiceStats stats() const = 0;
 
   // Ends `service` for a process about to end with _exit (internal::ExitProcess), without
+  // Snapshots served straight from this node's slots (peer_service_snapshot.cc). `source`
+  // returns this node's newest snapshot of `rank` at `step` (NotFound when there is none: not
+  // taken yet, or overwritten); it runs on the service's store thread. Without a source a fetch
+  // is answered NotFound.
+  using SnapshotSource = std::function<Result<ServedSnapshot>(uint32_t rank, uint64_t step)>;
+  virtual void SetSnapshotSource(SnapshotSource source) = 0;
+  // Fetches `origin`'s own snapshot of `rank` at `step`, over one connection authenticated with
+  // origin's job and secret: asks for its meta (*meta), receives the image into the buffer
+  // `destination` gives for that meta, every chunk checked on arrival against the checksum the
+  // snapshot recorded when it was taken (so a byte that changed in the origin's memory since
+  // fails), then asks again and requires the same snapshot (so nothing began to overwrite it
+  // while it was read). NotFound: origin holds no such snapshot; Cancelled: it was superseded
+  // during the transfer; Corruption: a chunk failed its checksum or the peer lied about sizes;
+  // Unavailable: unreachable, authentication failed, or no progress for timeout_s. The image
+  // itself is then verified by whoever loads it (its header and chunk checksums).
+  virtual Status FetchSnapshot(
+      const SnapshotOrigin& origin, uint32_t rank, uint64_t step,
+      const std::function<Result<FetchDestination>(const ReplicaMeta&)>& destination,
+      ReplicaMeta* meta) = 0;
+
   // tearing UCX down: it refuses every connection request from then on, closes its
   // connections, waits until UCX holds no request of theirs and no longer uses its store, and
   // is then kept alive, listener and UCX worker included, until the process ends. Its store may

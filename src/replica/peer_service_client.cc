@@ -94,7 +94,8 @@ class StripeSource {
 
 }  // namespace
 
-Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer) {
+Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer, const SnapshotOrigin* as) {
+  const std::string job = as ? as->job : options_.job;
   auto c = std::make_shared<Conn>();
   c->client = true;
   c->name = "peer " + peer.node + " (" + peer.address + ")";
@@ -120,7 +121,7 @@ Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer) {
     ++c->outstanding;  // the hello
   }
   const sockaddr_storage ss = *addr;
-  Submit([this, c, ss, len, client_nonce] {
+  Submit([this, c, ss, len, client_nonce, job] {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
                     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -139,7 +140,7 @@ Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer) {
       return;
     }
     eps_[c->ep] = c;
-    std::string text = json{{"job", options_.job},
+    std::string text = json{{"job", job},
                             {"node", options_.node},
                             {"nonce", ToHex(client_nonce.data(), kNonceBytes)}}
                            .dump();
@@ -162,14 +163,14 @@ Result<ConnPtr> PeerServiceImpl::Connect(const Peer& peer) {
   std::string secret;
   {
     Lock lk(mu_);
-    secret = secret_;
+    secret = as ? as->secret : secret_;
   }
   if (node != peer.node) return fail(Unavailable(c->name + ": answers as node '" + node + "'"));
-  if (!MacEqual(proof, AuthProof(secret, AuthRole::kServer, options_.job, options_.node, node,
-                                 client_nonce, server_nonce)))
+  if (!MacEqual(proof, AuthProof(secret, AuthRole::kServer, job, options_.node, node, client_nonce,
+                                 server_nonce)))
     return fail(Unavailable(c->name + ": authentication failed (not the job's secret)"));
-  const Mac mine = AuthProof(secret, AuthRole::kClient, options_.job, options_.node, node,
-                             client_nonce, server_nonce);
+  const Mac mine =
+      AuthProof(secret, AuthRole::kClient, job, options_.node, node, client_nonce, server_nonce);
   SendControl(c, MsgType::kAuth, {{"proof", ToHex(mine.data(), kMacBytes)}});
   Result<json> ok = WaitMessage(c, MsgType::kAuthOk);
   if (!ok.ok()) return fail(ok.status());

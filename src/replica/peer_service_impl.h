@@ -146,6 +146,9 @@ struct Conn {
   bool busy = false;  // a store operation for it runs on the store thread
   // Server side of a fetch: the replica being sent.
   std::shared_ptr<ReplicaView> view;
+  // ... when it is one of this node's own snapshots (peer_service_snapshot.cc): its recorded
+  // checksums and whether its slot still holds it.
+  std::shared_ptr<const ServedSnapshot> served;
   ChunkLayout send_layout;
   uint64_t next_chunk = 0;
 };
@@ -281,6 +284,15 @@ class PeerServiceImpl final : public PeerService {
   }
   std::vector<Status> Note(const std::vector<Peer>& peers, const std::string& kind,
                            const std::string& body) override;
+  // peer_service_snapshot.cc
+  void SetSnapshotSource(SnapshotSource source) override {
+    Lock lk(mu_);
+    snapshot_source_ = std::move(source);
+  }
+  Status FetchSnapshot(
+      const SnapshotOrigin& origin, uint32_t rank, uint64_t step,
+      const std::function<Result<FetchDestination>(const ReplicaMeta&)>& destination,
+      ReplicaMeta* meta) override;
   PeerServiceStats stats() const override {
     PeerServiceStats s;
     s.notes_sent = notes_sent_;
@@ -333,6 +345,12 @@ class PeerServiceImpl final : public PeerService {
   void GiveBounce(Bounce b);          // locks mu_
   void PumpFetch(const ConnPtr& c);
   // Runs `work` on the store thread (no lock held), then `then` on the progress thread under mu_
+  // peer_service_snapshot.cc, progress thread under mu_: a kFetchSnapshot request; and, for
+  // PumpFetch of a served snapshot, whether its slot still holds it (else the connection is
+  // dropped: superseded) and the CRC a chunk is sent with (the recorded one where there is one).
+  void ServeSnapshot(const ConnPtr& c, const json& body);
+  bool ServedStillValid(const ConnPtr& c);
+  uint32_t ServedChunkCrc(const Conn& c, uint64_t offset, const std::byte* p, uint64_t len) const;
   // unless the connection was dropped meanwhile. The connection is busy until then.
   void Offload(const ConnPtr& c, std::function<void()> work, std::function<void()> then);
   void RunStore();
@@ -344,7 +362,8 @@ class PeerServiceImpl final : public PeerService {
   void AwaitInterface();
 
   // Caller threads (peer_service_client.cc).
-  Result<ConnPtr> Connect(const Peer& peer);
+  // `as`: the job and secret to authenticate with (another job's peer); default: this service's.
+  Result<ConnPtr> Connect(const Peer& peer, const SnapshotOrigin* as = nullptr);
   void SendControl(const ConnPtr& c, MsgType type, json body);
   void SendChunk(const ConnPtr& c, uint64_t offset, std::span<const std::byte> bytes, uint32_t crc,
                  std::shared_ptr<const void> keep);
@@ -430,6 +449,8 @@ class PeerServiceImpl final : public PeerService {
   bool paused_ = false;
   std::mutex bucket_mu_;
   double rate_ = 0, tokens_ = 0;
+  // Where a kFetchSnapshot finds this node's own snapshots (SetSnapshotSource; guarded by mu_).
+  SnapshotSource snapshot_source_;
   Clock::time_point bucket_time_ = Clock::now();
 
   std::atomic<uint64_t> replicas_received_{0}, bytes_received_{0}, pushes_{0}, bytes_sent_{0},

@@ -233,6 +233,8 @@ void PeerServiceImpl::HandleServer(const ConnPtr& c, MsgType type, const json& b
           });
       return;
     }
+    case MsgType::kFetchSnapshot:
+      return ServeSnapshot(c, body);
     case MsgType::kNote: {
       std::string kind, text;
       if (!GetString(body, "kind", &kind, 64) ||
@@ -287,9 +289,11 @@ void PeerServiceImpl::PumpFetch(const ConnPtr& c) {
     const uint64_t offset = c->next_chunk * c->send_layout.chunk_bytes;
     const uint64_t len = std::min(c->send_layout.chunk_bytes, c->send_layout.total - offset);
     const std::byte* p = c->view->payload.data() + offset;
+    if (c->served && !ServedStillValid(c)) return;  // dropped: the snapshot was superseded
+    const uint32_t crc = c->served ? ServedChunkCrc(*c, offset, p, len) : Crc32c(0, p, len);
     ++c->next_chunk;
     ++c->outstanding;
-    SendNow(c, ChunkHeader(offset, len, Crc32c(0, p, len)), {}, p, len, c->view);
+    SendNow(c, ChunkHeader(offset, len, crc), {}, p, len, c->view);
   }
 }
 

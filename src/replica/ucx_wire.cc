@@ -66,6 +66,8 @@ const char* MsgTypeName(MsgType type) {
       return "note";
     case MsgType::kNoteReply:
       return "note-reply";
+    case MsgType::kFetchSnapshot:
+      return "fetch-snapshot";
   }
   return "unknown";
 }

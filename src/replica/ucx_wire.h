@@ -46,7 +46,11 @@ enum class MsgType : uint16_t {
   kPing = 17,        // client: paused or throttled, still there
   kNote = 18,        // client: kind, body (a short notice for the agent: PeerService::Note)
   kNoteReply = 19,   // server: the agent's answer (a status)
-  kLast = kNoteReply,
+  // client: rank, step, chunk_bytes, image_bytes: one of the serving node's own snapshots
+  // (peer_service_snapshot.cc). image_bytes 0: kFetchBegin with its meta, no chunks (the client
+  // then asks again, with its size, on the same connection); else its chunks follow.
+  kFetchSnapshot = 20,
+  kLast = kFetchSnapshot,
 };
 const char* MsgTypeName(MsgType type);
 
