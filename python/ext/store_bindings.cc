@@ -84,6 +84,17 @@ struct ShardMetadata {
   nb::object extras;  // the state tree, each tensor a TensorSlot
 };
 
+// A step's COMMIT record: one that a ShardReader (or step_commit) read, handed to the readers of
+// the step's other images (ShardReader.commit), so that a rank that opens several images of a
+// step reads the record once and opens the checkpoint path once (the readers share its store);
+// or the record the restore agreement's lister read, whose bytes it handed to every rank
+// (commit_from_bytes), so that a rank reads no COMMIT record at all.
+struct Commit {
+  CommitRecord record;
+  std::shared_ptr<CheckpointStore> store;
+  std::string path;
+};
+
 // --- save / load -----------------------------------------------------------------------------
 
 SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t world_size,
@@ -125,13 +136,21 @@ SaveResult Save(const std::string& path, uint64_t step, uint32_t rank, uint32_t 
   return result;
 }
 
+// `commit`: the step's record, already read (commit_from_bytes): only the image is read, and
+// checked against it (used where it is of `step`).
 Loaded Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank,
-            nb::handle unpickler) {
+            nb::handle unpickler, const Commit* commit) {
   Result<LoadedShard> shard = Status(StatusCode::kCancelled, "not loaded");
   {
     nb::gil_scoped_release release;
     auto store = OpenCheckpointStore(path);
-    shard = store.ok() ? LoadShard(**store, step, rank) : Result<LoadedShard>(store.status());
+    if (!store.ok()) {
+      shard = store.status();
+    } else if (commit != nullptr && step && commit->record.step == *step) {
+      shard = LoadShard(**store, commit->record, rank);
+    } else {
+      shard = LoadShard(**store, step, rank);
+    }
   }
   LoadedShard s = Unwrap(std::move(shard));
   Loaded out = LoadedToPython(s.image, s.reader, s.extras, unpickler);
@@ -156,23 +175,41 @@ std::vector<uint64_t> Steps(const std::string& path) {
 // What the restore agreement's lister (one rank of the job) asks a storage: the steps with a
 // COMMIT object (one List, no record read) and the newest valid record among them, read newest
 // first (one read where the newest is intact); the damaged records passed over, one line each.
-// Returns (steps, newest valid step or None, problems). Unlike steps(), the older steps' records
-// are not read: a damaged one among them fails the read of that step, and the ranks fall back.
-std::tuple<std::vector<uint64_t>, std::optional<uint64_t>, std::vector<std::string>> CommittedView(
-    const std::string& path) {
+// Returns (steps, newest valid step or None, problems, that step's record as stored: its bytes,
+// which the lister hands to the ranks, empty when none). Unlike steps(), the older steps'
+// records are not read: a damaged one among them fails the read of that step, and the ranks fall
+// back.
+std::tuple<std::vector<uint64_t>, std::optional<uint64_t>, std::vector<std::string>, nb::bytes>
+CommittedView(const std::string& path) {
   std::vector<uint64_t> steps;
   std::optional<uint64_t> newest;
   std::vector<std::string> problems;
+  std::string record_bytes;
   Status s = WithoutGil([&]() -> Status {
     SP_ASSIGN_OR_RETURN(auto store, OpenCheckpointStore(path));
     SP_ASSIGN_OR_RETURN(steps, store->StepsWithCommit());
     SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> record,
                         store->NewestCommitted(steps, &problems));
-    if (record) newest = record->step;
+    if (record) {
+      newest = record->step;
+      record_bytes = EncodeCommitRecord(*record);
+    }
     return Status::OK();
   });
   Check(s);
-  return {std::move(steps), newest, std::move(problems)};
+  return {std::move(steps), newest, std::move(problems),
+          nb::bytes(record_bytes.data(), record_bytes.size())};
+}
+
+// A COMMIT record of the storage at `path` from its bytes as another rank read them
+// (committed_view), checked by its CRC (CorruptionError otherwise): the readers of the step's
+// images check each image against it as against a record they read themselves.
+Commit CommitFromBytes(const std::string& path, nb::bytes data) {
+  Commit c;
+  c.path = path;
+  const auto* p = static_cast<const std::byte*>(data.data());
+  c.record = Unwrap(DecodeCommitRecord(std::span(p, data.size()), path + ": the handed COMMIT"));
+  return c;
 }
 
 // --- reading parts of images (resharding, tensors other ranks wrote, DCP) ----------------------
@@ -225,15 +262,6 @@ class HeldDestination {
 
 // One rank's image of one committed step, opened for partial reads: its index, its state tree
 // and byte ranges of its tensors, each covering checksum chunk verified. Nothing else is read.
-// A COMMIT record one ShardReader (or step_commit) read, handed to the readers of the step's
-// other images (ShardReader.commit): a rank that opens several images of a step reads the record
-// once and opens the checkpoint path once (the readers share its store).
-struct Commit {
-  CommitRecord record;
-  std::shared_ptr<CheckpointStore> store;
-  std::string path;
-};
-
 class ShardReader {
  public:
   // `commit`: the step's record another reader of it read (none: read it here).
@@ -393,15 +421,20 @@ void BindStore(nb::module_& m) {
         "pickler"_a.none() = nb::none(), "attempt"_a = 0, "overwrite"_a = false,
         "parent_step"_a.none() = nb::none(), "parent_location"_a = "", "metadata"_a = "",
         "compression"_a = "none", "incremental"_a = false);
-  m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none());
+  m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none(),
+        "commit"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
   m.def("committed_view", &CommittedView, "path"_a,
         "(steps with a COMMIT object, newest valid step or None, damaged records skipped): one "
-        "List and the COMMIT records newest first down to the first valid one");
+        "List and the COMMIT records newest first down to the first valid one; and that record's "
+        "bytes (empty when none), for commit_from_bytes on the other ranks");
   nb::class_<Commit>(m, "Commit", "A step's COMMIT record, as a ShardReader read it")
       .def_prop_ro("step", [](const Commit& c) { return c.record.step; })
       .def_prop_ro("generation", [](const Commit& c) { return c.record.generation; })
       .def_prop_ro("world_size", [](const Commit& c) { return c.record.world_size; });
+  m.def("commit_from_bytes", &CommitFromBytes, "path"_a, "data"_a,
+        "A COMMIT record of the storage at path from the bytes another rank read "
+        "(committed_view), checked by its CRC: open the step's images against it");
   m.def("step_commit", &StepCommit, "path"_a, "step"_a,
         "The COMMIT record of a step (NotFoundError when it is not committed), to open its "
         "images' ShardReaders with one by one, sharing one open checkpoint path");

@@ -7,8 +7,10 @@ it alone asked storage for (one List and the newest COMMIT record per storage, f
 job). One all-gather of fixed-size rows carries it all; from them every rank computes the same
 outcome: the hot reload's step, or candidate steps that all try newest first, falling back
 together to the next older one when any rank fails to read it (docs/architecture.md, "Loading:
-the fastest valid copy, agreed by all ranks"). The collectives run over the Checkpointer's own
-gloo group; the Checkpointer does the reading.
+the fastest valid copy, agreed by all ranks"). The lister's row also carries the COMMIT record it
+read of the newest committed step, so that a rank that reads that step from storage reads its
+image alone, checked against the record (no COMMIT read per rank). The collectives run over the
+Checkpointer's own gloo group; the Checkpointer does the reading.
 """
 
 from __future__ import annotations
@@ -27,6 +29,23 @@ _LOADED, _STEP, _ATTEMPT, _NEWEST, _SHARE, _FLAGS, _N_MEMORY, _N_STORED = range(
 _FAILED = 1  # the lister could not list the storage (its error class: flags >> 8)
 _MORE = 2  # the lister holds older committed steps than its row states
 _NONE = -(1 << 63)  # an attempt of None
+
+# After the ROW, the lister's COMMIT record of the newest committed step: [its step, its length
+# in bytes | the index of the storage it was read from << 32], then its bytes in int64 words
+# (zeros on the other ranks' rows). The slot holds the largest record of a step saved by this
+# world (docs/format.md, "COMMIT record": 100 bytes, 16 a rank at most, generation and CRC), and
+# is there only while it is at most RECORD_LIMIT bytes (W <= 249): every rank gathers every
+# row, W slots, so beyond that a rank reads the record itself (two requests) rather than gather
+# W times its size.
+RECORD_LIMIT = 4096
+_RECORD_FIXED = 100 + 8 + 4
+
+
+def record_words(world_size: int) -> int:
+    """The int64 words of the record slot in every rank's row for a world of `world_size` ranks
+    (0: no slot)."""
+    size = _RECORD_FIXED + 16 * world_size
+    return 2 + (size + 7) // 8 if size <= RECORD_LIMIT else 0
 
 # The error a rank that is not the lister raises when the lister could not list the storage:
 # the class of the lister's error, by index.
@@ -55,18 +74,31 @@ class Statement:
     shares its storage reads (restore with share_reads). The lister (rank 0 of the group, the
     one rank that asks storage) adds ``stored`` (step -> indexes into the storages, fastest
     first, of those that hold it committed), the newest committed step, or the ``error`` that
-    kept it from listing."""
+    kept it from listing, and ``record``: (step, index of the storage, the bytes of the COMMIT
+    record it read of that step there), the newest step's, which the other ranks read against."""
 
     def __init__(self, loaded: bool, step: Optional[int], attempt: Optional[int],
                  attempts: dict[int, Any], share: bool,
                  stored: Optional[dict[int, list[int]]] = None, newest_committed: int = -1,
-                 error: Optional[BaseException] = None) -> None:
+                 error: Optional[BaseException] = None,
+                 record: Optional[tuple[int, int, bytes]] = None) -> None:
         self.loaded, self.step, self.attempt = loaded, step, attempt
         self.attempts, self.share = attempts, share
         self.stored, self.newest_committed, self.error = stored or {}, newest_committed, error
+        self.record = record
 
-    def row(self, asked: Optional[int]) -> list[int]:
-        out = [0] * ROW
+    def row(self, asked: Optional[int], world_size: int = 0) -> list[int]:
+        """This rank's row: ROW int64, then the record slot of a world of `world_size` ranks."""
+        words = record_words(world_size)
+        out = [0] * (ROW + words)
+        if words and self.record is not None:
+            s, store, data = self.record
+            if len(data) <= 8 * (words - 2) and (asked is None or s == asked):
+                out[ROW], out[ROW + 1] = s, len(data) | store << 32
+                padded = data + bytes(-len(data) % 8)
+                for i in range(len(padded) // 8):
+                    out[ROW + 2 + i] = int.from_bytes(padded[8 * i:8 * i + 8], "little",
+                                                      signed=True)
         out[_LOADED] = 1 if self.loaded else 0
         out[_STEP] = self.step if self.step is not None else -1
         out[_ATTEMPT] = _int64(self.attempt)
@@ -122,6 +154,21 @@ class Agreement:
         self.steps = self.in_memory | set(self.committed)
         if step is not None:
             self.steps &= {step}
+        self._record: Optional[tuple[int, str, bytes]] = None
+        if len(first) > ROW + 2 and first[ROW + 1]:
+            n, store = first[ROW + 1] & 0xFFFFFFFF, first[ROW + 1] >> 32
+            data = b"".join(int(w).to_bytes(8, "little", signed=True)
+                            for w in first[ROW + 2:ROW + 2 + (n + 7) // 8])[:n]
+            if 0 <= store < len(stores):
+                self._record = (first[ROW], stores[store], data)
+
+    def record(self, s: int, uri: str) -> Optional[bytes]:
+        """The bytes of the COMMIT record of step `s` on the storage at `uri` as the lister read
+        it (a rank reads its image against it instead of reading the record), None when the
+        lister's row does not carry that one."""
+        if self._record is not None and self._record[0] == s and self._record[1] == uri:
+            return self._record[2]
+        return None
 
     def listing_error(self) -> Optional[BaseException]:
         """The error to raise on this rank when the lister could not list the storage (the
@@ -173,15 +220,17 @@ class Agreement:
 def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
           step: Optional[int]) -> Agreement:
     """The restore agreement in one collective: one all-gather of every rank's statement as a
-    fixed row of ROW int64 (O(1) bytes per rank, nothing pickled). The storage view in it is the
-    lister's alone (rank 0 of the group asks storage, once for the job; every rank restores what
-    the lister found). When the lister could not list the storage, every rank learns its error
-    (``listing_error``; the caller decides whether memory serves)."""
+    fixed row of int64 (ROW and the record slot: at most 4.4 KiB a rank, nothing pickled). The
+    storage view in it is the lister's alone (rank 0 of the group asks storage, once for the
+    job; every rank restores what the lister found). When the lister could not list the
+    storage, every rank learns its error (``listing_error``; the caller decides whether memory
+    serves). The rows end in the record slot (``record_words``), which carries the lister's
+    COMMIT record of the newest step (``Agreement.record``)."""
     import torch
     import torch.distributed as dist
 
-    row = torch.tensor(mine.row(step), dtype=torch.int64)
-    everyone = torch.empty((world_size, ROW), dtype=torch.int64)
+    row = torch.tensor(mine.row(step, world_size), dtype=torch.int64)
+    everyone = torch.empty((world_size, row.numel()), dtype=torch.int64)
     dist.all_gather(list(everyone.unbind(0)), row, group=group)
     lister = mine if dist.get_rank(group) == 0 else None
     return Agreement(everyone.tolist(), stores, step, group, lister)

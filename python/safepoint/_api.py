@@ -113,17 +113,28 @@ def load(path: str | os.PathLike[str], step: Optional[int | str] = None, *,
     as numpy arrays) with their saved dtype and shape; the structure is the one saved.
     """
     p = _path(path)
-    step = _step(p, step)
-    out = _core.load(p, step, rank, unpickler(allow_pickle))
+    return load_shard(p, _step(p, step), rank, allow_pickle)
+
+
+def load_shard(p: str, step: Optional[int], rank: int, allow_pickle: AllowPickle = False,
+               commit: Optional[_core.Commit] = None) -> tuple[int, Any]:
+    """load() of a resolved path and step. `commit`: the step's COMMIT record, already read
+    (``_core.commit_from_bytes`` of the bytes the restore agreement's lister read): only the
+    image is read, checked against it."""
+    out = _core.load(p, step, rank, unpickler(allow_pickle), commit)
     for _ in range(3):  # the step was replaced between reading this rank's and another's image
-        if fill_elsewhere(p, out.step, rank, out.elsewhere, out.generation):
+        same = commit is not None and commit.step == out.step \
+            and commit.generation == out.generation
+        if fill_elsewhere(p, out.step, rank, out.elsewhere, out.generation,
+                          commit if same else None):
             break
         out = _core.load(p, out.step, rank, unpickler(allow_pickle))
+        commit = None
     else:
         raise NotFoundError(f"{p}: step {out.step} was replaced again and again while loading")
     for skipped in out.skipped:
         warnings.warn(f"safepoint: skipped a damaged checkpoint: {skipped}", RuntimeWarning,
-                      stacklevel=2)
+                      stacklevel=3)
     return out.step, out.state
 
 

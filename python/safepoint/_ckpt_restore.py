@@ -13,8 +13,16 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from safepoint import _core
-from safepoint._agreement import Known, Statement, agree, agree_on_step, load_newest_agreed
+from safepoint._agreement import (
+    Agreement,
+    Known,
+    Statement,
+    agree,
+    agree_on_step,
+    load_newest_agreed,
+)
 from safepoint._api import load as storage_load
+from safepoint._api import load_shard
 from safepoint._api import steps as storage_steps
 from safepoint._attempt import newest_attempts
 from safepoint._ckpt_base import CheckpointerBase, RestoreInfo
@@ -92,17 +100,12 @@ class RestoreMixin(CheckpointerBase):
         return newest_attempts((s for s in self._live.slots() if s.state == "COMPLETE"),
                                lambda s: s.complete_time_ns)
 
-    def _committed(self) -> dict[int, list[str]]:
-        """step -> the storages that hold it committed, fastest first (``path``, then the tiers
-        in order): ``_stored``, by URI."""
-        stored, error = self._stored()
-        if error is not None:
-            raise error
-        return {s: [self._stores[u] for u in uris] for s, uris in stored.items()}
-
-    def _stored(self) -> tuple[dict[int, list[int]], Optional[Error]]:
+    def _stored(self) -> tuple[dict[int, list[int]], Optional[Error],
+                               Optional[tuple[int, int, bytes]]]:
         """(step -> indexes into ``_stores`` of the storages that hold it committed, the error
-        that kept the only storage from being listed). Per storage one List of the COMMIT
+        that kept the only storage from being listed, the newest step's COMMIT record as read
+        from the fastest storage that holds it: (step, index, its bytes), which the agreement
+        hands to every rank). Per storage one List of the COMMIT
         objects and the records read newest first down to the first valid one (one read when the
         newest is intact; a damaged one is skipped with a warning): the steps are those up to
         that one, the older ones' records unread (a damaged one fails the read of its step, and
@@ -110,12 +113,13 @@ class RestoreMixin(CheckpointerBase):
         job asks storage once. A tier that cannot be listed is skipped with a warning: the
         others serve."""
         where: dict[int, list[int]] = {}
+        records: dict[int, tuple[int, bytes]] = {}
         for i, uri in enumerate(self._stores):
             try:
-                found, newest, problems = _core.committed_view(uri)
+                found, newest, problems, record = _core.committed_view(uri)
             except Error as e:
                 if len(self._stores) == 1:
-                    return {}, e
+                    return {}, e, None
                 warnings.warn(f"safepoint: cannot list the steps of {uri}: {e}", RuntimeWarning,
                               stacklevel=4)
                 continue
@@ -125,25 +129,52 @@ class RestoreMixin(CheckpointerBase):
             for s in found:
                 if newest is not None and s <= newest:
                     where.setdefault(s, []).append(i)
-        return where, None
+            if newest is not None and record:
+                records[i] = (newest, record)
+        handed = None
+        if where:
+            top = max(where)
+            first = where[top][0]
+            if first in records and records[first][0] == top:
+                handed = (top, first, records[first][1])
+        return where, None, handed
 
-    def _read_storage(self, uri: str, step: Optional[int], targets: Any):
+    def _handed(self, agreed: Optional[Agreement], s: Optional[int],
+                uri: str) -> Optional[_core.Commit]:
+        """The COMMIT record of step `s` on `uri` that the agreement's lister read and handed to
+        every rank in its row (checked by its CRC here), so that this rank reads its image
+        against it and no record; None when the lister's row carries another (an older step's
+        read: the rank reads that record itself)."""
+        data = agreed.record(s, uri) if agreed is not None and s is not None else None
+        if not data:
+            return None
+        try:
+            return _core.commit_from_bytes(uri, data)
+        except Error as e:  # not what the lister read: read the record from storage
+            warnings.warn(f"safepoint: the COMMIT record of step {s} rank 0 handed over is "
+                          f"damaged, reading it from {uri}: {e}", RuntimeWarning, stacklevel=4)
+            return None
+
+    def _read_storage(self, uri: str, step: Optional[int], targets: Any,
+                      commit: Optional[_core.Commit] = None):
         """This rank's state of `step` from the storage at `uri`: with targets (restore), only
         the byte ranges the targets need, from whichever ranks' images hold them (any saving
         world size); else this rank's whole image, or, where the step was saved by fewer ranks
         than this one's number (the job grew), the image of rank ``rank % saving world size``
-        (``_image_of_smaller_world``)."""
+        (``_image_of_smaller_world``). `commit`: the step's record, handed over (``_handed``)."""
         self._io["uri"] = uri
         if targets is None:
             self._io["storage_bytes_read"] = None  # a whole image; not counted
             try:
+                if commit is not None and step is not None:
+                    return load_shard(uri, step, self.rank, self.allow_pickle, commit)
                 return storage_load(uri, step, rank=self.rank, allow_pickle=self.allow_pickle)
             except InvalidArgumentError:
                 got = self._image_of_smaller_world(uri, step)
                 if got is None:
                     raise
                 return got
-        return read_newest_into(uri, step, self.rank, targets, self._unpickler, self._io)
+        return read_newest_into(uri, step, self.rank, targets, self._unpickler, self._io, commit)
 
     def _image_of_smaller_world(self, uri: str, step: Optional[int]):
         """A whole-image load (``load()``) of a step saved by fewer ranks than this rank's
@@ -169,18 +200,21 @@ class RestoreMixin(CheckpointerBase):
                       RuntimeWarning, stacklevel=5)
         return storage_load(uri, s, rank=self.rank % world, allow_pickle=self.allow_pickle)
 
-    def _from_storage(self, step: Optional[int], targets: Any, where: dict[int, list[str]]):
+    def _from_storage(self, step: Optional[int], targets: Any, where: dict[int, list[str]],
+                      agreed: Optional[Agreement] = None):
         """This rank's state of `step` (None: the newest that reads back) from the fastest
         storage that holds it. A damaged or unreadable copy falls back to the next tier that
-        holds the step, and without an exact step to older steps."""
+        holds the step, and without an exact step to older steps. `agreed`: the agreement whose
+        lister's COMMIT record of the step the rank reads against (``_handed``)."""
         if len(self._stores) == 1:  # path alone: its own fallback to older steps
-            return self._read_storage(self.path, step, targets)
+            return self._read_storage(self.path, step, targets,
+                                      self._handed(agreed, step, self.path))
         candidates = [step] if step is not None else sorted(where, reverse=True)
         error: Optional[Error] = None
         for s in candidates:
             for uri in where.get(s, []):
                 try:
-                    return self._read_storage(uri, s, targets)
+                    return self._read_storage(uri, s, targets, self._handed(agreed, s, uri))
                 except Error as e:
                     if isinstance(e, CorruptionError):
                         self._live.report("checksum", s, False, 0.0, 0, "storage", str(e))
@@ -283,13 +317,28 @@ class RestoreMixin(CheckpointerBase):
                       stacklevel=4)
         return got
 
-    def _load_local(self, step: Optional[int], targets: Any = None):
+    def _newest_as_listed(self, targets: Any, handed: Optional[tuple[int, int, bytes]]):
+        """A process alone in its job (world size 1) reads the newest step against the COMMIT
+        record its listing read (``_stored``), not listing and reading it again; None when that
+        copy does not read back (the caller falls back as before, to older steps and tiers)."""
+        if self.world_size != 1 or handed is None:
+            return None
+        s, index, data = handed
+        uri = self._stores[index]
         try:
-            committed = self._committed()
-        except Error as e:
+            return self._read_storage(uri, s, targets, _core.commit_from_bytes(uri, data))
+        except (CorruptionError, NotFoundError) as e:
+            warnings.warn(f"safepoint: step {s} cannot be read from {uri}, trying the other "
+                          f"copies: {e}", RuntimeWarning, stacklevel=4)
+            return None
+
+    def _load_local(self, step: Optional[int], targets: Any = None):
+        stored, error, handed = self._stored()
+        if error is not None:
             if len(self._stores) != 1:
-                raise
-            return self._memory_while_unlisted(step, targets, e)
+                raise error
+            return self._memory_while_unlisted(step, targets, error)
+        committed = {s: [self._stores[u] for u in uris] for s, uris in stored.items()}
         newest_storage = max(committed) if committed else None
         want = step if step is not None else newest_storage
         snap = None
@@ -306,6 +355,9 @@ class RestoreMixin(CheckpointerBase):
         if got is not None:
             return got
         if step is not None or committed:
+            newest = self._newest_as_listed(targets, handed) if step is None else None
+            if newest is not None:
+                return newest, "storage"
             return self._from_storage(step, targets, committed), "storage"
         if damaged is not None and targets is not None:
             # The targets may hold bytes of the damaged snapshot: never report "nothing".
@@ -343,14 +395,17 @@ class RestoreMixin(CheckpointerBase):
 
     def _load_one(self, step: int, memory: list[int], committed: dict[int, list[str]],
                   targets: Any, peers: Optional[dict[int, Any]] = None,
-                  share: Optional[str] = None, loaded: Any = None):
+                  share: Optional[str] = None, loaded: Any = None,
+                  agreed: Optional[Agreement] = None):
         """This rank's copy of `step`: memory first (`loaded`: what it already read from memory,
         verified, before the agreement), then peer memory, then storage. None if none reads
         back. With `share` (every rank restores with share_reads) this is a collective: the
         ranks that read from storage share the ranges several need (read_shared_into) from
         `share`, a storage every rank sees the step on, and a rank whose copy is in memory (or
         peer memory) takes part too; its all-reduce says whether every rank has the step, and
-        the result is then a ``Known`` (load_newest_agreed needs no all-reduce of its own)."""
+        the result is then a ``Known`` (load_newest_agreed needs no all-reduce of its own).
+        `agreed`: the agreement, whose lister's COMMIT record of the step a rank reads storage
+        against (it reads no record of its own)."""
         got = loaded
         if got is None and step in memory:
             try:
@@ -366,7 +421,9 @@ class RestoreMixin(CheckpointerBase):
             need = got is None and step in committed
             self._io["uri"] = share
             tree, everyone = read_shared_into(share, step, self.rank, targets, self._unpickler,
-                                              self._group, need, got is not None, self._io)
+                                              self._group, need, got is not None, self._io,
+                                              self._handed(agreed, step, share) if need
+                                              else None)
             if tree is not None:
                 got = (step, tree), "storage"
             if everyone is not None:  # its all-reduce told every rank whether all have the step
@@ -376,7 +433,7 @@ class RestoreMixin(CheckpointerBase):
             return got
         if step in committed:
             try:
-                return self._from_storage(step, targets, committed), "storage"
+                return self._from_storage(step, targets, committed, agreed), "storage"
             except Error as e:
                 warnings.warn(f"safepoint: step {step} cannot be read from storage: {e}",
                               RuntimeWarning, stacklevel=5)
@@ -407,12 +464,13 @@ class RestoreMixin(CheckpointerBase):
                 pass  # the candidates read it again, report it and fall back
         stored: dict[int, list[int]] = {}
         error = None
+        record = None
         if dist.get_rank(self._group) == 0:
-            stored, error = self._stored()
+            stored, error, record = self._stored()
         share = self.share_reads and targets is not None  # restore's shared storage reads
         statement = Statement(got is not None, hot, mine.get(hot) if hot is not None else None,
                               {**peers, **mine}, share, stored,
-                              max(stored) if stored else -1, error)
+                              max(stored) if stored else -1, error, record)
         agreed = agree(self._group, self.world_size, statement, self._stores, step)
         if agreed.listing_error() is not None:
             return self._agreed_while_unlisted(agreed, got, step)
@@ -428,7 +486,8 @@ class RestoreMixin(CheckpointerBase):
             self._group, agreed.steps,
             lambda s: self._load_one(s, memory, agreed.committed, targets, peers,
                                      None if s in agreed.in_memory else agreed.shared_uri(s),
-                                     preloaded if s == hot and s in agreed.in_memory else None),
+                                     preloaded if s == hot and s in agreed.in_memory else None,
+                                     agreed),
             agreed.older)
         if got is None and step is not None:
             raise NotFoundError(f"{self.path}: step {step} cannot be loaded by every rank")

@@ -253,10 +253,15 @@ class StepReader:
 
     `known`: build the reader from index rows alone, opening nothing (a rank that takes part in
     a shared read without reading: it plans with the others); `commit` is then the step's
-    generation and world size, (generation, world_size)."""
+    generation and world size, (generation, world_size).
+
+    `commit`: the step's COMMIT record, already read (the restore agreement's lister read it and
+    handed its bytes to every rank: ``_core.commit_from_bytes``): the images are opened against
+    it and the record is not read, unless an image is gone (the step replaced meanwhile)."""
 
     def __init__(self, path: str, step: int, rank: Optional[int] = None,
-                 known: Optional[tuple[int, int, dict[int, list[IndexRow]]]] = None) -> None:
+                 known: Optional[tuple[int, int, dict[int, list[IndexRow]]]] = None,
+                 commit: Optional[_core.Commit] = None) -> None:
         self.path, self.step = path, step
         self.readers: dict[int, Any] = {}
         self.entries: dict[int, list] = {}
@@ -272,7 +277,8 @@ class StepReader:
             # One COMMIT record for every image opened, now or later: each is checked against
             # it, so a step replaced meanwhile (safepoint.save(overwrite=True)) fails the open
             # (NotFoundError: its images are named by attempt) rather than mixing versions.
-            commit = _core.step_commit(path, step)
+            if commit is None or commit.step != step or tries:
+                commit = _core.step_commit(path, step)
             self._commit = commit
             self._generation = commit.generation
             self.world_size = commit.world_size
@@ -520,13 +526,15 @@ class StepReader:
 
 
 def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
-                     unpickler: Any = None, stats: Optional[dict] = None) -> tuple[int, Any]:
+                     unpickler: Any = None, stats: Optional[dict] = None,
+                     commit: Optional[_core.Commit] = None) -> tuple[int, Any]:
     """read_into() of `step`, or with step None of the newest committed step that reads back
     (a damaged newer one is skipped with a warning). Returns (step, tree). With step None each
     candidate step's every image is opened, as every rank restoring on its own (no agreement
-    among them) must see the same missing or damaged image to skip the same steps."""
+    among them) must see the same missing or damaged image to skip the same steps. `commit`:
+    the record of `step`, already read (StepReader)."""
     if step is not None:
-        return step, read_into(path, step, rank, targets, unpickler, stats=stats)
+        return step, read_into(path, step, rank, targets, unpickler, stats=stats, commit=commit)
     candidates = sorted(_core.steps(path), reverse=True)
     if not candidates:
         raise NotFoundError(f"{path}: no committed checkpoint")
@@ -543,15 +551,17 @@ def read_newest_into(path: str, step: Optional[int], rank: int, targets: Any,
 
 def read_into(path: str, step: int, rank: int, targets: Any, unpickler: Any = None,
               reader: Optional[StepReader] = None, stats: Optional[dict] = None,
-              every_image: bool = False) -> Any:
+              every_image: bool = False, commit: Optional[_core.Commit] = None) -> Any:
     """Loads step `step` into `targets` (a state tree of tensors/DTensors, e.g. state dicts) for
     rank `rank` of the loading world, reading only the byte ranges its tensors need. Returns the
     tree to restore from: `targets` with its tensors filled in place, and the non-tensor values
     and the tensors the target does not have (e.g. optimizer state before the first step) taken
     from the checkpoint as the rank (or rank 0, for a rank the saving world did not have)
-    saved them. Only the images the rank needs are opened, unless `every_image`."""
+    saved them. Only the images the rank needs are opened, unless `every_image`. `commit`: the
+    step's record, already read (StepReader; a step replaced meanwhile is read anew)."""
     for tries in range(4):
-        sr = reader or StepReader(path, step, None if every_image else rank)
+        sr = reader or StepReader(path, step, None if every_image else rank,
+                                  commit=None if tries else commit)
         try:
             out, requests = _requests(sr, rank, targets, unpickler)
             sr.fill(requests, rank, stats)
@@ -600,12 +610,14 @@ def _requests(sr: StepReader, rank: int, targets: Any,
 
 
 def fill_elsewhere(path: str, step: int, rank: int, elsewhere: list,
-                   generation: Optional[int] = None) -> bool:
+                   generation: Optional[int] = None,
+                   commit: Optional[_core.Commit] = None) -> bool:
     """Fills the tensors a loaded image left to other ranks' images (replicas written once).
     With `generation` (the loaded image's COMMIT record), returns False, filling nothing, when
-    the step has been replaced since (safepoint.save(overwrite=True)): load it again."""
+    the step has been replaced since (safepoint.save(overwrite=True)): load it again. `commit`:
+    the step's record, already read (StepReader)."""
     if elsewhere:
-        reader = StepReader(path, step)
+        reader = StepReader(path, step, commit=commit)
         if generation is not None and reader.generation() != generation:
             return False
         reader.fill([(n, t, tuple(gs), tuple(go)) for n, t, gs, go in elsewhere], rank)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from safepoint import _core
 from safepoint._shards import (
     ReadKey,
     StepReader,
@@ -160,8 +161,9 @@ def _wants(path: str, step: int, rank: int, everyone: list, sr: Optional[StepRea
 
 
 def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: Any, group: Any,
-                     need: bool, has_copy: bool = False,
-                     stats: Optional[dict] = None) -> tuple[Optional[Any], Optional[bool]]:
+                     need: bool, has_copy: bool = False, stats: Optional[dict] = None,
+                     commit: Optional[_core.Commit] = None
+                     ) -> tuple[Optional[Any], Optional[bool]]:
     """read_into() as a collective of every rank of `group` (a gloo group of the whole world),
     for the ranks whose `need` is true: the bytes that several of them need are read from
     storage once, split among them (plan_shared_reads), and each reader sends its part to the
@@ -179,7 +181,8 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     Raises only when the group itself fails (a peer died). Counts bytes under
     stats["storage_bytes_read"], ["peer_bytes_sent"] and ["peer_bytes_received"], and the time
     this rank spent reading from storage and waiting for the exchange to end after its reads
-    under ["storage_read_seconds"] and ["exchange_seconds"]."""
+    under ["storage_read_seconds"] and ["exchange_seconds"]. `commit`: the step's COMMIT record,
+    already read (the agreement's lister handed it over): the rank reads no record."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
@@ -191,7 +194,7 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     out: Any = None
     if need:
         try:
-            sr = StepReader(path, step, rank)
+            sr = StepReader(path, step, rank, commit=commit)
             # The images of saving ranks this world does not have (a step saved by more
             # ranks): every size-th one is this rank's to open, so that the all-gather holds
             # every image's rows.

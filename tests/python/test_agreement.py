@@ -108,3 +108,41 @@ print("ok")
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
+
+
+def test_the_listers_commit_record_rides_in_the_rows(tmp_path):
+    # The lister's COMMIT record of the newest step travels in the agreement's one all-gather,
+    # so that the other ranks read their images against it and read no record; it names the
+    # storage it was read from and its step, and is handed over only for those.
+    import subprocess
+    import sys
+
+    from safepoint import _agreement as a
+
+    # The slot holds the largest record of a step this world saves, up to 4 KiB (W <= 249).
+    assert a.record_words(1) == 2 + 16 and a.record_words(249) > 0 and a.record_words(250) == 0
+    script = f"""
+import torch.distributed as dist
+from safepoint import _agreement as a
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+g = dist.new_group(backend="gloo")
+stores = ["file:///p", "file:///t"]
+data = bytes(range(1, 122))  # 121 bytes: not a multiple of 8
+mine = a.Statement(False, None, None, {{}}, True, {{6: [0], 7: [1]}}, 7, None, (7, 1, data))
+agreed = a.agree(g, 1, mine, stores, None)
+assert agreed.record(7, "file:///t") == data
+assert agreed.record(7, "file:///p") is None and agreed.record(6, "file:///p") is None
+# Another step asked for: the record is not the one it needs, and is not carried.
+assert a.agree(g, 1, mine, stores, 6).record(7, "file:///t") is None
+# A record larger than the slot (of a step a larger world saved) is not carried.
+big = a.Statement(False, None, None, {{}}, True, {{7: [0]}}, 7, None, (7, 0, bytes(200)))
+assert a.agree(g, 1, big, stores, None).record(7, "file:///p") is None
+# No record (the lister found none): nothing.
+assert a.agree(g, 1, a.Statement(False, None, None, {{}}, True), stores, None).record(7,
+    "file:///p") is None
+dist.destroy_process_group()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -115,6 +115,60 @@ def test_status_and_metrics_show_the_agents_requests(ckpt, shm):
         ck.close()
 
 
+def test_a_process_alone_lists_once_and_reads_the_newest_commit_record_once(ckpt, shm):
+    # A Checkpointer alone in its job lists the storage (its one List reads the newest COMMIT
+    # record) and then reads the newest step's image against that record: one List and one
+    # COMMIT read. Before, the load of the newest step listed and read the record again (2 lists,
+    # 3 opens, 980 metadata bytes), and a restore with targets listed again and read every step's
+    # record (2 lists, 7 opens, 1,352 bytes).
+    with Checkpointer(ckpt, job="alone", shm_dir=shm, keep=3) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(step, {"w": torch.full((1000,), float(step))})
+        ck.wait()
+    metadata = []
+    for how in ("load", "restore"):
+        with Checkpointer(ckpt, job="alone", shm_dir=shm) as ck:
+            target = {"w": torch.zeros(1000)}
+            before = _core.storage_requests()
+            if how == "load":
+                got = ck.load()
+                assert got is not None
+                step, w = got[0], got[1]["w"]
+            else:
+                step, w = ck.restore(target), target["w"]
+            d = delta(before, _core.storage_requests())
+            assert ck.last_load_source == "storage", how
+        assert step == 4 and torch.equal(w, torch.full((1000,), 4.0)), how
+        assert d["list"] == 1, (how, d)
+        # The newest COMMIT record, then the image (a restore opens it for its index, then for
+        # its ranges); the metadata read is the listing and that one record, for both.
+        assert d["head"] == {"load": 2, "restore": 3}[how], (how, d)
+        metadata.append(d["metadata_bytes"])
+    assert metadata[0] == metadata[1], metadata
+
+
+def test_a_process_alone_falls_back_past_a_damaged_newest_image(ckpt, shm):
+    # The newest step's image read against the record the listing read fails its checksums:
+    # the load falls back to the step before, as before.
+    import pytest
+
+    with Checkpointer(ckpt, job="alone-damaged", shm_dir=shm, keep=3) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((1 << 14,), float(step))})
+        ck.wait()
+    img, offset, nbytes = _core.tensor_extent(str(ckpt), 2, 0, "w")
+    with open(img, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with Checkpointer(ckpt, job="alone-damaged", shm_dir=shm) as ck:
+        target = {"w": torch.zeros(1 << 14)}
+        with pytest.warns(RuntimeWarning, match="step 2"):
+            assert ck.restore(target) == 1
+        assert torch.equal(target["w"], torch.full((1 << 14,), 1.0))
+
+
 def test_save_and_load_cost_the_same_whatever_the_steps_kept(tmp_path):
     # A save's clean-up and a load of the newest step read the newest COMMIT record first, not
     # every one kept: their requests do not grow with the history (they did: one head and one
@@ -180,10 +234,15 @@ def test_a_restore_of_the_job_lists_storage_once(tmp_path, shm):
         req = [o["requests"]["file"] for o in outs]
         # The one List of the job, by rank 0; no other rank lists.
         assert [r.get("list", 0) for r in req] == [1, 0, 0, 0], (phase, req)
-        # Rank 0 reads one COMMIT record more than the others (the newest, for the job): its
-        # metadata bytes are those of the others plus one record and the List's names.
-        others = {r["metadata_bytes"] for r in req[1:]}
-        assert len(others) == 1 and req[0]["metadata_bytes"] > others.pop(), (phase, req)
+        # Rank 0 reads the newest COMMIT record, for the job, and hands it to the others in the
+        # agreement's rows: they read their images against it and no record (a COMMIT record
+        # is the only metadata a restore reads besides the listing; images are data). Before,
+        # every rank read it: 168 bytes, an open and a read more a rank.
+        assert [r.get("metadata_bytes", 0) for r in req[1:]] == [0] * (RANKS - 1), (phase, req)
+        assert req[0]["metadata_bytes"] > 0, (phase, req)
+        # The record rides in the agreement's one all-gather: no collective more.
+        assert all(o["calls"].count("all_gather") == 1 for o in outs), (phase, outs)
+        assert all("broadcast" not in c for o in outs for c in o["calls"]), (phase, outs)
 
 
 def test_requests_of_a_rank_that_does_not_list_do_not_grow_with_the_steps_kept(tmp_path, shm):
