@@ -239,6 +239,11 @@ class SnapshotClient {
   // Has the agent rebuild this rank's snapshot of `step` (of `attempt`) from peers into one of
   // this rank's slots, verified; a load of the step then reads it from memory.
   Result<PeerFetchResult> FetchFromPeers(uint64_t step, uint64_t attempt, double timeout_s);
+  // Has the agent (its peer service set up: PeerSetup) fetch this rank's snapshot of `step`
+  // straight from the agent of another job that took it (src/client/snapshot_heal.cc), into one
+  // of this rank's slots, waiting up to `timeout_s` for it to be taken there; a load of the step
+  // then reads it from memory, verified. NotFound when it was not taken within timeout_s.
+  Result<PeerFetchResult> HealFrom(const HealOrigin& origin, uint64_t step, double timeout_s);
   // Pauses (or resumes) the agent's replication sends, e.g. around the training's collectives.
   Status PauseReplication(bool paused);
 

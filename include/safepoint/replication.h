@@ -32,6 +32,14 @@ struct PeerCopy {
   uint64_t complete_ns = 0;
   uint64_t image_bytes = 0;
 };
+// The agent of another job whose snapshot heals this rank (SnapshotClient::HealFrom): a torchft
+// replica's transport (docs/replication.md, "Healing a torchft replica").
+struct HealOrigin {
+  std::string address;     // "host:port" of its agent's peer service
+  std::string node;        // the node name it serves as
+  std::string job;         // its job
+  std::string secret_hex;  // its job's secret, lowercase hex
+};
 // A snapshot rebuilt from peers into one of the rank's slots (SnapshotClient::FetchFromPeers).
 struct PeerFetchResult {
   uint32_t slot = 0;

@@ -254,6 +254,13 @@ class PyClient {
     return Unwrap(WithoutGil([&] { return Get().FetchFromPeers(step, attempt, timeout_s); }));
   }
 
+  PeerFetchResult HealFrom(const std::string& address, const std::string& node,
+                           const std::string& job, const std::string& secret_hex, uint64_t step,
+                           double timeout_s) {
+    const HealOrigin origin{address, node, job, secret_hex};
+    return Unwrap(WithoutGil([&] { return Get().HealFrom(origin, step, timeout_s); }));
+  }
+
   void PauseReplication(bool paused) {
     Check(WithoutGil([&] { return Get().PauseReplication(paused); }));
   }
@@ -855,6 +862,10 @@ void BindClient(nb::module_& m) {
            "redundancy"_a, "secret_hex"_a, "bandwidth"_a)
       .def("peer_copies", &PyClient::PeerCopies)
       .def("fetch_from_peers", &PyClient::FetchFromPeers, "step"_a, "attempt"_a, "timeout"_a)
+      .def("heal_from", &PyClient::HealFrom, "address"_a, "node"_a, "job"_a, "secret_hex"_a,
+           "step"_a, "timeout"_a,
+           "has the agent fetch this rank's snapshot of `step` from another job's agent (a "
+           "torchft heal) into a slot of this rank; a load of the step then reads it")
       .def("pause_replication", &PyClient::PauseReplication, "paused"_a)
       .def("report", &PyClient::Report, "event"_a, "step"_a, "saved"_a, "seconds"_a, "bytes"_a,
            "source"_a = "", "error"_a = "", "level"_a = "",

@@ -216,18 +216,31 @@ Status NodeAgent::HandlePeerMessage(Client& c, const protocol::Message& m) {
         r.rank = req.rank;
         r.step = req.step;
         r.attempt = req.attempt;
+        if (!req.from_address.empty()) {
+          Result<replica::SnapshotOrigin> origin = HealOrigin(req);
+          if (!origin.ok()) {
+            protocol::PeerFetchReply refused;
+            refused.status = origin.status();
+            Reply(c, MessageType::kPeerFetchReply, Encode(refused));
+            return Status::OK();
+          }
+          r.origin = std::move(*origin);
+          r.timeout_s = req.timeout_ms / 1000.0;
+        }
       }
       // A rank rebuilds only its own snapshots: the agent writes that rank's slot for it.
       if (r.rank != c.rank) {
         return InvalidArgument("protocol error: rank " + std::to_string(c.rank) +
                                " asked for rank " + std::to_string(r.rank) + "'s snapshots");
       }
-      if (!replicator_.enabled()) {
+      // A heal needs only this agent's peer service; a rebuild, the job's replication.
+      if (r.origin ? !replicator_.configured() : !replicator_.enabled()) {
         if (m.type == MessageType::kPeerList) {
           Reply(c, MessageType::kPeerListReply, Encode(protocol::PeerListReply{}));
         } else {
           protocol::PeerFetchReply none;
-          none.status = NotFound("peer replication is not configured");
+          none.status = r.origin ? InvalidArgument("a heal before this agent's peer setup")
+                                 : NotFound("peer replication is not configured");
           Reply(c, MessageType::kPeerFetchReply, Encode(none));
         }
         return Status::OK();

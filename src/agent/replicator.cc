@@ -131,6 +131,8 @@ Result<std::string> Replicator::Setup(const std::string& job_dir,
   job_dir_ = job_dir;
   node_ = request.node;
   bind_host_ = request.bind_host;
+  service_->SetSnapshotSource(
+      [this](uint32_t rank, uint64_t step) { return ServeSnapshot(rank, step); });
   StartWorkers();
   spdlog::info("peer service of node '{}' listens on {}", node_, service_->address());
   return service_->address();
@@ -314,7 +316,10 @@ void Replicator::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     service = std::move(service_);
   }
-  if (service) service->SetNoteHandler(nullptr);
+  if (service) {
+    service->SetNoteHandler(nullptr);
+    service->SetSnapshotSource(nullptr);
+  }
   replica::PeerService::Retire(std::move(service));
 }
 
@@ -363,7 +368,7 @@ void Replicator::RunRequest(const PeerRequest& r) {
     FlushHeld();
     return;
   }
-  PeerAnswer a = r.type == MessageType::kPeerFetch ? Fetch(r) : List(r);
+  PeerAnswer a = r.type != MessageType::kPeerFetch ? List(r) : r.origin ? HealFetch(r) : Fetch(r);
   a.client_fd = r.client_fd;
   a.client_pid = r.client_pid;
   {

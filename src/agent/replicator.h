@@ -72,6 +72,10 @@ struct PeerRequest {
       protocol::MessageType::kPeerList;  // kPeerList, kPeerFetch, or kShutdown: FlushHeld
   uint32_t rank = 0;
   uint64_t step = 0, attempt = 0;
+  // kPeerFetch of a heal (replicator_heal.cc): the rank's snapshot of `step` straight from the
+  // agent of another job that took it, waiting up to timeout_s for it to be taken.
+  std::optional<replica::SnapshotOrigin> origin = std::nullopt;
+  double timeout_s = 0;
 };
 struct PeerAnswer {
   int client_fd = -1;
@@ -79,6 +83,10 @@ struct PeerAnswer {
   protocol::MessageType reply_type = protocol::MessageType::kPeerListReply;
   std::string payload;
 };
+
+// The origin a heal's kPeerFetch names (PeerFetchRequest::from_*); InvalidArgument when its
+// secret is not lowercase hex of at least 16 bytes or a field is empty.
+Result<replica::SnapshotOrigin> HealOrigin(const protocol::PeerFetchRequest& request);
 
 class Replicator {
  public:
@@ -151,6 +159,10 @@ class Replicator {
   PushOutcome Push(const PushTask& t);
   PeerAnswer List(const PeerRequest& r);
   PeerAnswer Fetch(const PeerRequest& r);
+  // replicator_heal.cc: a heal's fetch into one of the rank's slots (PeerRequest::origin), and
+  // this node's own snapshots as the peer service serves them.
+  PeerAnswer HealFetch(const PeerRequest& r);
+  Result<replica::ServedSnapshot> ServeSnapshot(uint32_t rank, uint64_t step);
   void FlushHeld();
   Status FlushOne(const replica::ReplicaMeta& newest, const std::vector<replica::Holding>& parts);
   // Peers other than this node, under mu_.

@@ -273,11 +273,13 @@ Result<std::vector<PeerCopy>> SnapshotClient::PeerCopies() {
 Result<PeerFetchResult> SnapshotClient::FetchFromPeers(uint64_t step, uint64_t attempt,
                                                        double timeout_s) {
   const auto t0 = std::chrono::steady_clock::now();
-  SP_ASSIGN_OR_RETURN(
-      std::string payload,
-      Request(MessageType::kPeerFetch,
-              protocol::Encode(protocol::PeerFetchRequest{opt_.rank, step, attempt}),
-              MessageType::kPeerFetchReply, timeout_s));
+  protocol::PeerFetchRequest request;
+  request.rank = opt_.rank;
+  request.step = step;
+  request.attempt = attempt;
+  SP_ASSIGN_OR_RETURN(std::string payload,
+                      Request(MessageType::kPeerFetch, protocol::Encode(request),
+                              MessageType::kPeerFetchReply, timeout_s));
   protocol::PeerFetchReply reply;
   SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   if (!reply.status.ok()) return reply.status;

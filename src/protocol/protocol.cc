@@ -278,7 +278,15 @@ std::string Encode(const PeerListReply& m) {
   return json{{"snapshots", list}}.dump();
 }
 std::string Encode(const PeerFetchRequest& m) {
-  return json{{"rank", m.rank}, {"step", m.step}, {"attempt", m.attempt}}.dump();
+  json j{{"rank", m.rank}, {"step", m.step}, {"attempt", m.attempt}};
+  if (!m.from_address.empty()) {
+    j["from_address"] = m.from_address;
+    j["from_node"] = m.from_node;
+    j["from_job"] = m.from_job;
+    j["from_secret"] = m.from_secret_hex;
+    j["timeout_ms"] = m.timeout_ms;
+  }
+  return j.dump();
 }
 std::string Encode(const PeerFetchReply& m) {
   json j = StatusFields(m.status);
@@ -348,7 +356,14 @@ Status Decode(std::string_view payload, PeerListReply* out) {
   return Status::OK();
 }
 Status Decode(std::string_view payload, PeerFetchRequest* out) {
-  return Parse(payload, {{"rank", &out->rank}, {"step", &out->step}, {"attempt", &out->attempt}})
+  return Parse(payload, {{"rank", &out->rank},
+                         {"step", &out->step},
+                         {"attempt", &out->attempt},
+                         {"from_address", &out->from_address, /*optional=*/true},
+                         {"from_node", &out->from_node, /*optional=*/true},
+                         {"from_job", &out->from_job, /*optional=*/true},
+                         {"from_secret", &out->from_secret_hex, /*optional=*/true},
+                         {"timeout_ms", &out->timeout_ms, /*optional=*/true}})
       .status();
 }
 Status Decode(std::string_view payload, PeerFetchReply* out) {

@@ -184,6 +184,12 @@ struct PeerFetchRequest {
   uint32_t rank = 0;
   uint64_t step = 0;
   uint64_t attempt = 0;
+  // A heal (torchft, docs/replication.md): with from_address, the rank's snapshot of `step` is
+  // fetched instead straight from the agent of job `from_job` on node `from_node` that took it,
+  // authenticated with that job's secret, waiting up to timeout_ms for it to be taken (`attempt`
+  // is not used).
+  std::string from_address, from_node, from_job, from_secret_hex;
+  uint32_t timeout_ms = 0;
 };
 struct PeerFetchReply {
   Status status;
