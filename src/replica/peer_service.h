@@ -15,10 +15,11 @@
 // then one of: a push (put-begin with the replica's meta -> put-ready -> chunks -> put-done when
 // every chunk arrived and passed its CRC -> commit with the image's and payload's CRCs, folded
 // from the chunks' as they were sent, sent only if still_valid() still holds -> committed), a list,
-// a fetch of one replica (its chunks stream back), or a note (kind and a short JSON body for the
-// receiving agent, src/agent/commit_relay.h -> its handler's status). A paused or throttled sender
-// pings, so a pause is not a stall. Shared-memory transports are excluded unless $UCX_TLS is set
-// (other UCX_* variables apply as usual).
+// a fetch of one replica (its chunks stream back), a fetch of one of the node's own snapshots
+// (peer_service_snapshot.cc: describe, fetch, describe again), or a note (kind and a short JSON
+// body for the receiving agent, src/agent/commit_relay.h -> its handler's status). A paused or
+// throttled sender pings, so a pause is not a stall. Shared-memory transports are excluded unless
+// $UCX_TLS is set (other UCX_* variables apply as usual).
 //
 // Threads: the service runs one progress thread that owns the UCX worker; the public methods are
 // thread-safe, block their caller and are meant for the agent's replication worker (never its
@@ -122,6 +123,7 @@ struct PeerServiceStats {
   uint64_t peers_rejected = 0;    // failed authentication or protocol errors
   uint64_t transfers_failed = 0;  // timeouts, dead peers, CRC mismatches
   uint64_t notes_sent = 0, notes_received = 0;
+  uint64_t note_connections = 0;  // connections opened to send notes (one is kept per peer)
 };
 
 // Checksums a snapshot recorded for its image when it was taken (the image's checksum
@@ -186,10 +188,12 @@ class PeerService {
   virtual Status FetchImage(const std::vector<Holding>& holdings, const SnapshotId& id,
                             std::span<std::byte> image) = 0;
 
-  // Notes: short notices between the agents of a job (the commit relay, src/agent/commit_relay.h),
-  // one authenticated connection each. The receiving service hands each to its handler, on its
-  // progress thread: the handler must not block (the agent queues the note and wakes its loop);
-  // its status is the sender's answer. A service without a handler answers Unavailable.
+  // Notes: short notices between the agents of a job (the commit relay, src/agent/commit_relay.h).
+  // The connection to a peer is kept for its next notes (a relayed commit sends a few a step to
+  // the same nodes; peer_service_notes.cc says when one is not reused). The receiving service
+  // hands each to its handler, on its progress thread: the handler must not block (the agent
+  // queues the note and wakes its loop); its status is the sender's answer. A service without a
+  // handler answers Unavailable.
   using NoteHandler = std::function<Status(const std::string& from_node, const std::string& kind,
                                            const std::string& body)>;
   virtual void SetNoteHandler(NoteHandler handler) = 0;
@@ -200,9 +204,6 @@ class PeerService {
   virtual std::vector<Status> Note(const std::vector<Peer>& peers, const std::string& kind,
                                    const std::string& body) = 0;
 
-  virtual PeerServiceStats stats() const = 0;
-
-  // Ends `service` for a process about to end with _exit (internal::ExitProcess), without
   // Snapshots served straight from this node's slots (peer_service_snapshot.cc). `source`
   // returns this node's newest snapshot of `rank` at `step` (NotFound when there is none: not
   // taken yet, or overwritten); it runs on the service's store thread. Without a source a fetch
@@ -223,6 +224,9 @@ class PeerService {
       const std::function<Result<FetchDestination>(const ReplicaMeta&)>& destination,
       ReplicaMeta* meta) = 0;
 
+  virtual PeerServiceStats stats() const = 0;
+
+  // Ends `service` for a process about to end with _exit (internal::ExitProcess), without
   // tearing UCX down: it refuses every connection request from then on, closes its
   // connections, waits until UCX holds no request of theirs and no longer uses its store, and
   // is then kept alive, listener and UCX worker included, until the process ends. Its store may

@@ -492,41 +492,6 @@ std::vector<Holding> PeerServiceImpl::List(const std::vector<Peer>& peers,
   return out;
 }
 
-Status PeerServiceImpl::NoteOne(const Peer& peer, const std::string& kind,
-                                const std::string& body) {
-  if (body.size() > kMaxNoteBytes)
-    return InvalidArgument("note '" + kind + "' of " + std::to_string(body.size()) +
-                           " bytes: at most " + std::to_string(kMaxNoteBytes));
-  SP_ASSIGN_OR_RETURN(ConnPtr c, Connect(peer));
-  SendControl(c, MsgType::kNote, {{"kind", kind}, {"body", body}});
-  Result<json> reply = WaitMessage(c, MsgType::kNoteReply);
-  Close(c);
-  if (!reply.ok()) return reply.status();
-  uint64_t code = 0;
-  if (!GetU64(*reply, "code", &code) || code != 0) return StatusFromJson(*reply, c->name);
-  ++notes_sent_;
-  return Status::OK();
-}
-
-std::vector<Status> PeerServiceImpl::Note(const std::vector<Peer>& peers, const std::string& kind,
-                                          const std::string& body) {
-  std::vector<Status> status(peers.size());
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < peers.size();)
-      status[i] = NoteOne(peers[i], kind, body);
-  };
-  const size_t n = std::min(peers.size(), kNoteFanout);
-  if (n == 1) {
-    work();
-    return status;
-  }
-  std::vector<std::thread> threads;
-  for (size_t t = 0; t < n; ++t) threads.emplace_back(work);
-  for (auto& th : threads) th.join();
-  return status;
-}
-
 Status PeerServiceImpl::FetchOne(const Holding& holding, std::span<std::byte> dest,
                                  std::shared_ptr<void> dest_owner) {
   const ReplicaMeta& meta = holding.meta;

@@ -297,6 +297,7 @@ class PeerServiceImpl final : public PeerService {
     PeerServiceStats s;
     s.notes_sent = notes_sent_;
     s.notes_received = notes_received_;
+    s.note_connections = note_connections_;
     s.replicas_received = replicas_received_;
     s.bytes_received = bytes_received_;
     s.pushes = pushes_;
@@ -344,13 +345,13 @@ class PeerServiceImpl final : public PeerService {
   Bounce TakeBounce(uint64_t bytes);  // under mu_
   void GiveBounce(Bounce b);          // locks mu_
   void PumpFetch(const ConnPtr& c);
-  // Runs `work` on the store thread (no lock held), then `then` on the progress thread under mu_
   // peer_service_snapshot.cc, progress thread under mu_: a kFetchSnapshot request; and, for
   // PumpFetch of a served snapshot, whether its slot still holds it (else the connection is
   // dropped: superseded) and the CRC a chunk is sent with (the recorded one where there is one).
   void ServeSnapshot(const ConnPtr& c, const json& body);
   bool ServedStillValid(const ConnPtr& c);
   uint32_t ServedChunkCrc(const Conn& c, uint64_t offset, const std::byte* p, uint64_t len) const;
+  // Runs `work` on the store thread (no lock held), then `then` on the progress thread under mu_
   // unless the connection was dropped meanwhile. The connection is busy until then.
   void Offload(const ConnPtr& c, std::function<void()> work, std::function<void()> then);
   void RunStore();
@@ -384,6 +385,10 @@ class PeerServiceImpl final : public PeerService {
                  const std::function<bool()>& still_valid, double* paused_seconds);
   Status FetchOne(const Holding& holding, std::span<std::byte> dest,
                   std::shared_ptr<void> dest_owner);
+  // peer_service_notes.cc: a note over the connection kept for its peer (NoteLink).
+  struct NoteLink;
+  std::shared_ptr<NoteLink> NoteLinkFor(const std::string& node);
+  bool Reusable(const ConnPtr& c);
   Status NoteOne(const Peer& peer, const std::string& kind, const std::string& body);
   bool StillValid(const std::function<bool()>& still_valid) {
     std::lock_guard lk(valid_mu_);
@@ -442,6 +447,8 @@ class PeerServiceImpl final : public PeerService {
   // kSendWindow per push being received are kept, and none once the service quiesced (guarded
   // by mu_).
   std::vector<Bounce> bounces_;
+  // Where a kFetchSnapshot finds this node's own snapshots (SetSnapshotSource; guarded by mu_).
+  SnapshotSource snapshot_source_;
 
   std::mutex valid_mu_;
   std::mutex pause_mu_;
@@ -449,12 +456,15 @@ class PeerServiceImpl final : public PeerService {
   bool paused_ = false;
   std::mutex bucket_mu_;
   double rate_ = 0, tokens_ = 0;
-  // Where a kFetchSnapshot finds this node's own snapshots (SetSnapshotSource; guarded by mu_).
-  SnapshotSource snapshot_source_;
   Clock::time_point bucket_time_ = Clock::now();
 
+  // Notes' kept connections, by node (peer_service_notes.cc).
+  std::mutex note_links_mu_;
+  std::unordered_map<std::string, std::shared_ptr<NoteLink>> note_links_;
+
   std::atomic<uint64_t> replicas_received_{0}, bytes_received_{0}, pushes_{0}, bytes_sent_{0},
-      peers_rejected_{0}, transfers_failed_{0}, notes_sent_{0}, notes_received_{0};
+      peers_rejected_{0}, transfers_failed_{0}, notes_sent_{0}, notes_received_{0},
+      note_connections_{0};
 };
 
 // The error handler of every endpoint (arg: the PeerServiceImpl).
