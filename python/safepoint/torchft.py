@@ -20,6 +20,16 @@ replicas on the same node), a node-local or shared file system, or any storage U
 writes (``s3://...``, ``rados://...``: replicas on other nodes). Each sending replica needs its
 own location (``metadata()`` names it). The newest ``keep`` sent steps are kept there.
 
+``mode="peer"`` heals without storage, memory to memory (docs/guide.md, "torchft"): send takes
+the same flash snapshot and nothing is persisted; ``metadata()`` names the sender's node agent
+(its peer-service address, node, job and a secret drawn for this transport) instead of a
+location; the recovering replica's own agent fetches the snapshot straight from the sender's
+agent's shared memory over UCX (authenticated with that secret, every chunk checked on arrival
+against the checksum recorded when the snapshot was taken, and refused when the sender's next
+snapshot began to overwrite it meanwhile) into its own shared memory, where the recovering
+process loads it, verified. The sender is free as soon as its copy is taken (it never serves
+its live tensors); a receive in any mode reads whichever kind of metadata it is given.
+
 A DTensor comes back as a DTensor with the sender's spec (mesh, placements, global shape and
 stride; as torchft's own transports give it), its local tensor the sender's shard, on the CPU.
 Its mesh is rebuilt from a plain description that the sender stores beside the state, without
@@ -33,7 +43,9 @@ other than tensors and plain values need ``allow_pickle``. Tested with torchft 0
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -46,9 +58,21 @@ import safepoint
 from safepoint import _core
 from safepoint._pickle import AllowPickle
 from safepoint._shards import _dtensor_type
-from safepoint.errors import InvalidArgumentError
+from safepoint.errors import InvalidArgumentError, NotFoundError
 
 T = TypeVar("T")
+
+# metadata() of a "peer" transport starts with this; a location never does.
+_PEER_PREFIX = "safepoint-peer:"
+_PEER_TIMEOUT_S = 30.0  # a heal's transfer that makes no progress this long fails
+
+
+def _node_name() -> str:
+    """This node's name as its agent's peer service serves it ([A-Za-z0-9._-], <= 64)."""
+    from safepoint import _replication
+
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", _replication.node_id())[:64].lstrip(".")
+    return name or "node"
 
 
 class SafepointTransport(CheckpointTransport[T]):
@@ -58,27 +82,36 @@ class SafepointTransport(CheckpointTransport[T]):
     ``metadata()``). ``timeout``: the default wait of ``recv_checkpoint``. ``keep``: sent steps
     kept at ``location``. ``job``, ``shm_dir``: as for ``safepoint.Checkpointer`` (default job:
     one per transport). ``allow_pickle``: as for ``safepoint.save``. ``mode``: ``"flash"``
-    (send returns after the copy into shared memory; the agent writes the step) or ``"sync"``
-    (send writes the step itself: the sender waits longer, the receiver gets it sooner).
+    (send returns after the copy into shared memory; the agent writes the step), ``"sync"``
+    (send writes the step itself: the sender waits longer, the receiver gets it sooner) or
+    ``"peer"`` (send returns after the copy into shared memory and nothing is written to
+    ``location``; the receiver's agent fetches it from the sender's agent over UCX: the
+    fastest of the three, within one node or across nodes). ``peer_host``: the address the agent's
+    peer service listens on in ``"peer"`` mode (default: as for replication,
+    ``$SAFEPOINT_PEER_HOST`` or the route to ``$MASTER_ADDR``, else the hostname's address).
     """
 
     def __init__(self, location: str | os.PathLike[str], *,
                  timeout: timedelta = timedelta(seconds=60), keep: int = 2,
                  job: Optional[str] = None, shm_dir: Optional[str] = None,
-                 allow_pickle: AllowPickle = False, mode: str = "flash") -> None:
+                 allow_pickle: AllowPickle = False, mode: str = "flash",
+                 peer_host: Optional[str] = None) -> None:
         loc = os.fspath(location)
         if not isinstance(loc, str) or not loc:
             raise InvalidArgumentError(f"location must be a non-empty path or URI, got "
                                        f"{location!r}")
-        if mode not in ("flash", "sync"):
-            raise InvalidArgumentError(f"mode must be 'flash' or 'sync', got {mode!r}")
+        if mode not in ("flash", "sync", "peer"):
+            raise InvalidArgumentError(f"mode must be 'flash', 'sync' or 'peer', got {mode!r}")
         self.location = loc if "://" in loc else os.path.abspath(loc)
         self.mode = mode
         self.timeout, self.keep, self.allow_pickle = timeout, keep, allow_pickle
         self.job = job or f"torchft-{uuid.uuid4().hex[:12]}"
         self.shm_dir = shm_dir
+        self.peer_host = peer_host
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._sent: Optional[int] = None
+        self._peer_address: Optional[str] = None  # this transport's agent's peer service
+        self._origin: Optional[str] = None  # metadata() in "peer" mode
 
     def _checkpointer(self) -> safepoint.Checkpointer:
         if self._ckpt is None:
@@ -89,18 +122,45 @@ class SafepointTransport(CheckpointTransport[T]):
                 shm_dir=self.shm_dir, allow_pickle=self.allow_pickle, preemption=False)
         return self._ckpt
 
+    def _peer_service(self) -> str:
+        """Starts this transport's agent's peer service (once); its address."""
+        if self._peer_address is None:
+            from safepoint import _replication
+
+            host = self.peer_host or _replication.bind_host()
+            self._peer_address = self._checkpointer()._live.peer_setup(
+                _node_name(), host, _PEER_TIMEOUT_S)
+        return self._peer_address
+
     # -- CheckpointTransport ------------------------------------------------------------------
     def metadata(self) -> str:
-        return self.location
+        """``location``; in ``"peer"`` mode what the receiver's agent needs to fetch from this
+        transport's agent: its address, node, job and secret (``_PEER_PREFIX`` + JSON)."""
+        if self.mode != "peer":
+            return self.location
+        if self._origin is None:
+            address = self._peer_service()
+            secret = os.urandom(32).hex()
+            # A membership of this node alone (nothing is replicated): it gives the agent the
+            # secret that a receiver must prove it knows.
+            self._checkpointer()._live.set_membership(
+                uuid.uuid4().hex, 0, [(_node_name(), address)], "none", secret, 0)
+            self._origin = _PEER_PREFIX + json.dumps(
+                {"address": address, "node": _node_name(), "job": self.job, "secret": secret})
+        return self._origin
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
                         timeout: timedelta) -> None:
-        """Snapshots ``state_dict`` into shared memory (the agent persists it to ``location``);
-        returns once the copy is done. Sending a step already sent does nothing."""
+        """Snapshots ``state_dict`` into shared memory (the agent persists it to ``location``;
+        in ``"peer"`` mode it only serves it to receivers); returns once the copy is done.
+        Sending a step already sent does nothing."""
         if step == self._sent:
             return
         sent = {"state": state_dict, "dtensors": _dtensor_specs(state_dict)}
-        if self.mode == "flash":
+        if self.mode == "peer":
+            self.metadata()  # the agent serves the snapshot once it has the secret
+            self._checkpointer().save(step, sent, persist=False)
+        elif self.mode == "flash":
             self._checkpointer().save(step, sent, persist=True)
         else:
             safepoint.save(self.location, step, sent, allow_pickle=self.allow_pickle)
@@ -115,8 +175,19 @@ class SafepointTransport(CheckpointTransport[T]):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta) -> T:
         """The state the replica at ``metadata`` sent for ``step``; ``TimeoutError`` when it is
-        not committed there within ``timeout``."""
+        not committed there (``"peer"``: not taken by the sender) within ``timeout``."""
         wait = timeout or self.timeout
+        if metadata.startswith(_PEER_PREFIX):
+            got = self._recv_peer(src_rank, metadata, step, wait)
+        else:
+            got = self._recv_stored(src_rank, metadata, step, wait)
+        state = got["state"]
+        meshes: dict = {}
+        for path, spec in got.get("dtensors") or ():
+            state = _put(state, tuple(path), lambda local, sp=spec: _dtensor(local, sp, meshes))
+        return state
+
+    def _recv_stored(self, src_rank: int, metadata: str, step: int, wait: timedelta) -> Any:
         deadline = time.monotonic() + wait.total_seconds()
         delay = 0.001
         while True:
@@ -130,11 +201,31 @@ class SafepointTransport(CheckpointTransport[T]):
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         _, got = safepoint.load(metadata, step, allow_pickle=self.allow_pickle)
-        state = got["state"]
-        meshes: dict = {}
-        for path, spec in got.get("dtensors") or ():
-            state = _put(state, tuple(path), lambda local, sp=spec: _dtensor(local, sp, meshes))
-        return state
+        return got
+
+    def _recv_peer(self, src_rank: int, metadata: str, step: int, wait: timedelta) -> Any:
+        """``"peer"`` mode: this transport's agent fetches the sender's snapshot of ``step`` from
+        the sender's agent into a slot of this transport's job; loaded from there, verified."""
+        try:
+            origin = json.loads(metadata[len(_PEER_PREFIX):])
+            address, node, job, secret = (str(origin[k]) for k in
+                                          ("address", "node", "job", "secret"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgumentError(f"not a safepoint peer transport's metadata: "
+                                       f"{metadata[:200]!r}") from e
+        self._peer_service()
+        client = self._checkpointer()._live
+        try:
+            client.heal_from(address, node, job, secret, step, wait.total_seconds())
+        except NotFoundError as e:
+            # torchft's contract: a TimeoutError that says it timed out.
+            raise TimeoutError(f"timed out after {wait.total_seconds():g}s waiting for step "
+                               f"{step} from rank {src_rank} at {address}: not sent (taken) "
+                               f"there ({e})") from e
+        loaded = client.load_step(step, self._checkpointer()._unpickler, False, None)
+        if loaded is None:
+            raise NotFoundError(f"step {step} healed from {address} is not in memory")
+        return loaded.state
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every sent step is committed at ``location``."""

@@ -125,7 +125,7 @@ def test_dtensor_on_a_zero_dimensional_mesh_saves_loads_and_restores(tmp_path, g
     assert torch.equal(plain, torch.tensor([5, 6, 7]))
 
 
-@pytest.mark.parametrize("mode", ["sync", "flash"])
+@pytest.mark.parametrize("mode", ["sync", "flash", "peer"])
 def test_dtensors_come_back_as_dtensors_with_the_senders_spec(tmp_path, shm, gloo_world, mode):
     """As torchft's own transports give them: a DTensor, its spec equal to the sent one (mesh,
     placements, global shape and stride), which the receiver copies into its own DTensors."""
@@ -144,10 +144,10 @@ def test_dtensors_come_back_as_dtensors_with_the_senders_spec(tmp_path, shm, glo
                 "step": 3}
 
     sent = state()
-    t = SafepointTransport(tmp_path / "heal", shm_dir=shm, mode=mode)
+    t = SafepointTransport(tmp_path / "heal", shm_dir=shm, mode=mode, peer_host="127.0.0.1")
     t.send_checkpoint([1], 3, sent, timedelta(seconds=30))
-    got = SafepointTransport(tmp_path / "mine").recv_checkpoint(0, t.metadata(), 3,
-                                                                timedelta(seconds=HANG))
+    me = SafepointTransport(tmp_path / "mine", shm_dir=shm, peer_host="127.0.0.1")
+    got = me.recv_checkpoint(0, t.metadata(), 3, timedelta(seconds=HANG))
     assert got["step"] == 3 and got["model"]["layers"][0][1] == 7
     pairs = [(got["model"]["zero_d"], sent["model"]["zero_d"]),
              (got["model"]["w"], sent["model"]["w"]),
@@ -160,6 +160,7 @@ def test_dtensors_come_back_as_dtensors_with_the_senders_spec(tmp_path, shm, glo
         mine.zero_()
         mine.copy_(got["model"]["w"])
     assert torch.equal(mine.full_tensor(), torch.arange(12.).reshape(3, 4))
+    me.shutdown()
     t.shutdown()
 
 

@@ -38,7 +38,7 @@ def _run(tmp_path, shm: str, mode: str, device: torch.device) -> list[SafepointT
 
     def init_transport(rank: int, world_size: int) -> SafepointTransport:
         t = SafepointTransport(tmp_path / f"replica{rank}", shm_dir=shm, mode=mode,
-                               job=f"suite-{mode}-{os.getpid()}-{rank}")
+                               job=f"suite-{mode}-{os.getpid()}-{rank}", peer_host="127.0.0.1")
         made.append(t)
         return t
 
@@ -54,11 +54,18 @@ def _run(tmp_path, shm: str, mode: str, device: torch.device) -> list[SafepointT
     return made
 
 
-@pytest.mark.parametrize("mode", ["sync", "flash"])
+@pytest.mark.parametrize("mode", ["sync", "flash", "peer"])
 def test_torchft_multi_recovery_cpu(tmp_path, shm, mode):
     import safepoint
 
     made = _run(tmp_path, shm, mode, torch.device("cpu"))
+    if mode == "peer":
+        # Memory to memory: no heal wrote a location; each transport's shutdown closed its
+        # Checkpointer, which persisted its newest snapshot: replica 0's step 2, replica 1's
+        # healed step 1, replica 2's own step 4.
+        got = {os.path.basename(t.location): safepoint.steps(t.location) for t in made}
+        assert got == {"replica0": [2], "replica1": [1], "replica2": [4]}
+        return
     by_rank = {os.path.basename(t.metadata()): t for t in made}
     # What torchft's test sent: steps 1 and 2 from replica 0, step 4 from replica 2 (committed
     # by the time the suite shut the transports down, which waits in flash mode).
@@ -68,6 +75,6 @@ def test_torchft_multi_recovery_cpu(tmp_path, shm, mode):
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="torchft's CUDA case needs a GPU (its state's tensor on cuda)")
-@pytest.mark.parametrize("mode", ["sync", "flash"])
+@pytest.mark.parametrize("mode", ["sync", "flash", "peer"])
 def test_torchft_multi_recovery_cuda(tmp_path, shm, mode):
     _run(tmp_path, shm, mode, torch.device("cuda"))
