@@ -1,7 +1,7 @@
 """safepoint benchmark: healing a torchft replica, SafepointTransport against torchft's own
 HTTPTransport and PGTransport (gloo) on the same state.
 
-    python bench/torchft_heal.py [--size 256M] [--tensors 64] [--reps 3]
+    python bench/torchft_heal.py [--size 256M] [--tensors 64] [--reps 3] [--no-thp]
 
 Two processes on this host: a live replica (sender) and a recovering one (receiver). For each
 transport, ``--reps`` heals of the same state (float32, ``--size`` in ``--tensors`` tensors):
@@ -9,9 +9,16 @@ the sender's ``send_checkpoint`` (its *blocking* time: the live replica's traini
 ``disallow_checkpoint`` follows once the heal is over, as in torchft's Manager), the receiver's
 ``recv_checkpoint`` (the *heal* time: from the start of send until the receiver holds the
 state, checked equal). A first heal warms each transport up (the agent's start, the
-shared-memory slots) and is not counted. SafepointTransport's location is a directory in
-/dev/shm (replicas on one node), flash and sync. Prints a markdown table of medians with ratios
-to HTTPTransport, for docs/benchmarks.md ("torchft heal").
+shared-memory slots, the peer service) and is not counted. SafepointTransport's location is a
+directory in /dev/shm (replicas on one node), flash and sync; its peer mode fetches the sender's
+snapshot from the sender's agent over UCX (TCP on loopback: the peer service excludes UCX's
+shared-memory transports) and writes no location. Prints a markdown table of medians with
+ratios to HTTPTransport and PGTransport, for docs/benchmarks.md ("torchft heal").
+
+``--no-thp``: both processes (and the agents they start, which inherit it) run with transparent
+huge pages off (prctl PR_SET_THP_DISABLE), for every transport alike: with the kernel's THP
+defrag "madvise", a buffer that asks for huge pages (safepoint's load buffers do) compacts
+memory when it faults, which on a fragmented host costs more than the copy itself.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ def make_state(size: int, n: int):
 
 
 def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
+    if args.no_thp:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
     import torch
     import torch.distributed as dist
 
@@ -63,8 +74,9 @@ def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
     else:
         from safepoint.torchft import SafepointTransport
 
-        t = SafepointTransport(os.path.join(shm, f"heal-{kind}"), shm_dir=shm,
-                               mode="sync" if kind == "safepoint-sync" else "flash")
+        mode = kind.split("-", 1)[1] if "-" in kind else "flash"
+        t = SafepointTransport(os.path.join(shm, f"heal-{kind}-{rank}"), shm_dir=shm, mode=mode,
+                               peer_host="127.0.0.1")
     if rank == 0:
         store.set("meta", t.metadata())
     meta = store.get("meta").decode()
@@ -113,7 +125,9 @@ def measure(kind: str, args, shm: str) -> dict:
     out = {k: v[1:] for k, v in out.items()}  # without the warm-up heal
     for p in procs:
         p.join(timeout=120)
-    return {k: statistics.median(v) for k, v in out.items()}
+    res: dict = {k: statistics.median(v) for k, v in out.items()}
+    res["heals"], res["blockings"] = out["heal"], out["blocking"]
+    return res
 
 
 def main() -> None:
@@ -121,24 +135,35 @@ def main() -> None:
     ap.add_argument("--size", default="256M")
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-thp", action="store_true",
+                    help="transparent huge pages off in both processes (prctl)")
     args = ap.parse_args()
     args.size = parse_size(args.size)
+    load_before = os.getloadavg()[0]
     shm = tempfile.mkdtemp(prefix="sp-heal-", dir="/dev/shm")
     try:
-        res = {k: measure(k, args, shm) for k in ("http", "pg", "safepoint", "safepoint-sync")}
+        res = {k: measure(k, args, shm)
+               for k in ("http", "pg", "safepoint", "safepoint-sync", "safepoint-peer")}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    ref = res["http"]
+    ref, pg = res["http"], res["pg"]
     names = {"http": "torchft HTTPTransport", "pg": "torchft PGTransport (gloo)",
              "safepoint": "safepoint SafepointTransport, flash (/dev/shm)",
-             "safepoint-sync": "safepoint SafepointTransport, sync (/dev/shm)"}
+             "safepoint-sync": "safepoint SafepointTransport, sync (/dev/shm)",
+             "safepoint-peer": "safepoint SafepointTransport, peer (agent to agent, UCX)"}
     print(f"state: {args.size / 2**20:.0f} MiB float32 in {args.tensors} tensors, "
-          f"{args.reps} heals each, medians; load average {os.getloadavg()[0]:.1f}\n")
-    print("| transport | sender blocking s | × HTTP | heal s | × HTTP |")
+          f"{args.reps} heals each, medians; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after"
+          f"{'; transparent huge pages off' if args.no_thp else ''}\n")
+    print("| transport | sender blocking s | heal s | heal × HTTP | heal × PG |")
     print("|---|---:|---:|---:|---:|")
     for k, r in res.items():
-        print(f"| {names[k]} | {r['blocking']:.3f} | {r['blocking'] / ref['blocking']:.2f} | "
-              f"{r['heal']:.3f} | {r['heal'] / ref['heal']:.2f} |")
+        print(f"| {names[k]} | {r['blocking']:.3f} | {r['heal']:.3f} | "
+              f"{r['heal'] / ref['heal']:.2f} | {r['heal'] / pg['heal']:.2f} |")
+    print("\nevery heal, s (warm-up excluded):")
+    for k, r in res.items():
+        print(f"  {k}: heal {', '.join(f'{x:.3f}' for x in r['heals'])}; blocking "
+              f"{', '.join(f'{x:.3f}' for x in r['blockings'])}")
 
 
 if __name__ == "__main__":

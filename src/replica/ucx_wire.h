@@ -46,9 +46,9 @@ enum class MsgType : uint16_t {
   kPing = 17,        // client: paused or throttled, still there
   kNote = 18,        // client: kind, body (a short notice for the agent: PeerService::Note)
   kNoteReply = 19,   // server: the agent's answer (a status)
-  // client: rank, step, chunk_bytes, image_bytes: one of the serving node's own snapshots
-  // (peer_service_snapshot.cc). image_bytes 0: kFetchBegin with its meta, no chunks (the client
-  // then asks again, with its size, on the same connection); else its chunks follow.
+  // client: rank, step, chunk_bytes, image_bytes, complete_ns: one of the serving node's own
+  // snapshots (peer_service_snapshot.cc). image_bytes 0: kFetchBegin with the newest one's meta,
+  // no chunks; else that snapshot (its size and completion time) is sent: kFetchBegin, chunks.
   kFetchSnapshot = 20,
   kLast = kFetchSnapshot,
 };
