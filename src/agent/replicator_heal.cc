@@ -138,7 +138,12 @@ PeerAnswer Replicator::HealFetch(const PeerRequest& r) {
   ReplicaMeta meta;
   auto delay = std::chrono::milliseconds(1);
   while (true) {
-    Status s = service_->FetchSnapshot(origin, r.rank, r.step, destination, &meta);
+    // The peer service waits on one connection while the origin has not taken the snapshot; a
+    // new one follows a NotFound that ended it (the snapshot gone between describe and fetch).
+    replica::SnapshotOrigin from = origin;
+    from.wait_s =
+        std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+    Status s = service_->FetchSnapshot(from, r.rank, r.step, destination, &meta);
     if (s.ok()) break;
     if (ticket) {
       arena->AbortWrite(*ticket);

@@ -109,6 +109,9 @@ struct SnapshotOrigin {
   Peer peer;
   std::string job;
   std::string secret;  // that job's secret (>= 16 bytes)
+  // How long FetchSnapshot keeps asking, on its one connection, while the origin has not taken
+  // the snapshot (0: NotFound at once).
+  double wait_s = 0;
 };
 
 // Where FetchSnapshot receives an image: `bytes` (the image's size), kept alive by `owner`.
@@ -211,7 +214,8 @@ class PeerService {
   using SnapshotSource = std::function<Result<ServedSnapshot>(uint32_t rank, uint64_t step)>;
   virtual void SetSnapshotSource(SnapshotSource source) = 0;
   // Fetches `origin`'s own snapshot of `rank` at `step`, over one connection authenticated with
-  // origin's job and secret: asks for its meta (*meta), receives the image into the buffer
+  // origin's job and secret: asks for its meta (*meta; again every few milliseconds, up to
+  // origin.wait_s, while the origin has not taken it), receives the image into the buffer
   // `destination` gives for that meta, every chunk checked on arrival against the checksum the
   // snapshot recorded when it was taken (so a byte that changed in the origin's memory since
   // fails), then asks again and requires the same snapshot (so nothing began to overwrite it

@@ -10,7 +10,10 @@
 // One connection, authenticated with the serving job's name and secret (SnapshotOrigin: the
 // fetching agent belongs to another job), carries three kFetchSnapshot requests:
 //   1. describe (image_bytes 0): the server answers kFetchBegin with the newest snapshot of
-//      (rank, step) it holds, or drops the connection with NotFound (not taken yet);
+//      (rank, step) it holds, or with "missing" (not taken yet: the client asks again on the
+//      same connection, every few milliseconds up to SnapshotOrigin::wait_s; a new connection
+//      per question cost both agents a UCX connection setup and an authentication, and took
+//      CPU from the sender's copy on a small host);
 //   2. fetch (image_bytes and complete_ns of that snapshot): kFetchBegin again, then its chunks,
 //      each sent with the CRC32C the snapshot recorded for it when it was taken (the last
 //      chunk, which holds the checksum section, with one computed as it is sent); the server
@@ -25,7 +28,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "base/log.h"
 #include "replica/peer_service_impl.h"
@@ -75,7 +80,13 @@ void PeerServiceImpl::ServeSnapshot(const ConnPtr& c, const json& body) {
         if (fetch && served->ok()) PopulateForSend((*served)->image);
       },
       [this, c, served, fetch, chunk, image_bytes, complete_ns, what] {
-        if (!served->ok()) return Drop(c, served->status(), true);
+        if (!served->ok()) {
+          if (!fetch && served->status().code() == StatusCode::kNotFound) {
+            return SendControlNow(c, MsgType::kFetchBegin,
+                                  {{"missing", served->status().message()}});
+          }
+          return Drop(c, served->status(), true);
+        }
         ServedSnapshot& s = **served;
         ReplicaMeta m;
         m.source_node = options_.node;
@@ -140,7 +151,10 @@ Status PeerServiceImpl::FetchSnapshot(
   SP_ASSIGN_OR_RETURN(ConnPtr c, Connect(origin.peer, &origin));
   const uint64_t chunk = options_.chunk_bytes;
   // One request; the meta of the snapshot the server answers with, checked to be what was asked.
+  // `missing`: the server has none yet (NotFound, the connection stays).
+  bool missing = false;
   auto ask = [&](uint64_t image_bytes, uint64_t complete_ns) -> Result<ReplicaMeta> {
+    missing = false;
     SendControl(c, MsgType::kFetchSnapshot,
                 {{"rank", rank},
                  {"step", step},
@@ -149,6 +163,10 @@ Status PeerServiceImpl::FetchSnapshot(
                  {"complete_ns", complete_ns}});
     SP_ASSIGN_OR_RETURN(json begin, WaitMessage(c, MsgType::kFetchBegin));
     std::string text;
+    if (GetString(begin, "missing", &text, 4096)) {
+      missing = true;
+      return NotFound(c->name + ": " + text);
+    }
     if (!GetString(begin, "meta", &text, 4096)) {
       return Corruption(c->name + ": malformed fetch-begin");
     }
@@ -162,7 +180,17 @@ Status PeerServiceImpl::FetchSnapshot(
     return m;
   };
   Status s = [&]() -> Status {
-    SP_ASSIGN_OR_RETURN(ReplicaMeta m, ask(0, 0));
+    const auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(std::max(origin.wait_s, 0.0)));
+    auto delay = std::chrono::milliseconds(1);
+    Result<ReplicaMeta> described = ask(0, 0);
+    while (!described.ok() && missing && Clock::now() + delay <= deadline) {
+      std::this_thread::sleep_for(delay);
+      delay = std::min(delay * 2, std::chrono::milliseconds(20));
+      described = ask(0, 0);
+    }
+    SP_ASSIGN_OR_RETURN(ReplicaMeta m, std::move(described));
     SP_ASSIGN_OR_RETURN(FetchDestination dest, destination(m));
     if (dest.bytes.size() != m.image_bytes) {
       return InvalidArgument("fetching " + what + ": a buffer of " +

@@ -140,6 +140,35 @@ TEST_F(SnapshotFetchTest, NotTakenYetIsNotFoundAndReceivesNothingThenFetches) {
   EXPECT_EQ(got_, snap_.image);
 }
 
+TEST_F(SnapshotFetchTest, ASnapshotTakenWhileTheFetchWaitsIsFetchedOverTheSameConnection) {
+  snap_.taken = false;
+  std::atomic<int> asked{0};
+  sender_->svc->SetSnapshotSource([this, &asked](uint32_t rank, uint64_t step) {
+    if (++asked == 3) snap_.taken = true;  // taken while the receiver waits
+    return Serve(rank, step);
+  });
+  SnapshotOrigin origin = Origin();
+  origin.wait_s = 60;
+  ASSERT_OK(Fetch(origin));
+  EXPECT_EQ(got_, snap_.image);
+  EXPECT_EQ(destinations_, 1);
+  // Three describes (two unanswered), the fetch, the describe after it; one connection: the
+  // sender rejected nothing and dropped nothing.
+  EXPECT_EQ(asked.load(), 5);
+  EXPECT_EQ(sender_->svc->stats().peers_rejected, 0u);
+  EXPECT_EQ(receiver_->svc->stats().transfers_failed, 0u);
+}
+
+TEST_F(SnapshotFetchTest, AWaitEndsWithNotFoundWhenTheSnapshotIsNeverTaken) {
+  snap_.taken = false;
+  SnapshotOrigin origin = Origin();
+  origin.wait_s = 0.2;
+  Status s = Fetch(origin);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.ToString();
+  EXPECT_GT(snap_.calls.load(), 1);  // asked again while it waited
+  EXPECT_EQ(destinations_, 0);
+}
+
 TEST_F(SnapshotFetchTest, AServiceWithoutASnapshotSourceAnswersNotFound) {
   sender_->svc->SetSnapshotSource(nullptr);
   Status s = Fetch(Origin());
