@@ -289,9 +289,14 @@ def child_main(a: dict) -> int:
                 threading.Event().wait()
 
     def wait_and_report(step: int) -> None:
+        # wait() returns once every step persisted so far is committed: the newest persist step
+        # up to `step` (a step between persist steps is only in memory and on the peers; its
+        # commit, if the process dies with it, is the emergency flush's, later).
+        persisted = step - step % a["persist_every"]
         try:
             timed("wait", lambda: ckpt.wait(timeout=wait_timeout))
-            say("COMMITTED", step)
+            if persisted > 0:
+                say("COMMITTED", persisted)
             report_replication()
         except safepoint.Error as e:
             say("WAITFAIL", step, str(e).replace("\n", " "))
