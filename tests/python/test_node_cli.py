@@ -139,6 +139,10 @@ def test_gc_keeps_a_job_whose_training_process_lives(tmp_path, cli, shm):
     # call. gc must not take its snapshots away (it did: its next save then failed).
     saver = Saver(tmp_path / "ckpt", "orphan", shm)
     try:
+        # Stopped (alive, yet running nothing): its client's watch would start a new agent within
+        # a second (src/client/snapshot_client.cc, AgentWatch), before the calls below end on a
+        # loaded machine (make test once saw gc --json find that new agent).
+        os.kill(saver.proc.pid, signal.SIGSTOP)
         kill_agent(saver.job_dir)
         status = json.loads(cli("status", "--shm-dir", shm, "--json", check=0).stdout)
         assert [(j["job"], j["agent_alive"], j["live_writers"]) for j in status] == [
@@ -155,6 +159,7 @@ def test_gc_keeps_a_job_whose_training_process_lives(tmp_path, cli, shm):
                            "reason": "training process alive", "writers": [saver.proc.pid]}]
         assert os.path.isdir(saver.job_dir)
         # Its next save works (and starts a new agent).
+        os.kill(saver.proc.pid, signal.SIGCONT)
         assert saver.save(2) == "saved 2"
     finally:
         saver.kill()
