@@ -274,6 +274,9 @@ class SnapshotClient {
   Status ConnectOnce();
   Status StartAgent();
   Status Hello();
+  // A kPeerFetch round trip (`request`: the encoded PeerFetchRequest) of FetchFromPeers and
+  // HealFrom: the agent wrote the rank's slot, which this client's arena then maps.
+  Result<PeerFetchResult> PeerFetch(const std::string& request, double timeout_s);
   // Writes plan_ into a slot: the common part of Save and SaveLike.
   Result<SnapshotResult> WriteSnapshot(uint64_t step, bool persist, bool notify,
                                        const StageFn& stage);

@@ -11,8 +11,6 @@
 // nothing meanwhile), fetches the origin's snapshot into it (PeerService::FetchSnapshot: every
 // chunk checked on arrival), checks that it is an image of that rank and step, and marks the slot
 // COMPLETE; the rank then loads it like any snapshot in memory, every chunk verified again.
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,23 +26,6 @@ namespace safepoint::agent {
 
 using protocol::MessageType;
 using replica::ReplicaMeta;
-
-namespace {
-
-// Maps the slot's pages writable into this agent's page tables in one call (MADV_POPULATE_WRITE,
-// Linux 5.14; best effort) before the image is received into them: a write fault per page
-// otherwise (the agent maps the slot afresh for each heal).
-void PopulateForWrite(std::span<std::byte> bytes) {
-#ifndef MADV_POPULATE_WRITE
-  constexpr int MADV_POPULATE_WRITE = 23;
-#endif
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data() + bytes.size());
-  if (!bytes.empty()) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
-}
-
-}  // namespace
 
 Result<replica::SnapshotOrigin> HealOrigin(const protocol::PeerFetchRequest& request) {
   replica::SnapshotOrigin o;

@@ -272,14 +272,17 @@ Result<std::vector<PeerCopy>> SnapshotClient::PeerCopies() {
 
 Result<PeerFetchResult> SnapshotClient::FetchFromPeers(uint64_t step, uint64_t attempt,
                                                        double timeout_s) {
-  const auto t0 = std::chrono::steady_clock::now();
   protocol::PeerFetchRequest request;
   request.rank = opt_.rank;
   request.step = step;
   request.attempt = attempt;
-  SP_ASSIGN_OR_RETURN(std::string payload,
-                      Request(MessageType::kPeerFetch, protocol::Encode(request),
-                              MessageType::kPeerFetchReply, timeout_s));
+  return PeerFetch(protocol::Encode(request), timeout_s);
+}
+
+Result<PeerFetchResult> SnapshotClient::PeerFetch(const std::string& request, double timeout_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  SP_ASSIGN_OR_RETURN(std::string payload, Request(MessageType::kPeerFetch, request,
+                                                   MessageType::kPeerFetchReply, timeout_s));
   protocol::PeerFetchReply reply;
   SP_RETURN_IF_ERROR(protocol::Decode(payload, &reply));
   if (!reply.status.ok()) return reply.status;

@@ -24,8 +24,6 @@
 //      overwritten (a superseded snapshot is Cancelled, never delivered).
 // The fetching side then verifies the image as any load from memory does (header, every chunk's
 // checksum): no byte that failed a check is used.
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -34,25 +32,9 @@
 
 #include "base/log.h"
 #include "replica/peer_service_impl.h"
+#include "shm/arena.h"
 
 namespace safepoint::replica::ucx {
-namespace {
-
-// Maps the pages of `bytes` into this process's page tables in one call (MADV_POPULATE_READ,
-// Linux 5.14; best effort) before they are sent: the agent maps the slot afresh for each fetch,
-// and a fault per page cost more than a third of the serving agent's time.
-void PopulateForSend(std::span<const std::byte> bytes) {
-#ifndef MADV_POPULATE_READ
-  constexpr int MADV_POPULATE_READ = 22;
-#endif
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data() + bytes.size());
-  if (!bytes.empty()) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
-}
-
-}  // namespace
-
 void PeerServiceImpl::ServeSnapshot(const ConnPtr& c, const json& body) {
   uint64_t rank = 0, step = 0, chunk = 0, image_bytes = 0, complete_ns = 0;
   if (!GetU64(body, "rank", &rank) || rank > UINT32_MAX || !GetU64(body, "step", &step) ||
@@ -77,7 +59,8 @@ void PeerServiceImpl::ServeSnapshot(const ConnPtr& c, const json& body) {
       c,
       [source = snapshot_source_, served, rank, step, fetch] {
         *served = source(static_cast<uint32_t>(rank), step);
-        if (fetch && served->ok()) PopulateForSend((*served)->image);
+        if (fetch && served->ok())
+          PopulateForRead((*served)->image);  // a fault per page: a third of the time
       },
       [this, c, served, fetch, chunk, image_bytes, complete_ns, what] {
         if (!served->ok()) {

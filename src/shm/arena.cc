@@ -475,15 +475,31 @@ uint64_t SlotFileBytes(uint64_t image_size) {
   return kSlotHeaderBytes + capacity;
 }
 
+namespace {
+
+void Populate(const std::byte* data, size_t size, int advice) {
+  if (size == 0) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(data) + size;
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, advice);
+}
+
+}  // namespace
+
+// Linux 5.14; older headers lack them.
 void PopulateForRead(std::span<const std::byte> bytes) {
 #ifndef MADV_POPULATE_READ
-  constexpr int MADV_POPULATE_READ = 22;  // Linux 5.14; older headers lack it
+  constexpr int MADV_POPULATE_READ = 22;
 #endif
-  if (bytes.empty()) return;
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
-  const auto end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
-  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
+  Populate(bytes.data(), bytes.size(), MADV_POPULATE_READ);
+}
+
+void PopulateForWrite(std::span<std::byte> bytes) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;
+#endif
+  Populate(bytes.data(), bytes.size(), MADV_POPULATE_WRITE);
 }
 
 bool SlotKeptFor(uint64_t capacity, uint64_t image_size) {

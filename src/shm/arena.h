@@ -134,6 +134,9 @@ bool SlotKeptFor(uint64_t capacity, uint64_t image_size);
 // slots that a new process (or another rank's slots that this one) never touched. Best effort:
 // nothing on a kernel without it (before Linux 5.14).
 void PopulateForRead(std::span<const std::byte> bytes);
+// The same for pages about to be written (MADV_POPULATE_WRITE): a slot an agent receives an
+// image into (a heal), one fault per page otherwise.
+void PopulateForWrite(std::span<std::byte> bytes);
 // Validates a job name: [A-Za-z0-9._-]{1,64}.
 Status ValidateJobName(const std::string& job);
 
