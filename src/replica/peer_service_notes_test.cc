@@ -10,8 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "replica/peer_service.h"
-#include "replica/replica_store.h"
+#include "replica/peer_node_for_test.h"
 #include "testing/test_util.h"
 
 namespace safepoint::replica::peer_service_notes_test {
@@ -19,32 +18,22 @@ namespace {
 
 constexpr char kSecret[] = "peer-service-notes-secret-0123456789";
 
+// A node whose note handler counts the notes of node "a" with a 5-byte body ("hello"), and
+// refuses notes of kind "refuse".
 struct Node {
-  test::TempDir dir{"peer-notes-test"};
-  std::unique_ptr<ReplicaStore> store;
-  std::unique_ptr<PeerService> svc;
+  std::unique_ptr<PeerNodeForTest> node;
   std::atomic<int> notes{0};
+  PeerService* svc() const { return node->svc.get(); }
 };
 
 std::unique_ptr<Node> StartNode(const std::string& name, double timeout_s = 10) {
-  auto n = std::make_unique<Node>();
-  auto store = ReplicaStore::Open(n->dir.path());
-  EXPECT_TRUE(store.ok()) << store.status().ToString();
-  if (!store.ok()) return nullptr;
-  n->store = std::move(*store);
-  PeerServiceOptions o;
-  o.job = "job-notes";
-  o.node = name;
-  o.bind_host = "127.0.0.1";
-  o.secret = kSecret;
+  PeerServiceOptions o = PeerOptionsForTest("job-notes", name, kSecret);
   o.timeout_s = timeout_s;
-  o.chunk_bytes = 256 << 10;
-  auto svc = PeerService::Start(o, n->store.get());
-  EXPECT_TRUE(svc.ok()) << svc.status().ToString();
-  if (!svc.ok()) return nullptr;
-  n->svc = std::move(*svc);
+  auto n = std::make_unique<Node>();
+  n->node = StartPeerNodeForTest(o);
+  if (!n->node) return nullptr;
   Node* raw = n.get();
-  n->svc->SetNoteHandler(
+  n->svc()->SetNoteHandler(
       [raw](const std::string& from, const std::string& kind, const std::string& body) {
         if (kind == "refuse") return Unavailable("refused by the handler");
         if (from == "a" && body.size() == 5) ++raw->notes;
@@ -56,19 +45,19 @@ std::unique_ptr<Node> StartNode(const std::string& name, double timeout_s = 10) 
 TEST(PeerServiceNotesTest, NotesToAPeerShareOneConnection) {
   auto a = StartNode("a"), b = StartNode("b"), c = StartNode("c");
   ASSERT_TRUE(a && b && c);
-  const std::vector<Peer> peers = {{"b", b->svc->address()}, {"c", c->svc->address()}};
+  const std::vector<Peer> peers = {{"b", b->svc()->address()}, {"c", c->svc()->address()}};
   for (int i = 0; i < 20; ++i) {
-    for (const Status& s : a->svc->Note(peers, "facts", "hello")) EXPECT_OK(s);
+    for (const Status& s : a->svc()->Note(peers, "facts", "hello")) EXPECT_OK(s);
   }
   // The handler's refusal is the note's answer; the connection stays good.
-  const std::vector<Status> refused = a->svc->Note({peers[0]}, "refuse", "hello");
+  const std::vector<Status> refused = a->svc()->Note({peers[0]}, "refuse", "hello");
   EXPECT_EQ(refused[0].code(), StatusCode::kUnavailable) << refused[0].ToString();
-  EXPECT_OK(a->svc->Note({peers[0]}, "facts", "hello")[0]);
+  EXPECT_OK(a->svc()->Note({peers[0]}, "facts", "hello")[0]);
   EXPECT_EQ(b->notes.load(), 21);
   EXPECT_EQ(c->notes.load(), 20);
-  EXPECT_EQ(a->svc->stats().notes_sent, 41u);
-  EXPECT_EQ(a->svc->stats().note_connections, 2u);  // one a peer, not one a note
-  EXPECT_EQ(b->svc->stats().notes_received, 21u);
+  EXPECT_EQ(a->svc()->stats().notes_sent, 41u);
+  EXPECT_EQ(a->svc()->stats().note_connections, 2u);  // one a peer, not one a note
+  EXPECT_EQ(b->svc()->stats().notes_received, 21u);
 }
 
 TEST(PeerServiceNotesTest, ANoteArrivesAfterThePeerDroppedTheKeptConnection) {
@@ -76,33 +65,33 @@ TEST(PeerServiceNotesTest, ANoteArrivesAfterThePeerDroppedTheKeptConnection) {
   // timeout_s), so its next note meets the connection b dropped and goes over a new one.
   auto a = StartNode("a"), b = StartNode("b", 0.3);
   ASSERT_TRUE(a && b);
-  const Peer pb{"b", b->svc->address()};
-  EXPECT_OK(a->svc->Note({pb}, "facts", "hello")[0]);
+  const Peer pb{"b", b->svc()->address()};
+  EXPECT_OK(a->svc()->Note({pb}, "facts", "hello")[0]);
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  EXPECT_OK(a->svc->Note({pb}, "facts", "hello")[0]);
+  EXPECT_OK(a->svc()->Note({pb}, "facts", "hello")[0]);
   EXPECT_EQ(b->notes.load(), 2);
-  EXPECT_EQ(a->svc->stats().note_connections, 2u);
+  EXPECT_EQ(a->svc()->stats().note_connections, 2u);
 }
 
 TEST(PeerServiceNotesTest, ANoteFollowsAPeerThatRestartedAtAnotherAddress) {
   auto a = StartNode("a"), b = StartNode("b");
   ASSERT_TRUE(a && b);
-  EXPECT_OK(a->svc->Note({{"b", b->svc->address()}}, "facts", "hello")[0]);
+  EXPECT_OK(a->svc()->Note({{"b", b->svc()->address()}}, "facts", "hello")[0]);
   b.reset();  // b's agent dies; a new one listens elsewhere
   auto b2 = StartNode("b");
   ASSERT_TRUE(b2);
-  EXPECT_OK(a->svc->Note({{"b", b2->svc->address()}}, "facts", "hello")[0]);
+  EXPECT_OK(a->svc()->Note({{"b", b2->svc()->address()}}, "facts", "hello")[0]);
   EXPECT_EQ(b2->notes.load(), 1);
-  EXPECT_EQ(a->svc->stats().note_connections, 2u);
+  EXPECT_EQ(a->svc()->stats().note_connections, 2u);
 }
 
 TEST(PeerServiceNotesTest, ANoteToAPeerThatIsGoneFailsAndTheNextPeerStillGetsIt) {
   auto a = StartNode("a", 2), b = StartNode("b"), c = StartNode("c");
   ASSERT_TRUE(a && b && c);
-  const std::vector<Peer> peers = {{"b", b->svc->address()}, {"c", c->svc->address()}};
-  for (const Status& s : a->svc->Note(peers, "facts", "hello")) EXPECT_OK(s);
+  const std::vector<Peer> peers = {{"b", b->svc()->address()}, {"c", c->svc()->address()}};
+  for (const Status& s : a->svc()->Note(peers, "facts", "hello")) EXPECT_OK(s);
   b.reset();  // gone, its kept connection with it
-  const std::vector<Status> got = a->svc->Note(peers, "facts", "hello");
+  const std::vector<Status> got = a->svc()->Note(peers, "facts", "hello");
   EXPECT_EQ(got[0].code(), StatusCode::kUnavailable) << got[0].ToString();
   EXPECT_OK(got[1]);
   EXPECT_EQ(c->notes.load(), 2);

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "base/crc32c.h"
+#include "replica/peer_node_for_test.h"
 #include "replica/peer_service.h"
-#include "replica/replica_store.h"
 #include "testing/test_util.h"
 
 namespace safepoint::replica::peer_service_snapshot_test {
@@ -23,11 +23,7 @@ constexpr uint64_t kChunk = 256 << 10;
 constexpr uint64_t kStep = 7;
 constexpr uint64_t kCompleteNs = 123456;
 
-struct Node {
-  test::TempDir dir{"peer-snapshot-test"};
-  std::unique_ptr<ReplicaStore> store;
-  std::unique_ptr<PeerService> svc;
-};
+using Node = PeerNodeForTest;
 
 // The snapshot the sender serves: its image, the checksums recorded for its whole chunks when it
 // was "taken", and what the source answers.
@@ -51,22 +47,10 @@ struct Snapshot {
 class SnapshotFetchTest : public ::testing::Test {
  protected:
   Node* Start(const std::string& job, const std::string& name, const std::string& secret) {
-    auto n = std::make_unique<Node>();
-    auto store = ReplicaStore::Open(n->dir.path());
-    EXPECT_TRUE(store.ok()) << store.status().ToString();
-    if (!store.ok()) return nullptr;
-    n->store = std::move(*store);
-    PeerServiceOptions o;
-    o.job = job;
-    o.node = name;
-    o.bind_host = "127.0.0.1";
-    o.secret = secret;
-    o.timeout_s = 10;  // never reached by a passing test
+    PeerServiceOptions o = PeerOptionsForTest(job, name, secret);
     o.chunk_bytes = kChunk;
-    auto svc = PeerService::Start(o, n->store.get());
-    EXPECT_TRUE(svc.ok()) << svc.status().ToString();
-    if (!svc.ok()) return nullptr;
-    n->svc = std::move(*svc);
+    auto n = StartPeerNodeForTest(o);
+    if (!n) return nullptr;
     nodes_.push_back(std::move(n));
     return nodes_.back().get();
   }

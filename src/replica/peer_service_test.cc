@@ -24,6 +24,7 @@
 #include "base/unique_fd.h"
 #include "protocol/redundancy.h"
 #include "replica/auth.h"
+#include "replica/peer_node_for_test.h"
 #include "replica/replica_store.h"
 #include "replica/ucx_wire.h"
 #include "testing/test_util.h"
@@ -33,13 +34,7 @@ namespace {
 
 constexpr char kSecret[] = "peer-service-test-secret-0123456789";
 
-struct Node {
-  std::string name;
-  test::TempDir dir{"peer-service-test"};
-  std::unique_ptr<ReplicaStore> store;
-  std::unique_ptr<PeerService> svc;
-  Peer peer() const { return {name, svc->address()}; }
-};
+using Node = PeerNodeForTest;
 
 const SnapshotId kId{/*rank=*/1, /*step=*/7, /*complete_ns=*/123456};
 
@@ -104,35 +99,19 @@ class FailingWrites final : public ReplicaStore {
 class PeerServiceTest : public ::testing::Test {
  protected:
   PeerServiceOptions Options(const std::string& name) {
-    PeerServiceOptions o;
-    o.job = "job-1";
-    o.node = name;
-    o.bind_host = "127.0.0.1";
-    o.secret = kSecret;
-    o.timeout_s = 10;  // never reached by a passing test; only the stall tests lower it
-    o.chunk_bytes = 256 << 10;
-    return o;
+    return PeerOptionsForTest("job-1", name, kSecret);  // only the stall tests lower timeout_s
   }
 
   // Starts node `name` (the options after `tweak`).
   // `wrap`: stands in front of the node's store (e.g. to fail its writes).
-  using WrapStore = std::function<std::unique_ptr<ReplicaStore>(std::unique_ptr<ReplicaStore>)>;
+  using WrapStore = WrapStoreForTest;
   Node* StartNode(const std::string& name,
                   const std::function<void(PeerServiceOptions&)>& tweak = nullptr,
                   ReplicaStoreOptions store_options = {}, const WrapStore& wrap = nullptr) {
-    auto n = std::make_unique<Node>();
-    n->name = name;
-    EXPECT_FALSE(n->dir.path().empty());
-    auto store = ReplicaStore::Open(n->dir.path(), std::move(store_options));
-    EXPECT_TRUE(store.ok()) << store.status().ToString();
-    if (!store.ok()) return nullptr;
-    n->store = wrap ? wrap(std::move(*store)) : std::move(*store);
     PeerServiceOptions o = Options(name);
     if (tweak) tweak(o);
-    auto svc = PeerService::Start(o, n->store.get());
-    EXPECT_TRUE(svc.ok()) << svc.status().ToString();
-    if (!svc.ok()) return nullptr;
-    n->svc = std::move(*svc);
+    auto n = StartPeerNodeForTest(o, std::move(store_options), wrap);
+    if (!n) return nullptr;
     nodes_.push_back(std::move(n));
     return nodes_.back().get();
   }

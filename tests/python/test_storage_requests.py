@@ -156,12 +156,7 @@ def test_a_process_alone_falls_back_past_a_damaged_newest_image(ckpt, shm):
         for step in (1, 2):
             ck.save(step, {"w": torch.full((1 << 14,), float(step))})
         ck.wait()
-    img, offset, nbytes = _core.tensor_extent(str(ckpt), 2, 0, "w")
-    with open(img, "r+b") as f:
-        f.seek(offset + nbytes // 2)
-        byte = f.read(1)
-        f.seek(offset + nbytes // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_tensor_byte(ckpt, 2, 0, "w")
     with Checkpointer(ckpt, job="alone-damaged", shm_dir=shm) as ck:
         target = {"w": torch.zeros(1 << 14)}
         with pytest.warns(RuntimeWarning, match="step 2"):
@@ -219,6 +214,16 @@ def job_run(tmp_path, shm, phase: str, tag: str, ranks: int = RANKS) -> list:
                        ranks, phase] for r in range(ranks)])
 
 
+def flip_tensor_byte(ckpt, step: int, rank: int, name: str) -> None:
+    """Flips a byte in the middle of tensor `name` of rank `rank`'s image of `step`."""
+    img, offset, nbytes = _core.tensor_extent(str(ckpt), step, rank, name)
+    with open(img, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def flip_last_byte(path) -> None:
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
@@ -273,16 +278,9 @@ def test_an_unread_older_commit_that_is_damaged_makes_every_rank_fall_back(tmp_p
     # Step 4's image of rank 1 is damaged: every rank falls back to step 3, whose COMMIT record
     # (not read by the lister, which stopped at step 4's intact one) is damaged too: the ranks
     # fall back together once more, to step 2.
-    from safepoint import _core
-
     job_run(tmp_path, shm, "save", "a")
     ckpt = tmp_path / "ckpt"
-    img, offset, nbytes = _core.tensor_extent(str(ckpt), 4, 1, "r1")
-    with open(img, "r+b") as f:
-        f.seek(offset + nbytes // 2)
-        byte = f.read(1)
-        f.seek(offset + nbytes // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_tensor_byte(ckpt, 4, 1, "r1")
     flip_last_byte(ckpt / f"step-{3:020d}" / "COMMIT")
     outs = job_run(tmp_path, shm, "load", "b")
     assert [(o["step"], o["ok"]) for o in outs] == [(2, True)] * RANKS
