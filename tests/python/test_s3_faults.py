@@ -220,7 +220,10 @@ def test_persist_past_its_budget_fails_wait_naming_rank_object_and_endpoint(ceph
                                                                              proxy, dirs):
     tmp, shm = dirs
     base = s3_uri(ceph, "sigstop-persist-fail")
-    path = f"{base}?timeout=2&retries=1&{PART}&connections=2"
+    # timeout=5: the stop outlasts both attempts (about 10 s), while an 8 MiB part through a
+    # resumed gateway on a loaded machine does not come near it (with 2 s, CI once saw step 3's
+    # first part time out twice after the SIGCONT).
+    path = f"{base}?timeout=5&retries=1&{PART}&connections=2"
     ck = Checkpointer(path, job="s3f-stopfail", shm_dir=shm, keep=10)
     ck.save(1, state(1, N))
     ck.wait()
