@@ -203,23 +203,49 @@ def free_port() -> int:
 
 def run_ranks(argvs: list, timeout: float = 240) -> list:
     """Starts one Python process per argv (the ranks of a job) at once, waits for all, asserts
-    each exited 0, and returns the JSON object each printed last."""
+    each exited 0, and returns the JSON object each printed last. The processes are forked from
+    a server that imported torch and safepoint once (tests/common/zygote.py): each would spend
+    about 2.5 CPU-seconds importing them, and the suite starts hundreds."""
     import json
+
+    import zygote
 
     # Output goes to files, not pipes: an agent a rank started outlives a rank that dies
     # without closing (it keeps the snapshots) and would hold a pipe open.
-    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in argvs]
-    procs = [subprocess.Popen([sys.executable, *map(str, argv)], stdout=o, stderr=e, text=True)
-             for argv, (o, e) in zip(argvs, files)]
-    outs = []
-    for p, (o, e) in zip(procs, files):
-        p.wait(timeout=timeout)
-        o.seek(0)
-        e.seek(0)
-        out, err = o.read(), e.read()
-        assert p.returncode == 0, f"rank failed:\n{out}\n{err[-3000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
+    outdir = tempfile.mkdtemp(prefix="ranks-")
+    files = []
+    for i in range(len(argvs)):
+        files.append((os.path.join(outdir, f"{i}.out"), os.path.join(outdir, f"{i}.err")))
+        for path in files[-1]:
+            open(path, "w").close()
+    forked = zygote.usable(dict(os.environ))
+    try:
+        if forked:
+            procs = [zygote.start(argv, o, e) for argv, (o, e) in zip(argvs, files)]
+        else:
+            procs = []
+            for argv, (o, e) in zip(argvs, files):
+                with open(o, "w") as fo, open(e, "w") as fe:
+                    procs.append(subprocess.Popen([sys.executable, *map(str, argv)],
+                                                  stdout=fo, stderr=fe, text=True))
+        outs = []
+        for p, (o, e) in zip(procs, files):
+            if forked:
+                p.join(timeout)
+                code = p.exitcode
+                if code is None:
+                    for q in procs:
+                        q.kill()
+                    raise AssertionError(f"a rank did not exit within {timeout} s")
+            else:
+                code = p.wait(timeout=timeout)
+            with open(o) as fo, open(e) as fe:
+                out, err = fo.read(), fe.read()
+            assert code == 0, f"rank failed ({code}):\n{out}\n{err[-3000:]}"
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        return outs
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)
 
 
 @pytest.fixture
