@@ -11,8 +11,12 @@ Rewrites the "Object storage tiers: RADOS" section of docs/benchmarks.md.
 - Load: ``safepoint.load(uri, step)`` of that step (every checksum verified), GB/s.
 - Reference: ``rados bench -p POOL 10 write --no-cleanup`` (4 MiB objects, 16 in flight, the
   tool's defaults) and ``rados bench -p POOL 10 seq`` of what it wrote, then cleanup.
-Contenders alternate each round (safepoint first, then rados bench; the next round the other
-way round); medians over the rounds.
+- ``rados put`` / ``rados get`` of the same bytes (the state's tensor as a file in tmpfs), through
+  libradosstriper (``--striper``: a RADOS object holds at most osd_max_object_size, 128 MiB, so
+  a state of 1 GiB is striped over 4 MiB objects, as the tool does it: one op in flight), back
+  into tmpfs.
+Contenders alternate each round (safepoint, rados bench, rados put/get; the next round in the
+reverse order); medians over the rounds.
 """
 
 from __future__ import annotations
@@ -48,13 +52,36 @@ def rados_bench(pool: str, mode: str, seconds: int = 10) -> float:
     return float(m.group(1)) * MiB
 
 
+def rados_put_get(pool: str, path: str, nbytes: int) -> tuple[float, float]:
+    """Seconds of `rados --striper put` of `path` and of `rados --striper get` of it back into
+    tmpfs; the object is removed afterwards."""
+    obj = f"bench-put-{os.getpid()}"
+    back = path + ".get"
+    times = []
+    for cmd in (["rados", "-p", pool, "--striper", "put", obj, path],
+                ["rados", "-p", pool, "--striper", "get", obj, back]):
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        times.append(time.perf_counter() - t0)
+        if out.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed: {out.stderr[-2000:]}")
+    got = os.path.getsize(back)
+    os.unlink(back)
+    subprocess.run(["rados", "-p", pool, "--striper", "rm", obj], capture_output=True, timeout=300)
+    if got != nbytes:
+        raise SystemExit(f"rados get returned {got} bytes of {nbytes}")
+    return times[0], times[1]
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1G", help="state size (e.g. 512M, 1G)")
     ap.add_argument("--runs", type=int, default=2, help="rounds (medians are reported)")
     ap.add_argument("--uri", default=os.environ.get("SAFEPOINT_TEST_RADOS_URI", ""),
                     help="rados://POOL/PREFIX (default: $SAFEPOINT_TEST_RADOS_URI)")
-    ap.add_argument("--no-doc", action="store_true", help="print, do not rewrite docs/benchmarks.md")
+    ap.add_argument("--no-doc", action="store_true",
+                    help="print, do not rewrite docs/benchmarks.md")
     args = ap.parse_args()
     if not args.uri.startswith("rados://"):
         raise SystemExit("no rados:// URI: run under scripts/with-ceph.sh or pass --uri")
@@ -63,7 +90,10 @@ def main() -> None:
     base = args.uri.rstrip("/") + f"/bench-{os.getpid()}"
 
     state = {"w": torch.arange(size // 4, dtype=torch.float32)}
-    results = {"persist": [], "load": [], "rados_write": [], "rados_seq": [], "mem_load": []}
+    results = {"persist": [], "load": [], "rados_write": [], "rados_seq": [], "mem_load": [],
+               "rados_put": [], "rados_get": []}
+    state_file = f"/dev/shm/sp-tier-rados-{os.getpid()}.bin"
+    state["w"].numpy().tofile(state_file)
     step = 0
 
     def ours() -> None:
@@ -90,6 +120,13 @@ def main() -> None:
         results["rados_seq"].append(r)
         print(f"  rados bench: write {w / 1e9:.3f} GB/s, seq {r / 1e9:.3f} GB/s", flush=True)
 
+    def put_get() -> None:
+        p, g = rados_put_get(pool, state_file, size)
+        results["rados_put"].append(size / p)
+        results["rados_get"].append(size / g)
+        print(f"  rados put/get: put {size / p / 1e9:.3f} GB/s, get {size / g / 1e9:.3f} GB/s",
+              flush=True)
+
     def in_memory() -> None:
         # The same load from mem:// (no storage at all): what building the state costs here.
         safepoint.save(f"mem://tier-rados-{os.getpid()}", step + 1000, state)
@@ -98,11 +135,14 @@ def main() -> None:
         results["mem_load"].append(size / (time.perf_counter() - t0))
         del back
 
-    for i in range(args.runs):
-        print(f"round {i + 1}/{args.runs}", flush=True)
-        for f in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
-            f()
-        in_memory()
+    try:
+        for i in range(args.runs):
+            print(f"round {i + 1}/{args.runs}", flush=True)
+            for f in ((ours, theirs, put_get) if i % 2 == 0 else (put_get, theirs, ours)):
+                f()
+            in_memory()
+    finally:
+        os.unlink(state_file)
 
     med = {k: statistics.median(v) for k, v in results.items()}
     gb = lambda x: f"{x / 1e9:.3f}"  # noqa: E731
@@ -115,16 +155,20 @@ def main() -> None:
         f"sparse file in /var/tmp, pool size 1, on a 2-core VM shared with other work, so the "
         f"figures say how close safepoint comes to what this cluster can do, not what Ceph "
         f"does on real hardware.\n\n"
-        f"| | safepoint (GB/s) | rados bench (GB/s) | ratio |\n|---|---|---|---|\n"
-        f"| write (persist) | {gb(med['persist'])} | {gb(med['rados_write'])} | "
+        f"| | safepoint (GB/s) | anchor (GB/s) | ratio |\n|---|---|---|---|\n"
+        f"| persist vs `rados bench write` | {gb(med['persist'])} | {gb(med['rados_write'])} | "
         f"{med['persist'] / med['rados_write']:.2f} |\n"
-        f"| read (load) | {gb(med['load'])} | {gb(med['rados_seq'])} | "
+        f"| load vs `rados bench seq` | {gb(med['load'])} | {gb(med['rados_seq'])} | "
         f"{med['load'] / med['rados_seq']:.2f} |\n"
+        f"| persist vs `rados --striper put` of the same bytes | {gb(med['persist'])} | "
+        f"{gb(med['rados_put'])} | {med['persist'] / med['rados_put']:.2f} |\n"
+        f"| load vs `rados --striper get` of the same bytes | {gb(med['load'])} | "
+        f"{gb(med['rados_get'])} | {med['load'] / med['rados_get']:.2f} |\n"
         f"| load from `mem://` (no storage) | {gb(med['mem_load'])} | | |\n\n"
         f"safepoint's persist includes building the image (CRC32C of every byte) and the commit "
         f"(COMMIT record, listing); its load verifies every checksum and reads into freshly "
-        f"allocated memory (page faults on cores the OSD also uses), where `rados bench` reuses its "
-        f"buffers: the `mem://` row is the same load without storage. "
+        f"allocated memory (page faults on cores the OSD also uses), where `rados bench` reuses "
+        f"its buffers: the `mem://` row is the same load without storage. "
         f"Data objects are 8 MiB (`chunk_size`); save and load move whole data objects, 16 in "
         f"flight (`StorageCapabilities::preferred_io_size`, `io_parallelism`).\n"
     )

@@ -2,8 +2,10 @@
 #include "storage/s3/s3_client.h"
 
 #include <curl/curl.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -403,10 +405,50 @@ S3Client::S3Client(S3Config config, std::string bucket)
       base_url_ = config_.endpoint.substr(0, scheme_end) + host_;
     }
   }
+  if (const char* trace = std::getenv("SAFEPOINT_S3_TRACE"); trace != nullptr && *trace != 0) {
+    trace_fd_ = open(trace, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  }
 }
 
 S3Client::~S3Client() {
   for (void* h : idle_handles_) curl_easy_cleanup(static_cast<CURL*>(h));
+  if (trace_fd_ >= 0) close(trace_fd_);
+}
+
+namespace {
+int64_t MonotonicMicros() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
+}
+}  // namespace
+
+void S3Client::TraceAttempt(const S3Request& req, void* handle, int64_t start_us,
+                            long http_status) const {
+  CURL* curl = static_cast<CURL*>(handle);
+  curl_off_t down = 0, up = 0, connect_us = 0, first_byte_us = 0, total_us = 0;
+  long new_connections = 0, local_port = 0;
+  curl_easy_getinfo(curl, CURLINFO_SIZE_DOWNLOAD_T, &down);
+  curl_easy_getinfo(curl, CURLINFO_SIZE_UPLOAD_T, &up);
+  curl_easy_getinfo(curl, CURLINFO_NUM_CONNECTS, &new_connections);
+  curl_easy_getinfo(curl, CURLINFO_LOCAL_PORT, &local_port);
+  curl_easy_getinfo(curl, CURLINFO_CONNECT_TIME_T, &connect_us);
+  curl_easy_getinfo(curl, CURLINFO_STARTTRANSFER_TIME_T, &first_byte_us);
+  curl_easy_getinfo(curl, CURLINFO_TOTAL_TIME_T, &total_us);
+  std::string range;
+  for (const auto& [k, v] : req.headers) {
+    if (Lower(k) == "range") range = v;
+  }
+  std::string line = std::to_string(start_us) + '\t' + std::to_string(MonotonicMicros()) + '\t' +
+                     std::to_string(gettid()) + '\t' + req.method + '\t' +
+                     std::to_string(http_status) + '\t' + std::to_string(down) + '\t' +
+                     std::to_string(up) + '\t' + std::to_string(new_connections) + '\t' +
+                     std::to_string(local_port) + '\t' + std::to_string(connect_us) + '\t' +
+                     std::to_string(first_byte_us) + '\t' + std::to_string(total_us) + '\t' +
+                     ShownText(req.key, 256) + '\t' + (range.empty() ? "-" : range) + '\n';
+  // One write: O_APPEND keeps lines of concurrent writers whole. A failed write loses a line of a
+  // diagnostic trace and nothing else.
+  [[maybe_unused]] const ssize_t n = write(trace_fd_, line.data(), line.size());
 }
 
 void* S3Client::TakeHandle() {
@@ -576,12 +618,14 @@ Result<S3Response> S3Client::Once(const S3Request& req, void* handle,
     curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, req.method.c_str());
   }
   CURLcode rc;
+  const int64_t start_us = trace_fd_ >= 0 ? MonotonicMicros() : 0;
   {
     SigpipeGuard no_sigpipe;
     rc = curl_easy_perform(curl);
   }
   curl_slist_free_all(list);
   curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &resp.http_status);
+  if (trace_fd_ >= 0) TraceAttempt(req, curl, start_us, resp.http_status);
   if (a.overflow) {
     return IOError("the server sent more than the " + std::to_string(req.receive_into.size()) +
                    " bytes asked for");

@@ -22,6 +22,17 @@
 // InternalError) are retried `retries` times with exponential backoff and jitter. Easy
 // handles are kept in a pool so that connections are reused across requests and threads.
 //
+// Request trace (off unless asked for): with SAFEPOINT_S3_TRACE=FILE in the environment when the
+// client is created, every attempt appends one tab-separated line to FILE (opened with O_APPEND by
+// each client; each line is one write(2), so the lines of several clients and threads never mix):
+//   start_us end_us tid method http_status down_bytes up_bytes new_connections local_port
+//   connect_us starttransfer_us total_us key range
+// start_us/end_us are CLOCK_MONOTONIC microseconds (comparable with time.monotonic() of any process
+// on the host); tid is the calling thread; new_connections is how many connections libcurl opened
+// for the attempt (0: a pooled connection was reused), local_port names the connection;
+// connect_us, starttransfer_us and total_us are libcurl's CURLINFO_*_TIME_T of the attempt. For
+// measuring where a transfer's time goes (bench/s3_bimodal.py); nothing reads it back.
+//
 // Thread safety: S3Client::Execute may be called from many threads at once.
 #pragma once
 
@@ -108,6 +119,7 @@ class S3Client {
   void* TakeHandle();
   void GiveHandle(void* handle);
   Result<S3Response> Once(const S3Request& request, void* curl, std::string* transport_error);
+  void TraceAttempt(const S3Request& request, void* curl, int64_t start_us, long http_status) const;
 
   const S3Config config_;
   const std::string bucket_;
@@ -119,6 +131,7 @@ class S3Client {
   std::atomic<bool> cancelled_{false};
   std::mutex cancel_mu_;  // with cancel_cv_: wakes backoffs at Cancel
   std::condition_variable cancel_cv_;
+  int trace_fd_ = -1;  // SAFEPOINT_S3_TRACE's file (O_APPEND), or -1
 };
 
 // SigV4 pieces (exposed for the unit test against AWS's published example).

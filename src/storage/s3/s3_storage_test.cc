@@ -402,6 +402,57 @@ TEST(S3ClientTest, ServerErrorsAndThrottlingAreRetriedUntilAnAnswerComes) {
   EXPECT_EQ(server.requests(), 4);
 }
 
+// With SAFEPOINT_S3_TRACE set, every attempt (a retried one too) is one line of the trace: the
+// method, the status, the connection (a new one each time here: the server closes it) and the
+// object's key; without it, nothing is written.
+TEST(S3ClientTest, TheRequestTraceHasOneLinePerAttemptOnlyWhenAskedFor) {
+  TempDir dir;
+  const std::string trace = dir.path() + "/s3.trace";
+  {
+    CannedHttpServer server({HeadAnswer("503 Slow Down", "Content-Length: 0\r\n"),
+                             HeadAnswer("200 OK", "Content-Length: 7\r\nETag: \"e1\"\r\n")});
+    ScopedEnv env;
+    env.Set("SAFEPOINT_S3_TRACE", trace);
+    std::unique_ptr<Storage> s;
+    ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=3&timeout=5", &s));
+    ASSERT_OK(s->Open("obj"));
+  }
+  std::ifstream in(trace);
+  std::vector<std::vector<std::string>> lines;
+  for (std::string line; std::getline(in, line);) {
+    std::vector<std::string> fields;
+    for (size_t b = 0, e; b <= line.size(); b = e + 1) {
+      e = std::min(line.find('\t', b), line.size());
+      fields.push_back(line.substr(b, e - b));
+    }
+    lines.push_back(std::move(fields));
+  }
+  ASSERT_EQ(lines.size(), 2u);
+  const std::vector<std::string> statuses = {"503", "200"};
+  for (size_t i = 0; i < lines.size(); ++i) {
+    ASSERT_EQ(lines[i].size(), 14u);
+    EXPECT_LE(std::stoll(lines[i][0]), std::stoll(lines[i][1]));  // start <= end
+    EXPECT_EQ(lines[i][3], "HEAD");
+    EXPECT_EQ(lines[i][4], statuses[i]);
+    EXPECT_EQ(lines[i][7], "1");  // the server closed the previous connection: a new one
+    EXPECT_NE(lines[i][8], "0");  // its local port
+    EXPECT_EQ(lines[i][12], "p/obj");
+    EXPECT_EQ(lines[i][13], "-");  // no Range header
+  }
+
+  // Unset: the same request adds no line.
+  CannedHttpServer server({HeadAnswer("200 OK", "Content-Length: 7\r\nETag: \"e1\"\r\n")});
+  ScopedEnv env;
+  env.Unset("SAFEPOINT_S3_TRACE");
+  std::unique_ptr<Storage> s;
+  ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=3&timeout=5", &s));
+  ASSERT_OK(s->Open("obj"));
+  std::ifstream again(trace);
+  size_t count = 0;
+  for (std::string line; std::getline(again, line);) ++count;
+  EXPECT_EQ(count, 2u);
+}
+
 TEST(S3ClientTest, ServerErrorsPastTheRetriesAreUnavailable) {
   CannedHttpServer server({HeadAnswer("500 Internal Server Error", "Content-Length: 0\r\n"),
                            HeadAnswer("503 Service Unavailable", "Content-Length: 0\r\n")});
