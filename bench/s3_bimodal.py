@@ -224,8 +224,22 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(os.path.dirname(HERE), "build", "bench"))
     ap.add_argument("--tag", default="", help="suffix of the results file's name")
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--render", metavar="JSON", help="only render the block from a results file")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    if args.render:
+        import json
+
+        with open(args.render) as f:
+            saved = json.load(f)
+        rows, nbytes = saved["rows"], saved["nbytes"]
+        for k in ("size", "loads", "controlled", "anchor"):
+            setattr(args, k, saved[k])
+        section = render(rows, args, nbytes, args.anchor)
+        print(section)
+        if not args.no_doc:
+            write_doc_section("tier-s3-bimodal", "Object storage tiers: S3", section)
+        return
     trace = os.path.join(args.dir, f"s3-bimodal{args.tag}.trace")
     if os.path.exists(trace):
         os.unlink(trace)
@@ -265,7 +279,8 @@ def main() -> None:
     import json
 
     with open(os.path.join(args.dir, f"s3-bimodal{args.tag}.json"), "w") as f:
-        json.dump(rows, f)
+        json.dump({"rows": rows, "nbytes": nbytes, "size": args.size, "loads": args.loads,
+                   "controlled": args.controlled, "anchor": args.anchor}, f)
     section = render(rows, args, nbytes, args.anchor)
     print(section)
     if not args.no_doc:

@@ -10,7 +10,7 @@ namespace {
 constexpr size_t kHugePage = size_t{2} << 20;
 }
 
-AlignedBuffer::AlignedBuffer(size_t size) : size_(size) {
+AlignedBuffer::AlignedBuffer(size_t size, bool huge_pages) : size_(size) {
   if (size == 0) return;
   // Round up to whole huge pages so that the tail is huge-page backed too.
   mapped_ = (size + kHugePage - 1) / kHugePage * kHugePage;
@@ -19,7 +19,7 @@ AlignedBuffer::AlignedBuffer(size_t size) : size_(size) {
     mapped_ = 0;
     return;
   }
-  if (size >= kHugePage) madvise(p, mapped_, MADV_HUGEPAGE);
+  if (size >= kHugePage) madvise(p, mapped_, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
   data_ = static_cast<std::byte*>(p);
 }
 

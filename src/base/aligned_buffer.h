@@ -1,8 +1,10 @@
 // AlignedBuffer: an owned, page-aligned, zero-initialised byte buffer for direct I/O.
 //
-// Large buffers are mapped anonymously with MADV_HUGEPAGE: on the virtual machines we measured,
-// first-touch page faults ran at 0.3 GB/s with 4 KiB pages and 1.9 GB/s with huge pages, and
-// loading writes every page of the buffer exactly once.
+// Large buffers are mapped anonymously, by default with MADV_HUGEPAGE: staging buffers, reused
+// for the life of the process, fault their pages in once. With huge_pages = false they get
+// MADV_NOHUGEPAGE instead: a load's destination, faulted in once per load, where on a guest that
+// reports its free memory to the hypervisor a fresh huge page is one the host took back and
+// costs several times more to fault in than small pages (checkpoint_store.cc, ReadImage).
 #pragma once
 
 #include <cstddef>
@@ -16,7 +18,7 @@ class AlignedBuffer {
   AlignedBuffer() = default;
   // Allocates `size` bytes aligned to at least 4096. Aborts on allocation failure is avoided:
   // check ok() (false when the memory could not be mapped).
-  explicit AlignedBuffer(size_t size);
+  explicit AlignedBuffer(size_t size, bool huge_pages = true);
   ~AlignedBuffer();
   AlignedBuffer(AlignedBuffer&& other) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
