@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -68,11 +69,10 @@ def cpu_busy() -> tuple[int, int]:
 def percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of xs."""
     s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
-    return s[k]
+    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def bench_size(args, nbytes: int, runs: int, names: list[str]) -> dict:
+def bench_size(args, nbytes: int, runs: int, names: list[str], warm_up: bool) -> dict:
     job = Job(args.bucket, nbytes)
     contenders = [Safepoint(job)] + [ANCHORS[n](job) for n in names if n != "safepoint"]
     out = {"nbytes": job.nbytes, "runs": runs, "labels": {}, "errors": {}, "persist": {},
@@ -83,7 +83,7 @@ def bench_size(args, nbytes: int, runs: int, names: list[str]) -> dict:
         for c in contenders:
             out["labels"][c.name] = c.label
             out["persist"][c.name], out["load"][c.name] = [], []
-        for rnd in range(-1, runs):  # round -1: warm-up
+        for rnd in range(-1 if warm_up else 0, runs):  # round -1: warm-up
             k = max(rnd, 0) % len(contenders)
             order = contenders[k:] + contenders[:k]
             for c in order:
@@ -115,7 +115,8 @@ def bench_size(args, nbytes: int, runs: int, names: list[str]) -> dict:
 def render(results: list[dict], args, own_cluster: bool, took: float) -> str:
     lines = [f"Measured {datetime.date.today().isoformat()} on {machine()}.",
              f"Command: `python bench/tier_s3.py --size {args.size} --runs {args.runs}`; "
-             "per size a warm-up round, then rounds in which every contender persists the state "
+             "a warm-up round (the first size only), then rounds in which every contender "
+             "persists the state "
              "and loads it back, the order rotating from round to round. Gateway: Ceph 16.2 "
              "radosgw (beast) on 127.0.0.1 over one BlueStore OSD on a file of the same virtual "
              "disk, pool size 1"
@@ -181,6 +182,8 @@ def main() -> None:
                     help="contenders to run (safepoint always runs)")
     ap.add_argument("--bucket", default="safepoint-bench")
     ap.add_argument("--dir", default=os.path.join(REPO, "build", "bench"))
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="no warm-up round (a gateway warmed by an earlier run)")
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--render", metavar="JSON",
                     help="only render the section from a results file of an earlier run")
@@ -211,7 +214,8 @@ def main() -> None:
     try:
         subprocess.run(curl_base() + ["-X", "PUT", f"{endpoint()}/{args.bucket}"],
                        capture_output=True)  # exists: fine
-        results = [bench_size(args, n, r, names) for n, r in zip(sizes, runs)]
+        results = [bench_size(args, n, r, names, i == 0 and not args.no_warm_up)
+                   for i, (n, r) in enumerate(zip(sizes, runs))]
     finally:
         if cluster:
             stop_cluster(cluster)
