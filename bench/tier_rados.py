@@ -13,8 +13,7 @@ Rewrites the "Object storage tiers: RADOS" section of docs/benchmarks.md.
   tool's defaults) and ``rados bench -p POOL 10 seq`` of what it wrote, then cleanup.
 - ``rados put`` / ``rados get`` of the same bytes (the state's tensor as a file in tmpfs), through
   libradosstriper (``--striper``: a RADOS object holds at most osd_max_object_size, 128 MiB, so
-  a state of 1 GiB is striped over 4 MiB objects, as the tool does it: one op in flight), back
-  into tmpfs.
+  a state of 1 GiB is striped over 4 MiB objects, as the tool drives it), back into tmpfs.
 Contenders alternate each round (safepoint, rados bench, rados put/get; the next round in the
 reverse order); medians over the rounds.
 """
