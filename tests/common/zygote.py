@@ -21,23 +21,18 @@ PRELOAD = ["torch", "torch.distributed", "safepoint"]
 IMPORT_TIME_ENV = ("TORCH_", "OMP_", "MKL_", "CUDA", "PYTORCH_")
 
 _context = None
-
-
-def _server_env_differs(env: dict) -> bool:
-    """Whether `env` sets an import-time variable otherwise than the forkserver's environment
-    (this process's when the server starts: the first use)."""
-    base = _base_env or os.environ
-    keys = {k for k in (*env, *base) if k.startswith(IMPORT_TIME_ENV)}
-    return any(env.get(k) != base.get(k) for k in keys)
-
-
-_base_env: dict | None = None
+_base_env: dict = {}  # the environment the server started with (this process's, at first use)
 
 
 def usable(env: dict) -> bool:
-    """Whether a process with environment `env` may be forked from the server
-    ($SAFEPOINT_TEST_ZYGOTE=0: never, every rank is a plain process)."""
-    return env.get("SAFEPOINT_TEST_ZYGOTE", "1") != "0" and not _server_env_differs(env)
+    """Whether a process with environment `env` may be forked from the server: not under
+    $SAFEPOINT_TEST_ZYGOTE=0, and only where `env` sets no import-time variable otherwise than
+    the server's environment."""
+    if env.get("SAFEPOINT_TEST_ZYGOTE", "1") == "0":
+        return False
+    base = _base_env or os.environ
+    keys = {k for k in (*env, *base) if k.startswith(IMPORT_TIME_ENV)}
+    return all(env.get(k) == base.get(k) for k in keys)
 
 
 def context():
