@@ -66,16 +66,21 @@ bool CommitRelay::HandOver(uint64_t step, uint64_t attempt, uint32_t world_size,
   }
   std::lock_guard<std::mutex> lock(mu_);
   ++counters_.handed_over;
-  handed_[step] = Handed{attempt, now, false, world_size, facts};
+  handed_[step] = Handed{attempt, now, now, false, false, world_size, facts};
   while (handed_.size() > kMaxHanded) handed_.erase(handed_.begin());
   return true;
 }
 
-std::optional<double> CommitRelay::HandedAt(uint64_t step) const {
+bool CommitRelay::Answers(uint64_t step, double now) const {
+  const double grace = Committer() ? kCommitterGraceSeconds : kGraceSeconds;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = handed_.find(step);
-  if (it == handed_.end()) return std::nullopt;
-  return it->second.at;
+  if (it == handed_.end()) return false;
+  const Handed& h = it->second;
+  // Overdue and not fallen back: asked about, the answer not in yet (the waits polled storage
+  // here, once per ask, before: a step slower than the grace cost every node a COMMIT read).
+  return !h.fell_back && (h.overdue || now - h.at < grace) &&
+         now - h.since < kPatienceSeconds;
 }
 
 void CommitRelay::Progress(uint64_t step) {
@@ -94,6 +99,7 @@ std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::TakeOverdue(double now) 
     for (auto& [step, h] : handed_) {
       if (h.overdue || now - h.at < grace) continue;
       h.overdue = true;
+      h.fell_back = committer;
       (committer ? out : ask).emplace_back(step, h.attempt);
     }
     counters_.overdue += out.size();
@@ -137,6 +143,7 @@ void CommitRelay::Ask(const Announcement& a) {
       commits_in_.push_back(CommitNote{m.nodes[0].node, a.step, a.attempt, {}});
     } else {
       ++counters_.overdue;
+      it->second.fell_back = true;
       fall_back_.emplace_back(a.step, a.attempt);
       spdlog::warn(
           "step {}: the committer (node '{}') cannot commit it ({}); falling back to "

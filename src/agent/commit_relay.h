@@ -76,8 +76,16 @@ class CommitRelay {
   // committer has them (this node then neither lists the step nor writes its facts report).
   bool HandOver(uint64_t step, uint64_t attempt, uint32_t world_size,
                 const std::map<uint32_t, Fact>& facts);
-  // When this node handed `step` over (MonotonicSeconds), while no commit of it is known here.
-  std::optional<double> HandedAt(uint64_t step) const;
+  // Whether the relay answers `step` at `now` (MonotonicSeconds), so that its waits do not ask
+  // storage: this node handed it over, no commit of it is known here, and the relay has not
+  // fallen back to storage for it: within kGraceSeconds of the hand-over or of the committer's
+  // last "waiting for other nodes", and while an ask is on its way (on the committer, within
+  // kCommitterGraceSeconds of the last facts that arrived). A step handed over
+  // kPatienceSeconds ago is left to storage whatever the committer says: by then the committer
+  // itself fell back (kCommitterGraceSeconds), and only storage tells a wait that another node
+  // abandoned the step (its abandoned record).
+  bool Answers(uint64_t step, double now) const;
+  static constexpr double kPatienceSeconds = kCommitterGraceSeconds + kGraceSeconds;
   // The committer: facts of `step` arrived from another node (its grace starts again).
   void Progress(uint64_t step);
   // Steps whose hand-over no commit answered for kGraceSeconds before `now`, each once:
@@ -145,8 +153,10 @@ class CommitRelay {
   mutable std::mutex mu_;
   struct Handed {
     uint64_t attempt = 0;
-    double at = 0;  // the hand-over, or the last sign of progress
-    bool overdue = false;
+    double since = 0;  // the hand-over
+    double at = 0;     // the hand-over, or the last sign of progress
+    bool overdue = false;    // past its grace: asked about (another node) or fell back
+    bool fell_back = false;  // this node commits it through storage
     uint32_t world_size = 0;
     std::map<uint32_t, Fact> facts;  // what was handed over (asked again with them)
   };

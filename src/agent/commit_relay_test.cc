@@ -214,6 +214,40 @@ TEST_F(TwoNodes, TheCommitterCommitsAndTellsTheOtherNodeWhichAsksStorageNothing)
   EXPECT_EQ(req["put"].get<double>() - before["put"].get<double>(), 2) << req.dump();
 }
 
+TEST_F(TwoNodes, ANodeWaitingLongerThanTheGraceAsksTheCommitterNotStorage) {
+  Connect();
+  Save(0, 1);
+  Save(1, 1);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  const json before = Status(1)["storage_requests"]["file"];
+  // Node 1 hands step 2 over and its rank waits; the committer's rank saves past the relay's
+  // grace (a slow node). Node 1 asks the committer, which holds its facts and waits for its
+  // own image; node 1's wait is answered by the commit note, and storage is asked nothing
+  // (once per ask, before, on every node of a job slower than the grace).
+  Save(1, 2);
+  ASSERT_TRUE(WaitFor([&] { return Status(1)["commit_relay"]["handed_over"] == 2; }));
+  safepoint::Status waited = Unavailable("not waited");
+  std::thread waiter([&] { waited = client_[1]->Wait(kDeadlineSeconds); });
+  // Past the grace (the client serves one call at a time: its status is read after the wait).
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(static_cast<int>(CommitRelay::kGraceSeconds * 1000) + 1500));
+  Save(0, 2);
+  waiter.join();
+  ASSERT_OK(waited);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2}));
+  const json s1 = Status(1);
+  EXPECT_GE(s1["commit_relay"]["asked"], 1) << s1.dump();
+  EXPECT_EQ(s1["commit_relay"]["overdue"], 0) << s1.dump();
+  EXPECT_EQ(s1["commit_relay"]["commits_received"], 2) << s1.dump();
+  const json& req = s1["storage_requests"]["file"];
+  for (const char* op : {"list", "head", "get", "delete"}) {
+    EXPECT_EQ(req[op].get<double>() - before[op].get<double>(), 0)
+        << op << ": " << before.dump() << " -> " << req.dump();
+  }
+}
+
 TEST_F(TwoNodes, WithTheCommitterGoneTheOtherNodeCommitsThroughStorage) {
   Connect();
   Save(0, 1);

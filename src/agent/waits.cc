@@ -188,9 +188,7 @@ std::optional<Status> NodeAgent::StepAbandonedElsewhere(uint64_t step, uint32_t 
 bool NodeAgent::CommitPollDue(uint64_t step, double now) {
   // Handed over to the committer (CommitRelay): its commit note answers; storage is asked only
   // once the relay gave up on it (no answer within its grace, and the committer cannot help).
-  if (auto handed = relay_.HandedAt(step); handed && now < *handed + CommitRelay::kGraceSeconds) {
-    return false;
-  }
+  if (relay_.Answers(step, now)) return false;
   auto [at, fresh] = commit_polls_.try_emplace(step);
   CommitPoll& p = at->second;
   if (fresh) p.next = now;
@@ -297,8 +295,7 @@ void NodeAgent::PollCommitsForTiers() {
   }
   if (newest_persisted && !committed_cache_.contains(*newest_persisted)) {
     // A step handed over to the committer is learned from its commit note, within the grace.
-    auto handed = relay_.HandedAt(*newest_persisted);
-    if (handed && now - *handed < CommitRelay::kGraceSeconds) return;
+    if (relay_.Answers(*newest_persisted, now)) return;
     StepCommitted(*newest_persisted);
   }
 }
