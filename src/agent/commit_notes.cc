@@ -50,7 +50,7 @@ void NodeAgent::DrainRelay() {
   for (const CommitRelay::CommitNote& n : commits) LearnCommitted(n.step, n.pruned);
   for (const auto& [step, attempt] : relay_.TakeOverdue(MonotonicSeconds())) {
     if (committed_cache_.contains(step)) {
-      relay_.Committed(step);
+      EndHandOvers(step);
       continue;
     }
     spdlog::warn(
@@ -92,12 +92,27 @@ void NodeAgent::LearnCommitted(uint64_t step, const std::vector<uint64_t>& prune
   newest_committed_ = std::max(newest_committed_.value_or(0), step);
   tiers_.Committed(step);
   ledger_->Forget(step);
-  relay_.Committed(step);
+  EndHandOvers(step);
   for (uint64_t p : pruned) {
     committed_cache_.erase(p);
     if (std::find(pruned_.begin(), pruned_.end(), p) == pruned_.end()) pruned_.push_back(p);
   }
   while (pruned_.size() > 256) pruned_.pop_front();
+}
+
+void NodeAgent::EndHandOvers(uint64_t step) {
+  for (const auto& [older, attempt] : relay_.Committed(step)) {
+    if (committed_cache_.contains(older)) continue;
+    spdlog::warn(
+        "step {} committed before step {}, which this node handed over and no commit answered "
+        "(a node fell back to storage); listing step {} once",
+        step, older, older);
+    PersistTask t;
+    t.step = older;
+    t.attempt = attempt;
+    t.commit_only = PersistTask::CommitOnly::kListing;
+    queue_.Enqueue(std::move(t));
+  }
 }
 
 nlohmann::json NodeAgent::RelayStatusJson() const {
@@ -111,7 +126,8 @@ nlohmann::json NodeAgent::RelayStatusJson() const {
           {"facts_received", c.facts_received},
           {"commits_received", c.commits_received},
           {"announced", c.announced},
-          {"announce_failed", c.announce_failed}};
+          {"announce_failed", c.announce_failed},
+          {"listed_older", c.listed_older}};
 }
 
 }  // namespace safepoint::agent

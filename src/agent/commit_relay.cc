@@ -109,13 +109,22 @@ std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::TakeOverdue(double now) 
   return out;
 }
 
-void CommitRelay::Committed(uint64_t step) {
+std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::Committed(uint64_t step) {
+  const bool committer = Committer();
+  std::vector<std::pair<uint64_t, uint64_t>> older;
   std::lock_guard<std::mutex> lock(mu_);
   // Older hand-overs too: a step older than a committed one is not asked about again (its
   // waits, if any, poll storage), or a step that can never commit would be asked about forever.
-  handed_.erase(handed_.begin(), handed_.upper_bound(step));
+  // The committer lists each once (those it fell back for are listed already).
+  const auto end = handed_.upper_bound(step);
+  for (auto it = handed_.begin(); committer && it != end; ++it) {
+    if (it->first != step && !it->second.fell_back) older.emplace_back(it->first, it->second.attempt);
+  }
+  handed_.erase(handed_.begin(), end);
   committed_.insert(step);
   while (committed_.size() > kMaxHanded) committed_.erase(committed_.begin());
+  counters_.listed_older += older.size();
+  return older;
 }
 
 void CommitRelay::Ask(const Announcement& a) {

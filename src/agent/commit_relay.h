@@ -94,8 +94,12 @@ class CommitRelay {
   // node's facts or cannot be reached.
   std::vector<std::pair<uint64_t, uint64_t>> TakeOverdue(double now);
   // The step is committed (this agent committed it, or learned it): its hand-over and those of
-  // older steps are done.
-  void Committed(uint64_t step);
+  // older steps are done. On the committer, the older steps whose hand-over no commit answered
+  // are returned, (step, attempt), for the agent to try once by listing each: a newer step can
+  // commit first where a node fell back to storage (its facts never reached the committer's
+  // ledger, and its listing commit found the newer step whole), and then nothing else would
+  // commit the older one, though every image of it may be published.
+  std::vector<std::pair<uint64_t, uint64_t>> Committed(uint64_t step);
 
   // What other nodes' agents sent: OnNote (the peer service's handler) queues them, the agent's
   // loop takes them.
@@ -124,6 +128,7 @@ class CommitRelay {
     uint64_t overdue = 0;  // hand-overs this node then committed through storage
     uint64_t facts_received = 0, commits_received = 0;
     uint64_t announced = 0, announce_failed = 0;  // commit notes sent, per node
+    uint64_t listed_older = 0;  // the committer: older steps a newer commit left, listed once
   };
   Counters counters() const;
 

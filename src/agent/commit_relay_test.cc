@@ -321,6 +321,45 @@ TEST_F(TwoNodes, TheCommitterCommitsThroughStorageWhenTheOtherNodeFellBack) {
   EXPECT_EQ(relay0["overdue"], 1) << relay0.dump();
 }
 
+TEST_F(TwoNodes, AStepANewerCommitOvertookStillCommits) {
+  Connect();
+  // Node 1 cannot hand step 1 over (the committer's agent is stopped before node 1 ever
+  // reached it): it writes its facts report and lists step 1, which lacks rank 0's image.
+  const pid_t committer = AgentPid(0);
+  const double lists = Status(1)["storage_requests"]["file"]["list"].get<double>();
+  ASSERT_EQ(::kill(committer, SIGSTOP), 0);
+  Save(1, 1);
+  const bool failed = WaitFor([&] {
+    const json s = Status(1);
+    return s["commit_relay"]["hand_over_failed"] == 1 &&
+           s["storage_requests"]["file"]["list"].get<double>() > lists;
+  });
+  ASSERT_EQ(::kill(committer, SIGCONT), 0);
+  ASSERT_TRUE(failed);
+  // The committer persists rank 0's steps 1 and 2 and holds them, waiting for node 1's facts.
+  auto published = [&](uint64_t step) {
+    return WaitFor([&] {
+      auto store = OpenCheckpointStore(storage_);
+      auto held = store.ok() ? (*store)->HoldsImageOfAttempt(step, 0, 5) : Result<bool>(false);
+      return held.ok() && *held;
+    });
+  };
+  Save(0, 1);
+  ASSERT_TRUE(published(1));
+  Save(0, 2);
+  ASSERT_TRUE(published(2));
+  // Node 1, still backing off from the committer, commits step 2 by listing it (whole) and
+  // tells the committer. Step 1 is whole too: the committer lists it once then, instead of
+  // dropping its hand-over with step 2's commit (it stayed uncommitted: OPEN-6).
+  Save(1, 2);
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  EXPECT_TRUE(WaitFor([&] { return Committed() == std::vector<uint64_t>{1, 2}; }))
+      << ::testing::PrintToString(Committed());
+  const json relay0 = Status(0)["commit_relay"];
+  EXPECT_EQ(relay0["listed_older"], 1) << relay0.dump();
+}
+
 TEST_F(TwoNodes, ACommitNoteToADeadNodeFailsAndTheCommitStands) {
   Connect();
   Save(1, 1);

@@ -292,7 +292,7 @@ void NodeAgent::DrainResults() {
         committed_cache_.insert(step);
         newest_committed_ = std::max(newest_committed_.value_or(0), step);
         tiers_.Committed(step);
-        relay_.Committed(step);
+        EndHandOvers(step);
         if (relay_.Active()) relay_.Announce(step, r.attempt, r.pruned);
       }
       spdlog::info("rank {} step {}: persisted {} bytes in {:.3f} s ({}){}", rank, step, r.bytes,

@@ -132,6 +132,9 @@ class NodeAgent {
   // `step` is committed (told by the committer, or committed here): waits, tiers and retention's
   // removals (`pruned`) learn of it.
   void LearnCommitted(uint64_t step, const std::vector<uint64_t>& pruned);
+  // Ends the relay's hand-overs of `step` and older ones; on the committer, queues one listing
+  // commit of each older one that no commit answered (CommitRelay::Committed).
+  void EndHandOvers(uint64_t step);
   Status HandlePeerMessage(Client& c, const protocol::Message& m);
   // waits.cc
   void PollCommitsForTiers();
