@@ -21,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -174,8 +175,14 @@ class CheckpointStore {
                                   uint64_t attempt);
 
   // Valid commit records, ascending by step. A corrupt COMMIT record is skipped (that step does
-  // not exist) and reported through `problems` when given.
-  Result<std::vector<CommitRecord>> ListCommitted(std::vector<std::string>* problems = nullptr);
+  // not exist) and reported through `problems` when given. One List; a record this store read
+  // or published before is not read again while the listing shows it with the size and the
+  // modification time it had (a backend that lists no time reads every record), and every
+  // kReverifyListings-th listing reads every record: the agent's retention lists the committed
+  // steps at each commit, and read KEEP + 1 records each time.
+  Result<std::vector<CommitRecord>> ListCommitted(std::vector<std::string>* problems = nullptr,
+                                                  std::vector<ObjectInfo>* listing = nullptr);
+  static constexpr uint64_t kReverifyListings = 16;
   // The steps that have a COMMIT object, ascending, from one List (no record is read: a step
   // whose record is damaged is among them).
   Result<std::vector<uint64_t>> StepsWithCommit();
@@ -323,6 +330,11 @@ class CheckpointStore {
   // nothing lost).
   static constexpr std::chrono::seconds kAbandonedGrace{600};
   Result<size_t> CleanUp(std::chrono::seconds grace = kAbandonedGrace);
+  // The same from a listing of "step-" that ListCommitted gave (`listing`) and the newest step
+  // whose record it found valid (retention, right after its ListCommitted: no second List, no
+  // COMMIT read). Objects listed and gone since are passed over.
+  Result<size_t> CleanUpListed(const std::vector<ObjectInfo>& listing, uint64_t newest,
+                               std::chrono::seconds grace = kAbandonedGrace);
 
  private:
   // The plain writes, named by `generation`; `exclusive` publishes only where the name is free.
@@ -339,7 +351,22 @@ class CheckpointStore {
   Result<std::vector<TensorEntry>> ReadIndex(const CommitRecord& commit, uint32_t rank);
   // The image object of `name`: a plain image, or the image a manifest (.pack) describes.
   Result<std::unique_ptr<ReadableObject>> OpenImageObject(const std::string& name);
+  // ListCommitted's records, by step (see there). `mtime_ns` 0: published by this store and not
+  // listed since (the listing's time is taken where the size matches: the name was free).
+  struct KnownCommit {
+    CommitRecord record;
+    uint64_t size = 0;
+    int64_t mtime_ns = 0;
+  };
+  void RememberCommit(const CommitRecord& record, uint64_t size);
+  // CleanUp's removals: what `objects` lists of uncommitted steps older than `newest`.
+  Result<size_t> RemoveUncommitted(const std::vector<ObjectInfo>& objects,
+                                   const std::vector<uint64_t>& committed_steps, uint64_t newest,
+                                   std::chrono::seconds grace);
   std::shared_ptr<Storage> storage_;
+  std::mutex known_mu_;
+  std::map<uint64_t, KnownCommit> known_commits_;
+  uint64_t listings_ = 0;
 };
 
 // Opens the checkpoint directory at `path` (a plain path or a URI).

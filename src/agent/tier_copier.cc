@@ -39,7 +39,8 @@ bool StepPins::Pinned(size_t tier, uint64_t step) const {
 std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const StepPins* pins,
                                  size_t tier, CheckpointStore* also_tagged_in) {
   std::vector<uint64_t> pruned;
-  auto all = store.ListCommitted();
+  std::vector<ObjectInfo> listing;  // CleanUp's, below: one List for both
+  auto all = store.ListCommitted(nullptr, &listing);
   if (!all.ok()) return pruned;
   const size_t n = std::max<uint32_t>(keep, 1);
   // Tagged steps are kept past retention (src/checkpoint/versions.h). Tags that cannot be read
@@ -69,7 +70,7 @@ std::vector<uint64_t> PruneSteps(CheckpointStore& store, uint32_t keep, const St
     }
     SP_KILL_POINT("agent.tier.mid_prune");  // before the next step's DeleteStep or the CleanUp
   }
-  store.CleanUp().status().IgnoreError();
+  if (!all->empty()) store.CleanUpListed(listing, all->back().step).status().IgnoreError();
   // Chunks only the pruned steps referenced (packed layout); defers while saves are in flight.
   if (!pruned.empty()) CollectChunkGarbage(store.storage()).status().IgnoreError();
   return pruned;

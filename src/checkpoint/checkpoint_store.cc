@@ -560,6 +560,10 @@ Status CheckpointStore::ReadChunk(const Metadata& md, const ReadableObject& imag
 }
 
 Status CheckpointStore::DeleteStep(uint64_t step) {
+  {
+    std::lock_guard<std::mutex> lock(known_mu_);
+    known_commits_.erase(step);
+  }
   SP_RETURN_IF_ERROR(storage_->Delete(CommitObjectName(step)));
   SP_KILL_POINT("store.delete.after_commit");
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List(StepPrefix(step)));
@@ -584,7 +588,23 @@ Result<size_t> CheckpointStore::CleanUp(std::chrono::seconds grace) {
   std::sort(committed_steps.begin(), committed_steps.end());
   SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> newest_record, NewestCommitted(committed_steps));
   if (!newest_record) return size_t{0};
-  const uint64_t newest = newest_record->step;
+  return RemoveUncommitted(objects, committed_steps, newest_record->step, grace);
+}
+
+Result<size_t> CheckpointStore::CleanUpListed(const std::vector<ObjectInfo>& listing,
+                                              uint64_t newest, std::chrono::seconds grace) {
+  std::vector<uint64_t> committed_steps;
+  for (const auto& o : listing) {
+    auto step = StepFromObjectName(o.name);
+    if (step && o.name == CommitObjectName(*step)) committed_steps.push_back(*step);
+  }
+  std::sort(committed_steps.begin(), committed_steps.end());
+  return RemoveUncommitted(listing, committed_steps, newest, grace);
+}
+
+Result<size_t> CheckpointStore::RemoveUncommitted(const std::vector<ObjectInfo>& objects,
+                                                  const std::vector<uint64_t>& committed_steps,
+                                                  uint64_t newest, std::chrono::seconds grace) {
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::system_clock::now().time_since_epoch())
                              .count();
@@ -597,7 +617,9 @@ Result<size_t> CheckpointStore::CleanUp(std::chrono::seconds grace) {
     if (o.mtime_ns != 0 && now_ns - o.mtime_ns < grace_ns) continue;
     if (!std::binary_search(committed_steps.begin(), committed_steps.end(), *step)) {
       SP_KILL_POINT("store.cleanup.before_remove");
-      SP_RETURN_IF_ERROR(storage_->Delete(o.name));
+      const Status s = storage_->Delete(o.name);
+      if (s.code() == StatusCode::kNotFound) continue;  // removed since the listing
+      SP_RETURN_IF_ERROR(s);
       ++removed;
     }
   }

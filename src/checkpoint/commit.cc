@@ -233,15 +233,22 @@ Result<bool> CheckpointStore::Commit(uint64_t step, uint32_t world_size, std::st
 // replaced. False: a valid record was there.
 Result<bool> CheckpointStore::PublishCommitIfAbsent(const CommitRecord& record) {
   const std::string name = CommitObjectName(record.step);
-  Status s = WriteSmallObject(*storage_, name, EncodeCommitRecord(record), /*exclusive=*/true);
+  const std::string encoded = EncodeCommitRecord(record);
+  Status s = WriteSmallObject(*storage_, name, encoded, /*exclusive=*/true);
   if (s.code() == StatusCode::kAlreadyExists) {
     auto existing = ReadCommit(record.step);
     if (existing.ok()) return false;
     if (existing.status().code() != StatusCode::kCorruption) return existing.status();
-    s = WriteSmallObject(*storage_, name, EncodeCommitRecord(record));
+    s = WriteSmallObject(*storage_, name, encoded);
   }
   SP_RETURN_IF_ERROR(s);
+  RememberCommit(record, encoded.size());
   return true;
+}
+
+void CheckpointStore::RememberCommit(const CommitRecord& record, uint64_t size) {
+  std::lock_guard<std::mutex> lock(known_mu_);
+  known_commits_[record.step] = KnownCommit{record, size, 0};
 }
 
 Result<bool> CheckpointStore::CommitFromFacts(uint64_t step, std::string_view job, uint64_t attempt,
@@ -482,14 +489,40 @@ Result<CommitRecord> CheckpointStore::ConfirmCommit(uint64_t step) {
 }
 
 Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(
-    std::vector<std::string>* problems) {
+    std::vector<std::string>* problems, std::vector<ObjectInfo>* listing) {
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  struct Hand {  // the listing goes to the caller however this returns
+    std::vector<ObjectInfo>& objects;
+    std::vector<ObjectInfo>* to;
+    ~Hand() {
+      if (to) *to = std::move(objects);
+    }
+  } hand{objects, listing};
   std::vector<CommitRecord> out;
+  std::map<uint64_t, KnownCommit> known;  // what the next listing may take without a read
+  bool reverify;
+  {
+    std::lock_guard<std::mutex> lock(known_mu_);
+    reverify = ++listings_ % kReverifyListings == 0;
+    known.swap(known_commits_);
+  }
+  uint64_t newest_listed = 0;
+  std::map<uint64_t, KnownCommit> keep;
   for (const auto& o : objects) {
     auto step = StepFromObjectName(o.name);
     if (!step || o.name != CommitObjectName(*step)) continue;
+    newest_listed = std::max(newest_listed, *step);
+    if (auto k = known.find(*step); !reverify && k != known.end() && o.mtime_ns != 0 &&
+                                    k->second.size == o.size &&
+                                    (k->second.mtime_ns == 0 || k->second.mtime_ns == o.mtime_ns)) {
+      k->second.mtime_ns = o.mtime_ns;
+      out.push_back(k->second.record);
+      keep.insert(known.extract(k));
+      continue;
+    }
     auto record = ReadCommit(*step);
     if (record.ok()) {
+      if (o.mtime_ns != 0) keep[*step] = KnownCommit{*record, o.size, o.mtime_ns};
       out.push_back(std::move(record).value());
     } else if (record.status().code() == StatusCode::kCorruption ||
                record.status().code() == StatusCode::kNotFound) {
@@ -500,6 +533,16 @@ Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(
     } else {
       return record.status();
     }
+  }
+  {
+    // Records published after the List started stay known (newer than every listed step); the
+    // rest this listing did not show are gone; those remembered meanwhile are kept too.
+    std::lock_guard<std::mutex> lock(known_mu_);
+    for (auto& [step, k] : known) {
+      if (k.mtime_ns == 0 && step > newest_listed) keep.emplace(step, std::move(k));
+    }
+    keep.merge(known_commits_);
+    known_commits_.swap(keep);
   }
   return out;
 }

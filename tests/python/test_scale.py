@@ -43,10 +43,13 @@ BYTES = 64 << 10  # the counts do not depend on the state's size below a write's
 GOAL_COMMIT = {1: True, 8: True}
 GOAL_RESTORE = True
 COMMIT_GOAL_EXTRA = 4
-# Retention, run once per commit, lists the committed steps (reading each of the KEEP + 1
-# COMMIT records: an open and a read), the step directories (clean-up) and the tags: requests
-# that do not depend on W or N, counted with the commit's in "commit_and_metadata".
-RETENTION_LISTING = 2 + 2 * (KEEP + 1) + 1
+# Retention, run once per commit, lists the committed steps (clean-up removes what that same
+# listing shows of uncommitted steps) and the tags: requests that do not depend on W or N,
+# counted with the commit's in "commit_and_metadata". The COMMIT records it lists are not read
+# again while unchanged (CheckpointStore::ListCommitted; each KEEP + 1 records, an open and a
+# read each, before 2026-12-07): every 16th listing reads them all, which this short run's
+# agents do not reach.
+RETENTION_LISTING = 2
 # Writes of small records a committed step beyond the images, the facts reports and the COMMIT
 # (the job's history and records, a few per run, spread over the STEPS steps: 2.3 a step when
 # this was written, at W = 512 on 8 nodes, where the repeated facts reports made 53).
@@ -102,11 +105,10 @@ def test_every_committed_step_has_exactly_w_image_publishes(runs, n):
     assert r["agents_left_running"] == 0, "every agent exits once its node's ranks closed"
     if GOAL_COMMIT[n]:
         # Beyond the W image publishes (create, write, put each on POSIX; one PUT on S3): the
-        # COMMIT's publish and retention's listing, whatever W; on several nodes also each
-        # agent's one listing at its start, spread over the run's steps.
+        # COMMIT's publish and retention's listings, whatever W: the "+ 4"; on several
+        # nodes also each agent's one listing at its start, spread over the run's steps.
         start = 0 if n == 1 else n / STEPS
-        assert (per_step["commit_and_metadata"]
-                <= COMMIT_GOAL_EXTRA + RETENTION_LISTING + start), per_step
+        assert per_step["commit_and_metadata"] <= COMMIT_GOAL_EXTRA + start, per_step
         small = runs[(8, 1)]["per_committed_step"]
         assert per_step["commit_and_metadata"] <= small["commit_and_metadata"] + 1 + start, (
             small, per_step)
