@@ -34,6 +34,13 @@ CommitRelay::~CommitRelay() { Stop(); }
 
 void CommitRelay::Stop() { worker_.Stop(); }
 
+bool CommitRelay::Flush(double seconds) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!worker_.started()) return true;
+  return sent_.wait_for(lock, std::chrono::duration<double>(seconds),
+                        [this] { return announcements_.empty() && !in_flight_; });
+}
+
 bool CommitRelay::Active() const { return replicator_->NodeCountAndIndex().first > 1; }
 
 bool CommitRelay::Committer() const {
@@ -213,8 +220,16 @@ void CommitRelay::Queue(Announcement a) {
   // Started on first use, from the agent's loop: a thread made before the agent blocked its
   // signals (for its signalfd) would take a SIGTERM and end the process without its flush.
   if (!worker_.started()) {
-    worker_.Start({.take = [this] { return Loop::TakeFront(announcements_); },
-                   .run = [this](Announcement& t) { t.ask ? Ask(t) : Send(t); }});
+    worker_.Start({.take = [this] { return Loop::TakeFront(announcements_, &in_flight_); },
+                   .run =
+                       [this](Announcement& t) {
+                         t.ask ? Ask(t) : Send(t);
+                         {
+                           std::lock_guard<std::mutex> lock(mu_);
+                           in_flight_.reset();
+                         }
+                         sent_.notify_all();
+                       }});
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

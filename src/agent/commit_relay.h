@@ -27,6 +27,7 @@
 // call; the rest is called from the agent's loop. Every method is thread-safe.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -132,6 +133,10 @@ class CommitRelay {
   };
   Counters counters() const;
 
+  // Waits until the notes queued so far are sent (true), or `seconds` passed (false): at a clean
+  // exit, before the peer service stops, so that the commits of the job's last steps reach the
+  // other nodes (else their waits took the grace and fell back to storage).
+  bool Flush(double seconds);
   void Stop();
 
   // Wire format of the notes (JSON), exposed for tests.
@@ -173,6 +178,8 @@ class CommitRelay {
   std::vector<FactsNote> facts_in_;
   std::vector<CommitNote> commits_in_;
   std::deque<Announcement> announcements_;
+  std::optional<Announcement> in_flight_;  // the one the worker sends (Flush waits for it)
+  std::condition_variable sent_;           // the worker sent one
   Counters counters_;
   Loop worker_{mu_, Loop::OnStop::kDrop};
 };

@@ -262,5 +262,7 @@ double ShutdownGraceSeconds();
 // How long a stopping agent lets its persists, then its tier copies, run before it cancels them
 // (one deadline for both; $SAFEPOINT_SHUTDOWN_GRACE_SECONDS overrides).
 inline constexpr double kShutdownGraceSeconds = 30;
+// At exit, how long the commit relay may take to send the commit notes it queued.
+inline constexpr double kRelayFlushSeconds = 5;
 
 }  // namespace safepoint::agent
