@@ -86,8 +86,7 @@ bool CommitRelay::Answers(uint64_t step, double now) const {
   const Handed& h = it->second;
   // Overdue and not fallen back: asked about, the answer not in yet (the waits polled storage
   // here, once per ask, before: a step slower than the grace cost every node a COMMIT read).
-  return !h.fell_back && (h.overdue || now - h.at < grace) &&
-         now - h.since < kPatienceSeconds;
+  return !h.fell_back && (h.overdue || now - h.at < grace) && now - h.since < kPatienceSeconds;
 }
 
 void CommitRelay::Progress(uint64_t step) {
@@ -125,7 +124,8 @@ std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::Committed(uint64_t step)
   // The committer lists each once (those it fell back for are listed already).
   const auto end = handed_.upper_bound(step);
   for (auto it = handed_.begin(); committer && it != end; ++it) {
-    if (it->first != step && !it->second.fell_back) older.emplace_back(it->first, it->second.attempt);
+    if (it->first != step && !it->second.fell_back)
+      older.emplace_back(it->first, it->second.attempt);
   }
   handed_.erase(handed_.begin(), end);
   committed_.insert(step);

@@ -163,8 +163,8 @@ class CommitRelay {
   mutable std::mutex mu_;
   struct Handed {
     uint64_t attempt = 0;
-    double since = 0;  // the hand-over
-    double at = 0;     // the hand-over, or the last sign of progress
+    double since = 0;        // the hand-over
+    double at = 0;           // the hand-over, or the last sign of progress
     bool overdue = false;    // past its grace: asked about (another node) or fell back
     bool fell_back = false;  // this node commits it through storage
     uint32_t world_size = 0;

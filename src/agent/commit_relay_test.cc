@@ -354,8 +354,9 @@ TEST_F(TwoNodes, AStepANewerCommitOvertookStillCommits) {
   Save(1, 2);
   ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
   ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
-  EXPECT_TRUE(WaitFor([&] { return Committed() == std::vector<uint64_t>{1, 2}; }))
-      << ::testing::PrintToString(Committed());
+  EXPECT_TRUE(WaitFor([&] {
+    return Committed() == std::vector<uint64_t>{1, 2};
+  })) << ::testing::PrintToString(Committed());
   const json relay0 = Status(0)["commit_relay"];
   EXPECT_EQ(relay0["listed_older"], 1) << relay0.dump();
 }

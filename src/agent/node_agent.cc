@@ -440,9 +440,10 @@ void NodeAgent::Shutdown() {
   // ranks' last waits are answered by these notes): at a clean exit the committer's ranks close
   // right after their own waits, before its notes of the last steps went out.
   if (!relay_.Flush(kRelayFlushSeconds)) {
-    spdlog::warn("the commit notes to other nodes were not all sent within {:g} s; those nodes "
-                 "learn the commits from storage",
-                 kRelayFlushSeconds);
+    spdlog::warn(
+        "the commit notes to other nodes were not all sent within {:g} s; those nodes "
+        "learn the commits from storage",
+        kRelayFlushSeconds);
   }
   replicator_.Stop();
   // The persists run for up to the grace; a tier 0 that stalls (an S3 gateway or OSD that stopped

@@ -488,8 +488,8 @@ Result<CommitRecord> CheckpointStore::ConfirmCommit(uint64_t step) {
   return s.WithContext("making the COMMIT of step " + std::to_string(step) + " durable");
 }
 
-Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(
-    std::vector<std::string>* problems, std::vector<ObjectInfo>* listing) {
+Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(std::vector<std::string>* problems,
+                                                                 std::vector<ObjectInfo>* listing) {
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
   struct Hand {  // the listing goes to the caller however this returns
     std::vector<ObjectInfo>& objects;
