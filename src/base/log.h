@@ -4,8 +4,9 @@
 // and go to stderr (the agent's stderr is its agent.log in the job directory). The level comes
 // from $SAFEPOINT_LOG_LEVEL (trace, debug, info, warn, error, critical, off; default info) unless
 // a program sets one. Code logs with spdlog's functions (spdlog::info("...{}...", x)); the
-// library itself logs nothing on a training process's behalf, but for one warning: a packed save
-// that removes the chunk-store lock or intent of a dead process (chunk_store_holder.cc).
+// library itself logs nothing on a training process's behalf, but for two warnings: a packed save
+// that removes the chunk-store lock or intent of a dead process (chunk_store_holder.cc), and a
+// $SAFEPOINT_S3_TRACE file that cannot be opened (s3_client.cc).
 #pragma once
 
 #include <spdlog/spdlog.h>

@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +19,7 @@
 #include <thread>
 
 #include "base/digest.h"
+#include "base/log.h"
 #include "storage/uri_options.h"
 
 namespace safepoint::s3 {
@@ -407,6 +410,15 @@ S3Client::S3Client(S3Config config, std::string bucket)
   }
   if (const char* trace = std::getenv("SAFEPOINT_S3_TRACE"); trace != nullptr && *trace != 0) {
     trace_fd_ = open(trace, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (trace_fd_ < 0) {
+      // Asked for and not written: said once a process (every client opens it).
+      const int err = errno;
+      static std::atomic<bool> warned{false};
+      if (!warned.exchange(true)) {
+        spdlog::warn("SAFEPOINT_S3_TRACE={}: cannot open it ({}); no S3 request trace is written",
+                     trace, std::strerror(err));
+      }
+    }
   }
 }
 

@@ -31,7 +31,8 @@
 // on the host); tid is the calling thread; new_connections is how many connections libcurl opened
 // for the attempt (0: a pooled connection was reused), local_port names the connection;
 // connect_us, starttransfer_us and total_us are libcurl's CURLINFO_*_TIME_T of the attempt. For
-// measuring where a transfer's time goes (bench/s3_bimodal.py); nothing reads it back.
+// measuring where a transfer's time goes (bench/s3_bimodal.py); nothing reads it back. A FILE
+// that cannot be opened is warned about once a process (the log), and nothing is traced.
 //
 // Thread safety: S3Client::Execute may be called from many threads at once.
 #pragma once

@@ -402,6 +402,27 @@ TEST(S3ClientTest, ServerErrorsAndThrottlingAreRetriedUntilAnAnswerComes) {
   EXPECT_EQ(server.requests(), 4);
 }
 
+// A trace file that cannot be opened is said once (the requests go on, untraced).
+TEST(S3ClientTest, ATraceFileThatCannotBeOpenedIsWarnedAbout) {
+  TempDir dir;
+  const std::string trace = dir.path() + "/no-such-dir/s3.trace";
+  CannedHttpServer server({HeadAnswer("200 OK", "Content-Length: 7\r\nETag: \"e1\"\r\n")});
+  ScopedEnv env;
+  env.Set("SAFEPOINT_S3_TRACE", trace);
+  std::unique_ptr<Storage> s;
+  // The library's log (spdlog's default logger: stdout here; the agent's goes to its log).
+  testing::internal::CaptureStdout();
+  testing::internal::CaptureStderr();
+  ASSERT_NO_FATAL_FAILURE(OpenOnServer(server, env, "s3://bucket/p?retries=3&timeout=5", &s));
+  const std::string err =
+      testing::internal::GetCapturedStderr() + testing::internal::GetCapturedStdout();
+  ASSERT_OK(s->Open("obj"));
+  EXPECT_NE(
+      err.find("SAFEPOINT_S3_TRACE=" + trace + ": cannot open it (No such file or directory)"),
+      std::string::npos)
+      << err;
+}
+
 // With SAFEPOINT_S3_TRACE set, every attempt (a retried one too) is one line of the trace: the
 // method, the status, the connection (a new one each time here: the server closes it) and the
 // object's key; without it, nothing is written.
