@@ -33,19 +33,21 @@ _NONE = -(1 << 63)  # an attempt of None
 # After the ROW, the lister's COMMIT record of the newest committed step: [its step, its length
 # in bytes | the index of the storage it was read from << 32], then its bytes in int64 words
 # (zeros on the other ranks' rows). The slot holds the largest record of a step saved by this
-# world (docs/format.md, "COMMIT record": 100 bytes, 16 a rank at most, generation and CRC), and
-# is there only while it is at most RECORD_LIMIT bytes (W <= 249): every rank gathers every
-# row, W slots, so beyond that a rank reads the record itself (two requests) rather than gather
-# W times its size.
+# world (docs/format.md, "COMMIT record": 100 bytes, 16 a rank at most, generation and CRC)
+# while that is at most RECORD_LIMIT bytes (W <= 249): every rank gathers every row, W slots.
+# Beyond that the rows carry the two header words alone, and the lister broadcasts the bytes
+# after the all-gather (one collective more, the record's size a rank), unless the rows decide
+# a hot reload, which needs no record: every rank reading the record itself cost storage W
+# COMMIT reads and the job (100 + 12 W) W bytes of them.
 RECORD_LIMIT = 4096
 _RECORD_FIXED = 100 + 8 + 4
 
 
 def record_words(world_size: int) -> int:
     """The int64 words of the record slot in every rank's row for a world of `world_size` ranks
-    (0: no slot)."""
+    (2: the header alone, the bytes follow in a broadcast)."""
     size = _RECORD_FIXED + 16 * world_size
-    return 2 + (size + 7) // 8 if size <= RECORD_LIMIT else 0
+    return 2 + (size + 7) // 8 if size <= RECORD_LIMIT else 2
 
 # The error a rank that is not the lister raises when the lister could not list the storage:
 # the class of the lister's error, by index.
@@ -93,9 +95,11 @@ class Statement:
         out = [0] * (ROW + words)
         if words and self.record is not None:
             s, store, data = self.record
-            if len(data) <= 8 * (words - 2) and (asked is None or s == asked):
+            inline = words > 2
+            if ((not inline or len(data) <= 8 * (words - 2)) and 0 < len(data) < 1 << 32
+                    and (asked is None or s == asked)):
                 out[ROW], out[ROW + 1] = s, len(data) | store << 32
-                padded = data + bytes(-len(data) % 8)
+                padded = data + bytes(-len(data) % 8) if inline else b""
                 for i in range(len(padded) // 8):
                     out[ROW + 2 + i] = int.from_bytes(padded[8 * i:8 * i + 8], "little",
                                                       signed=True)
@@ -155,11 +159,16 @@ class Agreement:
         if step is not None:
             self.steps &= {step}
         self._record: Optional[tuple[int, str, bytes]] = None
-        if len(first) > ROW + 2 and first[ROW + 1]:
+        # The record's header without its bytes (a world over 249 ranks): (step, storage, length)
+        # for agree() to broadcast.
+        self._to_broadcast: Optional[tuple[int, str, int]] = None
+        if len(first) >= ROW + 2 and first[ROW + 1]:
             n, store = first[ROW + 1] & 0xFFFFFFFF, first[ROW + 1] >> 32
-            data = b"".join(int(w).to_bytes(8, "little", signed=True)
-                            for w in first[ROW + 2:ROW + 2 + (n + 7) // 8])[:n]
-            if 0 <= store < len(stores):
+            if 0 <= store < len(stores) and len(first) == ROW + 2:
+                self._to_broadcast = (first[ROW], stores[store], n)
+            elif 0 <= store < len(stores):
+                data = b"".join(int(w).to_bytes(8, "little", signed=True)
+                                for w in first[ROW + 2:ROW + 2 + (n + 7) // 8])[:n]
                 self._record = (first[ROW], stores[store], data)
 
     def record(self, s: int, uri: str) -> Optional[bytes]:
@@ -225,7 +234,9 @@ def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
     job; every rank restores what the lister found). When the lister could not list the
     storage, every rank learns its error (``listing_error``; the caller decides whether memory
     serves). The rows end in the record slot (``record_words``), which carries the lister's
-    COMMIT record of the newest step (``Agreement.record``)."""
+    COMMIT record of the newest step (``Agreement.record``); in a world over 249 ranks it
+    carries the record's header alone, and the lister broadcasts the bytes (a second
+    collective) unless the rows decide a hot reload."""
     import torch
     import torch.distributed as dist
 
@@ -233,7 +244,18 @@ def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
     everyone = torch.empty((world_size, row.numel()), dtype=torch.int64)
     dist.all_gather(list(everyone.unbind(0)), row, group=group)
     lister = mine if dist.get_rank(group) == 0 else None
-    return Agreement(everyone.tolist(), stores, step, group, lister)
+    agreement = Agreement(everyone.tolist(), stores, step, group, lister)
+    pending = agreement._to_broadcast
+    if pending is not None and not agreement.hot:
+        # A world whose record does not fit the rows: the lister sends its bytes to every rank
+        # (decided from the rows alone, so alike on every rank).
+        s, uri, n = pending
+        data = torch.zeros(n, dtype=torch.uint8)
+        if lister is not None and lister.record is not None:
+            data.copy_(torch.frombuffer(bytearray(lister.record[2]), dtype=torch.uint8))
+        dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group)
+        agreement._record = (s, uri, data.numpy().tobytes())
+    return agreement
 
 
 class Known:

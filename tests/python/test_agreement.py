@@ -119,8 +119,9 @@ def test_the_listers_commit_record_rides_in_the_rows(tmp_path):
 
     from safepoint import _agreement as a
 
-    # The slot holds the largest record of a step this world saves, up to 4 KiB (W <= 249).
-    assert a.record_words(1) == 2 + 16 and a.record_words(249) > 0 and a.record_words(250) == 0
+    # The slot holds the largest record of a step this world saves, up to 4 KiB (W <= 249);
+    # beyond, its header alone (the bytes follow in a broadcast: the next test).
+    assert a.record_words(1) == 2 + 16 and a.record_words(249) > 2 and a.record_words(250) == 2
     script = f"""
 import torch.distributed as dist
 from safepoint import _agreement as a
@@ -146,3 +147,52 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_a_record_too_large_for_the_rows_is_broadcast_once_for_the_job(tmp_path):
+    # Over 249 ranks the rows carry the record's header alone and the lister broadcasts its
+    # bytes: every rank gets the record it read, and no rank reads the record from storage
+    # (before, every rank read it: W COMMIT reads). Two ranks here, the slot's limit lowered
+    # so that their record does not fit it. A hot reload needs no record: no broadcast.
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import torch.distributed as dist
+from safepoint import _agreement as a
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=rank, world_size=2)
+g = dist.new_group(backend="gloo")
+a.RECORD_LIMIT = 0
+assert a.record_words(2) == 2
+broadcasts = []
+real = dist.broadcast
+def counted(*args, **kw):
+    broadcasts.append(1)
+    return real(*args, **kw)
+dist.broadcast = counted
+stores = ["file:///p", "file:///t"]
+data = bytes(range(1, 122)) * 3  # 363 bytes: not a multiple of 8
+lister = a.Statement(False, None, None, {{}}, True, {{6: [0], 7: [1]}}, 7, None, (7, 1, data))
+other = a.Statement(False, None, None, {{}}, True)
+agreed = a.agree(g, 2, lister if rank == 0 else other, stores, None)
+assert agreed.record(7, "file:///t") == data, agreed.record(7, "file:///t")
+assert agreed.record(7, "file:///p") is None and agreed.record(6, "file:///t") is None
+assert len(broadcasts) == 1
+# Another step asked for: no record, no broadcast.
+assert a.agree(g, 2, lister if rank == 0 else other, stores, 6).record(7, "file:///t") is None
+assert len(broadcasts) == 1
+# A hot reload (both ranks loaded step 7 of attempt 9, the newest): no broadcast.
+hot = a.Statement(True, 7, 9, {{7: 9}}, True, {{7: [0]}} if rank == 0 else None, 7, None,
+                  (7, 0, data) if rank == 0 else None)
+assert a.agree(g, 2, hot, stores, None).hot
+assert len(broadcasts) == 1
+dist.destroy_process_group()
+print("ok")
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == "ok", err[-3000:]

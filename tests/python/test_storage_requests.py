@@ -250,6 +250,23 @@ def test_a_restore_of_the_job_lists_storage_once(tmp_path, shm):
         assert all("broadcast" not in c for o in outs for c in o["calls"]), (phase, outs)
 
 
+def test_a_record_the_rows_cannot_hold_is_broadcast_not_read_by_every_rank(tmp_path, shm,
+                                                                            monkeypatch):
+    # A world over 249 ranks: the agreement's rows carry the COMMIT record's header alone and
+    # rank 0 broadcasts its bytes; the other ranks still read no record (before, each read it:
+    # W COMMIT reads a restore, (100 + 12 W) W bytes). The slot's limit is lowered here so that
+    # 4 ranks' record does not fit.
+    job_run(tmp_path, shm, "save", "a")
+    monkeypatch.setenv("SAFEPOINT_TEST_RECORD_LIMIT", "0")
+    for phase in ("load", "restore"):
+        outs = job_run(tmp_path, shm, phase, phase + "-big")
+        assert [(o["step"], o["ok"], o["source"]) for o in outs] == [(4, True, "storage")] * 4
+        req = [o["requests"]["file"] for o in outs]
+        assert [r.get("list", 0) for r in req] == [1, 0, 0, 0], (phase, req)
+        assert [r.get("metadata_bytes", 0) for r in req[1:]] == [0] * (RANKS - 1), (phase, req)
+        assert all(o["calls"].count("broadcast") == 1 for o in outs), (phase, outs)
+
+
 def test_requests_of_a_rank_that_does_not_list_do_not_grow_with_the_steps_kept(tmp_path, shm):
     # The steps kept are 2, 3 and 4; the ranks that do not list read the step they restore alone,
     # whatever the number of steps kept: the same requests as after a first save alone.

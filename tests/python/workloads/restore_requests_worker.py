@@ -39,6 +39,10 @@ from collective_count import CollectiveCounter  # noqa: E402
 ckpt_dir, shm_dir, job, port, rank, world, phase = sys.argv[1:8]
 tiers = [t for t in (sys.argv[8] if len(sys.argv) > 8 else "").split(",") if t]
 rank, world = int(rank), int(world)
+if "SAFEPOINT_TEST_RECORD_LIMIT" in os.environ:  # a world whose COMMIT record the rows cannot hold
+    from safepoint import _agreement
+
+    _agreement.RECORD_LIMIT = int(os.environ["SAFEPOINT_TEST_RECORD_LIMIT"])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 dist.init_process_group("gloo", rank=rank, world_size=world)
 
