@@ -78,6 +78,11 @@ bool CommitRelay::HandOver(uint64_t step, uint64_t attempt, uint32_t world_size,
   return true;
 }
 
+bool CommitRelay::HandedOver(uint64_t step) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return handed_.contains(step);
+}
+
 bool CommitRelay::Answers(uint64_t step, double now) const {
   const double grace = Committer() ? kCommitterGraceSeconds : kGraceSeconds;
   std::lock_guard<std::mutex> lock(mu_);

@@ -86,6 +86,8 @@ class CommitRelay {
   // itself fell back (kCommitterGraceSeconds), and only storage tells a wait that another node
   // abandoned the step (its abandoned record).
   bool Answers(uint64_t step, double now) const;
+  // Whether this node handed `step` over (and no commit of it is known here yet).
+  bool HandedOver(uint64_t step) const;
   static constexpr double kPatienceSeconds = kCommitterGraceSeconds + kGraceSeconds;
   // The committer: facts of `step` arrived from another node (its grace starts again).
   void Progress(uint64_t step);
