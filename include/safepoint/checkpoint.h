@@ -180,6 +180,7 @@ class CheckpointStore {
   // modification time it had (a backend that lists no time reads every record), and every
   // kReverifyListings-th listing reads every record: the agent's retention lists the committed
   // steps at each commit, and read KEEP + 1 records each time.
+  // `listing`, when given, receives the List it made (when it returns OK).
   Result<std::vector<CommitRecord>> ListCommitted(std::vector<std::string>* problems = nullptr,
                                                   std::vector<ObjectInfo>* listing = nullptr);
   static constexpr uint64_t kReverifyListings = 16;
@@ -359,6 +360,8 @@ class CheckpointStore {
     int64_t mtime_ns = 0;
   };
   void RememberCommit(const CommitRecord& record, uint64_t size);
+  // The steps that have a COMMIT object in `listing` (a List of "step-"), ascending.
+  static std::vector<uint64_t> StepsWithCommitIn(const std::vector<ObjectInfo>& listing);
   // CleanUp's removals: what `objects` lists of uncommitted steps older than `newest`.
   Result<size_t> RemoveUncommitted(const std::vector<ObjectInfo>& objects,
                                    const std::vector<uint64_t>& committed_steps, uint64_t newest,

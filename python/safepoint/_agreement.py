@@ -250,9 +250,10 @@ def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
         # A world whose record does not fit the rows: the lister sends its bytes to every rank
         # (decided from the rows alone, so alike on every rank).
         s, uri, n = pending
-        data = torch.zeros(n, dtype=torch.uint8)
         if lister is not None and lister.record is not None:
-            data.copy_(torch.frombuffer(bytearray(lister.record[2]), dtype=torch.uint8))
+            data = torch.frombuffer(bytearray(lister.record[2]), dtype=torch.uint8)
+        else:
+            data = torch.empty(n, dtype=torch.uint8)
         dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group)
         agreement._record = (s, uri, data.numpy().tobytes())
     return agreement

@@ -138,6 +138,32 @@ class TwoNodes : public ::testing::Test {
     ASSERT_TRUE(r->saved);
   }
 
+  // Stops the committer's agent (node 0) before node 1 ever reached it and saves node 1's
+  // `step`: node 1's hand-over fails after the peer timeout (its connection never got through),
+  // so it writes its facts report and lists the step. Returns the stopped agent's pid, and in
+  // `failed` whether node 1 got that far; the caller resumes the agent (SIGCONT).
+  pid_t FailNode1HandOver(uint64_t step, bool* failed) {
+    const pid_t committer = AgentPid(0);
+    const double lists = Status(1)["storage_requests"]["file"]["list"].get<double>();
+    EXPECT_EQ(::kill(committer, SIGSTOP), 0);
+    Save(1, step);
+    *failed = WaitFor([&] {
+      const json s = Status(1);
+      return s["commit_relay"]["hand_over_failed"] == 1 &&
+             s["storage_requests"]["file"]["list"].get<double>() > lists;
+    });
+    return committer;
+  }
+
+  // Whether rank `rank`'s image of `step` (attempt 5) is published, polled until the deadline.
+  bool Published(uint64_t step, uint32_t rank) {
+    return WaitFor([&] {
+      auto store = OpenCheckpointStore(storage_);
+      auto held = store.ok() ? (*store)->HoldsImageOfAttempt(step, rank, 5) : Result<bool>(false);
+      return held.ok() && *held;
+    });
+  }
+
   // Polls `done` every 10 ms until it holds (true) or the deadline passes (false).
   bool WaitFor(const std::function<bool()>& done) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -257,11 +283,7 @@ TEST_F(TwoNodes, WithTheCommitterGoneTheOtherNodeCommitsThroughStorage) {
   // Rank 0's image of step 2 is published, then its node's agent dies before node 1's facts
   // arrive: node 1 cannot hand them over, and commits step 2 by listing it.
   Save(0, 2);
-  ASSERT_TRUE(WaitFor([&] {
-    auto store = OpenCheckpointStore(storage_);
-    auto held = store.ok() ? (*store)->HoldsImageOfAttempt(2, 0, 5) : Result<bool>(false);
-    return held.ok() && *held;
-  })) << "rank 0's image was not published";
+  ASSERT_TRUE(Published(2, 0)) << "rank 0's image was not published";
   const pid_t committer = AgentPid(0);
   ASSERT_EQ(::kill(committer, SIGKILL), 0);
   Save(1, 2);
@@ -301,16 +323,9 @@ TEST_F(TwoNodes, TheCommitterCommitsThroughStorageWhenTheOtherNodeFellBack) {
   // rank 0's image; no other node's facts reach it, and after its grace it commits through
   // storage, reading node 1's report. (Stopped later, the committer would still get node 1's
   // facts: a note over the connection kept from an earlier step waits in its socket.)
-  const pid_t committer = AgentPid(0);
-  const double lists = Status(1)["storage_requests"]["file"]["list"].get<double>();
-  ASSERT_EQ(::kill(committer, SIGSTOP), 0);
-  Save(1, 1);
+  bool failed = false;
+  const pid_t committer = FailNode1HandOver(1, &failed);
   // Rank 0's image comes once node 1 listed the step without it (else node 1 could commit it).
-  const bool failed = WaitFor([&] {
-    const json s = Status(1);
-    return s["commit_relay"]["hand_over_failed"] == 1 &&
-           s["storage_requests"]["file"]["list"].get<double>() > lists;
-  });
   Save(0, 1);  // its note waits in the stopped agent's socket
   ASSERT_EQ(::kill(committer, SIGCONT), 0);
   ASSERT_TRUE(failed);
@@ -325,29 +340,15 @@ TEST_F(TwoNodes, AStepANewerCommitOvertookStillCommits) {
   Connect();
   // Node 1 cannot hand step 1 over (the committer's agent is stopped before node 1 ever
   // reached it): it writes its facts report and lists step 1, which lacks rank 0's image.
-  const pid_t committer = AgentPid(0);
-  const double lists = Status(1)["storage_requests"]["file"]["list"].get<double>();
-  ASSERT_EQ(::kill(committer, SIGSTOP), 0);
-  Save(1, 1);
-  const bool failed = WaitFor([&] {
-    const json s = Status(1);
-    return s["commit_relay"]["hand_over_failed"] == 1 &&
-           s["storage_requests"]["file"]["list"].get<double>() > lists;
-  });
+  bool failed = false;
+  const pid_t committer = FailNode1HandOver(1, &failed);
   ASSERT_EQ(::kill(committer, SIGCONT), 0);
   ASSERT_TRUE(failed);
   // The committer persists rank 0's steps 1 and 2 and holds them, waiting for node 1's facts.
-  auto published = [&](uint64_t step) {
-    return WaitFor([&] {
-      auto store = OpenCheckpointStore(storage_);
-      auto held = store.ok() ? (*store)->HoldsImageOfAttempt(step, 0, 5) : Result<bool>(false);
-      return held.ok() && *held;
-    });
-  };
   Save(0, 1);
-  ASSERT_TRUE(published(1));
+  ASSERT_TRUE(Published(1, 0));
   Save(0, 2);
-  ASSERT_TRUE(published(2));
+  ASSERT_TRUE(Published(2, 0));
   // Node 1, still backing off from the committer, commits step 2 by listing it (whole) and
   // tells the committer. Step 1 is whole too: the committer lists it once then, instead of
   // dropping its hand-over with step 2's commit (it stayed uncommitted: OPEN-6).

@@ -576,16 +576,11 @@ Status CheckpointStore::DeleteStep(uint64_t step) {
 
 Result<size_t> CheckpointStore::CleanUp(std::chrono::seconds grace) {
   // One List; the newest valid record is read newest first (one COMMIT read in the common
-  // case, not one per step kept).
+  // case, not one per step kept). A step with a COMMIT object is committed even when its record
+  // did not read back just now (a bit flipped on the way, a damaged record): clean-up never
+  // removes it.
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
-  // A step with a COMMIT object is committed even when its record did not read back just now (a
-  // bit flipped on the way, a damaged record): clean-up never removes it.
-  std::vector<uint64_t> committed_steps;
-  for (const auto& o : objects) {
-    auto step = StepFromObjectName(o.name);
-    if (step && o.name == CommitObjectName(*step)) committed_steps.push_back(*step);
-  }
-  std::sort(committed_steps.begin(), committed_steps.end());
+  const std::vector<uint64_t> committed_steps = StepsWithCommitIn(objects);
   SP_ASSIGN_OR_RETURN(std::optional<CommitRecord> newest_record, NewestCommitted(committed_steps));
   if (!newest_record) return size_t{0};
   return RemoveUncommitted(objects, committed_steps, newest_record->step, grace);
@@ -593,13 +588,7 @@ Result<size_t> CheckpointStore::CleanUp(std::chrono::seconds grace) {
 
 Result<size_t> CheckpointStore::CleanUpListed(const std::vector<ObjectInfo>& listing,
                                               uint64_t newest, std::chrono::seconds grace) {
-  std::vector<uint64_t> committed_steps;
-  for (const auto& o : listing) {
-    auto step = StepFromObjectName(o.name);
-    if (step && o.name == CommitObjectName(*step)) committed_steps.push_back(*step);
-  }
-  std::sort(committed_steps.begin(), committed_steps.end());
-  return RemoveUncommitted(listing, committed_steps, newest, grace);
+  return RemoveUncommitted(listing, StepsWithCommitIn(listing), newest, grace);
 }
 
 Result<size_t> CheckpointStore::RemoveUncommitted(const std::vector<ObjectInfo>& objects,

@@ -491,13 +491,6 @@ Result<CommitRecord> CheckpointStore::ConfirmCommit(uint64_t step) {
 Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(std::vector<std::string>* problems,
                                                                  std::vector<ObjectInfo>* listing) {
   SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
-  struct Hand {  // the listing goes to the caller however this returns
-    std::vector<ObjectInfo>& objects;
-    std::vector<ObjectInfo>* to;
-    ~Hand() {
-      if (to) *to = std::move(objects);
-    }
-  } hand{objects, listing};
   std::vector<CommitRecord> out;
   std::map<uint64_t, KnownCommit> known;  // what the next listing may take without a read
   bool reverify;
@@ -544,18 +537,23 @@ Result<std::vector<CommitRecord>> CheckpointStore::ListCommitted(std::vector<std
     keep.merge(known_commits_);
     known_commits_.swap(keep);
   }
+  if (listing) *listing = std::move(objects);
   return out;
 }
 
-Result<std::vector<uint64_t>> CheckpointStore::StepsWithCommit() {
-  SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+std::vector<uint64_t> CheckpointStore::StepsWithCommitIn(const std::vector<ObjectInfo>& listing) {
   std::vector<uint64_t> steps;
-  for (const auto& o : objects) {
+  for (const auto& o : listing) {
     auto step = StepFromObjectName(o.name);
     if (step && o.name == CommitObjectName(*step)) steps.push_back(*step);
   }
   std::sort(steps.begin(), steps.end());
   return steps;
+}
+
+Result<std::vector<uint64_t>> CheckpointStore::StepsWithCommit() {
+  SP_ASSIGN_OR_RETURN(auto objects, storage_->List("step-"));
+  return StepsWithCommitIn(objects);
 }
 
 Result<std::optional<CommitRecord>> CheckpointStore::NewestCommitted(

@@ -99,5 +99,30 @@ TEST(CommitListingTest, EveryFewListingsReadEveryRecord) {
   EXPECT_EQ(reading, 1);
 }
 
+// Retention's clean-up works from the listing ListCommitted made: an object of an uncommitted
+// step that is gone since (another agent's clean-up) is passed over, the rest removed.
+TEST(CommitListingTest, CleanUpFromAStaleListingPassesOverWhatIsGone) {
+  TempDir tmp;
+  ASSERT_TRUE(tmp.ok());
+  ASSERT_OK_AND_ASSIGN(auto store, OpenCheckpointStore(tmp.path() + "/ck"));
+  Save(*store, 1);
+  Save(*store, 3);
+  // Two leftovers of step 2, never committed.
+  for (const char* name :
+       {"step-00000000000000000002/rank-00000.img", "step-00000000000000000002/rank-00001.img"}) {
+    ASSERT_OK(test::PutObject(store->storage(), name, AsBytes("left")));
+  }
+  std::vector<ObjectInfo> listing;
+  ASSERT_OK_AND_ASSIGN(auto committed, store->ListCommitted(nullptr, &listing));
+  ASSERT_EQ(committed.size(), 2u);
+  ASSERT_OK(store->storage().Delete("step-00000000000000000002/rank-00000.img"));
+  ASSERT_OK_AND_ASSIGN(size_t removed, store->CleanUpListed(listing, committed.back().step,
+                                                            std::chrono::seconds(0)));
+  EXPECT_EQ(removed, 1u);
+  EXPECT_EQ(store->storage().Open("step-00000000000000000002/rank-00001.img").status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(CommittedSteps(*store), (std::vector<uint64_t>{1, 3}));
+}
+
 }  // namespace
 }  // namespace safepoint::commit_listing_test
