@@ -1,19 +1,24 @@
 """safepoint benchmark: healing a torchft replica, SafepointTransport against torchft's own
 HTTPTransport and PGTransport (gloo) on the same state.
 
-    python bench/torchft_heal.py [--size 256M] [--tensors 64] [--reps 3] [--no-thp]
+    python bench/torchft_heal.py [--size 256M] [--tensors 64] [--reps 3] [--no-thp] [--kinds ...]
 
 Two processes on this host: a live replica (sender) and a recovering one (receiver). For each
 transport, ``--reps`` heals of the same state (float32, ``--size`` in ``--tensors`` tensors):
 the sender's ``send_checkpoint`` (its *blocking* time: the live replica's training waits for it;
 ``disallow_checkpoint`` follows once the heal is over, as in torchft's Manager), the receiver's
 ``recv_checkpoint`` (the *heal* time: from the start of send until the receiver holds the
-state, checked equal). A first heal warms each transport up (the agent's start, the
-shared-memory slots, the peer service) and is not counted. SafepointTransport's location is a
-directory in /dev/shm (replicas on one node), flash and sync; its peer mode fetches the sender's
-snapshot from the sender's agent over UCX (TCP on loopback: the peer service excludes UCX's
-shared-memory transports) and writes no location. Prints a markdown table of medians with
-ratios to HTTPTransport and PGTransport, for docs/benchmarks.md ("torchft heal").
+state, checked equal; the receiver then drops it, as torchft's Manager does once
+``load_state_dict`` copied it into the model). Two heals first warm each transport up and are not counted (the
+agents' start, the peer service, and the sender's two shared-memory slots, created at its
+first two sends). SafepointTransport's location is a
+directory in /dev/shm (replicas on one node), flash and sync; its peer mode writes no location:
+the receiver reads the sender's snapshot from the sender's shared memory (``safepoint-peer``:
+replicas on one node), or (``safepoint-peer-ucx``, ``shm_reads=False``: as between nodes) its
+agent fetches it from the sender's agent over UCX (TCP on loopback: the peer service excludes
+UCX's shared-memory transports). Prints a markdown table of medians with ratios to
+HTTPTransport and PGTransport, for docs/benchmarks.md ("torchft heal"). ``--kinds`` picks
+transports (HTTP and PG are always measured: the ratios need them).
 
 ``--no-thp``: both processes (and the agents they start, which inherit it) run with transparent
 huge pages off (prctl PR_SET_THP_DISABLE), for every transport alike: with the kernel's THP
@@ -33,6 +38,12 @@ import time
 from datetime import timedelta
 
 TIMEOUT = timedelta(seconds=120)
+WARMUP = 2
+NAMES = {"http": "torchft HTTPTransport", "pg": "torchft PGTransport (gloo)",
+         "safepoint": "safepoint SafepointTransport, flash (/dev/shm)",
+         "safepoint-sync": "safepoint SafepointTransport, sync (/dev/shm)",
+         "safepoint-peer": "safepoint SafepointTransport, peer, same node (shared memory)",
+         "safepoint-peer-ucx": "safepoint SafepointTransport, peer, agent to agent (UCX)"}
 
 
 def parse_size(s: str) -> int:
@@ -74,13 +85,13 @@ def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
     else:
         from safepoint.torchft import SafepointTransport
 
-        mode = kind.split("-", 1)[1] if "-" in kind else "flash"
+        mode = kind.split("-")[1] if "-" in kind else "flash"
         t = SafepointTransport(os.path.join(shm, f"heal-{kind}-{rank}"), shm_dir=shm, mode=mode,
-                               peer_host="127.0.0.1")
+                               peer_host="127.0.0.1", shm_reads=not kind.endswith("-ucx"))
     if rank == 0:
         store.set("meta", t.metadata())
     meta = store.get("meta").decode()
-    for rep in range(args.reps + 1):  # rep 0 warms up (starts the agent, maps the slots)
+    for rep in range(args.reps + WARMUP):  # the first WARMUP heals warm up (not counted)
         step = 10 + rep
         store.set(f"go{rep}/{rank}", "1")
         store.wait([f"go{rep}/0", f"go{rep}/1"])
@@ -98,6 +109,9 @@ def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
             end = time.time()
             t0 = float(store.get(f"t0/{rep}").decode())
             ok = all(torch.equal(got["user"][k], v) for k, v in state["user"].items())
+            # Dropped, as torchft's Manager drops it once load_state_dict copied it into the
+            # model: the next heal's allocation may reuse its memory, for every transport alike.
+            del got
             q.put((kind, "heal", end - t0 if ok else float("nan")))
             store.set(f"done{rep}", "1")
     store.set(f"end/{rank}", "1")
@@ -119,10 +133,10 @@ def measure(kind: str, args, shm: str) -> dict:
     for p in procs:
         p.start()
     out: dict = {"blocking": [], "heal": []}
-    for _ in range(2 * (args.reps + 1)):
+    for _ in range(2 * (args.reps + WARMUP)):
         _, what, secs = q.get(timeout=600)
         out[what].append(secs)
-    out = {k: v[1:] for k, v in out.items()}  # without the warm-up heal
+    out = {k: v[WARMUP:] for k, v in out.items()}  # without the warm-up heals
     for p in procs:
         p.join(timeout=120)
     res: dict = {k: statistics.median(v) for k, v in out.items()}
@@ -137,20 +151,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-thp", action="store_true",
                     help="transparent huge pages off in both processes (prctl)")
+    ap.add_argument("--kinds", default=",".join(NAMES),
+                    help=f"comma-separated, of {', '.join(NAMES)}")
     args = ap.parse_args()
+    kinds = ["http", "pg"] + [k for k in args.kinds.split(",") if k not in ("http", "pg")]
+    if not set(kinds) <= set(NAMES):
+        ap.error(f"--kinds: unknown {sorted(set(kinds) - set(NAMES))}")
     args.size = parse_size(args.size)
     load_before = os.getloadavg()[0]
     shm = tempfile.mkdtemp(prefix="sp-heal-", dir="/dev/shm")
     try:
-        res = {k: measure(k, args, shm)
-               for k in ("http", "pg", "safepoint", "safepoint-sync", "safepoint-peer")}
+        res = {k: measure(k, args, shm) for k in kinds}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     ref, pg = res["http"], res["pg"]
-    names = {"http": "torchft HTTPTransport", "pg": "torchft PGTransport (gloo)",
-             "safepoint": "safepoint SafepointTransport, flash (/dev/shm)",
-             "safepoint-sync": "safepoint SafepointTransport, sync (/dev/shm)",
-             "safepoint-peer": "safepoint SafepointTransport, peer (agent to agent, UCX)"}
     print(f"state: {args.size / 2**20:.0f} MiB float32 in {args.tensors} tensors, "
           f"{args.reps} heals each, medians; load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after"
@@ -158,7 +172,7 @@ def main() -> None:
     print("| transport | sender blocking s | heal s | heal × HTTP | heal × PG |")
     print("|---|---:|---:|---:|---:|")
     for k, r in res.items():
-        print(f"| {names[k]} | {r['blocking']:.3f} | {r['heal']:.3f} | "
+        print(f"| {NAMES[k]} | {r['blocking']:.3f} | {r['heal']:.3f} | "
               f"{r['heal'] / ref['heal']:.2f} | {r['heal'] / pg['heal']:.2f} |")
     print("\nevery heal, s (warm-up excluded):")
     for k, r in res.items():

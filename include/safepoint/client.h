@@ -351,6 +351,17 @@ class SnapshotClient {
   std::unique_ptr<AgentWatch> watch_;
 };
 
+// Another job's snapshot on this node, read straight from that job's slot files (a torchft heal
+// from a replica whose agent shares this node's shared memory: no agent, no network; issue 34
+// item 6): `rank`'s COMPLETE snapshot of `step` in the job directory of `job` under `shm_dir`
+// (JobDirectory: this user's, 0700; Unavailable when this process cannot open it). Waits up to
+// `wait_s` for the snapshot to be taken (NotFound after). As a hot reload of the job's own: a
+// private copy, every chunk verified against the image's checksums, the slot checked to still hold
+// the same snapshot after the copy (else Corruption: overwritten while it was read), and the
+// image's job, rank and step checked.
+Result<MemorySnapshot> ReadNodeSnapshot(const std::string& shm_dir, const std::string& job,
+                                        uint32_t rank, uint64_t step, double wait_s);
+
 namespace internal {
 // The Status a client returns for the agent's refusal of its hello, whose text is `text`: a
 // refusal because of storage (the agent sends that Status's ToString(): "IOError: ...",

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "safepoint/client.h"
 #include "safepoint/storage.h"
 #include "state.h"
 
@@ -157,6 +158,18 @@ Loaded Load(const std::string& path, std::optional<uint64_t> step, uint32_t rank
   out.skipped = s.skipped;
   out.generation = s.commit.generation;
   return out;
+}
+
+// Another job's snapshot on this node, read from its slot files (ReadNodeSnapshot).
+Loaded ReadNodeSnapshot(const std::string& shm_dir, const std::string& job, uint32_t rank,
+                        uint64_t step, double timeout_s, nb::handle unpickler) {
+  Result<MemorySnapshot> r = Status(StatusCode::kCancelled, "not read");
+  {
+    nb::gil_scoped_release release;
+    r = safepoint::ReadNodeSnapshot(shm_dir, job, rank, step, timeout_s);
+  }
+  MemorySnapshot s = Unwrap(std::move(r));
+  return LoadedToPython(s.image, s.reader, s.extras, unpickler);
 }
 
 std::vector<uint64_t> Steps(const std::string& path) {
@@ -424,6 +437,10 @@ void BindStore(nb::module_& m) {
   m.def("load", &Load, "path"_a, "step"_a.none(), "rank"_a, "unpickler"_a.none() = nb::none(),
         "commit"_a.none() = nb::none());
   m.def("steps", &Steps, "path"_a);
+  m.def("read_node_snapshot", &ReadNodeSnapshot, "shm_dir"_a, "job"_a, "rank"_a, "step"_a,
+        "timeout"_a, "unpickler"_a.none() = nb::none(),
+        "rank's snapshot of step of another job on this node, read from its slot files and "
+        "verified, waiting up to timeout seconds for it to be taken (NotFoundError after)");
   m.def("committed_view", &CommittedView, "path"_a,
         "(steps with a COMMIT object, newest valid step or None, damaged records skipped): one "
         "List and the COMMIT records newest first down to the first valid one; and that record's "

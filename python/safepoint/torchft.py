@@ -27,8 +27,10 @@ location; the recovering replica's own agent fetches the snapshot straight from 
 agent's shared memory over UCX (authenticated with that secret, every chunk checked on arrival
 against the checksum recorded when the snapshot was taken, and refused when the sender's next
 snapshot began to overwrite it meanwhile) into its own shared memory, where the recovering
-process loads it, verified. The sender is free as soon as its copy is taken (it never serves
-its live tensors); a receive in any mode reads whichever kind of metadata it is given.
+process loads it, verified. A recovering process that sees the sender's shared memory (the same
+node and user) reads the snapshot from there itself: one verified copy, no agent in between.
+The sender is free as soon as its copy is taken (it never serves its live tensors); a receive
+in any mode reads whichever kind of metadata it is given.
 
 A DTensor comes back as a DTensor with the sender's spec (mesh, placements, global shape and
 stride; as torchft's own transports give it), its local tensor the sender's shard, on the CPU.
@@ -56,15 +58,24 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 import safepoint
 from safepoint import _core
-from safepoint._pickle import AllowPickle
+from safepoint._checkpointer import _node_name as _shm_identity
+from safepoint._pickle import AllowPickle, unpickler
 from safepoint._shards import _dtensor_type
-from safepoint.errors import InvalidArgumentError, NotFoundError
+from safepoint.errors import InvalidArgumentError, NotFoundError, UnavailableError
 
 T = TypeVar("T")
 
 # metadata() of a "peer" transport starts with this; a location never does.
 _PEER_PREFIX = "safepoint-peer:"
 _PEER_TIMEOUT_S = 30.0  # a heal's transfer that makes no progress this long fails
+
+
+def _not_taken(wait: timedelta, step: int, src_rank: int, address: str,
+               why: Exception) -> TimeoutError:
+    """torchft's contract for a receive that waited in vain: a TimeoutError that says it timed
+    out."""
+    return TimeoutError(f"timed out after {wait.total_seconds():g}s waiting for step {step} from "
+                        f"rank {src_rank} at {address}: not sent (taken) there ({why})")
 
 
 def _node_name() -> str:
@@ -89,13 +100,17 @@ class SafepointTransport(CheckpointTransport[T]):
     fastest of the three, within one node or across nodes). ``peer_host``: the address the agent's
     peer service listens on in ``"peer"`` mode (default: as for replication,
     ``$SAFEPOINT_PEER_HOST`` or the route to ``$MASTER_ADDR``, else the hostname's address).
+    ``shm_reads``: a receive of a ``"peer"`` sender whose shared memory this process sees (the
+    same node, the same user) reads the sender's snapshot straight from it, one verified copy and
+    no agent in between; ``False`` always fetches over the peer service.
+    ``last_source`` names where the last received state was read from.
     """
 
     def __init__(self, location: str | os.PathLike[str], *,
                  timeout: timedelta = timedelta(seconds=60), keep: int = 2,
                  job: Optional[str] = None, shm_dir: Optional[str] = None,
                  allow_pickle: AllowPickle = False, mode: str = "flash",
-                 peer_host: Optional[str] = None) -> None:
+                 peer_host: Optional[str] = None, shm_reads: bool = True) -> None:
         loc = os.fspath(location)
         if not isinstance(loc, str) or not loc:
             raise InvalidArgumentError(f"location must be a non-empty path or URI, got "
@@ -108,6 +123,8 @@ class SafepointTransport(CheckpointTransport[T]):
         self.job = job or f"torchft-{uuid.uuid4().hex[:12]}"
         self.shm_dir = shm_dir
         self.peer_host = peer_host
+        self.shm_reads = bool(shm_reads)
+        self.last_source: Optional[str] = None
         self._ckpt: Optional[safepoint.Checkpointer] = None
         self._sent: Optional[int] = None
         self._peer_address: Optional[str] = None  # this transport's agent's peer service
@@ -145,8 +162,12 @@ class SafepointTransport(CheckpointTransport[T]):
             # secret that a receiver must prove it knows.
             self._checkpointer()._live.set_membership(
                 uuid.uuid4().hex, 0, [(_node_name(), address)], "none", secret, 0)
+            # Where a receiver on this node finds the snapshot without the network: this job's
+            # slots under its shm directory, which _shm_identity names (boot id, device, inode).
+            shm = self._checkpointer().shm_dir
             self._origin = _PEER_PREFIX + json.dumps(
-                {"address": address, "node": _node_name(), "job": self.job, "secret": secret})
+                {"address": address, "node": _node_name(), "job": self.job, "secret": secret,
+                 "shm": {"dir": shm, "node": _shm_identity(shm)}})
         return self._origin
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
@@ -181,13 +202,15 @@ class SafepointTransport(CheckpointTransport[T]):
             got = self._recv_peer(src_rank, metadata, step, wait)
         else:
             got = self._recv_stored(src_rank, metadata, step, wait)
-        state = got["state"]
+        self.last_source, sent = got
+        state = sent["state"]
         meshes: dict = {}
-        for path, spec in got.get("dtensors") or ():
+        for path, spec in sent.get("dtensors") or ():
             state = _put(state, tuple(path), lambda local, sp=spec: _dtensor(local, sp, meshes))
         return state
 
-    def _recv_stored(self, src_rank: int, metadata: str, step: int, wait: timedelta) -> Any:
+    def _recv_stored(self, src_rank: int, metadata: str, step: int,
+                     wait: timedelta) -> tuple[str, Any]:
         deadline = time.monotonic() + wait.total_seconds()
         delay = 0.001
         while True:
@@ -201,31 +224,43 @@ class SafepointTransport(CheckpointTransport[T]):
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         _, got = safepoint.load(metadata, step, allow_pickle=self.allow_pickle)
-        return got
+        return f"{metadata} (step {step})", got
 
-    def _recv_peer(self, src_rank: int, metadata: str, step: int, wait: timedelta) -> Any:
-        """``"peer"`` mode: this transport's agent fetches the sender's snapshot of ``step`` from
-        the sender's agent into a slot of this transport's job; loaded from there, verified."""
+    def _recv_peer(self, src_rank: int, metadata: str, step: int,
+                   wait: timedelta) -> tuple[str, Any]:
+        """``"peer"`` mode: the sender's snapshot of ``step`` read from its shared memory where
+        this process sees it, else fetched by this transport's agent from the sender's agent into
+        a slot of this transport's job and loaded from there; (where from, what was sent)."""
         try:
             origin = json.loads(metadata[len(_PEER_PREFIX):])
             address, node, job, secret = (str(origin[k]) for k in
                                           ("address", "node", "job", "secret"))
-        except (ValueError, KeyError, TypeError) as e:
+            shm = origin.get("shm") or {}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgumentError(f"not a safepoint peer transport's metadata: "
                                        f"{metadata[:200]!r}") from e
+        if self.shm_reads and isinstance(shm, dict) and isinstance(shm.get("dir"), str) and \
+                shm.get("node") == _shm_identity(shm["dir"]):
+            # The sender's shared memory is this node's: its snapshot is read there, unless this
+            # process cannot open the sender's slots (another user's): then over the network.
+            try:
+                got = _core.read_node_snapshot(shm["dir"], job, 0, step, wait.total_seconds(),
+                                               unpickler(self.allow_pickle))
+                return got.source, got.state
+            except NotFoundError as e:
+                raise _not_taken(wait, step, src_rank, address, e) from e
+            except UnavailableError:
+                pass
         self._peer_service()
         client = self._checkpointer()._live
         try:
             client.heal_from(address, node, job, secret, step, wait.total_seconds())
         except NotFoundError as e:
-            # torchft's contract: a TimeoutError that says it timed out.
-            raise TimeoutError(f"timed out after {wait.total_seconds():g}s waiting for step "
-                               f"{step} from rank {src_rank} at {address}: not sent (taken) "
-                               f"there ({e})") from e
+            raise _not_taken(wait, step, src_rank, address, e) from e
         loaded = client.load_step(step, self._checkpointer()._unpickler, False, None)
         if loaded is None:
             raise NotFoundError(f"step {step} healed from {address} is not in memory")
-        return loaded.state
+        return f"{address} ({loaded.source})", loaded.state
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every sent step is committed at ``location``."""
