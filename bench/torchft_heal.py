@@ -9,9 +9,9 @@ the sender's ``send_checkpoint`` (its *blocking* time: the live replica's traini
 ``disallow_checkpoint`` follows once the heal is over, as in torchft's Manager), the receiver's
 ``recv_checkpoint`` (the *heal* time: from the start of send until the receiver holds the
 state, checked equal; the receiver then drops it, as torchft's Manager does once
-``load_state_dict`` copied it into the model). Two heals first warm each transport up and are not counted (the
-agents' start, the peer service, and the sender's two shared-memory slots, created at its
-first two sends). SafepointTransport's location is a
+``load_state_dict`` copied it into the model). Two heals first warm each transport up and are
+not counted (the agents' start, the peer service, and the sender's two shared-memory slots,
+created at its first two sends). SafepointTransport's location is a
 directory in /dev/shm (replicas on one node), flash and sync; its peer mode writes no location:
 the receiver reads the sender's snapshot from the sender's shared memory (``safepoint-peer``:
 replicas on one node), or (``safepoint-peer-ucx``, ``shm_reads=False``: as between nodes) its
@@ -19,6 +19,11 @@ agent fetches it from the sender's agent over UCX (TCP on loopback: the peer ser
 UCX's shared-memory transports). Prints a markdown table of medians with ratios to
 HTTPTransport and PGTransport, for docs/benchmarks.md ("torchft heal"). ``--kinds`` picks
 transports (HTTP and PG are always measured: the ratios need them).
+
+``--fresh-receiver``: each heal goes to a new receiving process (a replica that restarted and
+heals once), whose transport is made and whose ``metadata()`` is called (as torchft's Manager
+does for its quorum) before the heal; torchft's process group is configured anew for each.
+By default one receiving process heals again and again.
 
 ``--no-thp``: both processes (and the agents they start, which inherit it) run with transparent
 huge pages off (prctl PR_SET_THP_DISABLE), for every transport alike: with the kernel's THP
@@ -59,7 +64,9 @@ def make_state(size: int, n: int):
                      for i in range(n)}, "torchft": {"step": 7, "batches_committed": 70}}
 
 
-def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
+def run(rank: int, kind: str, args, store_port: int, shm: str, q, reps: range) -> None:
+    """One replica's process: the sender (rank 0) or a receiver (rank 1), for the heals
+    `reps`."""
     if args.no_thp:
         import ctypes
 
@@ -79,8 +86,6 @@ def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
         from torchft.process_group import ProcessGroupGloo
 
         pg = ProcessGroupGloo(timeout=TIMEOUT)
-        pg.configure(store_addr=f"127.0.0.1:{store_port}/pg", replica_id="0", rank=rank,
-                     world_size=2)
         t = PGTransport(pg=pg, timeout=TIMEOUT, device=torch.device("cpu"))
     else:
         from safepoint.torchft import SafepointTransport
@@ -88,11 +93,18 @@ def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
         mode = kind.split("-")[1] if "-" in kind else "flash"
         t = SafepointTransport(os.path.join(shm, f"heal-{kind}-{rank}"), shm_dir=shm, mode=mode,
                                peer_host="127.0.0.1", shm_reads=not kind.endswith("-ucx"))
+    # torchft's Manager sends every replica's metadata() in its quorum request (a peer-mode
+    # transport starts its agent and peer service there).
+    mine = t.metadata()
     if rank == 0:
-        store.set("meta", t.metadata())
+        store.set("meta", mine)
     meta = store.get("meta").decode()
-    for rep in range(args.reps + WARMUP):  # the first WARMUP heals warm up (not counted)
+    for rep in reps:
         step = 10 + rep
+        if pg is not None and (rep == reps[0] or args.fresh_receiver):
+            # A new quorum (a new receiving process): torchft configures the group anew.
+            pg.configure(store_addr=f"127.0.0.1:{store_port}/pg{rep}", replica_id="0",
+                         rank=rank, world_size=2)
         store.set(f"go{rep}/{rank}", "1")
         store.wait([f"go{rep}/0", f"go{rep}/1"])
         if rank == 0:
@@ -114,8 +126,9 @@ def run(rank: int, kind: str, args, store_port: int, shm: str, q) -> None:
             del got
             q.put((kind, "heal", end - t0 if ok else float("nan")))
             store.set(f"done{rep}", "1")
-    store.set(f"end/{rank}", "1")
-    store.wait(["end/0", "end/1"])
+    if rank == 0 or reps[-1] == args.reps + WARMUP - 1:
+        store.set(f"end/{rank}", "1")
+        store.wait(["end/0", "end/1"])
     t.shutdown(wait=True)
     if pg is not None:
         pg.shutdown()
@@ -128,17 +141,21 @@ def measure(kind: str, args, shm: str) -> dict:
                            wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, kind, args, master.port, shm, q))
-             for r in range(2)]
-    for p in procs:
-        p.start()
+    every = range(args.reps + WARMUP)  # the first WARMUP heals warm up (not counted)
+    # The receiver: one process for every heal, or (--fresh-receiver) a new one for each.
+    receivers = [range(r, r + 1) for r in every] if args.fresh_receiver else [every]
+    sender = ctx.Process(target=run, args=(0, kind, args, master.port, shm, q, every))
+    sender.start()
     out: dict = {"blocking": [], "heal": []}
-    for _ in range(2 * (args.reps + WARMUP)):
-        _, what, secs = q.get(timeout=600)
-        out[what].append(secs)
-    out = {k: v[WARMUP:] for k, v in out.items()}  # without the warm-up heals
-    for p in procs:
+    for reps in receivers:
+        p = ctx.Process(target=run, args=(1, kind, args, master.port, shm, q, reps))
+        p.start()
+        for _ in range(2 * len(reps)):
+            _, what, secs = q.get(timeout=600)
+            out[what].append(secs)
         p.join(timeout=120)
+    out = {k: v[WARMUP:] for k, v in out.items()}  # without the warm-up heals
+    sender.join(timeout=120)
     res: dict = {k: statistics.median(v) for k, v in out.items()}
     res["heals"], res["blockings"] = out["heal"], out["blocking"]
     return res
@@ -151,6 +168,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-thp", action="store_true",
                     help="transparent huge pages off in both processes (prctl)")
+    ap.add_argument("--fresh-receiver", action="store_true",
+                    help="a new receiving process for every heal (a replica that restarted), "
+                         "its transport made and metadata() called before the heal")
     ap.add_argument("--kinds", default=",".join(NAMES),
                     help=f"comma-separated, of {', '.join(NAMES)}")
     args = ap.parse_args()
@@ -168,7 +188,8 @@ def main() -> None:
     print(f"state: {args.size / 2**20:.0f} MiB float32 in {args.tensors} tensors, "
           f"{args.reps} heals each, medians; load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after"
-          f"{'; transparent huge pages off' if args.no_thp else ''}\n")
+          f"{'; transparent huge pages off' if args.no_thp else ''}"
+          f"{'; a new receiving process for every heal' if args.fresh_receiver else ''}\n")
     print("| transport | sender blocking s | heal s | heal × HTTP | heal × PG |")
     print("|---|---:|---:|---:|---:|")
     for k, r in res.items():

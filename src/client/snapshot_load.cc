@@ -42,13 +42,16 @@ namespace {
 // is what is verified and handed out, so the slot must still hold the same snapshot after it.
 // The copy's pages are faulted in by the copying threads as they write them (populating them
 // first in one call took 0.065 s of a 0.105 s read of 256 MiB, against 0.09 s for the read that
-// faults them in). Huge pages, unlike a load from storage (CheckpointStore::ReadImage): a 1 GiB
-// hot reload took 0.16 s into huge pages and 0.30 s into small ones, once the first (0.8-3.7 s
-// either way on this guest, whose free memory goes back to the hypervisor) was done.
+// faults them in). `huge_pages`: a process that loads again and again (a hot reload) gains from
+// them, 0.16 s against 0.30 s a 1 GiB load once warm; a process that reads once (a torchft heal
+// into a restarted replica) does not: on a guest whose free memory goes back to the hypervisor,
+// a fresh huge page is often one it took back, and 256 MiB heals into fresh processes took
+// 0.14-0.42 s into huge pages against 0.15-0.20 s into small ones.
 Result<MemorySnapshot> CopySlotImage(Arena& arena, const SlotInfo& slot,
-                                     std::span<const std::byte> src, const std::string& source) {
+                                     std::span<const std::byte> src, const std::string& source,
+                                     bool huge_pages) {
   const size_t size = slot.image_size;
-  auto owner = std::make_shared<internal::AlignedBuffer>(size);
+  auto owner = std::make_shared<internal::AlignedBuffer>(size, huge_pages);
   if (!owner->ok()) {
     return ResourceExhausted(source + ": cannot allocate " + std::to_string(size) + " bytes");
   }
@@ -386,7 +389,8 @@ Result<MemorySnapshot> SnapshotClient::LoadSlot(const SlotInfo& slot, bool in_pl
   }
   const std::string source = SlotSource(slot);
   SP_ASSIGN_OR_RETURN(MemorySnapshot out,
-                      CopySlotImage(*arena_, slot, arena_->SlotData(slot.index), source));
+                      CopySlotImage(*arena_, slot, arena_->SlotData(slot.index), source,
+                                    /*huge_pages=*/true));
   SP_RETURN_IF_ERROR(CheckSnapshotIdentity(out.reader, slot, source));
   SP_ASSIGN_OR_RETURN(out.extras,
                       DecodeExtras(out.reader.extras(), out.reader.tensors().size(), source));
@@ -426,7 +430,8 @@ Result<MemorySnapshot> ReadNodeSnapshot(const std::string& shm_dir, const std::s
                                  std::to_string(s.index) + " (step " + std::to_string(step) + ")";
       SP_ASSIGN_OR_RETURN(
           MemorySnapshot out,
-          CopySlotImage(*arena, s, arena->SlotDataForRead(s.index, s.image_size), source));
+          CopySlotImage(*arena, s, arena->SlotDataForRead(s.index, s.image_size), source,
+                        /*huge_pages=*/false));
       const ImageMeta& m = out.reader.meta();
       if (m.job != job || m.rank != rank || m.step != step) {
         return Corruption(source + ": the image in the slot is job " + m.job + "'s step " +
