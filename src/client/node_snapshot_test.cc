@@ -100,8 +100,9 @@ TEST_F(NodeSnapshotTest, AStepNotTakenInTimeIsNotFound) {
   Take(1);
   Result<MemorySnapshot> got = ReadNodeSnapshot(tmp_.path(), kJob, 0, 2, 0.05);
   EXPECT_EQ(got.status().code(), StatusCode::kNotFound);
-  EXPECT_NE(got.status().message().find("step 2 of job sender on this node: not taken within"),
-            std::string::npos)
+  EXPECT_NE(
+      got.status().message().find("step 2 of job sender on this node: not taken within 0.05 s"),
+      std::string::npos)
       << got.status().ToString();
 }
 

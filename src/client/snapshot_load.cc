@@ -26,6 +26,7 @@
 #include "base/clock.h"
 #include "base/crc32c.h"
 #include "base/kill_point.h"
+#include "base/log.h"
 #include "base/parallel.h"
 #include "base/unique_fd.h"
 #include "protocol/protocol.h"
@@ -442,7 +443,7 @@ Result<MemorySnapshot> ReadNodeSnapshot(const std::string& shm_dir, const std::s
       return out;
     }
     if (Clock::now() + delay > deadline) {
-      return NotFound(what + ": not taken within " + std::to_string(wait_s) + " s");
+      return NotFound(fmt::format("{}: not taken within {:g} s", what, wait_s));
     }
     std::this_thread::sleep_for(delay);
     if (Clock::now() - start > std::chrono::seconds(1)) {
