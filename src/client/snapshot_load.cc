@@ -39,6 +39,25 @@ using Clock = std::chrono::steady_clock;
 using protocol::MessageType;
 
 namespace {
+// The COMPLETE snapshot of `step` among `slots` that completed last: two slots may hold the step
+// (saved again after the ranks resumed from an older one), and the later is the current run's.
+std::optional<SlotInfo> CompleteSlotOf(const std::vector<SlotInfo>& slots, uint64_t step) {
+  std::optional<SlotInfo> found;
+  for (const SlotInfo& s : slots) {
+    if (s.state == SlotState::kComplete && s.step == step &&
+        (!found || s.complete_time_ns > found->complete_time_ns)) {
+      found = s;
+    }
+  }
+  return found;
+}
+
+// Names rank's slot in a job directory, for errors and a load's source.
+std::string SlotName(const std::string& job_dir, uint32_t rank, const SlotInfo& slot) {
+  return job_dir + "/rank-" + std::to_string(rank) + ".slot-" + std::to_string(slot.index) +
+         " (step " + std::to_string(slot.step) + ")";
+}
+
 // A private, verified copy of the image of `slot` in `arena` (`src`: its bytes), parsed: the copy
 // is what is verified and handed out, so the slot must still hold the same snapshot after it.
 // The copy's pages are faulted in by the copying threads as they write them (populating them
@@ -84,16 +103,7 @@ Result<SlotInfo> SnapshotClient::FindSlot(std::optional<uint64_t> step,
     }
     return *newest;
   }
-  // Two slots may hold the step (saved again after the ranks resumed from an older one): the
-  // snapshot completed last is the current run's.
-  std::optional<SlotInfo> found;
-  for (const SlotInfo& s : arena_->Slots()) {
-    if (s.state == SlotState::kComplete && s.step == *step &&
-        (!found || s.complete_time_ns > found->complete_time_ns)) {
-      found = s;
-    }
-  }
-  if (found) return *found;
+  if (std::optional<SlotInfo> found = CompleteSlotOf(arena_->Slots(), *step)) return *found;
   return NotFound(job_dir_ + ": no snapshot of step " + std::to_string(*step) + " of rank " +
                   std::to_string(opt_.rank) + " in memory");
 }
@@ -137,8 +147,7 @@ struct SnapshotClient::InPlaceLoad {
 };
 
 std::string SnapshotClient::SlotSource(const SlotInfo& slot) const {
-  return job_dir_ + "/rank-" + std::to_string(opt_.rank) + ".slot-" + std::to_string(slot.index) +
-         " (step " + std::to_string(slot.step) + ")";
+  return SlotName(job_dir_, opt_.rank, slot);
 }
 
 Result<SnapshotClient::InPlaceLoad> SnapshotClient::BeginInPlace(const SlotInfo& slot,
@@ -421,17 +430,12 @@ Result<MemorySnapshot> ReadNodeSnapshot(const std::string& shm_dir, const std::s
   auto delay = std::chrono::milliseconds(1);
   while (true) {
     SP_RETURN_IF_ERROR(arena->Refresh());  // slot files the job's writer created since
-    const std::vector<SlotInfo> all = arena->Slots();
-    for (const SlotInfo& s : all) {
-      if (s.state != SlotState::kComplete || s.step != step || HasLaterCopy(all, s) ||
-          s.image_size < kImageHeaderSize) {
-        continue;
-      }
-      const std::string source = *dir + "/rank-" + std::to_string(rank) + ".slot-" +
-                                 std::to_string(s.index) + " (step " + std::to_string(step) + ")";
+    const std::optional<SlotInfo> s = CompleteSlotOf(arena->Slots(), step);
+    if (s && s->image_size >= kImageHeaderSize) {
+      const std::string source = SlotName(*dir, rank, *s);
       SP_ASSIGN_OR_RETURN(
           MemorySnapshot out,
-          CopySlotImage(*arena, s, arena->SlotDataForRead(s.index, s.image_size), source,
+          CopySlotImage(*arena, *s, arena->SlotDataForRead(s->index, s->image_size), source,
                         /*huge_pages=*/false));
       const ImageMeta& m = out.reader.meta();
       if (m.job != job || m.rank != rank || m.step != step) {
@@ -484,16 +488,9 @@ Result<size_t> SnapshotClient::FillFromRank(uint32_t rank, uint64_t step, uint64
   } else {
     SP_RETURN_IF_ERROR(arena->Refresh());  // slot files the rank created or replaced since
   }
-  std::optional<SlotInfo> found;  // the snapshot of the step completed last, as LoadStep
-  for (const SlotInfo& s : arena->Slots()) {
-    if (s.state == SlotState::kComplete && s.step == step && s.image_size >= kImageHeaderSize &&
-        (!found || s.complete_time_ns > found->complete_time_ns)) {
-      found = s;
-    }
-  }
-  if (!found) return NotFound("no snapshot of the step");
-  const std::string source = job_dir_ + "/rank-" + std::to_string(rank) + ".slot-" +
-                             std::to_string(found->index) + " (step " + std::to_string(step) + ")";
+  const std::optional<SlotInfo> found = CompleteSlotOf(arena->Slots(), step);
+  if (!found || found->image_size < kImageHeaderSize) return NotFound("no snapshot of the step");
+  const std::string source = SlotName(job_dir_, rank, *found);
   auto image = arena->SlotDataForRead(found->index, found->image_size);
   SP_ASSIGN_OR_RETURN(ImageReader reader,
                       ImageReader::Parse(image, source, ImageReader::Verify::kStructure));
