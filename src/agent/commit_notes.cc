@@ -31,6 +31,7 @@ void NodeAgent::DrainRelay() {
     // Progress is a rank's facts the ledger did not have: a node asking again with the same
     // facts while another node's are missing (in its report, after it fell back) must not keep
     // the committer from falling back to storage itself.
+    relay_.Heard(n.step, n.from);
     const uint32_t had = ledger_->Count(n.step, n.attempt);
     bool completed = false;
     for (const auto& [rank, fact] : n.facts) {
@@ -57,9 +58,11 @@ void NodeAgent::DrainRelay() {
         "step {}: {}; committing through storage (this node's facts report and a listing of "
         "the step)",
         step,
-        relay_.Committer() ? fmt::format("no other node's facts of it arrived for {:g} s",
-                                         CommitRelay::kCommitterGraceSeconds)
-                           : std::string("the committer cannot be reached"));
+        relay_.Committer()
+            ? fmt::format("the nodes' facts of it did not complete it (none came for {:g} s, or "
+                          "a node that lacks them is gone)",
+                          CommitRelay::kCommitterGraceSeconds)
+            : std::string("the committer cannot be reached"));
     PersistTask t;
     t.step = step;
     t.attempt = attempt;
@@ -127,7 +130,9 @@ nlohmann::json NodeAgent::RelayStatusJson() const {
           {"commits_received", c.commits_received},
           {"announced", c.announced},
           {"announce_failed", c.announce_failed},
-          {"listed_older", c.listed_older}};
+          {"listed_older", c.listed_older},
+          {"probed", c.probed},
+          {"probed_gone", c.probed_gone}};
 }
 
 }  // namespace safepoint::agent

@@ -100,23 +100,43 @@ void CommitRelay::Progress(uint64_t step) {
   if (it != handed_.end() && !it->second.overdue) it->second.at = MonotonicSeconds();
 }
 
+void CommitRelay::Heard(uint64_t step, const std::string& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!committed_.empty() && step <= *committed_.rbegin() && !handed_.contains(step)) return;
+  heard_[step].insert(node);
+  while (heard_.size() > kMaxHanded) heard_.erase(heard_.begin());
+}
+
 std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::TakeOverdue(double now) {
   const bool committer = Committer();
-  std::vector<std::pair<uint64_t, uint64_t>> out, ask;
+  std::vector<std::pair<uint64_t, uint64_t>> out, ask, probe;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    const size_t fell_back = fall_back_.size();  // counted where they fell back
     out.swap(fall_back_);
     const double grace = committer ? kCommitterGraceSeconds : kGraceSeconds;
     for (auto& [step, h] : handed_) {
-      if (h.overdue || now - h.at < grace) continue;
+      if (h.overdue) continue;
+      if (now - h.at < grace) {
+        // The committer probes the nodes it lacks facts from, every kGraceSeconds without
+        // progress: a lost node would otherwise hold the step for kCommitterGraceSeconds.
+        if (committer && now - h.at >= kGraceSeconds && now - h.probed >= kGraceSeconds) {
+          h.probed = now;
+          probe.emplace_back(step, h.attempt);
+        }
+        continue;
+      }
       h.overdue = true;
       h.fell_back = committer;
       (committer ? out : ask).emplace_back(step, h.attempt);
     }
-    counters_.overdue += out.size();
+    counters_.overdue += out.size() - fell_back;
     counters_.asked += ask.size();
   }
-  for (const auto& [step, attempt] : ask) Queue({/*ask=*/true, step, attempt, {}});
+  for (const auto& [step, attempt] : ask) Queue({Announcement::Kind::kAsk, step, attempt, {}});
+  for (const auto& [step, attempt] : probe) {
+    Queue({Announcement::Kind::kProbe, step, attempt, {}});
+  }
   return out;
 }
 
@@ -133,6 +153,7 @@ std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::Committed(uint64_t step)
       older.emplace_back(it->first, it->second.attempt);
   }
   handed_.erase(handed_.begin(), end);
+  heard_.erase(heard_.begin(), heard_.upper_bound(step));
   committed_.insert(step);
   while (committed_.size() > kMaxHanded) committed_.erase(committed_.begin());
   counters_.listed_older += older.size();
@@ -175,8 +196,50 @@ void CommitRelay::Ask(const Announcement& a) {
   notify_();
 }
 
+void CommitRelay::Probe(const Announcement& a) {
+  const Replicator::MembershipView m = replicator_->Nodes();
+  std::vector<replica::Peer> missing;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = handed_.find(a.step);
+    if (it == handed_.end() || it->second.overdue) return;  // committed or listed meanwhile
+    auto heard = heard_.find(a.step);
+    for (size_t i = 0; i < m.nodes.size(); ++i) {
+      if (i == m.node_index || (heard != heard_.end() && heard->second.contains(m.nodes[i].node)))
+        continue;
+      missing.push_back(m.nodes[i]);
+    }
+  }
+  if (missing.empty()) return;  // every node's facts came (another attempt's ledger lacks some)
+  // Any answer, a refusal included (an agent too old for probes), is a node that lives; only a
+  // node that cannot be reached within the peer timeout is gone.
+  const std::vector<Status> sent = replicator_->Note(missing, "probe", "{}");
+  std::vector<std::string> gone;
+  for (size_t i = 0; i < sent.size(); ++i) {
+    if (sent[i].code() == StatusCode::kUnavailable) gone.push_back(missing[i].node);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    counters_.probed += sent.size();
+    counters_.probed_gone += gone.size();
+    auto it = handed_.find(a.step);
+    if (gone.empty() || it == handed_.end() || it->second.overdue) return;
+    it->second.overdue = true;
+    it->second.fell_back = true;
+    ++counters_.overdue;
+    fall_back_.emplace_back(a.step, it->second.attempt);
+  }
+  spdlog::warn(
+      "step {}: node '{}'{} cannot be reached and its facts of the step did not arrive; "
+      "committing through storage now",
+      a.step, gone.front(),
+      gone.size() > 1 ? fmt::format(" (and {} other nodes)", gone.size() - 1) : std::string());
+  notify_();
+}
+
 Status CommitRelay::OnNote(const std::string& from, const std::string& kind,
                            const std::string& body) {
+  if (kind == "probe") return Status::OK();  // the committer asks whether this node lives
   if (kind == "facts") {
     SP_ASSIGN_OR_RETURN(FactsNote note, DecodeFacts(body));
     note.from = from;
@@ -218,7 +281,7 @@ void CommitRelay::Take(std::vector<FactsNote>* facts, std::vector<CommitNote>* c
 }
 
 void CommitRelay::Announce(uint64_t step, uint64_t attempt, std::vector<uint64_t> pruned) {
-  Queue({/*ask=*/false, step, attempt, std::move(pruned)});
+  Queue({Announcement::Kind::kCommit, step, attempt, std::move(pruned)});
 }
 
 void CommitRelay::Queue(Announcement a) {
@@ -228,7 +291,17 @@ void CommitRelay::Queue(Announcement a) {
     worker_.Start({.take = [this] { return Loop::TakeFront(announcements_, &in_flight_); },
                    .run =
                        [this](Announcement& t) {
-                         t.ask ? Ask(t) : Send(t);
+                         switch (t.kind) {
+                           case Announcement::Kind::kCommit:
+                             Send(t);
+                             break;
+                           case Announcement::Kind::kAsk:
+                             Ask(t);
+                             break;
+                           case Announcement::Kind::kProbe:
+                             Probe(t);
+                             break;
+                         }
                          {
                            std::lock_guard<std::mutex> lock(mu_);
                            in_flight_.reset();

@@ -14,8 +14,11 @@
 // learns it), or taken (the committer waits for other nodes' facts: this node waits another
 // grace), or the committer cannot be reached: this node then falls back to storage (its facts
 // report and the listing commit; its waits poll storage from then on). The committer falls back the
-// same way when no node's facts reached it for kGraceSeconds while the step is incomplete (another
-// node may have fallen back: its facts are in its report). So while the committer lives and
+// same way when no node's facts reached it for kCommitterGraceSeconds while the step is incomplete
+// (another node may have fallen back: its facts are in its report), and sooner when a node whose
+// facts of the step are missing is gone: after kGraceSeconds without progress it probes those
+// nodes (a "probe" note), and one that cannot be reached (its agent died, its node was lost)
+// makes it list the step at once. So while the committer lives and
 // every node reaches it, no agent asks storage anything to commit, however slow the nodes. The
 // relay carries only what storage would have said: a commit note is sent after the COMMIT
 // record is durable, and facts only of published images.
@@ -91,10 +94,14 @@ class CommitRelay {
   static constexpr double kPatienceSeconds = kCommitterGraceSeconds + kGraceSeconds;
   // The committer: facts of `step` arrived from another node (its grace starts again).
   void Progress(uint64_t step);
+  // The committer: `node` handed over facts of `step` (it is not probed for that step).
+  void Heard(uint64_t step, const std::string& node);
   // Steps whose hand-over no commit answered for kGraceSeconds before `now`, each once:
   // (step, attempt), for the agent to fall back to storage. Another node's are first asked of
   // the committer (on the relay's worker): they come back here only when it does not hold this
-  // node's facts or cannot be reached.
+  // node's facts or cannot be reached. The committer's come back after kCommitterGraceSeconds,
+  // or once a probe (every kGraceSeconds without progress, on the relay's worker) found a node
+  // gone whose facts of the step it lacks.
   std::vector<std::pair<uint64_t, uint64_t>> TakeOverdue(double now);
   // The step is committed (this agent committed it, or learned it): its hand-over and those of
   // older steps are done. On the committer, the older steps whose hand-over no commit answered
@@ -132,6 +139,8 @@ class CommitRelay {
     uint64_t facts_received = 0, commits_received = 0;
     uint64_t announced = 0, announce_failed = 0;  // commit notes sent, per node
     uint64_t listed_older = 0;  // the committer: older steps a newer commit left, listed once
+    uint64_t probed = 0;        // the committer: nodes probed for a step's missing facts
+    uint64_t probed_gone = 0;   // of those, unreachable (the step was listed at once)
   };
   Counters counters() const;
 
@@ -151,7 +160,9 @@ class CommitRelay {
 
  private:
   struct Announcement {
-    bool ask = false;  // an "ask" note to the committer, not a commit note to every node
+    // A commit note to every node, an "ask" note to the committer, or the committer's probe of
+    // the nodes whose facts of the step are missing.
+    enum class Kind { kCommit, kAsk, kProbe } kind = Kind::kCommit;
     uint64_t step = 0, attempt = 0;
     std::vector<uint64_t> pruned;
   };
@@ -159,6 +170,7 @@ class CommitRelay {
   void Queue(Announcement a);
   void Send(const Announcement& a);
   void Ask(const Announcement& a);
+  void Probe(const Announcement& a);
 
   Replicator* const replicator_;
   const std::function<void()> notify_;
@@ -171,9 +183,11 @@ class CommitRelay {
     bool fell_back = false;  // this node commits it through storage
     uint32_t world_size = 0;
     std::map<uint32_t, Fact> facts;  // what was handed over (asked again with them)
+    double probed = 0;  // the committer: its last probe of the nodes it lacks facts from
   };
   std::map<uint64_t, Handed> handed_;  // step -> its hand-over, until committed (bounded)
   std::set<uint64_t> committed_;       // steps known committed here, newest kept (bounded)
+  std::map<uint64_t, std::set<std::string>> heard_;       // the committer: step -> nodes with facts
   std::vector<std::pair<uint64_t, uint64_t>> fall_back_;  // asked: the committer cannot help
   double backoff_until_ = 0;                              // hand-overs to the committer
   std::map<std::string, double> quiet_until_;  // node -> no commit notes to it until then

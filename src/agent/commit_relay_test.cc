@@ -336,6 +336,51 @@ TEST_F(TwoNodes, TheCommitterCommitsThroughStorageWhenTheOtherNodeFellBack) {
   EXPECT_EQ(relay0["overdue"], 1) << relay0.dump();
 }
 
+TEST_F(TwoNodes, TheCommitterListsAtOnceWhenANodeWhoseFactsItLacksIsGone) {
+  Connect();
+  // Node 1 cannot hand step 1 over (the committer's agent is stopped): it writes its facts
+  // report and lists the step, then its agent dies, as on a lost node. The committer, going on,
+  // persists rank 0's image and lacks node 1's facts: its probe finds node 1 gone, and it lists
+  // the step (reading node 1's report) instead of waiting out kCommitterGraceSeconds.
+  bool failed = false;
+  const pid_t committer = FailNode1HandOver(1, &failed);
+  ASSERT_TRUE(failed);
+  ASSERT_EQ(::kill(AgentPid(1), SIGKILL), 0);
+  ASSERT_EQ(::kill(committer, SIGCONT), 0);
+  Save(0, 1);
+  ASSERT_OK(client_[0]->Wait(2 * kDeadlineSeconds + CommitRelay::kCommitterGraceSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1}));
+  const json relay0 = Status(0)["commit_relay"];
+  EXPECT_EQ(relay0["overdue"], 1) << relay0.dump();
+  EXPECT_GE(relay0["probed_gone"], 1) << relay0.dump();
+}
+
+TEST_F(TwoNodes, TheCommitterProbesASlowNodeAndWaitsForItsFacts) {
+  Connect();
+  Save(0, 1);
+  Save(1, 1);
+  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  // The committer's image of step 2 first; node 1's rank saves past the relay's grace (a slow
+  // node). The committer probes node 1, which answers: it waits for node 1's facts and commits
+  // from them instead of listing the step.
+  Save(0, 2);
+  ASSERT_TRUE(WaitFor([&] { return Status(0)["commit_relay"]["handed_over"] == 2; }));
+  safepoint::Status waited = Unavailable("not waited");
+  std::thread waiter([&] { waited = client_[0]->Wait(kDeadlineSeconds); });
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(static_cast<int>(CommitRelay::kGraceSeconds * 1000) + 2500));
+  Save(1, 2);
+  waiter.join();
+  ASSERT_OK(waited);
+  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2}));
+  const json s0 = Status(0);
+  EXPECT_GE(s0["commit_relay"]["probed"], 1) << s0.dump();
+  EXPECT_EQ(s0["commit_relay"]["probed_gone"], 0) << s0.dump();
+  EXPECT_EQ(s0["commit_relay"]["overdue"], 0) << s0.dump();  // it did not list the step
+}
+
 TEST_F(TwoNodes, AStepANewerCommitOvertookStillCommits) {
   Connect();
   // Node 1 cannot hand step 1 over (the committer's agent is stopped before node 1 ever
