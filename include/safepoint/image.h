@@ -175,6 +175,12 @@ class ImageBuilder {
   // before layout().checksums_offset: header, index, tensor data, extras, zero padding.
   void Fill(uint64_t offset, std::span<std::byte> dst) const;
 
+  // The caller's own bytes of image range [offset, offset + len) where the range lies inside one
+  // tensor's data (not staged, not elsewhere), so that a writer can send them without filling a
+  // copy; an empty span otherwise (the range touches the header, index, padding or extras, or
+  // two tensors).
+  std::span<const std::byte> SourceBytes(uint64_t offset, uint64_t len) const;
+
   // The checksum section (layout().checksums_offset to size()) from the per-chunk CRCs, which
   // the caller computed over the filled bytes of each chunk.
   std::vector<std::byte> ChecksumSection(std::span<const uint32_t> chunk_crcs) const;

@@ -153,27 +153,38 @@ Result<WriteStats> CheckpointStore::WritePlain(const ImageBuilder& image, uint64
   const uint64_t span = shape.chunks_per_request * l.chunk_size;
   const uint64_t requests = (chunks + shape.chunks_per_request - 1) / shape.chunks_per_request;
   std::vector<uint32_t> crcs(chunks);
+  // A request inside one tensor is sent from the tensor's own bytes, without a staging copy,
+  // where the storage copies or streams what it is given anyway (object stores, memory); a file
+  // system written with O_DIRECT takes them only when page-aligned (else the page cache would).
+  const bool direct_io = storage_->capabilities().direct_io;
   FirstError error;
   internal::ParallelFor(requests, shape.threads, [&](size_t k) {
     if (error.failed()) return;
-    AlignedBuffer buf = Staging().Take(span);
-    if (!buf.ok()) {
-      error.Set(ResourceExhausted("out of memory for a " + std::to_string(span) +
-                                  "-byte staging buffer"));
-      return;
-    }
     const uint64_t first = k * shape.chunks_per_request;
     const uint64_t last = std::min(chunks, first + shape.chunks_per_request);
     const uint64_t off = first * l.chunk_size;
     const uint64_t len = std::min(last * l.chunk_size, l.checksums_offset) - off;
-    auto data = buf.span().subspan(0, len);
-    image.Fill(off, data);
+    std::span<const std::byte> data = image.SourceBytes(off, len);
+    if (direct_io && reinterpret_cast<uintptr_t>(data.data()) % kDirectIOAlignment != 0) {
+      data = {};
+    }
+    AlignedBuffer buf;
+    if (data.empty()) {
+      buf = Staging().Take(span);
+      if (!buf.ok()) {
+        error.Set(ResourceExhausted("out of memory for a " + std::to_string(span) +
+                                    "-byte staging buffer"));
+        return;
+      }
+      image.Fill(off, buf.span().subspan(0, len));
+      data = buf.span().subspan(0, len);
+    }
     for (uint64_t i = first; i < last; ++i) {
       const uint64_t at = (i - first) * l.chunk_size;
       crcs[i] = Crc32c(0, data.data() + at, std::min(l.chunk_size, len - at));
     }
     error.Set(w->WriteAt(off, data));
-    Staging().Give(std::move(buf));
+    if (buf.size() > 0) Staging().Give(std::move(buf));
   });
   SP_RETURN_IF_ERROR(error.status());
 

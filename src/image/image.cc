@@ -391,6 +391,17 @@ void ImageBuilder::Fill(uint64_t offset, std::span<std::byte> dst) const {
   if (cursor < end) std::memset(dst.data() + (cursor - offset), 0, end - cursor);
 }
 
+std::span<const std::byte> ImageBuilder::SourceBytes(uint64_t offset, uint64_t len) const {
+  if (len == 0 || tensors_.empty() || offset < offsets_.front()) return {};
+  const size_t i =
+      std::upper_bound(offsets_.begin(), offsets_.end(), offset) - offsets_.begin() - 1;
+  const TensorSource& t = tensors_[i];
+  if (t.staged || t.spec.elsewhere || t.data == nullptr || offset + len > offsets_[i] + t.nbytes) {
+    return {};
+  }
+  return {static_cast<const std::byte*>(t.data) + (offset - offsets_[i]), len};
+}
+
 std::vector<std::byte> ImageBuilder::ChecksumSection(std::span<const uint32_t> crcs) const {
   std::vector<std::byte> out(layout_.image_size - layout_.checksums_offset, std::byte{0});
   for (size_t i = 0; i < crcs.size(); ++i) StoreLE<uint32_t>(&out[4 * i], crcs[i]);

@@ -109,6 +109,44 @@ TEST(ImageTest, FillOfAnyRangeMatchesFillAll) {
   }
 }
 
+// SourceBytes: the caller's own bytes of a range inside one tensor, which equal the image's bytes
+// there; nothing for a range that touches anything else (a writer then fills a copy).
+TEST(ImageTest, SourceBytesAreTheImagesBytesInsideOneTensorAndNothingElsewhere) {
+  Owned o;
+  for (int i = 0; i < 20; ++i)
+    o.Add("t" + std::to_string(i), DType::kFloat32, {uint64_t(i * 1000 + 3)}, i);
+  o.sources[5].spec.elsewhere = true;
+  o.sources[6].staged = true;
+  auto b = ImageBuilder::Create(Meta(), o.sources, "x", 4096);
+  ASSERT_OK(b);
+  const ImageBuilder& img = **b;
+  auto full = Build(img);
+  std::mt19937_64 rng(2);
+  const uint64_t limit = img.layout().checksums_offset;
+  int inside = 0;
+  for (int i = 0; i < 2000; ++i) {
+    const uint64_t a = rng() % limit, len = rng() % std::min<uint64_t>(limit - a, 40000) + 1;
+    const auto got = img.SourceBytes(a, len);
+    bool in_one = false;
+    for (size_t t = 0; t < img.tensors().size(); ++t) {
+      const TensorSource& src = img.tensors()[t];
+      const uint64_t at = img.tensor_offset(t);
+      if (!src.staged && !src.spec.elsewhere && a >= at && a + len <= at + src.nbytes)
+        in_one = true;
+    }
+    ASSERT_EQ(!got.empty(), in_one) << a << "+" << len;
+    if (got.empty()) continue;
+    ++inside;
+    ASSERT_EQ(got.size(), len);
+    ASSERT_EQ(std::memcmp(got.data(), full.data() + a, len), 0) << a << "+" << len;
+  }
+  EXPECT_GT(inside, 100);
+  EXPECT_TRUE(img.SourceBytes(0, 64).empty());                    // the header
+  EXPECT_TRUE(img.SourceBytes(img.tensor_offset(5), 4).empty());  // held elsewhere
+  EXPECT_TRUE(img.SourceBytes(img.tensor_offset(6), 4).empty());  // staged by the caller
+  EXPECT_TRUE(img.SourceBytes(img.tensor_offset(7), 0).empty());
+}
+
 // A reused plan (issue 14): Rebind gives the image a new step, creation time and tensor data,
 // and the result is the image Create would have built from the same inputs.
 TEST(ImageTest, RebindIsCreateWithANewStepAndNewData) {
