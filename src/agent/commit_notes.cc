@@ -132,7 +132,8 @@ nlohmann::json NodeAgent::RelayStatusJson() const {
           {"announce_failed", c.announce_failed},
           {"listed_older", c.listed_older},
           {"probed", c.probed},
-          {"probed_gone", c.probed_gone}};
+          {"probed_gone", c.probed_gone},
+          {"probed_to_storage", c.probed_to_storage}};
 }
 
 }  // namespace safepoint::agent

@@ -55,7 +55,10 @@ bool CommitRelay::HandOver(uint64_t step, uint64_t attempt, uint32_t world_size,
   const double now = MonotonicSeconds();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (m.node_index != 0 && now < backoff_until_) return false;
+    if (m.node_index != 0 && now < backoff_until_) {
+      ToStorageLocked(step);
+      return false;
+    }
   }
   if (m.node_index != 0) {
     const std::vector<Status> sent =
@@ -63,6 +66,7 @@ bool CommitRelay::HandOver(uint64_t step, uint64_t attempt, uint32_t world_size,
     if (!sent.front().ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       ++counters_.hand_over_failed;
+      ToStorageLocked(step);
       backoff_until_ = MonotonicSeconds() + kBackoffSeconds;
       spdlog::warn(
           "step {}: the committer (node '{}') did not take this node's facts ({}); this node "
@@ -98,6 +102,11 @@ void CommitRelay::Progress(uint64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = handed_.find(step);
   if (it != handed_.end() && !it->second.overdue) it->second.at = MonotonicSeconds();
+}
+
+void CommitRelay::ToStorageLocked(uint64_t step) {
+  to_storage_.insert(step);
+  while (to_storage_.size() > kMaxHanded) to_storage_.erase(to_storage_.begin());
 }
 
 void CommitRelay::Heard(uint64_t step, const std::string& node) {
@@ -154,6 +163,7 @@ std::vector<std::pair<uint64_t, uint64_t>> CommitRelay::Committed(uint64_t step)
   }
   handed_.erase(handed_.begin(), end);
   heard_.erase(heard_.begin(), heard_.upper_bound(step));
+  to_storage_.erase(to_storage_.begin(), to_storage_.upper_bound(step));
   committed_.insert(step);
   while (committed_.size() > kMaxHanded) committed_.erase(committed_.begin());
   counters_.listed_older += older.size();
@@ -186,6 +196,7 @@ void CommitRelay::Ask(const Announcement& a) {
     } else {
       ++counters_.overdue;
       it->second.fell_back = true;
+      ToStorageLocked(a.step);
       fall_back_.emplace_back(a.step, a.attempt);
       spdlog::warn(
           "step {}: the committer (node '{}') cannot commit it ({}); falling back to "
@@ -211,35 +222,70 @@ void CommitRelay::Probe(const Announcement& a) {
     }
   }
   if (missing.empty()) return;  // every node's facts came (another attempt's ledger lacks some)
-  // Any answer, a refusal included (an agent too old for probes), is a node that lives; only a
-  // node that cannot be reached within the peer timeout is gone.
-  const std::vector<Status> sent = replicator_->Note(missing, "probe", "{}");
-  std::vector<std::string> gone;
+  // A node that cannot be reached within the peer timeout is gone; one that answers that it
+  // commits the step through storage (its hand-over failed, or it is backing off from this
+  // committer) put its facts in its report; one that answers that the step is committed
+  // committed it so (a commit note to this node may have failed). Any other answer, a refusal
+  // included (an agent too old for probes), is a node that lives and has yet to hand its facts
+  // over.
+  const std::vector<Status> sent =
+      replicator_->Note(missing, "probe", json{{"step", a.step}}.dump());
+  std::vector<std::string> gone, to_storage;
+  std::optional<std::string> committed_by;
   for (size_t i = 0; i < sent.size(); ++i) {
     if (sent[i].code() == StatusCode::kUnavailable) gone.push_back(missing[i].node);
+    if (sent[i].code() == StatusCode::kCancelled) to_storage.push_back(missing[i].node);
+    if (sent[i].code() == StatusCode::kAlreadyExists) committed_by = missing[i].node;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     counters_.probed += sent.size();
     counters_.probed_gone += gone.size();
+    counters_.probed_to_storage += to_storage.size();
     auto it = handed_.find(a.step);
-    if (gone.empty() || it == handed_.end() || it->second.overdue) return;
+    if (it == handed_.end() || it->second.overdue) return;
+    if (committed_by) {  // learnt as from a commit note
+      ++counters_.commits_received;
+      commits_in_.push_back(CommitNote{*committed_by, a.step, it->second.attempt, {}});
+    } else if (gone.empty() && to_storage.empty()) {
+      return;
+    }
+  }
+  if (committed_by) {
+    notify_();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = handed_.find(a.step);
+    if (it == handed_.end() || it->second.overdue) return;
     it->second.overdue = true;
     it->second.fell_back = true;
     ++counters_.overdue;
     fall_back_.emplace_back(a.step, it->second.attempt);
   }
+  const std::vector<std::string>& named = gone.empty() ? to_storage : gone;
   spdlog::warn(
-      "step {}: node '{}'{} cannot be reached and its facts of the step did not arrive; "
-      "committing through storage now",
-      a.step, gone.front(),
-      gone.size() > 1 ? fmt::format(" (and {} other nodes)", gone.size() - 1) : std::string());
+      "step {}: node '{}'{} {}; committing through storage now", a.step, named.front(),
+      named.size() > 1 ? fmt::format(" (and {} other nodes)", named.size() - 1) : std::string(),
+      gone.empty() ? "commits it through storage (its facts are in its report)"
+                   : "cannot be reached and its facts of the step did not arrive");
   notify_();
 }
 
 Status CommitRelay::OnNote(const std::string& from, const std::string& kind,
                            const std::string& body) {
-  if (kind == "probe") return Status::OK();  // the committer asks whether this node lives
+  if (kind == "probe") {
+    // The committer lacks this node's facts of a step: whether this node lives, and whether it
+    // commits the step through storage (then its facts are in its report).
+    const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+    uint64_t step = 0;
+    if (!j.is_object() || !Get(j, "step", &step)) return Status::OK();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (committed_.contains(step)) return AlreadyExists("committed");
+    if (to_storage_.contains(step)) return Cancelled("committing it through storage");
+    return Status::OK();
+  }
   if (kind == "facts") {
     SP_ASSIGN_OR_RETURN(FactsNote note, DecodeFacts(body));
     note.from = from;

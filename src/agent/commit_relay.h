@@ -16,9 +16,12 @@
 // report and the listing commit; its waits poll storage from then on). The committer falls back the
 // same way when no node's facts reached it for kCommitterGraceSeconds while the step is incomplete
 // (another node may have fallen back: its facts are in its report), and sooner when a node whose
-// facts of the step are missing is gone: after kGraceSeconds without progress it probes those
-// nodes (a "probe" note), and one that cannot be reached (its agent died, its node was lost)
-// makes it list the step at once. So while the committer lives and
+// facts of the step are missing is gone or fell back: after kGraceSeconds without progress it
+// probes those nodes (a "probe" note), and one that cannot be reached (its agent died, its node
+// was lost) or answers that it commits the step through storage (its hand-over failed, or it
+// backs off from the committer) makes it list the step at once; one that answers that the step
+// is committed (it committed it through storage and could not tell the committer) ends it as a
+// commit note would. So while the committer lives and
 // every node reaches it, no agent asks storage anything to commit, however slow the nodes. The
 // relay carries only what storage would have said: a commit note is sent after the COMMIT
 // record is durable, and facts only of published images.
@@ -138,9 +141,10 @@ class CommitRelay {
     uint64_t overdue = 0;  // hand-overs this node then committed through storage
     uint64_t facts_received = 0, commits_received = 0;
     uint64_t announced = 0, announce_failed = 0;  // commit notes sent, per node
-    uint64_t listed_older = 0;  // the committer: older steps a newer commit left, listed once
-    uint64_t probed = 0;        // the committer: nodes probed for a step's missing facts
-    uint64_t probed_gone = 0;   // of those, unreachable (the step was listed at once)
+    uint64_t listed_older = 0;       // the committer: older steps a newer commit left, listed once
+    uint64_t probed = 0;             // the committer: nodes probed for a step's missing facts
+    uint64_t probed_gone = 0;        // of those, unreachable (the step was listed at once)
+    uint64_t probed_to_storage = 0;  // of those, committing it through storage (listed too)
   };
   Counters counters() const;
 
@@ -171,6 +175,7 @@ class CommitRelay {
   void Send(const Announcement& a);
   void Ask(const Announcement& a);
   void Probe(const Announcement& a);
+  void ToStorageLocked(uint64_t step);  // this node commits `step` through storage
 
   Replicator* const replicator_;
   const std::function<void()> notify_;
@@ -187,7 +192,8 @@ class CommitRelay {
   };
   std::map<uint64_t, Handed> handed_;  // step -> its hand-over, until committed (bounded)
   std::set<uint64_t> committed_;       // steps known committed here, newest kept (bounded)
-  std::map<uint64_t, std::set<std::string>> heard_;       // the committer: step -> nodes with facts
+  std::map<uint64_t, std::set<std::string>> heard_;  // the committer: step -> nodes with facts
+  std::set<uint64_t> to_storage_;  // steps this node commits through storage (what probes learn)
   std::vector<std::pair<uint64_t, uint64_t>> fall_back_;  // asked: the committer cannot help
   double backoff_until_ = 0;                              // hand-overs to the committer
   std::map<std::string, double> quiet_until_;  // node -> no commit notes to it until then
