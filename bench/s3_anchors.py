@@ -88,12 +88,24 @@ def s3_delete_prefix(bucket: str, prefix: str) -> None:
                        capture_output=True)
 
 
+def sweep_dead_runs() -> None:
+    """Removes the tmpfs directories of earlier runs whose process is gone (killed, e.g. by the
+    OOM killer, before its clean-up): each holds the state and its pieces, twice the state's
+    size, which the next run's memory would miss."""
+    for name in os.listdir("/dev/shm"):
+        pid = name.removeprefix("sp-s3-anchors-")
+        if pid == name or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+
+
 class Job:
     """The bytes every contender moves: the state file in tmpfs (the state's tensors are views
     of it), its 16 MiB pieces for curl, and a scratch directory in tmpfs for downloads."""
 
     def __init__(self, bucket: str, nbytes: int):
         self.bucket = bucket
+        sweep_dead_runs()
         self.dir = os.path.join("/dev/shm", f"sp-s3-anchors-{os.getpid()}")
         os.makedirs(self.dir, exist_ok=True)
         self.file = os.path.join(self.dir, "state.bin")

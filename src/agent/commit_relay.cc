@@ -222,12 +222,11 @@ void CommitRelay::Probe(const Announcement& a) {
     }
   }
   if (missing.empty()) return;  // every node's facts came (another attempt's ledger lacks some)
-  // A node that cannot be reached within the peer timeout is gone; one that answers that it
-  // commits the step through storage (its hand-over failed, or it is backing off from this
-  // committer) put its facts in its report; one that answers that the step is committed
-  // committed it so (a commit note to this node may have failed). Any other answer, a refusal
-  // included (an agent too old for probes), is a node that lives and has yet to hand its facts
-  // over.
+  // A node that cannot be reached within the peer timeout is gone. One that answers that it
+  // commits the step through storage (its hand-over failed, or it backs off from this committer)
+  // put its facts in its report. One that answers that the step is committed committed it by
+  // listing it and could not tell this node. Any other answer, a refusal included (an agent too
+  // old for probes), is a node that lives and has yet to hand its facts over.
   const std::vector<Status> sent =
       replicator_->Note(missing, "probe", json{{"step", a.step}}.dump());
   std::vector<std::string> gone, to_storage;
@@ -243,41 +242,36 @@ void CommitRelay::Probe(const Announcement& a) {
     counters_.probed_gone += gone.size();
     counters_.probed_to_storage += to_storage.size();
     auto it = handed_.find(a.step);
-    if (it == handed_.end() || it->second.overdue) return;
-    if (committed_by) {  // learnt as from a commit note
+    if (it == handed_.end() || it->second.overdue) return;  // committed or listed meanwhile
+    if (committed_by) {                                     // learnt as from a commit note
       ++counters_.commits_received;
       commits_in_.push_back(CommitNote{*committed_by, a.step, it->second.attempt, {}});
-    } else if (gone.empty() && to_storage.empty()) {
-      return;
+    } else if (!gone.empty() || !to_storage.empty()) {  // the agent lists the step now
+      it->second.overdue = true;
+      it->second.fell_back = true;
+      ++counters_.overdue;
+      fall_back_.emplace_back(a.step, it->second.attempt);
+    } else {
+      return;  // every node it lacks facts from is only slow
     }
   }
-  if (committed_by) {
-    notify_();
-    return;
+  if (!committed_by) {
+    const std::vector<std::string>& named = gone.empty() ? to_storage : gone;
+    spdlog::warn(
+        "step {}: node '{}'{} {}; committing through storage now", a.step, named.front(),
+        named.size() > 1 ? fmt::format(" (and {} other nodes)", named.size() - 1) : std::string(),
+        gone.empty() ? "commits it through storage (its facts are in its report)"
+                     : "cannot be reached and its facts of the step did not arrive");
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = handed_.find(a.step);
-    if (it == handed_.end() || it->second.overdue) return;
-    it->second.overdue = true;
-    it->second.fell_back = true;
-    ++counters_.overdue;
-    fall_back_.emplace_back(a.step, it->second.attempt);
-  }
-  const std::vector<std::string>& named = gone.empty() ? to_storage : gone;
-  spdlog::warn(
-      "step {}: node '{}'{} {}; committing through storage now", a.step, named.front(),
-      named.size() > 1 ? fmt::format(" (and {} other nodes)", named.size() - 1) : std::string(),
-      gone.empty() ? "commits it through storage (its facts are in its report)"
-                   : "cannot be reached and its facts of the step did not arrive");
   notify_();
 }
 
 Status CommitRelay::OnNote(const std::string& from, const std::string& kind,
                            const std::string& body) {
   if (kind == "probe") {
-    // The committer lacks this node's facts of a step: whether this node lives, and whether it
-    // commits the step through storage (then its facts are in its report).
+    // The committer lacks this node's facts of a step: whether this node lives, whether it
+    // commits the step through storage (then its facts are in its report), and whether the step
+    // is committed here (by this node's listing, if its commit note did not reach the committer).
     const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
     uint64_t step = 0;
     if (!j.is_object() || !Get(j, "step", &step)) return Status::OK();
