@@ -130,6 +130,29 @@ class TwoNodes : public ::testing::Test {
     }
   }
 
+  // Both ranks save step 1 and wait for its commit.
+  void CommitStep1() {
+    Save(0, 1);
+    Save(1, 1);
+    ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
+    ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  }
+
+  // Node `early` saves `step` and hands it over; its rank waits while node 1 - early's rank
+  // saves `step` only past the relay's grace plus `extra_ms` (a slow node). Returns the wait's
+  // status (the client serves one call at a time: its status is read after the wait).
+  safepoint::Status WaitWhileTheOtherSavesLate(int early, uint64_t step, int extra_ms) {
+    Save(early, step);
+    EXPECT_TRUE(WaitFor([&] { return Status(early)["commit_relay"]["handed_over"] == step; }));
+    safepoint::Status waited = Unavailable("not waited");
+    std::thread waiter([&] { waited = client_[early]->Wait(kDeadlineSeconds); });
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(static_cast<int>(CommitRelay::kGraceSeconds * 1000) + extra_ms));
+    Save(1 - early, step);
+    waiter.join();
+    return waited;
+  }
+
   void Save(int n, uint64_t step) {
     std::vector<float> data(4096, float(step * 10 + n));
     TensorSource t{{"w", DType::kFloat32, {data.size()}, {}, {}}, data.data(), data.size() * 4};
@@ -242,25 +265,13 @@ TEST_F(TwoNodes, TheCommitterCommitsAndTellsTheOtherNodeWhichAsksStorageNothing)
 
 TEST_F(TwoNodes, ANodeWaitingLongerThanTheGraceAsksTheCommitterNotStorage) {
   Connect();
-  Save(0, 1);
-  Save(1, 1);
-  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
-  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  CommitStep1();
   const json before = Status(1)["storage_requests"]["file"];
   // Node 1 hands step 2 over and its rank waits; the committer's rank saves past the relay's
   // grace (a slow node). Node 1 asks the committer, which holds its facts and waits for its
   // own image; node 1's wait is answered by the commit note, and storage is asked nothing
   // (once per ask, before, on every node of a job slower than the grace).
-  Save(1, 2);
-  ASSERT_TRUE(WaitFor([&] { return Status(1)["commit_relay"]["handed_over"] == 2; }));
-  safepoint::Status waited = Unavailable("not waited");
-  std::thread waiter([&] { waited = client_[1]->Wait(kDeadlineSeconds); });
-  // Past the grace (the client serves one call at a time: its status is read after the wait).
-  std::this_thread::sleep_for(
-      std::chrono::milliseconds(static_cast<int>(CommitRelay::kGraceSeconds * 1000) + 1500));
-  Save(0, 2);
-  waiter.join();
-  ASSERT_OK(waited);
+  ASSERT_OK(WaitWhileTheOtherSavesLate(/*early=*/1, 2, 1500));
   ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2}));
   const json s1 = Status(1);
@@ -276,10 +287,7 @@ TEST_F(TwoNodes, ANodeWaitingLongerThanTheGraceAsksTheCommitterNotStorage) {
 
 TEST_F(TwoNodes, WithTheCommitterGoneTheOtherNodeCommitsThroughStorage) {
   Connect();
-  Save(0, 1);
-  Save(1, 1);
-  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
-  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  CommitStep1();
   // Rank 0's image of step 2 is published, then its node's agent dies before node 1's facts
   // arrive: node 1 cannot hand them over, and commits step 2 by listing it.
   Save(0, 2);
@@ -295,10 +303,7 @@ TEST_F(TwoNodes, WithTheCommitterGoneTheOtherNodeCommitsThroughStorage) {
 
 TEST_F(TwoNodes, AStepHandedOverToACommitterThatDiedStillCommits) {
   Connect();
-  Save(0, 1);
-  Save(1, 1);
-  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
-  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  CommitStep1();
   // Node 1 hands its facts of step 2 over; then the committer's agent dies with them. Rank 0's
   // client starts a new one (with the peer setup and membership again), which persists rank
   // 0's image: it commits the step by itself (an adopted snapshot's listing commit) or once
@@ -360,22 +365,11 @@ TEST_F(TwoNodes, TheCommitterListsAtOnceWhenANodeWhoseFactsItLacksIsGone) {
 
 TEST_F(TwoNodes, TheCommitterProbesASlowNodeAndWaitsForItsFacts) {
   Connect();
-  Save(0, 1);
-  Save(1, 1);
-  ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
-  ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
+  CommitStep1();
   // The committer's image of step 2 first; node 1's rank saves past the relay's grace (a slow
   // node). The committer probes node 1, which answers: it waits for node 1's facts and commits
   // from them instead of listing the step.
-  Save(0, 2);
-  ASSERT_TRUE(WaitFor([&] { return Status(0)["commit_relay"]["handed_over"] == 2; }));
-  safepoint::Status waited = Unavailable("not waited");
-  std::thread waiter([&] { waited = client_[0]->Wait(kDeadlineSeconds); });
-  std::this_thread::sleep_for(
-      std::chrono::milliseconds(static_cast<int>(CommitRelay::kGraceSeconds * 1000) + 2500));
-  Save(1, 2);
-  waiter.join();
-  ASSERT_OK(waited);
+  ASSERT_OK(WaitWhileTheOtherSavesLate(/*early=*/0, 2, 2500));
   ASSERT_OK(client_[1]->Wait(kDeadlineSeconds));
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{1, 2}));
   const json s0 = Status(0);
