@@ -90,10 +90,15 @@ void NodeAgent::RelayCommitDone(const PersistResult& r) {
   if (relay_.Active()) relay_.Announce(step, r.attempt, r.pruned);
 }
 
-void NodeAgent::LearnCommitted(uint64_t step, const std::vector<uint64_t>& pruned) {
+void NodeAgent::MarkCommitted(uint64_t step) {
   committed_cache_.insert(step);
   newest_committed_ = std::max(newest_committed_.value_or(0), step);
   tiers_.Committed(step);
+  commits_to_tell_.push_back(step);
+}
+
+void NodeAgent::LearnCommitted(uint64_t step, const std::vector<uint64_t>& pruned) {
+  MarkCommitted(step);
   ledger_->Forget(step);
   EndHandOvers(step);
   for (uint64_t p : pruned) {
@@ -105,7 +110,9 @@ void NodeAgent::LearnCommitted(uint64_t step, const std::vector<uint64_t>& prune
 
 void NodeAgent::EndHandOvers(uint64_t step) {
   for (const auto& [older, attempt] : relay_.Committed(step)) {
-    if (committed_cache_.contains(older)) continue;
+    // Committed, or its commit queued here (this committer's ledger completed it after the newer
+    // step's commit was under way): no listing.
+    if (committed_cache_.contains(older) || queue_.CommitQueued(older)) continue;
     spdlog::warn(
         "step {} committed before step {}, which this node handed over and no commit answered "
         "(a node fell back to storage); listing step {} once",

@@ -289,9 +289,7 @@ void NodeAgent::DrainResults() {
       rs.persisted_generation[step] = {r.task.slot, r.task.generation};
       rs.persisted_attempt[step] = r.attempt;
       if (r.committed) {
-        committed_cache_.insert(step);
-        newest_committed_ = std::max(newest_committed_.value_or(0), step);
-        tiers_.Committed(step);
+        MarkCommitted(step);
         EndHandOvers(step);
         if (relay_.Active()) relay_.Announce(step, r.attempt, r.pruned);
       }

@@ -132,6 +132,10 @@ class NodeAgent {
   // `step` is committed (told by the committer, or committed here): waits, tiers and retention's
   // removals (`pruned`) learn of it.
   void LearnCommitted(uint64_t step, const std::vector<uint64_t>& pruned);
+  // `step` is committed, however this agent learnt it: the cache, the newest, the lower tiers,
+  // and the telemetry's commit event at the next RefreshTelemetry (each step once, in order,
+  // an older step committed after a newer one included).
+  void MarkCommitted(uint64_t step);
   // Ends the relay's hand-overs of `step` and older ones; on the committer, queues one listing
   // commit of each older one that no commit answered (CommitRelay::Committed).
   void EndHandOvers(uint64_t step);
@@ -230,6 +234,7 @@ class NodeAgent {
   // wait for one of them is answered OK, the save did not fail. A step saved again leaves it.
   std::deque<uint64_t> pruned_;
   std::optional<uint64_t> newest_committed_;
+  std::vector<uint64_t> commits_to_tell_;  // MarkCommitted since the last RefreshTelemetry
   bool stopping_ = false;
   bool saw_client_ = false;
   // A hello was refused since a rank last connected: once nothing else keeps it busy the agent

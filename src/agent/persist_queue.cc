@@ -54,9 +54,32 @@ void PersistQueue::Run(const PersistTask& t) {
 void PersistQueue::Enqueue(PersistTask task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(task));
+    if (task.commit_only == PersistTask::CommitOnly::kNo) {
+      queue_.push_back(std::move(task));
+    } else {
+      // A commit-only task goes ahead of the persists, behind the commit-only tasks queued
+      // before it: the commit relay's committer would otherwise commit a step that other nodes'
+      // facts completed only after its own whole backlog of persists (those of the next steps
+      // included, whose commits then came first), and every node's wait for it with it.
+      auto at = std::find_if(queue_.begin(), queue_.end(), [](const PersistTask& q) {
+        return q.commit_only == PersistTask::CommitOnly::kNo;
+      });
+      queue_.insert(at, std::move(task));
+    }
   }
   worker_.Wake();
+}
+
+bool PersistQueue::CommitQueued(uint64_t step) const {
+  auto commit_of = [step](const PersistTask& t) {
+    return t.step == step && t.commit_only != PersistTask::CommitOnly::kNo;
+  };
+  std::lock_guard<std::mutex> lock(mu_);
+  if (in_flight_ && commit_of(*in_flight_)) return true;
+  for (const PersistResult& r : results_) {
+    if (commit_of(r.task)) return true;
+  }
+  return std::any_of(queue_.begin(), queue_.end(), commit_of);
 }
 
 void PersistQueue::SetWorldSize(uint32_t world_size) {
@@ -155,8 +178,9 @@ std::vector<uint64_t> PersistQueue::Prune() {
 // have been published by an agent that died), by listing the step (TryCommitOfAttempt).
 bool PersistQueue::QueuedForStep(uint64_t step) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::any_of(queue_.begin(), queue_.end(),
-                     [step](const PersistTask& q) { return q.step == step; });
+  return std::any_of(queue_.begin(), queue_.end(), [step](const PersistTask& q) {
+    return q.step == step && q.commit_only == PersistTask::CommitOnly::kNo;
+  });
 }
 
 bool PersistQueue::FinishedOnNode(const PersistTask& t, uint64_t attempt) {

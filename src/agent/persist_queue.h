@@ -121,7 +121,12 @@ class PersistQueue {
   void Start(std::string job_dir, PersistTarget target);
   bool started() const { return worker_.started(); }
 
+  // Persists run in the order they were queued; a commit-only task runs before them, after the
+  // commit-only tasks queued before it.
   void Enqueue(PersistTask task);
+  // True while a commit-only task of `step` is queued, in flight, or finished but its result
+  // not taken yet.
+  bool CommitQueued(uint64_t step) const;
   // The job's world size changed (NodeAgent's world change): the steps persisted from now on
   // commit with `world_size` images, and a snapshot of another world size is refused as its
   // header does not match. Only while nothing is queued or in flight (!Busy()).
@@ -160,7 +165,7 @@ class PersistQueue {
   Result<std::unique_ptr<ImageBuilder>> WithoutReplicas(std::span<const std::byte> image,
                                                         const std::string& source,
                                                         const SkipRanges& skip);
-  bool QueuedForStep(uint64_t step) const;  // another task of `step` waits in the queue
+  bool QueuedForStep(uint64_t step) const;  // another persist of `step` waits in the queue
   // t's snapshot was overwritten before it was persisted: where other nodes' agents wait for the
   // step's commit, tells them that this rank's image of the attempt will never be written.
   void ReportAbandoned(const PersistTask& t, Arena& arena);

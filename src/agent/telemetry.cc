@@ -264,10 +264,25 @@ void Telemetry::Replicated(const PushOutcome& o) {
 
 void Telemetry::Committed(size_t tier, uint64_t step, double unix_seconds, uint64_t bytes,
                           double seconds) {
-  if (auto it = newest_told_.find(tier); it != newest_told_.end() && step <= it->second) return;
-  newest_told_[tier] = step;
+  Told& told = told_[tier];
+  if ((told.floor && step <= *told.floor) || told.steps.contains(step) ||
+      (!told.steps.empty() && step < *told.steps.begin() && told.steps.size() >= kMaxToldSteps)) {
+    return;
+  }
+  told.steps.insert(step);
+  while (told.steps.size() > kMaxToldSteps) told.steps.erase(told.steps.begin());
   const Labels t = {{"tier", Str(tier)}};
   registry_.Add("safepoint_commits_total", t);
+  json f = {{"tier", tier}, {"step", step}};
+  if (tier > 0) f.update({{"bytes", bytes}, {"seconds", seconds}});
+  if (told.newest && step < *told.newest) {
+    // An older step's commit finished after a newer one's: its event and count, not the
+    // gauges of the newest commit.
+    f["after_newer"] = *told.newest;
+    events_.Write("commit", job_, f);
+    return;
+  }
+  told.newest = step;
   registry_.Set("safepoint_last_commit_timestamp_seconds", t, unix_seconds);
   registry_.Set("safepoint_newest_committed_step", t, static_cast<double>(step));
   if (auto it = last_commit_.find(tier); it != last_commit_.end() && unix_seconds > it->second) {
@@ -278,8 +293,6 @@ void Telemetry::Committed(size_t tier, uint64_t step, double unix_seconds, uint6
     registry_.Set("safepoint_commit_interval_seconds", t, next);
   }
   last_commit_[tier] = unix_seconds;
-  json f = {{"tier", tier}, {"step", step}};
-  if (tier > 0) f.update({{"bytes", bytes}, {"seconds", seconds}});
   events_.Write("commit", job_, f);
 }
 
@@ -288,7 +301,8 @@ void Telemetry::KnownCommit(size_t tier, uint64_t step, double unix_seconds) {
   registry_.Set("safepoint_last_commit_timestamp_seconds", t, unix_seconds);
   registry_.Set("safepoint_newest_committed_step", t, static_cast<double>(step));
   last_commit_[tier] = unix_seconds;
-  newest_told_[tier] = step;
+  told_[tier].floor = step;
+  told_[tier].newest = step;
 }
 
 void Telemetry::SetTierUris(const std::vector<std::string>& uris) {
@@ -431,8 +445,11 @@ void NodeAgent::HandleReport(Client& c, const protocol::ReportNote& note) {
 // seen on its own). Samples the rest of the state into gauges about once a second (and right
 // away when `now`).
 void NodeAgent::RefreshTelemetry(bool now) {
-  // A commit another node's agent made (found by polling) has no persist result here.
-  if (newest_committed_) telemetry_.Committed(0, *newest_committed_, UnixNow());
+  // Every commit this agent learnt of, its own and another node's agent's (a commit note, a
+  // poll): one event each, in step order.
+  std::sort(commits_to_tell_.begin(), commits_to_tell_.end());
+  for (uint64_t step : commits_to_tell_) telemetry_.Committed(0, step, UnixNow());
+  commits_to_tell_.clear();
   if (tiers_.started()) telemetry_.TierStates(tiers_.States());
   const double t = MonotonicSeconds();
   if (!now && t - last_telemetry_ < 1.0) return;

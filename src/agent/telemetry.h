@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,7 +63,9 @@ class Telemetry {
   void FlushQueued(uint32_t rank, uint64_t step, FlushReason reason);
   void Replicated(const PushOutcome& o);
   // `step` is committed on tier `tier` (tier 0: seen by this agent, whoever committed it).
-  // Counted once per step newer than the newest one told before.
+  // Counted once per step, an older step committed after a newer one included (the commit
+  // relay's committer can finish a step's commit after the next one's); not the steps found
+  // committed at start (KnownCommit) or older. The gauges follow the newest step.
   void Committed(size_t tier, uint64_t step, double unix_seconds, uint64_t bytes = 0,
                  double seconds = 0);
   // The newest commit found on a tier when the agent starts (gauges only, no event).
@@ -93,7 +96,13 @@ class Telemetry {
   EventLog events_;
   std::string event_log_error_;
   // Per tier: the last commit seen (unix seconds), for the interval between commits.
-  std::map<size_t, uint64_t> newest_told_;  // per tier: the newest step told to Committed
+  struct Told {
+    std::optional<uint64_t> floor;  // the newest commit found at start: it and older not counted
+    std::optional<uint64_t> newest;
+    std::set<uint64_t> steps;  // counted, the newest kMaxToldSteps
+  };
+  static constexpr size_t kMaxToldSteps = 1024;
+  std::map<size_t, Told> told_;  // per tier
   std::map<size_t, double> last_commit_;
   std::map<size_t, double> interval_;  // moving average of the interval between commits
   std::map<size_t, TierState> last_states_;

@@ -45,13 +45,39 @@ TEST_F(TelemetryTest, CountsEachCommitOnceAndLearnsTheInterval) {
   EXPECT_EQ(t.registry().Value("safepoint_last_commit_timestamp_seconds", tier0), 1000);
   t.Committed(0, 11, 1060);
   t.Committed(0, 11, 1061);  // the same step seen again (another rank's persist, a poll)
-  t.Committed(0, 9, 1062);   // an older step: not newer than what was told
+  t.Committed(0, 9, 1062);   // older than the newest found at start: not this agent's to count
   EXPECT_EQ(t.registry().Value("safepoint_commits_total", tier0), 1);
   EXPECT_EQ(t.registry().Value("safepoint_last_commit_timestamp_seconds", tier0), 1060);
   EXPECT_EQ(t.registry().Value("safepoint_commit_interval_seconds", tier0), 60);
   t.Committed(0, 12, 1160);  // moving average: 0.7 * 60 + 0.3 * 100
   EXPECT_DOUBLE_EQ(t.registry().Value("safepoint_commit_interval_seconds", tier0), 72);
   EXPECT_EQ(t.registry().Value("safepoint_newest_committed_step", tier0), 12);
+}
+
+// The commit relay's committer can finish an older step's commit after a newer one's (a step
+// that other nodes' facts completed, queued behind its own persists): it is a commit all the
+// same, counted and logged once, and the gauges stay on the newest step.
+TEST_F(TelemetryTest, AnOlderStepCommittedAfterANewerOneIsCountedAndLoggedOnce) {
+  ASSERT_OK(t.OpenEventLog(log_));
+  const Labels tier0 = {{"tier", "0"}};
+  t.Committed(0, 1, 1000);
+  t.Committed(0, 3, 1010);
+  t.Committed(0, 2, 1020);
+  t.Committed(0, 2, 1021);  // seen again
+  t.Committed(0, 3, 1022);
+  EXPECT_EQ(t.registry().Value("safepoint_commits_total", tier0), 3);
+  EXPECT_EQ(t.registry().Value("safepoint_newest_committed_step", tier0), 3);
+  EXPECT_EQ(t.registry().Value("safepoint_last_commit_timestamp_seconds", tier0), 1010);
+  std::vector<nlohmann::json> commits;
+  for (const auto& e : ReadJsonLines(log_)) {
+    if (e["event"] == "commit") commits.push_back(e);
+  }
+  ASSERT_EQ(commits.size(), 3u);
+  EXPECT_EQ(commits[0]["step"], 1);
+  EXPECT_EQ(commits[1]["step"], 3);
+  EXPECT_EQ(commits[2]["step"], 2);
+  EXPECT_EQ(commits[2]["after_newer"], 3);
+  EXPECT_FALSE(commits[1].contains("after_newer"));
 }
 
 TEST_F(TelemetryTest, TierCopiesAndFailuresBecomeMetricsAndEvents) {

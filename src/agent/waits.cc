@@ -24,9 +24,7 @@ bool NodeAgent::StepCommitted(uint64_t step) {
   if (!store_) return false;
   // Made durable before it is believed (ConfirmCommit): a visible COMMIT may not be yet.
   if (store_->ConfirmCommit(step).ok()) {
-    committed_cache_.insert(step);
-    newest_committed_ = std::max(newest_committed_.value_or(0), step);
-    tiers_.Committed(step);
+    MarkCommitted(step);
     return true;
   }
   return false;
@@ -130,9 +128,7 @@ std::optional<Status> NodeAgent::StepNeverCommits(uint64_t step, uint32_t rank) 
   }
   auto committed = store_->TryCommitOfAttempt(step, config_->world_size, opt_.job, attempt);
   if (committed.ok() && *committed) {
-    committed_cache_.insert(step);
-    newest_committed_ = std::max(newest_committed_.value_or(0), step);
-    tiers_.Committed(step);
+    MarkCommitted(step);
     return Status::OK();
   }
   if (!committed.ok()) {
