@@ -24,8 +24,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_DEMO=(g++ cmake ninja-build pkg-config libisal-dev libzstd-dev liburing-dev nlohmann-json3-dev
-          libspdlog-dev libcli11-dev libucx-dev libssl-dev librados-dev libcurl4-openssl-dev
-          libcpp-httplib-dev python3-venv python3-dev)
+          libspdlog-dev libcli11-dev libucx-dev libssl-dev librados-dev libradospp-dev
+          libcurl4-openssl-dev libcpp-httplib-dev python3-venv python3-dev)
 APT_TEST=(libgtest-dev libgmock-dev iproute2 curl ceph-mon ceph-osd ceph-mgr radosgw ceph-common
           prometheus)
 APT_BENCH=(iperf3 ucx-utils)
