@@ -1,6 +1,7 @@
 // CommitRelay (src/agent/commit_relay.h).
 #include "agent/commit_relay.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "agent/replicator.h"
@@ -32,7 +33,12 @@ CommitRelay::CommitRelay(Replicator* replicator, std::function<void()> notify)
 
 CommitRelay::~CommitRelay() { Stop(); }
 
-void CommitRelay::Stop() { worker_.Stop(); }
+void CommitRelay::Stop() {
+  worker_.RequestStop();
+  probe_worker_.RequestStop();
+  worker_.Join();
+  probe_worker_.Join();
+}
 
 bool CommitRelay::Flush(double seconds) {
   std::unique_lock<std::mutex> lock(mu_);
@@ -325,6 +331,10 @@ void CommitRelay::Announce(uint64_t step, uint64_t attempt, std::vector<uint64_t
 }
 
 void CommitRelay::Queue(Announcement a) {
+  if (a.kind == Announcement::Kind::kProbe) {
+    QueueProbe(std::move(a));
+    return;
+  }
   // Started on first use, from the agent's loop: a thread made before the agent blocked its
   // signals (for its signalfd) would take a SIGTERM and end the process without its flush.
   if (!worker_.started()) {
@@ -339,8 +349,7 @@ void CommitRelay::Queue(Announcement a) {
                              Ask(t);
                              break;
                            case Announcement::Kind::kProbe:
-                             Probe(t);
-                             break;
+                             break;  // on probe_worker_
                          }
                          {
                            std::lock_guard<std::mutex> lock(mu_);
@@ -354,6 +363,31 @@ void CommitRelay::Queue(Announcement a) {
     announcements_.push_back(std::move(a));
   }
   worker_.Wake();
+}
+
+void CommitRelay::QueueProbe(Announcement a) {
+  // A worker of its own: a probe of a node that does not answer (cut off, its agent stopped)
+  // takes the peer timeout, and the commit notes to every other node would wait behind it.
+  if (!probe_worker_.started()) {
+    probe_worker_.Start({.take = [this] { return Loop::TakeFront(probes_, &probe_in_flight_); },
+                         .run =
+                             [this](Announcement& t) {
+                               Probe(t);
+                               std::lock_guard<std::mutex> lock(mu_);
+                               probe_in_flight_.reset();
+                             }});
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // One probe of a step at a time: a slow answer must not pile more of them up.
+    const auto same = [&](const Announcement& q) { return q.step == a.step; };
+    if ((probe_in_flight_ && same(*probe_in_flight_)) ||
+        std::any_of(probes_.begin(), probes_.end(), same)) {
+      return;
+    }
+    probes_.push_back(std::move(a));
+  }
+  probe_worker_.Wake();
 }
 
 void CommitRelay::Send(const Announcement& a) {

@@ -30,7 +30,9 @@
 // service's timeout; after a failure the committer is not asked for kBackoffSeconds); OnNote on
 // the peer service's progress thread (it queues and wakes the agent's loop); Announce (called from
 // the agent's loop, which also calls Stop) sends on a worker of its own, started by its first
-// call; the rest is called from the agent's loop. Every method is thread-safe.
+// call, and the committer's probes on another (a probe of a node that does not answer takes the
+// peer timeout: commit notes do not wait behind it); the rest is called from the agent's loop.
+// Every method is thread-safe.
 #pragma once
 
 #include <condition_variable>
@@ -172,6 +174,7 @@ class CommitRelay {
   };
   using Loop = internal::WorkerLoop<Announcement>;
   void Queue(Announcement a);
+  void QueueProbe(Announcement a);  // on probe_worker_
   void Send(const Announcement& a);
   void Ask(const Announcement& a);
   void Probe(const Announcement& a);
@@ -203,7 +206,10 @@ class CommitRelay {
   std::optional<Announcement> in_flight_;  // the one the worker sends (Flush waits for it)
   std::condition_variable sent_;           // the worker sent one
   Counters counters_;
-  Loop worker_{mu_, Loop::OnStop::kDrop};
+  Loop worker_{mu_, Loop::OnStop::kDrop};  // commit and ask notes, in order
+  std::deque<Announcement> probes_;        // the committer's probes (one per step at a time)
+  std::optional<Announcement> probe_in_flight_;
+  Loop probe_worker_{mu_, Loop::OnStop::kDrop};
 };
 
 }  // namespace safepoint::agent

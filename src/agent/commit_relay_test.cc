@@ -67,24 +67,25 @@ TEST(CommitRelayNotesTest, MalformedNotesAreRefused) {
 }
 
 // A 2-rank job whose ranks are on two nodes (two shm directories, so two agents) writing one
-// checkpoint directory, with the membership the Python layer sends (redundancy none).
+// checkpoint directory, with the membership the Python layer sends (redundancy none);
+// ThreeNodes: the same with three.
 class TwoNodes : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(tmp_.ok());
     storage_ = tmp_.path() + "/ckpt";
-    for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < nodes_; ++n) {
       shm_[n] = tmp_.path() + "/shm-node" + std::to_string(n);
       ASSERT_EQ(::mkdir(shm_[n].c_str(), 0700), 0);
     }
   }
   void TearDown() override {
-    for (int n = 0; n < 2 && HasFailure(); ++n) {
+    for (int n = 0; n < nodes_ && HasFailure(); ++n) {
       if (auto text = test::ReadFileToString(protocol::AgentLogPath(JobDir(n)))) {
         std::cerr << "---- agent of node " << n << " ----\n" << *text;
       }
     }
-    for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < nodes_; ++n) {
       client_[n].reset();
       const std::string dir = JobDir(n);
       uint32_t pid = 0;
@@ -105,13 +106,13 @@ class TwoNodes : public ::testing::Test {
 
   // Connects both ranks and gives both agents the membership: node 0 (rank 0's) commits.
   void Connect() {
-    for (uint32_t n = 0; n < 2; ++n) {
+    for (uint32_t n = 0; n < static_cast<uint32_t>(nodes_); ++n) {
       ClientOptions o;
       o.storage = storage_;
       o.job = job_;
       o.shm_dir = shm_[n];
       o.rank = n;
-      o.world_size = 2;
+      o.world_size = static_cast<uint32_t>(nodes_);
       o.keep = 2;
       o.attempt = 5;
       o.agent_binary = SAFEPOINTD_PATH;
@@ -119,12 +120,12 @@ class TwoNodes : public ::testing::Test {
       ASSERT_OK_AND_ASSIGN(client_[n], SnapshotClient::Connect(o));
     }
     std::vector<PeerNode> nodes;
-    for (uint32_t n = 0; n < 2; ++n) {
+    for (uint32_t n = 0; n < static_cast<uint32_t>(nodes_); ++n) {
       ASSERT_OK_AND_ASSIGN(std::string address,
                            client_[n]->PeerSetup("n" + std::to_string(n), "127.0.0.1", 5));
       nodes.push_back({"n" + std::to_string(n), address});
     }
-    for (uint32_t n = 0; n < 2; ++n) {
+    for (uint32_t n = 0; n < static_cast<uint32_t>(nodes_); ++n) {
       ASSERT_OK(client_[n]->SetMembership(
           Membership{"epoch1", n, nodes, "none", std::string(64, 'a'), 0}));
     }
@@ -226,9 +227,10 @@ class TwoNodes : public ::testing::Test {
   }
 
   test::TempDir tmp_;
-  std::string storage_, shm_[2];
+  int nodes_ = 2;  // ThreeNodes: 3
+  std::string storage_, shm_[3];
   std::string job_ = "relay";
-  std::unique_ptr<SnapshotClient> client_[2];
+  std::unique_ptr<SnapshotClient> client_[3];
 };
 
 TEST_F(TwoNodes, TheCommitterCommitsAndTellsTheOtherNodeWhichAsksStorageNothing) {
@@ -417,6 +419,48 @@ TEST_F(TwoNodes, ACommitNoteToADeadNodeFailsAndTheCommitStands) {
   ASSERT_OK(client_[0]->Wait(kDeadlineSeconds));
   EXPECT_EQ(Committed(), (std::vector<uint64_t>{1}));
   EXPECT_TRUE(WaitFor([&] { return Status(0)["commit_relay"]["announce_failed"] == 1; }))
+      << Status(0)["commit_relay"].dump();
+}
+
+class ThreeNodes : public TwoNodes {
+ protected:
+  ThreeNodes() { nodes_ = 3; }
+};
+
+// The committer probes on a worker of its own: a probe of a node that does not answer (its
+// agent stopped: the peer timeout, 5 s here) does not hold the commit notes of a step that
+// completed meanwhile. Before, both went out on one worker, and every other node learnt the
+// commit only after the probe timed out (or asked after its own grace).
+TEST_F(ThreeNodes, AProbeOfANodeThatDoesNotAnswerHoldsNoCommitNote) {
+  Connect();
+  for (int n = 0; n < 3; ++n) Save(n, 1);
+  for (int n = 0; n < 3; ++n) ASSERT_OK(client_[n]->Wait(kDeadlineSeconds));
+  // Node 1 hands step 2 over, then its agent stops answering.
+  Save(1, 2);
+  ASSERT_TRUE(WaitFor([&] { return Status(1)["commit_relay"]["handed_over"] == 2; }));
+  ASSERT_EQ(::kill(AgentPid(1), SIGSTOP), 0);
+  // The committer's steps 2 and 3; node 2 has saved neither. Past the grace the committer
+  // probes node 2 for step 2 (it answers: a slow node) and nodes 1 and 2 for step 3 (node 1
+  // does not answer: that probe waits out the peer timeout).
+  Save(0, 2);
+  Save(0, 3);
+  ASSERT_TRUE(Published(3, 0));
+  ASSERT_TRUE(WaitFor([&] { return Status(0)["commit_relay"]["probed"] >= 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // Node 2 saves step 2: the committer commits it and tells node 2 while its probe of node 1
+  // for step 3 still waits.
+  Save(2, 2);
+  ASSERT_OK(client_[2]->Wait(kDeadlineSeconds));
+  const json relay0 = Status(0)["commit_relay"];
+  const json relay2 = Status(2)["commit_relay"];
+  EXPECT_EQ(relay0["probed_gone"], 0) << relay0.dump();
+  EXPECT_EQ(relay2["commits_received"], 2) << relay2.dump();
+  EXPECT_EQ(relay2["asked"], 0) << relay2.dump();
+  EXPECT_TRUE(WaitFor([&] {
+    return Committed() == std::vector<uint64_t>{1, 2};
+  })) << ::testing::PrintToString(Committed());
+  // The probe then finds node 1 gone.
+  EXPECT_TRUE(WaitFor([&] { return Status(0)["commit_relay"]["probed_gone"] >= 1; }))
       << Status(0)["commit_relay"].dump();
 }
 
