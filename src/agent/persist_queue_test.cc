@@ -86,6 +86,30 @@ TEST_F(PersistQueueTest, AVisibleCommitThatCannotBeMadeDurableIsNotReportedCommi
   EXPECT_FALSE(r.committed);
 }
 
+// Rank 0's snapshot of step kStep (a job of `world` ranks) in a slot of a fresh job directory.
+struct SlotSnapshot {
+  explicit SlotSnapshot(uint32_t world) : meta(test::TestImageMeta("pq", kStep, 0, world)) {}
+  void Write() {  // under ASSERT_NO_FATAL_FAILURE
+    ASSERT_TRUE(tmp.ok());
+    ASSERT_OK_AND_ASSIGN(job_dir, JobDirectory(tmp.path(), "pq", true));
+    ASSERT_OK_AND_ASSIGN(arena, Arena::Open(job_dir, 0));
+    ASSERT_OK_AND_ASSIGN(auto builder, ImageBuilder::Create(meta, shard.sources, shard.extras));
+    ASSERT_OK_AND_ASSIGN(auto ticket, arena->BeginWrite(builder->size()));
+    ASSERT_EQ(ticket.first, Arena::Acquire::kAcquired);
+    builder->FillAll(ticket.second.data, 1);
+    arena->FinishWrite(ticket.second, kStep, builder->size(), /*leased=*/false);
+    slot = ticket.second.slot;
+    generation = arena->Slots()[slot].generation;
+  }
+  test::TempDir tmp{"safepoint-persist-queue-test"};
+  test::TwoTensorShard shard{kStep, 0, kStep, 1 << 10};
+  ImageMeta meta;
+  std::string job_dir;
+  std::unique_ptr<Arena> arena;
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+};
+
 // Regression (node-loss campaign seed 3141592653, round 25): an agent persisted rank 2's
 // snapshot of step 46 (leaving replicas to other ranks), died, and the agent that adopted the
 // snapshot persisted it again, written whole, just after another node's agent had committed the
@@ -93,19 +117,10 @@ TEST_F(PersistQueueTest, AVisibleCommitThatCannotBeMadeDurableIsNotReportedCommi
 // step no longer loaded ("image header does not match the COMMIT record"). A snapshot whose
 // image of the same attempt is stored already is not written again; the commit is still tried.
 TEST(PersistQueueStoredTest, ASnapshotWhoseImageIsStoredAlreadyIsNotWrittenAgain) {
-  test::TempDir tmp("safepoint-persist-queue-test");
-  ASSERT_TRUE(tmp.ok());
-  ASSERT_OK_AND_ASSIGN(std::string job_dir, JobDirectory(tmp.path(), "pq", true));
-  ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir, 0));
-  test::TwoTensorShard shard{kStep, 0, kStep, 1 << 10};
-  const ImageMeta meta = test::TestImageMeta("pq", kStep, 0, 2);
-  ASSERT_OK_AND_ASSIGN(auto builder, ImageBuilder::Create(meta, shard.sources, shard.extras));
-  ASSERT_OK_AND_ASSIGN(auto ticket, arena->BeginWrite(builder->size()));
-  ASSERT_EQ(ticket.first, Arena::Acquire::kAcquired);
-  builder->FillAll(ticket.second.data, 1);
-  arena->FinishWrite(ticket.second, kStep, builder->size(), /*leased=*/false);
-  const uint32_t slot = ticket.second.slot;
-  const uint64_t generation = arena->Slots()[slot].generation;
+  SlotSnapshot snap(/*world=*/2);
+  ASSERT_NO_FATAL_FAILURE(snap.Write());
+  const ImageMeta& meta = snap.meta;
+  const test::TwoTensorShard& shard = snap.shard;
 
   // The same snapshot stored already in another layout (chunk size), and rank 1's image.
   auto store = std::make_shared<CheckpointStore>(std::shared_ptr<Storage>(NewMemoryStorage()));
@@ -126,10 +141,10 @@ TEST(PersistQueueStoredTest, ASnapshotWhoseImageIsStoredAlreadyIsNotWrittenAgain
   const std::vector<std::byte> before = read_all(ImageObjectName(kStep, 0));
 
   PersistQueue queue([] {});
-  queue.Start(job_dir, PersistTarget{.job = "pq", .store = store, .world_size = 2});
+  queue.Start(snap.job_dir, PersistTarget{.job = "pq", .store = store, .world_size = 2});
   queue.Enqueue({.rank = 0,
-                 .slot = slot,
-                 .generation = generation,
+                 .slot = snap.slot,
+                 .generation = snap.generation,
                  .step = kStep,
                  .reason = FlushReason::kAdopted});
   std::vector<PersistResult> results;
@@ -149,19 +164,8 @@ TEST(PersistQueueStoredTest, ASnapshotWhoseImageIsStoredAlreadyIsNotWrittenAgain
 // committer's whole backlog, whose own persists could commit the next step first (the short
 // scale run of make test, W = 512 on 8 nodes under load: step 3 committed before step 2).
 TEST(PersistQueueOrderTest, ACommitOnlyTaskRunsAheadOfQueuedPersists) {
-  test::TempDir tmp("safepoint-persist-queue-test");
-  ASSERT_TRUE(tmp.ok());
-  ASSERT_OK_AND_ASSIGN(std::string job_dir, JobDirectory(tmp.path(), "pq", true));
-  ASSERT_OK_AND_ASSIGN(auto arena, Arena::Open(job_dir, 0));
-  test::TwoTensorShard shard{kStep, 0, kStep, 1 << 10};
-  const ImageMeta meta = test::TestImageMeta("pq", kStep, 0, 1);
-  ASSERT_OK_AND_ASSIGN(auto builder, ImageBuilder::Create(meta, shard.sources, shard.extras));
-  ASSERT_OK_AND_ASSIGN(auto ticket, arena->BeginWrite(builder->size()));
-  ASSERT_EQ(ticket.first, Arena::Acquire::kAcquired);
-  builder->FillAll(ticket.second.data, 1);
-  arena->FinishWrite(ticket.second, kStep, builder->size(), /*leased=*/false);
-  const uint32_t slot = ticket.second.slot;
-  const uint64_t generation = arena->Slots()[slot].generation;
+  SlotSnapshot snap(/*world=*/1);
+  ASSERT_NO_FATAL_FAILURE(snap.Write());
 
   // The first persist's image write is held for a moment: the worker is busy with it while the
   // other two tasks are queued.
@@ -170,8 +174,8 @@ TEST(PersistQueueOrderTest, ACommitOnlyTaskRunsAheadOfQueuedPersists) {
       {.op = FaultOp::kWrite, .kind = FaultKind::kDelay, .delay = std::chrono::milliseconds(300)});
   auto store = std::make_shared<CheckpointStore>(faulty);
   PersistQueue queue([] {});
-  queue.Start(job_dir, PersistTarget{.job = "pq", .store = store, .world_size = 1});
-  queue.Enqueue({.rank = 0, .slot = slot, .generation = generation, .step = kStep});
+  queue.Start(snap.job_dir, PersistTarget{.job = "pq", .store = store, .world_size = 1});
+  queue.Enqueue({.rank = 0, .slot = snap.slot, .generation = snap.generation, .step = kStep});
   while (!queue.progress().in_flight) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   // A persist of a snapshot that is not there (rank 7 of the next step: nothing is written),
   // then the commit of an older step from a rank's facts.
