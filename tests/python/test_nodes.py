@@ -123,7 +123,8 @@ def test_job_resumes_from_storage_after_a_node_loss(cluster, tmp_path):
     assert relays[0]["facts_received"] >= 6, relays  # (a node asked again: more)
     for r in relays[1:]:
         assert (r["handed_over"], r["hand_over_failed"], r["overdue"]) == (3, 0, 0), relays
-        assert r["commits_received"] == 3, relays
+        # (an ask answered "committed" before the note came counts once more: at most `asked`)
+        assert 3 <= r["commits_received"] <= 3 + r["asked"], relays
     for o in saved[1:]:
         # Each of their agents published its 3 images and listed the committed steps once, when
         # its first rank connected; no listing of a step, no facts report, no COMMIT poll.

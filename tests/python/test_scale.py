@@ -119,7 +119,8 @@ def test_every_committed_step_has_exactly_w_image_publishes(runs, n):
         c = r["relay_counters"]
         assert c["hand_over_failed"] == 0 and c["overdue"] == 0, c
         assert c["handed_over"] >= (n - 1) * STEPS, c
-        assert c["commits_received"] == (n - 1) * STEPS, c
+        # (an ask answered "committed" before the note came counts once more: at most `asked`)
+        assert (n - 1) * STEPS <= c["commits_received"] <= (n - 1) * STEPS + c["asked"], c
 
 
 def test_one_rank_a_node_commits_every_step_through_the_relay(runs):
@@ -131,7 +132,7 @@ def test_one_rank_a_node_commits_every_step_through_the_relay(runs):
     assert r["committed_steps"] == STEPS and r["failures"] == 0, r
     c = r["relay_counters"]
     assert c["hand_over_failed"] == 0 and c["overdue"] == 0, c
-    assert c["commits_received"] == 7 * STEPS, c
+    assert 7 * STEPS <= c["commits_received"] <= 7 * STEPS + c["asked"], c
 
 
 def test_each_node_reports_its_facts_once_a_step(runs):
