@@ -291,6 +291,18 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
                        std::to_string(want.world_size));
     return Status::OK();
   }
+  // Every rank of the job's run on this node closed cleanly and this agent is about to exit: a
+  // process asking for another path or other tiers is the job's next run (the same job name),
+  // which met this agent in the moment before it exits. Unavailable: the client waits for the
+  // exit and starts the job's next agent. Refused as a conflict before, whenever the next run
+  // started that soon (make test, 2026-12-06).
+  if (config_ && opt_.exit_when_idle && AllClosed() &&
+      (config_->storage != want.storage || config_->tiers != want.tiers)) {
+    RefuseHello(c, Unavailable("job " + opt_.job + "'s agent, which persisted to " +
+                               config_->storage + ", is exiting (every rank of its run closed)")
+                       .ToString());
+    return Status::OK();
+  }
   if (config_ && config_->storage != want.storage) {
     RefuseHello(c, "job " + opt_.job + " already persists to " + config_->storage +
                        "; this process asked for " + want.storage + " (use another job name)");

@@ -1545,6 +1545,49 @@ TEST_F(AgentTest, ARefusedProcessDoesNotKeepTheAgentAlive) {
   EXPECT_FALSE(SlotFiles().empty());  // the snapshot stays for the job's next agent
 }
 
+// The job's next run under the same name, with another path, meets the agent of the run before
+// in the moment it exits (every rank closed cleanly): the client waits for that agent to exit
+// and starts the job's next one. Refused as a conflict before ("already persists to"), which
+// make test met when one test opened the same job twice in a row. The window is held open here
+// by a connection that never says hello (it keeps the agent alive).
+TEST_F(AgentTest, TheNextRunWithAnotherPathWaitsForTheExitingAgentOfTheRunBefore) {
+  ASSERT_NO_FATAL_FAILURE(StartAgent());
+  UniqueFd holder = TryConnect();
+  ASSERT_TRUE(holder.valid());
+  {
+    ASSERT_OK_AND_ASSIGN(auto client, SnapshotClient::Connect(Options()));
+    SaveStep(*client, 1, /*persist=*/true);
+    ASSERT_OK(client->Wait(kDeadlineSeconds));
+    ASSERT_OK(client->Close(kDeadlineSeconds));
+  }
+  ClientOptions next = Options();
+  next.storage = tmp_ + "/next";
+  std::optional<Result<std::unique_ptr<SnapshotClient>>> connected;
+  std::thread t([&] { connected.emplace(SnapshotClient::Connect(next)); });
+  // The old agent refuses it as exiting (it stays while the holder is connected), and the client
+  // keeps waiting rather than failing.
+  EXPECT_TRUE(WaitUntil([&] {
+    auto log = test::ReadFileToString(logs_.front());  // the agent StartAgent spawned
+    return log && log->find("is exiting (every rank of its run closed)") != std::string::npos;
+  }));
+  EXPECT_TRUE(Running(agent_));
+  holder.Reset();
+  t.join();
+  ASSERT_TRUE(connected.has_value());
+  ASSERT_OK(connected->status());
+  ExpectExitsWith(agent_, 0);
+  SaveStep(***connected, 2, /*persist=*/true);
+  ASSERT_OK((**connected)->Wait(kDeadlineSeconds));
+  ASSERT_OK((**connected)->Close(kDeadlineSeconds));
+  EXPECT_EQ(Committed(), (std::vector<uint64_t>{1}));  // the first run's path
+  auto store = OpenCheckpointStore(next.storage);
+  ASSERT_OK(store.status());
+  auto steps = (*store)->ListCommitted();
+  ASSERT_OK(steps.status());
+  ASSERT_EQ(steps->size(), 1u);
+  EXPECT_EQ(steps->front().step, 2u);
+}
+
 // A checkpoint path the agent cannot create (a file in the way): the agent refuses the hello with
 // the storage's status, and the client keeps its code (a storage error naming the path, not
 // "InvalidArgument: the agent refused this process").
@@ -1573,6 +1616,9 @@ TEST(HelloRefusalTest, StorageRefusalsKeepTheirCodeAndOthersAreInvalidArgument) 
             StatusCode::kResourceExhausted);
   EXPECT_EQ(internal::HelloRefusal("NotFound: /x/ckpt: no such bucket").code(),
             StatusCode::kNotFound);
+  const Status exiting = internal::HelloRefusal("Unavailable: job j's agent ... is exiting");
+  EXPECT_EQ(exiting.code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(exiting.message().starts_with("job j's agent")) << exiting.ToString();
   const Status other =
       internal::HelloRefusal("InvalidArgument: job j already persists to /a with world size 2");
   EXPECT_EQ(other.code(), StatusCode::kInvalidArgument);

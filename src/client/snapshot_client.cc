@@ -106,11 +106,13 @@ std::string ErrorText(const std::string& payload) {
 namespace internal {
 
 Status HelloRefusal(std::string_view text) {
-  for (StatusCode code : {StatusCode::kIOError, StatusCode::kResourceExhausted,
-                          StatusCode::kNotFound, StatusCode::kSuperseded}) {
+  for (StatusCode code :
+       {StatusCode::kIOError, StatusCode::kResourceExhausted, StatusCode::kNotFound,
+        StatusCode::kSuperseded, StatusCode::kUnavailable}) {
     const std::string prefix = std::string(StatusCodeName(code)) + ": ";
     if (text.starts_with(prefix)) {
-      if (code == StatusCode::kSuperseded)
+      // Unavailable: the agent is exiting (EnsureAgent waits for it and starts the next one).
+      if (code == StatusCode::kSuperseded || code == StatusCode::kUnavailable)
         return Status(code, std::string(text.substr(prefix.size())));
       return Status(code, std::string(text.substr(prefix.size())) +
                               " (the safepoint agent cannot use the checkpoint path)");
