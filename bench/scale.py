@@ -124,6 +124,35 @@ def read_events(path: str) -> list[dict]:
     return events
 
 
+class AgentLogKeeper:
+    """Keeps the agents' logs of a run (--keep-agent-logs): an agent unlinks its log at a clean
+    exit, so while the run goes each node's log is hard-linked (same file system: the shm
+    directory's) into `dest`, named by node."""
+
+    def __init__(self, shms: list[str], dest: str):
+        import threading
+        self.shms, self.dest = shms, dest
+        os.makedirs(dest, exist_ok=True)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            for i, shm in enumerate(self.shms):
+                for log in glob.glob(os.path.join(shm, "*", "agent.log")):
+                    target = os.path.join(self.dest, f"node{i}-agent.log")
+                    if not os.path.exists(target):
+                        try:
+                            os.link(log, target)
+                        except OSError:
+                            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver: str,
                agent: str) -> dict:
     """One job of w ranks on n nodes against one store; returns its measurements."""
@@ -143,6 +172,13 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
     logs = [os.path.join(work, f"events-{i}.jsonl") for i in range(n)]
     result: dict = {"W": w, "N": n, "store": store, "ranks_per_node": per_node,
                     "steps": args.steps, "keep": args.keep, "bytes": args.bytes}
+    keeper = None
+    if getattr(args, "keep_agent_logs", None):
+        # Beside the shm directories (a hard link needs the same file system).
+        logs_dir = os.path.join(args.shm_base or tempfile.gettempdir(),
+                                f"{args.keep_agent_logs}-{job}")
+        keeper = AgentLogKeeper(shms, logs_dir)
+        result["agent_logs"] = logs_dir
     try:
         t0 = time.time()
         procs = []
@@ -238,6 +274,8 @@ def run_config(w: int, n: int, store: str, base_uri: Optional[str], args, driver
         result["restore_shared"] = shared
         return result
     finally:
+        if keeper is not None:
+            keeper.close()
         for s in shms:
             stop_agents(s, grace=5, own_exit=0)
             shutil.rmtree(s, ignore_errors=True)
@@ -370,6 +408,9 @@ def main() -> int:
     ap.add_argument("--shm-base", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench", "scale.json"))
     ap.add_argument("--keep-files", action="store_true")
+    ap.add_argument("--keep-agent-logs", metavar="PREFIX", default=None,
+                    help="keep every node's agent log of each run in --shm-base/PREFIX-JOB (an "
+                    "agent removes its log at a clean exit)")
     ap.add_argument("--no-relay", dest="relay", action="store_false",
                     help="no commit relay: the agents commit through storage alone")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
