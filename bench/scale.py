@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -130,7 +131,6 @@ class AgentLogKeeper:
     directory's) into `dest`, named by node."""
 
     def __init__(self, shms: list[str], dest: str):
-        import threading
         self.shms, self.dest = shms, dest
         os.makedirs(dest, exist_ok=True)
         self.stop = threading.Event()

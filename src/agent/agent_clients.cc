@@ -291,28 +291,28 @@ Status NodeAgent::HandleHello(Client& c, const protocol::HelloRequest& hello) {
                        std::to_string(want.world_size));
     return Status::OK();
   }
-  // Every rank of the job's run on this node closed cleanly and this agent is about to exit: a
-  // process asking for another path or other tiers is the job's next run (the same job name),
-  // which met this agent in the moment before it exits. Unavailable: the client waits for the
-  // exit and starts the job's next agent. Refused as a conflict before, whenever the next run
-  // started that soon (make test, 2026-12-06).
-  if (config_ && opt_.exit_when_idle && AllClosed() &&
-      (config_->storage != want.storage || config_->tiers != want.tiers)) {
-    RefuseHello(c, Unavailable("job " + opt_.job + "'s agent, which persisted to " +
-                               config_->storage + ", is exiting (every rank of its run closed)")
-                       .ToString());
-    return Status::OK();
-  }
+  // Another path or other tiers under the job's name: a conflict while the job's run lives
+  // here. Once every rank of the run closed cleanly and this agent is about to exit, it is the
+  // job's next run, which met this agent in the moment before it exits: Unavailable, and the
+  // client waits for the exit and starts the job's next agent (refused as a conflict before,
+  // whenever the next run started that soon: make test, 2026-12-06).
+  std::string conflict;
   if (config_ && config_->storage != want.storage) {
-    RefuseHello(c, "job " + opt_.job + " already persists to " + config_->storage +
-                       "; this process asked for " + want.storage + " (use another job name)");
-    return Status::OK();
+    conflict = "job " + opt_.job + " already persists to " + config_->storage +
+               "; this process asked for " + want.storage + " (use another job name)";
+  } else if (config_ && config_->tiers != want.tiers) {
+    conflict = "job " + opt_.job + " already fills the storage tiers " +
+               protocol::EncodeTiers(config_->tiers).dump() + "; this process asked for " +
+               protocol::EncodeTiers(want.tiers).dump() +
+               " (use another job name, or let the job's agent exit first)";
   }
-  if (config_ && config_->tiers != want.tiers) {
-    RefuseHello(c, "job " + opt_.job + " already fills the storage tiers " +
-                       protocol::EncodeTiers(config_->tiers).dump() + "; this process asked for " +
-                       protocol::EncodeTiers(want.tiers).dump() +
-                       " (use another job name, or let the job's agent exit first)");
+  if (!conflict.empty()) {
+    if (opt_.exit_when_idle && AllClosed()) {
+      conflict = Unavailable("job " + opt_.job + "'s agent, which persisted to " +
+                             config_->storage + ", is exiting (every rank of its run closed)")
+                     .ToString();
+    }
+    RefuseHello(c, conflict);
     return Status::OK();
   }
   if (Status s = ValidateTiers(want.storage, want.tiers);

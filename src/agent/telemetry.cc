@@ -269,20 +269,20 @@ void Telemetry::Committed(size_t tier, uint64_t step, double unix_seconds, uint6
       (!told.steps.empty() && step < *told.steps.begin() && told.steps.size() >= kMaxToldSteps)) {
     return;
   }
+  const std::optional<uint64_t> newest = told.Newest();
   told.steps.insert(step);
   while (told.steps.size() > kMaxToldSteps) told.steps.erase(told.steps.begin());
   const Labels t = {{"tier", Str(tier)}};
   registry_.Add("safepoint_commits_total", t);
   json f = {{"tier", tier}, {"step", step}};
   if (tier > 0) f.update({{"bytes", bytes}, {"seconds", seconds}});
-  if (told.newest && step < *told.newest) {
+  if (newest && step < *newest) {
     // An older step's commit finished after a newer one's: its event and count, not the
     // gauges of the newest commit.
-    f["after_newer"] = *told.newest;
+    f["after_newer"] = *newest;
     events_.Write("commit", job_, f);
     return;
   }
-  told.newest = step;
   registry_.Set("safepoint_last_commit_timestamp_seconds", t, unix_seconds);
   registry_.Set("safepoint_newest_committed_step", t, static_cast<double>(step));
   if (auto it = last_commit_.find(tier); it != last_commit_.end() && unix_seconds > it->second) {
@@ -302,7 +302,6 @@ void Telemetry::KnownCommit(size_t tier, uint64_t step, double unix_seconds) {
   registry_.Set("safepoint_newest_committed_step", t, static_cast<double>(step));
   last_commit_[tier] = unix_seconds;
   told_[tier].floor = step;
-  told_[tier].newest = step;
 }
 
 void Telemetry::SetTierUris(const std::vector<std::string>& uris) {

@@ -18,6 +18,7 @@
 // Threads: the agent's loop only; the registry is also read by the HTTP server's threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -98,8 +99,12 @@ class Telemetry {
   // Per tier: the last commit seen (unix seconds), for the interval between commits.
   struct Told {
     std::optional<uint64_t> floor;  // the newest commit found at start: it and older not counted
-    std::optional<uint64_t> newest;
-    std::set<uint64_t> steps;  // counted, the newest kMaxToldSteps
+    std::set<uint64_t> steps;       // counted, the newest kMaxToldSteps
+    // The newest commit told: the floor or the newest counted.
+    std::optional<uint64_t> Newest() const {
+      if (steps.empty()) return floor;
+      return std::max(floor.value_or(0), *steps.rbegin());
+    }
   };
   static constexpr size_t kMaxToldSteps = 1024;
   std::map<size_t, Told> told_;  // per tier

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +24,7 @@
 
 #include "safepoint/checkpoint.h"
 #include "safepoint/storage.h"
+#include "storage/cancellable.h"
 #include "testing/test_util.h"
 
 namespace safepoint::rados_storage_test {
@@ -570,6 +572,11 @@ TEST(RadosFaultTest, KilledOrStalledOsdGivesAnErrorOrASuccessfulRetryNeverAParti
   {
     ASSERT_OK_AND_ASSIGN(auto s, OpenStorage(TestUri("timeout=3&retries=1")));
     ASSERT_OK(test::PutObject(*s, "before", PatternBytes(5000, 51)));
+    // Readers opened before the stall (reads go through librados's C++ API): one of this storage,
+    // and one of a storage whose timeout (60 s) only a cancellation cuts short.
+    ASSERT_OK_AND_ASSIGN(auto reader, s->Open("before"));
+    ASSERT_OK_AND_ASSIGN(auto patient, OpenStorage(TestUri("timeout=60&retries=0")));
+    ASSERT_OK_AND_ASSIGN(auto patient_reader, patient->Open("before"));
     const pid_t osd = DaemonPid("osd.0");
     ASSERT_GT(osd, 0);
     ASSERT_EQ(::kill(osd, SIGSTOP), 0);
@@ -583,6 +590,21 @@ TEST(RadosFaultTest, KilledOrStalledOsdGivesAnErrorOrASuccessfulRetryNeverAParti
     EXPECT_NE(st.message().find(s->Describe("stalled")), std::string::npos) << st.ToString();
     auto r = s->Open("before");
     EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+    // A data read of the open object times out the same way, naming the object.
+    std::vector<std::byte> back(5000);
+    st = reader->ReadAt(0, back);
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+    EXPECT_NE(st.message().find(s->Describe("before")), std::string::npos) << st.ToString();
+    // A read in flight when its storage is cancelled (a stopping agent's CancelRequests) ends
+    // with the cancellation, not after the 60 s timeout's answer: librados's read is cancelled.
+    Status cancelled_read;
+    std::thread t([&] { cancelled_read = patient_reader->ReadAt(0, back); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    internal::CancelStorageRequests(*patient);
+    t.join();
+    EXPECT_EQ(cancelled_read.code(), StatusCode::kUnavailable) << cancelled_read.ToString();
+    EXPECT_NE(cancelled_read.message().find(std::strerror(ECANCELED)), std::string::npos)
+        << cancelled_read.ToString();
     // SIGCONT, and a re-peer: a lone OSD's PGs stay "laggy" after a pause (a test artefact).
     ASSERT_EQ(Shell(script + " resume-osd " + CephDir() + " 2>&1"), 0);
     // Back: what was published reads back, the stalled object never appeared.
