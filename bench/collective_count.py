@@ -47,7 +47,8 @@ def _bytes(name: str, args: list) -> tuple[int, int]:
 
 
 class CollectiveCounter:
-    """Wraps every function of NAMES in torch.distributed (and its c10d module). While `on`,
+    """Wraps every function of NAMES in torch.distributed (and its c10d module), and safepoint's
+    own all-reduce (``_collectives.all_reduce_max``, recorded as "all_reduce"). While `on`,
     each outermost call is recorded in `calls` as [name, sent bytes, received bytes, seconds]; a
     call inside another (all_gather_object's own all_gathers) is part of the outer one."""
 
@@ -66,6 +67,13 @@ class CollectiveCounter:
             for mod in (dist, c10d):
                 if getattr(mod, name, None) is not None:
                     setattr(mod, name, wrapped)
+        # safepoint's own all-reduce of the save (recursive doubling over point-to-point
+        # messages: the messages inside it are part of it), counted as the all-reduce it is.
+        try:
+            from safepoint import _collectives
+        except ImportError:  # a run without safepoint (DCP alone)
+            return
+        _collectives.all_reduce_max = self._wrap("all_reduce", _collectives.all_reduce_max)
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
@@ -89,7 +97,9 @@ class CollectiveCounter:
         return wrapper
 
     def measure(self, fn: Any) -> dict:
-        """Runs fn between barriers (not counted): its seconds, collectives and their seconds."""
+        """Runs fn between barriers (not counted): its seconds, collectives, their seconds and
+        the bytes each call received (an all-reduce its result, an all-gather every rank's
+        part)."""
         import torch.distributed as dist
 
         self.on = False
@@ -103,4 +113,5 @@ class CollectiveCounter:
             seconds = time.perf_counter() - t0
             self.on = False
         return {"seconds": seconds, "calls": self.names(),
+                "received": [c[2] for c in self.calls],
                 "collective_seconds": sum(c[3] for c in self.calls)}

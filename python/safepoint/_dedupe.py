@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
-from safepoint import _core
+from safepoint import _collectives, _core
 
 
 def replica_key(entry: tuple, rank: int, rank_local_prefix: str) -> Any:
@@ -145,9 +145,8 @@ class ReplicaPlan:
         snapshot of `res` was skipped, or its structure is not the one of the plans (or it has
         none). Returns the ranks' greatest notice and whether any rank's changed: then
         ``skip_ranges(..., changed=True)`` gathers the tensor lists and plans again. 16 bytes
-        per rank whatever the world size."""
+        per rank whatever the world size, in log2 W rounds (``_collectives``)."""
         import torch
-        import torch.distributed as dist
 
         # Never wait in the collective without an agent: ranks in wait() for the previous
         # step need this node's images, which only an agent persists (a dead one is restarted
@@ -156,7 +155,7 @@ class ReplicaPlan:
         changed = (not res.saved or self._mine is None
                    or client.structure_hash() != self._mine)
         flags = torch.tensor([notice, 1 if changed else 0], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        _collectives.all_reduce_max(flags, self._group)  # log2 W rounds, not gloo's ring
         agreed, any_changed = (int(x) for x in flags.tolist())
         return agreed, bool(any_changed)
 

@@ -21,9 +21,9 @@ main thread: a main thread blocked in a long call into C (a collective waiting o
 sees the notice when the call returns, and the scheduler's kill ends it otherwise.
 
 With several ranks, ``agreed()`` is a collective (one all-reduce of one int, MAX, on the
-Checkpointer's gloo group): a notice on any rank is a notice on every rank at the same save, and
-each rank learns the signal that gave it (to end as that signal would, though its own may come
-later).
+Checkpointer's gloo group: ``_collectives.all_reduce_max``): a notice on any rank is a notice on
+every rank at the same save, and each rank learns the signal that gave it (to end as that signal
+would, though its own may come later).
 """
 
 from __future__ import annotations
@@ -205,11 +205,12 @@ def agreed(group: Any, code: int) -> int:
     if group is None:
         return code
     import torch
-    import torch.distributed as dist
+
+    from safepoint import _collectives
 
     flag = torch.tensor([code], dtype=torch.int32)
     try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        _collectives.all_reduce_max(flag, group)
     except Exception as e:
         warnings.warn(f"safepoint: the ranks could not agree on a preemption notice ({e}); "
                       "this rank goes by its own", RuntimeWarning, stacklevel=4)

@@ -29,6 +29,7 @@ def collectives(out: dict, step: int) -> list:
 
 
 ONE = [("all_reduce", 16, 16)]  # the steady state: one all-reduce of two int64, on every W
+# (safepoint's own, _collectives.all_reduce_max: the counter records it as one all-reduce)
 
 
 @pytest.mark.parametrize("mode", ["steady", "overlap"])
@@ -110,3 +111,51 @@ def test_a_save_gives_up_on_a_missing_rank_after_the_jobs_timeout(tmp_path, shm)
     for out in others:
         assert out["saved"] is True, out
         assert any("could not agree" in w for w in out["warnings"]), out
+
+
+def test_the_saves_all_reduce_is_every_ranks_maximum_in_log2_w_rounds(tmp_path):
+    # The save's collective is safepoint's recursive doubling (_collectives.all_reduce_max), not
+    # gloo's ring, whose messages in sequence grow as 2 W (bench/collective_depth.py). 6 ranks
+    # (not a power of two: ranks 4 and 5 hand their values to ranks 0 and 1 first and get the
+    # result back), 20 calls of values that differ per rank and per call, on a group of its own
+    # beside the default one: every rank gets the maximum of every call, and sends at most
+    # log2(4) + 1 = 3 messages a call.
+    import subprocess
+    import sys
+
+    world = 6
+    script = f"""
+import random, sys
+import torch
+import torch.distributed as dist
+from safepoint import _collectives
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=rank,
+                        world_size={world})
+g = dist.new_group(backend="gloo")
+sends = []
+for name in ("send", "isend"):
+    real = getattr(dist, name)
+    def counted(*args, real=real, **kw):
+        sends.append(1)
+        return real(*args, **kw)
+    setattr(dist, name, counted)
+for call in range(20):
+    values = [[random.Random(call * 100 + r * 10 + i).randint(-2**62, 2**62) for i in range(2)]
+              for r in range({world})]
+    t = torch.tensor(values[rank], dtype=torch.int64)
+    before = len(sends)
+    _collectives.all_reduce_max(t, g)
+    assert t.tolist() == [max(v[i] for v in values) for i in range(2)], (call, t)
+    assert len(sends) - before <= 3, len(sends) - before
+one = torch.tensor([rank], dtype=torch.int32)  # the preemption notice's int32 too
+_collectives.all_reduce_max(one, g)
+assert one.item() == {world} - 1
+dist.destroy_process_group()
+print("ok")
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.strip() == "ok", err[-3000:]
