@@ -9,7 +9,7 @@ BUILD  := build/py
 JOBS   ?= 2
 
 .PHONY: setup setup-test setup-bench setup-lint build build-tests test test-cpp test-python test-asan test-tsan test-sanitize fuzz demo bench \
-        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale bench-scale-torch clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-brownout run-brownout-apart run-under-ceph crashtest crashtest-nodes lint
+        bench-deps bench-multirank bench-replication bench-interference bench-tiers bench-compress bench-goodput bench-incremental bench-scale bench-scale-torch bench-collective-depth clean crash-build test-crash run-cpp run-python-workers run-python-serial run-crash run-brownout run-brownout-apart run-under-ceph crashtest crashtest-nodes lint
 
 setup:
 	@scripts/setup.sh demo
@@ -262,6 +262,13 @@ bench-scale: build-tests
 bench-scale-torch: build-tests
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/scale_torch.py \
 	  $(if $(WS),--ws $(WS)) $(if $(COUNT_WS),--count-ws $(COUNT_WS))
+
+# The collectives' messages in sequence as W grows, every message delayed (issue 32; docs/
+# benchmarks.md, "Collectives at scale"): gloo's all-reduce and all-gather against safepoint's
+# recursive doubling, W gloo processes (W = 2..64). WS=2,4,... overrides; writes
+# build/bench/collective_depth.json and prints the table.
+bench-collective-depth: build-tests
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/collective_depth.py $(if $(WS),--ws $(WS))
 
 clean:
 	rm -rf build

@@ -32,14 +32,20 @@ def _pickled(objs: Any) -> int:
     return sum(len(pickle.dumps(o)) for o in objs)
 
 
-def _bytes(name: str, args: list) -> tuple[int, int]:
-    """What this rank sent and received: tensors their bytes, objects their pickles (`args`: the
-    call's arguments in the function's order, keywords included)."""
+def _bytes(name: str, given: dict) -> tuple[int, int]:
+    """What this rank sent and received: tensors their bytes, objects their pickles (`given`:
+    the call's arguments by name, read after the call, when the output lists are filled)."""
+    args = list(given.values())
     if name == "all_gather_object":
         return _pickled([args[1]]), _pickled(args[0])
     if name == "broadcast_object_list":
         n = _pickled(args[0])
         return n, n
+    if name == "gather_object":  # the destination receives every rank's object
+        return _pickled([given["obj"]]), _pickled(given.get("object_gather_list") or [])
+    if name == "scatter_object_list":
+        return (_pickled(given.get("scatter_object_input_list") or []),
+                _pickled(given["scatter_object_output_list"]))
     if name == "all_gather":
         return _nbytes(args[1]), _nbytes(args[0])
     n = _nbytes(args)
@@ -92,7 +98,7 @@ class CollectiveCounter:
             finally:
                 self._depth -= 1
                 seconds = time.perf_counter() - t0
-                given = list(sig.bind_partial(*args, **kwargs).arguments.values())
+                given = dict(sig.bind_partial(*args, **kwargs).arguments)
                 self.calls.append([name, *_bytes(name, given), seconds])
         return wrapper
 

@@ -320,7 +320,11 @@ def job_numbers(outs: list[dict], skip_first: bool) -> dict:
     # need it; the collectives are every other call
     p2p = [max(sum(c in P2P for c in o["ops"][i]["calls"]) for o in outs)
            for i in range(first, n)]
+    # the bytes a rank received in the collectives (the most of any rank; p2p apart)
+    received = [max(sum(b for c, b in zip(o["ops"][i]["calls"], o["ops"][i]["received"])
+                        if c not in P2P) for o in outs) for i in range(first, n)]
     return {"seconds": statistics.median(times), "collective_seconds": statistics.median(coll),
+            "collective_bytes": statistics.median(received),
             "collectives": statistics.mean(sum(c not in P2P for c in cs) for cs in calls),
             "p2p_max_per_rank": statistics.mean(p2p),
             "calls": Counter(c for cs in calls for c in cs),
@@ -368,8 +372,9 @@ def run_w(w: int, args: argparse.Namespace, count: bool) -> dict:
 def table(results: list[dict]) -> str:
     head = ("| W | save, safepoint | vs DCP | restore, safepoint | vs DCP | collectives per save "
             "(sp / DCP) | per restore (sp / DCP) | their time per save, per restore (sp) | "
+            "collective bytes a rank receives per restore (sp / DCP) | "
             "requests per save (sp / DCP) | per restore (sp / DCP) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [head]
     for r in results:
         none = {"seconds": float("nan"), "collectives": float("nan")}  # a library not run
@@ -386,6 +391,7 @@ def table(results: list[dict]) -> str:
             f"| {ss['collectives']:g} / {ds['collectives']:g} "
             f"| {sr['collectives']:g} / {dr['collectives']:g} "
             f"| {ss['collective_seconds'] * 1e3:.1f} ms, {sr['collective_seconds'] * 1e3:.1f} ms "
+            f"| {sr['collective_bytes']:,.0f} / {dr.get('collective_bytes', float('nan')):,.0f} "
             f"| {req(ss, SAVES[0])} / {req(ds, SAVES[0])} "
             f"| {req(sr, RESTORES[0])} / {req(dr, RESTORES[0])} |")
     return "\n".join(rows)
