@@ -42,27 +42,24 @@ def all_reduce_max(t: Any, group: Any) -> None:
     tag = _TAG_BASE + 4 * (seq % (1 << 20))
     p = 1 << (size.bit_length() - 1)  # the largest power of two <= size
     other = torch.empty_like(t)
-
-    def glob(r: int) -> int:  # the peers' ranks in the default group (log2 W of them)
-        return dist.get_global_rank(group, r)
-
+    # Peers by their rank in the group (group_dst/group_src: no lookup of the default group's).
     if rank >= p:  # hand in, get the result back
-        dist.send(t, glob(rank - p), group=group, tag=tag)
-        dist.recv(t, glob(rank - p), group=group, tag=tag + 2)
+        dist.send(t, group=group, group_dst=rank - p, tag=tag)
+        dist.recv(t, group=group, group_src=rank - p, tag=tag + 2)
         return
     if rank + p < size:
-        dist.recv(other, glob(rank + p), group=group, tag=tag)
+        dist.recv(other, group=group, group_src=rank + p, tag=tag)
         torch.maximum(t, other, out=t)
     mask = 1
     while mask < p:
-        peer = glob(rank ^ mask)
+        peer = rank ^ mask
         mine = t.clone()
-        works = [dist.isend(mine, peer, group=group, tag=tag + 1),
-                 dist.irecv(other, peer, group=group, tag=tag + 1)]
+        works = [dist.isend(mine, group=group, group_dst=peer, tag=tag + 1),
+                 dist.irecv(other, group=group, group_src=peer, tag=tag + 1)]
         for work in works:
             if work is not None:  # None only for a rank outside the group
                 work.wait()
         torch.maximum(t, other, out=t)
         mask <<= 1
     if rank + p < size:
-        dist.send(t, glob(rank + p), group=group, tag=tag + 2)
+        dist.send(t, group=group, group_dst=rank + p, tag=tag + 2)
