@@ -1,7 +1,7 @@
 """The save's one collective, built so that its messages in sequence grow as log2 W.
 
 gloo's all-reduce is a ring: the values pass every rank in turn, twice, so its critical path
-is about 4 W messages long whatever the payload (16 bytes here; 263 at W = 64, measured); on a
+is about 4 W messages long whatever the payload (16 bytes here; 267 at W = 64, measured); on a
 network where a message takes 20-50 us, W = 4,096 ranks would spend 0.3-0.8 s of every save in
 it. Recursive
 doubling takes log2 W rounds of one exchange with one peer (ranks beyond the largest power of two
