@@ -120,4 +120,5 @@ class CollectiveCounter:
             self.on = False
         return {"seconds": seconds, "calls": self.names(),
                 "received": [c[2] for c in self.calls],
+                "call_seconds": [c[3] for c in self.calls],
                 "collective_seconds": sum(c[3] for c in self.calls)}

@@ -323,7 +323,16 @@ def job_numbers(outs: list[dict], skip_first: bool) -> dict:
     # the bytes a rank received in the collectives (the most of any rank; p2p apart)
     received = [max(sum(b for c, b in zip(o["ops"][i]["calls"], o["ops"][i]["received"])
                         if c not in P2P) for o in outs) for i in range(first, n)]
+    # each collective's time (the slowest rank's, median over operations), in call order
+    def own(o: dict, i: int) -> list:  # a rank's collectives of operation i, p2p apart
+        op = o["ops"][i]
+        return [sec for c, sec in zip(op["calls"], op["call_seconds"]) if c not in P2P]
+
+    names = [c for c in calls[0] if c not in P2P]
+    split = [(c, statistics.median(max(own(o, i)[j] for o in outs) for i in range(first, n)))
+             for j, c in enumerate(names)]
     return {"seconds": statistics.median(times), "collective_seconds": statistics.median(coll),
+            "collective_split": split,
             "collective_bytes": statistics.median(received),
             "collectives": statistics.mean(sum(c not in P2P for c in cs) for cs in calls),
             "p2p_max_per_rank": statistics.mean(p2p),
