@@ -35,11 +35,10 @@ def _pickled(objs: Any) -> int:
 def _bytes(name: str, given: dict) -> tuple[int, int]:
     """What this rank sent and received: tensors their bytes, objects their pickles (`given`:
     the call's arguments by name, read after the call, when the output lists are filled)."""
-    args = list(given.values())
     if name == "all_gather_object":
-        return _pickled([args[1]]), _pickled(args[0])
+        return _pickled([given["obj"]]), _pickled(given["object_list"])
     if name == "broadcast_object_list":
-        n = _pickled(args[0])
+        n = _pickled(given["object_list"])
         return n, n
     if name == "gather_object":  # the destination receives every rank's object
         return _pickled([given["obj"]]), _pickled(given.get("object_gather_list") or [])
@@ -47,8 +46,8 @@ def _bytes(name: str, given: dict) -> tuple[int, int]:
         return (_pickled(given.get("scatter_object_input_list") or []),
                 _pickled(given["scatter_object_output_list"]))
     if name == "all_gather":
-        return _nbytes(args[1]), _nbytes(args[0])
-    n = _nbytes(args)
+        return _nbytes(given["tensor"]), _nbytes(given["tensor_list"])
+    n = _nbytes(list(given.values()))
     return n, n
 
 
@@ -103,9 +102,9 @@ class CollectiveCounter:
         return wrapper
 
     def measure(self, fn: Any) -> dict:
-        """Runs fn between barriers (not counted): its seconds, collectives, their seconds and
-        the bytes each call received (an all-reduce its result, an all-gather every rank's
-        part)."""
+        """Runs fn between barriers (not counted): its seconds, its collectives' names, the bytes
+        each received (an all-reduce its result, an all-gather every rank's part) and the
+        seconds each took, and their total."""
         import torch.distributed as dist
 
         self.on = False

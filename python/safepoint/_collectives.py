@@ -3,11 +3,10 @@
 gloo's all-reduce is a ring: the values pass every rank in turn, twice, so its critical path
 is about 4 W messages long whatever the payload (16 bytes here; 267 at W = 64, measured); on a
 network where a message takes 20-50 us, W = 4,096 ranks would spend 0.3-0.8 s of every save in
-it. Recursive
-doubling takes log2 W rounds of one exchange with one peer (ranks beyond the largest power of two
-hand their value in first and get the result back after: two messages more), the standard
-algorithm for small all-reduces. Measured with every message delayed (bench/collective_depth.py,
-docs/benchmarks.md "Collectives at scale").
+it. Recursive doubling takes log2 W rounds of one exchange with one peer (ranks beyond the
+largest power of two hand their value in first and get the result back after: two messages
+more), the standard algorithm for small all-reduces. Measured with every message delayed
+(bench/collective_depth.py, docs/benchmarks.md "Collectives at scale").
 
 The messages go point to point over the Checkpointer's own gloo group, each tagged with the
 call's sequence number on that group (every rank of the group calls the same collectives in the
@@ -53,8 +52,8 @@ def all_reduce_max(t: Any, group: Any) -> None:
     mask = 1
     while mask < p:
         peer = rank ^ mask
-        mine = t.clone()
-        works = [dist.isend(mine, group=group, group_dst=peer, tag=tag + 1),
+        # `t` itself is sent: it changes only once both messages are done.
+        works = [dist.isend(t, group=group, group_dst=peer, tag=tag + 1),
                  dist.irecv(other, group=group, group_src=peer, tag=tag + 1)]
         for work in works:
             if work is not None:  # None only for a rank outside the group

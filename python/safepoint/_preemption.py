@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any, Callable, Optional, Union
 
+from safepoint import _collectives
+
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # With on_preemption="exit" and no grace_s: how long after the notice a loop may take to begin
 # the preemption save (its next save() call) before the process ends without it.
@@ -205,8 +207,6 @@ def agreed(group: Any, code: int) -> int:
     if group is None:
         return code
     import torch
-
-    from safepoint import _collectives
 
     flag = torch.tensor([code], dtype=torch.int32)
     try:
