@@ -35,18 +35,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _module(name: str):
-    """This checkout's python/safepoint/NAME.py (pure Python), whatever is installed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        f"sp{name}", os.path.join(HERE, "..", "python", "safepoint", f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 TRIED_VECTOR = 332  # int64 of the agreement as one all-reduce, before its record slot
 
 
@@ -54,7 +42,7 @@ def rank_main(rank: int, w: int, port: int, runs: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    _agreement, _collectives = _module("_agreement"), _module("_collectives")
+    from safepoint import _agreement, _collectives  # the package make build-tests installed
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=w)
     g = dist.new_group(backend="gloo")
