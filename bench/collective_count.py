@@ -32,6 +32,12 @@ def _pickled(objs: Any) -> int:
     return sum(len(pickle.dumps(o)) for o in objs)
 
 
+def _world(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
 def _bytes(name: str, given: dict) -> tuple[int, int]:
     """What this rank sent and received: tensors their bytes, objects their pickles (`given`:
     the call's arguments by name, read after the call, when the output lists are filled)."""
@@ -45,6 +51,8 @@ def _bytes(name: str, given: dict) -> tuple[int, int]:
     if name == "scatter_object_list":
         return (_pickled(given.get("scatter_object_input_list") or []),
                 _pickled(given["scatter_object_output_list"]))
+    if name == "all_gather" and "row" in given:  # safepoint's: the result is returned
+        return _nbytes(given["row"]), _nbytes(given["row"]) * _world(given["group"])
     if name == "all_gather":
         return _nbytes(given["tensor"]), _nbytes(given["tensor_list"])
     n = _nbytes(list(given.values()))
@@ -53,9 +61,10 @@ def _bytes(name: str, given: dict) -> tuple[int, int]:
 
 class CollectiveCounter:
     """Wraps every function of NAMES in torch.distributed (and its c10d module), and safepoint's
-    own all-reduce (``_collectives.all_reduce_max``, recorded as "all_reduce"). While `on`,
-    each outermost call is recorded in `calls` as [name, sent bytes, received bytes, seconds]; a
-    call inside another (all_gather_object's own all_gathers) is part of the outer one."""
+    own all-reduce and all-gather (``_collectives``, recorded as "all_reduce" and "all_gather").
+    While `on`, each outermost call is recorded in `calls` as [name, sent bytes, received bytes,
+    seconds]; a call inside another (all_gather_object's own all_gathers) is part of the outer
+    one."""
 
     def __init__(self, on: bool = True) -> None:
         import torch.distributed as dist
@@ -72,13 +81,15 @@ class CollectiveCounter:
             for mod in (dist, c10d):
                 if getattr(mod, name, None) is not None:
                     setattr(mod, name, wrapped)
-        # safepoint's own all-reduce of the save (recursive doubling over point-to-point
-        # messages: the messages inside it are part of it), counted as the all-reduce it is.
+        # safepoint's own all-reduce of the save and all-gather of the restore agreement
+        # (recursive doubling over point-to-point messages: the messages inside are part of
+        # them), counted as what they are.
         try:
             from safepoint import _collectives
         except ImportError:  # a run without safepoint (DCP alone)
             return
         _collectives.all_reduce_max = self._wrap("all_reduce", _collectives.all_reduce_max)
+        _collectives.all_gather = self._wrap("all_gather", _collectives.all_gather)
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]

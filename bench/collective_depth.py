@@ -13,7 +13,8 @@ barrier), without and with the delay:
   ``_collectives.all_reduce_max`` (recursive doubling over point-to-point messages: log2 W
   rounds of one exchange);
 - the restore agreement: gloo's all-gather of every rank's row (``_agreement.ROW`` and the
-  record slot of W ranks), and, tried and not taken, an all-reduce (MAX) of one fixed vector
+  record slot of W ranks), ``_collectives.all_gather`` (recursive doubling, what
+  ``_agreement.agree`` runs), and, tried and not taken, an all-reduce (MAX) of one fixed vector
   of 332 int64 and the record slot (every value stated as v and ~v, memory steps in 61 slots).
 
 "In sequence" = (time with the delay - time without) / the delay.
@@ -52,12 +53,15 @@ def rank_main(rank: int, w: int, port: int, runs: int, out: str) -> None:
     check = torch.tensor([rank, -rank], dtype=torch.int64)
     _collectives.all_reduce_max(check, g)
     assert check.tolist() == [w - 1, 0], check  # the result is every rank's maximum
+    mine = torch.full((3,), rank, dtype=torch.int64)
+    assert _collectives.all_gather(mine, g)[:, 0].tolist() == list(range(w))
     ops = {
         "save: gloo all-reduce": lambda: dist.all_reduce(
             torch.zeros(2, dtype=torch.int64), op=dist.ReduceOp.MAX, group=g),
         "save: recursive doubling": lambda: _collectives.all_reduce_max(
             torch.zeros(2, dtype=torch.int64), g),
-        "agreement: all-gather": lambda: dist.all_gather(rows, row, group=g),
+        "agreement: gloo all-gather": lambda: dist.all_gather(rows, row, group=g),
+        "agreement: recursive doubling": lambda: _collectives.all_gather(row, g),
         "agreement as an all-reduce (tried)": lambda: dist.all_reduce(
             vector, op=dist.ReduceOp.MAX, group=g),
     }
@@ -76,7 +80,8 @@ def rank_main(rank: int, w: int, port: int, runs: int, out: str) -> None:
         slowest = {name: statistics.median(max(t[name][i] for t in everyone)
                                            for i in range(runs)) for name in ops}
         sizes = {"save: gloo all-reduce": 16, "save: recursive doubling": 16,
-                 "agreement: all-gather": row.numel() * 8 * w,
+                 "agreement: gloo all-gather": row.numel() * 8 * w,
+                 "agreement: recursive doubling": row.numel() * 8 * w,
                  "agreement as an all-reduce (tried)": vector.numel() * 8}
         with open(out, "w") as f:
             json.dump({"seconds": slowest, "received": sizes}, f)

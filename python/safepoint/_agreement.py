@@ -4,7 +4,8 @@ Each rank states what it could load (the save attempt of each snapshot in its me
 peers' memory, and whether it already loaded its newest one: the hot reload); one rank, the
 lister (rank 0 of the group), also states the committed steps and the storages each is on, which
 it alone asked storage for (one List and the newest COMMIT record per storage, for the whole
-job). One all-gather of fixed-size rows carries it all; from them every rank computes the same
+job). One all-gather of fixed-size rows carries it all (``_collectives.all_gather``: recursive
+doubling, log2 W rounds); from them every rank computes the same
 outcome: the hot reload's step, or candidate steps that all try newest first, falling back
 together to the next older one when any rank fails to read it (docs/architecture.md, "Loading:
 the fastest valid copy, agreed by all ranks"). The lister's row also carries the COMMIT record it
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import warnings
 from typing import Any, Callable, Optional
+
+from safepoint import _collectives
 
 # The statement of one rank, a fixed row of int64 (ROW of them, whatever the world size): the
 # head, then the newest MEMORY (step, attempt) pairs of its snapshots in memory (or its peers'),
@@ -241,8 +244,7 @@ def agree(group: Any, world_size: int, mine: Statement, stores: list[str],
     import torch.distributed as dist
 
     row = torch.tensor(mine.row(step, world_size), dtype=torch.int64)
-    everyone = torch.empty((world_size, row.numel()), dtype=torch.int64)
-    dist.all_gather(list(everyone.unbind(0)), row, group=group)
+    everyone = _collectives.all_gather(row, group)  # log2 W rounds, not gloo's ring
     lister = mine if dist.get_rank(group) == 0 else None
     agreement = Agreement(everyone.tolist(), stores, step, group, lister)
     pending = agreement._to_broadcast
