@@ -61,7 +61,7 @@ def _bytes(name: str, given: dict) -> tuple[int, int]:
 
 class CollectiveCounter:
     """Wraps every function of NAMES in torch.distributed (and its c10d module), and safepoint's
-    own all-reduce and all-gather (``_collectives``, recorded as "all_reduce" and "all_gather").
+    own collectives (``_collectives``, recorded under torch's names).
     While `on`, each outermost call is recorded in `calls` as [name, sent bytes, received bytes,
     seconds]; a call inside another (all_gather_object's own all_gathers) is part of the outer
     one."""
@@ -90,6 +90,8 @@ class CollectiveCounter:
             return
         _collectives.all_reduce_max = self._wrap("all_reduce", _collectives.all_reduce_max)
         _collectives.all_gather = self._wrap("all_gather", _collectives.all_gather)
+        _collectives.all_gather_object = self._wrap("all_gather_object",
+                                                    _collectives.all_gather_object)
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]

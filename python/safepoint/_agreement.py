@@ -281,7 +281,6 @@ def load_newest_agreed(group: Any, steps: set[int], load: Callable[[int], Any],
     when there is none. `older`: when every step failed, more steps to try (a collective every
     rank calls alike; empty: none)."""
     import torch
-    import torch.distributed as dist
 
     steps = set(steps)
     if not steps and older is not None:
@@ -293,7 +292,7 @@ def load_newest_agreed(group: Any, steps: set[int], load: Callable[[int], Any],
             ok, got = got.everyone, got.value
         else:
             failed = torch.tensor([0 if got is not None else 1], dtype=torch.int32)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+            _collectives.all_reduce_max(failed, group)
             ok = int(failed.item()) == 0
         if ok:
             return got

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from safepoint import _core
+from safepoint import _collectives, _core
 from safepoint._agreement import (
     Agreement,
     Known,
@@ -297,7 +297,6 @@ class RestoreMixin(CheckpointerBase):
         cannot say, one restarted meanwhile, may have committed newer than the others saw).
         Otherwise every rank raises the listing's error."""
         import torch
-        import torch.distributed as dist
 
         error = agreed.listing_error()
         if len(self._stores) != 1 or not agreed.hot:
@@ -307,7 +306,7 @@ class RestoreMixin(CheckpointerBase):
             # [the newest step seen committed, whether this rank's agent cannot say]
             view = torch.tensor([-1 if newest is None else newest, 1 if newest is None else 0],
                                 dtype=torch.int64)
-            dist.all_reduce(view, op=dist.ReduceOp.MAX, group=self._group)
+            _collectives.all_reduce_max(view, self._group)
             if int(view[1]) or agreed.hot_step < int(view[0]):
                 raise error
         why = ("the asked-for step" if step is not None else

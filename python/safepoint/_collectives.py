@@ -1,5 +1,6 @@
-"""The save's one collective and the restore agreement's, built so that their messages in
-sequence grow as log2 W.
+"""safepoint's collectives on the Checkpointer's gloo group (the save's one all-reduce, the
+restore's agreement, shared-read plan and all-reduce, the replica plan's all-gather), built so
+that their messages in sequence grow as log2 W.
 
 gloo's all-reduce is a ring: the values pass every rank in turn, twice, so its critical path
 is about 4 W messages long whatever the payload (16 bytes here; 267 at W = 64, measured); on a
@@ -114,3 +115,21 @@ def all_gather(row: Any, group: Any) -> Any:
         if rank + p < size:
             dist.send(slots, group=group, group_dst=rank + p, tag=tag + 2)
     return torch.cat([slots[:, 0], slots[:size - p, 1]])
+
+
+def all_gather_object(object_list: list, obj: Any, group: Any) -> None:
+    """torch.distributed.all_gather_object on `group` by recursive doubling: `object_list` (W
+    items) receives every rank's `obj`, pickled. Two all_gather calls (each pickle's length,
+    then the pickles padded to the longest), as torch's own takes two of gloo's ring
+    all-gathers. Unpickles what the job's own ranks sent, as torch's does."""
+    import pickle
+
+    import torch
+
+    data = pickle.dumps(obj)
+    sizes = all_gather(torch.tensor([len(data)], dtype=torch.int64), group)[:, 0].tolist()
+    row = torch.zeros(max(sizes), dtype=torch.uint8)
+    row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = all_gather(row, group)
+    for r, n in enumerate(sizes):
+        object_list[r] = pickle.loads(everyone[r, :n].numpy().tobytes())

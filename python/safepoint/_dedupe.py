@@ -169,15 +169,13 @@ class ReplicaPlan:
         calls it), the plans are made again from every rank's gathered tensor list.
         `copy_once`: plan the copies once per node (else every rank copies all of its
         tensors)."""
-        import torch.distributed as dist
-
         if not changed:
             return self._skip, False  # every rank's snapshot was taken (else: changed)
         entries = client.last_entries() if res.saved else []
         everyone: list = [None] * self._world_size
         if not self._node_name:
             self._node_name = self._node()
-        dist.all_gather_object(everyone, (entries, self._node_name), group=self._group)
+        _collectives.all_gather_object(everyone, (entries, self._node_name), self._group)
         if any(not e for e, _ in everyone):
             # A rank skipped its snapshot: write everything, and forget the plans on every
             # rank alike (each sees the same gathered lists): the next save copies all and

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from safepoint import _core
+from safepoint import _collectives, _core
 from safepoint._shards import (
     ReadKey,
     StepReader,
@@ -146,7 +146,7 @@ def _wants(path: str, step: int, rank: int, everyone: list, sr: Optional[StepRea
         except Error as e:
             more = f"{e}"
         gathered: list = [None] * size
-        dist.all_gather_object(gathered, more, group=group)
+        _collectives.all_gather_object(gathered, more, group)
         for m in gathered:
             if isinstance(m, str):
                 raise NotFoundError(f"{path}: step {step}: another rank could not open an "
@@ -214,7 +214,7 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
                           RuntimeWarning, stacklevel=3)
             said = "failed"
     everyone: list = [None] * size
-    dist.all_gather_object(everyone, said, group=group)
+    _collectives.all_gather_object(everyone, said, group)
     planned = [e for e in everyone if e is not None]
     if any(e == "failed" for e in planned) or len({e[0] for e in planned}) > 1:
         return None, None  # one rank cannot take part, or the ranks see different versions
@@ -293,7 +293,7 @@ def read_shared_into(path: str, step: int, rank: int, targets: Any, unpickler: A
     _add_stat(stats, "exchange_seconds", time.perf_counter() - t0)
     # [a read failed somewhere, a rank ends without a copy]
     failed = torch.tensor([0 if ok else 1, 0 if need or has_copy else 1], dtype=torch.int32)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    _collectives.all_reduce_max(failed, group)
     if int(failed[0].item()):
         return None, None
     all_have = int(failed[1].item()) == 0

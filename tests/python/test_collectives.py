@@ -114,15 +114,16 @@ def test_a_save_gives_up_on_a_missing_rank_after_the_jobs_timeout(tmp_path, shm)
 
 
 @pytest.mark.parametrize("world", [3, 6])
-def test_the_saves_all_reduce_and_the_agreements_all_gather_take_log2_w_rounds(tmp_path, world):
-    # The save's collective and the restore agreement's are safepoint's recursive doubling
-    # (_collectives.all_reduce_max, all_gather), not gloo's rings, whose messages in sequence
-    # grow with W (bench/collective_depth.py). W ranks not a power of two (the ranks past the
-    # largest power of two P hand their values to rank - P first and get the result back: one
-    # of 3, two of 6), 20 calls of each, one after the other (one sequence of tags), of values
-    # that differ per rank and per call, on a group of its own beside the default one: every
-    # rank gets the maximum, and every rank's row in its place, and sends at most log2(P) + 1
-    # messages a call.
+def test_safepoints_collectives_take_log2_w_rounds(tmp_path, world):
+    # The save's collective and the restore's are safepoint's recursive doubling
+    # (_collectives.all_reduce_max, all_gather, all_gather_object), not gloo's rings, whose
+    # messages in sequence grow with W (bench/collective_depth.py). W ranks not a power of two
+    # (the ranks past the largest power of two P hand their values to rank - P first and get
+    # the result back: one of 3, two of 6), 20 calls of each, one after the other (one
+    # sequence of tags), of values that differ per rank and per call, on a group of its own
+    # beside the default one: every rank gets the maximum, and every rank's row (and object,
+    # of another length) in its place, and sends at most log2(P) + 1 messages an all-reduce
+    # or all-gather.
     import subprocess
     import sys
 
@@ -156,6 +157,12 @@ for call in range(20):
     before = len(sends)
     assert torch.equal(_collectives.all_gather(rows[rank].clone(), g), rows), call
     assert len(sends) - before <= {most}, len(sends) - before
+    objs = [{{"rank": r, "text": "x" * (37 * r + call)}} for r in range({world})]  # lengths differ
+    got = [None] * {world}
+    before = len(sends)
+    _collectives.all_gather_object(got, objs[rank], g)
+    assert got == objs, (call, got)
+    assert len(sends) - before <= 2 * {most}, len(sends) - before  # lengths, then pickles
 one = torch.tensor([rank], dtype=torch.int32)  # the preemption notice's int32 too
 _collectives.all_reduce_max(one, g)
 assert one.item() == {world} - 1
