@@ -140,8 +140,13 @@ crashtest-nodes: crash-build
 	scripts/with-ceph.sh $(PY) tests/crash/brownout_campaign.py --rounds $(CRASH_BROWNOUT_ROUNDS) \
 	    --build-dir $(CRASH_BUILD)
 
-# Sanitizer builds of the C++ tests (the agent binary they start is sanitized too).
-SAN_CMAKE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSAFEPOINT_BUILD_PYTHON=OFF
+# Sanitizer builds of the C++ tests (the agent binary they start is sanitized too), in unity
+# batches like the package build (SAFEPOINT_UNITY_BUILD): measured 2026-12-07 on this 2-core
+# machine, from scratch, the ASan build 257 s instead of 537 s file by file and the TSan build
+# 146 s instead of 425 s (their tests 4-8 min either way): 10 min of CI's hour. That every file
+# also compiles alone is left to the dev build (`cmake -S . -B build`, unity off by default).
+SAN_CMAKE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSAFEPOINT_BUILD_PYTHON=OFF \
+	    -DSAFEPOINT_UNITY_BUILD=ON
 
 test-asan: setup-test
 	$(SAN_CMAKE) -B build/asan -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -D_GLIBCXX_ASSERTIONS" >/dev/null
