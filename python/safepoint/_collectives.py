@@ -34,7 +34,10 @@ _CALLS: weakref.WeakKeyDictionary[Any, itertools.count] = weakref.WeakKeyDiction
 def _call_tag(group: Any) -> int:
     """The first of this call's four tags: the call's number on `group` (every rank of the group
     calls the same collectives in the same order)."""
-    seq = next(_CALLS.setdefault(group, itertools.count()))
+    import torch.distributed as dist
+
+    key = group if group is not None else dist.group.WORLD  # None: the default group
+    seq = next(_CALLS.setdefault(key, itertools.count()))
     return _TAG_BASE + 4 * (seq % (1 << 20))
 
 
@@ -98,7 +101,9 @@ def all_gather(row: Any, group: Any) -> Any:
     rank = dist.get_rank(group)
     tag = _call_tag(group)
     p = 1 << (size.bit_length() - 1)
-    slots = torch.zeros((p, 2, row.numel()), dtype=row.dtype)
+    # A slot holds a second row only where ranks hand in (W not a power of two): the buffer is
+    # W rows where W is a power of two, as torch's all-gather's, and under 2 W otherwise.
+    slots = torch.zeros((p, 2 if size > p else 1, row.numel()), dtype=row.dtype)
     if rank >= p:
         dist.send(row, group=group, group_dst=rank - p, tag=tag)
         dist.recv(slots, group=group, group_src=rank - p, tag=tag + 2)
@@ -114,6 +119,8 @@ def all_gather(row: Any, group: Any) -> Any:
             mask <<= 1
         if rank + p < size:
             dist.send(slots, group=group, group_dst=rank + p, tag=tag + 2)
+    if size == p:
+        return slots.view(p, -1)
     return torch.cat([slots[:, 0], slots[:size - p, 1]])
 
 

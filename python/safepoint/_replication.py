@@ -15,7 +15,7 @@ import subprocess
 import warnings
 from typing import Any, Optional
 
-from safepoint import _core
+from safepoint import _collectives, _core
 from safepoint.errors import InvalidArgumentError
 
 
@@ -147,7 +147,7 @@ def exchange_membership(client: Any, group: Any, rank: int, world_size: int, red
                       stacklevel=3)
         address = None
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (node, address, _node_order()), group=group)
+    _collectives.all_gather_object(everyone, (node, address, _node_order()), group)
     if optional and any(a is None for _, a, _ in everyone):
         return None
     nodes: dict[str, tuple[str, Optional[int]]] = {}
@@ -183,12 +183,10 @@ def join_commit_relay(client: Any, group: Any, rank: int, world_size: int,
     ranks' nodes at every ``Checkpointer`` start; on one node nothing more. None where the
     relay is not used (one node, ``$SAFEPOINT_COMMIT_RELAY=0``, or a peer service that could
     not start); the agents then commit through storage."""
-    import torch.distributed as dist
-
     everyone: list = [None] * world_size
     # Every rank decides alike: off where any rank's environment turns it off.
-    dist.all_gather_object(
-        everyone, (node_id(), os.environ.get("SAFEPOINT_COMMIT_RELAY", "1") != "0"), group=group)
+    _collectives.all_gather_object(
+        everyone, (node_id(), os.environ.get("SAFEPOINT_COMMIT_RELAY", "1") != "0"), group)
     if len({n for n, _ in everyone}) < 2 or not all(on for _, on in everyone):
         return None
     return exchange_membership(client, group, rank, world_size, "none", 0, peer_timeout,

@@ -113,17 +113,17 @@ def test_a_save_gives_up_on_a_missing_rank_after_the_jobs_timeout(tmp_path, shm)
         assert any("could not agree" in w for w in out["warnings"]), out
 
 
-@pytest.mark.parametrize("world", [3, 6])
+@pytest.mark.parametrize("world", [4, 6])
 def test_safepoints_collectives_take_log2_w_rounds(tmp_path, world):
     # The save's collective and the restore's are safepoint's recursive doubling
     # (_collectives.all_reduce_max, all_gather, all_gather_object), not gloo's rings, whose
     # messages in sequence grow with W (bench/collective_depth.py). W ranks not a power of two
     # (the ranks past the largest power of two P hand their values to rank - P first and get
-    # the result back: one of 3, two of 6), 20 calls of each, one after the other (one
-    # sequence of tags), of values that differ per rank and per call, on a group of its own
-    # beside the default one: every rank gets the maximum, and every rank's row (and object,
-    # of another length) in its place, and sends at most log2(P) + 1 messages an all-reduce
-    # or all-gather.
+    # the result back: two of 6) and a power of two (4: none), 20 calls of each, one after the
+    # other (one sequence of tags), of values that differ per rank and per call, on a group of
+    # its own beside the default one: every rank gets the maximum, and every rank's row (and
+    # object, of another length) in its place, and sends at most log2(P) + 1 messages an
+    # all-reduce or all-gather.
     import subprocess
     import sys
 
