@@ -32,12 +32,6 @@ def _pickled(objs: Any) -> int:
     return sum(len(pickle.dumps(o)) for o in objs)
 
 
-def _world(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
-
-
 def _bytes(name: str, given: dict) -> tuple[int, int]:
     """What this rank sent and received: tensors their bytes, objects their pickles (`given`:
     the call's arguments by name, read after the call, when the output lists are filled)."""
@@ -51,8 +45,10 @@ def _bytes(name: str, given: dict) -> tuple[int, int]:
     if name == "scatter_object_list":
         return (_pickled(given.get("scatter_object_input_list") or []),
                 _pickled(given["scatter_object_output_list"]))
-    if name == "all_gather" and "row" in given:  # safepoint's: the result is returned
-        return _nbytes(given["row"]), _nbytes(given["row"]) * _world(given["group"])
+    if name == "all_gather" and "row" in given:  # safepoint's: returns W rows
+        import torch.distributed as dist
+
+        return _nbytes(given["row"]), _nbytes(given["row"]) * dist.get_world_size(given["group"])
     if name == "all_gather":
         return _nbytes(given["tensor"]), _nbytes(given["tensor_list"])
     n = _nbytes(list(given.values()))
@@ -61,10 +57,9 @@ def _bytes(name: str, given: dict) -> tuple[int, int]:
 
 class CollectiveCounter:
     """Wraps every function of NAMES in torch.distributed (and its c10d module), and safepoint's
-    own collectives (``_collectives``, recorded under torch's names).
-    While `on`, each outermost call is recorded in `calls` as [name, sent bytes, received bytes,
-    seconds]; a call inside another (all_gather_object's own all_gathers) is part of the outer
-    one."""
+    own collectives (``_collectives``, recorded under torch's names). While `on`, each
+    outermost call is recorded in `calls` as [name, sent bytes, received bytes, seconds]; a call
+    inside another (all_gather_object's own all_gathers) is part of the outer one."""
 
     def __init__(self, on: bool = True) -> None:
         import torch.distributed as dist
